@@ -1,0 +1,3 @@
+from bootstrap.cli import main
+
+main()

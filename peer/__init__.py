@@ -1,0 +1,1 @@
+"""The locoswarm peer: inner training, outer algorithms, transports, CLI."""

@@ -1,0 +1,3 @@
+from peer.cli import main
+
+main()

@@ -1,0 +1,154 @@
+"""The `peer` command: join a swarm, or start a local one.
+
+Precedence of settings: flag > environment (PEER_<COMMAND>_<FLAG>, e.g. PEER_JOIN_INITIAL_PEERS)
+> default. Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 69 bootstrap unreachable,
+78 configuration error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from protocol.errors import LocoError
+from protocol.manifest import RunManifest, load_manifest
+from protocol.presets import PRESETS
+
+logger = logging.getLogger("peer")
+
+
+def default_data_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("locoswarm")) / "peer"
+
+
+def configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not verbose:
+        # hivemind logs through its own handlers; keep its routine warnings off the progress output.
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        use_hivemind_log_handler("nowhere")
+        logging.getLogger("hivemind").setLevel(logging.ERROR)
+
+
+def resolve_run(run_file: Path | None, preset: str | None) -> RunManifest | None:
+    if run_file is not None and preset is not None:
+        raise click.UsageError("give either --run FILE.toml or --preset NAME, not both")
+    if run_file is not None:
+        return load_manifest(run_file)
+    if preset is not None:
+        return PRESETS[preset]()
+    return None
+
+
+def fail(exc: LocoError, verbose: bool) -> None:
+    if verbose:
+        logger.exception("failed")
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(exc.exit_code)
+
+
+@click.group(context_settings={"auto_envvar_prefix": "PEER", "help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="locoswarm")
+def main() -> None:
+    """Train a shared language model with other peers (DiLoCo over a DHT)."""
+
+
+@main.command()
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
+              help="Address of any live node of the swarm (repeatable). None: start a new swarm.")
+@click.option("--run-id", default=None, help="Run to join when the swarm announces several.")
+@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Start a new run from this manifest (TOML) instead of joining an announced one.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+              help="Start a new run from a named preset (with no --initial-peers: 'default').")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (0.0.0.0: all).")
+@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535), help="TCP port; 0 picks one.")
+@click.option("--announce", multiple=True, metavar="MULTIADDR", help="Public address to advertise (repeatable).")
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Identity and checkpoints. [default: the user data dir]/locoswarm/peer")
+@click.option("--max-rounds", type=click.IntRange(0), default=None,
+              help="Stop once the run reaches this round (outer step). Default: train until Ctrl-C.")
+@click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
+              help="Evaluate φ every K rounds (0: at the start and the end only).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for torch.")
+@click.option("--client-mode", is_flag=True, help="Do not accept incoming connections (behind NAT).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: one event per line on stdout, for programs.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def join(initial_peers, run_id, run_file, preset, host, port, announce, data_dir, max_rounds, eval_every,
+         threads, client_mode, log_format, verbose) -> None:
+    """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
+
+    \b
+    Examples:
+      peer join                                  # start a new swarm on the default run
+      peer join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
+      peer join --run my_run.toml --max-rounds 50
+    """
+    from peer.node import JoinConfig, StopOnSignal, join as run_join
+    from peer.reporting import Reporter
+    from peer.trainer import TrainerConfig
+    import threading
+
+    configure_logging(verbose)
+    try:
+        new_run = resolve_run(run_file, preset)
+        cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=new_run, host=host, port=port,
+                         announce=tuple(announce), data_dir=data_dir or default_data_dir(), client_mode=client_mode,
+                         threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every))
+        stop = threading.Event()
+        with StopOnSignal(stop):
+            code, _ = run_join(cfg, Reporter(log_format), stop)
+    except LocoError as exc:
+        fail(exc, verbose)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code)
+
+
+@main.command()
+@click.option("--peers", "num_peers", type=click.IntRange(1, 64), default=3, show_default=True,
+              help="Peer processes to start.")
+@click.option("--rounds", type=click.IntRange(1), default=10, show_default=True, help="Rounds (outer steps) to train.")
+@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Run manifest (TOML). Default: the 'default' preset.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Named run preset.")
+@click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
+              help="Evaluate φ every K rounds (0: at the start and the end only).")
+@click.option("--summary", "summary_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write the summary as JSON to this file.")
+@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Where peers keep identities, checkpoints and logs. Default: a temporary directory.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def swarm(num_peers, rounds, run_file, preset, eval_every, summary_file, workdir, verbose) -> None:
+    """Start a bootstrap node and N peers on 127.0.0.1, train, and print a summary.
+
+    \b
+    Examples:
+      peer swarm                                  # 3 peers, 10 rounds of the default run
+      peer swarm --peers 4 --rounds 20 --summary out.json
+      peer swarm --preset tiny --rounds 3
+    """
+    from peer.swarm import SwarmConfig, run_swarm
+
+    configure_logging(verbose)
+    try:
+        manifest = resolve_run(run_file, preset) or PRESETS["default"]()
+        cfg = SwarmConfig(num_peers=num_peers, rounds=rounds, manifest=manifest, eval_every_rounds=eval_every,
+                          summary_path=summary_file, workdir=workdir)
+        code = run_swarm(cfg)
+    except LocoError as exc:
+        fail(exc, verbose)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

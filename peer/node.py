@@ -1,0 +1,137 @@
+"""`peer join`: start a DHT node, get the run manifest, build everything, train until told to stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import protocol
+from peer.data import load_corpus
+from peer.model import build_model, parameter_count
+from peer.reporting import Reporter
+from peer.trainer import TrainerConfig, Trainer, TrainSummary
+from peer.transport import NetworkTransport
+from protocol import dht as swarm_dht
+from protocol.errors import ManifestNotFound
+from protocol.identity import ensure_identity
+from protocol.manifest import RunManifest
+
+logger = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinConfig:
+    """Everything `peer join` needs, resolved by the CLI from flags, environment and defaults."""
+
+    initial_peers: tuple[str, ...] = ()
+    run_id: str | None = None
+    new_run: RunManifest | None = None
+    """Manifest to announce and train when starting a new run (no initial peers, or --run)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce: tuple[str, ...] = ()
+    data_dir: Path
+    client_mode: bool = False
+    threads: int | None = None
+    manifest_wait_s: float = 20.0
+    """How long to wait for the swarm to announce a run before giving up."""
+    trainer: TrainerConfig = TrainerConfig()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port = {self.port}: must be in [0, 65535]")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads = {self.threads}: must be >= 1")
+
+
+def _fetch_manifest(dht, run_id: str | None, wait_s: float) -> RunManifest:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return swarm_dht.fetch_manifest(dht, run_id)
+        except ManifestNotFound:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+class StopOnSignal:
+    """First SIGINT/SIGTERM sets ``event`` (finish the step, checkpoint); a second one exits now."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+        self._previous = {}
+
+    def __enter__(self) -> StopOnSignal:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        logger.warning("stopping after the current inner step (signal again to exit now)")
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None = None) -> tuple[int, TrainSummary]:
+    """Join (or start) a swarm and train. Returns (exit code, summary).
+
+    Raises:
+        LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
+    """
+    stop_event = stop_event or threading.Event()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    identity = ensure_identity(cfg.data_dir / "identity.key")
+    dht = swarm_dht.start_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port,
+                              announce=cfg.announce, identity_path=str(identity), client_mode=cfg.client_mode)
+    announcer = transport = None
+    try:
+        if cfg.new_run is not None or not cfg.initial_peers:
+            manifest = cfg.new_run or RunManifest()
+        else:
+            manifest = _fetch_manifest(dht, cfg.run_id, cfg.manifest_wait_s)
+        # Every peer keeps its run's manifest alive, so the swarm outlives its bootstrap node.
+        announcer = swarm_dht.ManifestAnnouncer(dht, manifest).start()
+        peer_id = str(dht.peer_id)
+        model = build_model(manifest.model)
+        corpus = load_corpus(manifest.data)
+        transport = NetworkTransport(dht, [p.shape for p in model.parameters()], manifest.run_id, manifest.sync,
+                                     client_mode=cfg.client_mode)
+        checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
+        trainer_cfg = TrainerConfig(max_rounds=cfg.trainer.max_rounds, eval_every_rounds=cfg.trainer.eval_every_rounds,
+                                    checkpoint_path=checkpoint,
+                                    state_download_timeout_s=cfg.trainer.state_download_timeout_s)
+        reporter.emit("started", version=protocol.__version__, peer_id=peer_id, device="cpu",
+                      maddrs=swarm_dht.visible_maddrs(dht), run_id=manifest.run_id, run_name=manifest.name,
+                      parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,
+                      threads=torch.get_num_threads())
+        trainer = Trainer(manifest=manifest, model=model, corpus=corpus, dht=dht, transport=transport,
+                          peer_id=peer_id, config=trainer_cfg, reporter=reporter, stop_event=stop_event)
+        summary = trainer.run()
+        saved = trainer.save()
+        s = summary
+        reporter.emit("stopped", peer_id=peer_id, rounds_completed=s.rounds_completed, final_round=s.final_round,
+                      max_group_size=s.max_group_size, bytes_sent=s.bytes_sent, failed_syncs=s.failed_syncs,
+                      initial_eval_loss=s.initial_eval_loss, final_eval_loss=s.final_eval_loss,
+                      group_sizes=s.group_sizes, interrupted=s.interrupted, checkpoint=saved)
+        return (EXIT_INTERRUPTED if s.interrupted else 0), summary
+    finally:
+        if announcer is not None:
+            announcer.stop()
+        if transport is not None:
+            transport.shutdown()
+        dht.shutdown()

@@ -1,0 +1,71 @@
+"""What a peer prints: one progress line per round for people, or JSON lines for programs.
+
+Events are plain dicts with an ``event`` key. In ``json`` mode each is one line on stdout (what
+``peer swarm`` reads); in ``text`` mode they become the house progress line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def round_line(e: dict[str, Any]) -> str:
+    """``round 12 | loss 2.913 | 1,830 tok/s | group 4 | sync 2.4 s | sent 5.1 MiB | peers 7``"""
+    line = (f"round {e['round']} | loss {e['train_loss']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
+            f"group {e['group_size']} | sync {e['sync_s']:.1f} s | sent {format_bytes(e['bytes_sent'])} | "
+            f"peers {e['peers']}")
+    if e.get("note"):
+        line += f" | {e['note']}"
+    return line
+
+
+class Reporter:
+    """Emits events as JSON lines (``fmt='json'``) or human-readable lines (``fmt='text'``)."""
+
+    def __init__(self, fmt: str = "text", stream: TextIO | None = None):
+        self.fmt, self.stream = fmt, stream or sys.stdout
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "time": time.time(), **fields}
+        if self.fmt == "json":
+            text = json.dumps(record)
+        else:
+            text = self._text(record)
+            if text is None:
+                return
+        print(text, file=self.stream, flush=True)
+
+    @staticmethod
+    def _text(e: dict[str, Any]) -> str | None:
+        kind = e["event"]
+        if kind == "round":
+            return round_line(e)
+        if kind == "started":
+            lines = [f"locoswarm {e['version']} | peer {e['peer_id']} | device {e['device']} | run {e['run_id']} "
+                     f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})"]
+            lines += [f"  others can join with: peer join --initial-peers {a}" for a in e["maddrs"]]
+            return "\n".join(lines)
+        if kind == "eval":
+            return f"eval ({e['when']}) at round {e['round']}: validation loss {e['loss']:.4f} nats/token " \
+                   f"({e['loss'] / 0.6931471805599453:.3f} bits/byte)"
+        if kind == "adopted_state":
+            return f"joined the swarm at round {e['round']} (inner step {e['inner_step']}): " \
+                   f"downloaded φ and outer momentum in {e['seconds']:.1f} s"
+        if kind == "resumed":
+            return f"resumed from checkpoint {e['path']} at round {e['round']}, step {e['round_step']} of the round"
+        if kind == "stopped":
+            return f"stopped after {e['rounds_completed']} round(s); checkpoint {e.get('checkpoint') or 'not written'}"
+        if kind == "warning":
+            return f"warning: {e['message']}"
+        return None

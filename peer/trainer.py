@@ -1,0 +1,303 @@
+"""The round loop of one peer: H inner steps, pseudo-gradient, group average, outer step.
+
+Implements DiLoCo (arXiv 2311.08105, Algorithm 1) for one worker, with the swarm around it:
+state download when the swarm is ahead, progress records in the DHT, local checkpoints and
+a clean stop on a signal.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.checkpoint import PeerState, load_checkpoint, save_checkpoint
+from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
+from peer.inner import InnerLoop
+from peer.model import evaluate
+from peer.outer import DiLoCo, check_finite, pseudo_gradient
+from peer.reporting import Reporter
+from peer.transport import DownloadedState, NetworkTransport
+from protocol import dht as swarm_dht
+from protocol.errors import BadPayload, CheckpointError, SyncError
+from protocol.manifest import RunManifest
+from protocol.records import ProgressRecord
+from protocol.version import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """What this peer does, as opposed to what the run is (the manifest)."""
+
+    max_rounds: int | None = None
+    """Stop once the run reaches this round; None trains until stopped."""
+    eval_every_rounds: int = 0
+    """Evaluate φ every k rounds (0: only at the start and the end)."""
+    checkpoint_path: Path | None = None
+    state_download_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_rounds is not None and self.max_rounds < 0:
+            raise ValueError(f"max_rounds = {self.max_rounds}: must be >= 0")
+        if self.eval_every_rounds < 0:
+            raise ValueError(f"eval_every_rounds = {self.eval_every_rounds}: must be >= 0")
+
+
+@dataclass
+class TrainSummary:
+    peer_id: str
+    rounds_completed: int = 0
+    max_group_size: int = 1
+    bytes_sent: int = 0
+    initial_eval_loss: float | None = None
+    final_eval_loss: float | None = None
+    final_round: int = 0
+    interrupted: bool = False
+    failed_syncs: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+
+
+class Trainer:
+    """Trains one peer. Construct with a started DHT and transport; call :meth:`run`."""
+
+    def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, corpus: Corpus, dht,
+                 transport: NetworkTransport, peer_id: str, config: TrainerConfig, reporter: Reporter,
+                 stop_event: threading.Event):
+        self.m, self.model, self.dht, self.transport = manifest, model, dht, transport
+        self.peer_id, self.cfg, self.reporter, self.stop_event = peer_id, config, reporter, stop_event
+        self.H = manifest.sync.inner_steps
+        named = list(model.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.phi = [p.detach().clone() for p in self.params]
+        self.outer = DiLoCo(self.shapes, manifest.outer_optimizer)
+        sampler = BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
+                               batch_sequences=manifest.batch_sequences,
+                               seed=peer_seed(peer_id, manifest.model.init_seed))
+        self.inner = InnerLoop(model, manifest.inner_optimizer, sampler)
+        self.val_windows = validation_batch(corpus, manifest.data)
+        self._eval_model = copy.deepcopy(model)
+        self.round = self.round_step = self.round_tokens = 0
+        self.round_loss_sum = 0.0
+        self.round_compute_s = 0.0
+        self._lock = threading.Lock()
+        self.summary = TrainSummary(peer_id=peer_id)
+
+    # ---- state --------------------------------------------------------------------------
+    @property
+    def inner_step(self) -> int:
+        """Cumulative inner steps of φ's history: indexes the inner lr schedule."""
+        return self.round * self.H + self.round_step
+
+    def _state_for_joiners(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        with self._lock:
+            meta = {"run_id": self.m.run_id, "round": self.round, "inner_step": self.round * self.H,
+                    "version": PROTOCOL_VERSION}
+            return meta, [t.clone() for t in self.phi] + [t.clone() for t in self.outer.state_tensors()]
+
+    def _set_theta_to_phi(self) -> None:
+        with torch.no_grad():
+            for p, f in zip(self.params, self.phi):
+                p.copy_(f)
+
+    def _adopt(self, state: DownloadedState) -> None:
+        with self._lock:
+            for dst, src in zip(self.phi, state.phi):
+                dst.copy_(src)
+            for dst, src in zip(self.outer.state_tensors(), state.outer_state):
+                dst.copy_(src)
+            self.round, self.round_step, self.round_tokens = state.round, 0, 0
+            self.round_loss_sum, self.round_compute_s = 0.0, 0.0
+        self._set_theta_to_phi()
+        self.inner.reset_optimizer()  # a joiner starts a fresh AdamW (ALGORITHMS.md §6.3)
+
+    def _checkpoint_state(self) -> PeerState:
+        adam = self.inner.optimizer.state
+        have_adam = all(p in adam and "exp_avg" in adam[p] for p in self.params)
+        return PeerState(
+            run_id=self.m.run_id, round=self.round, inner_step=self.inner_step, round_step=self.round_step,
+            round_tokens=self.round_tokens, names=self.names, phi=self.phi, momentum=self.outer.state_tensors(),
+            theta=[p.detach() for p in self.params],
+            adam_exp_avg=[adam[p]["exp_avg"] for p in self.params] if have_adam else None,
+            adam_exp_avg_sq=[adam[p]["exp_avg_sq"] for p in self.params] if have_adam else None,
+            adam_step=int(adam[self.params[0]]["step"]) if have_adam else 0,
+        )
+
+    def _restore(self, path: Path) -> bool:
+        try:
+            state = load_checkpoint(path, run_id=self.m.run_id, names=self.names, shapes=self.shapes)
+        except CheckpointError as exc:
+            self.reporter.emit("warning", message=f"{exc}; starting without it")
+            return False
+        with torch.no_grad():
+            for dst, src in zip(self.phi, state.phi):
+                dst.copy_(src)
+            for dst, src in zip(self.outer.state_tensors(), state.momentum):
+                dst.copy_(src)
+            for dst, src in zip(self.params, state.theta):
+                dst.copy_(src)
+        if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
+            for p, m1, m2 in zip(self.params, state.adam_exp_avg, state.adam_exp_avg_sq):
+                self.inner.optimizer.state[p] = {"step": torch.tensor(float(state.adam_step)),
+                                                 "exp_avg": m1.clone(), "exp_avg_sq": m2.clone()}
+        self.round, self.round_step, self.round_tokens = state.round, state.round_step, state.round_tokens
+        self.reporter.emit("resumed", path=str(path), round=self.round, round_step=self.round_step)
+        return True
+
+    def save(self) -> str | None:
+        if self.cfg.checkpoint_path is None:
+            return None
+        save_checkpoint(self.cfg.checkpoint_path, self._checkpoint_state())
+        return str(self.cfg.checkpoint_path)
+
+    # ---- swarm --------------------------------------------------------------------------
+    def _live_records(self) -> list[swarm_dht.PeerProgress]:
+        try:
+            return swarm_dht.read_progress(self.dht, self.m.run_id)
+        except Exception as exc:  # a DHT read failure must not stop training
+            logger.debug("reading progress records failed: %r", exc)
+            return []
+
+    def _publish(self, *, train_loss: float = 0.0, tokens_per_s: float = 0.0, group_size: int = 1,
+                 bytes_sent: int = 0, eval_loss: float | None = None) -> None:
+        record = ProgressRecord(round=self.round, inner_step=self.inner_step, train_loss=train_loss,
+                                tokens_per_s=tokens_per_s, group_size=group_size, bytes_sent=bytes_sent,
+                                eval_loss=eval_loss)
+        ttl = max(60.0, 3 * self.transport.max_sync_seconds)
+        try:
+            swarm_dht.publish_progress(self.dht, self.m.run_id, self.peer_id, record, ttl)
+        except Exception as exc:
+            logger.debug("publishing progress failed: %r", exc)
+
+    def catch_up(self) -> bool:
+        """If live peers are ahead of this one, download their φ, outer momentum and round."""
+        others = [r for r in self._live_records() if r.peer_id != self.peer_id]
+        ahead = max((r.record.round for r in others), default=-1)
+        if ahead <= self.round or (ahead == self.round and self.round_step == 0):
+            return False
+        start = time.monotonic()
+        try:
+            state = self.transport.download_state(self.cfg.state_download_timeout_s)
+        except BadPayload as exc:
+            self.reporter.emit("warning", message=f"rejected a downloaded state: {exc}")
+            return False
+        if state is None or state.round <= self.round:
+            self.reporter.emit("warning", message=f"peers are at round {ahead} but none served its state; "
+                                                  f"continuing from round {self.round}")
+            return False
+        self._adopt(state)
+        self.reporter.emit("adopted_state", round=self.round, inner_step=self.inner_step,
+                           seconds=time.monotonic() - start)
+        return True
+
+    # ---- evaluation ---------------------------------------------------------------------
+    def eval_phi(self, when: str) -> float:
+        """Validation loss of φ (not of this peer's θ), in nats per token; emits an ``eval`` event."""
+        with self._lock, torch.no_grad():
+            for p, f in zip(self._eval_model.parameters(), self.phi):
+                p.copy_(f)
+        loss = evaluate(self._eval_model, self.val_windows)
+        self.reporter.emit("eval", when=when, round=self.round, loss=loss, peer_id=self.peer_id)
+        return loss
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _done(self) -> bool:
+        return self.cfg.max_rounds is not None and self.round >= self.cfg.max_rounds
+
+    def run(self) -> TrainSummary:
+        """Train until ``max_rounds`` or until ``stop_event`` is set; return the summary.
+
+        On a stop the current inner step finishes and a checkpoint is written; the summary has
+        ``interrupted=True``.
+        """
+        path = self.cfg.checkpoint_path
+        if path is not None and path.exists():
+            self._restore(path)
+        self.catch_up()
+        self.transport.share_state(self._state_for_joiners, priority=float(self.round))
+        self._publish()
+        self.summary.initial_eval_loss = self.eval_phi("initial")
+        while not self._done() and not self.stop_event.is_set():
+            self._inner_phase()
+            if self.stop_event.is_set():
+                break
+            self._outer_phase()
+            if self.cfg.eval_every_rounds and self.round % self.cfg.eval_every_rounds == 0 and not self._done():
+                self.eval_phi("periodic")
+            self.save()
+            if not self._done():
+                self.catch_up()
+        self.summary.interrupted = self.stop_event.is_set()
+        self.summary.final_round = self.round
+        if not self.summary.interrupted:
+            self.summary.final_eval_loss = self.eval_phi("final")
+        self.transport.share_state(None)
+        return self.summary
+
+    def _inner_phase(self) -> None:
+        while self.round_step < self.H and not self.stop_event.is_set():
+            try:
+                result = self.inner.step(self.inner_step)
+            except BadPayload as exc:
+                # A non-finite loss or gradient: drop this round's progress rather than poison θ.
+                self.reporter.emit("warning", message=f"{exc}; restarting the round from φ")
+                self._set_theta_to_phi()
+                self.round_step = self.round_tokens = 0
+                self.round_loss_sum = self.round_compute_s = 0.0
+                continue
+            self.round_step += 1
+            self.round_tokens += result.tokens
+            self.round_loss_sum += result.loss
+            self.round_compute_s += result.seconds
+
+    def _outer_phase(self) -> None:
+        delta = pseudo_gradient(self.phi, self.params)
+        train_loss = self.round_loss_sum / max(1, self.H)
+        tokens_per_s = self.round_tokens / max(self.round_compute_s, 1e-9)
+        live = self._live_records()
+        expected = sum(1 for r in live if abs(r.record.round - self.round) <= 1 and r.peer_id != self.peer_id) + 1
+        note, group_size, bytes_sent, sync_s = "", 1, 0, 0.0
+        mean_delta: list[torch.Tensor] | None = delta
+        try:
+            check_finite(delta, "this peer's pseudo-gradient")
+        except BadPayload as exc:
+            mean_delta, note = None, f"{exc}: round discarded, φ unchanged"
+        if mean_delta is not None:
+            try:
+                result = self.transport.average(delta, weight=float(max(self.round_tokens, 1)), round_=self.round,
+                                                expected_group_size=expected, should_stop=self.stop_event.is_set)
+                check_finite(result.mean_delta, "the group's mean pseudo-gradient")
+                mean_delta, group_size, bytes_sent, sync_s = (result.mean_delta, result.group_size,
+                                                              result.bytes_sent, result.seconds)
+            except (SyncError, BadPayload) as exc:
+                # Failed rounds are recorded, not fatal (DiLoCo paper Fig. 8: dropped syncs are survivable).
+                self.summary.failed_syncs += 1
+                note = f"no group: applied own pseudo-gradient ({exc})"
+                logger.info("round %d: %s", self.round, note)
+        with self._lock:
+            if mean_delta is not None:
+                self.outer.apply(self.phi, mean_delta)
+            self.round += 1
+            self.round_step = self.round_tokens = 0
+            self.round_loss_sum = self.round_compute_s = 0.0
+        self._set_theta_to_phi()
+        self.transport.share_state(self._state_for_joiners, priority=float(self.round))
+        s = self.summary
+        s.rounds_completed += 1
+        s.max_group_size = max(s.max_group_size, group_size)
+        s.bytes_sent += bytes_sent
+        s.group_sizes.append(group_size)
+        self._publish(train_loss=train_loss, tokens_per_s=tokens_per_s, group_size=group_size,
+                      bytes_sent=bytes_sent)
+        self.reporter.emit("round", round=self.round, train_loss=train_loss, tokens_per_s=tokens_per_s,
+                           group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent, peers=len(live) or 1,
+                           peer_id=self.peer_id, note=note)

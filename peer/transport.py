@@ -1,0 +1,198 @@
+"""Transports compute a group's mean pseudo-gradient; outer algorithms (peer.outer) consume it.
+
+:class:`NetworkTransport` runs the DiLoCo group all-reduce over libp2p through hivemind
+(:class:`peer.averager.LocoAverager`) and serves this peer's state to joiners.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from peer.averager import LocoAverager
+from protocol import keys
+from protocol.errors import AllreduceFailed, BadPayload, GroupNotFound
+from protocol.manifest import SyncSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """Outcome of one successful group average."""
+
+    mean_delta: list[torch.Tensor]
+    """Token-weighted mean of the group's pseudo-gradients, fp32, shaped like the parameters."""
+    group_size: int
+    """Peers in the group, including this one."""
+    bytes_sent: int
+    """Tensor payload bytes this peer sent."""
+    seconds: float
+    """Wall time of matchmaking plus all-reduce."""
+
+
+@dataclass(frozen=True)
+class DownloadedState:
+    """φ, outer optimizer state and position of the swarm, downloaded from a live peer."""
+
+    round: int
+    inner_step: int
+    phi: list[torch.Tensor]
+    outer_state: list[torch.Tensor]
+
+
+class NetworkTransport:
+    """DiLoCo group all-reduce over hivemind, with matchmaking keyed by run id and round.
+
+    Args:
+        dht: a started hivemind.DHT.
+        shapes: parameter shapes; Δ buffers of these shapes live in shared memory.
+        run_id: the run; the averager prefix is derived from it.
+        sync: matchmaking and all-reduce timeouts from the run manifest.
+        client_mode: True when other peers cannot dial this one (behind NAT).
+    """
+
+    def __init__(self, dht, shapes: Sequence[torch.Size], run_id: str, sync: SyncSpec, *, client_mode: bool = False):
+        self.shapes, self.run_id, self.sync = list(shapes), run_id, sync
+        self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self.averager = LocoAverager(
+            self._buffers,
+            dht,
+            prefix=keys.averager_prefix(run_id, sync.algorithm),
+            initial_group_bits=keys.round_group_bits(0),
+            target_group_size=sync.target_group_size,
+            min_group_size=2,
+            min_matchmaking_time=sync.matchmaking_time_s,
+            request_timeout=min(3.0, sync.matchmaking_time_s),
+            next_chunk_timeout=sync.next_chunk_timeout_s,
+            allreduce_timeout=sync.allreduce_timeout_s,
+            allow_state_sharing=False,
+            declare_state_period=10.0,
+            client_mode=client_mode,
+            start=True,
+        )
+
+    @property
+    def max_sync_seconds(self) -> float:
+        """Upper bound on one :meth:`average` call: matchmaking deadline plus all-reduce deadline."""
+        return 2 * self.sync.matchmaking_time_s + self.sync.allreduce_timeout_s + 5.0
+
+    def average(self, delta: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
+                should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
+        """Token-weighted group mean of ``delta`` over the peers at round ``round_``.
+
+        Implements DiLoCo's all-reduce (arXiv 2311.08105, Algorithm 1 line 10), weighted by tokens.
+        Returns within :attr:`max_sync_seconds`, whatever the other peers do.
+
+        Args:
+            delta: this peer's pseudo-gradient, fp32, shaped like the parameters.
+            weight: tokens this peer processed in the round (> 0).
+            expected_group_size: live peers believed to be at this round; matchmaking starts the
+                all-reduce as soon as this many have joined.
+            should_stop: polled while waiting; when it returns True the sync is cancelled.
+
+        Raises:
+            GroupNotFound: no groupmate found before the deadline (or cancelled).
+            AllreduceFailed: the all-reduce failed, timed out, was partial, or mixed rounds.
+        """
+        start = time.monotonic()
+        with self.averager.get_tensors() as buffers:
+            for buf, d in zip(buffers, delta, strict=True):
+                buf.copy_(d)
+        self.averager._bytes_sent.value = 0.0
+        self.averager.set_group_bits(keys.round_group_bits(round_))
+        self.averager.set_target_group_size(max(2, min(expected_group_size, self.sync.target_group_size)))
+        control = self.averager.step(
+            gather={"round": round_}, weight=float(weight), timeout=2 * self.sync.matchmaking_time_s,
+            allow_retries=True, wait=False,
+        )
+        deadline = start + self.max_sync_seconds
+        gathered = None
+        try:
+            while True:
+                if should_stop():
+                    control.cancel()
+                    raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
+                try:
+                    gathered = control.result(timeout=0.5)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        control.cancel()
+                        raise AllreduceFailed(f"round {round_} sync did not finish in {self.max_sync_seconds:.0f} s")
+        except (GroupNotFound, AllreduceFailed):
+            raise
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            if "could not find a group" in text:
+                raise GroupNotFound(f"no group formed for round {round_} within "
+                                    f"{2 * self.sync.matchmaking_time_s:.0f} s") from exc
+            raise AllreduceFailed(f"round {round_} all-reduce failed: {text}") from exc
+        if gathered is None:
+            raise GroupNotFound(f"no group formed for round {round_}")
+        rounds = {str(peer): (data or {}).get("round") if isinstance(data, dict) else None
+                  for peer, data in gathered.items()}
+        if any(r != round_ for r in rounds.values()):
+            raise AllreduceFailed(f"groupmates of round {round_} reported rounds {sorted(map(str, rounds.values()))}")
+        with self.averager.get_tensors() as buffers:
+            mean_delta = [buf.clone() for buf in buffers]
+        return SyncResult(mean_delta=mean_delta, group_size=len(gathered), bytes_sent=self.averager.last_bytes_sent,
+                          seconds=time.monotonic() - start)
+
+    def share_state(self, provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None,
+                    priority: float = 0.0) -> None:
+        """Serve (metadata, tensors) from ``provider`` to joiners, or stop serving with None."""
+        self.averager.set_state_provider(provider)
+        self.averager.state_sharing_priority = priority
+        self.averager.allow_state_sharing = provider is not None
+
+    def download_state(self, timeout_s: float) -> DownloadedState | None:
+        """Download φ, outer state, round and inner step from the live peer with the highest round.
+
+        Returns None if no peer served its state. Everything received is validated before it is
+        returned: run id, counts, shapes, dtypes and finiteness.
+
+        Raises:
+            BadPayload: a peer served a state that fails validation.
+        """
+        result = self.averager.load_state_from_peers(wait=True, timeout=timeout_s)
+        if result is None:
+            return None
+        metadata, tensors = result
+        return validate_state(metadata, tensors, run_id=self.run_id, shapes=self.shapes)
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+
+
+def validate_state(metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: str,
+                   shapes: Sequence[torch.Size]) -> DownloadedState:
+    """Check a downloaded state before any of it touches φ.
+
+    Raises:
+        BadPayload: names the first field or tensor that is wrong.
+    """
+    if not isinstance(metadata, dict):
+        raise BadPayload(f"downloaded state metadata is a {type(metadata).__name__}, expected a map")
+    if metadata.get("run_id") != run_id:
+        raise BadPayload(f"downloaded state is for run {metadata.get('run_id')!r}, expected {run_id}")
+    for name in ("round", "inner_step"):
+        value = metadata.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadPayload(f"downloaded state field {name} = {value!r}: expected a non-negative integer")
+    n = len(shapes)
+    if len(tensors) != 2 * n:
+        raise BadPayload(f"downloaded state has {len(tensors)} tensors, expected {2 * n} (φ and outer momentum)")
+    for index, tensor in enumerate(tensors):
+        shape = shapes[index % n]
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.shape != shape:
+            raise BadPayload(f"downloaded state tensor {index} is {getattr(tensor, 'dtype', type(tensor))} "
+                             f"{tuple(getattr(tensor, 'shape', ()))}, expected float32 {tuple(shape)}")
+        if not torch.isfinite(tensor).all():
+            raise BadPayload(f"downloaded state tensor {index} holds NaN or inf")
+    return DownloadedState(round=metadata["round"], inner_step=metadata["inner_step"],
+                           phi=[t.clone() for t in tensors[:n]], outer_state=[t.clone() for t in tensors[n:]])

@@ -1,0 +1,29 @@
+"""DHT key names. Keys and averager prefixes must not contain '.' (hivemind's group key syntax)."""
+
+from __future__ import annotations
+
+RUNS_KEY = "locoswarm_runs"
+"""Subkey: run id; value: the run's name. Lets `peer join` find the run when none is named."""
+
+
+def manifest_key(run_id: str) -> str:
+    """Value: the canonical msgpack bytes of the run manifest."""
+    return f"locoswarm_manifest_{run_id}"
+
+
+def progress_key(run_id: str) -> str:
+    """Subkey: peer id (base58); value: a progress record (see protocol.records)."""
+    return f"locoswarm_progress_{run_id}"
+
+
+def averager_prefix(run_id: str, algorithm: str) -> str:
+    """Prefix of the averager's matchmaking keys; the round number goes into the group bits."""
+    return f"locoswarm_{algorithm}_{run_id}"
+
+
+ROUND_BITS = 20
+"""Group bits that carry the round number (mod 2**20), so only peers at the same round match."""
+
+
+def round_group_bits(round_: int) -> str:
+    return format(round_ % (1 << ROUND_BITS), f"0{ROUND_BITS}b")

@@ -1,0 +1,56 @@
+"""Progress records that peers publish to the DHT, and their validation on receipt."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from protocol.errors import BadPayload
+from protocol.version import PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressRecord:
+    """What one peer says about itself after each round (stored under ``progress_key``)."""
+
+    round: int
+    """Outer step t the peer is now at (rounds completed, including adopted ones)."""
+    inner_step: int
+    """Cumulative inner steps of φ's history: round·H plus steps done this round."""
+    train_loss: float
+    tokens_per_s: float
+    group_size: int
+    bytes_sent: int
+    eval_loss: float | None = None
+    version: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> ProgressRecord:
+        """Validate a record from the DHT.
+
+        Raises:
+            BadPayload: not a dict of the expected fields with finite, non-negative numbers.
+        """
+        if not isinstance(value, dict):
+            raise BadPayload(f"progress record must be a map, got {type(value).__name__}")
+        expected = {"round", "inner_step", "train_loss", "tokens_per_s", "group_size", "bytes_sent",
+                    "eval_loss", "version"}
+        if set(value) != expected:
+            raise BadPayload(f"progress record has fields {sorted(value)}, expected {sorted(expected)}")
+        if value["version"] != PROTOCOL_VERSION:
+            raise BadPayload(f"progress record version {value['version']!r}, expected {PROTOCOL_VERSION}")
+        for name in ("round", "inner_step", "group_size", "bytes_sent"):
+            v = value[name]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise BadPayload(f"progress record field {name} = {v!r}: expected a non-negative integer")
+        for name in ("train_loss", "tokens_per_s", "eval_loss"):
+            v = value[name]
+            if v is None and name == "eval_loss":
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise BadPayload(f"progress record field {name} = {v!r}: expected a finite number")
+        return cls(**value)
