@@ -77,13 +77,17 @@ def main() -> None:
               help="Stop once the run reaches this round (outer step). Default: train until Ctrl-C.")
 @click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
               help="Evaluate φ every K rounds (0: at the start and the end only).")
+@click.option("--export-phi-every", type=click.IntRange(0), default=0, show_default=True,
+              help="Write φ as safetensors beside the checkpoint every K rounds (0: never).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for torch.")
+@click.option("--wait-for-peers", type=click.IntRange(1), default=1, show_default=True,
+              help="Before the first round, wait (up to 120 s) until this many peers are live.")
 @click.option("--client-mode", is_flag=True, help="Do not accept incoming connections (behind NAT).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one event per line on stdout, for programs.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def join(initial_peers, run_id, run_file, preset, host, port, announce, data_dir, max_rounds, eval_every,
-         threads, client_mode, log_format, verbose) -> None:
+         export_phi_every, threads, wait_for_peers, client_mode, log_format, verbose) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
 
     \b
@@ -102,7 +106,9 @@ def join(initial_peers, run_id, run_file, preset, host, port, announce, data_dir
         new_run = resolve_run(run_file, preset)
         cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=new_run, host=host, port=port,
                          announce=tuple(announce), data_dir=data_dir or default_data_dir(), client_mode=client_mode,
-                         threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every))
+                         threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
+                                                     wait_for_peers=wait_for_peers,
+                                                     export_phi_every_rounds=export_phi_every))
         stop = threading.Event()
         with StopOnSignal(stop):
             code, _ = run_join(cfg, Reporter(log_format), stop)

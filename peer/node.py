@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -112,9 +113,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         transport = NetworkTransport(dht, [p.shape for p in model.parameters()], manifest.run_id, manifest.sync,
                                      client_mode=cfg.client_mode)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
-        trainer_cfg = TrainerConfig(max_rounds=cfg.trainer.max_rounds, eval_every_rounds=cfg.trainer.eval_every_rounds,
-                                    checkpoint_path=checkpoint,
-                                    state_download_timeout_s=cfg.trainer.state_download_timeout_s)
+        trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)
         reporter.emit("started", version=protocol.__version__, peer_id=peer_id, device="cpu",
                       maddrs=swarm_dht.visible_maddrs(dht), run_id=manifest.run_id, run_name=manifest.name,
                       parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,

@@ -43,10 +43,19 @@ class TrainerConfig:
     """Evaluate φ every k rounds (0: only at the start and the end)."""
     checkpoint_path: Path | None = None
     state_download_timeout_s: float = 30.0
+    export_phi_every_rounds: int = 0
+    """Write φ to ``phi-round-NNNNNN.safetensors`` beside the checkpoint every k rounds (0: never)."""
+    wait_for_peers: int = 1
+    """Before the first round, wait until this many peers (this one included) are live in the DHT."""
+    wait_for_peers_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_rounds is not None and self.max_rounds < 0:
             raise ValueError(f"max_rounds = {self.max_rounds}: must be >= 0")
+        if self.wait_for_peers < 1:
+            raise ValueError(f"wait_for_peers = {self.wait_for_peers}: must be >= 1")
+        if self.export_phi_every_rounds < 0:
+            raise ValueError(f"export_phi_every_rounds = {self.export_phi_every_rounds}: must be >= 0")
         if self.eval_every_rounds < 0:
             raise ValueError(f"eval_every_rounds = {self.eval_every_rounds}: must be >= 0")
 
@@ -89,6 +98,7 @@ class Trainer:
         self.round = self.round_step = self.round_tokens = 0
         self.round_loss_sum = 0.0
         self.round_compute_s = 0.0
+        self.round_steps_done = 0
         self._lock = threading.Lock()
         self.summary = TrainSummary(peer_id=peer_id)
 
@@ -116,7 +126,7 @@ class Trainer:
             for dst, src in zip(self.outer.state_tensors(), state.outer_state):
                 dst.copy_(src)
             self.round, self.round_step, self.round_tokens = state.round, 0, 0
-            self.round_loss_sum, self.round_compute_s = 0.0, 0.0
+            self.round_loss_sum, self.round_compute_s, self.round_steps_done = 0.0, 0.0, 0
         self._set_theta_to_phi()
         self.inner.reset_optimizer()  # a joiner starts a fresh AdamW (ALGORITHMS.md §6.3)
 
@@ -159,13 +169,27 @@ class Trainer:
         save_checkpoint(self.cfg.checkpoint_path, self._checkpoint_state())
         return str(self.cfg.checkpoint_path)
 
+    def _export_phi(self) -> None:
+        k = self.cfg.export_phi_every_rounds
+        if not k or self.cfg.checkpoint_path is None or self.round % k:
+            return
+        from safetensors.torch import save_file
+
+        path = self.cfg.checkpoint_path.parent / f"phi-round-{self.round:06d}.safetensors"
+        with self._lock:
+            tensors = {n: t.clone() for n, t in zip(self.names, self.phi)}
+        save_file(tensors, str(path), metadata={"run_id": self.m.run_id, "round": str(self.round)})
+
     # ---- swarm --------------------------------------------------------------------------
     def _live_records(self) -> list[swarm_dht.PeerProgress]:
+        start = time.monotonic()
         try:
             return swarm_dht.read_progress(self.dht, self.m.run_id)
         except Exception as exc:  # a DHT read failure must not stop training
             logger.debug("reading progress records failed: %r", exc)
             return []
+        finally:
+            logger.debug("read progress records in %.3f s", time.monotonic() - start)
 
     def _publish(self, *, train_loss: float = 0.0, tokens_per_s: float = 0.0, group_size: int = 1,
                  bytes_sent: int = 0, eval_loss: float | None = None) -> None:
@@ -174,7 +198,7 @@ class Trainer:
                                 eval_loss=eval_loss)
         ttl = max(60.0, 3 * self.transport.max_sync_seconds)
         try:
-            swarm_dht.publish_progress(self.dht, self.m.run_id, self.peer_id, record, ttl)
+            swarm_dht.publish_progress(self.dht, self.m.run_id, self.peer_id, record, ttl, wait=False)
         except Exception as exc:
             logger.debug("publishing progress failed: %r", exc)
 
@@ -195,9 +219,31 @@ class Trainer:
                                                   f"continuing from round {self.round}")
             return False
         self._adopt(state)
+        # Start where the swarm is inside this round, so this peer reaches the sync with the others;
+        # the all-reduce weights its shorter round by the tokens it actually processed.
+        same_round = [r.record.inner_step - self.round * self.H for r in self._live_records()
+                      if r.peer_id != self.peer_id and r.record.round == self.round]
+        self.round_step = max(0, min(self.H - 1, max(same_round, default=0)))
         self.reporter.emit("adopted_state", round=self.round, inner_step=self.inner_step,
                            seconds=time.monotonic() - start)
         return True
+
+    def _wait_for_peers(self) -> None:
+        """Start barrier for launchers that start several peers at once (``peer swarm``)."""
+        want = self.cfg.wait_for_peers
+        if want <= 1:
+            return
+        deadline = time.monotonic() + self.cfg.wait_for_peers_timeout_s
+        seen = 0
+        while not self.stop_event.is_set() and time.monotonic() < deadline:
+            seen = len({r.peer_id for r in self._live_records()} | {self.peer_id})
+            if seen >= want:
+                return
+            self._publish()
+            self.stop_event.wait(0.5)
+        if not self.stop_event.is_set():
+            self.reporter.emit("warning", message=f"only {seen} of {want} peers appeared within "
+                                                  f"{self.cfg.wait_for_peers_timeout_s:.0f} s; starting anyway")
 
     # ---- evaluation ---------------------------------------------------------------------
     def eval_phi(self, when: str) -> float:
@@ -225,6 +271,7 @@ class Trainer:
         self.catch_up()
         self.transport.share_state(self._state_for_joiners, priority=float(self.round))
         self._publish()
+        self._wait_for_peers()
         self.summary.initial_eval_loss = self.eval_phi("initial")
         while not self._done() and not self.stop_event.is_set():
             self._inner_phase()
@@ -234,6 +281,7 @@ class Trainer:
             if self.cfg.eval_every_rounds and self.round % self.cfg.eval_every_rounds == 0 and not self._done():
                 self.eval_phi("periodic")
             self.save()
+            self._export_phi()
             if not self._done():
                 self.catch_up()
         self.summary.interrupted = self.stop_event.is_set()
@@ -251,17 +299,21 @@ class Trainer:
                 # A non-finite loss or gradient: drop this round's progress rather than poison θ.
                 self.reporter.emit("warning", message=f"{exc}; restarting the round from φ")
                 self._set_theta_to_phi()
-                self.round_step = self.round_tokens = 0
-                self.round_loss_sum = self.round_compute_s = 0.0
+                self.round_tokens = 0  # Δ now covers only the steps after the reset; weight it so
+                self.round_step += 1   # the lr schedule still advances: it is never rewound
                 continue
             self.round_step += 1
             self.round_tokens += result.tokens
             self.round_loss_sum += result.loss
+            self.round_steps_done += 1
             self.round_compute_s += result.seconds
+            if self.round_step % max(1, self.H // 4) == 0 and self.round_step < self.H:
+                # Mid-round records let a joiner start at the swarm's current inner step.
+                self._publish(train_loss=result.loss, tokens_per_s=self.round_tokens / self.round_compute_s)
 
     def _outer_phase(self) -> None:
         delta = pseudo_gradient(self.phi, self.params)
-        train_loss = self.round_loss_sum / max(1, self.H)
+        train_loss = self.round_loss_sum / max(1, self.round_steps_done)
         tokens_per_s = self.round_tokens / max(self.round_compute_s, 1e-9)
         live = self._live_records()
         expected = sum(1 for r in live if abs(r.record.round - self.round) <= 1 and r.peer_id != self.peer_id) + 1
@@ -289,6 +341,7 @@ class Trainer:
             self.round += 1
             self.round_step = self.round_tokens = 0
             self.round_loss_sum = self.round_compute_s = 0.0
+            self.round_steps_done = 0
         self._set_theta_to_phi()
         self.transport.share_state(self._state_for_joiners, priority=float(self.round))
         s = self.summary

@@ -77,9 +77,14 @@ class NetworkTransport:
         )
 
     @property
+    def matchmaking_deadline_s(self) -> float:
+        """How long a peer keeps looking for groupmates: three matchmaking windows."""
+        return 3 * self.sync.matchmaking_time_s
+
+    @property
     def max_sync_seconds(self) -> float:
         """Upper bound on one :meth:`average` call: matchmaking deadline plus all-reduce deadline."""
-        return 2 * self.sync.matchmaking_time_s + self.sync.allreduce_timeout_s + 5.0
+        return self.matchmaking_deadline_s + self.sync.allreduce_timeout_s + 5.0
 
     def average(self, delta: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
                 should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
@@ -107,7 +112,7 @@ class NetworkTransport:
         self.averager.set_group_bits(keys.round_group_bits(round_))
         self.averager.set_target_group_size(max(2, min(expected_group_size, self.sync.target_group_size)))
         control = self.averager.step(
-            gather={"round": round_}, weight=float(weight), timeout=2 * self.sync.matchmaking_time_s,
+            gather={"round": round_}, weight=float(weight), timeout=self.matchmaking_deadline_s,
             allow_retries=True, wait=False,
         )
         deadline = start + self.max_sync_seconds
@@ -130,7 +135,7 @@ class NetworkTransport:
             text = f"{type(exc).__name__}: {exc}"
             if "could not find a group" in text:
                 raise GroupNotFound(f"no group formed for round {round_} within "
-                                    f"{2 * self.sync.matchmaking_time_s:.0f} s") from exc
+                                    f"{self.matchmaking_deadline_s:.0f} s") from exc
             raise AllreduceFailed(f"round {round_} all-reduce failed: {text}") from exc
         if gathered is None:
             raise GroupNotFound(f"no group formed for round {round_}")

@@ -187,10 +187,13 @@ class ManifestAnnouncer:
         self._thread.join(timeout=5)
 
 
-def publish_progress(dht, run_id: str, peer_id: str, record: ProgressRecord, ttl_s: float) -> bool:
+def publish_progress(dht, run_id: str, peer_id: str, record: ProgressRecord, ttl_s: float, *, wait: bool = True):
+    """Store this peer's record; with ``wait=False`` returns at once (the store finishes in the DHT process)."""
     from hivemind.utils import get_dht_time
 
-    return bool(dht.store(keys.progress_key(run_id), record.to_wire(), get_dht_time() + ttl_s, subkey=peer_id))
+    result = dht.store(keys.progress_key(run_id), record.to_wire(), get_dht_time() + ttl_s, subkey=peer_id,
+                       return_future=not wait)
+    return bool(result) if wait else result
 
 
 @dataclass(frozen=True)

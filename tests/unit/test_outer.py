@@ -1,0 +1,78 @@
+"""DiLoCo's outer step against the paper's equations written out here, and against torch's SGD."""
+
+import pytest
+import torch
+
+from peer.outer import DiLoCo, pseudo_gradient
+from protocol.errors import BadPayload
+from protocol.manifest import OuterOptimizerSpec
+
+
+def reference_nesterov(phi0, deltas, lr, mu):
+    """DiLoCo (arXiv 2311.08105, Alg. 1) outer step, SGD with Nesterov momentum, written from scratch:
+    m_t = μ m_{t-1} + Δ̄_t ;  φ_{t+1} = φ_t − lr (Δ̄_t + μ m_t)."""
+    phi, m = phi0.clone(), torch.zeros_like(phi0)
+    for d in deltas:
+        m = mu * m + d
+        phi = phi - lr * (d + mu * m)
+    return phi
+
+
+def reference_heavy_ball(phi0, deltas, lr, mu):
+    phi, m = phi0.clone(), torch.zeros_like(phi0)
+    for d in deltas:
+        m = mu * m + d
+        phi = phi - lr * m
+    return phi
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_matches_reference_over_several_rounds(nesterov):
+    g = torch.Generator().manual_seed(0)
+    shapes = [torch.Size([7, 5]), torch.Size([11])]
+    phi = [torch.randn(s, generator=g) for s in shapes]
+    phi0 = [p.clone() for p in phi]
+    rounds = [[torch.randn(s, generator=g) for s in shapes] for _ in range(5)]
+    spec = OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=nesterov)
+    outer = DiLoCo(shapes, spec)
+    for deltas in rounds:
+        outer.apply(phi, deltas)
+    ref = reference_nesterov if nesterov else reference_heavy_ball
+    for i in range(len(shapes)):
+        expected = ref(phi0[i], [r[i] for r in rounds], 0.7, 0.9)
+        torch.testing.assert_close(phi[i], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_step_matches_torch_sgd_nesterov():
+    g = torch.Generator().manual_seed(1)
+    phi = [torch.randn(4, 3, generator=g)]
+    param = torch.nn.Parameter(phi[0].clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    outer = DiLoCo([phi[0].shape], OuterOptimizerSpec())
+    for _ in range(4):
+        d = torch.randn(4, 3, generator=g)
+        param.grad = d.clone()
+        sgd.step()
+        outer.apply(phi, [d])
+    torch.testing.assert_close(phi[0], param.detach())
+
+
+def test_pseudo_gradient_sign_is_phi_minus_theta():
+    phi, theta = [torch.ones(3)], [torch.full((3,), 0.25)]
+    torch.testing.assert_close(pseudo_gradient(phi, theta)[0], torch.full((3,), 0.75))
+
+
+def test_non_finite_mean_delta_is_rejected_and_phi_unchanged():
+    phi = [torch.ones(3)]
+    outer = DiLoCo([phi[0].shape], OuterOptimizerSpec())
+    bad = torch.tensor([0.0, float("nan"), 1.0])
+    with pytest.raises(BadPayload, match="NaN or inf"):
+        outer.apply(phi, [bad])
+    torch.testing.assert_close(phi[0], torch.ones(3))
+    torch.testing.assert_close(outer.momentum[0], torch.zeros(3))
+
+
+def test_wrong_shape_is_rejected():
+    outer = DiLoCo([torch.Size([3])], OuterOptimizerSpec())
+    with pytest.raises(BadPayload, match="shape"):
+        outer.apply([torch.ones(3)], [torch.ones(4)])
