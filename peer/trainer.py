@@ -323,7 +323,9 @@ class Trainer:
             check_finite(delta, "this peer's pseudo-gradient")
         except BadPayload as exc:
             mean_delta, note = None, f"{exc}: round discarded, φ unchanged"
-        if mean_delta is not None:
+        if mean_delta is not None and expected == 1:
+            note = "alone: no other live peer, applied own pseudo-gradient"
+        elif mean_delta is not None:
             try:
                 result = self.transport.average(delta, weight=float(max(self.round_tokens, 1)), round_=self.round,
                                                 expected_group_size=expected, should_stop=self.stop_event.is_set)

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -59,6 +61,9 @@ class NetworkTransport:
     def __init__(self, dht, shapes: Sequence[torch.Size], run_id: str, sync: SyncSpec, *, client_mode: bool = False):
         self.shapes, self.run_id, self.sync = list(shapes), run_id, sync
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
+        # it; keep the caller's handler so Ctrl-C still stops the peer cleanly.
+        previous_sigint = signal.getsignal(signal.SIGINT)
         self.averager = LocoAverager(
             self._buffers,
             dht,
@@ -75,6 +80,8 @@ class NetworkTransport:
             client_mode=client_mode,
             start=True,
         )
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous_sigint)
 
     @property
     def matchmaking_deadline_s(self) -> float:

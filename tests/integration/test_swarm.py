@@ -1,0 +1,74 @@
+"""A bootstrap node and real peer processes train over libp2p on loopback (DiLoCo)."""
+
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.harness import make_manifest, phi_file, write_manifest
+
+pytestmark = pytest.mark.integration
+
+
+def test_three_peers_train_two_rounds_with_identical_phi(procs, tmp_path):
+    manifest = make_manifest()
+    _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
+    names = ["p0", "p1", "p2"]
+    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", "2", "--wait-for-peers", "3",
+                        "--export-phi-every", "1") for n in names]
+    for p in peers:
+        assert p.wait(180) == 0, p.tail()
+
+    for p in peers:
+        rounds = p.of("round")
+        assert [e["round"] for e in rounds] == [1, 2]
+        assert [e["group_size"] for e in rounds] == [3, 3], [e.get("note") for e in rounds]
+        assert all(e["bytes_sent"] > 0 for e in rounds)
+        initial, final = p.of("eval")[0], p.of("eval")[-1]
+        assert (initial["when"], final["when"]) == ("initial", "final")
+        assert final["loss"] < initial["loss"] - 0.5  # loss falls visibly in two rounds
+        assert p.of("started")[0]["run_id"] == manifest.run_id
+
+    for round_ in (1, 2):
+        phis = [load_file(str(phi_file(tmp_path, n, manifest.run_id, round_))) for n in names]
+        for other in phis[1:]:
+            assert other.keys() == phis[0].keys()
+            for key in phis[0]:
+                torch.testing.assert_close(other[key], phis[0][key], rtol=0, atol=1e-6)
+    # φ moved between rounds: the outer step was applied.
+    r1 = load_file(str(phi_file(tmp_path, "p0", manifest.run_id, 1)))
+    r2 = load_file(str(phi_file(tmp_path, "p0", manifest.run_id, 2)))
+    assert any(not torch.equal(r1[k], r2[k]) for k in r1)
+
+
+def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
+    H = 150
+    manifest = make_manifest(sync={"inner_steps": H, "matchmaking_time_s": 3.0})
+    _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
+    # Train until stopped, so the test does not depend on how fast rounds are on this machine.
+    first = [procs.peer(n, "--initial-peers", addr, "--wait-for-peers", "2", "--export-phi-every", "1")
+             for n in ("p0", "p1")]
+    first[0].wait_event(lambda e: e.get("event") == "round" and e["round"] >= 2, 240)
+    joiner = procs.peer("late", "--initial-peers", addr, "--export-phi-every", "1")
+
+    adopted = joiner.wait_event(lambda e: e.get("event") == "adopted_state", 120)
+    assert adopted["round"] >= 2
+    # The inner lr schedule continues from the swarm's step count: no warm-up restart.
+    assert adopted["inner_step"] >= adopted["round"] * H
+    joint = joiner.wait_event(lambda e: e.get("event") == "round" and e["group_size"] == 3, 240)
+    for p in (joiner, *first):
+        p.popen.send_signal(signal.SIGINT)
+    for p in (joiner, *first):
+        assert p.wait(120) == 130, p.tail()
+
+    # It evaluated the swarm's φ at the adopted round, not a fresh initialisation.
+    swarm_initial = first[0].of("eval")[0]["loss"]
+    assert joiner.of("eval")[0]["round"] == adopted["round"]
+    assert joiner.of("eval")[0]["loss"] < swarm_initial - 0.5
+    # It trained with the others: in its first full-group round, φ agrees with theirs.
+    r = joint["round"]
+    mine = load_file(str(phi_file(tmp_path, "late", manifest.run_id, r)))
+    theirs = load_file(str(phi_file(tmp_path, "p0", manifest.run_id, r)))
+    for key in mine:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-6)
