@@ -157,7 +157,7 @@ def run_swarm(cfg: SwarmConfig) -> int:
     """
     from rich.console import Console
 
-    console = Console(stderr=False)
+    console = Console(stderr=False, soft_wrap=True)
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     manifest_path = workdir / "run.toml"

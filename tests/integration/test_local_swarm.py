@@ -1,0 +1,46 @@
+"""`peer swarm`: the launcher a developer (and the README's first command) uses."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def test_peer_swarm_trains_and_leaves_no_process_behind(tmp_path):
+    workdir, summary_path = tmp_path / "swarm", tmp_path / "summary.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "peer", "swarm", "--preset", "tiny", "--peers", "2", "--rounds", "3",
+         "--workdir", str(workdir), "--summary", str(summary_path)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(summary_path.read_text())
+    assert {"initial_eval_loss", "final_eval_loss", "peers", "wall_seconds"} <= summary.keys()
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert len(summary["peers"]) == 2
+    for peer in summary["peers"]:
+        assert {"peer_id", "rounds_completed", "max_group_size", "bytes_sent"} <= peer.keys()
+        assert peer["rounds_completed"] == 3 and peer["max_group_size"] == 2 and peer["bytes_sent"] > 0
+    assert "swarm summary" in result.stdout
+    # Peers, their DHT and averager processes and the p2pd daemons (whose command lines name
+    # the identity files under the workdir) are all gone.
+    assert processes_mentioning(str(workdir)) == []
