@@ -37,14 +37,20 @@ def configure_logging(verbose: bool) -> None:
         logging.getLogger("hivemind").setLevel(logging.ERROR)
 
 
-def resolve_run(run_file: Path | None, preset: str | None) -> RunManifest | None:
+ALGORITHMS = ("diloco", "noloco", "independent")
+
+
+def resolve_run(run_file: Path | None, preset: str | None, algorithm: str | None = None) -> RunManifest | None:
     if run_file is not None and preset is not None:
         raise click.UsageError("give either --run FILE.toml or --preset NAME, not both")
+    manifest = None
     if run_file is not None:
-        return load_manifest(run_file)
-    if preset is not None:
-        return PRESETS[preset]()
-    return None
+        manifest = load_manifest(run_file)
+    elif preset is not None or algorithm is not None:
+        manifest = PRESETS[preset or "default"]()
+    if manifest is not None and algorithm is not None:
+        manifest = manifest.replace(sync={"algorithm": algorithm})
+    return manifest
 
 
 def fail(exc: LocoError, verbose: bool) -> None:
@@ -68,6 +74,8 @@ def main() -> None:
               help="Start a new run from this manifest (TOML) instead of joining an announced one.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
               help="Start a new run from a named preset (with no --initial-peers: 'default').")
+@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
+              help="Sync algorithm of a new run (overrides the manifest's sync.algorithm).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (0.0.0.0: all).")
 @click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535), help="TCP port; 0 picks one.")
 @click.option("--announce", multiple=True, metavar="MULTIADDR", help="Public address to advertise (repeatable).")
@@ -86,7 +94,7 @@ def main() -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one event per line on stdout, for programs.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def join(initial_peers, run_id, run_file, preset, host, port, announce, data_dir, max_rounds, eval_every,
+def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announce, data_dir, max_rounds, eval_every,
          export_phi_every, threads, wait_for_peers, client_mode, log_format, verbose) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
 
@@ -103,7 +111,7 @@ def join(initial_peers, run_id, run_file, preset, host, port, announce, data_dir
 
     configure_logging(verbose)
     try:
-        new_run = resolve_run(run_file, preset)
+        new_run = resolve_run(run_file, preset, algorithm)
         cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=new_run, host=host, port=port,
                          announce=tuple(announce), data_dir=data_dir or default_data_dir(), client_mode=client_mode,
                          threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
@@ -127,6 +135,8 @@ def join(initial_peers, run_id, run_file, preset, host, port, announce, data_dir
 @click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Run manifest (TOML). Default: the 'default' preset.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Named run preset.")
+@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
+              help="Sync algorithm (overrides the manifest's sync.algorithm).")
 @click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
               help="Evaluate φ every K rounds (0: at the start and the end only).")
 @click.option("--summary", "summary_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -134,7 +144,7 @@ def join(initial_peers, run_id, run_file, preset, host, port, announce, data_dir
 @click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where peers keep identities, checkpoints and logs. Default: a temporary directory.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def swarm(num_peers, rounds, run_file, preset, eval_every, summary_file, workdir, verbose) -> None:
+def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, verbose) -> None:
     """Start a bootstrap node and N peers on 127.0.0.1, train, and print a summary.
 
     \b
@@ -142,12 +152,13 @@ def swarm(num_peers, rounds, run_file, preset, eval_every, summary_file, workdir
       peer swarm                                  # 3 peers, 10 rounds of the default run
       peer swarm --peers 4 --rounds 20 --summary out.json
       peer swarm --preset tiny --rounds 3
+      peer swarm --algorithm noloco --peers 4
     """
     from peer.swarm import SwarmConfig, run_swarm
 
     configure_logging(verbose)
     try:
-        manifest = resolve_run(run_file, preset) or PRESETS["default"]()
+        manifest = resolve_run(run_file, preset, algorithm) or PRESETS["default"]()
         cfg = SwarmConfig(num_peers=num_peers, rounds=rounds, manifest=manifest, eval_every_rounds=eval_every,
                           summary_path=summary_file, workdir=workdir)
         code = run_swarm(cfg)

@@ -15,6 +15,7 @@ import torch
 import protocol
 from peer.data import load_corpus
 from peer.model import build_model, parameter_count
+from peer.outer import make_outer
 from peer.reporting import Reporter
 from peer.trainer import TrainerConfig, Trainer, TrainSummary
 from peer.transport import NetworkTransport
@@ -110,7 +111,10 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         peer_id = str(dht.peer_id)
         model = build_model(manifest.model)
         corpus = load_corpus(manifest.data)
-        transport = NetworkTransport(dht, [p.shape for p in model.parameters()], manifest.run_id, manifest.sync,
+        shapes = [p.shape for p in model.parameters()]
+        payload_shapes = [t.shape for t in make_outer(manifest, shapes).payload(
+            [torch.empty(s) for s in shapes], [torch.empty(s) for s in shapes])]
+        transport = NetworkTransport(dht, shapes, payload_shapes, manifest.run_id, manifest.sync,
                                      client_mode=cfg.client_mode)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)

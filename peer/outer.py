@@ -1,7 +1,9 @@
 """Outer algorithms: pure tensor code, shared by the network and any in-process transport.
 
-An outer algorithm turns this peer's pseudo-gradient and its group's mean into a new φ. It
-never communicates; a transport computes the group mean (see ``peer.transport``).
+An outer algorithm says what a peer contributes to its group's average (its payload) and turns
+the group's mean payload into a new φ. It never communicates: a transport computes the group
+mean (``peer.transport`` over the network, ``peer.simulation`` in one process), so the code the
+benchmarks measure is the code the swarm runs.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Protocol, Sequence
 import torch
 
 from protocol.errors import BadPayload
-from protocol.manifest import OuterOptimizerSpec
+from protocol.manifest import NoLoCoSpec, OuterOptimizerSpec, RunManifest
 
 
 def pseudo_gradient(phi: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -35,15 +37,36 @@ def check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
 
 
 class OuterAlgorithm(Protocol):
-    """What the trainer needs from an outer algorithm."""
+    """What the trainer needs from an outer algorithm.
+
+    Per round: ``payload(φ, Δ)`` is what the transport averages over the group (token-weighted),
+    and ``apply(φ, mean)`` turns the group's mean payload into the new φ. A peer without a group
+    applies its own payload (a group of one).
+    """
+
+    name: str
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors that a joiner must copy with φ (e.g. outer momentum), fp32."""
         ...
 
-    def apply(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> None:
-        """Update ``phi`` in place from the group's mean pseudo-gradient."""
+    def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The fp32 tensors this peer contributes to the group average."""
         ...
+
+    def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
+        """Update ``phi`` in place from the group's mean payload."""
+        ...
+
+
+def _check_mean(phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor], copies: int) -> None:
+    if len(group_mean) != copies * len(phi):
+        raise BadPayload(f"group mean has {len(group_mean)} tensors, expected {copies * len(phi)}")
+    for index, d in enumerate(group_mean):
+        p = phi[index % len(phi)]
+        if p.shape != d.shape:
+            raise BadPayload(f"group mean tensor {index} has shape {tuple(d.shape)}, φ has {tuple(p.shape)}")
+    check_finite(group_mean, "the group's mean payload")
 
 
 class DiLoCo:
@@ -60,12 +83,17 @@ class DiLoCo:
         spec: outer lr, momentum μ and the Nesterov flag from the run manifest.
     """
 
+    name = "diloco"
+
     def __init__(self, shapes: Sequence[torch.Size], spec: OuterOptimizerSpec):
         self.spec = spec
         self.momentum = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.momentum
+
+    def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(delta)
 
     def apply(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> None:
         """One outer step, in place on ``phi`` and the momentum buffers.
@@ -78,16 +106,91 @@ class DiLoCo:
             BadPayload: Δ̄ holds NaN or inf, or its shapes differ from φ's; φ and the momentum
                 are left unchanged.
         """
-        if len(mean_delta) != len(phi):
-            raise BadPayload(f"mean pseudo-gradient has {len(mean_delta)} tensors, φ has {len(phi)}")
-        for index, (p, d) in enumerate(zip(phi, mean_delta)):
-            if p.shape != d.shape:
-                raise BadPayload(f"mean pseudo-gradient tensor {index} has shape {tuple(d.shape)}, "
-                                 f"φ has {tuple(p.shape)}")
-        check_finite(mean_delta, "mean pseudo-gradient")
+        _check_mean(phi, mean_delta, copies=1)
         lr, mu = self.spec.lr, self.spec.momentum
         with torch.no_grad():
             for p, d, m in zip(phi, mean_delta, self.momentum):
                 m.mul_(mu).add_(d)
                 step = d.add(m, alpha=mu) if self.spec.nesterov else m
                 p.sub_(step, alpha=lr)
+
+
+class NoLoCo:
+    """NoLoCo's outer step: average with a small random group, heavy-ball momentum plus a pull.
+
+    Implements NoLoCo (arXiv 2506.10911, Eqs. 1-3) in the form its reference code runs
+    (ALGORITHMS.md §2). The paper writes Δ as fast minus slow; locoswarm keeps one convention
+    end to end, Δ = φ − θ, so the paper's ``mean_G(Δ_j)`` is ``−mean_G(Δ_j)`` here::
+
+        δ ← α·δ − β·mean_G(Δ_j) + γ·(mean_G(φ_j) − φ)
+        φ ← φ + δ                                       (then θ ← φ)
+
+    Heavy-ball momentum (α), not Nesterov. The payload is Δ followed by φ, so one weighted
+    average gives both group means. With γ = β this reduces to
+    φ ← φ + α·δ_old + β·(mean_G(θ_j) − φ).
+
+    Args:
+        shapes: parameter shapes; δ buffers are fp32 zeros of these shapes.
+        spec: α (``momentum``), β (``lr``), γ (``pull``) from the run manifest.
+    """
+
+    name = "noloco"
+
+    def __init__(self, shapes: Sequence[torch.Size], spec: NoLoCoSpec):
+        self.spec = spec
+        self.momentum = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.momentum
+
+    def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [*delta, *(p.detach().float() for p in phi)]
+
+    def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
+        """One outer step in place on ``phi`` and δ.
+
+        Args:
+            phi: fp32 outer parameters of this replica, modified in place.
+            group_mean: token-weighted group means of the payload: mean Δ (len(phi) tensors),
+                then mean φ (len(phi) tensors).
+
+        Raises:
+            BadPayload: wrong count or shapes, or non-finite values; φ and δ left unchanged.
+        """
+        _check_mean(phi, group_mean, copies=2)
+        n = len(phi)
+        a, b, g = self.spec.momentum, self.spec.lr, self.spec.pull
+        with torch.no_grad():
+            for p, m, mean_d, mean_p in zip(phi, self.momentum, group_mean[:n], group_mean[n:]):
+                m.mul_(a).sub_(mean_d, alpha=b).add_(mean_p - p, alpha=g)
+                p.add_(m)
+
+
+class Independent:
+    """No synchronisation: φ ← θ every round (outer lr 1, no momentum). The floor in comparisons."""
+
+    name = "independent"
+
+    def __init__(self, shapes: Sequence[torch.Size]):
+        self.momentum: list[torch.Tensor] = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.momentum
+
+    def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(delta)
+
+    def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
+        _check_mean(phi, group_mean, copies=1)
+        with torch.no_grad():
+            for p, d in zip(phi, group_mean):
+                p.sub_(d)
+
+
+def make_outer(manifest: RunManifest, shapes: Sequence[torch.Size]) -> DiLoCo | NoLoCo | Independent:
+    """The outer algorithm the run's manifest names (``sync.algorithm``)."""
+    if manifest.sync.algorithm == "noloco":
+        return NoLoCo(shapes, manifest.noloco)
+    if manifest.sync.algorithm == "independent":
+        return Independent(shapes)
+    return DiLoCo(shapes, manifest.outer_optimizer)

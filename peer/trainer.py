@@ -21,7 +21,8 @@ from peer.checkpoint import PeerState, load_checkpoint, save_checkpoint
 from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
 from peer.inner import InnerLoop
 from peer.model import evaluate
-from peer.outer import DiLoCo, check_finite, pseudo_gradient
+from peer.outer import check_finite, make_outer, pseudo_gradient
+from protocol.pairing import group_of, partition
 from peer.reporting import Reporter
 from peer.transport import DownloadedState, NetworkTransport
 from protocol import dht as swarm_dht
@@ -88,7 +89,7 @@ class Trainer:
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
         self.phi = [p.detach().clone() for p in self.params]
-        self.outer = DiLoCo(self.shapes, manifest.outer_optimizer)
+        self.outer = make_outer(manifest, self.shapes)
         sampler = BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
                                batch_sequences=manifest.batch_sequences,
                                seed=peer_seed(peer_id, manifest.model.init_seed))
@@ -311,35 +312,53 @@ class Trainer:
                 # Mid-round records let a joiner start at the swarm's current inner step.
                 self._publish(train_loss=result.loss, tokens_per_s=self.round_tokens / self.round_compute_s)
 
+    def _plan_group(self, live: list[swarm_dht.PeerProgress]) -> tuple[int, int | None, str]:
+        """(expected group size, random group index or None, note) for this round's sync."""
+        near = {r.peer_id for r in live if abs(r.record.round - self.round) <= 1} | {self.peer_id}
+        if self.m.sync.algorithm == "independent":
+            return 1, None, "independent: no sync"
+        if self.m.sync.algorithm == "noloco":
+            # Random groups from the peers within one round of this one (in lockstep, every peer
+            # sees the same set at its sync, so all draw the same groups).
+            groups = partition(sorted(near), run_id=self.m.run_id, round_=self.round,
+                               group_size=self.m.noloco.group_size)
+            index, members = group_of(self.peer_id, groups)
+            if len(members) == 1:
+                return 1, None, "no partner this round: applied own step"
+            return len(members), index, ""
+        if len(near) == 1:
+            return 1, None, "alone: no other live peer, applied own pseudo-gradient"
+        return len(near), None, ""
+
     def _outer_phase(self) -> None:
         delta = pseudo_gradient(self.phi, self.params)
         train_loss = self.round_loss_sum / max(1, self.round_steps_done)
         tokens_per_s = self.round_tokens / max(self.round_compute_s, 1e-9)
         live = self._live_records()
-        expected = sum(1 for r in live if abs(r.record.round - self.round) <= 1 and r.peer_id != self.peer_id) + 1
-        note, group_size, bytes_sent, sync_s = "", 1, 0, 0.0
-        mean_delta: list[torch.Tensor] | None = delta
+        expected, group_index, note = self._plan_group(live)
+        group_size, group, bytes_sent, sync_s = 1, [self.peer_id], 0, 0.0
+        mean: list[torch.Tensor] | None = None
         try:
             check_finite(delta, "this peer's pseudo-gradient")
+            mean = self.outer.payload(self.phi, delta)
         except BadPayload as exc:
-            mean_delta, note = None, f"{exc}: round discarded, φ unchanged"
-        if mean_delta is not None and expected == 1:
-            note = "alone: no other live peer, applied own pseudo-gradient"
-        elif mean_delta is not None:
+            note = f"{exc}: round discarded, φ unchanged"
+        if mean is not None and expected > 1:
             try:
-                result = self.transport.average(delta, weight=float(max(self.round_tokens, 1)), round_=self.round,
-                                                expected_group_size=expected, should_stop=self.stop_event.is_set)
-                check_finite(result.mean_delta, "the group's mean pseudo-gradient")
-                mean_delta, group_size, bytes_sent, sync_s = (result.mean_delta, result.group_size,
-                                                              result.bytes_sent, result.seconds)
+                result = self.transport.average(mean, weight=float(max(self.round_tokens, 1)), round_=self.round,
+                                                expected_group_size=expected, group_index=group_index,
+                                                should_stop=self.stop_event.is_set)
+                check_finite(result.mean, "the group's mean payload")
+                mean, group, group_size = result.mean, result.group, result.group_size
+                bytes_sent, sync_s = result.bytes_sent, result.seconds
             except (SyncError, BadPayload) as exc:
                 # Failed rounds are recorded, not fatal (DiLoCo paper Fig. 8: dropped syncs are survivable).
                 self.summary.failed_syncs += 1
-                note = f"no group: applied own pseudo-gradient ({exc})"
+                note = f"no group: applied own step ({exc})"
                 logger.info("round %d: %s", self.round, note)
         with self._lock:
-            if mean_delta is not None:
-                self.outer.apply(self.phi, mean_delta)
+            if mean is not None:
+                self.outer.apply(self.phi, mean)
             self.round += 1
             self.round_step = self.round_tokens = 0
             self.round_loss_sum = self.round_compute_s = 0.0
@@ -355,4 +374,4 @@ class Trainer:
                       bytes_sent=bytes_sent)
         self.reporter.emit("round", round=self.round, train_loss=train_loss, tokens_per_s=tokens_per_s,
                            group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent, peers=len(live) or 1,
-                           peer_id=self.peer_id, note=note)
+                           peer_id=self.peer_id, group=group, note=note)

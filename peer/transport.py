@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 class SyncResult:
     """Outcome of one successful group average."""
 
-    mean_delta: list[torch.Tensor]
-    """Token-weighted mean of the group's pseudo-gradients, fp32, shaped like the parameters."""
+    mean: list[torch.Tensor]
+    """Token-weighted mean of the group's payloads (DiLoCo: Δ; NoLoCo: Δ then φ), fp32."""
+    group: list[str]
+    """Peer ids of the group, this one included."""
     group_size: int
     """Peers in the group, including this one."""
     bytes_sent: int
@@ -52,15 +54,18 @@ class NetworkTransport:
 
     Args:
         dht: a started hivemind.DHT.
-        shapes: parameter shapes; Δ buffers of these shapes live in shared memory.
+        param_shapes: parameter shapes (of φ and of the outer state served to joiners).
+        payload_shapes: shapes of what the outer algorithm averages; buffers of these shapes
+            live in shared memory.
         run_id: the run; the averager prefix is derived from it.
         sync: matchmaking and all-reduce timeouts from the run manifest.
         client_mode: True when other peers cannot dial this one (behind NAT).
     """
 
-    def __init__(self, dht, shapes: Sequence[torch.Size], run_id: str, sync: SyncSpec, *, client_mode: bool = False):
-        self.shapes, self.run_id, self.sync = list(shapes), run_id, sync
-        self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+    def __init__(self, dht, param_shapes: Sequence[torch.Size], payload_shapes: Sequence[torch.Size], run_id: str,
+                 sync: SyncSpec, *, client_mode: bool = False):
+        self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
+        self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
         # it; keep the caller's handler so Ctrl-C still stops the peer cleanly.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -93,18 +98,22 @@ class NetworkTransport:
         """Upper bound on one :meth:`average` call: matchmaking deadline plus all-reduce deadline."""
         return self.matchmaking_deadline_s + self.sync.allreduce_timeout_s + 5.0
 
-    def average(self, delta: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
-                should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
-        """Token-weighted group mean of ``delta`` over the peers at round ``round_``.
+    def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
+                group_index: int | None = None, should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
+        """Token-weighted group mean of ``payload`` over the peers at round ``round_``.
 
-        Implements DiLoCo's all-reduce (arXiv 2311.08105, Algorithm 1 line 10), weighted by tokens.
-        Returns within :attr:`max_sync_seconds`, whatever the other peers do.
+        DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
+        NoLoCo: only the peers of random group ``group_index`` (arXiv 2506.10911), so no peer
+        exchanges data with more than its groupmates. Returns within :attr:`max_sync_seconds`,
+        whatever the other peers do.
 
         Args:
-            delta: this peer's pseudo-gradient, fp32, shaped like the parameters.
+            payload: this peer's contribution (see OuterAlgorithm.payload), fp32.
             weight: tokens this peer processed in the round (> 0).
-            expected_group_size: live peers believed to be at this round; matchmaking starts the
-                all-reduce as soon as this many have joined.
+            expected_group_size: peers expected in the group; matchmaking starts the all-reduce
+                as soon as this many have joined.
+            group_index: with random groups, this peer's group; it becomes part of the
+                matchmaking key so that only groupmates meet.
             should_stop: polled while waiting; when it returns True the sync is cancelled.
 
         Raises:
@@ -113,10 +122,10 @@ class NetworkTransport:
         """
         start = time.monotonic()
         with self.averager.get_tensors() as buffers:
-            for buf, d in zip(buffers, delta, strict=True):
+            for buf, d in zip(buffers, payload, strict=True):
                 buf.copy_(d)
         self.averager._bytes_sent.value = 0.0
-        self.averager.set_group_bits(keys.round_group_bits(round_))
+        self.averager.set_group_bits(keys.round_group_bits(round_, group_index))
         self.averager.set_target_group_size(max(2, min(expected_group_size, self.sync.target_group_size)))
         control = self.averager.step(
             gather={"round": round_}, weight=float(weight), timeout=self.matchmaking_deadline_s,
@@ -151,9 +160,9 @@ class NetworkTransport:
         if any(r != round_ for r in rounds.values()):
             raise AllreduceFailed(f"groupmates of round {round_} reported rounds {sorted(map(str, rounds.values()))}")
         with self.averager.get_tensors() as buffers:
-            mean_delta = [buf.clone() for buf in buffers]
-        return SyncResult(mean_delta=mean_delta, group_size=len(gathered), bytes_sent=self.averager.last_bytes_sent,
-                          seconds=time.monotonic() - start)
+            mean = [buf.clone() for buf in buffers]
+        return SyncResult(mean=mean, group=sorted(str(peer) for peer in gathered), group_size=len(gathered),
+                          bytes_sent=self.averager.last_bytes_sent, seconds=time.monotonic() - start)
 
     def share_state(self, provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None,
                     priority: float = 0.0) -> None:

@@ -25,5 +25,13 @@ ROUND_BITS = 20
 """Group bits that carry the round number (mod 2**20), so only peers at the same round match."""
 
 
-def round_group_bits(round_: int) -> str:
-    return format(round_ % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
+GROUP_INDEX_BITS = 12
+"""With random groups (NoLoCo), further group bits carry the group's index within the round."""
+
+
+def round_group_bits(round_: int, group_index: int | None = None) -> str:
+    """Averager group bits: the round (mod 2**20), then the random group's index if any."""
+    bits = format(round_ % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
+    if group_index is not None:
+        bits += format(group_index % (1 << GROUP_INDEX_BITS), f"0{GROUP_INDEX_BITS}b")
+    return bits

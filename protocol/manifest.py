@@ -170,10 +170,56 @@ class OuterOptimizerSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NoLoCoSpec:
+    """NoLoCo's outer step (arXiv 2506.10911; ALGORITHMS.md §2), used when sync.algorithm = 'noloco'."""
+
+    momentum: float = 0.5
+    """α: heavy-ball momentum of the outer step."""
+    lr: float = 0.7
+    """β: outer learning rate on the group's mean pseudo-gradient."""
+    pull: float = 0.7
+    """γ: pull toward the group's mean φ. When a TOML file sets ``lr`` but not ``pull``, γ = β."""
+    group_size: int = 2
+    """n: peers per averaging group, this one included (2: one random partner)."""
+
+    def __post_init__(self) -> None:
+        s = "noloco"
+        _float_in(s, "momentum", self.momentum, 0.0, 0.999)
+        _float_in(s, "lr", self.lr, 0.0, 10.0, lo_open=True)
+        _float_in(s, "pull", self.pull, 0.0, 10.0)
+        _int_in(s, "group_size", self.group_size, 2, 256)
+
+    def check_stability(self) -> None:
+        """Refuse (α, β, γ, n) outside NoLoCo's stability region (paper App. A, quadratic model).
+
+        The replicas' mean converges only if β > α; their spread stays bounded only if
+        α·sqrt(n / (2(n−1))) < γ < sqrt((2 + α²)·n / (2(n−1))).
+
+        Raises:
+            ManifestError: names the bound and the values.
+        """
+        a, b, g, n = self.momentum, self.lr, self.pull, self.group_size
+        if not b > a:
+            raise ManifestError(f"noloco.lr (β) = {b} must exceed noloco.momentum (α) = {a}: the replicas' mean "
+                                "diverges otherwise (NoLoCo arXiv 2506.10911, App. A)")
+        lo = a * math.sqrt(n / (2 * (n - 1)))
+        hi = math.sqrt((2 + a * a) * n / (2 * (n - 1)))
+        if not lo < g < hi:
+            raise ManifestError(
+                f"noloco.pull (γ) = {g} is outside the stability bound {lo:.4g} < γ < {hi:.4g} for "
+                f"α = {a}, n = {n} (α·sqrt(n/(2(n−1))) < γ < sqrt((2+α²)·n/(2(n−1))), NoLoCo App. A): "
+                "the replicas' spread would grow without bound"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class SyncSpec:
     """How and how often peers exchange pseudo-gradients."""
 
     algorithm: str = "diloco"
+    """'diloco': group all-reduce of Δ, outer_optimizer on φ; 'noloco': random groups of
+    noloco.group_size peers average Δ and φ, NoLoCo outer step; 'independent': never sync (a
+    baseline for comparisons)."""
     inner_steps: int = 20
     """H: inner steps per round (one round = one outer step)."""
     target_group_size: int = 16
@@ -187,7 +233,7 @@ class SyncSpec:
 
     def __post_init__(self) -> None:
         s = "sync"
-        _choice(s, "algorithm", self.algorithm, ("diloco",))
+        _choice(s, "algorithm", self.algorithm, ("diloco", "noloco", "independent"))
         _int_in(s, "inner_steps", self.inner_steps, 1, 10**6)
         _int_in(s, "target_group_size", self.target_group_size, 2, 4096)
         _float_in(s, "matchmaking_time_s", self.matchmaking_time_s, 0.0, 3600.0, lo_open=True)
@@ -202,6 +248,7 @@ _SECTIONS: dict[str, type] = {
     "inner_optimizer": InnerOptimizerSpec,
     "outer_optimizer": OuterOptimizerSpec,
     "sync": SyncSpec,
+    "noloco": NoLoCoSpec,
 }
 
 
@@ -217,6 +264,7 @@ class RunManifest:
     inner_optimizer: InnerOptimizerSpec = field(default_factory=InnerOptimizerSpec)
     outer_optimizer: OuterOptimizerSpec = field(default_factory=OuterOptimizerSpec)
     sync: SyncSpec = field(default_factory=SyncSpec)
+    noloco: NoLoCoSpec = field(default_factory=NoLoCoSpec)
 
     def __post_init__(self) -> None:
         _check("run", "name", self.name,
@@ -234,6 +282,8 @@ class RunManifest:
         _check("data", "seq_len_tokens", self.data.seq_len_tokens,
                self.data.seq_len_tokens <= self.model.max_seq_len,
                f"at most model.max_seq_len = {self.model.max_seq_len}")
+        if self.sync.algorithm == "noloco":
+            self.noloco.check_stability()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -307,6 +357,8 @@ def from_dict(data: Any) -> RunManifest:
         for name, value in values.items():
             expected = type(getattr(cls(), name))
             _check_type(section, name, value, expected)
+        if section == "noloco" and "lr" in values and "pull" not in values:
+            values = {**values, "pull": values["lr"]}  # γ defaults to β (NoLoCo reference code)
         kwargs[section] = cls(**values)
     return RunManifest(**kwargs)
 
