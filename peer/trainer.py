@@ -101,6 +101,7 @@ class Trainer:
         self.round_compute_s = 0.0
         self.round_steps_done = 0
         self._lock = threading.Lock()
+        self._planned_group: list[str] | None = None
         self.summary = TrainSummary(peer_id=peer_id)
 
     # ---- state --------------------------------------------------------------------------
@@ -205,9 +206,15 @@ class Trainer:
 
     def catch_up(self) -> bool:
         """If live peers are ahead of this one, download their φ, outer momentum and round."""
+        if self.m.sync.algorithm == "independent":
+            return False  # the no-sync baseline never takes anything from other peers
         others = [r for r in self._live_records() if r.peer_id != self.peer_id]
         ahead = max((r.record.round for r in others), default=-1)
-        if ahead <= self.round or (ahead == self.round and self.round_step == 0):
+        fresh = self.round == 0 and self.round_step == 0
+        # NoLoCo groups progress independently, so another group one round ahead is normal;
+        # DiLoCo peers move in lockstep, so one round behind means this peer missed its group.
+        lag = 2 if self.m.sync.algorithm == "noloco" and not fresh else 1
+        if ahead < self.round + lag:
             return False
         start = time.monotonic()
         try:
@@ -325,6 +332,7 @@ class Trainer:
             index, members = group_of(self.peer_id, groups)
             if len(members) == 1:
                 return 1, None, "no partner this round: applied own step"
+            self._planned_group = members
             return len(members), index, ""
         if len(near) == 1:
             return 1, None, "alone: no other live peer, applied own pseudo-gradient"
@@ -374,4 +382,5 @@ class Trainer:
                       bytes_sent=bytes_sent)
         self.reporter.emit("round", round=self.round, train_loss=train_loss, tokens_per_s=tokens_per_s,
                            group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent, peers=len(live) or 1,
-                           peer_id=self.peer_id, group=group, note=note)
+                           peer_id=self.peer_id, group=group, note=note, planned_group=self._planned_group)
+        self._planned_group = None

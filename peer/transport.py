@@ -77,7 +77,8 @@ class NetworkTransport:
             target_group_size=sync.target_group_size,
             min_group_size=2,
             min_matchmaking_time=sync.matchmaking_time_s,
-            request_timeout=min(3.0, sync.matchmaking_time_s),
+            # hivemind: a request_timeout >= min_matchmaking_time can deadlock matchmaking.
+            request_timeout=min(3.0, sync.matchmaking_time_s / 3),
             next_chunk_timeout=sync.next_chunk_timeout_s,
             allreduce_timeout=sync.allreduce_timeout_s,
             allow_state_sharing=False,

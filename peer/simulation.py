@@ -1,0 +1,269 @@
+"""In-process transport: N simulated peers in one process, running the swarm's algorithm code.
+
+Each simulated peer owns a model replica (identical φ_0), its own AdamW state and its own data
+shard, exactly like a networked peer. Rounds call the same functions the trainer calls
+(:class:`peer.inner.InnerLoop`, :func:`peer.outer.pseudo_gradient`, :func:`peer.outer.make_outer`
+and :func:`protocol.pairing.partition`); only the group mean is computed here, in fp32, instead
+of by an all-reduce. A data-parallel mode (one model, gradients averaged every inner step) gives
+the ceiling that low-communication methods are compared against at equal tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+
+from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
+from peer.inner import InnerLoop
+from peer.model import build_model, evaluate, parameter_count
+from peer.outer import make_outer, pseudo_gradient
+from protocol.manifest import RunManifest
+from protocol.pairing import partition
+
+logger = logging.getLogger(__name__)
+
+FP32_BYTES = 4
+METHODS = ("data-parallel", "diloco", "noloco", "independent")
+
+
+def bits_per_byte(nats_per_token: float) -> float:
+    """Loss in bits per byte: tokens are bytes, so bits/byte = nats/token / ln 2."""
+    return nats_per_token / math.log(2)
+
+
+def butterfly_bytes(payload_elements: int, group_size: int) -> float:
+    """Bytes one peer sends in a butterfly all-reduce of an fp32 payload over ``group_size`` peers.
+
+    Each peer sends its (n−1) foreign parts once (reduce-scatter) and its averaged part to the
+    n−1 others (all-gather): 2·(n−1)/n × 4 bytes × ``payload_elements``. Zero for a group of one.
+    """
+    if group_size < 1 or payload_elements < 0:
+        raise ValueError(f"group_size = {group_size}, payload_elements = {payload_elements}: need >= 1 and >= 0")
+    return 2.0 * (group_size - 1) / group_size * FP32_BYTES * payload_elements
+
+
+def weighted_mean(payloads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Weighted mean of several peers' payloads, accumulated in fp32.
+
+    Args:
+        payloads: one list of tensors per peer, all with the same shapes.
+        weights: one positive weight per peer (tokens processed in the round).
+
+    Returns:
+        New fp32 tensors shaped like ``payloads[0]``: Σ_j w_j·x_j / Σ_j w_j.
+    """
+    total = float(sum(weights))
+    if len(payloads) != len(weights) or not payloads or total <= 0:
+        raise ValueError(f"{len(payloads)} payloads with weights {list(weights)}: need as many positive weights")
+    out = [torch.zeros(t.shape, dtype=torch.float32) for t in payloads[0]]
+    for payload, weight in zip(payloads, weights):
+        for acc, t in zip(out, payload, strict=True):
+            acc.add_(t.detach().float(), alpha=float(weight) / total)
+    return out
+
+
+def weight_spread(replicas: Sequence[Sequence[torch.Tensor]]) -> float:
+    """NoLoCo's spread σ = sqrt(Σ_i ‖φ_i − φ̄‖² / (N·P)) (arXiv 2506.10911; ALGORITHMS.md §2).
+
+    Args:
+        replicas: N lists of parameter tensors (same shapes); P is their total element count.
+
+    Returns:
+        σ in the parameters' units (an RMS distance per parameter); 0 for identical replicas.
+    """
+    # fp64 throughout: the mean of identical fp32 replicas is then exact and σ exactly 0.
+    mean = [sum(r[k].detach().double() for r in replicas) / len(replicas) for k in range(len(replicas[0]))]
+    params = sum(t.numel() for t in mean)
+    squares = sum(float(((t.detach().double() - m) ** 2).sum())
+                  for replica in replicas for t, m in zip(replica, mean, strict=True))
+    return math.sqrt(squares / (len(replicas) * params))
+
+
+def sync_groups(manifest: RunManifest, peers: int, round_: int) -> list[list[int]]:
+    """Indices of the peers that average together in round ``round_``.
+
+    DiLoCo: one group of all peers. NoLoCo: the random groups :func:`protocol.pairing.partition`
+    draws for the names ``sim-peer-{i}`` (as every networked peer would). Independent: groups of one.
+    """
+    if manifest.sync.algorithm == "independent":
+        return [[i] for i in range(peers)]
+    if manifest.sync.algorithm == "noloco":
+        index = {f"sim-peer-{i}": i for i in range(peers)}
+        groups = partition(list(index), run_id=manifest.run_id, round_=round_,
+                           group_size=manifest.noloco.group_size)
+        return [[index[name] for name in group] for group in groups]
+    return [list(range(peers))]
+
+
+@dataclass
+class EvalPoint:
+    """Validation losses after ``round_`` rounds, in bits per byte."""
+
+    round_: int
+    tokens: int
+    """Training tokens processed so far by all peers together."""
+    loss_bpb: float
+    """The headline loss: the one model (data-parallel, DiLoCo) or the replica mean (NoLoCo, independent)."""
+    averaged_bpb: float
+    """Loss of the replicas' averaged weights φ̄ (the one model for data-parallel)."""
+    replica_mean_bpb: float | None
+    """Mean over replicas of each replica's own loss; None where all replicas are one model."""
+    sigma: float
+    """Weight spread σ of the replicas' φ (0 for data-parallel)."""
+
+
+@dataclass
+class SimulationResult:
+    """One simulated run: its loss curve, bytes sent and wall time."""
+
+    method: str
+    peers: int
+    seed: int
+    rounds: int
+    inner_steps: int
+    parameters: int
+    bytes_sent_per_peer: float
+    """Mean over peers of the bytes each sent, from payload sizes (:func:`butterfly_bytes`)."""
+    wall_s: float
+    history: list[EvalPoint] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _ConcatSampler:
+    """All peers' samplers as one: a batch is the concatenation of each peer's next batch."""
+
+    def __init__(self, samplers: Sequence[BatchSampler]):
+        self.samplers = list(samplers)
+
+    def next_batch(self) -> torch.Tensor:
+        return torch.cat([s.next_batch() for s in self.samplers])
+
+
+class Simulation:
+    """N peers of one run in this process; ``data_parallel=True`` makes it the ceiling instead.
+
+    Args:
+        manifest: the run; ``sync.algorithm`` picks the outer algorithm, ``inner_optimizer``
+            the AdamW and its schedule, ``batch_size_tokens`` the per-peer batch.
+        corpus: the loaded corpus; each peer samples ``corpus.train`` with its own seed.
+        peers: N, the number of simulated peers.
+        seed: salts the data shards: peer i samples with ``peer_seed(f"sim-peer-{i}", seed)``.
+        data_parallel: one model, each step on the concatenation of the N peers' batches (mean
+            loss, hence averaged gradients), same AdamW and schedule.
+    """
+
+    def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
+                 data_parallel: bool = False):
+        if peers < 1:
+            raise ValueError(f"peers = {peers}: need at least one")
+        self.m, self.peers, self.seed, self.data_parallel = manifest, peers, seed, data_parallel
+        self.method = "data-parallel" if data_parallel else manifest.sync.algorithm
+        self.round_ = self.inner_step = self.tokens = 0
+        self.bytes_sent = [0.0] * peers
+        samplers = [BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
+                                 batch_sequences=manifest.batch_sequences, seed=peer_seed(f"sim-peer-{i}", seed))
+                    for i in range(peers)]
+        base = build_model(manifest.model)
+        self.parameters = parameter_count(base)
+        self._eval_model = copy.deepcopy(base)
+        if data_parallel:
+            self.models = [base]
+            self.inners = [InnerLoop(base, manifest.inner_optimizer, _ConcatSampler(samplers))]
+            self.outers, self.phis = [], []
+        else:
+            self.models = [base] + [copy.deepcopy(base) for _ in range(peers - 1)]
+            self.inners = [InnerLoop(m, manifest.inner_optimizer, s) for m, s in zip(self.models, samplers)]
+            shapes = [p.shape for p in base.parameters()]
+            self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
+            self.phis = [[p.detach().clone() for p in m.parameters()] for m in self.models]
+
+    def run_round(self) -> None:
+        """One round: H inner steps per peer, then the outer step of every group.
+
+        Implements DiLoCo (arXiv 2311.08105, Algorithm 1) or NoLoCo (arXiv 2506.10911, Eqs. 1-3)
+        through the trainer's own outer objects: Δ_i = φ_i − θ_i, the token-weighted group mean
+        of each peer's payload, ``apply`` on φ_i, then θ_i ← φ_i. Data-parallel: H AdamW steps
+        on the N peers' batches together, an all-reduce of the P gradients per step.
+        """
+        H = self.m.sync.inner_steps
+        round_tokens = [0] * len(self.inners)
+        for i, inner in enumerate(self.inners):
+            for k in range(H):
+                round_tokens[i] += inner.step(self.inner_step + k).tokens
+        self.inner_step += H
+        self.tokens += sum(round_tokens)
+        if self.data_parallel:
+            per_step = butterfly_bytes(self.parameters, self.peers)
+            self.bytes_sent = [b + H * per_step for b in self.bytes_sent]
+        else:
+            self._outer_step(round_tokens)
+        self.round_ += 1
+
+    def _outer_step(self, round_tokens: Sequence[int]) -> None:
+        thetas = [list(m.parameters()) for m in self.models]
+        payloads = [outer.payload(phi, pseudo_gradient(phi, theta))
+                    for outer, phi, theta in zip(self.outers, self.phis, thetas)]
+        for group in sync_groups(self.m, self.peers, self.round_):
+            if len(group) == 1:
+                mean = payloads[group[0]]
+            else:
+                mean = weighted_mean([payloads[j] for j in group], [max(1, round_tokens[j]) for j in group])
+            elements = sum(t.numel() for t in mean)
+            for j in group:  # the mean is computed before any member's φ moves: groups are disjoint
+                self.outers[j].apply(self.phis[j], mean)
+                self.bytes_sent[j] += butterfly_bytes(elements, len(group))
+        with torch.no_grad():
+            for theta, phi in zip(thetas, self.phis):
+                for t, p in zip(theta, phi):
+                    t.copy_(p)
+
+    def evaluate(self, windows: torch.Tensor) -> EvalPoint:
+        """Validation losses of the current φ's on ``windows`` (int64, (sequences, seq_len + 1)).
+
+        NoLoCo and independent: each replica's own loss and σ are computed (N evaluations).
+        """
+        if self.data_parallel:
+            loss = bits_per_byte(evaluate(self.models[0], windows))
+            return EvalPoint(self.round_, self.tokens, loss, loss, None, 0.0)
+        with torch.no_grad():
+            for p, mean in zip(self._eval_model.parameters(), weighted_mean(self.phis, [1.0] * self.peers)):
+                p.copy_(mean)
+        averaged = bits_per_byte(evaluate(self._eval_model, windows))
+        replica_mean = None
+        if self.m.sync.algorithm in ("noloco", "independent"):
+            replica_mean = sum(bits_per_byte(evaluate(m, windows)) for m in self.models) / self.peers
+        return EvalPoint(self.round_, self.tokens, replica_mean if replica_mean is not None else averaged,
+                         averaged, replica_mean, weight_spread(self.phis))
+
+
+def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds: int, seed: int = 0,
+                   data_parallel: bool = False, eval_every_rounds: int = 1) -> SimulationResult:
+    """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``.
+
+    Returns:
+        SimulationResult with the loss curve (round 0 and the last round always included), the
+        mean bytes sent per peer and the wall time in seconds (evaluation included).
+    """
+    start = time.perf_counter()
+    windows = validation_batch(corpus, manifest.data)
+    sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel)
+    history = [sim.evaluate(windows)]
+    for r in range(1, rounds + 1):
+        sim.run_round()
+        if r % max(1, eval_every_rounds) == 0 or r == rounds:
+            history.append(sim.evaluate(windows))
+            h = history[-1]
+            logger.info("%s N=%d seed %d | round %d | val %.4f bpb | σ %.2e | %.1f MiB sent per peer",
+                        sim.method, peers, seed, r, h.loss_bpb, h.sigma, sum(sim.bytes_sent) / peers / 2**20)
+    return SimulationResult(method=sim.method, peers=peers, seed=seed, rounds=rounds,
+                            inner_steps=manifest.sync.inner_steps, parameters=sim.parameters,
+                            bytes_sent_per_peer=sum(sim.bytes_sent) / peers, wall_s=time.perf_counter() - start,
+                            history=history)
