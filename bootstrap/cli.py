@@ -57,10 +57,9 @@ def run(host, port, announce, identity, run_file, preset, initial_peers, log_for
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
     if not verbose:
-        from hivemind.utils.logging import use_hivemind_log_handler
+        from protocol.dht import quiet_hivemind_logs
 
-        use_hivemind_log_handler("nowhere")
-        logging.getLogger("hivemind").setLevel(logging.ERROR)
+        quiet_hivemind_logs()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -30,11 +30,9 @@ def configure_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not verbose:
-        # hivemind logs through its own handlers; keep its routine warnings off the progress output.
-        from hivemind.utils.logging import use_hivemind_log_handler
+        from protocol.dht import quiet_hivemind_logs
 
-        use_hivemind_log_handler("nowhere")
-        logging.getLogger("hivemind").setLevel(logging.ERROR)
+        quiet_hivemind_logs()
 
 
 ALGORITHMS = ("diloco", "noloco", "independent")

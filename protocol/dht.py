@@ -24,6 +24,18 @@ MANIFEST_TTL_S = 300.0
 """How long a manifest announcement lives in the DHT; announcers refresh it every TTL/5."""
 
 
+def quiet_hivemind_logs() -> None:
+    """Keep hivemind's own logs off a command's output (``-v`` leaves them on).
+
+    locoswarm reports every failed sync itself, once, on the progress line; hivemind would also
+    log each one with a traceback from its averager process.
+    """
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")
+    logging.getLogger("hivemind").setLevel(logging.CRITICAL)
+
+
 def parse_initial_peers(addresses: Sequence[str]) -> list[str]:
     """Check that each address is a multiaddr ending in /p2p/PEER_ID.
 
