@@ -1,0 +1,202 @@
+"""Benchmark: data-parallel vs DiLoCo vs NoLoCo vs independent peers, at equal tokens.
+
+    python bench/compare.py [--config bench/compare.toml] [--out-dir docs] [--threads 2]
+    python bench/compare.py --peers 4 --seeds 0 --methods diloco --set outer_optimizer.momentum=0.0 \
+        --out-dir /tmp/diag      # one diagnostic run with a manifest field overridden
+
+Simulates N peers in one process (peer/simulation.py, the swarm's own algorithm code) for every
+method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batch: each peer's
+batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
+table and a mean-over-seeds summary, and writes ``compare_results.json`` and
+``compare_loss.png`` (validation loss vs tokens) to the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+from peer.data import load_corpus
+from peer.simulation import SimulationResult, run_simulation
+from protocol.manifest import RunManifest, from_dict
+
+LABELS = {
+    "data-parallel": "data-parallel (AdamW, all-reduce every step)",
+    "diloco": "DiLoCo (outer SGD Nesterov)",
+    "noloco": "NoLoCo (outer heavy-ball + pull)",
+    "independent": "independent (never syncs)",
+}
+
+
+def load_config(path: Path) -> tuple[RunManifest, dict]:
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    bench = data.pop("bench")
+    return from_dict(data), bench
+
+
+def manifest_for(base: RunManifest, method: str, peers: int, seed: int, global_batch_tokens: int,
+                 rounds: int) -> RunManifest:
+    """The run manifest of one benchmark run: fixed global batch, seed-dependent φ_0, and the
+    cosine schedule ending with the run (decay_steps = H × rounds)."""
+    per_peer = global_batch_tokens // peers
+    if per_peer * peers != global_batch_tokens:
+        raise ValueError(f"global_batch_tokens = {global_batch_tokens} is not divisible by {peers} peers")
+    algorithm = "diloco" if method == "data-parallel" else method
+    return base.replace(sync={"algorithm": algorithm}, model={"init_seed": seed},
+                        inner_optimizer={"batch_size_tokens": per_peer,
+                                         "decay_steps": base.sync.inner_steps * rounds})
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def row(r: SimulationResult) -> list[str]:
+    h = r.history[-1]
+    return [r.method, str(r.peers), str(r.seed), f"{h.loss_bpb:.4f}", fmt(h.replica_mean_bpb, ".4f"),
+            fmt(h.averaged_bpb if r.method in ("noloco", "independent") else None, ".4f"), f"{h.sigma:.2e}",
+            f"{r.bytes_sent_per_peer / 1e6:.1f}", f"{r.wall_s:.0f}"]
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print()
+
+
+def summarize(results: list[SimulationResult]) -> list[dict]:
+    """Means over seeds per (method, N)."""
+    out = []
+    keys = sorted({(r.peers, r.method) for r in results}, key=lambda k: (k[0], list(LABELS).index(k[1])))
+    for peers, method in keys:
+        rs = [r for r in results if r.peers == peers and r.method == method]
+
+        def mean(values):
+            values = [v for v in values if v is not None]
+            return statistics.fmean(values) if values else None
+
+        out.append({
+            "method": method, "peers": peers, "seeds": len(rs),
+            "loss_bpb": mean([r.history[-1].loss_bpb for r in rs]),
+            "loss_bpb_seed_range": max(r.history[-1].loss_bpb for r in rs) - min(r.history[-1].loss_bpb for r in rs),
+            "replica_mean_bpb": mean([r.history[-1].replica_mean_bpb for r in rs]),
+            "averaged_bpb": mean([r.history[-1].averaged_bpb for r in rs]),
+            "sigma": mean([r.history[-1].sigma for r in rs]),
+            "mb_sent_per_peer": mean([r.bytes_sent_per_peer / 1e6 for r in rs]),
+            "wall_s": mean([r.wall_s for r in rs]),
+        })
+    dp = {s["peers"]: s["loss_bpb"] for s in out if s["method"] == "data-parallel"}
+    for s in out:
+        s["vs_data_parallel_pct"] = 100 * (s["loss_bpb"] / dp[s["peers"]] - 1) if s["peers"] in dp else None
+    return out
+
+
+def plot(results: list[SimulationResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peer_counts = sorted({r.peers for r in results})
+    fig, axes = plt.subplots(1, len(peer_counts), figsize=(6 * len(peer_counts), 4.5), sharey=True, squeeze=False)
+    finals = [r.history[-1].loss_bpb for r in results]
+    for ax, peers in zip(axes[0], peer_counts):
+        for i, method in enumerate(LABELS):
+            rs = [r for r in results if r.peers == peers and r.method == method]
+            if not rs:
+                continue
+            tokens = [h.tokens / 1e6 for h in rs[0].history]
+            loss = [statistics.fmean(r.history[k].loss_bpb for r in rs) for k in range(len(tokens))]
+            ax.plot(tokens, loss, color=f"C{i}", label=LABELS[method])
+            if method == "noloco":
+                avg = [statistics.fmean(r.history[k].averaged_bpb for r in rs) for k in range(len(tokens))]
+                ax.plot(tokens, avg, color=f"C{i}", linestyle="--", label="NoLoCo, averaged weights φ̄")
+        ax.set_title(f"N = {peers} peers (fixed global batch)")
+        ax.set_xlabel("training tokens, all peers (millions)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (bits per byte), mean over seeds")
+    axes[0][0].set_ylim(min(finals) - 0.1, min(finals) + 1.5)
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path(__file__).with_name("compare.toml"))
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--rounds", type=int, help="override bench.rounds (quick trials)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="override bench.seeds")
+    parser.add_argument("--peers", type=int, nargs="+", help="override bench.peers")
+    parser.add_argument("--methods", nargs="+", choices=list(LABELS), help="override bench.methods")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a manifest field (TOML value), e.g. --set outer_optimizer.lr=1.0")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    torch.set_num_threads(args.threads)
+
+    base, bench = load_config(args.config)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        base = base.replace(**{section: {name: tomllib.loads(f"v = {value}")["v"]}})
+    rounds = args.rounds or bench["rounds"]
+    seeds, peer_counts = args.seeds or bench["seeds"], args.peers or bench["peers"]
+    methods = args.methods or bench["methods"]
+    start = time.perf_counter()
+    corpus = load_corpus(base.data)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out_dir / "compare_results.json", args.out_dir / "compare_loss.png"
+
+    header = ["method", "N", "seed", "val bpb", "replica-mean", "avg weights", "σ", "MB sent/peer", "wall s"]
+    results: list[SimulationResult] = []
+    for peers in peer_counts:
+        for seed in seeds:
+            for method in methods:
+                m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
+                r = run_simulation(m, corpus, peers=peers, rounds=rounds, seed=seed,
+                                   data_parallel=method == "data-parallel",
+                                   eval_every_rounds=bench["eval_every_rounds"])
+                results.append(r)
+                print(" | ".join(row(r)), flush=True)
+                record = {
+                    "command": " ".join(["python", *sys.argv]),
+                    "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds, "seeds": seeds,
+                                                           "peers": peer_counts, "methods": methods}},
+                    "overrides": args.set, "threads": args.threads, "tokens_per_run": r.history[-1].tokens,
+                    "wall_s_total": time.perf_counter() - start,
+                    "summary": summarize(results), "runs": [x.to_dict() for x in results],
+                }
+                json_path.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
+
+    print()
+    print_table(header, [row(r) for r in results])
+    summary = summarize(results)
+    print("Mean over seeds (val bpb: the one model for data-parallel and DiLoCo, the replica mean for "
+          "NoLoCo and independent):")
+    print_table(["method", "N", "val bpb", "vs DP", "replica-mean", "avg weights", "σ", "MB sent/peer", "wall s"], [
+        [LABELS[s["method"]], str(s["peers"]), f"{s['loss_bpb']:.4f}", f"{s['vs_data_parallel_pct']:+.1f} %"
+         if s["vs_data_parallel_pct"] is not None else "—", fmt(s["replica_mean_bpb"], ".4f"),
+         fmt(s["averaged_bpb"] if s["method"] in ("noloco", "independent") else None, ".4f"),
+         f"{s['sigma']:.2e}", f"{s['mb_sent_per_peer']:.1f}", f"{s['wall_s']:.0f}"] for s in summary])
+    tokens = results[-1].history[-1].tokens
+    plot(results, png_path, f"{base.model.hidden_size}-wide {base.model.num_layers}-layer Llama "
+         f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
+         f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens")
+    print(f"wrote {json_path} and {png_path}; total wall {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

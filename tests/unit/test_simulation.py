@@ -1,0 +1,143 @@
+"""The in-process transport: same algorithm code as the swarm, metrics and bytes accounting."""
+
+import math
+import pathlib
+import sysconfig
+
+import pytest
+import torch
+
+from peer.data import Corpus
+from peer.simulation import (
+    Simulation, bits_per_byte, butterfly_bytes, run_simulation, sync_groups, weight_spread, weighted_mean,
+)
+from protocol.presets import tiny_run
+
+
+def _stream(name: str) -> torch.Tensor:
+    raw = (pathlib.Path(sysconfig.get_paths()["stdlib"]) / name).read_bytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tensors this small run slower on two threads, many times slower when the cores are shared.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    # Two stdlib files instead of the whole library: loading it takes seconds.
+    return Corpus(train=_stream("argparse.py"), validation=_stream("textwrap.py"), train_files=1, validation_files=1)
+
+
+def manifest(algorithm: str, **sync):
+    return tiny_run().replace(sync={"algorithm": algorithm, **sync})
+
+
+def test_diloco_replicas_hold_identical_phi_after_a_round(corpus):
+    sim = Simulation(manifest("diloco"), corpus, peers=2, seed=0)
+    phi0 = [p.clone() for p in sim.phis[0]]
+    sim.run_round()
+    for a, b in zip(sim.phis[0], sim.phis[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(sim.phis[0], phi0))
+    for model, phi in zip(sim.models, sim.phis):  # θ ← φ after the outer step
+        for t, p in zip(model.parameters(), phi):
+            assert torch.equal(t.detach(), p)
+
+
+def test_diloco_round_applies_nesterov_to_the_mean_pseudo_gradient(corpus):
+    # First round from zero momentum: m = Δ̄, φ_1 = φ_0 − lr·(Δ̄ + μ·Δ̄) (DiLoCo Alg. 1, Nesterov SGD).
+    m = manifest("diloco")
+    sim = Simulation(m, corpus, peers=2, seed=3)
+    phi0 = [p.clone() for p in sim.phis[0]]
+    H = m.sync.inner_steps
+    for inner in sim.inners:
+        for k in range(H):
+            inner.step(k)
+    thetas = [[p.detach().clone() for p in model.parameters()] for model in sim.models]
+    sim._outer_step([1, 1])  # the inner steps are done above: run only the outer step
+    lr, mu = m.outer_optimizer.lr, m.outer_optimizer.momentum
+    for i, p0 in enumerate(phi0):
+        mean_delta = p0 - (thetas[0][i] + thetas[1][i]) / 2
+        torch.testing.assert_close(sim.phis[0][i], p0 - lr * (1 + mu) * mean_delta, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_lr_one_without_momentum_is_plain_training(corpus):
+    # DiLoCo with one peer, lr 1, no momentum sets φ ← θ each round: the same trajectory as
+    # data-parallel with one peer, provided AdamW state and the lr schedule carry across rounds.
+    m = manifest("diloco").replace(outer_optimizer={"lr": 1.0, "momentum": 0.0})
+    a = Simulation(m, corpus, peers=1, seed=1)
+    b = Simulation(m, corpus, peers=1, seed=1, data_parallel=True)
+    for _ in range(3):
+        a.run_round()
+        b.run_round()
+    for x, y in zip(a.models[0].parameters(), b.models[0].parameters()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_independent_replicas_spread_more_than_noloco(corpus):
+    spreads = {}
+    for algorithm in ("noloco", "independent", "diloco"):
+        result = run_simulation(manifest(algorithm), corpus, peers=4, rounds=3, seed=0, eval_every_rounds=3)
+        spreads[algorithm] = result.history[-1].sigma
+        assert result.history[-1].loss_bpb < result.history[0].loss_bpb  # the loss fell
+    assert spreads["diloco"] == 0.0
+    assert 0.0 < spreads["noloco"] < spreads["independent"]
+
+
+def test_noloco_groups_are_pairs_with_changing_partners():
+    m = manifest("noloco")
+    partners = {i: set() for i in range(8)}
+    for round_ in range(20):
+        groups = sync_groups(m, 8, round_)
+        members = sorted(i for g in groups for i in g)
+        assert members == list(range(8))  # every peer in exactly one group
+        for group in groups:
+            assert len(group) == 2 and group[0] != group[1]
+            partners[group[0]].add(group[1])
+            partners[group[1]].add(group[0])
+    assert all(len(p) >= 3 for p in partners.values()), partners
+    assert sync_groups(manifest("diloco"), 8, 0) == [list(range(8))]
+    assert sync_groups(manifest("independent"), 3, 0) == [[0], [1], [2]]
+
+
+def test_bytes_sent_match_the_butterfly_formula(corpus):
+    rounds, N = 2, 4
+    sent = {}
+    for algorithm in ("diloco", "noloco", "independent"):
+        sent[algorithm] = run_simulation(manifest(algorithm), corpus, peers=N, rounds=rounds,
+                                         eval_every_rounds=rounds).bytes_sent_per_peer
+    dp = run_simulation(manifest("diloco"), corpus, peers=N, rounds=rounds, data_parallel=True,
+                        eval_every_rounds=rounds)
+    P, H = dp.parameters, dp.inner_steps
+    assert sent["diloco"] == pytest.approx(rounds * 2 * (N - 1) / N * 4 * P)
+    assert sent["noloco"] == pytest.approx(rounds * 2 * (2 - 1) / 2 * 4 * (2 * P))
+    assert sent["independent"] == 0.0
+    assert dp.bytes_sent_per_peer == pytest.approx(rounds * H * 2 * (N - 1) / N * 4 * P)
+
+
+def test_butterfly_bytes_and_bits_per_byte():
+    assert butterfly_bytes(1000, 1) == 0.0
+    assert butterfly_bytes(1000, 2) == 4000.0
+    assert butterfly_bytes(1000, 8) == pytest.approx(2 * 7 / 8 * 4000)
+    assert bits_per_byte(math.log(2)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="group_size = 0"):
+        butterfly_bytes(10, 0)
+
+
+def test_weighted_mean_and_spread_against_hand_computation():
+    a = [torch.tensor([1.0, 2.0]), torch.tensor([[0.0]])]
+    b = [torch.tensor([3.0, 6.0]), torch.tensor([[4.0]])]
+    mean = weighted_mean([a, b], [1.0, 3.0])
+    torch.testing.assert_close(mean[0], torch.tensor([2.5, 5.0]))
+    torch.testing.assert_close(mean[1], torch.tensor([[3.0]]))
+    # φ̄ = ([2, 4], [2]); Σ‖φ_i − φ̄‖² = 2·(1 + 4 + 4) = 18; N·P = 2·3.
+    assert weight_spread([a, b]) == pytest.approx(math.sqrt(18 / 6))
+    assert weight_spread([a, a]) == 0.0
