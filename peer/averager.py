@@ -16,7 +16,6 @@ The class name is part of the wire protocol: hivemind derives RPC handler names 
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import multiprocessing as mp

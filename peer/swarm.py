@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.reporting import format_bytes
-from protocol.errors import LocoError, NetworkError
+from protocol.errors import NetworkError
 from protocol.manifest import RunManifest, dump_toml
 
 STOP_GRACE_S = 60.0
@@ -179,8 +179,6 @@ def run_swarm(cfg: SwarmConfig) -> int:
         interrupted = True
         console.print("interrupted: peers finish their step and checkpoint…")
         swarm.interrupt()
-    except LocoError:
-        raise
     finally:
         try:
             swarm.stop_all(STOP_GRACE_S)

@@ -26,7 +26,6 @@ def ensure_identity(path: str | Path) -> Path:
         ConfigError: the directory cannot be created, or an existing file is unreadable or
             not a libp2p private key.
     """
-    from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID  # noqa: F401  (import check)
     from hivemind.proto import crypto_pb2
     from hivemind.utils.crypto import RSAPrivateKey
 
