@@ -78,7 +78,7 @@ def _read_text(path: Path) -> bytes:
 
 @dataclass(frozen=True)
 class Corpus:
-    """Token streams of the two splits. ``train`` and ``validation`` are 1-D uint8-backed int64 views."""
+    """Token streams of the two splits: 1-D int16 tensors (bytes 0-255 and EOS = 257)."""
 
     train: torch.Tensor
     validation: torch.Tensor

@@ -73,8 +73,9 @@ class InnerLoop:
         batch = self.sampler.next_batch()
         self.model.train()
         loss = lm_loss(self.model, batch)
-        if not math.isfinite(loss.item()):
-            raise BadPayload(f"training loss is {loss.item()} at inner step {inner_step}")
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise BadPayload(f"training loss is {loss_value} at inner step {inner_step}")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.spec.grad_clip_norm > 0:
@@ -86,4 +87,4 @@ class InnerLoop:
             group["lr"] = self.lr(inner_step)
         self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
-        return StepResult(loss=loss.item(), tokens=tokens, seconds=time.perf_counter() - start)
+        return StepResult(loss=loss_value, tokens=tokens, seconds=time.perf_counter() - start)
