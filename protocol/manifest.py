@@ -241,6 +241,51 @@ class SyncSpec:
         _float_in(s, "next_chunk_timeout_s", self.next_chunk_timeout_s, 0.0, 3600.0, lo_open=True)
 
 
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")
+"""Codecs a run may choose for pseudo-gradients (protocol/codecs.py; ALGORITHMS.md §3, §5)."""
+PHI_CODECS = ("none", "fp16", "bf16", "int8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionSpec:
+    """How pseudo-gradients cross the network (protocol/codecs.py).
+
+    Every codec's sums are accumulated in fp32; lossy codecs keep a per-peer error-feedback
+    residual when ``error_feedback`` is on. 1-D tensors are never top-k or low-rank compressed.
+    """
+
+    codec: str = "none"
+    """'none' (fp32), 'fp16', 'bf16', 'int8' / 'int4' (blockwise absmax), 'fp4' (E3M0 float,
+    blockwise scale), 'topk' (largest-magnitude fraction), 'lowrank' (PowerSGD-style), or
+    'adaptive' (per tensor, fits each sync into ``sync_time_budget_s`` at the measured uplink;
+    the DiLoCoX idea, arXiv 2506.21263)."""
+    block_size: int = 64
+    """Elements per absmax block of int8, int4 and fp4."""
+    topk_fraction: float = 0.01
+    """Fraction of each tensor's elements that top-k sends."""
+    rank: int = 4
+    """Rank of the low-rank codec."""
+    error_feedback: bool = True
+    """Carry each lossy codec's compression error into the next round (e ← (Δ + e) − C(Δ + e))."""
+    phi_codec: str = "none"
+    """NoLoCo only: how the φ half of the payload is sent ('none' is fp32)."""
+    sync_time_budget_s: float = 10.0
+    """adaptive: seconds one sync should take at the peer's measured uplink."""
+    uplink_mbps: float = 50.0
+    """adaptive: assumed uplink in Mbit/s until the first sync has measured it."""
+
+    def __post_init__(self) -> None:
+        s = "compression"
+        _choice(s, "codec", self.codec, CODECS)
+        _int_in(s, "block_size", self.block_size, 8, 1 << 20)
+        _float_in(s, "topk_fraction", self.topk_fraction, 0.0, 1.0, lo_open=True)
+        _int_in(s, "rank", self.rank, 1, 4096)
+        _check(s, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
+        _choice(s, "phi_codec", self.phi_codec, PHI_CODECS)
+        _float_in(s, "sync_time_budget_s", self.sync_time_budget_s, 0.0, 86400.0, lo_open=True)
+        _float_in(s, "uplink_mbps", self.uplink_mbps, 0.0, 1e6, lo_open=True)
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelSpec,
     "tokenizer": TokenizerSpec,
@@ -249,6 +294,7 @@ _SECTIONS: dict[str, type] = {
     "outer_optimizer": OuterOptimizerSpec,
     "sync": SyncSpec,
     "noloco": NoLoCoSpec,
+    "compression": CompressionSpec,
 }
 
 
@@ -265,6 +311,7 @@ class RunManifest:
     outer_optimizer: OuterOptimizerSpec = field(default_factory=OuterOptimizerSpec)
     sync: SyncSpec = field(default_factory=SyncSpec)
     noloco: NoLoCoSpec = field(default_factory=NoLoCoSpec)
+    compression: CompressionSpec = field(default_factory=CompressionSpec)
 
     def __post_init__(self) -> None:
         _check("run", "name", self.name,

@@ -22,6 +22,9 @@ class ProgressRecord:
     tokens_per_s: float
     group_size: int
     bytes_sent: int
+    """Sync bytes this peer wrote to the network in its last round (counted at the transport)."""
+    bytes_received: int = 0
+    """Sync bytes this peer read from the network in its last round."""
     eval_loss: float | None = None
     version: int = PROTOCOL_VERSION
 
@@ -38,12 +41,12 @@ class ProgressRecord:
         if not isinstance(value, dict):
             raise BadPayload(f"progress record must be a map, got {type(value).__name__}")
         expected = {"round", "inner_step", "train_loss", "tokens_per_s", "group_size", "bytes_sent",
-                    "eval_loss", "version"}
+                    "bytes_received", "eval_loss", "version"}
         if set(value) != expected:
             raise BadPayload(f"progress record has fields {sorted(value)}, expected {sorted(expected)}")
         if value["version"] != PROTOCOL_VERSION:
             raise BadPayload(f"progress record version {value['version']!r}, expected {PROTOCOL_VERSION}")
-        for name in ("round", "inner_step", "group_size", "bytes_sent"):
+        for name in ("round", "inner_step", "group_size", "bytes_sent", "bytes_received"):
             v = value[name]
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise BadPayload(f"progress record field {name} = {v!r}: expected a non-negative integer")
