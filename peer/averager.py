@@ -1,21 +1,21 @@
-"""hivemind's DecentralizedAverager, adapted for DiLoCo rounds.
+"""hivemind's DecentralizedAverager with locoswarm's own all-reduce (peer/allreduce.py).
 
-Runs in its own process (hivemind forks it). What it adds to the stock averager:
+Runs in its own process (hivemind forks it). What it keeps from hivemind: matchmaking (groups of
+peers at the same round, keyed by run id and round) and state download for joiners. What it
+replaces: the all-reduce itself, so that
 
-* matchmaking is keyed by run id (the prefix) and round (the group bits), so only peers at the
-  same outer step form a group;
-* a partly averaged result is detected and rejected: hivemind 1.1.12 reports success when a
-  groupmate died mid all-reduce and silently leaves its parts un-averaged (DESIGN.md, known
-  traps). We collect the whole result first and apply it only if every part arrived from every
-  groupmate;
-* the bytes this peer sent in the all-reduce are counted per round;
-* joiners download φ, the outer momentum and the round through ``get_current_state``.
+* pseudo-gradients travel compressed by the run's codec (protocol/codecs.py), with this peer's
+  error-feedback residuals kept here, committed only when a round completes;
+* every frame is validated (protocol/wire.py) and every byte written and read is counted;
+* a groupmate that fails is excluded by a stated rule, and a round this peer could not complete
+  is never applied (hivemind 1.1.12 reports success with parts un-averaged; DESIGN.md).
 
 The class name is part of the wire protocol: hivemind derives RPC handler names from it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
@@ -24,41 +24,73 @@ from typing import Any, Callable, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import enter_asynchronously
+
+from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, plan_pieces
+from protocol import wire
+from protocol.errors import BadPayload
+from protocol.manifest import CompressionSpec
+from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
+
+INCOMPLETE = "locoswarm.incomplete"
+"""Key of the result an all-reduce returns when this peer could not complete it (value: the reason)."""
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
-class PartialAverage(AllreduceException):
-    """Some parts of the tensors were not averaged over the whole group."""
+class AllreduceIncomplete(AllreduceException):
+    """This peer did not get a valid mean for every piece; nothing was applied."""
 
 
 class LocoAverager(DecentralizedAverager):
     """Averages pseudo-gradients within a group of peers at the same round.
 
     Args:
-        averaged_tensors: fp32 buffers shaped like the model parameters; hivemind moves them to
-            shared memory. The trainer writes Δ into them before a step and reads Δ̄ after.
-        state_provider: called in the host process when another peer downloads our state;
-            returns (metadata, tensors). Set later with :meth:`set_state_provider`.
-        **kwargs: passed to DecentralizedAverager.
+        averaged_tensors: fp32 buffers shaped like the payload; hivemind moves them to shared
+            memory. The trainer writes its payload into them before a step and reads the group
+            mean after.
+        compression: the run's codecs.
+        phi_from: index of the first tensor that is φ rather than Δ (NoLoCo's payload is Δ then
+            φ; φ uses ``compression.phi_codec`` and no error feedback); None: all Δ.
+        piece_elements: target piece size of the all-reduce.
+        **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, **kwargs):
-        self._bytes_sent = mp.Value(ctypes.c_double, 0.0)
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, compression: CompressionSpec,
+                 phi_from: int | None = None, piece_elements: int | None = None, **kwargs):
+        if kwargs.get("next_chunk_timeout") is None:
+            raise ValueError("LocoAverager needs next_chunk_timeout: a silent groupmate must not stall a round")
+        self.compression, self.phi_from = compression, phi_from
+        self.piece_elements = piece_elements
+        self._stats = {name: mp.Value(ctypes.c_double, 0.0)
+                       for name in ("bytes_sent", "bytes_received", "excluded", "partial_pieces", "send_seconds")}
         self._state_provider: StateProvider | None = None
         self._state_lock = threading.Lock()
+        # set in the averager process
+        self._sessions: dict[bytes, asyncio.Future] = {}
+        self._error_feedback = None
+        self._uplink_bytes_per_s = compression.uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
 
     @property
-    def last_bytes_sent(self) -> int:
-        """Bytes this peer sent in its last all-reduce (tensor payload of the parts)."""
-        return int(self._bytes_sent.value)
+    def stream_protocol(self) -> str:
+        return f"{self.prefix}.LocoAllreduce.v{PROTOCOL_VERSION}"
+
+    def reset_stats(self) -> None:
+        for value in self._stats.values():
+            value.value = 0.0
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """Counters of this peer's last all-reduce: bytes_sent / bytes_received (frame bytes written
+        to and read from its streams), excluded (senders this peer excluded as an owner),
+        partial_pieces (means that left out a sender), send_seconds."""
+        return {name: value.value for name, value in self._stats.items()}
 
     def set_state_provider(self, provider: StateProvider | None) -> None:
         with self._state_lock:
@@ -85,46 +117,174 @@ class LocoAverager(DecentralizedAverager):
         self._matchmaking.group_key_manager.target_group_size = size
         future.set_result(None)
 
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
-                                      group_id: bytes | None = None, **kwargs) -> None:
-        """Run one butterfly all-reduce and apply its result only if it is complete.
+    # ---- in the averager process ----------------------------------------------------------
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced: bool = False) -> None:
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+        await p2p.add_binary_stream_handler(self.stream_protocol, self._handle_stream)
 
-        On a partial result (a groupmate failed as sender or as reducer) raises PartialAverage
-        and leaves ``tensors`` unchanged.
-        """
-        group_id = group_info.group_id if group_id is None else group_id
-        runner = AllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
-        self._running_groups[group_id].set_result(runner)
-        my_index = group_info.peer_ids.index(self.peer_id)
-        elements_by_peer = [sum(part.numel() for part, _ in parts)
-                            for parts in runner.tensor_part_container._input_parts_by_peer]
-        if runner.modes[my_index] == AveragingMode.AUX:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+    async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A groupmate opened a stream to send us its pieces: route it to our session for its group."""
+        timeout = self.next_chunk_timeout
+        try:
+            payload = await wire.read_frame(reader, max_bytes=wire.MAX_HELLO_BYTES, timeout=timeout)
+            hello = wire.parse_hello(payload, group_size=wire.MAX_GROUP_SIZE)
+            future = self._session_future(hello.group_id)
+            session = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            logger.warning("rejected an all-reduce stream from %s: %s", stream_info.peer_id, exc)
+            self._stats["excluded"].value += 0  # counted by the session when it knows the sender
+            writer.close()
             return
+        await session.serve(stream_info.peer_id, payload, reader, writer)
 
-        updates = []
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            updates.append(update)
-        container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
-        missing_senders = [i for i, after in enumerate(reducer.sender_failed_after) if after < reducer.num_parts]
-        if container.failed_size != 0 or runner.banned_senders or missing_senders:
-            raise PartialAverage(
-                f"all-reduce of group {group_id.hex()[:8]} was partial: {container.failed_size} of "
-                f"{container.total_size} elements not averaged, {len(runner.banned_senders)} groupmate(s) "
-                f"dropped as senders"
-            )
-        for tensor, update in zip(tensors, updates):
-            tensor.add_(update, alpha=self._averaging_alpha)
-        self.last_updated = get_dht_time()
-        self._state_updated.set()
-        self._bytes_sent.value = float(_payload_bytes_sent(elements_by_peer, my_index))
+    def _session_future(self, group_id: bytes) -> asyncio.Future:
+        future = self._sessions.get(group_id)
+        if future is None:
+            loop = asyncio.get_running_loop()
+            future = self._sessions[group_id] = loop.create_future()
+            # forget groups that never start here (a stale or bogus HELLO) after a while
+            loop.call_later(4 * (self.next_chunk_timeout or 5.0) + 60, self._sessions.pop, group_id, None)
+        return future
 
+    def _codecs_for(self, pieces: list[Piece], shapes: list[torch.Size], group_size: int, tensors):
+        from protocol import codecs
 
-def _payload_bytes_sent(elements_by_peer: Sequence[int], my_index: int, element_size: int = 4) -> int:
-    """Tensor payload this peer sends in a butterfly all-reduce: its input parts to every other
-    reducer, plus the part it reduced, returned to every other groupmate. Excludes framing."""
-    others = len(elements_by_peer) - 1
-    sent_inputs = sum(n for i, n in enumerate(elements_by_peer) if i != my_index)
-    return element_size * (sent_inputs + elements_by_peer[my_index] * others)
+        spec = self.compression
+        n_delta = len(shapes) if self.phi_from is None else self.phi_from
+        per_tensor = [None] * len(shapes)
+        if spec.codec == "adaptive":
+            from peer.adaptive import plan as adaptive_plan
+
+            chosen = adaptive_plan(list(tensors[:n_delta]), spec, uplink_bytes_per_s=self._uplink_bytes_per_s,
+                                   group_size=group_size)
+            per_tensor[:n_delta] = chosen
+        piece_codecs = []
+        for piece in pieces:
+            shape = tuple(shapes[piece.tensor])
+            piece_shape = shape if not shape else (piece.stop - piece.start, *shape[1:])
+            role = "delta" if piece.tensor < n_delta else "phi"
+            codec = per_tensor[piece.tensor] or codecs.make_codec(spec, piece_shape, role=role)
+            piece_codecs.append(codec)
+        return piece_codecs
+
+    def _splittable(self, index: int) -> bool:
+        # low-rank codecs want whole matrices; the adaptive policy may choose low rank anywhere
+        return self.compression.codec not in ("lowrank", "adaptive")
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        """Run locoswarm's all-reduce in ``group_info``; return the groupmates' gathered metadata.
+
+        Returns ``{INCOMPLETE: reason}`` instead when the group's rounds disagree or this peer did
+        not get a valid mean for every piece; the tensors and error-feedback residuals are then
+        left unchanged.
+        """
+        from protocol import codecs
+
+        group_id = group_info.group_id
+        future = self._session_future(group_id)
+        session = None
+        try:
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
+            modes = [AveragingMode(m) for m in mode_ids]
+            rounds = {(d or {}).get("round") if isinstance(d, dict) else None for d in user_gathered.values()}
+            if len(rounds) != 1 or not isinstance(next(iter(rounds)), int):
+                raise AllreduceIncomplete(f"groupmates are at different rounds {sorted(map(str, rounds))}")
+            round_ = next(iter(rounds))
+            n = len(group_info.peer_ids)
+            my_index = group_info.peer_ids.index(self.peer_id)
+            owners = [i for i, mode in enumerate(modes) if mode != AveragingMode.CLIENT]
+            if not owners:
+                raise AllreduceIncomplete("every groupmate is in client mode: nobody can reduce")
+            async with enter_asynchronously(self.get_tensors()) as tensors:
+                shapes = [t.shape for t in tensors]
+                pieces = plan_pieces(shapes, owners, split=self._splittable,
+                                     **({"piece_elements": self.piece_elements} if self.piece_elements else {}))
+                piece_codecs = await asyncio.get_running_loop().run_in_executor(
+                    None, self._codecs_for, pieces, shapes, n, tensors)
+                plan = GroupPlan(
+                    group_id=group_id, peer_ids=tuple(group_info.peer_ids), my_index=my_index, pieces=pieces,
+                    codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
+                    max_piece_bytes=[codecs.max_encoded_bytes(tuple(shapes[p.tensor]) if not shapes[p.tensor] else
+                                                              (p.stop - p.start, *shapes[p.tensor][1:]))
+                                     for p in pieces],
+                    seeds=[(round_ * 1_000_003 + p.index) % (1 << 31) for p in pieces],
+                )
+                ef = self._feedback(shapes)
+                ef_lock = threading.Lock()
+
+                def compensate(piece: Piece, x: torch.Tensor) -> torch.Tensor:
+                    if ef is None or not self._has_feedback(piece):
+                        return x
+                    with ef_lock:
+                        return ef.compensate(piece.tensor, x, rows=self._rows(piece, shapes))
+
+                def stage(piece: Piece, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+                    if ef is None or not self._has_feedback(piece):
+                        return
+                    with ef_lock:
+                        ef.stage(piece.tensor, compensated, decoded, rows=self._rows(piece, shapes))
+
+                async def open_stream(peer_id):
+                    _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, self.stream_protocol)
+                    return reader, writer
+
+                session = GroupAllreduce(plan, tensors, weight=kwargs.get("weight") or 1.0, compensate=compensate,
+                                         stage=stage, open_stream=open_stream,
+                                         next_chunk_timeout=self.next_chunk_timeout)
+                if not future.done():
+                    future.set_result(session)
+                try:
+                    stats = await session.run()
+                except PartialAverage as exc:
+                    if ef is not None:
+                        ef.rollback()
+                    raise AllreduceIncomplete(f"all-reduce of group {group_id.hex()[:8]} incomplete, nothing "
+                                              f"applied: {exc}") from exc
+                finally:
+                    self._record(session.stats)
+                session.apply()
+                if ef is not None:
+                    ef.commit()
+            if stats.send_seconds > 0 and stats.bytes_sent > 0:
+                self._uplink_bytes_per_s = stats.bytes_sent / stats.send_seconds
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+            return user_gathered
+        except AllreduceIncomplete as exc:
+            # Returned, not raised: hivemind would retry matchmaking for a round the group already ran.
+            return {INCOMPLETE: str(exc)}
+        except Exception as exc:
+            logger.debug("all-reduce failed", exc_info=True)
+            return {INCOMPLETE: f"all-reduce failed: {type(exc).__name__}: {exc}"}
+        finally:
+            if session is not None:
+                session.close()
+            if not future.done():
+                future.cancel()
+            loop = asyncio.get_running_loop()
+            loop.call_later(2 * self.next_chunk_timeout + 5, self._sessions.pop, group_id, None)
+
+    def _feedback(self, shapes):
+        if not self.compression.error_feedback or self.compression.codec == "none":
+            return None
+        if self._error_feedback is None:
+            from protocol.codecs import ErrorFeedback
+
+            n_delta = len(shapes) if self.phi_from is None else self.phi_from
+            self._error_feedback = ErrorFeedback(list(shapes[:n_delta]))
+        return self._error_feedback
+
+    def _has_feedback(self, piece: Piece) -> bool:
+        return self.phi_from is None or piece.tensor < self.phi_from
+
+    @staticmethod
+    def _rows(piece: Piece, shapes) -> slice | None:
+        return None if len(shapes[piece.tensor]) == 0 else slice(piece.start, piece.stop)
+
+    def _record(self, stats) -> None:
+        self._stats["bytes_sent"].value = float(stats.bytes_sent)
+        self._stats["bytes_received"].value = float(stats.bytes_received)
+        self._stats["excluded"].value = float(len(stats.excluded))
+        self._stats["partial_pieces"].value = float(stats.partial_pieces)
+        self._stats["send_seconds"].value = float(stats.send_seconds)

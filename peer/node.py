@@ -115,6 +115,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         payload_shapes = [t.shape for t in make_outer(manifest, shapes).payload(
             [torch.empty(s) for s in shapes], [torch.empty(s) for s in shapes])]
         transport = NetworkTransport(dht, shapes, payload_shapes, manifest.run_id, manifest.sync,
+                                     compression=manifest.compression,
+                                     phi_from=len(shapes) if len(payload_shapes) > len(shapes) else None,
                                      client_mode=cfg.client_mode)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)
@@ -128,7 +130,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         saved = trainer.save()
         s = summary
         reporter.emit("stopped", peer_id=peer_id, rounds_completed=s.rounds_completed, final_round=s.final_round,
-                      max_group_size=s.max_group_size, bytes_sent=s.bytes_sent, failed_syncs=s.failed_syncs,
+                      max_group_size=s.max_group_size, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
+                      failed_syncs=s.failed_syncs,
                       initial_eval_loss=s.initial_eval_loss, final_eval_loss=s.final_eval_loss,
                       group_sizes=s.group_sizes, interrupted=s.interrupted, checkpoint=saved)
         return (EXIT_INTERRUPTED if s.interrupted else 0), summary

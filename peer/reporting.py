@@ -21,10 +21,10 @@ def format_bytes(n: float) -> str:
 
 
 def round_line(e: dict[str, Any]) -> str:
-    """``round 12 | loss 2.913 | 1,830 tok/s | group 4 | sync 2.4 s | sent 5.1 MiB | peers 7``"""
+    """``round 12 | loss 2.913 | 1,830 tok/s | group 4 | sync 2.4 s | sent 5.1 MiB | recv 5.1 MiB | peers 7``"""
     line = (f"round {e['round']} | loss {e['train_loss']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
             f"group {e['group_size']} | sync {e['sync_s']:.1f} s | sent {format_bytes(e['bytes_sent'])} | "
-            f"peers {e['peers']}")
+            f"recv {format_bytes(e.get('bytes_received', 0))} | peers {e['peers']}")
     if e.get("note"):
         line += f" | {e['note']}"
     return line

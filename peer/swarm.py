@@ -248,6 +248,7 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
             "rounds_completed": stopped.get("rounds_completed", len(rounds)),
             "max_group_size": stopped.get("max_group_size", max((e["group_size"] for e in rounds), default=0)),
             "bytes_sent": stopped.get("bytes_sent", sum(e["bytes_sent"] for e in rounds)),
+            "bytes_received": stopped.get("bytes_received", sum(e.get("bytes_received", 0) for e in rounds)),
             "group_sizes": [e["group_size"] for e in rounds],
             "tokens_per_s": (sum(e["tokens_per_s"] for e in rounds) / len(rounds)) if rounds else 0.0,
             "initial_eval_loss": first_eval["loss"] if first_eval else None,
@@ -270,11 +271,12 @@ def _print_summary(console, summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"swarm summary: run {summary['run_id']} ({summary['run_name']})")
-    for column in ("peer", "peer id", "rounds", "max group", "sent", "tok/s", "final eval loss", "exit"):
+    for column in ("peer", "peer id", "rounds", "max group", "sent", "received", "tok/s", "final eval loss", "exit"):
         table.add_column(column)
     for p in summary["peers"]:
         table.add_row(p["name"], (p["peer_id"] or "?")[:16] + "…", str(p["rounds_completed"]),
-                      str(p["max_group_size"]), format_bytes(p["bytes_sent"]), f"{p['tokens_per_s']:,.0f}",
+                      str(p["max_group_size"]), format_bytes(p["bytes_sent"]),
+                      format_bytes(p["bytes_received"]), f"{p['tokens_per_s']:,.0f}",
                       "-" if p["final_eval_loss"] is None else f"{p['final_eval_loss']:.4f}", str(p["exit_code"]))
     console.print(table)
     init, fin = summary["initial_eval_loss"], summary["final_eval_loss"]

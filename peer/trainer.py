@@ -67,6 +67,7 @@ class TrainSummary:
     rounds_completed: int = 0
     max_group_size: int = 1
     bytes_sent: int = 0
+    bytes_received: int = 0
     initial_eval_loss: float | None = None
     final_eval_loss: float | None = None
     final_round: int = 0
@@ -194,9 +195,10 @@ class Trainer:
             logger.debug("read progress records in %.3f s", time.monotonic() - start)
 
     def _publish(self, *, train_loss: float = 0.0, tokens_per_s: float = 0.0, group_size: int = 1,
-                 bytes_sent: int = 0, eval_loss: float | None = None) -> None:
+                 bytes_sent: int = 0, bytes_received: int = 0, eval_loss: float | None = None) -> None:
         record = ProgressRecord(round=self.round, inner_step=self.inner_step, train_loss=train_loss,
                                 tokens_per_s=tokens_per_s, group_size=group_size, bytes_sent=bytes_sent,
+                                bytes_received=bytes_received,
                                 eval_loss=eval_loss)
         ttl = max(60.0, 3 * self.transport.max_sync_seconds)
         try:
@@ -344,7 +346,7 @@ class Trainer:
         tokens_per_s = self.round_tokens / max(self.round_compute_s, 1e-9)
         live = self._live_records()
         expected, group_index, note = self._plan_group(live)
-        group_size, group, bytes_sent, sync_s = 1, [self.peer_id], 0, 0.0
+        group_size, group, bytes_sent, bytes_received, sync_s = 1, [self.peer_id], 0, 0, 0.0
         mean: list[torch.Tensor] | None = None
         try:
             check_finite(delta, "this peer's pseudo-gradient")
@@ -358,8 +360,12 @@ class Trainer:
                                                 should_stop=self.stop_event.is_set)
                 check_finite(result.mean, "the group's mean payload")
                 mean, group, group_size = result.mean, result.group, result.group_size
-                bytes_sent, sync_s = result.bytes_sent, result.seconds
+                bytes_sent, bytes_received, sync_s = result.bytes_sent, result.bytes_received, result.seconds
+                if result.excluded or result.partial_pieces:
+                    note = (f"{result.partial_pieces} piece(s) averaged without a failed groupmate "
+                            f"({result.excluded} excluded here)")
             except (SyncError, BadPayload) as exc:
+                bytes_sent, bytes_received = self.transport.last_bytes
                 # Failed rounds are recorded, not fatal (DiLoCo paper Fig. 8: dropped syncs are survivable).
                 self.summary.failed_syncs += 1
                 note = f"no group: applied own step ({exc})"
@@ -377,10 +383,12 @@ class Trainer:
         s.rounds_completed += 1
         s.max_group_size = max(s.max_group_size, group_size)
         s.bytes_sent += bytes_sent
+        s.bytes_received += bytes_received
         s.group_sizes.append(group_size)
         self._publish(train_loss=train_loss, tokens_per_s=tokens_per_s, group_size=group_size,
-                      bytes_sent=bytes_sent)
+                      bytes_sent=bytes_sent, bytes_received=bytes_received)
         self.reporter.emit("round", round=self.round, train_loss=train_loss, tokens_per_s=tokens_per_s,
-                           group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent, peers=len(live) or 1,
+                           group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent,
+                           bytes_received=bytes_received, peers=len(live) or 1,
                            peer_id=self.peer_id, group=group, note=note, planned_group=self._planned_group)
         self._planned_group = None

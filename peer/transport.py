@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from peer.averager import LocoAverager
+from peer.averager import INCOMPLETE, LocoAverager
 from protocol import keys
 from protocol.errors import AllreduceFailed, BadPayload, GroupNotFound
-from protocol.manifest import SyncSpec
+from protocol.manifest import CompressionSpec, SyncSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +34,15 @@ class SyncResult:
     group_size: int
     """Peers in the group, including this one."""
     bytes_sent: int
-    """Tensor payload bytes this peer sent."""
+    """Sync bytes this peer wrote to its all-reduce streams (frames, headers included)."""
+    bytes_received: int
+    """Sync bytes this peer read from its all-reduce streams."""
     seconds: float
     """Wall time of matchmaking plus all-reduce."""
+    excluded: int = 0
+    """Groupmates this peer, as an owner of pieces, excluded from its means (failed or invalid)."""
+    partial_pieces: int = 0
+    """Pieces whose mean left out at least one groupmate (the means are identical for all that completed)."""
 
 
 @dataclass(frozen=True)
@@ -59,19 +65,27 @@ class NetworkTransport:
             live in shared memory.
         run_id: the run; the averager prefix is derived from it.
         sync: matchmaking and all-reduce timeouts from the run manifest.
+        compression: the run's codecs (protocol/codecs.py).
+        phi_from: index of the first payload tensor that is φ, not Δ (NoLoCo), or None.
         client_mode: True when other peers cannot dial this one (behind NAT).
     """
 
     def __init__(self, dht, param_shapes: Sequence[torch.Size], payload_shapes: Sequence[torch.Size], run_id: str,
-                 sync: SyncSpec, *, client_mode: bool = False):
+                 sync: SyncSpec, *, compression: CompressionSpec | None = None, phi_from: int | None = None,
+                 client_mode: bool = False, piece_elements: int | None = None):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
+        self.last_bytes = (0, 0)
+        """(sent, received) sync bytes of the last :meth:`average`, also when it failed."""
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
         # it; keep the caller's handler so Ctrl-C still stops the peer cleanly.
         previous_sigint = signal.getsignal(signal.SIGINT)
         self.averager = LocoAverager(
             self._buffers,
             dht,
+            compression=compression or CompressionSpec(),
+            phi_from=phi_from,
+            piece_elements=piece_elements,
             prefix=keys.averager_prefix(run_id, sync.algorithm),
             initial_group_bits=keys.round_group_bits(0),
             target_group_size=sync.target_group_size,
@@ -125,7 +139,7 @@ class NetworkTransport:
         with self.averager.get_tensors() as buffers:
             for buf, d in zip(buffers, payload, strict=True):
                 buf.copy_(d)
-        self.averager._bytes_sent.value = 0.0
+        self.averager.reset_stats()
         self.averager.set_group_bits(keys.round_group_bits(round_, group_index))
         self.averager.set_target_group_size(max(2, min(expected_group_size, self.sync.target_group_size)))
         control = self.averager.step(
@@ -156,6 +170,10 @@ class NetworkTransport:
             raise AllreduceFailed(f"round {round_} all-reduce failed: {text}") from exc
         if gathered is None:
             raise GroupNotFound(f"no group formed for round {round_}")
+        stats = self.averager.last_stats
+        self.last_bytes = (int(stats["bytes_sent"]), int(stats["bytes_received"]))
+        if INCOMPLETE in gathered:
+            raise AllreduceFailed(f"round {round_}: {gathered[INCOMPLETE]}")
         rounds = {str(peer): (data or {}).get("round") if isinstance(data, dict) else None
                   for peer, data in gathered.items()}
         if any(r != round_ for r in rounds.values()):
@@ -163,7 +181,9 @@ class NetworkTransport:
         with self.averager.get_tensors() as buffers:
             mean = [buf.clone() for buf in buffers]
         return SyncResult(mean=mean, group=sorted(str(peer) for peer in gathered), group_size=len(gathered),
-                          bytes_sent=self.averager.last_bytes_sent, seconds=time.monotonic() - start)
+                          bytes_sent=int(stats["bytes_sent"]), bytes_received=int(stats["bytes_received"]),
+                          seconds=time.monotonic() - start, excluded=int(stats["excluded"]),
+                          partial_pieces=int(stats["partial_pieces"]))
 
     def share_state(self, provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None,
                     priority: float = 0.0) -> None:

@@ -1,0 +1,405 @@
+"""locoswarm's group all-reduce: a butterfly reduce-scatter plus all-gather of codec-compressed
+pieces on hivemind's libp2p streams (wire format: protocol/wire.py).
+
+Why our own and not hivemind's ``AllReduceRunner``: the codecs (protocol/codecs.py) must see
+whole row-pieces of each tensor (low rank, top-k), every message must be validated against the
+run's parameter shapes before use, every byte is counted where it is written and read, and a
+groupmate that fails is excluded by a stated rule instead of leaving parts silently un-averaged
+(DESIGN.md, known traps).
+
+The algorithm, for a group of n peers ordered as hivemind's matchmaking returned them:
+
+1. Every tensor is cut into pieces of whole rows (dim 0) of about ``piece_elements`` elements;
+   pieces are dealt to the *owners* (groupmates not in client mode) in contiguous runs of about
+   equal size. Every peer derives the same plan from the shapes and the group.
+2. Every peer sends each piece, encoded with its codec after adding its error-feedback residual,
+   to the piece's owner (its own pieces stay local, uncompressed). Encoding is self-describing.
+3. An owner sums each piece's contributions in fp32, in sender order, weighted by tokens,
+   divides by the included weight, encodes that mean with the codec's ``for_mean`` and decodes
+   it again itself, so the owner and every receiver hold bit-identical means.
+4. Every peer writes the means into its tensors. φ of all peers that complete a round together
+   is therefore identical, bit for bit.
+
+Rules on failure (checked, never assumed):
+
+* A sender whose HELLO or piece fails validation (version, group, index, length, codec data,
+  shape, non-finite value), who stays silent for ``next_chunk_timeout`` or whose stream breaks is
+  *excluded* by that owner: the owner's remaining means average the other senders only, with their
+  weights, and each MEAN frame names the senders it includes. Every receiver gets the same bytes,
+  so φ stays identical among the peers that complete.
+* A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
+  nothing from the round: :class:`PartialAverage` is raised, the tensors are left unchanged and
+  the error-feedback residuals are rolled back. The caller falls back to its own pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from protocol import wire
+from protocol.errors import BadPayload
+
+logger = logging.getLogger(__name__)
+
+PIECE_ELEMENTS = 1 << 18
+"""Default piece size: 256 Ki elements (1 MiB of fp32), small enough to pipeline the phases."""
+
+
+class PartialAverage(Exception):
+    """This peer did not receive a valid mean for every piece; nothing was applied."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of tensor ``tensor`` (the whole tensor for 0-d), reduced by ``owner``."""
+
+    index: int
+    tensor: int
+    start: int
+    stop: int
+    owner: int
+    """Position in the group (not in the owner list)."""
+
+
+def plan_pieces(shapes: Sequence[torch.Size], owners: Sequence[int], *, piece_elements: int = PIECE_ELEMENTS,
+                split: Callable[[int], bool] = lambda index: True) -> list[Piece]:
+    """Cut tensors into row pieces and deal them to ``owners`` (group positions) in contiguous runs.
+
+    Args:
+        shapes: the payload's tensor shapes, in payload order.
+        owners: group positions of the peers that reduce pieces (not in client mode), ascending.
+        piece_elements: target elements per piece; a piece is never smaller than one row.
+        split: ``split(i)`` False keeps tensor i whole (low-rank codecs want whole matrices).
+
+    Returns:
+        Pieces in payload order; every row of every non-empty tensor is in exactly one piece.
+    """
+    if not owners:
+        raise ValueError("a group needs at least one owner")
+    raw: list[tuple[int, int, int, int]] = []  # tensor, start, stop, elements
+    for index, shape in enumerate(shapes):
+        numel = math.prod(shape)
+        if numel == 0:
+            continue
+        if len(shape) == 0:
+            raw.append((index, 0, 1, 1))
+            continue
+        rows, row_size = shape[0], numel // shape[0]
+        step = rows if not split(index) else max(1, piece_elements // max(1, row_size))
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            raw.append((index, start, stop, (stop - start) * row_size))
+    total = sum(r[3] for r in raw)
+    pieces, done = [], 0
+    for i, (tensor, start, stop, numel) in enumerate(raw):
+        # owner k takes the pieces whose midpoint falls in [k/n, (k+1)/n) of the elements
+        mid = (done + numel / 2) / max(1, total)
+        owner = owners[min(len(owners) - 1, int(mid * len(owners)))]
+        pieces.append(Piece(index=i, tensor=tensor, start=start, stop=stop, owner=owner))
+        done += numel
+    return pieces
+
+
+def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return tensor if tensor.dim() == 0 else tensor[piece.start:piece.stop]
+
+
+@dataclass
+class AllreduceStats:
+    bytes_sent: int = 0
+    """Frame bytes this peer wrote to its streams (headers included; libp2p framing excluded)."""
+    bytes_received: int = 0
+    """Frame bytes this peer read from its streams."""
+    send_seconds: float = 0.0
+    """Wall time from the first byte sent to the last piece written."""
+    excluded: dict[int, str] = field(default_factory=dict)
+    """Senders this peer (as an owner) excluded, with the reason."""
+    partial_pieces: int = 0
+    """Pieces whose mean left out at least one sender."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Everything both sides of a stream must agree on for one group."""
+
+    group_id: bytes
+    peer_ids: tuple
+    """Group members in matchmaking order (hivemind PeerIDs)."""
+    my_index: int
+    pieces: list[Piece]
+    codecs: list  # per piece: protocol.codecs.Codec used to send this peer's contribution
+    mean_codecs: list  # per piece: codec for the owner's mean
+    max_piece_bytes: list[int]
+    seeds: list[int]
+
+
+class GroupAllreduce:
+    """One all-reduce of one group, from this peer's side (sender to every owner, owner of its pieces).
+
+    Args:
+        plan: the group, pieces and codecs.
+        tensors: this peer's payload, fp32, shapes as planned; overwritten with the means on success.
+        weight: tokens behind this peer's contribution (> 0).
+        compensate / stage: error feedback hooks: ``compensate(piece, x) -> x + e`` and
+            ``stage(piece, compensated, decoded)``; the caller commits or rolls back.
+        open_stream: ``await open_stream(peer_id) -> (reader, writer)`` to an owner.
+        next_chunk_timeout: seconds a silent sender or owner is waited for.
+        executor: runs encode/decode off the event loop (torch releases the GIL).
+    """
+
+    def __init__(self, plan: GroupPlan, tensors: Sequence[torch.Tensor], *, weight: float,
+                 compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
+                 stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
+                 open_stream, next_chunk_timeout: float, executor: Executor | None = None):
+        from protocol import codecs
+
+        self._codecs = codecs
+        self.plan, self.tensors, self.weight = plan, list(tensors), float(weight)
+        self.compensate, self.stage, self.open_stream = compensate, stage, open_stream
+        self.timeout, self.executor = next_chunk_timeout, executor
+        self.stats = AllreduceStats()
+        n = len(plan.peer_ids)
+        me = plan.my_index
+        self.my_pieces = [p for p in plan.pieces if p.owner == me]
+        self.pieces_by_owner: dict[int, list[Piece]] = {}
+        for p in plan.pieces:
+            self.pieces_by_owner.setdefault(p.owner, []).append(p)
+        # owner state for my pieces: contributions[piece.index][sender] -> (weight, fp32 tensor)
+        self._contrib: dict[int, list[tuple[float, torch.Tensor] | None]] = {
+            p.index: [None] * n for p in self.my_pieces}
+        self._excluded: set[int] = set()
+        self._connected: set[int] = {me}
+        self._changed = asyncio.Condition()
+        self._mean_frames: dict[int, asyncio.Future] = {p.index: asyncio.get_running_loop().create_future()
+                                                        for p in self.my_pieces}
+        self.results: dict[int, torch.Tensor] = {}
+        self._start = time.monotonic()
+
+    # ---- helpers ------------------------------------------------------------------------
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _write(self, writer: asyncio.StreamWriter, payload: bytes) -> None:
+        data = wire.frame(payload)
+        writer.write(data)
+        self.stats.bytes_sent += len(data)
+
+    async def _read(self, reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> bytes:
+        payload = await wire.read_frame(reader, max_bytes=max_bytes, timeout=timeout)
+        self.stats.bytes_received += wire.LENGTH.size + len(payload)
+        return payload
+
+    def _decode_checked(self, data, piece: Piece) -> torch.Tensor:
+        shape = tuple(piece_view(self.tensors[piece.tensor], piece).shape)
+        value = self._codecs.decode(data, shape, seed=self.plan.seeds[piece.index])
+        if tuple(value.shape) != shape or value.dtype != torch.float32:
+            raise BadPayload(f"piece {piece.index} decoded to {value.dtype} {tuple(value.shape)}, expected "
+                             f"float32 {shape}")
+        if not torch.isfinite(value).all():
+            raise BadPayload(f"piece {piece.index} holds NaN or inf")
+        return value
+
+    async def _exclude(self, sender: int, reason: str) -> None:
+        async with self._changed:
+            if sender not in self._excluded:
+                self._excluded.add(sender)
+                self.stats.excluded[sender] = reason
+                logger.warning("all-reduce %s: excluded groupmate %d (%s): %s", self.plan.group_id.hex()[:8],
+                               sender, self.plan.peer_ids[sender], reason)
+            self._changed.notify_all()
+
+    # ---- owner side ---------------------------------------------------------------------
+    async def serve(self, stream_peer_id, hello_payload: bytes, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
+        """Handle one sender's stream (its HELLO already read): read its pieces, write back the means."""
+        n = len(self.plan.peer_ids)
+        sender = None
+        self.stats.bytes_received += wire.LENGTH.size + len(hello_payload)
+        try:
+            try:
+                hello = wire.parse_hello(hello_payload, group_size=n)
+                if hello.group_id != self.plan.group_id:
+                    raise BadPayload("HELLO names another group")
+                if self.plan.peer_ids[hello.sender] != stream_peer_id:
+                    raise BadPayload(f"HELLO claims sender index {hello.sender}, which is not the stream's peer")
+                if hello.sender == self.plan.my_index or hello.pieces != len(self.my_pieces):
+                    raise BadPayload(f"HELLO announces {hello.pieces} pieces, this owner reduces {len(self.my_pieces)}")
+            except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+                self._write(writer, wire.encode_abort(f"rejected: {exc!r}"))
+                await writer.drain()
+                if sender is not None:
+                    await self._exclude(sender, repr(exc))
+                return
+            sender = hello.sender
+            async with self._changed:
+                self._connected.add(sender)
+                self._changed.notify_all()
+            send_task = asyncio.create_task(self._send_means(writer))
+            try:
+                for piece in self.my_pieces:
+                    payload = await self._read(reader, wire.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index],
+                                               self.timeout)
+                    data = wire.parse_piece(payload, expected_index=piece.index)
+                    value = await self._off_loop(self._decode_checked, data, piece)
+                    async with self._changed:
+                        if sender not in self._excluded:
+                            self._contrib[piece.index][sender] = (hello.weight, value)
+                        self._changed.notify_all()
+            except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+                await self._exclude(sender, f"{type(exc).__name__}: {exc}")
+            await send_task
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            logger.debug("stream from %s broke: %r", stream_peer_id, exc)
+        finally:
+            writer.close()
+
+    async def _send_means(self, writer: asyncio.StreamWriter) -> None:
+        for piece in self.my_pieces:
+            payload = await self._mean_frames[piece.index]
+            if payload is None:
+                self._write(writer, wire.encode_abort(f"piece {piece.index} could not be reduced"))
+                await writer.drain()
+                return
+            self._write(writer, payload)
+            await writer.drain()
+
+    async def _reduce_my_pieces(self) -> None:
+        """Owner: wait for every piece's contributions, reduce, publish MEAN frames in piece order."""
+        n, me = len(self.plan.peer_ids), self.plan.my_index
+        for piece in self.my_pieces:
+            own = self.compensate(piece, piece_view(self.tensors[piece.tensor], piece).float())
+            self.stage(piece, own, own)  # own rows travel uncompressed: no residual
+            if torch.isfinite(own).all():
+                self._contrib[piece.index][me] = (self.weight, own)
+            else:  # never average a non-finite value, not even our own
+                await self._exclude(me, f"own piece {piece.index} holds NaN or inf")
+        for piece in self.my_pieces:
+            slots = self._contrib[piece.index]
+            last_change = time.monotonic()
+            async with self._changed:
+                while True:
+                    waiting = [s for s in range(n) if s not in self._excluded and slots[s] is None]
+                    if not waiting:
+                        break
+                    silent = time.monotonic() - last_change
+                    if silent > self.timeout:
+                        for s in waiting:
+                            reason = "never connected" if s not in self._connected else "sent nothing in time"
+                            self._excluded.add(s)
+                            self.stats.excluded[s] = reason
+                            logger.warning("all-reduce %s: excluded groupmate %d: %s", self.plan.group_id.hex()[:8],
+                                           s, reason)
+                        continue
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), timeout=self.timeout - silent + 0.05)
+                        last_change = time.monotonic()
+                    except asyncio.TimeoutError:
+                        pass
+            included = [s not in self._excluded and slots[s] is not None for s in range(n)]
+            parts = [slots[s] for s in range(n) if included[s]]
+            self.stats.partial_pieces += not all(included)
+            payload, value = await self._off_loop(self._mean_of, piece, parts, included)
+            self.results[piece.index] = value
+            self._mean_frames[piece.index].set_result(payload)
+            self._contrib[piece.index] = []  # free the contributions
+
+    def _mean_of(self, piece: Piece, parts, included: list[bool]) -> tuple[bytes, torch.Tensor]:
+        total = sum(w for w, _ in parts)
+        acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
+        for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
+            acc.add_(x, alpha=w / total)
+        data = self.plan.mean_codecs[piece.index].encode(acc, seed=self.plan.seeds[piece.index])
+        value = self._codecs.decode(data, tuple(acc.shape), seed=self.plan.seeds[piece.index])
+        return wire.encode_mean(piece.index, included, data), value
+
+    # ---- sender side --------------------------------------------------------------------
+    def _encode_contribution(self, piece: Piece) -> bytes:
+        x = self.compensate(piece, piece_view(self.tensors[piece.tensor], piece).float())
+        data = self.plan.codecs[piece.index].encode(x, seed=self.plan.seeds[piece.index])
+        if self.plan.codecs[piece.index].lossy:
+            decoded = self._codecs.decode(data, tuple(x.shape), seed=self.plan.seeds[piece.index])
+            self.stage(piece, x, decoded)
+        else:
+            self.stage(piece, x, x)
+        return wire.encode_piece(piece.index, data)
+
+    async def _exchange_with(self, owner: int) -> None:
+        pieces = self.pieces_by_owner[owner]
+        n = len(self.plan.peer_ids)
+        reader, writer = await asyncio.wait_for(self.open_stream(self.plan.peer_ids[owner]), self.timeout)
+        try:
+            self._write(writer, wire.encode_hello(group_id=self.plan.group_id, sender=self.plan.my_index,
+                                                  weight=self.weight, pieces=len(pieces)))
+
+            async def send() -> None:
+                for piece in pieces:
+                    payload = await self._off_loop(self._encode_contribution, piece)
+                    self._write(writer, payload)
+                    await writer.drain()
+                self.stats.send_seconds = max(self.stats.send_seconds, time.monotonic() - self._start)
+
+            send_task = asyncio.create_task(send())
+            try:
+                for piece in pieces:
+                    limit = wire.MEAN_HEADER.size + (n + 7) // 8 + self.plan.max_piece_bytes[piece.index]
+                    payload = await self._read(reader, limit, 2 * self.timeout + 1.0)
+                    if send_task.done() and send_task.exception() is not None:
+                        raise send_task.exception()
+                    included, data = wire.parse_mean(payload, expected_index=piece.index, group_size=n)
+                    value = await self._off_loop(self._decode_checked, data, piece)
+                    self.stats.partial_pieces += not all(included)
+                    self.results[piece.index] = value
+                await send_task
+            finally:
+                send_task.cancel()
+        finally:
+            writer.close()
+
+    async def run(self) -> AllreduceStats:
+        """Run the whole exchange; on success the tensors hold the group means.
+
+        Raises:
+            PartialAverage: some piece's mean did not arrive valid; tensors unchanged.
+        """
+        owners = [o for o in self.pieces_by_owner if o != self.plan.my_index]
+        tasks = [asyncio.create_task(self._exchange_with(o)) for o in owners]
+        reducer = asyncio.create_task(self._reduce_my_pieces()) if self.my_pieces else None
+        errors = []
+        for owner, task in zip(owners, tasks):
+            try:
+                await task
+            except Exception as exc:
+                errors.append(f"owner {owner} ({self.plan.peer_ids[owner]}): {type(exc).__name__}: {exc}")
+        if reducer is not None:
+            try:
+                await reducer
+            except Exception as exc:
+                errors.append(f"reducing own pieces: {type(exc).__name__}: {exc}")
+                for fut in self._mean_frames.values():
+                    if not fut.done():
+                        fut.set_result(None)
+        if errors:
+            raise PartialAverage("; ".join(errors))
+        missing = [p.index for p in self.plan.pieces if p.index not in self.results]
+        if missing:
+            raise PartialAverage(f"no mean for pieces {missing[:8]}")
+        return self.stats
+
+    def apply(self) -> None:
+        """Write the means into the tensors (after :meth:`run` succeeded)."""
+        for piece in self.plan.pieces:
+            piece_view(self.tensors[piece.tensor], piece).copy_(self.results[piece.index])
+
+    def close(self) -> None:
+        """Release senders still waiting for means (after a failure)."""
+        for fut in self._mean_frames.values():
+            if not fut.done():
+                fut.set_result(None)

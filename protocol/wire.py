@@ -1,0 +1,196 @@
+"""The sync wire format: length-prefixed frames on one libp2p stream per pair of groupmates.
+
+A group all-reduce (peer/allreduce.py) opens one stream from every sender to every owner of
+pieces. On that stream::
+
+    sender → owner:  HELLO, then one PIECE per piece the owner reduces, in piece order
+    owner → sender:  one MEAN per piece, in piece order, or one ABORT
+
+Every frame is ``u32 big-endian length`` + ``payload``; the payload starts with one kind byte.
+
+====== ===================================================================================
+HELLO  kind, then a msgpack map {v: protocol version, group: group id (bytes), sender: index
+       in the group, weight: tokens (float > 0), pieces: how many PIECE frames follow}
+PIECE  kind, u32 piece index, then one codec encoding (protocol/codecs.py)
+MEAN   kind, u32 piece index, u16 group size n, ceil(n/8) bytes of bitmap: which senders the
+       mean includes (bit i = sender i), then one codec encoding of the weighted fp32 mean
+ABORT  kind, then a UTF-8 reason of at most 1 KiB
+====== ===================================================================================
+
+The parsers here check everything that is not codec data before anything is allocated or
+used: the declared length against a caller's bound, kinds, versions, indices and counts.
+They raise only :class:`BadPayload`. No message is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from protocol.errors import BadPayload
+from protocol.version import PROTOCOL_VERSION
+
+HELLO, PIECE, MEAN, ABORT = 1, 2, 3, 4
+KIND_NAMES = {HELLO: "HELLO", PIECE: "PIECE", MEAN: "MEAN", ABORT: "ABORT"}
+LENGTH = struct.Struct(">I")
+PIECE_HEADER = struct.Struct(">BI")
+MEAN_HEADER = struct.Struct(">BIH")
+MAX_HELLO_BYTES = 1024
+MAX_ABORT_BYTES = 1024
+MAX_GROUP_SIZE = 4096
+"""Largest group a MEAN bitmap can describe (matches the manifest's sync.target_group_size bound)."""
+
+
+def frame(payload: bytes) -> bytes:
+    """Length-prefix ``payload``."""
+    return LENGTH.pack(len(payload)) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int, timeout: float | None) -> bytes:
+    """Read one frame's payload.
+
+    Args:
+        max_bytes: the largest payload this reader accepts at this point of the protocol; a
+            longer declared length is rejected before anything is allocated.
+        timeout: seconds to wait for the whole frame (None: forever).
+
+    Raises:
+        BadPayload: declared length 0 or above ``max_bytes``.
+        asyncio.TimeoutError: nothing complete arrived in time.
+        asyncio.IncompleteReadError: the stream closed mid-frame.
+    """
+    async def _read() -> bytes:
+        (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+        if length == 0 or length > max_bytes:
+            raise BadPayload(f"frame declares {length} bytes; at most {max_bytes} allowed here")
+        return await reader.readexactly(length)
+
+    return await asyncio.wait_for(_read(), timeout)
+
+
+def kind_of(payload: bytes) -> int:
+    if not payload or payload[0] not in KIND_NAMES:
+        raise BadPayload(f"unknown frame kind {payload[:1].hex() or '(empty)'}")
+    return payload[0]
+
+
+@dataclass(frozen=True)
+class Hello:
+    group_id: bytes
+    sender: int
+    weight: float
+    pieces: int
+
+
+def encode_hello(*, group_id: bytes, sender: int, weight: float, pieces: int) -> bytes:
+    body = msgpack.packb({"v": PROTOCOL_VERSION, "group": group_id, "sender": sender, "weight": float(weight),
+                          "pieces": pieces}, use_bin_type=True)
+    return bytes([HELLO]) + body
+
+
+def parse_hello(payload: bytes, *, group_size: int) -> Hello:
+    """Decode and check a HELLO frame.
+
+    Raises:
+        BadPayload: not a HELLO, too long, not a map of exactly the five fields, another
+            protocol version, sender outside ``[0, group_size)``, weight not finite and > 0,
+            or a negative piece count.
+    """
+    if kind_of(payload) != HELLO:
+        raise BadPayload(f"expected HELLO, got {KIND_NAMES[payload[0]]}")
+    if len(payload) > MAX_HELLO_BYTES:
+        raise BadPayload(f"HELLO of {len(payload)} bytes exceeds {MAX_HELLO_BYTES}")
+    try:
+        body = msgpack.unpackb(payload[1:], raw=False, strict_map_key=True, max_bin_len=256, max_str_len=64,
+                               max_array_len=0, max_map_len=8)
+    except Exception as exc:
+        raise BadPayload(f"HELLO is not valid msgpack: {exc}") from exc
+    if not isinstance(body, dict) or set(body) != {"v", "group", "sender", "weight", "pieces"}:
+        raise BadPayload(f"HELLO fields {sorted(body) if isinstance(body, dict) else type(body).__name__}, "
+                         "expected group, pieces, sender, v, weight")
+    if body["v"] != PROTOCOL_VERSION:
+        raise BadPayload(f"HELLO speaks protocol version {body['v']!r}, this peer speaks {PROTOCOL_VERSION}")
+    group, sender, weight, pieces = body["group"], body["sender"], body["weight"], body["pieces"]
+    if not isinstance(group, bytes):
+        raise BadPayload("HELLO group id is not bytes")
+    if not isinstance(sender, int) or isinstance(sender, bool) or not 0 <= sender < group_size:
+        raise BadPayload(f"HELLO sender index {sender!r} outside [0, {group_size})")
+    if not isinstance(weight, float) or not math.isfinite(weight) or weight <= 0:
+        raise BadPayload(f"HELLO weight {weight!r}: expected a finite number > 0")
+    if not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 0:
+        raise BadPayload(f"HELLO piece count {pieces!r}: expected a non-negative integer")
+    return Hello(group_id=group, sender=sender, weight=weight, pieces=pieces)
+
+
+def encode_piece(index: int, data: bytes) -> bytes:
+    return PIECE_HEADER.pack(PIECE, index) + data
+
+
+def parse_piece(payload: bytes, *, expected_index: int) -> memoryview:
+    """Return the codec data of a PIECE frame that must carry piece ``expected_index``.
+
+    Raises:
+        BadPayload: not a PIECE, too short, or another piece index (pieces come in order).
+    """
+    if kind_of(payload) != PIECE:
+        raise BadPayload(f"expected PIECE, got {KIND_NAMES[payload[0]]}")
+    if len(payload) < PIECE_HEADER.size:
+        raise BadPayload(f"PIECE frame of {len(payload)} bytes is shorter than its header")
+    _, index = PIECE_HEADER.unpack_from(payload)
+    if index != expected_index:
+        raise BadPayload(f"PIECE {index} arrived where piece {expected_index} was due")
+    return memoryview(payload)[PIECE_HEADER.size:]
+
+
+def encode_mean(index: int, included: list[bool], data: bytes) -> bytes:
+    n = len(included)
+    bitmap = bytearray((n + 7) // 8)
+    for i, bit in enumerate(included):
+        if bit:
+            bitmap[i // 8] |= 1 << (i % 8)
+    return MEAN_HEADER.pack(MEAN, index, n) + bytes(bitmap) + data
+
+
+def parse_mean(payload: bytes, *, expected_index: int, group_size: int) -> tuple[list[bool], memoryview]:
+    """Return (which senders the mean includes, codec data) of a MEAN frame.
+
+    Raises:
+        BadPayload: not a MEAN (an ABORT's reason is included in the message), wrong piece
+            index, a group size other than ``group_size``, bits set beyond it, or no sender.
+    """
+    kind = kind_of(payload)
+    if kind == ABORT:
+        raise BadPayload(f"the owner aborted: {parse_abort(payload)}")
+    if kind != MEAN:
+        raise BadPayload(f"expected MEAN, got {KIND_NAMES[kind]}")
+    if len(payload) < MEAN_HEADER.size:
+        raise BadPayload(f"MEAN frame of {len(payload)} bytes is shorter than its header")
+    _, index, n = MEAN_HEADER.unpack_from(payload)
+    if index != expected_index:
+        raise BadPayload(f"MEAN {index} arrived where piece {expected_index} was due")
+    if n != group_size:
+        raise BadPayload(f"MEAN describes a group of {n}, this group has {group_size}")
+    start, width = MEAN_HEADER.size, (n + 7) // 8
+    if len(payload) < start + width:
+        raise BadPayload("MEAN frame is shorter than its sender bitmap")
+    bitmap = payload[start:start + width]
+    included = [bool(bitmap[i // 8] >> (i % 8) & 1) for i in range(n)]
+    if n % 8 and bitmap[-1] >> (n % 8):
+        raise BadPayload("MEAN sender bitmap has bits beyond the group")
+    if not any(included):
+        raise BadPayload("MEAN includes no sender")
+    return included, memoryview(payload)[start + width:]
+
+
+def encode_abort(reason: str) -> bytes:
+    return bytes([ABORT]) + reason.encode("utf-8", "replace")[:MAX_ABORT_BYTES]
+
+
+def parse_abort(payload: bytes) -> str:
+    if kind_of(payload) != ABORT:
+        raise BadPayload(f"expected ABORT, got {KIND_NAMES[payload[0]]}")
+    return bytes(payload[1:1 + MAX_ABORT_BYTES]).decode("utf-8", "replace")

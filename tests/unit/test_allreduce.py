@@ -1,0 +1,169 @@
+"""peer.allreduce over real unix sockets (no hivemind): means, exclusion rules, byte counts."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, plan_pieces
+from protocol import codecs, wire
+from protocol.manifest import CompressionSpec
+
+SHAPES = [torch.Size([40, 16]), torch.Size([16]), torch.Size([]), torch.Size([0, 3]), torch.Size([9, 2, 3])]
+
+
+def test_plan_covers_every_row_once_and_balances_owners():
+    shapes = [torch.Size([1000, 64]), torch.Size([64]), torch.Size([300, 7, 3])]
+    pieces = plan_pieces(shapes, owners=[0, 1, 3], piece_elements=5000)
+    for index, shape in enumerate(shapes):
+        rows = sorted((p.start, p.stop) for p in pieces if p.tensor == index)
+        assert rows[0][0] == 0 and rows[-1][1] == shape[0]
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    load = {o: 0 for o in (0, 1, 3)}
+    for p in pieces:
+        shape = shapes[p.tensor]
+        load[p.owner] += (p.stop - p.start) * math.prod(shape[1:])
+    total = sum(load.values())
+    assert max(load.values()) - min(load.values()) <= 0.1 * total
+    assert 2 not in {p.owner for p in pieces}
+
+
+def test_plan_keeps_unsplittable_tensors_whole():
+    pieces = plan_pieces([torch.Size([1000, 64])], owners=[0, 1], piece_elements=100, split=lambda i: False)
+    assert [(p.start, p.stop) for p in pieces] == [(0, 1000)]
+
+
+class Peer:
+    """One group member: a unix socket server that routes streams to its session."""
+
+    def __init__(self, index: int, directory: Path):
+        self.index, self.path = index, str(directory / f"peer{index}.sock")
+        self.session: GroupAllreduce | None = None
+        self.ready = asyncio.Event()
+        self.server = None
+
+    async def start(self):
+        self.server = await asyncio.start_unix_server(self._handle, path=self.path)
+
+    async def _handle(self, reader, writer):
+        payload = await wire.read_frame(reader, max_bytes=wire.MAX_HELLO_BYTES, timeout=5)
+        hello = wire.parse_hello(payload, group_size=wire.MAX_GROUP_SIZE)
+        await asyncio.wait_for(self.ready.wait(), 5)
+        await self.session.serve(hello.sender, payload, reader, writer)
+
+
+async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None, dead_owner=None, timeout=1.0):
+    n = len(payloads)
+    with tempfile.TemporaryDirectory() as tmp:
+        peers = [Peer(i, Path(tmp)) for i in range(n)]
+        for p in peers:
+            if p.index != dead_owner:
+                await p.start()
+        shapes = [t.shape for t in payloads[0]]
+        pieces = plan_pieces(shapes, owners=list(range(n)), piece_elements=64)
+        piece_shape = [tuple(shapes[p.tensor]) if not shapes[p.tensor] else
+                       (p.stop - p.start, *shapes[p.tensor][1:]) for p in pieces]
+        piece_codecs = [codecs.make_codec(spec, s) for s in piece_shape]
+        sessions = []
+        for i in range(n):
+            plan = GroupPlan(group_id=b"g" * 8, peer_ids=tuple(range(n)), my_index=i, pieces=pieces,
+                             codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
+                             max_piece_bytes=[codecs.max_encoded_bytes(s) for s in piece_shape],
+                             seeds=[p.index for p in pieces])
+
+            async def open_stream(peer_id, _peers=peers):
+                return await asyncio.open_unix_connection(_peers[peer_id].path)
+
+            session = GroupAllreduce(plan, [t.clone() for t in payloads[i]], weight=weights[i],
+                                     compensate=lambda piece, x: x, stage=lambda *a: None,
+                                     open_stream=open_stream, next_chunk_timeout=timeout)
+            if corrupt is not None and i == corrupt[0]:
+                original = session._encode_contribution
+
+                def bad(piece, _original=original, _how=corrupt[1]):
+                    payload = _original(piece)
+                    return payload + b"\0\0\0\0" if _how == "long" else payload[:-4]
+                session._encode_contribution = bad
+            peers[i].session = session
+            peers[i].ready.set()
+            sessions.append(session)
+        live = [s for s in sessions if s.plan.my_index != dead_owner]
+        outcomes = await asyncio.gather(*(s.run() for s in live), return_exceptions=True)
+        for s, outcome in zip(live, outcomes):
+            if not isinstance(outcome, BaseException):
+                s.apply()
+            s.close()
+        for p in peers:
+            if p.server is not None:
+                p.server.close()
+        return live, outcomes
+
+
+def _expected(payloads, weights, members):
+    total = sum(weights[i] for i in members)
+    return [sum(payloads[i][k] * (weights[i] / total) for i in members) for k in range(len(payloads[0]))]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_group_gets_identical_weighted_mean(n):
+    gen = torch.Generator().manual_seed(n)
+    payloads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
+    weights = [float(100 + 37 * i) for i in range(n)]
+    sessions, outcomes = asyncio.run(_run_group(payloads, weights))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    expected = _expected(payloads, weights, range(n))
+    for s in sessions:
+        for got, want, first in zip(s.tensors, expected, sessions[0].tensors):
+            assert torch.allclose(got, want, atol=1e-6)
+            assert torch.equal(got, first)  # bit-identical on every peer
+    # every byte counted on both ends: what all wrote, all read
+    assert sum(o.bytes_sent for o in outcomes) == sum(o.bytes_received for o in outcomes) > 0
+
+
+@pytest.mark.parametrize("how", ["long", "short"])
+def test_malformed_sender_is_excluded_and_others_agree(how):
+    n = 4
+    gen = torch.Generator().manual_seed(7)
+    payloads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
+    weights = [1.0] * n
+    sessions, outcomes = asyncio.run(_run_group(payloads, weights, corrupt=(2, how)))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    excluded = {i for o in outcomes for i in o.excluded}
+    assert excluded == {2}
+    for s in sessions:
+        for got, first in zip(s.tensors, sessions[0].tensors):
+            assert torch.isfinite(got).all() and torch.equal(got, first)
+    # pieces reduced by an honest owner average the honest peers only
+    honest_mean = _expected(payloads, weights, [0, 1, 3])
+    piece = next(p for p in sessions[0].plan.pieces if p.owner == 0)
+    got = sessions[0].tensors[piece.tensor][piece.start:piece.stop]
+    assert torch.allclose(got, honest_mean[piece.tensor][piece.start:piece.stop], atol=1e-6)
+
+
+def test_dead_owner_means_nothing_is_applied():
+    n = 3
+    payloads = [[torch.full(s, float(i)) for s in SHAPES] for i in range(n)]
+    sessions, outcomes = asyncio.run(_run_group(payloads, [1.0] * n, dead_owner=1, timeout=0.5))
+    for s, outcome in zip(sessions, outcomes):
+        assert isinstance(outcome, PartialAverage)
+        assert all(torch.equal(t, p) for t, p in zip(s.tensors, payloads[s.plan.my_index]))
+
+
+def test_non_finite_own_piece_is_left_out_of_the_owners_mean():
+    n = 3
+    payloads = [[torch.ones(s) * (i + 1) for s in SHAPES] for i in range(n)]
+    payloads[0][0][0, 0] = float("nan")
+    sessions, outcomes = asyncio.run(_run_group(payloads, [1.0] * n))
+    # the NaN row lies in a piece peer 0 reduces itself: it leaves itself out of that mean
+    assert sessions[0].plan.pieces[0].owner == 0
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert 0 in outcomes[0].excluded
+    for s in sessions:
+        for got, first in zip(s.tensors, sessions[0].tensors):
+            assert torch.isfinite(got).all() and torch.equal(got, first)
+    assert torch.all(sessions[1].tensors[0][:4] == 2.5)  # mean of peers 1 and 2 (values 2 and 3)
