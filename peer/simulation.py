@@ -4,7 +4,10 @@ Each simulated peer owns a model replica (identical φ_0), its own AdamW state a
 shard, exactly like a networked peer. Rounds call the same functions the trainer calls
 (:class:`peer.inner.InnerLoop`, :func:`peer.outer.pseudo_gradient`, :func:`peer.outer.make_outer`
 and :func:`protocol.pairing.partition`); only the group mean is computed here, in fp32, instead
-of by an all-reduce. A data-parallel mode (one model, gradients averaged every inner step) gives
+of by an all-reduce. With a lossy ``[compression]`` codec each peer's contribution goes through
+the network's codec code (:mod:`protocol.codecs`, :mod:`peer.adaptive`): error-compensated,
+encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
+A data-parallel mode (one model, gradients averaged every inner step) gives
 the ceiling that low-communication methods are compared against at equal tokens.
 """
 
@@ -19,10 +22,12 @@ from typing import Sequence
 
 import torch
 
+from peer.adaptive import plan
 from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
 from peer.inner import InnerLoop
 from peer.model import build_model, evaluate, parameter_count
 from peer.outer import make_outer, pseudo_gradient
+from protocol.codecs import Codec, ErrorFeedback, decode, make_codec
 from protocol.manifest import RunManifest
 from protocol.pairing import partition
 
@@ -129,7 +134,8 @@ class SimulationResult:
     inner_steps: int
     parameters: int
     bytes_sent_per_peer: float
-    """Mean over peers of the bytes each sent, from payload sizes (:func:`butterfly_bytes`)."""
+    """Mean over peers of the bytes each sent: :func:`butterfly_bytes` of the fp32 payload, or with a
+    codec (n−1)/n × (its encoded contribution + the encoded group mean)."""
     wall_s: float
     history: list[EvalPoint] = field(default_factory=list)
 
@@ -184,6 +190,19 @@ class Simulation:
             shapes = [p.shape for p in base.parameters()]
             self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
             self.phis = [[p.detach().clone() for p in m.parameters()] for m in self.models]
+            self._setup_codecs(shapes)
+
+    def _setup_codecs(self, shapes: Sequence[torch.Size]) -> None:
+        """Per payload tensor its codec (None: adaptive, planned each round), per peer its residuals."""
+        spec = self.m.compression
+        noloco = self.m.sync.algorithm == "noloco"
+        self.compressed = spec.codec != "none" or (noloco and spec.phi_codec != "none")
+        self.shapes = list(shapes)
+        self.codecs: list[Codec | None] = [None if spec.codec == "adaptive" else make_codec(spec, s) for s in shapes]
+        if noloco:
+            self.codecs += [make_codec(spec, s, role="phi") for s in shapes]
+        lossy = spec.codec != "none"  # 'adaptive' included: its plan may pick lossy codecs
+        self.feedback = [ErrorFeedback(shapes) for _ in range(self.peers)] if lossy and spec.error_feedback else None
 
     def run_round(self) -> None:
         """One round: H inner steps per peer, then the outer step of every group.
@@ -212,18 +231,69 @@ class Simulation:
         payloads = [outer.payload(phi, pseudo_gradient(phi, theta))
                     for outer, phi, theta in zip(self.outers, self.phis, thetas)]
         for group in sync_groups(self.m, self.peers, self.round_):
+            weights = [max(1, round_tokens[j]) for j in group]
             if len(group) == 1:
-                mean = payloads[group[0]]
+                mean, sent = payloads[group[0]], 0.0  # nothing crosses the network: the own Δ, exact
+            elif self.compressed:
+                mean, sent = self._compressed_mean(group, [payloads[j] for j in group], weights)
             else:
-                mean = weighted_mean([payloads[j] for j in group], [max(1, round_tokens[j]) for j in group])
-            elements = sum(t.numel() for t in mean)
+                mean = weighted_mean([payloads[j] for j in group], weights)
+                sent = butterfly_bytes(sum(t.numel() for t in mean), len(group))
             for j in group:  # the mean is computed before any member's φ moves: groups are disjoint
                 self.outers[j].apply(self.phis[j], mean)
-                self.bytes_sent[j] += butterfly_bytes(elements, len(group))
+                self.bytes_sent[j] += sent
         with torch.no_grad():
             for theta, phi in zip(thetas, self.phis):
                 for t, p in zip(theta, phi):
                     t.copy_(p)
+
+    def _compressed_mean(self, group: Sequence[int], payloads: Sequence[Sequence[torch.Tensor]],
+                         weights: Sequence[float]) -> tuple[list[torch.Tensor], float]:
+        """The group mean as the network's all-reduce computes it with a codec, and the bytes sent.
+
+        Tensor i is owned by member ``i mod n`` (whole tensors stand in for the all-reduce's row
+        pieces). Every other member sends decode(encode(Δ + e)) and stages e ← (Δ + e) − that;
+        the owner's own contribution stays local, exact (its residual is spent). The owner
+        averages in fp32, token-weighted, and sends the mean with ``codec.for_mean(n)``; every
+        member, the owner included, applies that identical decoded tensor.
+
+        Returns:
+            The group mean, and the bytes one member sends on average: per tensor, the encoded
+            contributions of the n − 1 non-owners plus n − 1 copies of the encoded mean, over n.
+        """
+        n, deltas = len(group), len(self.shapes)
+        seeds = [self.round_ * 1_000_003 + index for index in range(len(payloads[0]))]
+        decoded, codecs, total = [], [], 0
+        for member, (j, payload) in enumerate(zip(group, payloads)):
+            ef = self.feedback[j] if self.feedback is not None else None
+            inputs = [ef.compensate(i, t) if ef is not None and i < deltas else t for i, t in enumerate(payload)]
+            mine = list(self.codecs)
+            if self.m.compression.codec == "adaptive":
+                mine[:deltas] = plan(inputs[:deltas], self.m.compression, group_size=n,
+                                     uplink_bytes_per_s=self.m.compression.uplink_mbps * 1e6 / 8)
+            out = []
+            for i, (x, codec) in enumerate(zip(inputs, mine)):
+                if i % n == member:
+                    y = x  # the owner's own rows never cross the network
+                else:
+                    data = codec.encode(x, seed=seeds[i])
+                    y = decode(data, tuple(x.shape), seed=seeds[i])
+                    total += len(data)
+                if ef is not None and i < deltas:
+                    ef.stage(i, x, y)
+                out.append(y)
+            decoded.append(out)
+            codecs.append(mine)
+        mean = weighted_mean(decoded, weights)
+        final = []
+        for i, t in enumerate(mean):
+            data = codecs[i % n][i].for_mean(n).encode(t, seed=seeds[i])
+            final.append(decode(data, tuple(t.shape), seed=seeds[i]))
+            total += (n - 1) * len(data)
+        for j in group:
+            if self.feedback is not None:
+                self.feedback[j].commit()
+        return final, total / n
 
     def evaluate(self, windows: torch.Tensor) -> EvalPoint:
         """Validation losses of the current φ's on ``windows`` (int64, (sequences, seq_len + 1)).

@@ -141,3 +141,74 @@ def test_weighted_mean_and_spread_against_hand_computation():
     # φ̄ = ([2, 4], [2]); Σ‖φ_i − φ̄‖² = 2·(1 + 4 + 4) = 18; N·P = 2·3.
     assert weight_spread([a, b]) == pytest.approx(math.sqrt(18 / 6))
     assert weight_spread([a, a]) == 0.0
+
+
+def compressed(algorithm: str, **compression):
+    return manifest(algorithm).replace(compression=compression)
+
+
+def test_compressed_round_is_the_codec_mean_of_error_compensated_deltas(corpus):
+    # Reference from the codec API: each peer but tensor i's owner (peer i mod n, whose own Δ
+    # stays exact) sends decode(encode(Δ_j)); the owner sends the token-weighted fp32 mean
+    # through for_mean(n); every peer applies that identical tensor.
+    from protocol.codecs import decode, make_codec
+
+    m = compressed("diloco", codec="int4", block_size=16)
+    sim = Simulation(m, corpus, peers=3, seed=2)
+    phi0 = [p.clone() for p in sim.phis[0]]
+    for inner in sim.inners:
+        for k in range(m.sync.inner_steps):
+            inner.step(k)
+    thetas = [[p.detach().clone() for p in model.parameters()] for model in sim.models]
+    sim._outer_step([1, 1, 1])
+    lr, mu = m.outer_optimizer.lr, m.outer_optimizer.momentum
+    for i, p0 in enumerate(phi0):
+        codec = make_codec(m.compression, p0.shape)
+        deltas = [p0 - theta[i] for theta in thetas]
+        sent = [d if j == i % 3 else decode(codec.encode(d, seed=i), tuple(p0.shape), seed=i)
+                for j, d in enumerate(deltas)]
+        mean = sum(sent) / 3
+        mean = decode(codec.for_mean(3).encode(mean, seed=i), tuple(p0.shape), seed=i)
+        torch.testing.assert_close(sim.phis[0][i], p0 - lr * (1 + mu) * mean, rtol=1e-5, atol=1e-6)
+        for j in range(3):
+            assert torch.equal(sim.phis[j][i], sim.phis[0][i])
+            torch.testing.assert_close(sim.feedback[j].state_tensors()[i], deltas[j] - sent[j], rtol=0, atol=1e-6)
+
+
+def test_codec_bytes_replace_the_fp32_payload_sizes(corpus):
+    rounds, N = 2, 4
+    results = {codec: run_simulation(compressed("diloco", codec=codec), corpus, peers=N, rounds=rounds,
+                                      eval_every_rounds=rounds) for codec in ("none", "fp16", "int8", "topk")}
+    fp32 = results["none"].bytes_sent_per_peer
+    assert fp32 == pytest.approx(rounds * 2 * (N - 1) / N * 4 * results["none"].parameters)
+    assert results["fp16"].bytes_sent_per_peer == pytest.approx(fp32 / 2, rel=0.01)
+    assert results["int8"].bytes_sent_per_peer == pytest.approx(fp32 * (1 + 4 / 64) / 4, rel=0.02)
+    assert results["topk"].bytes_sent_per_peer < fp32 / 8
+    for r in results.values():
+        assert r.history[-1].loss_bpb < r.history[0].loss_bpb
+        assert r.history[-1].sigma == 0.0
+
+
+def test_adaptive_sync_fits_its_budget(corpus):
+    rounds, N = 2, 4
+    m = compressed("diloco", codec="adaptive", uplink_mbps=8.0)
+    fp32_round = butterfly_bytes(run_simulation(m.replace(compression={"codec": "none"}), corpus, peers=N,
+                                                rounds=1).parameters, N)
+    m = m.replace(compression={"sync_time_budget_s": fp32_round / 8 / 1e6})  # 8 Mbit/s = 1e6 bytes/s
+    r = run_simulation(m, corpus, peers=N, rounds=rounds, eval_every_rounds=rounds)
+    assert fp32_round / 16 < r.bytes_sent_per_peer / rounds <= fp32_round / 8
+    assert r.history[-1].loss_bpb < r.history[0].loss_bpb
+
+
+def test_noloco_with_compressed_delta_and_phi(corpus):
+    m = compressed("noloco", codec="int8", phi_codec="fp16")
+    sim = Simulation(m, corpus, peers=4, seed=0)
+    sim.run_round()
+    (a, b), (c, _) = sync_groups(m, 4, 0)
+    # All start from φ_0 with δ = 0, so partners that decoded the identical group mean hold equal φ.
+    assert all(torch.equal(x, y) for x, y in zip(sim.phis[a], sim.phis[b]))
+    assert not all(torch.equal(x, y) for x, y in zip(sim.phis[a], sim.phis[c]))
+    result = run_simulation(m, corpus, peers=4, rounds=3, eval_every_rounds=3)
+    plain = run_simulation(manifest("noloco"), corpus, peers=4, rounds=3, eval_every_rounds=3)
+    assert result.bytes_sent_per_peer < 0.45 * plain.bytes_sent_per_peer  # Δ in int8, φ in fp16
+    assert result.history[-1].loss_bpb < result.history[0].loss_bpb
