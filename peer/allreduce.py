@@ -124,6 +124,10 @@ class AllreduceStats:
     """Senders this peer (as an owner) excluded, with the reason."""
     partial_pieces: int = 0
     """Pieces whose mean left out at least one sender."""
+    seconds: float = 0.0
+    """Wall time of the whole exchange, from this peer's start to its last mean."""
+    started_at: float = 0.0
+    """time.time() when this peer started the exchange."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ class GroupAllreduce:
                                                         for p in self.my_pieces}
         self.results: dict[int, torch.Tensor] = {}
         self._start = time.monotonic()
+        self.stats.started_at = time.time()
 
     # ---- helpers ------------------------------------------------------------------------
     async def _off_loop(self, fn, *args):
@@ -256,6 +261,12 @@ class GroupAllreduce:
             except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 await self._exclude(sender, f"{type(exc).__name__}: {exc}")
             await send_task
+            # The sender closes first, once it has read every mean: closing here could make the
+            # p2p daemon drop the stream's tail before it reaches the sender.
+            try:
+                await asyncio.wait_for(reader.read(1), self.timeout)
+            except asyncio.TimeoutError:
+                pass
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             logger.debug("stream from %s broke: %r", stream_peer_id, exc)
         finally:
@@ -386,6 +397,7 @@ class GroupAllreduce:
                 for fut in self._mean_frames.values():
                     if not fut.done():
                         fut.set_result(None)
+        self.stats.seconds = time.monotonic() - self._start
         if errors:
             raise PartialAverage("; ".join(errors))
         missing = [p.index for p in self.plan.pieces if p.index not in self.results]

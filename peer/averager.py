@@ -68,7 +68,8 @@ class LocoAverager(DecentralizedAverager):
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements = piece_elements
         self._stats = {name: mp.Value(ctypes.c_double, 0.0)
-                       for name in ("bytes_sent", "bytes_received", "excluded", "partial_pieces", "send_seconds")}
+                       for name in ("bytes_sent", "bytes_received", "excluded", "partial_pieces", "send_seconds",
+                                    "allreduce_seconds", "started_at")}
         self._state_provider: StateProvider | None = None
         self._state_lock = threading.Lock()
         # set in the averager process
@@ -89,7 +90,8 @@ class LocoAverager(DecentralizedAverager):
     def last_stats(self) -> dict[str, float]:
         """Counters of this peer's last all-reduce: bytes_sent / bytes_received (frame bytes written
         to and read from its streams), excluded (senders this peer excluded as an owner),
-        partial_pieces (means that left out a sender), send_seconds."""
+        partial_pieces (means that left out a sender), send_seconds (until this peer's last piece
+        was written), allreduce_seconds (the whole exchange, after matchmaking)."""
         return {name: value.value for name, value in self._stats.items()}
 
     def set_state_provider(self, provider: StateProvider | None) -> None:
@@ -288,3 +290,5 @@ class LocoAverager(DecentralizedAverager):
         self._stats["excluded"].value = float(len(stats.excluded))
         self._stats["partial_pieces"].value = float(stats.partial_pieces)
         self._stats["send_seconds"].value = float(stats.send_seconds)
+        self._stats["allreduce_seconds"].value = float(stats.seconds)
+        self._stats["started_at"].value = float(stats.started_at)
