@@ -167,3 +167,20 @@ def test_non_finite_own_piece_is_left_out_of_the_owners_mean():
         for got, first in zip(s.tensors, sessions[0].tensors):
             assert torch.isfinite(got).all() and torch.equal(got, first)
     assert torch.all(sessions[1].tensors[0][:4] == 2.5)  # mean of peers 1 and 2 (values 2 and 3)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank"])
+def test_every_codec_gives_identical_means(codec):
+    n = 3
+    gen = torch.Generator().manual_seed(3)
+    payloads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
+    spec = CompressionSpec(codec=codec, topk_fraction=0.25, rank=2)
+    sessions, outcomes = asyncio.run(_run_group(payloads, [1.0, 2.0, 3.0], spec))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    expected = _expected(payloads, [1.0, 2.0, 3.0], range(n))
+    for s in sessions:
+        for got, want, first in zip(s.tensors, expected, sessions[0].tensors):
+            assert torch.equal(got, first) and torch.isfinite(got).all()
+    if codec in ("fp16", "bf16", "int8"):  # dense codecs: close to the exact mean
+        for got, want in zip(sessions[0].tensors, expected):
+            assert torch.allclose(got, want, atol=0.05, rtol=0.02)
