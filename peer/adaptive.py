@@ -3,8 +3,8 @@
 The DiLoCoX idea (arXiv 2506.21263; ALGORITHMS.md §3): compress pseudo-gradients more where they
 carry less information, as much as the link requires. :func:`plan` turns a byte budget
 (``sync_time_budget_s`` × the measured uplink) into one :class:`~protocol.codecs.Codec` per
-tensor by a rate-distortion allocation: each tensor's candidates (fp32, fp16, int8, int4, fp4,
-and for matrices low-rank at ranks 1, 2, 4, …) are priced in bytes sent and in the squared
+tensor by a rate-distortion allocation: each tensor's candidates (fp32, fp16, int8, int4, fp4 at
+two block sizes, and for matrices low-rank at ranks 1, 2, 4, …) are priced in bytes sent and in the squared
 error of their actual round trip, and the choice that minimises the total squared error within
 the budget is found by dynamic programming. A matrix whose Δ has its energy in a few singular
 directions thus gets a low rank; a tensor with much energy gets more bits than one with little.
@@ -20,13 +20,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from protocol.codecs import Codec, decode
+from protocol.codecs import BLOCK_RANGE, Codec, decode
 from protocol.manifest import CompressionSpec
 
 logger = logging.getLogger(__name__)
 
 ELEMENTWISE = ("fp4", "int4", "int8", "fp16", "none")
 """Candidates of every tensor; 1-D and 0-D tensors get only these."""
+BLOCK_FACTORS = (1, 4)
+"""Blockwise candidates use ``block_size`` × each of these: larger blocks spend fewer bytes on
+scales (int4 at 64: 4.5 bits per value, at 256: 4.125) for a larger error."""
 KNAPSACK_UNITS = 8192
 """Resolution of the byte budget in the allocation: at most one unit per tensor goes unspent."""
 PLAN_SEED = 0
@@ -75,9 +78,12 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
     energy = float(x.pow(2).sum())
     options = []
     for name in ELEMENTWISE:
-        codec = Codec(name, block_size=spec.block_size)
-        err = 0.0 if name == "none" else _round_trip_error(codec, x)
-        options.append(_Option(codec, sent_bytes(codec, shape, group_size), err))
+        blocks = {min(spec.block_size * f, BLOCK_RANGE[1]) for f in BLOCK_FACTORS} \
+            if name in ("int8", "int4", "fp4") else {spec.block_size}
+        for block in sorted(blocks):
+            codec = Codec(name, block_size=block)
+            err = 0.0 if name == "none" else _round_trip_error(codec, x)
+            options.append(_Option(codec, sent_bytes(codec, shape, group_size), err))
     if x.dim() >= 2 and x.numel():
         cheapest_dense = min(o.bytes_ for o in options)
         rank = 1

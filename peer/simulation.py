@@ -252,10 +252,13 @@ class Simulation:
         """The group mean as the network's all-reduce computes it with a codec, and the bytes sent.
 
         Tensor i is owned by member ``i mod n`` (whole tensors stand in for the all-reduce's row
-        pieces). Every other member sends decode(encode(Δ + e)) and stages e ← (Δ + e) − that;
-        the owner's own contribution stays local, exact (its residual is spent). The owner
-        averages in fp32, token-weighted, and sends the mean with ``codec.for_mean(n)``; every
-        member, the owner included, applies that identical decoded tensor.
+        pieces). Every other member sends decode(encode(Δ + e)) and stages e ← (Δ + e) − that.
+        The owner's own contribution stays local: exact (its residual spent) for elementwise
+        codecs, through the codec for topk and lowrank, whose mean is exact under
+        ``for_mean(n)`` only when every contribution is a decoded encoding
+        (:attr:`~protocol.codecs.Codec.structured`). The owner averages in fp32, token-weighted,
+        and sends the mean with ``codec.for_mean(n)``; every member, the owner included,
+        applies that identical decoded tensor.
 
         Returns:
             The group mean, and the bytes one member sends on average: per tensor, the encoded
@@ -273,12 +276,13 @@ class Simulation:
                                      uplink_bytes_per_s=self.m.compression.uplink_mbps * 1e6 / 8)
             out = []
             for i, (x, codec) in enumerate(zip(inputs, mine)):
-                if i % n == member:
-                    y = x  # the owner's own rows never cross the network
+                own = i % n == member  # the owner's own rows never cross the network
+                if own and not codec.structured:
+                    y = x
                 else:
                     data = codec.encode(x, seed=seeds[i])
                     y = decode(data, tuple(x.shape), seed=seeds[i])
-                    total += len(data)
+                    total += 0 if own else len(data)
                 if ef is not None and i < deltas:
                     ef.stage(i, x, y)
                 out.append(y)

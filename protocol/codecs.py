@@ -162,12 +162,12 @@ def _encode_block(name: str, x: torch.Tensor, block: int) -> bytes:
     if name == "fp4":
         scale = absmax
         u = padded.abs() / torch.where(live, absmax, torch.ones_like(absmax))[:, None]
-        mant, exp = torch.frexp(u)  # u = mant·2^exp, mant in [0.5, 1): nearest of 2^(exp-1), 2^exp
-        level = torch.where(mant >= 0.75, exp, exp - 1)  # exponent of the nearest power of two
-        e = (level + 7).clamp_(1, 7)
-        e = torch.where(u >= 2.0**-7, e, torch.zeros_like(e))  # below 2^-7 the nearest level is 0
-        codes = (e | torch.where((padded < 0) & (e > 0), 8, 0)).to(torch.uint8).reshape(-1)[:n]
-        data = _pack_nibbles(codes)
+        # Nearest power of two, ties up: adding half a mantissa to the fp32 bits carries into the
+        # exponent exactly when the mantissa is ≥ 1.5. Biased exponent 127 + k is level 2^k, code k + 7.
+        e = (((u.view(torch.int32) + (1 << 22)) >> 23) - 120).clamp_(1, 7)
+        e = torch.where(u >= 2.0**-7, e, 0).to(torch.uint8)  # below 2^-7 the nearest level is 0
+        sign = ((padded < 0) & (e > 0)).to(torch.uint8) << 3
+        data = _pack_nibbles((e | sign).reshape(-1)[:n])
     else:
         levels = _INT_LEVELS[name]
         scale = absmax / levels
@@ -332,12 +332,20 @@ class Codec:
     def __hash__(self) -> int:
         return hash(repr(self))
 
+    @property
+    def structured(self) -> bool:
+        """True for topk and lowrank: the group mean is exact under :meth:`for_mean` only if every
+        contribution, the owner's own rows included, went through this codec (with its error
+        feedback). Elementwise codecs may leave the owner's own rows exact."""
+        return self.name in ("topk", "lowrank")
+
     def for_mean(self, group_size: int) -> Codec:
         """The codec an owner uses to send the group's mean back (no error feedback there).
 
         Elementwise codecs: this one. topk: k × ``group_size`` (the mean of n top-k tensors has
         at most n·k nonzeros, so it is sent exactly up to fp16 value precision). lowrank: rank ×
-        ``group_size`` (one power iteration recovers a matrix of rank ≤ r exactly).
+        ``group_size`` (one power iteration recovers a matrix of rank ≤ r exactly). Both claims
+        need every contribution to be a decoded encoding (see :attr:`structured`).
         """
         if group_size < 1:
             raise ValueError(f"group_size = {group_size}: need at least 1")

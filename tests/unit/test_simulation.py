@@ -196,7 +196,9 @@ def test_adaptive_sync_fits_its_budget(corpus):
                                                 rounds=1).parameters, N)
     m = m.replace(compression={"sync_time_budget_s": fp32_round / 8 / 1e6})  # 8 Mbit/s = 1e6 bytes/s
     r = run_simulation(m, corpus, peers=N, rounds=rounds, eval_every_rounds=rounds)
-    assert fp32_round / 16 < r.bytes_sent_per_peer / rounds <= fp32_round / 8
+    # Each peer's plan fits its own sends; the simulation's whole-tensor owners and the peers'
+    # differing plans move the group average by a little.
+    assert fp32_round / 16 < r.bytes_sent_per_peer / rounds <= fp32_round / 8 * 1.02
     assert r.history[-1].loss_bpb < r.history[0].loss_bpb
 
 
@@ -212,3 +214,23 @@ def test_noloco_with_compressed_delta_and_phi(corpus):
     plain = run_simulation(manifest("noloco"), corpus, peers=4, rounds=3, eval_every_rounds=3)
     assert result.bytes_sent_per_peer < 0.45 * plain.bytes_sent_per_peer  # Δ in int8, φ in fp16
     assert result.history[-1].loss_bpb < result.history[0].loss_bpb
+
+
+@pytest.mark.parametrize("codec", ["topk", "lowrank"])
+def test_structured_codecs_send_the_group_mean_exactly(corpus, codec):
+    # Every contribution (the owner's too) is a decoded encoding, so for_mean(n) carries the
+    # mean exactly up to fp16: the mean the peers apply is the fp32 mean of what was sent.
+    m = compressed("diloco", codec=codec, topk_fraction=0.02, rank=2)
+    sim = Simulation(m, corpus, peers=3, seed=1)
+    for inner in sim.inners:
+        for k in range(m.sync.inner_steps):
+            inner.step(k)
+    thetas = [list(model.parameters()) for model in sim.models]
+    from peer.outer import pseudo_gradient
+
+    deltas = [pseudo_gradient(phi, theta) for phi, theta in zip(sim.phis, thetas)]
+    mean, _ = sim._compressed_mean([0, 1, 2], deltas, [1, 1, 1])
+    residuals = [ef.state_tensors() for ef in sim.feedback]
+    for i, got in enumerate(mean):
+        sent_mean = sum(d[i] - e[i] for d, e in zip(deltas, residuals)) / 3  # Σ (Δ − e) = Σ decoded
+        torch.testing.assert_close(got, sent_mean, rtol=2e-3, atol=1e-3 * float(sent_mean.abs().max()) + 1e-12)
