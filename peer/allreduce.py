@@ -287,7 +287,15 @@ class GroupAllreduce:
         n, me = len(self.plan.peer_ids), self.plan.my_index
         for piece in self.my_pieces:
             own = self.compensate(piece, piece_view(self.tensors[piece.tensor], piece).float())
-            self.stage(piece, own, own)  # own rows travel uncompressed: no residual
+            codec = self.plan.codecs[piece.index]
+            if getattr(codec, "structured", False) and torch.isfinite(own).all():
+                # top-k / low rank: the mean is re-encoded with n× the budget, which is exact only
+                # if every contribution, this owner's included, went through the codec
+                compensated = own
+                own = await self._off_loop(self._roundtrip, piece, compensated)
+                self.stage(piece, compensated, own)
+            else:
+                self.stage(piece, own, own)  # own rows stay exact: no residual
             if torch.isfinite(own).all():
                 self._contrib[piece.index][me] = (self.weight, own)
             else:  # never average a non-finite value, not even our own
@@ -321,6 +329,10 @@ class GroupAllreduce:
             self.results[piece.index] = value
             self._mean_frames[piece.index].set_result(payload)
             self._contrib[piece.index] = []  # free the contributions
+
+    def _roundtrip(self, piece: Piece, x: torch.Tensor) -> torch.Tensor:
+        data = self.plan.codecs[piece.index].encode(x, seed=self.plan.seeds[piece.index])
+        return self._codecs.decode(data, tuple(x.shape), seed=self.plan.seeds[piece.index])
 
     def _mean_of(self, piece: Piece, parts, included: list[bool]) -> tuple[bytes, torch.Tensor]:
         total = sum(w for w, _ in parts)
