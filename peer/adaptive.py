@@ -3,11 +3,14 @@
 The DiLoCoX idea (arXiv 2506.21263; ALGORITHMS.md §3): compress pseudo-gradients more where they
 carry less information, as much as the link requires. :func:`plan` turns a byte budget
 (``sync_time_budget_s`` × the measured uplink) into one :class:`~protocol.codecs.Codec` per
-tensor by a rate-distortion allocation: each tensor's candidates (fp32, fp16, int8, int4, fp4 at
-two block sizes, and for matrices low-rank at ranks 1, 2, 4, …) are priced in bytes sent and in the squared
-error of their actual round trip, and the choice that minimises the total squared error within
-the budget is found by dynamic programming. A matrix whose Δ has its energy in a few singular
-directions thus gets a low rank; a tensor with much energy gets more bits than one with little.
+tensor by a rate-distortion allocation: each tensor's candidates (fp32, fp16, int8, int4, fp4
+and fp3 at two block sizes, and for matrices the lowest rank 1, 2, 4, … that is as faithful as
+fp4) are priced in bytes sent and in the squared error of their actual round trip, and the
+choice that minimises the total squared error within the budget is found by dynamic
+programming. A matrix whose Δ has its energy in a few singular directions thus gets a low rank;
+a tensor with much energy gets more bits than one with little. The floor is fp3 (3.1 bits per
+value, about 10x fewer bytes than fp32) unless low rank is faithful: below it the plan is over
+budget and says so.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from protocol.manifest import CompressionSpec
 
 logger = logging.getLogger(__name__)
 
-ELEMENTWISE = ("fp4", "int4", "int8", "fp16", "none")
+ELEMENTWISE = ("fp3", "fp4", "int4", "int8", "fp16", "none")
 """Candidates of every tensor; 1-D and 0-D tensors get only these."""
 BLOCK_FACTORS = (1, 4)
 """Blockwise candidates use ``block_size`` × each of these: larger blocks spend fewer bytes on
@@ -75,16 +78,20 @@ class _Option:
 def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list[_Option]:
     shape = tuple(x.shape)
     x = x.detach().float()
-    energy = float(x.pow(2).sum())
     options = []
     for name in ELEMENTWISE:
         blocks = {min(spec.block_size * f, BLOCK_RANGE[1]) for f in BLOCK_FACTORS} \
-            if name in ("int8", "int4", "fp4") else {spec.block_size}
+            if name in ("int8", "int4", "fp4", "fp3") else {spec.block_size}
         for block in sorted(blocks):
             codec = Codec(name, block_size=block)
             err = 0.0 if name == "none" else _round_trip_error(codec, x)
             options.append(_Option(codec, sent_bytes(codec, shape, group_size), err))
     if x.dim() >= 2 and x.numel():
+        # Low rank only where it is as faithful as 4-bit floats, i.e. where Δ's effective rank is
+        # low: what a codec drops comes back only rounds later through error feedback, and
+        # dropping most of a full-rank Δ each round costs far more loss than its squared error
+        # suggests (docs/benchmarks.md, "Codecs": low rank +24 %, top-k +36 %).
+        faithful = next(o.error for o in options if o.codec == Codec("fp4", block_size=spec.block_size))
         cheapest_dense = min(o.bytes_ for o in options)
         rank = 1
         while True:
@@ -93,7 +100,10 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
             if codec.resolve(shape) != "lowrank" or codec.for_mean(group_size).resolve(shape) != "lowrank" \
                     or cost >= cheapest_dense:
                 break
-            options.append(_Option(codec, cost, min(energy, _round_trip_error(codec, x))))
+            err = _round_trip_error(codec, x)
+            if err <= faithful:
+                options.append(_Option(codec, cost, err))
+                break  # higher ranks cost more for an error already below 4-bit's
             rank *= 2
     return _pareto(options)
 

@@ -14,6 +14,7 @@ Wire layouts (little-endian; n = numel; "f16s" = fp16 values times 2^shift, see 
     int8     id | block u32 | scale f32 × nb | int8 × n              (nb = ceil(n / block))
     int4     id | block u32 | scale f32 × nb | 4-bit codes × n, two per byte, low nibble first
     fp4      id | block u32 | scale f32 × nb | 4-bit codes × n (E3M0: sign + 3 exponent bits)
+    fp3      id | block u32 | scale f32 × nb | 3-bit codes × n, LSB first (E2M0; adaptive only)
     topk     id | shift i16 | k u32 | count u32 × ceil(n / 65536) | offset u16 × k | f16s × k
     lowrank  id | rank u16 | shift_p i16 | shift_q i16 | P f16s (rows × r) | Q f16s (cols × r)
 
@@ -26,6 +27,7 @@ the absolute maximum of the element's block (int8, int4, fp4) or of the whole te
     int8     |x − x̂| ≤ a/254                   (round to nearest, no clipping)
     int4     |x − x̂| ≤ a/14
     fp4      |x − x̂| ≤ max(|x|/3, a/128)
+    fp3      |x − x̂| ≤ max(|x|/3, a/8)
     topk     kept elements as fp16, the others exactly 0: |x − x̂| ≤ |x| and ≤ the k-th largest |x|
     lowrank  ‖M − M̂‖_F ≤ ‖M‖_F·(1 + 2^-9); exact (to fp16 precision) when rank(M) ≤ r
 
@@ -53,7 +55,7 @@ if sys.byteorder != "little":  # the wire is little-endian and the arrays below 
 
 logger = logging.getLogger(__name__)
 
-WIRE_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "fp4": 5, "topk": 6, "lowrank": 7}
+WIRE_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "fp4": 5, "topk": 6, "lowrank": 7, "fp3": 8}
 """First byte of every encoding."""
 NAMES = {v: k for k, v in WIRE_IDS.items()}
 HEADER_MAX_BYTES = 16
@@ -61,7 +63,7 @@ HEADER_MAX_BYTES = 16
 LOSSY_MAX = 2.0**100
 """Lossy codecs send a tensor holding |x| ≥ this as exact fp32 (no codec overflows below it)."""
 FLUSH_BELOW = 2.0**-110
-"""Blocks (int8, int4, fp4) whose absmax is below this decode as zeros: their scales stay normal fp32."""
+"""Blocks (int8, int4, fp4, fp3) whose absmax is below this decode as zeros: their scales stay normal fp32."""
 BLOCK_RANGE = (8, 1 << 20)
 """Block sizes a decoder accepts (the manifest's range for ``compression.block_size``)."""
 TOPK_CHUNK = 1 << 16
@@ -75,7 +77,7 @@ DENSE_FALLBACK = "fp16"
 """What topk and lowrank send when their encoding of a tensor would be at least as large as this."""
 
 _HDR_SHIFT = struct.Struct("<Bh")  # fp16, bf16
-_HDR_BLOCK = struct.Struct("<BI")  # int8, int4, fp4
+_HDR_BLOCK = struct.Struct("<BI")  # int8, int4, fp4, fp3
 _HDR_TOPK = struct.Struct("<BhI")
 _HDR_LOWRANK = struct.Struct("<BHhh")
 _F16_TARGET_EXP = 15  # scale so the absmax lands in [2^14, 2^15): below fp16's 65504, far above its normals
@@ -132,12 +134,18 @@ def _from_half(mv: memoryview, offset: int, count: int, shift: int, bf16: bool, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Blockwise absmax quantizers: int8, int4, fp4 (E3M0)
+# Blockwise absmax quantizers: int8, int4, fp4 (E3M0), fp3 (E2M0)
 
 _INT_LEVELS = {"int8": 127, "int4": 7}
-# E3M0 magnitudes: code e in 1..7 is 2^(e-7) of the block's absmax, code 0 is zero; bit 3 is the sign.
-_FP4_MAGNITUDES = [0.0] + [2.0 ** (e - 7) for e in range(1, 8)]
-_FP4_LUT = torch.tensor(_FP4_MAGNITUDES + [-m for m in _FP4_MAGNITUDES])
+_BITS = {"int8": 8, "int4": 4, "fp4": 4, "fp3": 3}
+_FP_EXPONENTS = {"fp4": 7, "fp3": 3}
+"""E(b−1)M0 floats: code e in 1..E is 2^(e−E) of the block's absmax, code 0 is zero, the top bit
+the sign. fp4: 2^-6 … 1; fp3: 1/4, 1/2, 1."""
+_FP_LUT = {
+    name: torch.tensor(mags + [-m for m in mags])
+    for name, E in _FP_EXPONENTS.items()
+    for mags in [[0.0] + [2.0 ** (e - E) for e in range(1, E + 1)]]
+}
 
 
 def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,37 +157,58 @@ def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return padded, torch.where(absmax < FLUSH_BELOW, torch.zeros_like(absmax), absmax)
 
 
-def _pack_nibbles(codes: torch.Tensor) -> bytes:
-    if codes.numel() % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    return (codes[0::2] | (codes[1::2] << 4)).numpy().tobytes()
+def _pack(codes: torch.Tensor, bits: int) -> bytes:
+    """uint8 codes < 2^bits, packed little-endian: nibbles low first (4 bits), else LSB-first bits."""
+    if bits == 8:
+        return codes.numpy().tobytes()
+    if bits == 4:
+        if codes.numel() % 2:
+            codes = torch.cat([codes, codes.new_zeros(1)])
+        return (codes[0::2] | (codes[1::2] << 4)).numpy().tobytes()
+    planes = np.unpackbits(codes.numpy()[:, None], axis=1, count=bits, bitorder="little")
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack(mv: memoryview, offset: int, n: int, bits: int, what: str) -> torch.Tensor:
+    """Codes as int64; BadPayload unless the padding bits after the last code are zero."""
+    raw = np.frombuffer(mv, dtype=np.uint8, count=-(-n * bits // 8), offset=offset)
+    if bits == 4:
+        codes = np.stack([raw & 15, raw >> 4], axis=1).reshape(-1)
+    else:
+        flat = np.unpackbits(raw, bitorder="little")
+        if flat[n * bits:].any():
+            raise BadPayload(f"{what}: padding bits after the last element are not 0")
+        codes = np.packbits(flat[: n * bits].reshape(n, bits), axis=1, bitorder="little").reshape(-1)
+    if bits == 4 and n % 2 and codes[n] != 0:
+        raise BadPayload(f"{what}: the padding nibble after the last element is {int(codes[n])}, not 0")
+    return torch.from_numpy(codes[:n].astype(np.int64))
 
 
 def _encode_block(name: str, x: torch.Tensor, block: int) -> bytes:
     n = x.numel()
     padded, absmax = _blocks(x, block)
     live = absmax > 0
-    if name == "fp4":
+    if name in _FP_EXPONENTS:
+        E, bits = _FP_EXPONENTS[name], _BITS[name]
         scale = absmax
         u = padded.abs() / torch.where(live, absmax, torch.ones_like(absmax))[:, None]
         # Nearest power of two, ties up: adding half a mantissa to the fp32 bits carries into the
-        # exponent exactly when the mantissa is ≥ 1.5. Biased exponent 127 + k is level 2^k, code k + 7.
-        e = (((u.view(torch.int32) + (1 << 22)) >> 23) - 120).clamp_(1, 7)
-        e = torch.where(u >= 2.0**-7, e, 0).to(torch.uint8)  # below 2^-7 the nearest level is 0
-        sign = ((padded < 0) & (e > 0)).to(torch.uint8) << 3
-        data = _pack_nibbles((e | sign).reshape(-1)[:n])
+        # exponent exactly when the mantissa is ≥ 1.5. Biased exponent 127 + k is level 2^k, code k + E.
+        e = (((u.view(torch.int32) + (1 << 22)) >> 23) - (127 - E)).clamp_(1, E)
+        e = torch.where(u >= 2.0**-E, e, 0).to(torch.uint8)  # below half the lowest level 2^(1−E): 0
+        sign = ((padded < 0) & (e > 0)).to(torch.uint8) << (bits - 1)
+        data = _pack((e | sign).reshape(-1)[:n], bits)
     else:
         levels = _INT_LEVELS[name]
         scale = absmax / levels
         inv = torch.where(live, levels / torch.where(live, absmax, torch.ones_like(absmax)), torch.zeros_like(absmax))
         q = torch.round(padded * inv[:, None]).clamp_(-levels, levels).reshape(-1)[:n]
-        data = q.to(torch.int8).numpy().tobytes() if name == "int8" else _pack_nibbles((q + 8).to(torch.uint8))
+        data = q.to(torch.int8).numpy().tobytes() if name == "int8" else _pack((q + 8).to(torch.uint8), 4)
     return _HDR_BLOCK.pack(WIRE_IDS[name], block) + scale.numpy().tobytes() + data
 
 
 def _block_size_bytes(name: str, n: int, block: int) -> int:
-    data = n if name == "int8" else (n + 1) // 2
-    return _HDR_BLOCK.size + 4 * (-(-n // block)) + data
+    return _HDR_BLOCK.size + 4 * (-(-n // block)) + -(-n * _BITS[name] // 8)
 
 
 def _decode_block(name: str, mv: memoryview, n: int) -> torch.Tensor:
@@ -193,24 +222,19 @@ def _decode_block(name: str, mv: memoryview, n: int) -> torch.Tensor:
         raise BadPayload(f"{name}: a block scale is negative, NaN or inf")
     offset = _HDR_BLOCK.size + 4 * nb
     if name == "int8":
-        q = torch.from_numpy(np.frombuffer(mv, dtype=np.int8, count=n, offset=offset).astype(np.float32))
-        if (q == -128).any():
+        values = torch.from_numpy(np.frombuffer(mv, dtype=np.int8, count=n, offset=offset).astype(np.float32))
+        if (values == -128).any():
             raise BadPayload("int8: code -128 is never produced (levels are -127..127)")
-        values = q
+    elif name == "int4":
+        codes = _unpack(mv, offset, n, 4, name)
+        if (codes == 0).any():
+            raise BadPayload("int4: code 0 (level -8) is never produced (levels are -7..7)")
+        values = (codes - 8).float()
     else:
-        packed = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8, count=(n + 1) // 2, offset=offset).copy())
-        codes = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)
-        if n % 2 and codes[n] != 0:
-            raise BadPayload(f"{name}: the padding nibble after the last element is {int(codes[n])}, not 0")
-        codes = codes[:n].long()
-        if name == "int4":
-            if (codes == 0).any():
-                raise BadPayload("int4: code 0 (level -8) is never produced (levels are -7..7)")
-            values = (codes - 8).float()
-        else:
-            if (codes == 8).any():
-                raise BadPayload("fp4: code 8 (negative zero) is never produced")
-            values = _FP4_LUT[codes]
+        codes = _unpack(mv, offset, n, _BITS[name], name)
+        if (codes == 1 << (_BITS[name] - 1)).any():
+            raise BadPayload(f"{name}: code {1 << (_BITS[name] - 1)} (negative zero) is never produced")
+        values = _FP_LUT[name][codes]
     return (torch.nn.functional.pad(values, (0, nb * block - n)).view(nb, block) * scale[:, None]).reshape(-1)[:n]
 
 
@@ -300,9 +324,10 @@ class Codec:
     """One configured codec. ``encode`` output is self-describing; decode it with :func:`decode`.
 
     Attributes:
-        name: 'none', 'fp16', 'bf16', 'int8', 'int4', 'fp4', 'topk' or 'lowrank'.
+        name: 'none', 'fp16', 'bf16', 'int8', 'int4', 'fp4', 'topk' or 'lowrank'; also 'fp3',
+            which no manifest names but :func:`peer.adaptive.plan` may choose.
         lossy: False only for 'none'.
-        block_size: elements per absmax block (int8, int4, fp4).
+        block_size: elements per absmax block (int8, int4, fp4, fp3).
         topk_fraction: share of elements top-k keeps, times ``multiplier``.
         rank: rank of lowrank, times ``multiplier``.
         multiplier: 1 for a peer's own Δ; the group size for the codec of a group mean.
@@ -321,9 +346,14 @@ class Codec:
         self.block_size, self.topk_fraction, self.rank, self.multiplier = block_size, topk_fraction, rank, multiplier
 
     def __repr__(self) -> str:
-        extra = {"int8": f"block={self.block_size}", "int4": f"block={self.block_size}",
-                 "fp4": f"block={self.block_size}", "topk": f"fraction={self.topk_fraction}×{self.multiplier}",
-                 "lowrank": f"rank={self.rank}×{self.multiplier}"}.get(self.name, "")
+        if self.name in _BITS:
+            extra = f"block={self.block_size}"
+        elif self.name == "topk":
+            extra = f"fraction={self.topk_fraction}×{self.multiplier}"
+        elif self.name == "lowrank":
+            extra = f"rank={self.rank}×{self.multiplier}"
+        else:
+            extra = ""
         return f"Codec({self.name}{', ' + extra if extra else ''})"
 
     def __eq__(self, other: object) -> bool:
@@ -481,6 +511,7 @@ def decode(data: bytes | memoryview, shape: tuple[int, ...], *, seed: int) -> to
     if name is None:
         raise BadPayload(f"unknown codec wire id {mv[0]}: known {sorted(NAMES)}")
     header = {"fp16": _HDR_SHIFT, "bf16": _HDR_SHIFT, "int8": _HDR_BLOCK, "int4": _HDR_BLOCK, "fp4": _HDR_BLOCK,
+              "fp3": _HDR_BLOCK,
               "topk": _HDR_TOPK, "lowrank": _HDR_LOWRANK}.get(name)
     if header is not None and len(mv) < header.size:
         raise BadPayload(f"{name}: {len(mv)} bytes, shorter than its {header.size}-byte header")

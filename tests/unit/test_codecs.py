@@ -12,7 +12,7 @@ from protocol.codecs import (
 from protocol.errors import BadPayload
 from protocol.manifest import CompressionSpec
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank")
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "fp3", "topk", "lowrank")
 SHAPES = [(), (0,), (7,), (1000,), (33, 65), (0, 5), (4, 0), (1, 300), (300, 1), (3, 5, 7), (2, 3, 4, 5)]
 ULP = 2.0**-22  # slack for fp32 rounding in the bounds, relative to the block's absmax
 
@@ -54,12 +54,12 @@ def check_bound(name: str, x: torch.Tensor, y: torch.Tensor, codec: Codec) -> No
         assert bool((err <= 2.0**-11 * x.abs() + 2.0**-39 * a).all()), float(err.max())
     elif fmt == "bf16":
         assert bool((err <= 2.0**-8 * x.abs() + 2.0**-140 * a).all()), float(err.max())
-    elif fmt in ("int8", "int4", "fp4"):
+    elif fmt in ("int8", "int4", "fp4", "fp3"):
         ab = _block_absmax(x, codec.block_size)
         flushed = ab < FLUSH_BELOW
         assert bool((y[flushed] == 0).all())
-        if fmt == "fp4":
-            bound = torch.maximum(x.abs() / 3, ab / 128)
+        if fmt in ("fp4", "fp3"):
+            bound = torch.maximum(x.abs() / 3, ab / (128 if fmt == "fp4" else 8))
         else:
             bound = ab / (254 if fmt == "int8" else 14)
         assert bool((err <= bound + ULP * ab)[~flushed].all()), float((err - bound)[~flushed].max())
@@ -95,7 +95,8 @@ def test_round_trip_within_stated_bound(name, kind):
 def test_row_slices_encode_on_their_own(name):
     # The all-reduce compresses row ranges of one tensor separately: each piece decodes alone.
     x = _data("normal", (40, 6, 5), seed=1)
-    codec = make_codec(CompressionSpec(codec=name, block_size=8, topk_fraction=0.05, rank=2), x.shape)
+    codec = make_codec(CompressionSpec(codec=name, block_size=8, topk_fraction=0.05, rank=2), x.shape) \
+        if name != "fp3" else Codec("fp3", block_size=8)  # fp3: only adaptive plans choose it
     pieces = []
     for rows in (slice(0, 13), slice(13, 14), slice(14, 40)):
         piece = x[rows]
@@ -108,7 +109,7 @@ def test_row_slices_encode_on_their_own(name):
 def test_known_errors_of_the_dense_codecs_on_normal_data():
     # Relative L2 errors that the docs quote: tight enough to catch a codec that silently degrades.
     x = _data("normal", (256, 128), seed=5)
-    expected = {"fp16": 3e-4, "bf16": 3e-3, "int8": 8e-3, "int4": 0.13, "fp4": 0.22}
+    expected = {"fp16": 3e-4, "bf16": 3e-3, "int8": 8e-3, "int4": 0.13, "fp4": 0.22, "fp3": 0.30}
     for name, limit in expected.items():
         y = decode(Codec(name).encode(x, seed=0), tuple(x.shape), seed=0)
         assert float((x - y).norm() / x.norm()) < limit, name
@@ -135,12 +136,14 @@ def test_fp16_never_overflows_and_huge_tensors_go_exact(caplog):
     assert torch.equal(decode(data, (2, 2), seed=0), x)
 
 
-def test_fp4_levels_are_powers_of_two_of_the_block_absmax():
-    x = torch.tensor([1.0, 0.75, 0.74, 0.5, 2.0**-6, 2.0**-7, 0.9 * 2.0**-7, -0.3, 0.0])
-    y = decode(Codec("fp4", block_size=8).encode(x, seed=0), (9,), seed=0)
+def test_fp4_and_fp3_levels_are_powers_of_two_of_the_block_absmax():
+    x = torch.tensor([1.0, 0.75, 0.74, 0.5, 2.0**-6, 2.0**-7, 0.9 * 2.0**-7, -0.3, 0.0, -0.13, 0.12])
+    y = decode(Codec("fp4", block_size=16).encode(x, seed=0), (11,), seed=0)
     # 0.75 = 1.5·2^-1 rounds up; below 2^-7 rounds to 0; -0.3 is nearest to -0.25.
-    assert y.tolist()[:8] == [1.0, 1.0, 0.5, 0.5, 2.0**-6, 2.0**-6, 0.0, -0.25]
-    assert y[8] == 0.0
+    assert y.tolist() == [1.0, 1.0, 0.5, 0.5, 2.0**-6, 2.0**-6, 0.0, -0.25, 0.0, -0.125, 0.125]
+    y = decode(Codec("fp3", block_size=16).encode(x, seed=0), (11,), seed=0)
+    # E2M0: 1, 1/2, 1/4 and 0 (below 1/8).
+    assert y.tolist() == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, -0.25, 0.0, -0.25, 0.0]
 
 
 def test_make_codec_fallbacks_and_roles():
