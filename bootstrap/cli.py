@@ -29,66 +29,150 @@ def main() -> None:
     """Run a bootstrap node: the well-known entry into a locoswarm DHT."""
 
 
-@main.command()
-@click.option("--host", default="0.0.0.0", show_default=True, help="Interface to listen on.")
-@click.option("--port", default=31337, show_default=True, type=click.IntRange(0, 65535),
-              help="TCP port (0 picks a free one).")
-@click.option("--announce", multiple=True, metavar="MULTIADDR",
-              help="Public address to advertise, e.g. /ip4/203.0.113.7/tcp/31337 (repeatable).")
-@click.option("--identity", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Private key file (created with mode 0600 on first start). "
-                   "[default: the user data dir]/locoswarm/bootstrap/identity.key")
-@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Run manifest (TOML) to announce. Default: the 'default' preset.")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Announce a named preset.")
-@click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="Other nodes to link with.")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
-@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def run(host, port, announce, identity, run_file, preset, initial_peers, log_format, verbose) -> None:
-    """Start the node, print its multiaddrs, announce the run; stop cleanly on Ctrl-C or SIGTERM.
-
-    \b
-    Examples:
-      bootstrap run                                   # default run, port 31337
-      bootstrap run --run my_run.toml --announce /ip4/203.0.113.7/tcp/31337
-      bootstrap run --port 0 --identity ./boot.key --preset tiny
-    """
-    from bootstrap.node import BootstrapConfig, serve
-
+def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
     if not verbose:
         from protocol.dht import quiet_hivemind_logs
 
         quiet_hivemind_logs()
+
+
+def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _fail(exc: LocoError, verbose: bool) -> None:
+    if verbose:
+        logging.exception("failed")
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(exc.exit_code)
+
+
+@main.command()
+@click.option("--host", default="0.0.0.0", show_default=True, help="Interface to listen on.")
+@click.option("--port", default=31337, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port of the DHT (open it in the firewall; 0 picks a free one).")
+@click.option("--announce", multiple=True, metavar="MULTIADDR",
+              help="Public address to advertise, e.g. /ip4/203.0.113.7/tcp/31337 or "
+                   "/dns4/boot.example.org/tcp/31337 (repeatable). Needed behind NAT or port forwarding.")
+@click.option("--identity", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Private key file (created with mode 0600 on first start, reused after: the peer id and "
+                   "so the multiaddr stay the same). [default: the user data dir]/locoswarm/bootstrap/identity.key")
+@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Run manifest (TOML) to announce. Default: the 'default' preset.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Announce a named preset.")
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="Other nodes to link with.")
+@click.option("--relay/--no-relay", default=True, show_default=True,
+              help="Serve as a libp2p circuit relay so peers behind NAT can be reached through this node.")
+@click.option("--monitor-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve the swarm monitor (web page, /api/swarm JSON, /metrics, /healthz) on this HTTP "
+                   "port (0: any free port). Default: no monitor.")
+@click.option("--monitor-host", default="127.0.0.1", show_default=True,
+              help="Interface of the monitor's HTTP server (0.0.0.0: all).")
+@click.option("--monitor-poll", type=click.FloatRange(0.1), default=1.0, show_default=True,
+              help="Seconds between two reads of the peers' progress records.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def run(host, port, announce, identity, run_file, preset, initial_peers, relay, monitor_port, monitor_host,
+        monitor_poll, log_format, verbose) -> None:
+    """Start the node, print its multiaddrs, announce the run; stop cleanly on Ctrl-C or SIGTERM.
+
+    The node is the swarm's well-known entry: peers pass one of the printed multiaddrs to
+    `peer join --initial-peers`. Open TCP PORT in the firewall (and forward it on a NAT router);
+    the monitor port only if you want others to see the page.
+
+    \b
+    Examples:
+      bootstrap run                                   # default run, port 31337
+      bootstrap run --run my_run.toml --announce /ip4/203.0.113.7/tcp/31337
+      bootstrap run --identity /var/lib/locoswarm/boot.key --monitor-port 8080 --monitor-host 0.0.0.0
+      bootstrap run --port 0 --identity ./boot.key --preset tiny --no-relay
+    \b
+    Check from another machine that the node is reachable:
+      peer status --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmThePrintedId
+    """
+    from bootstrap.node import BootstrapConfig, serve
+
+    _configure_logging(verbose)
+    stop = _stop_on_signals()
     try:
         if run_file is not None and preset is not None:
             raise click.UsageError("give either --run FILE.toml or --preset NAME, not both")
         manifest = load_manifest(run_file) if run_file else PRESETS[preset or "default"]()
         cfg = BootstrapConfig(host=host, port=port, announce=tuple(announce),
                               identity_path=identity or default_identity(), initial_peers=tuple(initial_peers),
-                              manifest=manifest)
+                              manifest=manifest, relay=relay, monitor_host=monitor_host, monitor_port=monitor_port,
+                              monitor_poll_s=monitor_poll)
 
-        def on_ready(maddrs: list[str]) -> None:
+        def on_ready(maddrs: list[str], monitor_url: str | None) -> None:
             if log_format == "json":
                 click.echo(json.dumps({"event": "ready", "maddrs": maddrs, "run_id": manifest.run_id,
-                                       "run_name": manifest.name, "version": protocol.__version__}))
+                                       "run_name": manifest.name, "version": protocol.__version__,
+                                       "relay": relay, "monitor_url": monitor_url}))
             else:
-                click.echo(f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} ({manifest.name})")
+                click.echo(f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} ({manifest.name})"
+                           f" | relay {'on' if relay else 'off'}")
                 click.echo("peers join with:")
                 for maddr in maddrs:
                     click.echo(f"  peer join --initial-peers {maddr}")
+                if monitor_url:
+                    click.echo(f"swarm monitor: {monitor_url} (JSON: {monitor_url}api/swarm, "
+                               f"Prometheus: {monitor_url}metrics)")
             sys.stdout.flush()
 
         serve(cfg, stop, on_ready)
     except LocoError as exc:
-        if verbose:
-            logging.exception("failed")
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(exc, verbose)
     click.echo("bootstrap node stopped", err=True)
+
+
+@main.command()
+@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR",
+              help="Address of any live node of the swarm (repeatable).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface of the HTTP server (0.0.0.0: all).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="HTTP port (0: any free port).")
+@click.option("--poll", type=click.FloatRange(0.1), default=1.0, show_default=True,
+              help="Seconds between two reads of the peers' progress records.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
+    """Serve the swarm monitor for any swarm, from a client-mode DHT node (no bootstrap needed).
+
+    Pages: / (live peers, rounds, validation loss over time, tok/s, bytes, group sizes, last seen),
+    /api/swarm (the same as JSON), /metrics (Prometheus), /healthz.
+
+    \b
+    Examples:
+      bootstrap monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmBootstrapId
+      bootstrap monitor --initial-peers /dns4/boot.example.org/tcp/31337/p2p/QmId --host 0.0.0.0 --port 9100
+    """
+    from bootstrap.monitor import MonitorConfig, run_monitor
+    from protocol import dht as swarm_dht
+
+    _configure_logging(verbose)
+    stop = _stop_on_signals()
+    try:
+        dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
+        try:
+            def on_ready(url: str) -> None:
+                if log_format == "json":
+                    click.echo(json.dumps({"event": "ready", "monitor_url": url, "version": protocol.__version__}))
+                else:
+                    click.echo(f"locoswarm {protocol.__version__} swarm monitor: {url} "
+                               f"(JSON: {url}api/swarm, Prometheus: {url}metrics)")
+                sys.stdout.flush()
+
+            run_monitor(dht, host=host, port=port, config=MonitorConfig(poll_interval_s=poll), stop=stop,
+                        on_ready=on_ready)
+        finally:
+            dht.shutdown()
+    except LocoError as exc:
+        _fail(exc, verbose)
+    click.echo("monitor stopped", err=True)
 
 
 if __name__ == "__main__":

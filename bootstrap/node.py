@@ -1,4 +1,5 @@
-"""A bootstrap node: DHT entry with a persistent identity that keeps a run manifest announced."""
+"""A bootstrap node: DHT entry with a persistent identity that keeps a run manifest announced,
+serves as a libp2p circuit relay for peers behind NAT, and optionally hosts the swarm monitor."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from protocol import dht as swarm_dht
+from protocol.errors import NetworkError
 from protocol.identity import ensure_identity
 from protocol.manifest import RunManifest
 
@@ -20,30 +22,87 @@ class BootstrapConfig:
     host: str = "0.0.0.0"
     port: int = 31337
     announce: tuple[str, ...] = ()
+    """Multiaddrs to advertise instead of the listen addresses (a public IP, a DNS name)."""
     identity_path: Path
     initial_peers: tuple[str, ...] = ()
     """Other bootstrap nodes or peers to link with (optional)."""
     manifest: RunManifest
+    relay: bool = True
+    """Serve as a libp2p circuit relay (v2) so peers behind NAT can be reached through this node."""
+    monitor_host: str = "127.0.0.1"
+    monitor_port: int | None = None
+    """HTTP port of the swarm monitor (page, /api/swarm, /metrics, /healthz); None: no monitor."""
+    monitor_poll_s: float = 1.0
+    """Seconds between two reads of the progress records by the monitor."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port = {self.port}: must be in [0, 65535]")
+        if self.monitor_port is not None and not 0 <= self.monitor_port <= 65535:
+            raise ValueError(f"monitor_port = {self.monitor_port}: must be in [0, 65535]")
+        if not self.monitor_poll_s > 0:
+            raise ValueError(f"monitor_poll_s = {self.monitor_poll_s}: must be > 0")
 
 
-def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[str]], None]) -> None:
-    """Run the node until ``stop`` is set; call ``on_ready(multiaddrs)`` once it listens.
+def start_relay_dht(*, initial_peers: Sequence[str], host: str, port: int, announce: Sequence[str],
+                    identity_path: str, relay: bool, timeout_s: float = 20.0):
+    """Start the bootstrap node's DHT, with the circuit relay service when ``relay``.
+
+    go-libp2p runs its relay service only while it believes itself publicly reachable; a
+    bootstrap node is there to be dialled, so reachability is forced public rather than left to
+    AutoNAT (which, with few peers, may never decide). Peers behind NAT that enable auto relay
+    (hivemind ``use_auto_relay``) reserve a slot here and become reachable at
+    ``<this node's maddr>/p2p-circuit/p2p/<their id>``.
 
     Raises:
-        ConfigError: unusable identity file. NetworkError: the port cannot be bound.
+        BadPeerAddress, BootstrapUnreachable, NetworkError: as ``protocol.dht.start_dht``.
+    """
+    if not relay:
+        return swarm_dht.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
+                                   identity_path=identity_path, timeout_s=timeout_s)
+    import hivemind
+
+    peers = swarm_dht.parse_initial_peers(initial_peers)
+    kwargs = dict(initial_peers=peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, await_ready=True,
+                  wait_timeout=min(5.0, timeout_s), bootstrap_timeout=min(5.0, timeout_s),
+                  identity_path=str(identity_path), use_relay=True, force_reachability="public")
+    if announce:
+        kwargs["announce_maddrs"] = list(announce)
+    try:
+        return hivemind.DHT(**kwargs)
+    except Exception as exc:
+        if peers and "bootstrap failed" in str(exc):
+            from protocol.errors import BootstrapUnreachable
+
+            raise BootstrapUnreachable(f"none of the initial peers answered: {', '.join(peers)}") from exc
+        raise NetworkError(f"could not start the DHT node on {host}:{port}: {exc}") from exc
+
+
+def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[str], str | None], None]) -> None:
+    """Run the node until ``stop`` is set; call ``on_ready(multiaddrs, monitor_url)`` once it listens.
+
+    Raises:
+        ConfigError: unusable identity file. NetworkError: a port cannot be bound.
     """
     identity = ensure_identity(cfg.identity_path)
-    dht = swarm_dht.start_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port,
-                              announce=cfg.announce, identity_path=str(identity))
+    dht = start_relay_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
+                          identity_path=str(identity), relay=cfg.relay)
     announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
+    monitor = server = None
     try:
         announcer.start()
-        on_ready(swarm_dht.visible_maddrs(dht))
+        if cfg.monitor_port is not None:
+            from bootstrap.monitor import MonitorConfig, MonitorServer, SwarmMonitor
+
+            monitor = SwarmMonitor(dht, MonitorConfig(poll_interval_s=cfg.monitor_poll_s),
+                                   run_ids={cfg.manifest.run_id: cfg.manifest.name}).start()
+            server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=cfg.manifest.name).start()
+        on_ready(swarm_dht.visible_maddrs(dht), server.url if server else None)
         stop.wait()
     finally:
+        if server is not None:
+            server.stop()
+        if monitor is not None:
+            monitor.stop()
         announcer.stop()
         dht.shutdown()

@@ -165,5 +165,41 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
     sys.exit(code)
 
 
+@main.command()
+@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR",
+              help="Address of any live node of the swarm (repeatable).")
+@click.option("--run-id", default=None, help="Show only this run. Default: every run the swarm announces.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=5.0, show_default=True,
+              help="Seconds to keep looking while no progress record is found.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
+    """Print the swarm's live peers: rounds, losses, throughput, groups, bytes. Does not train.
+
+    Joins the DHT as a client (accepts no connections), reads the progress records, leaves.
+    Exits 69 when no initial peer answers: a quick check that a bootstrap node is reachable.
+
+    \b
+    Examples:
+      peer status --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmBootstrapId
+      peer status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/QmId --json | jq '.runs[0].peers[].round'
+    """
+    import json
+
+    from rich.console import Console
+
+    from peer.status import print_status, status as read_status
+
+    configure_logging(verbose)
+    try:
+        result = read_status(tuple(initial_peers), run_id, wait_s=wait_s)
+    except LocoError as exc:
+        fail(exc, verbose)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        print_status(result, Console(soft_wrap=True))
+
+
 if __name__ == "__main__":
     main()

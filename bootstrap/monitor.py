@@ -1,0 +1,386 @@
+"""Live swarm monitor: what the DHT's progress records say about a swarm, kept as history.
+
+A :class:`SwarmMonitor` polls the DHT (``list_runs`` + ``read_progress``, so every record is
+validated by ``ProgressRecord.from_wire``) from a background thread and keeps, per run and per
+peer, the latest record, when the peer was first and last seen, the largest group it synced in
+at each round, and every validation loss it published (records carry ``eval_loss`` only at the
+rounds a peer evaluated φ, so the history is what makes "loss over time" possible). Peers whose
+records expired stay in the history, marked not live.
+
+:func:`serve_http` publishes a snapshot over HTTP (stdlib ``ThreadingHTTPServer``):
+
+- ``/``            the page (bootstrap.monitor_page: inline JS and SVG, no CDN)
+- ``/api/swarm``   the snapshot as JSON (schema in :meth:`SwarmMonitor.snapshot`)
+- ``/metrics``     Prometheus text format (prometheus-client)
+- ``/healthz``     200 once the monitor has polled the DHT successfully, 503 before
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from protocol import dht as swarm_dht
+from protocol.errors import LocoError, NetworkError
+from protocol.records import ProgressRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    poll_interval_s: float = 1.0
+    """Seconds between two reads of the progress records."""
+    history_samples: int = 2000
+    """Record samples kept per peer (oldest dropped first); eval points are all kept."""
+    forget_after_s: float = 3600.0
+    """Peers not seen for this long are dropped from the snapshot."""
+
+    def __post_init__(self) -> None:
+        if not self.poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s = {self.poll_interval_s}: must be > 0")
+        if self.history_samples < 1:
+            raise ValueError(f"history_samples = {self.history_samples}: must be >= 1")
+        if not self.forget_after_s > 0:
+            raise ValueError(f"forget_after_s = {self.forget_after_s}: must be > 0")
+
+
+@dataclass
+class PeerHistory:
+    peer_id: str
+    first_seen: float
+    last_seen: float
+    """Wall time (s since the epoch) of the last poll that found this peer's record."""
+    last_change: float
+    record: ProgressRecord
+    live: bool = True
+    group_by_round: dict[int, int] = field(default_factory=dict)
+    """Round → largest group size this peer reported for the sync that brought it to that round
+    (only rounds whose post-sync record the monitor saw: a poll can miss a short round)."""
+    evals: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Round → (wall time first seen, validation loss of φ at that round)."""
+    samples: deque = field(default_factory=deque)
+    last_sync: dict[str, int] | None = None
+    """Round, group size and bytes of the latest sync the monitor saw a record of."""
+
+    def update(self, record: ProgressRecord, now: float, max_samples: int, inner_steps: int | None) -> None:
+        changed = record != self.record or not self.samples
+        self.last_seen, self.live, self.record = now, True, record
+        # A record written right after a sync (inner_step at a round boundary) carries that sync's
+        # group size; mid-round records may carry a placeholder 1, so they count only when larger.
+        at_boundary = inner_steps is None or record.inner_step == record.round * inner_steps
+        if record.round > 0 and (at_boundary or record.group_size > 1):
+            self.group_by_round[record.round] = max(self.group_by_round.get(record.round, 0), record.group_size)
+            if self.last_sync is None or record.round >= self.last_sync["round"]:
+                self.last_sync = {"round": record.round, "group_size": record.group_size,
+                                  "bytes_sent": record.bytes_sent, "bytes_received": record.bytes_received}
+        if record.eval_loss is not None and record.round not in self.evals:
+            self.evals[record.round] = (now, float(record.eval_loss))
+        if changed:
+            self.last_change = now
+            self.samples.append({"t": now, "round": record.round, "inner_step": record.inner_step,
+                                 "train_loss": record.train_loss, "tokens_per_s": record.tokens_per_s,
+                                 "group_size": record.group_size, "bytes_sent": record.bytes_sent,
+                                 "bytes_received": record.bytes_received})
+            while len(self.samples) > max_samples:
+                self.samples.popleft()
+
+    def to_json(self, *, with_samples: bool) -> dict[str, Any]:
+        r = self.record
+        out = {
+            "peer_id": self.peer_id, "live": self.live, "first_seen": self.first_seen,
+            "last_seen": self.last_seen, "last_change": self.last_change,
+            "round": r.round, "inner_step": r.inner_step, "train_loss": r.train_loss,
+            "tokens_per_s": r.tokens_per_s, "group_size": r.group_size, "bytes_sent": r.bytes_sent,
+            "bytes_received": r.bytes_received,
+            "eval_loss": self.evals[max(self.evals)][1] if self.evals else None,
+            "last_sync": dict(self.last_sync) if self.last_sync else None,
+            "rounds_by_group_size": _count_by_size(self.group_by_round),
+            "group_by_round": {str(k): v for k, v in sorted(self.group_by_round.items())},
+            "eval_history": [{"round": k, "t": t, "loss": loss} for k, (t, loss) in sorted(self.evals.items())],
+        }
+        if with_samples:
+            out["history"] = list(self.samples)
+        return out
+
+
+def _count_by_size(group_by_round: dict[int, int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for size in group_by_round.values():
+        counts[str(size)] = counts.get(str(size), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
+
+
+@dataclass
+class RunHistory:
+    run_id: str
+    name: str
+    inner_steps: int | None = None
+    """H from the run's manifest (None until it was fetched)."""
+    peers: dict[str, PeerHistory] = field(default_factory=dict)
+
+
+class SwarmMonitor:
+    """Polls a DHT for progress records and keeps their history; thread-safe snapshots.
+
+    Args:
+        dht: a started ``hivemind.DHT`` (the bootstrap node's own, or a client-mode node).
+        config: polling and retention.
+        run_ids: runs to watch besides those announced under ``locoswarm_runs`` (e.g. the
+            bootstrap node's own run, before its first announcement is readable).
+    """
+
+    def __init__(self, dht, config: MonitorConfig = MonitorConfig(), run_ids: dict[str, str] | None = None):
+        self.dht, self.cfg = dht, config
+        self._known_runs = dict(run_ids or {})
+        self._runs: dict[str, RunHistory] = {}
+        self._inner_steps: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="swarm-monitor", daemon=True)
+        self.started_at = time.time()
+        self.last_poll: float | None = None
+        self.last_error: str | None = None
+
+    def start(self) -> SwarmMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception as exc:  # a DHT hiccup must not kill the monitor; report it on the page
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.debug("monitor poll failed: %r", exc)
+            self._stop.wait(self.cfg.poll_interval_s)
+
+    def poll(self, now: float | None = None) -> None:
+        """Read every watched run's progress records once and fold them into the history."""
+        runs = dict(self._known_runs)
+        runs.update(swarm_dht.list_runs(self.dht))
+        for run_id in runs:
+            if run_id not in self._inner_steps:
+                try:
+                    self._inner_steps[run_id] = swarm_dht.fetch_manifest(self.dht, run_id).sync.inner_steps
+                except LocoError as exc:  # not announced (yet), or not a manifest we accept
+                    logger.debug("no manifest for run %s yet: %s", run_id, exc)
+        found = {run_id: swarm_dht.read_progress(self.dht, run_id) for run_id in runs}
+        self.ingest(runs, found, now)
+
+    def ingest(self, runs: dict[str, str], found: dict[str, list[swarm_dht.PeerProgress]],
+               now: float | None = None) -> None:
+        """Fold one poll's records (already validated) into the history."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for run_id, name in runs.items():
+                run = self._runs.setdefault(run_id, RunHistory(run_id=run_id, name=name))
+                run.name = name
+                run.inner_steps = self._inner_steps.get(run_id, run.inner_steps)
+                present = set()
+                for item in found.get(run_id, []):
+                    present.add(item.peer_id)
+                    peer = run.peers.get(item.peer_id)
+                    if peer is None:
+                        peer = run.peers[item.peer_id] = PeerHistory(
+                            peer_id=item.peer_id, first_seen=now, last_seen=now, last_change=now, record=item.record)
+                    peer.update(item.record, now, self.cfg.history_samples, run.inner_steps)
+                for peer_id, peer in list(run.peers.items()):
+                    if peer_id not in present:
+                        peer.live = False
+                        if now - peer.last_seen > self.cfg.forget_after_s:
+                            del run.peers[peer_id]
+            self.last_poll = now
+            self.last_error = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.last_poll is not None
+
+    def snapshot(self, *, with_samples: bool = True) -> dict[str, Any]:
+        """The monitor's state as JSON-able data.
+
+        Schema::
+
+            {"generated_at": s, "started_at": s, "last_poll": s | null, "last_error": str | null,
+             "runs": [{"run_id", "name", "inner_steps" (H, or null), "live_peers", "max_round",
+                       "peers": [{"peer_id", "live", "first_seen", "last_seen", "last_change",
+                                  "round", "inner_step", "train_loss", "eval_loss" (latest seen),
+                                  "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
+                                  "last_sync": {"round", "group_size", "bytes_sent",
+                                                "bytes_received"} | null,
+                                  "rounds_by_group_size": {"3": 2, ...},
+                                  "group_by_round": {"1": 3, ...},
+                                  "eval_history": [{"round", "t", "loss"}],
+                                  "history": [{"t", "round", "inner_step", "train_loss",
+                                               "tokens_per_s", "group_size", "bytes_sent",
+                                               "bytes_received"}]}]}]}
+
+        Times are wall-clock seconds since the epoch; losses in nats/token. The top-level fields
+        of a peer are its latest record as published (mid-round records may carry group size 1
+        and 0 bytes); ``last_sync`` is the latest record written right after a sync.
+        """
+        with self._lock:
+            runs = []
+            for run in sorted(self._runs.values(), key=lambda r: r.run_id):
+                peers = [p.to_json(with_samples=with_samples)
+                         for p in sorted(run.peers.values(), key=lambda p: p.peer_id)]
+                runs.append({"run_id": run.run_id, "name": run.name, "inner_steps": run.inner_steps,
+                             "live_peers": sum(p["live"] for p in peers),
+                             "max_round": max((p["round"] for p in peers), default=0), "peers": peers})
+            return {"generated_at": time.time(), "started_at": self.started_at, "last_poll": self.last_poll,
+                    "last_error": self.last_error, "runs": runs}
+
+
+# ---- Prometheus ---------------------------------------------------------------------------
+
+class _Collector:
+    """Builds the metric families from a fresh snapshot at every scrape."""
+
+    def __init__(self, monitor: SwarmMonitor):
+        self.monitor = monitor
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = self.monitor.snapshot(with_samples=False)
+        per_peer = {
+            "round": ("locoswarm_peer_round", "Round (outer step) the peer is at."),
+            "inner_step": ("locoswarm_peer_inner_step", "Cumulative inner steps of the peer's phi history."),
+            "train_loss": ("locoswarm_peer_train_loss", "Mean training loss of the peer's last round, nats/token."),
+            "eval_loss": ("locoswarm_peer_eval_loss", "Latest validation loss of phi the peer published, nats/token."),
+            "tokens_per_s": ("locoswarm_peer_tokens_per_second", "Inner-loop throughput, tokens/s."),
+            "group_size": ("locoswarm_peer_group_size", "Peers in the peer's last sync group, itself included."),
+            "bytes_sent": ("locoswarm_peer_round_bytes_sent", "Sync bytes the peer sent in its last sync."),
+            "bytes_received": ("locoswarm_peer_round_bytes_received", "Sync bytes the peer received in its last sync."),
+            "last_seen": ("locoswarm_peer_last_seen_timestamp_seconds", "When the monitor last found the peer's record."),
+        }
+        families = {key: GaugeMetricFamily(name, doc, labels=["run_id", "peer_id"])
+                    for key, (name, doc) in per_peer.items()}
+        live = GaugeMetricFamily("locoswarm_live_peers", "Peers with an unexpired progress record.", labels=["run_id"])
+        max_round = GaugeMetricFamily("locoswarm_run_max_round", "Highest round any peer reached.", labels=["run_id"])
+        grouped = CounterMetricFamily("locoswarm_peer_rounds_by_group_size",
+                                      "Rounds the monitor saw the peer complete, by sync group size.",
+                                      labels=["run_id", "peer_id", "group_size"])
+        for run in snap["runs"]:
+            live.add_metric([run["run_id"]], run["live_peers"])
+            max_round.add_metric([run["run_id"]], run["max_round"])
+            for peer in run["peers"]:
+                labels = [run["run_id"], peer["peer_id"]]
+                values = {**peer, **(peer["last_sync"] or {}), "round": peer["round"]}
+                for key, family in families.items():
+                    if values.get(key) is not None and (peer["live"] or key == "last_seen"):
+                        family.add_metric(labels, float(values[key]))
+                for size, count in peer["rounds_by_group_size"].items():
+                    grouped.add_metric([*labels, size], count)
+        yield live
+        yield max_round
+        yield from families.values()
+        yield grouped
+
+
+def metrics_text(monitor: SwarmMonitor) -> bytes:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(monitor))
+    return generate_latest(registry)
+
+
+# ---- HTTP ---------------------------------------------------------------------------------
+
+def _handler(monitor: SwarmMonitor, title: str) -> type[BaseHTTPRequestHandler]:
+    from bootstrap.monitor_page import render_page
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "locoswarm-monitor"
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path in ("/", "/index.html"):
+                body = render_page(title, json.dumps(monitor.snapshot()))
+                self._send(200, "text/html; charset=utf-8", body.encode())
+            elif path == "/api/swarm":
+                self._send(200, "application/json", json.dumps(monitor.snapshot()).encode())
+            elif path == "/metrics":
+                from prometheus_client import CONTENT_TYPE_LATEST
+
+                self._send(200, CONTENT_TYPE_LATEST, metrics_text(monitor))
+            elif path == "/healthz":
+                ok = monitor.healthy
+                self._send(200 if ok else 503, "text/plain", b"ok\n" if ok else b"starting\n")
+            else:
+                self._send(404, "text/plain", b"not found: try /, /api/swarm, /metrics or /healthz\n")
+
+        def _send(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            logger.debug("monitor http: " + fmt, *args)
+
+    return Handler
+
+
+class MonitorServer:
+    """The monitor's HTTP server on its own thread; ``url`` says where it listens."""
+
+    def __init__(self, monitor: SwarmMonitor, host: str, port: int, title: str = "locoswarm"):
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), _handler(monitor, title))
+        except OSError as exc:
+            raise NetworkError(f"the monitor cannot listen on {host}:{port}: {exc.strerror}; "
+                               "pick another --monitor-port (0: any free port)") from exc
+        self.httpd.daemon_threads = True
+        self.host, self.port = host, self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="monitor-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}/"
+
+    def start(self) -> MonitorServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def run_monitor(dht, *, host: str, port: int, config: MonitorConfig, stop: threading.Event,
+                on_ready: Callable[[str], None], run_ids: dict[str, str] | None = None,
+                title: str = "locoswarm") -> None:
+    """Serve the monitor for ``dht`` until ``stop`` is set; ``on_ready(url)`` once it listens.
+
+    Raises:
+        NetworkError: the HTTP port cannot be bound.
+    """
+    monitor = SwarmMonitor(dht, config, run_ids).start()
+    try:
+        server = MonitorServer(monitor, host, port, title).start()
+    except LocoError:
+        monitor.stop()
+        raise
+    try:
+        on_ready(server.url)
+        stop.wait()
+    finally:
+        server.stop()
+        monitor.stop()

@@ -1,0 +1,100 @@
+"""`peer status`: what a swarm looks like from its progress records, without training.
+
+Starts a client-mode DHT node (it accepts no connections and stores nothing for others), reads
+the announced runs and each run's progress records (validated by ``ProgressRecord.from_wire``),
+prints them and leaves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from protocol import dht as swarm_dht
+from protocol.errors import ManifestNotFound
+
+
+def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> dict[str, Any]:
+    """The swarm's runs and their live peers' latest records, as JSON-able data.
+
+    Args:
+        run_id: only this run; None: every run the swarm announces.
+        wait_s: a node that just joined may not find the records at once; retry this long
+            while nothing is found.
+
+    Returns:
+        ``{"time": s, "runs": [{"run_id", "name", "peers": [{"peer_id", "round", "inner_step",
+        "train_loss", "eval_loss", "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
+        "expires_in_s"}]}]}``, peers sorted by round (highest first).
+
+    Raises:
+        ManifestNotFound: ``run_id`` was given and the swarm has no record of it.
+    """
+    from hivemind.utils import get_dht_time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        runs = swarm_dht.list_runs(dht)
+        if run_id is not None:
+            runs = {run_id: runs.get(run_id, "?")}
+        found = {rid: swarm_dht.read_progress(dht, rid) for rid in runs}
+        if any(found.values()) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if run_id is not None and not found.get(run_id) and runs.get(run_id) == "?":
+        raise ManifestNotFound(f"the swarm has no run {run_id} (no announcement, no progress records); "
+                               "run `peer status` without --run-id to list the runs")
+    now = get_dht_time()
+    out = []
+    for rid, name in sorted(runs.items()):
+        peers = []
+        for item in found.get(rid, []):
+            r = item.record
+            peers.append({"peer_id": item.peer_id, "round": r.round, "inner_step": r.inner_step,
+                          "train_loss": r.train_loss, "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s,
+                          "group_size": r.group_size, "bytes_sent": r.bytes_sent,
+                          "bytes_received": r.bytes_received, "expires_in_s": max(0.0, item.expiration - now)})
+        peers.sort(key=lambda p: (-p["round"], -p["inner_step"], p["peer_id"]))
+        out.append({"run_id": rid, "name": name, "peers": peers})
+    return {"time": time.time(), "runs": out}
+
+
+def print_status(status: dict[str, Any], console) -> None:
+    """One rich table per run: peers, rounds, losses, throughput, group, bytes."""
+    from rich.table import Table
+
+    from peer.reporting import format_bytes
+
+    if not status["runs"]:
+        console.print("the swarm announces no run and no peer published progress yet")
+        return
+    for run in status["runs"]:
+        peers = run["peers"]
+        table = Table(title=f"run {run['run_id']} ({run['name']}): {len(peers)} live peer(s)")
+        for column, justify in (("peer id", "left"), ("round", "right"), ("inner step", "right"),
+                                ("train loss", "right"), ("val loss", "right"), ("tok/s", "right"),
+                                ("group", "right"), ("sent", "right"), ("received", "right")):
+            table.add_column(column, justify=justify)
+        for p in peers:
+            table.add_row(p["peer_id"], str(p["round"]), str(p["inner_step"]), f"{p['train_loss']:.3f}",
+                          "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
+                          f"{p['tokens_per_s']:,.0f}", str(p["group_size"]), format_bytes(p["bytes_sent"]),
+                          format_bytes(p["bytes_received"]))
+        console.print(table)
+        if peers:
+            total = sum(p["tokens_per_s"] for p in peers)
+            console.print(f"swarm: round {max(p['round'] for p in peers)} | {total:,.0f} tok/s in all")
+
+
+def status(initial_peers: Sequence[str], run_id: str | None, *, wait_s: float = 5.0) -> dict[str, Any]:
+    """Join the DHT as a client, collect the status, leave.
+
+    Raises:
+        BadPeerAddress, BootstrapUnreachable, NetworkError: the swarm cannot be reached.
+        ManifestNotFound: ``run_id`` is unknown to the swarm.
+    """
+    dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
+    try:
+        return collect_status(dht, run_id, wait_s=wait_s)
+    finally:
+        dht.shutdown()

@@ -1,0 +1,203 @@
+"""The swarm monitor against a real local swarm: JSON, Prometheus metrics, and the page as a real
+headless browser (Debian's chromium) renders it, with a screenshot kept as an artifact."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import PROJECT_ROOT, make_manifest, write_manifest
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 12
+
+
+def artifacts_dir() -> Path:
+    """$LOCOSWARM_ARTIFACTS, or tests/artifacts (kept out of git by a ``*`` .gitignore inside it)."""
+    path = Path(os.environ.get("LOCOSWARM_ARTIFACTS") or PROJECT_ROOT / "tests" / "artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    ignore = path / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("*\n")
+    return path
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("no chromium on PATH: `apt-get install chromium` (.ci/run installs it)")
+
+
+def browser(url: str, *args: str, workdir: Path) -> str:
+    """Run headless chromium on ``url``; returns stdout. ``--virtual-time-budget`` lets the page's
+    script run (first render and one refresh) before the DOM is dumped or the screenshot taken."""
+    argv = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--no-first-run", f"--user-data-dir={workdir / 'chromium-profile'}", "--virtual-time-budget=3000",
+            *args, url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"chromium exited {out.returncode}: {out.stderr[-2000:]}"
+    return out.stdout
+
+
+class PeerRows(HTMLParser):
+    """Cells of every ``<tr class="peer" data-peer-id=...>`` in a rendered DOM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[str, list[str]] = {}
+        self._peer: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and a.get("class") == "peer":
+            self._peer = a["data-peer-id"]
+            self.rows[self._peer] = []
+        elif tag == "td" and self._peer is not None:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._cell is not None and self._peer is not None:
+            self.rows[self._peer].append("".join(self._cell).strip())
+            self._cell = None
+        elif tag == "tr":
+            self._peer = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_snapshot(base: str, predicate, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    snap: dict = {}
+    while time.monotonic() < deadline:
+        snap = json.loads(get(base + "api/swarm")[1])
+        if predicate(snap):
+            return snap
+        time.sleep(0.5)
+    brief = [{"run_id": r["run_id"], "peers": [{k: p[k] for k in ("peer_id", "live", "round", "group_size")}
+                                                for p in r["peers"]]} for r in snap.get("runs", [])]
+    raise AssertionError(f"the monitor never showed the expected state; last snapshot: {json.dumps(brief)}")
+
+
+def test_monitor_shows_a_running_swarm(procs, tmp_path):
+    manifest = make_manifest()
+    run_file = write_manifest(tmp_path, manifest)
+    boot = procs.spawn("bootstrap", ["-m", "bootstrap", "run", "--host", "127.0.0.1", "--port", "0",
+                                     "--identity", str(tmp_path / "bootstrap.key"), "--run", str(run_file),
+                                     "--monitor-port", "0", "--monitor-poll", "0.5", "--log-format", "json"])
+    ready = boot.wait_event(lambda e: e.get("event") == "ready", 60)
+    addr = next(a for a in ready["maddrs"] if "/ip4/127.0.0.1/" in a)
+    base = ready["monitor_url"]
+    assert base.startswith("http://127.0.0.1:")
+    status, body = get(base + "healthz")
+    assert (status, body) in ((200, "ok\n"), (503, "starting\n"))
+
+    peers = [procs.peer(f"peer-{i}", "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--eval-every", "1",
+                        "--wait-for-peers", "3") for i in range(3)]
+    ids = {p.wait_event(lambda e: e.get("event") == "started", 120)["peer_id"] for p in peers}
+
+    # While the peers train: every one of them is on the page, as the browser renders it.
+    def all_training(snap):
+        run = next((r for r in snap["runs"] if r["run_id"] == manifest.run_id), None)
+        return run is not None and {p["peer_id"] for p in run["peers"] if p["live"] and p["round"] >= 1} == ids
+
+    wait_snapshot(base, all_training, 120)
+    assert get(base + "healthz") == (200, "ok\n")
+    rows = PeerRows()
+    rows.feed(browser(base, "--dump-dom", workdir=tmp_path))
+    assert set(rows.rows) == ids, f"rendered rows {sorted(rows.rows)} != peers {sorted(ids)}"
+    for peer_id, cells in rows.rows.items():
+        assert cells[1] == "live", cells
+        assert int(cells[2]) >= 1, cells  # the round column
+    shot = artifacts_dir() / "monitor.png"
+    shot.unlink(missing_ok=True)
+    browser(base, f"--screenshot={shot}", "--window-size=1280,1000", "--hide-scrollbars", workdir=tmp_path)
+    assert shot.stat().st_size > 10_000
+    print(f"monitor screenshot: {shot}")
+
+    # After the last round: the monitor says what each peer itself reported. (A peer's very last
+    # record can be lost: it is stored without waiting just before the peer leaves the DHT.)
+    events = {}
+    for p in peers:
+        stopped = p.wait_event(lambda e: e.get("event") == "stopped", 240)
+        assert p.wait(60) == 0, p.tail()
+        events[stopped["peer_id"]] = {e["round"]: e for e in p.of("round")}
+    done = wait_snapshot(base, lambda s: sorted(
+        p["round"] >= ROUNDS - 1 for r in s["runs"] if r["run_id"] == manifest.run_id for p in r["peers"])
+        == [True] * 3, 60)
+    run = next(r for r in done["runs"] if r["run_id"] == manifest.run_id)
+    assert run["name"] == manifest.name and run["inner_steps"] == manifest.sync.inner_steps
+    assert run["live_peers"] == 3 and run["max_round"] >= ROUNDS - 1
+    H = manifest.sync.inner_steps
+    for peer in run["peers"]:
+        reported = events[peer["peer_id"]]
+        # Every group size the monitor kept for a round is the one the peer reported for it.
+        assert peer["group_by_round"], peer
+        for round_, size in peer["group_by_round"].items():
+            assert size == reported[int(round_)]["group_size"], (peer["peer_id"], round_, size)
+        assert sum(peer["rounds_by_group_size"].values()) == len(peer["group_by_round"])
+        if peer["inner_step"] == peer["round"] * H:  # the record written right after a sync
+            event = reported[peer["round"]]
+            assert (peer["group_size"], peer["bytes_sent"]) == (event["group_size"], event["bytes_sent"])
+            assert peer["train_loss"] == pytest.approx(event["train_loss"])
+        assert peer["first_seen"] <= peer["last_seen"]
+        steps = [h["inner_step"] for h in peer["history"]]
+        assert steps == sorted(steps) and len(steps) >= 2
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = get(base + "metrics")
+    assert status == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("locoswarm_live_peers", (("run_id", manifest.run_id),))] == 3
+    for peer in run["peers"]:
+        labels = (("peer_id", peer["peer_id"]), ("run_id", manifest.run_id))
+        assert samples[("locoswarm_peer_round", labels)] == peer["round"]
+        sync = peer["last_sync"]
+        assert sync == {"round": max(map(int, peer["group_by_round"])),
+                        "group_size": peer["group_by_round"][str(sync["round"])],
+                        "bytes_sent": events[peer["peer_id"]][sync["round"]]["bytes_sent"],
+                        "bytes_received": sync["bytes_received"]}
+        assert samples[("locoswarm_peer_group_size", labels)] == sync["group_size"]
+        assert samples[("locoswarm_peer_round_bytes_sent", labels)] == sync["bytes_sent"]
+
+
+def test_monitor_command_serves_a_swarm_it_does_not_host(procs, tmp_path):
+    """`bootstrap monitor` joins as a DHT client and finds the peers' records."""
+    manifest = make_manifest()
+    run_file = write_manifest(tmp_path, manifest)
+    _, addr = procs.bootstrap(run_file)
+    peer = procs.peer("peer-0", "--initial-peers", addr, "--max-rounds", "2")
+    peer_id = peer.wait_event(lambda e: e.get("event") == "started", 120)["peer_id"]
+    mon = procs.spawn("monitor", ["-m", "bootstrap", "monitor", "--initial-peers", addr, "--port", "0",
+                                  "--poll", "0.5", "--log-format", "json"])
+    base = mon.wait_event(lambda e: e.get("event") == "ready", 60)["monitor_url"]
+    snap = wait_snapshot(base, lambda s: any(p["peer_id"] == peer_id and p["round"] >= 1
+                                             for r in s["runs"] for p in r["peers"]), 120)
+    assert [r["run_id"] for r in snap["runs"]] == [manifest.run_id]
+    status, page = get(base)
+    assert status == 200 and "swarm monitor" in page
+    assert manifest.run_id in page  # the embedded snapshot
+    assert get(base + "nope")[0] == 404
