@@ -7,7 +7,7 @@ bytes and the tensor's shape. Decoding validates everything before it allocates 
 for the shape, parameters in bounds, indices in range, scales and values finite) and raises only
 :class:`~protocol.errors.BadPayload`. Sums of decoded tensors are the caller's job, in fp32.
 
-Wire layouts (little-endian; n = numel; "f16s" = fp16 values times 2^shift, see ``_F16``)::
+Wire layouts (little-endian; n = numel; "f16s" = fp16 values times 2^shift, see ``_to_half``)::
 
     none     id | fp32 × n
     fp16     id | shift i16 | fp16 × n           bf16: the same with bf16 values
@@ -19,7 +19,7 @@ Wire layouts (little-endian; n = numel; "f16s" = fp16 values times 2^shift, see 
     lowrank  id | rank u16 | shift_p i16 | shift_q i16 | P f16s (rows × r) | Q f16s (cols × r)
 
 Stated round-trip bounds (checked by tests/unit/test_codecs.py), per element, where ``a`` is
-the absolute maximum of the element's block (int8, int4, fp4) or of the whole tensor::
+the absolute maximum of the element's block (int8, int4, fp4, fp3) or of the whole tensor::
 
     none     exact
     fp16     |x − x̂| ≤ 2^-11·|x| + 2^-39·a      (power-of-two shift: no overflow, no underflow)
