@@ -19,7 +19,8 @@ run; ``--clean`` (the default when CI=true) removes that folder too.
 
 Environment: LOCOSWARM_ARTIFACTS (where logs and the final monitor JSON go; default
 tests/artifacts), LOCOSWARM_COMPOSE_PRESET (run preset, default 'default'),
-LOCOSWARM_COMPOSE_TIMEOUT_S (wait for the rounds, default 600).
+LOCOSWARM_COMPOSE_TIMEOUT_S (wait for the rounds, default 600), LOCOSWARM_COMPOSE (the compose
+command: default ``docker-compose``, Debian's 1.29; e.g. ``docker compose`` for v2).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -271,7 +273,7 @@ def free_port() -> int:
 class ComposeSwarm:
     def __init__(self, engine: Engine, port: int):
         self.engine, self.port = engine, port
-        self.compose = shutil.which("docker-compose") or "docker-compose"
+        self.compose = shlex.split(os.environ.get("LOCOSWARM_COMPOSE", "docker-compose"))
         self.env = dict(engine.env, LOCOSWARM_IMAGE=IMAGE, PRESET=os.environ.get("LOCOSWARM_COMPOSE_PRESET", "default"),
                         EVAL_EVERY="1", PEERS=str(PEERS), LOG_FORMAT="json", MONITOR_PORT=str(port),
                         UPLINK_RATE=UPLINK_RATE, THREADS="1")
@@ -280,7 +282,7 @@ class ComposeSwarm:
         self.forward_rule: list[str] | None = None
 
     def __call__(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        return run([self.compose, *self.files, *args], env=self.env, **kw)
+        return run([*self.compose, *self.files, *args], env=self.env, **kw)
 
     def up(self) -> None:
         self("up", "--no-start", "--no-build", "--scale", f"peer={PEERS}", capture=True)
