@@ -103,6 +103,9 @@ class Trainer:
         self.round_steps_done = 0
         self._lock = threading.Lock()
         self._planned_group: list[str] | None = None
+        self._last_sync: dict[str, Any] = dict(train_loss=0.0, tokens_per_s=0.0, group_size=1, bytes_sent=0,
+                                               bytes_received=0)
+        self._last_eval: tuple[int, float | None] = (-1, None)
         self.summary = TrainSummary(peer_id=peer_id)
 
     # ---- state --------------------------------------------------------------------------
@@ -194,15 +197,24 @@ class Trainer:
         finally:
             logger.debug("read progress records in %.3f s", time.monotonic() - start)
 
-    def _publish(self, *, train_loss: float = 0.0, tokens_per_s: float = 0.0, group_size: int = 1,
-                 bytes_sent: int = 0, bytes_received: int = 0, eval_loss: float | None = None) -> None:
-        record = ProgressRecord(round=self.round, inner_step=self.inner_step, train_loss=train_loss,
-                                tokens_per_s=tokens_per_s, group_size=group_size, bytes_sent=bytes_sent,
-                                bytes_received=bytes_received,
-                                eval_loss=eval_loss)
+    def _publish(self, *, train_loss: float | None = None, tokens_per_s: float | None = None,
+                 group_size: int | None = None, bytes_sent: int | None = None, bytes_received: int | None = None,
+                 wait: bool = False) -> None:
+        """Store this peer's progress record; fields left None repeat the last sync's values, and the
+        validation loss is included while it is of the current round (the monitor reads both)."""
+        last = self._last_sync
+        eval_round, eval_loss = self._last_eval
+        record = ProgressRecord(
+            round=self.round, inner_step=self.inner_step,
+            train_loss=last["train_loss"] if train_loss is None else train_loss,
+            tokens_per_s=last["tokens_per_s"] if tokens_per_s is None else tokens_per_s,
+            group_size=last["group_size"] if group_size is None else group_size,
+            bytes_sent=last["bytes_sent"] if bytes_sent is None else bytes_sent,
+            bytes_received=last["bytes_received"] if bytes_received is None else bytes_received,
+            eval_loss=eval_loss if eval_round == self.round else None)
         ttl = max(60.0, 3 * self.transport.max_sync_seconds)
         try:
-            swarm_dht.publish_progress(self.dht, self.m.run_id, self.peer_id, record, ttl, wait=False)
+            swarm_dht.publish_progress(self.dht, self.m.run_id, self.peer_id, record, ttl, wait=wait)
         except Exception as exc:
             logger.debug("publishing progress failed: %r", exc)
 
@@ -262,6 +274,8 @@ class Trainer:
             for p, f in zip(self._eval_model.parameters(), self.phi):
                 p.copy_(f)
         loss = evaluate(self._eval_model, self.val_windows)
+        self._last_eval = (self.round, loss)
+        self._publish()
         self.reporter.emit("eval", when=when, round=self.round, loss=loss, peer_id=self.peer_id)
         return loss
 
@@ -298,6 +312,7 @@ class Trainer:
         self.summary.final_round = self.round
         if not self.summary.interrupted:
             self.summary.final_eval_loss = self.eval_phi("final")
+        self._publish(wait=True)  # the last record must reach the DHT before it shuts down
         self.transport.share_state(None)
         return self.summary
 
@@ -385,6 +400,8 @@ class Trainer:
         s.bytes_sent += bytes_sent
         s.bytes_received += bytes_received
         s.group_sizes.append(group_size)
+        self._last_sync = dict(train_loss=train_loss, tokens_per_s=tokens_per_s, group_size=group_size,
+                               bytes_sent=bytes_sent, bytes_received=bytes_received)
         self._publish(train_loss=train_loss, tokens_per_s=tokens_per_s, group_size=group_size,
                       bytes_sent=bytes_sent, bytes_received=bytes_received)
         self.reporter.emit("round", round=self.round, train_loss=train_loss, tokens_per_s=tokens_per_s,
