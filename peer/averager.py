@@ -203,7 +203,7 @@ class LocoAverager(DecentralizedAverager):
                 pieces = plan_pieces(shapes, owners, split=self._splittable,
                                      **({"piece_elements": self.piece_elements} if self.piece_elements else {}))
                 piece_codecs = await asyncio.get_running_loop().run_in_executor(
-                    None, self._codecs_for, pieces, shapes, n, tensors)
+                    self._codec_executor(), self._codecs_for, pieces, shapes, n, tensors)
                 plan = GroupPlan(
                     group_id=group_id, peer_ids=tuple(group_info.peer_ids), my_index=my_index, pieces=pieces,
                     codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
@@ -233,7 +233,7 @@ class LocoAverager(DecentralizedAverager):
 
                 session = GroupAllreduce(plan, tensors, weight=kwargs.get("weight") or 1.0, compensate=compensate,
                                          stage=stage, open_stream=open_stream,
-                                         next_chunk_timeout=self.next_chunk_timeout)
+                                         next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor())
                 if not future.done():
                     future.set_result(session)
                 try:
@@ -266,6 +266,16 @@ class LocoAverager(DecentralizedAverager):
                 future.cancel()
             loop = asyncio.get_running_loop()
             loop.call_later(2 * self.next_chunk_timeout + 5, self._sessions.pop, group_id, None)
+
+    def _codec_executor(self):
+        """One long-lived thread for codec work in this (forked) process. torch initialises its
+        intra-op thread pool once per new thread, and in a forked child that has failed
+        intermittently ("Invalid thread pool!"); one thread reused for every round does it once."""
+        if getattr(self, "_executor", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loco-codec")
+        return self._executor
 
     def _feedback(self, shapes):
         if not self.compression.error_feedback or self.compression.codec == "none":
