@@ -22,13 +22,12 @@ import json
 import logging
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import load_config, manifest_for  # noqa: E402  (bench/ is not a package)
+from compare import apply_overrides, load_config, manifest_for  # noqa: E402  (bench/ is not a package)
 
 from peer.data import load_corpus  # noqa: E402
 from peer.model import build_model, parameter_count  # noqa: E402
@@ -56,10 +55,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     base, bench = load_config(args.config)
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        base = base.replace(**{section: {name: tomllib.loads(f"v = {value}")["v"]}})
+    base = apply_overrides(base, args.set)
     rounds = args.rounds or bench["rounds"]
     m0 = manifest_for(base, "diloco", args.peers, args.seed, bench["global_batch_tokens"], rounds)
     fp32_round = butterfly_bytes(parameter_count(build_model(m0.model)), args.peers)

@@ -42,6 +42,15 @@ def load_config(path: Path) -> tuple[RunManifest, dict]:
     return from_dict(data), bench
 
 
+def apply_overrides(base: RunManifest, items: list[str]) -> RunManifest:
+    """Apply ``--set SECTION.FIELD=VALUE`` overrides (VALUE in TOML syntax) to a manifest."""
+    for item in items:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        base = base.replace(**{section: {name: tomllib.loads(f"v = {value}")["v"]}})
+    return base
+
+
 def manifest_for(base: RunManifest, method: str, peers: int, seed: int, global_batch_tokens: int,
                  rounds: int) -> RunManifest:
     """The run manifest of one benchmark run: fixed global batch, seed-dependent φ_0, and the
@@ -148,10 +157,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     base, bench = load_config(args.config)
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        base = base.replace(**{section: {name: tomllib.loads(f"v = {value}")["v"]}})
+    base = apply_overrides(base, args.set)
     rounds = args.rounds or bench["rounds"]
     seeds, peer_counts = args.seeds or bench["seeds"], args.peers or bench["peers"]
     methods = args.methods or bench["methods"]

@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from protocol import wire
+from protocol import codecs, wire
 from protocol.errors import BadPayload
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,11 @@ def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
     return tensor if tensor.dim() == 0 else tensor[piece.start:piece.stop]
 
 
+def piece_shape(shape: Sequence[int], piece: Piece) -> tuple[int, ...]:
+    """Shape of ``piece`` of a tensor shaped ``shape``."""
+    return tuple(shape) if len(shape) == 0 else (piece.stop - piece.start, *shape[1:])
+
+
 @dataclass
 class AllreduceStats:
     bytes_sent: int = 0
@@ -163,9 +168,6 @@ class GroupAllreduce:
                  compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
                  stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
                  open_stream, next_chunk_timeout: float, executor: Executor | None = None):
-        from protocol import codecs
-
-        self._codecs = codecs
         self.plan, self.tensors, self.weight = plan, list(tensors), float(weight)
         self.compensate, self.stage, self.open_stream = compensate, stage, open_stream
         self.timeout, self.executor = next_chunk_timeout, executor
@@ -203,8 +205,8 @@ class GroupAllreduce:
         return payload
 
     def _decode_checked(self, data, piece: Piece) -> torch.Tensor:
-        shape = tuple(piece_view(self.tensors[piece.tensor], piece).shape)
-        value = self._codecs.decode(data, shape, seed=self.plan.seeds[piece.index])
+        shape = piece_shape(self.tensors[piece.tensor].shape, piece)
+        value = codecs.decode(data, shape, seed=self.plan.seeds[piece.index])
         if tuple(value.shape) != shape or value.dtype != torch.float32:
             raise BadPayload(f"piece {piece.index} decoded to {value.dtype} {tuple(value.shape)}, expected "
                              f"float32 {shape}")
@@ -214,12 +216,16 @@ class GroupAllreduce:
 
     async def _exclude(self, sender: int, reason: str) -> None:
         async with self._changed:
-            if sender not in self._excluded:
-                self._excluded.add(sender)
-                self.stats.excluded[sender] = reason
-                logger.warning("all-reduce %s: excluded groupmate %d (%s): %s", self.plan.group_id.hex()[:8],
-                               sender, self.plan.peer_ids[sender], reason)
+            self._exclude_locked(sender, reason)
             self._changed.notify_all()
+
+    def _exclude_locked(self, sender: int, reason: str) -> None:
+        """Leave ``sender`` out of this owner's remaining means (hold ``self._changed``)."""
+        if sender not in self._excluded:
+            self._excluded.add(sender)
+            self.stats.excluded[sender] = reason
+            logger.warning("all-reduce %s: excluded groupmate %d (%s): %s", self.plan.group_id.hex()[:8],
+                           sender, self.plan.peer_ids[sender], reason)
 
     # ---- owner side ---------------------------------------------------------------------
     async def serve(self, stream_peer_id, hello_payload: bytes, reader: asyncio.StreamReader,
@@ -292,7 +298,7 @@ class GroupAllreduce:
                 # top-k / low rank: the mean is re-encoded with n× the budget, which is exact only
                 # if every contribution, this owner's included, went through the codec
                 compensated = own
-                own = await self._off_loop(self._roundtrip, piece, compensated)
+                _, own = await self._off_loop(self._roundtrip, piece, compensated)
                 self.stage(piece, compensated, own)
             else:
                 self.stage(piece, own, own)  # own rows stay exact: no residual
@@ -311,11 +317,8 @@ class GroupAllreduce:
                     silent = time.monotonic() - last_change
                     if silent > self.timeout:
                         for s in waiting:
-                            reason = "never connected" if s not in self._connected else "sent nothing in time"
-                            self._excluded.add(s)
-                            self.stats.excluded[s] = reason
-                            logger.warning("all-reduce %s: excluded groupmate %d: %s", self.plan.group_id.hex()[:8],
-                                           s, reason)
+                            self._exclude_locked(s, "never connected" if s not in self._connected
+                                                 else "sent nothing in time")
                         continue
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=self.timeout - silent + 0.05)
@@ -330,27 +333,26 @@ class GroupAllreduce:
             self._mean_frames[piece.index].set_result(payload)
             self._contrib[piece.index] = []  # free the contributions
 
-    def _roundtrip(self, piece: Piece, x: torch.Tensor) -> torch.Tensor:
-        data = self.plan.codecs[piece.index].encode(x, seed=self.plan.seeds[piece.index])
-        return self._codecs.decode(data, tuple(x.shape), seed=self.plan.seeds[piece.index])
+    def _roundtrip(self, piece: Piece, x: torch.Tensor, codec=None) -> tuple[bytes, torch.Tensor]:
+        codec = self.plan.codecs[piece.index] if codec is None else codec
+        return codec.roundtrip(x, seed=self.plan.seeds[piece.index])
 
     def _mean_of(self, piece: Piece, parts, included: list[bool]) -> tuple[bytes, torch.Tensor]:
         total = sum(w for w, _ in parts)
         acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
         for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
             acc.add_(x, alpha=w / total)
-        data = self.plan.mean_codecs[piece.index].encode(acc, seed=self.plan.seeds[piece.index])
-        value = self._codecs.decode(data, tuple(acc.shape), seed=self.plan.seeds[piece.index])
+        data, value = self._roundtrip(piece, acc, self.plan.mean_codecs[piece.index])
         return wire.encode_mean(piece.index, included, data), value
 
     # ---- sender side --------------------------------------------------------------------
     def _encode_contribution(self, piece: Piece) -> bytes:
         x = self.compensate(piece, piece_view(self.tensors[piece.tensor], piece).float())
-        data = self.plan.codecs[piece.index].encode(x, seed=self.plan.seeds[piece.index])
         if self.plan.codecs[piece.index].lossy:
-            decoded = self._codecs.decode(data, tuple(x.shape), seed=self.plan.seeds[piece.index])
+            data, decoded = self._roundtrip(piece, x)
             self.stage(piece, x, decoded)
         else:
+            data = self.plan.codecs[piece.index].encode(x, seed=self.plan.seeds[piece.index])
             self.stage(piece, x, x)
         return wire.encode_piece(piece.index, data)
 
@@ -406,9 +408,7 @@ class GroupAllreduce:
                 await reducer
             except Exception as exc:
                 errors.append(f"reducing own pieces: {type(exc).__name__}: {exc}")
-                for fut in self._mean_frames.values():
-                    if not fut.done():
-                        fut.set_result(None)
+                self.close()  # senders waiting for our means get an ABORT
         self.stats.seconds = time.monotonic() - self._start
         if errors:
             raise PartialAverage("; ".join(errors))

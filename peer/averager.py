@@ -29,8 +29,8 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
-from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, plan_pieces
-from protocol import wire
+from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, piece_shape, plan_pieces
+from protocol import codecs, wire
 from protocol.errors import BadPayload
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
@@ -134,7 +134,6 @@ class LocoAverager(DecentralizedAverager):
             session = await asyncio.wait_for(asyncio.shield(future), timeout)
         except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             logger.warning("rejected an all-reduce stream from %s: %s", stream_info.peer_id, exc)
-            self._stats["excluded"].value += 0  # counted by the session when it knows the sender
             writer.close()
             return
         await session.serve(stream_info.peer_id, payload, reader, writer)
@@ -149,8 +148,6 @@ class LocoAverager(DecentralizedAverager):
         return future
 
     def _codecs_for(self, pieces: list[Piece], shapes: list[torch.Size], group_size: int, tensors):
-        from protocol import codecs
-
         spec = self.compression
         n_delta = len(shapes) if self.phi_from is None else self.phi_from
         per_tensor = [None] * len(shapes)
@@ -162,10 +159,9 @@ class LocoAverager(DecentralizedAverager):
             per_tensor[:n_delta] = chosen
         piece_codecs = []
         for piece in pieces:
-            shape = tuple(shapes[piece.tensor])
-            piece_shape = shape if not shape else (piece.stop - piece.start, *shape[1:])
             role = "delta" if piece.tensor < n_delta else "phi"
-            codec = per_tensor[piece.tensor] or codecs.make_codec(spec, piece_shape, role=role)
+            codec = per_tensor[piece.tensor] or codecs.make_codec(spec, piece_shape(shapes[piece.tensor], piece),
+                                                                  role=role)
             piece_codecs.append(codec)
         return piece_codecs
 
@@ -180,8 +176,6 @@ class LocoAverager(DecentralizedAverager):
         not get a valid mean for every piece; the tensors and error-feedback residuals are then
         left unchanged.
         """
-        from protocol import codecs
-
         group_id = group_info.group_id
         future = self._session_future(group_id)
         session = None
@@ -207,9 +201,7 @@ class LocoAverager(DecentralizedAverager):
                 plan = GroupPlan(
                     group_id=group_id, peer_ids=tuple(group_info.peer_ids), my_index=my_index, pieces=pieces,
                     codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
-                    max_piece_bytes=[codecs.max_encoded_bytes(tuple(shapes[p.tensor]) if not shapes[p.tensor] else
-                                                              (p.stop - p.start, *shapes[p.tensor][1:]))
-                                     for p in pieces],
+                    max_piece_bytes=[codecs.max_encoded_bytes(piece_shape(shapes[p.tensor], p)) for p in pieces],
                     seeds=[(round_ * 1_000_003 + p.index) % (1 << 31) for p in pieces],
                 )
                 ef = self._feedback(shapes)
@@ -281,10 +273,8 @@ class LocoAverager(DecentralizedAverager):
         if not self.compression.error_feedback or self.compression.codec == "none":
             return None
         if self._error_feedback is None:
-            from protocol.codecs import ErrorFeedback
-
             n_delta = len(shapes) if self.phi_from is None else self.phi_from
-            self._error_feedback = ErrorFeedback(list(shapes[:n_delta]))
+            self._error_feedback = codecs.ErrorFeedback(list(shapes[:n_delta]))
         return self._error_feedback
 
     def _has_feedback(self, piece: Piece) -> bool:

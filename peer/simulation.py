@@ -27,7 +27,7 @@ from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
 from peer.inner import InnerLoop
 from peer.model import build_model, evaluate, parameter_count
 from peer.outer import make_outer, pseudo_gradient
-from protocol.codecs import Codec, ErrorFeedback, decode, make_codec
+from protocol.codecs import Codec, ErrorFeedback, make_codec
 from protocol.manifest import RunManifest
 from protocol.pairing import partition
 
@@ -280,8 +280,7 @@ class Simulation:
                 if own and not codec.structured:
                     y = x
                 else:
-                    data = codec.encode(x, seed=seeds[i])
-                    y = decode(data, tuple(x.shape), seed=seeds[i])
+                    data, y = codec.roundtrip(x, seed=seeds[i])
                     total += 0 if own else len(data)
                 if ef is not None and i < deltas:
                     ef.stage(i, x, y)
@@ -291,8 +290,8 @@ class Simulation:
         mean = weighted_mean(decoded, weights)
         final = []
         for i, t in enumerate(mean):
-            data = codecs[i % n][i].for_mean(n).encode(t, seed=seeds[i])
-            final.append(decode(data, tuple(t.shape), seed=seeds[i]))
+            data, value = codecs[i % n][i].for_mean(n).roundtrip(t, seed=seeds[i])
+            final.append(value)
             total += (n - 1) * len(data)
         for j in group:
             if self.feedback is not None:

@@ -449,6 +449,15 @@ class Codec:
             return _encode_lowrank(x, min(self.rank * self.multiplier, rows, cols), seed)
         return _encode_block(fmt, x, self.block_size)
 
+    def roundtrip(self, x: torch.Tensor, *, seed: int) -> tuple[bytes, torch.Tensor]:
+        """(encode(x), decode of that encoding): what goes on the wire and what every receiver gets.
+
+        Raises:
+            BadPayload: ``x`` holds NaN or inf.
+        """
+        data = self.encode(x, seed=seed)
+        return data, decode(data, tuple(x.shape), seed=seed)
+
 
 def make_codec(spec: CompressionSpec, shape: torch.Size | tuple[int, ...], *, role: str = "delta") -> Codec:
     """The codec a run's ``[compression]`` section names for one tensor.

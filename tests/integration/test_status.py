@@ -40,7 +40,8 @@ def test_status_lists_the_peers_without_training(procs, tmp_path):
     assert (run["run_id"], run["name"]) == (manifest.run_id, manifest.name)
     assert {p["peer_id"] for p in run["peers"]} == ids  # the status node itself is no peer
     for p in run["peers"]:
-        assert 1 <= p["round"] <= rounds and p["expires_in_s"] > 0
+        assert 1 <= p["round"] <= rounds, p
+        assert p["expires_in_s"] > 0, p
         assert p["inner_step"] >= p["round"] * manifest.sync.inner_steps
 
     table = run_cli("status", "--initial-peers", addr, "--run-id", manifest.run_id)

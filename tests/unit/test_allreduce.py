@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, plan_pieces
+from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, piece_shape, plan_pieces
 from protocol import codecs, wire
 from protocol.manifest import CompressionSpec
 
@@ -66,14 +66,13 @@ async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None,
                 await p.start()
         shapes = [t.shape for t in payloads[0]]
         pieces = plan_pieces(shapes, owners=list(range(n)), piece_elements=64)
-        piece_shape = [tuple(shapes[p.tensor]) if not shapes[p.tensor] else
-                       (p.stop - p.start, *shapes[p.tensor][1:]) for p in pieces]
-        piece_codecs = [codecs.make_codec(spec, s) for s in piece_shape]
+        shapes_of_pieces = [piece_shape(shapes[p.tensor], p) for p in pieces]
+        piece_codecs = [codecs.make_codec(spec, s) for s in shapes_of_pieces]
         sessions = []
         for i in range(n):
             plan = GroupPlan(group_id=b"g" * 8, peer_ids=tuple(range(n)), my_index=i, pieces=pieces,
                              codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
-                             max_piece_bytes=[codecs.max_encoded_bytes(s) for s in piece_shape],
+                             max_piece_bytes=[codecs.max_encoded_bytes(s) for s in shapes_of_pieces],
                              seeds=[p.index for p in pieces])
 
             async def open_stream(peer_id, _peers=peers):
