@@ -20,7 +20,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import threading
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -29,6 +29,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
+from peer import statesync
 from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, piece_shape, plan_pieces
 from protocol import codecs, wire
 from protocol.errors import BadPayload
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 INCOMPLETE = "locoswarm.incomplete"
 """Key of the result an all-reduce returns when this peer could not complete it (value: the reason)."""
 
-StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+StateProvider = Callable[[], list[statesync.StateSnapshot]]
+"""Returns the snapshots this peer serves to joiners (peer/statesync.py), newest last."""
 
 
 class AllreduceIncomplete(AllreduceException):
@@ -74,6 +76,8 @@ class LocoAverager(DecentralizedAverager):
         self._state_lock = threading.Lock()
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
+        self._snapshots: dict[bytes, statesync.StateSnapshot] = {}
+        self._snapshots_fetched_at = 0.0
         self._error_feedback = None
         self._uplink_bytes_per_s = compression.uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -94,35 +98,126 @@ class LocoAverager(DecentralizedAverager):
         was written), allreduce_seconds (the whole exchange, after matchmaking)."""
         return {name: value.value for name, value in self._stats.items()}
 
+    @property
+    def state_protocol(self) -> str:
+        return f"{self.prefix}.LocoState.v{PROTOCOL_VERSION}"
+
     def set_state_provider(self, provider: StateProvider | None) -> None:
         with self._state_lock:
             self._state_provider = provider
 
     def get_current_state(self):
-        # Runs in the host process, in hivemind's background thread.
+        # Runs in the host process, in hivemind's background thread, when the averager process asks
+        # for the snapshots it serves (never for hivemind's own state download: state sharing is off).
         with self._state_lock:
-            if self._state_provider is None:
-                raise RuntimeError("this peer has no state to share yet")
-            metadata, tensors = self._state_provider()
-        return metadata, tensors, None
+            snapshots = self._state_provider() if self._state_provider is not None else []
+        metadata = {"snapshots": [{"meta": s.meta, "hashes": list(s.chunk_hashes), "digest": s.digest,
+                                   "tensors": len(s.tensors)} for s in snapshots]}
+        return metadata, [t for s in snapshots for t in s.tensors], None
 
-    def set_target_group_size(self, size: int) -> None:
-        """Change how many peers matchmaking waits for before it starts the all-reduce early."""
+    def download_state(self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str,
+                       timeout_s: float) -> statesync.DownloadResult:
+        """Download the state named ``digest`` from ``donors`` (peer id strings) at once, in the
+        averager process (peer/statesync.py). Blocks until done.
+
+        Raises:
+            StateDownloadFailed: no donor delivered the remaining chunks; nothing is returned.
+        """
         from hivemind.utils.mpfuture import MPFuture
 
         future = MPFuture()
-        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        bound = self.download_bound_s(len(donors), timeout_s)
+        self._outer_pipe.send(("_download_state", [], dict(donors=list(donors), digest=digest, shapes=list(shapes),
+                                                           run_id=run_id, timeout_s=timeout_s, bound_s=bound,
+                                                           future=future)))
+        try:
+            return future.result(timeout=bound + 5)
+        except TimeoutError:
+            future.cancel()
+            raise statesync.StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound:.0f} s", {}) from None
+
+    @staticmethod
+    def download_bound_s(donors: int, timeout_s: float) -> float:
+        """Longest a state download may take: one silent-donor timeout per pass, a pass per donor."""
+        return timeout_s * (donors + 1) + 5
+
+    async def _download_state(self, donors, digest, shapes, run_id, timeout_s, bound_s, future) -> None:
+        from hivemind.p2p import PeerID
+
+        async def open_stream(peer_id):
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id),
+                                                                           self.state_protocol)
+            return reader, writer
+
+        try:
+            result = await asyncio.wait_for(statesync.download_state(
+                [d for d in donors if d != str(self.peer_id)], open_stream, digest=digest, shapes=shapes,
+                run_id=run_id, timeout=timeout_s), bound_s)
+            if not future.done():
+                future.set_result(result)
+        except asyncio.TimeoutError:
+            if not future.done():
+                future.set_exception(statesync.StateDownloadFailed(
+                    f"state {digest.hex()} not downloaded within {bound_s:.0f} s", {}))
+        except Exception as exc:
+            if not future.done():
+                future.set_exception(exc)
+
+    async def _snapshot_for(self, digest: bytes) -> statesync.StateSnapshot | None:
+        """The snapshot named ``digest``, asking the host process for its current ones when it is not
+        cached here (at most once a second, so bogus requests cannot make it copy state in a loop)."""
+        if digest not in self._snapshots and asyncio.get_running_loop().time() - self._snapshots_fetched_at > 1.0:
+            self._snapshots_fetched_at = asyncio.get_running_loop().time()
+            try:
+                raw_metadata, tensors, _ = await self._get_current_state_from_host_process()
+                metadata = self.serializer.loads(raw_metadata)
+            except Exception as exc:
+                logger.debug("could not get the state to serve from the host process: %r", exc)
+                return None
+            fresh, offset = {}, 0
+            for item in metadata["snapshots"]:
+                own = tuple(tensors[offset:offset + item["tensors"]])
+                offset += item["tensors"]
+                fresh[item["digest"]] = statesync.StateSnapshot(
+                    meta=item["meta"], tensors=own, chunks=tuple(statesync.plan_chunks([t.shape for t in own])),
+                    chunk_hashes=tuple(item["hashes"]), digest=item["digest"])
+            self._snapshots = fresh
+        return self._snapshots.get(digest)
+
+    def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float) -> None:
+        """Set the next sync's group size target and deadlines (peer/deadlines.py) in the averager process.
+
+        Args:
+            target_group_size: matchmaking starts the all-reduce as soon as this many peers joined.
+            matchmaking_s: how long a leader waits for more groupmates before starting with fewer.
+            allreduce_s: deadline of the all-reduce once the group is formed.
+        """
+        from hivemind.utils.mpfuture import MPFuture
+
+        future = MPFuture()
+        self._outer_pipe.send(("_configure_round", [], dict(size=target_group_size, matchmaking_s=matchmaking_s,
+                                                            allreduce_s=allreduce_s, future=future)))
         future.result()
 
-    async def _set_target_group_size(self, size: int, future) -> None:
-        self._matchmaking.target_group_size = size
-        self._matchmaking.group_key_manager.target_group_size = size
+    async def _configure_round(self, size: int, matchmaking_s: float, allreduce_s: float, future) -> None:
+        matchmaking = self._matchmaking
+        matchmaking.target_group_size = size
+        matchmaking.group_key_manager.target_group_size = size
+        matchmaking.min_matchmaking_time = matchmaking_s
+        matchmaking.potential_leaders.min_matchmaking_time = matchmaking_s
+        self._allreduce_timeout = allreduce_s
         future.set_result(None)
 
     # ---- in the averager process ----------------------------------------------------------
     async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced: bool = False) -> None:
         await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
         await p2p.add_binary_stream_handler(self.stream_protocol, self._handle_stream)
+        await p2p.add_binary_stream_handler(self.state_protocol, self._handle_state_stream)
+
+    async def _handle_state_stream(self, stream_info, reader: asyncio.StreamReader,
+                                   writer: asyncio.StreamWriter) -> None:
+        """A joiner asks for chunks of a state snapshot (peer/statesync.py); never raises."""
+        await statesync.serve_state(reader, writer, self._snapshot_for, timeout=self.next_chunk_timeout or 5.0)
 
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A groupmate opened a stream to send us its pieces: route it to our session for its group."""

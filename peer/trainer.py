@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import deque
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.utils import get_dht_time
 
 from peer.checkpoint import PeerState, load_checkpoint, save_checkpoint
 from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
@@ -24,12 +26,12 @@ from peer.model import evaluate
 from peer.outer import check_finite, make_outer, pseudo_gradient
 from protocol.pairing import group_of, partition
 from peer.reporting import Reporter
+from peer.statesync import StateSnapshot, make_snapshot
 from peer.transport import DownloadedState, NetworkTransport
 from protocol import dht as swarm_dht
 from protocol.errors import BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
-from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,9 @@ class TrainerConfig:
     eval_every_rounds: int = 0
     """Evaluate φ every k rounds (0: only at the start and the end)."""
     checkpoint_path: Path | None = None
-    state_download_timeout_s: float = 30.0
+    state_download_timeout_s: float = 10.0
+    """A donor that sends nothing for this long during a state download is dropped (its chunks go
+    to the other donors)."""
     export_phi_every_rounds: int = 0
     """Write φ to ``phi-round-NNNNNN.safetensors`` beside the checkpoint every k rounds (0: never)."""
     wait_for_peers: int = 1
@@ -106,7 +110,14 @@ class Trainer:
         self._last_sync: dict[str, Any] = dict(train_loss=0.0, tokens_per_s=0.0, group_size=1, bytes_sent=0,
                                                bytes_received=0)
         self._last_eval: tuple[int, float | None] = (-1, None)
+        self._snapshots: deque[StateSnapshot] = deque(maxlen=2)
+        """States at the start of this and the last round, served to joiners (newest last)."""
+        self._last_group: list[str] = [peer_id]
+        self._round_seconds: deque[float] = deque(maxlen=8)
+        self._round_started = time.monotonic()
+        self._last_records: list[swarm_dht.PeerProgress] = []
         self.summary = TrainSummary(peer_id=peer_id)
+        self._take_snapshot()
 
     # ---- state --------------------------------------------------------------------------
     @property
@@ -114,11 +125,20 @@ class Trainer:
         """Cumulative inner steps of φ's history: indexes the inner lr schedule."""
         return self.round * self.H + self.round_step
 
-    def _state_for_joiners(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def _take_snapshot(self) -> None:
+        """Snapshot φ, outer state and position at a round boundary; its digest is what this peer
+        publishes and what joiners download (peer/statesync.py)."""
         with self._lock:
-            meta = {"run_id": self.m.run_id, "round": self.round, "inner_step": self.round * self.H,
-                    "version": PROTOCOL_VERSION}
-            return meta, [t.clone() for t in self.phi] + [t.clone() for t in self.outer.state_tensors()]
+            meta = {"run_id": self.m.run_id, "round": self.round, "inner_step": self.round * self.H}
+            snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])
+        self._snapshots.append(snapshot)
+
+    @property
+    def state_digest(self) -> str:
+        return self._snapshots[-1].digest.hex()
+
+    def _state_for_joiners(self) -> list[StateSnapshot]:
+        return list(self._snapshots)
 
     def _set_theta_to_phi(self) -> None:
         with torch.no_grad():
@@ -135,6 +155,8 @@ class Trainer:
             self.round_loss_sum, self.round_compute_s, self.round_steps_done = 0.0, 0.0, 0
         self._set_theta_to_phi()
         self.inner.reset_optimizer()  # a joiner starts a fresh AdamW (ALGORITHMS.md §6.3)
+        self._last_group = [self.peer_id]
+        self._take_snapshot()
 
     def _checkpoint_state(self) -> PeerState:
         adam = self.inner.optimizer.state
@@ -166,7 +188,9 @@ class Trainer:
                 self.inner.optimizer.state[p] = {"step": torch.tensor(float(state.adam_step)),
                                                  "exp_avg": m1.clone(), "exp_avg_sq": m2.clone()}
         self.round, self.round_step, self.round_tokens = state.round, state.round_step, state.round_tokens
-        self.reporter.emit("resumed", path=str(path), round=self.round, round_step=self.round_step)
+        self._take_snapshot()
+        self.reporter.emit("resumed", path=str(path), round=self.round, round_step=self.round_step,
+                           state_digest=self.state_digest)
         return True
 
     def save(self) -> str | None:
@@ -187,15 +211,29 @@ class Trainer:
         save_file(tensors, str(path), metadata={"run_id": self.m.run_id, "round": str(self.round)})
 
     # ---- swarm --------------------------------------------------------------------------
+    @property
+    def _record_ttl(self) -> float:
+        return max(60.0, 3 * self.transport.max_sync_seconds)
+
+    def _stale_after_s(self) -> float:
+        """A record not refreshed for this long belongs to a peer that is gone or hung: a peer
+        republishes four times per round and after every sync, so the gap between two records is
+        at most a quarter round plus one sync."""
+        longest_round = max(self._round_seconds, default=0.0)
+        return max(10.0, 1.5 * longest_round + self.transport.last_deadline_s)
+
     def _live_records(self) -> list[swarm_dht.PeerProgress]:
         start = time.monotonic()
         try:
-            return swarm_dht.read_progress(self.dht, self.m.run_id)
-        except Exception as exc:  # a DHT read failure must not stop training
-            logger.debug("reading progress records failed: %r", exc)
-            return []
+            records = self._last_records = swarm_dht.read_progress(self.dht, self.m.run_id)
+        except Exception as exc:  # a DHT read failure must not stop training (nor make this peer "alone")
+            logger.debug("reading progress records failed: %r; using the last ones read", exc)
+            records = self._last_records
         finally:
             logger.debug("read progress records in %.3f s", time.monotonic() - start)
+        # published at expiration - ttl (every peer of the run uses the same ttl)
+        oldest = get_dht_time() + self._record_ttl - self._stale_after_s()
+        return [r for r in records if r.peer_id == self.peer_id or r.expiration >= oldest]
 
     def _publish(self, *, train_loss: float | None = None, tokens_per_s: float | None = None,
                  group_size: int | None = None, bytes_sent: int | None = None, bytes_received: int | None = None,
@@ -211,35 +249,79 @@ class Trainer:
             group_size=last["group_size"] if group_size is None else group_size,
             bytes_sent=last["bytes_sent"] if bytes_sent is None else bytes_sent,
             bytes_received=last["bytes_received"] if bytes_received is None else bytes_received,
-            eval_loss=eval_loss if eval_round == self.round else None)
-        ttl = max(60.0, 3 * self.transport.max_sync_seconds)
+            eval_loss=eval_loss if eval_round == self.round else None, state_digest=self.state_digest)
         try:
-            swarm_dht.publish_progress(self.dht, self.m.run_id, self.peer_id, record, ttl, wait=wait)
+            swarm_dht.publish_progress(self.dht, self.m.run_id, self.peer_id, record, self._record_ttl, wait=wait)
         except Exception as exc:
             logger.debug("publishing progress failed: %r", exc)
 
+    def _resync_target(self, records: list[swarm_dht.PeerProgress]) -> tuple[int, str, list[str]] | None:
+        """(round, digest, donors) of the state this peer should adopt, or None to keep its own.
+
+        The rule (DiLoCo). Peers publish the digest of the state they hold at the start of their
+        round; a *class* is the set of peers publishing the same (round, digest). This peer's own
+        class is the peers publishing its (round, digest) plus those it completed its last round
+        with from the same starting state (they hold bit-identical φ, whatever their records say
+        yet). It adopts the biggest other class (ties: the higher round) when that class is
+
+        * at its round or ahead, and bigger than its own, or as big and ahead (it fell behind,
+          missed a round, or diverged by falling back to its own Δ), or as big, at its round and
+          with the smaller digest (a tie between diverged peers: all settle on one state);
+        * two or more rounds behind and bigger (this peer raced ahead alone, e.g. partitioned:
+          the majority wins, and the inner lr schedule follows the adopted φ's history).
+
+        Classes exactly one round behind are ignored: those are peers that have not published the
+        round they just finished. NoLoCo groups differ by design: follow only a swarm two rounds
+        ahead (one, for a fresh peer).
+        """
+        mine = self.state_digest
+        classes: dict[tuple[int, str], list[str]] = {}
+        for r in records:
+            if r.peer_id != self.peer_id and r.record.state_digest:
+                classes.setdefault((r.record.round, r.record.state_digest), []).append(r.peer_id)
+        own = set(classes.pop((self.round, mine), [])) | set(self._last_group) | {self.peer_id}
+        if self.m.sync.algorithm == "noloco":
+            fresh = self.round == 0 and self.round_step == 0
+            ahead = [kv for kv in classes.items() if kv[0][0] >= self.round + (1 if fresh else 2)]
+            if not ahead:
+                return None
+            (round_, digest), donors = max(ahead, key=lambda kv: (kv[0][0], len(kv[1])))
+            return round_, digest, donors
+
+        def eligible(round_: int, count: int, digest: str) -> bool:
+            if round_ >= self.round:
+                return count > len(own) or (count == len(own) and (round_ > self.round or digest < mine))
+            return round_ <= self.round - 2 and count > len(own)
+
+        candidates = [kv for kv in classes.items() if eligible(kv[0][0], len(kv[1]), kv[0][1])]
+        if not candidates:
+            return None
+        # biggest class, then the highest round, then the smallest digest
+        (round_, digest), donors = min(candidates, key=lambda kv: (-len(kv[1]), -kv[0][0], kv[0][1]))
+        return round_, digest, donors
+
     def catch_up(self) -> bool:
-        """If live peers are ahead of this one, download their φ, outer momentum and round."""
+        """Adopt the swarm's state if this peer is behind or diverged (rule: :meth:`_resync_target`).
+
+        Downloads φ, outer optimizer state and round from every peer that publishes the target
+        digest at once (peer/statesync.py), checks it against the digest, and starts at the swarm's
+        current inner step. A failed download is reported and leaves this peer's state unchanged.
+        """
         if self.m.sync.algorithm == "independent":
             return False  # the no-sync baseline never takes anything from other peers
-        others = [r for r in self._live_records() if r.peer_id != self.peer_id]
-        ahead = max((r.record.round for r in others), default=-1)
-        fresh = self.round == 0 and self.round_step == 0
-        # NoLoCo groups progress independently, so another group one round ahead is normal;
-        # DiLoCo peers move in lockstep, so one round behind means this peer missed its group.
-        lag = 2 if self.m.sync.algorithm == "noloco" and not fresh else 1
-        if ahead < self.round + lag:
+        target = self._resync_target(self._live_records())
+        if target is None:
             return False
+        round_, digest, donors = target
         start = time.monotonic()
         try:
-            state = self.transport.download_state(self.cfg.state_download_timeout_s)
-        except BadPayload as exc:
-            self.reporter.emit("warning", message=f"rejected a downloaded state: {exc}")
+            download = self.transport.download_state(donors, digest, self.cfg.state_download_timeout_s)
+        except (BadPayload, SyncError) as exc:
+            self.reporter.emit("warning", message=f"state download of round {round_} failed, continuing from "
+                                                  f"round {self.round}: {exc}")
             return False
-        if state is None or state.round <= self.round:
-            self.reporter.emit("warning", message=f"peers are at round {ahead} but none served its state; "
-                                                  f"continuing from round {self.round}")
-            return False
+        state = download.state
+        reason = "behind" if state.round > self.round else "diverged" if state.round == self.round else "raced ahead"
         self._adopt(state)
         # Start where the swarm is inside this round, so this peer reaches the sync with the others;
         # the all-reduce weights its shorter round by the tokens it actually processed.
@@ -247,8 +329,18 @@ class Trainer:
                       if r.peer_id != self.peer_id and r.record.round == self.round]
         self.round_step = max(0, min(self.H - 1, max(same_round, default=0)))
         self.reporter.emit("adopted_state", round=self.round, inner_step=self.inner_step,
-                           seconds=time.monotonic() - start)
+                           seconds=time.monotonic() - start, reason=reason,
+                           state_digest=self.state_digest, donors=download.chunks_by_donor,
+                           failed_donors=download.failed, bytes=download.bytes_received)
+        self._publish()
         return True
+
+    def _catch_up_fully(self, attempts: int = 3) -> None:
+        """Catch up again while the swarm moved on during the download (a long download would
+        otherwise land this peer at a round the swarm has just finished)."""
+        for _ in range(attempts):
+            if self.stop_event.is_set() or not self.catch_up():
+                return
 
     def _wait_for_peers(self) -> None:
         """Start barrier for launchers that start several peers at once (``peer swarm``)."""
@@ -292,8 +384,8 @@ class Trainer:
         path = self.cfg.checkpoint_path
         if path is not None and path.exists():
             self._restore(path)
-        self.catch_up()
-        self.transport.share_state(self._state_for_joiners, priority=float(self.round))
+        self._catch_up_fully()
+        self.transport.share_state(self._state_for_joiners)
         self._publish()
         self._wait_for_peers()
         self.summary.initial_eval_loss = self.eval_phi("initial")
@@ -307,7 +399,7 @@ class Trainer:
             self.save()
             self._export_phi()
             if not self._done():
-                self.catch_up()
+                self._catch_up_fully()
         self.summary.interrupted = self.stop_event.is_set()
         self.summary.final_round = self.round
         if not self.summary.interrupted:
@@ -339,6 +431,7 @@ class Trainer:
     def _plan_group(self, live: list[swarm_dht.PeerProgress]) -> tuple[int, int | None, str]:
         """(expected group size, random group index or None, note) for this round's sync."""
         near = {r.peer_id for r in live if abs(r.record.round - self.round) <= 1} | {self.peer_id}
+        everyone = {r.peer_id for r in live} | {self.peer_id}
         if self.m.sync.algorithm == "independent":
             return 1, None, "independent: no sync"
         if self.m.sync.algorithm == "noloco":
@@ -351,9 +444,12 @@ class Trainer:
                 return 1, None, "no partner this round: applied own step"
             self._planned_group = members
             return len(members), index, ""
-        if len(near) == 1:
+        # DiLoCo: every live peer, whatever its round. One that is behind adopts the swarm's state and
+        # joins this round; one that is not here when matchmaking ends is left out. A peer that
+        # synced only with peers near its round would race ahead alone when the others fall back.
+        if len(everyone) == 1:
             return 1, None, "alone: no other live peer, applied own pseudo-gradient"
-        return len(near), None, ""
+        return len(everyone), None, ""
 
     def _outer_phase(self) -> None:
         delta = pseudo_gradient(self.phi, self.params)
@@ -362,25 +458,34 @@ class Trainer:
         live = self._live_records()
         expected, group_index, note = self._plan_group(live)
         group_size, group, bytes_sent, bytes_received, sync_s = 1, [self.peer_id], 0, 0, 0.0
+        deadline_s = 0.0
+        agreeing = [self.peer_id]
         mean: list[torch.Tensor] | None = None
         try:
             check_finite(delta, "this peer's pseudo-gradient")
             mean = self.outer.payload(self.phi, delta)
         except BadPayload as exc:
             note = f"{exc}: round discarded, φ unchanged"
+        start_digest = self.state_digest
         if mean is not None and expected > 1:
+            self.reporter.emit("sync", round=self.round, expected_group_size=expected, peer_id=self.peer_id)
             try:
                 result = self.transport.average(mean, weight=float(max(self.round_tokens, 1)), round_=self.round,
                                                 expected_group_size=expected, group_index=group_index,
-                                                should_stop=self.stop_event.is_set)
+                                                start_digest=start_digest, should_stop=self.stop_event.is_set)
                 check_finite(result.mean, "the group's mean payload")
                 mean, group, group_size = result.mean, result.group, result.group_size
+                deadline_s = result.deadline_s
+                # groupmates that started from this peer's state hold the same state after the round
+                agreeing = [p for p, d in (result.start_digests or {}).items() if d == start_digest]
                 bytes_sent, bytes_received, sync_s = result.bytes_sent, result.bytes_received, result.seconds
                 if result.excluded or result.partial_pieces:
+                    agreeing = [self.peer_id]  # which groupmates completed is not known here
                     note = (f"{result.partial_pieces} piece(s) averaged without a failed groupmate "
                             f"({result.excluded} excluded here)")
             except (SyncError, BadPayload) as exc:
                 bytes_sent, bytes_received = self.transport.last_bytes
+                deadline_s = self.transport.last_deadline_s
                 # Failed rounds are recorded, not fatal (DiLoCo paper Fig. 8: dropped syncs are survivable).
                 self.summary.failed_syncs += 1
                 note = f"no group: applied own step ({exc})"
@@ -393,7 +498,11 @@ class Trainer:
             self.round_loss_sum = self.round_compute_s = 0.0
             self.round_steps_done = 0
         self._set_theta_to_phi()
-        self.transport.share_state(self._state_for_joiners, priority=float(self.round))
+        self._last_group = sorted(set(agreeing) | {self.peer_id})
+        self._take_snapshot()
+        now = time.monotonic()
+        self._round_seconds.append(now - self._round_started)
+        self._round_started = now
         s = self.summary
         s.rounds_completed += 1
         s.max_group_size = max(s.max_group_size, group_size)
@@ -407,5 +516,7 @@ class Trainer:
         self.reporter.emit("round", round=self.round, train_loss=train_loss, tokens_per_s=tokens_per_s,
                            group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent,
                            bytes_received=bytes_received, peers=len(live) or 1,
-                           peer_id=self.peer_id, group=group, note=note, planned_group=self._planned_group)
+                           peer_id=self.peer_id, group=group, note=note, planned_group=self._planned_group,
+                           start_digest=start_digest, agreeing=self._last_group, state_digest=self.state_digest,
+                           deadline_s=deadline_s)
         self._planned_group = None

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -14,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from hivemind.utils import get_dht_time
 
 from peer.averager import INCOMPLETE, LocoAverager
+from peer.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
 from protocol.errors import AllreduceFailed, BadPayload, GroupNotFound
 from protocol.manifest import CompressionSpec, SyncSpec
@@ -39,10 +42,17 @@ class SyncResult:
     """Sync bytes this peer read from its all-reduce streams."""
     seconds: float
     """Wall time of matchmaking plus all-reduce."""
+    deadline_s: float = 0.0
+    """The bound this sync ran under (matchmaking deadline + all-reduce deadline + slack), s."""
     excluded: int = 0
     """Groupmates this peer, as an owner of pieces, excluded from its means (failed or invalid)."""
     partial_pieces: int = 0
     """Pieces whose mean left out at least one groupmate (the means are identical for all that completed)."""
+    attempts: int = 1
+    """1, or 2 when the first all-reduce could not complete and the retry did."""
+    start_digests: dict[str, str] | None = None
+    """Each groupmate's digest of the state it started the round from (peer id → hex): groupmates
+    that started from the same state and completed the round hold the same state after it."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,22 @@ class DownloadedState:
     inner_step: int
     phi: list[torch.Tensor]
     outer_state: list[torch.Tensor]
+
+
+class AllreduceIncompleteError(AllreduceFailed):
+    """The group formed but this peer did not get a valid mean for every piece; nothing applied."""
+
+
+@dataclass(frozen=True)
+class StateDownload:
+    """A verified state and how its download went."""
+
+    state: DownloadedState
+    chunks_by_donor: dict[str, int]
+    """Chunks each donor delivered (peer id → count): the load was spread over these."""
+    failed: dict[str, str]
+    """Donors dropped during the download, with the reason."""
+    bytes_received: int
 
 
 class NetworkTransport:
@@ -91,8 +117,9 @@ class NetworkTransport:
             target_group_size=sync.target_group_size,
             min_group_size=2,
             min_matchmaking_time=sync.matchmaking_time_s,
-            # hivemind: a request_timeout >= min_matchmaking_time can deadlock matchmaking.
-            request_timeout=min(3.0, sync.matchmaking_time_s / 3),
+            # hivemind: a request_timeout >= min_matchmaking_time can deadlock matchmaking; the
+            # adaptive matchmaking time never goes below min_matchmaking_time_s.
+            request_timeout=min(3.0, sync.min_matchmaking_time_s / 3, sync.matchmaking_time_s / 3),
             next_chunk_timeout=sync.next_chunk_timeout_s,
             allreduce_timeout=sync.allreduce_timeout_s,
             allow_state_sharing=False,
@@ -102,25 +129,28 @@ class NetworkTransport:
         )
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, previous_sigint)
-
-    @property
-    def matchmaking_deadline_s(self) -> float:
-        """How long a peer keeps looking for groupmates: three matchmaking windows."""
-        return 3 * self.sync.matchmaking_time_s
+        self.deadlines = DeadlinePolicy(sync)
+        self.last_deadlines: Deadlines = self.deadlines.current()
+        """The deadlines of the last :meth:`average` call (or of the next one, before any)."""
+        self.last_deadline_s = (1 + self.RETRIES) * self.last_deadlines.total_s
+        """The bound the last :meth:`average` call ran under, retry included, s."""
 
     @property
     def max_sync_seconds(self) -> float:
-        """Upper bound on one :meth:`average` call: matchmaking deadline plus all-reduce deadline."""
-        return self.matchmaking_deadline_s + self.sync.allreduce_timeout_s + 5.0
+        """Upper bound on any :meth:`average` call: the deadlines at their configured maximum, for
+        the first attempt and the retry."""
+        return (1 + self.RETRIES) * self.deadlines.worst_case().total_s
 
     def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
-                group_index: int | None = None, should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
+                group_index: int | None = None, start_digest: str = "",
+                should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
         """Token-weighted group mean of ``payload`` over the peers at round ``round_``.
 
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
         NoLoCo: only the peers of random group ``group_index`` (arXiv 2506.10911), so no peer
-        exchanges data with more than its groupmates. Returns within :attr:`max_sync_seconds`,
-        whatever the other peers do.
+        exchanges data with more than its groupmates. Returns within the current deadlines'
+        ``total_s`` (peer/deadlines.py; at most :attr:`max_sync_seconds`), whatever the other
+        peers do.
 
         Args:
             payload: this peer's contribution (see OuterAlgorithm.payload), fp32.
@@ -129,6 +159,8 @@ class NetworkTransport:
                 as soon as this many have joined.
             group_index: with random groups, this peer's group; it becomes part of the
                 matchmaking key so that only groupmates meet.
+            start_digest: digest of the state this peer started the round from (peer/statesync.py);
+                shared with the group, returned in :attr:`SyncResult.start_digests`.
             should_stop: polled while waiting; when it returns True the sync is cancelled.
 
         Raises:
@@ -139,14 +171,51 @@ class NetworkTransport:
         with self.averager.get_tensors() as buffers:
             for buf, d in zip(buffers, payload, strict=True):
                 buf.copy_(d)
+        d = self.last_deadlines = self.deadlines.current()
+        self.last_deadline_s = (1 + self.RETRIES) * d.total_s
+        sent = received = 0
+        for attempt in range(1 + self.RETRIES):
+            try:
+                result = self._attempt(round_=round_, group_index=group_index, attempt=attempt, weight=weight,
+                                       expected_group_size=expected_group_size, start_digest=start_digest,
+                                       should_stop=should_stop, d=d)
+            except AllreduceIncompleteError as exc:
+                sent, received = sent + self.last_bytes[0], received + self.last_bytes[1]
+                self.last_bytes = (sent, received)
+                if attempt == self.RETRIES or should_stop():
+                    raise
+                logger.info("round %d: %s; retrying with the groupmates that are left", round_, exc)
+                continue
+            except (GroupNotFound, AllreduceFailed):
+                self.last_bytes = (sent + self.last_bytes[0], received + self.last_bytes[1])
+                raise
+            self.last_bytes = (sent + result.bytes_sent, received + result.bytes_received)
+            return dataclasses.replace(result, bytes_sent=self.last_bytes[0], bytes_received=self.last_bytes[1],
+                                       seconds=time.monotonic() - start, deadline_s=self.last_deadline_s,
+                                       attempts=attempt + 1)
+        raise AssertionError("unreachable")
+
+    RETRIES = 1
+    """How often a round whose all-reduce could not complete (a groupmate died in it) is retried,
+    at once, with the groupmates that are left (they meet under the round's retry key)."""
+
+    def _attempt(self, *, round_: int, group_index: int | None, attempt: int, weight: float,
+                 expected_group_size: int, start_digest: str, should_stop: Callable[[], bool],
+                 d: Deadlines) -> SyncResult:
+        """One matchmaking + all-reduce of the payload already in the buffers (see :meth:`average`)."""
+        start = time.monotonic()
         self.averager.reset_stats()
-        self.averager.set_group_bits(keys.round_group_bits(round_, group_index))
-        self.averager.set_target_group_size(max(2, min(expected_group_size, self.sync.target_group_size)))
+        self.last_bytes = (0, 0)
+        self.averager.set_group_bits(keys.round_group_bits(round_, group_index, attempt))
+        self.averager.configure_round(target_group_size=max(2, min(expected_group_size, self.sync.target_group_size)),
+                                      matchmaking_s=d.matchmaking_s, allreduce_s=d.allreduce_s)
+        arrived = time.time()
         control = self.averager.step(
-            gather={"round": round_}, weight=float(weight), timeout=self.matchmaking_deadline_s,
-            allow_retries=True, wait=False,
+            gather={"round": round_, "start_digest": start_digest}, weight=float(weight),
+            scheduled_time=get_dht_time() + d.matchmaking_s, timeout=d.matchmaking_deadline_s, allow_retries=True,
+            wait=False,
         )
-        deadline = start + self.max_sync_seconds
+        deadline = start + d.total_s
         gathered = None
         try:
             while True:
@@ -159,49 +228,62 @@ class NetworkTransport:
                 except TimeoutError:
                     if time.monotonic() > deadline:
                         control.cancel()
-                        raise AllreduceFailed(f"round {round_} sync did not finish in {self.max_sync_seconds:.0f} s")
+                        raise AllreduceFailed(f"round {round_} sync did not finish in its deadline of "
+                                              f"{d.total_s:.0f} s")
         except (GroupNotFound, AllreduceFailed):
             raise
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if "could not find a group" in text:
-                raise GroupNotFound(f"no group formed for round {round_} within "
-                                    f"{self.matchmaking_deadline_s:.0f} s") from exc
+                raise GroupNotFound(f"no group formed for round {round_}{' (retry)' if attempt else ''} within "
+                                    f"{d.matchmaking_deadline_s:.0f} s") from exc
             raise AllreduceFailed(f"round {round_} all-reduce failed: {text}") from exc
         if gathered is None:
             raise GroupNotFound(f"no group formed for round {round_}")
         stats = self.averager.last_stats
         self.last_bytes = (int(stats["bytes_sent"]), int(stats["bytes_received"]))
         if INCOMPLETE in gathered:
-            raise AllreduceFailed(f"round {round_}: {gathered[INCOMPLETE]}")
+            raise AllreduceIncompleteError(f"round {round_}: {gathered[INCOMPLETE]}")
         with self.averager.get_tensors() as buffers:
             mean = [buf.clone() for buf in buffers]
+        if stats["started_at"] >= arrived:
+            self.deadlines.observe(wait_s=stats["started_at"] - arrived, allreduce_s=stats["allreduce_seconds"])
         return SyncResult(mean=mean, group=sorted(str(peer) for peer in gathered), group_size=len(gathered),
                           bytes_sent=int(stats["bytes_sent"]), bytes_received=int(stats["bytes_received"]),
-                          seconds=time.monotonic() - start, excluded=int(stats["excluded"]),
-                          partial_pieces=int(stats["partial_pieces"]))
+                          seconds=time.monotonic() - start, deadline_s=d.total_s, excluded=int(stats["excluded"]),
+                          partial_pieces=int(stats["partial_pieces"]),
+                          start_digests={str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict)
+                                         else "" for peer, data in gathered.items()})
 
-    def share_state(self, provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None,
-                    priority: float = 0.0) -> None:
-        """Serve (metadata, tensors) from ``provider`` to joiners, or stop serving with None."""
+    def share_state(self, provider: Callable[[], list[Any]] | None) -> None:
+        """Serve the state snapshots from ``provider`` (peer/statesync.py, newest last) to peers that
+        download them, or stop serving with None."""
         self.averager.set_state_provider(provider)
-        self.averager.state_sharing_priority = priority
-        self.averager.allow_state_sharing = provider is not None
 
-    def download_state(self, timeout_s: float) -> DownloadedState | None:
-        """Download φ, outer state, round and inner step from the live peer with the highest round.
+    def download_state(self, donors: Sequence[str], digest_hex: str, timeout_s: float) -> StateDownload:
+        """Download the state named ``digest_hex`` from every peer in ``donors`` at once.
 
-        Returns None if no peer served its state. Everything received is validated before it is
-        returned: run id, counts, shapes, dtypes and finiteness.
+        Each donor serves an interleaved share of the state's chunks; a donor that fails is dropped
+        and its share dealt to the others (peer/statesync.py). Everything received is verified
+        against the digest before it is returned, and checked for run id, shapes and finiteness.
+
+        Args:
+            donors: peer ids (base58) that publish ``digest_hex`` in their progress records.
+            timeout_s: how long a donor may stay silent before it is dropped.
 
         Raises:
-            BadPayload: a peer served a state that fails validation.
+            StateDownloadFailed (a SyncError): no donor left for the missing chunks.
+            BadPayload: the verified state is still not a state of this run (wrong shapes).
         """
-        result = self.averager.load_state_from_peers(wait=True, timeout=timeout_s)
-        if result is None:
-            return None
-        metadata, tensors = result
-        return validate_state(metadata, tensors, run_id=self.run_id, shapes=self.shapes)
+        try:
+            digest = bytes.fromhex(digest_hex)
+        except ValueError as exc:
+            raise BadPayload(f"state digest {digest_hex!r} is not hex") from exc
+        result = self.averager.download_state(donors, digest, [*self.shapes, *self.shapes], self.run_id, timeout_s)
+        state = validate_state(result.meta, result.tensors, run_id=self.run_id, shapes=self.shapes)
+        return StateDownload(state=state, chunks_by_donor={str(k): v for k, v in result.chunks_by_donor.items()},
+                             failed={str(k): v for k, v in result.failed.items()},
+                             bytes_received=sum(result.bytes_by_donor.values()))
 
     def shutdown(self) -> None:
         self.averager.shutdown()

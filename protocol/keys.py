@@ -29,9 +29,16 @@ GROUP_INDEX_BITS = 12
 """With random groups (NoLoCo), further group bits carry the group's index within the round."""
 
 
-def round_group_bits(round_: int, group_index: int | None = None) -> str:
-    """Averager group bits: the round (mod 2**20), then the random group's index if any."""
+RETRY_BITS = 2
+"""Bits of the retry number of a round's sync (different from GROUP_INDEX_BITS, so no key collides)."""
+
+
+def round_group_bits(round_: int, group_index: int | None = None, attempt: int = 0) -> str:
+    """Averager group bits: the round (mod 2**20), then the random group's index if any, then the
+    retry number when this is a retry of the round's sync (peers that retry meet only each other)."""
     bits = format(round_ % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
     if group_index is not None:
         bits += format(group_index % (1 << GROUP_INDEX_BITS), f"0{GROUP_INDEX_BITS}b")
+    if attempt:
+        bits += format(attempt % (1 << RETRY_BITS), f"0{RETRY_BITS}b")
     return bits

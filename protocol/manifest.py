@@ -230,6 +230,14 @@ class SyncSpec:
     """Deadline of one all-reduce once the group is formed."""
     next_chunk_timeout_s: float = 5.0
     """A groupmate that sends nothing for this long is dropped from the round."""
+    adaptive_deadlines: bool = True
+    """Derive the matchmaking time and the all-reduce timeout from the swarm's recent rounds
+    (peer/deadlines.py), between the ``min_*`` values and the values above; false: always use the
+    values above."""
+    min_matchmaking_time_s: float = 1.0
+    """Lower bound of the adaptive matchmaking time."""
+    min_allreduce_timeout_s: float = 5.0
+    """Lower bound of the adaptive all-reduce timeout."""
 
     def __post_init__(self) -> None:
         s = "sync"
@@ -239,6 +247,11 @@ class SyncSpec:
         _float_in(s, "matchmaking_time_s", self.matchmaking_time_s, 0.0, 3600.0, lo_open=True)
         _float_in(s, "allreduce_timeout_s", self.allreduce_timeout_s, 0.0, 86400.0, lo_open=True)
         _float_in(s, "next_chunk_timeout_s", self.next_chunk_timeout_s, 0.0, 3600.0, lo_open=True)
+        _check(s, "adaptive_deadlines", self.adaptive_deadlines, isinstance(self.adaptive_deadlines, bool),
+               "true or false")
+        _float_in(s, "min_matchmaking_time_s", self.min_matchmaking_time_s, 0.0, self.matchmaking_time_s, lo_open=True)
+        _float_in(s, "min_allreduce_timeout_s", self.min_allreduce_timeout_s, 0.0, self.allreduce_timeout_s,
+                  lo_open=True)
 
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")

@@ -26,6 +26,11 @@ class ProgressRecord:
     bytes_received: int = 0
     """Sync bytes this peer read from the network in its last round."""
     eval_loss: float | None = None
+    state_digest: str = ""
+    """Hex digest (32 characters) of the state this peer holds at the start of ``round``: φ, outer
+    optimizer state and position (peer/statesync.py). Peers that completed a round together hold
+    the same digest; joiners download the state with a digest from the peers that publish it.
+    Empty before the peer has a state to serve."""
     version: int = PROTOCOL_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -41,7 +46,7 @@ class ProgressRecord:
         if not isinstance(value, dict):
             raise BadPayload(f"progress record must be a map, got {type(value).__name__}")
         expected = {"round", "inner_step", "train_loss", "tokens_per_s", "group_size", "bytes_sent",
-                    "bytes_received", "eval_loss", "version"}
+                    "bytes_received", "eval_loss", "state_digest", "version"}
         if set(value) != expected:
             raise BadPayload(f"progress record has fields {sorted(value)}, expected {sorted(expected)}")
         if value["version"] != PROTOCOL_VERSION:
@@ -56,4 +61,7 @@ class ProgressRecord:
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise BadPayload(f"progress record field {name} = {v!r}: expected a finite number")
+        digest = value["state_digest"]
+        if not isinstance(digest, str) or len(digest) not in (0, 32) or any(c not in "0123456789abcdef" for c in digest):
+            raise BadPayload(f"progress record field state_digest = {digest!r}: expected 32 lowercase hex characters")
         return cls(**value)

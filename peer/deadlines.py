@@ -1,0 +1,84 @@
+"""Sync deadlines that follow the swarm instead of fixed guesses (hivemind issue 676).
+
+A peer waits for groupmates (matchmaking) and then for the all-reduce. Fixed timeouts are either
+too short for a slow swarm (rounds fail) or too long when a peer dies (every survivor waits the
+whole timeout). :class:`DeadlinePolicy` derives both from what this peer observed in its recent
+rounds, clamped to the bounds of the run manifest:
+
+* matchmaking time = 1.5 × the longest recent wait for the group (from this peer's arrival at
+  the sync to the start of the all-reduce: the spread of the groupmates' arrival times) + 0.5 s;
+* all-reduce timeout = 3 × the longest recent all-reduce + 2 s.
+
+Before any round has been observed, or with ``adaptive = false`` in the manifest, the manifest's
+values are used. Every value stays within ``[min, max]`` of ``SyncSpec``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from protocol.manifest import SyncSpec
+
+WINDOW = 8
+"""Rounds of history the deadlines follow."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    matchmaking_s: float
+    """How long the leader of a group waits for more groupmates before it starts with those found."""
+    matchmaking_deadline_s: float
+    """How long a peer keeps looking for a group at all (three matchmaking windows)."""
+    allreduce_s: float
+    """Deadline of the all-reduce once the group is formed."""
+
+    @property
+    def total_s(self) -> float:
+        """Upper bound on one sync: matchmaking deadline + all-reduce deadline + 5 s of slack for the
+        processes to hand results over."""
+        return self.matchmaking_deadline_s + self.allreduce_s + 5.0
+
+
+def _clamp(value: float, lo: float, hi: float) -> float:
+    return min(hi, max(lo, value))
+
+
+class DeadlinePolicy:
+    """Deadlines of the next sync from the last :data:`WINDOW` observed ones.
+
+    Args:
+        sync: the manifest's sync section (bounds, initial values, ``adaptive_deadlines``).
+    """
+
+    def __init__(self, sync: SyncSpec):
+        self.sync = sync
+        self._waits: deque[float] = deque(maxlen=WINDOW)
+        self._allreduces: deque[float] = deque(maxlen=WINDOW)
+
+    def observe(self, *, wait_s: float, allreduce_s: float) -> None:
+        """Record one completed sync: seconds from arrival to the all-reduce's start, and its length.
+
+        Raises:
+            ValueError: a negative or non-finite duration.
+        """
+        for name, value in (("wait_s", wait_s), ("allreduce_s", allreduce_s)):
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"{name} = {value!r}: expected a finite duration >= 0 s")
+        self._waits.append(wait_s)
+        self._allreduces.append(allreduce_s)
+
+    def current(self) -> Deadlines:
+        s = self.sync
+        if not s.adaptive_deadlines or not self._allreduces:
+            mm, ar = s.matchmaking_time_s, s.allreduce_timeout_s
+        else:
+            mm = _clamp(1.5 * max(self._waits) + 0.5, s.min_matchmaking_time_s, s.matchmaking_time_s)
+            ar = _clamp(3.0 * max(self._allreduces) + 2.0, s.min_allreduce_timeout_s, s.allreduce_timeout_s)
+        return Deadlines(matchmaking_s=mm, matchmaking_deadline_s=3 * mm, allreduce_s=ar)
+
+    def worst_case(self) -> Deadlines:
+        """The deadlines at their upper bounds: what any sync can take at most."""
+        s = self.sync
+        return Deadlines(matchmaking_s=s.matchmaking_time_s, matchmaking_deadline_s=3 * s.matchmaking_time_s,
+                         allreduce_s=s.allreduce_timeout_s)
