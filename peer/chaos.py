@@ -137,6 +137,7 @@ class ChaosSwarm:
                     out.write(raw)
                     out.flush()
                     self._on_line(member, raw)
+            popen.stdout.close()
             with member._cond:
                 member._reading = False
                 member._cond.notify_all()
@@ -294,11 +295,17 @@ class ChaosSwarm:
 
     def close(self) -> None:
         """Stop everything (SIGCONT first, so frozen processes can die) and remove the lab."""
-        for member in [*self.members.values(), *([self.bootstrap] if self.bootstrap else [])]:
+        everyone = [*self.members.values(), *([self.bootstrap] if self.bootstrap else [])]
+        for member in everyone:
             if member.alive:
                 self._signal_group(member, signal.SIGCONT)
                 self._signal_group(member, signal.SIGKILL)
         self.lab.close()
+        for member in everyone:
+            if member.popen is not None:
+                member.popen.wait()
+                with member._cond:
+                    member._cond.wait_for(lambda: not member._reading, timeout=10)
 
     def __enter__(self) -> ChaosSwarm:
         return self

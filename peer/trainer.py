@@ -453,6 +453,7 @@ class Trainer:
 
     def _outer_phase(self) -> None:
         delta = pseudo_gradient(self.phi, self.params)
+        round_tokens = self.round_tokens
         train_loss = self.round_loss_sum / max(1, self.round_steps_done)
         tokens_per_s = self.round_tokens / max(self.round_compute_s, 1e-9)
         live = self._live_records()
@@ -517,6 +518,6 @@ class Trainer:
                            group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent,
                            bytes_received=bytes_received, peers=len(live) or 1,
                            peer_id=self.peer_id, group=group, note=note, planned_group=self._planned_group,
-                           start_digest=start_digest, agreeing=self._last_group, state_digest=self.state_digest,
+                           tokens=round_tokens, start_digest=start_digest, agreeing=self._last_group, state_digest=self.state_digest,
                            deadline_s=deadline_s)
         self._planned_group = None
