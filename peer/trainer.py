@@ -216,11 +216,13 @@ class Trainer:
         return max(60.0, 3 * self.transport.max_sync_seconds)
 
     def _stale_after_s(self) -> float:
-        """A record not refreshed for this long belongs to a peer that is gone or hung: a peer
-        republishes four times per round and after every sync, so the gap between two records is
-        at most a quarter round plus one sync."""
-        longest_round = max(self._round_seconds, default=0.0)
-        return max(10.0, 1.5 * longest_round + self.transport.last_deadline_s)
+        """A record not refreshed for this long belongs to a peer that is gone, hung or cut off.
+
+        A live peer republishes four times per round and after every round, and its round lasts
+        about as long as this peer's (they sync together), so two of this peer's recent rounds
+        (at least 10 s) cover the gap between two records of a live peer.
+        """
+        return max(10.0, 2.0 * max(self._round_seconds, default=self.transport.max_sync_seconds))
 
     def _live_records(self) -> list[swarm_dht.PeerProgress]:
         start = time.monotonic()

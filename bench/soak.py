@@ -1,0 +1,286 @@
+"""Soak benchmark: a swarm under random faults for a long time, against the same swarm without faults.
+
+    sudo .venv/bin/python bench/soak.py --peers 8 --rate 50 --minutes 30 --fault-every 30
+
+Phase 1: a bootstrap node and N peers, each in its own network namespace behind a tbf uplink of
+``--rate`` Mbit/s (peer/chaos.py). Every ``--fault-every`` seconds (±1/3, at random) one fault:
+kill -9 of a peer (restarted from its checkpoint 30-60 s later), SIGSTOP for 10-30 s, link down
+for 10-30 s, a new peer joining, or (once) the bootstrap node killed. At least N-2 peers stay
+up. At the end every peer is stopped with SIGTERM (it checkpoints) and φ of the state most peers
+hold is evaluated on the validation windows.
+
+Phase 2: the same swarm with no faults, for the number of rounds that processes the same number
+of tokens as phase 1 did (equal tokens), then φ is evaluated the same way.
+
+Prints a table and writes the numbers as JSON (``--out``). Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from peer.chaos import ChaosSwarm  # noqa: E402
+from protocol.manifest import RunManifest, dump_toml  # noqa: E402
+from protocol.presets import tiny_run  # noqa: E402
+
+
+def soak_manifest() -> RunManifest:
+    return tiny_run().replace(
+        name="soak",
+        model={"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 384,
+               "max_seq_len": 64},
+        inner_optimizer={"lr": 3e-3, "warmup_steps": 20, "decay_steps": 20000, "batch_size_tokens": 256},
+        sync={"inner_steps": 30, "matchmaking_time_s": 3.0, "allreduce_timeout_s": 30.0, "next_chunk_timeout_s": 5.0})
+
+
+def evaluate_checkpoint(workdir: Path, name: str, manifest: RunManifest) -> float:
+    """Validation loss (nats/token) of φ in ``name``'s checkpoint."""
+    from peer.checkpoint import load_checkpoint
+    from peer.data import load_corpus, validation_batch
+    from peer.model import build_model, evaluate
+
+    model = build_model(manifest.model)
+    named = list(model.named_parameters())
+    path = workdir / name / "runs" / manifest.run_id / "checkpoint.safetensors"
+    state = load_checkpoint(path, run_id=manifest.run_id, names=[n for n, _ in named],
+                            shapes=[p.shape for _, p in named])
+    import torch
+
+    with torch.no_grad():
+        for (_, p), phi in zip(named, state.phi):
+            p.copy_(phi)
+    return evaluate(model, validation_batch(load_corpus(manifest.data), manifest.data))
+
+
+def stop_all(swarm: ChaosSwarm, timeout_s: float = 60.0) -> None:
+    """SIGTERM every live peer (it finishes its step and checkpoints) and wait for it."""
+    for member in swarm.members.values():
+        if member.frozen:
+            swarm.thaw(member.name)
+        if member.partitioned:
+            swarm.heal(member.name)
+    for member in swarm.members.values():
+        if member.alive:
+            member.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for member in swarm.members.values():
+        if member.popen is not None:
+            try:
+                member.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+
+
+def majority_peer(swarm: ChaosSwarm) -> tuple[str, int, str]:
+    """(peer, round, digest) of the state most peers published last."""
+    last = {}
+    for name, member in swarm.members.items():
+        rounds = member.rounds()
+        if rounds:
+            last[name] = (rounds[-1]["round"], rounds[-1]["state_digest"])
+    (round_, digest), _ = Counter(last.values()).most_common(1)[0]
+    name = next(n for n, v in last.items() if v == (round_, digest))
+    return name, round_, digest
+
+
+def classify(note: str) -> str:
+    if not note:
+        return "completed"
+    for key, cause in (("incomplete", "all-reduce incomplete (groupmate failed)"),
+                       ("no group formed", "no group formed in time"),
+                       ("did not finish", "sync deadline passed"),
+                       ("alone", "alone (no live peer)"),
+                       ("averaged without", "partial pieces, failed groupmate excluded"),
+                       ("discarded", "round discarded (non-finite)"),
+                       ("cancelled by shutdown", "stopped at the end of the run")):
+        if key in note:
+            return cause
+    return "other: " + note[:60]
+
+
+def fault_windows(swarm: ChaosSwarm, end: float) -> dict[str, list[tuple[float, float]]]:
+    """Per peer, the intervals during which a fault was acting on it (not a stall of the swarm)."""
+    windows: dict[str, list[tuple[float, float]]] = {}
+    open_: dict[tuple[str, str], float] = {}
+    pairs = {"sigstop": "sigcont", "link_down": "link_up", "kill9": "restart"}
+    for f in swarm.faults:
+        if f["fault"] in pairs:
+            open_[(f["target"], pairs[f["fault"]])] = f["time"]
+        elif (f["target"], f["fault"]) in open_:
+            start = open_.pop((f["target"], f["fault"]))
+            windows.setdefault(f["target"], []).append((start, f["time"]))
+    for (target, _), start in open_.items():
+        windows.setdefault(target, []).append((start, end))
+    return windows
+
+
+def report(swarm: ChaosSwarm, started: float, ended: float) -> dict:
+    windows = fault_windows(swarm, ended)
+    per_peer, causes, adoptions, longest = {}, Counter(), Counter(), (0.0, "", 0)
+    tokens = 0
+    longest_sync = (0.0, 0.0, "")
+    for name, member in swarm.members.items():
+        rounds = member.rounds()
+        per_peer[name] = len(rounds)
+        tokens += sum(e.get("tokens", 0) for e in rounds)
+        for e in rounds:
+            causes[classify(e.get("note") or "")] += 1
+            if e["sync_s"] > longest_sync[0]:
+                longest_sync = (e["sync_s"], e["deadline_s"], name)
+        for e in member.of("adopted_state"):
+            adoptions[e["reason"]] += 1
+        # stall: gap between consecutive round ends of a peer that no fault was acting on; a gap
+        # that overlaps one of its own fault windows (or its restart) is not counted
+        times = [e["time"] for e in rounds]
+        for a, b in zip(times, times[1:]):
+            if any(s < b and a < t for s, t in windows.get(name, [])):
+                continue
+            if b - a > longest[0]:
+                longest = (b - a, name, next(e["round"] for e in rounds if e["time"] == b))
+    return {"minutes": (ended - started) / 60, "faults": Counter(f["fault"] for f in swarm.faults),
+            "rounds_per_peer": per_peer, "round_outcomes": dict(causes), "adoptions": dict(adoptions),
+            "longest_gap_between_rounds_s": longest[0], "longest_gap_peer": longest[1],
+            "longest_sync_s": longest_sync[0], "its_deadline_s": longest_sync[1], "tokens": tokens}
+
+
+def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = workdir / "run.toml"
+    run.write_text(dump_toml(manifest))
+    with ChaosSwarm(workdir, run, rate_mbit=args.rate, prefix="lsk", subnet="10.213.81") as swarm:
+        swarm.start_bootstrap()
+        names = [f"p{i}" for i in range(args.peers)]
+        for name in names:
+            swarm.add_peer(name, extra=["--wait-for-peers", str(args.peers)])
+        swarm.wait_rounds(names, 1, 300)
+        started = time.time()
+        end = started + 60 * args.minutes
+        pending: list[tuple[float, str, str]] = []  # (when, action, peer)
+        joined = 0
+        bootstrap_dead = False
+        next_fault = started + args.fault_every
+        while time.time() < end:
+            now = time.time()
+            for item in sorted(pending):
+                when, action, name = item
+                if when <= now:
+                    pending.remove(item)
+                    if action == "thaw":
+                        swarm.thaw(name)
+                    elif action == "heal":
+                        swarm.heal(name)
+                    elif action == "restart":
+                        alive = [m for m in swarm.live_peers() if m.name != name]
+                        swarm.restart(name, initial_peers=[swarm.peer_addr(alive[0].name)] if alive else None)
+            if now >= next_fault:
+                healthy = [m for m in swarm.live_peers() if not any(p[2] == m.name for p in pending)]
+                choices = ["kill9", "sigstop", "partition", "join"] + ([] if bootstrap_dead else ["kill_bootstrap"])
+                fault = rng.choice(choices)
+                if fault in ("kill9", "sigstop", "partition") and len(healthy) <= args.peers - 2:
+                    fault = "join"
+                victim = rng.choice(healthy).name if healthy else None
+                print(f"{(now - started) / 60:5.1f} min: {fault} {victim if fault not in ('join', 'kill_bootstrap') else ''}",
+                      flush=True)
+                if fault == "kill9" and victim:
+                    swarm.kill(victim)
+                    pending.append((now + rng.uniform(30, 60), "restart", victim))
+                elif fault == "sigstop" and victim:
+                    swarm.freeze(victim)
+                    pending.append((now + rng.uniform(10, 30), "thaw", victim))
+                elif fault == "partition" and victim:
+                    swarm.partition(victim)
+                    pending.append((now + rng.uniform(10, 30), "heal", victim))
+                elif fault == "kill_bootstrap":
+                    swarm.kill_bootstrap()
+                    bootstrap_dead = True
+                else:
+                    joined += 1
+                    contact = [swarm.peer_addr(healthy[0].name)] if healthy else None
+                    swarm.add_peer(f"j{joined}", initial_peers=contact)
+                next_fault = now + args.fault_every * rng.uniform(2 / 3, 4 / 3)
+            time.sleep(0.5)
+        ended = time.time()
+        stop_all(swarm)
+        result = report(swarm, started, ended)
+        name, round_, digest = majority_peer(swarm)
+        result.update(eval_peer=name, final_round=round_, final_digest=digest,
+                      final_holders=sum(1 for m in swarm.members.values() if m.rounds()
+                                        and m.rounds()[-1]["state_digest"] == digest),
+                      peers_total=len(swarm.members))
+    result["validation_loss"] = evaluate_checkpoint(workdir, name, manifest)
+    return result
+
+
+def run_clean(workdir: Path, args, manifest: RunManifest, rounds: int) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = workdir / "run.toml"
+    run.write_text(dump_toml(manifest))
+    with ChaosSwarm(workdir, run, rate_mbit=args.rate, prefix="lsk", subnet="10.213.81",
+                    peer_args=["--max-rounds", str(rounds)]) as swarm:
+        swarm.start_bootstrap()
+        names = [f"p{i}" for i in range(args.peers)]
+        for name in names:
+            swarm.add_peer(name, extra=["--wait-for-peers", str(args.peers)])
+        started = time.time()
+        for name in names:
+            swarm.members[name].popen.wait()
+        ended = time.time()
+        result = report(swarm, started, ended)
+        name, round_, digest = majority_peer(swarm)
+        result.update(eval_peer=name, final_round=round_, final_digest=digest)
+    result["validation_loss"] = evaluate_checkpoint(workdir, name, manifest)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=50.0, help="uplink of every host, Mbit/s")
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--fault-every", type=float, default=30.0, help="mean seconds between faults")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    manifest = soak_manifest()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-soak-"))
+    faulted = run_faulted(workdir / "faulted", args, manifest, random.Random(args.seed))
+    per_round = args.peers * manifest.sync.inner_steps * manifest.inner_optimizer.batch_size_tokens
+    rounds = max(1, round(faulted["tokens"] / per_round))
+    clean = run_clean(workdir / "clean", args, manifest, rounds)
+    change = (faulted["validation_loss"] - clean["validation_loss"]) / clean["validation_loss"]
+    print()
+    print("| | with faults | no faults |")
+    print("|---|---|---|")
+    print(f"| minutes | {faulted['minutes']:.1f} | {clean['minutes']:.1f} |")
+    print(f"| tokens (all peers) | {faulted['tokens']:,} | {clean['tokens']:,} |")
+    print(f"| faults | {dict(faulted['faults'])} | none |")
+    print(f"| rounds completed per peer | {faulted['rounds_per_peer']} | {clean['rounds_per_peer']} |")
+    print(f"| round outcomes | {faulted['round_outcomes']} | {clean['round_outcomes']} |")
+    print(f"| state adoptions by reason | {faulted['adoptions']} | {clean['adoptions']} |")
+    print(f"| longest gap between rounds of a peer no fault acted on | {faulted['longest_gap_between_rounds_s']:.1f} s "
+          f"({faulted['longest_gap_peer']}) | {clean['longest_gap_between_rounds_s']:.1f} s |")
+    print(f"| longest sync / its deadline | {faulted['longest_sync_s']:.1f} s / {faulted['its_deadline_s']:.1f} s | "
+          f"{clean['longest_sync_s']:.1f} s / {clean['its_deadline_s']:.1f} s |")
+    print(f"| validation loss of φ (nats/token) | {faulted['validation_loss']:.4f} (round {faulted['final_round']}, "
+          f"held by {faulted['final_holders']} of {faulted['peers_total']} peers) | {clean['validation_loss']:.4f} "
+          f"(round {clean['final_round']}) |")
+    print(f"| loss change from faults | {100 * change:+.2f} % | |")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "faulted": faulted,
+                                        "clean": clean, "loss_change": change}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
