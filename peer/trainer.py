@@ -26,6 +26,7 @@ from peer.model import evaluate
 from peer.outer import check_finite, make_outer, pseudo_gradient
 from protocol.pairing import group_of, partition
 from peer.reporting import Reporter
+from peer.resync import resync_target
 from peer.statesync import StateSnapshot, make_snapshot
 from peer.transport import DownloadedState, NetworkTransport
 from protocol import dht as swarm_dht
@@ -258,49 +259,11 @@ class Trainer:
             logger.debug("publishing progress failed: %r", exc)
 
     def _resync_target(self, records: list[swarm_dht.PeerProgress]) -> tuple[int, str, list[str]] | None:
-        """(round, digest, donors) of the state this peer should adopt, or None to keep its own.
-
-        The rule (DiLoCo). Peers publish the digest of the state they hold at the start of their
-        round; a *class* is the set of peers publishing the same (round, digest). This peer's own
-        class is the peers publishing its (round, digest) plus those it completed its last round
-        with from the same starting state (they hold bit-identical φ, whatever their records say
-        yet). It adopts the biggest other class (ties: the higher round) when that class is
-
-        * at its round or ahead, and bigger than its own, or as big and ahead (it fell behind,
-          missed a round, or diverged by falling back to its own Δ), or as big, at its round and
-          with the smaller digest (a tie between diverged peers: all settle on one state);
-        * two or more rounds behind and bigger (this peer raced ahead alone, e.g. partitioned:
-          the majority wins, and the inner lr schedule follows the adopted φ's history).
-
-        Classes exactly one round behind are ignored: those are peers that have not published the
-        round they just finished. NoLoCo groups differ by design: follow only a swarm two rounds
-        ahead (one, for a fresh peer).
-        """
-        mine = self.state_digest
-        classes: dict[tuple[int, str], list[str]] = {}
-        for r in records:
-            if r.peer_id != self.peer_id and r.record.state_digest:
-                classes.setdefault((r.record.round, r.record.state_digest), []).append(r.peer_id)
-        own = set(classes.pop((self.round, mine), [])) | set(self._last_group) | {self.peer_id}
-        if self.m.sync.algorithm == "noloco":
-            fresh = self.round == 0 and self.round_step == 0
-            ahead = [kv for kv in classes.items() if kv[0][0] >= self.round + (1 if fresh else 2)]
-            if not ahead:
-                return None
-            (round_, digest), donors = max(ahead, key=lambda kv: (kv[0][0], len(kv[1])))
-            return round_, digest, donors
-
-        def eligible(round_: int, count: int, digest: str) -> bool:
-            if round_ >= self.round:
-                return count > len(own) or (count == len(own) and (round_ > self.round or digest < mine))
-            return round_ <= self.round - 2 and count > len(own)
-
-        candidates = [kv for kv in classes.items() if eligible(kv[0][0], len(kv[1]), kv[0][1])]
-        if not candidates:
-            return None
-        # biggest class, then the highest round, then the smallest digest
-        (round_, digest), donors = min(candidates, key=lambda kv: (-len(kv[1]), -kv[0][0], kv[0][1]))
-        return round_, digest, donors
+        """(round, digest, donors) of the state this peer should adopt, or None (peer/resync.py)."""
+        return resync_target(
+            [(r.peer_id, r.record.round, r.record.state_digest) for r in records if r.peer_id != self.peer_id],
+            round_=self.round, digest=self.state_digest, completed_with=self._last_group,
+            algorithm=self.m.sync.algorithm, fresh=self.round == 0 and self.round_step == 0)
 
     def catch_up(self) -> bool:
         """Adopt the swarm's state if this peer is behind or diverged (rule: :meth:`_resync_target`).

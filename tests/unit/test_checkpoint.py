@@ -59,3 +59,51 @@ def test_other_run_or_model_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="different model"):
         load_checkpoint(path, run_id="r" * 32, names=["other"], shapes=SHAPES[:1])
     assert os.path.exists(path)
+
+
+WRITER = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from peer.checkpoint import PeerState, save_checkpoint
+shape = torch.Size([256, 256])
+for i in range(10**9):
+    t = [torch.full(shape, float(i))]
+    save_checkpoint({path!r}, PeerState(run_id="r" * 32, round=i, inner_step=i, round_step=0, round_tokens=0,
+                                        names=["w"], phi=t, momentum=t, theta=t))
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_during_writes_never_leaves_a_torn_checkpoint(tmp_path):
+    """A writer process saving in a loop is SIGKILLed at random moments; every time, the file on
+    disk loads and is one whole round (all tensors of the same round), never a torn one."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    path = tmp_path / "c.safetensors"
+    rng = random.Random(0)
+    rounds_seen = set()
+    for trial in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER.format(root=root, path=str(path))],
+                                stdout=subprocess.PIPE, text=True)
+        for _ in range(1 + trial):  # let it finish a few writes, so a kill can land mid-write
+            assert proc.stdout.readline(), "writer died"
+        time_ms = rng.uniform(0, 40)
+        try:
+            proc.wait(timeout=time_ms / 1000)
+        except subprocess.TimeoutExpired:
+            pass
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        state = load_checkpoint(path, run_id="r" * 32, names=["w"], shapes=[torch.Size([256, 256])])
+        value = float(state.phi[0][0, 0])
+        assert all(float(t.min()) == float(t.max()) == value for t in (state.phi[0], state.momentum[0], state.theta[0]))
+        assert state.round == int(value)
+        rounds_seen.add(state.round)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "c.safetensors"]
+    assert all(name.startswith(".c.safetensors.tmp") for name in leftovers)

@@ -1,0 +1,53 @@
+"""Adaptive sync deadlines (peer/deadlines.py)."""
+
+import math
+
+import pytest
+
+from peer.deadlines import WINDOW, DeadlinePolicy
+from protocol.errors import ManifestError
+from protocol.manifest import SyncSpec
+
+
+def test_before_any_round_the_manifest_values_are_used():
+    d = DeadlinePolicy(SyncSpec(matchmaking_time_s=4.0, allreduce_timeout_s=50.0)).current()
+    assert (d.matchmaking_s, d.matchmaking_deadline_s, d.allreduce_s) == (4.0, 12.0, 50.0)
+    assert d.total_s == 12.0 + 50.0 + 5.0
+
+
+def test_deadlines_follow_the_observed_rounds_within_bounds():
+    policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=5.0, allreduce_timeout_s=60.0))
+    policy.observe(wait_s=0.6, allreduce_s=4.0)
+    d = policy.current()
+    assert math.isclose(d.matchmaking_s, 1.5 * 0.6 + 0.5)
+    assert math.isclose(d.allreduce_s, 3 * 4.0 + 2.0)
+    policy.observe(wait_s=0.0, allreduce_s=0.1)  # the window keeps the slowest recent round
+    assert math.isclose(policy.current().allreduce_s, 14.0)
+    policy.observe(wait_s=10.0, allreduce_s=100.0)  # clamped to the manifest's maximum
+    assert (policy.current().matchmaking_s, policy.current().allreduce_s) == (5.0, 60.0)
+
+
+def test_fast_rounds_are_clamped_to_the_minimum_and_old_rounds_are_forgotten():
+    policy = DeadlinePolicy(SyncSpec(min_matchmaking_time_s=1.0, min_allreduce_timeout_s=5.0))
+    policy.observe(wait_s=30.0, allreduce_s=1.0)
+    for _ in range(WINDOW):
+        policy.observe(wait_s=0.0, allreduce_s=0.0)
+    d = policy.current()
+    assert (d.matchmaking_s, d.allreduce_s) == (1.0, 5.0)
+
+
+def test_adaptation_can_be_turned_off():
+    policy = DeadlinePolicy(SyncSpec(adaptive_deadlines=False))
+    policy.observe(wait_s=0.1, allreduce_s=0.1)
+    assert policy.current() == policy.worst_case()
+
+
+@pytest.mark.parametrize("wait_s, allreduce_s", [(-1.0, 1.0), (1.0, float("nan")), (float("inf"), 1.0)])
+def test_bad_observations_are_refused(wait_s, allreduce_s):
+    with pytest.raises(ValueError, match="expected a finite duration"):
+        DeadlinePolicy(SyncSpec()).observe(wait_s=wait_s, allreduce_s=allreduce_s)
+
+
+def test_a_minimum_above_the_maximum_is_a_manifest_error():
+    with pytest.raises(ManifestError, match="min_matchmaking_time_s"):
+        SyncSpec(matchmaking_time_s=0.5)
