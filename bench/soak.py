@@ -253,6 +253,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    # SIGTERM (e.g. `kill`) unwinds like Ctrl-C, so the lab's namespaces and iptables rule go away
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     manifest = soak_manifest()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-soak-"))
     faulted = run_faulted(workdir / "faulted", args, manifest, random.Random(args.seed))

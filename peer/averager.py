@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import math
 import multiprocessing as mp
 import threading
 from typing import Callable, Sequence
@@ -126,7 +127,7 @@ class LocoAverager(DecentralizedAverager):
         from hivemind.utils.mpfuture import MPFuture
 
         future = MPFuture()
-        bound = self.download_bound_s(len(donors), timeout_s)
+        bound = self.download_bound_s(len(donors), timeout_s, 4 * sum(math.prod(shape) for shape in shapes))
         self._outer_pipe.send(("_download_state", [], dict(donors=list(donors), digest=digest, shapes=list(shapes),
                                                            run_id=run_id, timeout_s=timeout_s, bound_s=bound,
                                                            future=future)))
@@ -137,9 +138,10 @@ class LocoAverager(DecentralizedAverager):
             raise statesync.StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound:.0f} s", {}) from None
 
     @staticmethod
-    def download_bound_s(donors: int, timeout_s: float) -> float:
-        """Longest a state download may take: one silent-donor timeout per pass, a pass per donor."""
-        return timeout_s * (donors + 1) + 5
+    def download_bound_s(donors: int, timeout_s: float, state_bytes: int) -> float:
+        """Longest a state download may take, s: a silent-donor timeout for each of up to 4 passes
+        (a pass ends when its donors delivered or failed), plus the bytes at 1 MB/s."""
+        return timeout_s * min(donors + 1, 4) + state_bytes / 1e6 + 5
 
     async def _download_state(self, donors, digest, shapes, run_id, timeout_s, bound_s, future) -> None:
         from hivemind.p2p import PeerID
@@ -198,6 +200,19 @@ class LocoAverager(DecentralizedAverager):
         self._outer_pipe.send(("_configure_round", [], dict(size=target_group_size, matchmaking_s=matchmaking_s,
                                                             allreduce_s=allreduce_s, future=future)))
         future.result()
+
+    def reset_error_feedback(self) -> None:
+        """Forget the error-feedback residuals in the averager process (they belong to a φ this
+        peer no longer holds once it adopted another peer's state)."""
+        from hivemind.utils.mpfuture import MPFuture
+
+        future = MPFuture()
+        self._outer_pipe.send(("_reset_error_feedback", [], dict(future=future)))
+        future.result()
+
+    async def _reset_error_feedback(self, future) -> None:
+        self._error_feedback = None
+        future.set_result(None)
 
     async def _configure_round(self, size: int, matchmaking_s: float, allreduce_s: float, future) -> None:
         matchmaking = self._matchmaking

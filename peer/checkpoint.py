@@ -69,6 +69,7 @@ def save_checkpoint(path: Path, state: PeerState) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(path)
         save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -83,6 +84,18 @@ def save_checkpoint(path: Path, state: PeerState) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete what writes killed midway left beside ``path``: our ``.NAME.tmpPID`` files and the
+    ``.tmpXXXXXX`` files safetensors writes before renaming. The directory belongs to this peer
+    and run; the checkpoint itself is never touched."""
+    for leftover in path.parent.iterdir():
+        if leftover.name.startswith((f".{path.name}.tmp", ".tmp")) and leftover.is_file():
+            try:
+                leftover.unlink()
+            except OSError:
+                pass
 
 
 def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[torch.Size]) -> PeerState:

@@ -156,6 +156,7 @@ class Trainer:
             self.round_loss_sum, self.round_compute_s, self.round_steps_done = 0.0, 0.0, 0
         self._set_theta_to_phi()
         self.inner.reset_optimizer()  # a joiner starts a fresh AdamW (ALGORITHMS.md §6.3)
+        self.transport.reset_error_feedback()  # residuals of a φ this peer no longer holds
         self._last_group = [self.peer_id]
         self._take_snapshot()
 
@@ -426,6 +427,7 @@ class Trainer:
         group_size, group, bytes_sent, bytes_received, sync_s = 1, [self.peer_id], 0, 0, 0.0
         deadline_s = 0.0
         agreeing = [self.peer_id]
+        attempts = 0
         mean: list[torch.Tensor] | None = None
         try:
             check_finite(delta, "this peer's pseudo-gradient")
@@ -435,6 +437,7 @@ class Trainer:
         start_digest = self.state_digest
         if mean is not None and expected > 1:
             self.reporter.emit("sync", round=self.round, expected_group_size=expected, peer_id=self.peer_id)
+            sync_start = time.monotonic()
             try:
                 result = self.transport.average(mean, weight=float(max(self.round_tokens, 1)), round_=self.round,
                                                 expected_group_size=expected, group_index=group_index,
@@ -445,6 +448,7 @@ class Trainer:
                 # groupmates that started from this peer's state hold the same state after the round
                 agreeing = [p for p, d in (result.start_digests or {}).items() if d == start_digest]
                 bytes_sent, bytes_received, sync_s = result.bytes_sent, result.bytes_received, result.seconds
+                attempts = result.attempts
                 if result.excluded or result.partial_pieces:
                     agreeing = [self.peer_id]  # which groupmates completed is not known here
                     note = (f"{result.partial_pieces} piece(s) averaged without a failed groupmate "
@@ -452,6 +456,7 @@ class Trainer:
             except (SyncError, BadPayload) as exc:
                 bytes_sent, bytes_received = self.transport.last_bytes
                 deadline_s = self.transport.last_deadline_s
+                sync_s = time.monotonic() - sync_start
                 # Failed rounds are recorded, not fatal (DiLoCo paper Fig. 8: dropped syncs are survivable).
                 self.summary.failed_syncs += 1
                 note = f"no group: applied own step ({exc})"
@@ -483,6 +488,6 @@ class Trainer:
                            group_size=group_size, sync_s=sync_s, bytes_sent=bytes_sent,
                            bytes_received=bytes_received, peers=len(live) or 1,
                            peer_id=self.peer_id, group=group, note=note, planned_group=self._planned_group,
-                           tokens=round_tokens, start_digest=start_digest, agreeing=self._last_group, state_digest=self.state_digest,
+                           tokens=round_tokens, attempts=attempts, start_digest=start_digest, agreeing=self._last_group, state_digest=self.state_digest,
                            deadline_s=deadline_s)
         self._planned_group = None

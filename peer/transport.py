@@ -255,6 +255,10 @@ class NetworkTransport:
                           start_digests={str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict)
                                          else "" for peer, data in gathered.items()})
 
+    def reset_error_feedback(self) -> None:
+        """Drop this peer's error-feedback residuals (after it adopted another peer's state)."""
+        self.averager.reset_error_feedback()
+
     def share_state(self, provider: Callable[[], list[Any]] | None) -> None:
         """Serve the state snapshots from ``provider`` (peer/statesync.py, newest last) to peers that
         download them, or stop serving with None."""
