@@ -154,6 +154,15 @@ def report(swarm: ChaosSwarm, started: float, ended: float) -> dict:
             "longest_sync_s": longest_sync[0], "its_deadline_s": longest_sync[1], "tokens": tokens}
 
 
+def contacts(swarm: ChaosSwarm, exclude: str = "") -> list[str] | None:
+    """Addresses of up to three live peers (what a volunteer gets from the swarm's page), or the
+    bootstrap node's while it lives."""
+    live = [m for m in swarm.live_peers() if m.name != exclude][:3]
+    if not live:
+        return None
+    return [swarm.peer_addr(m.name) for m in live]
+
+
 def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
@@ -181,14 +190,16 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
                     elif action == "heal":
                         swarm.heal(name)
                     elif action == "restart":
-                        alive = [m for m in swarm.live_peers() if m.name != name]
-                        swarm.restart(name, initial_peers=[swarm.peer_addr(alive[0].name)] if alive else None)
+                        swarm.restart(name, initial_peers=contacts(swarm, exclude=name))
             if now >= next_fault:
                 healthy = [m for m in swarm.live_peers() if not any(p[2] == m.name for p in pending)]
                 choices = ["kill9", "sigstop", "partition", "join"] + ([] if bootstrap_dead else ["kill_bootstrap"])
                 fault = rng.choice(choices)
                 if fault in ("kill9", "sigstop", "partition") and len(healthy) <= args.peers - 2:
                     fault = "join"
+                if fault == "join" and len([m for m in swarm.members.values() if m.alive]) >= args.peers + 2:
+                    # enough joiners for the machine: another fault, if enough peers are healthy
+                    fault = "sigstop" if len(healthy) > args.peers - 2 else "none"
                 victim = rng.choice(healthy).name if healthy else None
                 print(f"{(now - started) / 60:5.1f} min: {fault} {victim if fault not in ('join', 'kill_bootstrap') else ''}",
                       flush=True)
@@ -204,10 +215,9 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
                 elif fault == "kill_bootstrap":
                     swarm.kill_bootstrap()
                     bootstrap_dead = True
-                else:
+                elif fault == "join":
                     joined += 1
-                    contact = [swarm.peer_addr(healthy[0].name)] if healthy else None
-                    swarm.add_peer(f"j{joined}", initial_peers=contact)
+                    swarm.add_peer(f"j{joined}", initial_peers=contacts(swarm))
                 next_fault = now + args.fault_every * rng.uniform(2 / 3, 4 / 3)
             time.sleep(0.5)
         ended = time.time()
@@ -217,7 +227,7 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
         result.update(eval_peer=name, final_round=round_, final_digest=digest,
                       final_holders=sum(1 for m in swarm.members.values() if m.rounds()
                                         and m.rounds()[-1]["state_digest"] == digest),
-                      peers_total=len(swarm.members))
+                      peers_total=len(swarm.members), fault_log=swarm.faults)
     result["validation_loss"] = evaluate_checkpoint(workdir, name, manifest)
     return result
 

@@ -338,13 +338,17 @@ class LocoAverager(DecentralizedAverager):
                                          next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor())
                 if not future.done():
                     future.set_result(session)
+                # Our own deadline, a second before hivemind's: when it passes (a groupmate hangs with
+                # its sockets open), the round is reported incomplete, so the survivors retry it.
+                own_deadline = max(1.0, (self._allreduce_timeout or float("inf")) - 1.0)
                 try:
-                    stats = await session.run()
-                except PartialAverage as exc:
+                    stats = await asyncio.wait_for(session.run(), own_deadline)
+                except (PartialAverage, asyncio.TimeoutError) as exc:
                     if ef is not None:
                         ef.rollback()
+                    reason = exc if isinstance(exc, PartialAverage) else f"not done in {own_deadline:.0f} s"
                     raise AllreduceIncomplete(f"all-reduce of group {group_id.hex()[:8]} incomplete, nothing "
-                                              f"applied: {exc}") from exc
+                                              f"applied: {reason}") from exc
                 finally:
                     self._record(session.stats)
                 session.apply()

@@ -7,7 +7,9 @@ rounds, clamped to the bounds of the run manifest:
 
 * matchmaking time = 1.5 × the longest recent wait for the group (from this peer's arrival at
   the sync to the start of the all-reduce: the spread of the groupmates' arrival times) + 0.5 s;
-* all-reduce timeout = 3 × the longest recent all-reduce + 2 s.
+* all-reduce timeout = 3 × the longest recent all-reduce + 2 s, and at least
+  2 × ``next_chunk_timeout_s`` + 5 s, so that a groupmate that hangs is detected (and left out,
+  or the round reported incomplete and retried) before the deadline ends the round.
 
 Before any round has been observed, or with ``adaptive = false`` in the manifest, the manifest's
 values are used. Every value stays within ``[min, max]`` of ``SyncSpec``.
@@ -74,7 +76,8 @@ class DeadlinePolicy:
             mm, ar = s.matchmaking_time_s, s.allreduce_timeout_s
         else:
             mm = _clamp(1.5 * max(self._waits) + 0.5, s.min_matchmaking_time_s, s.matchmaking_time_s)
-            ar = _clamp(3.0 * max(self._allreduces) + 2.0, s.min_allreduce_timeout_s, s.allreduce_timeout_s)
+            floor = max(s.min_allreduce_timeout_s, 2 * s.next_chunk_timeout_s + 5.0)
+            ar = _clamp(3.0 * max(self._allreduces) + 2.0, min(floor, s.allreduce_timeout_s), s.allreduce_timeout_s)
         return Deadlines(matchmaking_s=mm, matchmaking_deadline_s=3 * mm, allreduce_s=ar)
 
     def worst_case(self) -> Deadlines:

@@ -16,7 +16,7 @@ def test_before_any_round_the_manifest_values_are_used():
 
 
 def test_deadlines_follow_the_observed_rounds_within_bounds():
-    policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=5.0, allreduce_timeout_s=60.0))
+    policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=5.0, allreduce_timeout_s=60.0, next_chunk_timeout_s=2.0))
     policy.observe(wait_s=0.6, allreduce_s=4.0)
     d = policy.current()
     assert math.isclose(d.matchmaking_s, 1.5 * 0.6 + 0.5)
@@ -28,12 +28,18 @@ def test_deadlines_follow_the_observed_rounds_within_bounds():
 
 
 def test_fast_rounds_are_clamped_to_the_minimum_and_old_rounds_are_forgotten():
-    policy = DeadlinePolicy(SyncSpec(min_matchmaking_time_s=1.0, min_allreduce_timeout_s=5.0))
+    policy = DeadlinePolicy(SyncSpec(min_matchmaking_time_s=1.0, min_allreduce_timeout_s=8.0, next_chunk_timeout_s=0.5))
     policy.observe(wait_s=30.0, allreduce_s=1.0)
     for _ in range(WINDOW):
         policy.observe(wait_s=0.0, allreduce_s=0.0)
     d = policy.current()
-    assert (d.matchmaking_s, d.allreduce_s) == (1.0, 5.0)
+    assert (d.matchmaking_s, d.allreduce_s) == (1.0, 8.0)
+
+
+def test_the_all_reduce_deadline_leaves_time_to_detect_a_hung_groupmate():
+    policy = DeadlinePolicy(SyncSpec(next_chunk_timeout_s=5.0, min_allreduce_timeout_s=5.0, allreduce_timeout_s=60.0))
+    policy.observe(wait_s=0.1, allreduce_s=0.5)
+    assert policy.current().allreduce_s == 2 * 5.0 + 5.0
 
 
 def test_adaptation_can_be_turned_off():

@@ -43,6 +43,21 @@ def test_progress_record_validation():
                 {**record.to_wire(), "extra": 1}, [1, 2], {**record.to_wire(), "version": 99}):
         with pytest.raises(BadPayload):
             ProgressRecord.from_wire(bad)
+    digest = "0123456789abcdef" * 2
+    assert ProgressRecord.from_wire({**record.to_wire(), "state_digest": digest}).state_digest == digest
+    for bad_digest in ("0123", "X" * 32, digest.upper(), 7):
+        with pytest.raises(BadPayload, match="state_digest"):
+            ProgressRecord.from_wire({**record.to_wire(), "state_digest": bad_digest})
+
+
+def test_retries_of_a_round_meet_under_their_own_key():
+    from protocol.keys import round_group_bits
+
+    first, retry = round_group_bits(7), round_group_bits(7, attempt=1)
+    assert retry.startswith(first) and retry != first
+    # a retry key never equals the key of a random group (NoLoCo) of the same round
+    assert all(round_group_bits(7, group_index=g) != retry for g in range(16))
+    assert round_group_bits(7, group_index=3, attempt=1) != round_group_bits(7, group_index=3)
 
 
 def test_initial_peer_addresses_are_checked():
