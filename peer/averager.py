@@ -139,9 +139,9 @@ class LocoAverager(DecentralizedAverager):
 
     @staticmethod
     def download_bound_s(donors: int, timeout_s: float, state_bytes: int) -> float:
-        """Longest a state download may take, s: a silent-donor timeout for each of up to 4 passes
+        """Longest a state download may take, s: a silent-donor timeout for each of up to 3 passes
         (a pass ends when its donors delivered or failed), plus the bytes at 1 MB/s."""
-        return timeout_s * min(donors + 1, 4) + state_bytes / 1e6 + 5
+        return timeout_s * min(donors + 1, 3) + state_bytes / 1e6 + 5
 
     async def _download_state(self, donors, digest, shapes, run_id, timeout_s, bound_s, future) -> None:
         from hivemind.p2p import PeerID

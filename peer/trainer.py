@@ -46,7 +46,7 @@ class TrainerConfig:
     eval_every_rounds: int = 0
     """Evaluate φ every k rounds (0: only at the start and the end)."""
     checkpoint_path: Path | None = None
-    state_download_timeout_s: float = 10.0
+    state_download_timeout_s: float = 5.0
     """A donor that sends nothing for this long during a state download is dropped (its chunks go
     to the other donors)."""
     export_phi_every_rounds: int = 0
