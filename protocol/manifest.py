@@ -249,9 +249,13 @@ class SyncSpec:
         _float_in(s, "next_chunk_timeout_s", self.next_chunk_timeout_s, 0.0, 3600.0, lo_open=True)
         _check(s, "adaptive_deadlines", self.adaptive_deadlines, isinstance(self.adaptive_deadlines, bool),
                "true or false")
-        _float_in(s, "min_matchmaking_time_s", self.min_matchmaking_time_s, 0.0, self.matchmaking_time_s, lo_open=True)
-        _float_in(s, "min_allreduce_timeout_s", self.min_allreduce_timeout_s, 0.0, self.allreduce_timeout_s,
-                  lo_open=True)
+        for low, high in (("min_matchmaking_time_s", "matchmaking_time_s"),
+                          ("min_allreduce_timeout_s", "allreduce_timeout_s")):
+            _float_in(s, low, getattr(self, low), 0.0, 86400.0, lo_open=True)
+            if getattr(self, low) > getattr(self, high):
+                raise ManifestError(f"manifest field sync.{low} = {getattr(self, low)!r} is above sync.{high} = "
+                                    f"{getattr(self, high)!r}: the adaptive deadline lies between them; lower "
+                                    f"{low} too, or raise {high}")
 
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")
