@@ -78,6 +78,12 @@ class StateDownloadFailed(SyncError):
         super().__init__(message)
         self.failed = failed
 
+    def __reduce__(self):
+        # It crosses from the averager process to the trainer through a pipe (pickled locally):
+        # without this, unpickling would call __init__ with the message only and fail, and the
+        # trainer would wait out the whole download bound instead of hearing of the failure.
+        return type(self), (str(self), self.failed)
+
 
 # ---- content addressing ---------------------------------------------------------------------
 def plan_chunks(shapes: Sequence[Sequence[int]], chunk_elements: int = CHUNK_ELEMENTS) -> list[Piece]:

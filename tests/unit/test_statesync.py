@@ -332,3 +332,12 @@ def test_donor_gives_up_on_a_silent_client():
             writer.close()
             return answer
     assert asyncio.run(run()) == b""
+
+
+def test_download_failure_survives_the_pipe_to_the_trainer():
+    """The averager process hands the failure to the trainer through a (local) pipe: it must pickle."""
+    import pickle
+
+    exc = StateDownloadFailed("state ab: no donor left", {"QmDonor": "timed out"})
+    back = pickle.loads(pickle.dumps(exc))
+    assert isinstance(back, StateDownloadFailed) and str(back) == str(exc) and back.failed == exc.failed
