@@ -60,8 +60,11 @@ class Reporter:
             return f"eval ({e['when']}) at round {e['round']}: validation loss {e['loss']:.4f} nats/token " \
                    f"({e['loss'] / 0.6931471805599453:.3f} bits/byte)"
         if kind == "adopted_state":
-            return f"joined the swarm at round {e['round']} (inner step {e['inner_step']}): " \
-                   f"downloaded φ and outer momentum in {e['seconds']:.1f} s"
+            why = {"behind": "behind the swarm", "diverged": "held another state than most peers",
+                   "raced ahead": "ran ahead of most peers alone"}.get(e.get("reason", ""), "")
+            donors = sum(1 for n in (e.get("donors") or {}).values() if n)
+            return f"re-synced at round {e['round']} (inner step {e['inner_step']}{'; ' + why if why else ''}): " \
+                   f"downloaded φ and outer momentum from {donors} peer(s) in {e['seconds']:.1f} s"
         if kind == "resumed":
             return f"resumed from checkpoint {e['path']} at round {e['round']}, step {e['round_step']} of the round"
         if kind == "stopped":
