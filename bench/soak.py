@@ -26,11 +26,12 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peer.chaos import ChaosSwarm  # noqa: E402
+from peer.chaos import CHAOS_MODEL, ChaosSwarm  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
 
@@ -38,8 +39,7 @@ from protocol.presets import tiny_run  # noqa: E402
 def soak_manifest() -> RunManifest:
     return tiny_run().replace(
         name="soak",
-        model={"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 384,
-               "max_seq_len": 64},
+        model=CHAOS_MODEL,
         inner_optimizer={"lr": 3e-3, "warmup_steps": 20, "decay_steps": 20000, "batch_size_tokens": 256},
         sync={"inner_steps": 30, "matchmaking_time_s": 3.0, "allreduce_timeout_s": 30.0, "next_chunk_timeout_s": 5.0})
 
@@ -154,6 +154,22 @@ def report(swarm: ChaosSwarm, started: float, ended: float) -> dict:
             "longest_sync_s": longest_sync[0], "its_deadline_s": longest_sync[1], "tokens": tokens}
 
 
+def start_swarm(workdir: Path, args, manifest: RunManifest, peer_args: Sequence[str] = ()) -> ChaosSwarm:
+    """The lab with its bootstrap node and ``args.peers`` peers started together (p0, p1, ...)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = workdir / "run.toml"
+    run.write_text(dump_toml(manifest))
+    swarm = ChaosSwarm(workdir, run, rate_mbit=args.rate, prefix="lsk", subnet="10.213.81", peer_args=peer_args)
+    try:
+        swarm.start_bootstrap()
+        for i in range(args.peers):
+            swarm.add_peer(f"p{i}", extra=["--wait-for-peers", str(args.peers)])
+    except BaseException:
+        swarm.close()
+        raise
+    return swarm
+
+
 def contacts(swarm: ChaosSwarm, exclude: str = "") -> list[str] | None:
     """Addresses of up to three live peers (what a volunteer gets from the swarm's page), or the
     bootstrap node's while it lives."""
@@ -164,14 +180,8 @@ def contacts(swarm: ChaosSwarm, exclude: str = "") -> list[str] | None:
 
 
 def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
-    run = workdir / "run.toml"
-    run.write_text(dump_toml(manifest))
-    with ChaosSwarm(workdir, run, rate_mbit=args.rate, prefix="lsk", subnet="10.213.81") as swarm:
-        swarm.start_bootstrap()
-        names = [f"p{i}" for i in range(args.peers)]
-        for name in names:
-            swarm.add_peer(name, extra=["--wait-for-peers", str(args.peers)])
+    with start_swarm(workdir, args, manifest) as swarm:
+        names = list(swarm.members)
         swarm.wait_rounds(names, 1, 300)
         started = time.time()
         end = started + 60 * args.minutes
@@ -233,15 +243,8 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
 
 
 def run_clean(workdir: Path, args, manifest: RunManifest, rounds: int) -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
-    run = workdir / "run.toml"
-    run.write_text(dump_toml(manifest))
-    with ChaosSwarm(workdir, run, rate_mbit=args.rate, prefix="lsk", subnet="10.213.81",
-                    peer_args=["--max-rounds", str(rounds)]) as swarm:
-        swarm.start_bootstrap()
-        names = [f"p{i}" for i in range(args.peers)]
-        for name in names:
-            swarm.add_peer(name, extra=["--wait-for-peers", str(args.peers)])
+    with start_swarm(workdir, args, manifest, peer_args=["--max-rounds", str(rounds)]) as swarm:
+        names = list(swarm.members)
         started = time.time()
         for name in names:
             swarm.members[name].popen.wait()

@@ -124,18 +124,29 @@ class LocoAverager(DecentralizedAverager):
         Raises:
             StateDownloadFailed: no donor delivered the remaining chunks; nothing is returned.
         """
+        bound = self.download_bound_s(len(donors), timeout_s, 4 * sum(math.prod(shape) for shape in shapes))
+        try:
+            return self._call_in_averager("_download_state", timeout=bound + 5, donors=list(donors), digest=digest,
+                                          shapes=list(shapes), run_id=run_id, timeout_s=timeout_s, bound_s=bound)
+        except TimeoutError:
+            raise statesync.StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound:.0f} s", {}) from None
+
+    def _call_in_averager(self, method: str, *, timeout: float | None = None, **kwargs):
+        """Run ``await self.<method>(**kwargs, future=...)`` in the averager process; return its result.
+
+        Raises:
+            TimeoutError: no result within ``timeout`` seconds (the call is cancelled); whatever
+                the method set as the future's exception.
+        """
         from hivemind.utils.mpfuture import MPFuture
 
         future = MPFuture()
-        bound = self.download_bound_s(len(donors), timeout_s, 4 * sum(math.prod(shape) for shape in shapes))
-        self._outer_pipe.send(("_download_state", [], dict(donors=list(donors), digest=digest, shapes=list(shapes),
-                                                           run_id=run_id, timeout_s=timeout_s, bound_s=bound,
-                                                           future=future)))
+        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
         try:
-            return future.result(timeout=bound + 5)
+            return future.result(timeout=timeout)
         except TimeoutError:
             future.cancel()
-            raise statesync.StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound:.0f} s", {}) from None
+            raise
 
     @staticmethod
     def download_bound_s(donors: int, timeout_s: float, state_bytes: int) -> float:
@@ -194,21 +205,13 @@ class LocoAverager(DecentralizedAverager):
             matchmaking_s: how long a leader waits for more groupmates before starting with fewer.
             allreduce_s: deadline of the all-reduce once the group is formed.
         """
-        from hivemind.utils.mpfuture import MPFuture
-
-        future = MPFuture()
-        self._outer_pipe.send(("_configure_round", [], dict(size=target_group_size, matchmaking_s=matchmaking_s,
-                                                            allreduce_s=allreduce_s, future=future)))
-        future.result()
+        self._call_in_averager("_configure_round", size=target_group_size, matchmaking_s=matchmaking_s,
+                               allreduce_s=allreduce_s)
 
     def reset_error_feedback(self) -> None:
         """Forget the error-feedback residuals in the averager process (they belong to a φ this
         peer no longer holds once it adopted another peer's state)."""
-        from hivemind.utils.mpfuture import MPFuture
-
-        future = MPFuture()
-        self._outer_pipe.send(("_reset_error_feedback", [], dict(future=future)))
-        future.result()
+        self._call_in_averager("_reset_error_feedback")
 
     async def _reset_error_feedback(self, future) -> None:
         self._error_feedback = None

@@ -32,6 +32,11 @@ from typing import Any, Callable, Sequence
 
 from peer.netlab import Host, NetLab
 
+CHAOS_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 384,
+               "max_seq_len": 64}
+"""The model of the chaos test and the soak: 0.49 M parameters, so one payload is ~2 MB and a sync
+behind a 20-50 Mbit/s link lasts long enough for a fault to land in it."""
+
 
 @dataclass
 class Member:
@@ -199,14 +204,7 @@ class ChaosSwarm:
             os.killpg(member.popen.pid, sig)
         except ProcessLookupError:
             pass
-        # p2pd daemons or children that left the process group: everything in the namespace
-        pids = subprocess.run(["ip", "netns", "pids", member.host.netns], capture_output=True,
-                              text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), sig)
-            except (ProcessLookupError, ValueError):
-                pass
+        member.host.signal(sig)  # p2pd daemons or children that left the process group
 
     def kill(self, name: str) -> None:
         """``kill -9`` of every process of the peer (a crash or power loss)."""

@@ -59,6 +59,15 @@ class Host:
         self.procs.append(proc)
         return proc
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every process in this host's namespace (p2pd daemons included)."""
+        pids = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), sig)
+            except (ProcessLookupError, ValueError):
+                pass
+
     def exec(self, argv: Sequence[str]) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.netns, *argv], check=True, capture_output=True, text=True)
 
@@ -158,13 +167,7 @@ class NetLab:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
-            # anything left in the namespace (e.g. a p2pd daemon that escaped the group)
-            pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            host.signal(signal.SIGKILL)  # anything left, e.g. a p2pd daemon that escaped the group
             _ip("link", "del", host.veth_root, check=False)
             _ip("netns", "del", host.netns, check=False)
         self.hosts.clear()

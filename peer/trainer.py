@@ -289,8 +289,9 @@ class Trainer:
         state = download.state
         reason = "behind" if state.round > self.round else "diverged" if state.round == self.round else "raced ahead"
         self._adopt(state)
-        # Start where the swarm is inside this round, so this peer reaches the sync with the others;
-        # the all-reduce weights its shorter round by the tokens it actually processed.
+        # Start where the swarm is inside this round (read again: it went on during the download), so
+        # this peer reaches the sync with the others; the all-reduce weights its shorter round by the
+        # tokens it actually processed.
         same_round = [r.record.inner_step - self.round * self.H for r in self._live_records()
                       if r.peer_id != self.peer_id and r.record.round == self.round]
         self.round_step = max(0, min(self.H - 1, max(same_round, default=0)))
@@ -396,11 +397,10 @@ class Trainer:
 
     def _plan_group(self, live: list[swarm_dht.PeerProgress]) -> tuple[int, int | None, str]:
         """(expected group size, random group index or None, note) for this round's sync."""
-        near = {r.peer_id for r in live if abs(r.record.round - self.round) <= 1} | {self.peer_id}
-        everyone = {r.peer_id for r in live} | {self.peer_id}
         if self.m.sync.algorithm == "independent":
             return 1, None, "independent: no sync"
         if self.m.sync.algorithm == "noloco":
+            near = {r.peer_id for r in live if abs(r.record.round - self.round) <= 1} | {self.peer_id}
             # Random groups from the peers within one round of this one (in lockstep, every peer
             # sees the same set at its sync, so all draw the same groups).
             groups = partition(sorted(near), run_id=self.m.run_id, round_=self.round,
@@ -413,6 +413,7 @@ class Trainer:
         # DiLoCo: every live peer, whatever its round. One that is behind adopts the swarm's state and
         # joins this round; one that is not here when matchmaking ends is left out. A peer that
         # synced only with peers near its round would race ahead alone when the others fall back.
+        everyone = {r.peer_id for r in live} | {self.peer_id}
         if len(everyone) == 1:
             return 1, None, "alone: no other live peer, applied own pseudo-gradient"
         return len(everyone), None, ""

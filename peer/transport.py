@@ -174,26 +174,25 @@ class NetworkTransport:
         d = self.last_deadlines = self.deadlines.current()
         self.last_deadline_s = (1 + self.RETRIES) * d.total_s
         sent = received = 0
-        for attempt in range(1 + self.RETRIES):
-            try:
-                result = self._attempt(round_=round_, group_index=group_index, attempt=attempt, weight=weight,
-                                       expected_group_size=expected_group_size, start_digest=start_digest,
-                                       should_stop=should_stop, d=d)
-            except AllreduceIncompleteError as exc:
-                sent, received = sent + self.last_bytes[0], received + self.last_bytes[1]
-                self.last_bytes = (sent, received)
-                if attempt == self.RETRIES or should_stop():
-                    raise
-                logger.info("round %d: %s; retrying with the groupmates that are left", round_, exc)
-                continue
-            except (GroupNotFound, AllreduceFailed):
-                self.last_bytes = (sent + self.last_bytes[0], received + self.last_bytes[1])
-                raise
-            self.last_bytes = (sent + result.bytes_sent, received + result.bytes_received)
-            return dataclasses.replace(result, bytes_sent=self.last_bytes[0], bytes_received=self.last_bytes[1],
-                                       seconds=time.monotonic() - start, deadline_s=self.last_deadline_s,
-                                       attempts=attempt + 1)
-        raise AssertionError("unreachable")
+        try:
+            for attempt in range(1 + self.RETRIES):
+                try:
+                    result = self._attempt(round_=round_, group_index=group_index, attempt=attempt, weight=weight,
+                                           expected_group_size=expected_group_size, start_digest=start_digest,
+                                           should_stop=should_stop, d=d)
+                except AllreduceIncompleteError as exc:
+                    if attempt == self.RETRIES or should_stop():
+                        raise
+                    logger.info("round %d: %s; retrying with the groupmates that are left", round_, exc)
+                    continue
+                finally:
+                    sent, received = sent + self.last_bytes[0], received + self.last_bytes[1]
+                return dataclasses.replace(result, bytes_sent=sent, bytes_received=received,
+                                           seconds=time.monotonic() - start, deadline_s=self.last_deadline_s,
+                                           attempts=attempt + 1)
+            raise AssertionError("unreachable: the last attempt returns or raises")
+        finally:
+            self.last_bytes = (sent, received)
 
     RETRIES = 1
     """How often a round whose all-reduce could not complete (a groupmate died in it) is retried,
