@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from peer import netlab
-from peer.chaos import ChaosSwarm
+from peer.chaos import CHAOS_MODEL, ChaosSwarm
 from protocol.manifest import dump_toml
 from protocol.presets import tiny_run
 
@@ -36,8 +36,7 @@ MAX_ALLREDUCE_S = 30.0
 def manifest():
     # ~0.5 M parameters (2 MB per payload), rounds of ~3-4 s of inner steps and ~2 s of sync
     return tiny_run().replace(
-        model={"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 384,
-               "max_seq_len": 64},
+        model=CHAOS_MODEL,
         sync={"inner_steps": 30, "matchmaking_time_s": 3.0, "allreduce_timeout_s": MAX_ALLREDUCE_S,
               "next_chunk_timeout_s": 5.0})
 
@@ -115,10 +114,13 @@ def test_swarm_survives_every_fault(tmp_path: Path):
                 assert math.isfinite(e["train_loss"]), f"{name} round {e['round']}: loss {e['train_loss']}"
                 assert len(e["state_digest"]) == 32
         # (5) the joiner downloaded from several donors, then averaged with the swarm
+        # (a download can race the swarm's next round: donors that moved on answer "not held" and the
+        # others deliver their share, so look at all of the joiner's downloads)
         adopted = members["p5"].of("adopted_state")
         assert adopted, "the joiner never downloaded the swarm's state"
-        assert sum(1 for n in adopted[0]["donors"].values() if n > 0) >= 2, adopted[0]
-        first_round = after(members["p5"], adopted[-1]["time"])[0]
+        assert any(sum(1 for n in e["donors"].values() if n > 0) >= 2 for e in adopted), adopted
+        # within one round of its (first) download the joiner averages with the swarm
+        first_round = after(members["p5"], adopted[0]["time"])[0]
         assert first_round["group_size"] > 1, f"joiner's first round after its download was alone: {first_round}"
         # (6) rounds after the bootstrap died, and a join through a peer's address
         for name in survivors:
