@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import apply_overrides, load_config, manifest_for  # noqa: E402  (bench/ is not a package)
 
-from peer.data import load_corpus  # noqa: E402
-from peer.model import build_model, parameter_count  # noqa: E402
-from peer.simulation import butterfly_bytes, run_simulation  # noqa: E402
+from peer.train.data import load_corpus  # noqa: E402
+from peer.train.model import build_model, parameter_count  # noqa: E402
+from lab.simulation import butterfly_bytes, run_simulation  # noqa: E402
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")
 ADAPTIVE_RATIO = 8.0
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "data" / "codec_training.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    logging.getLogger("peer.adaptive").setLevel(logging.ERROR)
+    logging.getLogger("peer.sync.adaptive").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
 
     base, bench = load_config(args.config)

@@ -6,7 +6,7 @@ Two inputs, both shaped like the default run's parameters (protocol.presets.defa
 919,424 fp32 values in 39 tensors):
 
 * (a) random normal values;
-* (b) a real pseudo-gradient Δ = φ − θ: the default run trained in-process (peer/simulation.py,
+* (b) a real pseudo-gradient Δ = φ − θ: the default run trained in-process (lab/simulation.py,
   2 peers) for 3 rounds, then peer 0's Δ after the 4th round's inner steps. Saved with
   safetensors to ``bench/data/default_delta.safetensors`` (ignored by git) and reused;
   regenerated when missing or with ``--regenerate`` (about a minute on one core).
@@ -14,7 +14,7 @@ Two inputs, both shaped like the default run's parameters (protocol.presets.defa
 Per codec: bytes vs fp32 (compression ratio), relative error ‖x − x̂‖/‖x‖ over all tensors,
 and encode / decode / encode+decode throughput in MB/s of fp32 input (10^6 bytes, best of
 ``--repeats``, after one warm-up pass). 'fp3' (E2M0) is the 3-bit float that only adaptive plans
-use. 'adaptive' is the per-tensor plan (peer/adaptive.py) for a group of 4 at a budget
+use. 'adaptive' is the per-tensor plan (peer/sync/adaptive.py) for a group of 4 at a budget
 of 1/8 of the fp32 butterfly bytes; its ratio counts its own encodings only, like the others.
 """
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from peer.adaptive import plan
-from peer.simulation import butterfly_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
+from peer.sync.adaptive import plan
+from lab.simulation import butterfly_bytes  # noqa: E402
 from protocol.codecs import Codec, decode, make_codec
 from protocol.manifest import CompressionSpec
 from protocol.presets import default_run
@@ -46,9 +47,9 @@ def real_delta(regenerate: bool) -> dict[str, torch.Tensor]:
 
     if DELTA_FILE.exists() and not regenerate:
         return load_file(DELTA_FILE)
-    from peer.data import load_corpus
-    from peer.outer import pseudo_gradient
-    from peer.simulation import Simulation
+    from peer.train.data import load_corpus
+    from peer.train.outer import pseudo_gradient
+    from lab.simulation import Simulation
 
     manifest = default_run()
     print(f"training the default run for 3 rounds to produce {DELTA_FILE} ...", file=sys.stderr)

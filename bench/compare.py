@@ -4,7 +4,7 @@
     python bench/compare.py --peers 4 --seeds 0 --methods diloco --set outer_optimizer.momentum=0.0 \
         --out-dir /tmp/diag      # one diagnostic run with a manifest field overridden
 
-Simulates N peers in one process (peer/simulation.py, the swarm's own algorithm code) for every
+Simulates N peers in one process (lab/simulation.py, the swarm's own algorithm code) for every
 method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batch: each peer's
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
 table and a mean-over-seeds summary, and writes ``compare_results.json`` and
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from peer.data import load_corpus
-from peer.simulation import SimulationResult, run_simulation
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
+from peer.train.data import load_corpus
+from lab.simulation import SimulationResult, run_simulation  # noqa: E402
 from protocol.manifest import RunManifest, from_dict
 
 LABELS = {

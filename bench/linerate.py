@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peer.netlab import NetLab, available  # noqa: E402
+from lab.netlab import NetLab, available  # noqa: E402
 
 CODECS = "none,fp16,bf16,int8,int4,fp4,topk,lowrank"
 

@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import hivemind
 
-    from peer.transport import NetworkTransport
+    from peer.sync.transport import NetworkTransport
     from protocol.dht import quiet_hivemind_logs
     from protocol.manifest import CompressionSpec, SyncSpec
 

@@ -3,7 +3,7 @@
     sudo .venv/bin/python bench/soak.py --peers 8 --rate 50 --minutes 30 --fault-every 30
 
 Phase 1: a bootstrap node and N peers, each in its own network namespace behind a tbf uplink of
-``--rate`` Mbit/s (peer/chaos.py). Every ``--fault-every`` seconds (±1/3, at random) one fault:
+``--rate`` Mbit/s (lab/chaos.py). Every ``--fault-every`` seconds (±1/3, at random) one fault:
 kill -9 of a peer (restarted from its checkpoint 30-60 s later), SIGSTOP for 10-30 s, link down
 for 10-30 s, a new peer joining, or (once) the bootstrap node killed. At least N-2 peers stay
 up. At the end every peer is stopped with SIGTERM (it checkpoints) and φ of the state most peers
@@ -31,7 +31,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peer.chaos import CHAOS_MODEL, ChaosSwarm  # noqa: E402
+from lab.chaos import CHAOS_MODEL, ChaosSwarm  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
 
@@ -46,9 +46,9 @@ def soak_manifest() -> RunManifest:
 
 def evaluate_checkpoint(workdir: Path, name: str, manifest: RunManifest) -> float:
     """Validation loss (nats/token) of φ in ``name``'s checkpoint."""
-    from peer.checkpoint import load_checkpoint
-    from peer.data import load_corpus, validation_batch
-    from peer.model import build_model, evaluate
+    from peer.state.checkpoint import load_checkpoint
+    from peer.train.data import load_corpus, validation_batch
+    from peer.train.model import build_model, evaluate
 
     model = build_model(manifest.model)
     named = list(model.named_parameters())

@@ -104,7 +104,7 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
     """
     from peer.node import JoinConfig, StopOnSignal, join as run_join
     from peer.reporting import Reporter
-    from peer.trainer import TrainerConfig
+    from peer.round import TrainerConfig
     import threading
 
     configure_logging(verbose)

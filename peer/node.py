@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 import protocol
-from peer.data import load_corpus
-from peer.model import build_model, parameter_count
-from peer.outer import make_outer
+from peer.train.data import load_corpus
+from peer.train.model import build_model, parameter_count
+from peer.train.outer import make_outer
 from peer.reporting import Reporter
-from peer.trainer import TrainerConfig, Trainer, TrainSummary
-from peer.transport import NetworkTransport
+from peer.round import TrainerConfig, Trainer, TrainSummary
+from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht
 from protocol.errors import ManifestNotFound
 from protocol.identity import ensure_identity

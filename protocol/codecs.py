@@ -325,7 +325,7 @@ class Codec:
 
     Attributes:
         name: 'none', 'fp16', 'bf16', 'int8', 'int4', 'fp4', 'topk' or 'lowrank'; also 'fp3',
-            which no manifest names but :func:`peer.adaptive.plan` may choose.
+            which no manifest names but :func:`peer.sync.adaptive.plan` may choose.
         lossy: False only for 'none'.
         block_size: elements per absmax block (int8, int4, fp4, fp3).
         topk_fraction: share of elements top-k keeps, times ``multiplier``.
@@ -471,14 +471,14 @@ def make_codec(spec: CompressionSpec, shape: torch.Size | tuple[int, ...], *, ro
             ``spec.phi_codec``).
 
     Raises:
-        ValueError: unknown role, or ``spec.codec`` is 'adaptive' (use :func:`peer.adaptive.plan`).
+        ValueError: unknown role, or ``spec.codec`` is 'adaptive' (use :func:`peer.sync.adaptive.plan`).
     """
     if role not in ("delta", "phi"):
         raise ValueError(f"role = {role!r}: choose 'delta' or 'phi'")
     name = spec.codec if role == "delta" else spec.phi_codec
     if name == "adaptive":
         raise ValueError("compression.codec = 'adaptive' picks a codec per tensor each round: "
-                         "call peer.adaptive.plan, not make_codec")
+                         "call peer.sync.adaptive.plan, not make_codec")
     if name in ("topk", "lowrank") and len(shape) < 2:
         name = ELEMENTWISE_FALLBACK
     return Codec(name, block_size=spec.block_size, topk_fraction=spec.topk_fraction, rank=spec.rank)

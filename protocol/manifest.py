@@ -232,7 +232,7 @@ class SyncSpec:
     """A groupmate that sends nothing for this long is dropped from the round."""
     adaptive_deadlines: bool = True
     """Derive the matchmaking time and the all-reduce timeout from the swarm's recent rounds
-    (peer/deadlines.py), between the ``min_*`` values and the values above; false: always use the
+    (peer/sync/deadlines.py), between the ``min_*`` values and the values above; false: always use the
     values above."""
     min_matchmaking_time_s: float = 1.0
     """Lower bound of the adaptive matchmaking time."""

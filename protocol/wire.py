@@ -1,6 +1,6 @@
 """The sync wire format: length-prefixed frames on one libp2p stream per pair of groupmates.
 
-A group all-reduce (peer/allreduce.py) opens one stream from every sender to every owner of
+A group all-reduce (peer/sync/allreduce.py) opens one stream from every sender to every owner of
 pieces. On that stream::
 
     sender → owner:  HELLO, then one PIECE per piece the owner reduces, in piece order

@@ -1,5 +1,5 @@
 """Churn on real hosts: 6 peers and a bootstrap node, each in its own network namespace behind a
-20 Mbit/s tbf uplink, and every fault of the chaos harness (peer/chaos.py) in one run:
+20 Mbit/s tbf uplink, and every fault of the chaos harness (lab/chaos.py) in one run:
 
 kill -9 of a peer while the group syncs, SIGSTOP/SIGCONT of a peer, a partition (link down, then
 up), the bootstrap node killed, a new peer joining through a live peer's address, and the killed
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from peer import netlab
-from peer.chaos import CHAOS_MODEL, ChaosSwarm
+from lab import netlab
+from lab.chaos import CHAOS_MODEL, ChaosSwarm
 from protocol.manifest import dump_toml
 from protocol.presets import tiny_run
 

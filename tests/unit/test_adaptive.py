@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from peer.adaptive import plan, sent_bytes
+from peer.sync.adaptive import plan, sent_bytes
 from protocol.codecs import decode
 from protocol.manifest import CompressionSpec
 
@@ -76,7 +76,7 @@ def test_more_budget_never_means_more_error():
 def test_over_budget_takes_the_cheapest_and_says_so(caplog):
     tensors = _tensors()
     spec = CompressionSpec(codec="adaptive", sync_time_budget_s=1e-6)
-    with caplog.at_level(logging.WARNING, logger="peer.adaptive"):
+    with caplog.at_level(logging.WARNING, logger="peer.sync.adaptive"):
         p = plan(tensors, spec, uplink_bytes_per_s=1e6, group_size=4)
     assert p.over_budget and "OVER BUDGET" in p.note and "OVER BUDGET" in caplog.text
     assert p.bytes_per_sync > p.budget_bytes

@@ -1,4 +1,4 @@
-"""peer.allreduce over real unix sockets (no hivemind): means, exclusion rules, byte counts."""
+"""peer.sync.allreduce over real unix sockets (no hivemind): means, exclusion rules, byte counts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, piece_shape, plan_pieces
+from peer.sync.allreduce import GroupAllreduce, GroupPlan, PartialAverage, piece_shape, plan_pieces
 from protocol import codecs, wire
 from protocol.manifest import CompressionSpec
 

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from peer import checkpoint as ckpt
-from peer.checkpoint import PeerState, load_checkpoint, save_checkpoint
+from peer.state import checkpoint as ckpt
+from peer.state.checkpoint import PeerState, load_checkpoint, save_checkpoint
 from protocol.errors import CheckpointError
 
 NAMES = ["a.weight", "b.bias"]
@@ -64,7 +64,7 @@ def test_other_run_or_model_is_refused(tmp_path):
 WRITER = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from peer.checkpoint import PeerState, save_checkpoint
+from peer.state.checkpoint import PeerState, save_checkpoint
 shape = torch.Size([256, 256])
 for i in range(10**9):
     t = [torch.full(shape, float(i))]

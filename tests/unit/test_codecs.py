@@ -156,7 +156,7 @@ def test_make_codec_fallbacks_and_roles():
     lowrank = make_codec(CompressionSpec(codec="lowrank", rank=64), (100, 80))
     assert lowrank.resolve((100, 80)) == "fp16" and lowrank.resolve((1000, 800)) == "lowrank"
     assert make_codec(spec, (8, 8), role="phi").name == "int8"
-    with pytest.raises(ValueError, match="peer.adaptive.plan"):
+    with pytest.raises(ValueError, match="peer.sync.adaptive.plan"):
         make_codec(CompressionSpec(codec="adaptive"), (8, 8))
     with pytest.raises(ValueError, match="role"):
         make_codec(spec, (8, 8), role="momentum")

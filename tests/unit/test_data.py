@@ -1,7 +1,7 @@
 import torch
 
-from peer import tokenizer
-from peer.data import BatchSampler, is_validation, list_files, load_corpus, peer_seed, validation_batch
+from peer.train import tokenizer
+from peer.train.data import BatchSampler, is_validation, list_files, load_corpus, peer_seed, validation_batch
 from protocol.manifest import DataSpec
 
 

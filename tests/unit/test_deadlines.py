@@ -1,10 +1,10 @@
-"""Adaptive sync deadlines (peer/deadlines.py)."""
+"""Adaptive sync deadlines (peer/sync/deadlines.py)."""
 
 import math
 
 import pytest
 
-from peer.deadlines import WINDOW, DeadlinePolicy
+from peer.sync.deadlines import WINDOW, DeadlinePolicy
 from protocol.errors import ManifestError
 from protocol.manifest import SyncSpec
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from peer.inner import lr_at
+from peer.train.inner import lr_at
 
 KW = dict(lr=1e-3, warmup_steps=10, schedule="cosine", decay_steps=110, min_lr_ratio=0.1)
 

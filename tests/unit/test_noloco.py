@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from peer.outer import NoLoCo, make_outer, pseudo_gradient
+from peer.train.outer import NoLoCo, make_outer, pseudo_gradient
 from protocol.errors import BadPayload, ManifestError
 from protocol.manifest import NoLoCoSpec, RunManifest, load_manifest
 from protocol.pairing import group_of, partition

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from peer.outer import DiLoCo, pseudo_gradient
+from peer.train.outer import DiLoCo, pseudo_gradient
 from protocol.errors import BadPayload
 from protocol.manifest import OuterOptimizerSpec
 

@@ -1,6 +1,6 @@
-"""The re-sync rule (peer/resync.py): which state a peer adopts from the swarm."""
+"""The re-sync rule (peer/state/resync.py): which state a peer adopts from the swarm."""
 
-from peer.resync import resync_target
+from peer.state.resync import resync_target
 
 A, B = "a" * 32, "b" * 32
 

@@ -1,4 +1,4 @@
-"""peer.statesync over real unix sockets: multi-donor download, per-chunk verification, donor faults."""
+"""peer.state.transfer over real unix sockets: multi-donor download, per-chunk verification, donor faults."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import tempfile
 import pytest
 import torch
 
-from peer.allreduce import piece_view
-from peer.statesync import (MAX_REQUEST_BYTES, REQUEST_HEADER, StateDownloadFailed, StateSnapshot, chunk_bytes,
+from peer.sync.allreduce import piece_view
+from peer.state.transfer import (MAX_REQUEST_BYTES, REQUEST_HEADER, StateDownloadFailed, StateSnapshot, chunk_bytes,
                             chunk_hash, encode_chunk, encode_meta, encode_request, make_snapshot, parse_request,
                             plan_chunks, serve_state, state_digest, download_state)
 from protocol import wire
@@ -310,7 +310,7 @@ def test_donor_rejects_malformed_requests_logs_and_closes(raw, match, caplog):
                     break
                 await asyncio.sleep(0.01)
             return answer
-    with caplog.at_level(logging.WARNING, logger="peer.statesync"):
+    with caplog.at_level(logging.WARNING, logger="peer.state.transfer"):
         answer = asyncio.run(run())
     assert answer == b"" and served == [0]
     assert any(match in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from peer.transport import validate_state
+from peer.sync.transport import validate_state
 from protocol.errors import BadPayload, BadPeerAddress
 from protocol.dht import parse_initial_peers
 from protocol.records import ProgressRecord

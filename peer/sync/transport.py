@@ -1,7 +1,7 @@
-"""Transports compute a group's mean pseudo-gradient; outer algorithms (peer.outer) consume it.
+"""Transports compute a group's mean pseudo-gradient; outer algorithms (peer.train.outer) consume it.
 
 :class:`NetworkTransport` runs the DiLoCo group all-reduce over libp2p through hivemind
-(:class:`peer.averager.LocoAverager`) and serves this peer's state to joiners.
+(:class:`peer.sync.averager.LocoAverager`) and serves this peer's state to joiners.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.averager import INCOMPLETE, LocoAverager
-from peer.deadlines import DeadlinePolicy, Deadlines
+from peer.sync.averager import INCOMPLETE, LocoAverager
+from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
 from protocol.errors import AllreduceFailed, BadPayload, GroupNotFound
 from protocol.manifest import CompressionSpec, SyncSpec
@@ -149,7 +149,7 @@ class NetworkTransport:
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
         NoLoCo: only the peers of random group ``group_index`` (arXiv 2506.10911), so no peer
         exchanges data with more than its groupmates. Returns within the current deadlines'
-        ``total_s`` (peer/deadlines.py; at most :attr:`max_sync_seconds`), whatever the other
+        ``total_s`` (peer/sync/deadlines.py; at most :attr:`max_sync_seconds`), whatever the other
         peers do.
 
         Args:
@@ -159,7 +159,7 @@ class NetworkTransport:
                 as soon as this many have joined.
             group_index: with random groups, this peer's group; it becomes part of the
                 matchmaking key so that only groupmates meet.
-            start_digest: digest of the state this peer started the round from (peer/statesync.py);
+            start_digest: digest of the state this peer started the round from (peer/state/transfer.py);
                 shared with the group, returned in :attr:`SyncResult.start_digests`.
             should_stop: polled while waiting; when it returns True the sync is cancelled.
 
@@ -259,7 +259,7 @@ class NetworkTransport:
         self.averager.reset_error_feedback()
 
     def share_state(self, provider: Callable[[], list[Any]] | None) -> None:
-        """Serve the state snapshots from ``provider`` (peer/statesync.py, newest last) to peers that
+        """Serve the state snapshots from ``provider`` (peer/state/transfer.py, newest last) to peers that
         download them, or stop serving with None."""
         self.averager.set_state_provider(provider)
 
@@ -267,7 +267,7 @@ class NetworkTransport:
         """Download the state named ``digest_hex`` from every peer in ``donors`` at once.
 
         Each donor serves an interleaved share of the state's chunks; a donor that fails is dropped
-        and its share dealt to the others (peer/statesync.py). Everything received is verified
+        and its share dealt to the others (peer/state/transfer.py). Everything received is verified
         against the digest before it is returned, and checked for run id, shapes and finiteness.
 
         Args:

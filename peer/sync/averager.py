@@ -1,4 +1,4 @@
-"""hivemind's DecentralizedAverager with locoswarm's own all-reduce (peer/allreduce.py).
+"""hivemind's DecentralizedAverager with locoswarm's own all-reduce (peer/sync/allreduce.py).
 
 Runs in its own process (hivemind forks it). What it keeps from hivemind: matchmaking (groups of
 peers at the same round, keyed by run id and round) and state download for joiners. What it
@@ -30,8 +30,8 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
-from peer import statesync
-from peer.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, piece_shape, plan_pieces
+from peer.state import transfer as statesync
+from peer.sync.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, piece_shape, plan_pieces
 from protocol import codecs, wire
 from protocol.errors import BadPayload
 from protocol.manifest import CompressionSpec
@@ -43,7 +43,7 @@ INCOMPLETE = "locoswarm.incomplete"
 """Key of the result an all-reduce returns when this peer could not complete it (value: the reason)."""
 
 StateProvider = Callable[[], list[statesync.StateSnapshot]]
-"""Returns the snapshots this peer serves to joiners (peer/statesync.py), newest last."""
+"""Returns the snapshots this peer serves to joiners (peer/state/transfer.py), newest last."""
 
 
 class AllreduceIncomplete(AllreduceException):
@@ -119,7 +119,7 @@ class LocoAverager(DecentralizedAverager):
     def download_state(self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str,
                        timeout_s: float) -> statesync.DownloadResult:
         """Download the state named ``digest`` from ``donors`` (peer id strings) at once, in the
-        averager process (peer/statesync.py). Blocks until done.
+        averager process (peer/state/transfer.py). Blocks until done.
 
         Raises:
             StateDownloadFailed: no donor delivered the remaining chunks; nothing is returned.
@@ -198,7 +198,7 @@ class LocoAverager(DecentralizedAverager):
         return self._snapshots.get(digest)
 
     def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float) -> None:
-        """Set the next sync's group size target and deadlines (peer/deadlines.py) in the averager process.
+        """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
 
         Args:
             target_group_size: matchmaking starts the all-reduce as soon as this many peers joined.
@@ -234,7 +234,7 @@ class LocoAverager(DecentralizedAverager):
 
     async def _handle_state_stream(self, stream_info, reader: asyncio.StreamReader,
                                    writer: asyncio.StreamWriter) -> None:
-        """A joiner asks for chunks of a state snapshot (peer/statesync.py); never raises."""
+        """A joiner asks for chunks of a state snapshot (peer/state/transfer.py); never raises."""
         await statesync.serve_state(reader, writer, self._snapshot_for, timeout=self.next_chunk_timeout or 5.0)
 
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -265,7 +265,7 @@ class LocoAverager(DecentralizedAverager):
         n_delta = len(shapes) if self.phi_from is None else self.phi_from
         per_tensor = [None] * len(shapes)
         if spec.codec == "adaptive":
-            from peer.adaptive import plan as adaptive_plan
+            from peer.sync.adaptive import plan as adaptive_plan
 
             chosen = adaptive_plan(list(tensors[:n_delta]), spec, uplink_bytes_per_s=self._uplink_bytes_per_s,
                                    group_size=group_size)

@@ -2,10 +2,10 @@
 
 Each simulated peer owns a model replica (identical φ_0), its own AdamW state and its own data
 shard, exactly like a networked peer. Rounds call the same functions the trainer calls
-(:class:`peer.inner.InnerLoop`, :func:`peer.outer.pseudo_gradient`, :func:`peer.outer.make_outer`
+(:class:`peer.train.inner.InnerLoop`, :func:`peer.train.outer.pseudo_gradient`, :func:`peer.train.outer.make_outer`
 and :func:`protocol.pairing.partition`); only the group mean is computed here, in fp32, instead
 of by an all-reduce. With a lossy ``[compression]`` codec each peer's contribution goes through
-the network's codec code (:mod:`protocol.codecs`, :mod:`peer.adaptive`): error-compensated,
+the network's codec code (:mod:`protocol.codecs`, :mod:`peer.sync.adaptive`): error-compensated,
 encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
 A data-parallel mode (one model, gradients averaged every inner step) gives
 the ceiling that low-communication methods are compared against at equal tokens.
@@ -22,11 +22,11 @@ from typing import Sequence
 
 import torch
 
-from peer.adaptive import plan
-from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
-from peer.inner import InnerLoop
-from peer.model import build_model, evaluate, parameter_count
-from peer.outer import make_outer, pseudo_gradient
+from peer.sync.adaptive import plan
+from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch
+from peer.train.inner import InnerLoop
+from peer.train.model import build_model, evaluate, parameter_count
+from peer.train.outer import make_outer, pseudo_gradient
 from protocol.codecs import Codec, ErrorFeedback, make_codec
 from protocol.manifest import RunManifest
 from protocol.pairing import partition

@@ -19,16 +19,16 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.checkpoint import PeerState, load_checkpoint, save_checkpoint
-from peer.data import BatchSampler, Corpus, peer_seed, validation_batch
-from peer.inner import InnerLoop
-from peer.model import evaluate
-from peer.outer import check_finite, make_outer, pseudo_gradient
+from peer.state.checkpoint import PeerState, load_checkpoint, save_checkpoint
+from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch
+from peer.train.inner import InnerLoop
+from peer.train.model import evaluate
+from peer.train.outer import check_finite, make_outer, pseudo_gradient
 from protocol.pairing import group_of, partition
 from peer.reporting import Reporter
-from peer.resync import resync_target
-from peer.statesync import StateSnapshot, make_snapshot
-from peer.transport import DownloadedState, NetworkTransport
+from peer.state.resync import resync_target
+from peer.state.transfer import StateSnapshot, make_snapshot
+from peer.sync.transport import DownloadedState, NetworkTransport
 from protocol import dht as swarm_dht
 from protocol.errors import BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
@@ -128,7 +128,7 @@ class Trainer:
 
     def _take_snapshot(self) -> None:
         """Snapshot φ, outer state and position at a round boundary; its digest is what this peer
-        publishes and what joiners download (peer/statesync.py)."""
+        publishes and what joiners download (peer/state/transfer.py)."""
         with self._lock:
             meta = {"run_id": self.m.run_id, "round": self.round, "inner_step": self.round * self.H}
             snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])
@@ -260,7 +260,7 @@ class Trainer:
             logger.debug("publishing progress failed: %r", exc)
 
     def _resync_target(self, records: list[swarm_dht.PeerProgress]) -> tuple[int, str, list[str]] | None:
-        """(round, digest, donors) of the state this peer should adopt, or None (peer/resync.py)."""
+        """(round, digest, donors) of the state this peer should adopt, or None (peer/state/resync.py)."""
         return resync_target(
             [(r.peer_id, r.record.round, r.record.state_digest) for r in records if r.peer_id != self.peer_id],
             round_=self.round, digest=self.state_digest, completed_with=self._last_group,
@@ -270,7 +270,7 @@ class Trainer:
         """Adopt the swarm's state if this peer is behind or diverged (rule: :meth:`_resync_target`).
 
         Downloads φ, outer optimizer state and round from every peer that publishes the target
-        digest at once (peer/statesync.py), checks it against the digest, and starts at the swarm's
+        digest at once (peer/state/transfer.py), checks it against the digest, and starts at the swarm's
         current inner step. A failed download is reported and leaves this peer's state unchanged.
         """
         if self.m.sync.algorithm == "independent":

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.data import BatchSampler
-from peer.model import lm_loss
+from peer.train.data import BatchSampler
+from peer.train.model import lm_loss
 from protocol.errors import BadPayload
 from protocol.manifest import InnerOptimizerSpec
 

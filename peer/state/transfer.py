@@ -46,7 +46,7 @@ import msgpack
 import numpy as np
 import torch
 
-from peer.allreduce import Piece, piece_shape, piece_view, plan_pieces
+from peer.sync.allreduce import Piece, piece_shape, piece_view, plan_pieces
 from protocol import wire
 from protocol.errors import BadPayload, SyncError
 from protocol.version import PROTOCOL_VERSION

@@ -7,7 +7,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from peer.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from peer.train.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from protocol.manifest import ModelSpec
 
 logger = logging.getLogger(__name__)

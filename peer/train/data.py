@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from peer.tokenizer import EOS_ID
+from peer.train.tokenizer import EOS_ID
 from protocol.errors import ConfigError
 from protocol.manifest import DataSpec
 

@@ -2,7 +2,7 @@
 
 Used by the chaos test (tests/chaos/) and the soak benchmark (bench/soak.py). Every peer and the
 bootstrap node run ``peer join`` / ``bootstrap run`` in their own network namespace of a
-:class:`peer.netlab.NetLab`, with their own address, behind a tbf-shaped uplink. Faults:
+:class:`lab.netlab.NetLab`, with their own address, behind a tbf-shaped uplink. Faults:
 
 * :meth:`ChaosSwarm.kill` — ``kill -9`` of the whole peer (its DHT, averager and p2pd
   processes too: a machine that lost power);
@@ -14,7 +14,7 @@ bootstrap node run ``peer join`` / ``bootstrap run`` in their own network namesp
 * :meth:`ChaosSwarm.kill_bootstrap`.
 
 Each process's stdout is read as JSON events (``--log-format json``) into :class:`Member.events`.
-Needs root (see :func:`peer.netlab.available`).
+Needs root (see :func:`lab.netlab.available`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from peer.netlab import Host, NetLab
+from lab.netlab import Host, NetLab
 
 CHAOS_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 384,
                "max_seq_len": 64}

@@ -1,0 +1,1 @@
+"""State that outlives a round: checkpoints, state transfer to joiners, the re-sync rule."""

@@ -1,0 +1,1 @@
+"""Training on one peer: model, tokenizer, data shard, inner loop (AdamW) and outer algorithms."""
