@@ -3,7 +3,7 @@
 Each simulated peer owns a model replica (identical φ_0), its own AdamW state and its own data
 shard, exactly like a networked peer. Rounds call the same functions the trainer calls
 (:class:`peer.train.inner.InnerLoop`, :func:`peer.train.outer.pseudo_gradient`, :func:`peer.train.outer.make_outer`
-and :func:`protocol.pairing.partition`); only the group mean is computed here, in fp32, instead
+and :func:`protocol.groups.plan_groups`); only the group mean is computed here, in fp32, instead
 of by an all-reduce. With a lossy ``[compression]`` codec each peer's contribution goes through
 the network's codec code (:mod:`protocol.codecs`, :mod:`peer.sync.adaptive`): error-compensated,
 encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
@@ -29,7 +29,7 @@ from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer, pseudo_gradient
 from protocol.codecs import Codec, ErrorFeedback, make_codec
 from protocol.manifest import RunManifest
-from protocol.pairing import partition
+from protocol.groups import codec_seed, plan_groups
 
 logger = logging.getLogger(__name__)
 
@@ -93,17 +93,15 @@ def weight_spread(replicas: Sequence[Sequence[torch.Tensor]]) -> float:
 def sync_groups(manifest: RunManifest, peers: int, round_: int) -> list[list[int]]:
     """Indices of the peers that average together in round ``round_``.
 
-    DiLoCo: one group of all peers. NoLoCo: the random groups :func:`protocol.pairing.partition`
-    draws for the names ``sim-peer-{i}`` (as every networked peer would). Independent: groups of one.
+    The swarm's own group plan (:func:`protocol.groups.plan_groups`) for the peer names
+    ``sim-peer-{i}``, as every networked peer would draw it: DiLoCo one group of all peers,
+    NoLoCo random groups, independent groups of one.
     """
-    if manifest.sync.algorithm == "independent":
-        return [[i] for i in range(peers)]
-    if manifest.sync.algorithm == "noloco":
-        index = {f"sim-peer-{i}": i for i in range(peers)}
-        groups = partition(list(index), run_id=manifest.run_id, round_=round_,
-                           group_size=manifest.noloco.group_size)
-        return [[index[name] for name in group] for group in groups]
-    return [list(range(peers))]
+    index = {f"sim-peer-{i}": i for i in range(peers)}
+    groups = plan_groups(list(index), algorithm=manifest.sync.algorithm, run_id=manifest.run_id, round_=round_,
+                         group_size=manifest.noloco.group_size)
+    return [sorted(index[name] for name in group) if manifest.sync.algorithm != "noloco"
+            else [index[name] for name in group] for group in groups]
 
 
 @dataclass
@@ -265,7 +263,7 @@ class Simulation:
             contributions of the n − 1 non-owners plus n − 1 copies of the encoded mean, over n.
         """
         n, deltas = len(group), len(self.shapes)
-        seeds = [self.round_ * 1_000_003 + index for index in range(len(payloads[0]))]
+        seeds = [codec_seed(self.round_, index) for index in range(len(payloads[0]))]
         decoded, codecs, total = [], [], 0
         for member, (j, payload) in enumerate(zip(group, payloads)):
             ef = self.feedback[j] if self.feedback is not None else None

@@ -24,7 +24,7 @@ from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch
 from peer.train.inner import InnerLoop
 from peer.train.model import evaluate
 from peer.train.outer import check_finite, make_outer, pseudo_gradient
-from protocol.pairing import group_of, partition
+from protocol.groups import group_of, partition
 from peer.reporting import Reporter
 from peer.state.resync import resync_target
 from peer.state.transfer import StateSnapshot, make_snapshot

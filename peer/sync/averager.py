@@ -32,7 +32,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 
 from peer.state import transfer as statesync
 from peer.sync.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, piece_shape, plan_pieces
-from protocol import codecs, wire
+from protocol import codecs, groups, wire
 from protocol.errors import BadPayload
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
@@ -315,7 +315,7 @@ class LocoAverager(DecentralizedAverager):
                     group_id=group_id, peer_ids=tuple(group_info.peer_ids), my_index=my_index, pieces=pieces,
                     codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
                     max_piece_bytes=[codecs.max_encoded_bytes(piece_shape(shapes[p.tensor], p)) for p in pieces],
-                    seeds=[(round_ * 1_000_003 + p.index) % (1 << 31) for p in pieces],
+                    seeds=[groups.codec_seed(round_, p.index) for p in pieces],
                 )
                 ef = self._feedback(shapes)
                 ef_lock = threading.Lock()

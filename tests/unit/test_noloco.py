@@ -8,7 +8,7 @@ import torch
 from peer.train.outer import NoLoCo, make_outer, pseudo_gradient
 from protocol.errors import BadPayload, ManifestError
 from protocol.manifest import NoLoCoSpec, RunManifest, load_manifest
-from protocol.pairing import group_of, partition
+from protocol.groups import group_of, partition
 
 
 def reference(phis, thetas_by_round, alpha, beta, gamma):
