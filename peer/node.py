@@ -17,7 +17,9 @@ from peer.train.data import load_corpus
 from peer.train.model import build_model, parameter_count
 from peer.train.outer import make_outer
 from peer.reporting import Reporter
-from peer.round import TrainerConfig, Trainer, TrainSummary
+from peer.progress import TrainSummary
+from peer.round import Trainer, TrainerConfig
+from peer.sync.membership import SwarmView
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht
 from protocol.errors import ManifestNotFound
@@ -112,29 +114,25 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         model = build_model(manifest.model)
         corpus = load_corpus(manifest.data)
         shapes = [p.shape for p in model.parameters()]
-        payload_shapes = [t.shape for t in make_outer(manifest, shapes).payload(
-            [torch.empty(s) for s in shapes], [torch.empty(s) for s in shapes])]
-        transport = NetworkTransport(dht, shapes, payload_shapes, manifest.run_id, manifest.sync,
-                                     compression=manifest.compression,
-                                     phi_from=len(shapes) if len(payload_shapes) > len(shapes) else None,
+        outer = make_outer(manifest, shapes)
+        transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), manifest.run_id, manifest.sync,
+                                     compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
                                      client_mode=cfg.client_mode)
+        # Records live three worst-case syncs (at least a minute): a live peer refreshes them well before.
+        swarm = SwarmView(dht, run_id=manifest.run_id, peer_id=peer_id,
+                          record_ttl_s=max(60.0, 3 * transport.max_sync_seconds), max_sync_s=transport.max_sync_seconds)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)
         reporter.emit("started", version=protocol.__version__, peer_id=peer_id, device="cpu",
                       maddrs=swarm_dht.visible_maddrs(dht), run_id=manifest.run_id, run_name=manifest.name,
                       parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,
                       threads=torch.get_num_threads())
-        trainer = Trainer(manifest=manifest, model=model, corpus=corpus, dht=dht, transport=transport,
-                          peer_id=peer_id, config=trainer_cfg, reporter=reporter, stop_event=stop_event)
+        trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
+                          config=trainer_cfg, reporter=reporter, stop_event=stop_event)
         summary = trainer.run()
         saved = trainer.save()
-        s = summary
-        reporter.emit("stopped", peer_id=peer_id, rounds_completed=s.rounds_completed, final_round=s.final_round,
-                      max_group_size=s.max_group_size, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
-                      failed_syncs=s.failed_syncs,
-                      initial_eval_loss=s.initial_eval_loss, final_eval_loss=s.final_eval_loss,
-                      group_sizes=s.group_sizes, interrupted=s.interrupted, checkpoint=saved)
-        return (EXIT_INTERRUPTED if s.interrupted else 0), summary
+        reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)
+        return (EXIT_INTERRUPTED if summary.interrupted else 0), summary
     finally:
         if announcer is not None:
             announcer.stop()

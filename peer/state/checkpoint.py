@@ -141,3 +141,19 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
     return PeerState(run_id=run_id, names=names, phi=group("phi"), momentum=group("momentum"),
                      theta=group("theta"), adam_exp_avg=group("adam_exp_avg", False),
                      adam_exp_avg_sq=group("adam_exp_avg_sq", False), **position)
+
+
+def export_phi(directory: Path, *, names: list[str], phi: list[torch.Tensor], run_id: str, round_: int) -> Path:
+    """Write φ as ``phi-round-NNNNNN.safetensors`` in ``directory`` (named fp32 tensors; metadata
+    run_id and round) for people who want the model; returns the path.
+
+    Raises:
+        CheckpointError: the file cannot be written.
+    """
+    path = Path(directory) / f"phi-round-{round_:06d}.safetensors"
+    try:
+        save_file({n: t.detach().to("cpu", torch.float32).contiguous() for n, t in zip(names, phi, strict=True)},
+                  str(path), metadata={"run_id": run_id, "round": str(round_)})
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror}") from exc
+    return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,26 @@ class InnerLoop:
     def reset_optimizer(self) -> None:
         """Forget AdamW moments (after adopting φ from the swarm)."""
         self.optimizer.state.clear()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """AdamW's state for a checkpoint: ``exp_avg`` and ``exp_avg_sq`` (one fp32 tensor per
+        parameter, shaped like it, in model.parameters() order; the live tensors, not copies) and
+        ``step`` (int); None before the first step or after :meth:`reset_optimizer`."""
+        state = self.optimizer.state
+        if not all(p in state and "exp_avg" in state[p] for p in self.params):
+            return None
+        return {"exp_avg": [state[p]["exp_avg"] for p in self.params],
+                "exp_avg_sq": [state[p]["exp_avg_sq"] for p in self.params],
+                "step": int(state[self.params[0]]["step"])}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore what :meth:`state_dict` returned (copies the tensors); None leaves a fresh AdamW."""
+        self.optimizer.state.clear()
+        if state is None:
+            return
+        for p, m1, m2 in zip(self.params, state["exp_avg"], state["exp_avg_sq"], strict=True):
+            self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
+                                       "exp_avg": m1.clone(), "exp_avg_sq": m2.clone()}
 
     def lr(self, inner_step: int) -> float:
         s = self.spec

@@ -8,12 +8,18 @@ benchmarks measure is the code the swarm runs.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
+from peer.state.resync import diloco_resync_target, noloco_resync_target
 from protocol.errors import BadPayload
+from protocol.groups import group_of, plan_groups
 from protocol.manifest import NoLoCoSpec, OuterOptimizerSpec, RunManifest
+
+Others = Iterable[tuple[str, int, str]]
+"""(peer id, round, state digest hex) of the other live peers, as their progress records say."""
 
 
 def pseudo_gradient(phi: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -36,12 +42,28 @@ def check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
             raise BadPayload(f"{what}: tensor {index} of shape {tuple(tensor.shape)} holds NaN or inf")
 
 
+@dataclass(frozen=True)
+class GroupChoice:
+    """Whom this peer syncs with in a round, as its outer algorithm decides."""
+
+    expected_size: int
+    """Peers expected in the group, this one included (1: apply its own payload, no sync)."""
+    index: int | None = None
+    """NoLoCo's random group index, part of the matchmaking key so only groupmates meet."""
+    members: tuple[str, ...] | None = None
+    """The planned members when the plan names them (NoLoCo), else None."""
+    note: str = ""
+    """Why there is no sync this round, for the progress line ('' when there is one)."""
+
+
 class OuterAlgorithm(Protocol):
-    """What the trainer needs from an outer algorithm.
+    """What the round loop needs from an outer algorithm.
 
     Per round: ``payload(φ, Δ)`` is what the transport averages over the group (token-weighted),
     and ``apply(φ, mean)`` turns the group's mean payload into the new φ. A peer without a group
-    applies its own payload (a group of one).
+    applies its own payload (a group of one). The algorithm also decides whom a peer syncs with
+    (:meth:`choose_group`) and whose state it adopts (:meth:`resync_target`), so the round loop
+    has no branch on the algorithm's name.
     """
 
     name: str
@@ -58,6 +80,36 @@ class OuterAlgorithm(Protocol):
         """Update ``phi`` in place from the group's mean payload."""
         ...
 
+    def payload_shapes(self, shapes: Sequence[torch.Size]) -> list[torch.Size]:
+        """Shapes of the payload for parameters of ``shapes`` (the averager's buffers)."""
+        ...
+
+    def phi_from(self, n_params: int) -> int | None:
+        """Index of the first payload tensor that is φ rather than Δ, or None."""
+        ...
+
+    def choose_group(self, me: str, *, round_: int, live: Sequence[tuple[str, int]], run_id: str) -> GroupChoice:
+        """Whom this peer syncs with at ``round_``; ``live``: (peer id, round) of the live peers."""
+        ...
+
+    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
+                      fresh: bool) -> tuple[int, str, list[str]] | None:
+        """(round, digest, donors) of the swarm state to adopt, or None (peer/state/resync.py)."""
+        ...
+
+
+class _DeltaPayload:
+    """The payload is Δ alone (DiLoCo, independent)."""
+
+    def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(delta)
+
+    def payload_shapes(self, shapes: Sequence[torch.Size]) -> list[torch.Size]:
+        return list(shapes)
+
+    def phi_from(self, n_params: int) -> int | None:
+        return None
+
 
 def _check_mean(phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor], copies: int) -> None:
     if len(group_mean) != copies * len(phi):
@@ -69,7 +121,7 @@ def _check_mean(phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor],
     check_finite(group_mean, "the group's mean payload")
 
 
-class DiLoCo:
+class DiLoCo(_DeltaPayload):
     """DiLoCo's outer optimizer: SGD with Nesterov (or heavy-ball) momentum on φ.
 
     Implements DiLoCo (arXiv 2311.08105, Algorithm 1, line 12: ``φ ← OuterOpt(φ, Δ̄)``) with
@@ -92,8 +144,19 @@ class DiLoCo:
     def state_tensors(self) -> list[torch.Tensor]:
         return self.momentum
 
-    def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(delta)
+    def choose_group(self, me: str, *, round_: int, live: Sequence[tuple[str, int]], run_id: str) -> GroupChoice:
+        """Every live peer, whatever its round: one that is behind adopts the swarm's state and joins
+        this round; one that is not there when matchmaking ends is left out. (A peer that synced
+        only with peers near its round would race ahead alone when the others fall back.)"""
+        (everyone,) = plan_groups([me, *(peer for peer, _ in live)], algorithm=self.name, run_id=run_id,
+                                  round_=round_, group_size=2)
+        if len(everyone) == 1:
+            return GroupChoice(1, note="alone: no other live peer, applied own pseudo-gradient")
+        return GroupChoice(len(everyone))
+
+    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
+                      fresh: bool) -> tuple[int, str, list[str]] | None:
+        return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with)
 
     def apply(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> None:
         """One outer step, in place on ``phi`` and the momentum buffers.
@@ -146,6 +209,26 @@ class NoLoCo:
     def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [*delta, *(p.detach().float() for p in phi)]
 
+    def payload_shapes(self, shapes: Sequence[torch.Size]) -> list[torch.Size]:
+        return [*shapes, *shapes]
+
+    def phi_from(self, n_params: int) -> int | None:
+        return n_params
+
+    def choose_group(self, me: str, *, round_: int, live: Sequence[tuple[str, int]], run_id: str) -> GroupChoice:
+        """This peer's random group among the peers within one round of it (in lockstep every
+        peer sees the same set at its sync, so all draw the same groups)."""
+        near = [me, *(peer for peer, r in live if abs(r - round_) <= 1)]
+        groups = plan_groups(near, algorithm=self.name, run_id=run_id, round_=round_, group_size=self.spec.group_size)
+        index, members = group_of(me, groups)
+        if len(members) == 1:
+            return GroupChoice(1, note="no partner this round: applied own step")
+        return GroupChoice(len(members), index=index, members=tuple(members))
+
+    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
+                      fresh: bool) -> tuple[int, str, list[str]] | None:
+        return noloco_resync_target(others, round_=round_, fresh=fresh)
+
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
         """One outer step in place on ``phi`` and δ.
 
@@ -166,8 +249,9 @@ class NoLoCo:
                 p.add_(m)
 
 
-class Independent:
-    """No synchronisation: φ ← θ every round (outer lr 1, no momentum). The floor in comparisons."""
+class Independent(_DeltaPayload):
+    """No synchronisation: φ ← θ every round (outer lr 1, no momentum). The floor in comparisons:
+    it never syncs and never takes anything from other peers."""
 
     name = "independent"
 
@@ -177,8 +261,12 @@ class Independent:
     def state_tensors(self) -> list[torch.Tensor]:
         return self.momentum
 
-    def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(delta)
+    def choose_group(self, me: str, *, round_: int, live: Sequence[tuple[str, int]], run_id: str) -> GroupChoice:
+        return GroupChoice(1, note="independent: no sync")
+
+    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
+                      fresh: bool) -> tuple[int, str, list[str]] | None:
+        return None
 
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
         _check_mean(phi, group_mean, copies=1)

@@ -1,4 +1,4 @@
-"""NoLoCo's outer step against the paper's equations written out here; pairing; stability bound."""
+"""NoLoCo's outer step against the paper's equations written out here; its stability bound."""
 
 import math
 
@@ -8,7 +8,6 @@ import torch
 from peer.train.outer import NoLoCo, make_outer, pseudo_gradient
 from protocol.errors import BadPayload, ManifestError
 from protocol.manifest import NoLoCoSpec, RunManifest, load_manifest
-from protocol.groups import group_of, partition
 
 
 def reference(phis, thetas_by_round, alpha, beta, gamma):
@@ -64,29 +63,6 @@ def test_alone_noloco_has_no_pull_and_rejects_nan():
     with pytest.raises(BadPayload):
         o.apply(phi, [torch.tensor([float("nan"), 0.0]), torch.zeros(2)])
     torch.testing.assert_close(phi[0], torch.full((2,), 0.7))
-
-
-def test_partition_never_pairs_a_peer_with_itself_and_redraws_partners():
-    peers = [f"peer{i}" for i in range(8)]
-    met = {p: set() for p in peers}
-    for round_ in range(20):
-        groups = partition(peers + peers[:2], run_id="run", round_=round_, group_size=2)
-        assert sorted(p for g in groups for p in g) == sorted(peers)
-        for group in groups:
-            assert len(set(group)) == len(group) == 2
-            for p in group:
-                met[p].update(set(group) - {p})
-        # every peer computes the same groups from the same view
-        assert groups == partition(list(reversed(peers)), run_id="run", round_=round_, group_size=2)
-    assert all(len(partners) >= 3 for partners in met.values()), met
-
-
-def test_partition_leftover_and_lookup():
-    groups = partition(["a", "b", "c"], run_id="r", round_=0, group_size=2)
-    assert sorted(map(len, groups)) == [1, 2]
-    index, members = group_of("c", groups)
-    assert "c" in members and groups[index] == members
-    assert group_of("zz", groups) == (-1, ["zz"])
 
 
 def test_stability_bound_is_enforced_naming_bound_and_values(tmp_path):

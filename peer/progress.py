@@ -1,0 +1,151 @@
+"""The small types a round is told with: where a peer is inside its round, what a round came to,
+and the counters over a whole run.
+
+:class:`RoundProgress` is the position the inner lr schedule, checkpoints and progress records
+read; :class:`RoundOutcome` is one finished round (the ``round`` event, the progress record's
+last-sync fields); :class:`TrainSummary` adds outcomes up for ``peer join``'s ``stopped`` event
+and ``peer swarm``'s summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RoundProgress:
+    """This peer's position in φ's history and the accumulators of its current round."""
+
+    round: int = 0
+    """Outer step t: rounds completed, adopted ones included."""
+    step: int = 0
+    """Inner steps done in the current round (0 at a round boundary)."""
+    tokens: int = 0
+    """Tokens behind this round's Δ (its weight in the group mean)."""
+    loss_sum: float = 0.0
+    """Sum of the training losses of this round's inner steps, nats per token."""
+    compute_s: float = 0.0
+    """Seconds spent in this round's inner steps."""
+    steps_done: int = 0
+    """Inner steps of this round that trained (a skipped step advances ``step`` only)."""
+
+    def inner_step(self, inner_steps: int) -> int:
+        """Cumulative inner steps of φ's history, ``round·H + step``: indexes the inner lr schedule."""
+        return self.round * inner_steps + self.step
+
+    def record(self, *, loss: float, tokens: int, seconds: float) -> None:
+        """Account one inner step that trained."""
+        self.step += 1
+        self.tokens += tokens
+        self.loss_sum += loss
+        self.steps_done += 1
+        self.compute_s += seconds
+
+    def discard_step(self) -> None:
+        """A step whose loss or gradient was not finite: θ went back to φ, so Δ covers only the steps
+        after it (its weight starts again at 0); the step still counts, so the lr schedule is never
+        rewound."""
+        self.tokens = 0
+        self.step += 1
+
+    def start_round(self, round_: int, step: int = 0) -> None:
+        """Be at ``step`` of round ``round_`` with empty accumulators."""
+        self.round, self.step = round_, step
+        self.tokens, self.loss_sum, self.compute_s, self.steps_done = 0, 0.0, 0.0, 0
+
+    @property
+    def train_loss(self) -> float:
+        """Mean training loss of this round's inner steps, nats per token (0 before any)."""
+        return self.loss_sum / max(1, self.steps_done)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Inner-loop throughput of this round, tokens per second of compute."""
+        return self.tokens / max(self.compute_s, 1e-9)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncReport:
+    """How one round's sync went, whatever its result (a peer alone has the defaults)."""
+
+    group_size: int = 1
+    """Peers in the group that averaged, this one included."""
+    group: tuple[str, ...] = ()
+    """Their peer ids (empty: this peer alone)."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sync_s: float = 0.0
+    """Wall time of matchmaking plus all-reduce, s."""
+    deadline_s: float = 0.0
+    """The bound the sync ran under, retry included, s."""
+    attempts: int = 0
+    """All-reduces tried: 0 (no sync), 1, or 2 after a retry."""
+    note: str = ""
+    """Why the round did not average with a full group ('' when it did)."""
+    agreeing: tuple[str, ...] = ()
+    """Groupmates that started from this peer's state and completed with it: after the round they
+    hold the same state as this peer."""
+    failed: bool = False
+    """The sync was tried and failed (this peer applied its own payload)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundOutcome:
+    """One finished round of one peer: the fields of its ``round`` event."""
+
+    round: int
+    """The round this peer is at now (the one after the round that finished)."""
+    train_loss: float
+    tokens_per_s: float
+    tokens: int
+    peers: int
+    """Live peers this peer knew of at its sync, itself included."""
+    start_digest: str
+    state_digest: str
+    planned_group: tuple[str, ...] | None
+    sync: SyncReport
+
+    def event_fields(self, peer_id: str) -> dict[str, Any]:
+        """The ``round`` event as reporting and the launchers read it."""
+        s = self.sync
+        return dict(round=self.round, train_loss=self.train_loss, tokens_per_s=self.tokens_per_s,
+                    group_size=s.group_size, sync_s=s.sync_s, bytes_sent=s.bytes_sent,
+                    bytes_received=s.bytes_received, peers=self.peers, peer_id=peer_id,
+                    group=list(s.group or (peer_id,)), note=s.note,
+                    planned_group=list(self.planned_group) if self.planned_group else None,
+                    tokens=self.tokens, attempts=s.attempts, start_digest=self.start_digest,
+                    agreeing=sorted({*s.agreeing, peer_id}), state_digest=self.state_digest,
+                    deadline_s=s.deadline_s)
+
+
+@dataclass
+class TrainSummary:
+    """Counters over a whole run of one peer (the ``stopped`` event)."""
+
+    peer_id: str
+    rounds_completed: int = 0
+    max_group_size: int = 1
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    initial_eval_loss: float | None = None
+    final_eval_loss: float | None = None
+    final_round: int = 0
+    interrupted: bool = False
+    failed_syncs: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+
+    def record(self, outcome: RoundOutcome) -> None:
+        s = outcome.sync
+        self.rounds_completed += 1
+        self.max_group_size = max(self.max_group_size, s.group_size)
+        self.bytes_sent += s.bytes_sent
+        self.bytes_received += s.bytes_received
+        self.group_sizes.append(s.group_size)
+        self.failed_syncs += int(s.failed)
+
+    def event_fields(self) -> dict[str, Any]:
+        """The ``stopped`` event's counters."""
+        fields = asdict(self)
+        fields.pop("peer_id")
+        return fields

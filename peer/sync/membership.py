@@ -1,0 +1,102 @@
+"""This peer's view of the swarm: who is live, from the progress records in the DHT.
+
+Every peer republishes its record (protocol/records.py) four times per round and after every
+round; a record not refreshed for two of this peer's recent rounds belongs to a peer that is
+gone, hung or cut off. The round loop asks this view whom to expect in a group, which states
+the swarm holds (for the re-sync rule) and whether a start barrier is met.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from hivemind.utils import get_dht_time
+
+from protocol import dht as swarm_dht
+from protocol.records import ProgressRecord
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmView:
+    """Reads and writes the run's progress records for one peer.
+
+    Args:
+        dht: a started hivemind.DHT.
+        run_id: the run whose records are read and written.
+        peer_id: this peer (base58); its own record always counts as live.
+        record_ttl_s: lifetime of a published record, s (every peer of the run uses the same).
+        max_sync_s: the longest one sync may take, s; bounds the staleness threshold before any
+            round was timed.
+    """
+
+    def __init__(self, dht, *, run_id: str, peer_id: str, record_ttl_s: float, max_sync_s: float):
+        self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
+        self.record_ttl_s, self.max_sync_s = record_ttl_s, max_sync_s
+        self._round_seconds: deque[float] = deque(maxlen=8)
+        self._round_started = time.monotonic()
+        self._last_records: list[swarm_dht.PeerProgress] = []
+
+    def round_finished(self) -> None:
+        """Time the round that just ended (the staleness threshold follows the swarm's pace)."""
+        now = time.monotonic()
+        self._round_seconds.append(now - self._round_started)
+        self._round_started = now
+
+    def stale_after_s(self) -> float:
+        """A record not refreshed for this long belongs to a peer that is gone, hung or cut off.
+
+        A live peer republishes four times per round and after every round, and its round lasts
+        about as long as this peer's (they sync together), so two of this peer's recent rounds
+        (at least 10 s) cover the gap between two records of a live peer.
+        """
+        return max(10.0, 2.0 * max(self._round_seconds, default=self.max_sync_s))
+
+    def live(self) -> list[swarm_dht.PeerProgress]:
+        """The records of the live peers of the run, this peer's own included when published.
+
+        A failed DHT read returns the records of the last read that worked: a read failure must
+        not stop training, nor make this peer think it is alone.
+        """
+        start = time.monotonic()
+        try:
+            records = self._last_records = swarm_dht.read_progress(self.dht, self.run_id)
+        except Exception as exc:
+            logger.debug("reading progress records failed: %r; using the last ones read", exc)
+            records = self._last_records
+        finally:
+            logger.debug("read progress records in %.3f s", time.monotonic() - start)
+        # published at expiration - ttl (every peer of the run uses the same ttl)
+        oldest = get_dht_time() + self.record_ttl_s - self.stale_after_s()
+        return [r for r in records if r.peer_id == self.peer_id or r.expiration >= oldest]
+
+    def others(self) -> list[swarm_dht.PeerProgress]:
+        """:meth:`live` without this peer's own record."""
+        return [r for r in self.live() if r.peer_id != self.peer_id]
+
+    def publish(self, record: ProgressRecord, *, wait: bool = False) -> None:
+        """Store this peer's record; failures are logged, never raised (the next publish retries)."""
+        try:
+            swarm_dht.publish_progress(self.dht, self.run_id, self.peer_id, record, self.record_ttl_s, wait=wait)
+        except Exception as exc:
+            logger.debug("publishing progress failed: %r", exc)
+
+    def wait_for(self, want: int, *, timeout_s: float, stop: threading.Event, heartbeat) -> int:
+        """Start barrier: wait until ``want`` peers (this one included) are live, calling
+        ``heartbeat()`` (which republishes this peer's record) twice a second meanwhile.
+
+        Returns:
+            The peers seen last (``want`` or more unless the timeout or ``stop`` came first).
+        """
+        deadline = time.monotonic() + timeout_s
+        seen = 1
+        while not stop.is_set() and time.monotonic() < deadline:
+            seen = len({r.peer_id for r in self.live()} | {self.peer_id})
+            if seen >= want:
+                return seen
+            heartbeat()
+            stop.wait(0.5)
+        return seen
