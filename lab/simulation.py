@@ -100,8 +100,7 @@ def sync_groups(manifest: RunManifest, peers: int, round_: int) -> list[list[int
     index = {f"sim-peer-{i}": i for i in range(peers)}
     groups = plan_groups(list(index), algorithm=manifest.sync.algorithm, run_id=manifest.run_id, round_=round_,
                          group_size=manifest.noloco.group_size)
-    return [sorted(index[name] for name in group) if manifest.sync.algorithm != "noloco"
-            else [index[name] for name in group] for group in groups]
+    return [sorted(index[name] for name in group) for group in groups]
 
 
 @dataclass
@@ -193,11 +192,11 @@ class Simulation:
     def _setup_codecs(self, shapes: Sequence[torch.Size]) -> None:
         """Per payload tensor its codec (None: adaptive, planned each round), per peer its residuals."""
         spec = self.m.compression
-        noloco = self.m.sync.algorithm == "noloco"
-        self.compressed = spec.codec != "none" or (noloco and spec.phi_codec != "none")
+        phi_in_payload = self.outers[0].phi_from(len(shapes)) is not None  # NoLoCo: Δ then φ
+        self.compressed = spec.codec != "none" or (phi_in_payload and spec.phi_codec != "none")
         self.shapes = list(shapes)
         self.codecs: list[Codec | None] = [None if spec.codec == "adaptive" else make_codec(spec, s) for s in shapes]
-        if noloco:
+        if phi_in_payload:
             self.codecs += [make_codec(spec, s, role="phi") for s in shapes]
         lossy = spec.codec != "none"  # 'adaptive' included: its plan may pick lossy codecs
         self.feedback = [ErrorFeedback(shapes) for _ in range(self.peers)] if lossy and spec.error_feedback else None
@@ -309,7 +308,7 @@ class Simulation:
                 p.copy_(mean)
         averaged = bits_per_byte(evaluate(self._eval_model, windows))
         replica_mean = None
-        if self.m.sync.algorithm in ("noloco", "independent"):
+        if self.outers[0].replicas_differ:
             replica_mean = sum(bits_per_byte(evaluate(m, windows)) for m in self.models) / self.peers
         return EvalPoint(self.round_, self.tokens, replica_mean if replica_mean is not None else averaged,
                          averaged, replica_mean, weight_spread(self.phis))

@@ -102,9 +102,9 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
       peer join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
       peer join --run my_run.toml --max-rounds 50
     """
-    from peer.node import JoinConfig, StopOnSignal, join as run_join
+    from peer.config import JoinConfig, TrainerConfig
+    from peer.node import StopOnSignal, join as run_join
     from peer.reporting import Reporter
-    from peer.round import TrainerConfig
     import threading
 
     configure_logging(verbose)

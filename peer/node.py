@@ -7,8 +7,6 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -18,7 +16,8 @@ from peer.train.model import build_model, parameter_count
 from peer.train.outer import make_outer
 from peer.reporting import Reporter
 from peer.progress import TrainSummary
-from peer.round import Trainer, TrainerConfig
+from peer.config import JoinConfig
+from peer.round import Trainer
 from peer.sync.membership import SwarmView
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht
@@ -29,31 +28,6 @@ from protocol.manifest import RunManifest
 logger = logging.getLogger(__name__)
 
 EXIT_INTERRUPTED = 130
-
-
-@dataclass(frozen=True, kw_only=True)
-class JoinConfig:
-    """Everything `peer join` needs, resolved by the CLI from flags, environment and defaults."""
-
-    initial_peers: tuple[str, ...] = ()
-    run_id: str | None = None
-    new_run: RunManifest | None = None
-    """Manifest to announce and train when starting a new run (no initial peers, or --run)."""
-    host: str = "127.0.0.1"
-    port: int = 0
-    announce: tuple[str, ...] = ()
-    data_dir: Path
-    client_mode: bool = False
-    threads: int | None = None
-    manifest_wait_s: float = 20.0
-    """How long to wait for the swarm to announce a run before giving up."""
-    trainer: TrainerConfig = TrainerConfig()
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port = {self.port}: must be in [0, 65535]")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads = {self.threads}: must be >= 1")
 
 
 def _fetch_manifest(dht, run_id: str | None, wait_s: float) -> RunManifest:

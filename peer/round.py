@@ -15,11 +15,11 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from peer.config import TrainerConfig
 from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary
 from peer.reporting import Reporter
 from peer.state.checkpoint import PeerState, export_phi, load_checkpoint, save_checkpoint
@@ -35,35 +35,6 @@ from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """What this peer does, as opposed to what the run is (the manifest)."""
-
-    max_rounds: int | None = None
-    """Stop once the run reaches this round; None trains until stopped."""
-    eval_every_rounds: int = 0
-    """Evaluate φ every k rounds (0: only at the start and the end)."""
-    checkpoint_path: Path | None = None
-    state_download_timeout_s: float = 5.0
-    """A donor that sends nothing for this long during a state download is dropped (its chunks go
-    to the other donors)."""
-    export_phi_every_rounds: int = 0
-    """Write φ to ``phi-round-NNNNNN.safetensors`` beside the checkpoint every k rounds (0: never)."""
-    wait_for_peers: int = 1
-    """Before the first round, wait until this many peers (this one included) are live in the DHT."""
-    wait_for_peers_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if self.max_rounds is not None and self.max_rounds < 0:
-            raise ValueError(f"max_rounds = {self.max_rounds}: must be >= 0")
-        if self.wait_for_peers < 1:
-            raise ValueError(f"wait_for_peers = {self.wait_for_peers}: must be >= 1")
-        if self.export_phi_every_rounds < 0:
-            raise ValueError(f"export_phi_every_rounds = {self.export_phi_every_rounds}: must be >= 0")
-        if self.eval_every_rounds < 0:
-            raise ValueError(f"eval_every_rounds = {self.eval_every_rounds}: must be >= 0")
 
 
 class Trainer:

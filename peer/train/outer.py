@@ -67,6 +67,8 @@ class OuterAlgorithm(Protocol):
     """
 
     name: str
+    replicas_differ: bool
+    """Peers hold different φ by design (NoLoCo, independent): evaluate each replica, report σ."""
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors that a joiner must copy with φ (e.g. outer momentum), fp32."""
@@ -136,6 +138,7 @@ class DiLoCo(_DeltaPayload):
     """
 
     name = "diloco"
+    replicas_differ = False
 
     def __init__(self, shapes: Sequence[torch.Size], spec: OuterOptimizerSpec):
         self.spec = spec
@@ -198,6 +201,7 @@ class NoLoCo:
     """
 
     name = "noloco"
+    replicas_differ = True
 
     def __init__(self, shapes: Sequence[torch.Size], spec: NoLoCoSpec):
         self.spec = spec
@@ -254,6 +258,7 @@ class Independent(_DeltaPayload):
     it never syncs and never takes anything from other peers."""
 
     name = "independent"
+    replicas_differ = True
 
     def __init__(self, shapes: Sequence[torch.Size]):
         self.momentum: list[torch.Tensor] = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]

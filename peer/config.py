@@ -1,0 +1,68 @@
+"""The settings of one peer, as opposed to what the run is (the run manifest, protocol/manifest.py).
+
+Resolved once by the CLI (flag > environment > default) and handed down: ``peer join``'s
+:class:`JoinConfig` to the node assembly (peer/node.py), its ``trainer`` part to the round loop
+(peer/round.py). Per-peer facts live here and never enter the run id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.manifest import RunManifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """What this peer does, as opposed to what the run is (the manifest)."""
+
+    max_rounds: int | None = None
+    """Stop once the run reaches this round; None trains until stopped."""
+    eval_every_rounds: int = 0
+    """Evaluate φ every k rounds (0: only at the start and the end)."""
+    checkpoint_path: Path | None = None
+    state_download_timeout_s: float = 5.0
+    """A donor that sends nothing for this long during a state download is dropped (its chunks go
+    to the other donors)."""
+    export_phi_every_rounds: int = 0
+    """Write φ to ``phi-round-NNNNNN.safetensors`` beside the checkpoint every k rounds (0: never)."""
+    wait_for_peers: int = 1
+    """Before the first round, wait until this many peers (this one included) are live in the DHT."""
+    wait_for_peers_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_rounds is not None and self.max_rounds < 0:
+            raise ValueError(f"max_rounds = {self.max_rounds}: must be >= 0")
+        if self.wait_for_peers < 1:
+            raise ValueError(f"wait_for_peers = {self.wait_for_peers}: must be >= 1")
+        if self.export_phi_every_rounds < 0:
+            raise ValueError(f"export_phi_every_rounds = {self.export_phi_every_rounds}: must be >= 0")
+        if self.eval_every_rounds < 0:
+            raise ValueError(f"eval_every_rounds = {self.eval_every_rounds}: must be >= 0")
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinConfig:
+    """Everything `peer join` needs, resolved by the CLI from flags, environment and defaults."""
+
+    initial_peers: tuple[str, ...] = ()
+    run_id: str | None = None
+    new_run: RunManifest | None = None
+    """Manifest to announce and train when starting a new run (no initial peers, or --run)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce: tuple[str, ...] = ()
+    data_dir: Path
+    client_mode: bool = False
+    threads: int | None = None
+    manifest_wait_s: float = 20.0
+    """How long to wait for the swarm to announce a run before giving up."""
+    trainer: TrainerConfig = TrainerConfig()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port = {self.port}: must be in [0, 65535]")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads = {self.threads}: must be >= 1")
