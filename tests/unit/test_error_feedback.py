@@ -1,0 +1,55 @@
+"""Error feedback: the sum of decoded updates stays within one residual; stage, commit, rollback."""
+
+import pytest
+import torch
+
+from peer.sync.error_feedback import ErrorFeedback
+from protocol.codecs import Codec, decode
+
+
+def _feedback_gap(name: str, rounds: int, use_feedback: bool) -> tuple[float, float, float]:
+    """(|Σ inputs − Σ decoded|, |Σ inputs|, |last residual|) after ``rounds`` rounds."""
+    shape = (48, 40)
+    codec = Codec(name, topk_fraction=0.02, rank=2, block_size=64)
+    ef = ErrorFeedback([shape])
+    g = torch.Generator().manual_seed(1)
+    drift = torch.randn(shape, generator=g) * 0.5  # a steady direction, as pseudo-gradients have
+    total_in, total_out = torch.zeros(shape), torch.zeros(shape)
+    for t in range(rounds):
+        x = drift + torch.randn(shape, generator=g)
+        c = ef.compensate(0, x) if use_feedback else x
+        y = decode(codec.encode(c, seed=t), shape, seed=t)
+        ef.stage(0, c, y)
+        ef.commit()
+        total_in += x
+        total_out += y
+    return float((total_in - total_out).norm()), float(total_in.norm()), float(ef.state_tensors()[0].norm())
+
+
+@pytest.mark.parametrize("name", ["topk", "lowrank", "int4"])
+def test_error_feedback_keeps_the_sum_of_decoded_updates_within_one_residual(name):
+    gap_50, _, _ = _feedback_gap(name, 50, True)
+    gap_200, total_200, residual = _feedback_gap(name, 200, True)
+    assert gap_200 == pytest.approx(residual, rel=1e-4)  # Σ inputs − Σ decoded is the residual
+    assert gap_200 < 2.5 * gap_50  # bounded, while Σ inputs grew 4x
+    assert gap_200 < 0.3 * total_200
+    no_feedback_gap, _, _ = _feedback_gap(name, 200, False)
+    assert no_feedback_gap > 2 * gap_200  # without it, the dropped part piles up
+
+
+def test_error_feedback_commit_rollback_and_rows():
+    ef = ErrorFeedback([(6, 2), (3,)])
+    assert [t.abs().sum().item() for t in ef.state_tensors()] == [0.0, 0.0]
+    x = torch.ones(2, 2)
+    c = ef.compensate(0, x, rows=slice(2, 4))
+    ef.stage(0, c, torch.zeros(2, 2), rows=slice(2, 4))
+    ef.rollback()
+    assert ef.state_tensors()[0].abs().sum() == 0  # a failed sync keeps the old residuals
+    ef.stage(0, c, torch.full((2, 2), 0.25), rows=slice(2, 4))
+    assert ef.state_tensors()[0].abs().sum() == 0  # staged, not yet current
+    ef.commit()
+    e = ef.state_tensors()[0]
+    assert torch.equal(e[2:4], torch.full((2, 2), 0.75)) and e[:2].abs().sum() == 0 and e[4:].abs().sum() == 0
+    torch.testing.assert_close(ef.compensate(0, torch.ones(6, 2))[2:4], torch.full((2, 2), 1.75))
+    with pytest.raises(ValueError, match="expected"):
+        ef.compensate(1, torch.ones(4))
