@@ -1,0 +1,295 @@
+"""The sections of a run manifest: one small frozen dataclass per component, validated on creation.
+
+Each ``__post_init__`` checks every field and raises :class:`~protocol.errors.ManifestError`
+naming the field, the bad value and the allowed range. :mod:`protocol.manifest` assembles the
+sections into a :class:`~protocol.manifest.RunManifest` and gives it its encoding and run id.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.errors import ManifestError
+
+
+def check(section: str, name: str, value: Any, ok: bool, allowed: str) -> None:
+    """ManifestError naming ``section.name``, the bad value and what is allowed, unless ``ok``."""
+    if not ok:
+        raise ManifestError(f"manifest field {section}.{name} = {value!r} is invalid: allowed {allowed}")
+
+
+def int_in(section: str, name: str, value: Any, lo: int, hi: int) -> None:
+    """ManifestError unless ``value`` is an integer (not a bool) in [lo, hi]."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+    check(section, name, value, ok, f"an integer in [{lo}, {hi}]")
+
+
+def float_in(section: str, name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    """ManifestError unless ``value`` is a finite number (not a bool) in [lo, hi], or (lo, hi] if ``lo_open``."""
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (lo < value if lo_open else lo <= value)
+        and value <= hi
+    )
+    bracket = "(" if lo_open else "["
+    check(section, name, value, ok, f"a number in {bracket}{lo}, {hi}]")
+
+
+def one_of(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """ManifestError unless ``value`` is one of ``choices``."""
+    check(section, name, value, value in choices, "one of " + ", ".join(repr(c) for c in choices))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A Llama-style causal LM built with transformers from this config; no weights are fetched."""
+
+    family: str = "llama"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 384
+    max_seq_len: int = 256
+    """Longest sequence the rotary embedding is configured for, in tokens."""
+    init_seed: int = 0
+    """Seed of φ_0: every peer builds the identical initial model from it."""
+
+    def __post_init__(self) -> None:
+        s = "model"
+        one_of(s, "family", self.family, ("llama",))
+        int_in(s, "hidden_size", self.hidden_size, 8, 16384)
+        int_in(s, "num_layers", self.num_layers, 1, 256)
+        int_in(s, "num_heads", self.num_heads, 1, 256)
+        int_in(s, "num_kv_heads", self.num_kv_heads, 1, 256)
+        int_in(s, "intermediate_size", self.intermediate_size, 8, 65536)
+        int_in(s, "max_seq_len", self.max_seq_len, 8, 1 << 20)
+        int_in(s, "init_seed", self.init_seed, 0, 2**31 - 1)
+        check(s, "hidden_size", self.hidden_size, self.hidden_size % self.num_heads == 0,
+               f"a multiple of model.num_heads = {self.num_heads}")
+        check(s, "num_kv_heads", self.num_kv_heads, self.num_heads % self.num_kv_heads == 0,
+               f"a divisor of model.num_heads = {self.num_heads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSpec:
+    """Byte-level tokenizer: ids 0..255 are bytes, then BOS, EOS and PAD."""
+
+    kind: str = "bytes"
+
+    def __post_init__(self) -> None:
+        one_of("tokenizer", "kind", self.kind, ("bytes",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Where the text comes from and how it is cut into training sequences."""
+
+    source: str = "python-stdlib"
+    """'python-stdlib': the running interpreter's standard library sources; 'files': ``path``."""
+    path: str = ""
+    """A directory or file of .txt/.py/.md/.jsonl text, used when source = 'files'."""
+    seq_len_tokens: int = 128
+    validation_fraction: float = 0.05
+    """Share of files (chosen by path hash) held out for validation."""
+    validation_sequences: int = 48
+    """Size of the fixed validation subset every peer evaluates on."""
+
+    def __post_init__(self) -> None:
+        s = "data"
+        one_of(s, "source", self.source, ("python-stdlib", "files"))
+        check(s, "path", self.path, isinstance(self.path, str), "a string")
+        check(s, "path", self.path, self.source != "files" or bool(self.path),
+               "a non-empty path when data.source = 'files'")
+        int_in(s, "seq_len_tokens", self.seq_len_tokens, 8, 1 << 20)
+        float_in(s, "validation_fraction", self.validation_fraction, 0.0, 0.5, lo_open=True)
+        int_in(s, "validation_sequences", self.validation_sequences, 1, 1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerOptimizerSpec:
+    """AdamW on each peer's θ; its schedule is indexed by cumulative inner steps of the swarm."""
+
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    """'cosine': linear warm-up then cosine decay to ``min_lr_ratio``·lr at ``decay_steps``;
+    'constant': linear warm-up then constant."""
+    decay_steps: int = 2000
+    min_lr_ratio: float = 0.1
+    batch_size_tokens: int = 2048
+    """Tokens per inner step on one peer; a multiple of data.seq_len_tokens."""
+
+    def __post_init__(self) -> None:
+        s = "inner_optimizer"
+        float_in(s, "lr", self.lr, 0.0, 1.0, lo_open=True)
+        float_in(s, "weight_decay", self.weight_decay, 0.0, 10.0)
+        float_in(s, "beta1", self.beta1, 0.0, 0.999999)
+        float_in(s, "beta2", self.beta2, 0.0, 0.999999)
+        float_in(s, "eps", self.eps, 0.0, 1.0, lo_open=True)
+        float_in(s, "grad_clip_norm", self.grad_clip_norm, 0.0, 1e6)
+        int_in(s, "warmup_steps", self.warmup_steps, 0, 10**9)
+        one_of(s, "schedule", self.schedule, ("cosine", "constant"))
+        int_in(s, "decay_steps", self.decay_steps, 1, 10**12)
+        float_in(s, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        int_in(s, "batch_size_tokens", self.batch_size_tokens, 1, 1 << 30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterOptimizerSpec:
+    """SGD on φ with the averaged pseudo-gradient as its gradient (DiLoCo, arXiv 2311.08105)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    """True: Nesterov momentum (DiLoCo's choice); False: heavy-ball."""
+
+    def __post_init__(self) -> None:
+        s = "outer_optimizer"
+        float_in(s, "lr", self.lr, 0.0, 10.0, lo_open=True)
+        float_in(s, "momentum", self.momentum, 0.0, 0.999)
+        check(s, "nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoLoCoSpec:
+    """NoLoCo's outer step (arXiv 2506.10911; ALGORITHMS.md §2), used when sync.algorithm = 'noloco'."""
+
+    momentum: float = 0.5
+    """α: heavy-ball momentum of the outer step."""
+    lr: float = 0.7
+    """β: outer learning rate on the group's mean pseudo-gradient."""
+    pull: float = 0.7
+    """γ: pull toward the group's mean φ. When a TOML file sets ``lr`` but not ``pull``, γ = β."""
+    group_size: int = 2
+    """n: peers per averaging group, this one included (2: one random partner)."""
+
+    def __post_init__(self) -> None:
+        s = "noloco"
+        float_in(s, "momentum", self.momentum, 0.0, 0.999)
+        float_in(s, "lr", self.lr, 0.0, 10.0, lo_open=True)
+        float_in(s, "pull", self.pull, 0.0, 10.0)
+        int_in(s, "group_size", self.group_size, 2, 256)
+
+    def check_stability(self) -> None:
+        """Refuse (α, β, γ, n) outside NoLoCo's stability region (paper App. A, quadratic model).
+
+        The replicas' mean converges only if β > α; their spread stays bounded only if
+        α·sqrt(n / (2(n−1))) < γ < sqrt((2 + α²)·n / (2(n−1))).
+
+        Raises:
+            ManifestError: names the bound and the values.
+        """
+        a, b, g, n = self.momentum, self.lr, self.pull, self.group_size
+        if not b > a:
+            raise ManifestError(f"noloco.lr (β) = {b} must exceed noloco.momentum (α) = {a}: the replicas' mean "
+                                "diverges otherwise (NoLoCo arXiv 2506.10911, App. A)")
+        lo = a * math.sqrt(n / (2 * (n - 1)))
+        hi = math.sqrt((2 + a * a) * n / (2 * (n - 1)))
+        if not lo < g < hi:
+            raise ManifestError(
+                f"noloco.pull (γ) = {g} is outside the stability bound {lo:.4g} < γ < {hi:.4g} for "
+                f"α = {a}, n = {n} (α·sqrt(n/(2(n−1))) < γ < sqrt((2+α²)·n/(2(n−1))), NoLoCo App. A): "
+                "the replicas' spread would grow without bound"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSpec:
+    """How and how often peers exchange pseudo-gradients."""
+
+    algorithm: str = "diloco"
+    """'diloco': group all-reduce of Δ, outer_optimizer on φ; 'noloco': random groups of
+    noloco.group_size peers average Δ and φ, NoLoCo outer step; 'independent': never sync (a
+    baseline for comparisons)."""
+    inner_steps: int = 20
+    """H: inner steps per round (one round = one outer step)."""
+    target_group_size: int = 16
+    """Most peers in one all-reduce group, including this one."""
+    matchmaking_time_s: float = 5.0
+    """Seconds a peer waits for groupmates at the end of a round before averaging with those found."""
+    allreduce_timeout_s: float = 60.0
+    """Deadline of one all-reduce once the group is formed."""
+    next_chunk_timeout_s: float = 5.0
+    """A groupmate that sends nothing for this long is dropped from the round."""
+    adaptive_deadlines: bool = True
+    """Derive the matchmaking time and the all-reduce timeout from the swarm's recent rounds
+    (peer/sync/deadlines.py), between the ``min_*`` values and the values above; false: always use the
+    values above."""
+    min_matchmaking_time_s: float = 1.0
+    """Lower bound of the adaptive matchmaking time."""
+    min_allreduce_timeout_s: float = 5.0
+    """Lower bound of the adaptive all-reduce timeout."""
+
+    def __post_init__(self) -> None:
+        s = "sync"
+        one_of(s, "algorithm", self.algorithm, ("diloco", "noloco", "independent"))
+        int_in(s, "inner_steps", self.inner_steps, 1, 10**6)
+        int_in(s, "target_group_size", self.target_group_size, 2, 4096)
+        float_in(s, "matchmaking_time_s", self.matchmaking_time_s, 0.0, 3600.0, lo_open=True)
+        float_in(s, "allreduce_timeout_s", self.allreduce_timeout_s, 0.0, 86400.0, lo_open=True)
+        float_in(s, "next_chunk_timeout_s", self.next_chunk_timeout_s, 0.0, 3600.0, lo_open=True)
+        check(s, "adaptive_deadlines", self.adaptive_deadlines, isinstance(self.adaptive_deadlines, bool),
+               "true or false")
+        for low, high in (("min_matchmaking_time_s", "matchmaking_time_s"),
+                          ("min_allreduce_timeout_s", "allreduce_timeout_s")):
+            float_in(s, low, getattr(self, low), 0.0, 86400.0, lo_open=True)
+            if getattr(self, low) > getattr(self, high):
+                raise ManifestError(f"manifest field sync.{low} = {getattr(self, low)!r} is above sync.{high} = "
+                                    f"{getattr(self, high)!r}: the adaptive deadline lies between them; lower "
+                                    f"{low} too, or raise {high}")
+
+
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")
+"""Codecs a run may choose for pseudo-gradients (protocol/codecs/; ALGORITHMS.md §3, §5)."""
+PHI_CODECS = ("none", "fp16", "bf16", "int8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionSpec:
+    """How pseudo-gradients cross the network (protocol/codecs/).
+
+    Every codec's sums are accumulated in fp32; lossy codecs keep a per-peer error-feedback
+    residual when ``error_feedback`` is on. 1-D tensors are never top-k or low-rank compressed.
+    """
+
+    codec: str = "none"
+    """'none' (fp32), 'fp16', 'bf16', 'int8' / 'int4' (blockwise absmax), 'fp4' (E3M0 float,
+    blockwise scale), 'topk' (largest-magnitude fraction), 'lowrank' (PowerSGD-style), or
+    'adaptive' (per tensor, fits each sync into ``sync_time_budget_s`` at the measured uplink;
+    the DiLoCoX idea, arXiv 2506.21263)."""
+    block_size: int = 64
+    """Elements per absmax block of int8, int4 and fp4."""
+    topk_fraction: float = 0.01
+    """Fraction of each tensor's elements that top-k sends."""
+    rank: int = 4
+    """Rank of the low-rank codec."""
+    error_feedback: bool = True
+    """Carry each lossy codec's compression error into the next round (e ← (Δ + e) − C(Δ + e))."""
+    phi_codec: str = "none"
+    """NoLoCo only: how the φ half of the payload is sent ('none' is fp32)."""
+    sync_time_budget_s: float = 10.0
+    """adaptive: seconds one sync should take at the peer's measured uplink."""
+    uplink_mbps: float = 50.0
+    """adaptive: assumed uplink in Mbit/s until the first sync has measured it."""
+
+    def __post_init__(self) -> None:
+        s = "compression"
+        one_of(s, "codec", self.codec, CODECS)
+        int_in(s, "block_size", self.block_size, 8, 1 << 20)
+        float_in(s, "topk_fraction", self.topk_fraction, 0.0, 1.0, lo_open=True)
+        int_in(s, "rank", self.rank, 1, 4096)
+        check(s, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
+        one_of(s, "phi_codec", self.phi_codec, PHI_CODECS)
+        float_in(s, "sync_time_budget_s", self.sync_time_budget_s, 0.0, 86400.0, lo_open=True)
+        float_in(s, "uplink_mbps", self.uplink_mbps, 0.0, 1e6, lo_open=True)
