@@ -68,11 +68,9 @@ def main() -> None:
             row = {"index": args.index, "codec": codec, "trial": trial}
             try:
                 result = transport.average(payload, weight=1.0, round_=trial, expected_group_size=args.n)
-                stats = transport.averager.last_stats
                 row.update(ok=True, group_size=result.group_size, bytes_sent=result.bytes_sent,
-                           bytes_received=result.bytes_received, allreduce_s=stats["allreduce_seconds"],
-                           send_s=stats["send_seconds"], sync_s=result.seconds,
-                           started_at=stats["started_at"])
+                           bytes_received=result.bytes_received, allreduce_s=result.allreduce_s,
+                           send_s=result.send_s, sync_s=result.seconds, started_at=result.allreduce_started_at)
             except Exception as exc:
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
             out.write(json.dumps(row) + "\n")

@@ -15,10 +15,21 @@ entry point can catch one base class and print one actionable line::
     │   └── BadPayload              a record or state download failed validation
     ├── SyncError                   an outer step's communication failed; the round is recoverable
     │   ├── GroupNotFound           no group formed before the matchmaking deadline
-    │   └── AllreduceFailed         the all-reduce failed or averaged only part of the tensors
+    │   ├── AllreduceFailed         the all-reduce failed, timed out or mixed rounds
+    │   │   └── AllreduceIncomplete the group formed, this peer missed a valid mean; nothing applied
+    │   │       └── PartialAverage  the all-reduce session ended with some piece's mean missing
+    │   └── StateDownloadFailed     no donor is left to deliver a joiner's missing chunks
     └── CheckpointError             a local checkpoint is unreadable or belongs to another run
 
 Library errors are wrapped where they enter (``raise AllreduceFailed(...) from exc``).
+
+A :class:`SyncError` says what the failed exchange cost (``bytes_sent``, ``bytes_received``) and
+under which bound it ran (``deadline_s``), so a caller records a failed round from the exception
+alone. SyncErrors cross process pipes (the averager runs in a forked process): each pickles with
+its message and every attribute, and a subclass's ``__init__`` must accept the message alone.
+
+Pure: imports neither hivemind nor torch. Where hivemind wants its own exception types, the
+boundary maps them (peer/sync/averager.py).
 """
 
 from __future__ import annotations
@@ -77,7 +88,23 @@ class BadPayload(ProtocolError):
 
 
 class SyncError(LocoError):
-    """One outer step's communication failed; φ is left unchanged by the failed exchange."""
+    """One outer step's communication failed; φ is left unchanged by the failed exchange.
+
+    Args:
+        *args: the message (``str(exc)``).
+        bytes_sent: sync bytes this peer wrote before the failure (frames, headers included).
+        bytes_received: sync bytes this peer read before the failure.
+        deadline_s: the bound the failed call ran under, s (retries included); 0 if none.
+    """
+
+    def __init__(self, *args, bytes_sent: int = 0, bytes_received: int = 0, deadline_s: float = 0.0):
+        super().__init__(*args)
+        self.bytes_sent, self.bytes_received, self.deadline_s = bytes_sent, bytes_received, deadline_s
+
+    def __reduce__(self):
+        # Rebuilt from the message, then every attribute restored: keyword attributes are not in
+        # ``args``, and a subclass's own attributes (StateDownloadFailed.failed) travel the same way.
+        return type(self), self.args, self.__dict__
 
 
 class GroupNotFound(SyncError):
@@ -85,7 +112,32 @@ class GroupNotFound(SyncError):
 
 
 class AllreduceFailed(SyncError):
-    """The all-reduce raised, timed out, or averaged only part of the tensors."""
+    """The all-reduce raised, timed out, or the group's members were at different rounds."""
+
+
+class AllreduceIncomplete(AllreduceFailed):
+    """The group formed but this peer did not get a valid mean for every piece; nothing was applied.
+
+    The tensors and error-feedback residuals are left as they were before the all-reduce; the
+    round may be retried at once with the groupmates that are left.
+    """
+
+
+class PartialAverage(AllreduceIncomplete):
+    """An all-reduce session (peer/sync/allreduce.py) ended without a valid mean for some piece."""
+
+
+class StateDownloadFailed(SyncError):
+    """No donor is left to deliver the chunks still missing; nothing was returned.
+
+    Args:
+        message: names the state's digest and each donor's reason.
+        failed: each donor that failed (peer handle) → its reason.
+    """
+
+    def __init__(self, message: str = "", failed: dict | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.failed = dict(failed or {})
 
 
 class CheckpointError(LocoError):

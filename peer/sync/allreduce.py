@@ -1,5 +1,6 @@
+# Over 300 lines: GroupAllreduce's owner and sender halves share one session's state, counters and stream helpers.
 """locoswarm's group all-reduce: a butterfly reduce-scatter plus all-gather of codec-compressed
-pieces on hivemind's libp2p streams (wire format: protocol/wire.py).
+pieces on hivemind's libp2p streams (frames: protocol/wire/allreduce.py; plan: pieces.py).
 
 Why our own and not hivemind's ``AllReduceRunner``: the codecs (protocol/codecs.py) must see
 whole row-pieces of each tensor (low rank, top-k), every message must be validated against the
@@ -28,15 +29,15 @@ Rules on failure (checked, never assumed):
   weights, and each MEAN frame names the senders it includes. Every receiver gets the same bytes,
   so φ stays identical among the peers that complete.
 * A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
-  nothing from the round: :class:`PartialAverage` is raised, the tensors are left unchanged and
-  the error-feedback residuals are rolled back. The caller falls back to its own pseudo-gradient.
+  nothing from the round: :class:`~protocol.errors.PartialAverage` is raised, the tensors are left
+  unchanged and the error-feedback residuals are rolled back. The caller falls back to its own
+  pseudo-gradient.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -44,77 +45,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from protocol import codecs, wire
-from protocol.errors import BadPayload
+from peer.sync.pieces import GroupPlan, Piece, piece_shape, piece_view
+from protocol import codecs
+from protocol.errors import BadPayload, PartialAverage
+from protocol.wire import allreduce as frames
+from protocol.wire import framing
 
 logger = logging.getLogger(__name__)
-
-PIECE_ELEMENTS = 1 << 18
-"""Default piece size: 256 Ki elements (1 MiB of fp32), small enough to pipeline the phases."""
-
-
-class PartialAverage(Exception):
-    """This peer did not receive a valid mean for every piece; nothing was applied."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``[start, stop)`` of tensor ``tensor`` (the whole tensor for 0-d), reduced by ``owner``."""
-
-    index: int
-    tensor: int
-    start: int
-    stop: int
-    owner: int
-    """Position in the group (not in the owner list)."""
-
-
-def plan_pieces(shapes: Sequence[torch.Size], owners: Sequence[int], *, piece_elements: int = PIECE_ELEMENTS,
-                split: Callable[[int], bool] = lambda index: True) -> list[Piece]:
-    """Cut tensors into row pieces and deal them to ``owners`` (group positions) in contiguous runs.
-
-    Args:
-        shapes: the payload's tensor shapes, in payload order.
-        owners: group positions of the peers that reduce pieces (not in client mode), ascending.
-        piece_elements: target elements per piece; a piece is never smaller than one row.
-        split: ``split(i)`` False keeps tensor i whole (low-rank codecs want whole matrices).
-
-    Returns:
-        Pieces in payload order; every row of every non-empty tensor is in exactly one piece.
-    """
-    if not owners:
-        raise ValueError("a group needs at least one owner")
-    raw: list[tuple[int, int, int, int]] = []  # tensor, start, stop, elements
-    for index, shape in enumerate(shapes):
-        numel = math.prod(shape)
-        if numel == 0:
-            continue
-        if len(shape) == 0:
-            raw.append((index, 0, 1, 1))
-            continue
-        rows, row_size = shape[0], numel // shape[0]
-        step = rows if not split(index) else max(1, piece_elements // max(1, row_size))
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            raw.append((index, start, stop, (stop - start) * row_size))
-    total = sum(r[3] for r in raw)
-    pieces, done = [], 0
-    for i, (tensor, start, stop, numel) in enumerate(raw):
-        # owner k takes the pieces whose midpoint falls in [k/n, (k+1)/n) of the elements
-        mid = (done + numel / 2) / max(1, total)
-        owner = owners[min(len(owners) - 1, int(mid * len(owners)))]
-        pieces.append(Piece(index=i, tensor=tensor, start=start, stop=stop, owner=owner))
-        done += numel
-    return pieces
-
-
-def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return tensor if tensor.dim() == 0 else tensor[piece.start:piece.stop]
-
-
-def piece_shape(shape: Sequence[int], piece: Piece) -> tuple[int, ...]:
-    """Shape of ``piece`` of a tensor shaped ``shape``."""
-    return tuple(shape) if len(shape) == 0 else (piece.stop - piece.start, *shape[1:])
 
 
 @dataclass
@@ -133,21 +70,6 @@ class AllreduceStats:
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
     """time.time() when this peer started the exchange."""
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """Everything both sides of a stream must agree on for one group."""
-
-    group_id: bytes
-    peer_ids: tuple
-    """Group members in matchmaking order (hivemind PeerIDs)."""
-    my_index: int
-    pieces: list[Piece]
-    codecs: list  # per piece: protocol.codecs.Codec used to send this peer's contribution
-    mean_codecs: list  # per piece: codec for the owner's mean
-    max_piece_bytes: list[int]
-    seeds: list[int]
 
 
 class GroupAllreduce:
@@ -195,13 +117,13 @@ class GroupAllreduce:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def _write(self, writer: asyncio.StreamWriter, payload: bytes) -> None:
-        data = wire.frame(payload)
+        data = framing.frame(payload)
         writer.write(data)
         self.stats.bytes_sent += len(data)
 
     async def _read(self, reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> bytes:
-        payload = await wire.read_frame(reader, max_bytes=max_bytes, timeout=timeout)
-        self.stats.bytes_received += wire.LENGTH.size + len(payload)
+        payload = await framing.read_frame(reader, max_bytes=max_bytes, timeout=timeout)
+        self.stats.bytes_received += framing.LENGTH.size + len(payload)
         return payload
 
     def _decode_checked(self, data, piece: Piece) -> torch.Tensor:
@@ -233,10 +155,10 @@ class GroupAllreduce:
         """Handle one sender's stream (its HELLO already read): read its pieces, write back the means."""
         n = len(self.plan.peer_ids)
         sender = None
-        self.stats.bytes_received += wire.LENGTH.size + len(hello_payload)
+        self.stats.bytes_received += framing.LENGTH.size + len(hello_payload)
         try:
             try:
-                hello = wire.parse_hello(hello_payload, group_size=n)
+                hello = frames.parse_hello(hello_payload, group_size=n)
                 if hello.group_id != self.plan.group_id:
                     raise BadPayload("HELLO names another group")
                 if self.plan.peer_ids[hello.sender] != stream_peer_id:
@@ -244,7 +166,7 @@ class GroupAllreduce:
                 if hello.sender == self.plan.my_index or hello.pieces != len(self.my_pieces):
                     raise BadPayload(f"HELLO announces {hello.pieces} pieces, this owner reduces {len(self.my_pieces)}")
             except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-                self._write(writer, wire.encode_abort(f"rejected: {exc!r}"))
+                self._write(writer, frames.encode_abort(f"rejected: {exc!r}"))
                 await writer.drain()
                 if sender is not None:
                     await self._exclude(sender, repr(exc))
@@ -256,9 +178,9 @@ class GroupAllreduce:
             send_task = asyncio.create_task(self._send_means(writer))
             try:
                 for piece in self.my_pieces:
-                    payload = await self._read(reader, wire.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index],
+                    payload = await self._read(reader, frames.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index],
                                                self.timeout)
-                    data = wire.parse_piece(payload, expected_index=piece.index)
+                    data = frames.parse_piece(payload, expected_index=piece.index)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     async with self._changed:
                         if sender not in self._excluded:
@@ -282,7 +204,7 @@ class GroupAllreduce:
         for piece in self.my_pieces:
             payload = await self._mean_frames[piece.index]
             if payload is None:
-                self._write(writer, wire.encode_abort(f"piece {piece.index} could not be reduced"))
+                self._write(writer, frames.encode_abort(f"piece {piece.index} could not be reduced"))
                 await writer.drain()
                 return
             self._write(writer, payload)
@@ -343,7 +265,7 @@ class GroupAllreduce:
         for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
             acc.add_(x, alpha=w / total)
         data, value = self._roundtrip(piece, acc, self.plan.mean_codecs[piece.index])
-        return wire.encode_mean(piece.index, included, data), value
+        return frames.encode_mean(piece.index, included, data), value
 
     # ---- sender side --------------------------------------------------------------------
     def _encode_contribution(self, piece: Piece) -> bytes:
@@ -354,14 +276,14 @@ class GroupAllreduce:
         else:
             data = self.plan.codecs[piece.index].encode(x, seed=self.plan.seeds[piece.index])
             self.stage(piece, x, x)
-        return wire.encode_piece(piece.index, data)
+        return frames.encode_piece(piece.index, data)
 
     async def _exchange_with(self, owner: int) -> None:
         pieces = self.pieces_by_owner[owner]
         n = len(self.plan.peer_ids)
         reader, writer = await asyncio.wait_for(self.open_stream(self.plan.peer_ids[owner]), self.timeout)
         try:
-            self._write(writer, wire.encode_hello(group_id=self.plan.group_id, sender=self.plan.my_index,
+            self._write(writer, frames.encode_hello(group_id=self.plan.group_id, sender=self.plan.my_index,
                                                   weight=self.weight, pieces=len(pieces)))
 
             async def send() -> None:
@@ -374,11 +296,11 @@ class GroupAllreduce:
             send_task = asyncio.create_task(send())
             try:
                 for piece in pieces:
-                    limit = wire.MEAN_HEADER.size + (n + 7) // 8 + self.plan.max_piece_bytes[piece.index]
+                    limit = frames.MEAN_HEADER.size + (n + 7) // 8 + self.plan.max_piece_bytes[piece.index]
                     payload = await self._read(reader, limit, 2 * self.timeout + 1.0)
                     if send_task.done() and send_task.exception() is not None:
                         raise send_task.exception()
-                    included, data = wire.parse_mean(payload, expected_index=piece.index, group_size=n)
+                    included, data = frames.parse_mean(payload, expected_index=piece.index, group_size=n)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     self.stats.partial_pieces += not all(included)
                     self.results[piece.index] = value

@@ -6,9 +6,13 @@ replaces: the all-reduce itself, so that
 
 * pseudo-gradients travel compressed by the run's codec (protocol/codecs.py), with this peer's
   error-feedback residuals kept here, committed only when a round completes;
-* every frame is validated (protocol/wire.py) and every byte written and read is counted;
+* every frame is validated (protocol/wire/) and every byte written and read is counted;
 * a groupmate that fails is excluded by a stated rule, and a round this peer could not complete
   is never applied (hivemind 1.1.12 reports success with parts un-averaged; DESIGN.md).
+
+Each all-reduce hands its outcome back to the host process as the result of hivemind's step
+(:class:`GroupOutcome`): the group's gathered data, or why this peer applied nothing, and the
+exchange's counters. The state transfer for joiners is the mixin peer/state/sharing.py.
 
 The class name is part of the wire protocol: hivemind derives RPC handler names from it.
 """
@@ -16,41 +20,45 @@ The class name is part of the wire protocol: hivemind derives RPC handler names 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import math
-import multiprocessing as mp
 import threading
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
-from peer.state import transfer as statesync
-from peer.sync.allreduce import GroupAllreduce, GroupPlan, PartialAverage, Piece, piece_shape, plan_pieces
-from protocol import codecs, groups, wire
-from protocol.errors import BadPayload
+from peer.state.sharing import StateSharing
+from peer.sync.allreduce import AllreduceStats, GroupAllreduce
+from peer.sync.error_feedback import ErrorFeedback
+from peer.sync.pieces import Piece, make_group_plan
+from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
+from protocol.wire import allreduce as frames
+from protocol.wire import framing
 
 logger = logging.getLogger(__name__)
 
-INCOMPLETE = "locoswarm.incomplete"
-"""Key of the result an all-reduce returns when this peer could not complete it (value: the reason)."""
 
-StateProvider = Callable[[], list[statesync.StateSnapshot]]
-"""Returns the snapshots this peer serves to joiners (peer/state/transfer.py), newest last."""
+@dataclass(frozen=True)
+class GroupOutcome:
+    """What one all-reduce in the averager process hands back to the host process, as the result
+    of hivemind's step (pickled through its pipe)."""
+
+    gathered: dict = field(default_factory=dict)
+    """Each groupmate's peer id → what it gathered ({"round", "start_digest"}); empty if incomplete."""
+    stats: AllreduceStats = field(default_factory=AllreduceStats)
+    """This peer's counters of the exchange, also when it did not complete."""
+    incomplete: str | None = None
+    """Why this peer applied nothing from the round (tensors and residuals unchanged), or None."""
 
 
-class AllreduceIncomplete(AllreduceException):
-    """This peer did not get a valid mean for every piece; nothing was applied."""
-
-
-class LocoAverager(DecentralizedAverager):
+class LocoAverager(StateSharing, DecentralizedAverager):
     """Averages pseudo-gradients within a group of peers at the same round.
 
     Args:
@@ -70,15 +78,9 @@ class LocoAverager(DecentralizedAverager):
             raise ValueError("LocoAverager needs next_chunk_timeout: a silent groupmate must not stall a round")
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements = piece_elements
-        self._stats = {name: mp.Value(ctypes.c_double, 0.0)
-                       for name in ("bytes_sent", "bytes_received", "excluded", "partial_pieces", "send_seconds",
-                                    "allreduce_seconds", "started_at")}
-        self._state_provider: StateProvider | None = None
-        self._state_lock = threading.Lock()
+        self._init_state_sharing()
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
-        self._snapshots: dict[bytes, statesync.StateSnapshot] = {}
-        self._snapshots_fetched_at = 0.0
         self._error_feedback = None
         self._uplink_bytes_per_s = compression.uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -86,50 +88,6 @@ class LocoAverager(DecentralizedAverager):
     @property
     def stream_protocol(self) -> str:
         return f"{self.prefix}.LocoAllreduce.v{PROTOCOL_VERSION}"
-
-    def reset_stats(self) -> None:
-        for value in self._stats.values():
-            value.value = 0.0
-
-    @property
-    def last_stats(self) -> dict[str, float]:
-        """Counters of this peer's last all-reduce: bytes_sent / bytes_received (frame bytes written
-        to and read from its streams), excluded (senders this peer excluded as an owner),
-        partial_pieces (means that left out a sender), send_seconds (until this peer's last piece
-        was written), allreduce_seconds (the whole exchange, after matchmaking)."""
-        return {name: value.value for name, value in self._stats.items()}
-
-    @property
-    def state_protocol(self) -> str:
-        return f"{self.prefix}.LocoState.v{PROTOCOL_VERSION}"
-
-    def set_state_provider(self, provider: StateProvider | None) -> None:
-        with self._state_lock:
-            self._state_provider = provider
-
-    def get_current_state(self):
-        # Runs in the host process, in hivemind's background thread, when the averager process asks
-        # for the snapshots it serves (never for hivemind's own state download: state sharing is off).
-        with self._state_lock:
-            snapshots = self._state_provider() if self._state_provider is not None else []
-        metadata = {"snapshots": [{"meta": s.meta, "hashes": list(s.chunk_hashes), "digest": s.digest,
-                                   "tensors": len(s.tensors)} for s in snapshots]}
-        return metadata, [t for s in snapshots for t in s.tensors], None
-
-    def download_state(self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str,
-                       timeout_s: float) -> statesync.DownloadResult:
-        """Download the state named ``digest`` from ``donors`` (peer id strings) at once, in the
-        averager process (peer/state/transfer.py). Blocks until done.
-
-        Raises:
-            StateDownloadFailed: no donor delivered the remaining chunks; nothing is returned.
-        """
-        bound = self.download_bound_s(len(donors), timeout_s, 4 * sum(math.prod(shape) for shape in shapes))
-        try:
-            return self._call_in_averager("_download_state", timeout=bound + 5, donors=list(donors), digest=digest,
-                                          shapes=list(shapes), run_id=run_id, timeout_s=timeout_s, bound_s=bound)
-        except TimeoutError:
-            raise statesync.StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound:.0f} s", {}) from None
 
     def _call_in_averager(self, method: str, *, timeout: float | None = None, **kwargs):
         """Run ``await self.<method>(**kwargs, future=...)`` in the averager process; return its result.
@@ -147,55 +105,6 @@ class LocoAverager(DecentralizedAverager):
         except TimeoutError:
             future.cancel()
             raise
-
-    @staticmethod
-    def download_bound_s(donors: int, timeout_s: float, state_bytes: int) -> float:
-        """Longest a state download may take, s: a silent-donor timeout for each of up to 3 passes
-        (a pass ends when its donors delivered or failed), plus the bytes at 1 MB/s."""
-        return timeout_s * min(donors + 1, 3) + state_bytes / 1e6 + 5
-
-    async def _download_state(self, donors, digest, shapes, run_id, timeout_s, bound_s, future) -> None:
-        from hivemind.p2p import PeerID
-
-        async def open_stream(peer_id):
-            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id),
-                                                                           self.state_protocol)
-            return reader, writer
-
-        try:
-            result = await asyncio.wait_for(statesync.download_state(
-                [d for d in donors if d != str(self.peer_id)], open_stream, digest=digest, shapes=shapes,
-                run_id=run_id, timeout=timeout_s), bound_s)
-            if not future.done():
-                future.set_result(result)
-        except asyncio.TimeoutError:
-            if not future.done():
-                future.set_exception(statesync.StateDownloadFailed(
-                    f"state {digest.hex()} not downloaded within {bound_s:.0f} s", {}))
-        except Exception as exc:
-            if not future.done():
-                future.set_exception(exc)
-
-    async def _snapshot_for(self, digest: bytes) -> statesync.StateSnapshot | None:
-        """The snapshot named ``digest``, asking the host process for its current ones when it is not
-        cached here (at most once a second, so bogus requests cannot make it copy state in a loop)."""
-        if digest not in self._snapshots and asyncio.get_running_loop().time() - self._snapshots_fetched_at > 1.0:
-            self._snapshots_fetched_at = asyncio.get_running_loop().time()
-            try:
-                raw_metadata, tensors, _ = await self._get_current_state_from_host_process()
-                metadata = self.serializer.loads(raw_metadata)
-            except Exception as exc:
-                logger.debug("could not get the state to serve from the host process: %r", exc)
-                return None
-            fresh, offset = {}, 0
-            for item in metadata["snapshots"]:
-                own = tuple(tensors[offset:offset + item["tensors"]])
-                offset += item["tensors"]
-                fresh[item["digest"]] = statesync.StateSnapshot(
-                    meta=item["meta"], tensors=own, chunks=tuple(statesync.plan_chunks([t.shape for t in own])),
-                    chunk_hashes=tuple(item["hashes"]), digest=item["digest"])
-            self._snapshots = fresh
-        return self._snapshots.get(digest)
 
     def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float) -> None:
         """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
@@ -232,17 +141,12 @@ class LocoAverager(DecentralizedAverager):
         await p2p.add_binary_stream_handler(self.stream_protocol, self._handle_stream)
         await p2p.add_binary_stream_handler(self.state_protocol, self._handle_state_stream)
 
-    async def _handle_state_stream(self, stream_info, reader: asyncio.StreamReader,
-                                   writer: asyncio.StreamWriter) -> None:
-        """A joiner asks for chunks of a state snapshot (peer/state/transfer.py); never raises."""
-        await statesync.serve_state(reader, writer, self._snapshot_for, timeout=self.next_chunk_timeout or 5.0)
-
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A groupmate opened a stream to send us its pieces: route it to our session for its group."""
         timeout = self.next_chunk_timeout
         try:
-            payload = await wire.read_frame(reader, max_bytes=wire.MAX_HELLO_BYTES, timeout=timeout)
-            hello = wire.parse_hello(payload, group_size=wire.MAX_GROUP_SIZE)
+            payload = await framing.read_frame(reader, max_bytes=frames.MAX_HELLO_BYTES, timeout=timeout)
+            hello = frames.parse_hello(payload, group_size=frames.MAX_GROUP_SIZE)
             future = self._session_future(hello.group_id)
             session = await asyncio.wait_for(asyncio.shield(future), timeout)
         except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -260,34 +164,13 @@ class LocoAverager(DecentralizedAverager):
             loop.call_later(4 * (self.next_chunk_timeout or 5.0) + 60, self._sessions.pop, group_id, None)
         return future
 
-    def _codecs_for(self, pieces: list[Piece], shapes: list[torch.Size], group_size: int, tensors):
-        spec = self.compression
-        n_delta = len(shapes) if self.phi_from is None else self.phi_from
-        per_tensor = [None] * len(shapes)
-        if spec.codec == "adaptive":
-            from peer.sync.adaptive import plan as adaptive_plan
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> GroupOutcome:
+        """Run locoswarm's all-reduce in ``group_info``; on success the tensors hold the group means.
 
-            chosen = adaptive_plan(list(tensors[:n_delta]), spec, uplink_bytes_per_s=self._uplink_bytes_per_s,
-                                   group_size=group_size)
-            per_tensor[:n_delta] = chosen
-        piece_codecs = []
-        for piece in pieces:
-            role = "delta" if piece.tensor < n_delta else "phi"
-            codec = per_tensor[piece.tensor] or codecs.make_codec(spec, piece_shape(shapes[piece.tensor], piece),
-                                                                  role=role)
-            piece_codecs.append(codec)
-        return piece_codecs
-
-    def _splittable(self, index: int) -> bool:
-        # low-rank codecs want whole matrices; the adaptive policy may choose low rank anywhere
-        return self.compression.codec not in ("lowrank", "adaptive")
-
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        """Run locoswarm's all-reduce in ``group_info``; return the groupmates' gathered metadata.
-
-        Returns ``{INCOMPLETE: reason}`` instead when the group's rounds disagree or this peer did
-        not get a valid mean for every piece; the tensors and error-feedback residuals are then
-        left unchanged.
+        Returns:
+            GroupOutcome with the groupmates' gathered metadata and this peer's counters, or with
+            ``incomplete`` set when the group's rounds disagree or this peer did not get a valid
+            mean for every piece; the tensors and error-feedback residuals are then left unchanged.
         """
         group_id = group_info.group_id
         future = self._session_future(group_id)
@@ -299,24 +182,16 @@ class LocoAverager(DecentralizedAverager):
             rounds = {(d or {}).get("round") if isinstance(d, dict) else None for d in user_gathered.values()}
             if len(rounds) != 1 or not isinstance(next(iter(rounds)), int):
                 raise AllreduceIncomplete(f"groupmates are at different rounds {sorted(map(str, rounds))}")
-            round_ = next(iter(rounds))
-            n = len(group_info.peer_ids)
-            my_index = group_info.peer_ids.index(self.peer_id)
             owners = [i for i, mode in enumerate(modes) if mode != AveragingMode.CLIENT]
             if not owners:
                 raise AllreduceIncomplete("every groupmate is in client mode: nobody can reduce")
             async with enter_asynchronously(self.get_tensors()) as tensors:
                 shapes = [t.shape for t in tensors]
-                pieces = plan_pieces(shapes, owners, split=self._splittable,
-                                     **({"piece_elements": self.piece_elements} if self.piece_elements else {}))
-                piece_codecs = await asyncio.get_running_loop().run_in_executor(
-                    self._codec_executor(), self._codecs_for, pieces, shapes, n, tensors)
-                plan = GroupPlan(
-                    group_id=group_id, peer_ids=tuple(group_info.peer_ids), my_index=my_index, pieces=pieces,
-                    codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
-                    max_piece_bytes=[codecs.max_encoded_bytes(piece_shape(shapes[p.tensor], p)) for p in pieces],
-                    seeds=[groups.codec_seed(round_, p.index) for p in pieces],
-                )
+                plan = await asyncio.get_running_loop().run_in_executor(self._codec_executor(), lambda: make_group_plan(
+                    tensors, group_id=group_id, peer_ids=group_info.peer_ids,
+                    my_index=group_info.peer_ids.index(self.peer_id), owners=owners, round_=next(iter(rounds)),
+                    compression=self.compression, phi_from=self.phi_from, piece_elements=self.piece_elements,
+                    uplink_bytes_per_s=self._uplink_bytes_per_s))
                 ef = self._feedback(shapes)
                 ef_lock = threading.Lock()
 
@@ -352,8 +227,6 @@ class LocoAverager(DecentralizedAverager):
                     reason = exc if isinstance(exc, PartialAverage) else f"not done in {own_deadline:.0f} s"
                     raise AllreduceIncomplete(f"all-reduce of group {group_id.hex()[:8]} incomplete, nothing "
                                               f"applied: {reason}") from exc
-                finally:
-                    self._record(session.stats)
                 session.apply()
                 if ef is not None:
                     ef.commit()
@@ -361,13 +234,16 @@ class LocoAverager(DecentralizedAverager):
                 self._uplink_bytes_per_s = stats.bytes_sent / stats.send_seconds
             self.last_updated = get_dht_time()
             self._state_updated.set()
-            return user_gathered
+            return GroupOutcome(gathered=user_gathered, stats=stats)
+        # Returned, not raised: hivemind's step retries matchmaking on its own AllreduceException
+        # (for a round the group already ran) and fails the step on anything else. So no error of
+        # ours crosses into hivemind here, and AllreduceIncomplete needs no hivemind base class.
         except AllreduceIncomplete as exc:
-            # Returned, not raised: hivemind would retry matchmaking for a round the group already ran.
-            return {INCOMPLETE: str(exc)}
+            return GroupOutcome(stats=self._stats_of(session), incomplete=str(exc))
         except Exception as exc:
             logger.debug("all-reduce failed", exc_info=True)
-            return {INCOMPLETE: f"all-reduce failed: {type(exc).__name__}: {exc}"}
+            return GroupOutcome(stats=self._stats_of(session),
+                                incomplete=f"all-reduce failed: {type(exc).__name__}: {exc}")
         finally:
             if session is not None:
                 session.close()
@@ -375,6 +251,10 @@ class LocoAverager(DecentralizedAverager):
                 future.cancel()
             loop = asyncio.get_running_loop()
             loop.call_later(2 * self.next_chunk_timeout + 5, self._sessions.pop, group_id, None)
+
+    @staticmethod
+    def _stats_of(session: GroupAllreduce | None) -> AllreduceStats:
+        return session.stats if session is not None else AllreduceStats()
 
     def _codec_executor(self):
         """One long-lived thread for codec work in this (forked) process. torch initialises its
@@ -391,7 +271,7 @@ class LocoAverager(DecentralizedAverager):
             return None
         if self._error_feedback is None:
             n_delta = len(shapes) if self.phi_from is None else self.phi_from
-            self._error_feedback = codecs.ErrorFeedback(list(shapes[:n_delta]))
+            self._error_feedback = ErrorFeedback(list(shapes[:n_delta]))
         return self._error_feedback
 
     def _has_feedback(self, piece: Piece) -> bool:
@@ -400,12 +280,3 @@ class LocoAverager(DecentralizedAverager):
     @staticmethod
     def _rows(piece: Piece, shapes) -> slice | None:
         return None if len(shapes[piece.tensor]) == 0 else slice(piece.start, piece.stop)
-
-    def _record(self, stats) -> None:
-        self._stats["bytes_sent"].value = float(stats.bytes_sent)
-        self._stats["bytes_received"].value = float(stats.bytes_received)
-        self._stats["excluded"].value = float(len(stats.excluded))
-        self._stats["partial_pieces"].value = float(stats.partial_pieces)
-        self._stats["send_seconds"].value = float(stats.send_seconds)
-        self._stats["allreduce_seconds"].value = float(stats.seconds)
-        self._stats["started_at"].value = float(stats.started_at)

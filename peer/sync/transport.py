@@ -1,7 +1,9 @@
 """Transports compute a group's mean pseudo-gradient; outer algorithms (peer.train.outer) consume it.
 
 :class:`NetworkTransport` runs the DiLoCo group all-reduce over libp2p through hivemind
-(:class:`peer.sync.averager.LocoAverager`) and serves this peer's state to joiners.
+(:class:`peer.sync.averager.LocoAverager`), serves this peer's state to joiners and downloads
+others' (peer/state/). A sync returns a :class:`SyncResult` or raises a
+:class:`~protocol.errors.SyncError` that carries what the failed call cost (bytes) and its bound.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any, Callable, Sequence
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.sync.averager import INCOMPLETE, LocoAverager
+from peer.state.download import StateDownload, validate_state
+from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
-from protocol.errors import AllreduceFailed, BadPayload, GroupNotFound
+from protocol.errors import AllreduceFailed, AllreduceIncomplete, BadPayload, GroupNotFound, SyncError
 from protocol.manifest import CompressionSpec, SyncSpec
 
 logger = logging.getLogger(__name__)
@@ -50,35 +53,15 @@ class SyncResult:
     """Pieces whose mean left out at least one groupmate (the means are identical for all that completed)."""
     attempts: int = 1
     """1, or 2 when the first all-reduce could not complete and the retry did."""
+    allreduce_s: float = 0.0
+    """Wall time of the (last attempt's) all-reduce, after matchmaking, s."""
+    send_s: float = 0.0
+    """Of that, until this peer's last piece was written, s."""
+    allreduce_started_at: float = 0.0
+    """``time.time()`` when this peer started the (last attempt's) all-reduce."""
     start_digests: dict[str, str] | None = None
     """Each groupmate's digest of the state it started the round from (peer id → hex): groupmates
     that started from the same state and completed the round hold the same state after it."""
-
-
-@dataclass(frozen=True)
-class DownloadedState:
-    """φ, outer optimizer state and position of the swarm, downloaded from a live peer."""
-
-    round: int
-    inner_step: int
-    phi: list[torch.Tensor]
-    outer_state: list[torch.Tensor]
-
-
-class AllreduceIncompleteError(AllreduceFailed):
-    """The group formed but this peer did not get a valid mean for every piece; nothing applied."""
-
-
-@dataclass(frozen=True)
-class StateDownload:
-    """A verified state and how its download went."""
-
-    state: DownloadedState
-    chunks_by_donor: dict[str, int]
-    """Chunks each donor delivered (peer id → count): the load was spread over these."""
-    failed: dict[str, str]
-    """Donors dropped during the download, with the reason."""
-    bytes_received: int
 
 
 class NetworkTransport:
@@ -101,8 +84,6 @@ class NetworkTransport:
                  client_mode: bool = False, piece_elements: int | None = None):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
-        self.last_bytes = (0, 0)
-        """(sent, received) sync bytes of the last :meth:`average`, also when it failed."""
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
         # it; keep the caller's handler so Ctrl-C still stops the peer cleanly.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -130,10 +111,6 @@ class NetworkTransport:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, previous_sigint)
         self.deadlines = DeadlinePolicy(sync)
-        self.last_deadlines: Deadlines = self.deadlines.current()
-        """The deadlines of the last :meth:`average` call (or of the next one, before any)."""
-        self.last_deadline_s = (1 + self.RETRIES) * self.last_deadlines.total_s
-        """The bound the last :meth:`average` call ran under, retry included, s."""
 
     @property
     def max_sync_seconds(self) -> float:
@@ -159,40 +136,44 @@ class NetworkTransport:
                 as soon as this many have joined.
             group_index: with random groups, this peer's group; it becomes part of the
                 matchmaking key so that only groupmates meet.
-            start_digest: digest of the state this peer started the round from (peer/state/transfer.py);
+            start_digest: digest of the state this peer started the round from (peer/state/snapshot.py);
                 shared with the group, returned in :attr:`SyncResult.start_digests`.
             should_stop: polled while waiting; when it returns True the sync is cancelled.
 
+        Returns:
+            SyncResult; its bytes are summed over the attempts, its ``deadline_s`` is the bound
+            the call ran under, retry included.
+
         Raises:
             GroupNotFound: no groupmate found before the deadline (or cancelled).
-            AllreduceFailed: the all-reduce failed, timed out, was partial, or mixed rounds.
+            AllreduceIncomplete: the group formed but the retry, too, did not deliver every mean.
+            AllreduceFailed: the all-reduce failed, timed out or mixed rounds.
+            Every one carries ``bytes_sent`` and ``bytes_received`` (summed over the attempts) and
+            ``deadline_s`` (the bound the call ran under, retry included); φ is untouched.
         """
         start = time.monotonic()
         with self.averager.get_tensors() as buffers:
             for buf, d in zip(buffers, payload, strict=True):
                 buf.copy_(d)
-        d = self.last_deadlines = self.deadlines.current()
-        self.last_deadline_s = (1 + self.RETRIES) * d.total_s
+        d = self.deadlines.current()
+        bound_s = (1 + self.RETRIES) * d.total_s
         sent = received = 0
-        try:
-            for attempt in range(1 + self.RETRIES):
-                try:
-                    result = self._attempt(round_=round_, group_index=group_index, attempt=attempt, weight=weight,
-                                           expected_group_size=expected_group_size, start_digest=start_digest,
-                                           should_stop=should_stop, d=d)
-                except AllreduceIncompleteError as exc:
-                    if attempt == self.RETRIES or should_stop():
-                        raise
+        for attempt in range(1 + self.RETRIES):
+            try:
+                result = self._attempt(round_=round_, group_index=group_index, attempt=attempt, weight=weight,
+                                       expected_group_size=expected_group_size, start_digest=start_digest,
+                                       should_stop=should_stop, d=d)
+            except SyncError as exc:
+                sent, received = sent + exc.bytes_sent, received + exc.bytes_received
+                if isinstance(exc, AllreduceIncomplete) and attempt < self.RETRIES and not should_stop():
                     logger.info("round %d: %s; retrying with the groupmates that are left", round_, exc)
                     continue
-                finally:
-                    sent, received = sent + self.last_bytes[0], received + self.last_bytes[1]
-                return dataclasses.replace(result, bytes_sent=sent, bytes_received=received,
-                                           seconds=time.monotonic() - start, deadline_s=self.last_deadline_s,
-                                           attempts=attempt + 1)
-            raise AssertionError("unreachable: the last attempt returns or raises")
-        finally:
-            self.last_bytes = (sent, received)
+                exc.bytes_sent, exc.bytes_received, exc.deadline_s = sent, received, bound_s
+                raise
+            return dataclasses.replace(result, bytes_sent=sent + result.bytes_sent,
+                                       bytes_received=received + result.bytes_received,
+                                       seconds=time.monotonic() - start, deadline_s=bound_s, attempts=attempt + 1)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     RETRIES = 1
     """How often a round whose all-reduce could not complete (a groupmate died in it) is retried,
@@ -201,10 +182,14 @@ class NetworkTransport:
     def _attempt(self, *, round_: int, group_index: int | None, attempt: int, weight: float,
                  expected_group_size: int, start_digest: str, should_stop: Callable[[], bool],
                  d: Deadlines) -> SyncResult:
-        """One matchmaking + all-reduce of the payload already in the buffers (see :meth:`average`)."""
+        """One matchmaking + all-reduce of the payload already in the buffers (see :meth:`average`).
+
+        Raises:
+            GroupNotFound, AllreduceFailed: as :meth:`average`, with this attempt's bytes (0 when
+                no outcome came back from the averager process).
+            AllreduceIncomplete: with this attempt's bytes; the round may be retried at once.
+        """
         start = time.monotonic()
-        self.averager.reset_stats()
-        self.last_bytes = (0, 0)
         self.averager.set_group_bits(keys.round_group_bits(round_, group_index, attempt))
         self.averager.configure_round(target_group_size=max(2, min(expected_group_size, self.sync.target_group_size)),
                                       matchmaking_s=d.matchmaking_s, allreduce_s=d.allreduce_s)
@@ -215,14 +200,14 @@ class NetworkTransport:
             wait=False,
         )
         deadline = start + d.total_s
-        gathered = None
+        outcome: GroupOutcome | None = None
         try:
             while True:
                 if should_stop():
                     control.cancel()
                     raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
                 try:
-                    gathered = control.result(timeout=0.5)
+                    outcome = control.result(timeout=0.5)
                     break
                 except TimeoutError:
                     if time.monotonic() > deadline:
@@ -237,20 +222,22 @@ class NetworkTransport:
                 raise GroupNotFound(f"no group formed for round {round_}{' (retry)' if attempt else ''} within "
                                     f"{d.matchmaking_deadline_s:.0f} s") from exc
             raise AllreduceFailed(f"round {round_} all-reduce failed: {text}") from exc
-        if gathered is None:
+        if outcome is None:
             raise GroupNotFound(f"no group formed for round {round_}")
-        stats = self.averager.last_stats
-        self.last_bytes = (int(stats["bytes_sent"]), int(stats["bytes_received"]))
-        if INCOMPLETE in gathered:
-            raise AllreduceIncompleteError(f"round {round_}: {gathered[INCOMPLETE]}")
+        stats = outcome.stats
+        if outcome.incomplete is not None:
+            raise AllreduceIncomplete(f"round {round_}: {outcome.incomplete}", bytes_sent=stats.bytes_sent,
+                                      bytes_received=stats.bytes_received)
+        gathered = outcome.gathered
         with self.averager.get_tensors() as buffers:
             mean = [buf.clone() for buf in buffers]
-        if stats["started_at"] >= arrived:
-            self.deadlines.observe(wait_s=stats["started_at"] - arrived, allreduce_s=stats["allreduce_seconds"])
+        if stats.started_at >= arrived:
+            self.deadlines.observe(wait_s=stats.started_at - arrived, allreduce_s=stats.seconds)
         return SyncResult(mean=mean, group=sorted(str(peer) for peer in gathered), group_size=len(gathered),
-                          bytes_sent=int(stats["bytes_sent"]), bytes_received=int(stats["bytes_received"]),
-                          seconds=time.monotonic() - start, deadline_s=d.total_s, excluded=int(stats["excluded"]),
-                          partial_pieces=int(stats["partial_pieces"]),
+                          bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+                          seconds=time.monotonic() - start, deadline_s=d.total_s, excluded=len(stats.excluded),
+                          partial_pieces=stats.partial_pieces, allreduce_s=stats.seconds, send_s=stats.send_seconds,
+                          allreduce_started_at=stats.started_at,
                           start_digests={str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict)
                                          else "" for peer, data in gathered.items()})
 
@@ -259,7 +246,7 @@ class NetworkTransport:
         self.averager.reset_error_feedback()
 
     def share_state(self, provider: Callable[[], list[Any]] | None) -> None:
-        """Serve the state snapshots from ``provider`` (peer/state/transfer.py, newest last) to peers that
+        """Serve the state snapshots from ``provider`` (peer/state/snapshot.py, newest last) to peers that
         download them, or stop serving with None."""
         self.averager.set_state_provider(provider)
 
@@ -267,7 +254,7 @@ class NetworkTransport:
         """Download the state named ``digest_hex`` from every peer in ``donors`` at once.
 
         Each donor serves an interleaved share of the state's chunks; a donor that fails is dropped
-        and its share dealt to the others (peer/state/transfer.py). Everything received is verified
+        and its share dealt to the others (peer/state/download.py). Everything received is verified
         against the digest before it is returned, and checked for run id, shapes and finiteness.
 
         Args:
@@ -290,32 +277,3 @@ class NetworkTransport:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
-
-
-def validate_state(metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: str,
-                   shapes: Sequence[torch.Size]) -> DownloadedState:
-    """Check a downloaded state before any of it touches φ.
-
-    Raises:
-        BadPayload: names the first field or tensor that is wrong.
-    """
-    if not isinstance(metadata, dict):
-        raise BadPayload(f"downloaded state metadata is a {type(metadata).__name__}, expected a map")
-    if metadata.get("run_id") != run_id:
-        raise BadPayload(f"downloaded state is for run {metadata.get('run_id')!r}, expected {run_id}")
-    for name in ("round", "inner_step"):
-        value = metadata.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise BadPayload(f"downloaded state field {name} = {value!r}: expected a non-negative integer")
-    n = len(shapes)
-    if len(tensors) != 2 * n:
-        raise BadPayload(f"downloaded state has {len(tensors)} tensors, expected {2 * n} (φ and outer momentum)")
-    for index, tensor in enumerate(tensors):
-        shape = shapes[index % n]
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.shape != shape:
-            raise BadPayload(f"downloaded state tensor {index} is {getattr(tensor, 'dtype', type(tensor))} "
-                             f"{tuple(getattr(tensor, 'shape', ()))}, expected float32 {tuple(shape)}")
-        if not torch.isfinite(tensor).all():
-            raise BadPayload(f"downloaded state tensor {index} holds NaN or inf")
-    return DownloadedState(round=metadata["round"], inner_step=metadata["inner_step"],
-                           phi=[t.clone() for t in tensors[:n]], outer_state=[t.clone() for t in tensors[n:]])

@@ -1,4 +1,5 @@
-"""peer.state.transfer over real unix sockets: multi-donor download, per-chunk verification, donor faults."""
+"""peer.state.serve and peer.state.download over real unix sockets: multi-donor download, per-chunk
+verification, donor faults; and the check of a downloaded state before it touches φ."""
 
 from __future__ import annotations
 
@@ -11,28 +12,19 @@ import tempfile
 import pytest
 import torch
 
-from peer.sync.allreduce import piece_view
-from peer.state.transfer import (MAX_REQUEST_BYTES, REQUEST_HEADER, StateDownloadFailed, StateSnapshot, chunk_bytes,
-                            chunk_hash, encode_chunk, encode_meta, encode_request, make_snapshot, parse_request,
-                            plan_chunks, serve_state, state_digest, download_state)
-from protocol import wire
+from peer.state.download import download_state, validate_state
+from peer.state.serve import serve_state
+from peer.state.snapshot import StateSnapshot, chunk_bytes, chunk_hash, make_snapshot, state_digest
+from peer.sync.pieces import piece_view
+from protocol.errors import BadPayload, StateDownloadFailed
 from protocol.version import PROTOCOL_VERSION
+from protocol.wire import framing
+from protocol.wire.state import (MAX_REQUEST_BYTES, REQUEST_HEADER, encode_chunk, encode_meta, encode_request,
+                                 parse_request)
+from tests.unit.state_samples import CHUNK, META, RUN, SHAPES
+from tests.unit.state_samples import sample_snapshot as _snapshot
 
-BASE = [torch.Size([40, 16]), torch.Size([16]), torch.Size([]), torch.Size([0, 3]), torch.Size([9, 2, 3])]
-SHAPES = BASE * 2  # φ, then outer momentum
-CHUNK = 64
-RUN = "run0"
-META = {"run_id": RUN, "round": 12, "inner_step": 600}
 TIMEOUT = 2.0
-
-
-def _tensors(seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen) for s in SHAPES]
-
-
-def _snapshot(meta=META, tensors=None) -> StateSnapshot:
-    return make_snapshot(meta, tensors if tensors is not None else _tensors(), chunk_elements=CHUNK)
 
 
 def _tampered(snapshot: StateSnapshot, chunk_index: int, how) -> StateSnapshot:
@@ -72,10 +64,10 @@ def serves_regardless(snapshot: StateSnapshot):
 def dies_after_one_chunk(snapshot: StateSnapshot):
     async def handle(reader, writer):
         try:
-            _, indices = parse_request(await wire.read_frame(reader, max_bytes=MAX_REQUEST_BYTES, timeout=TIMEOUT))
-            writer.write(wire.frame(encode_meta(snapshot.meta, snapshot.chunk_hashes)))
+            _, indices = parse_request(await framing.read_frame(reader, max_bytes=MAX_REQUEST_BYTES, timeout=TIMEOUT))
+            writer.write(framing.frame(encode_meta(snapshot.meta, snapshot.chunk_hashes)))
             chunk = snapshot.chunks[indices[0]]
-            writer.write(wire.frame(encode_chunk(indices[0], chunk_bytes(snapshot.tensors[chunk.tensor], chunk))))
+            writer.write(framing.frame(encode_chunk(indices[0], chunk_bytes(snapshot.tensors[chunk.tensor], chunk))))
             await writer.drain()
         finally:
             writer.close()
@@ -126,56 +118,6 @@ def _assert_exact(result, snapshot: StateSnapshot) -> None:
     assert sum(result.chunks_by_donor.values()) == len(snapshot.chunks)
 
 
-# ---- content addressing ---------------------------------------------------------------------
-def test_plan_covers_every_row_once_in_small_chunks():
-    chunks = plan_chunks(SHAPES, CHUNK)
-    assert [c.index for c in chunks] == list(range(len(chunks))) and len(chunks) == 26
-    assert chunks == plan_chunks(SHAPES, CHUNK)
-    for index, shape in enumerate(SHAPES):
-        rows = [(c.start, c.stop) for c in chunks if c.tensor == index]
-        if shape.numel() == 0:
-            assert rows == []
-        elif len(shape) == 0:
-            assert rows == [(0, 1)]
-        else:
-            assert rows[0][0] == 0 and rows[-1][1] == shape[0]
-            assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
-
-
-def test_digest_is_stable_and_sensitive_to_one_ulp_and_to_meta():
-    tensors = _tensors()
-    a, b = _snapshot(tensors=tensors), _snapshot(tensors=[t.clone() for t in tensors])
-    assert a.digest == b.digest and len(a.digest) == 16
-    assert a.digest == state_digest(dict(reversed(list(META.items()))), a.chunk_hashes)  # key order is canonical
-    nudged = [t.clone() for t in tensors]
-    nudged[4][3, 1, 2] = torch.nextafter(nudged[4][3, 1, 2], torch.tensor(float("inf")))
-    c = _snapshot(tensors=nudged)
-    assert c.digest != a.digest
-    assert sum(x != y for x, y in zip(a.chunk_hashes, c.chunk_hashes)) == 1  # only that chunk's hash moved
-    assert _snapshot(meta={**META, "round": 13}, tensors=tensors).digest != a.digest
-    assert chunk_hash(chunk_bytes(a.tensors[0], a.chunks[0])) == a.chunk_hashes[0]
-
-
-def test_snapshot_is_a_private_copy():
-    tensors = _tensors()
-    snapshot = _snapshot(tensors=tensors)
-    tensors[0].add_(1.0)
-    assert not torch.equal(snapshot.tensors[0], tensors[0])
-
-
-@pytest.mark.parametrize("meta, tensors, match", [
-    ({**META, "extra": 1}, None, "fields"),
-    ({**META, "round": -1}, None, "round"),
-    ({**META, "inner_step": True}, None, "inner_step"),
-    ({**META, "run_id": 5}, None, "run_id"),
-    (META, [torch.zeros(2, dtype=torch.float64)], "float32"),
-    (META, [torch.tensor([1.0, float("inf")])], "NaN or inf"),
-])
-def test_make_snapshot_rejects_what_no_joiner_could_accept(meta, tensors, match):
-    with pytest.raises(ValueError, match=match):
-        make_snapshot(meta, tensors if tensors is not None else _tensors(), chunk_elements=CHUNK)
-
-
 # ---- downloads ------------------------------------------------------------------------------
 def test_three_donors_share_the_load_bit_exact():
     snapshot = _snapshot()
@@ -189,8 +131,8 @@ def test_three_donors_share_the_load_bit_exact():
     assert all(b > 0 for b in result.bytes_by_donor.values())
     # every byte a donor wrote was read: the counts agree on both ends
     assert sorted(served) == sorted(result.bytes_by_donor.values())
-    meta_frame = len(wire.frame(encode_meta(snapshot.meta, snapshot.chunk_hashes)))
-    chunk_frames = sum(wire.LENGTH.size + 5 + 4 * t[c.start:c.stop].numel() if t.dim() else 13
+    meta_frame = len(framing.frame(encode_meta(snapshot.meta, snapshot.chunk_hashes)))
+    chunk_frames = sum(framing.LENGTH.size + 5 + 4 * t[c.start:c.stop].numel() if t.dim() else 13
                        for c in snapshot.chunks for t in [snapshot.tensors[c.tensor]])
     assert sum(served) == 3 * meta_frame + chunk_frames
 
@@ -286,16 +228,16 @@ def test_state_without_chunks_still_delivers_its_meta():
 
 # ---- donor side: malformed requests ---------------------------------------------------------
 @pytest.mark.parametrize("raw, match", [
-    (wire.frame(REQUEST_HEADER.pack(16, PROTOCOL_VERSION + 1, b"x" * 16, 0)), "protocol version"),
-    (wire.frame(encode_request(b"x" * 16, [3, 2])), "strictly ascending"),
-    (wire.frame(encode_request(b"x" * 16, [1, 2])[:-4]), "announces 2 chunk indices"),
-    (wire.frame(b"\x01hello"), "expected REQUEST"),
-    (wire.LENGTH.pack(MAX_REQUEST_BYTES + 1), "at most"),
+    (framing.frame(REQUEST_HEADER.pack(16, PROTOCOL_VERSION + 1, b"x" * 16, 0)), "protocol version"),
+    (framing.frame(encode_request(b"x" * 16, [3, 2])), "strictly ascending"),
+    (framing.frame(encode_request(b"x" * 16, [1, 2])[:-4]), "announces 2 chunk indices"),
+    (framing.frame(b"\x01hello"), "expected REQUEST"),
+    (framing.LENGTH.pack(MAX_REQUEST_BYTES + 1), "at most"),
     (None, "chunk 1000 requested"),  # the snapshot's digest, an index past its 26 chunks
 ], ids=["version", "order", "truncated", "kind", "oversized", "index"])
 def test_donor_rejects_malformed_requests_logs_and_closes(raw, match, caplog):
     snapshot = _snapshot()
-    raw = raw if raw is not None else wire.frame(encode_request(snapshot.digest, [0, 1000]))
+    raw = raw if raw is not None else framing.frame(encode_request(snapshot.digest, [0, 1000]))
     served: list[int] = []
 
     async def run():
@@ -310,7 +252,7 @@ def test_donor_rejects_malformed_requests_logs_and_closes(raw, match, caplog):
                     break
                 await asyncio.sleep(0.01)
             return answer
-    with caplog.at_level(logging.WARNING, logger="peer.state.transfer"):
+    with caplog.at_level(logging.WARNING, logger="peer.state.serve"):
         answer = asyncio.run(run())
     assert answer == b"" and served == [0]
     assert any(match in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
@@ -329,10 +271,30 @@ def test_donor_gives_up_on_a_silent_client():
     assert asyncio.run(run()) == b""
 
 
-def test_download_failure_survives_the_pipe_to_the_trainer():
-    """The averager process hands the failure to the trainer through a (local) pipe: it must pickle."""
-    import pickle
+# ---- the downloaded state's check ---------------------------------------------------------
+PARAM_SHAPES = [torch.Size([2, 2]), torch.Size([3])]
+STATE_META = {"run_id": "abc", "round": 4, "inner_step": 80, "version": 1}
 
-    exc = StateDownloadFailed("state ab: no donor left", {"QmDonor": "timed out"})
-    back = pickle.loads(pickle.dumps(exc))
-    assert isinstance(back, StateDownloadFailed) and str(back) == str(exc) and back.failed == exc.failed
+
+def _state_tensors():
+    return [torch.zeros(s) for s in PARAM_SHAPES] * 2
+
+
+def test_valid_state_passes():
+    state = validate_state(STATE_META, _state_tensors(), run_id="abc", shapes=PARAM_SHAPES)
+    assert state.round == 4 and state.inner_step == 80 and len(state.phi) == 2
+
+
+@pytest.mark.parametrize("meta, tensors, match", [
+    ({**STATE_META, "run_id": "other"}, None, "run 'other'"),
+    ({**STATE_META, "round": -1}, None, "round"),
+    ({**STATE_META, "round": "7"}, None, "round"),
+    ("not a map", None, "map"),
+    (STATE_META, [torch.zeros(2, 2)], "tensors"),
+    (STATE_META, [torch.zeros(2, 3), torch.zeros(3)] * 2, "tensor 0"),
+    (STATE_META, [torch.zeros(2, 2, dtype=torch.float64), torch.zeros(3)] * 2, "float32"),
+    (STATE_META, [torch.full((2, 2), float("nan")), torch.zeros(3)] * 2, "NaN"),
+])
+def test_bad_state_is_rejected_with_reason(meta, tensors, match):
+    with pytest.raises(BadPayload, match=match):
+        validate_state(meta, tensors if tensors is not None else _state_tensors(), run_id="abc", shapes=PARAM_SHAPES)

@@ -1,4 +1,4 @@
-"""The sync wire format: length-prefixed frames on one libp2p stream per pair of groupmates.
+"""The all-reduce's frames, on one libp2p stream per pair of groupmates (framing: framing.py).
 
 A group all-reduce (peer/sync/allreduce.py) opens one stream from every sender to every owner of
 pieces. On that stream::
@@ -9,22 +9,22 @@ pieces. On that stream::
 Every frame is ``u32 big-endian length`` + ``payload``; the payload starts with one kind byte.
 
 ====== ===================================================================================
-HELLO  kind, then a msgpack map {v: protocol version, group: group id (bytes), sender: index
+HELLO  kind 1, then a msgpack map {v: protocol version, group: group id (bytes), sender: index
        in the group, weight: tokens (float > 0), pieces: how many PIECE frames follow}
-PIECE  kind, u32 piece index, then one codec encoding (protocol/codecs.py)
-MEAN   kind, u32 piece index, u16 group size n, ceil(n/8) bytes of bitmap: which senders the
+PIECE  kind 2, u32 piece index, then one codec encoding (protocol/codecs.py)
+MEAN   kind 3, u32 piece index, u16 group size n, ceil(n/8) bytes of bitmap: which senders the
        mean includes (bit i = sender i), then one codec encoding of the weighted fp32 mean
-ABORT  kind, then a UTF-8 reason of at most 1 KiB
+ABORT  kind 4, then a UTF-8 reason of at most 1 KiB
 ====== ===================================================================================
 
 The parsers here check everything that is not codec data before anything is allocated or
-used: the declared length against a caller's bound, kinds, versions, indices and counts.
-They raise only :class:`BadPayload`. No message is ever unpickled.
+used: kinds, versions, indices and counts (the declared length is bounded by
+:func:`protocol.wire.framing.read_frame`). They raise only :class:`BadPayload`. No message is
+ever unpickled.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import struct
 from dataclasses import dataclass
@@ -33,49 +33,16 @@ import msgpack
 
 from protocol.errors import BadPayload
 from protocol.version import PROTOCOL_VERSION
+from protocol.wire.framing import kind_of
 
 HELLO, PIECE, MEAN, ABORT = 1, 2, 3, 4
 KIND_NAMES = {HELLO: "HELLO", PIECE: "PIECE", MEAN: "MEAN", ABORT: "ABORT"}
-LENGTH = struct.Struct(">I")
 PIECE_HEADER = struct.Struct(">BI")
 MEAN_HEADER = struct.Struct(">BIH")
 MAX_HELLO_BYTES = 1024
 MAX_ABORT_BYTES = 1024
 MAX_GROUP_SIZE = 4096
 """Largest group a MEAN bitmap can describe (matches the manifest's sync.target_group_size bound)."""
-
-
-def frame(payload: bytes) -> bytes:
-    """Length-prefix ``payload``."""
-    return LENGTH.pack(len(payload)) + payload
-
-
-async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int, timeout: float | None) -> bytes:
-    """Read one frame's payload.
-
-    Args:
-        max_bytes: the largest payload this reader accepts at this point of the protocol; a
-            longer declared length is rejected before anything is allocated.
-        timeout: seconds to wait for the whole frame (None: forever).
-
-    Raises:
-        BadPayload: declared length 0 or above ``max_bytes``.
-        asyncio.TimeoutError: nothing complete arrived in time.
-        asyncio.IncompleteReadError: the stream closed mid-frame.
-    """
-    async def _read() -> bytes:
-        (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-        if length == 0 or length > max_bytes:
-            raise BadPayload(f"frame declares {length} bytes; at most {max_bytes} allowed here")
-        return await reader.readexactly(length)
-
-    return await asyncio.wait_for(_read(), timeout)
-
-
-def kind_of(payload: bytes) -> int:
-    if not payload or payload[0] not in KIND_NAMES:
-        raise BadPayload(f"unknown frame kind {payload[:1].hex() or '(empty)'}")
-    return payload[0]
 
 
 @dataclass(frozen=True)
@@ -100,7 +67,7 @@ def parse_hello(payload: bytes, *, group_size: int) -> Hello:
             protocol version, sender outside ``[0, group_size)``, weight not finite and > 0,
             or a negative piece count.
     """
-    if kind_of(payload) != HELLO:
+    if kind_of(payload, KIND_NAMES) != HELLO:
         raise BadPayload(f"expected HELLO, got {KIND_NAMES[payload[0]]}")
     if len(payload) > MAX_HELLO_BYTES:
         raise BadPayload(f"HELLO of {len(payload)} bytes exceeds {MAX_HELLO_BYTES}")
@@ -136,7 +103,7 @@ def parse_piece(payload: bytes, *, expected_index: int) -> memoryview:
     Raises:
         BadPayload: not a PIECE, too short, or another piece index (pieces come in order).
     """
-    if kind_of(payload) != PIECE:
+    if kind_of(payload, KIND_NAMES) != PIECE:
         raise BadPayload(f"expected PIECE, got {KIND_NAMES[payload[0]]}")
     if len(payload) < PIECE_HEADER.size:
         raise BadPayload(f"PIECE frame of {len(payload)} bytes is shorter than its header")
@@ -162,7 +129,7 @@ def parse_mean(payload: bytes, *, expected_index: int, group_size: int) -> tuple
         BadPayload: not a MEAN (an ABORT's reason is included in the message), wrong piece
             index, a group size other than ``group_size``, bits set beyond it, or no sender.
     """
-    kind = kind_of(payload)
+    kind = kind_of(payload, KIND_NAMES)
     if kind == ABORT:
         raise BadPayload(f"the owner aborted: {parse_abort(payload)}")
     if kind != MEAN:
@@ -191,6 +158,6 @@ def encode_abort(reason: str) -> bytes:
 
 
 def parse_abort(payload: bytes) -> str:
-    if kind_of(payload) != ABORT:
+    if kind_of(payload, KIND_NAMES) != ABORT:
         raise BadPayload(f"expected ABORT, got {KIND_NAMES[payload[0]]}")
     return bytes(payload[1:1 + MAX_ABORT_BYTES]).decode("utf-8", "replace")

@@ -1,0 +1,130 @@
+"""The state-transfer half of the averager: serve snapshots to joiners, download from donors.
+
+Mixed into :class:`peer.sync.averager.LocoAverager` (a hivemind ``DecentralizedAverager``), which
+runs in its own forked process and provides ``_p2p``, ``peer_id``, ``prefix``, ``serializer``,
+``next_chunk_timeout``, ``_get_current_state_from_host_process`` and ``_call_in_averager``. The
+host process holds the snapshots (peer/state/snapshot.py); the averager process asks it for them
+when a joiner requests one it has not cached, and serves them (peer/state/serve.py). Downloads
+run in the averager process too, where the libp2p streams are (peer/state/download.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from peer.state import download
+from peer.state.download import DownloadResult
+from peer.state.serve import serve_state
+from peer.state.snapshot import StateSnapshot, plan_chunks
+from protocol.errors import StateDownloadFailed
+from protocol.version import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+StateProvider = Callable[[], list[StateSnapshot]]
+"""Returns the snapshots this peer serves to joiners (peer/state/snapshot.py), newest last."""
+
+
+class StateSharing:
+    """Serves this peer's state snapshots on ``<prefix>.LocoState.v<N>`` and downloads others'."""
+
+    def _init_state_sharing(self) -> None:
+        """Call in ``__init__`` before the averager process forks."""
+        self._state_provider: StateProvider | None = None
+        self._state_lock = threading.Lock()
+        # set in the averager process
+        self._snapshots: dict[bytes, StateSnapshot] = {}
+        self._snapshots_fetched_at = 0.0
+
+    @property
+    def state_protocol(self) -> str:
+        return f"{self.prefix}.LocoState.v{PROTOCOL_VERSION}"
+
+    def set_state_provider(self, provider: StateProvider | None) -> None:
+        with self._state_lock:
+            self._state_provider = provider
+
+    def get_current_state(self):
+        # Runs in the host process, in hivemind's background thread, when the averager process asks
+        # for the snapshots it serves (never for hivemind's own state download: state sharing is off).
+        with self._state_lock:
+            snapshots = self._state_provider() if self._state_provider is not None else []
+        metadata = {"snapshots": [{"meta": s.meta, "hashes": list(s.chunk_hashes), "digest": s.digest,
+                                   "tensors": len(s.tensors)} for s in snapshots]}
+        return metadata, [t for s in snapshots for t in s.tensors], None
+
+    def download_state(self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str,
+                       timeout_s: float) -> DownloadResult:
+        """Download the state named ``digest`` from ``donors`` (peer id strings) at once, in the
+        averager process (peer/state/download.py). Blocks until done.
+
+        Raises:
+            StateDownloadFailed: no donor delivered the remaining chunks; nothing is returned.
+        """
+        bound = self.download_bound_s(len(donors), timeout_s, 4 * sum(math.prod(shape) for shape in shapes))
+        try:
+            return self._call_in_averager("_download_state", timeout=bound + 5, donors=list(donors), digest=digest,
+                                          shapes=list(shapes), run_id=run_id, timeout_s=timeout_s, bound_s=bound)
+        except TimeoutError:
+            raise StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound:.0f} s", {}) from None
+
+    @staticmethod
+    def download_bound_s(donors: int, timeout_s: float, state_bytes: int) -> float:
+        """Longest a state download may take, s: a silent-donor timeout for each of up to 3 passes
+        (a pass ends when its donors delivered or failed), plus the bytes at 1 MB/s."""
+        return timeout_s * min(donors + 1, 3) + state_bytes / 1e6 + 5
+
+    # ---- in the averager process ----------------------------------------------------------
+    async def _download_state(self, donors, digest, shapes, run_id, timeout_s, bound_s, future) -> None:
+        from hivemind.p2p import PeerID
+
+        async def open_stream(peer_id):
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id),
+                                                                           self.state_protocol)
+            return reader, writer
+
+        try:
+            result = await asyncio.wait_for(download.download_state(
+                [d for d in donors if d != str(self.peer_id)], open_stream, digest=digest, shapes=shapes,
+                run_id=run_id, timeout=timeout_s), bound_s)
+            if not future.done():
+                future.set_result(result)
+        except asyncio.TimeoutError:
+            if not future.done():
+                future.set_exception(StateDownloadFailed(
+                    f"state {digest.hex()} not downloaded within {bound_s:.0f} s", {}))
+        except Exception as exc:
+            if not future.done():
+                future.set_exception(exc)
+
+    async def _snapshot_for(self, digest: bytes) -> StateSnapshot | None:
+        """The snapshot named ``digest``, asking the host process for its current ones when it is not
+        cached here (at most once a second, so bogus requests cannot make it copy state in a loop)."""
+        if digest not in self._snapshots and asyncio.get_running_loop().time() - self._snapshots_fetched_at > 1.0:
+            self._snapshots_fetched_at = asyncio.get_running_loop().time()
+            try:
+                raw_metadata, tensors, _ = await self._get_current_state_from_host_process()
+                metadata = self.serializer.loads(raw_metadata)
+            except Exception as exc:
+                logger.debug("could not get the state to serve from the host process: %r", exc)
+                return None
+            fresh, offset = {}, 0
+            for item in metadata["snapshots"]:
+                own = tuple(tensors[offset:offset + item["tensors"]])
+                offset += item["tensors"]
+                fresh[item["digest"]] = StateSnapshot(
+                    meta=item["meta"], tensors=own, chunks=tuple(plan_chunks([t.shape for t in own])),
+                    chunk_hashes=tuple(item["hashes"]), digest=item["digest"])
+            self._snapshots = fresh
+        return self._snapshots.get(digest)
+
+    async def _handle_state_stream(self, stream_info, reader: asyncio.StreamReader,
+                                   writer: asyncio.StreamWriter) -> None:
+        """A joiner asks for chunks of a state snapshot (peer/state/serve.py); never raises."""
+        await serve_state(reader, writer, self._snapshot_for, timeout=self.next_chunk_timeout or 5.0)

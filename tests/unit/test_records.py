@@ -1,0 +1,20 @@
+"""protocol.records: a progress record read from the DHT is validated field by field."""
+
+import pytest
+
+from protocol.errors import BadPayload
+from protocol.records import ProgressRecord
+
+
+def test_progress_record_validation():
+    record = ProgressRecord(round=1, inner_step=20, train_loss=2.5, tokens_per_s=100.0, group_size=3, bytes_sent=10)
+    assert ProgressRecord.from_wire(record.to_wire()) == record
+    for bad in ({**record.to_wire(), "round": -3}, {**record.to_wire(), "train_loss": float("nan")},
+                {**record.to_wire(), "extra": 1}, [1, 2], {**record.to_wire(), "version": 99}):
+        with pytest.raises(BadPayload):
+            ProgressRecord.from_wire(bad)
+    digest = "0123456789abcdef" * 2
+    assert ProgressRecord.from_wire({**record.to_wire(), "state_digest": digest}).state_digest == digest
+    for bad_digest in ("0123", "X" * 32, digest.upper(), 7):
+        with pytest.raises(BadPayload, match="state_digest"):
+            ProgressRecord.from_wire({**record.to_wire(), "state_digest": bad_digest})
