@@ -28,8 +28,8 @@ under which bound it ran (``deadline_s``), so a caller records a failed round fr
 alone. SyncErrors cross process pipes (the averager runs in a forked process): each pickles with
 its message and every attribute, and a subclass's ``__init__`` must accept the message alone.
 
-Pure: imports neither hivemind nor torch. Where hivemind wants its own exception types, the
-boundary maps them (peer/sync/averager.py).
+Pure: imports neither hivemind nor torch. No error of ours crosses into hivemind's code: the
+averager process returns an incomplete all-reduce as its step's outcome (peer/sync/averager.py).
 """
 
 from __future__ import annotations

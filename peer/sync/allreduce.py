@@ -178,8 +178,8 @@ class GroupAllreduce:
             send_task = asyncio.create_task(self._send_means(writer))
             try:
                 for piece in self.my_pieces:
-                    payload = await self._read(reader, frames.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index],
-                                               self.timeout)
+                    limit = frames.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index]
+                    payload = await self._read(reader, limit, self.timeout)
                     data = frames.parse_piece(payload, expected_index=piece.index)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     async with self._changed:
