@@ -23,9 +23,10 @@ from peer.config import TrainerConfig
 from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary
 from peer.reporting import Reporter
 from peer.state.checkpoint import PeerState, export_phi, load_checkpoint, save_checkpoint
-from peer.state.transfer import StateSnapshot, make_snapshot
+from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.membership import SwarmView
-from peer.sync.transport import DownloadedState, NetworkTransport
+from peer.state.download import DownloadedState
+from peer.sync.transport import NetworkTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch
 from peer.train.inner import InnerLoop
 from peer.train.model import evaluate
@@ -207,7 +208,7 @@ class Trainer:
 
     def _catch_up_once(self) -> bool:
         """Download φ, outer state and round from every peer publishing the target digest at once
-        (peer/state/transfer.py), checked against the digest, and start at the swarm's current inner
+        (peer/state/download.py), checked against the digest, and start at the swarm's current inner
         step. A failed download is reported and leaves this peer's state unchanged."""
         target = self.outer.resync_target(
             [(r.peer_id, r.record.round, r.record.state_digest) for r in self.swarm.others()],
@@ -274,7 +275,7 @@ class Trainer:
 
     def _take_snapshot(self) -> None:
         """Snapshot φ, outer state and position at a round boundary; its digest is what this peer
-        publishes and what joiners download (peer/state/transfer.py)."""
+        publishes and what joiners download (peer/state/snapshot.py)."""
         with self._lock:
             meta = {"run_id": self.m.run_id, "round": self.pos.round, "inner_step": self.pos.round * self.H}
             snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])

@@ -28,7 +28,7 @@ class ProgressRecord:
     eval_loss: float | None = None
     state_digest: str = ""
     """Hex digest (32 characters) of the state this peer holds at the start of ``round``: φ, outer
-    optimizer state and position (peer/state/transfer.py). Peers that completed a round together hold
+    optimizer state and position (peer/state/snapshot.py). Peers that completed a round together hold
     the same digest; joiners download the state with a digest from the peers that publish it.
     Empty before the peer has a state to serve."""
     version: int = PROTOCOL_VERSION

@@ -1,7 +1,7 @@
 """Which state a peer adopts from the swarm: the re-sync rule of locoswarm's DiLoCo.
 
 Peers publish, in their progress records, the digest of the state (φ, outer optimizer state,
-round; peer/state/transfer.py) they hold at the start of their round. A *class* is the set of peers
+round; peer/state/snapshot.py) they hold at the start of their round. A *class* is the set of peers
 publishing the same (round, digest). After every round a peer compares its own class with the
 others and adopts the state of another class by the rule of :func:`resync_target`; the state is
 then downloaded from every member of that class at once.
