@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from protocol.codecs import BLOCK_RANGE, Codec, decode
+from protocol.codecs import BLOCK_RANGE, Codec
 from protocol.manifest import CompressionSpec
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,10 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
     x = x.detach().float()
     options = []
     for name in ELEMENTWISE:
-        blocks = {min(spec.block_size * f, BLOCK_RANGE[1]) for f in BLOCK_FACTORS} \
-            if name in ("int8", "int4", "fp4", "fp3") else {spec.block_size}
-        for block in sorted(blocks):
-            codec = Codec(name, block_size=block)
-            err = 0.0 if name == "none" else _round_trip_error(codec, x)
+        # Codecs are equal when they encode alike: one per block size for blockwise formats, one in all for the rest.
+        for codec in dict.fromkeys(Codec(name, block_size=min(spec.block_size * f, BLOCK_RANGE[1]))
+                                   for f in BLOCK_FACTORS):
+            err = _round_trip_error(codec, x) if codec.lossy else 0.0
             options.append(_Option(codec, sent_bytes(codec, shape, group_size), err))
     if x.dim() >= 2 and x.numel():
         # Low rank only where it is as faithful as 4-bit floats, i.e. where Δ's effective rank is
@@ -97,7 +96,7 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
         while True:
             codec = Codec("lowrank", rank=rank)
             cost = sent_bytes(codec, shape, group_size)
-            if codec.resolve(shape) != "lowrank" or codec.for_mean(group_size).resolve(shape) != "lowrank" \
+            if codec.resolve(shape) != codec.name or codec.for_mean(group_size).resolve(shape) != codec.name \
                     or cost >= cheapest_dense:
                 break
             err = _round_trip_error(codec, x)
@@ -109,7 +108,7 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
 
 
 def _round_trip_error(codec: Codec, x: torch.Tensor) -> float:
-    y = decode(codec.encode(x, seed=PLAN_SEED), tuple(x.shape), seed=PLAN_SEED)
+    _, y = codec.roundtrip(x, seed=PLAN_SEED)
     return float((x - y).pow(2).sum())
 
 
