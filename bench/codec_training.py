@@ -32,8 +32,8 @@ from compare import apply_overrides, load_config, manifest_for  # noqa: E402  (b
 from peer.train.data import load_corpus  # noqa: E402
 from peer.train.model import build_model, parameter_count  # noqa: E402
 from lab.simulation import butterfly_bytes, run_simulation  # noqa: E402
+from protocol.manifest import CODECS  # noqa: E402  (every codec a run may name)
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")
 ADAPTIVE_RATIO = 8.0
 """'adaptive' gets a budget of fp32 bytes / this, per round."""
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo too
 from peer.sync.adaptive import plan
 from lab.simulation import butterfly_bytes  # noqa: E402
 from protocol.codecs import Codec, decode, make_codec
-from protocol.manifest import CompressionSpec
+from protocol.manifest import CODECS as RUN_CODECS, CompressionSpec
 from protocol.presets import default_run
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -73,8 +73,8 @@ def normal_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def codecs_for(name: str, tensors: list[torch.Tensor]) -> list[Codec]:
-    if name == "fp3":  # no manifest names it; adaptive plans may choose it
-        return [Codec("fp3") for _ in tensors]
+    if name not in RUN_CODECS:  # fp3: no manifest names it; adaptive plans may choose it
+        return [Codec(name) for _ in tensors]
     spec = CompressionSpec(codec=name)
     if name != "adaptive":
         return [make_codec(spec, t.shape) for t in tensors]
