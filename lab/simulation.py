@@ -23,11 +23,12 @@ from typing import Sequence
 import torch
 
 from peer.sync.adaptive import plan
+from peer.sync.error_feedback import ErrorFeedback
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer, pseudo_gradient
-from protocol.codecs import Codec, ErrorFeedback, make_codec
+from protocol.codecs import Codec, make_codec
 from protocol.manifest import RunManifest
 from protocol.groups import codec_seed, plan_groups
 

@@ -57,5 +57,3 @@ __all__ = [
     "LOSSY_MAX", "NAMES", "SHIFT_RANGE", "TOPK_CHUNK", "WIRE_IDS", "Codec", "decode", "make_codec",
     "max_encoded_bytes",
 ]
-
-from peer.sync.error_feedback import ErrorFeedback  # noqa: E402,F401  TEMPORARY: removed once its users import it from there
