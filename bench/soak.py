@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lab.chaos import CHAOS_MODEL, ChaosSwarm  # noqa: E402
+from peer.launch import stop_all  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
 
@@ -63,32 +64,25 @@ def evaluate_checkpoint(workdir: Path, name: str, manifest: RunManifest) -> floa
     return evaluate(model, validation_batch(load_corpus(manifest.data), manifest.data))
 
 
-def stop_all(swarm: ChaosSwarm, timeout_s: float = 60.0) -> None:
-    """SIGTERM every live peer (it finishes its step and checkpoints) and wait for it."""
-    for member in swarm.members.values():
-        if member.frozen:
-            swarm.thaw(member.name)
-        if member.partitioned:
-            swarm.heal(member.name)
-    for member in swarm.members.values():
-        if member.alive:
-            member.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for member in swarm.members.values():
-        if member.popen is not None:
-            try:
-                member.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception:
-                pass
+def stop_peers(swarm: ChaosSwarm, timeout_s: float = 60.0) -> None:
+    """SIGTERM every live peer (it finishes its step and checkpoints); kill those still running after
+    ``timeout_s``."""
+    for name in sorted(swarm.frozen):
+        swarm.thaw(name)
+    for name in sorted(swarm.partitioned):
+        swarm.heal(name)
+    for child in swarm.members.values():
+        child.send(signal.SIGTERM)
+    stop_all(swarm.members.values(), timeout_s)
 
 
 def majority_peer(swarm: ChaosSwarm) -> tuple[str, int, str]:
     """(peer, round, digest) of the state most peers published last."""
     last = {}
-    for name, member in swarm.members.items():
-        rounds = member.rounds()
+    for name, child in swarm.members.items():
+        rounds = child.of("round")
         if rounds:
-            last[name] = (rounds[-1]["round"], rounds[-1]["state_digest"])
+            last[name] = (rounds[-1].round, rounds[-1]["state_digest"])
     (round_, digest), _ = Counter(last.values()).most_common(1)[0]
     name = next(n for n, v in last.items() if v == (round_, digest))
     return name, round_, digest
@@ -130,15 +124,15 @@ def report(swarm: ChaosSwarm, started: float, ended: float) -> dict:
     per_peer, causes, adoptions, longest = {}, Counter(), Counter(), (0.0, "", 0)
     tokens = 0
     longest_sync = (0.0, 0.0, "")
-    for name, member in swarm.members.items():
-        rounds = member.rounds()
+    for name, child in swarm.members.items():
+        rounds = child.of("round")
         per_peer[name] = len(rounds)
         tokens += sum(e.get("tokens", 0) for e in rounds)
         for e in rounds:
             causes[classify(e.get("note") or "")] += 1
             if e["sync_s"] > longest_sync[0]:
                 longest_sync = (e["sync_s"], e["deadline_s"], name)
-        for e in member.of("adopted_state"):
+        for e in child.of("adopted_state"):
             adoptions[e["reason"]] += 1
         # stall: gap between consecutive round ends of a peer that no fault was acting on; a gap
         # that overlaps one of its own fault windows (or its restart) is not counted
@@ -231,12 +225,12 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
                 next_fault = now + args.fault_every * rng.uniform(2 / 3, 4 / 3)
             time.sleep(0.5)
         ended = time.time()
-        stop_all(swarm)
+        stop_peers(swarm)
         result = report(swarm, started, ended)
         name, round_, digest = majority_peer(swarm)
         result.update(eval_peer=name, final_round=round_, final_digest=digest,
-                      final_holders=sum(1 for m in swarm.members.values() if m.rounds()
-                                        and m.rounds()[-1]["state_digest"] == digest),
+                      final_holders=sum(1 for c in swarm.members.values() if c.last("round")
+                                        and c.last("round")["state_digest"] == digest),
                       peers_total=len(swarm.members), fault_log=swarm.faults)
     result["validation_loss"] = evaluate_checkpoint(workdir, name, manifest)
     return result
@@ -247,7 +241,7 @@ def run_clean(workdir: Path, args, manifest: RunManifest, rounds: int) -> dict:
         names = list(swarm.members)
         started = time.time()
         for name in names:
-            swarm.members[name].popen.wait()
+            swarm.members[name].wait()
         ended = time.time()
         result = report(swarm, started, ended)
         name, round_, digest = majority_peer(swarm)

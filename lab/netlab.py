@@ -1,6 +1,6 @@
 """A lab network on one machine: every host in its own network namespace, behind a shaped link.
 
-Used by the line-rate benchmark (bench/linerate.py) and the chaos harness (tests/chaos/). Needs
+Used by the line-rate benchmark (bench/linerate.py) and the chaos harness (lab/chaos.py). Needs
 root and ``ip`` / ``tc`` (iproute2); :func:`available` says why not where it cannot run.
 
 Topology: a bridge in the root namespace with address ``SUBNET.1/24``; each host is a namespace
@@ -54,8 +54,12 @@ class Host:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def run(self, argv: Sequence[str], **popen) -> subprocess.Popen:
-        """Start ``argv`` inside this host's namespace (a new process group, killed on close)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], start_new_session=True, **popen)
+        """Start ``argv`` inside this host's namespace (a new process group, killed on close).
+
+        ``popen`` goes to ``subprocess.Popen`` (so this can be a ``peer.launch.Child``'s spawn).
+        """
+        popen.setdefault("start_new_session", True)
+        proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], **popen)
         self.procs.append(proc)
         return proc
 

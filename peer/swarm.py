@@ -8,20 +8,18 @@ group, which takes the children's DHT, averager and p2pd processes with it: no o
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peer.events import Event
+from peer.launch import Child, ChildExited, ChildTimeout, bootstrap_argv, peer_argv, stop_all
 from peer.reporting import format_bytes
 from protocol.errors import NetworkError
 from protocol.manifest import RunManifest, dump_toml
@@ -48,105 +46,49 @@ class SwarmConfig:
             raise ValueError(f"rounds = {self.rounds}: must be >= 1")
 
 
-def _die_with_parent() -> None:
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-
 class Swarm:
     """Starts, watches and stops the processes of a local swarm."""
 
     def __init__(self, cfg: SwarmConfig, workdir: Path):
         self.cfg, self.workdir = cfg, workdir
-        self.events: queue.Queue[tuple[str, dict[str, Any] | None]] = queue.Queue()
-        self.children: dict[str, _Child] = {}
+        self.events: queue.Queue[tuple[str, Event | None]] = queue.Queue()
+        """Every peer's events as they arrive, then (name, None) when its output ended."""
+        self.children: dict[str, Child] = {}
 
-    def _spawn(self, name: str, argv: list[str]) -> _Child:
-        log_path = self.workdir / f"{name}.log"
-        log = open(log_path, "wb")
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent, cwd=self.workdir)
-        log.close()
-        child = _Child(name=name, proc=proc, log_path=log_path)
+    def _start(self, name: str, argv: list[str], *, watched: bool) -> Child:
+        on_event = (lambda child, event: self.events.put((child.name, event))) if watched else None
+        child = Child(name, argv, log_path=self.workdir / f"{name}.log", cwd=self.workdir, on_event=on_event)
         self.children[name] = child
-        threading.Thread(target=self._read, args=(child,), daemon=True).start()
-        return child
-
-    def _read(self, child: _Child) -> None:
-        assert child.proc.stdout is not None
-        for raw in child.proc.stdout:
-            try:
-                event = json.loads(raw)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict):
-                child.events.append(event)
-                self.events.put((child.name, event))
-        self.events.put((child.name, None))
+        return child.start()
 
     def start_bootstrap(self, manifest_path: Path) -> list[str]:
-        child = self._spawn("bootstrap", [sys.executable, "-m", "bootstrap", "run", "--host", "127.0.0.1",
-                                          "--port", "0", "--identity", str(self.workdir / "bootstrap.key"),
-                                          "--run", str(manifest_path), "--log-format", "json"])
-        deadline = time.monotonic() + self.cfg.bootstrap_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                name, event = self.events.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if event is None:
-                raise NetworkError(f"the bootstrap node exited with code {child.proc.wait()}; see {child.log_path}")
-            if event.get("event") == "ready":
-                return [a for a in event["maddrs"] if "/ip4/127.0.0.1/" in a] or event["maddrs"]
-        raise NetworkError(f"the bootstrap node did not start within {self.cfg.bootstrap_timeout_s:.0f} s; "
-                           f"see {child.log_path}")
+        child = self._start("bootstrap", bootstrap_argv(identity=self.workdir / "bootstrap.key", run=manifest_path),
+                            watched=False)
+        try:
+            ready = child.wait_event(lambda e: e.kind == "ready", self.cfg.bootstrap_timeout_s)
+        except ChildExited as exc:
+            raise NetworkError(f"the bootstrap node exited with code {exc.returncode}; see {child.log_path}") from None
+        except ChildTimeout:
+            raise NetworkError(f"the bootstrap node did not start within {self.cfg.bootstrap_timeout_s:.0f} s; "
+                               f"see {child.log_path}") from None
+        return ready.addresses_on("127.0.0.1") or list(ready.maddrs)
 
     def start_peer(self, index: int, initial_peers: list[str], threads: int) -> None:
-        argv = [sys.executable, "-m", "peer", "join", "--data-dir", str(self.workdir / f"peer-{index}"),
-                "--max-rounds", str(self.cfg.rounds), "--threads", str(threads), "--log-format", "json",
-                "--eval-every", str(self.cfg.eval_every_rounds),
-                "--wait-for-peers", str(self.cfg.num_peers)]
-        for address in initial_peers:
-            argv += ["--initial-peers", address]
-        self._spawn(f"peer-{index}", argv)
+        extra = ["--max-rounds", str(self.cfg.rounds), "--threads", str(threads),
+                 "--eval-every", str(self.cfg.eval_every_rounds), "--wait-for-peers", str(self.cfg.num_peers)]
+        self._start(f"peer-{index}", peer_argv(data_dir=self.workdir / f"peer-{index}", initial_peers=initial_peers,
+                                               extra=extra), watched=True)
 
     def interrupt(self) -> None:
         for child in self.children.values():
-            if child.proc.poll() is None:
-                try:
-                    os.kill(child.proc.pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+            child.send(signal.SIGINT)
 
     def stop_all(self, grace_s: float) -> None:
         """SIGINT the bootstrap (peers stop by themselves), then kill every leftover process group."""
         boot = self.children.get("bootstrap")
-        if boot is not None and boot.proc.poll() is None:
-            os.kill(boot.proc.pid, signal.SIGINT)
-        deadline = time.monotonic() + grace_s
-        for child in self.children.values():
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for child in self.children.values():
-            try:
-                os.killpg(child.proc.pid, signal.SIGKILL)  # the child's DHT, averager and p2pd too
-            except (ProcessLookupError, PermissionError):
-                pass
-            child.proc.wait()
+        if boot is not None:
+            boot.send(signal.SIGINT)
+        stop_all(self.children.values(), grace_s)
 
 
 def run_swarm(cfg: SwarmConfig) -> int:
@@ -202,11 +144,11 @@ def _watch(swarm: Swarm, console) -> None:
         if event is None:
             if name in running:
                 running.discard(name)
-                code = swarm.children[name].proc.wait()
+                code = swarm.children[name].wait()
                 if code != 0:
                     console.print(f"[red]{name} exited with code {code}; see {swarm.children[name].log_path}[/red]")
             continue
-        kind = event.get("event")
+        kind = event.kind
         if kind == "round":
             from peer.reporting import round_line
 
@@ -220,24 +162,17 @@ def _watch(swarm: Swarm, console) -> None:
             console.print(f"{name} | warning: {event['message']}", markup=False, highlight=False)
 
 
-def _last(events: list[dict[str, Any]], kind: str, **match: Any) -> dict[str, Any] | None:
-    for event in reversed(events):
-        if event.get("event") == kind and all(event.get(k) == v for k, v in match.items()):
-            return event
-    return None
-
-
 def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, Any]:
     peers = []
     initial, final = [], []
     for name, child in swarm.children.items():
         if name == "bootstrap":
             continue
-        started = _last(child.events, "started") or {}
-        stopped = _last(child.events, "stopped") or {}
-        rounds = [e for e in child.events if e.get("event") == "round"]
-        first_eval = next((e for e in child.events if e.get("event") == "eval" and e.get("when") == "initial"), None)
-        last_eval = _last(child.events, "eval", when="final")
+        started = child.last("started") or {}
+        stopped = child.last("stopped") or {}
+        rounds = child.of("round")
+        first_eval = next((e for e in child.of("eval") if e.get("when") == "initial"), None)
+        last_eval = child.last("eval", when="final")
         if first_eval:
             initial.append(first_eval["loss"])
         if last_eval:
@@ -253,7 +188,7 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
             "tokens_per_s": (sum(e["tokens_per_s"] for e in rounds) / len(rounds)) if rounds else 0.0,
             "initial_eval_loss": first_eval["loss"] if first_eval else None,
             "final_eval_loss": last_eval["loss"] if last_eval else None,
-            "exit_code": child.proc.returncode,
+            "exit_code": child.returncode,
         })
     return {
         "run_id": cfg.manifest.run_id,

@@ -23,6 +23,8 @@ import pytest
 
 from lab import netlab
 from lab.chaos import CHAOS_MODEL, ChaosSwarm
+from peer.events import Event
+from peer.launch import Child
 from protocol.manifest import dump_toml
 from protocol.presets import tiny_run
 
@@ -41,15 +43,15 @@ def manifest():
               "next_chunk_timeout_s": 5.0})
 
 
-def after(member, since_time: float, kind: str = "round") -> list[dict]:
-    return [e for e in member.of(kind) if e["time"] >= since_time]
+def after(member: Child, since_time: float, kind: str = "round") -> list[Event]:
+    return [e for e in member.of(kind) if e.time >= since_time]
 
 
-def wait_in_sync(swarm: ChaosSwarm, name: str, timeout_s: float) -> dict:
+def wait_in_sync(swarm: ChaosSwarm, name: str, timeout_s: float) -> Event:
     """Wait for a round that ``name`` completed together with a groupmate from the same state."""
-    return swarm.members[name].wait_for(
-        lambda e: e.get("event") == "round" and len(e.get("agreeing", [])) > 1, timeout_s,
-        since=len(swarm.members[name].events))
+    member = swarm.members[name]
+    return member.wait_event(lambda e: e.kind == "round" and len(e.get("agreeing", [])) > 1, timeout_s,
+                             since=len(member.events))
 
 
 def test_swarm_survives_every_fault(tmp_path: Path):
@@ -63,9 +65,9 @@ def test_swarm_survives_every_fault(tmp_path: Path):
         swarm.wait_rounds(names, 2, 240)
 
         # 1. kill -9 of p4 while the group syncs
-        r = max(swarm.members[n].round for n in names)
+        r = max(swarm.round_of(n) for n in names)
         for name in names:
-            swarm.members[name].wait_for(lambda e: e.get("event") == "sync" and e["round"] >= r, 120)
+            swarm.members[name].wait_event(lambda e: e.kind == "sync" and e.round >= r, 120)
         time.sleep(0.5)
         swarm.kill("p4")
         survivors = names[:4]
@@ -87,7 +89,7 @@ def test_swarm_survives_every_fault(tmp_path: Path):
         p1_addr = swarm.peer_addr("p1")
         killed_bootstrap_at = time.time()
         swarm.kill_bootstrap()
-        r = max(swarm.members[n].round for n in survivors)
+        r = max(swarm.round_of(n) for n in survivors)
         swarm.wait_rounds(survivors, r + 2, 180)
 
         # 5. a joiner through a peer's address, and p4 restarted from its checkpoint
@@ -97,20 +99,20 @@ def test_swarm_survives_every_fault(tmp_path: Path):
         for name in ("p5", "p4"):
             wait_in_sync(swarm, name, 240)
         everyone = [*names, "p5"]
-        swarm.wait_rounds(everyone, max(swarm.members[n].round for n in everyone) + 1, 240)
+        swarm.wait_rounds(everyone, max(swarm.round_of(n) for n in everyone) + 1, 240)
 
         members = swarm.members
 
         # (2) no sync outlived its deadline; every survivor kept finishing rounds
         for name, member in members.items():
-            for e in member.rounds():
+            for e in member.of("round"):
                 assert e["sync_s"] <= e["deadline_s"] + 5.0, f"{name} round {e['round']}: sync {e['sync_s']:.1f} s " \
                                                                f"past its deadline {e['deadline_s']:.1f} s"
         # (3) peers that completed a round from the same state hold the same state after it
         assert swarm.disagreements() == []
         # (4) nothing non-finite: losses finite, and every state published has a digest
         for name, member in members.items():
-            for e in member.rounds():
+            for e in member.of("round"):
                 assert math.isfinite(e["train_loss"]), f"{name} round {e['round']}: loss {e['train_loss']}"
                 assert len(e["state_digest"]) == 32
         # (5) the joiner downloaded from several donors, then averaged with the swarm
@@ -120,17 +122,17 @@ def test_swarm_survives_every_fault(tmp_path: Path):
         assert adopted, "the joiner never downloaded the swarm's state"
         assert any(sum(1 for n in e["donors"].values() if n > 0) >= 2 for e in adopted), adopted
         # within one round of its (first) download the joiner averages with the swarm
-        first_round = after(members["p5"], adopted[0]["time"])[0]
+        first_round = after(members["p5"], adopted[0].time)[0]
         assert first_round["group_size"] > 1, f"joiner's first round after its download was alone: {first_round}"
         # (6) rounds after the bootstrap died, and a join through a peer's address
         for name in survivors:
             assert len([e for e in after(members[name], killed_bootstrap_at) if e["group_size"] > 1]) >= 2, name
         assert members["p5"].of("started") and after(members["p5"], joined_at)
         # (7) the restarted peer resumed from its checkpoint and re-synced
-        resumed = [e for e in members["p4"].of("resumed") if e["_start"] == 2]
+        resumed = [e for e in members["p4"].of("resumed") if e.start == 2]
         assert resumed, "p4 did not resume from its checkpoint"
-        assert [e for e in members["p4"].of("adopted_state") if e["_start"] == 2], "p4 did not re-sync"
+        assert [e for e in members["p4"].of("adopted_state") if e.start == 2], "p4 did not re-sync"
         # (8) deadlines adapted below their configured maximum after the first rounds
-        adaptive = [e["deadline_s"] for e in members["p0"].rounds() if e["deadline_s"] > 0]
+        adaptive = [e["deadline_s"] for e in members["p0"].of("round") if e["deadline_s"] > 0]
         worst = 2 * (3 * 3.0 + MAX_ALLREDUCE_S + 5.0)
         assert min(adaptive) < worst, adaptive

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from html.parser import HTMLParser
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from peer.launch import bootstrap_argv
 from tests.integration.harness import PROJECT_ROOT, make_manifest, write_manifest
 
 pytestmark = pytest.mark.integration
@@ -103,11 +105,10 @@ def wait_snapshot(base: str, predicate, timeout_s: float) -> dict:
 def test_monitor_shows_a_running_swarm(procs, tmp_path):
     manifest = make_manifest()
     run_file = write_manifest(tmp_path, manifest)
-    boot = procs.spawn("bootstrap", ["-m", "bootstrap", "run", "--host", "127.0.0.1", "--port", "0",
-                                     "--identity", str(tmp_path / "bootstrap.key"), "--run", str(run_file),
-                                     "--monitor-port", "0", "--monitor-poll", "0.5", "--log-format", "json"])
-    ready = boot.wait_event(lambda e: e.get("event") == "ready", 60)
-    addr = next(a for a in ready["maddrs"] if "/ip4/127.0.0.1/" in a)
+    boot = procs.spawn("bootstrap", bootstrap_argv(identity=tmp_path / "bootstrap.key", run=run_file,
+                                                   extra=["--monitor-port", "0", "--monitor-poll", "0.5"]))
+    ready = boot.wait_event(lambda e: e.kind == "ready", 60)
+    addr = ready.addresses_on("127.0.0.1")[0]
     base = ready["monitor_url"]
     assert base.startswith("http://127.0.0.1:")
     status, body = get(base + "healthz")
@@ -115,7 +116,7 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
 
     peers = [procs.peer(f"peer-{i}", "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--eval-every", "1",
                         "--wait-for-peers", "3") for i in range(3)]
-    ids = {p.wait_event(lambda e: e.get("event") == "started", 120)["peer_id"] for p in peers}
+    ids = {p.wait_event(lambda e: e.kind == "started", 120)["peer_id"] for p in peers}
 
     # While the peers train: every one of them is on the page, as the browser renders it.
     def all_training(snap):
@@ -140,7 +141,7 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
     # record can be lost: it is stored without waiting just before the peer leaves the DHT.)
     events = {}
     for p in peers:
-        stopped = p.wait_event(lambda e: e.get("event") == "stopped", 240)
+        stopped = p.wait_event(lambda e: e.kind == "stopped", 240)
         assert p.wait(60) == 0, p.tail()
         events[stopped["peer_id"]] = {e["round"]: e for e in p.of("round")}
     done = wait_snapshot(base, lambda s: sorted(
@@ -190,10 +191,10 @@ def test_monitor_command_serves_a_swarm_it_does_not_host(procs, tmp_path):
     run_file = write_manifest(tmp_path, manifest)
     _, addr = procs.bootstrap(run_file)
     peer = procs.peer("peer-0", "--initial-peers", addr, "--max-rounds", "2")
-    peer_id = peer.wait_event(lambda e: e.get("event") == "started", 120)["peer_id"]
-    mon = procs.spawn("monitor", ["-m", "bootstrap", "monitor", "--initial-peers", addr, "--port", "0",
+    peer_id = peer.wait_event(lambda e: e.kind == "started", 120)["peer_id"]
+    mon = procs.spawn("monitor", [sys.executable, "-m", "bootstrap", "monitor", "--initial-peers", addr, "--port", "0",
                                   "--poll", "0.5", "--log-format", "json"])
-    base = mon.wait_event(lambda e: e.get("event") == "ready", 60)["monitor_url"]
+    base = mon.wait_event(lambda e: e.kind == "ready", 60)["monitor_url"]
     snap = wait_snapshot(base, lambda s: any(p["peer_id"] == peer_id and p["round"] >= 1
                                              for r in s["runs"] for p in r["peers"]), 120)
     assert [r["run_id"] for r in snap["runs"]] == [manifest.run_id]

@@ -30,8 +30,8 @@ def test_status_lists_the_peers_without_training(procs, tmp_path):
              for i in range(2)]
     ids = set()
     for p in peers:
-        ids.add(p.wait_event(lambda e: e.get("event") == "started", 120)["peer_id"])
-        p.wait_event(lambda e: e.get("event") == "round" and e["round"] >= 1, 120)
+        ids.add(p.wait_event(lambda e: e.kind == "started", 120)["peer_id"])
+        p.wait_event(lambda e: e.kind == "round" and e.round >= 1, 120)
 
     out = run_cli("status", "--initial-peers", addr, "--json")
     assert out.returncode == 0, out.stderr
