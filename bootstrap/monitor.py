@@ -7,12 +7,14 @@ at each round, and every validation loss it published (records carry ``eval_loss
 rounds a peer evaluated φ, so the history is what makes "loss over time" possible). Peers whose
 records expired stay in the history, marked not live.
 
-:func:`serve_http` publishes a snapshot over HTTP (stdlib ``ThreadingHTTPServer``):
+:class:`MonitorServer` publishes a snapshot over HTTP (stdlib ``ThreadingHTTPServer``):
 
 - ``/``            the page (bootstrap.monitor_page: inline JS and SVG, no CDN)
 - ``/api/swarm``   the snapshot as JSON (schema in :meth:`SwarmMonitor.snapshot`)
-- ``/metrics``     Prometheus text format (prometheus-client)
+- ``/metrics``     Prometheus text format (bootstrap.monitor_metrics)
 - ``/healthz``     200 once the monitor has polled the DHT successfully, 503 before
+
+What is kept per peer between polls is in bootstrap.monitor_history.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import json
 import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from bootstrap.monitor_history import PeerHistory, RunHistory
+from bootstrap.monitor_metrics import metrics_text
 from protocol import dht as swarm_dht
 from protocol.errors import LocoError, NetworkError
-from protocol.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
 
@@ -49,81 +51,6 @@ class MonitorConfig:
             raise ValueError(f"history_samples = {self.history_samples}: must be >= 1")
         if not self.forget_after_s > 0:
             raise ValueError(f"forget_after_s = {self.forget_after_s}: must be > 0")
-
-
-@dataclass
-class PeerHistory:
-    peer_id: str
-    first_seen: float
-    last_seen: float
-    """Wall time (s since the epoch) of the last poll that found this peer's record."""
-    last_change: float
-    record: ProgressRecord
-    live: bool = True
-    group_by_round: dict[int, int] = field(default_factory=dict)
-    """Round → largest group size this peer reported for the sync that brought it to that round
-    (only rounds whose post-sync record the monitor saw: a poll can miss a short round)."""
-    evals: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """Round → (wall time first seen, validation loss of φ at that round)."""
-    samples: deque = field(default_factory=deque)
-    last_sync: dict[str, int] | None = None
-    """Round, group size and bytes of the latest sync the monitor saw a record of."""
-
-    def update(self, record: ProgressRecord, now: float, max_samples: int, inner_steps: int | None) -> None:
-        changed = record != self.record or not self.samples
-        self.last_seen, self.live, self.record = now, True, record
-        # A record written right after a sync (inner_step at a round boundary) carries that sync's
-        # group size; mid-round records may carry a placeholder 1, so they count only when larger.
-        at_boundary = inner_steps is None or record.inner_step == record.round * inner_steps
-        if record.round > 0 and (at_boundary or record.group_size > 1):
-            self.group_by_round[record.round] = max(self.group_by_round.get(record.round, 0), record.group_size)
-            if self.last_sync is None or record.round >= self.last_sync["round"]:
-                self.last_sync = {"round": record.round, "group_size": record.group_size,
-                                  "bytes_sent": record.bytes_sent, "bytes_received": record.bytes_received}
-        if record.eval_loss is not None and record.round not in self.evals:
-            self.evals[record.round] = (now, float(record.eval_loss))
-        if changed:
-            self.last_change = now
-            self.samples.append({"t": now, "round": record.round, "inner_step": record.inner_step,
-                                 "train_loss": record.train_loss, "tokens_per_s": record.tokens_per_s,
-                                 "group_size": record.group_size, "bytes_sent": record.bytes_sent,
-                                 "bytes_received": record.bytes_received})
-            while len(self.samples) > max_samples:
-                self.samples.popleft()
-
-    def to_json(self, *, with_samples: bool) -> dict[str, Any]:
-        r = self.record
-        out = {
-            "peer_id": self.peer_id, "live": self.live, "first_seen": self.first_seen,
-            "last_seen": self.last_seen, "last_change": self.last_change,
-            "round": r.round, "inner_step": r.inner_step, "train_loss": r.train_loss,
-            "tokens_per_s": r.tokens_per_s, "group_size": r.group_size, "bytes_sent": r.bytes_sent,
-            "bytes_received": r.bytes_received,
-            "eval_loss": self.evals[max(self.evals)][1] if self.evals else None,
-            "last_sync": dict(self.last_sync) if self.last_sync else None,
-            "rounds_by_group_size": _count_by_size(self.group_by_round),
-            "group_by_round": {str(k): v for k, v in sorted(self.group_by_round.items())},
-            "eval_history": [{"round": k, "t": t, "loss": loss} for k, (t, loss) in sorted(self.evals.items())],
-        }
-        if with_samples:
-            out["history"] = list(self.samples)
-        return out
-
-
-def _count_by_size(group_by_round: dict[int, int]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for size in group_by_round.values():
-        counts[str(size)] = counts.get(str(size), 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
-
-
-@dataclass
-class RunHistory:
-    run_id: str
-    name: str
-    inner_steps: int | None = None
-    """H from the run's manifest (None until it was fetched)."""
-    peers: dict[str, PeerHistory] = field(default_factory=dict)
 
 
 class SwarmMonitor:
@@ -240,61 +167,6 @@ class SwarmMonitor:
                              "max_round": max((p["round"] for p in peers), default=0), "peers": peers})
             return {"generated_at": time.time(), "started_at": self.started_at, "last_poll": self.last_poll,
                     "last_error": self.last_error, "runs": runs}
-
-
-# ---- Prometheus ---------------------------------------------------------------------------
-
-class _Collector:
-    """Builds the metric families from a fresh snapshot at every scrape."""
-
-    def __init__(self, monitor: SwarmMonitor):
-        self.monitor = monitor
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        snap = self.monitor.snapshot(with_samples=False)
-        per_peer = {
-            "round": ("locoswarm_peer_round", "Round (outer step) the peer is at."),
-            "inner_step": ("locoswarm_peer_inner_step", "Cumulative inner steps of the peer's phi history."),
-            "train_loss": ("locoswarm_peer_train_loss", "Mean training loss of the peer's last round, nats/token."),
-            "eval_loss": ("locoswarm_peer_eval_loss", "Latest validation loss of phi the peer published, nats/token."),
-            "tokens_per_s": ("locoswarm_peer_tokens_per_second", "Inner-loop throughput, tokens/s."),
-            "group_size": ("locoswarm_peer_group_size", "Peers in the peer's last sync group, itself included."),
-            "bytes_sent": ("locoswarm_peer_round_bytes_sent", "Sync bytes the peer sent in its last sync."),
-            "bytes_received": ("locoswarm_peer_round_bytes_received", "Sync bytes the peer received in its last sync."),
-            "last_seen": ("locoswarm_peer_last_seen_timestamp_seconds", "When the monitor last found the peer's record."),
-        }
-        families = {key: GaugeMetricFamily(name, doc, labels=["run_id", "peer_id"])
-                    for key, (name, doc) in per_peer.items()}
-        live = GaugeMetricFamily("locoswarm_live_peers", "Peers with an unexpired progress record.", labels=["run_id"])
-        max_round = GaugeMetricFamily("locoswarm_run_max_round", "Highest round any peer reached.", labels=["run_id"])
-        grouped = CounterMetricFamily("locoswarm_peer_rounds_by_group_size",
-                                      "Rounds the monitor saw the peer complete, by sync group size.",
-                                      labels=["run_id", "peer_id", "group_size"])
-        for run in snap["runs"]:
-            live.add_metric([run["run_id"]], run["live_peers"])
-            max_round.add_metric([run["run_id"]], run["max_round"])
-            for peer in run["peers"]:
-                labels = [run["run_id"], peer["peer_id"]]
-                values = {**peer, **(peer["last_sync"] or {}), "round": peer["round"]}
-                for key, family in families.items():
-                    if values.get(key) is not None and (peer["live"] or key == "last_seen"):
-                        family.add_metric(labels, float(values[key]))
-                for size, count in peer["rounds_by_group_size"].items():
-                    grouped.add_metric([*labels, size], count)
-        yield live
-        yield max_round
-        yield from families.values()
-        yield grouped
-
-
-def metrics_text(monitor: SwarmMonitor) -> bytes:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(monitor))
-    return generate_latest(registry)
 
 
 # ---- HTTP ---------------------------------------------------------------------------------
