@@ -36,6 +36,8 @@ from protocol.manifest import CODECS  # noqa: E402  (every codec a run may name)
 
 ADAPTIVE_RATIO = 8.0
 """'adaptive' gets a budget of fp32 bytes / this, per round."""
+UPLINK_MBPS = 50.0
+"""Every simulated peer's uplink, Mbit/s: the adaptive codec's budget is a time at this rate."""
 
 
 def main() -> None:
@@ -59,7 +61,7 @@ def main() -> None:
     rounds = args.rounds or bench["rounds"]
     m0 = manifest_for(base, "diloco", args.peers, args.seed, bench["global_batch_tokens"], rounds)
     fp32_round = butterfly_bytes(parameter_count(build_model(m0.model)), args.peers)
-    uplink = m0.compression.uplink_mbps * 1e6 / 8
+    uplink = UPLINK_MBPS * 1e6 / 8
     corpus = load_corpus(base.data)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -70,7 +72,7 @@ def main() -> None:
             compression["sync_time_budget_s"] = fp32_round / ADAPTIVE_RATIO / uplink
         m = m0.replace(compression=compression)
         r = run_simulation(m, corpus, peers=args.peers, rounds=rounds, seed=args.seed,
-                           eval_every_rounds=bench["eval_every_rounds"])
+                           eval_every_rounds=bench["eval_every_rounds"], uplink_mbps=UPLINK_MBPS)
         rows.append({"codec": codec, "loss_bpb": r.history[-1].loss_bpb, "bytes_per_peer": r.bytes_sent_per_peer,
                      "fp32_bytes_per_peer": fp32_round * rounds, "wall_s": r.wall_s,
                      "compression": dataclasses.asdict(m.compression),

@@ -162,13 +162,15 @@ class Simulation:
         seed: salts the data shards: peer i samples with ``peer_seed(f"sim-peer-{i}", seed)``.
         data_parallel: one model, each step on the concatenation of the N peers' batches (mean
             loss, hence averaged gradients), same AdamW and schedule.
+        uplink_mbps: every simulated peer's uplink, Mbit/s (the adaptive codec's byte budget).
     """
 
     def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
-                 data_parallel: bool = False):
+                 data_parallel: bool = False, uplink_mbps: float = 50.0):
         if peers < 1:
             raise ValueError(f"peers = {peers}: need at least one")
         self.m, self.peers, self.seed, self.data_parallel = manifest, peers, seed, data_parallel
+        self.uplink_mbps = uplink_mbps
         self.method = "data-parallel" if data_parallel else manifest.sync.algorithm
         self.round_ = self.inner_step = self.tokens = 0
         self.bytes_sent = [0.0] * peers
@@ -271,7 +273,7 @@ class Simulation:
             mine = list(self.codecs)
             if self.m.compression.codec == "adaptive":
                 mine[:deltas] = plan(inputs[:deltas], self.m.compression, group_size=n,
-                                     uplink_bytes_per_s=self.m.compression.uplink_mbps * 1e6 / 8)
+                                     uplink_bytes_per_s=self.uplink_mbps * 1e6 / 8)
             out = []
             for i, (x, codec) in enumerate(zip(inputs, mine)):
                 own = i % n == member  # the owner's own rows never cross the network
@@ -316,7 +318,8 @@ class Simulation:
 
 
 def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds: int, seed: int = 0,
-                   data_parallel: bool = False, eval_every_rounds: int = 1) -> SimulationResult:
+                   data_parallel: bool = False, eval_every_rounds: int = 1,
+                   uplink_mbps: float = 50.0) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``.
 
     Returns:
@@ -325,7 +328,7 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     """
     start = time.perf_counter()
     windows = validation_batch(corpus, manifest.data)
-    sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel)
+    sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps)
     history = [sim.evaluate(windows)]
     for r in range(1, rounds + 1):
         sim.run_round()

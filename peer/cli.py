@@ -89,11 +89,13 @@ def main() -> None:
 @click.option("--wait-for-peers", type=click.IntRange(1), default=1, show_default=True,
               help="Before the first round, wait (up to 120 s) until this many peers are live.")
 @click.option("--client-mode", is_flag=True, help="Do not accept incoming connections (behind NAT).")
+@click.option("--uplink-mbps", type=click.FloatRange(0, 1e6, min_open=True), default=50.0, show_default=True,
+              help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one event per line on stdout, for programs.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announce, data_dir, max_rounds, eval_every,
-         export_phi_every, threads, wait_for_peers, client_mode, log_format, verbose) -> None:
+         export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, log_format, verbose) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
 
     \b
@@ -112,6 +114,7 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
         new_run = resolve_run(run_file, preset, algorithm)
         cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=new_run, host=host, port=port,
                          announce=tuple(announce), data_dir=data_dir or default_data_dir(), client_mode=client_mode,
+                         uplink_mbps=uplink_mbps,
                          threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
                                                      wait_for_peers=wait_for_peers,
                                                      export_phi_every_rounds=export_phi_every))

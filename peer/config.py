@@ -56,6 +56,9 @@ class JoinConfig:
     announce: tuple[str, ...] = ()
     data_dir: Path
     client_mode: bool = False
+    uplink_mbps: float = 50.0
+    """This peer's uplink in Mbit/s as assumed until its first sync measured it (the adaptive
+    codec's byte budget). A per-peer fact: never part of the run manifest or its id."""
     threads: int | None = None
     manifest_wait_s: float = 20.0
     """How long to wait for the swarm to announce a run before giving up."""
@@ -64,5 +67,7 @@ class JoinConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port = {self.port}: must be in [0, 65535]")
+        if not 0 < self.uplink_mbps <= 1e6:
+            raise ValueError(f"uplink_mbps = {self.uplink_mbps}: must be in (0, 1e6] Mbit/s")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads = {self.threads}: must be >= 1")

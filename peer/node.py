@@ -91,7 +91,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         outer = make_outer(manifest, shapes)
         transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), manifest.run_id, manifest.sync,
                                      compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
-                                     client_mode=cfg.client_mode)
+                                     client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps)
         # Records live three worst-case syncs (at least a minute): a live peer refreshes them well before.
         swarm = SwarmView(dht, run_id=manifest.run_id, peer_id=peer_id,
                           record_ttl_s=max(60.0, 3 * transport.max_sync_seconds), max_sync_s=transport.max_sync_seconds)

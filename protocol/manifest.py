@@ -146,6 +146,11 @@ def from_dict(data: Any) -> RunManifest:
             raise ManifestError(f"manifest section [{section}] must be a table, got {values!r}")
         allowed = {f.name for f in dataclasses.fields(cls)}
         bad = set(values) - allowed
+        if section == "compression" and "uplink_mbps" in bad:
+            raise ManifestError(
+                "compression.uplink_mbps is not part of a run (each peer measures its own uplink): "
+                "remove it from the manifest and pass `peer join --uplink-mbps` instead"
+            )
         if bad:
             raise ManifestError(
                 f"unknown field(s) {sorted(bad)} in manifest section [{section}]: allowed {sorted(allowed)}"

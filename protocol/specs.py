@@ -279,9 +279,8 @@ class CompressionSpec:
     phi_codec: str = "none"
     """NoLoCo only: how the φ half of the payload is sent ('none' is fp32)."""
     sync_time_budget_s: float = 10.0
-    """adaptive: seconds one sync should take at the peer's measured uplink."""
-    uplink_mbps: float = 50.0
-    """adaptive: assumed uplink in Mbit/s until the first sync has measured it."""
+    """adaptive: seconds one sync should take at the peer's measured uplink (the uplink is each
+    peer's own fact, ``peer join --uplink-mbps``, never part of the run)."""
 
     def __post_init__(self) -> None:
         s = "compression"
@@ -292,4 +291,3 @@ class CompressionSpec:
         check(s, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
         one_of(s, "phi_codec", self.phi_codec, PHI_CODECS)
         float_in(s, "sync_time_budget_s", self.sync_time_budget_s, 0.0, 86400.0, lo_open=True)
-        float_in(s, "uplink_mbps", self.uplink_mbps, 0.0, 1e6, lo_open=True)

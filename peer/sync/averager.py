@@ -66,6 +66,8 @@ class LocoAverager(StateSharing, DecentralizedAverager):
             memory. The trainer writes its payload into them before a step and reads the group
             mean after.
         compression: the run's codecs.
+        uplink_mbps: this peer's uplink in Mbit/s as assumed until its first sync measured it
+            (the adaptive codec's budget); a per-peer fact, not part of the run.
         phi_from: index of the first tensor that is φ rather than Δ (NoLoCo's payload is Δ then
             φ; φ uses ``compression.phi_codec`` and no error feedback); None: all Δ.
         piece_elements: target piece size of the all-reduce.
@@ -73,6 +75,7 @@ class LocoAverager(StateSharing, DecentralizedAverager):
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, compression: CompressionSpec,
+                 uplink_mbps: float = 50.0,
                  phi_from: int | None = None, piece_elements: int | None = None, **kwargs):
         if kwargs.get("next_chunk_timeout") is None:
             raise ValueError("LocoAverager needs next_chunk_timeout: a silent groupmate must not stall a round")
@@ -82,7 +85,7 @@ class LocoAverager(StateSharing, DecentralizedAverager):
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
         self._error_feedback = None
-        self._uplink_bytes_per_s = compression.uplink_mbps * 1e6 / 8
+        self._uplink_bytes_per_s = uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
 
     @property

@@ -77,11 +77,13 @@ class NetworkTransport:
         compression: the run's codecs (protocol/codecs.py).
         phi_from: index of the first payload tensor that is φ, not Δ (NoLoCo), or None.
         client_mode: True when other peers cannot dial this one (behind NAT).
+        piece_elements: target piece size of the all-reduce (None: the default).
+        uplink_mbps: this peer's assumed uplink, Mbit/s, until the first sync measured it.
     """
 
     def __init__(self, dht, param_shapes: Sequence[torch.Size], payload_shapes: Sequence[torch.Size], run_id: str,
                  sync: SyncSpec, *, compression: CompressionSpec | None = None, phi_from: int | None = None,
-                 client_mode: bool = False, piece_elements: int | None = None):
+                 client_mode: bool = False, piece_elements: int | None = None, uplink_mbps: float = 50.0):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
@@ -91,6 +93,7 @@ class NetworkTransport:
             self._buffers,
             dht,
             compression=compression or CompressionSpec(),
+            uplink_mbps=uplink_mbps,
             phi_from=phi_from,
             piece_elements=piece_elements,
             prefix=keys.averager_prefix(run_id, sync.algorithm),

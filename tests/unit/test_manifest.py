@@ -77,3 +77,12 @@ def test_bad_toml_syntax(tmp_path):
     path.write_text("[sync\n")
     with pytest.raises(ManifestError, match="not valid TOML"):
         load_manifest(path)
+
+
+def test_a_peers_uplink_is_not_part_of_a_run(tmp_path):
+    # The uplink is each peer's own fact: a run file naming it is refused with the flag to use.
+    path = tmp_path / "run.toml"
+    path.write_text('name = "x"\n[compression]\ncodec = "adaptive"\nuplink_mbps = 8.0\n')
+    with pytest.raises(ManifestError, match="uplink-mbps"):
+        load_manifest(path)
+    assert "uplink" not in dump_toml(RunManifest())

@@ -203,11 +203,11 @@ def test_codec_bytes_replace_the_fp32_payload_sizes(corpus):
 
 def test_adaptive_sync_fits_its_budget(corpus):
     rounds, N = 2, 4
-    m = compressed("diloco", codec="adaptive", uplink_mbps=8.0)
+    m = compressed("diloco", codec="adaptive")
     fp32_round = butterfly_bytes(run_simulation(m.replace(compression={"codec": "none"}), corpus, peers=N,
                                                 rounds=1).parameters, N)
     m = m.replace(compression={"sync_time_budget_s": fp32_round / 8 / 1e6})  # 8 Mbit/s = 1e6 bytes/s
-    r = run_simulation(m, corpus, peers=N, rounds=rounds, eval_every_rounds=rounds)
+    r = run_simulation(m, corpus, peers=N, rounds=rounds, eval_every_rounds=rounds, uplink_mbps=8.0)
     # Each peer's plan fits its own sends; the simulation's whole-tensor owners and the peers'
     # differing plans move the group average by a little.
     assert fp32_round / 16 < r.bytes_sent_per_peer / rounds <= fp32_round / 8 * 1.02
