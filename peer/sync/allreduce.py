@@ -2,7 +2,7 @@
 """locoswarm's group all-reduce: a butterfly reduce-scatter plus all-gather of codec-compressed
 pieces on hivemind's libp2p streams (frames: protocol/wire/allreduce.py; plan: pieces.py).
 
-Why our own and not hivemind's ``AllReduceRunner``: the codecs (protocol/codecs.py) must see
+Why our own and not hivemind's ``AllReduceRunner``: the codecs (protocol/codecs/) must see
 whole row-pieces of each tensor (low rank, top-k), every message must be validated against the
 run's parameter shapes before use, every byte is counted where it is written and read, and a
 groupmate that fails is excluded by a stated rule instead of leaving parts silently un-averaged

@@ -4,7 +4,7 @@ Runs in its own process (hivemind forks it). What it keeps from hivemind: matchm
 peers at the same round, keyed by run id and round) and state download for joiners. What it
 replaces: the all-reduce itself, so that
 
-* pseudo-gradients travel compressed by the run's codec (protocol/codecs.py), with this peer's
+* pseudo-gradients travel compressed by the run's codec (protocol/codecs/), with this peer's
   error-feedback residuals kept here, committed only when a round completes;
 * every frame is validated (protocol/wire/) and every byte written and read is counted;
 * a groupmate that fails is excluded by a stated rule, and a round this peer could not complete

@@ -74,7 +74,7 @@ class NetworkTransport:
             live in shared memory.
         run_id: the run; the averager prefix is derived from it.
         sync: matchmaking and all-reduce timeouts from the run manifest.
-        compression: the run's codecs (protocol/codecs.py).
+        compression: the run's codecs (protocol/codecs/).
         phi_from: index of the first payload tensor that is φ, not Δ (NoLoCo), or None.
         client_mode: True when other peers cannot dial this one (behind NAT).
         piece_elements: target piece size of the all-reduce (None: the default).

@@ -11,7 +11,7 @@ Every frame is ``u32 big-endian length`` + ``payload``; the payload starts with 
 ====== ===================================================================================
 HELLO  kind 1, then a msgpack map {v: protocol version, group: group id (bytes), sender: index
        in the group, weight: tokens (float > 0), pieces: how many PIECE frames follow}
-PIECE  kind 2, u32 piece index, then one codec encoding (protocol/codecs.py)
+PIECE  kind 2, u32 piece index, then one codec encoding (protocol/codecs/)
 MEAN   kind 3, u32 piece index, u16 group size n, ceil(n/8) bytes of bitmap: which senders the
        mean includes (bit i = sender i), then one codec encoding of the weighted fp32 mean
 ABORT  kind 4, then a UTF-8 reason of at most 1 KiB
