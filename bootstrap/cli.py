@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 import protocol
-from protocol.errors import LocoError
+from protocol.errors import LocoError, exit_with
 from protocol.manifest import load_manifest
 from protocol.presets import PRESETS
 
@@ -42,13 +42,6 @@ def _stop_on_signals() -> threading.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     return stop
-
-
-def _fail(exc: LocoError, verbose: bool) -> None:
-    if verbose:
-        logging.exception("failed")
-    click.echo(f"error: {exc}", err=True)
-    sys.exit(exc.exit_code)
 
 
 @main.command()
@@ -125,7 +118,7 @@ def run(host, port, announce, identity, run_file, preset, initial_peers, relay, 
 
         serve(cfg, stop, on_ready)
     except LocoError as exc:
-        _fail(exc, verbose)
+        exit_with(exc, verbose=verbose)
     click.echo("bootstrap node stopped", err=True)
 
 
@@ -171,7 +164,7 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
         finally:
             dht.shutdown()
     except LocoError as exc:
-        _fail(exc, verbose)
+        exit_with(exc, verbose=verbose)
     click.echo("monitor stopped", err=True)
 
 

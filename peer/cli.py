@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from protocol.errors import LocoError
+from protocol.errors import LocoError, exit_with
 from protocol.manifest import RunManifest, load_manifest
 from protocol.presets import PRESETS
 
@@ -49,13 +49,6 @@ def resolve_run(run_file: Path | None, preset: str | None, algorithm: str | None
     if manifest is not None and algorithm is not None:
         manifest = manifest.replace(sync={"algorithm": algorithm})
     return manifest
-
-
-def fail(exc: LocoError, verbose: bool) -> None:
-    if verbose:
-        logger.exception("failed")
-    click.echo(f"error: {exc}", err=True)
-    sys.exit(exc.exit_code)
 
 
 @click.group(context_settings={"auto_envvar_prefix": "PEER", "help_option_names": ["-h", "--help"]})
@@ -122,7 +115,7 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
         with StopOnSignal(stop):
             code, _ = run_join(cfg, Reporter(log_format), stop)
     except LocoError as exc:
-        fail(exc, verbose)
+        exit_with(exc, verbose=verbose)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
@@ -164,7 +157,7 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
                           summary_path=summary_file, workdir=workdir)
         code = run_swarm(cfg)
     except LocoError as exc:
-        fail(exc, verbose)
+        exit_with(exc, verbose=verbose)
     sys.exit(code)
 
 
@@ -197,7 +190,7 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
     try:
         result = read_status(tuple(initial_peers), run_id, wait_s=wait_s)
     except LocoError as exc:
-        fail(exc, verbose)
+        exit_with(exc, verbose=verbose)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:

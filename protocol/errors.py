@@ -34,6 +34,10 @@ averager process returns an incomplete all-reduce as its step's outcome (peer/sy
 
 from __future__ import annotations
 
+import logging
+import sys
+from typing import NoReturn
+
 
 class LocoError(Exception):
     """Base class of every error locoswarm raises on purpose."""
@@ -142,3 +146,12 @@ class StateDownloadFailed(SyncError):
 
 class CheckpointError(LocoError):
     """A local checkpoint cannot be read or belongs to another run."""
+
+
+def exit_with(exc: LocoError, *, verbose: bool) -> NoReturn:
+    """End a command on one of our errors: one line ``error: <message>`` on stderr (the traceback
+    too with ``verbose``) and the error's exit code. Shared by the ``peer`` and ``bootstrap`` CLIs."""
+    if verbose:
+        logging.getLogger("locoswarm").exception("failed")
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(exc.exit_code)
