@@ -9,6 +9,10 @@ the network's codec code (:mod:`protocol.codecs`, :mod:`peer.sync.adaptive`): er
 encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
 A data-parallel mode (one model, gradients averaged every inner step) gives
 the ceiling that low-communication methods are compared against at equal tokens.
+
+Over 300 lines: one simulated round (inner steps, compressed group means as the network computes
+them, outer steps) and its evaluation share the Simulation's state; split, each half would
+reach into the other's.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ records in the DHT, local checkpoints and a clean stop on a signal. What differs
 algorithms (whom to sync with, whose state to adopt, what to average) lives on the outer
 algorithm objects (peer/train/outer.py); the swarm's records on :class:`SwarmView`; position and
 counters on the types of peer/progress.py.
+
+Over 300 lines on purpose: the whole round (its phases, catch-up, and the state the loop holds
+between them: φ, snapshots, checkpoint) is told in this one file, so it reads top to bottom.
 """
 
 from __future__ import annotations
