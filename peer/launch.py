@@ -27,20 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from peer.events import Event
+from protocol.errors import ChildExited, ChildTimeout
 
 _PR_SET_PDEATHSIG = 1
-
-
-class ChildTimeout(TimeoutError):
-    """A child did not print the awaited event, or did not exit, in time."""
-
-
-class ChildExited(RuntimeError):
-    """A child's output ended before the awaited event."""
-
-    def __init__(self, message: str, returncode: int | None):
-        super().__init__(message)
-        self.returncode = returncode
 
 
 try:  # looked up here, in the parent: loading a library between fork and exec is not safe

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from peer.events import Event
-from peer.launch import Child, ChildExited, ChildTimeout, bootstrap_argv, peer_argv, stop_all
+from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
+from protocol.errors import ChildExited, ChildTimeout
 from peer.reporting import format_bytes
 from protocol.errors import NetworkError
 from protocol.manifest import RunManifest, dump_toml

@@ -19,7 +19,10 @@ entry point can catch one base class and print one actionable line::
     │   │   └── AllreduceIncomplete the group formed, this peer missed a valid mean; nothing applied
     │   │       └── PartialAverage  the all-reduce session ended with some piece's mean missing
     │   └── StateDownloadFailed     no donor is left to deliver a joiner's missing chunks
-    └── CheckpointError             a local checkpoint is unreadable or belongs to another run
+    ├── CheckpointError             a local checkpoint is unreadable or belongs to another run
+    └── LaunchError                 a child process of a launcher (peer/launch.py) misbehaved
+        ├── ChildTimeout            no awaited event, or no exit, in time (also a TimeoutError)
+        └── ChildExited             the child's output ended before the awaited event
 
 Library errors are wrapped where they enter (``raise AllreduceFailed(...) from exc``).
 
@@ -146,6 +149,27 @@ class StateDownloadFailed(SyncError):
 
 class CheckpointError(LocoError):
     """A local checkpoint cannot be read or belongs to another run."""
+
+
+
+class LaunchError(LocoError):
+    """A child process started by peer/launch.py (``peer swarm``, the chaos harness, the tests)
+    did not do what its launcher waited for."""
+
+
+class ChildTimeout(LaunchError, TimeoutError):
+    """A child did not print the awaited event, or did not exit, in time."""
+
+
+class ChildExited(LaunchError):
+    """A child's output ended before the awaited event; ``returncode`` is its exit code (None: unknown)."""
+
+    def __init__(self, message: str, returncode: int | None = None):
+        super().__init__(message)
+        self.returncode = returncode
+
+    def __reduce__(self):
+        return type(self), (str(self), self.returncode)
 
 
 def exit_with(exc: LocoError, *, verbose: bool) -> NoReturn:

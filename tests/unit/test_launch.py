@@ -11,7 +11,8 @@ import time
 import pytest
 
 from peer.events import Event
-from peer.launch import Child, ChildExited, ChildTimeout, stop_all
+from peer.launch import Child, stop_all
+from protocol.errors import ChildExited, ChildTimeout
 
 PRINTS = """
 import json, sys, time
