@@ -14,6 +14,7 @@ between them: φ, snapshots, checkpoint) is told in this one file, so it reads t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -137,8 +138,7 @@ class Trainer:
             mean, report = None, SyncReport(note=f"{exc}: round discarded, φ unchanged")
         else:
             mean, report = self._sync(payload, choice, start_digest)
-        done = RoundProgress(round=self.pos.round, tokens=self.pos.tokens, loss_sum=self.pos.loss_sum,
-                             compute_s=self.pos.compute_s, steps_done=self.pos.steps_done)
+        done = dataclasses.replace(self.pos)  # the finished round's figures, before the position moves on
         with self._lock:
             if mean is not None:
                 self.outer.apply(self.phi, mean)
