@@ -26,7 +26,8 @@ import torch
 from peer.config import TrainerConfig
 from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary
 from peer.reporting import Reporter
-from peer.state.checkpoint import PeerState, export_phi, load_checkpoint, save_checkpoint
+from peer.state.checkpoint import (PeerState, export_phi, fetch_residuals, load_checkpoint, restore_extras,
+                                   save_checkpoint)
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.membership import SwarmView
 from peer.state.download import DownloadedState
@@ -294,11 +295,16 @@ class Trainer:
         if self.cfg.checkpoint_path is None:
             return None
         adam = self.inner.state_dict()
+        # fetched anew every time: after an adoption the averager holds none, so none are saved
+        residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
+        if problem:
+            self.reporter.emit("warning", message=problem)
         save_checkpoint(self.cfg.checkpoint_path, PeerState(
             run_id=self.m.run_id, round=self.pos.round, inner_step=self.inner_step, round_step=self.pos.step,
             round_tokens=self.pos.tokens, names=self.names, phi=self.phi, momentum=self.outer.state_tensors(),
             theta=[p.detach() for p in self.params], adam_exp_avg=adam and adam["exp_avg"],
-            adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0))
+            adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0,
+            residuals=residuals, data=self.inner.sampler.state()))
         return str(self.cfg.checkpoint_path)
 
     def _restore(self, path: Path) -> None:
@@ -316,9 +322,14 @@ class Trainer:
                                         "step": state.adam_step})
         self.pos.start_round(state.round, state.round_step)
         self.pos.tokens = state.round_tokens
+        residuals, problems = restore_extras(state, load_residuals=self.transport.load_error_feedback,
+                                             sampler=self.inner.sampler)
+        for problem in problems:
+            self.reporter.emit("warning", message=problem)
         self._take_snapshot()
         self.reporter.emit("resumed", path=str(path), round=self.pos.round, round_step=self.pos.step,
-                           state_digest=self.state_digest)
+                           state_digest=self.state_digest, residuals=residuals,
+                           batches_drawn=self.inner.sampler.batches_drawn)
 
     # ---- records and evaluation ---------------------------------------------------------
     def _publish(self, *, train_loss: float | None = None, tokens_per_s: float | None = None,

@@ -1,9 +1,14 @@
 """Local checkpoints: one safetensors file per peer and run, written atomically.
 
-The file holds φ, the outer momentum, θ and the AdamW moments as named tensors, and the peer's
-position (round, cumulative inner step, steps done in the current round) as string metadata.
-It is written to a temporary file in the same directory, fsynced, then renamed over the old
-one, so a crash at any moment leaves either the old or the new checkpoint, never a torn file.
+Format 2 holds, as named tensors: φ, the outer state, θ and the AdamW moments (``phi.<name>``,
+``momentum.<name>``, ``theta.<name>``, ``adam_exp_avg[_sq].<name>``), the error-feedback residuals
+(``residual.<name>``, only when the run's codec keeps them) and the data sampler's generator state
+(``data.rng``, uint8); as string metadata: the position (round, cumulative inner step, steps and
+tokens done in the current round), AdamW's step, the sampler's seed and batches drawn. Nothing is
+pickled. A format 1 file (before residuals and data position) still loads, with a note of what
+it lacked. The file is written to a temporary file in the same directory, fsynced, then renamed
+over the old one, so a crash at any moment leaves either the old or the new checkpoint, never a
+torn file.
 """
 
 from __future__ import annotations
@@ -12,16 +17,23 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from peer.train.data import BatchSampler, SamplerState
 from protocol.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+_OLDER_FORMATS = {
+    "1": "it holds no data position and no error-feedback residuals: resuming φ, the outer state and "
+         "AdamW; this peer samples its shard from its seed again and its residuals start from zero",
+}
+"""Formats that still load: what each lacks and what the peer does instead."""
 
 
 @dataclass
@@ -42,30 +54,37 @@ class PeerState:
     adam_exp_avg: list[torch.Tensor] | None = None
     adam_exp_avg_sq: list[torch.Tensor] | None = None
     adam_step: int = 0
+    residuals: list[torch.Tensor] | None = None
+    """Error-feedback residuals, one per parameter (None: the codec keeps none, or none yet)."""
+    data: SamplerState | None = None
+    """Where this peer's data sampler stands (None: not saved; format 1)."""
+    upgrade_note: str | None = None
+    """Set by :func:`load_checkpoint` for an older format: what the file lacked, for a warning."""
 
 
 def save_checkpoint(path: Path, state: PeerState) -> None:
-    """Write ``state`` to ``path`` atomically.
+    """Write ``state`` to ``path`` atomically, in format :data:`FORMAT_VERSION`.
 
     Raises:
         CheckpointError: the directory is not writable; any previous checkpoint is left intact.
     """
     path = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for i, name in enumerate(state.names):
-        tensors[f"phi.{name}"] = state.phi[i]
-        tensors[f"momentum.{name}"] = state.momentum[i]
-        tensors[f"theta.{name}"] = state.theta[i]
-        if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
-            tensors[f"adam_exp_avg.{name}"] = state.adam_exp_avg[i]
-            tensors[f"adam_exp_avg_sq.{name}"] = state.adam_exp_avg_sq[i]
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
+    groups = {"phi": state.phi, "momentum": state.momentum, "theta": state.theta,
+              "residual": state.residuals}
+    if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
+        groups.update(adam_exp_avg=state.adam_exp_avg, adam_exp_avg_sq=state.adam_exp_avg_sq)
+    tensors = {f"{prefix}.{name}": t.detach().to("cpu", torch.float32).contiguous().clone()
+               for prefix, group in groups.items() if group is not None
+               for name, t in zip(state.names, group, strict=True)}
     metadata = {
         "format": FORMAT_VERSION, "run_id": state.run_id, "round": str(state.round),
         "inner_step": str(state.inner_step), "round_step": str(state.round_step),
         "round_tokens": str(state.round_tokens), "adam_step": str(state.adam_step),
         "names": ",".join(state.names),
     }
+    if state.data is not None:
+        tensors["data.rng"] = state.data.rng.detach().to("cpu").contiguous().clone()
+        metadata.update(data_seed=str(state.data.seed), batches_drawn=str(state.data.batches_drawn))
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,10 +118,12 @@ def _remove_stale_temporaries(path: Path) -> None:
 
 
 def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[torch.Size]) -> PeerState:
-    """Read and check a checkpoint written by :func:`save_checkpoint`.
+    """Read and check a checkpoint written by :func:`save_checkpoint` (this format or an older one
+    that still loads; then :attr:`PeerState.upgrade_note` says what it lacked).
 
     Raises:
-        CheckpointError: unreadable, another run's, or tensors that do not match the model.
+        CheckpointError: unreadable, of an unknown format, another run's, or tensors that do not
+            match the model (wrong shape, non-finite, or an optional group only partly present).
     """
     path = Path(path)
     try:
@@ -113,34 +134,76 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"checkpoint {path} is unreadable ({exc}); move it away to start fresh") from exc
-    if metadata.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {metadata.get('format')!r}, expected {FORMAT_VERSION}")
+    version = metadata.get("format")
+    if version != FORMAT_VERSION and version not in _OLDER_FORMATS:
+        raise CheckpointError(f"checkpoint {path} has format {version!r}, expected {FORMAT_VERSION} "
+                              f"(or {', '.join(_OLDER_FORMATS)})")
     if metadata.get("run_id") != run_id:
         raise CheckpointError(f"checkpoint {path} belongs to run {metadata.get('run_id')}, not {run_id}")
     if metadata.get("names", "").split(",") != names:
         raise CheckpointError(f"checkpoint {path} was written for a different model; move it away to start fresh")
 
     def group(prefix: str, required: bool = True) -> list[torch.Tensor] | None:
-        out = []
-        for name, shape in zip(names, shapes):
-            tensor = tensors.get(f"{prefix}.{name}")
+        found = [tensors.get(f"{prefix}.{name}") for name in names]
+        if all(t is None for t in found) and not required:
+            return None
+        for name, shape, tensor in zip(names, shapes, found):
             if tensor is None:
-                if required:
-                    raise CheckpointError(f"checkpoint {path} lacks tensor {prefix}.{name}")
-                return None
+                raise CheckpointError(f"checkpoint {path} lacks tensor {prefix}.{name}")
             if tensor.shape != shape or not torch.isfinite(tensor).all():
                 raise CheckpointError(f"checkpoint {path} tensor {prefix}.{name} has shape {tuple(tensor.shape)} "
                                       f"or non-finite values, expected finite {tuple(shape)}")
-            out.append(tensor)
-        return out
+        return found
 
     try:
         position = {k: int(metadata[k]) for k in ("round", "inner_step", "round_step", "round_tokens", "adam_step")}
+        rng = tensors.get("data.rng")
+        data = None if rng is None else SamplerState(seed=int(metadata["data_seed"]),
+                                                      batches_drawn=int(metadata["batches_drawn"]), rng=rng)
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed metadata ({exc})") from exc
+    if data is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
+        raise CheckpointError(f"checkpoint {path} tensor data.rng is {rng.dtype} {tuple(rng.shape)}, "
+                              f"expected 1-D uint8")
     return PeerState(run_id=run_id, names=names, phi=group("phi"), momentum=group("momentum"),
                      theta=group("theta"), adam_exp_avg=group("adam_exp_avg", False),
-                     adam_exp_avg_sq=group("adam_exp_avg_sq", False), **position)
+                     adam_exp_avg_sq=group("adam_exp_avg_sq", False), residuals=group("residual", False),
+                     data=data, **position,
+                     upgrade_note=None if version == FORMAT_VERSION else
+                     f"checkpoint {path} is of format {version}: {_OLDER_FORMATS[version]}")
+
+
+def fetch_residuals(fetch: Callable[[], list[torch.Tensor] | None]) -> tuple[list[torch.Tensor] | None, str | None]:
+    """The error-feedback residuals for a checkpoint from ``fetch`` (NetworkTransport's, which asks the
+    averager process), and None or a warning saying the checkpoint lacks them (it did not answer)."""
+    try:
+        return fetch(), None
+    except OSError as exc:  # TimeoutError included
+        return None, (f"this checkpoint lacks the error-feedback residuals: the averager process did not hand "
+                      f"them over ({exc!r})")
+
+
+def restore_extras(state: PeerState, *, load_residuals: Callable[[list[torch.Tensor]], int],
+                   sampler: BatchSampler) -> tuple[int, list[str]]:
+    """Give what a loaded checkpoint holds beyond the trainer's own tensors to its owners: the
+    residuals to ``load_residuals`` (NetworkTransport's, into the averager process), the data
+    position to ``sampler``.
+
+    Returns:
+        The number of residual tensors taken, and warnings for what could not be restored (each
+        then starts afresh: residuals from zero, the sampler from its seed) or the file lacked.
+    """
+    taken, problems = 0, [state.upgrade_note] if state.upgrade_note else []
+    try:
+        taken = load_residuals(state.residuals) if state.residuals is not None else 0
+    except (ValueError, OSError) as exc:
+        problems.append(f"error-feedback residuals not restored, they start from zero: {exc!r}")
+    try:
+        if state.data is not None:
+            sampler.load_state(state.data)
+    except ValueError as exc:
+        problems.append(f"data position not restored, this peer samples its shard from its seed again: {exc}")
+    return taken, problems
 
 
 def export_phi(directory: Path, *, names: list[str], phi: list[torch.Tensor], run_id: str, round_: int) -> Path:

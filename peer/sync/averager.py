@@ -129,6 +129,42 @@ class LocoAverager(StateSharing, DecentralizedAverager):
         self._error_feedback = None
         future.set_result(None)
 
+    def error_feedback_residuals(self, timeout: float = 30.0) -> list[torch.Tensor] | None:
+        """Copies of the committed error-feedback residuals in the averager process (fp32, one per
+        Δ tensor), or None when there are none (lossless codec, feedback off, no sync since the
+        start or the last reset). Call between syncs; a running sync's staged residuals are excluded.
+
+        Raises:
+            TimeoutError: the averager process did not answer within ``timeout`` seconds.
+        """
+        return self._call_in_averager("_error_feedback_residuals", timeout=timeout)
+
+    async def _error_feedback_residuals(self, future) -> None:
+        ef = self._error_feedback
+        future.set_result(None if ef is None else ef.residuals())
+
+    def load_error_feedback(self, residuals: Sequence[torch.Tensor], timeout: float = 30.0) -> int:
+        """Make ``residuals`` (as :meth:`error_feedback_residuals` returned) this peer's current
+        residuals in the averager process; the number of tensors taken (0 when this run's codec
+        keeps no residuals).
+
+        Raises:
+            ValueError: count or shapes do not match the Δ tensors, or values are not finite;
+                the residuals in the averager process are left unchanged.
+            TimeoutError: the averager process did not answer within ``timeout`` seconds.
+        """
+        return self._call_in_averager("_load_error_feedback", timeout=timeout,
+                                      residuals=[r.detach().to(torch.float32).contiguous() for r in residuals])
+
+    async def _load_error_feedback(self, residuals, future) -> None:
+        try:
+            ef = self._feedback([t.shape for t in self._averaged_tensors])
+            if ef is not None:
+                ef.load_residuals(residuals)
+            future.set_result(0 if ef is None else len(residuals))
+        except ValueError as exc:
+            future.set_exception(exc)
+
     async def _configure_round(self, size: int, matchmaking_s: float, allreduce_s: float, future) -> None:
         matchmaking = self._matchmaking
         matchmaking.target_group_size = size

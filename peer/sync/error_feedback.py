@@ -67,3 +67,27 @@ class ErrorFeedback:
     def state_tensors(self) -> list[torch.Tensor]:
         """The residual buffers (fp32, one per tensor), for checkpoints; loading copies into them."""
         return [self._buffer(i) for i in range(len(self.shapes))]
+
+    def residuals(self) -> list[torch.Tensor] | None:
+        """Copies of the committed residuals (fp32, one per tensor, zeros where none was committed
+        yet), or None while nothing was ever committed. Staged residuals of a sync that has not
+        completed are not included: a checkpoint holds what the next sync would add."""
+        if all(e is None for e in self._e):
+            return None
+        return [torch.zeros(shape) if e is None else e.clone() for e, shape in zip(self._e, self.shapes)]
+
+    def load_residuals(self, residuals: Sequence[torch.Tensor]) -> None:
+        """Make ``residuals`` (one per tensor, shaped like it, finite) the current residuals; drops
+        anything staged.
+
+        Raises:
+            ValueError: wrong count, shape or non-finite values; the residuals are left unchanged.
+        """
+        if len(residuals) != len(self.shapes):
+            raise ValueError(f"{len(residuals)} residual tensors, expected {len(self.shapes)}")
+        for i, (r, shape) in enumerate(zip(residuals, self.shapes)):
+            if r.shape != shape or not torch.isfinite(r).all():
+                raise ValueError(f"residual {i}: shape {tuple(r.shape)} or non-finite values, "
+                                 f"expected finite {tuple(shape)}")
+        self._e = [r.detach().to(torch.float32).clone() for r in residuals]
+        self._staged.clear()

@@ -248,6 +248,27 @@ class NetworkTransport:
         """Drop this peer's error-feedback residuals (after it adopted another peer's state)."""
         self.averager.reset_error_feedback()
 
+    def error_feedback_residuals(self) -> list[torch.Tensor] | None:
+        """This peer's committed error-feedback residuals, fetched from the averager process for a
+        checkpoint: one fp32 tensor per Δ tensor (shaped like its parameter), or None when it keeps
+        none (lossless codec, feedback off, no completed sync since the start or the last reset).
+        Call at a round boundary, when no sync is running.
+
+        Raises:
+            TimeoutError: the averager process did not answer.
+        """
+        return self.averager.error_feedback_residuals()
+
+    def load_error_feedback(self, residuals: Sequence[torch.Tensor]) -> int:
+        """Set this peer's error-feedback residuals in the averager process (after a restore from a
+        checkpoint); returns how many tensors it took (0: this run's codec keeps none).
+
+        Raises:
+            ValueError: count, shapes or values do not fit this run; the residuals stay as they were.
+            TimeoutError: the averager process did not answer.
+        """
+        return self.averager.load_error_feedback(residuals)
+
     def share_state(self, provider: Callable[[], list[Any]] | None) -> None:
         """Serve the state snapshots from ``provider`` (peer/state/snapshot.py, newest last) to peers that
         download them, or stop serving with None."""

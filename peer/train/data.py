@@ -126,8 +126,23 @@ def peer_seed(peer_id: str, salt: int = 0) -> int:
     return int.from_bytes(hashlib.sha256(f"{peer_id}:{salt}".encode()).digest()[:8], "big") >> 1
 
 
+@dataclass(frozen=True)
+class SamplerState:
+    """Where a :class:`BatchSampler` stands in its shard, for checkpoints."""
+
+    seed: int
+    """The seed the sampler started from (:func:`peer_seed`); a state only fits a sampler of the same seed."""
+    batches_drawn: int
+    """Batches drawn since the seed."""
+    rng: torch.Tensor
+    """The generator's state after those draws: 1-D uint8 (``torch.Generator.get_state``)."""
+
+
 class BatchSampler:
     """Random windows of ``seq_len + 1`` tokens from the train stream: this peer's shard.
+
+    Its position (:meth:`state`) goes into the checkpoint, so a restarted peer continues its
+    sequence of batches instead of replaying the ones it already trained on.
 
     Args:
         stream: 1-D int16 token stream.
@@ -138,14 +153,38 @@ class BatchSampler:
 
     def __init__(self, stream: torch.Tensor, *, seq_len: int, batch_sequences: int, seed: int):
         self.stream, self.seq_len, self.batch_sequences = stream, seq_len, batch_sequences
+        self.seed, self.batches_drawn = seed, 0
         self.generator = torch.Generator().manual_seed(seed)
 
     def next_batch(self) -> torch.Tensor:
         """An int64 tensor of shape (batch_sequences, seq_len + 1)."""
         high = self.stream.numel() - self.seq_len - 1
         starts = torch.randint(0, high + 1, (self.batch_sequences,), generator=self.generator)
+        self.batches_drawn += 1
         offsets = torch.arange(self.seq_len + 1)
         return self.stream[starts[:, None] + offsets[None, :]].to(torch.int64)
+
+    def state(self) -> SamplerState:
+        """This sampler's position (a copy: later draws do not change it)."""
+        return SamplerState(seed=self.seed, batches_drawn=self.batches_drawn, rng=self.generator.get_state())
+
+    def load_state(self, state: SamplerState) -> None:
+        """Continue from ``state``: the next batch is the one the saved sampler would have drawn next.
+
+        Raises:
+            ValueError: the state is of another seed (another peer's shard) or its generator state
+                is malformed; this sampler is left unchanged.
+        """
+        if state.seed != self.seed:
+            raise ValueError(f"the data position is of seed {state.seed}, this peer samples with seed {self.seed}")
+        if state.batches_drawn < 0:
+            raise ValueError(f"batches_drawn = {state.batches_drawn} is negative")
+        generator = torch.Generator()
+        try:
+            generator.set_state(state.rng.contiguous())
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"the data position's generator state is malformed ({exc})") from exc
+        self.generator, self.batches_drawn = generator, state.batches_drawn
 
 
 def validation_batch(corpus: Corpus, spec: DataSpec) -> torch.Tensor:

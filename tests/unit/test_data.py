@@ -1,3 +1,6 @@
+import dataclasses
+
+import pytest
 import torch
 
 from peer.train import tokenizer
@@ -41,3 +44,39 @@ def test_peers_sample_different_shards():
     a2 = BatchSampler(stream, seq_len=16, batch_sequences=4, seed=peer_seed("peerA")).next_batch()
     assert a.shape == (4, 17) and not torch.equal(a, b) and torch.equal(a, a2)
     assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 16, dtype=torch.int64))  # contiguous windows
+
+
+def test_a_restored_sampler_continues_where_the_saved_one_stopped():
+    stream = torch.arange(10_000, dtype=torch.int16)
+
+    def sampler(seed=peer_seed("peerA")):
+        return BatchSampler(stream, seq_len=16, batch_sequences=4, seed=seed)
+
+    uninterrupted, saved = sampler(), sampler()
+    for _ in range(7):
+        uninterrupted.next_batch()
+        saved.next_batch()
+    state = saved.state()
+    saved.next_batch()  # drawing on after the save does not move the saved state
+    restarted = sampler()
+    restarted.load_state(state)
+    assert restarted.batches_drawn == state.batches_drawn == 7
+    expected = uninterrupted.next_batch()
+    assert torch.equal(restarted.next_batch(), expected)
+    assert not torch.equal(sampler().next_batch(), expected)  # a fresh one would replay batch 1 instead
+    assert restarted.batches_drawn == 8
+
+
+def test_a_sampler_refuses_another_seeds_or_a_malformed_state():
+    stream = torch.arange(1_000, dtype=torch.int16)
+    a = BatchSampler(stream, seq_len=8, batch_sequences=2, seed=1)
+    b = BatchSampler(stream, seq_len=8, batch_sequences=2, seed=2)
+    b.next_batch()
+    with pytest.raises(ValueError, match="seed 1, this peer samples with seed 2"):
+        b.load_state(a.state())
+    with pytest.raises(ValueError, match="malformed"):
+        b.load_state(dataclasses.replace(b.state(), rng=torch.zeros(10, dtype=torch.uint8)))
+    assert b.batches_drawn == 1  # unchanged: it goes on with its own sequence
+    again = BatchSampler(stream, seq_len=8, batch_sequences=2, seed=2)
+    again.next_batch()
+    assert torch.equal(b.next_batch(), again.next_batch())

@@ -53,3 +53,36 @@ def test_error_feedback_commit_rollback_and_rows():
     torch.testing.assert_close(ef.compensate(0, torch.ones(6, 2))[2:4], torch.full((2, 2), 1.75))
     with pytest.raises(ValueError, match="expected"):
         ef.compensate(1, torch.ones(4))
+
+
+def test_residuals_are_the_committed_ones_and_load_back():
+    ef = ErrorFeedback([(6, 2), (3,)])
+    assert ef.residuals() is None  # nothing committed: nothing for a checkpoint
+    c = ef.compensate(0, torch.ones(2, 2), rows=slice(0, 2))
+    ef.stage(0, c, torch.full((2, 2), 0.25), rows=slice(0, 2))
+    ef.commit()
+    ef.stage(0, torch.ones(6, 2), torch.zeros(6, 2))  # a sync still running: not in the residuals
+    saved = ef.residuals()
+    assert torch.equal(saved[0][:2], torch.full((2, 2), 0.75)) and saved[0][2:].abs().sum() == 0
+    assert torch.equal(saved[1], torch.zeros(3))  # never committed: zeros
+    saved[0].fill_(5.0)
+    assert ef.residuals()[0][0, 0] == 0.75  # copies, not the live buffers
+
+    restored = ErrorFeedback([(6, 2), (3,)])
+    restored.load_residuals(ef.residuals())
+    for a, b in zip(restored.residuals(), ef.residuals()):
+        assert torch.equal(a, b)
+    x = torch.randn(6, 2)
+    assert torch.equal(restored.compensate(0, x), ef.compensate(0, x))  # the next sync adds the same
+
+
+def test_load_residuals_refuses_what_does_not_fit_and_keeps_the_old_ones():
+    ef = ErrorFeedback([(2, 2)])
+    ef.load_residuals([torch.ones(2, 2)])
+    with pytest.raises(ValueError, match="expected 1"):
+        ef.load_residuals([torch.ones(2, 2), torch.ones(2)])
+    with pytest.raises(ValueError, match=r"residual 0: shape \(4,\)"):
+        ef.load_residuals([torch.ones(4)])
+    with pytest.raises(ValueError, match="non-finite"):
+        ef.load_residuals([torch.full((2, 2), float("nan"))])
+    assert torch.equal(ef.residuals()[0], torch.ones(2, 2))
