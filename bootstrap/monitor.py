@@ -4,8 +4,10 @@ A :class:`SwarmMonitor` polls the DHT (``list_runs`` + ``read_progress``, so eve
 validated by ``ProgressRecord.from_wire``) from a background thread and keeps, per run and per
 peer, the latest record, when the peer was first and last seen, the largest group it synced in
 at each round, and every validation loss it published (records carry ``eval_loss`` only at the
-rounds a peer evaluated φ, so the history is what makes "loss over time" possible). Peers whose
-records expired stay in the history, marked not live.
+rounds a peer evaluated φ, so the history is what makes "loss over time" possible). A peer is
+live while its latest record is younger than protocol/liveness.py's bound (about one round's
+deadline, from the run's manifest), not until the record expires; peers that went stale or whose
+records expired stay in the history, marked not live, and the run's totals count live peers only.
 
 :class:`MonitorServer` publishes a snapshot over HTTP (stdlib ``ThreadingHTTPServer``):
 
@@ -29,8 +31,9 @@ from typing import Any, Callable
 
 from bootstrap.monitor_history import PeerHistory, RunHistory
 from bootstrap.monitor_metrics import metrics_text
-from protocol import dht as swarm_dht
+from protocol import dht as swarm_dht, liveness
 from protocol.errors import LocoError, NetworkError
+from protocol.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class SwarmMonitor:
         self.dht, self.cfg = dht, config
         self._known_runs = dict(run_ids or {})
         self._runs: dict[str, RunHistory] = {}
-        self._inner_steps: dict[str, int] = {}
+        self._manifests: dict[str, RunManifest] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-monitor", daemon=True)
@@ -97,9 +100,9 @@ class SwarmMonitor:
         runs = dict(self._known_runs)
         runs.update(swarm_dht.list_runs(self.dht))
         for run_id in runs:
-            if run_id not in self._inner_steps:
+            if run_id not in self._manifests:
                 try:
-                    self._inner_steps[run_id] = swarm_dht.fetch_manifest(self.dht, run_id).sync.inner_steps
+                    self._manifests[run_id] = swarm_dht.fetch_manifest(self.dht, run_id)
                 except LocoError as exc:  # not announced (yet), or not a manifest we accept
                     logger.debug("no manifest for run %s yet: %s", run_id, exc)
         found = {run_id: swarm_dht.read_progress(self.dht, run_id) for run_id in runs}
@@ -107,13 +110,20 @@ class SwarmMonitor:
 
     def ingest(self, runs: dict[str, str], found: dict[str, list[swarm_dht.PeerProgress]],
                now: float | None = None) -> None:
-        """Fold one poll's records (already validated) into the history."""
+        """Fold one poll's records (already validated) into the history.
+
+        ``now`` is wall-clock time, s since the epoch (hivemind's DHT time is the same clock): a
+        record is judged by protocol.liveness against the run's manifest; without the manifest, a
+        peer counts as live while its record is in the DHT.
+        """
         now = time.time() if now is None else now
         with self._lock:
             for run_id, name in runs.items():
                 run = self._runs.setdefault(run_id, RunHistory(run_id=run_id, name=name))
                 run.name = name
-                run.inner_steps = self._inner_steps.get(run_id, run.inner_steps)
+                manifest = self._manifests.get(run_id)
+                if manifest is not None:
+                    run.inner_steps = manifest.sync.inner_steps
                 present = set()
                 for item in found.get(run_id, []):
                     present.add(item.peer_id)
@@ -122,6 +132,10 @@ class SwarmMonitor:
                         peer = run.peers[item.peer_id] = PeerHistory(
                             peer_id=item.peer_id, first_seen=now, last_seen=now, last_change=now, record=item.record)
                     peer.update(item.record, now, self.cfg.history_samples, run.inner_steps)
+                    if manifest is not None:
+                        verdict = liveness.judge(item.record, item.expiration, now, manifest)
+                        peer.live, peer.stale_after_s = verdict.live, verdict.stale_after_s
+                        peer.published_at = liveness.published_at(item.expiration, manifest)
                 for peer_id, peer in list(run.peers.items()):
                     if peer_id not in present:
                         peer.live = False
@@ -141,7 +155,10 @@ class SwarmMonitor:
 
             {"generated_at": s, "started_at": s, "last_poll": s | null, "last_error": str | null,
              "runs": [{"run_id", "name", "inner_steps" (H, or null), "live_peers", "max_round",
+                       "tokens_per_s" (sum over live peers),
+                       "live_by_group_size": {"3": 3, ...} (live peers by their last sync's group size),
                        "peers": [{"peer_id", "live", "first_seen", "last_seen", "last_change",
+                                  "published_at" (s, or null), "stale_after_s" (or null),
                                   "round", "inner_step", "train_loss", "eval_loss" (latest seen),
                                   "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
                                   "last_sync": {"round", "group_size", "bytes_sent",
@@ -156,15 +173,26 @@ class SwarmMonitor:
         Times are wall-clock seconds since the epoch; losses in nats/token. The top-level fields
         of a peer are its latest record as published (mid-round records may carry group size 1
         and 0 bytes); ``last_sync`` is the latest record written right after a sync.
+        ``published_at`` is when the peer stored its latest record and ``stale_after_s`` how old
+        that record may grow before the peer counts as gone (protocol/liveness.py); both are
+        null until the run's manifest was read.
         """
         with self._lock:
             runs = []
             for run in sorted(self._runs.values(), key=lambda r: r.run_id):
                 peers = [p.to_json(with_samples=with_samples)
                          for p in sorted(run.peers.values(), key=lambda p: p.peer_id)]
+                live = [p for p in peers if p["live"]]
+                by_size: dict[str, int] = {}
+                for p in live:
+                    if p["last_sync"] is not None:
+                        size = str(p["last_sync"]["group_size"])
+                        by_size[size] = by_size.get(size, 0) + 1
                 runs.append({"run_id": run.run_id, "name": run.name, "inner_steps": run.inner_steps,
-                             "live_peers": sum(p["live"] for p in peers),
-                             "max_round": max((p["round"] for p in peers), default=0), "peers": peers})
+                             "live_peers": len(live), "max_round": max((p["round"] for p in peers), default=0),
+                             "tokens_per_s": sum(p["tokens_per_s"] for p in live),
+                             "live_by_group_size": dict(sorted(by_size.items(), key=lambda kv: int(kv[0]))),
+                             "peers": peers})
             return {"generated_at": time.time(), "started_at": self.started_at, "last_poll": self.last_poll,
                     "last_error": self.last_error, "runs": runs}
 

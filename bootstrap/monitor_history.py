@@ -18,6 +18,12 @@ class PeerHistory:
     last_change: float
     record: ProgressRecord
     live: bool = True
+    """Whether the peer's latest record is fresh (protocol/liveness.py), or, before the run's
+    manifest was read, still in the DHT."""
+    published_at: float | None = None
+    """When the peer stored its latest record, s since the epoch (None until the manifest was read)."""
+    stale_after_s: float | None = None
+    """How old that record may grow before the peer counts as gone."""
     group_by_round: dict[int, int] = field(default_factory=dict)
     """Round → largest group size this peer reported for the sync that brought it to that round
     (only rounds whose post-sync record the monitor saw: a poll can miss a short round)."""
@@ -54,6 +60,7 @@ class PeerHistory:
         out = {
             "peer_id": self.peer_id, "live": self.live, "first_seen": self.first_seen,
             "last_seen": self.last_seen, "last_change": self.last_change,
+            "published_at": self.published_at, "stale_after_s": self.stale_after_s,
             "round": r.round, "inner_step": r.inner_step, "train_loss": r.train_loss,
             "tokens_per_s": r.tokens_per_s, "group_size": r.group_size, "bytes_sent": r.bytes_sent,
             "bytes_received": r.bytes_received,

@@ -32,13 +32,17 @@ class _Collector:
         }
         families = {key: GaugeMetricFamily(name, doc, labels=["run_id", "peer_id"])
                     for key, (name, doc) in per_peer.items()}
-        live = GaugeMetricFamily("locoswarm_live_peers", "Peers with an unexpired progress record.", labels=["run_id"])
+        live = GaugeMetricFamily("locoswarm_live_peers", "Peers whose latest progress record is fresh "
+                                 "(younger than about one round's deadline).", labels=["run_id"])
+        tokens = GaugeMetricFamily("locoswarm_swarm_tokens_per_second", "Inner-loop throughput of the live peers "
+                                   "together, tokens/s.", labels=["run_id"])
         max_round = GaugeMetricFamily("locoswarm_run_max_round", "Highest round any peer reached.", labels=["run_id"])
         grouped = CounterMetricFamily("locoswarm_peer_rounds_by_group_size",
                                       "Rounds the monitor saw the peer complete, by sync group size.",
                                       labels=["run_id", "peer_id", "group_size"])
         for run in snap["runs"]:
             live.add_metric([run["run_id"]], run["live_peers"])
+            tokens.add_metric([run["run_id"]], run["tokens_per_s"])
             max_round.add_metric([run["run_id"]], run["max_round"])
             for peer in run["peers"]:
                 labels = [run["run_id"], peer["peer_id"]]
@@ -49,6 +53,7 @@ class _Collector:
                 for size, count in peer["rounds_by_group_size"].items():
                     grouped.add_metric([*labels, size], count)
         yield live
+        yield tokens
         yield max_round
         yield from families.values()
         yield grouped

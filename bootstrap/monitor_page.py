@@ -123,15 +123,17 @@ function renderRun(run, now, t0) {
   const live = run.peers.filter(p => p.live);
   const box = el("section", {class: "run", "data-run-id": run.run_id});
   box.append(el("h2", {}, `run ${run.name}`), el("div", {class: "id"}, run.run_id));
-  const tokps = live.reduce((a, p) => a + p.tokens_per_s, 0);
+  const tokps = run.tokens_per_s;  // the live peers' sum, as the monitor counts it
   const sync = p => p.last_sync || p;
   const sent = live.reduce((a, p) => a + sync(p).bytes_sent, 0);
   const evals = run.peers.flatMap(p => p.eval_history);
   const lastEval = evals.length ? evals.reduce((a, b) => (b.t > a.t ? b : a)).loss : null;
   const cards = el("div", {class: "cards"});
-  for (const [k, v] of [["live peers", live.length], ["max round", run.max_round],
+  for (const [k, v] of [["live peers", run.live_peers], ["max round", run.max_round],
                         ["swarm tok/s", Math.round(tokps).toLocaleString()],
-                        ["validation loss", fmt(lastEval, 4)], ["sent in last syncs", bytes(sent)]])
+                        ["validation loss", fmt(lastEval, 4)], ["sent in last syncs", bytes(sent)],
+                        ["live peers by last group size",
+                         Object.entries(run.live_by_group_size).map(([g, n]) => `${n} in ${g}`).join(", ") || "–"]])
     cards.append(el("div", {class: "card"}, el("div", {class: "v"}, v), el("div", {class: "k"}, k)));
   box.append(cards);
   const evalSeries = run.peers.map(p => ({name: short(p.peer_id), color: color(p.peer_id),
@@ -145,7 +147,7 @@ function renderRun(run, now, t0) {
   const table = el("table", {class: "peers"});
   const head = el("tr", {});
   for (const h of ["peer", "status", "round", "inner step", "train loss", "val loss", "tok/s", "last group",
-                   "sent", "received", "rounds by group size", "last seen"]) head.append(el("th", {}, h));
+                   "sent", "received", "rounds by group size", "last record"]) head.append(el("th", {}, h));
   table.append(el("thead", {}, head));
   const body = el("tbody", {});
   for (const p of run.peers) {
@@ -158,7 +160,7 @@ function renderRun(run, now, t0) {
       el("td", {}, fmt(p.eval_loss, 4)), el("td", {}, Math.round(p.tokens_per_s).toLocaleString()),
       el("td", {}, sync(p).group_size), el("td", {}, bytes(sync(p).bytes_sent)),
       el("td", {}, bytes(sync(p).bytes_received)),
-      el("td", {}, groups), el("td", {}, ago(p.last_seen, now))));
+      el("td", {}, groups), el("td", {}, ago(p.published_at === null ? p.last_seen : p.published_at, now))));
   }
   table.append(body);
   box.append(table);

@@ -18,9 +18,10 @@ from peer.reporting import Reporter
 from peer.progress import TrainSummary
 from peer.config import JoinConfig
 from peer.round import Trainer
+from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.sync.membership import SwarmView
 from peer.sync.transport import NetworkTransport
-from protocol import dht as swarm_dht
+from protocol import dht as swarm_dht, liveness
 from protocol.errors import ManifestNotFound
 from protocol.identity import ensure_identity
 from protocol.manifest import RunManifest
@@ -74,9 +75,13 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     identity = ensure_identity(cfg.data_dir / "identity.key")
-    dht = swarm_dht.start_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port,
-                              announce=cfg.announce, identity_path=str(identity), client_mode=cfg.client_mode)
-    announcer = transport = None
+    # Peers seen before (peers.json): the way back into the swarm when the initial peers are gone.
+    book = AddressBook.load(cfg.data_dir / ADDRESS_BOOK)
+    dht = start_dht_remembering(
+        lambda peers: swarm_dht.start_dht(initial_peers=peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
+                                          identity_path=str(identity), client_mode=cfg.client_mode),
+        cfg.initial_peers, book)
+    announcer = transport = keeper = None
     try:
         if cfg.new_run is not None or not cfg.initial_peers:
             manifest = cfg.new_run or RunManifest()
@@ -85,6 +90,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         # Every peer keeps its run's manifest alive, so the swarm outlives its bootstrap node.
         announcer = swarm_dht.ManifestAnnouncer(dht, manifest).start()
         peer_id = str(dht.peer_id)
+        keeper = AddressKeeper(dht, book, run_id=manifest.run_id, peer_id=peer_id, publish=not cfg.client_mode).start()
         model = build_model(manifest.model)
         corpus = load_corpus(manifest.data)
         shapes = [p.shape for p in model.parameters()]
@@ -92,9 +98,9 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), manifest.run_id, manifest.sync,
                                      compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
                                      client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps)
-        # Records live three worst-case syncs (at least a minute): a live peer refreshes them well before.
+        # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
         swarm = SwarmView(dht, run_id=manifest.run_id, peer_id=peer_id,
-                          record_ttl_s=max(60.0, 3 * transport.max_sync_seconds), max_sync_s=transport.max_sync_seconds)
+                          record_ttl_s=liveness.record_ttl_s(manifest), max_sync_s=transport.max_sync_seconds)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)
         reporter.emit("started", version=protocol.__version__, peer_id=peer_id, device="cpu",
@@ -110,6 +116,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     finally:
         if announcer is not None:
             announcer.stop()
+        if keeper is not None:
+            keeper.stop()
         if transport is not None:
             transport.shutdown()
         dht.shutdown()

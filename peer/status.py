@@ -1,21 +1,34 @@
 """`peer status`: what a swarm looks like from its progress records, without training.
 
 Starts a client-mode DHT node (it accepts no connections and stores nothing for others), reads
-the announced runs and each run's progress records (validated by ``ProgressRecord.from_wire``),
-prints them and leaves.
+the announced runs, each run's manifest and progress records (validated by
+``ProgressRecord.from_wire``), prints them and leaves. A peer is shown live while its latest
+record is younger than protocol/liveness.py's bound (about one round's deadline), not until the
+record expires; the swarm totals count live peers only.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Sequence
 
-from protocol import dht as swarm_dht
-from protocol.errors import ManifestNotFound
+from protocol import dht as swarm_dht, liveness
+from protocol.errors import LocoError, ManifestNotFound
+
+logger = logging.getLogger(__name__)
+
+
+def _manifest_or_none(dht, run_id: str):
+    try:
+        return swarm_dht.fetch_manifest(dht, run_id)
+    except LocoError as exc:  # not announced any more, or a manifest we do not accept
+        logger.debug("no manifest for run %s: %s", run_id, exc)
+        return None
 
 
 def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> dict[str, Any]:
-    """The swarm's runs and their live peers' latest records, as JSON-able data.
+    """The swarm's runs and their peers' latest records, as JSON-able data.
 
     Args:
         run_id: only this run; None: every run the swarm announces.
@@ -23,9 +36,13 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
             while nothing is found.
 
     Returns:
-        ``{"time": s, "runs": [{"run_id", "name", "peers": [{"peer_id", "round", "inner_step",
+        ``{"time": s, "runs": [{"run_id", "name", "live_peers", "tokens_per_s" (live peers' sum),
+        "peers": [{"peer_id", "live", "age_s", "stale_after_s", "round", "inner_step",
         "train_loss", "eval_loss", "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
-        "expires_in_s"}]}]}``, peers sorted by round (highest first).
+        "expires_in_s"}]}]}``, peers sorted by round (highest first). ``age_s`` is how long ago
+        the record was published and ``stale_after_s`` the bound it is held against
+        (protocol/liveness.py); both are null when the run's manifest cannot be read, and then
+        every peer with an unexpired record counts as live.
 
     Raises:
         ManifestNotFound: ``run_id`` was given and the swarm has no record of it.
@@ -44,23 +61,30 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
     if run_id is not None and not found.get(run_id) and runs.get(run_id) == "?":
         raise ManifestNotFound(f"the swarm has no run {run_id} (no announcement, no progress records); "
                                "run `peer status` without --run-id to list the runs")
-    now = get_dht_time()
     out = []
     for rid, name in sorted(runs.items()):
+        manifest = _manifest_or_none(dht, rid) if found.get(rid) else None
+        now = get_dht_time()
         peers = []
         for item in found.get(rid, []):
             r = item.record
-            peers.append({"peer_id": item.peer_id, "round": r.round, "inner_step": r.inner_step,
+            verdict = None if manifest is None else liveness.judge(r, item.expiration, now, manifest)
+            peers.append({"peer_id": item.peer_id, "live": verdict is None or verdict.live,
+                          "age_s": None if verdict is None else verdict.age_s,
+                          "stale_after_s": None if verdict is None else verdict.stale_after_s,
+                          "round": r.round, "inner_step": r.inner_step,
                           "train_loss": r.train_loss, "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s,
                           "group_size": r.group_size, "bytes_sent": r.bytes_sent,
                           "bytes_received": r.bytes_received, "expires_in_s": max(0.0, item.expiration - now)})
         peers.sort(key=lambda p: (-p["round"], -p["inner_step"], p["peer_id"]))
-        out.append({"run_id": rid, "name": name, "peers": peers})
+        live = [p for p in peers if p["live"]]
+        out.append({"run_id": rid, "name": name, "live_peers": len(live),
+                    "tokens_per_s": sum(p["tokens_per_s"] for p in live), "peers": peers})
     return {"time": time.time(), "runs": out}
 
 
 def print_status(status: dict[str, Any], console) -> None:
-    """One rich table per run: peers, rounds, losses, throughput, group, bytes."""
+    """One rich table per run: peers (live or gone), rounds, losses, throughput, group, bytes."""
     from rich.table import Table
 
     from peer.reporting import format_bytes
@@ -70,20 +94,24 @@ def print_status(status: dict[str, Any], console) -> None:
         return
     for run in status["runs"]:
         peers = run["peers"]
-        table = Table(title=f"run {run['run_id']} ({run['name']}): {len(peers)} live peer(s)")
-        for column, justify in (("peer id", "left"), ("round", "right"), ("inner step", "right"),
-                                ("train loss", "right"), ("val loss", "right"), ("tok/s", "right"),
-                                ("group", "right"), ("sent", "right"), ("received", "right")):
+        gone = len(peers) - run["live_peers"]
+        title = f"run {run['run_id']} ({run['name']}): {run['live_peers']} live peer(s)"
+        table = Table(title=title + (f", {gone} gone" if gone else ""))
+        for column, justify in (("peer id", "left"), ("status", "left"), ("round", "right"),
+                                ("inner step", "right"), ("train loss", "right"), ("val loss", "right"),
+                                ("tok/s", "right"), ("group", "right"), ("sent", "right"), ("received", "right"),
+                                ("record age", "right")):
             table.add_column(column, justify=justify)
         for p in peers:
-            table.add_row(p["peer_id"], str(p["round"]), str(p["inner_step"]), f"{p['train_loss']:.3f}",
-                          "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
+            table.add_row(p["peer_id"], "live" if p["live"] else "gone", str(p["round"]), str(p["inner_step"]),
+                          f"{p['train_loss']:.3f}", "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
                           f"{p['tokens_per_s']:,.0f}", str(p["group_size"]), format_bytes(p["bytes_sent"]),
-                          format_bytes(p["bytes_received"]))
+                          format_bytes(p["bytes_received"]), "-" if p["age_s"] is None else f"{p['age_s']:.0f} s")
         console.print(table)
-        if peers:
-            total = sum(p["tokens_per_s"] for p in peers)
-            console.print(f"swarm: round {max(p['round'] for p in peers)} | {total:,.0f} tok/s in all")
+        live = [p for p in peers if p["live"]]
+        if live:
+            console.print(f"swarm: round {max(p['round'] for p in live)} | {run['tokens_per_s']:,.0f} tok/s "
+                          f"from {len(live)} live peer(s)")
 
 
 def status(initial_peers: Sequence[str], run_id: str | None, *, wait_s: float = 5.0) -> dict[str, Any]:

@@ -150,6 +150,11 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
     run = next(r for r in done["runs"] if r["run_id"] == manifest.run_id)
     assert run["name"] == manifest.name and run["inner_steps"] == manifest.sync.inner_steps
     assert run["live_peers"] == 3 and run["max_round"] >= ROUNDS - 1
+    # Liveness by record age (protocol/liveness.py): the peers' last records are fresh, and the
+    # swarm's throughput is the live peers' sum.
+    for peer in run["peers"]:
+        assert peer["live"] and 0 < peer["stale_after_s"] and peer["published_at"] <= done["generated_at"] + 5, peer
+    assert run["tokens_per_s"] == pytest.approx(sum(p["tokens_per_s"] for p in run["peers"]))
     H = manifest.sync.inner_steps
     for peer in run["peers"]:
         reported = events[peer["peer_id"]]
@@ -173,6 +178,7 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("locoswarm_live_peers", (("run_id", manifest.run_id),))] == 3
+    assert samples[("locoswarm_swarm_tokens_per_second", (("run_id", manifest.run_id),))] > 0
     for peer in run["peers"]:
         labels = (("peer_id", peer["peer_id"]), ("run_id", manifest.run_id))
         assert samples[("locoswarm_peer_round", labels)] == peer["round"]

@@ -1,5 +1,6 @@
 """What an operator checks from outside with `peer status`: the swarm's peers, read from the DHT
-without training, or exit 69 when the bootstrap node cannot be reached."""
+without training, a killed peer shown gone within one round's deadline (and by the monitor too),
+or exit 69 when the bootstrap node cannot be reached."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
+from peer.launch import bootstrap_argv
 from tests.integration.harness import make_manifest, write_manifest
 
 pytestmark = pytest.mark.integration
@@ -49,6 +53,72 @@ def test_status_lists_the_peers_without_training(procs, tmp_path):
     assert f"run {manifest.run_id} ({manifest.name}): 2 live peer(s)" in table.stdout
     for peer_id in ids:
         assert peer_id in table.stdout
+
+
+def status_json(addr: str, run_id: str) -> dict:
+    out = run_cli("status", "--initial-peers", addr, "--run-id", run_id, "--json")
+    assert out.returncode == 0, out.stderr
+    [run] = json.loads(out.stdout)["runs"]
+    return run
+
+
+def monitor_run(base: str, run_id: str) -> dict:
+    with urllib.request.urlopen(base + "api/swarm", timeout=10) as r:
+        snap = json.loads(r.read())
+    return next(r for r in snap["runs"] if r["run_id"] == run_id)
+
+
+def test_a_killed_peer_is_shown_gone_within_one_round_deadline(procs, tmp_path):
+    """kill -9 of a whole peer (its DHT and p2pd too): its record stays in the DHT until it expires,
+    but `peer status` and the monitor show the peer gone once the record is older than the bound
+    (protocol/liveness.py), and the swarm totals drop its throughput."""
+    # Short sync deadlines, so that the bound (worst-case sync + 2 refresh intervals + 5 s) is
+    # well under a minute while the record lives max(60 s, 3 worst-case syncs).
+    manifest = make_manifest(sync={"matchmaking_time_s": 2.0, "allreduce_timeout_s": 5.0,
+                                   "min_allreduce_timeout_s": 2.0, "next_chunk_timeout_s": 2.0})
+    boot = procs.spawn("bootstrap", bootstrap_argv(identity=tmp_path / "bootstrap.key",
+                                                   run=write_manifest(tmp_path, manifest),
+                                                   extra=["--monitor-port", "0", "--monitor-poll", "0.5"]))
+    ready = boot.wait_event(lambda e: e.kind == "ready", 60)
+    addr, base = ready.addresses_on("127.0.0.1")[0], ready["monitor_url"]
+    survivor, victim = [procs.peer(f"peer-{i}", "--initial-peers", addr, "--wait-for-peers", "2") for i in range(2)]
+    survivor_id = survivor.wait_event(lambda e: e.kind == "started", 120)["peer_id"]
+    victim_id = victim.wait_event(lambda e: e.kind == "started", 120)["peer_id"]
+    for p in (survivor, victim):
+        p.wait_event(lambda e: e.kind == "round" and e.round >= 2, 180)
+
+    before = {p["peer_id"]: p for p in status_json(addr, manifest.run_id)["peers"]}
+    assert before[victim_id]["live"] and before[survivor_id]["live"], before
+    bound = before[victim_id]["stale_after_s"]
+    mon = monitor_run(base, manifest.run_id)
+    assert mon["live_peers"] == 2 and {p["peer_id"] for p in mon["peers"] if p["live"]} == {victim_id, survivor_id}
+    assert bound < before[victim_id]["expires_in_s"] + before[victim_id]["age_s"]  # sooner than the ttl
+
+    victim.kill()  # SIGKILL to its process group: no last record, no goodbye
+    deadline = time.monotonic() + bound + 60  # the bound, plus the status command's own start-up
+    while True:
+        run = status_json(addr, manifest.run_id)
+        peers = {p["peer_id"]: p for p in run["peers"]}
+        if victim_id in peers and not peers[victim_id]["live"]:
+            break
+        assert victim_id in peers, f"the record expired before the peer was shown gone: {run}"
+        assert time.monotonic() < deadline, f"the killed peer still shown live after {bound + 60:.0f} s: {run}"
+        time.sleep(2)
+    assert peers[victim_id]["age_s"] > bound and peers[victim_id]["expires_in_s"] > 0
+    assert peers[survivor_id]["live"], run
+    assert (run["live_peers"], run["tokens_per_s"]) == (1, peers[survivor_id]["tokens_per_s"])
+
+    mon = monitor_run(base, manifest.run_id)
+    by_id = {p["peer_id"]: p for p in mon["peers"]}
+    assert not by_id[victim_id]["live"] and by_id[survivor_id]["live"], mon
+    assert mon["live_peers"] == 1
+    assert mon["tokens_per_s"] == by_id[survivor_id]["tokens_per_s"]
+    assert sum(mon["live_by_group_size"].values()) <= 1
+
+    table = run_cli("status", "--initial-peers", addr, "--run-id", manifest.run_id)
+    assert table.returncode == 0, table.stderr
+    assert f"run {manifest.run_id} ({manifest.name}): 1 live peer(s), 1 gone" in table.stdout
+    assert "gone" in next(line for line in table.stdout.splitlines() if victim_id in line)
 
 
 def test_status_exits_69_when_the_bootstrap_node_is_unreachable(tmp_path):

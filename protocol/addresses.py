@@ -1,0 +1,87 @@
+"""Where the peers of a run can be dialled: each peer publishes its own visible multiaddrs.
+
+One DHT value per run, :func:`addresses_key`, subkey = peer id (base58), value = a list of that
+peer's full multiaddrs (``/ip4/HOST/tcp/PORT/p2p/PEER_ID``). A peer keeps its entry alive from a
+background thread (peer/state/address_book.py), apart from its progress record, whose schema
+stays as it is. Readers validate every address as a multiaddr ending in the publishing peer's own
+id and skip the rest, so a malformed entry costs nothing but itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from protocol.dht import parse_initial_peers
+from protocol.errors import BadPeerAddress
+
+logger = logging.getLogger(__name__)
+
+ADDRESSES_TTL_S = 300.0
+"""How long a peer's published addresses live in the DHT; the peer refreshes them well before."""
+
+MAX_ADDRESSES_PER_PEER = 8
+"""A peer publishes at most this many multiaddrs; readers ignore the rest."""
+
+MAX_ADDRESS_CHARS = 512
+"""Longer strings are not taken for multiaddrs."""
+
+
+def addresses_key(run_id: str) -> str:
+    """Subkey: peer id (base58); value: that peer's visible multiaddrs (list of str)."""
+    return f"locoswarm_peers_{run_id}"
+
+
+def check_peer_maddr(address: object) -> tuple[str, str]:
+    """Validate one dialable peer address.
+
+    Returns:
+        ``(canonical multiaddr, peer id)``.
+
+    Raises:
+        BadPeerAddress: not a string, too long, not a multiaddr, or without a /p2p/PEER_ID part.
+    """
+    from hivemind.utils.multiaddr import Multiaddr
+
+    if not isinstance(address, str) or not address or len(address) > MAX_ADDRESS_CHARS:
+        raise BadPeerAddress(f"{address!r:.80} is not a multiaddr string of at most {MAX_ADDRESS_CHARS} characters")
+    [canonical] = parse_initial_peers([address])
+    return canonical, Multiaddr(canonical).value_for_protocol("p2p")
+
+
+def valid_addresses(peer_id: str, value: object) -> list[str]:
+    """The valid multiaddrs of ``peer_id`` in a published ``value`` (at most MAX_ADDRESSES_PER_PEER)."""
+    if not isinstance(value, list):
+        return []
+    out = []
+    for item in value[:MAX_ADDRESSES_PER_PEER]:
+        try:
+            canonical, owner = check_peer_maddr(item)
+        except BadPeerAddress as exc:
+            logger.debug("ignoring an address published by %s: %s", peer_id, exc)
+            continue
+        if owner == peer_id and canonical not in out:
+            out.append(canonical)
+    return out
+
+
+def publish_addresses(dht, run_id: str, peer_id: str, maddrs: Sequence[str], ttl_s: float = ADDRESSES_TTL_S) -> bool:
+    """Store this peer's multiaddrs under the run's addresses key. Returns whether a node accepted them."""
+    from hivemind.utils import get_dht_time
+
+    value = [str(m) for m in maddrs][:MAX_ADDRESSES_PER_PEER]
+    return bool(dht.store(addresses_key(run_id), value, get_dht_time() + ttl_s, subkey=peer_id))
+
+
+def read_addresses(dht, run_id: str) -> dict[str, list[str]]:
+    """Every peer's published multiaddrs (validated): peer id → addresses; peers with none valid are left out."""
+    found = dht.get(addresses_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for peer_id, item in found.value.items():
+        if isinstance(peer_id, str):
+            addresses = valid_addresses(peer_id, getattr(item, "value", None))
+            if addresses:
+                out[peer_id] = addresses
+    return out
