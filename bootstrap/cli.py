@@ -1,18 +1,23 @@
-"""The `bootstrap` command: run a bootstrap node for a locoswarm run."""
+"""The `bootstrap` command: run a bootstrap node for a locoswarm run.
+
+Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 69 initial peers unreachable,
+78 configuration error, 130 stopped by a signal (Ctrl-C, SIGTERM).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
 import protocol
 from protocol.errors import LocoError, exit_with
+from protocol.lifetime import StopOnSignal
 from protocol.manifest import load_manifest
 from protocol.presets import PRESETS
 
@@ -37,11 +42,25 @@ def _configure_logging(verbose: bool) -> None:
         quiet_hivemind_logs()
 
 
-def _stop_on_signals() -> threading.Event:
+EXIT_INTERRUPTED = 130
+
+
+@contextmanager
+def _until_signal(what: str):
+    """Yield an event that the first SIGINT/SIGTERM sets; on leaving, exit 130 if it was set.
+
+    A second signal exits at once (130). Our errors end the command with their own exit code.
+    """
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
+    try:
+        with StopOnSignal(stop, f"stopping the {what} (signal again to exit now)"):
+            yield stop
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    click.echo(f"{what} stopped", err=True)
+    if stop.is_set():
+        sys.exit(EXIT_INTERRUPTED)
 
 
 @main.command()
@@ -71,7 +90,7 @@ def _stop_on_signals() -> threading.Event:
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def run(host, port, announce, identity, run_file, preset, initial_peers, relay, monitor_port, monitor_host,
         monitor_poll, log_format, verbose) -> None:
-    """Start the node, print its multiaddrs, announce the run; stop cleanly on Ctrl-C or SIGTERM.
+    """Start the node, print its multiaddrs, announce the run; Ctrl-C or SIGTERM stops it (exit 130).
 
     The node is the swarm's well-known entry: peers pass one of the printed multiaddrs to
     `peer join --initial-peers`. Open TCP PORT in the firewall (and forward it on a NAT router);
@@ -90,36 +109,35 @@ def run(host, port, announce, identity, run_file, preset, initial_peers, relay, 
     from bootstrap.node import BootstrapConfig, serve
 
     _configure_logging(verbose)
-    stop = _stop_on_signals()
-    try:
-        if run_file is not None and preset is not None:
-            raise click.UsageError("give either --run FILE.toml or --preset NAME, not both")
-        manifest = load_manifest(run_file) if run_file else PRESETS[preset or "default"]()
-        cfg = BootstrapConfig(host=host, port=port, announce=tuple(announce),
-                              identity_path=identity or default_identity(), initial_peers=tuple(initial_peers),
-                              manifest=manifest, relay=relay, monitor_host=monitor_host, monitor_port=monitor_port,
-                              monitor_poll_s=monitor_poll)
+    with _until_signal("bootstrap node") as stop:
+        try:
+            if run_file is not None and preset is not None:
+                raise click.UsageError("give either --run FILE.toml or --preset NAME, not both")
+            manifest = load_manifest(run_file) if run_file else PRESETS[preset or "default"]()
+            cfg = BootstrapConfig(host=host, port=port, announce=tuple(announce),
+                                  identity_path=identity or default_identity(), initial_peers=tuple(initial_peers),
+                                  manifest=manifest, relay=relay, monitor_host=monitor_host, monitor_port=monitor_port,
+                                  monitor_poll_s=monitor_poll)
 
-        def on_ready(maddrs: list[str], monitor_url: str | None) -> None:
-            if log_format == "json":
-                click.echo(json.dumps({"event": "ready", "maddrs": maddrs, "run_id": manifest.run_id,
-                                       "run_name": manifest.name, "version": protocol.__version__,
-                                       "relay": relay, "monitor_url": monitor_url}))
-            else:
-                click.echo(f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} ({manifest.name})"
-                           f" | relay {'on' if relay else 'off'}")
-                click.echo("peers join with:")
-                for maddr in maddrs:
-                    click.echo(f"  peer join --initial-peers {maddr}")
-                if monitor_url:
-                    click.echo(f"swarm monitor: {monitor_url} (JSON: {monitor_url}api/swarm, "
-                               f"Prometheus: {monitor_url}metrics)")
-            sys.stdout.flush()
+            def on_ready(maddrs: list[str], monitor_url: str | None) -> None:
+                if log_format == "json":
+                    click.echo(json.dumps({"event": "ready", "maddrs": maddrs, "run_id": manifest.run_id,
+                                           "run_name": manifest.name, "version": protocol.__version__,
+                                           "relay": relay, "monitor_url": monitor_url}))
+                else:
+                    click.echo(f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} "
+                               f"({manifest.name}) | relay {'on' if relay else 'off'}")
+                    click.echo("peers join with:")
+                    for maddr in maddrs:
+                        click.echo(f"  peer join --initial-peers {maddr}")
+                    if monitor_url:
+                        click.echo(f"swarm monitor: {monitor_url} (JSON: {monitor_url}api/swarm, "
+                                   f"Prometheus: {monitor_url}metrics)")
+                sys.stdout.flush()
 
-        serve(cfg, stop, on_ready)
-    except LocoError as exc:
-        exit_with(exc, verbose=verbose)
-    click.echo("bootstrap node stopped", err=True)
+            serve(cfg, stop, on_ready)
+        except LocoError as exc:
+            exit_with(exc, verbose=verbose)
 
 
 @main.command()
@@ -147,25 +165,24 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
     from protocol import dht as swarm_dht
 
     _configure_logging(verbose)
-    stop = _stop_on_signals()
-    try:
-        dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
+    with _until_signal("monitor") as stop:
         try:
-            def on_ready(url: str) -> None:
-                if log_format == "json":
-                    click.echo(json.dumps({"event": "ready", "monitor_url": url, "version": protocol.__version__}))
-                else:
-                    click.echo(f"locoswarm {protocol.__version__} swarm monitor: {url} "
-                               f"(JSON: {url}api/swarm, Prometheus: {url}metrics)")
-                sys.stdout.flush()
+            dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
+            try:
+                def on_ready(url: str) -> None:
+                    if log_format == "json":
+                        click.echo(json.dumps({"event": "ready", "monitor_url": url, "version": protocol.__version__}))
+                    else:
+                        click.echo(f"locoswarm {protocol.__version__} swarm monitor: {url} "
+                                   f"(JSON: {url}api/swarm, Prometheus: {url}metrics)")
+                    sys.stdout.flush()
 
-            run_monitor(dht, host=host, port=port, config=MonitorConfig(poll_interval_s=poll), stop=stop,
-                        on_ready=on_ready)
-        finally:
-            dht.shutdown()
-    except LocoError as exc:
-        exit_with(exc, verbose=verbose)
-    click.echo("monitor stopped", err=True)
+                run_monitor(dht, host=host, port=port, config=MonitorConfig(poll_interval_s=poll), stop=stop,
+                            on_ready=on_ready)
+            finally:
+                dht.shutdown()
+        except LocoError as exc:
+            exit_with(exc, verbose=verbose)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,6 @@ def start_relay_dht(*, initial_peers: Sequence[str], host: str, port: int, annou
     if not relay:
         return swarm_dht.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
                                    identity_path=identity_path, timeout_s=timeout_s)
-    import hivemind
-
     peers = swarm_dht.parse_initial_peers(initial_peers)
     kwargs = dict(initial_peers=peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, await_ready=True,
                   wait_timeout=min(5.0, timeout_s), bootstrap_timeout=min(5.0, timeout_s),
@@ -69,7 +67,7 @@ def start_relay_dht(*, initial_peers: Sequence[str], host: str, port: int, annou
     if announce:
         kwargs["announce_maddrs"] = list(announce)
     try:
-        return hivemind.DHT(**kwargs)
+        return swarm_dht.new_dht(**kwargs)
     except Exception as exc:
         if peers and "bootstrap failed" in str(exc):
             from protocol.errors import BootstrapUnreachable

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import threading
 import time
 
@@ -21,7 +20,7 @@ from peer.round import Trainer
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.sync.membership import SwarmView
 from peer.sync.transport import NetworkTransport
-from protocol import dht as swarm_dht, liveness
+from protocol import dht as swarm_dht, lifetime, liveness
 from protocol.errors import ManifestNotFound
 from protocol.identity import ensure_identity
 from protocol.manifest import RunManifest
@@ -42,27 +41,16 @@ def _fetch_manifest(dht, run_id: str | None, wait_s: float) -> RunManifest:
             time.sleep(1.0)
 
 
-class StopOnSignal:
-    """First SIGINT/SIGTERM sets ``event`` (finish the step, checkpoint); a second one exits now."""
+class StopOnSignal(lifetime.StopOnSignal):
+    """First SIGINT/SIGTERM sets ``event`` (finish the step, checkpoint); a second one exits now.
+
+    Only this process acts on them: the DHT, averager and p2pd processes ignore a signal sent to
+    the whole group and are shut down by :func:`join` on its way out, or die with this process
+    however it ends (protocol/lifetime.py).
+    """
 
     def __init__(self, event: threading.Event):
-        self.event = event
-        self._previous = {}
-
-    def __enter__(self) -> StopOnSignal:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        logger.warning("stopping after the current inner step (signal again to exit now)")
-        self.event.set()
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        super().__init__(event, "stopping after the current inner step (signal again to exit now)")
 
 
 def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None = None) -> tuple[int, TrainSummary]:

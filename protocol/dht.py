@@ -7,6 +7,8 @@ schema); hivemind serializes DHT values with msgpack, never pickle.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -63,6 +65,47 @@ def parse_initial_peers(addresses: Sequence[str]) -> list[str]:
     return parsed
 
 
+@functools.cache
+def _helper_dht_class():
+    """hivemind's DHT as a helper process (protocol/lifetime.py), built on first use so that importing
+    this module does not import hivemind (and torch)."""
+    import hivemind
+
+    from protocol.lifetime import HelperProcess, bind_subprocesses_to_this_process
+
+    class SwarmDHT(HelperProcess, hivemind.DHT):
+        """A hivemind DHT whose process and p2pd die with the process that started it, leave
+        signals to it, and shut down within ``shutdown_timeout`` even when p2pd is already gone."""
+
+        def run(self) -> None:  # in the DHT process
+            bind_subprocesses_to_this_process()  # p2pd dies with this process
+            super().run()
+
+        async def _shutdown(self) -> None:
+            # When p2pd is gone first (a service manager signals every process of the unit),
+            # DHTNode.shutdown raises or waits forever on the closed daemon connection.
+            try:
+                await asyncio.wait_for(super()._shutdown(), self.shutdown_timeout / 2)
+            except Exception as exc:
+                logger.debug("DHT node did not shut down cleanly (%r); stopping p2pd", exc)
+                try:
+                    await asyncio.wait_for(self._node.p2p.shutdown(), self.shutdown_timeout / 4)
+                except Exception as p2p_exc:
+                    logger.debug("p2pd did not stop cleanly: %r", p2p_exc)
+
+    return SwarmDHT
+
+
+def new_dht(**kwargs):
+    """``hivemind.DHT(**kwargs)`` whose DHT process and p2pd die with this process however it
+    dies (``kill -9`` included) and ignore the signals that stop it (protocol/lifetime.py).
+
+    Start it from a thread that outlives it (the kernel kills the DHT process when the thread
+    that forked it exits). Raises whatever ``hivemind.DHT`` raises.
+    """
+    return _helper_dht_class()(**kwargs)
+
+
 def start_dht(
     *,
     initial_peers: Sequence[str] = (),
@@ -83,15 +126,13 @@ def start_dht(
         timeout_s: how long to wait for an initial peer to answer.
 
     Returns:
-        A started ``hivemind.DHT``. Shut it down with ``dht.shutdown()``.
+        A started ``hivemind.DHT`` (see :func:`new_dht`). Shut it down with ``dht.shutdown()``.
 
     Raises:
         BadPeerAddress: an initial peer address is malformed.
         BootstrapUnreachable: no initial peer answered within ``timeout_s``.
         NetworkError: the node could not start (e.g. the port is taken).
     """
-    import hivemind
-
     peers = parse_initial_peers(initial_peers)
     kwargs = dict(
         initial_peers=peers,
@@ -107,7 +148,7 @@ def start_dht(
     if identity_path is not None:
         kwargs["identity_path"] = str(identity_path)
     try:
-        return hivemind.DHT(**kwargs)
+        return new_dht(**kwargs)
     except Exception as exc:
         text = str(exc)
         if peers and ("bootstrap failed" in text or "initial_peers" in text or "connect" in text.lower()):

@@ -35,8 +35,10 @@ from hivemind.utils.asyncio import enter_asynchronously
 from peer.state.sharing import StateSharing
 from peer.sync.allreduce import AllreduceStats, GroupAllreduce
 from peer.sync.error_feedback import ErrorFeedback
+from peer.sync.group_key import PinnedGroupBits
 from peer.sync.pieces import Piece, make_group_plan
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
+from protocol.lifetime import HelperProcess
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire import allreduce as frames
@@ -58,8 +60,11 @@ class GroupOutcome:
     """Why this peer applied nothing from the round (tensors and residuals unchanged), or None."""
 
 
-class LocoAverager(StateSharing, DecentralizedAverager):
+class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAverager):
     """Averages pseudo-gradients within a group of peers at the same round.
+
+    Its process dies with the peer's and leaves signals to it (protocol/lifetime.py); hivemind's
+    re-keying after a group assembled is off, the round loop sets the group bits (group_key.py).
 
     Args:
         averaged_tensors: fp32 buffers shaped like the payload; hivemind moves them to shared
@@ -179,6 +184,14 @@ class LocoAverager(StateSharing, DecentralizedAverager):
         await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
         await p2p.add_binary_stream_handler(self.stream_protocol, self._handle_stream)
         await p2p.add_binary_stream_handler(self.state_protocol, self._handle_state_stream)
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        # p2pd may be gone first (a service manager signals every process of the unit): removing
+        # handlers then fails, and the exception would end this process with a traceback.
+        try:
+            await asyncio.wait_for(super()._shutdown(timeout), timeout)
+        except Exception as exc:
+            logger.debug("averager shutdown incomplete: %r", exc)
 
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A groupmate opened a stream to send us its pieces: route it to our session for its group."""

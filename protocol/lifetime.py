@@ -1,0 +1,145 @@
+"""Process lifetime: helper processes die with the process that started them, and a command stops
+once, cleanly, on Ctrl-C or a service manager's SIGTERM.
+
+The processes of ``peer join`` (``bootstrap run`` has no averager)::
+
+    main process          StopOnSignal: the first SIGINT/SIGTERM sets an event, a second exits now
+    ├── DHT process       fork (HelperProcess): ignores SIGINT/SIGTERM, SIGKILL when main dies
+    │   └── p2pd          fork+exec from the DHT process: own session, SIGINT ignored,
+    │                     SIGTERM when the DHT process dies
+    └── averager process  fork (HelperProcess): ignores SIGINT/SIGTERM, SIGKILL when main dies
+
+A terminal's Ctrl-C and ``kill -TERM -PGID`` reach every process of the group. The helpers leave
+such a signal to the main process, whose stop path shuts them down in order (p2pd is not even in
+the group); a helper that acted on it itself would pull the DHT or the averager away under a
+clean stop. When the main process dies in any way (``kill -9`` included) the kernel kills its
+helpers (``PR_SET_PDEATHSIG``, Linux), and p2pd dies with the DHT process: nothing is left that
+would hold the peer's identity, so a restart with the same data dir works at once.
+
+The parent-death signal fires when the *thread* that forked the child exits, so a DHT or an
+averager must be started from a thread that outlives it (the main thread, in our commands).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+try:  # looked up at import, in the parent: loading a library between fork and exec is not safe
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent's forking thread exits.
+
+    Call it in the child right after the fork (also between fork and exec: it only calls prctl,
+    getppid and kill). Covers the race where the parent died before the prctl: nobody would
+    send the signal then, so this process sends it to itself. A no-op off Linux.
+
+    Args:
+        parent_pid: pid of the process that forked this one, read before the fork.
+        sig: the signal to receive; SIGKILL for a process that ignores SIGTERM.
+    """
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+
+
+def _spawned_helper_setup(parent_pid: int) -> None:
+    """preexec step of a subprocess of a helper (p2pd): runs in the child between fork and exec."""
+    # A service manager's SIGTERM would stop it under the DHT process, which then waits on it
+    # forever; its own session keeps the terminal's and the group's signals away. SIGTERM must
+    # stay deliverable (the DHT process stops p2pd with it): the helper's SIG_IGN would survive exec.
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # kept across exec; Go honours an ignored SIGINT
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent(parent_pid, signal.SIGTERM)  # p2pd exits cleanly on SIGTERM, removing its socket
+
+
+def bind_subprocesses_to_this_process() -> None:
+    """Make every subprocess that asyncio starts in this process die with it (p2pd in the DHT process).
+
+    hivemind starts p2pd with ``asyncio.subprocess.create_subprocess_exec`` and no way to pass a
+    preexec step, so the function is wrapped for this process only; call it in a helper process
+    that starts nothing else. The wrapper runs in the thread that runs the event loop, which is
+    the thread that forks: the parent-death signal then follows that thread's (the process's) end.
+    """
+    import asyncio.subprocess
+
+    spawn = asyncio.subprocess.create_subprocess_exec
+    if getattr(spawn, "_bound_to", None) == os.getpid():
+        return
+
+    @functools.wraps(spawn)
+    def spawn_bound(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", functools.partial(_spawned_helper_setup, os.getpid()))
+        return spawn(*args, **kwargs)
+
+    spawn_bound._bound_to = os.getpid()
+    asyncio.subprocess.create_subprocess_exec = asyncio.create_subprocess_exec = spawn_bound
+
+
+class HelperProcess:
+    """Mixin for a ``multiprocessing.Process`` subclass whose process serves its parent only
+    (hivemind's DHT and averager): it dies with the parent and leaves signals to the parent.
+
+    In the child, before the subclass's ``run``: SIGINT and SIGTERM are ignored (a terminal's or a
+    service manager's signal to the whole group is the parent's to act on; the parent stops the
+    helper through its shutdown), and SIGKILL arrives when the parent dies. The parent's Python
+    signal handlers, inherited through the fork, are replaced, so they never run here.
+
+    ``terminate()`` therefore kills: hivemind's shutdown falls back to it after its grace period,
+    and multiprocessing's exit handler calls it before joining a daemonic child.
+    """
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        die_with_parent(mp.parent_process().pid, signal.SIGKILL)
+        super().run()
+
+    def terminate(self) -> None:
+        self.kill()
+
+
+class StopOnSignal:
+    """First SIGINT/SIGTERM sets ``event`` (the command finishes what it does and stops); a second
+    one raises KeyboardInterrupt in the main thread (exit now).
+
+    Args:
+        event: set on the first signal; also tells afterwards whether a signal stopped the command.
+        message: logged as a warning on the first signal.
+    """
+
+    def __init__(self, event: threading.Event, message: str = "stopping (signal again to exit now)"):
+        self.event, self.message = event, message
+        self._previous = {}
+
+    def __enter__(self) -> StopOnSignal:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        logger.warning("%s", self.message)
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

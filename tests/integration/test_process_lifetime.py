@@ -1,0 +1,214 @@
+"""Nothing left behind: a peer's and a bootstrap node's helper processes (DHT, p2pd, averager) die
+with it however it ends, and every stop signal ends the command cleanly.
+
+Real processes: `peer join` (tiny runs, one per test, on one shared bootstrap node) and `bootstrap
+run`. A helper is found as a descendant of the command's process, recorded while it runs (after a
+kill -9 its helpers are reparented and could no longer be told apart from anyone else's).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import PROJECT_ROOT, Procs, make_manifest, write_manifest
+
+pytestmark = pytest.mark.integration
+
+Proc = tuple[int, int, str]
+"""(pid, start time in clock ticks, name): the start time tells a live process from a reused pid."""
+
+
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(name, state, start time) of ``pid``, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1:text.rindex(")")]
+    fields = text[text.rindex(")") + 2:].split()
+    return name, fields[0], int(fields[19])
+
+
+def descendants(pid: int) -> list[Proc]:
+    """Every process below ``pid``, children of all its threads included."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            stat = _stat(child)
+            if stat is not None:
+                found.append((child, stat[2], stat[0]))
+                found += descendants(child)
+    return found
+
+
+def alive(procs: list[Proc]) -> list[Proc]:
+    """Those of ``procs`` still running (a zombie has ended; a reused pid is another process)."""
+    running = []
+    for pid, start, name in procs:
+        stat = _stat(pid)
+        if stat is not None and stat[2] == start and stat[1] != "Z":
+            running.append((pid, start, name))
+    return running
+
+
+def wait_until_gone(procs: list[Proc], timeout_s: float) -> list[Proc]:
+    """Wait (bounded) until none of ``procs`` runs; return those still running then."""
+    deadline = time.monotonic() + timeout_s
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(procs)
+
+
+def stderr_of(child) -> str:
+    return Path(child.log_path).read_text(errors="replace")
+
+
+def send(child, sig: int, *, group: bool) -> None:
+    """``sig`` to the command's process, or to its whole process group (what a terminal's Ctrl-C
+    and a service manager's stop reach)."""
+    if group:
+        child.signal_group(sig)
+    else:
+        child.send(sig)
+
+
+@pytest.fixture(scope="module")
+def bootstrap_addr(tmp_path_factory):
+    """One bootstrap node for the peer tests (each test runs its own tiny run through it)."""
+    workdir = tmp_path_factory.mktemp("bootstrap")
+    procs = Procs(workdir)
+    try:
+        _, addr = procs.bootstrap(write_manifest(workdir, make_manifest()))
+        yield addr
+    finally:
+        procs.cleanup()
+
+
+def start_peer(procs: Procs, tmp_path: Path, bootstrap_addr: str, name: str):
+    """A peer on its own tiny run (so no test sees another's peers) that reached its first round,
+    and the helper processes it runs."""
+    run_file = write_manifest(tmp_path, make_manifest(name=f"tiny-lifetime-{name}"))
+    peer = procs.peer(name, "--initial-peers", bootstrap_addr, "--run", str(run_file))
+    peer.wait_event(lambda e: e.kind == "round", 180)
+    helpers = descendants(peer.popen.pid)
+    names = sorted(n for _, _, n in helpers)
+    assert "p2pd" in names and len(helpers) >= 3, f"expected DHT, p2pd and averager processes, found {names}"
+    return peer, helpers
+
+
+def test_kill_9_takes_the_helpers_along_and_a_restart_works_at_once(procs, tmp_path, bootstrap_addr):
+    peer, helpers = start_peer(procs, tmp_path, bootstrap_addr, "killed")
+    peer.send(signal.SIGKILL)
+    assert peer.wait(30) == -signal.SIGKILL
+    assert wait_until_gone(helpers, 30) == [], "helpers outlived the killed peer"
+
+    # Same data dir, so the same identity: refused while the old p2pd still held it.
+    since = len(peer.events)
+    peer.start()
+    restarted = peer.wait_event(lambda e: e.kind == "round", 180, since=since)
+    assert restarted.start == 2
+
+
+@pytest.mark.parametrize("sig, group", [
+    (signal.SIGINT, True),    # Ctrl-C in a terminal: the whole foreground process group
+    (signal.SIGTERM, False),  # kill PID
+    (signal.SIGTERM, True),   # kill -TERM -PGID; a service manager's stop, which then waits
+], ids=["sigint-group", "sigterm-process", "sigterm-group"])
+def test_a_stop_signal_checkpoints_and_exits_130_leaving_nothing(procs, tmp_path, bootstrap_addr, sig, group):
+    peer, helpers = start_peer(procs, tmp_path, bootstrap_addr, f"{sig.name.lower()}-{'group' if group else 'proc'}")
+    send(peer, sig, group=group)
+    assert peer.wait(60) == 130, peer.tail()
+    stopped = peer.last("stopped")
+    assert stopped is not None and stopped["interrupted"]
+    assert stopped["checkpoint"] and Path(stopped["checkpoint"]).is_file()
+    assert "Traceback" not in stderr_of(peer), stderr_of(peer)
+    assert wait_until_gone(helpers, 30) == [], "helpers outlived the stopped peer"
+
+
+def start_bootstrap(procs: Procs, tmp_path: Path):
+    boot, _ = procs.bootstrap(write_manifest(tmp_path, make_manifest()))
+    helpers = descendants(boot.popen.pid)
+    assert "p2pd" in [n for _, _, n in helpers] and len(helpers) >= 2, helpers
+    return boot, helpers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint-group", "sigterm-group"])
+def test_bootstrap_stops_on_a_signal_to_its_group(procs, tmp_path, sig):
+    boot, helpers = start_bootstrap(procs, tmp_path)
+    send(boot, sig, group=True)
+    assert boot.wait(60) == 130, boot.tail()
+    assert "Traceback" not in stderr_of(boot), stderr_of(boot)
+    assert "bootstrap node stopped" in stderr_of(boot)
+    assert wait_until_gone(helpers, 30) == [], "helpers outlived the stopped bootstrap node"
+
+
+def test_bootstrap_stops_when_every_process_of_its_unit_gets_sigterm(procs, tmp_path):
+    """systemd's default stop (KillMode=control-group) signals p2pd too, so p2pd may be gone
+    before the DHT process shuts down."""
+    boot, helpers = start_bootstrap(procs, tmp_path)
+    send(boot, signal.SIGTERM, group=True)
+    for pid, _, _ in alive(helpers):
+        os.kill(pid, signal.SIGTERM)
+    assert boot.wait(60) == 130, boot.tail()
+    assert "Traceback" not in stderr_of(boot), stderr_of(boot)
+    assert wait_until_gone(helpers, 30) == [], "helpers outlived the stopped bootstrap node"
+
+
+LATE_HELPER = """
+import multiprocessing as mp, os, sys, time
+from protocol.lifetime import HelperProcess
+
+class Late(HelperProcess, mp.context.ForkProcess):
+    def run(self):  # the helper's own setup (HelperProcess.run) starts after its parent is gone
+        parent = mp.parent_process().pid
+        deadline = time.monotonic() + 60
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        super().run()
+
+helper = Late(target=time.sleep, args=(600,), daemon=False)
+helper.start()
+with open(sys.argv[1], "w") as f:
+    f.write(str(helper.pid))
+os._exit(0)
+"""
+
+
+def test_a_helper_whose_parent_died_before_its_setup_ends_itself(tmp_path):
+    pid_file, log = tmp_path / "helper.pid", tmp_path / "parent.log"
+    with open(log, "wb") as out:  # a file, not a pipe: the helper inherits it and outlives the parent
+        code = subprocess.run([sys.executable, "-c", LATE_HELPER, str(pid_file)], stdin=subprocess.DEVNULL,
+                              stdout=out, stderr=out, timeout=120, cwd=PROJECT_ROOT).returncode
+    assert code == 0, log.read_text()
+    pid = int(pid_file.read_text())
+    stat = _stat(pid)
+    helper = [(pid, stat[2], stat[0])] if stat is not None else []
+    try:
+        assert wait_until_gone(helper, 60) == [], "the helper outlived its parent"
+    finally:
+        for pid, _, _ in alive(helper):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_9_of_bootstrap_takes_its_dht_and_p2pd_along(procs, tmp_path):
+    boot, helpers = start_bootstrap(procs, tmp_path)
+    boot.send(signal.SIGKILL)
+    assert boot.wait(30) == -signal.SIGKILL
+    assert wait_until_gone(helpers, 30) == [], "helpers outlived the killed bootstrap node"
