@@ -4,7 +4,8 @@
 --log-format json`` and ``bootstrap run --log-format json`` through :class:`Child`:
 
 * each child runs in its own process group (a terminal's Ctrl-C reaches only the launcher, and
-  the whole group, the child's DHT, averager and p2pd processes included, can be killed at once)
+  the whole group, the child's DHT and averager processes included, can be killed at once; p2pd
+  runs in its own session and dies with the DHT process, protocol/lifetime.py)
   and gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG, Linux);
 * a thread reads its stdout; every line that is a JSON object becomes a :class:`peer.events.Event`;
   its stderr goes to a log file, whose tail error messages quote;
@@ -140,7 +141,8 @@ class Child:
                 pass
 
     def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the child's whole process group (its DHT, averager and p2pd too)."""
+        """Send ``sig`` to the child's whole process group (its DHT and averager too; p2pd follows its
+        DHT process when that dies)."""
         if self.popen is None:
             return
         try:
@@ -244,7 +246,7 @@ def stop_all(children: Iterable[Child], grace_s: float) -> None:
             except subprocess.TimeoutExpired:
                 pass
     for child in children:
-        child.kill()  # the child's DHT, averager and p2pd too, even where the child itself exited
+        child.kill()  # the child's DHT and averager too (p2pd dies with its DHT process), even where the child exited
     deadline = time.monotonic() + 10.0
     for child in children:
         child.join_output(max(0.1, deadline - time.monotonic()))
