@@ -214,30 +214,49 @@ def fetch_manifest(dht, run_id: str | None = None) -> RunManifest:
     return decode(found.value, expected_run_id=run_id)
 
 
-class ManifestAnnouncer:
-    """Keeps a manifest alive in the DHT from a background thread until :meth:`stop`."""
+class Periodic:
+    """Calls :meth:`tick` at once and then every ``period_s`` on a daemon thread until :meth:`stop`.
 
-    def __init__(self, dht, manifest: RunManifest, ttl_s: float = MANIFEST_TTL_S):
-        self.dht, self.manifest, self.ttl_s = dht, manifest, ttl_s
+    A tick that raises is logged at debug level and tried again next period: the DHT it talks to
+    may be starting or shutting down. Subclasses implement :meth:`tick`.
+    """
+
+    def __init__(self, *, period_s: float, name: str):
+        self.period_s = period_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="manifest-announcer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> ManifestAnnouncer:
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if not store_manifest(self.dht, self.manifest, self.ttl_s):
-                    logger.debug("no DHT node accepted the manifest announcement; retrying")
-            except Exception as exc:  # the DHT may be shutting down
-                logger.debug("manifest announcement failed: %r", exc)
-            self._stop.wait(self.ttl_s / 5 if self.ttl_s > 5 else 1.0)
+                self.tick()
+            except Exception as exc:
+                logger.debug("%s failed: %r; retrying in %.0f s", self._thread.name, exc, self.period_s)
+            self._stop.wait(self.period_s)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; waits up to ``timeout_s`` for a tick in progress."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
+
+
+class ManifestAnnouncer(Periodic):
+    """Keeps a manifest alive in the DHT (stored again every ttl/5) until :meth:`stop`."""
+
+    def __init__(self, dht, manifest: RunManifest, ttl_s: float = MANIFEST_TTL_S):
+        super().__init__(period_s=ttl_s / 5 if ttl_s > 5 else 1.0, name="manifest-announcer")
+        self.dht, self.manifest, self.ttl_s = dht, manifest, ttl_s
+
+    def tick(self) -> None:
+        if not store_manifest(self.dht, self.manifest, self.ttl_s):
+            logger.debug("no DHT node accepted the manifest announcement; retrying")
 
 
 def publish_progress(dht, run_id: str, peer_id: str, record: ProgressRecord, ttl_s: float, *, wait: bool = True):

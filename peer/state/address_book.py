@@ -196,7 +196,7 @@ def start_dht_remembering(start: Callable[[list[str]], object], initial_peers: S
     return dht
 
 
-class AddressKeeper:
+class AddressKeeper(swarm_dht.Periodic):
     """Publishes this peer's multiaddrs for its run and remembers the other peers', every ``period_s``.
 
     Args:
@@ -209,14 +209,9 @@ class AddressKeeper:
 
     def __init__(self, dht, book: AddressBook, *, run_id: str, peer_id: str, period_s: float = 15.0,
                  publish: bool = True):
-        self.dht, self.book, self.run_id, self.peer_id, self.period_s = dht, book, run_id, peer_id, period_s
+        super().__init__(period_s=period_s, name="address-keeper")
+        self.dht, self.book, self.run_id, self.peer_id = dht, book, run_id, peer_id
         self.publish = publish
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="address-keeper", daemon=True)
-
-    def start(self) -> AddressKeeper:
-        self._thread.start()
-        return self
 
     def refresh(self) -> None:
         """Publish this peer's visible multiaddrs (unless client mode), then remember every other peer's."""
@@ -228,14 +223,4 @@ class AddressKeeper:
                 self.book.add(maddrs, exclude_peer=self.peer_id)
         self.book.save_if_changed()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.refresh()
-            except Exception as exc:  # the DHT may be shutting down; the next period retries
-                logger.debug("address refresh failed: %r", exc)
-            self._stop.wait(self.period_s)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+    tick = refresh
