@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import signal
@@ -29,22 +28,8 @@ from typing import Any
 
 from peer.events import Event
 from protocol.errors import ChildExited, ChildTimeout
+from protocol.lifetime import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
-
-
-try:  # looked up here, in the parent: loading a library between fork and exec is not safe
-    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    _PRCTL = None
-
-
-def _die_with_parent(parent: int) -> None:
-    """Runs in the child between fork and exec: SIGTERM when the parent's starting thread dies."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the prctl: nobody would tell us
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Child:
@@ -91,7 +76,7 @@ class Child:
         with open(self.log_path, "wb" if self.starts == 1 else "ab") as log:
             self.popen = self._spawn(self.argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                                      cwd=self.cwd, env=env, start_new_session=True,
-                                     preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+                                     preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM))
         self._reader = threading.Thread(target=self._read, args=(self.popen, self.starts), daemon=True,
                                         name=f"launch-read-{self.name}")
         self._reader.start()
