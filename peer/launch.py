@@ -31,7 +31,6 @@ from protocol.errors import ChildExited, ChildTimeout
 from protocol.lifetime import die_with_parent
 
 
-
 class Child:
     """One child process and the events it printed; it may be started again after it exited.
 
