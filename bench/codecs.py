@@ -21,7 +21,10 @@ of 1/8 of the fp32 butterfly bytes; its ratio counts its own encodings only, lik
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -118,16 +121,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats; the best is reported")
     parser.add_argument("--regenerate", action="store_true", help="retrain the real pseudo-gradient")
+    parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "codecs.json",
+                        help="where the numbers go (with the device and torch version)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(args.threads)
     real = real_delta(args.regenerate)
     inputs = {"(a) random normal, default-run shapes": normal_like(real),
               "(b) real pseudo-gradient of the default run (round 4, peer 0)": real}
+    results = {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                         f"{args.threads} torch thread(s))", "torch": torch.__version__, "inputs": {}}
     for title, tensors in inputs.items():
         values = list(tensors.values())
+        rows = [measure(name, values, args.repeats) for name in CODECS]
+        results["inputs"][title] = rows
         print_table(f"{title}: {len(values)} tensors, {sum(t.numel() for t in values):,} values, "
-                    f"{args.threads} thread(s)", [measure(name, values, args.repeats) for name in CODECS])
+                    f"{args.threads} thread(s)", rows)
         if "adaptive" in CODECS:
             chosen = codecs_for("adaptive", values)
             counts: dict[str, int] = {}
@@ -135,6 +144,9 @@ def main() -> None:
                 counts[repr(c)] = counts.get(repr(c), 0) + 1
             print("\nadaptive plan at 1/8 of the fp32 bytes, group of 4: "
                   + ", ".join(f"{k} × {v}" for k, v in sorted(counts.items())))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\nwritten to {args.json}")
 
 
 if __name__ == "__main__":
