@@ -10,6 +10,7 @@ import time
 import torch
 
 import protocol
+from peer.train.cache import default_cache_dir
 from peer.train.data import load_corpus
 from peer.train.model import build_model, parameter_count
 from peer.train.outer import make_outer
@@ -79,8 +80,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         announcer = swarm_dht.ManifestAnnouncer(dht, manifest).start()
         peer_id = str(dht.peer_id)
         keeper = AddressKeeper(dht, book, run_id=manifest.run_id, peer_id=peer_id, publish=not cfg.client_mode).start()
-        model = build_model(manifest.model)
-        corpus = load_corpus(manifest.data)
+        corpus = load_corpus(manifest.data, cache_dir=default_cache_dir(cfg.data_dir))
+        model = build_model(manifest.model, corpus.tokenizer)
         shapes = [p.shape for p in model.parameters()]
         outer = make_outer(manifest, shapes)
         transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), manifest.run_id, manifest.sync,

@@ -87,24 +87,52 @@ class TokenizerSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class DataSpec:
-    """Where the text comes from and how it is cut into training sequences."""
+    """Where the text comes from, how it is tokenized, and how it is cut into training sequences."""
 
     source: str = "python-stdlib"
-    """'python-stdlib': the running interpreter's standard library sources; 'files': ``path``."""
+    """'python-stdlib': the running interpreter's standard library sources; 'files': a directory or file
+    of .txt/.md/.rst/.py text; 'jsonl': a .jsonl file or directory of them; 'parquet': a .parquet file or
+    directory of them; 'hf-dataset': a Hugging Face dataset saved with ``save_to_disk`` (never downloaded)."""
     path: str = ""
-    """A directory or file of .txt/.py/.md/.jsonl text, used when source = 'files'."""
+    """The file or directory of every source but 'python-stdlib'."""
+    text_field: str = "text"
+    """The JSON key or column holding each document's text ('jsonl', 'parquet', 'hf-dataset')."""
+    tokenizer: str = "bytes"
+    """'bytes': UTF-8 bytes plus BOS/EOS/PAD (259 ids); 'bpe': a byte-level BPE trained locally on the
+    training split of this corpus."""
+    vocab_size: int = 0
+    """Ids of the tokenizer, specials included, and rows of the model's embedding: 0 with 'bytes'
+    (fixed at 259), e.g. 4096 with 'bpe'."""
+    corpus_sha256: str = ""
+    """When set, peers whose local corpus hashes otherwise refuse to train (``peer data prepare`` prints it)."""
+    tokenizer_sha256: str = ""
+    """When set, peers whose tokenizer hashes otherwise refuse to train (``peer data prepare`` prints it)."""
     seq_len_tokens: int = 128
     validation_fraction: float = 0.05
-    """Share of files (chosen by path hash) held out for validation."""
+    """Share of documents (chosen by hash: of the relative path for files, of the text for records)
+    held out for validation."""
     validation_sequences: int = 48
     """Size of the fixed validation subset every peer evaluates on."""
 
     def __post_init__(self) -> None:
         s = "data"
-        one_of(s, "source", self.source, ("python-stdlib", "files"))
+        one_of(s, "source", self.source, ("python-stdlib", "files", "jsonl", "parquet", "hf-dataset"))
         check(s, "path", self.path, isinstance(self.path, str), "a string")
-        check(s, "path", self.path, self.source != "files" or bool(self.path),
-               "a non-empty path when data.source = 'files'")
+        check(s, "path", self.path, self.source == "python-stdlib" or bool(self.path),
+               f"a non-empty path when data.source = {self.source!r}")
+        check(s, "text_field", self.text_field, isinstance(self.text_field, str) and bool(self.text_field),
+               "a non-empty string")
+        one_of(s, "tokenizer", self.tokenizer, ("bytes", "bpe"))
+        if self.tokenizer == "bytes":
+            check(s, "vocab_size", self.vocab_size, self.vocab_size in (0, 259),
+                  "0 or 259 with data.tokenizer = 'bytes'")
+        else:
+            int_in(s, "vocab_size", self.vocab_size, 512, 1 << 20)
+        for name in ("corpus_sha256", "tokenizer_sha256"):
+            value = getattr(self, name)
+            check(s, name, value, isinstance(value, str) and (value == "" or (
+                len(value) == 64 and all(c in "0123456789abcdef" for c in value))),
+                "'' or 64 lowercase hex digits (a SHA-256, as `peer data prepare` prints it)")
         int_in(s, "seq_len_tokens", self.seq_len_tokens, 8, 1 << 20)
         float_in(s, "validation_fraction", self.validation_fraction, 0.0, 0.5, lo_open=True)
         int_in(s, "validation_sequences", self.validation_sequences, 1, 1 << 20)

@@ -1,124 +1,136 @@
 """Corpus, train/validation split, and each peer's random shard of training windows.
 
-The default corpus is the source of the running interpreter's standard library (DESIGN.md):
-every machine that runs the client has it. Files are split into train and validation by a
-hash of their relative path, so the split is the same on every machine and run. Each file's
-bytes are followed by EOS and concatenated into one uint8 stream per split.
+:func:`load_corpus` streams the documents of the source ``[data]`` names (peer/train/sources.py),
+hashes them into the corpus's identity (checked against ``data.corpus_sha256`` when the run pins
+it), gets the tokenizer (peer/train/tokenizer.py, peer/train/bpe.py), and memory-maps the token
+streams of the two splits from the on-disk cache, tokenizing into it on a first load
+(peer/train/cache.py). A document is held out for validation by a hash of its name (the relative
+path of a file, the text hash of a record), so the split is the same on every machine. Each
+document's tokens are followed by EOS. The default (python-stdlib, bytes) gives the same streams
+as ever: the standard library's ``.py`` files in path order, byte by byte.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import sysconfig
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from peer.train.tokenizer import EOS_ID
+from peer.train.cache import cache_key, corpus_sha256, default_cache_dir, load_token_cache, write_token_cache
+from peer.train.sources import describe, iter_documents, list_files, stdlib_root
+from peer.train.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from protocol.errors import ConfigError
 from protocol.manifest import DataSpec
 
+__all__ = [
+    "BatchSampler", "Corpus", "SamplerState", "bits_per_byte", "is_validation", "list_files", "load_corpus",
+    "peer_seed", "stdlib_root", "validation_batch", "validation_bits_per_byte",
+]
+
 logger = logging.getLogger(__name__)
 
-_TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl")
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
-
-def stdlib_root() -> Path:
-    """Directory of the running interpreter's standard library sources."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_files(spec: DataSpec) -> tuple[Path, list[Path]]:
-    """Root directory and the sorted text files of the corpus the data spec names.
-
-    Raises:
-        ConfigError: the path does not exist or holds no text files.
-    """
-    if spec.source == "python-stdlib":
-        root, suffixes = stdlib_root(), (".py",)
-    else:
-        root, suffixes = Path(spec.path).expanduser(), _TEXT_SUFFIXES
-        if not root.exists():
-            raise ConfigError(f"data.path {str(root)!r} does not exist: point it at a text file or directory")
-    if root.is_file():
-        return root.parent, [root]
-    files = sorted(
-        p for p in root.rglob("*")
-        if p.suffix in suffixes and p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts)
-    )
-    if not files:
-        raise ConfigError(f"no text files ({', '.join(suffixes)}) under data path {str(root)!r}")
-    return root, files
-
-
-def is_validation(relative_path: str, fraction: float) -> bool:
-    """Deterministic split: a file is held out when the hash of its relative path falls below ``fraction``."""
-    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
+def is_validation(name: str, fraction: float) -> bool:
+    """Deterministic split: a document is held out when the hash of its name falls below ``fraction``."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
-
-
-def _read_text(path: Path) -> bytes:
-    raw = path.read_bytes()
-    if path.suffix == ".jsonl":
-        texts = []
-        for line in raw.decode("utf-8", errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("text"), str):
-                texts.append(record["text"])
-        return "\n\n".join(texts).encode("utf-8")
-    return raw
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """Token streams of the two splits: 1-D int16 tensors (bytes 0-255 and EOS = 257)."""
+    """Token streams of the two splits: 1-D integer tensors (uint16 or uint32 when memory-mapped from the cache)."""
 
     train: torch.Tensor
     validation: torch.Tensor
     train_files: int
+    """Documents in the training split (files, or records), empty ones included."""
     validation_files: int
+    corpus_sha256: str = ""
+    """Content hash of the corpus (``data.corpus_sha256``); empty for a corpus built by hand."""
+    tokenizer: Tokenizer = field(default_factory=byte_tokenizer)
 
 
-def load_corpus(spec: DataSpec) -> Corpus:
-    """Read the corpus and split it. Takes a second or two for the standard library (~2,000 files).
+def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
+    """Hash, tokenize (once, into the cache) and memory-map the corpus the data spec names.
+
+    Reads the whole corpus once per call to hash it; the first call for a corpus and tokenizer also
+    tokenizes it (a few seconds for the ~30 MB standard library with bytes), and trains the BPE
+    when ``data.tokenizer = 'bpe'`` (once per corpus and vocabulary).
+
+    Args:
+        cache_dir: where the token cache and a trained BPE live; default: the user cache dir.
 
     Raises:
-        ConfigError: no files, or a split too small to cut one sequence from.
+        ConfigError: bad input (see :func:`peer.train.sources.iter_documents`), a corpus or tokenizer hash
+            other than the one the run pins, an unwritable cache dir, or a split too small to cut one
+            sequence from.
     """
-    root, files = list_files(spec)
-    parts: dict[bool, list[bytes]] = {True: [], False: []}
-    for path in files:
-        rel = path.relative_to(root).as_posix()
-        try:
-            parts[is_validation(rel, spec.validation_fraction)].append(_read_text(path))
-        except OSError as exc:
-            logger.warning("skipping unreadable corpus file %s: %s", path, exc.strerror)
-    streams = {}
-    for is_val, chunks in parts.items():
-        # EOS (257) does not fit uint8: keep the stream as int16 to hold it.
-        pieces = []
-        for chunk in chunks:
-            if not chunk:
-                continue
-            pieces.append(torch.frombuffer(bytearray(chunk), dtype=torch.uint8).to(torch.int16))
-            pieces.append(torch.tensor([EOS_ID], dtype=torch.int16))
-        streams[is_val] = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int16)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    fraction = spec.validation_fraction
+    corpus_hash, documents = corpus_sha256(iter_documents(spec))
+    if documents == 0:
+        raise ConfigError(f"the corpus ({describe(spec)}) holds no documents: point data.path at some text")
+    if spec.corpus_sha256 and corpus_hash != spec.corpus_sha256:
+        raise ConfigError(
+            f"the corpus here ({describe(spec)}) hashes to {corpus_hash}, the run pins data.corpus_sha256 = "
+            f"{spec.corpus_sha256}: use the run's corpus, the same documents in the same place "
+            "(`peer data prepare --run RUN.toml` prints the local hash)"
+        )
+
+    def train_texts():
+        return (d.data.decode("utf-8", errors="replace") for d in iter_documents(spec)
+                if not is_validation(d.name, fraction))
+
+    try:
+        tokenizer = load_tokenizer(spec, cache_dir=cache_dir, corpus_sha256=corpus_hash, train_texts=train_texts)
+        key = cache_key(corpus_hash, tokenizer.sha256, fraction)
+        cached = load_token_cache(cache_dir, key)
+        if cached is None:
+            logger.info("tokenizing the corpus (%s) into %s", describe(spec), cache_dir)
+            write_token_cache(cache_dir, key, iter_documents(spec), is_validation=lambda n: is_validation(n, fraction),
+                              encode_batch=tokenizer.encode_batch, eos_id=tokenizer.eos_id,
+                              dtype=tokenizer.token_dtype, corpus=corpus_hash, tokenizer=tokenizer.sha256)
+            cached = load_token_cache(cache_dir, key)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the token cache in {str(cache_dir)!r} ({exc.strerror}): "
+                          "give the peer a writable --data-dir") from exc
+    assert cached is not None, "a token cache just written must load"
+    info, train, validation = cached
     need = spec.seq_len_tokens + 1
-    for is_val, name in ((False, "train"), (True, "validation")):
-        if streams[is_val].numel() < need:
+    for stream, name in ((train, "train"), (validation, "validation")):
+        if len(stream) < need:
             raise ConfigError(
-                f"the {name} split of the corpus has {streams[is_val].numel()} tokens, fewer than one "
+                f"the {name} split of the corpus ({describe(spec)}) has {len(stream)} tokens, fewer than one "
                 f"sequence of {need}: use more text or change data.validation_fraction"
             )
-    return Corpus(train=streams[False], validation=streams[True],
-                  train_files=len(parts[False]), validation_files=len(parts[True]))
+    return Corpus(train=torch.from_numpy(train), validation=torch.from_numpy(validation),
+                  train_files=info.train_documents, validation_files=info.validation_documents,
+                  corpus_sha256=corpus_hash, tokenizer=tokenizer)
+
+
+def bits_per_byte(nats_per_token: float, tokens: int, num_bytes: int) -> float:
+    """Loss in bits per UTF-8 byte of text: comparable across tokenizers (nats/token × tokens / bytes / ln 2).
+
+    Raises:
+        ValueError: ``num_bytes`` is not positive.
+    """
+    if num_bytes <= 0:
+        raise ValueError(f"num_bytes = {num_bytes}: bits per byte needs text of at least one byte")
+    return nats_per_token * tokens / num_bytes / math.log(2)
+
+
+def validation_bits_per_byte(nats_per_token: float, windows: torch.Tensor, tokenizer: Tokenizer) -> float:
+    """Bits per byte of a loss measured on ``windows`` (int64, (sequences, seq_len + 1)), e.g. by
+    :func:`peer.train.model.evaluate` on :func:`validation_batch`; the targets ``windows[:, 1:]``
+    stand for ``tokenizer.token_bytes`` bytes each (specials, such as EOS, for none)."""
+    targets = windows[:, 1:]
+    num_bytes = int(np.asarray(tokenizer.token_bytes)[targets.numpy()].sum())
+    return bits_per_byte(nats_per_token, targets.numel(), num_bytes)
 
 
 def peer_seed(peer_id: str, salt: int = 0) -> int:
@@ -145,7 +157,7 @@ class BatchSampler:
     sequence of batches instead of replaying the ones it already trained on.
 
     Args:
-        stream: 1-D int16 token stream.
+        stream: 1-D integer token stream (int16, or uint16/uint32 as memory-mapped from the token cache).
         seq_len: tokens per training sequence (inputs); targets are shifted by one.
         batch_sequences: sequences per batch.
         seed: RNG seed (see :func:`peer_seed`).
@@ -191,7 +203,7 @@ def validation_batch(corpus: Corpus, spec: DataSpec) -> torch.Tensor:
     """The fixed validation subset: ``validation_sequences`` windows evenly spaced over the split.
 
     Returns an int64 tensor of shape (validation_sequences, seq_len_tokens + 1), identical for
-    every peer of a run on the same interpreter version.
+    every peer of a run with the same corpus and tokenizer.
     """
     stream, width = corpus.validation, spec.seq_len_tokens + 1
     high = stream.numel() - width

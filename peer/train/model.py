@@ -7,30 +7,35 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from peer.train.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from peer.train.tokenizer import Tokenizer, byte_tokenizer
 from protocol.manifest import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 
-def build_model(spec: ModelSpec) -> torch.nn.Module:
+def build_model(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> torch.nn.Module:
     """A freshly initialised fp32 LlamaForCausalLM; identical on every peer (seeded by ``init_seed``).
 
     No weights are downloaded: the model is built from a config.
+
+    Args:
+        tokenizer: the run's tokenizer (``Corpus.tokenizer``); its ``vocab_size`` rows make the
+            embedding and output layer. Default: the byte-level tokenizer (259 ids).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    tokenizer = tokenizer or byte_tokenizer()
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=tokenizer.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_seq_len,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
         tie_word_embeddings=False,
         use_cache=False,
     )

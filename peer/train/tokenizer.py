@@ -1,16 +1,30 @@
-"""Byte-level tokenizer: identical on every machine, nothing to download.
+"""Tokenizers: byte-level (the default: identical on every machine, nothing to train) and BPE.
 
-Ids 0..255 are the bytes of UTF-8 text; 256 is BOS, 257 EOS, 258 PAD. Vocabulary size 259.
+Byte-level ids 0..255 are the bytes of UTF-8 text; 256 is BOS, 257 EOS, 258 PAD. Vocabulary size 259.
+A byte-level BPE (``data.tokenizer = 'bpe'``) is trained locally on the run's training split
+(peer/train/bpe.py). Both are described by a :class:`Tokenizer`, which carries the content hash that
+``data.tokenizer_sha256`` pins.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 import torch
+
+from protocol.errors import ConfigError
+from protocol.manifest import DataSpec
 
 BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
 VOCAB_SIZE = 259
+
+_BYTES_DESCRIPTION = b"locoswarm bytes tokenizer v1: ids 0-255 are UTF-8 bytes, 256 BOS, 257 EOS, 258 PAD"
 
 
 def encode(text: str) -> torch.Tensor:
@@ -22,3 +36,83 @@ def decode(ids: torch.Tensor | list[int]) -> str:
     """Text from ids; special ids are dropped and invalid UTF-8 is replaced with U+FFFD."""
     values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
     return bytes(i for i in values if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A tokenizer as the data pipeline and the model see it.
+
+    Attributes:
+        kind: 'bytes' or 'bpe'.
+        vocab_size: rows of the model's embedding; every id is below it.
+        bos_id, eos_id, pad_id: the special ids (EOS ends every document of a token stream).
+        sha256: hex SHA-256 of the tokenizer's content (tokenizer.json for BPE), what
+            ``data.tokenizer_sha256`` pins.
+        encode_batch: documents (UTF-8 bytes) to one 1-D integer id array each, without specials.
+        token_bytes: int64 array (vocab_size,): UTF-8 bytes each id stands for (0 for specials), for
+            bits per byte.
+    """
+
+    kind: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    sha256: str
+    encode_batch: Callable[[list[bytes]], list[np.ndarray]]
+    token_bytes: np.ndarray
+
+    @property
+    def token_dtype(self) -> type:
+        """numpy dtype of the on-disk token cache: uint16 when every id fits, else uint32."""
+        return np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+
+
+def _bytes_encode_batch(docs: list[bytes]) -> list[np.ndarray]:
+    return [np.frombuffer(doc, dtype=np.uint8) for doc in docs]
+
+
+def byte_tokenizer() -> Tokenizer:
+    """The byte-level tokenizer (vocabulary 259)."""
+    token_bytes = np.zeros(VOCAB_SIZE, dtype=np.int64)
+    token_bytes[:256] = 1
+    return Tokenizer(kind="bytes", vocab_size=VOCAB_SIZE, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+                     sha256=hashlib.sha256(_BYTES_DESCRIPTION).hexdigest(), encode_batch=_bytes_encode_batch,
+                     token_bytes=token_bytes)
+
+
+def vocab_size(spec: DataSpec) -> int:
+    """Rows of the model's embedding for a run: 259 for 'bytes', ``data.vocab_size`` for 'bpe'.
+
+    Known from the manifest alone, before any tokenizer is trained (a BPE trained on a small corpus
+    may use fewer ids; the rest are never seen).
+    """
+    return VOCAB_SIZE if spec.tokenizer == "bytes" else spec.vocab_size
+
+
+def load_tokenizer(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
+                   train_texts: Callable[[], Iterator[str]]) -> Tokenizer:
+    """The run's tokenizer: byte-level, or the BPE of this corpus (from the cache, else trained and cached).
+
+    Args:
+        cache_dir: where a trained BPE is kept (``tokenizer-*.json``) and found again.
+        corpus_sha256: the corpus's content hash; part of the cached BPE's name.
+        train_texts: starts a fresh pass over the training split's documents (only called to train).
+
+    Raises:
+        ConfigError: ``data.tokenizer_sha256`` is set and the tokenizer hashes otherwise.
+    """
+    if spec.tokenizer == "bytes":
+        tokenizer = byte_tokenizer()
+    else:
+        from peer.train.bpe import load_or_train_bpe
+
+        tokenizer = load_or_train_bpe(spec, cache_dir=cache_dir, corpus_sha256=corpus_sha256,
+                                      train_texts=train_texts)
+    if spec.tokenizer_sha256 and tokenizer.sha256 != spec.tokenizer_sha256:
+        raise ConfigError(
+            f"the {spec.tokenizer} tokenizer built here hashes to {tokenizer.sha256}, the run pins "
+            f"data.tokenizer_sha256 = {spec.tokenizer_sha256}: use the run's corpus and the tokenizers "
+            "version it was prepared with (`peer data prepare` prints both hashes)"
+        )
+    return tokenizer
