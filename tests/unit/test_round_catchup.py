@@ -1,0 +1,68 @@
+"""A peer that must adopt the swarm's state does not download it just before the swarm's sync
+(peer/round.py: Trainer._about_to_sync, Trainer._wait_until_past), with a scripted swarm view."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+from peer.round import Trainer
+from protocol.dht import PeerProgress
+from protocol.records import ProgressRecord
+
+H = 20
+
+
+def record(peer: str, round_: int, step: int) -> PeerProgress:
+    return PeerProgress(peer_id=peer, expiration=0.0,
+                        record=ProgressRecord(round=round_, inner_step=round_ * H + step, train_loss=1.0,
+                                              tokens_per_s=1.0, group_size=3, bytes_sent=0, state_digest="ab" * 16))
+
+
+class ScriptedSwarm:
+    """others() returns the next scripted list of records on each call (the last one repeats)."""
+
+    def __init__(self, *reads: list[PeerProgress], max_sync_s: float = 30.0):
+        self.reads, self.calls, self.max_sync_s = list(reads), 0, max_sync_s
+
+    def others(self) -> list[PeerProgress]:
+        self.calls += 1
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+
+def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None) -> types.SimpleNamespace:
+    return types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event())
+
+
+def test_donors_in_the_last_quarter_are_about_to_sync():
+    donors = ["a", "b", "c"]
+    early = trainer(ScriptedSwarm([record("a", 7, 10), record("b", 7, 5), record("c", 7, 0)]))
+    late = trainer(ScriptedSwarm([record("a", 7, 10), record("b", 7, 15), record("c", 7, 0)]))
+    other_round = trainer(ScriptedSwarm([record("a", 8, 15)]))
+    not_a_donor = trainer(ScriptedSwarm([record("z", 7, 19)]))
+    assert not Trainer._about_to_sync(early, 7, donors)
+    assert Trainer._about_to_sync(late, 7, donors)  # step 15 of 20: the last record before the sync
+    assert not Trainer._about_to_sync(other_round, 7, donors)
+    assert not Trainer._about_to_sync(not_a_donor, 7, donors)
+
+
+def test_wait_ends_once_most_donors_published_the_next_round(monkeypatch):
+    donors = ["a", "b", "c"]
+    swarm = ScriptedSwarm([record("a", 7, 15), record("b", 7, 15), record("c", 7, 15)],
+                          [record("a", 8, 0), record("b", 7, 15), record("c", 7, 15)],  # one moved on: wait on
+                          [record("a", 8, 0), record("b", 8, 0), record("c", 7, 15)])   # two of three: done
+    t = trainer(swarm)
+    monkeypatch.setattr(t.stop_event, "wait", lambda seconds: None)
+    Trainer._wait_until_past(t, 7, donors)
+    assert swarm.calls == 3
+
+
+def test_wait_is_bounded_by_one_sync_and_by_a_stop():
+    stuck = [record("a", 7, 15), record("b", 7, 15)]
+    t = trainer(ScriptedSwarm(stuck, max_sync_s=0.0))
+    Trainer._wait_until_past(t, 7, ["a", "b"])  # returns at once: its bound is 0 s
+    stop = threading.Event()
+    stop.set()
+    t = trainer(ScriptedSwarm(stuck, max_sync_s=3600.0), stop)
+    Trainer._wait_until_past(t, 7, ["a", "b"])  # returns at once: stopped
+    assert t.swarm.calls == 0
