@@ -1,0 +1,97 @@
+"""The locally trained byte-level BPE: determinism, caching, hash pinning, model vocabulary, bits per byte."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from peer.train import bpe
+from peer.train.data import bits_per_byte, load_corpus, validation_batch, validation_bits_per_byte
+from peer.train.model import build_model, evaluate
+from peer.train.tokenizer import byte_tokenizer, vocab_size
+from protocol.errors import ConfigError, ManifestError
+from protocol.manifest import DataSpec, ModelSpec
+
+TEXTS = [f"def step_{i}(peers, rounds={i}):\n    return sum(p.delta for p in peers) / len(peers)  # ünï {i}\n"
+         for i in range(300)]
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS), encoding="utf-8")
+    return path
+
+
+def spec(path, **kw):
+    return DataSpec(source="jsonl", path=str(path), tokenizer="bpe", vocab_size=512, seq_len_tokens=8,
+                    validation_sequences=4, validation_fraction=0.1, **kw)
+
+
+def test_training_twice_gives_the_same_tokenizer_bytes(tmp_path, corpus_file):
+    a = load_corpus(spec(corpus_file), cache_dir=tmp_path / "a")
+    b = load_corpus(spec(corpus_file), cache_dir=tmp_path / "b")
+    (file_a,), (file_b,) = (tmp_path / "a").glob("tokenizer-*.json"), (tmp_path / "b").glob("tokenizer-*.json")
+    assert file_a.read_bytes() == file_b.read_bytes()
+    assert a.tokenizer.sha256 == b.tokenizer.sha256 and a.tokenizer.sha256 != byte_tokenizer().sha256
+    assert torch.equal(a.train, b.train) and torch.equal(a.validation, b.validation)
+    # Fewer tokens than bytes, every id inside the vocabulary, EOS (1) after every document.
+    assert a.train.dtype == torch.uint16 and int(a.train.to(torch.int64).max()) < 512
+    assert a.train.numel() + a.validation.numel() < sum(len(t.encode()) for t in TEXTS) / 2
+    assert int((a.train.to(torch.int64) == 1).sum() + (a.validation.to(torch.int64) == 1).sum()) == len(TEXTS)
+    # Each id's byte count is exact: the stream stands for every byte of the corpus.
+    token_bytes = torch.from_numpy(a.tokenizer.token_bytes)
+    total = token_bytes[a.train.to(torch.int64)].sum() + token_bytes[a.validation.to(torch.int64)].sum()
+    assert int(total) == sum(len(t.encode()) for t in TEXTS)
+
+
+def test_the_cached_tokenizer_is_reused_and_a_pinned_hash_is_enforced(tmp_path, corpus_file, monkeypatch):
+    first = load_corpus(spec(corpus_file), cache_dir=tmp_path)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the tokenizer was retrained")
+
+    monkeypatch.setattr(bpe, "train_bpe", boom)
+    pinned = spec(corpus_file, tokenizer_sha256=first.tokenizer.sha256)
+    assert load_corpus(pinned, cache_dir=tmp_path).tokenizer.sha256 == first.tokenizer.sha256
+    other = "0" * 64
+    with pytest.raises(ConfigError) as info:
+        load_corpus(spec(corpus_file, tokenizer_sha256=other), cache_dir=tmp_path)
+    assert first.tokenizer.sha256 in str(info.value) and other in str(info.value)
+    assert "use the run's corpus" in str(info.value)
+
+
+def test_the_model_vocabulary_follows_the_tokenizer(tmp_path, corpus_file):
+    corpus = load_corpus(spec(corpus_file), cache_dir=tmp_path)
+    model_spec = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                           max_seq_len=16)
+    model = build_model(model_spec, corpus.tokenizer)
+    assert model.get_input_embeddings().weight.shape == (512, 16) == (vocab_size(spec(corpus_file)), 16)
+    assert build_model(model_spec).get_input_embeddings().weight.shape[0] == 259
+    windows = validation_batch(corpus, spec(corpus_file))
+    nats = evaluate(model, windows)
+    assert abs(nats - math.log(512)) < 0.5  # untrained: about uniform over the vocabulary
+    bpb = validation_bits_per_byte(nats, windows, corpus.tokenizer)
+    assert 0 < bpb < nats / math.log(2)  # several bytes per BPE token
+
+
+def test_bits_per_byte():
+    assert bits_per_byte(math.log(2), 10, 10) == pytest.approx(1.0)
+    assert bits_per_byte(math.log(2), 10, 40) == pytest.approx(0.25)
+    windows = torch.tensor([[104, 105, 257, 33]])  # targets: 'i', EOS, '!': two bytes
+    assert validation_bits_per_byte(math.log(2), windows, byte_tokenizer()) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="num_bytes = 0"):
+        bits_per_byte(1.0, 1, 0)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"tokenizer": "bpe"}, "data.vocab_size = 0 is invalid"),
+    ({"tokenizer": "bytes", "vocab_size": 4096}, "data.vocab_size = 4096"),
+    ({"tokenizer": "wordpiece"}, "data.tokenizer = 'wordpiece'"),
+    ({"corpus_sha256": "abc"}, "data.corpus_sha256 = 'abc'"),
+    ({"source": "parquet"}, "data.path = '' is invalid"),
+])
+def test_manifest_validation_of_the_data_section(fields, match):
+    with pytest.raises(ManifestError, match=match):
+        DataSpec(**fields)
