@@ -1,4 +1,4 @@
-"""The `peer` command: join a swarm, or start a local one.
+"""The `peer` command: join a swarm, start a local one, or prepare a run's data.
 
 Precedence of settings: flag > environment (PEER_<COMMAND>_<FLAG>, e.g. PEER_JOIN_INITIAL_PEERS)
 > default. Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 69 bootstrap unreachable,
@@ -195,6 +195,48 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
         click.echo(json.dumps(result, indent=2))
     else:
         print_status(result, Console(soft_wrap=True))
+
+
+@main.group("data")
+def data_group() -> None:
+    """Prepare a run's corpus and tokenizer before training."""
+
+
+@data_group.command()
+@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Run manifest (TOML) whose [data] section to prepare.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+              help="Named run preset instead of --run. Neither: 'default'.")
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The peer's data dir; the cache goes to DIR/cache. [default: the user data dir]/locoswarm/peer")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def prepare(run_file, preset, data_dir, verbose) -> None:
+    """Tokenize a run's corpus into the token cache (training its BPE first if it uses one) and print the
+    corpus and tokenizer hashes, as TOML to pin in the manifest's [data] section.
+
+    A later `peer join` with the same --data-dir reuses the cache instead of tokenizing again.
+
+    \b
+    Examples:
+      peer data prepare --run my_run.toml
+      peer data prepare --run my_run.toml --data-dir /srv/locoswarm
+    """
+    from peer.train.cache import default_cache_dir
+    from peer.train.data import load_corpus
+    from peer.train.sources import describe
+
+    configure_logging(verbose)
+    try:
+        manifest = resolve_run(run_file, preset) or PRESETS["default"]()
+        cache_dir = default_cache_dir(data_dir or default_data_dir())
+        corpus = load_corpus(manifest.data, cache_dir=cache_dir)
+    except LocoError as exc:
+        exit_with(exc, verbose=verbose)
+    tok = corpus.tokenizer
+    click.echo(f"# {describe(manifest.data)}: {corpus.train_files:,} training and {corpus.validation_files:,} "
+               f"validation documents, {corpus.train.numel():,} + {corpus.validation.numel():,} tokens "
+               f"({tok.kind} tokenizer, {tok.vocab_size:,} ids); cache in {cache_dir}")
+    click.echo(f'[data]\ncorpus_sha256 = "{corpus.corpus_sha256}"\ntokenizer_sha256 = "{tok.sha256}"')
 
 
 if __name__ == "__main__":
