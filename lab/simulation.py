@@ -28,7 +28,7 @@ import torch
 
 from peer.sync.adaptive import plan
 from peer.sync.error_feedback import ErrorFeedback
-from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch
+from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer, pseudo_gradient
@@ -43,7 +43,8 @@ METHODS = ("data-parallel", "diloco", "noloco", "independent")
 
 
 def bits_per_byte(nats_per_token: float) -> float:
-    """Loss in bits per byte: tokens are bytes, so bits/byte = nats/token / ln 2."""
+    """Loss in bits per token when tokens are bytes: nats/token / ln 2 (for any tokenizer the
+    simulation reports :func:`peer.train.data.validation_bits_per_byte`)."""
     return nats_per_token / math.log(2)
 
 
@@ -181,7 +182,8 @@ class Simulation:
         samplers = [BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
                                  batch_sequences=manifest.batch_sequences, seed=peer_seed(f"sim-peer-{i}", seed))
                     for i in range(peers)]
-        base = build_model(manifest.model)
+        self.tokenizer = corpus.tokenizer
+        base = build_model(manifest.model, corpus.tokenizer)
         self.parameters = parameter_count(base)
         self._eval_model = copy.deepcopy(base)
         if data_parallel:
@@ -305,8 +307,13 @@ class Simulation:
     def evaluate(self, windows: torch.Tensor) -> EvalPoint:
         """Validation losses of the current φ's on ``windows`` (int64, (sequences, seq_len + 1)).
 
-        NoLoCo and independent: each replica's own loss and σ are computed (N evaluations).
+        NoLoCo and independent: each replica's own loss and σ are computed (N evaluations). Losses
+        in bits per UTF-8 byte of the targets (peer.train.data.validation_bits_per_byte), so runs
+        with different tokenizers compare.
         """
+        def bits_per_byte(nats: float) -> float:
+            return validation_bits_per_byte(nats, windows, self.tokenizer)
+
         if self.data_parallel:
             loss = bits_per_byte(evaluate(self.models[0], windows))
             return EvalPoint(self.round_, self.tokens, loss, loss, None, 0.0)

@@ -57,8 +57,9 @@ class Reporter:
             lines += [f"  others can join with: peer join --initial-peers {a}" for a in e["maddrs"]]
             return "\n".join(lines)
         if kind == "eval":
-            return f"eval ({e['when']}) at round {e['round']}: validation loss {e['loss']:.4f} nats/token " \
-                   f"({e['loss'] / 0.6931471805599453:.3f} bits/byte)"
+            bpb = e.get("bpb")
+            return f"eval ({e['when']}) at round {e['round']}: validation loss {e['loss']:.4f} nats/token" + \
+                (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
         if kind == "adopted_state":
             why = {"behind": "behind the swarm", "diverged": "held another state than most peers",
                    "raced ahead": "ran ahead of most peers alone"}.get(e.get("reason", ""), "")

@@ -32,7 +32,7 @@ from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.membership import SwarmView
 from peer.state.download import DownloadedState
 from peer.sync.transport import NetworkTransport
-from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch
+from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.inner import InnerLoop
 from peer.train.model import evaluate
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient
@@ -62,6 +62,7 @@ class Trainer:
                                seed=peer_seed(self.peer_id, manifest.model.init_seed))
         self.inner = InnerLoop(model, manifest.inner_optimizer, sampler)
         self.val_windows = validation_batch(corpus, manifest.data)
+        self.tokenizer = corpus.tokenizer
         self._eval_model = copy.deepcopy(model)
         self.pos = RoundProgress()
         self._lock = threading.Lock()
@@ -372,12 +373,14 @@ class Trainer:
             eval_loss=eval_loss if eval_round == self.pos.round else None, state_digest=self.state_digest), wait=wait)
 
     def eval_phi(self, when: str) -> float:
-        """Validation loss of φ (not of this peer's θ), in nats per token; emits an ``eval`` event."""
+        """Validation loss of φ (not of this peer's θ), in nats per token; emits an ``eval`` event
+        with it and in bits per UTF-8 byte (``bpb``: compares across tokenizers)."""
         with self._lock, torch.no_grad():
             for p, f in zip(self._eval_model.parameters(), self.phi):
                 p.copy_(f)
         loss = evaluate(self._eval_model, self.val_windows)
         self._last_eval = (self.pos.round, loss)
         self._publish()
-        self.reporter.emit("eval", when=when, round=self.pos.round, loss=loss, peer_id=self.peer_id)
+        self.reporter.emit("eval", when=when, round=self.pos.round, loss=loss, peer_id=self.peer_id,
+                           bpb=validation_bits_per_byte(loss, self.val_windows, self.tokenizer))
         return loss
