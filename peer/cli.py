@@ -207,19 +207,21 @@ def data_group() -> None:
               help="Run manifest (TOML) whose [data] section to prepare.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
               help="Named run preset instead of --run. Neither: 'default'.")
-@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="The peer's data dir; the cache goes to DIR/cache. [default: the user data dir]/locoswarm/peer")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Token cache directory. [default: $LOCOSWARM_CACHE_DIR, else the user cache dir]/locoswarm; "
+                   "peers on this machine read the same one")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def prepare(run_file, preset, data_dir, verbose) -> None:
+def prepare(run_file, preset, cache_dir, verbose) -> None:
     """Tokenize a run's corpus into the token cache (training its BPE first if it uses one) and print the
     corpus and tokenizer hashes, as TOML to pin in the manifest's [data] section.
 
-    A later `peer join` with the same --data-dir reuses the cache instead of tokenizing again.
+    A later `peer join` on this machine reuses the cache instead of tokenizing again (with
+    --cache-dir, set LOCOSWARM_CACHE_DIR to the same directory for it).
 
     \b
     Examples:
       peer data prepare --run my_run.toml
-      peer data prepare --run my_run.toml --data-dir /srv/locoswarm
+      peer data prepare --run my_run.toml --cache-dir /srv/locoswarm-cache
     """
     from peer.train.cache import default_cache_dir
     from peer.train.data import load_corpus
@@ -228,7 +230,7 @@ def prepare(run_file, preset, data_dir, verbose) -> None:
     configure_logging(verbose)
     try:
         manifest = resolve_run(run_file, preset) or PRESETS["default"]()
-        cache_dir = default_cache_dir(data_dir or default_data_dir())
+        cache_dir = cache_dir or default_cache_dir()
         corpus = load_corpus(manifest.data, cache_dir=cache_dir)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)

@@ -80,7 +80,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         announcer = swarm_dht.ManifestAnnouncer(dht, manifest).start()
         peer_id = str(dht.peer_id)
         keeper = AddressKeeper(dht, book, run_id=manifest.run_id, peer_id=peer_id, publish=not cfg.client_mode).start()
-        corpus = load_corpus(manifest.data, cache_dir=default_cache_dir(cfg.data_dir))
+        corpus = load_corpus(manifest.data, cache_dir=default_cache_dir())
         model = build_model(manifest.model, corpus.tokenizer)
         shapes = [p.shape for p in model.parameters()]
         outer = make_outer(manifest, shapes)

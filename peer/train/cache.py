@@ -32,10 +32,15 @@ _FORMAT = "tokens-v1"
 _CHUNK_BYTES = 4 << 20  # documents tokenized per batch: bounds memory, keeps BPE's batch encoder busy
 
 
-def default_cache_dir(data_dir: Path | None = None) -> Path:
-    """``<data_dir>/cache`` for a peer with a data dir, else the user cache dir (platformdirs)."""
-    if data_dir is not None:
-        return Path(data_dir) / "cache"
+def default_cache_dir() -> Path:
+    """``$LOCOSWARM_CACHE_DIR``, else the user cache dir (platformdirs, e.g. ~/.cache/locoswarm).
+
+    One cache per machine, not per data dir: entries are keyed by corpus and tokenizer hashes, so
+    every peer of a run on this machine (``peer swarm``, several cards) tokenizes once, and the
+    atomic writes make peers that build the same entry at once harmless.
+    """
+    if os.environ.get("LOCOSWARM_CACHE_DIR"):
+        return Path(os.environ["LOCOSWARM_CACHE_DIR"])
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("locoswarm"))

@@ -107,15 +107,15 @@ def test_peer_data_prepare_prints_the_hashes_that_pin_the_run(tmp_path, corpus_f
     run = tmp_path / "run.toml"
     run.write_text(f'[data]\nsource = "jsonl"\npath = "{corpus_file}"\ntokenizer = "bpe"\nvocab_size = 512\n'
                    "seq_len_tokens = 8\nvalidation_fraction = 0.1\n")
-    result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--data-dir", str(tmp_path / "dd")])
+    result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
     assert result.exit_code == 0, result.output
     pins = tomllib.loads(result.output)["data"]
     assert set(pins) == {"corpus_sha256", "tokenizer_sha256"}
     assert list((tmp_path / "dd" / "cache").glob("tokens-*.train.bin"))
     pinned = run.read_text() + "".join(f'{k} = "{v}"\n' for k, v in pins.items())
     run.write_text(pinned)  # the pinned manifest loads against the same corpus
-    assert CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--data-dir", str(tmp_path / "dd")]
+    assert CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")]
                               ).exit_code == 0
     corpus_file.write_text(json.dumps({"text": "another corpus " * 50}) + "\n" + corpus_file.read_text())
-    result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--data-dir", str(tmp_path / "dd")])
+    result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
     assert result.exit_code == 78 and pins["corpus_sha256"] in result.output and "use the run's corpus" in result.output
