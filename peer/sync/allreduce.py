@@ -15,9 +15,11 @@ The algorithm, for a group of n peers ordered as hivemind's matchmaking returned
    equal size. Every peer derives the same plan from the shapes and the group.
 2. Every peer sends each piece, encoded with its codec after adding its error-feedback residual,
    to the piece's owner (its own pieces stay local, uncompressed). Encoding is self-describing.
-3. An owner sums each piece's contributions in fp32, in sender order, weighted by tokens,
-   divides by the included weight, encodes that mean with the codec's ``for_mean`` and decodes
-   it again itself, so the owner and every receiver hold bit-identical means.
+3. An owner screens each piece's contributions (peer/sync/screening.py: claimed tokens capped at
+   the run's tokens per round, norms clipped to a multiple of the piece's median norm), sums
+   them in fp32, in sender order, weighted by tokens, divides by the included weight, encodes
+   that mean with the codec's ``for_mean`` and decodes it again itself, so the owner and every
+   receiver hold bit-identical means. A mean that is not finite is never sent: the piece fails.
 4. Every peer writes the means into its tensors. φ of all peers that complete a round together
    is therefore identical, bit for bit.
 
@@ -46,6 +48,7 @@ from typing import Callable, Sequence
 import torch
 
 from peer.sync.pieces import GroupPlan, Piece, piece_shape, piece_view
+from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.wire import allreduce as frames
@@ -66,6 +69,10 @@ class AllreduceStats:
     """Senders this peer (as an owner) excluded, with the reason."""
     partial_pieces: int = 0
     """Pieces whose mean left out at least one sender."""
+    capped_weights: dict[int, float] = field(default_factory=dict)
+    """Senders whose claimed token weight this owner cut to the cap, with the weight they claimed."""
+    clipped: dict[int, int] = field(default_factory=dict)
+    """Senders whose contribution this owner clipped to the median norm, with how many pieces."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
@@ -84,13 +91,19 @@ class GroupAllreduce:
         open_stream: ``await open_stream(peer_id) -> (reader, writer)`` to an owner.
         next_chunk_timeout: seconds a silent sender or owner is waited for.
         executor: runs encode/decode off the event loop (torch releases the GIL).
+        max_weight: the most tokens one contribution may weigh (the run's ``H × batch_size_tokens``);
+            a HELLO claiming more is cut to it. None: no cap.
     """
 
     def __init__(self, plan: GroupPlan, tensors: Sequence[torch.Tensor], *, weight: float,
                  compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
                  stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
-                 open_stream, next_chunk_timeout: float, executor: Executor | None = None):
+                 open_stream, next_chunk_timeout: float, executor: Executor | None = None,
+                 max_weight: float | None = None):
+        if max_weight is not None and not max_weight > 0:
+            raise ValueError(f"max_weight = {max_weight!r}: expected a number of tokens > 0 or None")
         self.plan, self.tensors, self.weight = plan, list(tensors), float(weight)
+        self.max_weight = None if max_weight is None else float(max_weight)
         self.compensate, self.stage, self.open_stream = compensate, stage, open_stream
         self.timeout, self.executor = next_chunk_timeout, executor
         self.stats = AllreduceStats()
@@ -172,6 +185,7 @@ class GroupAllreduce:
                     await self._exclude(sender, repr(exc))
                 return
             sender = hello.sender
+            weight = self._capped(sender, hello.weight)
             async with self._changed:
                 self._connected.add(sender)
                 self._changed.notify_all()
@@ -184,7 +198,7 @@ class GroupAllreduce:
                     value = await self._off_loop(self._decode_checked, data, piece)
                     async with self._changed:
                         if sender not in self._excluded:
-                            self._contrib[piece.index][sender] = (hello.weight, value)
+                            self._contrib[piece.index][sender] = (weight, value)
                         self._changed.notify_all()
             except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 await self._exclude(sender, f"{type(exc).__name__}: {exc}")
@@ -225,7 +239,7 @@ class GroupAllreduce:
             else:
                 self.stage(piece, own, own)  # own rows stay exact: no residual
             if torch.isfinite(own).all():
-                self._contrib[piece.index][me] = (self.weight, own)
+                self._contrib[piece.index][me] = (self._capped(me, self.weight), own)
             else:  # never average a non-finite value, not even our own
                 await self._exclude(me, f"own piece {piece.index} holds NaN or inf")
         for piece in self.my_pieces:
@@ -250,7 +264,15 @@ class GroupAllreduce:
             included = [s not in self._excluded and slots[s] is not None for s in range(n)]
             parts = [slots[s] for s in range(n) if included[s]]
             self.stats.partial_pieces += not all(included)
-            payload, value = await self._off_loop(self._mean_of, piece, parts, included)
+            senders = [s for s in range(n) if included[s]]
+            payload, value, clipped = await self._off_loop(self._mean_of, piece, parts, included)
+            for position in clipped:
+                s = senders[position]
+                self.stats.clipped[s] = self.stats.clipped.get(s, 0) + 1
+            if clipped:
+                logger.info("all-reduce %s: piece %d: clipped the contributions of groupmates %s to %.0fx the "
+                            "median norm", self.plan.group_id.hex()[:8], piece.index,
+                            [senders[p] for p in clipped], CLIP_MEDIAN_FACTOR)
             self.results[piece.index] = value
             self._mean_frames[piece.index].set_result(payload)
             self._contrib[piece.index] = []  # free the contributions
@@ -259,13 +281,32 @@ class GroupAllreduce:
         codec = self.plan.codecs[piece.index] if codec is None else codec
         return codec.roundtrip(x, seed=self.plan.seeds[piece.index])
 
-    def _mean_of(self, piece: Piece, parts, included: list[bool]) -> tuple[bytes, torch.Tensor]:
+    def _capped(self, sender: int, weight: float) -> float:
+        """``weight`` cut to :attr:`max_weight`; a cut is logged and counted once per sender."""
+        capped = cap_weight(weight, self.max_weight)
+        if capped != weight and sender not in self.stats.capped_weights:
+            self.stats.capped_weights[sender] = weight
+            logger.warning("all-reduce %s: groupmate %d (%s) claims %.3g tokens, more than a round holds; "
+                           "weighted as %.0f", self.plan.group_id.hex()[:8], sender, self.plan.peer_ids[sender],
+                           weight, capped)
+        return capped
+
+    def _mean_of(self, piece: Piece, parts, included: list[bool]) -> tuple[bytes, torch.Tensor, list[int]]:
+        """The screened, weighted mean of ``parts`` (in sender order): its MEAN frame, its decoded
+        value and the positions in ``parts`` that were clipped.
+
+        Raises:
+            BadPayload: the mean is not finite (after the codec): the piece fails, nothing is sent.
+        """
+        parts, clipped = clip_to_median(parts)
         total = sum(w for w, _ in parts)
         acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
         for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
             acc.add_(x, alpha=w / total)
         data, value = self._roundtrip(piece, acc, self.plan.mean_codecs[piece.index])
-        return frames.encode_mean(piece.index, included, data), value
+        if not torch.isfinite(value).all():
+            raise BadPayload(f"the mean of piece {piece.index} is not finite")
+        return frames.encode_mean(piece.index, included, data), value, clipped
 
     # ---- sender side --------------------------------------------------------------------
     def _encode_contribution(self, piece: Piece) -> bytes:

@@ -80,16 +80,21 @@ class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAv
         phi_from: index of the first tensor that is φ rather than Δ (NoLoCo's payload is Δ then
             φ; φ uses ``compression.phi_codec`` and no error feedback); None: all Δ.
         piece_elements: target piece size of the all-reduce.
+        max_weight_tokens: the most tokens one groupmate's contribution may weigh: the run's
+            ``sync.inner_steps × inner_optimizer.batch_size_tokens``
+            (:func:`peer.sync.screening.round_token_cap`); a groupmate claiming more is weighted
+            with this. None: no cap.
         **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, compression: CompressionSpec,
                  uplink_mbps: float = 50.0,
-                 phi_from: int | None = None, piece_elements: int | None = None, **kwargs):
+                 phi_from: int | None = None, piece_elements: int | None = None,
+                 max_weight_tokens: float | None = None, **kwargs):
         if kwargs.get("next_chunk_timeout") is None:
             raise ValueError("LocoAverager needs next_chunk_timeout: a silent groupmate must not stall a round")
         self.compression, self.phi_from = compression, phi_from
-        self.piece_elements = piece_elements
+        self.piece_elements, self.max_weight_tokens = piece_elements, max_weight_tokens
         self._init_state_sharing()
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
@@ -269,7 +274,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAv
 
                 session = GroupAllreduce(plan, tensors, weight=kwargs.get("weight") or 1.0, compensate=compensate,
                                          stage=stage, open_stream=open_stream,
-                                         next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor())
+                                         next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor(),
+                                         max_weight=self.max_weight_tokens)
                 if not future.done():
                     future.set_result(session)
                 # Our own deadline, a second before hivemind's: when it passes (a groupmate hangs with

@@ -79,11 +79,14 @@ class NetworkTransport:
         client_mode: True when other peers cannot dial this one (behind NAT).
         piece_elements: target piece size of the all-reduce (None: the default).
         uplink_mbps: this peer's assumed uplink, Mbit/s, until the first sync measured it.
+        max_weight_tokens: the most tokens a groupmate's contribution may weigh, the run's
+            ``H × batch_size_tokens`` (:func:`peer.sync.screening.round_token_cap`); None: no cap.
     """
 
     def __init__(self, dht, param_shapes: Sequence[torch.Size], payload_shapes: Sequence[torch.Size], run_id: str,
                  sync: SyncSpec, *, compression: CompressionSpec | None = None, phi_from: int | None = None,
-                 client_mode: bool = False, piece_elements: int | None = None, uplink_mbps: float = 50.0):
+                 client_mode: bool = False, piece_elements: int | None = None, uplink_mbps: float = 50.0,
+                 max_weight_tokens: float | None = None):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
@@ -96,6 +99,7 @@ class NetworkTransport:
             uplink_mbps=uplink_mbps,
             phi_from=phi_from,
             piece_elements=piece_elements,
+            max_weight_tokens=max_weight_tokens,
             prefix=keys.averager_prefix(run_id, sync.algorithm),
             initial_group_bits=keys.round_group_bits(0),
             target_group_size=sync.target_group_size,

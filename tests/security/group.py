@@ -1,0 +1,76 @@
+"""A group all-reduce over unix sockets (no hivemind) in which chosen groupmates lie.
+
+The same seam as tests/unit/test_allreduce.py: every peer is a real :class:`GroupAllreduce`
+session with a unix socket server; an attacker is an honest session whose payload and claimed
+weight (its HELLO) are the attacker's choice. Attackers are in client mode by default (they reduce
+no pieces), so what is checked is what honest owners make of their contributions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import torch
+
+from peer.sync.allreduce import GroupAllreduce
+from peer.sync.pieces import GroupPlan, piece_shape, plan_pieces
+from protocol import codecs
+from protocol.manifest import CompressionSpec
+from protocol.wire import allreduce as frames
+from protocol.wire import framing
+
+
+async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=CompressionSpec(),
+                    piece_elements=64, timeout=1.0):
+    """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``.
+
+    Returns:
+        (sessions, outcomes): every session (tensors hold the means where its run succeeded)
+        and what each ``run()`` returned or raised.
+    """
+    n = len(payloads)
+    owners = list(range(n)) if owners is None else list(owners)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [str(Path(tmp) / f"peer{i}.sock") for i in range(n)]
+        sessions: list[GroupAllreduce | None] = [None] * n
+        ready = [asyncio.Event() for _ in range(n)]
+
+        def handler(i):
+            async def handle(reader, writer):
+                payload = await framing.read_frame(reader, max_bytes=frames.MAX_HELLO_BYTES, timeout=5)
+                hello = frames.parse_hello(payload, group_size=frames.MAX_GROUP_SIZE)
+                await asyncio.wait_for(ready[i].wait(), 5)
+                await sessions[i].serve(hello.sender, payload, reader, writer)
+            return handle
+
+        servers = [await asyncio.start_unix_server(handler(i), path=paths[i]) for i in owners]
+        shapes = [t.shape for t in payloads[0]]
+        pieces = plan_pieces(shapes, owners=owners, piece_elements=piece_elements)
+        shapes_of_pieces = [piece_shape(shapes[p.tensor], p) for p in pieces]
+        piece_codecs = [codecs.make_codec(spec, s) for s in shapes_of_pieces]
+
+        async def open_stream(peer_id):
+            return await asyncio.open_unix_connection(paths[peer_id])
+
+        for i in range(n):
+            plan = GroupPlan(group_id=b"g" * 8, peer_ids=tuple(range(n)), my_index=i, pieces=pieces,
+                             codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
+                             max_piece_bytes=[codecs.max_encoded_bytes(s) for s in shapes_of_pieces],
+                             seeds=[p.index for p in pieces])
+            sessions[i] = GroupAllreduce(plan, [t.clone() for t in payloads[i]], weight=weights[i],
+                                         compensate=lambda piece, x: x, stage=lambda *a: None,
+                                         open_stream=open_stream, next_chunk_timeout=timeout,
+                                         max_weight=max_weight)
+            ready[i].set()
+        try:
+            outcomes = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
+            for s, outcome in zip(sessions, outcomes):
+                if not isinstance(outcome, BaseException):
+                    s.apply()
+                s.close()
+        finally:
+            for server in servers:
+                server.close()
+        return sessions, outcomes
