@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from protocol.dht import parse_initial_peers
+from protocol.dht import entries, parse_initial_peers, read_value
 from protocol.errors import BadPeerAddress
 
 logger = logging.getLogger(__name__)
@@ -74,14 +74,15 @@ def publish_addresses(dht, run_id: str, peer_id: str, maddrs: Sequence[str], ttl
 
 
 def read_addresses(dht, run_id: str) -> dict[str, list[str]]:
-    """Every peer's published multiaddrs (validated): peer id → addresses; peers with none valid are left out."""
-    found = dht.get(addresses_key(run_id), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
+    """Every peer's published multiaddrs (validated): peer id → addresses; peers with none valid,
+    or whose entry expires further ahead than a peer publishes, are left out.
+
+    Raises:
+        NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
+    """
     out = {}
-    for peer_id, item in found.value.items():
-        if isinstance(peer_id, str):
-            addresses = valid_addresses(peer_id, getattr(item, "value", None))
-            if addresses:
-                out[peer_id] = addresses
+    for peer_id, value, _ in entries(read_value(dht, addresses_key(run_id)), max_ahead_s=ADDRESSES_TTL_S + 600):
+        addresses = valid_addresses(peer_id, value)
+        if addresses:
+            out[peer_id] = addresses
     return out

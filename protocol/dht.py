@@ -1,8 +1,19 @@
 """DHT access shared by peers and bootstrap nodes: start a node, announce and fetch run manifests,
 publish and read progress records.
 
-Every value read from the DHT is validated before use (manifests by hash and schema, records by
-schema); hivemind serializes DHT values with msgpack, never pickle.
+Anyone can write to the DHT, so every read peers act on is bounded and screened:
+
+* it returns within a timeout (:func:`read_value`: hivemind's ``DHT.get`` has none);
+* a value that is not msgpack is skipped, not fatal: in hivemind 1.1.12 it raises inside the
+  search's callback, whose future then never resolves, so every later read of that key hung. The
+  DHT process of :func:`new_dht` decodes each found value on its own and reads an undecodable one
+  as None, which every reader here rejects like any other invalid value;
+* a value whose expiration lies further ahead than any honest writer sets
+  (:data:`MAX_EXPIRATION_AHEAD_S`) is ignored;
+* what remains is validated (manifests by hash and schema, records by schema and bounds, strings
+  stripped of control characters: protocol/text.py) before use.
+
+hivemind serializes DHT values with msgpack, never pickle.
 """
 
 from __future__ import annotations
@@ -19,11 +30,23 @@ from protocol.errors import (BadPayload, BadPeerAddress, BootstrapUnreachable, M
                              ManifestNotFound, NetworkError)
 from protocol.manifest import RunManifest, decode
 from protocol.records import ProgressRecord
+from protocol.text import sanitize
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_TTL_S = 300.0
 """How long a manifest announcement lives in the DHT; announcers refresh it every TTL/5."""
+
+READ_TIMEOUT_S = 10.0
+"""Longest a DHT read may take before it is given up (a round's reads must not stall it)."""
+
+MAX_EXPIRATION_AHEAD_S = 8 * 86400.0
+"""A value expiring further ahead is ignored. The longest-lived honest value is a progress record
+of a run at the manifest's largest sync timeouts (protocol/liveness.py ``record_ttl_s``: three
+worst-case syncs, under 7 days); an attacker's 10-year expiry no longer pins its value."""
+
+MAX_RUN_NAME_CHARS = 128
+"""Run names in the runs index longer than this are cut (a manifest's own name is at most 128)."""
 
 
 def quiet_hivemind_logs() -> None:
@@ -79,6 +102,7 @@ def _helper_dht_class():
 
         def run(self) -> None:  # in the DHT process
             bind_subprocesses_to_this_process()  # p2pd dies with this process
+            _decode_found_values_one_by_one()
             super().run()
 
         async def _shutdown(self) -> None:
@@ -94,6 +118,41 @@ def _helper_dht_class():
                     logger.debug("p2pd did not stop cleanly: %r", p2p_exc)
 
     return SwarmDHT
+
+
+class _TolerantSerializer:
+    """hivemind's serializer for values a search found: an undecodable value reads as None."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def dumps(self, obj):
+        return self.inner.dumps(obj)
+
+    def loads(self, buf):
+        try:
+            return self.inner.loads(buf)
+        except Exception as exc:  # msgpack raises several unrelated types
+            logger.debug("skipping an undecodable DHT value (%d bytes): %r", len(buf), exc)
+            return None
+
+
+def _decode_found_values_one_by_one() -> None:
+    """In this (the DHT) process: make every DHT search decode each value it found on its own, an
+    undecodable one as None, instead of raising from the search's callback and leaving the
+    caller's future unresolved forever (hivemind 1.1.12 ``_SearchState.finish_search``)."""
+    from hivemind.dht.node import _SearchState
+
+    if getattr(_SearchState, "_locoswarm_tolerant", False):
+        return
+    original_init = _SearchState.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.serializer = _TolerantSerializer(self.serializer)
+
+    _SearchState.__init__ = __init__
+    _SearchState._locoswarm_tolerant = True
 
 
 def new_dht(**kwargs):
@@ -173,39 +232,105 @@ def store_manifest(dht, manifest: RunManifest, ttl_s: float = MANIFEST_TTL_S) ->
     return bool(ok_manifest and ok_index)
 
 
-def list_runs(dht) -> dict[str, str]:
-    """Announced runs: run id → name."""
-    found = dht.get(keys.RUNS_KEY, latest=True)
+def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
+    """``dht.get(key, latest=True)`` that returns within ``timeout_s``, without a plain value whose
+    expiration is implausibly far ahead (entries of a value with subkeys: :func:`entries`).
+
+    Returns:
+        hivemind's ``ValueWithExpiration`` (for a key with subkeys, ``value`` is a dict of subkey →
+        ``ValueWithExpiration``), or None when nothing (plausible) is stored.
+
+    Raises:
+        NetworkError: no answer within ``timeout_s`` or the DHT failed; the search is cancelled.
+    """
+    from hivemind.utils import get_dht_time
+
+    future = dht.get(key, latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout_s)
+    except TimeoutError as exc:
+        future.cancel()
+        raise NetworkError(f"the DHT did not answer a read of {key!r} within {timeout_s:g} s") from exc
+    except Exception as exc:
+        raise NetworkError(f"DHT read of {key!r} failed: {type(exc).__name__}: {exc}") from exc
+    expiration = getattr(found, "expiration_time", None)
+    if found is None or not isinstance(expiration, (int, float)):
+        return None
+    # a value with subkeys expires with its latest entry: :func:`entries` judges each entry instead
+    if not isinstance(found.value, dict) and expiration > get_dht_time() + MAX_EXPIRATION_AHEAD_S:
+        logger.warning("ignoring the DHT value of %r: it expires %.0f s from now, more than %.0f s",
+                       key, expiration - get_dht_time(), MAX_EXPIRATION_AHEAD_S)
+        return None
+    return found
+
+
+def entries(found, *, max_ahead_s: float = MAX_EXPIRATION_AHEAD_S) -> list[tuple[str, object, float]]:
+    """``(subkey, value, expiration)`` of a value with subkeys as :func:`read_value` returned it:
+    string subkeys only, without entries expiring more than ``max_ahead_s`` from now; ``[]`` for
+    anything else (a plain value stored over a key that holds subkeys, say)."""
+    from hivemind.utils import get_dht_time
+
     if found is None or not isinstance(found.value, dict):
-        return {}
+        return []
+    latest = get_dht_time() + max_ahead_s
+    out = []
+    for subkey, item in found.value.items():
+        expiration = getattr(item, "expiration_time", None)
+        if not isinstance(subkey, str) or not isinstance(expiration, (int, float)):
+            continue
+        if expiration > latest:
+            logger.debug("ignoring the entry %r: it expires %.0f s from now", subkey[:64], expiration - latest)
+            continue
+        out.append((subkey, getattr(item, "value", None), float(expiration)))
+    return out
+
+
+def list_runs(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, str]:
+    """Announced runs: run id → name (stripped of control characters, at most 128 characters).
+
+    Raises:
+        NetworkError: the DHT did not answer within ``timeout_s``.
+    """
     runs = {}
-    for run_id, item in found.value.items():
-        value = getattr(item, "value", None)
-        if isinstance(run_id, str) and isinstance(value, str):
-            runs[run_id] = value
+    for run_id, value, _ in entries(read_value(dht, keys.RUNS_KEY, timeout_s=timeout_s)):
+        if isinstance(value, str) and _is_run_id(run_id):
+            runs[run_id] = sanitize(value, max_chars=MAX_RUN_NAME_CHARS)
     return runs
 
 
-def fetch_manifest(dht, run_id: str | None = None) -> RunManifest:
+def _is_run_id(text: str) -> bool:
+    return 0 < len(text) <= 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def fetch_manifest(dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S) -> RunManifest:
     """Fetch and verify a run manifest from the DHT.
 
     Args:
         run_id: the run to fetch; if None, the only run announced in the swarm.
+        timeout_s: bound of each DHT read.
 
     Raises:
-        ManifestNotFound: no such run, no run at all, or several runs and none chosen.
+        ManifestNotFound: no such run, no run at all, several runs and none chosen, or the DHT
+            did not answer in time.
         ManifestError: the stored bytes are not a manifest or do not hash to ``run_id``.
         VersionMismatch: the run speaks another protocol version.
     """
+    try:
+        return _fetch_manifest(dht, run_id, timeout_s)
+    except NetworkError as exc:
+        raise ManifestNotFound(f"no run manifest read: {exc}; retry, or check --initial-peers") from exc
+
+
+def _fetch_manifest(dht, run_id: str | None, timeout_s: float) -> RunManifest:
     if run_id is None:
-        runs = list_runs(dht)
+        runs = list_runs(dht, timeout_s=timeout_s)
         if not runs:
             raise ManifestNotFound("the swarm announces no run yet; retry in a few seconds or pass --run-id")
         if len(runs) > 1:
             listing = ", ".join(f"{rid} ({name})" for rid, name in sorted(runs.items()))
             raise ManifestNotFound(f"the swarm announces several runs: {listing}; choose one with --run-id")
         run_id = next(iter(runs))
-    found = dht.get(keys.manifest_key(run_id), latest=True)
+    found = read_value(dht, keys.manifest_key(run_id), timeout_s=timeout_s)
     if found is None:
         raise ManifestNotFound(f"no manifest for run id {run_id} in the DHT; check the id with `peer status`"
                                " or ask the run's owner")
@@ -275,17 +400,21 @@ class PeerProgress:
     expiration: float
 
 
-def read_progress(dht, run_id: str) -> list[PeerProgress]:
-    """Live peers' latest progress records; malformed records are skipped with a debug log."""
-    found = dht.get(keys.progress_key(run_id), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
+def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
+                  max_ttl_s: float = MAX_EXPIRATION_AHEAD_S) -> list[PeerProgress]:
+    """Live peers' latest progress records; malformed records, and records expiring more than
+    ``max_ttl_s`` from now, are skipped with a debug log.
+
+    Raises:
+        NetworkError: the DHT did not answer within ``timeout_s``.
+    """
     out = []
-    for peer_id, item in found.value.items():
+    for peer_id, value, expiration in entries(read_value(dht, keys.progress_key(run_id), timeout_s=timeout_s),
+                                              max_ahead_s=max_ttl_s):
         try:
-            record = ProgressRecord.from_wire(getattr(item, "value", None))
+            record = ProgressRecord.from_wire(value)
         except BadPayload as exc:
-            logger.debug("ignoring progress record of %s: %s", peer_id, exc)
+            logger.debug("ignoring progress record of %s: %s", sanitize(peer_id, max_chars=64), exc)
             continue
-        out.append(PeerProgress(peer_id=str(peer_id), record=record, expiration=item.expiration_time))
+        out.append(PeerProgress(peer_id=peer_id, record=record, expiration=expiration))
     return out

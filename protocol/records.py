@@ -9,6 +9,18 @@ from typing import Any
 from protocol.errors import BadPayload
 from protocol.version import PROTOCOL_VERSION
 
+MAX_ROUND = 2**31 - 1
+"""No run reaches this many rounds; a record claiming more (2^63, say) is not believed. Rounds fit
+every int32/int64 they are written into (seeds, tensors, state meta)."""
+MAX_INNER_STEP = MAX_ROUND * 10**6
+"""Rounds × the largest H a manifest allows (sync.inner_steps ≤ 10^6)."""
+MAX_GROUP_SIZE = 4096
+"""The manifest's bound on sync.target_group_size."""
+MAX_COUNT = 2**53
+"""Byte counters: any larger value is a lie (and would lose precision as a float)."""
+_UPPER = {"round": MAX_ROUND, "inner_step": MAX_INNER_STEP, "group_size": MAX_GROUP_SIZE,
+          "bytes_sent": MAX_COUNT, "bytes_received": MAX_COUNT}
+
 
 @dataclass(frozen=True, kw_only=True)
 class ProgressRecord:
@@ -41,7 +53,8 @@ class ProgressRecord:
         """Validate a record from the DHT.
 
         Raises:
-            BadPayload: not a dict of the expected fields with finite, non-negative numbers.
+            BadPayload: not a dict of the expected fields with finite numbers and integers in
+                ``[0, bound]`` (``round`` ≤ :data:`MAX_ROUND`, ...).
         """
         if not isinstance(value, dict):
             raise BadPayload(f"progress record must be a map, got {type(value).__name__}")
@@ -51,10 +64,10 @@ class ProgressRecord:
             raise BadPayload(f"progress record has fields {sorted(value)}, expected {sorted(expected)}")
         if value["version"] != PROTOCOL_VERSION:
             raise BadPayload(f"progress record version {value['version']!r}, expected {PROTOCOL_VERSION}")
-        for name in ("round", "inner_step", "group_size", "bytes_sent", "bytes_received"):
+        for name, upper in _UPPER.items():
             v = value[name]
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise BadPayload(f"progress record field {name} = {v!r}: expected a non-negative integer")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= upper:
+                raise BadPayload(f"progress record field {name} = {v!r}: expected an integer in [0, {upper}]")
         for name in ("train_loss", "tokens_per_s", "eval_loss"):
             v = value[name]
             if v is None and name == "eval_loss":

@@ -20,6 +20,10 @@ from protocol.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
 
+CLOCK_SLACK_S = 600.0
+"""How far ahead of this peer's clock another peer's clock may run before its records, which
+expire ``record_ttl_s`` after it published them by its clock, are ignored as implausible."""
+
 
 class SwarmView:
     """Reads and writes the run's progress records for one peer.
@@ -58,12 +62,15 @@ class SwarmView:
     def live(self) -> list[swarm_dht.PeerProgress]:
         """The records of the live peers of the run, this peer's own included when published.
 
-        A failed DHT read returns the records of the last read that worked: a read failure must
-        not stop training, nor make this peer think it is alone.
+        A failed or timed-out DHT read (protocol/dht.py ``READ_TIMEOUT_S``) returns the records of
+        the last read that worked: a read failure must not stop training, nor make this peer think
+        it is alone.
         """
         start = time.monotonic()
         try:
-            records = self._last_records = swarm_dht.read_progress(self.dht, self.run_id)
+            # no honest peer of this run stores a record for longer than record_ttl_s
+            records = self._last_records = swarm_dht.read_progress(
+                self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S)
         except Exception as exc:
             logger.debug("reading progress records failed: %r; using the last ones read", exc)
             records = self._last_records

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
+import time
 
 import base58
 import pytest
@@ -206,7 +208,7 @@ class FakeDHT:
 
     class Item:
         def __init__(self, value):
-            self.value = value
+            self.value, self.expiration_time = value, time.time() + 60
 
     def __init__(self, maddrs: list[str]):
         self.stored: dict[str, dict[str, object]] = {}
@@ -219,10 +221,13 @@ class FakeDHT:
         self.stored.setdefault(key, {})[subkey] = value
         return True
 
-    def get(self, key, latest=True):
-        if key not in self.stored:
-            return None
-        return self.Item({k: self.Item(v) for k, v in self.stored[key].items()})
+    def get(self, key, latest=True, return_future=False):
+        found = self.Item({k: self.Item(v) for k, v in self.stored[key].items()}) if key in self.stored else None
+        if not return_future:
+            return found
+        future = concurrent.futures.Future()
+        future.set_result(found)
+        return future
 
 
 def test_the_keeper_publishes_this_peer_and_remembers_the_others(tmp_path):

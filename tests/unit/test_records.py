@@ -18,3 +18,11 @@ def test_progress_record_validation():
     for bad_digest in ("0123", "X" * 32, digest.upper(), 7):
         with pytest.raises(BadPayload, match="state_digest"):
             ProgressRecord.from_wire({**record.to_wire(), "state_digest": bad_digest})
+
+
+@pytest.mark.parametrize("field, value", [("round", 2**63), ("round", 2**31), ("inner_step", 2**63),
+                                          ("group_size", 5000), ("bytes_sent", 2**60)])
+def test_counts_beyond_what_is_possible_are_rejected_by_name(field, value):
+    record = ProgressRecord(round=1, inner_step=20, train_loss=2.5, tokens_per_s=100.0, group_size=3, bytes_sent=10)
+    with pytest.raises(BadPayload, match=field):
+        ProgressRecord.from_wire({**record.to_wire(), field: value})
