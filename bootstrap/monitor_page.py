@@ -194,7 +194,17 @@ setInterval(refresh, 2000);
 """
 
 
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
+
 def render_page(title: str, snapshot_json: str) -> str:
-    """The page with ``snapshot_json`` embedded (``</`` escaped so it cannot close the script)."""
+    """The page with ``snapshot_json`` embedded.
+
+    Every ``<``, ``>`` and ``&`` of the JSON (they occur only inside its strings: run names and
+    errors that peers chose) is written as a ``\\u`` escape, which ``JSON.parse`` reads back as the
+    same character. So no string can close the script element, nor open a comment in it (``<!--``
+    followed by ``<script>`` makes the HTML parser swallow the page's script: a blank monitor). The
+    script renders every string with ``textContent``/``createTextNode`` only, never as HTML.
+    """
     return (_PAGE.replace("__TITLE__", html.escape(title))
-            .replace("__SNAPSHOT__", snapshot_json.replace("</", "<\\/")))
+            .replace("__SNAPSHOT__", snapshot_json.translate(_SCRIPT_SAFE)))

@@ -14,7 +14,7 @@ HELLO  kind 1, then a msgpack map {v: protocol version, group: group id (bytes),
 PIECE  kind 2, u32 piece index, then one codec encoding (protocol/codecs/)
 MEAN   kind 3, u32 piece index, u16 group size n, ceil(n/8) bytes of bitmap: which senders the
        mean includes (bit i = sender i), then one codec encoding of the weighted fp32 mean
-ABORT  kind 4, then a UTF-8 reason of at most 1 KiB
+ABORT  kind 4, then a UTF-8 reason of at most 1 KiB (read stripped of control characters)
 ====== ===================================================================================
 
 The parsers here check everything that is not codec data before anything is allocated or
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import msgpack
 
 from protocol.errors import BadPayload
+from protocol.text import sanitize
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire.framing import kind_of
 
@@ -77,8 +78,8 @@ def parse_hello(payload: bytes, *, group_size: int) -> Hello:
     except Exception as exc:
         raise BadPayload(f"HELLO is not valid msgpack: {exc}") from exc
     if not isinstance(body, dict) or set(body) != {"v", "group", "sender", "weight", "pieces"}:
-        raise BadPayload(f"HELLO fields {sorted(body) if isinstance(body, dict) else type(body).__name__}, "
-                         "expected group, pieces, sender, v, weight")
+        found = sorted(sanitize(str(k), max_chars=16) for k in body) if isinstance(body, dict) else type(body).__name__
+        raise BadPayload(f"HELLO fields {found}, expected group, pieces, sender, v, weight")
     if body["v"] != PROTOCOL_VERSION:
         raise BadPayload(f"HELLO speaks protocol version {body['v']!r}, this peer speaks {PROTOCOL_VERSION}")
     group, sender, weight, pieces = body["group"], body["sender"], body["weight"], body["pieces"]
@@ -158,6 +159,7 @@ def encode_abort(reason: str) -> bytes:
 
 
 def parse_abort(payload: bytes) -> str:
+    """The reason of an ABORT frame, stripped of control characters and escape sequences (protocol/text.py)."""
     if kind_of(payload, KIND_NAMES) != ABORT:
         raise BadPayload(f"expected ABORT, got {KIND_NAMES[payload[0]]}")
-    return bytes(payload[1:1 + MAX_ABORT_BYTES]).decode("utf-8", "replace")
+    return sanitize(bytes(payload[1:1 + MAX_ABORT_BYTES]).decode("utf-8", "replace"))

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import msgpack
 
 from protocol.errors import BadPayload
+from protocol.text import sanitize
 from protocol.version import PROTOCOL_VERSION
 
 HASH_BYTES = 16
@@ -58,7 +59,7 @@ def canonical_meta(meta: dict[str, Any]) -> bytes:
 def meta_problem(meta: Any) -> str | None:
     """What is wrong with ``meta``, or None: exactly run_id (str), round and inner_step (int >= 0)."""
     if not isinstance(meta, dict) or set(meta) != set(META_FIELDS):
-        found = sorted(map(str, meta)) if isinstance(meta, dict) else type(meta).__name__
+        found = sorted(sanitize(str(k), max_chars=16) for k in meta) if isinstance(meta, dict) else type(meta).__name__
         return f"state meta has fields {found}, expected {list(META_FIELDS)}"
     if not isinstance(meta["run_id"], str):
         return f"state meta run_id {meta['run_id']!r} is not a string"
