@@ -102,7 +102,8 @@ class SwarmMonitor:
         for run_id in runs:
             if run_id not in self._manifests:
                 try:
-                    self._manifests[run_id] = swarm_dht.fetch_manifest(self.dht, run_id)
+                    # shown, never trained on: a manifest with a data path is fine here
+                    self._manifests[run_id] = swarm_dht.fetch_manifest(self.dht, run_id, allow_data_path=True)
                 except LocoError as exc:  # not announced (yet), or not a manifest we accept
                     logger.debug("no manifest for run %s yet: %s", run_id, exc)
         found = {run_id: swarm_dht.read_progress(self.dht, run_id) for run_id in runs}

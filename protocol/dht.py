@@ -298,27 +298,62 @@ def list_runs(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, str]:
     return runs
 
 
+_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
+
+
+def _is_peer_id(text: str) -> bool:
+    return 0 < len(text) <= 128 and all(c in _BASE58 for c in text)
+
+
 def _is_run_id(text: str) -> bool:
     return 0 < len(text) <= 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def fetch_manifest(dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S) -> RunManifest:
+def fetch_manifest(dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S,
+                   allow_data_path: bool = False) -> RunManifest:
     """Fetch and verify a run manifest from the DHT.
+
+    A manifest from the network can never name a local path: one whose ``data.path`` is set is
+    refused (:func:`refuse_local_data_path`) unless ``allow_data_path`` (for readers that only
+    show it, like the monitor), since a joiner would read whatever that path holds on its own
+    machine.
 
     Args:
         run_id: the run to fetch; if None, the only run announced in the swarm.
         timeout_s: bound of each DHT read.
+        allow_data_path: return a manifest with ``data.path`` set (never to train on).
 
     Raises:
         ManifestNotFound: no such run, no run at all, several runs and none chosen, or the DHT
             did not answer in time.
-        ManifestError: the stored bytes are not a manifest or do not hash to ``run_id``.
+        ManifestError: the stored bytes are not a manifest or do not hash to ``run_id``, or the
+            manifest names a data path (one line telling the volunteer to pass ``--run``).
         VersionMismatch: the run speaks another protocol version.
     """
     try:
-        return _fetch_manifest(dht, run_id, timeout_s)
+        manifest = _fetch_manifest(dht, run_id, timeout_s)
     except NetworkError as exc:
         raise ManifestNotFound(f"no run manifest read: {exc}; retry, or check --initial-peers") from exc
+    if not allow_data_path:
+        refuse_local_data_path(manifest)
+    return manifest
+
+
+def refuse_local_data_path(manifest: RunManifest) -> None:
+    """Refuse a manifest received from the network that names a local data path.
+
+    Whoever announces a run chooses its ``data.path``; a joiner that trained on it would read its
+    own files there (its home directory, say). A volunteer's data location is theirs alone: it
+    comes from their own ``--run`` file.
+
+    Raises:
+        ManifestError: ``manifest.data.path`` is not empty.
+    """
+    if manifest.data.path:
+        raise ManifestError(
+            f"run {manifest.run_id} ({manifest.name}) reads data.source = {manifest.data.source!r} from "
+            f"data.path = {sanitize(manifest.data.path, max_chars=200)!r}, a path this peer will not take from "
+            "the network: pass --run FILE.toml with the run's manifest and your own data location")
 
 
 def _fetch_manifest(dht, run_id: str | None, timeout_s: float) -> RunManifest:
@@ -411,10 +446,13 @@ def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
     out = []
     for peer_id, value, expiration in entries(read_value(dht, keys.progress_key(run_id), timeout_s=timeout_s),
                                               max_ahead_s=max_ttl_s):
+        if not _is_peer_id(peer_id):  # printed by `peer status` and the monitor: base58 only
+            logger.debug("ignoring a progress record under subkey %r: not a peer id", peer_id[:64])
+            continue
         try:
             record = ProgressRecord.from_wire(value)
         except BadPayload as exc:
-            logger.debug("ignoring progress record of %s: %s", sanitize(peer_id, max_chars=64), exc)
+            logger.debug("ignoring progress record of %s: %s", peer_id, exc)
             continue
         out.append(PeerProgress(peer_id=peer_id, record=record, expiration=expiration))
     return out

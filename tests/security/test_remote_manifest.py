@@ -1,0 +1,42 @@
+"""Issue 17, item 5: a manifest from the network can never name a local path."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer import node
+from protocol import dht as swarm_dht, keys
+from protocol.errors import ManifestError
+from protocol.manifest import DataSpec, RunManifest
+from tests.security.fake_dht import FakeDHT
+
+
+def _announce(dht: FakeDHT, manifest: RunManifest) -> None:
+    dht.store(keys.manifest_key(manifest.run_id), manifest.encode())
+    dht.store(keys.RUNS_KEY, manifest.name, subkey=manifest.run_id)
+
+
+def test_a_joiner_refuses_a_data_path_named_by_the_network(tmp_path):
+    private = tmp_path / "home" / "volunteer"
+    private.mkdir(parents=True)
+    (private / "diary.txt").write_text("private")
+    attacker_run = RunManifest(name="default", data=DataSpec(source="files", path=str(private)))
+    dht = FakeDHT()
+    _announce(dht, attacker_run)
+    # what `peer join` without --run does (peer/node.py)
+    with pytest.raises(ManifestError) as info:
+        node._fetch_manifest(dht, None, 0.0)
+    message = str(info.value)
+    assert "data.path" in message and "--run" in message and "\n" not in message
+    with pytest.raises(ManifestError):
+        swarm_dht.fetch_manifest(dht, attacker_run.run_id)
+
+
+def test_a_manifest_without_a_path_is_still_joined_and_the_monitor_may_show_one_with_a_path():
+    dht = FakeDHT()
+    honest = RunManifest(name="stdlib")
+    _announce(dht, honest)
+    assert swarm_dht.fetch_manifest(dht, honest.run_id) == honest
+    with_path = RunManifest(name="files", data=DataSpec(source="files", path="/data/corpus"))
+    _announce(dht, with_path)
+    assert swarm_dht.fetch_manifest(dht, with_path.run_id, allow_data_path=True) == with_path
