@@ -1,4 +1,4 @@
-"""The `peer` command: join a swarm, start a local one, or prepare a run's data.
+"""The `peer` command: join a swarm, start a local one, check this machine, or prepare a run's data.
 
 Precedence of settings: flag > environment (PEER_<COMMAND>_<FLAG>, e.g. PEER_JOIN_INITIAL_PEERS)
 > default. Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 69 bootstrap unreachable,
@@ -84,11 +84,26 @@ def main() -> None:
 @click.option("--client-mode", is_flag=True, help="Do not accept incoming connections (behind NAT).")
 @click.option("--uplink-mbps", type=click.FloatRange(0, 1e6, min_open=True), default=50.0, show_default=True,
               help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
+              help="Where to train: auto picks CUDA, then Apple MPS, then the CPU.")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
+              help="auto: bf16 on CUDA compute capability >= 8.0, fp16 with a gradient scaler on older cards, "
+                   "fp32 on CPU/MPS. Master weights and φ stay fp32.")
+@click.option("--micro-batch", "micro_batch", type=click.IntRange(1), default=None,
+              help="Sequences per forward/backward (gradient accumulation reaches the run's batch). "
+                   "Default: the largest that fits on CUDA, the whole batch elsewhere.")
+@click.option("--max-memory", "max_memory", type=click.FloatRange(0, min_open=True), default=None, metavar="GIB",
+              help="Cap on the GPU memory this peer may use, in GiB (CUDA only).")
+@click.option("--compile/--no-compile", "compile_", default=None,
+              help="torch.compile the model. [default: on for CUDA, off for CPU]")
+@click.option("--peak-tflops", type=click.FloatRange(0, min_open=True), default=None,
+              help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU on cards the built-in table lacks.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one event per line on stdout, for programs.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announce, data_dir, max_rounds, eval_every,
-         export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, log_format, verbose) -> None:
+         export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, device, precision, micro_batch,
+         max_memory, compile_, peak_tflops, log_format, verbose) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
 
     \b
@@ -96,8 +111,9 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
       peer join                                  # start a new swarm on the default run
       peer join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
       peer join --run my_run.toml --max-rounds 50
+      peer join --device cuda:1 --max-memory 8   # second GPU, at most 8 GiB of it
     """
-    from peer.config import JoinConfig, TrainerConfig
+    from peer.config import DeviceConfig, JoinConfig, TrainerConfig
     from peer.node import StopOnSignal, join as run_join
     from peer.reporting import Reporter
     import threading
@@ -110,7 +126,10 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
                          uplink_mbps=uplink_mbps,
                          threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
                                                      wait_for_peers=wait_for_peers,
-                                                     export_phi_every_rounds=export_phi_every))
+                                                     export_phi_every_rounds=export_phi_every),
+                         device=DeviceConfig(device=device, precision=precision, compile=compile_,
+                                             micro_batch_sequences=micro_batch, max_memory_gib=max_memory,
+                                             peak_tflops=peak_tflops))
         stop = threading.Event()
         with StopOnSignal(stop):
             code, _ = run_join(cfg, Reporter(log_format), stop)
@@ -137,8 +156,10 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
               help="Also write the summary as JSON to this file.")
 @click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where peers keep identities, checkpoints and logs. Default: a temporary directory.")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
+              help="Where every peer trains (they share it).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, verbose) -> None:
+def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, device, verbose) -> None:
     """Start a bootstrap node and N peers on 127.0.0.1, train, and print a summary.
 
     \b
@@ -147,14 +168,17 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
       peer swarm --peers 4 --rounds 20 --summary out.json
       peer swarm --preset tiny --rounds 3
       peer swarm --algorithm noloco --peers 4
+      peer swarm --device cpu                     # keep a GPU free
     """
     from peer.swarm import SwarmConfig, run_swarm
+    from peer.train.device import resolve_device
 
     configure_logging(verbose)
     try:
+        resolve_device(device)  # one error line here rather than one per peer
         manifest = resolve_run(run_file, preset, algorithm) or PRESETS["default"]()
         cfg = SwarmConfig(num_peers=num_peers, rounds=rounds, manifest=manifest, eval_every_rounds=eval_every,
-                          summary_path=summary_file, workdir=workdir)
+                          summary_path=summary_file, workdir=workdir, device=device)
         code = run_swarm(cfg)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
@@ -195,6 +219,57 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
         click.echo(json.dumps(result, indent=2))
     else:
         print_status(result, Console(soft_wrap=True))
+
+
+@main.command()
+@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Run manifest (TOML) whose model to try.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+              help="Named run preset instead of --run. Neither: 'default'.")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
+              help="Device to check, as for peer join.")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
+              help="Precision to check, as for peer join.")
+@click.option("--max-memory", "max_memory", type=click.FloatRange(0, min_open=True), default=None, metavar="GIB",
+              help="Cap on the GPU memory, in GiB, as for peer join.")
+@click.option("--compile/--no-compile", "compile_", default=None,
+              help="torch.compile the model. [default: on for CUDA, off for CPU]")
+@click.option("--peak-tflops", type=click.FloatRange(0, min_open=True), default=None,
+              help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU.")
+@click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="Timed inner steps (after one untimed warm-up step).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflops, steps, as_json, verbose) -> None:
+    """Check this machine before joining: device, memory, precision, the micro-batch that fits the
+    run's model, tokens/s over a few real inner steps, versions. No network checks yet.
+
+    Exits 0 when this peer can contribute, 78 when it cannot (each problem says what to do).
+
+    \b
+    Examples:
+      peer doctor                                # the default run on the best device
+      peer doctor --preset llama-125m --max-memory 10
+      peer doctor --run my_run.toml --device cuda:1 --json
+    """
+    import json
+
+    from peer.doctor import diagnose, render
+
+    configure_logging(verbose)
+    try:
+        manifest = resolve_run(run_file, preset) or PRESETS["default"]()
+    except LocoError as exc:
+        exit_with(exc, verbose=verbose)
+    report = diagnose(manifest, device=device, precision=precision, compile=compile_, max_memory_gib=max_memory,
+                      peak_tflops=peak_tflops, steps=steps)
+    if as_json:
+        click.echo(json.dumps({**report.facts, "problems": report.problems,
+                               "can_contribute": report.can_contribute}, indent=2))
+    else:
+        for line in render(report):
+            click.echo(line)
+    sys.exit(0 if report.can_contribute else 78)
 
 
 @main.group("data")

@@ -44,6 +44,34 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeviceConfig:
+    """Where and how this peer trains (peer/train/device.py): per-peer facts, never in the manifest."""
+
+    device: str = "auto"
+    """'auto' (CUDA, then MPS, then CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'."""
+    precision: str = "auto"
+    """'auto' (bf16 on CUDA ≥ 8.0, fp16 with a scaler on older cards, fp32 elsewhere), 'fp32', 'bf16', 'fp16'."""
+    compile: bool | None = None
+    """torch.compile the forward; None: on for CUDA, off elsewhere."""
+    micro_batch_sequences: int | None = None
+    """Sequences per forward/backward; None: probed on CUDA, the whole batch elsewhere."""
+    max_memory_gib: float | None = None
+    """Cap on the CUDA memory this peer may use, GiB (ignored elsewhere)."""
+    peak_tflops: float | None = None
+    """The card's dense bf16/fp16 peak in TFLOP/s, for MFU on cards the table does not know."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"precision = {self.precision!r}: must be auto, fp32, bf16 or fp16")
+        if self.micro_batch_sequences is not None and self.micro_batch_sequences < 1:
+            raise ValueError(f"micro_batch_sequences = {self.micro_batch_sequences}: must be >= 1")
+        if self.max_memory_gib is not None and not self.max_memory_gib > 0:
+            raise ValueError(f"max_memory_gib = {self.max_memory_gib}: must be > 0 GiB")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops = {self.peak_tflops}: must be > 0 TFLOP/s")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JoinConfig:
     """Everything `peer join` needs, resolved by the CLI from flags, environment and defaults."""
 
@@ -63,6 +91,7 @@ class JoinConfig:
     manifest_wait_s: float = 20.0
     """How long to wait for the swarm to announce a run before giving up."""
     trainer: TrainerConfig = TrainerConfig()
+    device: DeviceConfig = DeviceConfig()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -12,6 +12,7 @@ import torch
 import protocol
 from peer.train.cache import default_cache_dir
 from peer.train.data import load_corpus
+from peer.train.device import place, resolve_device
 from peer.train.model import build_model, parameter_count
 from peer.train.outer import make_outer
 from peer.reporting import Reporter
@@ -61,6 +62,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
     """
     stop_event = stop_event or threading.Event()
+    resolve_device(cfg.device.device)  # a device this machine lacks fails now, before the DHT starts
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     identity = ensure_identity(cfg.data_dir / "identity.key")
@@ -92,12 +94,21 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
                           record_ttl_s=liveness.record_ttl_s(manifest), max_sync_s=transport.max_sync_seconds)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)
-        reporter.emit("started", version=protocol.__version__, peer_id=peer_id, device="cpu",
+        # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
+        d = cfg.device
+        placement, notes = place(d.device, precision=d.precision, compile=d.compile,
+                                 micro_batch_sequences=d.micro_batch_sequences, max_memory_gib=d.max_memory_gib,
+                                 peak_tflops=d.peak_tflops)
+        trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
+                          config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement)
+        micro_batch = trainer.fit_micro_batch()
+        reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **placement.event_fields(),
+                      micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
                       maddrs=swarm_dht.visible_maddrs(dht), run_id=manifest.run_id, run_name=manifest.name,
                       parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,
                       threads=torch.get_num_threads())
-        trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
-                          config=trainer_cfg, reporter=reporter, stop_event=stop_event)
+        for note in notes:
+            reporter.emit("warning", message=note)
         summary = trainer.run()
         saved = trainer.save()
         reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)

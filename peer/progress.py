@@ -105,6 +105,10 @@ class RoundOutcome:
     state_digest: str
     planned_group: tuple[str, ...] | None
     sync: SyncReport
+    mfu: float | None = None
+    """Model FLOPs utilisation of the inner steps in [0, 1] (peer/train/device.py); None without a peak."""
+    micro_batch: int | None = None
+    """Sequences per micro-batch at the round's end (None: the whole batch)."""
 
     def event_fields(self, peer_id: str) -> dict[str, Any]:
         """The ``round`` event as reporting and the launchers read it."""
@@ -116,7 +120,7 @@ class RoundOutcome:
                     planned_group=list(self.planned_group) if self.planned_group else None,
                     tokens=self.tokens, attempts=s.attempts, start_digest=self.start_digest,
                     agreeing=sorted({*s.agreeing, peer_id}), state_digest=self.state_digest,
-                    deadline_s=s.deadline_s)
+                    deadline_s=s.deadline_s, mfu=self.mfu, micro_batch=self.micro_batch)
 
 
 @dataclass

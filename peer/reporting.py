@@ -25,9 +25,29 @@ def round_line(e: dict[str, Any]) -> str:
     line = (f"round {e['round']} | loss {e['train_loss']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
             f"group {e['group_size']} | sync {e['sync_s']:.1f} s | sent {format_bytes(e['bytes_sent'])} | "
             f"recv {format_bytes(e.get('bytes_received', 0))} | peers {e['peers']}")
+    if e.get("mfu") is not None:
+        line += f" | MFU {100 * e['mfu']:.1f} %"
     if e.get("note"):
         line += f" | {e['note']}"
     return line
+
+
+def device_text(e: dict[str, Any]) -> str:
+    """``cuda:0 (NVIDIA GeForce RTX 3060, 12.0 GiB, sm 8.6, bf16, micro-batch 8 of 32, compiled)``, or
+    ``cpu (x86_64, fp32)``: the device part of the ``started`` line."""
+    parts = [e.get("device_name")]
+    if e.get("device_memory_gib") is not None:
+        parts.append(f"{e['device_memory_gib']:.1f} GiB")
+    if e.get("compute_capability"):
+        parts.append(f"sm {e['compute_capability']}")
+    parts.append(e.get("precision"))
+    micro, batch = e.get("micro_batch"), e.get("batch_sequences")
+    if micro is not None and batch is not None and micro < batch:
+        parts.append(f"micro-batch {micro} of {batch}")
+    if e.get("compile"):
+        parts.append("compiled")
+    detail = ", ".join(str(p) for p in parts if p)
+    return f"{e['device']} ({detail})" if detail else str(e["device"])
 
 
 class Reporter:
@@ -52,7 +72,7 @@ class Reporter:
         if kind == "round":
             return round_line(e)
         if kind == "started":
-            lines = [f"locoswarm {e['version']} | peer {e['peer_id']} | device {e['device']} | run {e['run_id']} "
+            lines = [f"locoswarm {e['version']} | peer {e['peer_id']} | device {device_text(e)} | run {e['run_id']} "
                      f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})"]
             lines += [f"  others can join with: peer join --initial-peers {a}" for a in e["maddrs"]]
             return "\n".join(lines)

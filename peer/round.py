@@ -33,8 +33,9 @@ from peer.sync.membership import SwarmView
 from peer.state.download import DownloadedState
 from peer.sync.transport import NetworkTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
+from peer.train.device import Placement, flops_per_token, mfu
 from peer.train.inner import InnerLoop
-from peer.train.model import evaluate
+from peer.train.model import embedding_parameter_count, evaluate, parameter_count
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient
 from protocol.errors import BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
@@ -44,23 +45,45 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Trains one peer. Construct with the swarm view and a started transport; call :meth:`run`."""
+    """Trains one peer. Construct with the swarm view and a started transport; call :meth:`run`.
+
+    θ (and AdamW, gradients, the eval copy of the model) live on ``placement``'s device; φ and the
+    outer state stay fp32 on the host (pinned when the device is CUDA), so Δ = φ − θ is formed in
+    fp32 on the host and peers that complete a round together hold bit-identical φ whatever they
+    trained on (ALGORITHMS.md §8). Without a placement the peer trains on the CPU in fp32.
+    """
 
     def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, corpus: Corpus, swarm: SwarmView,
-                 transport: NetworkTransport, config: TrainerConfig, reporter: Reporter, stop_event: threading.Event):
-        self.m, self.model, self.swarm, self.transport = manifest, model, swarm, transport
+                 transport: NetworkTransport, config: TrainerConfig, reporter: Reporter, stop_event: threading.Event,
+                 placement: Placement | None = None):
+        self.m, self.swarm, self.transport = manifest, swarm, transport
         self.peer_id, self.cfg, self.reporter, self.stop_event = swarm.peer_id, config, reporter, stop_event
+        self.placement = placement
+        self.device = placement.device if placement is not None else torch.device("cpu")
+        self.model = model = model.to(self.device)
         self.H = manifest.sync.inner_steps
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
-        self.phi = [p.detach().clone() for p in self.params]
+        pin = self.device.type == "cuda"
+        self.phi = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        if pin:
+            self.phi = [f.pin_memory() for f in self.phi]
         self.outer = make_outer(manifest, self.shapes)
         sampler = BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
                                batch_sequences=manifest.batch_sequences,
                                seed=peer_seed(self.peer_id, manifest.model.init_seed))
-        self.inner = InnerLoop(model, manifest.inner_optimizer, sampler)
+        if placement is None:
+            self.inner = InnerLoop(model, manifest.inner_optimizer, sampler)
+        else:
+            self.inner = InnerLoop(model, manifest.inner_optimizer, sampler, device=self.device,
+                                   precision=placement.precision, compile=placement.compile,
+                                   micro_batch_sequences=placement.micro_batch_sequences)
+        self._micro_batch = self.inner.micro_batch_sequences
+        self._flops_per_token = flops_per_token(
+            params=parameter_count(model), embedding_params=embedding_parameter_count(model),
+            layers=manifest.model.num_layers, hidden=manifest.model.hidden_size, seq_len=manifest.data.seq_len_tokens)
         self.val_windows = validation_batch(corpus, manifest.data)
         self.tokenizer = corpus.tokenizer
         self._eval_model = copy.deepcopy(model)
@@ -122,6 +145,10 @@ class Trainer:
                 self.pos.discard_step()
                 continue
             self.pos.record(loss=result.loss, tokens=result.tokens, seconds=result.seconds)
+            if self._micro_batch is not None and result.micro_batch < self._micro_batch:
+                self.reporter.emit("warning", message=f"out of {self.device} memory: micro-batch halved from "
+                                                      f"{self._micro_batch} to {result.micro_batch} sequences")
+            self._micro_batch = result.micro_batch
             if self.pos.step % max(1, self.H // 4) == 0 and self.pos.step < self.H:
                 # Mid-round records let a joiner start at the swarm's current inner step.
                 self._publish(train_loss=result.loss, tokens_per_s=self.pos.tokens_per_s)
@@ -133,7 +160,7 @@ class Trainer:
                                          live=[(r.peer_id, r.record.round) for r in live if r.peer_id != self.peer_id])
         start_digest = self.state_digest
         try:
-            delta = pseudo_gradient(self.phi, self.params)
+            delta = pseudo_gradient(self.phi, self._theta_on_host())
             check_finite(delta, "this peer's pseudo-gradient")
             payload = self.outer.payload(self.phi, delta)
         except BadPayload as exc:
@@ -148,9 +175,11 @@ class Trainer:
         self._set_theta_to_phi()
         self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
         self._take_snapshot()
+        peak = self.placement.peak_tflops if self.placement is not None else None
         return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
                             tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
-                            state_digest=self.state_digest, planned_group=choice.members, sync=report)
+                            state_digest=self.state_digest, planned_group=choice.members, sync=report,
+                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch)
 
     def _sync(self, payload: list[torch.Tensor], choice: GroupChoice,
               start_digest: str) -> tuple[list[torch.Tensor], SyncReport]:
@@ -313,10 +342,33 @@ class Trainer:
             snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])
         self._snapshots.append(snapshot)
 
+    def fit_micro_batch(self) -> int | None:
+        """On CUDA with no micro-batch asked for, find and use the largest that fits the memory budget
+        with a margin (:meth:`InnerLoop.fit_micro_batch`); returns the micro-batch in sequences (None:
+        the whole batch at once). Call before :meth:`run`.
+
+        Raises:
+            ConfigError: not even one sequence fits.
+        """
+        p = self.placement
+        if p is not None and self.device.type == "cuda" and p.micro_batch_sequences is None \
+                and p.memory_budget_gib is not None:
+            self._micro_batch = self.inner.fit_micro_batch(budget_bytes=p.memory_budget_gib * 1024 ** 3)
+        return self._micro_batch
+
     def _set_theta_to_phi(self) -> None:
+        """θ ← φ: host fp32 to the device (asynchronous from pinned memory, waited for here, so the
+        host φ may change again once this returns)."""
+        cuda = self.device.type == "cuda"
         with torch.no_grad():
             for p, f in zip(self.params, self.phi):
-                p.copy_(f)
+                p.copy_(f, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _theta_on_host(self) -> list[torch.Tensor]:
+        """θ as fp32 host tensors (θ itself on a CPU peer, copies from a GPU)."""
+        return [p.detach().to("cpu", torch.float32) for p in self.params]
 
     def save(self) -> str | None:
         """Write the checkpoint (atomically, peer/state/checkpoint.py); its path, or None without one."""
@@ -330,7 +382,7 @@ class Trainer:
         save_checkpoint(self.cfg.checkpoint_path, PeerState(
             run_id=self.m.run_id, round=self.pos.round, inner_step=self.inner_step, round_step=self.pos.step,
             round_tokens=self.pos.tokens, names=self.names, phi=self.phi, momentum=self.outer.state_tensors(),
-            theta=[p.detach() for p in self.params], adam_exp_avg=adam and adam["exp_avg"],
+            theta=self._theta_on_host(), adam_exp_avg=adam and adam["exp_avg"],
             adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0,
             residuals=residuals, data=self.inner.sampler.state()))
         return str(self.cfg.checkpoint_path)

@@ -39,6 +39,8 @@ class SwarmConfig:
     workdir: Path | None = None
     threads_per_peer: int | None = None
     bootstrap_timeout_s: float = 60.0
+    device: str = "auto"
+    """Every peer's ``--device`` (a per-peer fact, not in the manifest)."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 1:
@@ -76,7 +78,8 @@ class Swarm:
 
     def start_peer(self, index: int, initial_peers: list[str], threads: int) -> None:
         extra = ["--max-rounds", str(self.cfg.rounds), "--threads", str(threads),
-                 "--eval-every", str(self.cfg.eval_every_rounds), "--wait-for-peers", str(self.cfg.num_peers)]
+                 "--eval-every", str(self.cfg.eval_every_rounds), "--wait-for-peers", str(self.cfg.num_peers),
+                 "--device", self.cfg.device]
         self._start(f"peer-{index}", peer_argv(data_dir=self.workdir / f"peer-{index}", initial_peers=initial_peers,
                                                extra=extra), watched=True)
 

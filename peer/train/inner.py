@@ -1,7 +1,13 @@
-"""The inner loop: AdamW on this peer's θ over its own data shard."""
+"""The inner loop: AdamW on this peer's θ over its own data shard, on this peer's device.
+
+The batch is the run's (``batch_size_tokens``, swarm-wide); this peer reaches it by gradient
+accumulation over micro-batches that fit its memory, in the precision chosen for its card
+(peer/train/precision.py). Master weights, gradients and AdamW state stay fp32.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -10,9 +16,13 @@ from typing import Any
 import torch
 
 from peer.train.data import BatchSampler
+from peer.train.device import probe_micro_batch
 from peer.train.model import lm_loss
-from protocol.errors import BadPayload
+from peer.train.precision import FP32, Precision, autocast
+from protocol.errors import BadPayload, ConfigError
 from protocol.manifest import InnerOptimizerSpec
+
+logger = logging.getLogger(__name__)
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, decay_steps: int,
@@ -38,6 +48,8 @@ class StepResult:
     """Training loss of the batch, nats per token."""
     tokens: int
     seconds: float
+    micro_batch: int = 0
+    """Sequences per micro-batch the step finished with (smaller than before after an OOM back-off)."""
 
 
 class InnerLoop:
@@ -45,15 +57,45 @@ class InnerLoop:
 
     The AdamW state lives here and is never averaged or sent (paper §3). A joiner gets a fresh
     one; the learning rate comes from :func:`lr_at` at the swarm's cumulative inner step.
+
+    Args:
+        model: θ, fp32, already on ``device``.
+        sampler: this peer's batches, int64 (batch_sequences, seq_len + 1) on the host.
+        device: where θ lives (default: the model's device); batches are copied there.
+        precision: autocast dtype and gradient scaler (default fp32: no autocast).
+        micro_batch_sequences: sequences per forward/backward (None: the whole batch at once). A
+            CUDA out-of-memory error halves it and redoes the step.
+        compile: run the forward through :func:`torch.compile`; a compile failure at the first step
+            falls back to eager with one warning.
+        compile_backend: torch.compile's backend (the seam tests use to make compilation fail).
     """
 
-    def __init__(self, model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler):
+    def __init__(self, model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler, *,
+                 device: torch.device | None = None, precision: Precision = FP32,
+                 micro_batch_sequences: int | None = None, compile: bool = False,
+                 compile_backend: Any = "inductor"):
         self.model, self.spec, self.sampler = model, spec, sampler
         self.params = [p for p in model.parameters()]
+        self.device = device if device is not None else self.params[0].device
+        self.precision = precision
+        if micro_batch_sequences is not None and micro_batch_sequences < 1:
+            raise ValueError(f"micro_batch_sequences = {micro_batch_sequences}: must be >= 1")
+        self.micro_batch_sequences = micro_batch_sequences
+        self.oom_backoffs = 0
+        """Times an out-of-memory error halved the micro-batch."""
         self.optimizer = torch.optim.AdamW(
             self.params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
-            weight_decay=spec.weight_decay,
+            weight_decay=spec.weight_decay, fused=True if self.device.type == "cuda" else None,
         )
+        self.scaler = torch.amp.GradScaler(self.device.type) if precision.grad_scaler else None
+        self._forward_model = torch.compile(model, backend=compile_backend) if compile else model
+        self._compile_unproven = compile
+        """True until the compiled model finished a step: until then a failure falls back to eager."""
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the forward runs compiled (False after a fallback to eager)."""
+        return self._forward_model is not self.model
 
     def reset_optimizer(self) -> None:
         """Forget AdamW moments (after adopting φ from the swarm)."""
@@ -61,8 +103,8 @@ class InnerLoop:
 
     def state_dict(self) -> dict[str, Any] | None:
         """AdamW's state for a checkpoint: ``exp_avg`` and ``exp_avg_sq`` (one fp32 tensor per
-        parameter, shaped like it, in model.parameters() order; the live tensors, not copies) and
-        ``step`` (int); None before the first step or after :meth:`reset_optimizer`."""
+        parameter, shaped like it, on θ's device, in model.parameters() order; the live tensors, not
+        copies) and ``step`` (int); None before the first step or after :meth:`reset_optimizer`."""
         state = self.optimizer.state
         if not all(p in state and "exp_avg" in state[p] for p in self.params):
             return None
@@ -71,13 +113,17 @@ class InnerLoop:
                 "step": int(state[self.params[0]]["step"])}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore what :meth:`state_dict` returned (copies the tensors); None leaves a fresh AdamW."""
+        """Restore what :meth:`state_dict` returned (copies the tensors to θ's device); None leaves a
+        fresh AdamW."""
         self.optimizer.state.clear()
         if state is None:
             return
+        fused = self.device.type == "cuda"  # fused AdamW keeps its step count on the device
         for p, m1, m2 in zip(self.params, state["exp_avg"], state["exp_avg_sq"], strict=True):
-            self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
-                                       "exp_avg": m1.clone(), "exp_avg_sq": m2.clone()}
+            step = torch.tensor(float(state["step"]), device=p.device if fused else "cpu")
+            self.optimizer.state[p] = {"step": step,
+                                       "exp_avg": m1.detach().to(p.device, torch.float32, copy=True),
+                                       "exp_avg_sq": m2.detach().to(p.device, torch.float32, copy=True)}
 
     def lr(self, inner_step: int) -> float:
         s = self.spec
@@ -87,25 +133,121 @@ class InnerLoop:
     def step(self, inner_step: int) -> StepResult:
         """One AdamW step on a fresh batch at cumulative inner step ``inner_step``.
 
+        The batch runs in micro-batches of :attr:`micro_batch_sequences` sequences whose gradients
+        add up to the whole batch's (each micro-batch's mean loss weighted by its share of the
+        sequences). An out-of-memory error halves the micro-batch and redoes the step on the same
+        batch: no step and no data are lost.
+
         Raises:
             BadPayload: the loss or gradient is not finite; θ is left unchanged by this step.
+            ConfigError: out of memory at one sequence per micro-batch; θ unchanged.
         """
         start = time.perf_counter()
         batch = self.sampler.next_batch()
+        if self.device.type == "cuda":
+            batch = batch.pin_memory()
         self.model.train()
-        loss = lm_loss(self.model, batch)
-        loss_value = loss.item()
+        while True:
+            out_of_memory = False
+            try:
+                loss_value = self._accumulate(batch)
+                break
+            except torch.OutOfMemoryError:
+                out_of_memory = True  # handled below, once the exception's frames (and tensors) are gone
+            except Exception as exc:  # noqa: BLE001 - any failure of a first compiled step falls back
+                if not self._compile_unproven:
+                    raise
+                self._fall_back_to_eager(exc)
+            if out_of_memory:
+                self._back_off(batch.shape[0])
+        self._compile_unproven = False
         if not math.isfinite(loss_value):
+            self.optimizer.zero_grad(set_to_none=True)
             raise BadPayload(f"training loss is {loss_value} at inner step {inner_step}")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.spec.grad_clip_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip_norm)
-            if not math.isfinite(norm.item()):
+            # with a scaler an overflow is routine: the scaler skips this update and lowers its scale
+            if self.scaler is None and not math.isfinite(norm.item()):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise BadPayload(f"gradient norm is {norm.item()} at inner step {inner_step}")
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(inner_step)
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
-        return StepResult(loss=loss_value, tokens=tokens, seconds=time.perf_counter() - start)
+        return StepResult(loss=loss_value, tokens=tokens, seconds=time.perf_counter() - start,
+                          micro_batch=min(self.micro_batch_sequences or batch.shape[0], batch.shape[0]))
+
+    def _accumulate(self, batch: torch.Tensor) -> float:
+        """Forward and backward over ``batch`` in micro-batches; the gradients of the mean loss are
+        left in ``.grad``; returns that loss (one host sync). Raises what the forward raises."""
+        self.optimizer.zero_grad(set_to_none=True)
+        rows = batch.shape[0]
+        chunks = batch.split(self.micro_batch_sequences or rows)
+        total = None
+        for chunk in chunks:
+            chunk = chunk.to(self.device, non_blocking=True)
+            with autocast(self.device.type, self.precision):
+                loss = lm_loss(self._forward_model, chunk)
+            if len(chunks) > 1:
+                loss = loss * (chunk.shape[0] / rows)
+            total = loss.detach() if total is None else total + loss.detach()
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return total.item()
+
+    def _back_off(self, rows: int) -> None:
+        """Halve the micro-batch after an out-of-memory error; ConfigError at one sequence."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        current = min(self.micro_batch_sequences or rows, rows)
+        if current <= 1:
+            raise ConfigError(f"out of {self.device} memory at one sequence per micro-batch; raise --max-memory, "
+                              f"train a smaller run, or use --device cpu")
+        self.micro_batch_sequences = current // 2
+        self.oom_backoffs += 1
+        logger.warning("out of %s memory at %d sequences per micro-batch: redoing the step at %d",
+                       self.device, current, self.micro_batch_sequences)
+
+    def _fall_back_to_eager(self, exc: Exception) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        logger.warning("torch.compile failed (%s: %s); training eagerly", type(exc).__name__,
+                       str(exc).splitlines()[0] if str(exc) else "")
+        self._forward_model = self.model
+        self._compile_unproven = False
+
+    def fit_micro_batch(self, *, budget_bytes: float, margin: float = 0.1) -> int:
+        """Find and set the largest micro-batch (sequences, at most the run's batch) whose forward
+        and backward peak stays under ``(1 − margin)·budget_bytes`` of CUDA memory, the AdamW state
+        it has yet to allocate counted in (:func:`peer.train.device.probe_micro_batch`). CUDA only;
+        θ, AdamW and the data position are left as they were.
+
+        Raises:
+            ConfigError: not even one sequence fits.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"fit_micro_batch measures CUDA memory; this loop trains on {self.device}")
+        adam_bytes = 0 if self.optimizer.state else 8 * sum(p.numel() for p in self.params)
+
+        def try_step(n: int) -> float:
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            windows = torch.zeros((n, self.sampler.seq_len + 1), dtype=torch.int64, device=self.device)
+            try:
+                with autocast(self.device.type, self.precision):
+                    loss = lm_loss(self.model, windows)  # eager: compiling every probed size costs minutes
+                loss.backward()
+                torch.cuda.synchronize(self.device)
+                return (torch.cuda.max_memory_allocated(self.device) + adam_bytes) / budget_bytes
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+
+        self.model.train()
+        self.micro_batch_sequences = probe_micro_batch(try_step, upper=self.sampler.batch_sequences, margin=margin)
+        return self.micro_batch_sequences

@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> torch.nn.Module:
-    """A freshly initialised fp32 LlamaForCausalLM; identical on every peer (seeded by ``init_seed``).
+    """A freshly initialised fp32 LlamaForCausalLM on the host; identical on every peer (seeded by
+    ``init_seed``), whatever device it then moves to. Attention runs through PyTorch's SDPA.
 
     No weights are downloaded: the model is built from a config.
 
@@ -38,6 +39,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> torch.nn
         pad_token_id=tokenizer.pad_id,
         tie_word_embeddings=False,
         use_cache=False,
+        attn_implementation="sdpa",  # PyTorch's fused attention (flash / memory-efficient kernels on CUDA)
     )
     saved_rng_state = torch.random.get_rng_state()
     torch.manual_seed(spec.init_seed)
@@ -49,10 +51,12 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> torch.nn
 
 
 def lm_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in nats over a batch.
+    """Mean next-token cross-entropy in nats over a batch, a 0-d fp32 tensor on the model's device
+    (the logits are cast to fp32 first, so an autocast forward still gets an fp32 loss).
 
     Args:
-        windows: int64 tensor (batch, seq_len + 1); inputs are ``[:, :-1]``, targets ``[:, 1:]``.
+        windows: int64 tensor (batch, seq_len + 1) on the model's device; inputs are ``[:, :-1]``,
+            targets ``[:, 1:]``.
     """
     inputs, targets = windows[:, :-1], windows[:, 1:]
     logits = model(input_ids=inputs).logits
@@ -61,13 +65,19 @@ def lm_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_sequences: int = 16) -> float:
-    """Mean validation loss in nats per token over ``windows`` (see :func:`lm_loss`)."""
+    """Mean validation loss in nats per token over ``windows`` (see :func:`lm_loss`), in fp32.
+
+    Args:
+        windows: int64 tensor (sequences, seq_len + 1) on the host; moved to the model's device in
+            chunks of ``batch_sequences``.
+    """
     was_training = model.training
+    device = next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
     try:
         for start in range(0, windows.shape[0], batch_sequences):
-            chunk = windows[start:start + batch_sequences]
+            chunk = windows[start:start + batch_sequences].to(device)
             total += lm_loss(model, chunk).item() * chunk.shape[0]
             count += chunk.shape[0]
     finally:
@@ -77,3 +87,20 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_sequences: int
 
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def embedding_parameter_count(model: torch.nn.Module) -> int:
+    """Parameters of the input embedding (a lookup: no FLOPs in the MFU count)."""
+    return model.get_input_embeddings().weight.numel()
+
+
+def spec_parameter_count(spec: ModelSpec, vocab_size: int) -> int:
+    """Parameters of :func:`build_model`'s model, from the spec alone (no model is built).
+
+    Args:
+        vocab_size: the tokenizer's ids (259 for bytes, ``data.vocab_size`` for BPE).
+    """
+    h, head_dim = spec.hidden_size, spec.hidden_size // spec.num_heads
+    attention = 2 * h * spec.num_heads * head_dim + 2 * h * spec.num_kv_heads * head_dim
+    block = attention + 3 * h * spec.intermediate_size + 2 * h  # q, o, k, v; gate, up, down; two RMSNorms
+    return spec.num_layers * block + h + 2 * vocab_size * h  # final norm, untied embedding and output layer

@@ -1,0 +1,140 @@
+"""`peer doctor`: the checks a volunteer runs before joining, on this machine alone.
+
+Device, memory, the precision this peer would train in, the micro-batch that fits the run's
+model, tokens/s and MFU over a few real inner steps (on random tokens of the run's vocabulary,
+so no corpus is read), and versions. Network checks (bootstrap reachable, dialable, uplink) are
+not done here yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from peer.train.device import flops_per_token, mfu, place
+from peer.train.inner import InnerLoop
+from peer.train.model import build_model, embedding_parameter_count, parameter_count
+from peer.train.tokenizer import byte_tokenizer
+from protocol.errors import ConfigError
+from protocol.manifest import RunManifest
+
+
+@dataclass
+class DoctorReport:
+    """What ``peer doctor`` found; ``problems`` lists each failed check with what to do."""
+
+    facts: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def can_contribute(self) -> bool:
+        return not self.problems
+
+
+class _RandomTokens:
+    """Batches of the run's shape drawn from its vocabulary (a sampler without a corpus)."""
+
+    def __init__(self, manifest: RunManifest, vocab_size: int):
+        self.seq_len, self.batch_sequences = manifest.data.seq_len_tokens, manifest.batch_sequences
+        self.vocab_size, self.batches_drawn = vocab_size, 0
+        self.generator = torch.Generator().manual_seed(0)
+
+    def next_batch(self) -> torch.Tensor:
+        self.batches_drawn += 1
+        return torch.randint(0, self.vocab_size, (self.batch_sequences, self.seq_len + 1), generator=self.generator)
+
+
+def _vocab_tokenizer(manifest: RunManifest):
+    """The byte tokenizer, or a stand-in with the BPE's vocabulary size (the model needs only the ids)."""
+    tokenizer = byte_tokenizer()
+    if manifest.data.tokenizer == "bytes":
+        return tokenizer
+    v = manifest.data.vocab_size
+    return dataclasses.replace(tokenizer, vocab_size=v, bos_id=v - 3, eos_id=v - 2, pad_id=v - 1)
+
+
+def _versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("locoswarm", "transformers", "hivemind"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    found["cuda"] = torch.version.cuda or "none"
+    return found
+
+
+def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "auto", compile: bool | None = None,
+             micro_batch_sequences: int | None = None, max_memory_gib: float | None = None,
+             peak_tflops: float | None = None, steps: int = 3) -> DoctorReport:
+    """Run the local checks for training ``manifest`` here; never raises for a failed check (it goes
+    into ``problems``). Trains ``steps`` + 1 inner steps (the first one warms up, untimed) on a
+    throwaway copy of the run's model."""
+    report = DoctorReport()
+    report.facts["versions"] = _versions()
+    try:
+        placement, notes = place(device, precision=precision, compile=compile,
+                                 micro_batch_sequences=micro_batch_sequences, max_memory_gib=max_memory_gib,
+                                 peak_tflops=peak_tflops)
+    except ConfigError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.facts.update(placement.event_fields(), notes=notes, memory_budget_gib=placement.memory_budget_gib)
+    tokenizer = _vocab_tokenizer(manifest)
+    model = build_model(manifest.model, tokenizer).to(placement.device)
+    n = parameter_count(model)
+    loop = InnerLoop(model, manifest.inner_optimizer, _RandomTokens(manifest, tokenizer.vocab_size),
+                     device=placement.device, precision=placement.precision, compile=placement.compile,
+                     micro_batch_sequences=micro_batch_sequences)
+    report.facts.update(run=manifest.name, parameters=n, batch_sequences=manifest.batch_sequences)
+    try:
+        if placement.device.type == "cuda" and micro_batch_sequences is None and placement.memory_budget_gib:
+            loop.fit_micro_batch(budget_bytes=placement.memory_budget_gib * 1024 ** 3)
+        loop.step(0)
+        if placement.device.type == "cuda":
+            torch.cuda.synchronize(placement.device)
+        start, tokens = time.perf_counter(), 0
+        for k in range(steps):
+            tokens += loop.step(1 + k).tokens
+        if placement.device.type == "cuda":
+            torch.cuda.synchronize(placement.device)
+        seconds = time.perf_counter() - start
+    except ConfigError as exc:
+        report.problems.append(str(exc))
+        return report
+    rate = tokens / max(seconds, 1e-9)
+    per_token = flops_per_token(params=n, embedding_params=embedding_parameter_count(model),
+                                layers=manifest.model.num_layers, hidden=manifest.model.hidden_size,
+                                seq_len=manifest.data.seq_len_tokens)
+    report.facts.update(micro_batch=loop.micro_batch_sequences or manifest.batch_sequences, compile=loop.compiled,
+                        tokens_per_s=rate, mfu=mfu(rate, per_token, placement.peak_tflops),
+                        seconds_per_inner_step=seconds / steps,
+                        seconds_per_round=seconds / steps * manifest.sync.inner_steps)
+    return report
+
+
+def render(report: DoctorReport) -> list[str]:
+    """The report as lines for a person: one fact per line, then each problem with what to do."""
+    f = report.facts
+    lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in f.get("versions", {}).items())]
+    if "device" in f:
+        memory = f"{f['device_memory_gib']:.1f} GiB" if f.get("device_memory_gib") is not None else "shared with the system"
+        cap = f"compute capability {f['compute_capability']}" if f.get("compute_capability") else "no compute capability"
+        lines.append(f"device: {f['device']} ({f['device_name']}), memory {memory}, {cap}")
+        lines.append(f"precision: {f['precision']}")
+        lines += [f"note: {n}" for n in f.get("notes", [])]
+    if "tokens_per_s" in f:
+        lines.append(f"run {f['run']}: {f['parameters']:,} parameters, micro-batch {f['micro_batch']} of "
+                     f"{f['batch_sequences']} sequences{', compiled' if f['compile'] else ''}")
+        mfu_text = f", MFU {100 * f['mfu']:.1f} %" if f.get("mfu") is not None else ""
+        lines.append(f"throughput: {f['tokens_per_s']:,.0f} tok/s{mfu_text}; {f['seconds_per_inner_step']:.2f} s per "
+                     f"inner step, about {f['seconds_per_round']:,.0f} s per round")
+    lines += [f"problem: {p}" for p in report.problems]
+    lines.append("ok: this peer can contribute" if report.can_contribute else "this peer cannot contribute as it is")
+    return lines
