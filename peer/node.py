@@ -21,6 +21,7 @@ from peer.config import JoinConfig
 from peer.round import Trainer
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.sync.membership import SwarmView
+from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht, lifetime, liveness
 from protocol.errors import ManifestNotFound
@@ -88,7 +89,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         outer = make_outer(manifest, shapes)
         transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), manifest.run_id, manifest.sync,
                                      compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
-                                     client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps)
+                                     client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
+                                     max_weight_tokens=round_token_cap(manifest))
         # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
         swarm = SwarmView(dht, run_id=manifest.run_id, peer_id=peer_id,
                           record_ttl_s=liveness.record_ttl_s(manifest), max_sync_s=transport.max_sync_seconds)

@@ -10,9 +10,13 @@ contributions it applies, in this order, two deterministic rules:
    the weighted mean equal its own payload.
 2. **Norm clip to the round's median** (Templar: clip each contribution to a multiple of the
    median norm of the round). Each contribution whose L2 norm exceeds
-   :data:`CLIP_MEDIAN_FACTOR` × the median norm of that piece's contributions is scaled down to
-   that norm. The median is the *lower* median: with two contributions, the smaller norm, since
-   nothing tells which of two is honest and the smaller one bounds the damage.
+   :data:`CLIP_MEDIAN_FACTOR` × the median of that piece's *reference norms* is scaled down to
+   that norm. A contribution's reference norm is its norm scaled up to the largest weight of the
+   piece (norm × w_max / w): a peer that joined mid-round trained fewer tokens and has a shorter
+   Δ, which must not drag the threshold down and clip its full-round groupmates (Δ grows at most
+   linearly in the steps taken, so the scaled norm over-estimates, i.e. errs toward not
+   clipping). The median is the *lower* median: with two contributions, the smaller reference,
+   since nothing tells which of two is honest and the smaller one bounds the damage.
 
 Only the owner computes a piece's mean, and every groupmate receives the owner's bytes, so the
 groupmates that complete a round still hold bit-identical φ. A contribution below the threshold
@@ -60,7 +64,8 @@ def median_norm(norms: Sequence[float]) -> float:
 
 def clip_to_median(parts: Sequence[tuple[float, torch.Tensor]], *, factor: float = CLIP_MEDIAN_FACTOR,
                    ) -> tuple[list[tuple[float, torch.Tensor]], list[int]]:
-    """Clip each contribution's norm to ``factor`` × the lower median norm of ``parts``.
+    """Clip each contribution's norm to ``factor`` × the lower median of the reference norms of
+    ``parts`` (each norm scaled by the heaviest weight over its own: see the module docstring).
 
     Args:
         parts: ``(weight, fp32 tensor)`` per contribution, all finite, all the same shape.
@@ -73,7 +78,9 @@ def clip_to_median(parts: Sequence[tuple[float, torch.Tensor]], *, factor: float
         clipped then.
     """
     norms = [norm(x) for _, x in parts]
-    threshold = factor * median_norm(norms) if parts else 0.0
+    heaviest = max((w for w, _ in parts), default=0.0)
+    references = [n * (heaviest / w) if w > 0 else n for (w, _), n in zip(parts, norms)]
+    threshold = factor * median_norm(references) if parts else 0.0
     if not threshold > 0 or not math.isfinite(threshold):
         return list(parts), []
     out, clipped = [], []
