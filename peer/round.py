@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -222,7 +223,7 @@ class Trainer:
         self._publish()
         self.reporter.emit("round", **outcome.event_fields(self.peer_id))
         k = self.cfg.eval_every_rounds
-        if k and self.pos.round % k == 0 and not self._done():
+        if k and self.pos.round % k == 0 and not self._done() and self._evaluates(self.pos.round):
             self.eval_phi("periodic")
         self.save()
         k = self.cfg.export_phi_every_rounds
@@ -423,6 +424,14 @@ class Trainer:
             tokens_per_s=last.tokens_per_s if tokens_per_s is None else tokens_per_s,
             group_size=last.sync.group_size, bytes_sent=last.sync.bytes_sent, bytes_received=last.sync.bytes_received,
             eval_loss=eval_loss if eval_round == self.pos.round else None, state_digest=self.state_digest), wait=wait)
+
+    def _evaluates(self, round_: int) -> bool:
+        """Whether this peer evaluates φ for the swarm at ``round_``: the live peer whose id hashes
+        lowest with the round does, so one peer per cadence round spends the time, not all, and the
+        choice moves between peers. Every peer decides from its own view of the records; views that
+        differ for a moment cost one evaluation more or fewer, never a wrong result."""
+        ids = {r.peer_id for r in self.swarm.live()} | {self.peer_id}
+        return self.peer_id == min(ids, key=lambda p: hashlib.sha256(f"{p}:{round_}".encode()).digest())
 
     def eval_phi(self, when: str) -> float:
         """Validation loss of φ (not of this peer's θ), in nats per token; emits an ``eval`` event
