@@ -1,7 +1,8 @@
 """The `peer` command: join a swarm, start a local one, check this machine, or prepare a run's data.
 
 Precedence of settings: flag > environment (PEER_<COMMAND>_<FLAG>, e.g. PEER_JOIN_INITIAL_PEERS)
-> default. Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 69 bootstrap unreachable,
+> default. Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 64 no single run to join
+(several announced, or --run/--preset differs from the swarm's run), 69 bootstrap unreachable,
 78 configuration error, 130 interrupted.
 """
 
@@ -62,11 +63,14 @@ def main() -> None:
               help="Address of any live node of the swarm (repeatable). None: start a new swarm.")
 @click.option("--run-id", default=None, help="Run to join when the swarm announces several.")
 @click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Start a new run from this manifest (TOML) instead of joining an announced one.")
+              help="Train this run manifest (TOML): the swarm's run, or a new swarm's. "
+                   "Another run than the swarm's only with --new-run.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
-              help="Start a new run from a named preset (with no --initial-peers: 'default').")
+              help="Train a named preset run, as --run (with no --initial-peers: 'default').")
 @click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
-              help="Sync algorithm of a new run (overrides the manifest's sync.algorithm).")
+              help="Sync algorithm of this peer's run (overrides the manifest's sync.algorithm).")
+@click.option("--new-run", is_flag=True,
+              help="Start the --run/--preset run even though the swarm announces another one.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (0.0.0.0: all).")
 @click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535), help="TCP port; 0 picks one.")
 @click.option("--announce", multiple=True, metavar="MULTIADDR", help="Public address to advertise (repeatable).")
@@ -74,8 +78,9 @@ def main() -> None:
               help="Identity and checkpoints. [default: the user data dir]/locoswarm/peer")
 @click.option("--max-rounds", type=click.IntRange(0), default=None,
               help="Stop once the run reaches this round (outer step). Default: train until Ctrl-C.")
-@click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
-              help="Evaluate φ every K rounds (0: at the start and the end only).")
+@click.option("--eval-every", type=click.IntRange(0), default=5, show_default=True,
+              help="Every K rounds one live peer of the swarm (the same choice on every peer) evaluates φ "
+                   "and publishes the validation loss (0: each peer at its start and end only).")
 @click.option("--export-phi-every", type=click.IntRange(0), default=0, show_default=True,
               help="Write φ as safetensors beside the checkpoint every K rounds (0: never).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for torch.")
@@ -101,8 +106,8 @@ def main() -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one event per line on stdout, for programs.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announce, data_dir, max_rounds, eval_every,
-         export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, device, precision, micro_batch,
+def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port, announce, data_dir, max_rounds,
+         eval_every, export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, device, precision, micro_batch,
          max_memory, compile_, peak_tflops, log_format, verbose) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
 
@@ -111,17 +116,28 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
       peer join                                  # start a new swarm on the default run
       peer join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
       peer join --run my_run.toml --max-rounds 50
+      peer join --initial-peers ADDR --run-id 3f2a...   # the swarm announces several runs
+      peer join --initial-peers ADDR --preset tiny --new-run   # a second run beside the swarm's
       peer join --device cuda:1 --max-memory 8   # second GPU, at most 8 GiB of it
     """
-    from peer.config import DeviceConfig, JoinConfig, TrainerConfig
-    from peer.node import StopOnSignal, join as run_join
-    from peer.reporting import Reporter
     import threading
 
+    from peer.reporting import Reporter
+
     configure_logging(verbose)
+    reporter = Reporter(log_format)
+    reporter.emit("status", message="peer join: loading torch and hivemind")
+    from peer.config import DeviceConfig, JoinConfig, TrainerConfig
+    from peer.node import StopOnSignal, join as run_join
+
     try:
-        new_run = resolve_run(run_file, preset, algorithm)
-        cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=new_run, host=host, port=port,
+        local_run = resolve_run(run_file, preset, algorithm)
+        if new_run and local_run is None:
+            raise click.UsageError("--new-run needs the run to start: --run FILE.toml or --preset NAME")
+        run_flag = (f"--run {run_file}" if run_file is not None else f"--preset {preset}" if preset is not None
+                    else f"--algorithm {algorithm}")
+        cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=local_run, run_flag=run_flag,
+                         start_new_run=new_run, host=host, port=port,
                          announce=tuple(announce), data_dir=data_dir or default_data_dir(), client_mode=client_mode,
                          uplink_mbps=uplink_mbps,
                          threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
@@ -132,7 +148,7 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
                                              peak_tflops=peak_tflops))
         stop = threading.Event()
         with StopOnSignal(stop):
-            code, _ = run_join(cfg, Reporter(log_format), stop)
+            code, _ = run_join(cfg, reporter, stop)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
     except KeyboardInterrupt:
@@ -150,16 +166,19 @@ def join(initial_peers, run_id, run_file, preset, algorithm, host, port, announc
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Named run preset.")
 @click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
               help="Sync algorithm (overrides the manifest's sync.algorithm).")
-@click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
-              help="Evaluate φ every K rounds (0: at the start and the end only).")
+@click.option("--eval-every", type=click.IntRange(0), default=5, show_default=True,
+              help="Every K rounds one peer evaluates φ (0: each peer at its start and end only).")
 @click.option("--summary", "summary_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the summary as JSON to this file.")
 @click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Where peers keep identities, checkpoints and logs. Default: a temporary directory.")
+              help="Where peers keep identities, checkpoints and logs. Default: a temporary directory, "
+                   "removed at the end unless --keep or a peer failed.")
+@click.option("--keep", is_flag=True, help="Keep the temporary directory (logs, checkpoints) at the end.")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
               help="Where every peer trains (they share it).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, device, verbose) -> None:
+def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, keep, device,
+          verbose) -> None:
     """Start a bootstrap node and N peers on 127.0.0.1, train, and print a summary.
 
     \b
@@ -169,6 +188,7 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
       peer swarm --preset tiny --rounds 3
       peer swarm --algorithm noloco --peers 4
       peer swarm --device cpu                     # keep a GPU free
+      peer swarm --keep                           # keep logs and checkpoints in /tmp
     """
     from peer.swarm import SwarmConfig, run_swarm
     from peer.train.device import resolve_device
@@ -178,7 +198,7 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
         resolve_device(device)  # one error line here rather than one per peer
         manifest = resolve_run(run_file, preset, algorithm) or PRESETS["default"]()
         cfg = SwarmConfig(num_peers=num_peers, rounds=rounds, manifest=manifest, eval_every_rounds=eval_every,
-                          summary_path=summary_file, workdir=workdir, device=device)
+                          summary_path=summary_file, workdir=workdir, keep=keep, device=device)
         code = run_swarm(cfg)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)

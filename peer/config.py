@@ -78,7 +78,12 @@ class JoinConfig:
     initial_peers: tuple[str, ...] = ()
     run_id: str | None = None
     new_run: RunManifest | None = None
-    """Manifest to announce and train when starting a new run (no initial peers, or --run)."""
+    """This peer's own manifest (--run/--preset/--algorithm): trained when the swarm announces it or
+    no run, or when ``start_new_run``; None: the swarm's run (peer/run_choice.py)."""
+    run_flag: str = "--run/--preset"
+    """How the user named ``new_run`` (``--preset tiny``), for messages."""
+    start_new_run: bool = False
+    """--new-run: start ``new_run`` even while the swarm announces another run."""
     host: str = "127.0.0.1"
     port: int = 0
     announce: tuple[str, ...] = ()

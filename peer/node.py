@@ -12,6 +12,7 @@ import torch
 import protocol
 from peer.train.cache import default_cache_dir
 from peer.train.data import load_corpus
+from peer.train.sources import describe
 from peer.train.device import place, resolve_device
 from peer.train.model import build_model, parameter_count
 from peer.train.outer import make_outer
@@ -19,12 +20,13 @@ from peer.reporting import Reporter
 from peer.progress import TrainSummary
 from peer.config import JoinConfig
 from peer.round import Trainer
+from peer.run_choice import checkpointed_runs, choose_run
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht, lifetime, liveness
-from protocol.errors import ManifestNotFound
+from protocol.errors import ManifestNotFound, NetworkError
 from protocol.identity import ensure_identity
 from protocol.manifest import RunManifest
 
@@ -32,16 +34,62 @@ logger = logging.getLogger(__name__)
 
 EXIT_INTERRUPTED = 130
 
+LOCAL_RUN_LOOK_S = 2.0
+"""How long a peer with its own run (--run/--preset) looks for the swarm's runs index before it
+takes the swarm for bare and starts its run (a node that just joined may not see the index at once)."""
 
-def _fetch_manifest(dht, run_id: str | None, wait_s: float) -> RunManifest:
-    deadline = time.monotonic() + wait_s
+
+def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> RunManifest:
+    """The manifest of the run this peer trains, decided by peer/run_choice.py from the swarm's runs
+    index, the flags and this peer's checkpoints; waits up to ``cfg.manifest_wait_s`` while a plain
+    join finds no run announced (a swarm that just started).
+
+    Raises:
+        RunChoiceNeeded: several runs, or the local run is not the swarm's (message lists the runs).
+        ManifestNotFound: no run announced in time, or the chosen one's manifest cannot be read.
+    """
+    local = cfg.new_run
+    reporter.emit("status", message="looking for the swarm's run")
+    deadline = time.monotonic() + (cfg.manifest_wait_s if local is None else LOCAL_RUN_LOOK_S)
     while True:
         try:
-            return swarm_dht.fetch_manifest(dht, run_id)
+            announced = swarm_dht.list_runs(dht)
+        except NetworkError as exc:
+            logger.debug("reading the runs index failed: %s", exc)
+            announced = {}
+        if announced or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if local is not None and not announced:
+        reporter.emit("status", message=f"the swarm announces no run: starting run {local.run_id} ({local.name})")
+        return local
+
+    def stats(run_id: str) -> tuple[int, int] | None:
+        try:
+            records = swarm_dht.read_progress(dht, run_id)
+        except NetworkError:
+            return None
+        return (len(records), max(r.record.round for r in records)) if records else None
+
+    while True:
+        try:
+            chosen = choose_run(announced, local=local, local_flag=cfg.run_flag, run_id=cfg.run_id,
+                                new_run=cfg.start_new_run, checkpoints=checkpointed_runs(cfg.data_dir), stats=stats)
+            if local is not None:
+                verb = "joining" if chosen in announced else "starting"
+                reporter.emit("status", message=f"{verb} run {local.run_id} ({local.name})")
+                return local
+            manifest = swarm_dht.fetch_manifest(dht, chosen)
+            reporter.emit("status", message=f"joining run {manifest.run_id} ({manifest.name})")
+            return manifest
         except ManifestNotFound:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
+            try:
+                announced = swarm_dht.list_runs(dht)
+            except NetworkError as exc:
+                logger.debug("reading the runs index failed: %s", exc)
 
 
 class StopOnSignal(lifetime.StopOnSignal):
@@ -66,24 +114,34 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     resolve_device(cfg.device.device)  # a device this machine lacks fails now, before the DHT starts
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    # A run known here (--run, --preset, or a new swarm's default) has its data checked before any
+    # network work: a wrong path fails in seconds, not after the DHT started.
+    local = cfg.new_run if cfg.new_run is not None or cfg.initial_peers else RunManifest()
+    corpus = None
+    if local is not None:
+        reporter.emit("status", message=f"reading the data of run {local.run_id} ({local.name}): "
+                                        f"{describe(local.data)}")
+        corpus = load_corpus(local.data, cache_dir=default_cache_dir())
     identity = ensure_identity(cfg.data_dir / "identity.key")
     # Peers seen before (peers.json): the way back into the swarm when the initial peers are gone.
     book = AddressBook.load(cfg.data_dir / ADDRESS_BOOK)
+    where = f"{cfg.host}:{cfg.port}" if cfg.port else f"{cfg.host}, any free port"
+    reporter.emit("status", message=f"starting the DHT node on {where}" + (
+        f", connecting to {len(cfg.initial_peers)} initial peer(s)" if cfg.initial_peers else " (a new swarm)"))
     dht = start_dht_remembering(
         lambda peers: swarm_dht.start_dht(initial_peers=peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
                                           identity_path=str(identity), client_mode=cfg.client_mode),
         cfg.initial_peers, book)
     announcer = transport = keeper = None
     try:
-        if cfg.new_run is not None or not cfg.initial_peers:
-            manifest = cfg.new_run or RunManifest()
-        else:
-            manifest = _fetch_manifest(dht, cfg.run_id, cfg.manifest_wait_s)
+        manifest = local if not cfg.initial_peers else _find_run(dht, cfg, reporter)
         # Every peer keeps its run's manifest alive, so the swarm outlives its bootstrap node.
         announcer = swarm_dht.ManifestAnnouncer(dht, manifest).start()
         peer_id = str(dht.peer_id)
         keeper = AddressKeeper(dht, book, run_id=manifest.run_id, peer_id=peer_id, publish=not cfg.client_mode).start()
-        corpus = load_corpus(manifest.data, cache_dir=default_cache_dir())
+        if corpus is None or manifest is not local:
+            reporter.emit("status", message=f"reading the run's data: {describe(manifest.data)}")
+            corpus = load_corpus(manifest.data, cache_dir=default_cache_dir())
         model = build_model(manifest.model, corpus.tokenizer)
         shapes = [p.shape for p in model.parameters()]
         outer = make_outer(manifest, shapes)
@@ -111,6 +169,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
                       threads=torch.get_num_threads())
         for note in notes:
             reporter.emit("warning", message=note)
+        reporter.emit("status", message="training: catching up with the swarm if it is ahead, then the first round")
         summary = trainer.run()
         saved = trainer.save()
         reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)

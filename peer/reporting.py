@@ -92,4 +92,6 @@ class Reporter:
             return f"stopped after {e['rounds_completed']} round(s); checkpoint {e.get('checkpoint') or 'not written'}"
         if kind == "warning":
             return f"warning: {e['message']}"
+        if kind == "status":  # what the peer is doing before its first round (no silent waits)
+            return str(e["message"])
         return None

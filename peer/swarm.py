@@ -4,6 +4,12 @@ Each child runs in its own process group (so a terminal's Ctrl-C reaches only th
 which forwards exactly one SIGINT to each child: they finish their step and checkpoint) and dies
 with the launcher (PR_SET_PDEATHSIG). Whatever is still alive at the end is killed by process
 group, which takes the children's DHT, averager and p2pd processes with it: no orphans.
+
+The run's data is read once here before any process starts (a bad path fails in seconds, and the
+peers find the token cache filled). When a peer fails, the others are stopped and the launcher
+exits with that peer's exit code and prints its one-line reason. A temporary working directory
+(no ``--workdir``) is removed at the end unless ``keep`` is set or a peer failed (its logs stay,
+and the launcher says where).
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,9 +28,8 @@ from typing import Any
 
 from peer.events import Event
 from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
-from protocol.errors import ChildExited, ChildTimeout
 from peer.reporting import format_bytes
-from protocol.errors import NetworkError
+from protocol.errors import ChildExited, ChildTimeout, NetworkError
 from protocol.manifest import RunManifest, dump_toml
 
 STOP_GRACE_S = 60.0
@@ -34,9 +41,13 @@ class SwarmConfig:
     num_peers: int = 3
     rounds: int = 10
     manifest: RunManifest = field(default_factory=RunManifest)
-    eval_every_rounds: int = 0
+    eval_every_rounds: int = 5
+    """Every k rounds one peer evaluates φ (0: each peer at its start and end only)."""
     summary_path: Path | None = None
     workdir: Path | None = None
+    """Identities, checkpoints and logs; None: a temporary directory, removed at the end unless
+    ``keep`` or a peer failed."""
+    keep: bool = False
     threads_per_peer: int | None = None
     bootstrap_timeout_s: float = 60.0
     device: str = "auto"
@@ -57,6 +68,8 @@ class Swarm:
         self.events: queue.Queue[tuple[str, Event | None]] = queue.Queue()
         """Every peer's events as they arrive, then (name, None) when its output ended."""
         self.children: dict[str, Child] = {}
+        self.failure: tuple[str, int, str] | None = None
+        """The first child that failed: (name, exit code, its one-line reason)."""
 
     def _start(self, name: str, argv: list[str], *, watched: bool) -> Child:
         on_event = (lambda child, event: self.events.put((child.name, event))) if watched else None
@@ -70,8 +83,13 @@ class Swarm:
         try:
             ready = child.wait_event(lambda e: e.kind == "ready", self.cfg.bootstrap_timeout_s)
         except ChildExited as exc:
-            raise NetworkError(f"the bootstrap node exited with code {exc.returncode}; see {child.log_path}") from None
+            code = exc.returncode or 1
+            self.failure = ("bootstrap", code, error_line(child) or f"see {child.log_path}")
+            failed = NetworkError(f"the bootstrap node exited with code {code}: {self.failure[2]}")
+            failed.exit_code = code  # the launcher ends as its child did (78 stays 78 for restart policies)
+            raise failed from None
         except ChildTimeout:
+            self.failure = ("bootstrap", 1, f"did not start within {self.cfg.bootstrap_timeout_s:.0f} s")
             raise NetworkError(f"the bootstrap node did not start within {self.cfg.bootstrap_timeout_s:.0f} s; "
                                f"see {child.log_path}") from None
         return ready.addresses_on("127.0.0.1") or list(ready.maddrs)
@@ -95,62 +113,140 @@ class Swarm:
         stop_all(self.children.values(), grace_s)
 
 
-def run_swarm(cfg: SwarmConfig) -> int:
-    """Run the local swarm to completion; print progress and a summary. Returns the exit code.
+def error_line(child: Child) -> str | None:
+    """The one-line reason a child printed on its way out (``error: ...`` from our errors, ``Error:
+    ...`` from click's usage errors, on its stderr), without the prefix; None when it printed none."""
+    for line in reversed(child.tail(200).splitlines()):
+        if line.startswith(("error: ", "Error: ")):
+            return line.split(": ", 1)[1]
+    return None
+
+
+HIVEMIND_SOCKETS = "/tmp/hivemind-*.sock"
+"""Where hivemind's p2pd and its clients make their unix sockets (a fixed path, not $TMPDIR)."""
+
+
+def remove_stale_sockets(since: float, pattern: str = HIVEMIND_SOCKETS) -> int:
+    """Remove the hivemind sockets made since ``since`` (wall time, s) that nothing listens on any
+    more: a killed DHT process leaves its p2pd client socket behind. A socket another program still
+    listens on (another swarm on this machine) accepts the probe and is left alone.
+
+    Returns:
+        How many were removed.
+    """
+    import glob
+    import socket
+    import stat
+
+    removed = 0
+    for path in glob.glob(pattern):
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_mtime < since:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(path)
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+        except OSError:
+            continue
+    return removed
+
+
+def check_data(manifest: RunManifest) -> None:
+    """Read (and cache the tokens of) the run's data, as every peer will, before any process starts.
 
     Raises:
-        NetworkError: the bootstrap node did not start.
+        ConfigError: the data is missing or is not what the run pins (peer/train/data.py).
+    """
+    from peer.train.cache import default_cache_dir
+    from peer.train.data import load_corpus
+
+    load_corpus(manifest.data, cache_dir=default_cache_dir())
+
+
+def run_swarm(cfg: SwarmConfig) -> int:
+    """Run the local swarm to completion; print progress and a summary. Returns the exit code:
+    0, 130 when interrupted, or the exit code of the first peer that failed.
+
+    Raises:
+        ConfigError: the run's data cannot be read (nothing was started).
+        NetworkError: the bootstrap node did not start (its exit code when it exited).
     """
     from rich.console import Console
 
     console = Console(stderr=False, soft_wrap=True)
+    console.print(f"local swarm: reading the data of run {cfg.manifest.run_id} ({cfg.manifest.name})")
+    check_data(cfg.manifest)
+    temporary = cfg.workdir is None
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     manifest_path = workdir / "run.toml"
     manifest_path.write_text(dump_toml(cfg.manifest))
     threads = cfg.threads_per_peer or max(1, (os.cpu_count() or 1) // cfg.num_peers)
     swarm = Swarm(cfg, workdir)
-    start = time.monotonic()
+    start, started_at = time.monotonic(), time.time() - 1.0
     interrupted = False
     console.print(f"local swarm: run {cfg.manifest.run_id} ({cfg.manifest.name}), {cfg.num_peers} peer(s), "
                   f"{cfg.rounds} round(s), H={cfg.manifest.sync.inner_steps}, {threads} thread(s) each; "
-                  f"logs in {workdir}")
+                  f"logs in {workdir}" + (" (removed at the end unless --keep)" if temporary and not cfg.keep else ""))
     try:
-        maddrs = swarm.start_bootstrap(manifest_path)
-        console.print(f"bootstrap node at {maddrs[0]}")
-        for i in range(cfg.num_peers):
-            swarm.start_peer(i, maddrs, threads)
-        _watch(swarm, console)
-    except KeyboardInterrupt:
-        interrupted = True
-        console.print("interrupted: peers finish their step and checkpoint…")
-        swarm.interrupt()
-    finally:
         try:
-            swarm.stop_all(STOP_GRACE_S)
+            maddrs = swarm.start_bootstrap(manifest_path)
+            console.print(f"bootstrap node at {maddrs[0]}")
+            for i in range(cfg.num_peers):
+                swarm.start_peer(i, maddrs, threads)
+            _watch(swarm, console)
         except KeyboardInterrupt:
-            swarm.stop_all(0.0)
-    summary = build_summary(swarm, cfg, time.monotonic() - start)
-    _print_summary(console, summary)
-    if cfg.summary_path is not None:
-        cfg.summary_path.write_text(json.dumps(summary, indent=2))
-        console.print(f"summary written to {cfg.summary_path}")
+            interrupted = True
+            console.print("interrupted: peers finish their step and checkpoint…")
+            swarm.interrupt()
+        finally:
+            try:
+                swarm.stop_all(STOP_GRACE_S)
+            except KeyboardInterrupt:
+                swarm.stop_all(0.0)
+            remove_stale_sockets(started_at)
+        summary = build_summary(swarm, cfg, time.monotonic() - start)
+        _print_summary(console, summary)
+        if cfg.summary_path is not None:
+            cfg.summary_path.write_text(json.dumps(summary, indent=2))
+            console.print(f"summary written to {cfg.summary_path}")
+    finally:
+        if swarm.failure is not None:
+            name, code, reason = swarm.failure
+            console.print(f"logs kept in {workdir}", markup=False, highlight=False)
+            if name != "bootstrap":  # the bootstrap's reason is the error this function raises
+                print(f"error: {name} exited with code {code}: {reason}", file=sys.stderr, flush=True)
+        elif temporary and not cfg.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
     if interrupted:
         return 130
-    failed = [p for p in summary["peers"] if p["exit_code"] != 0]
-    return 1 if failed else 0
+    return swarm.failure[1] if swarm.failure is not None else 0
 
 
 def _watch(swarm: Swarm, console) -> None:
+    """Print the peers' progress until every peer's output ended; on the first peer that fails,
+    record it (``swarm.failure``) and stop the others: a local swarm short of a peer tests nothing."""
     running = {name for name in swarm.children if name != "bootstrap"}
     while running:
         name, event = swarm.events.get()
         if event is None:
             if name in running:
                 running.discard(name)
-                code = swarm.children[name].wait()
-                if code != 0:
-                    console.print(f"[red]{name} exited with code {code}; see {swarm.children[name].log_path}[/red]")
+                child = swarm.children[name]
+                code = child.wait()
+                if code != 0 and swarm.failure is None:
+                    reason = error_line(child) or f"no error line; see {child.log_path}"
+                    swarm.failure = (name, code if code > 0 else 1, reason)
+                    console.print(f"{name} exited with code {code}: {reason}; stopping the others", style="red",
+                                  markup=False, highlight=False)
+                    swarm.interrupt()
             continue
         kind = event.kind
         if kind == "round":

@@ -20,6 +20,7 @@ entry point can catch one base class and print one actionable line::
     │   │       └── PartialAverage  the all-reduce session ended with some piece's mean missing
     │   └── StateDownloadFailed     no donor is left to deliver a joiner's missing chunks
     ├── CheckpointError             a local checkpoint is unreadable or belongs to another run
+    ├── RunChoiceNeeded             the swarm's runs and the flags do not name one run (exit 64)
     └── LaunchError                 a child process of a launcher (peer/launch.py) misbehaved
         ├── ChildTimeout            no awaited event, or no exit, in time (also a TimeoutError)
         └── ChildExited             the child's output ended before the awaited event
@@ -150,6 +151,13 @@ class StateDownloadFailed(SyncError):
 class CheckpointError(LocoError):
     """A local checkpoint cannot be read or belongs to another run."""
 
+
+class RunChoiceNeeded(LocoError):
+    """``peer join`` cannot tell which run to train: the swarm announces several and no ``--run-id``
+    (or local checkpoint) picks one, or ``--run``/``--preset`` names another run than the swarm's
+    and ``--new-run`` does not say to start it. The message lists the runs and the flag to pass."""
+
+    exit_code = 64  # sysexits EX_USAGE: the same command fails again until a flag changes
 
 
 class LaunchError(LocoError):

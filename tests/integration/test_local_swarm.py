@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,12 +28,14 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_peer_swarm_trains_and_leaves_no_process_behind(tmp_path):
-    workdir, summary_path = tmp_path / "swarm", tmp_path / "summary.json"
+def test_peer_swarm_trains_and_leaves_no_process_and_no_file_behind(tmp_path):
+    # Its temporary directory goes under TMPDIR: what it leaves there is what it would leave in /tmp.
+    temp, summary_path = tmp_path / "tmp", tmp_path / "summary.json"
+    temp.mkdir()
     result = subprocess.run(
         [sys.executable, "-m", "peer", "swarm", "--preset", "tiny", "--peers", "2", "--rounds", "3",
-         "--workdir", str(workdir), "--summary", str(summary_path)],
-        capture_output=True, text=True, timeout=240,
+         "--summary", str(summary_path)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, TMPDIR=str(temp)),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(summary_path.read_text())
@@ -44,5 +47,9 @@ def test_peer_swarm_trains_and_leaves_no_process_behind(tmp_path):
         assert peer["rounds_completed"] == 3 and peer["max_group_size"] == 2 and peer["bytes_sent"] > 0
     assert "swarm summary" in result.stdout
     # Peers, their DHT and averager processes and the p2pd daemons (whose command lines name
-    # the identity files under the workdir) are all gone.
-    assert processes_mentioning(str(workdir)) == []
+    # the identity files under the workdir) are all gone, and so is the workdir.
+    workdir = summary["workdir"]
+    assert workdir.startswith(str(temp)), workdir
+    assert processes_mentioning(workdir) == []
+    # (torch may leave its own shared cache there, torchinductor_<user>: not the swarm's)
+    assert not Path(workdir).exists() and not list(temp.glob("locoswarm-*")), sorted(temp.iterdir())

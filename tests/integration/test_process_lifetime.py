@@ -105,7 +105,7 @@ def start_peer(procs: Procs, tmp_path: Path, bootstrap_addr: str, name: str):
     """A peer on its own tiny run (so no test sees another's peers) that reached its first round,
     and the helper processes it runs."""
     run_file = write_manifest(tmp_path, make_manifest(name=f"tiny-lifetime-{name}"))
-    peer = procs.peer(name, "--initial-peers", bootstrap_addr, "--run", str(run_file))
+    peer = procs.peer(name, "--initial-peers", bootstrap_addr, "--run", str(run_file), "--new-run")
     peer.wait_event(lambda e: e.kind == "round", 180)
     helpers = descendants(peer.popen.pid)
     names = sorted(n for _, _, n in helpers)

@@ -1,0 +1,54 @@
+"""The right run, always: a joiner trains the swarm's run, starts another only when told to, and a
+plain join among several runs is told to choose one (real bootstrap and peers on 127.0.0.1)."""
+
+import pytest
+
+from protocol.errors import RunChoiceNeeded
+from protocol.presets import PRESETS
+from tests.integration.harness import make_manifest, write_manifest
+
+pytestmark = pytest.mark.integration
+
+
+def stderr_error(child) -> str:
+    return next((line for line in reversed(child.tail(200).splitlines()) if line.startswith("error: ")), "")
+
+
+def test_other_preset_is_refused_new_run_starts_it_and_a_plain_join_must_choose(procs, tmp_path):
+    swarm_run = make_manifest(name="right-run-swarm")
+    tiny = PRESETS["tiny"]()
+    assert swarm_run.run_id != tiny.run_id
+    _, addr = procs.bootstrap(write_manifest(tmp_path, swarm_run))
+    code = RunChoiceNeeded.exit_code
+
+    # Another preset than the swarm's run: refused, naming both runs and the flag that starts it anyway.
+    refused = procs.peer("refused", "--initial-peers", addr, "--preset", "tiny")
+    assert refused.wait(120) == code, refused.tail()
+    line = stderr_error(refused)
+    assert "--preset tiny" in line and tiny.run_id in line and swarm_run.run_id in line and "--new-run" in line, line
+    assert not refused.of("started")
+
+    # With --new-run it starts the preset's run beside the swarm's.
+    beside = procs.peer("beside", "--initial-peers", addr, "--preset", "tiny", "--new-run", "--max-rounds", "1")
+    assert beside.wait(240) == 0, beside.tail()
+    assert beside.of("started")[0]["run_id"] == tiny.run_id
+
+    # A plain join now finds two runs: it lists them (name, run id) and asks for --run-id.
+    plain = procs.peer("plain", "--initial-peers", addr)
+    assert plain.wait(120) == code, plain.tail()
+    line = stderr_error(plain)
+    assert "2 runs" in line and "--run-id" in line, line
+    for manifest in (swarm_run, tiny):
+        assert f"{manifest.name!r} (run id {manifest.run_id}," in line, line
+    assert not plain.of("started")
+
+    # A plain join from the data dir that holds a checkpoint of the preset's run joins that run.
+    again = procs.peer("beside", "--initial-peers", addr, "--max-rounds", "1")
+    assert again.wait(120) == 0, again.tail()
+    assert again.of("started")[0]["run_id"] == tiny.run_id
+    assert again.of("resumed")[0]["round"] == 1
+
+    # With --run-id the plain joiner joins the one it names.
+    chosen = procs.peer("chosen", "--initial-peers", addr, "--run-id", swarm_run.run_id, "--max-rounds", "0")
+    assert chosen.wait(120) == 0, chosen.tail()
+    assert chosen.of("started")[0]["run_id"] == swarm_run.run_id

@@ -1,0 +1,69 @@
+"""Which run `peer join` trains (peer/run_choice.py): flags, the swarm's runs index, checkpoints."""
+
+import pytest
+
+from peer.run_choice import checkpointed_runs, choose_run
+from protocol.errors import ManifestNotFound, RunChoiceNeeded
+from protocol.presets import PRESETS
+
+TINY = PRESETS["tiny"]()
+DEFAULT = PRESETS["default"]()
+A, B = "a" * 64, "b" * 64
+
+
+def stats(run_id):
+    return {A: (3, 12), B: (1, 4)}.get(run_id)
+
+
+def test_plain_join_takes_the_one_announced_run():
+    assert choose_run({A: "first"}, local=None) == A
+
+
+def test_plain_join_with_several_runs_lists_them_and_asks_for_run_id():
+    with pytest.raises(RunChoiceNeeded) as info:
+        choose_run({A: "first", B: "second"}, local=None, stats=stats)
+    text = str(info.value)
+    assert "2 runs" in text and "--run-id" in text
+    assert f"'first' (run id {A}, 3 peer(s), round 12)" in text and f"'second' (run id {B}, 1 peer(s), round 4)" in text
+    assert info.value.exit_code == 64
+
+
+def test_plain_join_picks_the_run_its_checkpoint_belongs_to():
+    assert choose_run({A: "first", B: "second"}, local=None, checkpoints={B, "c" * 64}) == B
+
+
+def test_checkpoints_of_several_announced_runs_do_not_choose():
+    with pytest.raises(RunChoiceNeeded, match="checkpoints of 2 of them"):
+        choose_run({A: "first", B: "second"}, local=None, checkpoints={A, B})
+
+
+def test_run_id_wins_and_no_run_announced_is_retryable():
+    assert choose_run({A: "first", B: "second"}, local=None, run_id=B) == B
+    with pytest.raises(ManifestNotFound):
+        choose_run({}, local=None)
+
+
+def test_local_run_is_trained_when_the_swarm_announces_it_or_none():
+    assert choose_run({}, local=TINY) == TINY.run_id
+    assert choose_run({TINY.run_id: TINY.name, A: "first"}, local=TINY) == TINY.run_id
+
+
+def test_local_run_other_than_the_swarms_is_refused_unless_new_run():
+    with pytest.raises(RunChoiceNeeded) as info:
+        choose_run({DEFAULT.run_id: DEFAULT.name}, local=TINY, local_flag="--preset tiny")
+    text = str(info.value)
+    assert "--preset tiny" in text and TINY.run_id in text and DEFAULT.run_id in text and "--new-run" in text
+    assert choose_run({DEFAULT.run_id: DEFAULT.name}, local=TINY, new_run=True) == TINY.run_id
+
+
+def test_run_id_and_local_run_must_agree():
+    with pytest.raises(RunChoiceNeeded, match="different runs"):
+        choose_run({}, local=TINY, run_id=A)
+
+
+def test_checkpointed_runs_reads_the_data_dir(tmp_path):
+    assert checkpointed_runs(tmp_path) == set()
+    (tmp_path / "runs" / A).mkdir(parents=True)
+    (tmp_path / "runs" / A / "checkpoint.safetensors").write_bytes(b"x")
+    (tmp_path / "runs" / B).mkdir()
+    assert checkpointed_runs(tmp_path) == {A}
