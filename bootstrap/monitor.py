@@ -164,7 +164,11 @@ class SwarmMonitor:
                                   "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
                                   "last_sync": {"round", "group_size", "bytes_sent",
                                                 "bytes_received"} | null,
-                                  "rounds_by_group_size": {"3": 2, ...},
+                                  "rounds_by_group_size": {"3": 2, ...} (rounds whose sync record
+                                        the monitor saw),
+                                  "first_round" (of the first record seen),
+                                  "rounds_unseen" (rounds after first_round that are not in
+                                        those counts: finished between two polls, or adopted),
                                   "group_by_round": {"1": 3, ...},
                                   "eval_history": [{"round", "t", "loss"}],
                                   "history": [{"t", "round", "inner_step", "train_loss",

@@ -27,6 +27,8 @@ class PeerHistory:
     group_by_round: dict[int, int] = field(default_factory=dict)
     """Round → largest group size this peer reported for the sync that brought it to that round
     (only rounds whose post-sync record the monitor saw: a poll can miss a short round)."""
+    first_round: int | None = None
+    """The round of the first record the monitor saw of this peer (rounds before it it could not see)."""
     evals: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Round → (wall time first seen, validation loss of φ at that round)."""
     samples: deque = field(default_factory=deque)
@@ -36,6 +38,8 @@ class PeerHistory:
     def update(self, record: ProgressRecord, now: float, max_samples: int, inner_steps: int | None) -> None:
         changed = record != self.record or not self.samples
         self.last_seen, self.live, self.record = now, True, record
+        if self.first_round is None:
+            self.first_round = record.round
         # A record written right after a sync (inner_step at a round boundary) carries that sync's
         # group size; mid-round records may carry a placeholder 1, so they count only when larger.
         at_boundary = inner_steps is None or record.inner_step == record.round * inner_steps
@@ -55,6 +59,17 @@ class PeerHistory:
             while len(self.samples) > max_samples:
                 self.samples.popleft()
 
+    @property
+    def rounds_unseen(self) -> int:
+        """Rounds since the first one the monitor saw this peer at whose group size it does not
+        know: it polls every second or so and reads each peer's latest record only, so the rounds a
+        peer finished between two polls, or skipped by adopting the swarm's state, are not in
+        ``group_by_round``. Shown beside the counts so they are not read as the peer's whole history."""
+        if self.first_round is None:
+            return 0
+        seen = sum(1 for r in self.group_by_round if r > self.first_round)
+        return max(0, self.record.round - self.first_round - seen)
+
     def to_json(self, *, with_samples: bool) -> dict[str, Any]:
         r = self.record
         out = {
@@ -67,6 +82,7 @@ class PeerHistory:
             "eval_loss": self.evals[max(self.evals)][1] if self.evals else None,
             "last_sync": dict(self.last_sync) if self.last_sync else None,
             "rounds_by_group_size": _count_by_size(self.group_by_round),
+            "first_round": self.first_round, "rounds_unseen": self.rounds_unseen,
             "group_by_round": {str(k): v for k, v in sorted(self.group_by_round.items())},
             "eval_history": [{"round": k, "t": t, "loss": loss} for k, (t, loss) in sorted(self.evals.items())],
         }

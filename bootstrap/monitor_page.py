@@ -127,7 +127,9 @@ function renderRun(run, now, t0) {
   const sync = p => p.last_sync || p;
   const sent = live.reduce((a, p) => a + sync(p).bytes_sent, 0);
   const evals = run.peers.flatMap(p => p.eval_history);
-  const lastEval = evals.length ? evals.reduce((a, b) => (b.t > a.t ? b : a)).loss : null;
+  // the evaluation of the latest round (one peer evaluates φ per cadence round), newest first on a tie
+  const lastEval = evals.length ? evals.reduce((a, b) => (b.round > a.round || (b.round === a.round && b.t > a.t)
+                                                          ? b : a)).loss : null;
   const cards = el("div", {class: "cards"});
   for (const [k, v] of [["live peers", run.live_peers], ["max round", run.max_round],
                         ["swarm tok/s", Math.round(tokps).toLocaleString()],
@@ -151,7 +153,8 @@ function renderRun(run, now, t0) {
   table.append(el("thead", {}, head));
   const body = el("tbody", {});
   for (const p of run.peers) {
-    const groups = Object.entries(p.rounds_by_group_size).map(([g, n]) => `${n}×${g}`).join(" ") || "–";
+    const groups = (Object.entries(p.rounds_by_group_size).map(([g, n]) => `${n}×${g}`).join(" ") || "–") +
+                   (p.rounds_unseen ? ` (${p.rounds_unseen} not seen)` : "");
     const name = el("td", {class: "pid", title: p.peer_id},
                     el("span", {class: "swatch", style: `background:${color(p.peer_id)}`}), short(p.peer_id));
     body.append(el("tr", {class: "peer", "data-peer-id": p.peer_id},

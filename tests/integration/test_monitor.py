@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -139,11 +140,15 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
 
     # After the last round: the monitor says what each peer itself reported. (A peer's very last
     # record can be lost: it is stored without waiting just before the peer leaves the DHT.)
-    events = {}
+    events, evals = {}, {}
     for p in peers:
         stopped = p.wait_event(lambda e: e.kind == "stopped", 240)
         assert p.wait(60) == 0, p.tail()
         events[stopped["peer_id"]] = {e["round"]: e for e in p.of("round")}
+        evals[stopped["peer_id"]] = {e["round"]: e["loss"] for e in p.of("eval")}
+    # φ is evaluated on the cadence (--eval-every 1) by one peer per round, not by all three.
+    evaluators = Counter(e["round"] for p in peers for e in p.of("eval") if e["when"] == "periodic")
+    assert evaluators and max(evaluators.values()) < 3, evaluators
     done = wait_snapshot(base, lambda s: sorted(
         p["round"] >= ROUNDS - 1 for r in s["runs"] if r["run_id"] == manifest.run_id for p in r["peers"])
         == [True] * 3, 60)
@@ -163,11 +168,17 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
         for round_, size in peer["group_by_round"].items():
             assert size == reported[int(round_)]["group_size"], (peer["peer_id"], round_, size)
         assert sum(peer["rounds_by_group_size"].values()) == len(peer["group_by_round"])
+        # Every round since the first one seen is either counted by group size or counted as unseen.
+        seen_after = sum(1 for r in peer["group_by_round"] if int(r) > peer["first_round"])
+        assert seen_after + peer["rounds_unseen"] == peer["round"] - peer["first_round"], peer
         if peer["inner_step"] == peer["round"] * H:  # the record written right after a sync
             event = reported[peer["round"]]
             assert (peer["group_size"], peer["bytes_sent"]) == (event["group_size"], event["bytes_sent"])
             assert peer["train_loss"] == pytest.approx(event["train_loss"])
         assert peer["first_seen"] <= peer["last_seen"]
+        # Every validation loss on the page is one the peer evaluated at that round.
+        for point in peer["eval_history"]:
+            assert point["loss"] == pytest.approx(evals[peer["peer_id"]][point["round"]]), (peer["peer_id"], point)
         steps = [h["inner_step"] for h in peer["history"]]
         assert steps == sorted(steps) and len(steps) >= 2
 
