@@ -1,20 +1,25 @@
 """Benchmark: data-parallel vs DiLoCo vs NoLoCo vs independent peers, at equal tokens.
 
-    python bench/compare.py [--config bench/compare.toml] [--out-dir docs] [--threads 2]
+    python bench/compare.py [--config bench/compare.toml] [--out-dir docs] [--threads 1] [--jobs 2]
     python bench/compare.py --peers 4 --seeds 0 --methods diloco --set outer_optimizer.momentum=0.0 \
         --out-dir /tmp/diag      # one diagnostic run with a manifest field overridden
 
 Simulates N peers in one process (lab/simulation.py, the swarm's own algorithm code) for every
 method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batch: each peer's
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
-table and a mean-over-seeds summary, and writes ``compare_results.json`` and
-``compare_loss.png`` (validation loss vs tokens) to the output directory.
+table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
+``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
+``bench/results/compare-<bench.scale>.json``. ``--jobs`` runs that many simulations at once, each
+with ``--threads`` torch threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
+import platform
 import logging
 import statistics
 import sys
@@ -31,8 +36,8 @@ from protocol.manifest import RunManifest, from_dict
 
 LABELS = {
     "data-parallel": "data-parallel (AdamW, all-reduce every step)",
-    "diloco": "DiLoCo (outer SGD Nesterov)",
-    "noloco": "NoLoCo (outer heavy-ball + pull)",
+    "diloco": "DiLoCo (outer SGD as in the manifest)",
+    "noloco": "NoLoCo (outer heavy-ball + pull as in the manifest)",
     "independent": "independent (never syncs)",
 }
 
@@ -142,11 +147,45 @@ def plot(results: list[SimulationResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def outer_of(m: RunManifest, method: str) -> dict:
+    """The outer optimizer of one method, named exactly (issue #15: Nesterov or heavy-ball, lr, μ)."""
+    if method == "diloco":
+        o = m.outer_optimizer
+        return {"kind": "Nesterov" if o.nesterov else "heavy-ball", "lr": o.lr, "momentum": o.momentum,
+                "inner_steps": m.sync.inner_steps}
+    if method == "noloco":
+        n = m.noloco
+        return {"kind": "heavy-ball + pull", "lr": n.lr, "momentum": n.momentum, "pull": n.pull,
+                "group_size": n.group_size, "inner_steps": m.sync.inner_steps}
+    return {}
+
+
+def results_record(results: list[SimulationResult], scale: str, base: RunManifest, device: str) -> dict:
+    """bench/results/compare-<scale>.json: one entry per (method, N), finals per seed."""
+    out = []
+    for s in summarize(results):
+        rs = sorted((r for r in results if r.peers == s["peers"] and r.method == s["method"]), key=lambda r: r.seed)
+        out.append({"method": s["method"], "peers": s["peers"], "seeds": [r.seed for r in rs],
+                    "final_bpb": s["loss_bpb"], "final_bpb_per_seed": [r.history[-1].loss_bpb for r in rs],
+                    "vs_data_parallel_pct": s["vs_data_parallel_pct"], "outer": outer_of(base, s["method"])})
+    return {"scale": scale, "device": device, "params": results[0].parameters,
+            "tokens_per_run": results[0].history[-1].tokens, "results": out}
+
+
+def _one(base: RunManifest, method: str, peers: int, seed: int, bench: dict, rounds: int, threads: int,
+         corpus=None) -> SimulationResult:
+    torch.set_num_threads(threads)
+    m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
+    return run_simulation(m, corpus if corpus is not None else load_corpus(base.data), peers=peers, rounds=rounds,
+                          seed=seed, data_parallel=method == "data-parallel", eval_every_rounds=bench["eval_every_rounds"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path(__file__).with_name("compare.toml"))
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per simulation")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations at once (separate processes)")
     parser.add_argument("--rounds", type=int, help="override bench.rounds (quick trials)")
     parser.add_argument("--seeds", type=int, nargs="+", help="override bench.seeds")
     parser.add_argument("--peers", type=int, nargs="+", help="override bench.peers")
@@ -163,30 +202,41 @@ def main() -> None:
     seeds, peer_counts = args.seeds or bench["seeds"], args.peers or bench["peers"]
     methods = args.methods or bench["methods"]
     start = time.perf_counter()
-    corpus = load_corpus(base.data)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out_dir / "compare_results.json", args.out_dir / "compare_loss.png"
+    scale = bench.get("scale", "cpu")
+    device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
+              f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
 
     header = ["method", "N", "seed", "val bpb", "replica-mean", "avg weights", "σ", "MB sent/peer", "wall s"]
     results: list[SimulationResult] = []
-    for peers in peer_counts:
-        for seed in seeds:
-            for method in methods:
-                m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
-                r = run_simulation(m, corpus, peers=peers, rounds=rounds, seed=seed,
-                                   data_parallel=method == "data-parallel",
-                                   eval_every_rounds=bench["eval_every_rounds"])
-                results.append(r)
-                print(" | ".join(row(r)), flush=True)
-                record = {
-                    "command": " ".join(["python", *sys.argv]),
-                    "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds, "seeds": seeds,
-                                                           "peers": peer_counts, "methods": methods}},
-                    "overrides": args.set, "threads": args.threads, "tokens_per_run": r.history[-1].tokens,
-                    "wall_s_total": time.perf_counter() - start,
-                    "summary": summarize(results), "runs": [x.to_dict() for x in results],
-                }
-                json_path.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
+    work = [(method, peers, seed) for peers in peer_counts for seed in seeds for method in methods]
+    if args.jobs > 1:
+        pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+        futures = [pool.submit(_one, base, method, peers, seed, bench, rounds, args.threads)
+                   for method, peers, seed in work]
+        done = (f.result() for f in concurrent.futures.as_completed(futures))
+    else:
+        pool, corpus = None, load_corpus(base.data)
+        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus) for method, peers, seed in work)
+    try:
+        for r in done:
+            results.append(r)
+            print(" | ".join(row(r)), flush=True)
+            record = {
+                "command": " ".join(["python", *sys.argv]),
+                "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds, "seeds": seeds,
+                                                       "peers": peer_counts, "methods": methods}},
+                "overrides": args.set, "threads": args.threads, "tokens_per_run": r.history[-1].tokens,
+                "wall_s_total": time.perf_counter() - start,
+                "summary": summarize(results), "runs": [x.to_dict() for x in results],
+            }
+            json_path.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    order = {(p, s, m): i for i, (m, p, s) in enumerate(work)}
+    results.sort(key=lambda r: order[(r.peers, r.seed, r.method)])
 
     print()
     print_table(header, [row(r) for r in results])
@@ -202,7 +252,10 @@ def main() -> None:
     plot(results, png_path, f"{base.model.hidden_size}-wide {base.model.num_layers}-layer Llama "
          f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
          f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens")
-    print(f"wrote {json_path} and {png_path}; total wall {time.perf_counter() - start:.0f} s")
+    final = Path(__file__).with_name("results") / f"compare-{scale}.json"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
+    print(f"wrote {json_path}, {png_path} and {final}; total wall {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

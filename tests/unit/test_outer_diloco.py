@@ -48,7 +48,7 @@ def test_outer_step_matches_torch_sgd_nesterov():
     phi = [torch.randn(4, 3, generator=g)]
     param = torch.nn.Parameter(phi[0].clone())
     sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
-    outer = DiLoCo([phi[0].shape], OuterOptimizerSpec())
+    outer = DiLoCo([phi[0].shape], OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=True))
     for _ in range(4):
         d = torch.randn(4, 3, generator=g)
         param.grad = d.clone()
@@ -64,7 +64,7 @@ def test_pseudo_gradient_sign_is_phi_minus_theta():
 
 def test_non_finite_mean_delta_is_rejected_and_phi_unchanged():
     phi = [torch.ones(3)]
-    outer = DiLoCo([phi[0].shape], OuterOptimizerSpec())
+    outer = DiLoCo([phi[0].shape], OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=True))
     bad = torch.tensor([0.0, float("nan"), 1.0])
     with pytest.raises(BadPayload, match="NaN or inf"):
         outer.apply(phi, [bad])

@@ -54,7 +54,7 @@ def test_diloco_replicas_hold_identical_phi_after_a_round(corpus):
 
 def test_diloco_round_applies_nesterov_to_the_mean_pseudo_gradient(corpus):
     # First round from zero momentum: m = Δ̄, φ_1 = φ_0 − lr·(Δ̄ + μ·Δ̄) (DiLoCo Alg. 1, Nesterov SGD).
-    m = manifest("diloco")
+    m = manifest("diloco").replace(outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True})
     sim = Simulation(m, corpus, peers=2, seed=3)
     phi0 = [p.clone() for p in sim.phis[0]]
     H = m.sync.inner_steps
