@@ -169,7 +169,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
                       threads=torch.get_num_threads())
         for note in notes:
             reporter.emit("warning", message=note)
-        reporter.emit("status", message="training: catching up with the swarm if it is ahead, then the first round")
+        reporter.emit("status", message="training: catching up with the swarm if it is ahead, then the first round"
+                      if cfg.initial_peers else "training: the first round starts")
         summary = trainer.run()
         saved = trainer.save()
         reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)
