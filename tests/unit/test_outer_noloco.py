@@ -56,7 +56,7 @@ def test_gamma_equal_beta_reduces_to_step_toward_mean_fast_weights():
 
 
 def test_alone_noloco_has_no_pull_and_rejects_nan():
-    o = NoLoCo([torch.Size([2])], NoLoCoSpec())
+    o = NoLoCo([torch.Size([2])], NoLoCoSpec(momentum=0.5, lr=0.7, pull=0.7))
     phi = [torch.zeros(2)]
     o.apply(phi, o.payload(phi, [torch.full((2,), -1.0)]))  # Δ = φ − θ = −1: θ moved to +1
     torch.testing.assert_close(phi[0], torch.full((2,), 0.7))
@@ -68,14 +68,14 @@ def test_alone_noloco_has_no_pull_and_rejects_nan():
 def test_stability_bound_is_enforced_naming_bound_and_values(tmp_path):
     # n = 2, α = 0.5: 0.5 < γ < 1.5
     with pytest.raises(ManifestError) as info:
-        RunManifest().replace(sync={"algorithm": "noloco"}, noloco={"pull": 1.6})
+        RunManifest().replace(sync={"algorithm": "noloco"}, noloco={"momentum": 0.5, "pull": 1.6})
     text = str(info.value)
     assert "noloco.pull (γ) = 1.6" in text and "0.5 < γ < 1.5" in text and "α = 0.5" in text
     with pytest.raises(ManifestError, match="must exceed"):
         RunManifest().replace(sync={"algorithm": "noloco"}, noloco={"momentum": 0.8, "lr": 0.7, "pull": 0.9})
     lo = 0.5 * math.sqrt(4 / 6)
     with pytest.raises(ManifestError, match=f"{lo:.4g} < γ"):
-        RunManifest().replace(sync={"algorithm": "noloco"}, noloco={"group_size": 4, "pull": 0.3})
+        RunManifest().replace(sync={"algorithm": "noloco"}, noloco={"momentum": 0.5, "group_size": 4, "pull": 0.3})
     # Inside the bound: accepted; an unused noloco section is not checked against the bound.
     assert RunManifest().replace(sync={"algorithm": "noloco"}, noloco={"pull": 1.2}).noloco.pull == 1.2
     assert RunManifest().replace(noloco={"pull": 1.6}).sync.algorithm == "diloco"
