@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from peer import node
@@ -23,9 +25,12 @@ def test_a_joiner_refuses_a_data_path_named_by_the_network(tmp_path):
     attacker_run = RunManifest(name="default", data=DataSpec(source="files", path=str(private)))
     dht = FakeDHT()
     _announce(dht, attacker_run)
-    # what `peer join` without --run does (peer/node.py)
+    # what `peer join` without --run does (peer/node.py: the run chosen from the swarm's index)
+    cfg = types.SimpleNamespace(new_run=None, manifest_wait_s=0.0, run_flag="--run/--preset", run_id=None,
+                                start_new_run=False, data_dir=tmp_path / "data")
+    reporter = types.SimpleNamespace(emit=lambda *args, **fields: None)
     with pytest.raises(ManifestError) as info:
-        node._fetch_manifest(dht, None, 0.0)
+        node._find_run(dht, cfg, reporter)
     message = str(info.value)
     assert "data.path" in message and "--run" in message and "\n" not in message
     with pytest.raises(ManifestError):
