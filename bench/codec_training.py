@@ -4,7 +4,8 @@
     python bench/codec_training.py --codecs fp4 --set compression.block_size=256 --json /tmp/fp4_256.json
 
 The setup of bench/compare.py (its run manifest bench/compare.toml: 139,968-parameter Llama,
-H = 25, 32 rounds, global batch 2,048 tokens per inner step, DiLoCo Nesterov 0.7/0.9), N = 4
+H = 25, its global batch and outer optimizer; the recorded results used the file of commit 4e901d8:
+2,048 tokens per step, DiLoCo Nesterov 0.7/0.9; ``--rounds`` defaults to 32), N = 4
 peers, seed 0, once per codec: the same φ_0, data shards and schedule, so the runs differ only
 in what the all-reduce carries. Each lossy codec runs with error feedback
 (``compression.error_feedback``, the default) and its default parameters (block 64, top-k 1 %,
