@@ -254,8 +254,9 @@ def _watch(swarm: Swarm, console) -> None:
 
             console.print(f"{name} | {round_line(event)}", markup=False, highlight=False)
         elif kind == "eval":
+            bpb = f" nats/token ({event['bpb']:.3f} bits/byte)" if event.get("bpb") is not None else ""
             console.print(f"{name} | eval ({event['when']}) at round {event['round']}: "
-                          f"validation loss {event['loss']:.4f}", markup=False, highlight=False)
+                          f"validation loss {event['loss']:.4f}{bpb}", markup=False, highlight=False)
         elif kind == "adopted_state":
             console.print(f"{name} | joined at round {event['round']} with the swarm's φ", markup=False)
         elif kind == "warning":
