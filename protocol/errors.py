@@ -13,6 +13,7 @@ entry point can catch one base class and print one actionable line::
     │   ├── VersionMismatch         the manifest's protocol version differs from ours
     │   ├── ManifestNotFound        no manifest for the run id in the DHT
     │   └── BadPayload              a record or state download failed validation
+    │       └── BadSignature        a signed value's signature or signer does not match
     ├── SyncError                   an outer step's communication failed; the round is recoverable
     │   ├── GroupNotFound           no group formed before the matchmaking deadline
     │   ├── AllreduceFailed         the all-reduce failed, timed out or mixed rounds
@@ -93,6 +94,11 @@ class ManifestNotFound(ProtocolError):
 
 class BadPayload(ProtocolError):
     """A record or downloaded state failed validation (shape, dtype, finiteness, size)."""
+
+
+class BadSignature(BadPayload):
+    """A signed DHT value (a run announcement, a peer's record) is unsigned, signed by another key
+    than the one its run id or subkey names, or its signature does not verify (protocol/signing.py)."""
 
 
 class SyncError(LocoError):
