@@ -7,7 +7,8 @@ and :func:`protocol.groups.plan_groups`); only the group mean is computed here, 
 of by an all-reduce. With a lossy ``[compression]`` codec each peer's contribution goes through
 the network's codec code (:mod:`protocol.codecs`, :mod:`peer.sync.adaptive`): error-compensated,
 encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
-A data-parallel mode (one model, gradients averaged every inner step) gives
+With ``sync.overlap`` the outer steps follow peer/train/overlap.py, as a peer's round loop does: a
+round's means land one round late. A data-parallel mode (one model, gradients averaged every inner step) gives
 the ceiling that low-communication methods are compared against at equal tokens.
 
 Over 300 lines: one simulated round (inner steps, compressed group means as the network computes
@@ -31,7 +32,8 @@ from peer.sync.error_feedback import ErrorFeedback
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
-from peer.train.outer import make_outer, pseudo_gradient
+from peer.train.outer import make_outer
+from peer.train.overlap import drain, next_start, round_progress
 from protocol.codecs import Codec, make_codec
 from protocol.manifest import RunManifest
 from protocol.groups import codec_seed, plan_groups
@@ -197,6 +199,10 @@ class Simulation:
             self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
             self.phis = [[p.detach().clone() for p in m.parameters()] for m in self.models]
             self._setup_codecs(shapes)
+        self.anchors = [[p.clone() for p in phi] for phi in self.phis]
+        """ψ: where each peer's current round started (φ without overlap; peer/train/overlap.py)."""
+        self.pending: list[list[torch.Tensor]] | None = None
+        """With overlap: each peer's group mean of the last round, applied at the end of this one."""
 
     def _setup_codecs(self, shapes: Sequence[torch.Size]) -> None:
         """Per payload tensor its codec (None: adaptive, planned each round), per peer its residuals."""
@@ -233,9 +239,20 @@ class Simulation:
         self.round_ += 1
 
     def _outer_step(self, round_tokens: Sequence[int]) -> None:
+        """The groups' means and outer steps; with ``sync.overlap`` the rules of peer/train/overlap.py:
+        last round's means land now, this round's are held back a round (their sync "runs" while the
+        next round trains), and each peer starts the next round from :func:`next_start`."""
+        mode = self.m.sync.overlap
         thetas = [list(m.parameters()) for m in self.models]
-        payloads = [outer.payload(phi, pseudo_gradient(phi, theta))
-                    for outer, phi, theta in zip(self.outers, self.phis, thetas)]
+        anchors = self.phis if mode == "none" else self.anchors
+        deltas = [round_progress(anchor, theta) for anchor, theta in zip(anchors, thetas)]
+        if self.pending is not None:  # round t−1's means, "synced" while round t trained
+            for outer, phi, mean in zip(self.outers, self.phis, self.pending):
+                outer.apply(phi, mean)
+            self.pending = None
+        payloads = [outer.payload(phi, delta) for outer, phi, delta in zip(self.outers, self.phis, deltas)]
+        means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]
+        shares = [1.0] * self.peers
         for group in sync_groups(self.m, self.peers, self.round_):
             weights = [max(1, round_tokens[j]) for j in group]
             if len(group) == 1:
@@ -245,12 +262,35 @@ class Simulation:
             else:
                 mean = weighted_mean([payloads[j] for j in group], weights)
                 sent = butterfly_bytes(sum(t.numel() for t in mean), len(group))
-            for j in group:  # the mean is computed before any member's φ moves: groups are disjoint
-                self.outers[j].apply(self.phis[j], mean)
+            for j in group:
+                means[j], shares[j] = mean, 1.0 / len(group)
                 self.bytes_sent[j] += sent
+        if mode == "none":
+            for outer, phi, mean in zip(self.outers, self.phis, means):
+                outer.apply(phi, mean)
+            starts = self.phis
+        else:
+            self.pending = means
+            starts = [next_start(mode, outer, phi, delta, payload, share=share)
+                      for outer, phi, delta, payload, share in zip(self.outers, self.phis, deltas, payloads, shares)]
+            self.anchors = starts
         with torch.no_grad():
-            for theta, phi in zip(thetas, self.phis):
-                for t, p in zip(theta, phi):
+            for theta, start in zip(thetas, starts):
+                for t, p in zip(theta, start):
+                    t.copy_(p)
+
+    def finish(self) -> None:
+        """With overlap, wait for the last round's sync: apply its means and set θ ← φ (no-op
+        without one), so the final φ holds every round, as a peer's does when training ends."""
+        if self.data_parallel or self.pending is None:
+            return
+        for outer, phi, mean in zip(self.outers, self.phis, self.pending):
+            drain(outer, phi, mean)
+        self.pending = None
+        self.anchors = [[p.clone() for p in phi] for phi in self.phis]
+        with torch.no_grad():
+            for model, phi in zip(self.models, self.phis):
+                for t, p in zip(model.parameters(), phi):
                     t.copy_(p)
 
     def _compressed_mean(self, group: Sequence[int], payloads: Sequence[Sequence[torch.Tensor]],
@@ -343,6 +383,8 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     history = [sim.evaluate(windows)]
     for r in range(1, rounds + 1):
         sim.run_round()
+        if r == rounds:
+            sim.finish()  # overlap: the last round's sync lands before the final evaluation
         if r % max(1, eval_every_rounds) == 0 or r == rounds:
             history.append(sim.evaluate(windows))
             h = history[-1]

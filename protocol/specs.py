@@ -243,6 +243,10 @@ class NoLoCoSpec:
             )
 
 
+OVERLAP_MODES = ("none", "delayed", "eager")
+"""How a round's sync overlaps the next round's inner steps (``sync.overlap``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SyncSpec:
     """How and how often peers exchange pseudo-gradients."""
@@ -269,10 +273,16 @@ class SyncSpec:
     """Lower bound of the adaptive matchmaking time."""
     min_allreduce_timeout_s: float = 5.0
     """Lower bound of the adaptive all-reduce timeout."""
+    overlap: str = "none"
+    """'none': a peer waits for its round's sync; 'delayed': round t's sync runs while round t+1
+    trains and its outer step lands at the end of round t+1 (DiLoCoX one-step delay); 'eager': as
+    delayed, and each peer starts round t+1 from φ plus its own fresh pseudo-gradient's share
+    (arXiv 2502.12996). peer/train/overlap.py; a swarm-wide fact."""
 
     def __post_init__(self) -> None:
         s = "sync"
         one_of(s, "algorithm", self.algorithm, ("diloco", "noloco", "independent"))
+        one_of(s, "overlap", self.overlap, OVERLAP_MODES)
         int_in(s, "inner_steps", self.inner_steps, 1, 10**6)
         int_in(s, "target_group_size", self.target_group_size, 2, 4096)
         float_in(s, "matchmaking_time_s", self.matchmaking_time_s, 0.0, 3600.0, lo_open=True)

@@ -1,0 +1,151 @@
+"""Overlapping a round's sync with the next round's inner steps: the update rules, pure tensor code.
+
+Shared by the round loop (peer/round.py with peer/sync/background.py) and the in-process
+simulation (lab/simulation.py), so the benchmark measures what the swarm runs. ALGORITHMS.md §3.
+
+Notation as in ALGORITHMS.md: φ the outer parameters (identical on every peer that completed a
+round with the same group), θ the inner parameters, Δ a pseudo-gradient. With overlap a round no
+longer starts from φ, so each peer keeps its round's *anchor* ψ_t, the point round t started
+from, and its pseudo-gradient is the round's own progress ``Δ_t = ψ_t − θ_t`` (Δ = φ − θ when
+ψ = φ, as without overlap). At the end of round t a peer
+
+1. applies the group mean of round t−1 (whose sync ran in the background during round t) to φ
+   with the outer algorithm, unchanged: ``φ ← OuterOpt(φ, mean_{t−1})``; every groupmate applies
+   the same bytes to the same φ, so φ stays bit-identical (the *correction*, for eager);
+2. starts the background sync of round t's payload (built from φ after step 1: NoLoCo's φ half is
+   then exactly the φ its outer step will be applied to);
+3. starts round t+1 from ``ψ_{t+1} = next_start(...)``:
+
+   * ``delayed`` (DiLoCoX, arXiv 2506.21263, one-step delay): ``ψ = φ − Δ_t``, i.e.
+     ``θ ← φ_new + (θ_t − ψ_t)``: the new φ plus this round's local progress, which is not in φ
+     yet (it reaches φ through the group mean one round later, so nothing is counted twice);
+   * ``eager`` (Kale et al., arXiv 2502.12996): ``ψ = OuterOpt'(φ, Δ_t / n)``, a preview of the
+     outer step on a copy of φ and the outer state, with this peer's fresh Δ at its share 1/n of
+     the group mean standing in for round t's whole mean; the others' Δ of round t−1 are already
+     in φ through step 1. Eager's Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1) (ALGORITHMS.md
+     §3) with one difference: the paper keeps a per-worker outer state built on Δ̂; here φ and the
+     outer momentum are built on the true group means only, so φ stays identical across peers and
+     the eager step lives in θ alone. With plain outer SGD (no momentum) the two give the same θ.
+
+The outer step of the last round's mean lands one round late; :func:`drain` is what a peer does
+when training ends (it waits for the last sync and applies it). A sync that fails applies the
+peer's own payload, as without overlap (DiLoCo paper Fig. 8).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from peer.train.outer import OuterAlgorithm, check_finite, pseudo_gradient
+from protocol.specs import OVERLAP_MODES
+
+
+def round_progress(anchor: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Δ_t = ψ_t − θ_t: the progress of this round alone (the pseudo-gradient this peer sends).
+
+    Args:
+        anchor: ψ_t, the point the round started from, fp32 host tensors shaped like φ.
+        theta: θ after the round's inner steps, same shapes (any float dtype, on the host).
+
+    Returns:
+        New fp32 tensors. Without overlap ψ_t = φ_t, so this is :func:`pseudo_gradient`.
+    """
+    return pseudo_gradient(anchor, theta)
+
+
+def eager_mean(payload: Sequence[torch.Tensor], *, n_delta: int, share: float) -> list[torch.Tensor]:
+    """The stand-in for the group mean that eager's preview step applies: this peer's payload with
+    its Δ part scaled by ``share`` (its weight in the group mean, 1/n for n equal peers) and any φ
+    part (NoLoCo) unchanged, so NoLoCo's pull term is zero until the partners' φ arrive.
+
+    Args:
+        payload: this peer's payload (``OuterAlgorithm.payload``), fp32.
+        n_delta: how many leading tensors are Δ (``phi_from`` or the whole payload).
+        share: in (0, 1].
+
+    Raises:
+        ValueError: ``share`` outside (0, 1].
+    """
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share = {share!r}: need 0 < share <= 1")
+    return [t * share if i < n_delta else t.clone() for i, t in enumerate(payload)]
+
+
+def preview_step(outer: OuterAlgorithm, phi: Sequence[torch.Tensor],
+                 mean: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What ``outer.apply(φ, mean)`` would make of φ, on copies: φ and the outer state are unchanged.
+
+    Args:
+        outer: the run's outer algorithm (peer/train/outer.py).
+        phi: fp32 outer parameters (read only).
+        mean: a payload-shaped fp32 stand-in for the group mean.
+
+    Returns:
+        New fp32 tensors shaped like ``phi``.
+
+    Raises:
+        BadPayload: ``mean`` has the wrong count, shapes or non-finite values; nothing changed.
+    """
+    saved = [t.clone() for t in outer.state_tensors()]
+    out = [p.clone() for p in phi]
+    try:
+        outer.apply(out, mean)
+    finally:
+        with torch.no_grad():
+            for t, s in zip(outer.state_tensors(), saved):
+                t.copy_(s)
+    return out
+
+
+def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],
+               payload: Sequence[torch.Tensor], *, share: float) -> list[torch.Tensor]:
+    """ψ_{t+1}, where round t+1's inner steps start (call after φ took round t−1's mean).
+
+    Implements the one-step delay of DiLoCoX (arXiv 2506.21263) for ``delayed`` and the eager
+    update of arXiv 2502.12996 for ``eager`` (see the module docstring for the equations).
+
+    Args:
+        mode: ``sync.overlap``: 'none', 'delayed' or 'eager'.
+        outer: the run's outer algorithm; only read (its state is restored after eager's preview).
+        phi: φ after round t−1's mean, fp32 host tensors.
+        delta: Δ_t = ψ_t − θ_t, this round's progress, shaped like ``phi``.
+        payload: this peer's payload of round t (``outer.payload(φ, Δ_t)``).
+        share: this peer's share of the group mean (1 / expected group size).
+
+    Returns:
+        New fp32 tensors shaped like ``phi`` ('none': a copy of φ).
+
+    Raises:
+        ValueError: unknown ``mode``.
+        BadPayload: Δ or the preview is not finite; φ and the outer state unchanged.
+    """
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap = {mode!r}: allowed {OVERLAP_MODES}")
+    if mode == "none":
+        return [p.clone() for p in phi]
+    check_finite(delta, "this round's progress")
+    if mode == "delayed":
+        return [p - d for p, d in zip(phi, delta, strict=True)]
+    n_delta = outer.phi_from(len(phi))
+    start = preview_step(outer, phi, eager_mean(payload, n_delta=len(payload) if n_delta is None else n_delta,
+                                                share=share))
+    check_finite(start, "the eager start point")
+    return start
+
+
+def drain(outer: OuterAlgorithm, phi: Sequence[torch.Tensor], pending: Sequence[torch.Tensor] | None) -> bool:
+    """Apply the last in-flight mean (or the own payload it fell back to) to φ when training ends.
+
+    Returns:
+        True when something was applied (False: nothing was pending).
+
+    Raises:
+        BadPayload: the pending mean is malformed; φ and the outer state are unchanged.
+    """
+    if pending is None:
+        return False
+    outer.apply(phi, pending)
+    return True
+

@@ -1,0 +1,162 @@
+"""The overlap update rules (peer/train/overlap.py) against references written from the papers'
+equations: DiLoCoX's one-step delay (arXiv 2506.21263) and eager updates (arXiv 2502.12996)."""
+
+import pytest
+import torch
+
+from peer.train.outer import DiLoCo, NoLoCo
+from peer.train.overlap import drain, eager_mean, next_start, preview_step, round_progress
+from protocol.errors import BadPayload, ManifestError
+from protocol.manifest import RunManifest, from_dict
+from protocol.specs import NoLoCoSpec, OuterOptimizerSpec, SyncSpec
+
+SHAPES = [torch.Size([3, 4]), torch.Size([5])]
+
+
+def rand(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def nesterov() -> DiLoCo:
+    return DiLoCo(SHAPES, OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=True))
+
+
+def plain(lr: float = 1.0) -> DiLoCo:
+    return DiLoCo(SHAPES, OuterOptimizerSpec(lr=lr, momentum=0.0, nesterov=False))
+
+
+def test_overlap_is_a_validated_manifest_field_defaulting_to_none():
+    assert SyncSpec().overlap == "none"
+    assert RunManifest().sync.overlap == "none"
+    for mode in ("none", "delayed", "eager"):
+        assert from_dict({"sync": {"overlap": mode}}).sync.overlap == mode
+    with pytest.raises(ManifestError, match=r"sync\.overlap = 'sometimes'.*'none', 'delayed', 'eager'"):
+        from_dict({"sync": {"overlap": "sometimes"}})
+    # a swarm-wide fact: it changes the run id
+    assert from_dict({"sync": {"overlap": "eager"}}).run_id != RunManifest().run_id
+
+
+def test_delayed_phi_is_the_blocking_phi_one_round_late():
+    """Identical peers whose rounds make the same progress g_t wherever they start: the delayed φ
+    after round t+1 equals the blocking φ after round t (DiLoCoX one-step delay), momentum included."""
+    progress = [rand(10 + t) for t in range(5)]
+    blocking, delayed = nesterov(), nesterov()
+    phi_b, phi_d = rand(0), rand(0)
+    history_b = []
+    for g in progress:
+        blocking.apply(phi_b, g)
+        history_b.append([p.clone() for p in phi_b])
+
+    anchor, pending = [p.clone() for p in phi_d], None
+    history_d = []
+    for g in progress:
+        theta = [a - x for a, x in zip(anchor, g)]        # the round's inner steps
+        delta = round_progress(anchor, theta)
+        if pending is not None:
+            delayed.apply(phi_d, pending)                   # last round's mean lands
+        history_d.append([p.clone() for p in phi_d])
+        pending = delta                                     # identical peers: the mean is Δ
+        anchor = next_start("delayed", delayed, phi_d, delta, delta, share=1.0)
+        for a, p, d in zip(anchor, phi_d, delta):          # θ ← φ_new + (θ − ψ_old)
+            torch.testing.assert_close(a, p - d, rtol=0, atol=0)
+    drain(delayed, phi_d, pending)
+    history_d.append([p.clone() for p in phi_d])
+    for t, phi in enumerate(history_b):
+        for a, b in zip(history_d[t + 1], phi):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_delayed_plain_averaging_of_one_peer_is_continued_local_training():
+    """lr 1, no momentum, one peer: each round starts where the last ended, nothing counted twice."""
+    outer, phi = plain(), rand(0)
+    anchor, pending = [p.clone() for p in phi], None
+    for t in range(4):
+        theta = [a - 0.1 * x for a, x in zip(anchor, rand(20 + t))]
+        delta = round_progress(anchor, theta)
+        if pending is not None:
+            outer.apply(phi, pending)
+        pending = delta
+        anchor = next_start("delayed", outer, phi, delta, delta, share=1.0)
+        for a, th in zip(anchor, theta):
+            torch.testing.assert_close(a, th, rtol=0, atol=1e-6)
+
+
+def test_eager_matches_the_papers_recursion_with_plain_outer_sgd():
+    """Eager (ALGORITHMS.md §3): θ_i(t) = OuterOpt(θ_i(t−1), Δ̂_i(t)) with
+    Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1). With outer SGD (lr η, no momentum) the start
+    of each round equals the paper's per-worker outer parameters, while φ stays shared."""
+    M, eta = 3, 0.8
+    outers = [plain(eta) for _ in range(M)]
+    phis = [rand(0) for _ in range(M)]
+    anchors = [[p.clone() for p in phi] for phi in phis]
+    paper = [[p.clone() for p in phi] for phi in phis]   # θ_i(t) of the paper, one per worker
+    pending, last = None, None
+    for t in range(4):
+        deltas = [[0.05 * x for x in rand(100 * t + i)] for i in range(M)]   # Δ_i(t)
+        mean = [sum(d[k] for d in deltas) / M for k in range(len(SHAPES))]
+        if pending is not None:
+            for outer, phi in zip(outers, phis):
+                outer.apply(phi, pending)                                       # the correction
+        for i in range(M):
+            others = ([sum(last[j][k] for j in range(M) if j != i) / M for k in range(len(SHAPES))]
+                      if last is not None else [torch.zeros(s) for s in SHAPES])
+            hat = [deltas[i][k] / M + others[k] for k in range(len(SHAPES))]
+            paper[i] = [p - eta * h for p, h in zip(paper[i], hat)]
+            anchors[i] = next_start("eager", outers[i], phis[i], deltas[i], deltas[i], share=1 / M)
+            for a, b in zip(anchors[i], paper[i]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        pending, last = mean, deltas
+        for phi in phis[1:]:   # φ only ever takes group means: bit-identical on every worker
+            for a, b in zip(phi, phis[0]):
+                assert torch.equal(a, b)
+
+
+def test_eager_preview_leaves_phi_and_momentum_alone_and_is_corrected_by_the_mean():
+    outer, phi = nesterov(), rand(0)
+    outer.apply(phi, rand(1))            # some momentum
+    phi_before, m_before = [p.clone() for p in phi], [m.clone() for m in outer.momentum]
+    mine, n = rand(2), 4
+    start = next_start("eager", outer, phi, mine, mine, share=1 / n)
+    for p, b in zip(phi, phi_before):
+        assert torch.equal(p, b)
+    for m, b in zip(outer.momentum, m_before):
+        assert torch.equal(m, b)
+    lr, mu = 0.7, 0.9
+    for s, p, m, d in zip(start, phi, m_before, mine):   # SGD Nesterov on Δ/n, from a copy
+        g = d / n
+        torch.testing.assert_close(s, p - lr * (g + mu * (mu * m + g)), rtol=1e-6, atol=1e-6)
+    # the group mean arrives: φ takes the true mean, whatever the eager guess was
+    reference, group_mean = nesterov(), rand(3)
+    reference.momentum = [m.clone() for m in m_before]
+    expected = [p.clone() for p in phi_before]
+    reference.apply(expected, group_mean)
+    outer.apply(phi, group_mean)
+    for a, b in zip(phi, expected):
+        assert torch.equal(a, b)
+
+
+def test_noloco_eager_preview_has_no_pull_until_the_partner_phi_arrives():
+    outer = NoLoCo(SHAPES, NoLoCoSpec(momentum=0.5, lr=0.7, pull=0.7))
+    phi, d = rand(0), rand(1)
+    payload = outer.payload(phi, d)
+    stand_in = eager_mean(payload, n_delta=outer.phi_from(len(phi)), share=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(stand_in[len(phi):], phi))   # mean φ = own φ
+    start = preview_step(outer, phi, stand_in)
+    for s, p, x in zip(start, phi, d):   # δ = −β·Δ/2, φ + δ
+        torch.testing.assert_close(s, p - 0.7 * x / 2, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(m, torch.zeros_like(m)) for m in outer.momentum)
+
+
+def test_none_bad_mode_bad_share_and_non_finite_progress():
+    outer, phi, d = plain(), rand(0), rand(1)
+    start = next_start("none", outer, phi, d, d, share=1.0)
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(start, phi))
+    with pytest.raises(ValueError, match="overlap = 'later'"):
+        next_start("later", outer, phi, d, d, share=1.0)
+    with pytest.raises(ValueError, match="share = 0"):
+        eager_mean(d, n_delta=2, share=0)
+    bad = [d[0], torch.full_like(d[1], float("nan"))]
+    with pytest.raises(BadPayload):
+        next_start("delayed", outer, phi, bad, bad, share=1.0)
+    assert not drain(outer, phi, None)
