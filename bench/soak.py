@@ -12,7 +12,14 @@ hold is evaluated on the validation windows.
 Phase 2: the same swarm with no faults, for the number of rounds that processes the same number
 of tokens as phase 1 did (equal tokens), then φ is evaluated the same way.
 
-Prints a table and writes the numbers as JSON (``--out``). Needs root.
+Also counted, for issue #13's targets: hangs (a peer not exiting within 60 s of SIGTERM, or a
+sync that ran over its deadline by more than 5 s), NaN events (a round discarded or restarted for
+a non-finite value, a non-finite checkpoint), checkpoints that do not load at the end, orphans
+(processes left in a peer's namespace 10 s after it exited) and memory growth (PSS of a peer's
+whole namespace at the end against its level after its first ten rounds, worst peer).
+
+Prints a table and writes the issue's summary keys as JSON to ``--out`` and everything else to
+``--out`` with the suffix ``.detail.json``. Needs root.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import json
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +41,13 @@ sys.path.insert(0, str(ROOT))
 
 from lab.chaos import CHAOS_MODEL, ChaosSwarm  # noqa: E402
 from peer.launch import stop_all  # noqa: E402
+from protocol.errors import ChildTimeout  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
+
+
+FAULTS = ("kill9", "sigstop", "link_down", "join", "kill_bootstrap")
+"""Fault kinds as ChaosSwarm notes them (restart, sigcont and link_up end a fault)."""
 
 
 def soak_manifest() -> RunManifest:
@@ -64,16 +77,101 @@ def evaluate_checkpoint(workdir: Path, name: str, manifest: RunManifest) -> floa
     return evaluate(model, validation_batch(load_corpus(manifest.data), manifest.data))
 
 
-def stop_peers(swarm: ChaosSwarm, timeout_s: float = 60.0) -> None:
+def namespace_pids(swarm: ChaosSwarm, name: str) -> list[int]:
+    """Every process in member ``name``'s network namespace: the peer, its DHT and averager
+    processes and p2pd (nothing else runs there)."""
+    out = subprocess.run(["ip", "netns", "pids", swarm.hosts[name].netns], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def pss_mib(pids: Sequence[int]) -> float:
+    """Proportional set size of ``pids`` together, MiB (shared pages split between sharers, so
+    forked children are not counted twice)."""
+    total_kib = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kib += int(line.split()[1])
+        except (OSError, ValueError):
+            pass  # exited meanwhile
+    return total_kib / 1024
+
+
+class MemoryWatch:
+    """Samples each peer's memory (PSS of its whole namespace) with the rounds its current start has
+    completed; ``growth`` compares the end with the level after the first ten rounds."""
+
+    def __init__(self, swarm: ChaosSwarm, every_s: float = 15.0):
+        self.swarm, self.every_s, self.next = swarm, every_s, 0.0
+        self.samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+
+    def poll(self) -> None:
+        if time.time() < self.next:
+            return
+        self.next = time.time() + self.every_s
+        for name, child in list(self.swarm.members.items()):
+            if child.alive and name not in self.swarm.frozen:
+                done = sum(1 for e in child.of("round") if e.start == child.starts)
+                self.samples.setdefault((name, child.starts), []).append((done, pss_mib(namespace_pids(self.swarm, name))))
+
+    def growth(self) -> tuple[float, dict[str, tuple[float, float]]]:
+        """(largest relative growth, {peer: (MiB after 10 rounds, MiB at the end)}) over the starts
+        that lived past their tenth round and were still running at the end."""
+        levels = {}
+        for name, child in self.swarm.members.items():
+            samples = self.samples.get((name, child.starts), [])
+            after_ten = [mib for done, mib in samples if done >= 10]
+            if len(after_ten) >= 2:
+                levels[name] = (after_ten[0], samples[-1][1])
+        worst = max(((end - first) / first for first, end in levels.values()), default=0.0)
+        return worst, levels
+
+
+def stop_peers(swarm: ChaosSwarm, timeout_s: float = 60.0) -> tuple[list[str], int]:
     """SIGTERM every live peer (it finishes its step and checkpoints); kill those still running after
-    ``timeout_s``."""
+    ``timeout_s``. Returns (peers that did not exit in time: hangs, processes left in the peers'
+    namespaces 10 s after the last peer exited: orphans)."""
     for name in sorted(swarm.frozen):
         swarm.thaw(name)
     for name in sorted(swarm.partitioned):
         swarm.heal(name)
     for child in swarm.members.values():
         child.send(signal.SIGTERM)
-    stop_all(swarm.members.values(), timeout_s)
+    deadline = time.time() + timeout_s
+    hung = []
+    for name, child in swarm.members.items():
+        try:
+            child.wait(max(0.1, deadline - time.time()))
+        except ChildTimeout:
+            hung.append(name)
+    stop_all(swarm.members.values(), 5.0)
+    time.sleep(10.0)  # p2pd follows its DHT process on a watchdog; give it that long
+    orphans = sum(len(namespace_pids(swarm, name)) for name in swarm.members)
+    return hung, orphans
+
+
+def check_checkpoints(workdir: Path, swarm: ChaosSwarm, manifest: RunManifest) -> tuple[list[str], list[str]]:
+    """(peers whose checkpoint does not load, peers whose checkpointed φ is not finite)."""
+    import torch
+
+    from peer.state.checkpoint import load_checkpoint
+    from peer.train.model import build_model
+
+    named = list(build_model(manifest.model).named_parameters())
+    bad, nonfinite = [], []
+    for name in swarm.members:
+        path = workdir / name / "runs" / manifest.run_id / "checkpoint.safetensors"
+        try:
+            state = load_checkpoint(path, run_id=manifest.run_id, names=[n for n, _ in named],
+                                    shapes=[p.shape for _, p in named])
+        except Exception as exc:  # noqa: BLE001 - any failure to load is what this counts
+            print(f"checkpoint of {name} does not load: {exc}", flush=True)
+            bad.append(name)
+            continue
+        if not all(torch.isfinite(t).all() for t in state.phi):
+            nonfinite.append(name)
+    return bad, nonfinite
 
 
 def majority_peer(swarm: ChaosSwarm) -> tuple[str, int, str]:
@@ -142,7 +240,20 @@ def report(swarm: ChaosSwarm, started: float, ended: float) -> dict:
                 continue
             if b - a > longest[0]:
                 longest = (b - a, name, next(e["round"] for e in rounds if e["time"] == b))
-    return {"minutes": (ended - started) / 60, "faults": Counter(f["fault"] for f in swarm.faults),
+    # one round's deadline: a round's inner compute plus its sync deadline (medians over all
+    # rounds); a peer past it has neither completed nor abandoned its round in time
+    compute = sorted(e["tokens"] / e["tokens_per_s"] for c in swarm.members.values() for e in c.of("round")
+                     if e.get("tokens") and e.get("tokens_per_s"))
+    deadlines = [e["deadline_s"] for c in swarm.members.values() for e in c.of("round") if e.get("deadline_s")]
+    deadlines.sort()
+    round_deadline = (compute[len(compute) // 2] if compute else 0.0) + (deadlines[len(deadlines) // 2] if deadlines else 0.0)
+    overdue_syncs = sum(1 for c in swarm.members.values() for e in c.of("round")
+                        if e.get("deadline_s") and e["sync_s"] > e["deadline_s"] + 5.0)
+    nan_events = sum(1 for c in swarm.members.values() for e in c.events
+                     if (e.kind == "warning" and "restarting the round from" in str(e.get("message", "")))
+                     or (e.kind == "round" and "discarded" in str(e.get("note") or "")))
+    return {"minutes": (ended - started) / 60, "faults": Counter(f["fault"] for f in swarm.faults if f["time"] >= started and f["fault"] in FAULTS),
+            "round_deadline_s": round_deadline, "overdue_syncs": overdue_syncs, "nan_events": nan_events,
             "rounds_per_peer": per_peer, "round_outcomes": dict(causes), "adoptions": dict(adoptions),
             "longest_gap_between_rounds_s": longest[0], "longest_gap_peer": longest[1],
             "longest_sync_s": longest_sync[0], "its_deadline_s": longest_sync[1], "tokens": tokens}
@@ -183,7 +294,9 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
         joined = 0
         bootstrap_dead = False
         next_fault = started + args.fault_every
+        memory = MemoryWatch(swarm)
         while time.time() < end:
+            memory.poll()
             now = time.time()
             for item in sorted(pending):
                 when, action, name = item
@@ -225,9 +338,13 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
                 next_fault = now + args.fault_every * rng.uniform(2 / 3, 4 / 3)
             time.sleep(0.5)
         ended = time.time()
-        stop_peers(swarm)
+        growth, levels = memory.growth()
+        hung, orphans = stop_peers(swarm)
         result = report(swarm, started, ended)
+        bad, nonfinite = check_checkpoints(workdir, swarm, manifest)
         name, round_, digest = majority_peer(swarm)
+        result.update(hung_at_stop=hung, orphans=orphans, bad_checkpoints=bad, nonfinite_checkpoints=nonfinite,
+                      rss_growth=growth, memory_mib=levels)
         result.update(eval_peer=name, final_round=round_, final_digest=digest,
                       final_holders=sum(1 for c in swarm.members.values() if c.last("round")
                                         and c.last("round")["state_digest"] == digest),
@@ -244,6 +361,9 @@ def run_clean(workdir: Path, args, manifest: RunManifest, rounds: int) -> dict:
             swarm.members[name].wait()
         ended = time.time()
         result = report(swarm, started, ended)
+        hung, orphans = stop_peers(swarm)
+        bad, nonfinite = check_checkpoints(workdir, swarm, manifest)
+        result.update(hung_at_stop=hung, orphans=orphans, bad_checkpoints=bad, nonfinite_checkpoints=nonfinite)
         name, round_, digest = majority_peer(swarm)
         result.update(eval_peer=name, final_round=round_, final_digest=digest)
     result["validation_loss"] = evaluate_checkpoint(workdir, name, manifest)
@@ -286,9 +406,25 @@ def main() -> None:
           f"held by {faulted['final_holders']} of {faulted['peers_total']} peers) | {clean['validation_loss']:.4f} "
           f"(round {clean['final_round']}) |")
     print(f"| loss change from faults | {100 * change:+.2f} % | |")
+    print(f"| one round's deadline (median compute + median sync deadline) | {faulted['round_deadline_s']:.1f} s | "
+          f"{clean['round_deadline_s']:.1f} s |")
+    for key in ("overdue_syncs", "hung_at_stop", "nan_events", "nonfinite_checkpoints", "bad_checkpoints", "orphans"):
+        print(f"| {key.replace('_', ' ')} | {faulted[key]} | {clean[key]} |")
+    print(f"| memory growth after round 10 (worst peer) | {100 * faulted['rss_growth']:+.1f} % | |")
+    summary = {
+        "minutes": faulted["minutes"], "peers": args.peers, "faults": dict(faulted["faults"]),
+        "loss_faults": faulted["validation_loss"], "loss_clean": clean["validation_loss"], "loss_change": change,
+        "longest_stall_s": faulted["longest_gap_between_rounds_s"], "round_deadline_s": faulted["round_deadline_s"],
+        "hangs": len(faulted["hung_at_stop"]) + faulted["overdue_syncs"] + len(clean["hung_at_stop"]) + clean["overdue_syncs"],
+        "nan_events": faulted["nan_events"] + len(faulted["nonfinite_checkpoints"]) + clean["nan_events"],
+        "bad_checkpoints": len(faulted["bad_checkpoints"]) + len(clean["bad_checkpoints"]),
+        "orphans": faulted["orphans"] + clean["orphans"], "rss_growth": faulted["rss_growth"]}
+    print(json.dumps(summary))
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "faulted": faulted,
-                                        "clean": clean, "loss_change": change}, indent=2, default=str))
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+        args.out.with_suffix(".detail.json").write_text(json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()}, "faulted": faulted, "clean": clean,
+             "loss_change": change}, indent=2, default=str))
 
 
 if __name__ == "__main__":
