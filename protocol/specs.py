@@ -94,7 +94,9 @@ class DataSpec:
     of .txt/.md/.rst/.py text; 'jsonl': a .jsonl file or directory of them; 'parquet': a .parquet file or
     directory of them; 'hf-dataset': a Hugging Face dataset saved with ``save_to_disk`` (never downloaded)."""
     path: str = ""
-    """The file or directory of every source but 'python-stdlib'."""
+    """The file or directory of every source but 'python-stdlib'. Empty when ``corpus_sha256`` names the
+    corpus by content: each peer then reads its own copy (``peer join --data PATH``), checked against
+    the hash; a run announced with a non-empty path is refused by joiners (protocol/dht.py)."""
     text_field: str = "text"
     """The JSON key or column holding each document's text ('jsonl', 'parquet', 'hf-dataset')."""
     tokenizer: str = "bytes"
@@ -118,8 +120,9 @@ class DataSpec:
         s = "data"
         one_of(s, "source", self.source, ("python-stdlib", "files", "jsonl", "parquet", "hf-dataset"))
         check(s, "path", self.path, isinstance(self.path, str), "a string")
-        check(s, "path", self.path, self.source == "python-stdlib" or bool(self.path),
-               f"a non-empty path when data.source = {self.source!r}")
+        check(s, "path", self.path, self.source == "python-stdlib" or bool(self.path) or bool(self.corpus_sha256),
+               f"a non-empty path when data.source = {self.source!r}, or empty with data.corpus_sha256 set "
+               "(a corpus named by content: each peer passes --data PATH)")
         check(s, "text_field", self.text_field, isinstance(self.text_field, str) and bool(self.text_field),
                "a non-empty string")
         one_of(s, "tokenizer", self.tokenizer, ("bytes", "bpe"))

@@ -12,6 +12,7 @@ as ever: the standard library's ``.py`` files in path order, byte by byte.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -22,14 +23,14 @@ import numpy as np
 import torch
 
 from peer.train.cache import cache_key, corpus_sha256, default_cache_dir, load_token_cache, write_token_cache
-from peer.train.sources import describe, iter_documents, list_files, stdlib_root
+from peer.train.sources import SkippedFiles, describe, iter_documents, list_files, stdlib_root
 from peer.train.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from protocol.errors import ConfigError
 from protocol.manifest import DataSpec
 
 __all__ = [
     "BatchSampler", "Corpus", "SamplerState", "bits_per_byte", "is_validation", "list_files", "load_corpus",
-    "peer_seed", "stdlib_root", "validation_batch", "validation_bits_per_byte",
+    "peer_seed", "stdlib_root", "validation_batch", "validation_bits_per_byte", "with_local_data",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Corpus:
     corpus_sha256: str = ""
     """Content hash of the corpus (``data.corpus_sha256``); empty for a corpus built by hand."""
     tokenizer: Tokenizer = field(default_factory=byte_tokenizer)
+    skipped_files: int = 0
+    """Binary or non-UTF-8 files of the source that were skipped (peer/train/sources.py), not trained on."""
 
 
 def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
@@ -72,14 +75,18 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     fraction = spec.validation_fraction
-    corpus_hash, documents = corpus_sha256(iter_documents(spec))
+    skipped = SkippedFiles()
+    corpus_hash, documents = corpus_sha256(iter_documents(spec, skipped))
+    if skipped.paths:
+        logger.warning("%s", skipped.summary(spec))
     if documents == 0:
-        raise ConfigError(f"the corpus ({describe(spec)}) holds no documents: point data.path at some text")
+        also = f" ({len(skipped.paths)} binary or non-UTF-8 file(s) skipped)" if skipped.paths else ""
+        raise ConfigError(f"the corpus ({describe(spec)}) holds no documents{also}: point data.path at some text")
     if spec.corpus_sha256 and corpus_hash != spec.corpus_sha256:
         raise ConfigError(
-            f"the corpus here ({describe(spec)}) hashes to {corpus_hash}, the run pins data.corpus_sha256 = "
-            f"{spec.corpus_sha256}: use the run's corpus, the same documents in the same place "
-            "(`peer data prepare --run RUN.toml` prints the local hash)"
+            f"the corpus at {describe(spec)} ({documents:,} documents) hashes to {corpus_hash}, the run pins "
+            f"data.corpus_sha256 = {spec.corpus_sha256}: use the run's corpus: point --data (or data.path) at a "
+            "copy of it, the same files under the same relative paths (`peer data prepare` prints the local hash)"
         )
 
     def train_texts():
@@ -110,7 +117,39 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
             )
     return Corpus(train=torch.from_numpy(train), validation=torch.from_numpy(validation),
                   train_files=info.train_documents, validation_files=info.validation_documents,
-                  corpus_sha256=corpus_hash, tokenizer=tokenizer)
+                  corpus_sha256=corpus_hash, tokenizer=tokenizer, skipped_files=len(skipped.paths))
+
+
+def with_local_data(spec: DataSpec, data_path: Path | str | None, *, run: str) -> DataSpec:
+    """The run's data spec as this peer reads it: from its own copy of the corpus at ``data_path``
+    (``peer join --data``), checked later by :func:`load_corpus` against the run's
+    ``data.corpus_sha256``. A run names its corpus by content; where each volunteer keeps it is theirs.
+
+    Args:
+        spec: the run's ``[data]`` section.
+        data_path: this peer's copy (a file or directory), or None to read the run's own ``data.path``.
+        run: how to name the run in messages, e.g. ``run 3f2a... (web-1b)``.
+
+    Returns:
+        ``spec`` with ``path`` replaced by ``data_path`` (unchanged when it is None).
+
+    Raises:
+        ConfigError: ``--data`` for a python-stdlib run, ``--data`` for a run that pins no corpus hash
+            (the copy could not be checked), or no ``--data`` for a run that names its corpus by hash only.
+    """
+    if data_path is None:
+        if spec.source != "python-stdlib" and not spec.path:
+            raise ConfigError(f"{run} names its corpus by content only ({spec.source}, data.corpus_sha256 = "
+                              f"{spec.corpus_sha256}): pass --data PATH pointing at your copy of it")
+        return spec
+    if spec.source == "python-stdlib":
+        raise ConfigError(f"--data {str(data_path)!r}: {run} trains on the Python standard library, which every "
+                          "machine has; drop --data")
+    if not spec.corpus_sha256:
+        raise ConfigError(f"--data {str(data_path)!r} cannot be checked: {run} pins no data.corpus_sha256; add the "
+                          "hash `peer data prepare` prints to the run's [data] section, or set data.path in your "
+                          "--run file")
+    return dataclasses.replace(spec, path=str(data_path))
 
 
 def bits_per_byte(nats_per_token: float, tokens: int, num_bytes: int) -> float:

@@ -7,7 +7,10 @@ the same corpus hash. Nothing holds more than one file's text (or one record bat
 Sources: ``python-stdlib`` (the interpreter's own ``.py`` files, read as raw bytes as they always
 were), ``files`` (text files), ``jsonl``, ``parquet`` (read with pyarrow, batch by batch) and
 ``hf-dataset`` (a dataset saved with ``datasets``' ``save_to_disk``; nothing is downloaded).
-Bad input raises :class:`~protocol.errors.ConfigError` naming the file, line or column and what to do.
+Bad input raises :class:`~protocol.errors.ConfigError` naming the file, line or column and what to do,
+except a binary or non-UTF-8 file of a ``files`` or ``jsonl`` source: that file is skipped (a stray
+PDF named ``*.txt`` must not stop a volunteer, nor be trained on) and counted in
+:class:`SkippedFiles`, which the caller logs once.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import logging
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.errors import ConfigError
@@ -42,6 +45,27 @@ class Document:
     """The text as UTF-8 bytes (raw bytes for python-stdlib, whose few non-UTF-8 files are kept as they are)."""
 
 
+class _NotText(Exception):
+    """A corpus file that is binary or not UTF-8: skipped, not fatal."""
+
+
+@dataclass
+class SkippedFiles:
+    """The files one pass of :func:`iter_documents` skipped as binary or non-UTF-8."""
+
+    paths: list[str] = field(default_factory=list)
+    """Their paths relative to the source's root, in corpus order."""
+    reasons: list[str] = field(default_factory=list)
+    """Why each was skipped ('binary (holds NUL bytes)', 'not UTF-8 (byte 3)')."""
+
+    def summary(self, spec: DataSpec) -> str:
+        """One line for the log, e.g. ``skipped 2 binary or non-UTF-8 files of files at '/d' (a.txt: binary ...)``."""
+        first = f"{self.paths[0]}: {self.reasons[0]}" if self.paths else ""
+        more = f" and {len(self.paths) - 1} more" if len(self.paths) > 1 else ""
+        return (f"skipped {len(self.paths)} binary or non-UTF-8 file(s) of {describe(spec)} ({first}{more}); "
+                "they are not trained on")
+
+
 def stdlib_root() -> Path:
     """Directory of the running interpreter's standard library sources."""
     return Path(sysconfig.get_paths()["stdlib"])
@@ -63,6 +87,9 @@ def list_files(spec: DataSpec) -> tuple[Path, list[Path]]:
     if spec.source == "python-stdlib":
         root = stdlib_root()
     else:
+        if not spec.path:  # never the working directory: a run named by content is read from --data
+            raise ConfigError(f"data.path is empty for data.source = {spec.source!r}: pass --data PATH pointing at "
+                              "your copy of the run's corpus")
         root = Path(spec.path).expanduser()
         if not root.exists():
             raise ConfigError(f"data.path {str(root)!r} does not exist: point it at a {'/'.join(suffixes)} "
@@ -79,12 +106,16 @@ def list_files(spec: DataSpec) -> tuple[Path, list[Path]]:
     return root, files
 
 
-def iter_documents(spec: DataSpec) -> Iterator[Document]:
+def iter_documents(spec: DataSpec, skipped: SkippedFiles | None = None) -> Iterator[Document]:
     """Stream the corpus's documents in their deterministic order. Each call starts a fresh pass.
 
+    Args:
+        skipped: collects the binary or non-UTF-8 files this pass skipped (``files`` and ``jsonl``
+            sources); None: skip them silently (a later pass over the same corpus).
+
     Raises:
-        ConfigError: a missing path, an empty directory, a binary or non-UTF-8 file, a JSONL line that is
-            not a JSON object with a string ``text_field``, a parquet file or dataset without that column.
+        ConfigError: a missing path, an empty directory, an unreadable file, a JSONL line that is not a
+            JSON object with a string ``text_field``, a parquet file or dataset without that column.
     """
     if spec.source == "hf-dataset":
         yield from _hf_documents(spec)
@@ -93,7 +124,14 @@ def iter_documents(spec: DataSpec) -> Iterator[Document]:
     reader = {"python-stdlib": _stdlib_file, "files": _text_file, "jsonl": _jsonl_file,
               "parquet": _parquet_file}[spec.source]
     for path in files:
-        yield from reader(path, path.relative_to(root).as_posix(), spec.text_field)
+        rel = path.relative_to(root).as_posix()
+        try:
+            # readers decode a whole file before its first document, so a skip never splits a file
+            yield from reader(path, rel, spec.text_field)
+        except _NotText as exc:
+            if skipped is not None:
+                skipped.paths.append(rel)
+                skipped.reasons.append(str(exc))
 
 
 def _record(text: str) -> Document:
@@ -114,13 +152,11 @@ def _read_utf8(path: Path, what: str) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot read corpus file {str(path)!r}: {exc.strerror}") from exc
     if b"\0" in raw:
-        raise ConfigError(f"corpus file {str(path)!r} is binary (holds NUL bytes), not {what}: "
-                          "remove it from data.path or point data.path elsewhere")
+        raise _NotText(f"binary (holds NUL bytes), not {what}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"corpus file {str(path)!r} is not UTF-8 (byte {exc.start}): re-encode it as UTF-8 "
-                          "or remove it from data.path") from exc
+        raise _NotText(f"not UTF-8 (byte {exc.start})") from exc
 
 
 def _text_file(path: Path, rel: str, _field: str) -> Iterator[Document]:
@@ -167,6 +203,9 @@ def _parquet_file(path: Path, _rel: str, field: str) -> Iterator[Document]:
 
 
 def _hf_documents(spec: DataSpec) -> Iterator[Document]:
+    if not spec.path:
+        raise ConfigError("data.path is empty for data.source = 'hf-dataset': pass --data PATH pointing at your "
+                          "copy of the run's dataset")
     path = Path(spec.path).expanduser()
     if not path.exists():
         raise ConfigError(f"data.path {str(path)!r} does not exist: point it at a directory written by "

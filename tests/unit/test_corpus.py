@@ -87,8 +87,9 @@ def test_jsonl_and_parquet_folders_are_read_in_path_order(tmp_path):
 @pytest.mark.parametrize("case, match", [
     ("missing", "does not exist"),
     ("empty", "no .txt, .md, .rst, .py files under data.path"),
-    ("binary", "is binary"),
-    ("latin1", "is not UTF-8"),
+    # a source of nothing but binary or non-UTF-8 files: each is skipped, and then nothing is left
+    ("binary", r"holds no documents \(1 binary or non-UTF-8 file\(s\) skipped\)"),
+    ("latin1", r"holds no documents \(1 binary or non-UTF-8 file\(s\) skipped\)"),
     ("jsonl-not-json", r"c.jsonl:2 is not JSON"),
     ("jsonl-no-field", r"c.jsonl:1 has no string field 'text'"),
     ("parquet-no-column", r"has no column 'text' \(columns: body, id\)"),
