@@ -7,6 +7,11 @@ algorithms (whom to sync with, whose state to adopt, what to average) lives on t
 algorithm objects (peer/train/outer.py); the swarm's records on :class:`SwarmView`; position and
 counters on the types of peer/progress.py.
 
+With ``sync.overlap`` a round's sync runs in the background while the next round trains
+(:meth:`Trainer._overlap_step`; the update rules in peer/train/overlap.py, the thread in
+peer/sync/background.py). A checkpoint taken with a sync in flight holds the last applied φ and
+this peer's θ; a restart drops that sync (its own progress stays in θ and joins the next Δ).
+
 Over 300 lines on purpose: the whole round (its phases, catch-up, and the state the loop holds
 between them: φ, snapshots, checkpoint) is told in this one file, so it reads top to bottom.
 """
@@ -30,6 +35,7 @@ from peer.reporting import Reporter
 from peer.state.checkpoint import (PeerState, export_phi, fetch_residuals, load_checkpoint, restore_extras,
                                    save_checkpoint)
 from peer.state.snapshot import StateSnapshot, make_snapshot
+from peer.sync.background import BackgroundSync
 from peer.sync.membership import SwarmView
 from peer.state.download import DownloadedState
 from peer.sync.transport import NetworkTransport
@@ -38,6 +44,7 @@ from peer.train.device import Placement, flops_per_token, mfu
 from peer.train.inner import InnerLoop
 from peer.train.model import embedding_parameter_count, evaluate, parameter_count
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient
+from peer.train.overlap import next_start, round_progress
 from protocol.errors import BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
@@ -99,6 +106,11 @@ class Trainer:
         """States at the start of this and the last round, served to joiners (newest last)."""
         self._completed_with: tuple[str, ...] = (self.peer_id,)
         self.summary = TrainSummary(peer_id=self.peer_id)
+        self.overlap = manifest.sync.overlap
+        self._background = BackgroundSync() if self.overlap != "none" else None
+        """With ``sync.overlap``: the last round's sync, running while this round trains."""
+        self._anchor: list[torch.Tensor] | None = None
+        """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
         self._take_snapshot()
 
     # ---- the loop -----------------------------------------------------------------------
@@ -115,14 +127,19 @@ class Trainer:
         self._publish()
         self._wait_for_peers()
         self.summary.initial_eval_loss = self.eval_phi("initial")
-        while not self._done() and not self.stop_event.is_set():
-            self._inner_phase()
-            if self.stop_event.is_set():
-                break
-            outcome = self._sync_and_step()
-            self._after_round(outcome)
-            if not self._done():
-                self.catch_up()
+        try:
+            while not self._done() and not self.stop_event.is_set():
+                self._inner_phase()
+                if self.stop_event.is_set():
+                    break
+                outcome = self._sync_and_step() if self._background is None else self._overlap_step()
+                self._after_round(outcome)
+                if not self._done():
+                    self.catch_up()
+            self._land_last_sync()
+        finally:
+            if self._background is not None:
+                self._background.shutdown(wait=False)
         self.summary.interrupted = self.stop_event.is_set()
         self.summary.final_round = self.pos.round
         if not self.summary.interrupted:
@@ -141,8 +158,8 @@ class Trainer:
                 result = self.inner.step(self.inner_step)
             except BadPayload as exc:
                 # A non-finite loss or gradient: drop this round's progress rather than poison θ.
-                self.reporter.emit("warning", message=f"{exc}; restarting the round from φ")
-                self._set_theta_to_phi()
+                self.reporter.emit("warning", message=f"{exc}; restarting the round from its start")
+                self._set_theta(self.phi if self._anchor is None else self._anchor)
                 self.pos.discard_step()
                 continue
             self.pos.record(loss=result.loss, tokens=result.tokens, seconds=result.seconds)
@@ -167,7 +184,9 @@ class Trainer:
         except BadPayload as exc:
             mean, report = None, SyncReport(note=f"{exc}: round discarded, φ unchanged")
         else:
-            mean, report = self._sync(payload, choice, start_digest)
+            self._announce_sync(choice)
+            mean, report = self._sync(payload, choice, start_digest, round_=self.pos.round,
+                                      weight=float(max(self.pos.tokens, 1)))
         done = dataclasses.replace(self.pos)  # the finished round's figures, before the position moves on
         with self._lock:
             if mean is not None:
@@ -182,23 +201,97 @@ class Trainer:
                             state_digest=self.state_digest, planned_group=choice.members, sync=report,
                             mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch)
 
-    def _sync(self, payload: list[torch.Tensor], choice: GroupChoice,
-              start_digest: str) -> tuple[list[torch.Tensor], SyncReport]:
+    def _overlap_step(self) -> RoundOutcome:
+        """The end of a round with ``sync.overlap`` (peer/train/overlap.py): take the last round's
+        sync from the background (waiting only if it is slower than a round) and apply its mean to
+        φ, start this round's sync in the background, and start the next round from ψ (delayed:
+        φ + this round's progress; eager: φ previewed with this peer's share of its fresh Δ).
+
+        The outcome's ``sync`` is the sync that just landed (the last round's); the first round
+        has none. A non-finite Δ or eager preview starts no sync and the next round from φ.
+        """
+        live = self.swarm.live()
+        choice = self.outer.choose_group(self.peer_id, round_=self.pos.round, run_id=self.m.run_id,
+                                         live=[(r.peer_id, r.record.round) for r in live if r.peer_id != self.peer_id])
+        start_digest = self.state_digest
+        done = dataclasses.replace(self.pos)
+        try:
+            delta = round_progress(self.phi if self._anchor is None else self._anchor, self._theta_on_host())
+            check_finite(delta, "this round's progress")
+        except BadPayload as exc:
+            delta, problem = None, f"{exc}: round discarded"
+        mean, report = None, SyncReport(note="overlap: this round's sync lands at the end of the next")
+        if self._background.in_flight:
+            mean, report, _ = self._background.result()
+        with self._lock:
+            if mean is not None:
+                self.outer.apply(self.phi, mean)
+            self.pos.start_round(self.pos.round + 1)
+        if mean is not None:
+            self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
+        self._take_snapshot()
+        start = self.phi
+        if delta is not None:
+            # NoLoCo's payload holds φ itself: the sync reads a copy, φ may move under a dropped one
+            payload = [t.clone() if any(t is p for p in self.phi) else t for t in self.outer.payload(self.phi, delta)]
+            try:
+                start = next_start(self.overlap, self.outer, self.phi, delta, payload,
+                                   share=1.0 / max(1, choice.expected_size))
+            except BadPayload as exc:
+                problem = f"{exc}: round discarded"
+            else:
+                self._announce_sync(choice)
+                digest, weight = self.state_digest, float(max(done.tokens, 1))
+                self._background.start(lambda: self._sync(payload, choice, digest, round_=done.round, weight=weight),
+                                       round_=done.round, start_digest=digest)
+        if start is self.phi:
+            self.reporter.emit("warning", message=problem)
+        self._anchor = None if start is self.phi else start
+        self._set_theta(start)
+        peak = self.placement.peak_tflops if self.placement is not None else None
+        return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
+                            tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
+                            state_digest=self.state_digest, planned_group=choice.members, sync=report,
+                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch)
+
+    def _land_last_sync(self) -> None:
+        """When training ends with a sync in flight: at ``max_rounds`` wait for it and apply its mean
+        (φ then holds every round, θ ← φ); on a stop drop it, so φ stays the last applied one and
+        θ keeps this peer's unsynced progress (what a checkpoint then holds)."""
+        if self._background is None or not self._background.in_flight:
+            return
+        if self.stop_event.is_set():
+            self._background.drop("stopping")
+            return
+        mean, report, _ = self._background.result()
+        with self._lock:
+            self.outer.apply(self.phi, mean)
+        self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
+        self._anchor = None
+        self._set_theta_to_phi()
+        self._take_snapshot()
+
+    def _announce_sync(self, choice: GroupChoice) -> None:
+        if choice.expected_size > 1:
+            self.reporter.emit("sync", round=self.pos.round, expected_group_size=choice.expected_size,
+                               peer_id=self.peer_id)
+
+    def _sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,
+              weight: float) -> tuple[list[torch.Tensor], SyncReport]:
         """The group's token-weighted mean payload, or this peer's own when there is no group or
-        the sync fails (failed rounds are recorded, not fatal: DiLoCo paper Fig. 8)."""
+        the sync fails (failed rounds are recorded, not fatal: DiLoCo paper Fig. 8). Reads no
+        state of the loop, so it may run in the background thread (peer/sync/background.py)."""
         if choice.expected_size <= 1:
             return payload, SyncReport(note=choice.note)
-        self.reporter.emit("sync", round=self.pos.round, expected_group_size=choice.expected_size,
-                           peer_id=self.peer_id)
         start = time.monotonic()
         try:
-            result = self.transport.average(payload, weight=float(max(self.pos.tokens, 1)), round_=self.pos.round,
+            result = self.transport.average(payload, weight=weight, round_=round_,
                                             expected_group_size=choice.expected_size, group_index=choice.index,
                                             start_digest=start_digest, should_stop=self.stop_event.is_set)
             check_finite(result.mean, "the group's mean payload")
         except (SyncError, BadPayload) as exc:
             note = f"no group: applied own step ({exc})"
-            logger.info("round %d: %s", self.pos.round, note)
+            logger.info("round %d: %s", round_, note)
             return payload, SyncReport(bytes_sent=getattr(exc, "bytes_sent", 0),
                                        bytes_received=getattr(exc, "bytes_received", 0),
                                        sync_s=time.monotonic() - start, deadline_s=getattr(exc, "deadline_s", 0.0),
@@ -304,6 +397,9 @@ class Trainer:
             self.stop_event.wait(0.5)
 
     def _adopt(self, state: DownloadedState) -> None:
+        if self._background is not None:
+            self._background.drop("adopted the swarm's state")  # its mean belongs to a φ left behind
+        self._anchor = None
         with self._lock:
             for dst, src in zip([*self.phi, *self.outer.state_tensors()], [*state.phi, *state.outer_state]):
                 dst.copy_(src)
@@ -358,11 +454,15 @@ class Trainer:
         return self._micro_batch
 
     def _set_theta_to_phi(self) -> None:
-        """θ ← φ: host fp32 to the device (asynchronous from pinned memory, waited for here, so the
-        host φ may change again once this returns)."""
+        """θ ← φ (see :meth:`_set_theta`)."""
+        self._set_theta(self.phi)
+
+    def _set_theta(self, source: list[torch.Tensor]) -> None:
+        """θ ← ``source`` (fp32 host tensors shaped like φ): to the device, asynchronous from pinned
+        memory and waited for here, so the host tensors may change again once this returns."""
         cuda = self.device.type == "cuda"
         with torch.no_grad():
-            for p, f in zip(self.params, self.phi):
+            for p, f in zip(self.params, source):
                 p.copy_(f, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize(self.device)

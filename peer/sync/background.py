@@ -1,0 +1,90 @@
+"""One sync at a time in a background thread, so the inner loop never waits on the network.
+
+With ``sync.overlap`` (peer/train/overlap.py) the round loop hands round t's payload to
+:class:`BackgroundSync` and trains round t+1 while it averages; at the end of round t+1 it takes
+the result with :meth:`BackgroundSync.result` (waiting only if the sync is slower than a round).
+The transport's averager serves one all-reduce at a time; the single worker thread keeps it so.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from peer.progress import SyncReport
+
+logger = logging.getLogger(__name__)
+
+SyncCall = Callable[[], "tuple[list[torch.Tensor], SyncReport]"]
+"""Runs one sync and returns (mean payload, or the peer's own payload when it failed; its report);
+it must not raise for a failed sync (failed rounds are recorded, not fatal)."""
+
+
+@dataclass
+class _InFlight:
+    round: int
+    """The round whose payload is being averaged."""
+    start_digest: str
+    """Digest of the state this peer held when the sync started (peer/state/snapshot.py)."""
+    future: concurrent.futures.Future
+
+
+class BackgroundSync:
+    """Runs sync calls in one worker thread, one at a time, and hands their results back in order.
+
+    Not thread-safe itself: one thread (the round loop) calls every method.
+    """
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="locoswarm-sync")
+        self._in_flight: _InFlight | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a sync was started and its result not yet taken (or dropped)."""
+        return self._in_flight is not None
+
+    @property
+    def round(self) -> int | None:
+        """The round of the sync in flight, or None."""
+        return None if self._in_flight is None else self._in_flight.round
+
+    def start(self, call: SyncCall, *, round_: int, start_digest: str) -> None:
+        """Start ``call`` in the worker thread; returns at once.
+
+        Raises:
+            RuntimeError: a sync is already in flight (take or drop its result first).
+        """
+        if self._in_flight is not None:
+            raise RuntimeError(f"round {round_}: the sync of round {self._in_flight.round} is still in flight")
+        self._in_flight = _InFlight(round_, start_digest, self._pool.submit(call))
+
+    def result(self, timeout_s: float | None = None) -> tuple[list[torch.Tensor], SyncReport, int]:
+        """Wait for the sync in flight and return (mean payload, report, its round); nothing is then in flight.
+
+        Raises:
+            RuntimeError: nothing in flight.
+            TimeoutError: not done within ``timeout_s``; it stays in flight.
+        """
+        if self._in_flight is None:
+            raise RuntimeError("no sync in flight")
+        mean, report = self._in_flight.future.result(timeout=timeout_s)
+        done, self._in_flight = self._in_flight, None
+        return mean, report, done.round
+
+    def drop(self, why: str) -> None:
+        """Forget the sync in flight (its result will never be applied): this peer adopted another
+        state, or is stopping. The call itself runs on to its deadline or its cancellation (a stop
+        event it polls); the next :meth:`start` queues behind it."""
+        if self._in_flight is not None:
+            logger.info("round %d: in-flight sync dropped (%s)", self._in_flight.round, why)
+            self._in_flight = None
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the worker thread (after the running call, with ``wait``)."""
+        self._in_flight = None
+        self._pool.shutdown(wait=wait, cancel_futures=True)

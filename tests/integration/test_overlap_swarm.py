@@ -1,0 +1,44 @@
+"""Two real peers on loopback with sync.overlap: each round's all-reduce runs while the next round
+trains; φ stays bit-identical across the peers and the loss falls."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.harness import make_manifest, phi_file, write_manifest
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 3
+
+
+@pytest.mark.parametrize("overlap,codec", [("delayed", "none"), ("eager", "int8")])
+def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, codec):
+    manifest = make_manifest(sync={"overlap": overlap}, compression={"codec": codec})
+    _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
+    names = ("p0", "p1")
+    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
+                        "--export-phi-every", "1") for n in names]
+    for p in peers:
+        assert p.wait(180) == 0, p.tail()
+    run_id = peers[0].of("started")[0]["run_id"]  # the announced run's id (the run as the peers train it)
+    for p in peers:
+        rounds = p.of("round")
+        assert [e["round"] for e in rounds] == list(range(1, ROUNDS + 1))
+        # a round reports the sync that landed at its end: the previous round's (none for round 1)
+        assert [e["group_size"] for e in rounds[1:]] == [2] * (ROUNDS - 1), [e.get("note") for e in rounds]
+        assert all(e["bytes_sent"] > 0 for e in rounds[1:])
+        initial, final = p.of("eval")[0], p.of("eval")[-1]
+        assert (initial["when"], final["when"]) == ("initial", "final")
+        assert final["loss"] < initial["loss"] - 0.3
+    for round_ in range(1, ROUNDS + 1):
+        a, b = (load_file(str(phi_file(tmp_path, n, run_id, round_))) for n in names)
+        for key in a:
+            assert torch.isfinite(a[key]).all() and torch.equal(a[key], b[key]), (round_, key)
+    # The last sync landed before the peers stopped: the checkpoints hold the same, newer φ.
+    final = [load_file(str(tmp_path / n / "runs" / run_id / "checkpoint.safetensors")) for n in names]
+    last_exported = load_file(str(phi_file(tmp_path, "p0", run_id, ROUNDS)))
+    for key in last_exported:
+        assert torch.equal(final[0][f"phi.{key}"], final[1][f"phi.{key}"]), key
+    # round 3's mean landed after round 3's export (which held φ up to round 2's mean)
+    assert any(not torch.equal(final[0][f"phi.{k}"], last_exported[k]) for k in last_exported)

@@ -1,0 +1,268 @@
+"""The round loop with sync.overlap (peer/round.py, peer/sync/background.py), two real Trainers in
+threads over an in-memory transport: identical φ, a groupmate dying during a background sync, and
+a checkpoint taken with a sync in flight (a restart drops that sync)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sysconfig
+import threading
+import time
+
+import pytest
+import torch
+
+from peer.config import TrainerConfig
+from peer.reporting import Reporter
+from peer.round import Trainer
+from peer.state.checkpoint import load_checkpoint
+from peer.sync.transport import SyncResult
+from peer.train.data import Corpus
+from peer.train.model import build_model
+from protocol.dht import PeerProgress
+from protocol.errors import AllreduceFailed, GroupNotFound, SyncError
+from protocol.presets import tiny_run
+from protocol.records import ProgressRecord
+
+
+def _stream(name: str) -> torch.Tensor:
+    raw = (pathlib.Path(sysconfig.get_paths()["stdlib"]) / name).read_bytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus(train=_stream("argparse.py"), validation=_stream("textwrap.py"), train_files=1, validation_files=1)
+
+
+class Records:
+    """The swarm's progress records, shared by the trainers of one test (a DHT in a dict)."""
+
+    def __init__(self, ghosts: tuple[str, ...] = ()):
+        self.lock = threading.Lock()
+        self.records = {g: ProgressRecord(round=0, inner_step=0, train_loss=1.0, tokens_per_s=1.0, group_size=1,
+                                          bytes_sent=0) for g in ghosts}
+
+
+class Swarm:
+    """The SwarmView interface the round loop uses, over :class:`Records`."""
+
+    def __init__(self, peer_id: str, records: Records):
+        self.peer_id, self.shared, self.max_sync_s = peer_id, records, 5.0
+
+    def live(self):
+        with self.shared.lock:
+            return [PeerProgress(peer_id=p, record=r, expiration=math.inf) for p, r in self.shared.records.items()]
+
+    def others(self):
+        return [r for r in self.live() if r.peer_id != self.peer_id]
+
+    def publish(self, record, *, wait=False):
+        with self.shared.lock:
+            self.shared.records[self.peer_id] = record
+
+    def round_finished(self):
+        pass
+
+    def wait_for(self, want, *, timeout_s, stop, heartbeat):
+        return want
+
+
+class Group:
+    """Averages the payloads of the members of each round in memory, token-weighted; every member
+    gets the same tensors (as the all-reduce gives everyone the same bytes)."""
+
+    def __init__(self, members: int):
+        self.members, self.cond, self.rounds = members, threading.Condition(), {}
+
+    def average(self, peer_id, payload, weight, round_, start_digest, should_stop):
+        with self.cond:
+            entry = self.rounds.setdefault(round_, {"in": {}, "mean": None})
+            entry["in"][peer_id] = ([t.clone() for t in payload], weight, start_digest)
+            if len(entry["in"]) == self.members:
+                total = sum(w for _, w, _ in entry["in"].values())
+                ordered = [entry["in"][p] for p in sorted(entry["in"])]
+                entry["mean"] = [sum(x[k] * (w / total) for x, w, _ in ordered) for k in range(len(payload))]
+                self.cond.notify_all()
+            while entry["mean"] is None:
+                if should_stop():
+                    raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
+                self.cond.wait(0.05)
+            return [t.clone() for t in entry["mean"]], {p: d for p, (_, _, d) in entry["in"].items()}
+
+
+class Transport:
+    """The NetworkTransport interface the round loop uses; ``average`` goes to a :class:`Group`, or
+    to ``fail`` (a callable that raises) when given."""
+
+    max_sync_seconds = 5.0
+
+    def __init__(self, peer_id: str, group: Group | None = None, fail=None):
+        self.peer_id, self.group, self.fail, self.calls = peer_id, group, fail, []
+
+    def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
+                should_stop=lambda: False):
+        self.calls.append((round_, threading.current_thread().name))
+        if self.fail is not None:
+            self.fail(round_, should_stop)
+        mean, digests = self.group.average(self.peer_id, payload, weight, round_, start_digest, should_stop)
+        return SyncResult(mean=mean, group=sorted(digests), group_size=len(digests), bytes_sent=1, bytes_received=1,
+                          seconds=0.0, start_digests=digests)
+
+    def share_state(self, provider):
+        pass
+
+    def download_state(self, donors, digest, timeout_s):
+        raise SyncError("no state downloads in this test")
+
+    def reset_error_feedback(self):
+        pass
+
+    def error_feedback_residuals(self):
+        return None
+
+    def load_error_feedback(self, residuals):
+        return 0
+
+
+class Events(Reporter):
+    def __init__(self, on_event=None):
+        super().__init__()
+        self.events, self.on_event = [], on_event
+
+    def emit(self, event, **fields):
+        self.events.append({"event": event, **fields})
+        if self.on_event is not None:
+            self.on_event(event, fields)
+
+    def of(self, kind):
+        return [e for e in self.events if e["event"] == kind]
+
+
+def make_trainer(corpus, manifest, peer_id, records, transport, *, rounds, checkpoint=None, reporter=None,
+                 stop=None):
+    return Trainer(manifest=manifest, model=build_model(manifest.model, corpus.tokenizer), corpus=corpus,
+                   swarm=Swarm(peer_id, records), transport=transport,
+                   config=TrainerConfig(max_rounds=rounds, checkpoint_path=checkpoint),
+                   reporter=reporter or Events(), stop_event=stop or threading.Event())
+
+
+def run_in_threads(trainers):
+    errors = []
+
+    def run(t):
+        try:
+            t.run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    assert not any(th.is_alive() for th in threads)
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap):
+    manifest = tiny_run().replace(sync={"overlap": overlap})
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3) for p in ("a", "b")]
+    phi0 = [f.clone() for f in trainers[0].phi]
+    run_in_threads(trainers)
+    a, b = trainers
+    for x, y in zip(a.phi, b.phi):
+        assert torch.isfinite(x).all() and torch.equal(x, y)   # bit-identical after the last sync landed
+    assert any(not torch.equal(x, y) for x, y in zip(a.phi, phi0))
+    for t in trainers:
+        # every sync ran in the background thread, one per round, in order
+        assert [r for r, _ in t.transport.calls] == [0, 1, 2]
+        assert all(name.startswith("locoswarm-sync") for _, name in t.transport.calls)
+        rounds = t.reporter.of("round")
+        assert [e["round"] for e in rounds] == [1, 2, 3]
+        assert [e["group_size"] for e in rounds] == [1, 2, 2]  # round 1 reports no landed sync yet
+        assert t.summary.final_eval_loss < t.summary.initial_eval_loss
+        assert [p.detach() for p in t.params] and all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))
+    assert a.state_digest == b.state_digest
+
+
+def test_groupmate_dying_during_a_background_sync_applies_the_own_step(corpus):
+    """The groupmate is live when the round ends, then its all-reduce fails: the survivor keeps
+    training, applies its own payload a round late (as a failed blocking sync does), φ finite."""
+    manifest = tiny_run().replace(sync={"overlap": "delayed"})
+
+    def die(round_, should_stop):
+        time.sleep(0.05)
+        raise AllreduceFailed(f"round {round_} all-reduce failed: groupmate ghost stopped answering")
+
+    reporter = Events()
+    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), Transport("a", fail=die), rounds=3,
+                     reporter=reporter)
+    phi0 = [f.clone() for f in t.phi]
+    t.run()
+    rounds = reporter.of("round")
+    assert [e["round"] for e in rounds] == [1, 2, 3]
+    assert len(t.transport.calls) == 3          # it kept trying its (expected) group every round
+    assert all(math.isfinite(e["train_loss"]) for e in rounds)
+    assert all(torch.isfinite(f).all() for f in t.phi)
+    assert any(not torch.equal(x, y) for x, y in zip(t.phi, phi0))  # the own steps were applied
+    assert t.summary.final_eval_loss < t.summary.initial_eval_loss
+
+
+def test_checkpoint_with_a_sync_in_flight_holds_the_last_applied_phi_and_a_restart_drops_it(corpus, tmp_path):
+    manifest = tiny_run().replace(sync={"overlap": "delayed"})
+    path = tmp_path / "checkpoint.safetensors"
+    stop = threading.Event()
+    hung = threading.Event()
+
+    def hang(round_, should_stop):   # the groupmate never answers: the sync stays in flight
+        hung.set()
+        while not should_stop():
+            time.sleep(0.02)
+        raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
+
+    def stop_after_first_round(event, fields):
+        if event == "round" and fields["round"] == 1:
+            stop.set()   # as a SIGINT during round 1's inner steps
+
+    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), Transport("a", fail=hang), rounds=5,
+                     checkpoint=path, reporter=Events(stop_after_first_round), stop=stop)
+    phi0 = [f.clone() for f in t.phi]
+    summary = t.run()
+    assert summary.interrupted and hung.is_set()
+    theta = [p.detach().clone() for p in t.params]
+    t.save()
+    saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
+    assert saved.round == 1
+    for a, b in zip(saved.phi, phi0):  # round 0's mean never landed: φ is the last applied one (φ_0)
+        assert torch.equal(a, b)
+    for a, b in zip(saved.theta, theta):  # θ carries round 0's own progress (delayed: φ − Δ_0)
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(saved.theta, phi0))
+
+    # The restart: nothing in flight; it resumes at round 1 from φ_0 and θ, and trains alone.
+    reporter = Events()
+    again = make_trainer(corpus, manifest, "a", Records(), Transport("a"), rounds=3, checkpoint=path,
+                         reporter=reporter)
+    resumed_phi = []
+    reporter.on_event = lambda event, fields: event == "resumed" and resumed_phi.append([f.clone() for f in again.phi])
+    again.run()
+    assert reporter.of("resumed")[0]["round"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(resumed_phi[0], phi0))
+    assert [e["round"] for e in reporter.of("round")] == [2, 3]
+    assert again.transport.calls == []          # alone: its own step, no sync
+    assert all(torch.isfinite(f).all() for f in again.phi)
+    assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
