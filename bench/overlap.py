@@ -1,0 +1,134 @@
+"""Benchmark: what overlapping each sync with the next round costs in loss (issue #18, quality half).
+
+    python bench/overlap.py [--config bench/compare.toml] [--methods diloco noloco] \
+        [--modes none delayed eager] [--peers 4] [--seeds 0 1] [--rounds 16] [--jobs 2] [--threads 1]
+
+Simulates N peers in one process (lab/simulation.py, the swarm's own outer and overlap code:
+peer/train/overlap.py) with bench/compare.py's run manifest and its fixed global batch, once per
+``sync.overlap`` mode, so every run sees the same tokens; the mode is the only difference. The
+final validation loss (bits per byte, after the last in-flight sync landed) is compared with
+overlap "none" at the same method, N and seeds. Writes ``bench/results/overlap.json``:
+``{"results": [], "quality": [{"overlap", "peers", "final_bpb", "vs_none", ...}]}``; "results"
+(compute utilization on the network-namespace rig) is left empty here. Prints a markdown table for
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import multiprocessing
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
+from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E402
+from lab.simulation import run_simulation  # noqa: E402
+from peer.train.data import load_corpus  # noqa: E402
+from protocol.manifest import RunManifest  # noqa: E402
+from protocol.specs import OVERLAP_MODES  # noqa: E402
+
+RESULTS = Path(__file__).with_name("results") / "overlap.json"
+
+
+def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict, rounds: int,
+         threads: int) -> dict:
+    torch.set_num_threads(threads)
+    m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds).replace(sync={"overlap": mode})
+    r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
+                       eval_every_rounds=rounds)
+    return {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
+            "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
+
+
+def quality(runs: list[dict]) -> list[dict]:
+    """Means over seeds per (method, overlap, N); ``vs_none``: % above overlap 'none' on the same seeds."""
+    out = []
+    for method, peers in sorted({(r["method"], r["peers"]) for r in runs}):
+        mine = [r for r in runs if r["method"] == method and r["peers"] == peers]
+        none = {r["seed"]: r["final_bpb"] for r in mine if r["overlap"] == "none"}
+        for mode in OVERLAP_MODES:
+            rs = sorted((r for r in mine if r["overlap"] == mode), key=lambda r: r["seed"])
+            if not rs:
+                continue
+            final = statistics.fmean(r["final_bpb"] for r in rs)
+            paired = [r for r in rs if r["seed"] in none]
+            vs = (100 * (statistics.fmean(r["final_bpb"] for r in paired) /
+                         statistics.fmean(none[r["seed"]] for r in paired) - 1)) if paired else None
+            out.append({"overlap": mode, "peers": peers, "final_bpb": final, "vs_none": vs, "method": method,
+                        "seeds": [r["seed"] for r in rs], "final_bpb_per_seed": [r["final_bpb"] for r in rs],
+                        "tokens_per_run": rs[0]["tokens"]})
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| method | N | overlap | final val bpb (mean over seeds) | per seed | vs none |",
+             "|---|---|---|---|---|---|"]
+    for q in rows:
+        vs = "—" if q["vs_none"] is None else f"{q['vs_none']:+.2f} %"
+        seeds = ", ".join(f"{x:.4f}" for x in q["final_bpb_per_seed"])
+        lines.append(f"| {q['method']} | {q['peers']} | {q['overlap']} | {q['final_bpb']:.4f} | {seeds} | {vs} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path(__file__).with_name("compare.toml"))
+    parser.add_argument("--methods", nargs="+", default=["diloco"], choices=["diloco", "noloco"])
+    parser.add_argument("--modes", nargs="+", default=list(OVERLAP_MODES), choices=list(OVERLAP_MODES))
+    parser.add_argument("--peers", type=int, nargs="+", default=[4])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--rounds", type=int, help="override bench.rounds of the config")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations at once (separate processes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per simulation")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a manifest field (TOML value)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if "none" not in args.modes:
+        parser.error("--modes must include 'none': every mode is compared with it")
+
+    base, bench = load_config(args.config)
+    base = apply_overrides(base, args.set)
+    rounds = args.rounds or bench["rounds"]
+    work = [(method, mode, peers, seed) for method in args.methods for peers in args.peers
+            for seed in args.seeds for mode in args.modes]
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_one, base, *w, bench, rounds, args.threads) for w in work]
+        runs = []
+        for f in concurrent.futures.as_completed(futures):
+            runs.append(f.result())
+            r = runs[-1]
+            print(f"{r['method']} N={r['peers']} seed {r['seed']} overlap {r['overlap']}: {r['final_bpb']:.4f} bpb "
+                  f"({r['wall_s']:.0f} s)", flush=True)
+    rows = quality(runs)
+    record = {
+        "results": [],
+        "results_note": "compute utilization on the network-namespace rig (issue #18 item 4): not measured yet",
+        "quality": rows,
+        "vs_none_unit": "percent above overlap 'none' (same method, N and seeds)",
+        "command": " ".join(["python", *sys.argv]),
+        "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
+                  f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each",
+        "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
+        "wall_s_total": time.perf_counter() - start,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print()
+    print(markdown(rows))
+    print(f"\nwrote {args.out}; total wall {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
