@@ -4,13 +4,16 @@ and the counters over a whole run.
 :class:`RoundProgress` is the position the inner lr schedule, checkpoints and progress records
 read; :class:`RoundOutcome` is one finished round (the ``round`` event, the progress record's
 last-sync fields); :class:`TrainSummary` adds outcomes up for ``peer join``'s ``stopped`` event
-and ``peer swarm``'s summary.
+and ``peer swarm``'s summary. :class:`TransferProgress` draws a long transfer (a state download)
+as it goes.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 
 @dataclass
@@ -153,3 +156,58 @@ class TrainSummary:
         fields = asdict(self)
         fields.pop("peer_id")
         return fields
+
+
+class TransferProgress:
+    """A transfer's progress on ``stream`` (stderr: stdout carries a peer's events): a rich progress
+    bar on a terminal, else a plain line at most every ``every_s`` seconds and one at the end, e.g.
+    ``downloading the swarm's state: 12.0 of 48.0 MiB (25 %) from 3 peer(s), 4.1 MiB/s``.
+
+    Args:
+        what: what is transferred, for the line (``the swarm's state``).
+        total_bytes: the transfer's size (> 0), bytes.
+        stream: where to draw; default: ``sys.stderr`` at the time of the call.
+    """
+
+    def __init__(self, what: str, total_bytes: int, *, stream: TextIO | None = None, every_s: float = 2.0):
+        from rich.console import Console
+
+        self.what, self.total, self.every_s = what, max(1, int(total_bytes)), every_s
+        self.stream = stream or sys.stderr
+        self.start = self._last = time.monotonic()
+        self.done, self.detail = 0, ""
+        console = Console(file=self.stream, stderr=self.stream is sys.stderr)
+        self._bar = None
+        if console.is_terminal:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+            self._bar = Progress(TextColumn(f"downloading {what}"), BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn(), TextColumn("{task.fields[detail]}"), console=console,
+                                 transient=False)
+            self._task = self._bar.add_task(what, total=self.total, detail="")
+            self._bar.start()
+
+    def line(self) -> str:
+        """The plain progress line of the transfer so far."""
+        mib, seconds = 1 << 20, max(time.monotonic() - self.start, 1e-9)
+        text = (f"downloading {self.what}: {self.done / mib:.1f} of {self.total / mib:.1f} MiB "
+                f"({100 * self.done / self.total:.0f} %)")
+        return text + (f" {self.detail}" if self.detail else "") + f", {self.done / mib / seconds:.1f} MiB/s"
+
+    def update(self, done_bytes: int, detail: str = "") -> None:
+        """Record that ``done_bytes`` of the transfer arrived (``detail``: e.g. ``from 3 peer(s)``)."""
+        self.done, self.detail = min(int(done_bytes), self.total), detail
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, detail=detail)
+            return
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            print(self.line(), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Draw the final state (a plain line, or the bar's last frame) and stop drawing."""
+        if self._bar is not None:
+            self._bar.stop()
+        else:
+            print(self.line(), file=self.stream, flush=True)

@@ -72,8 +72,9 @@ class _Download:
     """Shared state of one download: the tensors being filled and what each donor did."""
 
     def __init__(self, open_stream, *, digest: bytes, shapes: list[torch.Size], run_id: str, timeout: float,
-                 chunks: list[Piece]):
+                 chunks: list[Piece], on_progress=None):
         self.open_stream, self.digest, self.run_id, self.timeout = open_stream, digest, run_id, timeout
+        self.on_progress = on_progress
         self.shapes, self.chunks = shapes, chunks
         self.chunk_shapes = [piece_shape(shapes[c.tensor], c) for c in chunks]
         self.tensors = [torch.empty(s, dtype=torch.float32) for s in shapes]
@@ -101,6 +102,7 @@ class _Download:
                 limit = frames.CHUNK_HEADER.size + 4 * math.prod(self.chunk_shapes[index])
                 self._accept_chunk(await self._read(donor, reader, limit), index, hashes)
                 self.chunks_by_donor[donor] += 1
+                self._report()
         except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             self._fail(donor, framing.describe_failure(exc))
         finally:
@@ -110,6 +112,14 @@ class _Download:
         payload = await framing.read_frame(reader, max_bytes=max_bytes, timeout=self.timeout)
         self.bytes_by_donor[donor] += framing.LENGTH.size + len(payload)
         return payload
+
+    def _report(self) -> None:
+        if self.on_progress is not None:
+            try:
+                self.on_progress(sum(self.received), len(self.chunks), sum(self.bytes_by_donor.values()),
+                                 sum(1 for n in self.chunks_by_donor.values() if n))
+            except Exception:  # drawing progress must never fail a download
+                logger.debug("progress callback failed", exc_info=True)
 
     def _fail(self, donor: Hashable, reason: str) -> None:
         self.failed[donor] = reason
@@ -142,7 +152,7 @@ class _Download:
 
 async def download_state(donors: Sequence[Hashable], open_stream, *, digest: bytes,
                          shapes: Sequence[Sequence[int]], run_id: str, timeout: float,
-                         chunk_elements: int = CHUNK_ELEMENTS) -> DownloadResult:
+                         chunk_elements: int = CHUNK_ELEMENTS, on_progress=None) -> DownloadResult:
     """Download and verify the state named ``digest`` from ``donors``, spreading the chunks.
 
     Each pass deals the missing chunks to the live donors interleaved (chunk i of the missing
@@ -157,6 +167,9 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
         run_id: the run the state must belong to.
         timeout: seconds to open a stream and to wait for each frame before dropping a donor.
         chunk_elements: the chunking the digest was made with.
+        on_progress: ``on_progress(chunks_verified, chunks_total, bytes_read, donors_delivering)``
+            after each verified chunk (e.g. :class:`peer.progress.TransferProgress`); its errors are
+            logged and ignored.
 
     Returns:
         DownloadResult with the verified meta, fp32 CPU tensors shaped ``shapes``, and per-donor
@@ -171,7 +184,7 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
         raise ValueError(f"a state digest has {frames.HASH_BYTES} bytes, got {len(digest)}")
     sizes = [torch.Size(s) for s in shapes]
     download = _Download(open_stream, digest=digest, shapes=sizes, run_id=run_id, timeout=timeout,
-                         chunks=plan_chunks(sizes, chunk_elements))
+                         chunks=plan_chunks(sizes, chunk_elements), on_progress=on_progress)
     alive = list(dict.fromkeys(donors))
     while True:
         missing = [i for i, done in enumerate(download.received) if not done]

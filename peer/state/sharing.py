@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from peer.progress import TransferProgress
 from peer.state import download
 from peer.state.download import DownloadResult
 from peer.state.serve import serve_state
@@ -89,10 +90,18 @@ class StateSharing:
                                                                            self.state_protocol)
             return reader, writer
 
+        # a bar on the peer's stderr (this process shares it): a long download is no silent wait
+        total_bytes = 4 * sum(math.prod(shape) for shape in shapes)  # φ and the outer state, fp32
+        progress = TransferProgress("the swarm's state", total_bytes)
+
+        def on_progress(chunks_done: int, chunks_total: int, bytes_read: int, donors_delivering: int) -> None:
+            progress.update(int(total_bytes * chunks_done / max(1, chunks_total)),
+                            detail=f"from {donors_delivering} peer(s)")
+
         try:
             result = await asyncio.wait_for(download.download_state(
                 [d for d in donors if d != str(self.peer_id)], open_stream, digest=digest, shapes=shapes,
-                run_id=run_id, timeout=timeout_s), bound_s)
+                run_id=run_id, timeout=timeout_s, on_progress=on_progress), bound_s)
             if not future.done():
                 future.set_result(result)
         except asyncio.TimeoutError:
@@ -102,6 +111,8 @@ class StateSharing:
         except Exception as exc:
             if not future.done():
                 future.set_exception(exc)
+        finally:
+            progress.close()  # the last state of the transfer, also when it failed
 
     async def _snapshot_for(self, digest: bytes) -> StateSnapshot | None:
         """The snapshot named ``digest``, asking the host process for its current ones when it is not
