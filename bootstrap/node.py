@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 from protocol import dht as swarm_dht
 from protocol.errors import NetworkError
 from protocol.identity import ensure_identity
+from protocol.reachability import serve_dialback
 from protocol.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     identity = ensure_identity(cfg.identity_path)
     dht = start_relay_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
                           identity_path=str(identity), relay=cfg.relay)
+    serve_dialback(dht)  # joiners ask whether the swarm can dial them (protocol/reachability.py)
     announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
     monitor = server = None
     try:

@@ -71,9 +71,16 @@ def main() -> None:
               help="Sync algorithm of this peer's run (overrides the manifest's sync.algorithm).")
 @click.option("--new-run", is_flag=True,
               help="Start the --run/--preset run even though the swarm announces another one.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (0.0.0.0: all).")
-@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535), help="TCP port; 0 picks one.")
-@click.option("--announce", multiple=True, metavar="MULTIADDR", help="Public address to advertise (repeatable).")
+@click.option("--host", default="0.0.0.0", show_default=True,
+              help="IPv4 address to listen on (0.0.0.0: all interfaces; 127.0.0.1: this machine only).")
+@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port; 0 picks one (forward a fixed port on a NAT router to be reachable).")
+@click.option("--announce", multiple=True, metavar="MULTIADDR",
+              help="Address others can dial, e.g. /ip4/203.0.113.7/tcp/31337 behind a forwarded port "
+                   "(repeatable): advertised and printed first.")
+@click.option("--data", "data_path", type=click.Path(path_type=Path), default=None, metavar="PATH",
+              help="Your copy of the run's corpus (file or directory), checked against the run's "
+                   "data.corpus_sha256 before training.")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Identity and checkpoints. [default: the user data dir]/locoswarm/peer")
 @click.option("--max-rounds", type=click.IntRange(0), default=None,
@@ -106,7 +113,8 @@ def main() -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one event per line on stdout, for programs.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port, announce, data_dir, max_rounds,
+def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port, announce, data_path, data_dir,
+         max_rounds,
          eval_every, export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, device, precision, micro_batch,
          max_memory, compile_, peak_tflops, log_format, verbose) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
@@ -119,6 +127,8 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port
       peer join --initial-peers ADDR --run-id 3f2a...   # the swarm announces several runs
       peer join --initial-peers ADDR --preset tiny --new-run   # a second run beside the swarm's
       peer join --device cuda:1 --max-memory 8   # second GPU, at most 8 GiB of it
+      peer join --initial-peers ADDR --data ~/corpus   # the run names its corpus by hash; here is my copy
+      peer join --port 31337 --announce /ip4/203.0.113.7/tcp/31337   # behind a forwarded port
     """
     import threading
 
@@ -138,7 +148,8 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port
                     else f"--algorithm {algorithm}")
         cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=local_run, run_flag=run_flag,
                          start_new_run=new_run, host=host, port=port,
-                         announce=tuple(announce), data_dir=data_dir or default_data_dir(), client_mode=client_mode,
+                         announce=tuple(announce), data_path=data_path, data_dir=data_dir or default_data_dir(),
+                         client_mode=client_mode,
                          uplink_mbps=uplink_mbps,
                          threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
                                                      wait_for_peers=wait_for_peers,

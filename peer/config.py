@@ -84,9 +84,13 @@ class JoinConfig:
     """How the user named ``new_run`` (``--preset tiny``), for messages."""
     start_new_run: bool = False
     """--new-run: start ``new_run`` even while the swarm announces another run."""
-    host: str = "127.0.0.1"
+    host: str = "0.0.0.0"
+    """IPv4 address to listen on; the default, all interfaces (peer/reachability.py says whether others get through)."""
     port: int = 0
     announce: tuple[str, ...] = ()
+    data_path: Path | None = None
+    """--data: this peer's copy of the run's corpus, checked against ``data.corpus_sha256``
+    (peer/train/data.py ``with_local_data``); None: the run's own ``data.path``."""
     data_dir: Path
     client_mode: bool = False
     uplink_mbps: float = 50.0

@@ -11,7 +11,7 @@ import torch
 
 import protocol
 from peer.train.cache import default_cache_dir
-from peer.train.data import load_corpus
+from peer.train.data import load_corpus, with_local_data
 from peer.train.sources import describe
 from peer.train.device import place, resolve_device
 from peer.train.model import build_model, parameter_count
@@ -21,6 +21,7 @@ from peer.progress import TrainSummary
 from peer.config import JoinConfig
 from peer.round import Trainer
 from peer.run_choice import checkpointed_runs, choose_run
+from peer import reachability
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
@@ -119,9 +120,9 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     local = cfg.new_run if cfg.new_run is not None or cfg.initial_peers else RunManifest()
     corpus = None
     if local is not None:
-        reporter.emit("status", message=f"reading the data of run {local.run_id} ({local.name}): "
-                                        f"{describe(local.data)}")
-        corpus = load_corpus(local.data, cache_dir=default_cache_dir())
+        data = with_local_data(local.data, cfg.data_path, run=f"run {local.run_id} ({local.name})")
+        reporter.emit("status", message=f"reading the data of run {local.run_id} ({local.name}): {describe(data)}")
+        corpus = load_corpus(data, cache_dir=default_cache_dir())
     identity = ensure_identity(cfg.data_dir / "identity.key")
     # Peers seen before (peers.json): the way back into the swarm when the initial peers are gone.
     book = AddressBook.load(cfg.data_dir / ADDRESS_BOOK)
@@ -129,9 +130,11 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     reporter.emit("status", message=f"starting the DHT node on {where}" + (
         f", connecting to {len(cfg.initial_peers)} initial peer(s)" if cfg.initial_peers else " (a new swarm)"))
     dht = start_dht_remembering(
-        lambda peers: swarm_dht.start_dht(initial_peers=peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
-                                          identity_path=str(identity), client_mode=cfg.client_mode),
+        lambda peers: reachability.start_node(peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
+                                              identity_path=str(identity), client_mode=cfg.client_mode),
         cfg.initial_peers, book)
+    # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
+    dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
     announcer = transport = keeper = None
     try:
         manifest = local if not cfg.initial_peers else _find_run(dht, cfg, reporter)
@@ -140,8 +143,9 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         peer_id = str(dht.peer_id)
         keeper = AddressKeeper(dht, book, run_id=manifest.run_id, peer_id=peer_id, publish=not cfg.client_mode).start()
         if corpus is None or manifest is not local:
-            reporter.emit("status", message=f"reading the run's data: {describe(manifest.data)}")
-            corpus = load_corpus(manifest.data, cache_dir=default_cache_dir())
+            data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
+            reporter.emit("status", message=f"reading the run's data: {describe(data)}")
+            corpus = load_corpus(data, cache_dir=default_cache_dir())
         model = build_model(manifest.model, corpus.tokenizer)
         shapes = [p.shape for p in model.parameters()]
         outer = make_outer(manifest, shapes)
@@ -164,7 +168,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         micro_batch = trainer.fit_micro_batch()
         reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **placement.event_fields(),
                       micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
-                      maddrs=swarm_dht.visible_maddrs(dht), run_id=manifest.run_id, run_name=manifest.name,
+                      maddrs=reachability.printable_maddrs(dht, cfg, reach), run_id=manifest.run_id, run_name=manifest.name,
                       parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,
                       threads=torch.get_num_threads())
         for note in notes:

@@ -75,6 +75,8 @@ class Reporter:
             lines = [f"locoswarm {e['version']} | peer {e['peer_id']} | device {device_text(e)} | run {e['run_id']} "
                      f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})"]
             lines += [f"  others can join with: peer join --initial-peers {a}" for a in e["maddrs"]]
+            if not e["maddrs"]:  # client mode, no relay slot yet: others come in through the initial peers
+                lines.append("  others cannot dial this peer; they join through the swarm's bootstrap node")
             return "\n".join(lines)
         if kind == "eval":
             bpb = e.get("bpb")
