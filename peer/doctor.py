@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from peer.train.device import flops_per_token, mfu, place
-from peer.train.inner import InnerLoop
+from peer.train.inner import make_inner_loop
 from peer.train.model import build_model, embedding_parameter_count, parameter_count
 from peer.train.tokenizer import byte_tokenizer
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, LocoError
 from protocol.manifest import RunManifest
 
 
@@ -37,7 +37,7 @@ class DoctorReport:
         return not self.problems
 
 
-class _RandomTokens:
+class RandomTokens:
     """Batches of the run's shape drawn from its vocabulary (a sampler without a corpus)."""
 
     def __init__(self, manifest: RunManifest, vocab_size: int):
@@ -50,7 +50,7 @@ class _RandomTokens:
         return torch.randint(0, self.vocab_size, (self.batch_sequences, self.seq_len + 1), generator=self.generator)
 
 
-def _vocab_tokenizer(manifest: RunManifest):
+def vocab_tokenizer(manifest: RunManifest):
     """The byte tokenizer, or a stand-in with the BPE's vocabulary size (the model needs only the ids)."""
     tokenizer = byte_tokenizer()
     if manifest.data.tokenizer == "bytes":
@@ -86,13 +86,17 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
         report.problems.append(str(exc))
         return report
     report.facts.update(placement.event_fields(), notes=notes, memory_budget_gib=placement.memory_budget_gib)
-    tokenizer = _vocab_tokenizer(manifest)
+    tokenizer = vocab_tokenizer(manifest)
     model = build_model(manifest.model, tokenizer).to(placement.device)
     n = parameter_count(model)
-    loop = InnerLoop(model, manifest.inner_optimizer, _RandomTokens(manifest, tokenizer.vocab_size),
-                     device=placement.device, precision=placement.precision, compile=placement.compile,
-                     micro_batch_sequences=micro_batch_sequences)
     report.facts.update(run=manifest.name, parameters=n, batch_sequences=manifest.batch_sequences)
+    try:
+        # several devices: the ranks start here and the timed steps are the whole peer's
+        loop = make_inner_loop(model, manifest.inner_optimizer, RandomTokens(manifest, tokenizer.vocab_size),
+                               placement)
+    except LocoError as exc:
+        report.problems.append(str(exc))
+        return report
     try:
         if placement.device.type == "cuda" and micro_batch_sequences is None and placement.memory_budget_gib:
             loop.fit_micro_batch(budget_bytes=placement.memory_budget_gib * 1024 ** 3)
@@ -105,9 +109,11 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
         if placement.device.type == "cuda":
             torch.cuda.synchronize(placement.device)
         seconds = time.perf_counter() - start
-    except ConfigError as exc:
+    except LocoError as exc:
         report.problems.append(str(exc))
         return report
+    finally:
+        loop.close()
     rate = tokens / max(seconds, 1e-9)
     per_token = flops_per_token(params=n, embedding_params=embedding_parameter_count(model),
                                 layers=manifest.model.num_layers, hidden=manifest.model.hidden_size,

@@ -21,6 +21,7 @@ entry point can catch one base class and print one actionable line::
     │   │       └── PartialAverage  the all-reduce session ended with some piece's mean missing
     │   └── StateDownloadFailed     no donor is left to deliver a joiner's missing chunks
     ├── CheckpointError             a local checkpoint is unreadable or belongs to another run
+    ├── RankFailed                  a local data-parallel rank of this peer died or stopped answering
     ├── RunChoiceNeeded             the swarm's runs and the flags do not name one run (exit 64)
     └── LaunchError                 a child process of a launcher (peer/launch.py) misbehaved
         ├── ChildTimeout            no awaited event, or no exit, in time (also a TimeoutError)
@@ -156,6 +157,12 @@ class StateDownloadFailed(SyncError):
 
 class CheckpointError(LocoError):
     """A local checkpoint cannot be read or belongs to another run."""
+
+
+class RankFailed(LocoError):
+    """A rank process of a peer that trains on several local devices (peer/train/ddp.py) died,
+    failed to start, or a collective between the ranks failed; the peer stops (θ on rank 0 is left
+    as it was before the failed step, φ untouched)."""
 
 
 class RunChoiceNeeded(LocoError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.train.precision import Precision, choose_precision
+from peer.train.precision import FP16, Precision, choose_precision
 from protocol.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -50,14 +50,43 @@ class DeviceInfo:
         return torch.device(self.device).type
 
 
+def resolve_devices(choice: str) -> list[torch.device]:
+    """The devices ``--device`` names: one (see :func:`resolve_device`), a comma-separated list
+    (``cuda:0,cuda:1``: one data-parallel rank per entry, peer/train/ddp.py; ``cpu,cpu`` runs two
+    CPU ranks, for tests), or ``cuda:all`` (every visible CUDA card).
+
+    Raises:
+        ConfigError: as :func:`resolve_device` for any entry; a card listed twice; CUDA mixed with
+            the CPU; more than one MPS device.
+    """
+    value = choice.strip().lower()
+    if value == "cuda:all":
+        resolve_device("cuda")  # the error when there is none
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    if "," not in value:
+        return [resolve_device(choice)]
+    devices = [resolve_device(part) for part in value.split(",")]
+    types = {d.type for d in devices}
+    if len(types) > 1 or "mps" in types:
+        raise ConfigError(f"--device {choice}: several devices must all be CUDA cards (cuda:0,cuda:1) or all "
+                          f"CPU (cpu,cpu, for tests)")
+    cards = [d for d in devices if d.type == "cuda"]
+    if len(set(cards)) != len(cards):
+        raise ConfigError(f"--device {choice}: a card is listed twice; list each cuda:N once")
+    return devices
+
+
 def resolve_device(choice: str) -> torch.device:
-    """The device ``--device`` names: 'auto' (CUDA, then MPS, then CPU), 'cpu', 'cuda', 'cuda:N', 'mps'.
+    """The device ``--device`` names: 'auto' (CUDA, then MPS, then CPU), 'cpu', 'cuda', 'cuda:N', 'mps';
+    for a list (:func:`resolve_devices`) the first one, rank 0's.
 
     Raises:
         ConfigError: an unknown value, or a device this machine does not have; the message names
             the value and what to use instead.
     """
     value = choice.strip().lower()
+    if "," in value or value == "cuda:all":
+        return resolve_devices(choice)[0]
     if value == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", 0)
@@ -196,6 +225,10 @@ class Placement:
     """Dense bf16/fp16 peak for MFU (None: MFU not reported)."""
     memory_budget_gib: float | None = None
     """CUDA memory this peer may use, GiB: the card's, or less under ``--max-memory`` (None elsewhere)."""
+    devices: tuple[str, ...] = ()
+    """Every device of the peer when it trains on several (rank 0's first, peer/train/ddp.py); else ()."""
+    max_memory_gib: float | None = None
+    """``--max-memory``, GiB per card (each rank caps its own)."""
 
     @property
     def device(self) -> torch.device:
@@ -204,7 +237,8 @@ class Placement:
     def event_fields(self) -> dict:
         """The device part of the ``started`` event."""
         cap = self.info.capability
-        return dict(device=self.info.device, device_name=self.info.name,
+        return dict(device=",".join(self.devices) or self.info.device, ranks=max(1, len(self.devices)),
+                    device_name=self.info.name,
                     device_memory_gib=None if self.info.memory_gib is None else round(self.info.memory_gib, 2),
                     compute_capability=None if cap is None else f"{cap[0]}.{cap[1]}",
                     precision=self.precision.name, compile=self.compile, peak_tflops=self.peak_tflops)
@@ -218,23 +252,36 @@ def place(device: str = "auto", *, precision: str = "auto", compile: bool | None
     after the averager process was forked.
 
     Args:
+        device: one device, a comma-separated list or ``cuda:all`` (:func:`resolve_devices`); with
+            several, the placement describes rank 0's and lists all in ``devices``.
         compile: None: on for CUDA, off elsewhere.
-        max_memory_gib: cap on CUDA memory this process may use (ignored with a note elsewhere).
-        peak_tflops: the card's dense bf16/fp16 peak, for cards the table does not know.
+        max_memory_gib: cap on CUDA memory each card's process may use (ignored with a note elsewhere).
+        peak_tflops: one card's dense bf16/fp16 peak, for cards the table does not know; with several
+            devices the peer's peak (for MFU) is the sum over its cards.
 
     Raises:
         ConfigError: a device this machine lacks, or a precision its card cannot run.
     """
-    torch_device = resolve_device(device)
-    info = describe(torch_device)
-    chosen = choose_precision(info.type, info.capability, precision)
+    torch_devices = resolve_devices(device)
+    torch_device = torch_devices[0]
+    infos = [describe(d) for d in torch_devices]
+    info = infos[0]
+    # one precision for every rank (a scaler on one rank only would let θ drift apart): fp16 if any card lacks bf16
+    chosen = [choose_precision(i.type, i.capability, precision) for i in infos]
+    chosen = chosen[0] if len({c.name for c in chosen}) == 1 else FP16
     notes = [n for n in [cap_memory(torch_device, max_memory_gib)] if n]
-    peak = peak_of(info.name, peak_tflops) if info.type == "cuda" else peak_tflops
+    if info.type == "cuda":
+        peaks = [peak_of(i.name, peak_tflops) for i in infos]
+        peak = None if None in peaks else sum(peaks)
+    else:
+        peak = None if peak_tflops is None else peak_tflops * len(infos)
     budget = None
     if info.memory_gib is not None:
         budget = min(info.memory_gib, max_memory_gib) if max_memory_gib is not None else info.memory_gib
+    devices = tuple(str(d) for d in torch_devices) if len(torch_devices) > 1 else ()
     return Placement(info=info, precision=chosen, compile=info.type == "cuda" if compile is None else compile,
-                     micro_batch_sequences=micro_batch_sequences, peak_tflops=peak, memory_budget_gib=budget), notes
+                     micro_batch_sequences=micro_batch_sequences, peak_tflops=peak, memory_budget_gib=budget,
+                     devices=devices, max_memory_gib=max_memory_gib), notes
 
 
 def training_memory_bytes(*, params: int, layers: int, hidden: int, intermediate: int, vocab_size: int,

@@ -143,23 +143,9 @@ class InnerLoop:
             ConfigError: out of memory at one sequence per micro-batch; θ unchanged.
         """
         start = time.perf_counter()
-        batch = self.sampler.next_batch()
-        if self.device.type == "cuda":
-            batch = batch.pin_memory()
+        batch = self._next_batch(inner_step)
         self.model.train()
-        while True:
-            out_of_memory = False
-            try:
-                loss_value = self._accumulate(batch)
-                break
-            except torch.OutOfMemoryError:
-                out_of_memory = True  # handled below, once the exception's frames (and tensors) are gone
-            except Exception as exc:  # noqa: BLE001 - any failure of a first compiled step falls back
-                if not self._compile_unproven:
-                    raise
-                self._fall_back_to_eager(exc)
-            if out_of_memory:
-                self._back_off(batch.shape[0])
+        loss_value = self._forward_backward(batch)
         self._compile_unproven = False
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
@@ -181,24 +167,64 @@ class InnerLoop:
             self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
         return StepResult(loss=loss_value, tokens=tokens, seconds=time.perf_counter() - start,
-                          micro_batch=min(self.micro_batch_sequences or batch.shape[0], batch.shape[0]))
+                          micro_batch=min(self.micro_batch_sequences or self._share(batch).shape[0],
+                                          self._share(batch).shape[0]))
+
+    def _next_batch(self, inner_step: int) -> torch.Tensor:
+        """The step's whole batch, int64 (batch_sequences, seq_len + 1) on the host (pinned on CUDA)."""
+        batch = self.sampler.next_batch()
+        return batch.pin_memory() if self.device.type == "cuda" else batch
+
+    def _forward_backward(self, batch: torch.Tensor) -> float:
+        """Gradients of ``batch``'s mean loss into ``.grad``, backing off on out-of-memory errors and
+        falling back to eager on a first compiled step's failure; returns the loss (nats per token)."""
+        while True:
+            out_of_memory = False
+            try:
+                return self._accumulate(batch)
+            except torch.OutOfMemoryError:
+                out_of_memory = True  # handled below, once the exception's frames (and tensors) are gone
+            except Exception as exc:  # noqa: BLE001 - any failure of a first compiled step falls back
+                if not self._compile_unproven:
+                    raise
+                self._fall_back_to_eager(exc)
+            if out_of_memory:
+                self._back_off(batch.shape[0])
+
+    def _share(self, batch: torch.Tensor) -> torch.Tensor:
+        """The rows of ``batch`` this process trains on (all of them here; a rank's share in ddp.py)."""
+        return batch
+
+    @property
+    def rows_per_step(self) -> int:
+        """Sequences this process trains on per step (the whole batch here; a share of it per rank)."""
+        return self.sampler.batch_sequences
+
+    def close(self) -> None:
+        """Release what the loop holds beyond this process (nothing here; ranks in peer/train/ddp.py)."""
 
     def _accumulate(self, batch: torch.Tensor) -> float:
         """Forward and backward over ``batch`` in micro-batches; the gradients of the mean loss are
         left in ``.grad``; returns that loss (one host sync). Raises what the forward raises."""
+        return self._accumulate_share(batch, batch.shape[0]).item()
+
+    def _accumulate_share(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
+        """Forward and backward over ``rows``, a share of a batch of ``batch_rows`` sequences, in
+        micro-batches: each micro-batch's mean loss is weighted by its share of the whole batch, so
+        the shares' gradients add up to the whole batch's. Returns the weighted loss, a 0-d fp32
+        tensor on the device (no host sync)."""
         self.optimizer.zero_grad(set_to_none=True)
-        rows = batch.shape[0]
-        chunks = batch.split(self.micro_batch_sequences or rows)
+        chunks = rows.split(self.micro_batch_sequences or rows.shape[0])
         total = None
         for chunk in chunks:
             chunk = chunk.to(self.device, non_blocking=True)
             with autocast(self.device.type, self.precision):
                 loss = lm_loss(self._forward_model, chunk)
-            if len(chunks) > 1:
-                loss = loss * (chunk.shape[0] / rows)
+            if chunk.shape[0] != batch_rows:
+                loss = loss * (chunk.shape[0] / batch_rows)
             total = loss.detach() if total is None else total + loss.detach()
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        return total.item()
+        return total
 
     def _back_off(self, rows: int) -> None:
         """Halve the micro-batch after an out-of-memory error; ConfigError at one sequence."""
@@ -249,5 +275,26 @@ class InnerLoop:
                 self.optimizer.zero_grad(set_to_none=True)
 
         self.model.train()
-        self.micro_batch_sequences = probe_micro_batch(try_step, upper=self.sampler.batch_sequences, margin=margin)
+        self.micro_batch_sequences = probe_micro_batch(try_step, upper=self.rows_per_step, margin=margin)
         return self.micro_batch_sequences
+
+
+def make_inner_loop(model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler,
+                    placement: Any = None) -> InnerLoop:
+    """The inner loop a :class:`peer.train.device.Placement` asks for: an :class:`InnerLoop` on its
+    device (on the CPU in fp32 without one), or, for several devices, rank 0 of a
+    :class:`peer.train.ddp.DistributedInnerLoop` with the other ranks started (``close()`` ends them).
+
+    Raises:
+        ConfigError, RankFailed: see :meth:`peer.train.ddp.DistributedInnerLoop.launch`.
+    """
+    if placement is None:
+        return InnerLoop(model, spec, sampler)
+    settings = dict(precision=placement.precision, compile=placement.compile,
+                    micro_batch_sequences=placement.micro_batch_sequences)
+    if len(placement.devices) > 1:
+        from peer.train.ddp import DistributedInnerLoop
+
+        return DistributedInnerLoop.launch(model, spec, sampler, devices=placement.devices,
+                                           max_memory_gib=placement.max_memory_gib, **settings)
+    return InnerLoop(model, spec, sampler, device=placement.device, **settings)
