@@ -41,7 +41,7 @@ from peer.state.download import DownloadedState
 from peer.sync.transport import NetworkTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement, flops_per_token, mfu
-from peer.train.inner import InnerLoop
+from peer.train.inner import make_inner_loop
 from peer.train.model import embedding_parameter_count, evaluate, parameter_count
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient
 from peer.train.overlap import next_start, round_progress
@@ -82,12 +82,8 @@ class Trainer:
         sampler = BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
                                batch_sequences=manifest.batch_sequences,
                                seed=peer_seed(self.peer_id, manifest.model.init_seed))
-        if placement is None:
-            self.inner = InnerLoop(model, manifest.inner_optimizer, sampler)
-        else:
-            self.inner = InnerLoop(model, manifest.inner_optimizer, sampler, device=self.device,
-                                   precision=placement.precision, compile=placement.compile,
-                                   micro_batch_sequences=placement.micro_batch_sequences)
+        # an InnerLoop on the placement's device; several devices: rank 0 of a data-parallel loop (ddp.py)
+        self.inner = make_inner_loop(model, manifest.inner_optimizer, sampler, placement)
         self._micro_batch = self.inner.micro_batch_sequences
         self._flops_per_token = flops_per_token(
             params=parameter_count(model), embedding_params=embedding_parameter_count(model),
@@ -111,6 +107,8 @@ class Trainer:
         """With ``sync.overlap``: the last round's sync, running while this round trains."""
         self._anchor: list[torch.Tensor] | None = None
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
+        self._adopted_in_flight = False
+        """This peer adopted a state while the sync in flight ran, and kept it (see :meth:`_adopt`)."""
         self._take_snapshot()
 
     # ---- the loop -----------------------------------------------------------------------
@@ -222,7 +220,7 @@ class Trainer:
             delta, problem = None, f"{exc}: round discarded"
         mean, report = None, SyncReport(note="overlap: this round's sync lands at the end of the next")
         if self._background.in_flight:
-            mean, report, _ = self._background.result()
+            mean, report = self._take_background()
         with self._lock:
             if mean is not None:
                 self.outer.apply(self.phi, mean)
@@ -254,6 +252,13 @@ class Trainer:
                             state_digest=self.state_digest, planned_group=choice.members, sync=report,
                             mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch)
 
+    def _take_background(self) -> tuple[list[torch.Tensor] | None, SyncReport]:
+        """The sync in flight's mean and report; no mean when it failed after this peer adopted
+        another state (its own payload belongs to the φ it left)."""
+        mean, report, _ = self._background.result()
+        adopted, self._adopted_in_flight = self._adopted_in_flight, False
+        return (None if adopted and report.failed else mean), report
+
     def _land_last_sync(self) -> None:
         """When training ends with a sync in flight: at ``max_rounds`` wait for it and apply its mean
         (φ then holds every round, θ ← φ); on a stop drop it, so φ stays the last applied one and
@@ -263,9 +268,10 @@ class Trainer:
         if self.stop_event.is_set():
             self._background.drop("stopping")
             return
-        mean, report, _ = self._background.result()
+        mean, report = self._take_background()
         with self._lock:
-            self.outer.apply(self.phi, mean)
+            if mean is not None:
+                self.outer.apply(self.phi, mean)
         self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
         self._anchor = None
         self._set_theta_to_phi()
@@ -397,8 +403,15 @@ class Trainer:
             self.stop_event.wait(0.5)
 
     def _adopt(self, state: DownloadedState) -> None:
-        if self._background is not None:
-            self._background.drop("adopted the swarm's state")  # its mean belongs to a φ left behind
+        """Take a downloaded state. With overlap, a sync in flight of round k is kept when the state
+        is of round k+1: its groupmates apply that mean to exactly this φ (so a joiner, whose first
+        download always lacks the mean then in flight, is in step after its second); else dropped."""
+        bg = self._background
+        if bg is not None and bg.in_flight:
+            if state.round == bg.round + 1:
+                self._adopted_in_flight = True
+            else:
+                bg.drop("adopted the swarm's state")  # its mean belongs to a φ left behind
         self._anchor = None
         with self._lock:
             for dst, src in zip([*self.phi, *self.outer.state_tensors()], [*state.phi, *state.outer_state]):

@@ -17,6 +17,7 @@ from peer.config import TrainerConfig
 from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint
+from peer.state.download import StateDownload, validate_state
 from peer.sync.transport import SyncResult
 from peer.train.data import Corpus
 from peer.train.model import build_model
@@ -80,24 +81,33 @@ class Swarm:
 
 
 class Group:
-    """Averages the payloads of the members of each round in memory, token-weighted; every member
-    gets the same tensors (as the all-reduce gives everyone the same bytes)."""
+    """Averages the payloads of each round's members in memory, token-weighted; every member gets
+    the same tensors (as the all-reduce gives everyone the same bytes). A round's group closes when
+    ``members`` (or the expected size) joined, or ``matchmaking_s`` after its first member came; a
+    peer arriving after that finds no group."""
 
-    def __init__(self, members: int):
-        self.members, self.cond, self.rounds = members, threading.Condition(), {}
+    def __init__(self, members: int | None = None, matchmaking_s: float = 60.0):
+        self.members, self.matchmaking_s, self.cond, self.rounds = members, matchmaking_s, threading.Condition(), {}
 
-    def average(self, peer_id, payload, weight, round_, start_digest, should_stop):
+    def _close(self, entry):
+        total = sum(w for _, w, _ in entry["in"].values())
+        ordered = [entry["in"][p] for p in sorted(entry["in"])]
+        entry["mean"] = [sum(x[k] * (w / total) for x, w, _ in ordered) for k in range(len(ordered[0][0]))]
+        self.cond.notify_all()
+
+    def average(self, peer_id, payload, weight, round_, start_digest, should_stop, expected=2):
         with self.cond:
-            entry = self.rounds.setdefault(round_, {"in": {}, "mean": None})
+            entry = self.rounds.setdefault(round_, {"in": {}, "mean": None, "first": time.monotonic()})
+            if entry["mean"] is not None:
+                raise GroupNotFound(f"no group formed for round {round_}")
             entry["in"][peer_id] = ([t.clone() for t in payload], weight, start_digest)
-            if len(entry["in"]) == self.members:
-                total = sum(w for _, w, _ in entry["in"].values())
-                ordered = [entry["in"][p] for p in sorted(entry["in"])]
-                entry["mean"] = [sum(x[k] * (w / total) for x, w, _ in ordered) for k in range(len(payload))]
-                self.cond.notify_all()
+            if len(entry["in"]) >= (self.members or expected):
+                self._close(entry)
             while entry["mean"] is None:
                 if should_stop():
                     raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
+                if time.monotonic() - entry["first"] > self.matchmaking_s and len(entry["in"]) > 1:
+                    self._close(entry)
                 self.cond.wait(0.05)
             return [t.clone() for t in entry["mean"]], {p: d for p, (_, _, d) in entry["in"].items()}
 
@@ -108,15 +118,18 @@ class Transport:
 
     max_sync_seconds = 5.0
 
-    def __init__(self, peer_id: str, group: Group | None = None, fail=None):
+    def __init__(self, peer_id: str, group: Group | None = None, fail=None, donors: dict | None = None):
         self.peer_id, self.group, self.fail, self.calls = peer_id, group, fail, []
+        self.donors = donors if donors is not None else {}
+        """peer id → Trainer, whose served snapshots this transport downloads."""
 
     def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
                 should_stop=lambda: False):
         self.calls.append((round_, threading.current_thread().name))
         if self.fail is not None:
             self.fail(round_, should_stop)
-        mean, digests = self.group.average(self.peer_id, payload, weight, round_, start_digest, should_stop)
+        mean, digests = self.group.average(self.peer_id, payload, weight, round_, start_digest, should_stop,
+                                           expected_group_size)
         return SyncResult(mean=mean, group=sorted(digests), group_size=len(digests), bytes_sent=1, bytes_received=1,
                           seconds=0.0, start_digests=digests)
 
@@ -124,7 +137,14 @@ class Transport:
         pass
 
     def download_state(self, donors, digest, timeout_s):
-        raise SyncError("no state downloads in this test")
+        for donor in donors:
+            trainer = self.donors.get(donor)
+            for snap in list(trainer._snapshots) if trainer is not None else []:
+                if snap.digest.hex() == digest:
+                    state = validate_state(snap.meta, [t.clone() for t in snap.tensors], run_id=snap.meta["run_id"],
+                                           shapes=trainer.shapes)
+                    return StateDownload(state=state, chunks_by_donor={donor: 1}, failed={}, bytes_received=0)
+        raise SyncError(f"no donor of {donors} serves state {digest}")
 
     def reset_error_feedback(self):
         pass
@@ -266,3 +286,34 @@ def test_checkpoint_with_a_sync_in_flight_holds_the_last_applied_phi_and_a_resta
     assert again.transport.calls == []          # alone: its own step, no sync
     assert all(torch.isfinite(f).all() for f in again.phi)
     assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
+
+
+def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus):
+    """The joiner's first download lacks the mean then in flight; it syncs its first round with the
+    others, adopts their next state while keeping that sync, and from then holds their φ exactly."""
+    manifest = tiny_run().replace(sync={"overlap": "delayed", "inner_steps": 30})
+    records, group, trainers = Records(), Group(matchmaking_s=5.0), {}
+    first = [make_trainer(corpus, manifest, p, records, Transport(p, group, donors=trainers), rounds=10)
+             for p in ("a", "b")]
+    trainers.update({t.peer_id: t for t in first})
+    joined = threading.Event()
+    first[0].reporter.on_event = lambda event, fields: event == "round" and fields["round"] >= 2 and joined.set()
+    threads = [threading.Thread(target=t.run) for t in first]
+    for th in threads:
+        th.start()
+    assert joined.wait(120)
+    late = make_trainer(corpus, manifest, "c", records, Transport("c", group, donors=trainers), rounds=10)
+    late.run()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+    adopted = late.reporter.of("adopted_state")
+    assert adopted and adopted[0]["round"] >= 2
+    # in step after its second download: two rounds in a row with the whole group and no download
+    # between (without keeping the sync in flight it would download every round, a mean behind)
+    kinds = [(e["event"], e.get("group_size")) for e in late.reporter.events if e["event"] in ("round", "adopted_state")]
+    assert any(a == b == ("round", 3) for a, b in zip(kinds, kinds[1:])), kinds
+    assert any(e["group_size"] == 3 for e in late.reporter.of("round"))
+    for t in first:
+        for x, y in zip(t.phi, late.phi):   # all finished round 10 together, the last mean landed
+            assert torch.isfinite(x).all() and torch.equal(x, y)
