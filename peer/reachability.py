@@ -183,8 +183,10 @@ def reach_out(dht, cfg, reporter, *, identity_path: str):
     import dataclasses
 
     if cfg.client_mode:
-        return dht, cfg, Reachability("unchecked", line="client mode: this peer dials out and accepts no "
-                                                        "connections; relayed through the initial peers")
+        verdict = Reachability("unchecked", line="client mode: this peer dials out and accepts no connections"
+                                                 + ("; relayed through the initial peers" if cfg.initial_peers else ""))
+        reporter.emit("status", message=verdict.line, reachability=verdict.status, verified=[])
+        return dht, cfg, verdict
     try:
         from protocol.reachability import serve_dialback
 

@@ -62,6 +62,7 @@ class DialBack:
 
 
 def encode_request(ports: Sequence[int]) -> bytes:
+    """A request frame's payload for ``ports`` (the first MAX_PORTS)."""
     return msgpack.packb({"ports": [int(p) for p in ports][:MAX_PORTS]})
 
 
