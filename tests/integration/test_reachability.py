@@ -5,7 +5,7 @@ A peer with default flags listens on all interfaces, is dialed back by the boots
 (protocol/reachability.py) and prints its lab address, not 127.0.0.1. A peer whose host drops
 every incoming TCP connection (a NAT or firewall: SYNs towards it are held back by tc, see
 :func:`refuse_incoming_tcp`) says in one line that it cannot be dialed and goes on in client
-mode, relayed through the bootstrap node, to its ``started`` line.
+mode, relayed through the bootstrap node: it still joins the run and averages with the open peer.
 """
 
 from __future__ import annotations
@@ -110,6 +110,9 @@ def test_default_peer_is_reachable_and_a_firewalled_one_falls_back(lab, tmp_path
         up = started("walled")  # it goes on, in client mode, to the swarm's run
         assert up["run_id"] == ready["run_id"]
         assert all("p2p-circuit" in m for m in up.maddrs), up.maddrs  # no direct address is offered
+        # and it averages with the swarm: it opens the connections itself
+        together = peers["walled"].wait_event(lambda e: e.kind == "round" and e["group_size"] >= 2, 300)
+        assert started("open")["peer_id"] in together["group"]
     finally:
         for child in children:
             child.send(signal.SIGINT)
