@@ -102,29 +102,36 @@ def main() -> None:
     work = [(method, mode, peers, seed) for method in args.methods for peers in args.peers
             for seed in args.seeds for mode in args.modes]
     start = time.perf_counter()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(runs: list[dict]) -> list[dict]:
+        rows = quality(runs)
+        record = {
+            "results": [],
+            "results_note": "compute utilization on the network-namespace rig (issue #18 item 4): not measured yet",
+            "quality": rows,
+            "vs_none_unit": "percent above overlap 'none' (same method, N and seeds)",
+            "complete": len(runs) == len(work),
+            "command": " ".join(["python", *sys.argv]),
+            "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
+                      f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each",
+            "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
+            "runs": runs,
+            "wall_s_total": time.perf_counter() - start,
+        }
+        args.out.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
+        return rows
+
     with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(_one, base, *w, bench, rounds, args.threads) for w in work]
-        runs = []
+        runs: list[dict] = []
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())
             r = runs[-1]
             print(f"{r['method']} N={r['peers']} seed {r['seed']} overlap {r['overlap']}: {r['final_bpb']:.4f} bpb "
                   f"({r['wall_s']:.0f} s)", flush=True)
-    rows = quality(runs)
-    record = {
-        "results": [],
-        "results_note": "compute utilization on the network-namespace rig (issue #18 item 4): not measured yet",
-        "quality": rows,
-        "vs_none_unit": "percent above overlap 'none' (same method, N and seeds)",
-        "command": " ".join(["python", *sys.argv]),
-        "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
-                  f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each",
-        "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
-        "wall_s_total": time.perf_counter() - start,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+            rows = write(runs)
     print()
     print(markdown(rows))
     print(f"\nwrote {args.out}; total wall {time.perf_counter() - start:.0f} s")

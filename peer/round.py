@@ -182,7 +182,7 @@ class Trainer:
         except BadPayload as exc:
             mean, report = None, SyncReport(note=f"{exc}: round discarded, φ unchanged")
         else:
-            self._announce_sync(choice)
+            self._announce_sync(choice, self.pos.round)
             mean, report = self._sync(payload, choice, start_digest, round_=self.pos.round,
                                       weight=float(max(self.pos.tokens, 1)))
         done = dataclasses.replace(self.pos)  # the finished round's figures, before the position moves on
@@ -238,7 +238,7 @@ class Trainer:
             except BadPayload as exc:
                 problem = f"{exc}: round discarded"
             else:
-                self._announce_sync(choice)
+                self._announce_sync(choice, done.round)
                 digest, weight = self.state_digest, float(max(done.tokens, 1))
                 self._background.start(lambda: self._sync(payload, choice, digest, round_=done.round, weight=weight),
                                        round_=done.round, start_digest=digest)
@@ -277,9 +277,9 @@ class Trainer:
         self._set_theta_to_phi()
         self._take_snapshot()
 
-    def _announce_sync(self, choice: GroupChoice) -> None:
+    def _announce_sync(self, choice: GroupChoice, round_: int) -> None:
         if choice.expected_size > 1:
-            self.reporter.emit("sync", round=self.pos.round, expected_group_size=choice.expected_size,
+            self.reporter.emit("sync", round=round_, expected_group_size=choice.expected_size,
                                peer_id=self.peer_id)
 
     def _sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,

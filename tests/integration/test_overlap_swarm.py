@@ -42,3 +42,21 @@ def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, co
         assert torch.equal(final[0][f"phi.{key}"], final[1][f"phi.{key}"]), key
     # round 3's mean landed after round 3's export (which held φ up to round 2's mean)
     assert any(not torch.equal(final[0][f"phi.{k}"], last_exported[k]) for k in last_exported)
+
+
+def test_two_noloco_peers_exchange_with_their_partner_in_the_background(procs, tmp_path):
+    manifest = make_manifest(sync={"algorithm": "noloco", "overlap": "eager"})
+    _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
+    names = ("p0", "p1")
+    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
+                        "--export-phi-every", str(ROUNDS)) for n in names]
+    for p in peers:
+        assert p.wait(180) == 0, p.tail()
+    run_id = peers[0].of("started")[0]["run_id"]
+    for p in peers:
+        rounds = p.of("round")
+        assert [e["group_size"] for e in rounds[1:]] == [2] * (ROUNDS - 1), [e.get("note") for e in rounds]
+        assert p.of("eval")[-1]["loss"] < p.of("eval")[0]["loss"] - 0.3
+    for n in names:
+        phi = load_file(str(phi_file(tmp_path, n, run_id, ROUNDS)))
+        assert all(torch.isfinite(t).all() for t in phi.values())

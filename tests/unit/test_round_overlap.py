@@ -210,6 +210,7 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap):
     for t in trainers:
         # every sync ran in the background thread, one per round, in order
         assert [r for r, _ in t.transport.calls] == [0, 1, 2]
+        assert [e["round"] for e in t.reporter.of("sync")] == [0, 1, 2]
         assert all(name.startswith("locoswarm-sync") for _, name in t.transport.calls)
         rounds = t.reporter.of("round")
         assert [e["round"] for e in rounds] == [1, 2, 3]
