@@ -1,7 +1,8 @@
 """Is this peer reachable, and at which address? What `peer join` finds out and prints at start.
 
-A peer listens on all interfaces by default. Once its DHT node is up it asks its initial peers to
-dial it back (protocol/reachability.py): each answers from where it sees the peer's requests come
+A peer listens on all interfaces by default. Once its DHT node is up it asks its initial peers (or,
+when it came in through remembered peers, nodes it is connected to) to dial it back
+(protocol/reachability.py): each answers from where it sees the peer's requests come
 (the observed, public address) whether the peer's listen port answered there. Then:
 
 * reachable: the verified address ``/ip4/OBSERVED/tcp/PORT/p2p/ID`` is printed first;
@@ -81,8 +82,8 @@ def judge(answers: Sequence[DialBack]) -> Reachability:
     """The verdict from the checkers' answers (protocol/reachability.py)."""
     answered = [a for a in answers if not a.error]
     if not answered:
-        why = "; ".join(f"{a.checker[:12]}…: {a.error}" for a in answers) or "no initial peer to ask"
-        return Reachability("unknown", line=f"reachability unknown: no initial peer answered the dial-back check "
+        why = "; ".join(f"{a.checker[:12]}…: {a.error}" for a in answers) or "connected to no node to ask"
+        return Reachability("unknown", line=f"reachability unknown: no peer answered the dial-back check "
                                              f"({why})")
     verified = tuple(dict.fromkeys(f"/ip{6 if ':' in a.observed else 4}/{a.observed}/tcp/{port}"
                                    for a in answered for port in a.reachable))

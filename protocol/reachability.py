@@ -175,6 +175,11 @@ def serve_dialback(dht) -> None:
 async def _ask_all(_dht, node, checkers: Sequence[str], ports: Sequence[int]) -> list[DialBack]:
     from hivemind.p2p import PeerID
 
+    # Ask only nodes this one is connected to (never dial a dead initial peer); when none of the
+    # given ones is (the DHT came up through remembered peers), any connected node can answer.
+    connected = list(dict.fromkeys(p.peer_id.to_base58() for p in await node.p2p.list_peers()))
+    checkers = [c for c in checkers if c in connected] or connected[:max(1, len(checkers))]
+
     async def ask(checker: str) -> DialBack:
         writer = None
         try:
@@ -196,9 +201,12 @@ async def _ask_all(_dht, node, checkers: Sequence[str], ports: Sequence[int]) ->
 def ask_dialback(dht, checkers: Sequence[str], ports: Sequence[int]) -> list[DialBack]:
     """Ask each of ``checkers`` (peer ids, base58) to dial this node back on ``ports``; all at once.
 
+    Only checkers this node is connected to are asked; when none is, as many other connected nodes.
+
     Returns:
-        One :class:`DialBack` per checker, in order; a checker that did not answer within
-        :data:`ASK_TIMEOUT_S` has ``error`` set. Never raises for a checker's failure.
+        One :class:`DialBack` per checker asked (none when this node is connected to no one); a
+        checker that did not answer within :data:`ASK_TIMEOUT_S` has ``error`` set. Never raises
+        for a checker's failure.
     """
     if not checkers or not ports:
         return []
