@@ -485,7 +485,11 @@ class Trainer:
         return [p.detach().to("cpu", torch.float32) for p in self.params]
 
     def save(self) -> str | None:
-        """Write the checkpoint (atomically, peer/state/checkpoint.py); its path, or None without one."""
+        """Write the checkpoint (atomically, peer/state/checkpoint.py); its path, or None without one.
+
+        With ``sync.overlap`` a sync is usually in flight: the checkpoint holds the last applied φ,
+        θ (with this peer's progress not yet in φ) and the committed residuals; a restart from it
+        drops that sync (peer/train/overlap.py)."""
         if self.cfg.checkpoint_path is None:
             return None
         adam = self.inner.state_dict()
