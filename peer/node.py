@@ -135,7 +135,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         cfg.initial_peers, book)
     # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
     dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
-    announcer = transport = keeper = None
+    announcer = transport = keeper = trainer = None
     try:
         manifest = local if not cfg.initial_peers else _find_run(dht, cfg, reporter)
         # Every peer keeps its run's manifest alive, so the swarm outlives its bootstrap node.
@@ -180,6 +180,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)
         return (EXIT_INTERRUPTED if summary.interrupted else 0), summary
     finally:
+        if trainer is not None:
+            trainer.inner.close()  # the other ranks of a peer on several devices (peer/train/ddp.py)
         if announcer is not None:
             announcer.stop()
         if keeper is not None:

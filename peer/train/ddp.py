@@ -429,6 +429,9 @@ class DistributedInnerLoop(InnerLoop):
             raise RankFailed(f"{what} failed across this peer's {self.world} ranks "
                              f"({'; '.join(dead) or 'all ranks alive'}): {first}; see the log above, "
                              f"or run with one --device") from exc
+        except BaseException:
+            self._broken = True  # e.g. a second Ctrl-C inside a collective: the others are mid-sequence
+            raise
 
 
 class _RankProcess(HelperProcess, SpawnProcess):
