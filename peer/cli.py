@@ -96,8 +96,9 @@ def main() -> None:
 @click.option("--client-mode", is_flag=True, help="Do not accept incoming connections (behind NAT).")
 @click.option("--uplink-mbps", type=click.FloatRange(0, 1e6, min_open=True), default=50.0, show_default=True,
               help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).")
-@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
-              help="Where to train: auto picks CUDA, then Apple MPS, then the CPU.")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps|LIST",
+              help="Where to train: auto picks CUDA, then Apple MPS, then the CPU (one card). A list "
+                   "(cuda:0,cuda:1) or cuda:all trains data-parallel on those cards as one peer.")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on CUDA compute capability >= 8.0, fp16 with a gradient scaler on older cards, "
                    "fp32 on CPU/MPS. Master weights and φ stay fp32.")
@@ -127,6 +128,7 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port
       peer join --initial-peers ADDR --run-id 3f2a...   # the swarm announces several runs
       peer join --initial-peers ADDR --preset tiny --new-run   # a second run beside the swarm's
       peer join --device cuda:1 --max-memory 8   # second GPU, at most 8 GiB of it
+      peer join --device cuda:0,cuda:1           # both GPUs of this box, one peer of the swarm
       peer join --initial-peers ADDR --data ~/corpus   # the run names its corpus by hash; here is my copy
       peer join --port 31337 --announce /ip4/203.0.113.7/tcp/31337   # behind a forwarded port
     """
@@ -269,38 +271,47 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
               help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU.")
 @click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Timed inner steps (after one untimed warm-up step).")
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
+              help="Also check that one of these swarm nodes answers (repeatable), as peer join would dial them.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflops, steps, as_json, verbose) -> None:
+def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflops, steps, initial_peers, as_json,
+           verbose) -> None:
     """Check this machine before joining: device, memory, precision, the micro-batch that fits the
-    run's model, tokens/s over a few real inner steps, versions. No network checks yet.
+    run's model, tokens/s over a few real inner steps, versions; with --initial-peers, whether the
+    swarm answers. Not yet: whether this peer is dialable from outside, its uplink.
 
-    Exits 0 when this peer can contribute, 78 when it cannot (each problem says what to do).
+    Exits 0 when this peer can contribute, 78 when it cannot, 69 when only the swarm did not
+    answer (each problem says what to do).
 
     \b
     Examples:
       peer doctor                                # the default run on the best device
       peer doctor --preset llama-125m --max-memory 10
       peer doctor --run my_run.toml --device cuda:1 --json
+      peer doctor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
     """
     import json
 
-    from peer.doctor import diagnose, render
+    from peer.doctor import DoctorReport, check_swarm, diagnose, render
 
     configure_logging(verbose)
     try:
         manifest = resolve_run(run_file, preset) or PRESETS["default"]()
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
+    report = DoctorReport()
+    if initial_peers:
+        check_swarm(report, initial_peers)  # first: the DHT forks before CUDA is touched
     report = diagnose(manifest, device=device, precision=precision, compile=compile_, max_memory_gib=max_memory,
-                      peak_tflops=peak_tflops, steps=steps)
+                      peak_tflops=peak_tflops, steps=steps, report=report)
     if as_json:
-        click.echo(json.dumps({**report.facts, "problems": report.problems,
+        click.echo(json.dumps({**report.facts, "problems": [*report.network_problems, *report.problems],
                                "can_contribute": report.can_contribute}, indent=2))
     else:
         for line in render(report):
             click.echo(line)
-    sys.exit(0 if report.can_contribute else 78)
+    sys.exit(report.exit_code)
 
 
 @main.group("data")

@@ -2,8 +2,8 @@
 
 Device, memory, the precision this peer would train in, the micro-batch that fits the run's
 model, tokens/s and MFU over a few real inner steps (on random tokens of the run's vocabulary,
-so no corpus is read), and versions. Network checks (bootstrap reachable, dialable, uplink) are
-not done here yet.
+so no corpus is read), and versions; with initial peers, whether any of them answers
+(:func:`check_swarm`). Not checked yet: whether this peer is dialable from outside, and its uplink.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -21,7 +22,7 @@ from peer.train.device import flops_per_token, mfu, place
 from peer.train.inner import make_inner_loop
 from peer.train.model import build_model, embedding_parameter_count, parameter_count
 from peer.train.tokenizer import byte_tokenizer
-from protocol.errors import ConfigError, LocoError
+from protocol.errors import ConfigError, LocoError, NetworkError
 from protocol.manifest import RunManifest
 
 
@@ -31,10 +32,18 @@ class DoctorReport:
 
     facts: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    network_problems: list[str] = field(default_factory=list)
+    """Failed network checks (no initial peer answered), apart: they exit 69, not 78."""
 
     @property
     def can_contribute(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.network_problems
+
+    @property
+    def exit_code(self) -> int:
+        """0 when this peer can contribute; 78 for a problem of this machine; 69 when only the swarm
+        could not be reached (sysexits, as ``peer join``)."""
+        return 0 if self.can_contribute else 78 if self.problems else 69
 
 
 class RandomTokens:
@@ -70,13 +79,35 @@ def _versions() -> dict[str, str]:
     return found
 
 
+def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, timeout_s: float = 20.0) -> None:
+    """Whether any of ``initial_peers`` answers: starts a client-mode DHT node (it accepts no
+    connections), waits up to ``timeout_s`` seconds, shuts it down. Records ``swarm`` ('answered'
+    or 'unreachable') and ``swarm_connect_s`` (seconds to connect) in ``report.facts``; a failure
+    goes to ``report.network_problems`` with what to do. Call before :func:`diagnose` on a CUDA
+    machine (the DHT forks its process before CUDA is touched)."""
+    from protocol import dht as swarm_dht
+
+    start = time.monotonic()
+    try:
+        dht = swarm_dht.start_dht(initial_peers=list(initial_peers), client_mode=True, timeout_s=timeout_s)
+    except NetworkError as exc:
+        report.facts["swarm"] = "unreachable"
+        report.network_problems.append(f"{exc}; check the address and that its node runs, and that this machine "
+                                       "may open outbound TCP connections")
+        return
+    try:
+        report.facts.update(swarm="answered", swarm_connect_s=round(time.monotonic() - start, 2))
+    finally:
+        dht.shutdown()
+
+
 def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "auto", compile: bool | None = None,
              micro_batch_sequences: int | None = None, max_memory_gib: float | None = None,
-             peak_tflops: float | None = None, steps: int = 3) -> DoctorReport:
+             peak_tflops: float | None = None, steps: int = 3, report: DoctorReport | None = None) -> DoctorReport:
     """Run the local checks for training ``manifest`` here; never raises for a failed check (it goes
     into ``problems``). Trains ``steps`` + 1 inner steps (the first one warms up, untimed) on a
-    throwaway copy of the run's model."""
-    report = DoctorReport()
+    throwaway copy of the run's model. Adds to ``report`` when given (after :func:`check_swarm`)."""
+    report = DoctorReport() if report is None else report
     report.facts["versions"] = _versions()
     try:
         placement, notes = place(device, precision=precision, compile=compile,
@@ -141,6 +172,9 @@ def render(report: DoctorReport) -> list[str]:
         mfu_text = f", MFU {100 * f['mfu']:.1f} %" if f.get("mfu") is not None else ""
         lines.append(f"throughput: {f['tokens_per_s']:,.0f} tok/s{mfu_text}; {f['seconds_per_inner_step']:.2f} s per "
                      f"inner step, about {f['seconds_per_round']:,.0f} s per round")
-    lines += [f"problem: {p}" for p in report.problems]
+    if "swarm" in f:
+        lines.append(f"swarm: an initial peer answered in {f['swarm_connect_s']:.1f} s" if f["swarm"] == "answered"
+                     else "swarm: no initial peer answered")
+    lines += [f"problem: {p}" for p in [*report.network_problems, *report.problems]]
     lines.append("ok: this peer can contribute" if report.can_contribute else "this peer cannot contribute as it is")
     return lines
