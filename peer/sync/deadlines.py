@@ -5,15 +5,8 @@ too short for a slow swarm (rounds fail) or too long when a peer dies (every sur
 whole timeout). :class:`DeadlinePolicy` derives both from what this peer observed in its recent
 rounds, clamped to the bounds of the run manifest:
 
-* matchmaking time = 2 × the longest wait for the group in the last :data:`WAIT_WINDOW` syncs (from
-  this peer's arrival at the sync to the start of the all-reduce: the spread of the groupmates'
-  arrival times) + 1 s. A wait that used up the whole matchmaking window (the leader gave up on a
-  groupmate that came later, or not at all) counts double, so after one round that missed its full
-  group the window doubles instead of creeping up; and the long memory keeps the spread of a round
-  in which a groupmate came late (after evaluating φ for the swarm, every few rounds) until the next
-  such round. Healthy peers on one machine then form their full group every round; waiting longer
-  costs nothing while they do (the all-reduce starts as soon as the expected group is complete), and
-  a dead peer only until ``peer status``'s liveness rule stops counting it;
+* matchmaking time = 1.5 × the longest recent wait for the group (from this peer's arrival at
+  the sync to the start of the all-reduce: the spread of the groupmates' arrival times) + 0.5 s;
 * all-reduce timeout = 3 × the longest recent all-reduce + 2 s, and at least
   2 × ``next_chunk_timeout_s`` + 5 s, so that a groupmate that hangs is detected (and left out,
   or the round reported incomplete and retried) before the deadline ends the round.
@@ -30,16 +23,7 @@ from dataclasses import dataclass
 from protocol.manifest import SyncSpec
 
 WINDOW = 8
-"""Rounds of history the all-reduce deadline follows."""
-
-WAIT_WINDOW = 32
-"""Rounds of history the matchmaking time follows: longer than the evaluation cadence, so a late
-groupmate's round is remembered until it comes again."""
-
-WAIT_MARGIN = 2.0
-"""The matchmaking time is this × the longest recent wait, plus :data:`WAIT_SLACK_S`."""
-
-WAIT_SLACK_S = 1.0
+"""Rounds of history the deadlines follow."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +55,7 @@ class DeadlinePolicy:
 
     def __init__(self, sync: SyncSpec):
         self.sync = sync
-        self._waits: deque[float] = deque(maxlen=WAIT_WINDOW)
+        self._waits: deque[float] = deque(maxlen=WINDOW)
         self._allreduces: deque[float] = deque(maxlen=WINDOW)
 
     def observe(self, *, wait_s: float, allreduce_s: float) -> None:
@@ -83,8 +67,6 @@ class DeadlinePolicy:
         for name, value in (("wait_s", wait_s), ("allreduce_s", allreduce_s)):
             if not value >= 0 or value == float("inf"):
                 raise ValueError(f"{name} = {value!r}: expected a finite duration >= 0 s")
-        if self._allreduces and wait_s >= 0.9 * self.current().matchmaking_s:
-            wait_s *= 2  # the window ran out before the group was complete: the spread was larger
         self._waits.append(wait_s)
         self._allreduces.append(allreduce_s)
 
@@ -93,7 +75,7 @@ class DeadlinePolicy:
         if not s.adaptive_deadlines or not self._allreduces:
             mm, ar = s.matchmaking_time_s, s.allreduce_timeout_s
         else:
-            mm = _clamp(WAIT_MARGIN * max(self._waits) + WAIT_SLACK_S, s.min_matchmaking_time_s, s.matchmaking_time_s)
+            mm = _clamp(1.5 * max(self._waits) + 0.5, s.min_matchmaking_time_s, s.matchmaking_time_s)
             floor = max(s.min_allreduce_timeout_s, 2 * s.next_chunk_timeout_s + 5.0)
             ar = _clamp(3.0 * max(self._allreduces) + 2.0, min(floor, s.allreduce_timeout_s), s.allreduce_timeout_s)
         return Deadlines(matchmaking_s=mm, matchmaking_deadline_s=3 * mm, allreduce_s=ar)
