@@ -189,6 +189,7 @@ def main() -> None:
     print(f"device {placement.info.device}: {device_name}, {placement.precision.name}, "
           f"compile {placement.compile}; torch {torch.__version__}", file=sys.stderr, flush=True)
     results = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
         try:
             results.append(bench_preset(name, args, placement))
@@ -196,9 +197,9 @@ def main() -> None:
             print(f"  {name}: skipped, does not fit ({str(exc).splitlines()[0]})", file=sys.stderr, flush=True)
             if cuda:
                 torch.cuda.empty_cache()
-    out = {"device": device_name, "torch": torch.__version__, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+        # written after every preset: a run cut short keeps what it measured
+        out = {"device": device_name, "torch": torch.__version__, "results": results}
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
     print("| preset | params | precision | micro-batch | tokens/s | MFU | peak memory (GiB) | inner / bare |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
