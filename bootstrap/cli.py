@@ -18,8 +18,9 @@ import click
 import protocol
 from protocol.errors import LocoError, exit_with
 from protocol.lifetime import StopOnSignal
-from protocol.manifest import load_manifest
+from protocol.manifest import load_manifest, sign_manifest
 from protocol.presets import PRESETS
+from protocol.signing import OWNER_KEY_FILE, load_owner_key
 
 
 def default_identity() -> Path:
@@ -73,6 +74,10 @@ def _until_signal(what: str):
 @click.option("--identity", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Private key file (created with mode 0600 on first start, reused after: the peer id and "
                    "so the multiaddr stay the same). [default: the user data dir]/locoswarm/bootstrap/identity.key")
+@click.option("--owner-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Ed25519 key of the run's owner, which signs its announcement (created with mode 0600 on first "
+                   "start; the run id binds it, so keep it). A --run file that names an owner needs that owner's "
+                   "key. [default: owner.key beside the --identity file]")
 @click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Run manifest (TOML) to announce. Default: the 'default' preset.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Announce a named preset.")
@@ -88,7 +93,7 @@ def _until_signal(what: str):
               help="Seconds between two reads of the peers' progress records.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def run(host, port, announce, identity, run_file, preset, initial_peers, relay, monitor_port, monitor_host,
+def run(host, port, announce, identity, owner_key, run_file, preset, initial_peers, relay, monitor_port, monitor_host,
         monitor_poll, log_format, verbose) -> None:
     """Start the node, print its multiaddrs, announce the run; Ctrl-C or SIGTERM stops it (exit 130).
 
@@ -102,6 +107,7 @@ def run(host, port, announce, identity, run_file, preset, initial_peers, relay, 
       bootstrap run --run my_run.toml --announce /ip4/203.0.113.7/tcp/31337
       bootstrap run --identity /var/lib/locoswarm/boot.key --monitor-port 8080 --monitor-host 0.0.0.0
       bootstrap run --port 0 --identity ./boot.key --preset tiny --no-relay
+      bootstrap run --run my_run.toml --owner-key ~/keys/my_run.owner.key
     \b
     Check from another machine that the node is reachable:
       peer status --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmThePrintedId
@@ -113,20 +119,25 @@ def run(host, port, announce, identity, run_file, preset, initial_peers, relay, 
         try:
             if run_file is not None and preset is not None:
                 raise click.UsageError("give either --run FILE.toml or --preset NAME, not both")
-            manifest = load_manifest(run_file) if run_file else PRESETS[preset or "default"]()
+            draft = load_manifest(run_file) if run_file else PRESETS[preset or "default"]()
+            identity = identity or default_identity()
+            owner = load_owner_key(owner_key or identity.with_name(OWNER_KEY_FILE))
+            signed = sign_manifest(draft, owner)  # ManifestError: the file names another owner
+            manifest = signed.manifest
             cfg = BootstrapConfig(host=host, port=port, announce=tuple(announce),
-                                  identity_path=identity or default_identity(), initial_peers=tuple(initial_peers),
-                                  manifest=manifest, relay=relay, monitor_host=monitor_host, monitor_port=monitor_port,
+                                  identity_path=identity, initial_peers=tuple(initial_peers),
+                                  manifest=signed, relay=relay, monitor_host=monitor_host, monitor_port=monitor_port,
                                   monitor_poll_s=monitor_poll)
 
             def on_ready(maddrs: list[str], monitor_url: str | None) -> None:
                 if log_format == "json":
                     click.echo(json.dumps({"event": "ready", "maddrs": maddrs, "run_id": manifest.run_id,
-                                           "run_name": manifest.name, "version": protocol.__version__,
+                                           "run_name": manifest.name, "owner": manifest.owner, "version": protocol.__version__,
                                            "relay": relay, "monitor_url": monitor_url}))
                 else:
                     click.echo(f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} "
                                f"({manifest.name}) | relay {'on' if relay else 'off'}")
+                    click.echo(f"run owner {manifest.owner} (key {owner.path})")
                     click.echo("peers join with:")
                     for maddr in maddrs:
                         click.echo(f"  peer join --initial-peers {maddr}")

@@ -13,7 +13,8 @@ from protocol import dht as swarm_dht
 from protocol.errors import NetworkError
 from protocol.identity import ensure_identity
 from protocol.reachability import serve_dialback
-from protocol.manifest import RunManifest
+from protocol.manifest import SignedManifest
+from protocol.validator import protect_run
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ class BootstrapConfig:
     identity_path: Path
     initial_peers: tuple[str, ...] = ()
     """Other bootstrap nodes or peers to link with (optional)."""
-    manifest: RunManifest
+    manifest: SignedManifest
+    """The run to announce, signed by its owner (protocol/manifest.py ``sign_manifest``)."""
     relay: bool = True
     """Serve as a libp2p circuit relay (v2) so peers behind NAT can be reached through this node."""
     monitor_host: str = "127.0.0.1"
@@ -88,15 +90,17 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
                           identity_path=str(identity), relay=cfg.relay)
     serve_dialback(dht)  # joiners ask whether the swarm can dial them (protocol/reachability.py)
     announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
+    run = cfg.manifest.manifest
     monitor = server = None
     try:
+        protect_run(dht, run.run_id)
         announcer.start()
         if cfg.monitor_port is not None:
             from bootstrap.monitor import MonitorConfig, MonitorServer, SwarmMonitor
 
             monitor = SwarmMonitor(dht, MonitorConfig(poll_interval_s=cfg.monitor_poll_s),
-                                   run_ids={cfg.manifest.run_id: cfg.manifest.name}).start()
-            server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=cfg.manifest.name).start()
+                                   run_ids={run.run_id: run.name}).start()
+            server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=run.name).start()
         on_ready(swarm_dht.visible_maddrs(dht), server.url if server else None)
         stop.wait()
     finally:

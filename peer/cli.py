@@ -71,6 +71,9 @@ def main() -> None:
               help="Sync algorithm of this peer's run (overrides the manifest's sync.algorithm).")
 @click.option("--new-run", is_flag=True,
               help="Start the --run/--preset run even though the swarm announces another one.")
+@click.option("--owner-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Ed25519 key that signs a run this peer starts (a new swarm, or --new-run); created with mode "
+                   "0600 on first use. The run id binds it: keep it to restart the run. [default: DATA_DIR/owner.key]")
 @click.option("--host", default="0.0.0.0", show_default=True,
               help="IPv4 address to listen on (0.0.0.0: all interfaces; 127.0.0.1: this machine only).")
 @click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
@@ -114,7 +117,8 @@ def main() -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one event per line on stdout, for programs.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port, announce, data_path, data_dir,
+def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key, host, port, announce, data_path,
+         data_dir,
          max_rounds,
          eval_every, export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, device, precision, micro_batch,
          max_memory, compile_, peak_tflops, log_format, verbose) -> None:
@@ -149,7 +153,7 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, host, port
         run_flag = (f"--run {run_file}" if run_file is not None else f"--preset {preset}" if preset is not None
                     else f"--algorithm {algorithm}")
         cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=local_run, run_flag=run_flag,
-                         start_new_run=new_run, host=host, port=port,
+                         start_new_run=new_run, owner_key_path=owner_key, host=host, port=port,
                          announce=tuple(announce), data_path=data_path, data_dir=data_dir or default_data_dir(),
                          client_mode=client_mode,
                          uplink_mbps=uplink_mbps,

@@ -84,6 +84,9 @@ class JoinConfig:
     """How the user named ``new_run`` (``--preset tiny``), for messages."""
     start_new_run: bool = False
     """--new-run: start ``new_run`` even while the swarm announces another run."""
+    owner_key_path: Path | None = None
+    """--owner-key: the Ed25519 key that signs a run this peer starts (protocol/signing.py), created
+    0600 on first use; None: ``<data_dir>/owner.key``."""
     host: str = "0.0.0.0"
     """IPv4 address to listen on; the default, all interfaces (peer/reachability.py says whether others get through)."""
     port: int = 0

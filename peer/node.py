@@ -27,9 +27,11 @@ from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht, lifetime, liveness
-from protocol.errors import ManifestNotFound, NetworkError
+from protocol.errors import ConfigError, ManifestNotFound, NetworkError
 from protocol.identity import ensure_identity
-from protocol.manifest import RunManifest
+from protocol.manifest import RunManifest, SignedManifest, sign_manifest
+from protocol.signing import OWNER_KEY_FILE, PeerSigner, load_owner_key
+from protocol.validator import protect_run
 
 logger = logging.getLogger(__name__)
 
@@ -40,30 +42,53 @@ LOCAL_RUN_LOOK_S = 2.0
 takes the swarm for bare and starts its run (a node that just joined may not see the index at once)."""
 
 
-def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> RunManifest:
-    """The manifest of the run this peer trains, decided by peer/run_choice.py from the swarm's runs
-    index, the flags and this peer's checkpoints; waits up to ``cfg.manifest_wait_s`` while a plain
-    join finds no run announced (a swarm that just started).
+def _owner_key_path(cfg: JoinConfig):
+    return cfg.owner_key_path if cfg.owner_key_path is not None else cfg.data_dir / OWNER_KEY_FILE
+
+
+def _holds_owner_key(cfg: JoinConfig, owner: str) -> bool:
+    """Whether this peer's owner key file exists and is ``owner``'s (read, never created)."""
+    path = _owner_key_path(cfg)
+    return path.exists() and load_owner_key(path, create=False).public_hex == owner
+
+
+def _start_run(local: RunManifest, cfg: JoinConfig) -> SignedManifest:
+    """``local`` signed by this peer's owner key (created 0600 on first use): this peer owns the run.
+
+    Raises:
+        ConfigError: the owner key file is unusable. ManifestError: ``local`` names another owner.
+    """
+    return sign_manifest(local, load_owner_key(_owner_key_path(cfg)))
+
+
+def _announced(dht) -> dict[str, SignedManifest]:
+    try:
+        return swarm_dht.list_announced(dht)
+    except NetworkError as exc:
+        logger.debug("reading the runs index failed: %s", exc)
+        return {}
+
+
+def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> SignedManifest:
+    """The signed manifest of the run this peer trains, decided by peer/run_choice.py from the swarm's
+    validly signed runs, the flags and this peer's checkpoints; waits up to ``cfg.manifest_wait_s``
+    while a plain join (or one whose run only its owner can start) finds no run announced.
 
     Raises:
         RunChoiceNeeded: several runs, or the local run is not the swarm's (message lists the runs).
         ManifestNotFound: no run announced in time, or the chosen one's manifest cannot be read.
+        ManifestError: the run names a local data path; or this peer would start a run owned by another key.
     """
     local = cfg.new_run
     reporter.emit("status", message="looking for the swarm's run")
-    deadline = time.monotonic() + (cfg.manifest_wait_s if local is None else LOCAL_RUN_LOOK_S)
+    # a run this peer cannot sign (another owner's) is waited for like the run of a plain join
+    can_start = local is not None and (not local.owner or _holds_owner_key(cfg, local.owner))
+    deadline = time.monotonic() + (LOCAL_RUN_LOOK_S if can_start else cfg.manifest_wait_s)
     while True:
-        try:
-            announced = swarm_dht.list_runs(dht)
-        except NetworkError as exc:
-            logger.debug("reading the runs index failed: %s", exc)
-            announced = {}
+        announced = _announced(dht)
         if announced or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    if local is not None and not announced:
-        reporter.emit("status", message=f"the swarm announces no run: starting run {local.run_id} ({local.name})")
-        return local
 
     def stats(run_id: str) -> tuple[int, int] | None:
         try:
@@ -74,23 +99,30 @@ def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> RunManifest:
 
     while True:
         try:
-            chosen = choose_run(announced, local=local, local_flag=cfg.run_flag, run_id=cfg.run_id,
-                                new_run=cfg.start_new_run, checkpoints=checkpointed_runs(cfg.data_dir), stats=stats)
-            if local is not None:
-                verb = "joining" if chosen in announced else "starting"
-                reporter.emit("status", message=f"{verb} run {local.run_id} ({local.name})")
-                return local
-            manifest = swarm_dht.fetch_manifest(dht, chosen)
-            reporter.emit("status", message=f"joining run {manifest.run_id} ({manifest.name})")
-            return manifest
+            chosen = choose_run({rid: s.manifest for rid, s in announced.items()}, local=local,
+                                local_flag=cfg.run_flag, run_id=cfg.run_id, new_run=cfg.start_new_run,
+                                checkpoints=checkpointed_runs(cfg.data_dir), stats=stats)
+            if chosen in announced:
+                signed = announced[chosen]
+            elif local is not None and chosen in (None, local.run_id):
+                if not can_start:
+                    raise ManifestNotFound(
+                        f"{cfg.run_flag} is run {local.run_id} of owner {local.owner}, which the swarm does not "
+                        "announce (yet); retry once a peer of that run is up, or ask its owner")
+                signed = _start_run(local, cfg)
+                reporter.emit("status", message=f"starting run {signed.run_id} ({local.name}), owned by this peer")
+                return signed
+            else:
+                signed = swarm_dht.fetch_signed(dht, chosen)
+            if local is None or not signed.manifest.same_content(local):
+                swarm_dht.refuse_local_data_path(signed.manifest)  # a volunteer's data location is theirs alone
+            reporter.emit("status", message=f"joining run {signed.run_id} ({signed.manifest.name})")
+            return signed
         except ManifestNotFound:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
-            try:
-                announced = swarm_dht.list_runs(dht)
-            except NetworkError as exc:
-                logger.debug("reading the runs index failed: %s", exc)
+            announced = _announced(dht)
 
 
 class StopOnSignal(lifetime.StopOnSignal):
@@ -124,6 +156,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         reporter.emit("status", message=f"reading the data of run {local.run_id} ({local.name}): {describe(data)}")
         corpus = load_corpus(data, cache_dir=default_cache_dir())
     identity = ensure_identity(cfg.data_dir / "identity.key")
+    signer = PeerSigner.from_identity(identity)  # signs this peer's records under its peer id
     # Peers seen before (peers.json): the way back into the swarm when the initial peers are gone.
     book = AddressBook.load(cfg.data_dir / ADDRESS_BOOK)
     where = f"{cfg.host}:{cfg.port}" if cfg.port else f"{cfg.host}, any free port"
@@ -137,12 +170,17 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
     announcer = transport = keeper = trainer = None
     try:
-        manifest = local if not cfg.initial_peers else _find_run(dht, cfg, reporter)
-        # Every peer keeps its run's manifest alive, so the swarm outlives its bootstrap node.
-        announcer = swarm_dht.ManifestAnnouncer(dht, manifest).start()
+        signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
+        manifest = signed.manifest
+        protect_run(dht, manifest.run_id)  # this node stores only signed records of its run
+        # Every peer keeps its run's signed manifest alive, so the swarm outlives its bootstrap node.
+        announcer = swarm_dht.ManifestAnnouncer(dht, signed).start()
         peer_id = str(dht.peer_id)
-        keeper = AddressKeeper(dht, book, run_id=manifest.run_id, peer_id=peer_id, publish=not cfg.client_mode).start()
-        if corpus is None or manifest is not local:
+        if peer_id != signer.peer_id:
+            raise ConfigError(f"the DHT runs as peer {peer_id}, but {identity} is the key of {signer.peer_id}: "
+                              "move the identity file away to create a new identity")
+        keeper = AddressKeeper(dht, book, run_id=manifest.run_id, signer=signer, publish=not cfg.client_mode).start()
+        if corpus is None or manifest.data != local.data:
             data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
             reporter.emit("status", message=f"reading the run's data: {describe(data)}")
             corpus = load_corpus(data, cache_dir=default_cache_dir())
@@ -154,7 +192,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
                                      client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
                                      max_weight_tokens=round_token_cap(manifest))
         # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
-        swarm = SwarmView(dht, run_id=manifest.run_id, peer_id=peer_id,
+        swarm = SwarmView(dht, run_id=manifest.run_id, signer=signer,
                           record_ttl_s=liveness.record_ttl_s(manifest), max_sync_s=transport.max_sync_seconds)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)

@@ -1,10 +1,13 @@
 """Where the peers of a run can be dialled: each peer publishes its own visible multiaddrs.
 
 One DHT value per run, :func:`addresses_key`, subkey = peer id (base58), value = a list of that
-peer's full multiaddrs (``/ip4/HOST/tcp/PORT/p2p/PEER_ID``). A peer keeps its entry alive from a
-background thread (peer/state/address_book.py), apart from its progress record, whose schema
-stays as it is. Readers validate every address as a multiaddr ending in the publishing peer's own
-id and skip the rest, so a malformed entry costs nothing but itself.
+peer's full multiaddrs (``/ip4/HOST/tcp/PORT/p2p/PEER_ID``), signed by the peer's identity key
+like its progress record (protocol/signing.py): an entry whose signature does not match its peer
+id is ignored and counted (``signing.REJECTED["addresses"]``), so no one can publish addresses in
+another peer's name. A peer keeps its entry alive from a background thread
+(peer/state/address_book.py), apart from its progress record, whose schema stays as it is.
+Readers validate every address as a multiaddr ending in the publishing peer's own id and skip the
+rest, so a malformed entry costs nothing but itself.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import logging
 from typing import Sequence
 
 from protocol.dht import entries, parse_initial_peers, read_value
-from protocol.errors import BadPeerAddress
+from protocol.errors import BadPeerAddress, BadSignature
+from protocol.signing import REJECTED, PeerSigner, open_record
+from protocol.text import sanitize
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +70,15 @@ def valid_addresses(peer_id: str, value: object) -> list[str]:
     return out
 
 
-def publish_addresses(dht, run_id: str, peer_id: str, maddrs: Sequence[str], ttl_s: float = ADDRESSES_TTL_S) -> bool:
-    """Store this peer's multiaddrs under the run's addresses key. Returns whether a node accepted them."""
+def publish_addresses(dht, run_id: str, signer: PeerSigner, maddrs: Sequence[str],
+                      ttl_s: float = ADDRESSES_TTL_S) -> bool:
+    """Store this peer's multiaddrs under the run's addresses key, signed by ``signer`` under its
+    peer id. Returns whether a node accepted them."""
     from hivemind.utils import get_dht_time
 
+    key, expiration = addresses_key(run_id), get_dht_time() + ttl_s
     value = [str(m) for m in maddrs][:MAX_ADDRESSES_PER_PEER]
-    return bool(dht.store(addresses_key(run_id), value, get_dht_time() + ttl_s, subkey=peer_id))
+    return bool(dht.store(key, signer.seal(key, expiration, value), expiration, subkey=signer.peer_id))
 
 
 def read_addresses(dht, run_id: str) -> dict[str, list[str]]:
@@ -81,7 +89,13 @@ def read_addresses(dht, run_id: str) -> dict[str, list[str]]:
         NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
     """
     out = {}
-    for peer_id, value, _ in entries(read_value(dht, addresses_key(run_id)), max_ahead_s=ADDRESSES_TTL_S + 600):
+    key = addresses_key(run_id)
+    for peer_id, value, expiration in entries(read_value(dht, key), max_ahead_s=ADDRESSES_TTL_S + 600):
+        try:
+            value = open_record(key, peer_id, expiration, value)
+        except BadSignature as exc:
+            REJECTED.note("addresses", sanitize(str(peer_id), max_chars=64), exc)
+            continue
         addresses = valid_addresses(peer_id, value)
         if addresses:
             out[peer_id] = addresses

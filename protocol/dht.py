@@ -11,9 +11,18 @@ Anyone can write to the DHT, so every read peers act on is bounded and screened:
 * a value whose expiration lies further ahead than any honest writer sets
   (:data:`MAX_EXPIRATION_AHEAD_S`) is ignored;
 * what remains is validated (manifests by hash and schema, records by schema and bounds, strings
-  stripped of control characters: protocol/text.py) before use.
+  stripped of control characters: protocol/text.py) before use;
+* what peers act on is signed (protocol/signing.py): a run is announced in the runs index as its
+  manifest signed by the run's owner (protocol/manifest.py ``open_announcement``), and a peer's
+  progress record is signed by the peer's identity key, stored under its peer id. A value whose
+  signature does not match is ignored and counted (``signing.REJECTED``). Every node started here
+  also refuses to store such values under the keys it protects (protocol/validator.py), so an
+  unsigned write can neither replace nor hide a signed one.
 
 hivemind serializes DHT values with msgpack, never pickle.
+
+Longer than 300 lines: it is the one module that reads and writes every DHT value of the protocol,
+so each read's bounds and checks are in one place.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from protocol import keys
-from protocol.errors import (BadPayload, BadPeerAddress, BootstrapUnreachable, ManifestError,
-                             ManifestNotFound, NetworkError)
-from protocol.manifest import RunManifest, decode
+from protocol.errors import (BadPayload, BadPeerAddress, BadSignature, BootstrapUnreachable, ManifestError,
+                             ManifestNotFound, NetworkError, ProtocolError)
+from protocol.manifest import RunManifest, SignedManifest, open_announcement
 from protocol.records import ProgressRecord
+from protocol.signing import REJECTED, PeerSigner, open_record
 from protocol.text import sanitize
 
 logger = logging.getLogger(__name__)
@@ -160,8 +170,12 @@ def new_dht(**kwargs):
     dies (``kill -9`` included) and ignore the signals that stop it (protocol/lifetime.py).
 
     Start it from a thread that outlives it (the kernel kills the DHT process when the thread
-    that forked it exits). Raises whatever ``hivemind.DHT`` raises.
+    that forked it exits). Unless ``record_validators`` is given, the node refuses unsigned values
+    under the keys it protects (protocol/validator.py). Raises whatever ``hivemind.DHT`` raises.
     """
+    from protocol.validator import SwarmRecordValidator
+
+    kwargs.setdefault("record_validators", [SwarmRecordValidator()])
     return _helper_dht_class()(**kwargs)
 
 
@@ -222,14 +236,15 @@ def visible_maddrs(dht) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
-def store_manifest(dht, manifest: RunManifest, ttl_s: float = MANIFEST_TTL_S) -> bool:
-    """Announce ``manifest`` in the DHT for ``ttl_s`` seconds. Returns whether a node accepted it."""
+def store_manifest(dht, signed: SignedManifest, ttl_s: float = MANIFEST_TTL_S) -> bool:
+    """Announce a signed manifest in the runs index (subkey: its run id) for ``ttl_s`` seconds.
+
+    Anyone may store an announcement they read (peers keep their run's alive): the owner's
+    signature travels with it. Returns whether a node accepted it.
+    """
     from hivemind.utils import get_dht_time
 
-    expiration = get_dht_time() + ttl_s
-    ok_manifest = dht.store(keys.manifest_key(manifest.run_id), manifest.encode(), expiration)
-    ok_index = dht.store(keys.RUNS_KEY, manifest.name, expiration, subkey=manifest.run_id)
-    return bool(ok_manifest and ok_index)
+    return bool(dht.store(keys.RUNS_KEY, signed.to_wire(), get_dht_time() + ttl_s, subkey=signed.run_id))
 
 
 def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
@@ -285,17 +300,37 @@ def entries(found, *, max_ahead_s: float = MAX_EXPIRATION_AHEAD_S) -> list[tuple
     return out
 
 
-def list_runs(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, str]:
-    """Announced runs: run id → name (stripped of control characters, at most 128 characters).
+def list_announced(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, SignedManifest]:
+    """Announced runs whose manifest is signed by the owner it names: run id → signed manifest.
+
+    An unsigned or wrongly signed announcement, or one stored under another run id, is ignored and
+    counted in ``signing.REJECTED["manifest"]`` (logged once per run id).
 
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
     """
     runs = {}
     for run_id, value, _ in entries(read_value(dht, keys.RUNS_KEY, timeout_s=timeout_s)):
-        if isinstance(value, str) and _is_run_id(run_id):
-            runs[run_id] = sanitize(value, max_chars=MAX_RUN_NAME_CHARS)
+        writer = sanitize(run_id, max_chars=64)
+        if not _is_run_id(run_id):
+            REJECTED.note("manifest", writer, "the subkey is not a run id")
+            continue
+        try:
+            runs[run_id] = open_announcement(value, expected_run_id=run_id)
+        except (ProtocolError, ManifestError) as exc:  # unsigned, wrongly signed, not a manifest, another version
+            REJECTED.note("manifest", writer, sanitize(str(exc), max_chars=200))
     return runs
+
+
+def list_runs(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, str]:
+    """Announced runs with a valid owner signature (:func:`list_announced`): run id → name
+    (stripped of control characters, at most 128 characters).
+
+    Raises:
+        NetworkError: the DHT did not answer within ``timeout_s``.
+    """
+    return {run_id: sanitize(signed.manifest.name, max_chars=MAX_RUN_NAME_CHARS)
+            for run_id, signed in list_announced(dht, timeout_s=timeout_s).items()}
 
 
 _BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
@@ -311,7 +346,13 @@ def _is_run_id(text: str) -> bool:
 
 def fetch_manifest(dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S,
                    allow_data_path: bool = False) -> RunManifest:
-    """Fetch and verify a run manifest from the DHT.
+    """Fetch and verify a run manifest from the DHT (:func:`fetch_signed` without the signature)."""
+    return fetch_signed(dht, run_id, timeout_s=timeout_s, allow_data_path=allow_data_path).manifest
+
+
+def fetch_signed(dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S,
+                 allow_data_path: bool = False) -> SignedManifest:
+    """Fetch a run's announcement from the DHT, signed by the owner its run id binds.
 
     A manifest from the network can never name a local path: one whose ``data.path`` is set is
     refused (:func:`refuse_local_data_path`) unless ``allow_data_path`` (for readers that only
@@ -324,19 +365,19 @@ def fetch_manifest(dht, run_id: str | None = None, *, timeout_s: float = READ_TI
         allow_data_path: return a manifest with ``data.path`` set (never to train on).
 
     Raises:
-        ManifestNotFound: no such run, no run at all, several runs and none chosen, or the DHT
-            did not answer in time.
-        ManifestError: the stored bytes are not a manifest or do not hash to ``run_id``, or the
-            manifest names a data path (one line telling the volunteer to pass ``--run``).
-        VersionMismatch: the run speaks another protocol version.
+        ManifestNotFound: no validly signed announcement of such a run (unsigned, wrongly signed
+            and malformed ones are ignored), no run at all, several runs and none chosen, or the
+            DHT did not answer in time.
+        ManifestError: the manifest names a data path (one line telling the volunteer to pass
+            ``--run``).
     """
     try:
-        manifest = _fetch_manifest(dht, run_id, timeout_s)
+        signed = _fetch_signed(dht, run_id, timeout_s)
     except NetworkError as exc:
         raise ManifestNotFound(f"no run manifest read: {exc}; retry, or check --initial-peers") from exc
     if not allow_data_path:
-        refuse_local_data_path(manifest)
-    return manifest
+        refuse_local_data_path(signed.manifest)
+    return signed
 
 
 def refuse_local_data_path(manifest: RunManifest) -> None:
@@ -356,22 +397,20 @@ def refuse_local_data_path(manifest: RunManifest) -> None:
             "the network: pass --run FILE.toml with the run's manifest and your own data location")
 
 
-def _fetch_manifest(dht, run_id: str | None, timeout_s: float) -> RunManifest:
+def _fetch_signed(dht, run_id: str | None, timeout_s: float) -> SignedManifest:
+    runs = list_announced(dht, timeout_s=timeout_s)
     if run_id is None:
-        runs = list_runs(dht, timeout_s=timeout_s)
         if not runs:
             raise ManifestNotFound("the swarm announces no run yet; retry in a few seconds or pass --run-id")
         if len(runs) > 1:
-            listing = ", ".join(f"{rid} ({name})" for rid, name in sorted(runs.items()))
+            listing = ", ".join(f"{rid} ({sanitize(s.manifest.name, max_chars=MAX_RUN_NAME_CHARS)})"
+                                for rid, s in sorted(runs.items()))
             raise ManifestNotFound(f"the swarm announces several runs: {listing}; choose one with --run-id")
         run_id = next(iter(runs))
-    found = read_value(dht, keys.manifest_key(run_id), timeout_s=timeout_s)
-    if found is None:
-        raise ManifestNotFound(f"no manifest for run id {run_id} in the DHT; check the id with `peer status`"
-                               " or ask the run's owner")
-    if not isinstance(found.value, bytes):
-        raise ManifestError(f"the DHT value for run {run_id} is not a manifest")
-    return decode(found.value, expected_run_id=run_id)
+    if run_id not in runs:
+        raise ManifestNotFound(f"no manifest signed by its owner for run id {run_id} in the DHT; check the id "
+                               "with `peer status` or ask the run's owner")
+    return runs[run_id]
 
 
 class Periodic:
@@ -408,22 +447,25 @@ class Periodic:
 
 
 class ManifestAnnouncer(Periodic):
-    """Keeps a manifest alive in the DHT (stored again every ttl/5) until :meth:`stop`."""
+    """Keeps a signed manifest alive in the DHT (stored again every ttl/5) until :meth:`stop`."""
 
-    def __init__(self, dht, manifest: RunManifest, ttl_s: float = MANIFEST_TTL_S):
+    def __init__(self, dht, signed: SignedManifest, ttl_s: float = MANIFEST_TTL_S):
         super().__init__(period_s=ttl_s / 5 if ttl_s > 5 else 1.0, name="manifest-announcer")
-        self.dht, self.manifest, self.ttl_s = dht, manifest, ttl_s
+        self.dht, self.signed, self.ttl_s = dht, signed, ttl_s
 
     def tick(self) -> None:
-        if not store_manifest(self.dht, self.manifest, self.ttl_s):
+        if not store_manifest(self.dht, self.signed, self.ttl_s):
             logger.debug("no DHT node accepted the manifest announcement; retrying")
 
 
-def publish_progress(dht, run_id: str, peer_id: str, record: ProgressRecord, ttl_s: float, *, wait: bool = True):
-    """Store this peer's record; with ``wait=False`` returns at once (the store finishes in the DHT process)."""
+def publish_progress(dht, run_id: str, signer: PeerSigner, record: ProgressRecord, ttl_s: float, *,
+                     wait: bool = True):
+    """Store this peer's record, signed by ``signer`` under its peer id; with ``wait=False`` returns
+    at once (the store finishes in the DHT process)."""
     from hivemind.utils import get_dht_time
 
-    result = dht.store(keys.progress_key(run_id), record.to_wire(), get_dht_time() + ttl_s, subkey=peer_id,
+    key, expiration = keys.progress_key(run_id), get_dht_time() + ttl_s
+    result = dht.store(key, signer.seal(key, expiration, record.to_wire()), expiration, subkey=signer.peer_id,
                        return_future=not wait)
     return bool(result) if wait else result
 
@@ -437,20 +479,27 @@ class PeerProgress:
 
 def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
                   max_ttl_s: float = MAX_EXPIRATION_AHEAD_S) -> list[PeerProgress]:
-    """Live peers' latest progress records; malformed records, and records expiring more than
-    ``max_ttl_s`` from now, are skipped with a debug log.
+    """Live peers' latest progress records, each signed by the peer whose id it is stored under.
+
+    A record that is unsigned, signed by another peer than its subkey names, or whose signature
+    does not verify is ignored and counted in ``signing.REJECTED["progress"]`` (logged once per
+    subkey); malformed records, and records expiring more than ``max_ttl_s`` from now, are
+    skipped with a debug log.
 
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
     """
     out = []
-    for peer_id, value, expiration in entries(read_value(dht, keys.progress_key(run_id), timeout_s=timeout_s),
-                                              max_ahead_s=max_ttl_s):
+    key = keys.progress_key(run_id)
+    for peer_id, value, expiration in entries(read_value(dht, key, timeout_s=timeout_s), max_ahead_s=max_ttl_s):
         if not _is_peer_id(peer_id):  # printed by `peer status` and the monitor: base58 only
-            logger.debug("ignoring a progress record under subkey %r: not a peer id", peer_id[:64])
+            REJECTED.note("progress", sanitize(peer_id, max_chars=64), "the subkey is not a peer id")
             continue
         try:
-            record = ProgressRecord.from_wire(value)
+            record = ProgressRecord.from_wire(open_record(key, peer_id, expiration, value))
+        except BadSignature as exc:
+            REJECTED.note("progress", peer_id, exc)
+            continue
         except BadPayload as exc:
             logger.debug("ignoring progress record of %s: %s", peer_id, exc)
             continue

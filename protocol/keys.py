@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 RUNS_KEY = "locoswarm_runs"
-"""Subkey: run id; value: the run's name. Lets `peer join` find the run when none is named."""
+"""Subkey: run id; value: the run's manifest signed by its owner (``{"m": canonical msgpack bytes,
+"s": Ed25519 signature}``, protocol/manifest.py ``SignedManifest``). Lets `peer join` find and
+verify the run; every node of ours refuses other values here (protocol/validator.py)."""
 
 
 def manifest_key(run_id: str) -> str:
-    """Value: the canonical msgpack bytes of the run manifest."""
+    """No longer written: a run's manifest is announced, signed, under :data:`RUNS_KEY`. Before
+    owners, the value was the manifest's canonical msgpack bytes; readers ignore this key."""
     return f"locoswarm_manifest_{run_id}"
 
 
 def progress_key(run_id: str) -> str:
-    """Subkey: peer id (base58); value: a progress record (see protocol.records)."""
+    """Subkey: peer id (base58); value: a progress record (see protocol.records) signed by that peer
+    (protocol/signing.py ``PeerSigner.seal``)."""
     return f"locoswarm_progress_{run_id}"
 
 

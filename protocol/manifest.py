@@ -6,6 +6,16 @@ and re-exported here). It is loaded from TOML (``load_manifest``), validated fie
 encoded canonically with msgpack (``encode``: sorted keys, fixed types) and identified by the
 SHA-256 of that encoding (``run_id``). Peers fetch the encoding from the DHT by run id and
 recompute the hash, so a tampered manifest is never trained on.
+
+A run has an owner: ``owner`` holds the owner's Ed25519 public key (hex) and is part of the
+encoding, so the run id binds the key. The owner signs the encoding (:func:`sign_manifest`); what
+is announced in the DHT is a :class:`SignedManifest`, and :func:`open_announcement` accepts one only
+with the owner's valid signature. A manifest with no owner (a TOML file, a preset) is a run not
+started yet: whoever starts it becomes its owner (``with_owner``). An ownerless manifest encodes as
+before owners existed, so its run id did not change.
+
+Slightly over 300 lines: the manifest's encoding, its run id and its signed announcement must
+agree byte for byte, so they stay in one module.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ from typing import Any
 
 import msgpack
 
-from protocol.errors import ManifestError, VersionMismatch
+from protocol.errors import BadSignature, ManifestError, VersionMismatch
+from protocol.signing import OwnerKey, is_owner_hex, verify_manifest
 from protocol.specs import (
     CODECS, PHI_CODECS, CompressionSpec, DataSpec, InnerOptimizerSpec, ModelSpec, NoLoCoSpec, OuterOptimizerSpec,
     SyncSpec, TokenizerSpec, check, int_in,
@@ -28,8 +39,8 @@ from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "CODECS", "PHI_CODECS", "RUN_ID_HEX_CHARS", "CompressionSpec", "DataSpec", "InnerOptimizerSpec", "ModelSpec",
-    "NoLoCoSpec", "OuterOptimizerSpec", "RunManifest", "SyncSpec", "TokenizerSpec", "decode", "dump_toml",
-    "from_dict", "load_manifest",
+    "NoLoCoSpec", "OuterOptimizerSpec", "RunManifest", "SignedManifest", "SyncSpec", "TokenizerSpec", "decode",
+    "dump_toml", "from_dict", "load_manifest", "open_announcement", "sign_manifest",
 ]
 
 RUN_ID_HEX_CHARS = 32
@@ -53,6 +64,9 @@ class RunManifest:
 
     name: str = "default"
     protocol_version: int = PROTOCOL_VERSION
+    owner: str = ""
+    """The run owner's Ed25519 public key, 64 hex characters (protocol/signing.py); empty while the
+    run is not started. Part of the run id: another owner's run of the same content is another run."""
     model: ModelSpec = field(default_factory=ModelSpec)
     tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
     data: DataSpec = field(default_factory=DataSpec)
@@ -67,6 +81,8 @@ class RunManifest:
                isinstance(self.name, str) and 0 < len(self.name) <= 128 and self.name.isprintable(),
                "a printable string of 1 to 128 characters")
         int_in("run", "protocol_version", self.protocol_version, 1, 2**31 - 1)
+        check("run", "owner", self.owner, isinstance(self.owner, str) and (not self.owner or is_owner_hex(self.owner)),
+              "empty or an Ed25519 public key as 64 lowercase hex characters")
         if self.protocol_version != PROTOCOL_VERSION:
             raise VersionMismatch(
                 f"run manifest speaks protocol version {self.protocol_version}, this client speaks "
@@ -82,11 +98,27 @@ class RunManifest:
             self.noloco.check_stability()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data; ``owner`` is left out while empty (so ownerless run ids stay as they were)."""
+        data = dataclasses.asdict(self)
+        if not self.owner:
+            del data["owner"]
+        return data
 
     def encode(self) -> bytes:
         """Canonical msgpack bytes: keys sorted at every level, so equal manifests encode equally."""
         return msgpack.packb(_sorted(self.to_dict()), use_bin_type=True)
+
+    def with_owner(self, owner: str) -> RunManifest:
+        """This run owned by ``owner`` (hex public key; "" for the ownerless content).
+
+        Raises:
+            ManifestError: ``owner`` is neither empty nor 64 lowercase hex characters.
+        """
+        return dataclasses.replace(self, owner=owner)
+
+    def same_content(self, other: RunManifest) -> bool:
+        """Whether the two describe the same training run, whoever owns each."""
+        return self.with_owner("") == other.with_owner("")
 
     @property
     def run_id(self) -> str:
@@ -126,7 +158,7 @@ def from_dict(data: Any) -> RunManifest:
     """
     if not isinstance(data, dict):
         raise ManifestError(f"a run manifest must be a table of sections, got {type(data).__name__}")
-    top_fields = {"name", "protocol_version"}
+    top_fields = {"name", "protocol_version", "owner"}
     unknown = set(data) - top_fields - set(_SECTIONS)
     if unknown:
         raise ManifestError(
@@ -219,6 +251,8 @@ def dump_toml(manifest: RunManifest) -> str:
     """The manifest as TOML text that :func:`load_manifest` reads back to an equal manifest."""
     data = manifest.to_dict()
     lines = [f"name = {_toml_value(data.pop('name'))}", f"protocol_version = {data.pop('protocol_version')}"]
+    if "owner" in data:
+        lines.append(f"owner = {_toml_value(data.pop('owner'))}")
     for section, values in data.items():
         lines.append(f"\n[{section}]")
         lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
@@ -231,3 +265,67 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)
+
+
+@dataclass(frozen=True)
+class SignedManifest:
+    """A manifest with its owner's signature of :meth:`RunManifest.encode`: what a run's announcement
+    holds (protocol/dht.py), checked by :func:`open_announcement`."""
+
+    manifest: RunManifest
+    signature: bytes
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.run_id
+
+    def to_wire(self) -> dict[str, bytes]:
+        return {"m": self.manifest.encode(), "s": self.signature}
+
+
+def sign_manifest(manifest: RunManifest, key: OwnerKey) -> SignedManifest:
+    """Sign ``manifest`` with its owner's key (an ownerless one becomes ``key``'s run first).
+
+    Raises:
+        ManifestError: the manifest names another owner than ``key``.
+    """
+    if not manifest.owner:
+        manifest = manifest.with_owner(key.public_hex)
+    if manifest.owner != key.public_hex:
+        where = f" ({key.path})" if key.path else ""
+        raise ManifestError(
+            f"run {manifest.run_id} ({manifest.name}) is owned by {manifest.owner}, not by the owner key{where} "
+            f"({key.public_hex}): pass --owner-key with the run owner's key file, or remove `owner` from the "
+            "manifest to start a new run of your own")
+    return SignedManifest(manifest, key.sign_manifest(manifest.encode()))
+
+
+def open_announcement(value: Any, *, expected_run_id: str | None = None) -> SignedManifest:
+    """Check a run announcement read from the DHT: a manifest signed by the owner it names.
+
+    Args:
+        value: the stored value (decoded msgpack): ``{"m": canonical manifest bytes, "s": signature}``.
+        expected_run_id: the run id it is stored under, if known.
+
+    Returns:
+        The verified manifest and signature.
+
+    Raises:
+        BadSignature: not an announcement, no owner, not the canonical encoding, or a signature that
+            does not verify with the owner's key.
+        ManifestError: not a valid manifest, or it hashes to another run id than ``expected_run_id``.
+        VersionMismatch: the manifest speaks another protocol version.
+    """
+    if not isinstance(value, dict) or set(value) != {"m", "s"}:
+        raise BadSignature("not a signed run announcement (expected a map of m, s)")
+    payload, signature = value["m"], value["s"]
+    if not isinstance(signature, bytes):
+        raise BadSignature("the announcement's signature is not bytes")
+    manifest = decode(payload, expected_run_id=expected_run_id)
+    if not manifest.owner:
+        raise BadSignature(f"run {manifest.run_id} ({manifest.name}) names no owner: an unsigned announcement")
+    if manifest.encode() != payload:
+        raise BadSignature(f"run {manifest.run_id} is not announced in its canonical encoding")
+    if not verify_manifest(manifest.owner, payload, signature):
+        raise BadSignature(f"run {manifest.run_id} ({manifest.name}) is not signed by its owner {manifest.owner}")
+    return SignedManifest(manifest, signature)

@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Sequence
 from protocol import addresses as swarm_addresses
 from protocol import dht as swarm_dht
 from protocol.errors import BadPeerAddress, BootstrapUnreachable
+from protocol.signing import PeerSigner
 
 logger = logging.getLogger(__name__)
 
@@ -202,20 +203,22 @@ class AddressKeeper(swarm_dht.Periodic):
     Args:
         dht: a started hivemind.DHT.
         book: where the other peers' addresses are remembered (saved when they change).
-        run_id, peer_id: this peer's run and id.
+        run_id: this peer's run.
+        signer: signs this peer's published addresses (protocol/signing.py); its peer id is this peer's.
         period_s: seconds between two rounds of publishing and reading.
         publish: False for a client-mode peer (nobody can dial it): it only reads.
     """
 
-    def __init__(self, dht, book: AddressBook, *, run_id: str, peer_id: str, period_s: float = 15.0,
+    def __init__(self, dht, book: AddressBook, *, run_id: str, signer: PeerSigner, period_s: float = 15.0,
                  publish: bool = True):
         super().__init__(period_s=period_s, name="address-keeper")
-        self.dht, self.book, self.run_id, self.peer_id = dht, book, run_id, peer_id
+        self.dht, self.book, self.run_id, self.signer = dht, book, run_id, signer
+        self.peer_id = signer.peer_id
         self.publish = publish
 
     def refresh(self) -> None:
         """Publish this peer's visible multiaddrs (unless client mode), then remember every other peer's."""
-        if self.publish and not swarm_addresses.publish_addresses(self.dht, self.run_id, self.peer_id,
+        if self.publish and not swarm_addresses.publish_addresses(self.dht, self.run_id, self.signer,
                                                                   swarm_dht.visible_maddrs(self.dht)):
             logger.debug("no DHT node accepted this peer's addresses; retrying in %.0f s", self.period_s)
         for peer_id, maddrs in swarm_addresses.read_addresses(self.dht, self.run_id).items():

@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 
 from protocol import dht as swarm_dht
 from protocol.records import ProgressRecord
+from protocol.signing import PeerSigner
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +32,15 @@ class SwarmView:
     Args:
         dht: a started hivemind.DHT.
         run_id: the run whose records are read and written.
-        peer_id: this peer (base58); its own record always counts as live.
+        signer: this peer's record signer (protocol/signing.py); its peer id is this peer's, whose
+            own record always counts as live.
         record_ttl_s: lifetime of a published record, s (every peer of the run uses the same).
         max_sync_s: the longest one sync may take, s; bounds the staleness threshold before any
             round was timed.
     """
 
-    def __init__(self, dht, *, run_id: str, peer_id: str, record_ttl_s: float, max_sync_s: float):
-        self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
+    def __init__(self, dht, *, run_id: str, signer: PeerSigner, record_ttl_s: float, max_sync_s: float):
+        self.dht, self.run_id, self.signer, self.peer_id = dht, run_id, signer, signer.peer_id
         self.record_ttl_s, self.max_sync_s = record_ttl_s, max_sync_s
         self._round_seconds: deque[float] = deque(maxlen=8)
         self._round_started = time.monotonic()
@@ -87,7 +89,7 @@ class SwarmView:
     def publish(self, record: ProgressRecord, *, wait: bool = False) -> None:
         """Store this peer's record; failures are logged, never raised (the next publish retries)."""
         try:
-            swarm_dht.publish_progress(self.dht, self.run_id, self.peer_id, record, self.record_ttl_s, wait=wait)
+            swarm_dht.publish_progress(self.dht, self.run_id, self.signer, record, self.record_ttl_s, wait=wait)
         except Exception as exc:
             logger.debug("publishing progress failed: %r", exc)
 

@@ -13,12 +13,18 @@ from typing import Any
 from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
 from protocol.manifest import RunManifest, dump_toml
 from protocol.presets import tiny_run
+from protocol.signing import OwnerKey, save_owner_key
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
+OWNER = OwnerKey.generate()
+"""The owner of the tests' runs: every bootstrap node and peer a :class:`Procs` starts holds its key
+(``--owner-key``), so any of them may start a run :func:`make_manifest` made."""
+
 
 def make_manifest(**sections: dict[str, Any]) -> RunManifest:
-    return tiny_run().replace(**sections)
+    """The tiny preset with ``sections`` overridden, owned by :data:`OWNER` (its run id is final)."""
+    return tiny_run().replace(**sections).with_owner(OWNER.public_hex)
 
 
 def write_manifest(directory: Path, manifest: RunManifest) -> Path:
@@ -33,6 +39,7 @@ class Procs:
     def __init__(self, workdir: Path):
         self.workdir = workdir
         self.procs: list[Child] = []
+        self.owner_key = save_owner_key(OWNER, workdir / "owner.key").path
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         """Start ``argv`` with its stderr in ``<workdir>/<name>.log``."""
@@ -41,12 +48,14 @@ class Procs:
         return child.start()
 
     def bootstrap(self, manifest_path: Path) -> tuple[Child, str]:
-        proc = self.spawn("bootstrap", bootstrap_argv(identity=self.workdir / "bootstrap.key", run=manifest_path))
+        proc = self.spawn("bootstrap", bootstrap_argv(identity=self.workdir / "bootstrap.key", run=manifest_path,
+                                                      extra=["--owner-key", str(self.owner_key)]))
         ready = proc.wait_event(lambda e: e.kind == "ready", 60)
         return proc, ready.addresses_on("127.0.0.1")[0]
 
     def peer(self, name: str, *args: str) -> Child:
-        return self.spawn(name, peer_argv(data_dir=self.workdir / name, extra=["--threads", "1", *args]))
+        return self.spawn(name, peer_argv(data_dir=self.workdir / name,
+                                          extra=["--threads", "1", "--owner-key", str(self.owner_key), *args]))
 
     def cleanup(self) -> None:
         """SIGINT every child, give them 20 s to exit, then kill every process group."""

@@ -24,3 +24,25 @@ def test_identity_persists_across_restarts(procs, tmp_path, stop_signal):
     ready = second.of("ready")[0]
     assert ready["run_id"] == make_manifest().run_id
     assert all("/p2p/" in a for a in ready["maddrs"])
+
+
+def test_an_ownerless_run_is_owned_by_the_key_beside_the_identity_and_keeps_its_run_id(procs, tmp_path):
+    from peer.launch import bootstrap_argv
+    from protocol.manifest import RunManifest
+    from protocol.presets import tiny_run
+    from protocol.signing import load_owner_key
+
+    draft = tiny_run().replace(name="ownerless")
+    assert not draft.owner
+    run_file = write_manifest(tmp_path, draft)
+    argv = bootstrap_argv(identity=tmp_path / "boot" / "identity.key", run=run_file)
+    ids = []
+    for attempt in range(2):
+        boot = procs.spawn(f"boot-{attempt}", argv)
+        ids.append(boot.wait_event(lambda e: e.kind == "ready", 60)["run_id"])
+        boot.popen.send_signal(signal.SIGINT)
+        assert boot.wait(30) == 130, boot.tail()
+    key_path = tmp_path / "boot" / "owner.key"
+    assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
+    owned = draft.with_owner(load_owner_key(key_path, create=False).public_hex)
+    assert ids == [owned.run_id, owned.run_id] and isinstance(owned, RunManifest)

@@ -5,7 +5,7 @@ import pytest
 
 from protocol.errors import RunChoiceNeeded
 from protocol.presets import PRESETS
-from tests.integration.harness import make_manifest, write_manifest
+from tests.integration.harness import OWNER, make_manifest, write_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -16,7 +16,8 @@ def stderr_error(child) -> str:
 
 def test_other_preset_is_refused_new_run_starts_it_and_a_plain_join_must_choose(procs, tmp_path):
     swarm_run = make_manifest(name="right-run-swarm")
-    tiny = PRESETS["tiny"]()
+    tiny_preset = PRESETS["tiny"]()
+    tiny = tiny_preset.with_owner(OWNER.public_hex)  # the run a peer holding OWNER's key starts from the preset
     assert swarm_run.run_id != tiny.run_id
     _, addr = procs.bootstrap(write_manifest(tmp_path, swarm_run))
     code = RunChoiceNeeded.exit_code
@@ -25,7 +26,7 @@ def test_other_preset_is_refused_new_run_starts_it_and_a_plain_join_must_choose(
     refused = procs.peer("refused", "--initial-peers", addr, "--preset", "tiny")
     assert refused.wait(120) == code, refused.tail()
     line = stderr_error(refused)
-    assert "--preset tiny" in line and tiny.run_id in line and swarm_run.run_id in line and "--new-run" in line, line
+    assert "--preset tiny" in line and repr(tiny.name) in line and swarm_run.run_id in line and "--new-run" in line, line
     assert not refused.of("started")
 
     # With --new-run it starts the preset's run beside the swarm's.

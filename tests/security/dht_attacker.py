@@ -1,5 +1,6 @@
-"""A stock hivemind DHT node that writes raw bytes (any bytes, any expiration) into another node's
-storage, the way any stranger on the swarm can."""
+"""A stock hivemind DHT node that asks another node to store raw bytes (any bytes, any expiration),
+the way any stranger on the swarm can. The victim's record validator (protocol/validator.py) may
+refuse; :meth:`Attacker.store_raw` says whether it did."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 
-async def _raw_store(dht, node, *, target, key: str, value: bytes, subkey, ttl_s: float):
+async def _raw_store(dht, node, *, target, key: str, value: bytes, subkey, ttl_s: float, expiration: float | None):
     sub = None if subkey is None else MSGPackSerializer.dumps(subkey)
-    ok = await node.protocol.call_store(target, [DHTID.generate(source=key)], [value], get_dht_time() + ttl_s,
-                                        subkeys=[sub])
+    expiration = get_dht_time() + ttl_s if expiration is None else expiration
+    ok = await node.protocol.call_store(target, [DHTID.generate(source=key)], [value], expiration, subkeys=[sub])
     return None if ok is None else [bool(x) for x in ok]
 
 
@@ -24,15 +25,19 @@ class Attacker:
         self.dht = hivemind.DHT(initial_peers=[str(m) for m in victim.get_visible_maddrs()],
                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
 
-    def store_raw(self, key: str, value: bytes, *, subkey=None, ttl_s: float = 60.0) -> None:
-        """Put ``value`` (bytes as they travel) under ``key`` (and ``subkey``) in the victim's storage."""
+    def store_raw(self, key: str, value: bytes, *, subkey=None, ttl_s: float = 60.0, expiration: float | None = None,
+                  ) -> bool:
+        """Ask the victim to store ``value`` (bytes as they travel) under ``key`` (and ``subkey``) until
+        ``expiration`` (default: ``ttl_s`` from now). Returns whether the victim accepted it (its
+        record validator may refuse)."""
         ok = self.dht.run_coroutine(functools.partial(_raw_store, target=self.victim.peer_id, key=key, value=value,
-                                                      subkey=subkey, ttl_s=ttl_s))
-        assert ok == [True], ok
+                                                      subkey=subkey, ttl_s=ttl_s, expiration=expiration))
+        assert ok is not None and len(ok) == 1, ok  # the victim answered
+        return ok[0]
 
-    def store(self, key: str, value, *, subkey=None, ttl_s: float = 60.0) -> None:
-        """Put a msgpack value of the attacker's choice there."""
-        self.store_raw(key, MSGPackSerializer.dumps(value), subkey=subkey, ttl_s=ttl_s)
+    def store(self, key: str, value, *, subkey=None, ttl_s: float = 60.0, expiration: float | None = None) -> bool:
+        """Ask the victim to store a msgpack value of the attacker's choice; returns whether it accepted."""
+        return self.store_raw(key, MSGPackSerializer.dumps(value), subkey=subkey, ttl_s=ttl_s, expiration=expiration)
 
     def shutdown(self) -> None:
         self.dht.shutdown()

@@ -15,7 +15,9 @@ from protocol import addresses, keys
 from protocol import dht as swarm_dht
 from protocol.errors import ManifestError, ManifestNotFound
 from protocol.manifest import RunManifest
+from protocol.identity import ensure_identity
 from protocol.records import ProgressRecord
+from protocol.signing import PeerSigner
 from tests.security.dht_attacker import Attacker
 
 pytestmark = pytest.mark.timeout(90)
@@ -25,10 +27,12 @@ NOT_MSGPACK = b"\xc1\xc1\xc1"  # 0xc1 is never used in msgpack
 
 
 @pytest.fixture(scope="module")
-def swarm():
+def swarm(tmp_path_factory):
     peer = attacker = None
+    identity = ensure_identity(tmp_path_factory.mktemp("peer") / "identity.key")
     try:
-        peer = swarm_dht.start_dht()
+        peer = swarm_dht.start_dht(identity_path=str(identity))
+        peer.signer = PeerSigner.from_identity(identity)
         attacker = Attacker(peer)
         yield peer, attacker
     finally:
@@ -39,16 +43,16 @@ def swarm():
 
 
 def _honest_record(peer, run_id: str) -> None:
-    assert swarm_dht.publish_progress(peer, run_id, "honest", HONEST, ttl_s=60)
+    assert swarm_dht.publish_progress(peer, run_id, peer.signer, HONEST, ttl_s=60)
 
 
 def test_a_record_that_is_not_msgpack_is_skipped(swarm):
     peer, attacker = swarm
     run_id = "a" * 32
     _honest_record(peer, run_id)
-    attacker.store_raw(keys.progress_key(run_id), NOT_MSGPACK, subkey="fake")
+    assert attacker.store_raw(keys.progress_key(run_id), NOT_MSGPACK, subkey="fake")
     records = swarm_dht.read_progress(peer, run_id, timeout_s=20)
-    assert [(r.peer_id, r.record) for r in records] == [("honest", HONEST)]
+    assert [(r.peer_id, r.record) for r in records] == [(peer.signer.peer_id, HONEST)]
 
 
 def test_a_round_of_2_63_is_ignored(swarm):
@@ -56,33 +60,34 @@ def test_a_round_of_2_63_is_ignored(swarm):
     run_id = "b" * 32
     _honest_record(peer, run_id)
     fake = dataclasses.replace(HONEST, round=2**63 - 1, inner_step=2**63 - 1)
-    attacker.store(keys.progress_key(run_id), fake.to_wire(), subkey="fake")
+    assert attacker.store(keys.progress_key(run_id), fake.to_wire(), subkey="fake")
     records = swarm_dht.read_progress(peer, run_id, timeout_s=20)
-    assert [r.peer_id for r in records] == ["honest"]
+    assert [r.peer_id for r in records] == [peer.signer.peer_id]
 
 
 def test_a_record_expiring_in_ten_years_is_ignored(swarm):
     peer, attacker = swarm
     run_id = "c" * 32
     _honest_record(peer, run_id)
-    attacker.store(keys.progress_key(run_id), dataclasses.replace(HONEST, round=9).to_wire(), subkey="fake",
-                   ttl_s=10 * 365 * 86400.0)
+    assert attacker.store(keys.progress_key(run_id), dataclasses.replace(HONEST, round=9).to_wire(), subkey="fake",
+                          ttl_s=10 * 365 * 86400.0)
     records = swarm_dht.read_progress(peer, run_id, timeout_s=20)
-    assert [r.peer_id for r in records] == ["honest"]
+    assert [r.peer_id for r in records] == [peer.signer.peer_id]
 
 
 def test_a_plain_value_over_the_progress_key_reads_as_no_records(swarm):
     peer, attacker = swarm
     run_id = "d" * 32
     _honest_record(peer, run_id)
-    attacker.store(keys.progress_key(run_id), "not a dict of records", ttl_s=120)
+    # this node does not protect run d's keys (it trains no run): the plain value replaces the records
+    assert attacker.store(keys.progress_key(run_id), "not a dict of records", ttl_s=120)
     assert swarm_dht.read_progress(peer, run_id, timeout_s=20) == []
 
 
 def test_garbage_under_the_manifest_and_runs_keys_neither_hangs_nor_crashes(swarm):
     peer, attacker = swarm
     manifest = RunManifest(name="garbage-test")
-    attacker.store_raw(keys.RUNS_KEY, NOT_MSGPACK, subkey="f" * 32)
+    attacker.store_raw(keys.RUNS_KEY, NOT_MSGPACK, subkey="f" * 32)  # refused by the node's validator
     attacker.store_raw(keys.manifest_key(manifest.run_id), NOT_MSGPACK)
     assert "f" * 32 not in swarm_dht.list_runs(peer, timeout_s=20)
     with pytest.raises((ManifestError, ManifestNotFound)):
@@ -93,6 +98,6 @@ def test_garbage_address_records_are_skipped(swarm):
     peer, attacker = swarm
     run_id = "e" * 32
     mine = [str(m) for m in peer.get_visible_maddrs()]
-    assert addresses.publish_addresses(peer, run_id, str(peer.peer_id), mine)
-    attacker.store_raw(addresses.addresses_key(run_id), NOT_MSGPACK, subkey="fake")
+    assert addresses.publish_addresses(peer, run_id, peer.signer, mine)
+    assert attacker.store_raw(addresses.addresses_key(run_id), NOT_MSGPACK, subkey="fake")
     assert addresses.read_addresses(peer, run_id) == {str(peer.peer_id): mine}

@@ -11,13 +11,16 @@ import pytest
 from bootstrap.monitor import SwarmMonitor
 from bootstrap.monitor_page import render_page
 from protocol import dht as swarm_dht, keys
-from protocol.errors import BadPayload
+from protocol.errors import BadPayload, ManifestError
+from protocol.manifest import RunManifest, sign_manifest
+from protocol.signing import OwnerKey
 from protocol.text import sanitize
 from protocol.wire import allreduce as frames
 from protocol.wire import state as state_frames
 from tests.security.fake_dht import FakeDHT
 
 HOSTILE = "evil\x1b[2J\x1b]0;pwned\x07<!--<script>\u202e"
+PRINTABLE_HOSTILE = "evil<!--<script>"
 RUN_ID = "0123456789abcdef" * 2
 
 
@@ -32,10 +35,16 @@ def test_sanitize_strips_escape_sequences_and_keeps_the_rest():
 
 def test_a_run_name_from_the_runs_index_is_harmless():
     dht = FakeDHT()
-    dht.store(keys.RUNS_KEY, HOSTILE, subkey=RUN_ID)
+    dht.store(keys.RUNS_KEY, HOSTILE, subkey=RUN_ID)  # unsigned: not a run at all
+    assert swarm_dht.list_runs(dht) == {}
+    # a signed run's name is a manifest field: printable, checked where the manifest is decoded
+    with pytest.raises(ManifestError, match="name"):
+        RunManifest(name=HOSTILE)
+    signed = sign_manifest(RunManifest(name=PRINTABLE_HOSTILE), OwnerKey.generate())
+    swarm_dht.store_manifest(dht, signed)
     runs = swarm_dht.list_runs(dht)
-    assert runs == {RUN_ID: "evil<!--<script>"}
-    assert _harmless_in_a_terminal(runs[RUN_ID])
+    assert runs == {signed.run_id: PRINTABLE_HOSTILE}
+    assert _harmless_in_a_terminal(runs[signed.run_id])
 
 
 def test_an_abort_reason_is_harmless():
@@ -59,7 +68,7 @@ def test_field_names_a_peer_chose_are_harmless_in_errors():
 
 def test_the_monitor_page_shows_a_hostile_run_name_as_text():
     dht = FakeDHT()
-    dht.store(keys.RUNS_KEY, HOSTILE, subkey=RUN_ID)
+    swarm_dht.store_manifest(dht, sign_manifest(RunManifest(name=PRINTABLE_HOSTILE), OwnerKey.generate()))
     monitor = SwarmMonitor(dht)
     monitor.poll()
     page = render_page("locoswarm", json.dumps(monitor.snapshot()))

@@ -207,22 +207,23 @@ class FakeDHT:
     """Stores and gets values the way hivemind's DHT returns subkey dictionaries."""
 
     class Item:
-        def __init__(self, value):
-            self.value, self.expiration_time = value, time.time() + 60
+        def __init__(self, value, expiration_time):
+            self.value, self.expiration_time = value, expiration_time
 
     def __init__(self, maddrs: list[str]):
-        self.stored: dict[str, dict[str, object]] = {}
+        self.stored: dict[str, dict[str, tuple[object, float]]] = {}
         self.maddrs = maddrs
 
     def get_visible_maddrs(self):
         return self.maddrs
 
     def store(self, key, value, expiration, subkey):
-        self.stored.setdefault(key, {})[subkey] = value
+        self.stored.setdefault(key, {})[subkey] = (value, expiration)
         return True
 
     def get(self, key, latest=True, return_future=False):
-        found = self.Item({k: self.Item(v) for k, v in self.stored[key].items()}) if key in self.stored else None
+        found = (self.Item({k: self.Item(*v) for k, v in self.stored[key].items()}, time.time() + 60)
+                 if key in self.stored else None)
         if not return_future:
             return found
         future = concurrent.futures.Future()
@@ -231,15 +232,31 @@ class FakeDHT:
 
 
 def test_the_keeper_publishes_this_peer_and_remembers_the_others(tmp_path):
-    dht = FakeDHT([maddr(1)])
+    from protocol.identity import ensure_identity
+    from protocol.signing import PeerSigner
+
+    me, other, liar = (PeerSigner.from_identity(ensure_identity(tmp_path / f"{i}.key")) for i in range(3))
+
+    def at(signer, port):
+        return f"/ip4/127.0.0.1/tcp/{port}/p2p/{signer.peer_id}"
+
+    dht = FakeDHT([at(me, 4001)])
     run_id = "ab" * 16
-    dht.stored[addresses.addresses_key(run_id)] = {peer_id(2): [maddr(2)], peer_id(3): ["bogus", maddr(4)]}
+    key = addresses.addresses_key(run_id)
+    expiration = time.time() + 60
+    dht.stored[key] = {
+        other.peer_id: (other.seal(key, expiration, [at(other, 4002)]), expiration),
+        liar.peer_id: (liar.seal(key, expiration, ["bogus", at(other, 4004)]), expiration),  # another's address
+        peer_id(5): ([maddr(5)], expiration),  # unsigned
+        peer_id(6): (liar.seal(key, expiration, [maddr(6)]), expiration),  # signed by another peer than its id
+    }
     book = AddressBook(tmp_path / "peers.json")
-    AddressKeeper(dht, book, run_id=run_id, peer_id=peer_id(1)).refresh()
-    assert dht.stored[addresses.addresses_key(run_id)][peer_id(1)] == [maddr(1)]
-    assert AddressBook.load(book.path).addresses() == [maddr(2)]  # not its own, nor peer 3's forged entry
+    AddressKeeper(dht, book, run_id=run_id, signer=me).refresh()
+    assert addresses.read_addresses(dht, run_id)[me.peer_id] == [at(me, 4001)]
+    # not its own, nor the liar's entry for another peer, nor the unsigned or wrongly signed ones
+    assert AddressBook.load(book.path).addresses() == [at(other, 4002)]
 
     client = FakeDHT([maddr(9)])
-    AddressKeeper(client, AddressBook(tmp_path / "client.json"), run_id=run_id, peer_id=peer_id(9),
+    AddressKeeper(client, AddressBook(tmp_path / "client.json"), run_id=run_id, signer=other,
                   publish=False).refresh()
     assert client.stored == {}

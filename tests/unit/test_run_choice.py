@@ -4,11 +4,15 @@ import pytest
 
 from peer.run_choice import checkpointed_runs, choose_run
 from protocol.errors import ManifestNotFound, RunChoiceNeeded
+from protocol.manifest import RunManifest
 from protocol.presets import PRESETS
 
 TINY = PRESETS["tiny"]()
 DEFAULT = PRESETS["default"]()
 A, B = "a" * 64, "b" * 64
+OWNER, OTHER = "1" * 64, "2" * 64
+TINY_OWNED = TINY.with_owner(OWNER)
+FIRST, SECOND = RunManifest(name="first"), RunManifest(name="second")
 
 
 def stats(run_id):
@@ -16,12 +20,12 @@ def stats(run_id):
 
 
 def test_plain_join_takes_the_one_announced_run():
-    assert choose_run({A: "first"}, local=None) == A
+    assert choose_run({A: FIRST}, local=None) == A
 
 
 def test_plain_join_with_several_runs_lists_them_and_asks_for_run_id():
     with pytest.raises(RunChoiceNeeded) as info:
-        choose_run({A: "first", B: "second"}, local=None, stats=stats)
+        choose_run({A: FIRST, B: SECOND}, local=None, stats=stats)
     text = str(info.value)
     assert "2 runs" in text and "--run-id" in text
     assert f"'first' (run id {A}, 3 peer(s), round 12)" in text and f"'second' (run id {B}, 1 peer(s), round 4)" in text
@@ -29,31 +33,48 @@ def test_plain_join_with_several_runs_lists_them_and_asks_for_run_id():
 
 
 def test_plain_join_picks_the_run_its_checkpoint_belongs_to():
-    assert choose_run({A: "first", B: "second"}, local=None, checkpoints={B, "c" * 64}) == B
+    assert choose_run({A: FIRST, B: SECOND}, local=None, checkpoints={B, "c" * 64}) == B
 
 
 def test_checkpoints_of_several_announced_runs_do_not_choose():
     with pytest.raises(RunChoiceNeeded, match="checkpoints of 2 of them"):
-        choose_run({A: "first", B: "second"}, local=None, checkpoints={A, B})
+        choose_run({A: FIRST, B: SECOND}, local=None, checkpoints={A, B})
 
 
 def test_run_id_wins_and_no_run_announced_is_retryable():
-    assert choose_run({A: "first", B: "second"}, local=None, run_id=B) == B
+    assert choose_run({A: FIRST, B: SECOND}, local=None, run_id=B) == B
     with pytest.raises(ManifestNotFound):
         choose_run({}, local=None)
 
 
-def test_local_run_is_trained_when_the_swarm_announces_it_or_none():
-    assert choose_run({}, local=TINY) == TINY.run_id
-    assert choose_run({TINY.run_id: TINY.name, A: "first"}, local=TINY) == TINY.run_id
+def test_local_run_joins_the_swarms_run_of_its_content_or_starts_when_none():
+    assert choose_run({}, local=TINY) is None  # start it: this peer becomes its owner
+    assert choose_run({TINY_OWNED.run_id: TINY_OWNED, A: FIRST}, local=TINY) == TINY_OWNED.run_id
+    # a manifest that names its owner is that one run, not another owner's of the same content
+    assert choose_run({TINY_OWNED.run_id: TINY_OWNED}, local=TINY_OWNED) == TINY_OWNED.run_id
+    assert choose_run({}, local=TINY_OWNED) is None
+    with pytest.raises(RunChoiceNeeded):
+        choose_run({TINY_OWNED.run_id: TINY_OWNED}, local=TINY.with_owner(OTHER))
+
+
+def test_local_content_announced_by_two_owners_must_be_chosen():
+    theirs = TINY.with_owner(OTHER)
+    announced = {TINY_OWNED.run_id: TINY_OWNED, theirs.run_id: theirs}
+    with pytest.raises(RunChoiceNeeded) as info:
+        choose_run(announced, local=TINY, local_flag="--preset tiny")
+    text = str(info.value)
+    assert "--preset tiny" in text and "different owners" in text and "--run-id" in text
+    assert TINY_OWNED.run_id in text and theirs.run_id in text
+    assert choose_run(announced, local=TINY, run_id=theirs.run_id) == theirs.run_id
 
 
 def test_local_run_other_than_the_swarms_is_refused_unless_new_run():
+    default = DEFAULT.with_owner(OWNER)
     with pytest.raises(RunChoiceNeeded) as info:
-        choose_run({DEFAULT.run_id: DEFAULT.name}, local=TINY, local_flag="--preset tiny")
+        choose_run({default.run_id: default}, local=TINY, local_flag="--preset tiny")
     text = str(info.value)
-    assert "--preset tiny" in text and TINY.run_id in text and DEFAULT.run_id in text and "--new-run" in text
-    assert choose_run({DEFAULT.run_id: DEFAULT.name}, local=TINY, new_run=True) == TINY.run_id
+    assert "--preset tiny" in text and "'tiny'" in text and default.run_id in text and "--new-run" in text
+    assert choose_run({default.run_id: default}, local=TINY, new_run=True) is None
 
 
 def test_run_id_and_local_run_must_agree():
