@@ -73,6 +73,8 @@ class AllreduceStats:
     """Senders whose claimed token weight this owner cut to the cap, with the weight they claimed."""
     clipped: dict[int, int] = field(default_factory=dict)
     """Senders whose contribution this owner clipped to the median norm, with how many pieces."""
+    dropped: set[int] = field(default_factory=set)
+    """Senders this owner excluded for an invalid contribution (non-finite, malformed), not for silence."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
@@ -93,13 +95,15 @@ class GroupAllreduce:
         executor: runs encode/decode off the event loop (torch releases the GIL).
         max_weight: the most tokens one contribution may weigh (the run's ``H × batch_size_tokens``);
             a HELLO claiming more is cut to it. None: no cap.
+        ignored: groupmates (indices) whose contributions this owner leaves out of its means from the
+            start (peer/sync/screening.py ``Strikes``); they still receive the means.
     """
 
     def __init__(self, plan: GroupPlan, tensors: Sequence[torch.Tensor], *, weight: float,
                  compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
                  stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
                  open_stream, next_chunk_timeout: float, executor: Executor | None = None,
-                 max_weight: float | None = None):
+                 max_weight: float | None = None, ignored: frozenset[int] = frozenset()):
         if max_weight is not None and not max_weight > 0:
             raise ValueError(f"max_weight = {max_weight!r}: expected a number of tokens > 0 or None")
         self.plan, self.tensors, self.weight = plan, list(tensors), float(weight)
@@ -117,6 +121,9 @@ class GroupAllreduce:
         self._contrib: dict[int, list[tuple[float, torch.Tensor] | None]] = {
             p.index: [None] * n for p in self.my_pieces}
         self._excluded: set[int] = set()
+        for s in sorted(set(ignored) - {me}):
+            self._excluded.add(s)
+            self.stats.excluded[s] = "ignored: its contributions were clipped or dropped repeatedly"
         self._connected: set[int] = {me}
         self._changed = asyncio.Condition()
         self._mean_frames: dict[int, asyncio.Future] = {p.index: asyncio.get_running_loop().create_future()
@@ -201,6 +208,8 @@ class GroupAllreduce:
                             self._contrib[piece.index][sender] = (weight, value)
                         self._changed.notify_all()
             except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+                if isinstance(exc, BadPayload) and sender not in self._excluded:
+                    self.stats.dropped.add(sender)
                 await self._exclude(sender, f"{type(exc).__name__}: {exc}")
             await send_task
             # The sender closes first, once it has read every mean: closing here could make the

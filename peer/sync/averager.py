@@ -41,6 +41,7 @@ from peer.sync.allreduce import AllreduceStats, GroupAllreduce
 from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.pieces import Piece, make_group_plan
+from peer.sync.screening import Strikes
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
 from protocol.lifetime import HelperProcess
 from protocol.manifest import CompressionSpec
@@ -98,6 +99,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAv
         self._init_state_sharing()
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
+        self._strikes = Strikes()  # groupmates whose contributions this peer clipped or dropped repeatedly
         self._error_feedback = None
         self._uplink_bytes_per_s = uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -235,7 +237,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAv
         """
         group_id = group_info.group_id
         future = self._session_future(group_id)
-        session = None
+        session = round_ = None
         try:
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
@@ -272,10 +274,14 @@ class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAv
                     _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, self.stream_protocol)
                     return reader, writer
 
+                round_ = next(iter(rounds))
+                ignored = self._strikes.ignored(round_)
                 session = GroupAllreduce(plan, tensors, weight=kwargs.get("weight") or 1.0, compensate=compensate,
                                          stage=stage, open_stream=open_stream,
                                          next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor(),
-                                         max_weight=self.max_weight_tokens)
+                                         max_weight=self.max_weight_tokens,
+                                         ignored=frozenset(i for i, p in enumerate(group_info.peer_ids)
+                                                           if p in ignored))
                 if not future.done():
                     future.set_result(session)
                 # Our own deadline, a second before hivemind's: when it passes (a groupmate hangs with
@@ -308,11 +314,21 @@ class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAv
                                 incomplete=f"all-reduce failed: {type(exc).__name__}: {exc}")
         finally:
             if session is not None:
+                self._strike(session, round_)
                 session.close()
             if not future.done():
                 future.cancel()
             loop = asyncio.get_running_loop()
             loop.call_later(2 * self.next_chunk_timeout + 5, self._sessions.pop, group_id, None)
+
+    def _strike(self, session: GroupAllreduce, round_: int) -> None:
+        """Count a strike against each groupmate whose contribution ``session`` (of round ``round_``)
+        clipped or dropped."""
+        offenders = [session.plan.peer_ids[s] for s in set(session.stats.clipped) | session.stats.dropped]
+        for peer in self._strikes.record(round_, offenders):
+            logger.warning("ignoring groupmate %s for %d rounds: its contributions were clipped or dropped in %d of "
+                           "the last %d rounds", peer, self._strikes.ignore_rounds, self._strikes.strikes,
+                           self._strikes.window_rounds)
 
     @staticmethod
     def _stats_of(session: GroupAllreduce | None) -> AllreduceStats:

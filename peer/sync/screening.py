@@ -90,3 +90,65 @@ def clip_to_median(parts: Sequence[tuple[float, torch.Tensor]], *, factor: float
             clipped.append(i)
         out.append((w, x))
     return out, clipped
+
+
+STRIKES_TO_IGNORE = 3
+"""Rounds (within :data:`STRIKE_WINDOW_ROUNDS`) in which this peer, as an owner of pieces, clipped or
+dropped a groupmate's contribution before it ignores that groupmate."""
+STRIKE_WINDOW_ROUNDS = 10
+"""How many recent rounds the strikes are counted over."""
+IGNORE_ROUNDS = 20
+"""How many rounds an ignored groupmate stays ignored: its contributions are left out of the means
+this peer computes (it still receives them, like every groupmate)."""
+
+
+class Strikes:
+    """Groupmates this peer ignores for a while because their contributions were clipped or dropped
+    (non-finite or malformed) repeatedly (issue 17, item 4; BTARD bans peers caught lying).
+
+    An honest peer's Δ is almost never clipped (CLIP_MEDIAN_FACTOR leaves honest spread alone), so
+    :data:`STRIKES_TO_IGNORE` strikes within :data:`STRIKE_WINDOW_ROUNDS` rounds mark a groupmate
+    whose contributions would be clipped anyway: ignoring it for :data:`IGNORE_ROUNDS` rounds costs
+    little and stops it from pulling the mean every round. Rounds, not seconds: the same rule on
+    every peer whatever its speed. Not thread-safe: one averager process owns it.
+
+    Args:
+        strikes, window_rounds, ignore_rounds: the rule's three numbers (defaults above).
+    """
+
+    def __init__(self, *, strikes: int = STRIKES_TO_IGNORE, window_rounds: int = STRIKE_WINDOW_ROUNDS,
+                 ignore_rounds: int = IGNORE_ROUNDS):
+        if not 1 <= strikes <= window_rounds:
+            raise ValueError(f"strikes = {strikes}: expected 1 <= strikes <= window_rounds = {window_rounds}")
+        if ignore_rounds < 1:
+            raise ValueError(f"ignore_rounds = {ignore_rounds}: expected >= 1")
+        self.strikes, self.window_rounds, self.ignore_rounds = strikes, window_rounds, ignore_rounds
+        self._struck: dict[object, set[int]] = {}
+        self._until: dict[object, int] = {}
+
+    def record(self, round_: int, offenders) -> list:
+        """Note that the contributions of ``offenders`` (peer ids) were clipped or dropped at ``round_``.
+
+        Returns:
+            The offenders ignored from now on (their strikes reached the limit), for a log line.
+        """
+        newly = []
+        for peer in offenders:
+            rounds = {r for r in self._struck.get(peer, set()) if r > round_ - self.window_rounds}
+            rounds.add(round_)
+            self._struck[peer] = rounds
+            if len(rounds) >= self.strikes and not self.is_ignored(peer, round_):
+                self._until[peer] = round_ + 1 + self.ignore_rounds  # the next ignore_rounds rounds
+                self._struck[peer] = set()
+                newly.append(peer)
+        return newly
+
+    def is_ignored(self, peer, round_: int) -> bool:
+        """Whether ``peer``'s contributions are left out at ``round_``."""
+        return round_ < self._until.get(peer, round_)
+
+    def ignored(self, round_: int) -> set:
+        """Every peer ignored at ``round_``; forgets those whose time is up."""
+        for peer in [p for p, until in self._until.items() if until <= round_]:
+            del self._until[peer]
+        return set(self._until)

@@ -23,8 +23,9 @@ from protocol.wire import framing
 
 
 async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=CompressionSpec(),
-                    piece_elements=64, timeout=1.0):
-    """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``.
+                    piece_elements=64, timeout=1.0, ignored=frozenset()):
+    """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``; every
+    owner leaves the groupmates ``ignored`` (indices) out of its means.
 
     Returns:
         (sessions, outcomes): every session (tensors hold the means where its run succeeded)
@@ -62,7 +63,7 @@ async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=Com
             sessions[i] = GroupAllreduce(plan, [t.clone() for t in payloads[i]], weight=weights[i],
                                          compensate=lambda piece, x: x, stage=lambda *a: None,
                                          open_stream=open_stream, next_chunk_timeout=timeout,
-                                         max_weight=max_weight)
+                                         max_weight=max_weight, ignored=ignored)
             ready[i].set()
         try:
             outcomes = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)

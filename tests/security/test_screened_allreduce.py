@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from peer.state.snapshot import make_snapshot
-from peer.sync.screening import CLIP_MEDIAN_FACTOR
+from peer.sync.screening import CLIP_MEDIAN_FACTOR, Strikes
 from peer.train.outer import DiLoCo
 from protocol.manifest import OuterOptimizerSpec
 from tests.security.group import run_group
@@ -112,3 +112,50 @@ def test_huge_finite_values_neither_crash_nor_poison():
     outer = DiLoCo(SHAPES, OuterOptimizerSpec())
     outer.apply(phi, mean)
     make_snapshot({"run_id": "r", "round": 1, "inner_step": 4}, phi + outer.state_tensors())
+
+
+def _offenders(outcome) -> set[int]:
+    return set(outcome.clipped) | outcome.dropped
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("attack", ["sign-flipped x100", "huge values"])
+def test_a_groupmate_clipped_or_dropped_repeatedly_is_ignored_for_a_while(attack):
+    """Issue 17, item 4: what each honest owner does with peer/sync/screening.py ``Strikes`` (as the
+    averager does after every session): after 3 rounds of strikes the attacker is left out."""
+    honest = _honest(3, seed=5)
+    weights = [1000.0] * 3
+    honest_mean = _weighted_mean(honest, weights)
+    attacker = ([-100.0 * m for m in honest_mean] if attack == "sign-flipped x100"
+                else [torch.full(s, 3e38) for s in SHAPES])
+    strikes = [Strikes(strikes=3, window_rounds=10, ignore_rounds=2) for _ in range(3)]  # one per honest peer
+    ignored_at = []
+    for round_ in range(6):
+        ignored = [s.ignored(round_) for s in strikes]
+        assert ignored[0] == ignored[1] == ignored[2]  # the same rule on the same evidence
+        ignored_at.append(sorted(ignored[0]))
+        sessions, outcomes = asyncio.run(run_group(honest + [attacker], weights + [1000.0], owners=[0, 1, 2],
+                                                   max_weight=ROUND_TOKENS, ignored=frozenset(ignored[0]),
+                                                   timeout=10.0))  # a loaded machine is no groupmate failure
+        got = _honest_results(sessions, outcomes, 3)
+        if ignored[0]:  # left out by every owner: the honest mean, exactly
+            for g, w in zip(got, honest_mean):
+                torch.testing.assert_close(g, w)
+            assert all(not _offenders(o) for o in outcomes[:3])  # an ignored peer earns no new strike
+        else:
+            assert all(_offenders(o) == {3} for o in outcomes[:3])
+        for s, outcome in zip(strikes, outcomes[:3]):
+            s.record(round_, _offenders(outcome))
+    # struck at rounds 0, 1, 2; ignored at 3 and 4; back at 5 (and struck again)
+    assert ignored_at == [[], [], [], [3], [3], []]
+
+
+def test_strikes_count_rounds_in_a_window_and_expire():
+    strikes = Strikes(strikes=3, window_rounds=4, ignore_rounds=10)
+    assert strikes.record(0, ["p"]) == [] and strikes.record(0, ["p"]) == []  # a retry of the round: one strike
+    assert strikes.record(3, ["p"]) == []
+    assert strikes.record(4, ["p"]) == []  # round 0 has left the window of rounds 1..4
+    assert strikes.record(5, ["p"]) == ["p"] and strikes.is_ignored("p", 15) and not strikes.is_ignored("p", 16)
+    assert strikes.ignored(15) == {"p"} and strikes.ignored(16) == set()
+    with pytest.raises(ValueError, match="strikes"):
+        Strikes(strikes=5, window_rounds=4)
