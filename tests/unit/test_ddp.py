@@ -114,6 +114,31 @@ def test_what_the_round_loop_writes_reaches_every_rank(one_thread):
         loop.close()
 
 
+class OutOfMemoryOnRankZero(DistributedInnerLoop):
+    """Rank 0 (this process) runs out of memory above 2 sequences per micro-batch; rank 1 never does."""
+
+    def _accumulate_share(self, rows, batch_rows):
+        if (self.micro_batch_sequences or rows.shape[0]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return super()._accumulate_share(rows, batch_rows)
+
+
+def test_one_rank_out_of_memory_halves_the_micro_batch_on_every_rank(one_thread):
+    """Rank 1 must not wait in a gradient all-reduce for a rank that redoes its step: both agree,
+    halve and redo the step, and stay equal."""
+    loop = OutOfMemoryOnRankZero.launch(build_model(RUN.model), SPEC, Fixed(*batches()), devices=["cpu", "cpu"])
+    reference = InnerLoop(build_model(RUN.model), SPEC, Fixed(*batches()), micro_batch_sequences=2)
+    try:
+        result = loop.step(0)
+        assert result.micro_batch == 2 and loop.oom_backoffs == 1
+        assert result.loss == pytest.approx(reference.step(0).loss, abs=1e-6)
+        loop.step(1)
+        digests = loop.theta_digests()
+        assert digests[0] == digests[1]
+    finally:
+        loop.close()
+
+
 def test_a_rank_that_dies_stops_the_peer_with_one_line(one_thread):
     loop = ranks()
     try:
