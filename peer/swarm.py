@@ -10,6 +10,9 @@ peers find the token cache filled). When a peer fails, the others are stopped an
 exits with that peer's exit code and prints its one-line reason. A temporary working directory
 (no ``--workdir``) is removed at the end unless ``keep`` is set or a peer failed (its logs stay,
 and the launcher says where).
+
+Over 300 lines on purpose: the launcher, its watch loop and the summary it prints read the same
+children and events; split apart, each would pass the swarm's state around for no reader's gain.
 """
 
 from __future__ import annotations
