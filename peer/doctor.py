@@ -149,7 +149,7 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
     per_token = flops_per_token(params=n, embedding_params=embedding_parameter_count(model),
                                 layers=manifest.model.num_layers, hidden=manifest.model.hidden_size,
                                 seq_len=manifest.data.seq_len_tokens)
-    report.facts.update(micro_batch=loop.micro_batch_sequences or manifest.batch_sequences, compile=loop.compiled,
+    report.facts.update(micro_batch=loop.micro_batch_sequences or loop.rows_per_step, compile=loop.compiled,
                         tokens_per_s=rate, mfu=mfu(rate, per_token, placement.peak_tflops),
                         seconds_per_inner_step=seconds / steps,
                         seconds_per_round=seconds / steps * manifest.sync.inner_steps)
@@ -168,7 +168,8 @@ def render(report: DoctorReport) -> list[str]:
         lines += [f"note: {n}" for n in f.get("notes", [])]
     if "tokens_per_s" in f:
         lines.append(f"run {f['run']}: {f['parameters']:,} parameters, micro-batch {f['micro_batch']} of "
-                     f"{f['batch_sequences']} sequences{', compiled' if f['compile'] else ''}")
+                     f"{f['batch_sequences']} sequences{', on each of ' + str(f['ranks']) + ' ranks' if f.get('ranks', 1) > 1 else ''}"
+                     f"{', compiled' if f['compile'] else ''}")
         mfu_text = f", MFU {100 * f['mfu']:.1f} %" if f.get("mfu") is not None else ""
         lines.append(f"throughput: {f['tokens_per_s']:,.0f} tok/s{mfu_text}; {f['seconds_per_inner_step']:.2f} s per "
                      f"inner step, about {f['seconds_per_round']:,.0f} s per round")
