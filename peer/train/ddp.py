@@ -188,7 +188,8 @@ class DistributedInnerLoop(InnerLoop):
                 ready.append(event)
             _wait_ready(processes, ready)
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=world,
-                                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                                    **({"device_id": torch.device(devices[0])} if cuda else {}))
         except BaseException:
             for process in processes:
                 process.kill()
@@ -467,7 +468,8 @@ def _serve(setup: RankSetup, ready) -> None:
     model = setup.model_class(setup.model_config).float().to(device)  # weights come from rank 0
     ready.set()
     dist.init_process_group(setup.backend, init_method=f"file://{setup.store_path}", rank=setup.rank,
-                            world_size=setup.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            world_size=setup.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            **({"device_id": device} if device.type == "cuda" else {}))  # NCCL binds its card
     try:
         loop = DistributedInnerLoop(model, setup.spec, _BatchShape(setup.batch_sequences, setup.seq_len),
                                     rank=setup.rank, world=setup.world,
