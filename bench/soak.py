@@ -58,6 +58,19 @@ def soak_manifest() -> RunManifest:
         sync={"inner_steps": 30, "matchmaking_time_s": 3.0, "allreduce_timeout_s": 30.0, "next_chunk_timeout_s": 5.0})
 
 
+def checkpoint_of(workdir: Path, name: str) -> tuple[Path, str]:
+    """(checkpoint path, run id) of peer ``name``: the one run in its data dir. The run id is the
+    signed one (the bootstrap node's owner key is part of it), not ``manifest.run_id``.
+
+    Raises:
+        FileNotFoundError: no run directory, or several.
+    """
+    runs = sorted((workdir / name / "runs").glob("*/checkpoint.safetensors"))
+    if len(runs) != 1:
+        raise FileNotFoundError(f"{workdir / name / 'runs'}: expected one run's checkpoint, found {len(runs)}")
+    return runs[0], runs[0].parent.name
+
+
 def evaluate_checkpoint(workdir: Path, name: str, manifest: RunManifest) -> float:
     """Validation loss (nats/token) of φ in ``name``'s checkpoint."""
     from peer.state.checkpoint import load_checkpoint
@@ -66,8 +79,8 @@ def evaluate_checkpoint(workdir: Path, name: str, manifest: RunManifest) -> floa
 
     model = build_model(manifest.model)
     named = list(model.named_parameters())
-    path = workdir / name / "runs" / manifest.run_id / "checkpoint.safetensors"
-    state = load_checkpoint(path, run_id=manifest.run_id, names=[n for n, _ in named],
+    path, run_id = checkpoint_of(workdir, name)
+    state = load_checkpoint(path, run_id=run_id, names=[n for n, _ in named],
                             shapes=[p.shape for _, p in named])
     import torch
 
@@ -161,9 +174,9 @@ def check_checkpoints(workdir: Path, swarm: ChaosSwarm, manifest: RunManifest) -
     named = list(build_model(manifest.model).named_parameters())
     bad, nonfinite = [], []
     for name in swarm.members:
-        path = workdir / name / "runs" / manifest.run_id / "checkpoint.safetensors"
         try:
-            state = load_checkpoint(path, run_id=manifest.run_id, names=[n for n, _ in named],
+            path, run_id = checkpoint_of(workdir, name)
+            state = load_checkpoint(path, run_id=run_id, names=[n for n, _ in named],
                                     shapes=[p.shape for _, p in named])
         except Exception as exc:  # noqa: BLE001 - any failure to load is what this counts
             print(f"checkpoint of {name} does not load: {exc}", flush=True)
