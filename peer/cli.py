@@ -4,6 +4,9 @@ Precedence of settings: flag > environment (PEER_<COMMAND>_<FLAG>, e.g. PEER_JOI
 > default. Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 64 no single run to join
 (several announced, or --run/--preset differs from the swarm's run), 69 bootstrap unreachable,
 78 configuration error, 130 interrupted.
+
+Over 300 lines on purpose: every command's flags and their help text are declared here (click),
+and nothing else; the work is in peer/node.py, peer/swarm.py, peer/status.py and peer/doctor.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 (:class:`peer.sync.averager.LocoAverager`), serves this peer's state to joiners and downloads
 others' (peer/state/). A sync returns a :class:`SyncResult` or raises a
 :class:`~protocol.errors.SyncError` that carries what the failed call cost (bytes) and its bound.
+
+A few lines over 300: the averager process's calls (average, share state, download) and the
+bounds each of them sets belong to the one object that owns that process.
 """
 
 from __future__ import annotations

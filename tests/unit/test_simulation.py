@@ -1,39 +1,15 @@
 """The in-process transport: same algorithm code as the swarm, metrics and bytes accounting."""
 
 import math
-import pathlib
-import sysconfig
 
 import pytest
 import torch
 
-from peer.train.data import Corpus
 from lab.simulation import (
     Simulation, bits_per_byte, butterfly_bytes, run_simulation, sync_groups, weight_spread, weighted_mean,
 )
 from protocol.presets import tiny_run
-
-
-def _stream(name: str) -> torch.Tensor:
-    raw = (pathlib.Path(sysconfig.get_paths()["stdlib"]) / name).read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int16)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tensors this small run slower on two threads, many times slower when the cores are shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    # Two stdlib files instead of the whole library: loading it takes seconds.
-    return Corpus(train=_stream("argparse.py"), validation=_stream("textwrap.py"), train_files=1, validation_files=1)
+from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 
 def manifest(algorithm: str, **sync):

@@ -2,35 +2,13 @@
 every outer algorithm and codec; φ stays identical across DiLoCo replicas, the loss falls."""
 
 import math
-import pathlib
-import sysconfig
 
 import pytest
 import torch
 
 from lab.simulation import Simulation, run_simulation
-from peer.train.data import Corpus
 from protocol.presets import tiny_run
-
-
-def _stream(name: str) -> torch.Tensor:
-    raw = (pathlib.Path(sysconfig.get_paths()["stdlib"]) / name).read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int16)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return Corpus(train=_stream("argparse.py"), validation=_stream("textwrap.py"), train_files=1, validation_files=1)
+from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 
 def manifest(algorithm: str, overlap: str, **sections):
