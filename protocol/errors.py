@@ -5,7 +5,8 @@ entry point can catch one base class and print one actionable line::
 
     LocoError
     ├── ConfigError                 bad manifest, TOML or flag value (exit 78)
-    │   └── ManifestError           a run manifest field is missing or out of range
+    │   ├── ManifestError           a run manifest field is missing or out of range
+    │   └── NotText                 a corpus file is binary or not UTF-8 (file sources skip it)
     ├── NetworkError                the DHT or a peer could not be reached
     │   ├── BootstrapUnreachable    no initial peer answered (exit 69)
     │   └── BadPeerAddress          an --initial-peers value is not a usable multiaddr (exit 2)
@@ -60,6 +61,10 @@ class ConfigError(LocoError):
 class ManifestError(ConfigError):
     """A run manifest field is missing, of the wrong type, or out of its allowed range."""
 
+
+class NotText(ConfigError):
+    """A corpus file is binary (holds NUL bytes) or not UTF-8; the files and jsonl sources skip it
+    and count it (peer/train/sources.py), so it stops nothing by itself."""
 
 class NetworkError(LocoError):
     """The DHT or a peer could not be reached."""

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, NotText
 from protocol.manifest import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,6 @@ class Document:
     record's text, so a record and its duplicates always land in the same split."""
     data: bytes
     """The text as UTF-8 bytes (raw bytes for python-stdlib, whose few non-UTF-8 files are kept as they are)."""
-
-
-class _NotText(Exception):
-    """A corpus file that is binary or not UTF-8: skipped, not fatal."""
 
 
 @dataclass
@@ -128,7 +124,7 @@ def iter_documents(spec: DataSpec, skipped: SkippedFiles | None = None) -> Itera
         try:
             # readers decode a whole file before its first document, so a skip never splits a file
             yield from reader(path, rel, spec.text_field)
-        except _NotText as exc:
+        except NotText as exc:
             if skipped is not None:
                 skipped.paths.append(rel)
                 skipped.reasons.append(str(exc))
@@ -152,11 +148,11 @@ def _read_utf8(path: Path, what: str) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot read corpus file {str(path)!r}: {exc.strerror}") from exc
     if b"\0" in raw:
-        raise _NotText(f"binary (holds NUL bytes), not {what}")
+        raise NotText(f"binary (holds NUL bytes), not {what}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _NotText(f"not UTF-8 (byte {exc.start})") from exc
+        raise NotText(f"not UTF-8 (byte {exc.start})") from exc
 
 
 def _text_file(path: Path, rel: str, _field: str) -> Iterator[Document]:
