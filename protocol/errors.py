@@ -66,6 +66,7 @@ class NotText(ConfigError):
     """A corpus file is binary (holds NUL bytes) or not UTF-8; the files and jsonl sources skip it
     and count it (peer/train/sources.py), so it stops nothing by itself."""
 
+
 class NetworkError(LocoError):
     """The DHT or a peer could not be reached."""
 
