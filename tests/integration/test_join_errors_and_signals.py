@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from protocol.version import PROTOCOL_VERSION
 from tests.integration.harness import make_manifest, write_manifest
 
 pytestmark = pytest.mark.integration
@@ -56,7 +57,7 @@ def test_other_protocol_version_is_refused_naming_both(tmp_path):
     path.write_text("protocol_version = 99\n")
     result = run_peer("join", "--run", str(path), "--data-dir", str(tmp_path))
     assert result.returncode == 78
-    assert "99" in result.stderr and "speaks 1" in result.stderr
+    assert "99" in result.stderr and f"speaks {PROTOCOL_VERSION}" in result.stderr
 
 
 def test_ctrl_c_checkpoints_and_a_restart_resumes(procs, tmp_path):
