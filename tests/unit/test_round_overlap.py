@@ -5,8 +5,6 @@ a checkpoint taken with a sync in flight (a restart drops that sync)."""
 from __future__ import annotations
 
 import math
-import pathlib
-import sysconfig
 import threading
 import time
 
@@ -19,32 +17,12 @@ from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint
 from peer.state.download import StateDownload, validate_state
 from peer.sync.transport import SyncResult
-from peer.train.data import Corpus
 from peer.train.model import build_model
 from protocol.dht import PeerProgress
 from protocol.errors import AllreduceFailed, GroupNotFound, SyncError
 from protocol.presets import tiny_run
 from protocol.records import ProgressRecord
-
-
-def _stream(name: str) -> torch.Tensor:
-    raw = (pathlib.Path(sysconfig.get_paths()["stdlib"]) / name).read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int16)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return Corpus(train=_stream("argparse.py"), validation=_stream("textwrap.py"), train_files=1, validation_files=1)
+from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 
 class Records:
