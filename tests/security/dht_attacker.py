@@ -4,6 +4,7 @@ refuse; :meth:`Attacker.store_raw` says whether it did."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import hivemind
@@ -41,3 +42,21 @@ class Attacker:
 
     def shutdown(self) -> None:
         self.dht.shutdown()
+
+
+@contextlib.contextmanager
+def victim_and_attacker(identity=None):
+    """An honest DHT node of ours (``protocol.dht.start_dht``, with ``identity`` if given) and an
+    :class:`Attacker` connected to it; both shut down on exit, whatever happened."""
+    from protocol import dht as swarm_dht
+
+    peer = attacker = None
+    try:
+        peer = swarm_dht.start_dht() if identity is None else swarm_dht.start_dht(identity_path=str(identity))
+        attacker = Attacker(peer)
+        yield peer, attacker
+    finally:
+        if attacker is not None:
+            attacker.shutdown()
+        if peer is not None:
+            peer.shutdown()

@@ -18,7 +18,7 @@ from protocol.manifest import RunManifest
 from protocol.identity import ensure_identity
 from protocol.records import ProgressRecord
 from protocol.signing import PeerSigner
-from tests.security.dht_attacker import Attacker
+from tests.security.dht_attacker import victim_and_attacker
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -28,18 +28,10 @@ NOT_MSGPACK = b"\xc1\xc1\xc1"  # 0xc1 is never used in msgpack
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    peer = attacker = None
     identity = ensure_identity(tmp_path_factory.mktemp("peer") / "identity.key")
-    try:
-        peer = swarm_dht.start_dht(identity_path=str(identity))
+    with victim_and_attacker(identity) as (peer, attacker):
         peer.signer = PeerSigner.from_identity(identity)
-        attacker = Attacker(peer)
         yield peer, attacker
-    finally:
-        if attacker is not None:
-            attacker.shutdown()
-        if peer is not None:
-            peer.shutdown()
 
 
 def _honest_record(peer, run_id: str) -> None:

@@ -19,7 +19,7 @@ from protocol.identity import ensure_identity
 from protocol.records import ProgressRecord
 from protocol.signing import REJECTED, PeerSigner
 from protocol.validator import protect_run
-from tests.security.dht_attacker import Attacker
+from tests.security.dht_attacker import victim_and_attacker
 from tests.security.fake_dht import FakeDHT
 
 pytestmark = pytest.mark.timeout(90)
@@ -38,17 +38,8 @@ def signers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, signers):
-    peer = attacker = None
-    identity = ensure_identity(tmp_path_factory.mktemp("ids") / "honest.key")
-    try:
-        peer = swarm_dht.start_dht(identity_path=str(identity))
-        attacker = Attacker(peer)
-        yield peer, attacker
-    finally:
-        if attacker is not None:
-            attacker.shutdown()
-        if peer is not None:
-            peer.shutdown()
+    with victim_and_attacker(ensure_identity(tmp_path_factory.mktemp("ids") / "honest.key")) as both:
+        yield both
 
 
 def _forgeries(key: str, victim: PeerSigner, attacker: PeerSigner) -> list[tuple[object, float]]:

@@ -18,7 +18,7 @@ from protocol.errors import ManifestNotFound, RunChoiceNeeded
 from protocol.manifest import RunManifest, sign_manifest
 from protocol.presets import PRESETS
 from protocol.signing import REJECTED, OwnerKey
-from tests.security.dht_attacker import Attacker
+from tests.security.dht_attacker import victim_and_attacker
 from tests.security.fake_dht import FakeDHT
 
 pytestmark = pytest.mark.timeout(90)
@@ -50,16 +50,8 @@ def _unsigned_announcements(dht, store) -> RunManifest:
 
 @pytest.fixture(scope="module")
 def swarm():
-    peer = attacker = None
-    try:
-        peer = swarm_dht.start_dht()
-        attacker = Attacker(peer)
-        yield peer, attacker
-    finally:
-        if attacker is not None:
-            attacker.shutdown()
-        if peer is not None:
-            peer.shutdown()
+    with victim_and_attacker() as both:
+        yield both
 
 
 def test_unsigned_announcements_do_not_block_a_plain_join_nor_reach_a_node(swarm, tmp_path):
