@@ -19,22 +19,11 @@ from peer.train.inner import InnerLoop
 from peer.train.model import build_model
 from protocol.errors import ConfigError, RankFailed
 from protocol.presets import tiny_run
+from tests.unit.samplers import Fixed
 
 RUN = tiny_run()
 SPEC = RUN.inner_optimizer
 STEPS = 6
-
-
-class Fixed:
-    """A sampler that hands out the given batches in turn."""
-
-    def __init__(self, *batches):
-        self.batches, self.batches_drawn = list(batches), 0
-        self.seq_len, self.batch_sequences = batches[0].shape[1] - 1, batches[0].shape[0]
-
-    def next_batch(self):
-        self.batches_drawn += 1
-        return self.batches[(self.batches_drawn - 1) % len(self.batches)]
 
 
 def batches(rows=8):
