@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any, Callable
 from bootstrap.monitor_history import PeerHistory, RunHistory
 from bootstrap.monitor_metrics import metrics_text
 from protocol import dht as swarm_dht, liveness
+from protocol.devices import read_devices
 from protocol.errors import LocoError, NetworkError
 from protocol.manifest import RunManifest
 
@@ -46,6 +48,8 @@ class MonitorConfig:
     """Record samples kept per peer (oldest dropped first); eval points are all kept."""
     forget_after_s: float = 3600.0
     """Peers not seen for this long are dropped from the snapshot."""
+    devices_interval_s: float = 30.0
+    """Seconds between two reads of the peers' device records (they do not change while a peer runs)."""
 
     def __post_init__(self) -> None:
         if not self.poll_interval_s > 0:
@@ -71,6 +75,9 @@ class SwarmMonitor:
         self._known_runs = dict(run_ids or {})
         self._runs: dict[str, RunHistory] = {}
         self._manifests: dict[str, RunManifest] = {}
+        self._devices: dict[str, dict[str, str]] = {}
+        """Run id → peer id → its device (protocol/devices.py ``DeviceRecord.describe``)."""
+        self._devices_read_at: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-monitor", daemon=True)
@@ -107,7 +114,25 @@ class SwarmMonitor:
                 except LocoError as exc:  # not announced (yet), or not a manifest we accept
                     logger.debug("no manifest for run %s yet: %s", run_id, exc)
         found = {run_id: swarm_dht.read_progress(self.dht, run_id) for run_id in runs}
+        self._read_devices(found)
         self.ingest(runs, found, now)
+
+    def _read_devices(self, found: dict[str, list[swarm_dht.PeerProgress]]) -> None:
+        """Read the device records of runs with peers, each at most every ``devices_interval_s``
+        (sooner when a peer appears whose device is not known yet)."""
+        for run_id, items in found.items():
+            known = self._devices.get(run_id, {})
+            fresh = time.monotonic() - self._devices_read_at.get(run_id, -math.inf) < self.cfg.devices_interval_s
+            if not items or (fresh and all(item.peer_id in known for item in items)):
+                continue
+            self._devices_read_at[run_id] = time.monotonic()
+            try:
+                records = read_devices(self.dht, run_id)
+            except LocoError as exc:
+                logger.debug("no device records for run %s: %s", run_id, exc)
+                continue
+            with self._lock:
+                self._devices[run_id] = {peer_id: record.describe() for peer_id, record in records.items()}
 
     def ingest(self, runs: dict[str, str], found: dict[str, list[swarm_dht.PeerProgress]],
                now: float | None = None) -> None:
@@ -133,6 +158,7 @@ class SwarmMonitor:
                         peer = run.peers[item.peer_id] = PeerHistory(
                             peer_id=item.peer_id, first_seen=now, last_seen=now, last_change=now, record=item.record)
                     peer.update(item.record, now, self.cfg.history_samples, run.inner_steps)
+                    peer.device = self._devices.get(run_id, {}).get(item.peer_id, peer.device)
                     if manifest is not None:
                         verdict = liveness.judge(item.record, item.expiration, now, manifest)
                         peer.live, peer.stale_after_s = verdict.live, verdict.stale_after_s
@@ -158,7 +184,8 @@ class SwarmMonitor:
              "runs": [{"run_id", "name", "inner_steps" (H, or null), "live_peers", "max_round",
                        "tokens_per_s" (sum over live peers),
                        "live_by_group_size": {"3": 3, ...} (live peers by their last sync's group size),
-                       "peers": [{"peer_id", "live", "first_seen", "last_seen", "last_change",
+                       "peers": [{"peer_id", "live", "device" (its device record as one line,
+                                  or null), "first_seen", "last_seen", "last_change",
                                   "published_at" (s, or null), "stale_after_s" (or null),
                                   "round", "inner_step", "train_loss", "eval_loss" (latest seen),
                                   "tokens_per_s", "group_size", "bytes_sent", "bytes_received",

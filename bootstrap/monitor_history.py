@@ -34,6 +34,8 @@ class PeerHistory:
     samples: deque = field(default_factory=deque)
     last_sync: dict[str, int] | None = None
     """Round, group size and bytes of the latest sync the monitor saw a record of."""
+    device: str | None = None
+    """What the peer trains on, as its signed device record says (protocol/devices.py), or None."""
 
     def update(self, record: ProgressRecord, now: float, max_samples: int, inner_steps: int | None) -> None:
         changed = record != self.record or not self.samples
@@ -73,7 +75,7 @@ class PeerHistory:
     def to_json(self, *, with_samples: bool) -> dict[str, Any]:
         r = self.record
         out = {
-            "peer_id": self.peer_id, "live": self.live, "first_seen": self.first_seen,
+            "peer_id": self.peer_id, "live": self.live, "device": self.device, "first_seen": self.first_seen,
             "last_seen": self.last_seen, "last_change": self.last_change,
             "published_at": self.published_at, "stale_after_s": self.stale_after_s,
             "round": r.round, "inner_step": r.inner_step, "train_loss": r.train_loss,

@@ -148,7 +148,7 @@ function renderRun(run, now, t0) {
                 lineChart("training loss (nats/token)", "seconds since the monitor started", trainSeries)));
   const table = el("table", {class: "peers"});
   const head = el("tr", {});
-  for (const h of ["peer", "status", "round", "inner step", "train loss", "val loss", "tok/s", "last group",
+  for (const h of ["peer", "status", "device", "round", "inner step", "train loss", "val loss", "tok/s", "last group",
                    "sent", "received", "rounds by group size", "last record"]) head.append(el("th", {}, h));
   table.append(el("thead", {}, head));
   const body = el("tbody", {});
@@ -158,7 +158,7 @@ function renderRun(run, now, t0) {
     const name = el("td", {class: "pid", title: p.peer_id},
                     el("span", {class: "swatch", style: `background:${color(p.peer_id)}`}), short(p.peer_id));
     body.append(el("tr", {class: "peer", "data-peer-id": p.peer_id},
-      name, el("td", {class: p.live ? "live" : "gone"}, p.live ? "live" : "gone"),
+      name, el("td", {class: p.live ? "live" : "gone"}, p.live ? "live" : "gone"), el("td", {}, p.device || "–"),
       el("td", {}, p.round), el("td", {}, p.inner_step), el("td", {}, fmt(p.train_loss, 3)),
       el("td", {}, fmt(p.eval_loss, 4)), el("td", {}, Math.round(p.tokens_per_s).toLocaleString()),
       el("td", {}, sync(p).group_size), el("td", {}, bytes(sync(p).bytes_sent)),

@@ -28,6 +28,7 @@ from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht, lifetime, liveness
 from protocol.errors import ConfigError, ManifestNotFound, NetworkError
+from protocol.devices import DeviceAnnouncer, DeviceRecord
 from protocol.identity import ensure_identity
 from protocol.manifest import RunManifest, SignedManifest, sign_manifest
 from protocol.signing import OWNER_KEY_FILE, PeerSigner, load_owner_key
@@ -168,7 +169,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         cfg.initial_peers, book)
     # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
     dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
-    announcer = transport = keeper = trainer = None
+    announcer = transport = keeper = trainer = devices = None
     try:
         signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
         manifest = signed.manifest
@@ -204,7 +205,10 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
                           config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement)
         micro_batch = trainer.fit_micro_batch()
-        reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **placement.event_fields(),
+        device_fields = placement.event_fields()
+        # what this peer trains on, for `peer status` and the monitor (signed, like its records)
+        devices = DeviceAnnouncer(dht, manifest.run_id, signer, DeviceRecord.from_event(device_fields)).start()
+        reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **device_fields,
                       micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
                       maddrs=reachability.printable_maddrs(dht, cfg, reach), run_id=manifest.run_id, run_name=manifest.name,
                       parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,
@@ -224,6 +228,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
             announcer.stop()
         if keeper is not None:
             keeper.stop()
+        if devices is not None:
+            devices.stop()
         if transport is not None:
             transport.shutdown()
         dht.shutdown()

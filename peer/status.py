@@ -14,6 +14,7 @@ import time
 from typing import Any, Sequence
 
 from protocol import dht as swarm_dht, liveness
+from protocol.devices import read_devices
 from protocol.errors import LocoError, ManifestNotFound
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,14 @@ def _manifest_or_none(dht, run_id: str):
     except LocoError as exc:  # not announced any more, or a manifest we do not accept
         logger.debug("no manifest for run %s: %s", run_id, exc)
         return None
+
+
+def _devices_or_empty(dht, run_id: str) -> dict:
+    try:
+        return read_devices(dht, run_id)
+    except LocoError as exc:  # the DHT did not answer in time: the table shows no devices
+        logger.debug("no device records for run %s: %s", run_id, exc)
+        return {}
 
 
 def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> dict[str, Any]:
@@ -64,6 +73,7 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
     out = []
     for rid, name in sorted(runs.items()):
         manifest = _manifest_or_none(dht, rid) if found.get(rid) else None
+        devices = _devices_or_empty(dht, rid) if found.get(rid) else {}
         now = get_dht_time()
         peers = []
         for item in found.get(rid, []):
@@ -75,7 +85,8 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
                           "round": r.round, "inner_step": r.inner_step,
                           "train_loss": r.train_loss, "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s,
                           "group_size": r.group_size, "bytes_sent": r.bytes_sent,
-                          "bytes_received": r.bytes_received, "expires_in_s": max(0.0, item.expiration - now)})
+                          "bytes_received": r.bytes_received, "expires_in_s": max(0.0, item.expiration - now),
+                          "device": None if item.peer_id not in devices else devices[item.peer_id].to_wire()})
         peers.sort(key=lambda p: (-p["round"], -p["inner_step"], p["peer_id"]))
         live = [p for p in peers if p["live"]]
         out.append({"run_id": rid, "name": name, "live_peers": len(live),
@@ -84,7 +95,7 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
 
 
 def print_status(status: dict[str, Any], console) -> None:
-    """One rich table per run: peers (live or gone), rounds, losses, throughput, group, bytes."""
+    """One rich table per run: peers (live or gone), device, rounds, losses, throughput, group, bytes."""
     from rich.table import Table
 
     from peer.reporting import format_bytes
@@ -97,13 +108,14 @@ def print_status(status: dict[str, Any], console) -> None:
         gone = len(peers) - run["live_peers"]
         title = f"run {run['run_id']} ({run['name']}): {run['live_peers']} live peer(s)"
         table = Table(title=title + (f", {gone} gone" if gone else ""))
-        for column, justify in (("peer id", "left"), ("status", "left"), ("round", "right"),
+        for column, justify in (("peer id", "left"), ("status", "left"), ("device", "left"), ("round", "right"),
                                 ("inner step", "right"), ("train loss", "right"), ("val loss", "right"),
                                 ("tok/s", "right"), ("group", "right"), ("sent", "right"), ("received", "right"),
                                 ("record age", "right")):
             table.add_column(column, justify=justify)
         for p in peers:
-            table.add_row(p["peer_id"], "live" if p["live"] else "gone", str(p["round"]), str(p["inner_step"]),
+            table.add_row(p["peer_id"], "live" if p["live"] else "gone", device_text(p["device"]),
+                          str(p["round"]), str(p["inner_step"]),
                           f"{p['train_loss']:.3f}", "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
                           f"{p['tokens_per_s']:,.0f}", str(p["group_size"]), format_bytes(p["bytes_sent"]),
                           format_bytes(p["bytes_received"]), "-" if p["age_s"] is None else f"{p['age_s']:.0f} s")
@@ -112,6 +124,14 @@ def print_status(status: dict[str, Any], console) -> None:
         if live:
             console.print(f"swarm: round {max(p['round'] for p in live)} | {run['tokens_per_s']:,.0f} tok/s "
                           f"from {len(live)} live peer(s)")
+
+
+def device_text(device: dict | None) -> str:
+    """A status row's device cell: :meth:`DeviceRecord.describe` of a ``collect_status`` peer's
+    ``device`` map, ``-`` when the peer published none."""
+    from protocol.devices import DeviceRecord
+
+    return "-" if device is None else DeviceRecord(**device).describe()
 
 
 def status(initial_peers: Sequence[str], run_id: str | None, *, wait_s: float = 5.0) -> dict[str, Any]:

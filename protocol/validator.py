@@ -13,7 +13,7 @@ Protected keys, each only with subkeys and only with values that verify (protoco
 
 * ``locoswarm_runs`` (protocol/keys.py ``RUNS_KEY``), protected from the start: subkey a run id,
   value that run's manifest signed by its owner (protocol/manifest.py ``open_announcement``);
-* a run's progress and addresses keys, once the node knows its run (:func:`protect_run`): subkey
+* a run's progress, addresses and devices keys, once the node knows its run (:func:`protect_run`): subkey
   a peer id, value a record signed by that peer (``open_record``).
 
 Other keys (hivemind's matchmaking, other runs' records) pass unchecked: their readers check them.
@@ -54,11 +54,13 @@ class SwarmRecordValidator(RecordValidatorBase):
         self._protected[key_id(key)] = (kind, key)
 
     def protect_run(self, run_id: str) -> None:
-        """Protect ``run_id``'s progress records and published addresses."""
+        """Protect ``run_id``'s progress records, published addresses and device records."""
         from protocol.addresses import addresses_key
+        from protocol.devices import devices_key
 
         self.protect(keys.progress_key(run_id), "record")
         self.protect(addresses_key(run_id), "record")
+        self.protect(devices_key(run_id), "record")
 
     def validate(self, record: DHTRecord) -> bool:
         """True for a value under an unprotected key, or a value that verifies under a protected one."""

@@ -102,3 +102,19 @@ def test_a_wrongly_signed_record_is_ignored_counted_and_logged_once(signers, cap
     assert REJECTED.counts["progress"] == before + 3
     warnings = [r.getMessage() for r in caplog.records if evil.peer_id in r.getMessage()]
     assert len(warnings) == 1 and "does not verify" in warnings[0], warnings
+
+
+def test_a_forged_device_record_is_refused_by_a_node_of_the_run(swarm, signers):
+    from protocol.devices import DeviceRecord, devices_key, publish_device, read_devices
+
+    peer, attacker = swarm
+    honest, evil = signers
+    run_id = "5" * 32
+    protect_run(peer, run_id)
+    real = DeviceRecord(kind="cpu", name="x86_64", memory_gib=None, capability=None, precision="fp32")
+    assert publish_device(peer, run_id, honest, real)
+    key, expiration = devices_key(run_id), get_dht_time() + 3600
+    claim = dict(real.to_wire(), kind="cuda", name="8x H100", memory_gib=80.0, capability="9.0", precision="bf16")
+    assert not attacker.store(key, evil.seal(key, expiration, claim), subkey=honest.peer_id, expiration=expiration)
+    assert not attacker.store(key, claim, subkey=honest.peer_id, expiration=expiration)
+    assert read_devices(peer, run_id) == {honest.peer_id: real}
