@@ -91,6 +91,10 @@ class SyncReport:
     hold the same state as this peer."""
     failed: bool = False
     """The sync was tried and failed (this peer applied its own payload)."""
+    completed: tuple[str, ...] = ()
+    """Groupmates (not this peer) that completed the sync with it in full: no one excluded, no
+    piece averaged without one, so each exchanged its bytes with this peer. Empty otherwise. What
+    this peer's ledger and its signed ``groupmates`` statement record (peer/state/vouching.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,8 @@ from peer.state.checkpoint import (PeerState, export_phi, fetch_residuals, load_
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.background import BackgroundSync
 from peer.sync.membership import SwarmView
-from peer.state.download import DownloadedState
+from peer.state.download import DownloadedState, check_sanity
+from peer.state.vouching import MIN_INNER_STEP_S, Ledger, RoundClock
 from peer.sync.transport import NetworkTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement, flops_per_token, mfu
@@ -101,6 +102,14 @@ class Trainer:
         self._snapshots: deque[StateSnapshot] = deque(maxlen=2)
         """States at the start of this and the last round, served to joiners (newest last)."""
         self._completed_with: tuple[str, ...] = (self.peer_id,)
+        self._ledger = Ledger()
+        """Peers this peer completed a sync with in full, and since which round: its vouchers."""
+        self._clock = RoundClock(min_round_s=self.H * MIN_INNER_STEP_S)
+        """Ignores records whose round runs ahead of elapsed time (peer/state/vouching.py)."""
+        self._groupmates: tuple[str, ...] = ()
+        """Who completed this peer's last sync with it: its signed statement in every record."""
+        self._refused: set[str] = set()
+        """Digests whose downloaded state failed the sanity bounds: not tried again."""
         self.summary = TrainSummary(peer_id=self.peer_id)
         self.overlap = manifest.sync.overlap
         self._background = BackgroundSync() if self.overlap != "none" else None
@@ -192,6 +201,7 @@ class Trainer:
             self.pos.start_round(self.pos.round + 1)
         self._set_theta_to_phi()
         self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
+        self._note_group(done.round, report)
         self._take_snapshot()
         peak = self.placement.peak_tflops if self.placement is not None else None
         return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
@@ -227,6 +237,7 @@ class Trainer:
             self.pos.start_round(self.pos.round + 1)
         if mean is not None:
             self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
+            self._note_group(max(0, done.round - 1), report)  # the sync landing is the last round's
         self._take_snapshot()
         start = self.phi
         if delta is not None:
@@ -273,9 +284,16 @@ class Trainer:
             if mean is not None:
                 self.outer.apply(self.phi, mean)
         self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
+        self._note_group(max(0, self.pos.round - 1), report)
         self._anchor = None
         self._set_theta_to_phi()
         self._take_snapshot()
+
+    def _note_group(self, round_: int, report: SyncReport) -> None:
+        """Remember who completed the sync of ``round_`` with this peer in full (its ledger of
+        vouchers, and the statement its next records sign)."""
+        self._ledger.record_group(round_, report.completed)
+        self._groupmates = tuple(sorted(report.completed))
 
     def _announce_sync(self, choice: GroupChoice, round_: int) -> None:
         if choice.expected_size > 1:
@@ -304,15 +322,16 @@ class Trainer:
                                        note=note, failed=True)
         # groupmates that started from this peer's state hold the same state after the round
         agreeing = [p for p, d in (result.start_digests or {}).items() if d == start_digest]
+        completed = [p for p in result.group if p != self.peer_id]
         note = ""
         if result.excluded or result.partial_pieces:
-            agreeing = []  # which groupmates completed is not known here
+            agreeing = completed = []  # which groupmates completed is not known here
             note = (f"{result.partial_pieces} piece(s) averaged without a failed groupmate "
                     f"({result.excluded} excluded here)")
         return result.mean, SyncReport(group_size=result.group_size, group=tuple(result.group),
                                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                                        sync_s=result.seconds, deadline_s=result.deadline_s, attempts=result.attempts,
-                                       note=note, agreeing=tuple(agreeing))
+                                       note=note, agreeing=tuple(agreeing), completed=tuple(completed))
 
     def _after_round(self, outcome: RoundOutcome) -> None:
         """Count, publish and report the round; evaluate, checkpoint and export on their cadence."""
@@ -362,6 +381,14 @@ class Trainer:
                                                   f"round {self.pos.round}: {exc}")
             return False
         state = download.state
+        try:
+            with self._lock:
+                check_sanity(state, self.phi)
+        except BadPayload as exc:
+            self._refused.add(digest)
+            self.reporter.emit("warning", message=f"refused the state of round {round_} ({digest}) from "
+                                                  f"{', '.join(donors)}, continuing from round {self.pos.round}: {exc}")
+            return False
         reason = ("behind" if state.round > self.pos.round else "diverged" if state.round == self.pos.round
                   else "raced ahead")
         self._adopt(state)
@@ -379,10 +406,25 @@ class Trainer:
         return True
 
     def _resync_target(self) -> tuple[int, str, list[str]] | None:
+        """The outer algorithm's re-sync rule on the records that may vouch (issue #17, item 3).
+
+        Records whose round runs ahead of the time since this peer first saw their peer are
+        ignored and counted (:class:`RoundClock`), and so are digests whose state was refused.
+        Vouchers are the peers this peer completed a sync with in an earlier round (:class:`Ledger`);
+        with none (a joiner, a restarted peer) or none of them live (the swarm turned over while
+        this peer was away), it has no history and the rule counts what the records' signed
+        ``groupmates`` statements attest.
+        """
+        others = [r for r in self.swarm.others()
+                  if r.record.state_digest not in self._refused and self._clock.admit(r.peer_id, r.record.round)]
+        vouchers: frozenset[str] | None = self._ledger.vouchers(self.pos.round) if len(self._ledger) else None
+        if vouchers is not None and not vouchers & {r.peer_id for r in others}:
+            vouchers = None
         return self.outer.resync_target(
-            [(r.peer_id, r.record.round, r.record.state_digest) for r in self.swarm.others()],
+            [(r.peer_id, r.record.round, r.record.state_digest) for r in others],
             round_=self.pos.round, digest=self.state_digest, completed_with=self._completed_with,
-            fresh=self.pos.round == 0 and self.pos.step == 0)
+            fresh=self.pos.round == 0 and self.pos.step == 0, vouchers=vouchers,
+            groupmates={r.peer_id: r.record.groupmates for r in others})
 
     def _about_to_sync(self, round_: int, donors: list[str]) -> bool:
         """Whether a donor of ``round_``'s state published a step in the last quarter of that round
@@ -421,6 +463,7 @@ class Trainer:
         self.inner.reset_optimizer()  # a joiner starts a fresh AdamW (ALGORITHMS.md §6.3)
         self.transport.reset_error_feedback()  # residuals of a φ this peer no longer holds
         self._completed_with = (self.peer_id,)
+        self._groupmates = ()  # its last groupmates do not hold this state
         self._take_snapshot()
 
     def _wait_for_peers(self) -> None:
@@ -540,7 +583,8 @@ class Trainer:
             train_loss=last.train_loss if train_loss is None else train_loss,
             tokens_per_s=last.tokens_per_s if tokens_per_s is None else tokens_per_s,
             group_size=last.sync.group_size, bytes_sent=last.sync.bytes_sent, bytes_received=last.sync.bytes_received,
-            eval_loss=eval_loss if eval_round == self.pos.round else None, state_digest=self.state_digest), wait=wait)
+            eval_loss=eval_loss if eval_round == self.pos.round else None, state_digest=self.state_digest,
+            groupmates=self._groupmates), wait=wait)
 
     def _evaluates(self, round_: int) -> bool:
         """Whether this peer evaluates φ for the swarm at ``round_``: the live peer whose id hashes

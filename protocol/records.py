@@ -16,6 +16,8 @@ MAX_INNER_STEP = MAX_ROUND * 10**6
 """Rounds × the largest H a manifest allows (sync.inner_steps ≤ 10^6)."""
 MAX_GROUP_SIZE = 4096
 """The manifest's bound on sync.target_group_size."""
+MAX_PEER_ID_CHARS = 128
+"""A libp2p peer id in base58 is 46-53 characters; a longer string is not one."""
 MAX_COUNT = 2**53
 """Byte counters: any larger value is a lie (and would lose precision as a float)."""
 _UPPER = {"round": MAX_ROUND, "inner_step": MAX_INNER_STEP, "group_size": MAX_GROUP_SIZE,
@@ -43,10 +45,17 @@ class ProgressRecord:
     optimizer state and position (peer/state/snapshot.py). Peers that completed a round together hold
     the same digest; joiners download the state with a digest from the peers that publish it.
     Empty before the peer has a state to serve."""
+    groupmates: tuple[str, ...] = ()
+    """Peer ids that completed this peer's last sync with it, in full (every piece averaged with
+    each of them: bytes exchanged both ways), as this peer's signed statement; empty after a sync
+    alone, a failed or partial one, or an adopted state. Mutual statements at one round are what
+    a joiner counts as peers that did the work (peer/state/vouching.py)."""
     version: int = PROTOCOL_VERSION
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        wire = asdict(self)
+        wire["groupmates"] = list(self.groupmates)  # msgpack has no tuple: the signed body holds a list
+        return wire
 
     @classmethod
     def from_wire(cls, value: Any) -> ProgressRecord:
@@ -54,12 +63,13 @@ class ProgressRecord:
 
         Raises:
             BadPayload: not a dict of the expected fields with finite numbers and integers in
-                ``[0, bound]`` (``round`` ≤ :data:`MAX_ROUND`, ...).
+                ``[0, bound]`` (``round`` ≤ :data:`MAX_ROUND`, ...), a 32-character hex digest and
+                at most :data:`MAX_GROUP_SIZE` alphanumeric ASCII groupmate ids.
         """
         if not isinstance(value, dict):
             raise BadPayload(f"progress record must be a map, got {type(value).__name__}")
         expected = {"round", "inner_step", "train_loss", "tokens_per_s", "group_size", "bytes_sent",
-                    "bytes_received", "eval_loss", "state_digest", "version"}
+                    "bytes_received", "eval_loss", "state_digest", "groupmates", "version"}
         if set(value) != expected:
             raise BadPayload(f"progress record has fields {sorted(value)}, expected {sorted(expected)}")
         if value["version"] != PROTOCOL_VERSION:
@@ -77,4 +87,13 @@ class ProgressRecord:
         digest = value["state_digest"]
         if not isinstance(digest, str) or len(digest) not in (0, 32) or any(c not in "0123456789abcdef" for c in digest):
             raise BadPayload(f"progress record field state_digest = {digest!r}: expected 32 lowercase hex characters")
-        return cls(**value)
+        mates = value["groupmates"]
+        if not isinstance(mates, (list, tuple)) or len(mates) > MAX_GROUP_SIZE:
+            raise BadPayload(f"progress record field groupmates is a {type(mates).__name__} of "
+                             f"{len(mates) if isinstance(mates, (list, tuple)) else '?'} entries: expected a list "
+                             f"of at most {MAX_GROUP_SIZE} peer ids")
+        for mate in mates:
+            if not isinstance(mate, str) or not 0 < len(mate) <= MAX_PEER_ID_CHARS or not mate.isalnum() \
+                    or not mate.isascii():
+                raise BadPayload(f"progress record field groupmates holds {mate!r:.80}: expected a base58 peer id")
+        return cls(**{**value, "groupmates": tuple(mates)})

@@ -211,6 +211,43 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
                           chunks_by_donor=download.chunks_by_donor, failed=download.failed)
 
 
+NORM_FACTOR = 10.0
+"""How far a downloaded φ's global L2 norm may lie from this peer's own φ's, as a factor either way.
+Training moves the norm slowly (the default run's φ drifts by tens of per cent from φ_0 over tens
+of rounds, measured with lab/simulation.py), and peers adopting each other's state hold φ of one
+history; a factor of 10 leaves that room many times over, while a zeroed, scaled-up or random-
+magnitude φ lies outside it."""
+
+
+def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], *,
+                 factor: float = NORM_FACTOR) -> None:
+    """Check a downloaded state's values before it replaces this peer's (issue #17, item 3).
+
+    Args:
+        state: the verified download (digest, shapes and finiteness already checked).
+        reference_phi: this peer's own φ (a joiner's is φ_0 from the run's seed), fp32 tensors.
+        factor: the global L2 norm of ``state.phi`` must lie in ``[ref/factor, ref·factor]``.
+
+    Raises:
+        BadPayload: a tensor of φ or the outer state holds NaN or inf, or φ's norm lies outside the
+            bound (the message gives both norms); nothing is changed either way.
+        ValueError: ``factor`` is below 1.
+    """
+    if not factor >= 1.0:
+        raise ValueError(f"factor = {factor!r}: expected >= 1")
+    for index, tensor in enumerate([*state.phi, *state.outer_state]):
+        if not torch.isfinite(tensor).all():
+            raise BadPayload(f"downloaded state tensor {index} holds NaN or inf")
+    norm, ref = _global_norm(state.phi), _global_norm(reference_phi)
+    if ref > 0 and not ref / factor <= norm <= ref * factor:
+        raise BadPayload(f"downloaded φ has norm {norm:.4g}, this peer's has {ref:.4g}: outside a factor of "
+                         f"{factor:g} either way")
+
+
+def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+
 def validate_state(metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: str,
                    shapes: Sequence[torch.Size]) -> DownloadedState:
     """Check a downloaded state before any of it touches φ.

@@ -1,30 +1,44 @@
-"""Which state a peer adopts from the swarm: the re-sync rule of locoswarm's DiLoCo.
+"""Which state a peer adopts from the swarm: the re-sync rule of locoswarm's DiLoCo and NoLoCo.
 
 Peers publish, in their progress records, the digest of the state (φ, outer optimizer state,
 round; peer/state/snapshot.py) they hold at the start of their round. A *class* is the set of peers
 publishing the same (round, digest). After every round a peer compares its own class with the
 others and adopts the state of another class by the rule of :func:`resync_target`; the state is
-then downloaded from every member of that class at once.
+then downloaded from the counted members of that class at once.
+
+A member of another class *counts* only when it is vouched for (issue #17, item 3;
+peer/state/vouching.py): a peer with history counts its vouchers (peers it completed an
+all-reduce with in an earlier round); a joiner (``vouchers=None``) counts the peers that the
+signed records of their groupmates attest (mutual statements at the same round), or every member
+when the others form one class only (a swarm that never grouped, e.g. a lone peer, can be joined).
+Classes without a counted member are ignored.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
+
+from peer.state.vouching import attested
+
+Others = Iterable[tuple[str, int, str]]
+Groupmates = Mapping[str, Collection[str]]
 
 
-def resync_target(others: Iterable[tuple[str, int, str]], *, round_: int, digest: str, completed_with: Sequence[str],
-                  algorithm: str = "diloco", fresh: bool = False) -> tuple[int, str, list[str]] | None:
+def resync_target(others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
+                  vouchers: Collection[str] | None, algorithm: str = "diloco", fresh: bool = False,
+                  groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt under ``algorithm``'s rule, or None.
 
     The outer algorithms (peer/train/outer.py) call the rule of their own algorithm directly:
     :func:`diloco_resync_target` or :func:`noloco_resync_target`.
     """
     if algorithm == "noloco":
-        return noloco_resync_target(others, round_=round_, fresh=fresh)
-    return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with)
+        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates)
+    return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with,
+                                vouchers=vouchers, groupmates=groupmates)
 
 
-def _classes(others: Iterable[tuple[str, int, str]]) -> dict[tuple[int, str], list[str]]:
+def _classes(others: Others) -> dict[tuple[int, str], list[str]]:
     classes: dict[tuple[int, str], list[str]] = {}
     for peer_id, r, d in others:
         if d:
@@ -32,8 +46,39 @@ def _classes(others: Iterable[tuple[str, int, str]]) -> dict[tuple[int, str], li
     return classes
 
 
-def diloco_resync_target(others: Iterable[tuple[str, int, str]], *, round_: int, digest: str,
-                         completed_with: Sequence[str]) -> tuple[int, str, list[str]] | None:
+def counted(others: Others, *, vouchers: Collection[str] | None, groupmates: Groupmates | None = None,
+            own: tuple[int, str] | None = None) -> dict[tuple[int, str], list[str]]:
+    """The classes of ``others`` with only their members that count, sorted; classes left empty dropped.
+
+    Args:
+        others: (peer id, round, state digest hex) of the other live peers ('' digest: none yet).
+        vouchers: peers this peer completed an all-reduce with in an earlier round
+            (:meth:`peer.state.vouching.Ledger.vouchers`); None: this peer has no history.
+        groupmates: peer id → the groupmates its signed record names (only read when
+            ``vouchers`` is None).
+        own: this peer's (round, digest): not a class to adopt, so it does not make a second
+            class for the joiner's one-class exception.
+
+    With ``vouchers``, a member counts if it is one. Without (a joiner), a member counts if
+    :func:`peer.state.vouching.attested` (it and a peer at its round name each other), or if the
+    others form a single class apart from ``own``.
+    """
+    others = list(others)
+    classes = _classes(others)
+    if vouchers is not None:
+        allowed = set(vouchers)
+    elif len([c for c in classes if c != own]) <= 1:
+        allowed = {p for p, _, _ in others}
+    else:
+        mates = groupmates or {}
+        allowed = set(attested({p: (r, tuple(mates.get(p, ()))) for p, r, _ in others}))
+    kept = {c: sorted(p for p in members if p in allowed) for c, members in classes.items()}
+    return {c: members for c, members in kept.items() if members}
+
+
+def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
+                         vouchers: Collection[str] | None,
+                         groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt, or None to keep this peer's own (DiLoCo).
 
     Args:
@@ -41,10 +86,13 @@ def diloco_resync_target(others: Iterable[tuple[str, int, str]], *, round_: int,
         round_, digest: this peer's round and the digest of the state it holds at its start.
         completed_with: peers (this one included) that completed this peer's last round with it
             from the same starting state: they hold the same state even before their records say so.
+        vouchers: the peers whose records count (see :func:`counted`); None: this peer has no
+            history (a joiner).
+        groupmates: peer id → groupmates its signed record names (the joiner's evidence).
 
-    The rule. This peer's own class counts the peers publishing its (round, digest) and
-    ``completed_with``. It adopts the biggest other class (then the highest round, then the
-    smallest digest) that is
+    The rule. Only counted members of a class count (:func:`counted`). This peer's own class
+    counts itself, ``completed_with`` and the counted peers publishing its (round, digest). It
+    adopts the biggest other class (then the highest round, then the smallest digest) that is
 
     * at its round or ahead and bigger than its own; or as big and ahead (it fell behind or
       missed a round); or as big, at its round, with the smaller digest (a tie between peers that
@@ -53,9 +101,10 @@ def diloco_resync_target(others: Iterable[tuple[str, int, str]], *, round_: int,
       the majority wins; the inner lr schedule follows the adopted φ's history).
 
     Classes exactly one round behind are ignored: those are peers that have not yet published the
-    round they just finished. It never follows a lone peer that raced ahead of a bigger class.
+    round they just finished. It never follows a lone peer that raced ahead of a bigger class. The
+    donors are the counted members of the adopted class.
     """
-    classes = _classes(others)
+    classes = counted(others, vouchers=vouchers, groupmates=groupmates, own=(round_, digest))
     own = set(classes.pop((round_, digest), [])) | set(completed_with)
     own_count = max(1, len(own))
 
@@ -68,18 +117,32 @@ def diloco_resync_target(others: Iterable[tuple[str, int, str]], *, round_: int,
     if not candidates:
         return None
     (r, d), donors = min(candidates, key=lambda kv: (-len(kv[1]), -kv[0][0], kv[0][1]))
-    return r, d, sorted(donors)
+    return r, d, donors
 
 
-def noloco_resync_target(others: Iterable[tuple[str, int, str]], *, round_: int,
-                         fresh: bool) -> tuple[int, str, list[str]] | None:
+def noloco_resync_target(others: Others, *, round_: int, fresh: bool, vouchers: Collection[str] | None,
+                         groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt, or None (NoLoCo: replicas differ by design).
 
-    Follow only a swarm at least two rounds ahead (one, for a fresh peer: round 0, step 0), the
-    class with the highest round, then the most peers.
+    Args:
+        others: (peer id, round, state digest hex) of the other live peers ('' digest: none yet).
+        round_: this peer's round.
+        fresh: this peer is at round 0, step 0 (it follows a swarm only one round ahead).
+        vouchers, groupmates: which members count (:func:`counted`).
+
+    The rule. This peer follows only when it is behind the counted swarm: the counted peers ahead
+    of its round are at least as many as those at its round or behind, plus this one unless it is
+    fresh (its φ_0 is no work); so one peer ahead of the others is not the swarm. It then adopts,
+    among the counted peers at least two rounds ahead (one, when fresh: round 0, step 0), the class
+    of the median one (by round, then digest; the lower median), so a liar claiming the highest
+    round does not choose the state.
     """
-    ahead = [kv for kv in _classes(others).items() if kv[0][0] >= round_ + (1 if fresh else 2)]
-    if not ahead:
+    classes = counted(others, vouchers=vouchers, groupmates=groupmates)
+    ahead = sum(len(members) for (r, _), members in classes.items() if r > round_)
+    level = sum(len(members) for (r, _), members in classes.items() if r <= round_) + (0 if fresh else 1)
+    lead = round_ + (1 if fresh else 2)
+    far = sorted((r, d, p) for (r, d), members in classes.items() if r >= lead for p in members)
+    if not far or ahead < level:
         return None
-    (r, d), donors = max(ahead, key=lambda kv: (kv[0][0], len(kv[1])))
-    return r, d, donors
+    r, d, _ = far[(len(far) - 1) // 2]
+    return r, d, classes[(r, d)]

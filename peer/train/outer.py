@@ -9,7 +9,7 @@ benchmarks measure is the code the swarm runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Collection, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ from protocol.manifest import NoLoCoSpec, OuterOptimizerSpec, RunManifest
 
 Others = Iterable[tuple[str, int, str]]
 """(peer id, round, state digest hex) of the other live peers, as their progress records say."""
+Groupmates = Mapping[str, Collection[str]]
+"""peer id → the groupmates its signed progress record names (peer/state/vouching.py)."""
 
 
 def pseudo_gradient(phi: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -95,8 +97,13 @@ class OuterAlgorithm(Protocol):
         ...
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool) -> tuple[int, str, list[str]] | None:
-        """(round, digest, donors) of the swarm state to adopt, or None (peer/state/resync.py)."""
+                      fresh: bool, vouchers: Collection[str] | None,
+                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+        """(round, digest, donors) of the swarm state to adopt, or None (peer/state/resync.py).
+
+        Only members vouched for count: ``vouchers`` (peers this peer completed an all-reduce with
+        in an earlier round; None: no history, a joiner, which counts what ``groupmates`` attest).
+        """
         ...
 
 
@@ -158,8 +165,10 @@ class DiLoCo(_DeltaPayload):
         return GroupChoice(len(everyone))
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool) -> tuple[int, str, list[str]] | None:
-        return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with)
+                      fresh: bool, vouchers: Collection[str] | None,
+                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+        return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with,
+                                    vouchers=vouchers, groupmates=groupmates)
 
     def apply(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> None:
         """One outer step, in place on ``phi`` and the momentum buffers.
@@ -230,8 +239,9 @@ class NoLoCo:
         return GroupChoice(len(members), index=index, members=tuple(members))
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool) -> tuple[int, str, list[str]] | None:
-        return noloco_resync_target(others, round_=round_, fresh=fresh)
+                      fresh: bool, vouchers: Collection[str] | None,
+                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates)
 
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
         """One outer step in place on ``phi`` and δ.
@@ -270,7 +280,8 @@ class Independent(_DeltaPayload):
         return GroupChoice(1, note="independent: no sync")
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool) -> tuple[int, str, list[str]] | None:
+                      fresh: bool, vouchers: Collection[str] | None,
+                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
         return None
 
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:

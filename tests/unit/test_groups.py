@@ -79,7 +79,7 @@ def test_independent_never_syncs_nor_adopts():
     outer = Independent(SHAPES)
     assert outer.choose_group("me", round_=0, live=[("p1", 0)], run_id="r").expected_size == 1
     assert outer.resync_target([("p1", 9, "a" * 32)], round_=0, digest="b" * 32, completed_with=["me"],
-                               fresh=True) is None
+                               fresh=True, vouchers=None) is None
 
 
 def test_payload_shapes_and_phi_offset():

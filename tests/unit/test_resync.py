@@ -1,59 +1,131 @@
-"""The re-sync rule (peer/state/resync.py): which state a peer adopts from the swarm."""
+"""The re-sync rule (peer/state/resync.py): which state a peer adopts from the swarm, and which
+members of a class count (peer/state/vouching.py)."""
 
 from peer.state.resync import resync_target
+from peer.state.vouching import Ledger, RoundClock, attested
 
-A, B = "a" * 32, "b" * 32
+A, B, C = "a" * 32, "b" * 32, "c" * 32
+EVERYONE = frozenset(f"p{i}" for i in range(10)) | {"racer"}
+"""Vouchers: every peer of these tests completed a group with this one in an earlier round."""
 
 
 def test_a_peer_behind_adopts_the_swarm():
     others = [("p1", 5, A), ("p2", 5, A)]
-    assert resync_target(others, round_=3, digest=B, completed_with=["me"]) == (5, A, ["p1", "p2"])
+    assert resync_target(others, round_=3, digest=B, completed_with=["me"], vouchers=EVERYONE) == (5, A, ["p1", "p2"])
 
 
 def test_a_diverged_peer_adopts_the_bigger_class_at_its_round():
     others = [("p1", 4, A), ("p2", 4, A), ("p3", 4, B)]
-    assert resync_target(others, round_=4, digest=B, completed_with=["me"]) == (4, A, ["p1", "p2"])
+    assert resync_target(others, round_=4, digest=B, completed_with=["me"], vouchers=EVERYONE) == (4, A, ["p1", "p2"])
 
 
 def test_the_bigger_class_keeps_its_state():
     others = [("p1", 4, A), ("p2", 4, B), ("p3", 4, B)]
-    assert resync_target(others, round_=4, digest=B, completed_with=["me"]) is None
+    assert resync_target(others, round_=4, digest=B, completed_with=["me"], vouchers=EVERYONE) is None
 
 
 def test_groupmates_that_have_not_published_yet_count_for_the_own_class():
     # p2 and p3 completed the round with this peer; their records still show the last round
-    others = [("p1", 5, A), ("p4", 5, A), ("p2", 4, "c" * 32), ("p3", 4, "c" * 32)]
-    assert resync_target(others, round_=5, digest=B, completed_with=["me", "p2", "p3"]) is None
+    others = [("p1", 5, A), ("p4", 5, A), ("p2", 4, C), ("p3", 4, C)]
+    assert resync_target(others, round_=5, digest=B, completed_with=["me", "p2", "p3"], vouchers=EVERYONE) is None
 
 
 def test_a_tie_between_diverged_peers_goes_to_the_smaller_digest():
-    assert resync_target([("p1", 4, A)], round_=4, digest=B, completed_with=["me"]) == (4, A, ["p1"])
-    assert resync_target([("p1", 4, B)], round_=4, digest=A, completed_with=["me"]) is None
+    assert resync_target([("p1", 4, A)], round_=4, digest=B, completed_with=["me"], vouchers=EVERYONE) == (4, A, ["p1"])
+    assert resync_target([("p1", 4, B)], round_=4, digest=A, completed_with=["me"], vouchers=EVERYONE) is None
 
 
 def test_peers_one_round_behind_are_ignored():
     others = [("p1", 3, A), ("p2", 3, A), ("p3", 3, A)]
-    assert resync_target(others, round_=4, digest=B, completed_with=["me"]) is None
+    assert resync_target(others, round_=4, digest=B, completed_with=["me"], vouchers=EVERYONE) is None
 
 
 def test_a_peer_that_raced_ahead_goes_back_to_the_majority():
     others = [("p1", 3, A), ("p2", 3, A)]
-    assert resync_target(others, round_=6, digest=B, completed_with=["me"]) == (3, A, ["p1", "p2"])
+    assert resync_target(others, round_=6, digest=B, completed_with=["me"], vouchers=EVERYONE) == (3, A, ["p1", "p2"])
 
 
 def test_a_lone_peer_ahead_is_not_followed():
     others = [("racer", 9, A), ("p2", 6, B)]
-    assert resync_target(others, round_=6, digest=B, completed_with=["me", "p3"]) is None
+    assert resync_target(others, round_=6, digest=B, completed_with=["me", "p3"], vouchers=EVERYONE) is None
 
 
 def test_peers_without_a_state_are_not_donors():
-    assert resync_target([("p1", 7, "")], round_=0, digest=B, completed_with=["me"]) is None
+    assert resync_target([("p1", 7, "")], round_=0, digest=B, completed_with=["me"], vouchers=EVERYONE) is None
 
 
 def test_noloco_follows_only_a_swarm_two_rounds_ahead():
     others = [("p1", 5, A), ("p2", 6, B)]
-    assert resync_target(others, round_=5, digest="c" * 32, completed_with=["me"], algorithm="noloco") is None
-    assert resync_target(others, round_=4, digest="c" * 32, completed_with=["me"],
-                         algorithm="noloco") == (6, B, ["p2"])
-    assert resync_target(others, round_=5, digest="c" * 32, completed_with=["me"], algorithm="noloco",
-                         fresh=True) == (6, B, ["p2"])
+    kw = dict(digest=C, completed_with=["me"], vouchers=EVERYONE, algorithm="noloco")
+    assert resync_target(others, round_=5, **kw) is None
+    assert resync_target(others, round_=4, **kw) == (6, B, ["p2"])
+    assert resync_target(others, round_=5, fresh=True, **kw) == (6, B, ["p2"])
+
+
+def test_noloco_does_not_follow_one_peer_ahead_of_the_others():
+    others = [("p1", 5, A), ("p2", 5, B), ("racer", 7, C)]
+    kw = dict(digest="d" * 32, completed_with=["me"], vouchers=EVERYONE, algorithm="noloco")
+    assert resync_target(others, round_=5, **kw) is None
+    assert resync_target([("racer", 7, C)], round_=5, **kw) == (7, C, ["racer"])  # a swarm of one is the swarm
+
+
+def test_noloco_adopts_the_median_peer_ahead_not_the_highest_claim():
+    others = [("p1", 9, A), ("p2", 9, B), ("racer", 40, C)]
+    kw = dict(digest="d" * 32, completed_with=["me"], vouchers=EVERYONE, algorithm="noloco")
+    assert resync_target(others, round_=5, **kw) == (9, B, ["p2"])
+
+
+def test_only_vouchers_count_for_a_peer_with_history():
+    # four fresh identities (never in a group with this peer) and one real peer claim (5, A)
+    others = [("p1", 5, A), *((f"fresh{i}", 5, A) for i in range(4)), ("p2", 4, B), ("p3", 4, B)]
+    vouchers = {"p1", "p2", "p3"}
+    assert resync_target(others, round_=4, digest=B, completed_with=["me", "p2", "p3"], vouchers=vouchers) is None
+    # the same claim from vouchers is the swarm moving on
+    assert resync_target(others, round_=4, digest=B, completed_with=["me"],
+                         vouchers=vouchers | {f"fresh{i}" for i in range(4)}) == (5, A, ["fresh0", "fresh1", "fresh2",
+                                                                                        "fresh3", "p1"])
+
+
+def test_a_peer_with_history_and_no_voucher_among_the_others_adopts_nothing():
+    assert resync_target([("p1", 9, A), ("p2", 9, A)], round_=3, digest=B, completed_with=["me"],
+                         vouchers=frozenset()) is None
+
+
+def test_a_joiner_follows_a_single_class_even_unattested():
+    assert resync_target([("lone", 7, A)], round_=0, digest=B, completed_with=["me"], vouchers=None) == (7, A, ["lone"])
+
+
+def test_a_joiner_counts_only_mutually_attested_peers_between_several_classes():
+    others = [("p1", 5, A), ("p2", 5, A), ("p3", 5, A), *((f"fake{i}", 6, C) for i in range(4))]
+    mates = {"p1": ["p2", "p3"], "p2": ["p1", "p3"], "p3": ["p1", "p2"], "fake0": ["p1"]}  # p1 never names fake0
+    assert resync_target(others, round_=0, digest=B, completed_with=["me"], vouchers=None,
+                         groupmates=mates) == (5, A, ["p1", "p2", "p3"])
+    # identities of one owner can attest each other: the bigger such cluster wins a joiner (the stated limit)
+    sybils = {f"fake{i}": [f"fake{j}" for j in range(4) if j != i] for i in range(4)}
+    assert resync_target(others, round_=0, digest=B, completed_with=["me"], vouchers=None,
+                         groupmates={**mates, **sybils})[:2] == (6, C)
+
+
+def test_the_ledger_vouches_from_the_round_after_the_first_group():
+    ledger = Ledger()
+    ledger.record_group(3, ["p1", "p2"])
+    ledger.record_group(5, ["p2", "p3"])
+    assert ledger.vouchers(3) == frozenset()
+    assert ledger.vouchers(4) == {"p1", "p2"}
+    assert ledger.vouchers(6) == {"p1", "p2", "p3"}
+    assert ledger.first_seen("p2") == 3 and ledger.first_seen("p9") is None and len(ledger) == 3
+
+
+def test_attestation_needs_both_statements_at_one_round():
+    statements = {"a": (4, ["b"]), "b": (4, ["a", "c"]), "c": (4, []), "d": (5, ["a"])}
+    assert attested(statements) == {"a", "b"}
+    assert attested({"a": (4, ["a"])}) == frozenset()  # naming itself proves nothing
+
+
+def test_the_round_clock_ignores_a_jump_faster_than_rounds_can_go():
+    clock = RoundClock(min_round_s=1.0)
+    assert clock.admit("p", 10, now=100.0)  # first sight: any round
+    assert clock.admit("p", 12, now=100.5)  # slack
+    assert not clock.admit("p", 50, now=110.0)  # 40 rounds in 10 s of 1 s rounds
+    assert clock.admit("p", 22, now=110.0)
+    assert clock.ignored == 1

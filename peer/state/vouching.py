@@ -1,0 +1,148 @@
+"""Who may vouch for a state this peer adopts (issue #17, item 3).
+
+The re-sync rule (peer/state/resync.py) adopts the state of a class of peers: those that publish
+the same (round, digest) in their signed progress records. Signatures bind a record to its peer
+(protocol/signing.py), but identities are free: anyone can make four fresh Ed25519 keys and sign
+four records claiming round r+1 with an all-zero φ. So a class member counts only when this peer
+has reason to believe it did the work:
+
+* :class:`Ledger`: the peers this peer completed an all-reduce with (bytes exchanged, no
+  exclusions), and the round that first happened. A peer counts as a *voucher* from the round
+  after: a burst of fresh identities counts for nothing until each of them has taken part in a
+  group with this peer, in full, in an earlier round.
+* :func:`attested`: for a joiner, which has no ledger, the peers whose signed records name each
+  other as groupmates of the same round (mutual statements).
+* :class:`RoundClock`: a claimed round may not run ahead of what elapsed time allows since this
+  reader first saw the peer; a record that does is ignored and counted.
+
+What this cannot do: a cluster of identities that really completes all-reduces with this peer
+(paying the bandwidth, passing the screening of peer/sync/screening.py) is vouched for from the
+next round, and a majority of vouchers wins the rule. A joiner has no history: identities that
+attest each other in their records are enough for it (see :func:`attested`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Collection, Iterable, Mapping
+
+logger = logging.getLogger(__name__)
+
+MIN_INNER_STEP_S = 1e-3
+"""No inner step (forward, backward and AdamW over a whole batch, on any device this client runs)
+completes in under a millisecond: the floor of a round's duration is H of them."""
+SLACK_ROUNDS = 2
+"""Rounds a peer may move beyond the time bound: a record published at a round boundary, just
+after the first sight, and the reader's poll interval."""
+
+
+class Ledger:
+    """Peers this peer completed an all-reduce with (bytes exchanged), and the round that first happened.
+
+    Only a sync that completed with every groupmate counts (none excluded, no piece averaged
+    without one): then each of them sent and received its share of the payload.
+    """
+
+    def __init__(self) -> None:
+        self._first: dict[str, int] = {}
+
+    def record_group(self, round_: int, peer_ids: Iterable[str]) -> None:
+        """Note that this peer completed the sync of ``round_`` with ``peer_ids`` (this peer's own id
+        may be among them: it is a voucher of nothing, and ignored by the rule anyway).
+
+        Raises:
+            ValueError: ``round_`` is negative.
+        """
+        if round_ < 0:
+            raise ValueError(f"round_ = {round_}: expected >= 0")
+        for peer in peer_ids:
+            first = self._first.get(peer)
+            if first is None or round_ < first:
+                self._first[peer] = round_
+
+    def vouchers(self, round_: int) -> frozenset[str]:
+        """Peers first seen in a completed group at a round < ``round_`` (seen for at least one round)."""
+        return frozenset(p for p, first in self._first.items() if first < round_)
+
+    def first_seen(self, peer_id: str) -> int | None:
+        """The round of the first completed group with ``peer_id``, or None (never)."""
+        return self._first.get(peer_id)
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+
+def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset[str]:
+    """Peers vouched for by a peer that completed a round with them: ``p`` counts when some other
+    peer ``q`` at the same round names ``p`` as a groupmate and ``p`` names ``q`` back.
+
+    Args:
+        statements: peer id → (round, groupmates) as its signed progress record says: the round
+            it is at and the peers that completed its last sync with it.
+
+    Returns:
+        The attested peer ids.
+
+    A single identity cannot attest itself, and one honest peer never names a stranger it did not
+    sync with; but identities of one owner can name each other: for a peer without history (a
+    joiner) this is the only evidence there is.
+    """
+    out: set[str] = set()
+    for p, (round_, mates) in statements.items():
+        for q in mates:
+            if q == p or q not in statements:
+                continue
+            q_round, q_mates = statements[q]
+            if q_round == round_ and p in q_mates:
+                out.add(p)
+                break
+    return frozenset(out)
+
+
+class RoundClock:
+    """Bounds the round a peer may claim by the time since this reader first saw it.
+
+    Peer ``p``, first seen at monotonic time ``t0`` claiming round ``r0``, may claim at time ``t``
+    at most ``r0 + SLACK_ROUNDS + (t − t0) / min_round_s``. A record claiming more is ignored
+    (:meth:`admit` returns False) and counted in :attr:`ignored`; the peer's first sight is kept,
+    so it may claim a plausible round again later. On first sight any round is taken: a joiner
+    cannot bound what it has never seen.
+
+    Args:
+        min_round_s: the shortest a round can be, s (H × :data:`MIN_INNER_STEP_S`).
+    """
+
+    def __init__(self, *, min_round_s: float, slack_rounds: int = SLACK_ROUNDS):
+        if not min_round_s > 0:
+            raise ValueError(f"min_round_s = {min_round_s!r}: expected > 0")
+        self.min_round_s, self.slack_rounds = min_round_s, slack_rounds
+        self._first: dict[str, tuple[float, int]] = {}
+        self.ignored = 0
+        """Records ignored for claiming a round faster than time allows."""
+        self._warned: set[str] = set()
+
+    def limit(self, peer_id: str, now: float | None = None) -> int | None:
+        """The highest round ``peer_id`` may claim at ``now`` (monotonic s), or None if never seen."""
+        first = self._first.get(peer_id)
+        if first is None:
+            return None
+        now = time.monotonic() if now is None else now
+        t0, r0 = first
+        return r0 + self.slack_rounds + int(max(0.0, now - t0) / self.min_round_s)
+
+    def admit(self, peer_id: str, round_: int, now: float | None = None) -> bool:
+        """Whether ``peer_id``'s claim of ``round_`` at ``now`` (monotonic s) is believable; the
+        first claim seen of a peer always is (and starts its clock)."""
+        now = time.monotonic() if now is None else now
+        if peer_id not in self._first:
+            self._first[peer_id] = (now, round_)
+            return True
+        limit = self.limit(peer_id, now)
+        if round_ <= limit:
+            return True
+        self.ignored += 1
+        if peer_id not in self._warned:  # once per peer: a liar republishes four times a round
+            self._warned.add(peer_id)
+            logger.warning("ignoring %s's record: it claims round %d, time allows at most %d", peer_id, round_, limit)
+        return False
