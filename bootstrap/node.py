@@ -13,6 +13,7 @@ from protocol import dht as swarm_dht
 from protocol.errors import NetworkError
 from protocol.identity import ensure_identity
 from protocol.reachability import serve_dialback
+from protocol.uplink import serve_uplink
 from protocol.manifest import SignedManifest
 from protocol.validator import protect_run
 
@@ -89,6 +90,7 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     dht = start_relay_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
                           identity_path=str(identity), relay=cfg.relay)
     serve_dialback(dht)  # joiners ask whether the swarm can dial them (protocol/reachability.py)
+    serve_uplink(dht)  # and `peer doctor` measures its uplink against it (protocol/uplink.py)
     announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
     run = cfg.manifest.manifest
     monitor = server = None

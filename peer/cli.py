@@ -280,13 +280,15 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
               help="Timed inner steps (after one untimed warm-up step).")
 @click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
               help="Also check that one of these swarm nodes answers (repeatable), as peer join would dial them.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="TCP port to check dialability on: the one peer join will listen on (0: any free port).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflops, steps, initial_peers, as_json,
-           verbose) -> None:
+def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflops, steps, initial_peers, port,
+           as_json, verbose) -> None:
     """Check this machine before joining: device, memory, precision, the micro-batch that fits the
     run's model, tokens/s over a few real inner steps, versions; with --initial-peers, whether the
-    swarm answers. Not yet: whether this peer is dialable from outside, its uplink.
+    swarm answers, whether it can dial this machine back on --port, and the measured uplink.
 
     Exits 0 when this peer can contribute, 78 when it cannot, 69 when only the swarm did not
     answer (each problem says what to do).
@@ -309,7 +311,7 @@ def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflop
         exit_with(exc, verbose=verbose)
     report = DoctorReport()
     if initial_peers:
-        check_swarm(report, initial_peers)  # first: the DHT forks before CUDA is touched
+        check_swarm(report, initial_peers, port=port)  # first: the DHT forks before CUDA is touched
     report = diagnose(manifest, device=device, precision=precision, compile=compile_, max_memory_gib=max_memory,
                       peak_tflops=peak_tflops, steps=steps, report=report)
     if as_json:

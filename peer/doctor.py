@@ -2,8 +2,9 @@
 
 Device, memory, the precision this peer would train in, the micro-batch that fits the run's
 model, tokens/s and MFU over a few real inner steps (on random tokens of the run's vocabulary,
-so no corpus is read), and versions; with initial peers, whether any of them answers
-(:func:`check_swarm`). Not checked yet: whether this peer is dialable from outside, and its uplink.
+so no corpus is read), and versions; with initial peers (:func:`check_swarm`), whether any of
+them answers, whether they can dial this machine back on the port ``peer join`` would listen on
+(protocol/reachability.py), and the measured uplink to them (protocol/uplink.py).
 """
 
 from __future__ import annotations
@@ -79,26 +80,61 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, timeout_s: float = 20.0) -> None:
-    """Whether any of ``initial_peers`` answers: starts a client-mode DHT node (it accepts no
-    connections), waits up to ``timeout_s`` seconds, shuts it down. Records ``swarm`` ('answered'
-    or 'unreachable') and ``swarm_connect_s`` (seconds to connect) in ``report.facts``; a failure
-    goes to ``report.network_problems`` with what to do. Call before :func:`diagnose` on a CUDA
-    machine (the DHT forks its process before CUDA is touched)."""
-    from protocol import dht as swarm_dht
+UPLINK_LOW_MBIT_S = 5.0
+"""Below this measured uplink a peer still contributes, but its syncs are slow: the report says so."""
 
+
+def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str = "0.0.0.0", port: int = 0,
+                timeout_s: float = 20.0) -> None:
+    """What the swarm sees of this machine: starts a DHT node listening on ``host:port`` (as ``peer
+    join`` would, with a throwaway identity, so a peer running here keeps its own), then
+
+    * whether any of ``initial_peers`` answers (``swarm``: 'answered' or 'unreachable',
+      ``swarm_connect_s``);
+    * whether they can dial this node back (``reachability``: 'reachable', 'unreachable' or
+      'unknown', ``reachability_line``; peer/reachability.py ``check``);
+    * the uplink to them (``uplink_mbit_s``, ``uplink_bytes``, ``uplink_s``; protocol/uplink.py).
+
+    Results go to ``report.facts``. No answer from the swarm goes to ``report.network_problems`` with
+    what to do; a peer nobody can dial, or a slow uplink, still contributes (client mode, relayed):
+    those go to ``report.facts["network_notes"]``. The node is shut down before returning. Call
+    before :func:`diagnose` on a CUDA machine (the DHT forks its process before CUDA is touched).
+    """
+    import tempfile
+    from pathlib import Path
+
+    from peer import reachability
+    from protocol.identity import ensure_identity
+    from protocol.uplink import measure_uplink
+
+    notes = report.facts.setdefault("network_notes", [])
     start = time.monotonic()
-    try:
-        dht = swarm_dht.start_dht(initial_peers=list(initial_peers), client_mode=True, timeout_s=timeout_s)
-    except NetworkError as exc:
-        report.facts["swarm"] = "unreachable"
-        report.network_problems.append(f"{exc}; check the address and that its node runs, and that this machine "
-                                       "may open outbound TCP connections")
-        return
-    try:
-        report.facts.update(swarm="answered", swarm_connect_s=round(time.monotonic() - start, 2))
-    finally:
-        dht.shutdown()
+    with tempfile.TemporaryDirectory(prefix="locoswarm-doctor-") as tmp:
+        identity = ensure_identity(Path(tmp) / "identity.key")
+        try:
+            dht = reachability.start_node(list(initial_peers), host=host, port=port, announce=(),
+                                          identity_path=str(identity), client_mode=False, timeout_s=timeout_s)
+        except (NetworkError, ConfigError) as exc:
+            report.facts["swarm"] = "unreachable"
+            report.network_problems.append(f"{exc}; check the address and that its node runs, and that this "
+                                           "machine may open outbound TCP connections")
+            return
+        try:
+            report.facts.update(swarm="answered", swarm_connect_s=round(time.monotonic() - start, 2))
+            verdict = reachability.check(dht, initial_peers)
+            report.facts.update(reachability=verdict.status, reachability_line=verdict.line)
+            if verdict.status == "unreachable":
+                notes.append("the swarm cannot dial this machine: peer join goes on in client mode (it trains, "
+                             "but serves no state to joiners); to be dialable, forward the TCP port and pass "
+                             "--port PORT --announce /ip4/PUBLIC_IP/tcp/PORT")
+            probe = measure_uplink(dht, reachability.peer_ids(initial_peers))
+            report.facts.update(uplink_mbit_s=probe.mbit_per_s, uplink_bytes=probe.bytes,
+                                uplink_s=round(probe.seconds, 3), uplink_error=probe.error or None)
+            if probe.mbit_per_s is not None and probe.mbit_per_s < UPLINK_LOW_MBIT_S:
+                notes.append(f"uplink {probe.mbit_per_s:.1f} Mbit/s: each sync will take long; a lossy codec "
+                             "(run manifest [compression]) or a larger H moves fewer bytes per token")
+        finally:
+            dht.shutdown()
 
 
 def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "auto", compile: bool | None = None,
@@ -176,6 +212,14 @@ def render(report: DoctorReport) -> list[str]:
     if "swarm" in f:
         lines.append(f"swarm: an initial peer answered in {f['swarm_connect_s']:.1f} s" if f["swarm"] == "answered"
                      else "swarm: no initial peer answered")
+    if f.get("reachability_line"):
+        lines.append(f"dialable: {f['reachability_line']}")
+    if f.get("uplink_mbit_s") is not None:
+        lines.append(f"uplink: {f['uplink_mbit_s']:,.1f} Mbit/s ({f['uplink_bytes'] / 2**20:.0f} MiB in "
+                     f"{f['uplink_s']:.2f} s, one round trip included)")
+    elif f.get("uplink_error"):
+        lines.append(f"uplink: not measured ({f['uplink_error']})")
+    lines += [f"note: {n}" for n in f.get("network_notes", [])]
     lines += [f"problem: {p}" for p in [*report.network_problems, *report.problems]]
     lines.append("ok: this peer can contribute" if report.can_contribute else "this peer cannot contribute as it is")
     return lines

@@ -190,8 +190,10 @@ def reach_out(dht, cfg, reporter, *, identity_path: str):
         return dht, cfg, verdict
     try:
         from protocol.reachability import serve_dialback
+        from protocol.uplink import serve_uplink
 
         serve_dialback(dht)
+        serve_uplink(dht)
     except Exception as exc:  # a node that cannot serve checks still trains
         logger.debug("cannot serve dial-back checks: %r", exc)
     if not cfg.initial_peers:

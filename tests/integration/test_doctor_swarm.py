@@ -1,4 +1,5 @@
-"""`peer doctor --initial-peers`: whether the swarm answers, checked with a real DHT node.
+"""`peer doctor --initial-peers`: whether the swarm answers, can dial this machine back, and the
+uplink to it, checked with a real DHT node.
 
 Real processes, no mocks: a bootstrap node is the swarm for the reachable case; a port nothing
 listens on is the unreachable one.
@@ -45,4 +46,17 @@ def test_a_live_swarm_answers(procs, tmp_path):
     result = doctor("--initial-peers", address)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "swarm: an initial peer answered" in result.stdout
+    assert "dialable: reachable: 1 peer(s) of the swarm dialed this peer back at /ip4/127.0.0.1/tcp/" in result.stdout
+    [uplink] = [line for line in result.stdout.splitlines() if line.startswith("uplink:")]
+    assert "Mbit/s" in uplink and "MiB in" in uplink, result.stdout  # random bytes, timed to the node's answer
     assert "ok: this peer can contribute" in result.stdout
+
+
+def test_the_json_report_carries_the_network_facts(procs, tmp_path):
+    import json
+
+    _, address = procs.bootstrap(write_manifest(tmp_path, make_manifest()))
+    result = doctor("--initial-peers", address, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["reachability"] == "reachable" and facts["uplink_mbit_s"] > 0 and facts["uplink_bytes"] >= 2**20
