@@ -213,10 +213,12 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
 
 NORM_FACTOR = 10.0
 """How far a downloaded φ's global L2 norm may lie from this peer's own φ's, as a factor either way.
-Training moves the norm slowly (the default run's φ drifts by tens of per cent from φ_0 over tens
-of rounds, measured with lab/simulation.py), and peers adopting each other's state hold φ of one
-history; a factor of 10 leaves that room many times over, while a zeroed, scaled-up or random-
-magnitude φ lies outside it."""
+Training moves the norm slowly: measured with lab/simulation.py (2 peers, DiLoCo), ‖φ_t‖/‖φ_0‖ was
+1.11 after 6 rounds of the default run (+1.7 % a round) and 2.2 after 40 rounds of the tiny preset,
+growing ever more slowly. A joiner compares with φ_0, a peer with history with its own trained φ;
+a factor of 10 leaves that room several times over, while a zeroed, scaled-up (1e30) or otherwise
+implausible φ lies outside it. Within the bound the check proves nothing: it stops crude
+takeovers, not a subtly poisoned φ."""
 
 
 def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], *,

@@ -26,3 +26,18 @@ def test_counts_beyond_what_is_possible_are_rejected_by_name(field, value):
     record = ProgressRecord(round=1, inner_step=20, train_loss=2.5, tokens_per_s=100.0, group_size=3, bytes_sent=10)
     with pytest.raises(BadPayload, match=field):
         ProgressRecord.from_wire({**record.to_wire(), field: value})
+
+
+def test_groupmates_are_a_signed_list_of_peer_ids():
+    record = ProgressRecord(round=1, inner_step=20, train_loss=2.5, tokens_per_s=100.0, group_size=3, bytes_sent=10,
+                            groupmates=("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "12D3KooWabc"))
+    wire = record.to_wire()
+    assert wire["groupmates"] == list(record.groupmates)  # msgpack has no tuple: a list is what is signed
+    assert ProgressRecord.from_wire(wire) == record
+    for bad in ("Qm", ["x" * 129], [""], ["a/b"], ["\x1b[2J"], [7], ["p"] * 4097):
+        with pytest.raises(BadPayload, match="groupmates"):
+            ProgressRecord.from_wire({**wire, "groupmates": bad})
+    no_field = dict(wire)
+    del no_field["groupmates"]  # a version-2 record
+    with pytest.raises(BadPayload):
+        ProgressRecord.from_wire(no_field)
