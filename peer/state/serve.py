@@ -11,6 +11,7 @@ import logging
 from typing import Awaitable, Callable
 
 from peer.state.snapshot import StateSnapshot, chunk_bytes
+from peer.sync.pieces import piece_view
 from protocol.errors import BadPayload
 from protocol.wire import framing
 from protocol.wire import state as frames
@@ -19,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      snapshot_for: Callable[[bytes], Awaitable[StateSnapshot | None]], *, timeout: float) -> int:
+                      snapshot_for: Callable[[bytes], Awaitable[StateSnapshot | None]], *, timeout: float,
+                      admit: Callable[[int, int], bool] | None = None) -> int:
     """Answer one joiner's REQUEST on a fresh stream, then close it.
 
     Args:
@@ -27,12 +29,15 @@ async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             digest, or None if this peer does not hold it (the joiner gets MISSING).
         timeout: seconds to wait for the REQUEST, for each write to drain, and for the joiner
             to close after the last chunk.
+        admit: ``admit(request_bytes, state_bytes)`` says whether the joiner may have the chunks
+            it asked for (their fp32 bytes, of a state of ``state_bytes``); when it says no the
+            stream is closed unanswered. None: every valid request is answered.
 
     Returns:
         Frame bytes handed to the writer (length prefixes included).
 
     Never raises for anything the joiner does (malformed or oversized REQUEST, unknown chunk
-    index, silence, disconnect): it logs the reason and closes the stream. The snapshot is only
+    index, a request over its budget, silence, disconnect): it logs the reason and closes the stream. The snapshot is only
     read.
     """
     written = 0
@@ -62,6 +67,10 @@ async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             logger.warning("rejected a state request for %s: chunk %d requested, the state has %d chunks",
                            digest.hex(), indices[-1], len(snapshot.chunks))
             return written
+        elif admit is not None and not admit(_chunk_bytes(snapshot, indices), _chunk_bytes(snapshot)):
+            logger.warning("refused a state request for %s: %d chunks is over the joiner's budget",
+                           digest.hex(), len(indices))
+            return written
         else:
             send(frames.encode_meta(snapshot.meta, snapshot.chunk_hashes))
             for index in indices:
@@ -77,3 +86,9 @@ async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     finally:
         writer.close()
     return written
+
+
+def _chunk_bytes(snapshot: StateSnapshot, indices: list[int] | None = None) -> int:
+    """fp32 bytes of the chunks ``indices`` of ``snapshot`` (None: all of them)."""
+    chunks = snapshot.chunks if indices is None else [snapshot.chunks[i] for i in indices]
+    return sum(4 * piece_view(snapshot.tensors[c.tensor], c).numel() for c in chunks)

@@ -23,6 +23,7 @@ from peer.state import download
 from peer.state.download import DownloadResult
 from peer.state.serve import serve_state
 from peer.state.snapshot import StateSnapshot, plan_chunks
+from peer.sync.limits import ServeBudget, StreamSlots
 from protocol.errors import StateDownloadFailed
 from protocol.version import PROTOCOL_VERSION
 
@@ -30,6 +31,24 @@ logger = logging.getLogger(__name__)
 
 StateProvider = Callable[[], list[StateSnapshot]]
 """Returns the snapshots this peer serves to joiners (peer/state/snapshot.py), newest last."""
+
+STATE_STREAMS_PER_PEER = 2
+"""State streams one joiner may hold open at once: a download opens one per donor per pass, and
+one more covers a stream still closing when the next pass opens its own."""
+STATE_STREAMS_TOTAL = 8
+"""State streams all joiners may hold open at once; each holds at most one chunk (1 MiB) in
+three copies while it is written, so 8 streams stay under ~25 MiB."""
+STATES_PER_PEER = 1.0
+"""Full states one joiner may download from this peer per ``STATE_PERIOD_S``: one join or
+re-sync (a retried pass asks only for what is still missing)."""
+STATES_TOTAL = 4.0
+"""Full states all joiners together may download from this peer per ``STATE_PERIOD_S``: a joiner
+spreads its download over every donor, so four full states a minute serve dozens of joiners."""
+STATE_PERIOD_S = 60.0
+"""Seconds in which the serve budgets refill."""
+MIN_STATE_BYTES = 64 * 1024 * 1024
+"""Budgets count a state as at least 64 MiB, so a small state (tests, tiny models) may be
+downloaded often; what a request can buy is bounded by 64 MiB a minute per joiner either way."""
 
 
 class StateSharing:
@@ -42,6 +61,9 @@ class StateSharing:
         # set in the averager process
         self._snapshots: dict[bytes, StateSnapshot] = {}
         self._snapshots_fetched_at = 0.0
+        self._state_slots = StreamSlots(per_peer=STATE_STREAMS_PER_PEER, total=STATE_STREAMS_TOTAL)
+        self._serve_budget = ServeBudget(per_peer_states=STATES_PER_PEER, total_states=STATES_TOTAL,
+                                         period_s=STATE_PERIOD_S, min_state_bytes=MIN_STATE_BYTES)
 
     @property
     def state_protocol(self) -> str:
@@ -137,5 +159,20 @@ class StateSharing:
 
     async def _handle_state_stream(self, stream_info, reader: asyncio.StreamReader,
                                    writer: asyncio.StreamWriter) -> None:
-        """A joiner asks for chunks of a state snapshot (peer/state/serve.py); never raises."""
-        await serve_state(reader, writer, self._snapshot_for, timeout=self.next_chunk_timeout or 5.0)
+        """A joiner asks for chunks of a state snapshot (peer/state/serve.py); never raises.
+
+        Bounded per joiner (its libp2p peer id) and in total: open streams (``STATE_STREAMS_*``)
+        and full states served per minute (``STATES_*``); a stream over a bound is closed unanswered.
+        """
+        peer = stream_info.peer_id
+        if not self._state_slots.acquire(peer):
+            logger.warning("refused a state stream from %s: %d open from it, %d in all", peer,
+                           self._state_slots.per_peer, self._state_slots.open)
+            writer.close()
+            return
+        try:
+            await serve_state(reader, writer, self._snapshot_for, timeout=self.next_chunk_timeout or 5.0,
+                              admit=lambda request_bytes, state_bytes: self._serve_budget.take(
+                                  peer, request_bytes, state_bytes))
+        finally:
+            self._state_slots.release(peer)

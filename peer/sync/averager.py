@@ -40,6 +40,7 @@ from peer.state.sharing import StateSharing
 from peer.sync.allreduce import AllreduceStats, GroupAllreduce
 from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.group_key import PinnedGroupBits
+from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.pieces import Piece, make_group_plan
 from peer.sync.screening import Strikes
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
@@ -65,11 +66,13 @@ class GroupOutcome:
     """Why this peer applied nothing from the round (tensors and residuals unchanged), or None."""
 
 
-class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAverager):
+class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing, DecentralizedAverager):
     """Averages pseudo-gradients within a group of peers at the same round.
 
     Its process dies with the peer's and leaves signals to it (protocol/lifetime.py); hivemind's
     re-keying after a group assembled is off, the round loop sets the group bits (group_key.py).
+    hivemind's handlers are bounded (declared lengths, streams per peer, time: hivemind_limits.py),
+    and those of its all-reduce and state download, which locoswarm does not use, refuse.
 
     Args:
         averaged_tensors: fp32 buffers shaped like the payload; hivemind moves them to shared
@@ -97,6 +100,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, StateSharing, DecentralizedAv
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements, self.max_weight_tokens = piece_elements, max_weight_tokens
         self._init_state_sharing()
+        self._stream_limits = StreamLimits.for_matchmaking(kwargs.get("min_matchmaking_time", 5.0),
+                                                           kwargs.get("request_timeout") or 3.0)
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
         self._strikes = Strikes()  # groupmates whose contributions this peer clipped or dropped repeatedly
