@@ -364,7 +364,8 @@ def prepare(run_file, preset, cache_dir, verbose) -> None:
     click.echo(f"# {describe(manifest.data)}: {corpus.train_files:,} training and {corpus.validation_files:,} "
                f"validation documents, {corpus.train.numel():,} + {corpus.validation.numel():,} tokens "
                f"({tok.kind} tokenizer, {tok.vocab_size:,} ids); cache in {cache_dir}")
-    click.echo(f'[data]\ncorpus_sha256 = "{corpus.corpus_sha256}"\ntokenizer_sha256 = "{tok.sha256}"')
+    click.echo(f'[data]\ncorpus_sha256 = "{corpus.corpus_sha256}"\ncorpus_bytes = {corpus.corpus_bytes}\n'
+               f'tokenizer_sha256 = "{tok.sha256}"')
 
 
 if __name__ == "__main__":

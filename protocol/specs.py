@@ -110,6 +110,9 @@ class DataSpec:
     (fixed at 259), e.g. 4096 with 'bpe'."""
     corpus_sha256: str = ""
     """When set, peers whose local corpus hashes otherwise refuse to train (``peer data prepare`` prints it)."""
+    corpus_bytes: int = 0
+    """When set, the corpus's size in UTF-8 bytes of its texts: a copy of another size is refused with its
+    size named (an incomplete download says so before its hash is compared). ``peer data prepare`` prints it."""
     tokenizer_sha256: str = ""
     """When set, peers whose tokenizer hashes otherwise refuse to train (``peer data prepare`` prints it)."""
     seq_len_tokens: int = 128
@@ -139,6 +142,7 @@ class DataSpec:
             check(s, name, value, isinstance(value, str) and (value == "" or (
                 len(value) == 64 and all(c in "0123456789abcdef" for c in value))),
                 "'' or 64 lowercase hex digits (a SHA-256, as `peer data prepare` prints it)")
+        int_in(s, "corpus_bytes", self.corpus_bytes, 0, 1 << 50)
         int_in(s, "seq_len_tokens", self.seq_len_tokens, 8, 1 << 20)
         float_in(s, "validation_fraction", self.validation_fraction, 0.0, 0.5, lo_open=True)
         int_in(s, "validation_sequences", self.validation_sequences, 1, 1 << 20)

@@ -73,15 +73,17 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
         write(handle)
 
 
-def corpus_sha256(documents: Iterable[Document]) -> tuple[str, int]:
-    """Hex SHA-256 of a corpus, and its number of documents, from one streaming pass."""
-    digest, count = hashlib.sha256(), 0
+def corpus_sha256(documents: Iterable[Document]) -> tuple[str, int, int]:
+    """Hex SHA-256 of a corpus, its number of documents and its size (UTF-8 bytes of the documents'
+    texts, names not counted), from one streaming pass."""
+    digest, count, size = hashlib.sha256(), 0, 0
     for doc in documents:
         name = doc.name.encode("utf-8")
         digest.update(len(name).to_bytes(8, "big") + name + len(doc.data).to_bytes(8, "big"))
         digest.update(doc.data)
         count += 1
-    return digest.hexdigest(), count
+        size += len(doc.data)
+    return digest.hexdigest(), count, size
 
 
 @dataclass(frozen=True)

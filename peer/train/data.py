@@ -53,6 +53,8 @@ class Corpus:
     validation_files: int
     corpus_sha256: str = ""
     """Content hash of the corpus (``data.corpus_sha256``); empty for a corpus built by hand."""
+    corpus_bytes: int = 0
+    """UTF-8 bytes of the corpus's texts (``data.corpus_bytes``); 0 for a corpus built by hand."""
     tokenizer: Tokenizer = field(default_factory=byte_tokenizer)
     skipped_files: int = 0
     """Binary or non-UTF-8 files of the source that were skipped (peer/train/sources.py), not trained on."""
@@ -76,12 +78,18 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     fraction = spec.validation_fraction
     skipped = SkippedFiles()
-    corpus_hash, documents = corpus_sha256(iter_documents(spec, skipped))
+    corpus_hash, documents, size = corpus_sha256(iter_documents(spec, skipped))
     if skipped.paths:
         logger.warning("%s", skipped.summary(spec))
     if documents == 0:
         also = f" ({len(skipped.paths)} binary or non-UTF-8 file(s) skipped)" if skipped.paths else ""
         raise ConfigError(f"the corpus ({describe(spec)}) holds no documents{also}: point data.path at some text")
+    if spec.corpus_bytes and size != spec.corpus_bytes:
+        raise ConfigError(
+            f"the corpus at {describe(spec)} has {size:,} bytes of text in {documents:,} documents, the run's "
+            f"has {spec.corpus_bytes:,} (data.corpus_bytes): this copy is {'incomplete' if size < spec.corpus_bytes else 'another corpus'}; "
+            "point --data (or data.path) at a full copy of the run's corpus (`peer data prepare` prints the local size)"
+        )
     if spec.corpus_sha256 and corpus_hash != spec.corpus_sha256:
         raise ConfigError(
             f"the corpus at {describe(spec)} ({documents:,} documents) hashes to {corpus_hash}, the run pins "
@@ -117,7 +125,7 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
             )
     return Corpus(train=torch.from_numpy(train), validation=torch.from_numpy(validation),
                   train_files=info.train_documents, validation_files=info.validation_documents,
-                  corpus_sha256=corpus_hash, tokenizer=tokenizer, skipped_files=len(skipped.paths))
+                  corpus_sha256=corpus_hash, corpus_bytes=size, tokenizer=tokenizer, skipped_files=len(skipped.paths))
 
 
 def with_local_data(spec: DataSpec, data_path: Path | str | None, *, run: str) -> DataSpec:

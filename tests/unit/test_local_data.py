@@ -64,6 +64,23 @@ def test_a_copy_elsewhere_has_the_runs_hash_and_a_different_copy_is_refused(tmp_
     assert pinned in message and str(copy) in message and "--data" in message and "\n" not in message
 
 
+def test_a_copy_of_another_size_is_refused_naming_both_sizes(tmp_path):
+    original = write_corpus(tmp_path / "owner" / "corpus")
+    corpus = load_corpus(spec(original), cache_dir=tmp_path / "cache")
+    assert corpus.corpus_bytes == sum(len(p.read_bytes()) for p in original.rglob("*") if p.is_file())
+    run_data = spec("", corpus_sha256=corpus.corpus_sha256, corpus_bytes=corpus.corpus_bytes)
+    copy = tmp_path / "volunteer" / "corpus"
+    shutil.copytree(original, copy)
+    assert load_corpus(with_local_data(run_data, copy, run="run abc (web)"),
+                       cache_dir=tmp_path / "cache2").corpus_sha256 == corpus.corpus_sha256
+    victim = sorted(p for p in copy.rglob("*") if p.is_file())[0]
+    victim.write_bytes(victim.read_bytes()[: len(victim.read_bytes()) // 2])  # an interrupted download
+    with pytest.raises(ConfigError) as info:
+        load_corpus(with_local_data(run_data, copy, run="run abc (web)"), cache_dir=tmp_path / "cache2")
+    message = str(info.value)
+    assert f"{corpus.corpus_bytes:,}" in message and "incomplete" in message and "\n" not in message
+
+
 def test_data_flag_errors_are_one_clear_line(tmp_path):
     named = spec("", corpus_sha256="a" * 64)
     with pytest.raises(ConfigError, match=r"run abc \(web\) names its corpus by content only .*pass --data PATH"):

@@ -110,12 +110,16 @@ def test_peer_data_prepare_prints_the_hashes_that_pin_the_run(tmp_path, corpus_f
     result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
     assert result.exit_code == 0, result.output
     pins = tomllib.loads(result.output)["data"]
-    assert set(pins) == {"corpus_sha256", "tokenizer_sha256"}
+    assert set(pins) == {"corpus_sha256", "corpus_bytes", "tokenizer_sha256"}
+    assert pins["corpus_bytes"] == sum(len(json.loads(line)["text"].encode()) for line in
+                                       corpus_file.read_text().splitlines() if line.strip())
     assert list((tmp_path / "dd" / "cache").glob("tokens-*.train.bin"))
-    pinned = run.read_text() + "".join(f'{k} = "{v}"\n' for k, v in pins.items())
+    pinned = run.read_text() + "".join(f'{k} = {json.dumps(v)}\n' for k, v in pins.items())
     run.write_text(pinned)  # the pinned manifest loads against the same corpus
     assert CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")]
                               ).exit_code == 0
     corpus_file.write_text(json.dumps({"text": "another corpus " * 50}) + "\n" + corpus_file.read_text())
     result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
-    assert result.exit_code == 78 and pins["corpus_sha256"] in result.output and "use the run's corpus" in result.output
+    # another size: refused before the hashes are compared, both sizes named
+    assert result.exit_code == 78 and f"{pins['corpus_bytes']:,} (data.corpus_bytes)" in result.output, result.output
+    assert "another corpus" in result.output
