@@ -59,6 +59,8 @@ class DeviceConfig:
     """Cap on the CUDA memory this peer may use, GiB (ignored elsewhere)."""
     peak_tflops: float | None = None
     """The card's dense bf16/fp16 peak in TFLOP/s, for MFU on cards the table does not know."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward (peer/train/device.py ``Placement.activation_checkpointing``)."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):

@@ -139,7 +139,8 @@ def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str
 
 def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "auto", compile: bool | None = None,
              micro_batch_sequences: int | None = None, max_memory_gib: float | None = None,
-             peak_tflops: float | None = None, steps: int = 3, report: DoctorReport | None = None) -> DoctorReport:
+             peak_tflops: float | None = None, activation_checkpointing: bool = False, steps: int = 3,
+             report: DoctorReport | None = None) -> DoctorReport:
     """Run the local checks for training ``manifest`` here; never raises for a failed check (it goes
     into ``problems``). Trains ``steps`` + 1 inner steps (the first one warms up, untimed) on a
     throwaway copy of the run's model. Adds to ``report`` when given (after :func:`check_swarm`)."""
@@ -148,7 +149,7 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
     try:
         placement, notes = place(device, precision=precision, compile=compile,
                                  micro_batch_sequences=micro_batch_sequences, max_memory_gib=max_memory_gib,
-                                 peak_tflops=peak_tflops)
+                                 peak_tflops=peak_tflops, activation_checkpointing=activation_checkpointing)
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report

@@ -201,7 +201,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         d = cfg.device
         placement, notes = place(d.device, precision=d.precision, compile=d.compile,
                                  micro_batch_sequences=d.micro_batch_sequences, max_memory_gib=d.max_memory_gib,
-                                 peak_tflops=d.peak_tflops)
+                                 peak_tflops=d.peak_tflops, activation_checkpointing=d.activation_checkpointing)
         trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
                           config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement)
         micro_batch = trainer.fit_micro_batch()

@@ -46,6 +46,8 @@ def device_text(e: dict[str, Any]) -> str:
         parts.append(f"micro-batch {micro} of {batch}")
     if e.get("compile"):
         parts.append("compiled")
+    if e.get("activation_checkpointing"):
+        parts.append("activations recomputed")
     detail = ", ".join(str(p) for p in parts if p)
     return f"{e['device']} ({detail})" if detail else str(e["device"])
 

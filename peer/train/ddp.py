@@ -93,6 +93,7 @@ class RankSetup:
     seq_len: int
     threads: int | None
     max_memory_gib: float | None
+    activation_checkpointing: bool = False
 
 
 class _BatchShape:
@@ -141,7 +142,7 @@ class DistributedInnerLoop(InnerLoop):
     @classmethod
     def launch(cls, model: torch.nn.Module, spec: InnerOptimizerSpec, sampler, *, devices: Sequence[str],
                precision: Precision = FP32, compile: bool = False, micro_batch_sequences: int | None = None,
-               max_memory_gib: float | None = None) -> DistributedInnerLoop:
+               max_memory_gib: float | None = None, activation_checkpointing: bool = False) -> DistributedInnerLoop:
         """Start ranks 1..N-1 on ``devices[1:]`` and return rank 0's loop on ``devices[0]`` (where
         ``model``, θ, already is). Call from the main thread, after the averager was forked.
 
@@ -180,7 +181,7 @@ class DistributedInnerLoop(InnerLoop):
                                   model_class=type(model), model_config=getattr(model, "config", None), spec=spec,
                                   precision=precision, compile=compile, micro_batch_sequences=micro_batch_sequences,
                                   batch_sequences=sampler.batch_sequences, seq_len=sampler.seq_len, threads=threads,
-                                  max_memory_gib=max_memory_gib)
+                                  max_memory_gib=max_memory_gib, activation_checkpointing=activation_checkpointing)
                 event = ctx.Event()
                 process = _RankProcess(target=_serve, args=(setup, event), daemon=True, name=f"locoswarm-rank{rank}")
                 process.start()
@@ -204,7 +205,8 @@ class DistributedInnerLoop(InnerLoop):
         logger.info("training on %d ranks (%s) over %s", world, ", ".join(devices), backend)
         return cls(model, spec, sampler, rank=0, world=world, comm_device=device if cuda else torch.device("cpu"),
                    processes=processes, store_dir=store_dir, memory_budget_bytes=budget, device=device,
-                   precision=precision, compile=compile, micro_batch_sequences=micro_batch_sequences)
+                   precision=precision, compile=compile, micro_batch_sequences=micro_batch_sequences,
+                   activation_checkpointing=activation_checkpointing)
 
     def step(self, inner_step: int):
         """One AdamW step of the whole peer (:meth:`InnerLoop.step`), every rank on its share of the
@@ -475,7 +477,8 @@ def _serve(setup: RankSetup, ready) -> None:
                                     rank=setup.rank, world=setup.world,
                                     comm_device=device if device.type == "cuda" else torch.device("cpu"),
                                     memory_budget_bytes=budget, device=device, precision=setup.precision,
-                                    compile=setup.compile, micro_batch_sequences=setup.micro_batch_sequences)
+                                    compile=setup.compile, micro_batch_sequences=setup.micro_batch_sequences,
+                                    activation_checkpointing=setup.activation_checkpointing)
         loop.serve()
     finally:
         with contextlib.suppress(Exception):

@@ -124,3 +124,39 @@ def test_a_compile_failure_falls_back_to_eager_with_one_warning(caplog):
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "torch.compile failed" in caplog.records[0].message and len(caplog.records) == 1
     assert result.loss == pytest.approx(eager.step(0).loss, abs=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_step_and_keeps_less():
+    """Recomputed activations: the same loss, gradients and update as kept ones; fewer tensors saved
+    for the backward (counted with saved-tensor hooks, the CPU stand-in for a card's memory)."""
+    kept = InnerLoop(build_model(RUN.model), SPEC, Fixed(batch(), batch(seed=1)))
+    recomputed = InnerLoop(build_model(RUN.model), SPEC, Fixed(batch(), batch(seed=1)), activation_checkpointing=True)
+    assert recomputed.activation_checkpointing
+    assert any(getattr(m, "gradient_checkpointing", False) for m in recomputed.model.modules())
+    for step in range(2):
+        a, b = kept.step(step), recomputed.step(step)
+        assert a.loss == pytest.approx(b.loss, abs=1e-6)
+    for p, q in zip(kept.params, recomputed.params):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-6)
+
+    def saved_bytes(loop):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loop.model.train()
+            from peer.train.model import lm_loss
+
+            lm_loss(loop.model, batch()).backward()
+        return total
+
+    assert saved_bytes(recomputed) < saved_bytes(kept)
+
+
+def test_activation_checkpointing_needs_a_transformers_model():
+    with pytest.raises(ConfigError, match="--activation-checkpointing needs a transformers model"):
+        InnerLoop(torch.nn.Linear(2, 2), SPEC, Fixed(batch()), activation_checkpointing=True)
