@@ -483,8 +483,8 @@ def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
 
     A record that is unsigned, signed by another peer than its subkey names, or whose signature
     does not verify is ignored and counted in ``signing.REJECTED["progress"]`` (logged once per
-    subkey); malformed records, and records expiring more than ``max_ttl_s`` from now, are
-    skipped with a debug log.
+    subkey); malformed records (whatever their decoder raises), and records expiring more than
+    ``max_ttl_s`` from now, are skipped with a debug log.
 
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
@@ -502,6 +502,9 @@ def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
             continue
         except BadPayload as exc:
             logger.debug("ignoring progress record of %s: %s", peer_id, exc)
+            continue
+        except Exception as exc:  # a decoder's undocumented error must not hide every other peer's record
+            logger.debug("ignoring progress record of %s: %r", peer_id, exc)
             continue
         out.append(PeerProgress(peer_id=peer_id, record=record, expiration=expiration))
     return out
