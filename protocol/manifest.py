@@ -33,13 +33,13 @@ from protocol.errors import BadSignature, ManifestError, VersionMismatch
 from protocol.signing import OwnerKey, is_owner_hex, verify_manifest
 from protocol.specs import (
     CODECS, PHI_CODECS, CompressionSpec, DataSpec, InnerOptimizerSpec, ModelSpec, NoLoCoSpec, OuterOptimizerSpec,
-    SyncSpec, TokenizerSpec, check, int_in,
+    SyncSpec, check, int_in,
 )
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "CODECS", "PHI_CODECS", "RUN_ID_HEX_CHARS", "CompressionSpec", "DataSpec", "InnerOptimizerSpec", "ModelSpec",
-    "NoLoCoSpec", "OuterOptimizerSpec", "RunManifest", "SignedManifest", "SyncSpec", "TokenizerSpec", "decode",
+    "NoLoCoSpec", "OuterOptimizerSpec", "RunManifest", "SignedManifest", "SyncSpec", "decode",
     "dump_toml", "from_dict", "load_manifest", "open_announcement", "sign_manifest",
 ]
 
@@ -48,7 +48,6 @@ RUN_ID_HEX_CHARS = 32
 
 _SECTIONS: dict[str, type] = {
     "model": ModelSpec,
-    "tokenizer": TokenizerSpec,
     "data": DataSpec,
     "inner_optimizer": InnerOptimizerSpec,
     "outer_optimizer": OuterOptimizerSpec,
@@ -68,7 +67,6 @@ class RunManifest:
     """The run owner's Ed25519 public key, 64 hex characters (protocol/signing.py); empty while the
     run is not started. Part of the run id: another owner's run of the same content is another run."""
     model: ModelSpec = field(default_factory=ModelSpec)
-    tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
     data: DataSpec = field(default_factory=DataSpec)
     inner_optimizer: InnerOptimizerSpec = field(default_factory=InnerOptimizerSpec)
     outer_optimizer: OuterOptimizerSpec = field(default_factory=OuterOptimizerSpec)
@@ -159,6 +157,9 @@ def from_dict(data: Any) -> RunManifest:
     if not isinstance(data, dict):
         raise ManifestError(f"a run manifest must be a table of sections, got {type(data).__name__}")
     top_fields = {"name", "protocol_version", "owner"}
+    if "tokenizer" in data:
+        raise ManifestError("the [tokenizer] section is gone: the tokenizer is data.tokenizer ('bytes' or 'bpe', "
+                            "with data.vocab_size); move it into [data]")
     unknown = set(data) - top_fields - set(_SECTIONS)
     if unknown:
         raise ManifestError(

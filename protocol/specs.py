@@ -79,16 +79,6 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenizerSpec:
-    """Byte-level tokenizer: ids 0..255 are bytes, then BOS, EOS and PAD."""
-
-    kind: str = "bytes"
-
-    def __post_init__(self) -> None:
-        one_of("tokenizer", "kind", self.kind, ("bytes",))
-
-
-@dataclass(frozen=True, kw_only=True)
 class DataSpec:
     """Where the text comes from, how it is tokenized, and how it is cut into training sequences."""
 

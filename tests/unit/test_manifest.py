@@ -47,6 +47,13 @@ def test_unknown_field_lists_allowed(tmp_path):
         load_manifest(path)
 
 
+def test_the_old_tokenizer_section_says_where_the_tokenizer_went(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[tokenizer]\nkind = "bytes"\n')
+    with pytest.raises(ManifestError, match=r"\[tokenizer\] section is gone.*data.tokenizer"):
+        load_manifest(path)
+
+
 def test_other_protocol_version_is_refused_naming_both(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(f"protocol_version = {PROTOCOL_VERSION + 1}\n")
