@@ -41,6 +41,7 @@ from peer.sync.allreduce import AllreduceStats, GroupAllreduce
 from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
+from peer.sync.limits import StreamSlots
 from peer.sync.pieces import Piece, make_group_plan
 from peer.sync.screening import Strikes
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
@@ -51,6 +52,14 @@ from protocol.wire import allreduce as frames
 from protocol.wire import framing
 
 logger = logging.getLogger(__name__)
+
+ALLREDUCE_STREAMS_PER_PEER = 4
+"""All-reduce streams one groupmate may hold open to this peer at once: one per session, and a
+sync retried or overlapping the next round's (peer/train/overlap.py) has at most a few at once."""
+ALLREDUCE_STREAMS_TOTAL = 1024
+"""All-reduce streams all peers may hold open to this peer at once: every groupmate of a group of
+up to a thousand peers; each holds at most a 1 KiB HELLO and asyncio's 128 KiB read buffer
+before its session takes it (~130 MiB in all at worst)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
         self._strikes = Strikes()  # groupmates whose contributions this peer clipped or dropped repeatedly
+        self._allreduce_slots: StreamSlots | None = None
         self._error_feedback = None
         self._uplink_bytes_per_s = uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -210,7 +220,24 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             logger.debug("averager shutdown incomplete: %r", exc)
 
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A groupmate opened a stream to send us its pieces: route it to our session for its group."""
+        """A groupmate opened a stream to send us its pieces: route it to our session for its group.
+
+        A peer over ``ALLREDUCE_STREAMS_PER_PEER`` open streams, or any peer while
+        ``ALLREDUCE_STREAMS_TOTAL`` are open, is refused at once (the stream is closed unread)."""
+        if self._allreduce_slots is None:
+            self._allreduce_slots = StreamSlots(per_peer=ALLREDUCE_STREAMS_PER_PEER, total=ALLREDUCE_STREAMS_TOTAL)
+        peer = stream_info.peer_id
+        if not self._allreduce_slots.acquire(peer):
+            logger.warning("refused an all-reduce stream from %s: %d open from it, %d in all", peer,
+                           ALLREDUCE_STREAMS_PER_PEER, self._allreduce_slots.open)
+            writer.close()
+            return
+        try:
+            await self._route_stream(stream_info, reader, writer)
+        finally:
+            self._allreduce_slots.release(peer)
+
+    async def _route_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         timeout = self.next_chunk_timeout
         try:
             payload = await framing.read_frame(reader, max_bytes=frames.MAX_HELLO_BYTES, timeout=timeout)

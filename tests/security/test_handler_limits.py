@@ -25,6 +25,7 @@ from hivemind.p2p import PeerID
 
 from peer.state.sharing import MIN_STATE_BYTES, STATE_STREAMS_PER_PEER
 from peer.state.snapshot import make_snapshot
+from peer.sync.averager import ALLREDUCE_STREAMS_PER_PEER
 from peer.sync.hivemind_limits import StreamLimits
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht
@@ -160,12 +161,13 @@ def test_state_requests_are_bounded_per_peer():
         assert growth < 128, f"the averager grew by {growth:.0f} MB"
 
 
-@pytest.mark.parametrize("handler", ["state", "rpc_join_group"])
+@pytest.mark.parametrize("handler", ["state", "rpc_join_group", "allreduce"])
 def test_silent_streams_over_the_per_peer_cap_are_closed_at_once(handler):
     with victim_and_attacker() as (dht, transport, _, attacker):
         averager = transport.averager
-        name, cap = ((averager.state_protocol, STATE_STREAMS_PER_PEER) if handler == "state" else
-                     (f"{averager.prefix}::LocoAverager.rpc_join_group", StreamLimits().per_peer))
+        name, cap = {"state": (averager.state_protocol, STATE_STREAMS_PER_PEER),
+                     "rpc_join_group": (f"{averager.prefix}::LocoAverager.rpc_join_group", StreamLimits().per_peer),
+                     "allreduce": (averager.stream_protocol, ALLREDUCE_STREAMS_PER_PEER)}[handler]
         streams = cap + 4
         closed = attacker.run_coroutine(functools.partial(_hold, victim=dht.peer_id.to_bytes(), handler=name,
                                                           streams=streams))
