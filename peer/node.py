@@ -210,7 +210,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         devices = DeviceAnnouncer(dht, manifest.run_id, signer, DeviceRecord.from_event(device_fields)).start()
         reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **device_fields,
                       micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
-                      maddrs=reachability.printable_maddrs(dht, cfg, reach), run_id=manifest.run_id, run_name=manifest.name,
+                      maddrs=reachability.printable_maddrs(dht, cfg, reach),
+                      relayed_at=reachability.relay_maddrs(dht, cfg), run_id=manifest.run_id, run_name=manifest.name,
                       parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,
                       threads=torch.get_num_threads())
         for note in notes:

@@ -210,6 +210,20 @@ def reach_out(dht, cfg, reporter, *, identity_path: str):
     return dht, cfg, verdict
 
 
+def relay_maddrs(dht, cfg) -> list[str]:
+    """For a peer in client mode: the addresses at which others reach it through its initial peers'
+    circuit relays (``<initial peer>/p2p-circuit/p2p/<this peer>``). They work once a relay granted
+    this peer a slot: go-libp2p's auto relay asks after about three minutes, and only relays with
+    public addresses (in the namespace lab, a public-range subnet: tests/integration/test_relay.py).
+    Empty for a peer that is not in client mode or has no initial peer."""
+    if not cfg.client_mode or not cfg.initial_peers:
+        return []
+    from protocol.dht import parse_initial_peers
+
+    return [f"{m}/p2p-circuit/p2p/{dht.peer_id}" for m in parse_initial_peers(cfg.initial_peers)
+            if "/p2p-circuit" not in m]
+
+
 def printable_maddrs(dht, cfg, verdict: Reachability) -> list[str]:
     """The addresses the ``started`` line offers others: :func:`dialable_maddrs`, or for a peer in
     client mode only its relay addresses (none until a relay slot is granted)."""

@@ -78,7 +78,9 @@ class Reporter:
                      f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})"]
             lines += [f"  others can join with: peer join --initial-peers {a}" for a in e["maddrs"]]
             if not e["maddrs"]:  # client mode, no relay slot yet: others come in through the initial peers
-                lines.append("  others cannot dial this peer; they join through the swarm's bootstrap node")
+                lines.append("  others cannot dial this peer directly; they join through the swarm's bootstrap node")
+                lines += [f"  reachable through a relay once it grants a slot (about 3 minutes): {a}"
+                          for a in e.get("relayed_at") or []]
             return "\n".join(lines)
         if kind == "eval":
             bpb = e.get("bpb")
