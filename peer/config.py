@@ -30,6 +30,9 @@ class TrainerConfig:
     wait_for_peers: int = 1
     """Before the first round, wait until this many peers (this one included) are live in the DHT."""
     wait_for_peers_timeout_s: float = 120.0
+    serves_state: bool = True
+    """Whether others can download this peer's state. False in client mode (nobody can dial it): its
+    progress records then publish no state digest, so no peer picks it as a donor."""
 
     def __post_init__(self) -> None:
         if self.max_rounds is not None and self.max_rounds < 0:

@@ -196,7 +196,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         swarm = SwarmView(dht, run_id=manifest.run_id, signer=signer,
                           record_ttl_s=liveness.record_ttl_s(manifest), max_sync_s=transport.max_sync_seconds)
         checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
-        trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint)
+        trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not cfg.client_mode)
         # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
         d = cfg.device
         placement, notes = place(d.device, precision=d.precision, compile=d.compile,

@@ -583,7 +583,9 @@ class Trainer:
             train_loss=last.train_loss if train_loss is None else train_loss,
             tokens_per_s=last.tokens_per_s if tokens_per_s is None else tokens_per_s,
             group_size=last.sync.group_size, bytes_sent=last.sync.bytes_sent, bytes_received=last.sync.bytes_received,
-            eval_loss=eval_loss if eval_round == self.pos.round else None, state_digest=self.state_digest,
+            eval_loss=eval_loss if eval_round == self.pos.round else None,
+            # a peer nobody can dial (client mode) serves no state: it offers no digest to download
+            state_digest=self.state_digest if self.cfg.serves_state else "",
             groupmates=self._groupmates), wait=wait)
 
     def _evaluates(self, round_: int) -> bool:
