@@ -48,8 +48,8 @@ class ProgressRecord:
     groupmates: tuple[str, ...] = ()
     """Peer ids that completed this peer's last sync with it, in full (every piece averaged with
     each of them: bytes exchanged both ways), as this peer's signed statement; empty after a sync
-    alone, a failed or partial one, or an adopted state. Mutual statements at one round are what
-    a joiner counts as peers that did the work (peer/state/vouching.py)."""
+    alone, a failed or partial one, or an adopted state. Mutual statements (a round apart at most)
+    are what a joiner counts as peers that did the work (peer/state/vouching.py)."""
     version: int = PROTOCOL_VERSION
 
     def to_wire(self) -> dict[str, Any]:

@@ -9,8 +9,9 @@ then downloaded from the counted members of that class at once.
 A member of another class *counts* only when it is vouched for (issue #17, item 3;
 peer/state/vouching.py): a peer with history counts its vouchers (peers it completed an
 all-reduce with in an earlier round); a joiner (``vouchers=None``) counts the peers that the
-signed records of their groupmates attest (mutual statements at the same round), or every member
-when the others form one class only (a swarm that never grouped, e.g. a lone peer, can be joined).
+signed records of their groupmates attest (mutual statements, rounds at most one apart), or every
+member when the others form one class only (a swarm that never grouped, e.g. a lone peer, can be
+joined).
 Classes without a counted member are ignored.
 """
 
@@ -60,8 +61,8 @@ def counted(others: Others, *, vouchers: Collection[str] | None, groupmates: Gro
             class for the joiner's one-class exception.
 
     With ``vouchers``, a member counts if it is one. Without (a joiner), a member counts if
-    :func:`peer.state.vouching.attested` (it and a peer at its round name each other), or if the
-    others form a single class apart from ``own``.
+    :func:`peer.state.vouching.attested` (it and a peer at most a round apart name each other), or
+    if the others form a single class apart from ``own``.
     """
     others = list(others)
     classes = _classes(others)

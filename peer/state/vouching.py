@@ -11,7 +11,7 @@ has reason to believe it did the work:
   after: a burst of fresh identities counts for nothing until each of them has taken part in a
   group with this peer, in full, in an earlier round.
 * :func:`attested`: for a joiner, which has no ledger, the peers whose signed records name each
-  other as groupmates of the same round (mutual statements).
+  other as groupmates (mutual statements, rounds at most one apart).
 * :class:`RoundClock`: a claimed round may not run ahead of what elapsed time allows since this
   reader first saw the peer; a record that does is ignored and counted.
 
@@ -75,7 +75,9 @@ class Ledger:
 
 def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset[str]:
     """Peers vouched for by a peer that completed a round with them: ``p`` counts when some other
-    peer ``q`` at the same round names ``p`` as a groupmate and ``p`` names ``q`` back.
+    peer ``q`` names ``p`` as a groupmate, ``p`` names ``q`` back, and their rounds differ by at
+    most one (groupmates publish the round after their sync one after the other, and with
+    ``sync.overlap`` a statement is about the sync that landed, a round late).
 
     Args:
         statements: peer id → (round, groupmates) as its signed progress record says: the round
@@ -94,7 +96,7 @@ def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset
             if q == p or q not in statements:
                 continue
             q_round, q_mates = statements[q]
-            if q_round == round_ and p in q_mates:
+            if abs(q_round - round_) <= 1 and p in q_mates:
                 out.add(p)
                 break
     return frozenset(out)

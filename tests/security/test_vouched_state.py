@@ -80,8 +80,9 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
     manifest = tiny_run().replace(name=f"vouched-{algorithm}", sync={"algorithm": algorithm}, noloco={"group_size": 4})
     protect_run(peer, manifest.run_id)
     group, donors = Group(4), {}
-    peers = {name: trainer(corpus, manifest, signers[name], peer, Transport(signers[name].peer_id, group, donors=donors),
-                           peers=4) for name in (*HONEST, "mallory")}
+    peers = {name: trainer(corpus, manifest, signers[name], peer,
+                           Transport(signers[name].peer_id, group, donors=donors), peers=4)
+             for name in (*HONEST, "mallory")}
     donors.update({t.peer_id: t for t in peers.values()})
     run_in_threads(list(peers.values()))
     honest = [peers[name] for name in HONEST]
@@ -107,7 +108,7 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
             assert torch.equal(f, g)  # before: φ = 0
 
     # A joiner (no history) counts the honest peers, whose signed records name each other as the
-    # groupmates of their last round; the fresh identities name no one, mallory is a round ahead.
+    # groupmates of their last round; the forged records (mallory's included) name no one.
     joiner = trainer(corpus, manifest, signers["joiner"], peer, Transport("joiner", group, donors=donors))
     joiner.catch_up(attempts=1)
     (adopted,) = joiner.reporter.of("adopted_state")

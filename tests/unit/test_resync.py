@@ -116,9 +116,10 @@ def test_the_ledger_vouches_from_the_round_after_the_first_group():
     assert ledger.first_seen("p2") == 3 and ledger.first_seen("p9") is None and len(ledger) == 3
 
 
-def test_attestation_needs_both_statements_at_one_round():
-    statements = {"a": (4, ["b"]), "b": (4, ["a", "c"]), "c": (4, []), "d": (5, ["a"])}
-    assert attested(statements) == {"a", "b"}
+def test_attestation_needs_both_statements_at_most_a_round_apart():
+    statements = {"a": (4, ["b"]), "b": (5, ["a", "c"]), "c": (4, []), "d": (5, ["a"]), "e": (7, ["f"]),
+                  "f": (5, ["e"])}
+    assert attested(statements) == {"a", "b"}  # c names no one, a does not name d, e and f are two rounds apart
     assert attested({"a": (4, ["a"])}) == frozenset()  # naming itself proves nothing
 
 
