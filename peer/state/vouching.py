@@ -113,12 +113,18 @@ class RoundClock:
 
     Args:
         min_round_s: the shortest a round can be, s (H × :data:`MIN_INNER_STEP_S`).
+        slack_rounds: rounds allowed beyond the time bound.
+        max_peers: peers remembered; past it the earliest seen is forgotten (its next claim is a
+            first sight again), so a flood of fresh identities costs bounded memory.
+
+    Raises:
+        ValueError: ``min_round_s`` not above 0 or ``max_peers`` below 1.
     """
 
-    def __init__(self, *, min_round_s: float, slack_rounds: int = SLACK_ROUNDS):
-        if not min_round_s > 0:
-            raise ValueError(f"min_round_s = {min_round_s!r}: expected > 0")
-        self.min_round_s, self.slack_rounds = min_round_s, slack_rounds
+    def __init__(self, *, min_round_s: float, slack_rounds: int = SLACK_ROUNDS, max_peers: int = 1 << 16):
+        if not min_round_s > 0 or max_peers < 1:
+            raise ValueError(f"min_round_s = {min_round_s!r}, max_peers = {max_peers!r}: expected > 0 and >= 1")
+        self.min_round_s, self.slack_rounds, self.max_peers = min_round_s, slack_rounds, max_peers
         self._first: dict[str, tuple[float, int]] = {}
         self.ignored = 0
         """Records ignored for claiming a round faster than time allows."""
@@ -138,6 +144,8 @@ class RoundClock:
         first claim seen of a peer always is (and starts its clock)."""
         now = time.monotonic() if now is None else now
         if peer_id not in self._first:
+            if len(self._first) >= self.max_peers:
+                del self._first[next(iter(self._first))]
             self._first[peer_id] = (now, round_)
             return True
         limit = self.limit(peer_id, now)

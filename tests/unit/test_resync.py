@@ -130,3 +130,10 @@ def test_the_round_clock_ignores_a_jump_faster_than_rounds_can_go():
     assert not clock.admit("p", 50, now=110.0)  # 40 rounds in 10 s of 1 s rounds
     assert clock.admit("p", 22, now=110.0)
     assert clock.ignored == 1
+
+
+def test_the_round_clock_remembers_a_bounded_number_of_peers():
+    clock = RoundClock(min_round_s=1.0, max_peers=2)
+    for peer in ("a", "b", "c"):
+        assert clock.admit(peer, 1, now=0.0)
+    assert clock.limit("a") is None and clock.limit("c", now=0.0) == 3
