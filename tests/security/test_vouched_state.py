@@ -86,7 +86,12 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
     donors.update({t.peer_id: t for t in peers.values()})
     run_in_threads(list(peers.values()))
     honest = [peers[name] for name in HONEST]
-    assert all(t.pos.round == ROUNDS for t in honest)
+    everyone = {t.peer_id for t in peers.values()}
+    for t in honest:
+        assert t.pos.round == ROUNDS
+        assert t._ledger.vouchers(t.pos.round) == everyone - {t.peer_id}  # each completed a group with the others
+        mine = [r.record for r in t.swarm.live() if r.peer_id == t.peer_id]
+        assert set(mine[0].groupmates) == everyone - {t.peer_id}  # and says so in its signed record
 
     # The attack: mallory (a real peer that trained with them) and four fresh identities claim a
     # state ahead (DiLoCo: the next round; NoLoCo: two rounds ahead), each record signed by its own key.
