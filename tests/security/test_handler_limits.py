@@ -27,6 +27,7 @@ from peer.state.sharing import MIN_STATE_BYTES, STATE_STREAMS_PER_PEER
 from peer.state.snapshot import make_snapshot
 from peer.sync.averager import ALLREDUCE_STREAMS_PER_PEER
 from peer.sync.hivemind_limits import StreamLimits
+from peer.sync.limits import ServeBudget, StreamSlots
 from peer.sync.transport import NetworkTransport
 from protocol import dht as swarm_dht
 from protocol.manifest import SyncSpec
@@ -172,3 +173,133 @@ def test_silent_streams_over_the_per_peer_cap_are_closed_at_once(handler):
         closed = attacker.run_coroutine(functools.partial(_hold, victim=dht.peer_id.to_bytes(), handler=name,
                                                           streams=streams))
         assert closed >= streams - cap
+
+
+# ---------------------------------------------------------------- in process: the limits themselves
+
+def _fed(data: bytes, *, eof: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+def test_a_declared_length_over_the_cap_is_refused_before_its_body_is_awaited():
+    from hivemind.proto import averaging_pb2
+
+    from peer.sync.hivemind_limits import read_protobuf
+    from protocol.errors import BadPayload
+
+    async def read(declared: int):
+        # no body and no end of stream: a reader that trusted the length would wait forever
+        reader = _fed(b"\x00" + declared.to_bytes(8, "big"), eof=False)
+        return await read_protobuf(reader, averaging_pb2.JoinRequest, max_bytes=16384, timeout=None)
+
+    for declared in (16385, 1536 << 20, 2 ** 64 - 1):
+        with pytest.raises(BadPayload, match=f"declares {declared} bytes"):
+            asyncio.run(read(declared))
+
+
+def test_a_malicious_leader_s_oversized_answer_ends_the_call_with_bad_payload():
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import as_aiter
+
+    from peer.sync.hivemind_limits import BoundedP2P
+    from protocol.errors import BadPayload
+
+    class Writer:
+        def write(self, data):
+            pass
+
+        async def drain(self):
+            pass
+
+        def close(self):
+            pass
+
+    async def call():
+        p2p = BoundedP2P()
+        p2p._client_listen_maddr = None
+        BoundedP2P.adopt(p2p, StreamLimits(max_response_bytes=1024))
+
+        async def open_stream(peer_id, name):  # the leader answers with a 1 GiB message it never sends
+            return None, _fed(b"\x00" + (1 << 30).to_bytes(8, "big"), eof=False), Writer()
+
+        p2p.call_binary_stream_handler = open_stream
+        answers = await p2p._iterate_protobuf_stream_handler(
+            "leader", "LocoAverager.rpc_join_group", as_aiter(averaging_pb2.JoinRequest()),
+            averaging_pb2.MessageFromLeader)
+        return [a async for a in answers]
+
+    with pytest.raises(BadPayload, match="declares 1073741824 bytes"):
+        asyncio.run(call())
+
+
+def test_a_stream_that_stays_silent_or_outlives_its_limit_is_closed():
+    from hivemind.proto import averaging_pb2
+
+    from peer.sync.hivemind_limits import BoundedP2P
+
+    class Info:
+        peer_id = "stranger"
+
+    class Writer:
+        closed = False
+
+        def write(self, data):
+            pass
+
+        async def drain(self):
+            pass
+
+        def close(self):
+            Writer.closed = True
+
+    async def endless(request, context):  # a handler that would keep the stream forever
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+        await asyncio.Event().wait()
+
+    async def run(data: bytes) -> bool:
+        p2p = BoundedP2P()
+        p2p.peer_id, p2p._client_listen_maddr = "me", None
+        BoundedP2P.adopt(p2p, StreamLimits(message_timeout_s=0.2, stream_lifetime_s=0.5))
+        handlers = {}
+
+        async def register(name, handle, balanced=False):
+            handlers[name] = handle
+
+        p2p.add_binary_stream_handler = register
+        await p2p.add_protobuf_handler("join", endless, averaging_pb2.JoinRequest, stream_output=True)
+        Writer.closed = False
+        await handlers["join"](Info(), _fed(data, eof=False), Writer())
+        return Writer.closed and p2p.stream_slots.open == 0
+
+    request = averaging_pb2.JoinRequest(schema_hash=b"s").SerializeToString()
+    whole = b"\x00" + len(request).to_bytes(8, "big") + request + b"\x01" + (0).to_bytes(8, "big")
+    assert asyncio.run(run(b""))  # silent: closed after the message timeout
+    assert asyncio.run(run(whole))  # a handler that never ends: closed at the stream's lifetime
+
+
+def test_stream_slots_cap_per_peer_and_in_total():
+    slots = StreamSlots(per_peer=2, total=3)
+    assert slots.acquire("a") and slots.acquire("a") and not slots.acquire("a")
+    assert slots.acquire("b") and not slots.acquire("c")
+    slots.release("a")
+    assert slots.acquire("c") and slots.refused == 2
+    with pytest.raises(ValueError, match="per_peer=3, total=2"):
+        StreamSlots(per_peer=3, total=2)
+
+
+def test_serve_budget_grants_one_state_per_period_per_peer_and_refills():
+    now = [0.0]
+    budget = ServeBudget(per_peer_states=1.0, total_states=2.0, period_s=60.0, min_state_bytes=100,
+                         clock=lambda: now[0])
+    assert budget.take("a", 1000, 1000)  # one full state
+    assert not budget.take("a", 10, 1000)  # nothing left for this peer
+    assert budget.take("b", 1000, 1000) and not budget.take("c", 10, 1000)  # nor for anyone: total spent
+    now[0] = 30.0  # half a state refilled for each peer, one for everyone
+    assert budget.take("a", 500, 1000) and not budget.take("a", 100, 1000)
+    now[0] = 60.0
+    assert not budget.take("a", 60, 10)  # a 10-byte state costs as if it had min_state_bytes: 0.6 > 0.5
+    assert budget.take("a", 50, 10)
