@@ -38,7 +38,7 @@ from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.background import BackgroundSync
 from peer.sync.membership import SwarmView
 from peer.state.download import DownloadedState, check_sanity
-from peer.state.vouching import MIN_INNER_STEP_S, Ledger, RoundClock
+from peer.state.vouching import MIN_INNER_STEP_S, Vouching
 from peer.sync.transport import NetworkTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement, flops_per_token, mfu
@@ -102,14 +102,10 @@ class Trainer:
         self._snapshots: deque[StateSnapshot] = deque(maxlen=2)
         """States at the start of this and the last round, served to joiners (newest last)."""
         self._completed_with: tuple[str, ...] = (self.peer_id,)
-        self._ledger = Ledger()
-        """Peers this peer completed a sync with in full, and since which round: its vouchers."""
-        self._clock = RoundClock(min_round_s=self.H * MIN_INNER_STEP_S)
-        """Ignores records whose round runs ahead of elapsed time (peer/state/vouching.py)."""
+        self._vouching = Vouching(min_round_s=self.H * MIN_INNER_STEP_S)
+        """Its ledger of vouchers, the round clock and refused digests (peer/state/vouching.py)."""
         self._groupmates: tuple[str, ...] = ()
         """Who completed this peer's last sync with it: its signed statement in every record."""
-        self._refused: set[str] = set()
-        """Digests whose downloaded state failed the sanity bounds: not tried again."""
         self.summary = TrainSummary(peer_id=self.peer_id)
         self.overlap = manifest.sync.overlap
         self._background = BackgroundSync() if self.overlap != "none" else None
@@ -292,7 +288,7 @@ class Trainer:
     def _note_group(self, round_: int, report: SyncReport) -> None:
         """Remember who completed the sync of ``round_`` with this peer in full (its ledger of
         vouchers, and the statement its next records sign)."""
-        self._ledger.record_group(round_, report.completed)
+        self._vouching.ledger.record_group(round_, report.completed)
         self._groupmates = tuple(sorted(report.completed))
 
     def _announce_sync(self, choice: GroupChoice, round_: int) -> None:
@@ -385,7 +381,7 @@ class Trainer:
             with self._lock:
                 check_sanity(state, self.phi)
         except BadPayload as exc:
-            self._refused.add(digest)
+            self._vouching.refused.add(digest)
             self.reporter.emit("warning", message=f"refused the state of round {round_} ({digest}) from "
                                                   f"{', '.join(donors)}, continuing from round {self.pos.round}: {exc}")
             return False
@@ -406,20 +402,10 @@ class Trainer:
         return True
 
     def _resync_target(self) -> tuple[int, str, list[str]] | None:
-        """The outer algorithm's re-sync rule on the records that may vouch (issue #17, item 3).
-
-        Records whose round runs ahead of the time since this peer first saw their peer are
-        ignored and counted (:class:`RoundClock`), and so are digests whose state was refused.
-        Vouchers are the peers this peer completed a sync with in an earlier round (:class:`Ledger`);
-        with none (a joiner, a restarted peer) or none of them live (the swarm turned over while
-        this peer was away), it has no history and the rule counts what the records' signed
-        ``groupmates`` statements attest.
-        """
-        others = [r for r in self.swarm.others()
-                  if r.record.state_digest not in self._refused and self._clock.admit(r.peer_id, r.record.round)]
-        vouchers: frozenset[str] | None = self._ledger.vouchers(self.pos.round) if len(self._ledger) else None
-        if vouchers is not None and not vouchers & {r.peer_id for r in others}:
-            vouchers = None
+        """The outer algorithm's re-sync rule over the records that may vouch, counting only the
+        peers this peer completed a sync with in an earlier round, or, without history, what the
+        records' signed ``groupmates`` attest (issue #17, item 3: :meth:`Vouching.screen`)."""
+        others, vouchers = self._vouching.screen(self.swarm.others(), round_=self.pos.round)
         return self.outer.resync_target(
             [(r.peer_id, r.record.round, r.record.state_digest) for r in others],
             round_=self.pos.round, digest=self.state_digest, completed_with=self._completed_with,

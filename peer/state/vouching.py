@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Collection, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -156,3 +156,38 @@ class RoundClock:
             self._warned.add(peer_id)
             logger.warning("ignoring %s's record: it claims round %d, time allows at most %d", peer_id, round_, limit)
         return False
+
+
+class Vouching:
+    """What one peer holds to judge the records its re-sync rule reads: its :class:`Ledger`, a
+    :class:`RoundClock` and the digests whose downloaded state failed the sanity bounds.
+
+    Args:
+        min_round_s: the shortest a round can be, s (the round loop passes H × :data:`MIN_INNER_STEP_S`).
+    """
+
+    def __init__(self, *, min_round_s: float):
+        self.ledger = Ledger()
+        self.clock = RoundClock(min_round_s=min_round_s)
+        self.refused: set[str] = set()
+        """Digests whose state was refused once: not downloaded again."""
+
+    def screen(self, records: Iterable[Any], *, round_: int) -> tuple[list[Any], frozenset[str] | None]:
+        """The records the rule may read, and the vouchers it counts, for a peer at ``round_``.
+
+        Args:
+            records: the other live peers' records (``protocol.dht.PeerProgress``: ``peer_id``, ``record``).
+            round_: this peer's round.
+
+        Returns:
+            The records without those of refused digests or of rounds the clock does not admit
+            (ignored and counted), and :meth:`Ledger.vouchers` of ``round_``; None (no history:
+            the joiner's rule) when the ledger is empty or none of its vouchers is among the records
+            (a restarted peer, or the swarm turned over while this peer was away).
+        """
+        kept = [r for r in records
+                if r.record.state_digest not in self.refused and self.clock.admit(r.peer_id, r.record.round)]
+        vouchers: frozenset[str] | None = self.ledger.vouchers(round_) if len(self.ledger) else None
+        if vouchers is not None and not vouchers & {r.peer_id for r in kept}:
+            vouchers = None
+        return kept, vouchers

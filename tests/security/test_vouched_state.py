@@ -89,9 +89,10 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
     everyone = {t.peer_id for t in peers.values()}
     for t in honest:
         assert t.pos.round == ROUNDS
-        assert t._ledger.vouchers(t.pos.round) == everyone - {t.peer_id}  # each completed a group with the others
+        # each completed a group with the others, and says so in its signed record
+        assert t._vouching.ledger.vouchers(t.pos.round) == everyone - {t.peer_id}
         mine = [r.record for r in t.swarm.live() if r.peer_id == t.peer_id]
-        assert set(mine[0].groupmates) == everyone - {t.peer_id}  # and says so in its signed record
+        assert set(mine[0].groupmates) == everyone - {t.peer_id}
 
     # The attack: mallory (a real peer that trained with them) and four fresh identities claim a
     # state ahead (DiLoCo: the next round; NoLoCo: two rounds ahead), each record signed by its own key.
@@ -172,7 +173,7 @@ def test_a_round_jump_beyond_elapsed_time_is_ignored(corpus, algorithm):
     t = Trainer(manifest=manifest, model=build_model(manifest.model, corpus.tokenizer), corpus=corpus, swarm=swarm,
                 transport=Transport("victim"), config=TrainerConfig(), reporter=Events(),
                 stop_event=threading.Event())
-    t._ledger.record_group(2, ["mallory"])
+    t._vouching.ledger.record_group(2, ["mallory"])
     t.pos.start_round(5)
     t._take_snapshot()
 
@@ -184,4 +185,4 @@ def test_a_round_jump_beyond_elapsed_time_is_ignored(corpus, algorithm):
     assert t._resync_target() is None  # the first sight of mallory: its clock starts at round 5
     claim(5000, "0" * 32)
     assert t._resync_target() is None
-    assert t._clock.ignored == 1
+    assert t._vouching.clock.ignored == 1

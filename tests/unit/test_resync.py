@@ -137,3 +137,20 @@ def test_the_round_clock_remembers_a_bounded_number_of_peers():
     for peer in ("a", "b", "c"):
         assert clock.admit(peer, 1, now=0.0)
     assert clock.limit("a") is None and clock.limit("c", now=0.0) == 3
+
+
+def test_screening_drops_refused_digests_and_falls_back_to_the_joiners_rule_without_a_live_voucher():
+    from types import SimpleNamespace as NS
+
+    from peer.state.vouching import Vouching
+
+    def rec(peer, round_, digest):
+        return NS(peer_id=peer, record=NS(round=round_, state_digest=digest))
+
+    v = Vouching(min_round_s=1.0)
+    assert v.screen([rec("p1", 3, A)], round_=3)[1] is None  # no history
+    v.ledger.record_group(1, ["p1"])
+    v.refused.add(B)
+    kept, vouchers = v.screen([rec("p1", 3, A), rec("p2", 3, B)], round_=3)
+    assert [r.peer_id for r in kept] == ["p1"] and vouchers == {"p1"}
+    assert v.screen([rec("p3", 3, A)], round_=3)[1] is None  # its only voucher is gone: no history here
