@@ -410,7 +410,8 @@ class Trainer:
             [(r.peer_id, r.record.round, r.record.state_digest) for r in others],
             round_=self.pos.round, digest=self.state_digest, completed_with=self._completed_with,
             fresh=self.pos.round == 0 and self.pos.step == 0, vouchers=vouchers,
-            groupmates={r.peer_id: r.record.groupmates for r in others})
+            groupmates={r.peer_id: r.record.groupmates for r in others},
+            defers=not self.cfg.serves_state)  # client mode: its state cannot be adopted, so it follows
 
     def _about_to_sync(self, round_: int, donors: list[str]) -> bool:
         """Whether a donor of ``round_``'s state published a step in the last quarter of that round

@@ -27,16 +27,17 @@ Groupmates = Mapping[str, Collection[str]]
 
 def resync_target(others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
                   vouchers: Collection[str] | None, algorithm: str = "diloco", fresh: bool = False,
-                  groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+                  groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt under ``algorithm``'s rule, or None.
 
     The outer algorithms (peer/train/outer.py) call the rule of their own algorithm directly:
     :func:`diloco_resync_target` or :func:`noloco_resync_target`.
     """
     if algorithm == "noloco":
-        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates)
+        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates,
+                                    defers=defers)
     return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with,
-                                vouchers=vouchers, groupmates=groupmates)
+                                vouchers=vouchers, groupmates=groupmates, defers=defers)
 
 
 def _classes(others: Others) -> dict[tuple[int, str], list[str]]:
@@ -78,8 +79,8 @@ def counted(others: Others, *, vouchers: Collection[str] | None, groupmates: Gro
 
 
 def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                         vouchers: Collection[str] | None,
-                         groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+                         vouchers: Collection[str] | None, groupmates: Groupmates | None = None,
+                         defers: bool = False) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt, or None to keep this peer's own (DiLoCo).
 
     Args:
@@ -90,6 +91,10 @@ def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_
         vouchers: the peers whose records count (see :func:`counted`); None: this peer has no
             history (a joiner).
         groupmates: peer id → groupmates its signed record names (the joiner's evidence).
+        defers: this peer serves no state (client mode: nobody can dial it), so no other peer can
+            ever adopt its state: its own class counts as none, and it follows any other counted
+            class the rule below allows (without it, a peer that raced ahead alone behind a NAT and
+            a dialable peer behind it would each keep their own state for good).
 
     The rule. Only counted members of a class count (:func:`counted`). This peer's own class
     counts itself, ``completed_with`` and the counted peers publishing its (round, digest). It
@@ -107,7 +112,7 @@ def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_
     """
     classes = counted(others, vouchers=vouchers, groupmates=groupmates, own=(round_, digest))
     own = set(classes.pop((round_, digest), [])) | set(completed_with)
-    own_count = max(1, len(own))
+    own_count = 0 if defers else max(1, len(own))
 
     def eligible(r: int, d: str, count: int) -> bool:
         if r >= round_:
@@ -122,7 +127,7 @@ def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_
 
 
 def noloco_resync_target(others: Others, *, round_: int, fresh: bool, vouchers: Collection[str] | None,
-                         groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+                         groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt, or None (NoLoCo: replicas differ by design).
 
     Args:
@@ -130,6 +135,10 @@ def noloco_resync_target(others: Others, *, round_: int, fresh: bool, vouchers: 
         round_: this peer's round.
         fresh: this peer is at round 0, step 0 (it follows a swarm only one round ahead).
         vouchers, groupmates: which members count (:func:`counted`).
+        defers: this peer serves no state (client mode): when no counted peer is at or ahead of its
+            round and the rule below finds nothing, it follows the swarm behind it instead (the
+            median counted peer at least two rounds behind): it raced ahead alone, and nobody can
+            catch up with a state nobody can download.
 
     The rule. This peer follows only when it is behind the counted swarm: the counted peers ahead
     of its round are at least as many as those at its round or behind, plus this one unless it is
@@ -143,6 +152,12 @@ def noloco_resync_target(others: Others, *, round_: int, fresh: bool, vouchers: 
     level = sum(len(members) for (r, _), members in classes.items() if r <= round_) + (0 if fresh else 1)
     lead = round_ + (1 if fresh else 2)
     far = sorted((r, d, p) for (r, d), members in classes.items() if r >= lead for p in members)
+    if defers and not far and not any(r >= round_ for r, _ in classes):
+        behind = sorted((r, d, p) for (r, d), members in classes.items() if r <= round_ - 2 for p in members)
+        if not behind:
+            return None
+        r, d, _ = behind[(len(behind) - 1) // 2]
+        return r, d, classes[(r, d)]
     if not far or ahead < level:
         return None
     r, d, _ = far[(len(far) - 1) // 2]

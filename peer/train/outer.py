@@ -98,7 +98,7 @@ class OuterAlgorithm(Protocol):
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
                       fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
         """(round, digest, donors) of the swarm state to adopt, or None (peer/state/resync.py).
 
         Only members vouched for count: ``vouchers`` (peers this peer completed an all-reduce with
@@ -166,9 +166,9 @@ class DiLoCo(_DeltaPayload):
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
                       fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
         return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with,
-                                    vouchers=vouchers, groupmates=groupmates)
+                                    vouchers=vouchers, groupmates=groupmates, defers=defers)
 
     def apply(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> None:
         """One outer step, in place on ``phi`` and the momentum buffers.
@@ -240,8 +240,9 @@ class NoLoCo:
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
                       fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
-        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates)
+                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
+        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates,
+                                    defers=defers)
 
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
         """One outer step in place on ``phi`` and δ.
@@ -281,7 +282,7 @@ class Independent(_DeltaPayload):
 
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
                       fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None) -> tuple[int, str, list[str]] | None:
+                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
         return None
 
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:

@@ -154,3 +154,24 @@ def test_screening_drops_refused_digests_and_falls_back_to_the_joiners_rule_with
     kept, vouchers = v.screen([rec("p1", 3, A), rec("p2", 3, B)], round_=3)
     assert [r.peer_id for r in kept] == ["p1"] and vouchers == {"p1"}
     assert v.screen([rec("p3", 3, A)], round_=3)[1] is None  # its only voucher is gone: no history here
+
+
+def test_a_peer_that_serves_no_state_follows_the_dialable_swarm_even_behind_it():
+    """A client-mode peer raced ahead alone; the dialable peer behind cannot download its state (it
+    publishes no digest), so without deferring both would keep their own state for good."""
+    from peer.state.resync import diloco_resync_target, noloco_resync_target
+
+    others = [("open", 3, "b" * 32)]
+    kwargs = dict(round_=40, digest="a" * 32, completed_with=("walled",), vouchers=None)
+    assert diloco_resync_target(others, **kwargs) is None  # a dialable peer keeps its own (1 against 1)
+    assert diloco_resync_target(others, **kwargs, defers=True) == (3, "b" * 32, ["open"])
+    # a class exactly one round behind has not published its new round yet: still ignored
+    assert diloco_resync_target([("open", 39, "b" * 32)], **kwargs, defers=True) is None
+    # the same state as its groupmates: nothing to adopt
+    assert diloco_resync_target([("open", 40, "a" * 32)], **kwargs, defers=True) is None
+    assert noloco_resync_target(others, round_=40, fresh=False, vouchers=None) is None
+    assert noloco_resync_target(others, round_=40, fresh=False, vouchers=None, defers=True) == (3, "b" * 32, ["open"])
+    # NoLoCo: with a counted peer at or ahead of its round, it does not go back
+    assert noloco_resync_target([*others, ("peer", 40, "c" * 32)], round_=40, fresh=False,
+                                vouchers={"open", "peer"}, defers=True) is None
+    assert noloco_resync_target(others, round_=40, fresh=False, vouchers={"open"}, defers=True) == (3, "b" * 32, ["open"])
