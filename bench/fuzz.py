@@ -62,7 +62,8 @@ def main() -> int:
     close_loops()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"results": rows, "hang_s": fuzz.HANG_S, "cpu": platform.processor() or platform.machine(),
+    out.write_text(json.dumps({"results": rows, "hang_s": fuzz.HANG_S,
+                               "cpu": platform.processor() or platform.machine(),
                                "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
     print(f"wrote {out}")
     return 1 if any(r["crashes"] or r["hangs"] for r in rows) else 0

@@ -69,11 +69,17 @@ class _Loop:
     def __init__(self):
         self.loop = None
 
-    def run(self, coro):
+    def run(self, make):
+        """``await make()`` on this loop; ``make`` builds its streams there (a StreamReader made
+        outside a running loop needs a current loop, which another test may have cleared)."""
         if self.loop is None or self.loop.is_closed():
             self.loop = asyncio.new_event_loop()
             _LOOPS.append(self.loop)
-        return self.loop.run_until_complete(coro)
+
+        async def main():
+            return await make()
+
+        return self.loop.run_until_complete(main())
 
 
 def close_loops() -> None:
@@ -116,7 +122,7 @@ def decoders() -> list[Target]:
     frames = [framing.frame(b"\x01" + bytes(30)), framing.frame(bytes([ar.PIECE]) + bytes(100)), b""]
 
     def read_frame(data: bytes):
-        return loop.run(framing.read_frame(_reader(data), max_bytes=4096, timeout=1.0))
+        return loop.run(lambda: framing.read_frame(_reader(data), max_bytes=4096, timeout=1.0))
 
     targets.append(Target("wire frame (framing.read_frame)", frames[:2], read_frame,
                           (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError)))
@@ -204,12 +210,12 @@ def decoders() -> list[Target]:
     limits = StreamLimits()
 
     def read_join(d: bytes):
-        return loop.run(read_protobuf(_reader(d), averaging_pb2.JoinRequest, max_bytes=limits.max_request_bytes,
-                                      timeout=1.0))
+        return loop.run(lambda: read_protobuf(_reader(d), averaging_pb2.JoinRequest,
+                                              max_bytes=limits.max_request_bytes, timeout=1.0))
 
     def read_leader(d: bytes):
-        return loop.run(read_protobuf(_reader(d), averaging_pb2.MessageFromLeader,
-                                      max_bytes=limits.max_response_bytes, timeout=1.0))
+        return loop.run(lambda: read_protobuf(_reader(d), averaging_pb2.MessageFromLeader,
+                                              max_bytes=limits.max_response_bytes, timeout=1.0))
 
     protobuf_errors = (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError)
     targets.append(Target("hivemind JoinRequest (read_protobuf)", [hivemind_framed(join)], read_join, protobuf_errors))
@@ -250,8 +256,8 @@ def handlers() -> list[Target]:
         return snapshot if digest == snapshot.digest else None
 
     def serve(d: bytes):
-        return loop.run(serve_state(_reader(d), _Writer(), snapshot_for, timeout=0.5,
-                                    admit=lambda a, b: budget.take("fuzzer", a, b)))
+        return loop.run(lambda: serve_state(_reader(d), _Writer(), snapshot_for, timeout=0.5,
+                                            admit=lambda a, b: budget.take("fuzzer", a, b)))
 
     n_chunks = len(snapshot.chunks)
     requests = [framing.frame(st.encode_request(snapshot.digest, list(range(n_chunks)))),
@@ -268,8 +274,8 @@ def handlers() -> list[Target]:
         async def open_stream(_donor):
             return _reader(d), _Writer()
 
-        return loop.run(download_state(["donor"], open_stream, digest=snapshot.digest, shapes=shapes, run_id=RUN,
-                                       timeout=0.5, chunk_elements=64))
+        return loop.run(lambda: download_state(["donor"], open_stream, digest=snapshot.digest, shapes=shapes,
+                                               run_id=RUN, timeout=0.5, chunk_elements=64))
 
     targets.append(Target("state downloader (download_state)", [answer], download, (StateDownloadFailed,)))
 
@@ -310,7 +316,7 @@ def handlers() -> list[Target]:
                 if isinstance(item, BaseException):
                     raise item
 
-        return loop.run(exchange())
+        return loop.run(exchange)
 
     targets.append(Target("all-reduce stream (GroupAllreduce.serve)", [stream], allreduce, (AllreduceIncomplete,)))
 
@@ -332,8 +338,8 @@ def handlers() -> list[Target]:
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_DISBANDED)
 
-    loop.run(p2p.add_protobuf_handler("LocoAverager.rpc_join_group", rpc_join_group, averaging_pb2.JoinRequest,
-                                      stream_output=True))
+    loop.run(lambda: p2p.add_protobuf_handler("LocoAverager.rpc_join_group", rpc_join_group,
+                                              averaging_pb2.JoinRequest, stream_output=True))
     handle = registered["LocoAverager.rpc_join_group"]
 
     class _Info:
@@ -344,7 +350,7 @@ def handlers() -> list[Target]:
     join_stream = b"\x00" + len(join).to_bytes(8, "big") + join + b"\x01" + (0).to_bytes(8, "big")
 
     def join_group(d: bytes):
-        return loop.run(handle(_Info(), _reader(d), _Writer()))
+        return loop.run(lambda: handle(_Info(), _reader(d), _Writer()))
 
     targets.append(Target("hivemind rpc_join_group (BoundedP2P)", [join_stream], join_group, ()))
 
@@ -354,7 +360,7 @@ def handlers() -> list[Target]:
         addr = "/p2p-circuit"
 
     def dialback(d: bytes):
-        return loop.run(reachability._handle(_Relayed(), _reader(d), _Writer()))
+        return loop.run(lambda: reachability._handle(_Relayed(), _reader(d), _Writer()))
 
     targets.append(Target("dial-back server (reachability._handle)",
                           [framing.frame(reachability.encode_request([4100, 4101]))], dialback, (),

@@ -37,8 +37,8 @@ async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         Frame bytes handed to the writer (length prefixes included).
 
     Never raises for anything the joiner does (malformed or oversized REQUEST, unknown chunk
-    index, a request over its budget, silence, disconnect): it logs the reason and closes the stream. The snapshot is only
-    read.
+    index, a request over its budget, silence, disconnect): it logs the reason and closes the
+    stream. The snapshot is only read.
     """
     written = 0
 

@@ -152,7 +152,7 @@ class BoundedP2P(P2P):
                 await asyncio.wait_for(self._serve_stream(handler, context, input_protobuf_type, reader, writer,
                                                           prefetch=max(1, min(max_prefetch, limits.max_messages))),
                                        limits.stream_lifetime_s)
-            except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, OSError) as exc:
                 logger.warning("closed a %s stream from %s: %s", name, peer,
                                "timed out" if isinstance(exc, asyncio.TimeoutError) else sanitize(str(exc)))
             finally:

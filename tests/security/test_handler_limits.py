@@ -53,7 +53,8 @@ def victim_and_attacker():
     try:
         dht = swarm_dht.start_dht()
         shapes = [torch.Size([STATE_ELEMENTS // 1024, 1024])]
-        transport = NetworkTransport(dht, shapes, shapes, "run-limits", SyncSpec(matchmaking_time_s=2.0, next_chunk_timeout_s=5.0))
+        transport = NetworkTransport(dht, shapes, shapes, "run-limits",
+                                     SyncSpec(matchmaking_time_s=2.0, next_chunk_timeout_s=5.0))
         snapshot = make_snapshot({"run_id": "run-limits", "round": 3, "inner_step": 15},
                                  [torch.randn(shapes[0])])
         transport.share_state(lambda: [snapshot])
