@@ -125,7 +125,8 @@ async def read_protobuf(reader: asyncio.StreamReader, message_type: type[Message
 class BoundedP2P(P2P):
     """hivemind's ``P2P`` whose protobuf stream handlers and stream calls are bounded by
     ``self.stream_limits`` (a :class:`StreamLimits`) and ``self.stream_slots`` (a
-    :class:`~peer.sync.limits.StreamSlots`). Made by :meth:`adopt`, never constructed."""
+    :class:`~peer.sync.limits.StreamSlots`). The averager process's is made by :meth:`adopt`;
+    ``adopt(BoundedP2P(), limits)`` (no daemon) serves in-process tests and the fuzzer."""
 
     stream_limits: StreamLimits
     stream_slots: StreamSlots
