@@ -93,8 +93,9 @@ def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_
         groupmates: peer id → groupmates its signed record names (the joiner's evidence).
         defers: this peer serves no state (client mode: nobody can dial it), so no other peer can
             ever adopt its state: its own class counts as none, and it follows any other counted
-            class the rule below allows (without it, a peer that raced ahead alone behind a NAT and
-            a dialable peer behind it would each keep their own state for good).
+            class the rule below allows, and also a class exactly one round behind when it completed
+            its last round alone (without it, a peer that got ahead behind a NAT, even by one
+            round, and a dialable peer behind it would each keep their own state for good).
 
     The rule. Only counted members of a class count (:func:`counted`). This peer's own class
     counts itself, ``completed_with`` and the counted peers publishing its (round, digest). It
@@ -113,10 +114,15 @@ def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_
     classes = counted(others, vouchers=vouchers, groupmates=groupmates, own=(round_, digest))
     own = set(classes.pop((round_, digest), [])) | set(completed_with)
     own_count = 0 if defers else max(1, len(own))
+    # A deferring peer that completed its last round alone is a round ahead of a class one round
+    # behind, not waiting for it to publish: nobody can catch up with it, so it steps back.
+    alone = len(set(completed_with)) <= 1
 
     def eligible(r: int, d: str, count: int) -> bool:
         if r >= round_:
             return count > own_count or (count == own_count and (r > round_ or d < digest))
+        if defers and alone and r == round_ - 1:
+            return count > own_count
         return r <= round_ - 2 and count > own_count
 
     candidates = [kv for kv in classes.items() if eligible(kv[0][0], kv[0][1], len(kv[1]))]

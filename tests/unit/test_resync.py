@@ -165,8 +165,11 @@ def test_a_peer_that_serves_no_state_follows_the_dialable_swarm_even_behind_it()
     kwargs = dict(round_=40, digest="a" * 32, completed_with=("walled",), vouchers=None)
     assert diloco_resync_target(others, **kwargs) is None  # a dialable peer keeps its own (1 against 1)
     assert diloco_resync_target(others, **kwargs, defers=True) == (3, "b" * 32, ["open"])
-    # a class exactly one round behind has not published its new round yet: still ignored
-    assert diloco_resync_target([("open", 39, "b" * 32)], **kwargs, defers=True) is None
+    # a class exactly one round behind: after a round this peer completed alone, it steps back to it
+    assert diloco_resync_target([("open", 39, "b" * 32)], **kwargs, defers=True) == (39, "b" * 32, ["open"])
+    # ... but after a round completed with groupmates, they have not published the new round yet
+    assert diloco_resync_target([("open", 39, "b" * 32)], **dict(kwargs, completed_with=("walled", "open")),
+                                defers=True) is None
     # the same state as its groupmates: nothing to adopt
     assert diloco_resync_target([("open", 40, "a" * 32)], **kwargs, defers=True) is None
     assert noloco_resync_target(others, round_=40, fresh=False, vouchers=None) is None
