@@ -8,12 +8,15 @@ of by an all-reduce. With a lossy ``[compression]`` codec each peer's contributi
 the network's codec code (:mod:`protocol.codecs`, :mod:`peer.sync.adaptive`): error-compensated,
 encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
 With ``sync.overlap`` the outer steps follow peer/train/overlap.py, as a peer's round loop does: a
-round's means land one round late. A data-parallel mode (one model, gradients averaged every inner step) gives
+round's means land one round late. The owners of the mean's pieces screen the contributions as
+the networked owners do (peer/sync/screening.py: token cap, clip to the median norm, repeat
+offenders ignored; non-finite ones excluded), which a switch turns off; malicious peers
+(lab/adversary.py) forge their contributions or their progress records. A data-parallel mode (one model, gradients averaged every inner step) gives
 the ceiling that low-communication methods are compared against at equal tokens.
 
-Over 300 lines: one simulated round (inner steps, compressed group means as the network computes
-them, outer steps) and its evaluation share the Simulation's state; split, each half would
-reach into the other's.
+Over 300 lines: one simulated round (inner steps, screened and compressed group means as the
+network computes them, outer steps) and its evaluation share the Simulation's state; split, each
+half would reach into the other's. The adversary's fake-progress round lives in lab/adversary.py.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ from typing import Sequence
 
 import torch
 
+from lab.adversary import Adversary, resync_after_round
+from peer.state.vouching import Ledger
 from peer.sync.adaptive import plan
 from peer.sync.error_feedback import ErrorFeedback
+from peer.sync.screening import Strikes, cap_weight, clip_to_median, round_token_cap
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
@@ -126,6 +132,26 @@ class EvalPoint:
     """Mean over replicas of each replica's own loss; None where all replicas are one model."""
     sigma: float
     """Weight spread σ of the replicas' φ (0 for data-parallel)."""
+    per_peer_bpb: list[float] | None = None
+    """With an adversary: each honest peer's own loss (peer order); the headline is their mean."""
+
+
+@dataclass
+class ScreeningCounts:
+    """What the owners' screening did in a simulated run (peer/sync/screening.py), per sender index."""
+
+    clipped: dict[int, int] = field(default_factory=dict)
+    """Contributions clipped to the median rule (one count per owner, tensor and round)."""
+    dropped: dict[int, int] = field(default_factory=dict)
+    """Contributions excluded as non-finite (one count per owner and round)."""
+    ignored: dict[int, int] = field(default_factory=dict)
+    """(owner, round) pairs in which an owner left the sender out by the repeat-offender rule."""
+    failed_groups: int = 0
+    """Group rounds whose mean was not finite: every member applied its own payload instead."""
+    rule_chose_fake: int = 0
+    """fake-progress: (honest peer, round) decisions in which the re-sync rule picked the fake class."""
+    refused_states: int = 0
+    """fake-progress: states the rule picked but the download's sanity check refused (nothing adopted)."""
 
 
 @dataclass
@@ -143,6 +169,10 @@ class SimulationResult:
     codec (n−1)/n × (its encoded contribution + the encoded group mean)."""
     wall_s: float
     history: list[EvalPoint] = field(default_factory=list)
+    screening: dict = field(default_factory=dict)
+    """:class:`ScreeningCounts` as a dict (empty for data-parallel)."""
+    taken_over: dict = field(default_factory=dict)
+    """fake-progress: honest peer index → the rounds in which it adopted the attacker's state."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,12 +200,37 @@ class Simulation:
         data_parallel: one model, each step on the concatenation of the N peers' batches (mean
             loss, hence averaged gradients), same AdamW and schedule.
         uplink_mbps: every simulated peer's uplink, Mbit/s (the adaptive codec's byte budget).
+        screening: the defenses of issue 17 as the swarm runs them: owners screen each contribution
+            (token cap, clip to the median norm, repeat offenders ignored; :meth:`_group_mean`), and
+            a re-sync counts only vouched-for records and checks the state's sanity
+            (lab/adversary.py :func:`~lab.adversary.resync_after_round`).
+            False: the plain token-weighted mean of every finite contribution, every record counts
+            and any finite state is adopted (what peers did before issue 17).
+        adversary: malicious peers (lab/adversary.py), or None. Their payloads and claimed weights
+            are forged before they enter the group mean; evaluation covers the honest peers only.
     """
 
     def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
-                 data_parallel: bool = False, uplink_mbps: float = 50.0):
+                 data_parallel: bool = False, uplink_mbps: float = 50.0, screening: bool = True,
+                 adversary: Adversary | None = None):
         if peers < 1:
             raise ValueError(f"peers = {peers}: need at least one")
+        if adversary is not None and (data_parallel or max(adversary.peers) >= peers):
+            raise ValueError(f"adversary peers {adversary.peers} with {peers} peers, data_parallel = {data_parallel}: "
+                             "need peer indices below N and the low-communication mode")
+        self.screening, self.adversary = screening, adversary
+        self.max_weight = round_token_cap(manifest) if screening else None
+        self.strikes = [Strikes() for _ in range(peers)]
+        """Per peer, as an owner: the groupmates it ignores (peer/sync/averager.py keeps one per peer)."""
+        self.counts = ScreeningCounts()
+        self.honest = [i for i in range(peers) if adversary is None or i not in adversary.peers]
+        self.taken_over: dict[int, list[int]] = {}
+        self._forge_rng = torch.Generator().manual_seed(1_000_003 * seed + 17)
+        self.completed_with = [[i] for i in range(peers)]
+        """Per peer, the members of its last group that completed the sync with it in full (itself included)."""
+        self.ledgers = [Ledger() for _ in range(peers)]
+        """Per peer, the groupmates it completed a sync with in full (peer/state/vouching.py)."""
+        self._excluded_any = False
         self.m, self.peers, self.seed, self.data_parallel = manifest, peers, seed, data_parallel
         self.uplink_mbps = uplink_mbps
         self.method = "data-parallel" if data_parallel else manifest.sync.algorithm
@@ -237,6 +292,8 @@ class Simulation:
         else:
             self._outer_step(round_tokens)
         self.round_ += 1
+        if self.adversary is not None and self.adversary.attack == "fake-progress":
+            resync_after_round(self)
 
     def _outer_step(self, round_tokens: Sequence[int]) -> None:
         """The groups' means and outer steps; with ``sync.overlap`` the rules of peer/train/overlap.py:
@@ -251,19 +308,26 @@ class Simulation:
                 outer.apply(phi, mean)
             self.pending = None
         payloads = [outer.payload(phi, delta) for outer, phi, delta in zip(self.outers, self.phis, deltas)]
+        sent_payloads, claimed = self._contributions(payloads, round_tokens)
         means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]
         shares = [1.0] * self.peers
         for group in sync_groups(self.m, self.peers, self.round_):
-            weights = [max(1, round_tokens[j]) for j in group]
+            weights = [claimed[j] for j in group]
             if len(group) == 1:
                 mean, sent = payloads[group[0]], 0.0  # nothing crosses the network: the own Δ, exact
             elif self.compressed:
-                mean, sent = self._compressed_mean(group, [payloads[j] for j in group], weights)
+                mean, sent = self._compressed_mean(group, [sent_payloads[j] for j in group], weights)
             else:
-                mean = weighted_mean([payloads[j] for j in group], weights)
-                sent = butterfly_bytes(sum(t.numel() for t in mean), len(group))
+                mean = self._group_mean(group, [sent_payloads[j] for j in group], weights)
+                sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
+            # completed in full: no member failed, none excluded (peer/round.py ``_sync``: ``completed``)
+            full = len(group) > 1 and mean is not None and not self._excluded_any
             for j in group:
-                means[j], shares[j] = mean, 1.0 / len(group)
+                # a failed all-reduce: every member applies its own payload (peer/round.py ``_sync``)
+                means[j], shares[j] = (payloads[j] if mean is None else mean), 1.0 / len(group)
+                self.completed_with[j] = list(group) if full else [j]
+                if full:
+                    self.ledgers[j].record_group(self.round_, [f"sim-peer-{k}" for k in group if k != j])
                 self.bytes_sent[j] += sent
         if mode == "none":
             for outer, phi, mean in zip(self.outers, self.phis, means):
@@ -278,6 +342,85 @@ class Simulation:
             for theta, start in zip(thetas, starts):
                 for t, p in zip(theta, start):
                     t.copy_(p)
+
+    def _contributions(self, payloads: list[list[torch.Tensor]], round_tokens: Sequence[int],
+                       ) -> tuple[list[list[torch.Tensor]], list[float]]:
+        """What each peer sends into its group's mean and the token weight it claims: the honest
+        payload and tokens, or the adversary's forgery and claim for a malicious peer."""
+        claimed = [float(max(1, t)) for t in round_tokens]
+        if self.adversary is None or not self.adversary.forges_payload:
+            return payloads, claimed
+        sent = list(payloads)
+        for j in self.adversary.peers:
+            sent[j] = self.adversary.forge(payloads[j], self._forge_rng)
+            claimed[j] = self.adversary.claimed_weight(j, claimed[j])
+        return sent, claimed
+
+    def _group_mean(self, group: Sequence[int], contributions: Sequence[Sequence[torch.Tensor]],
+                    weights: Sequence[float]) -> list[torch.Tensor] | None:
+        """The group mean as the owners of its pieces compute it in the networked all-reduce.
+
+        Tensor i stands for a piece owned by member ``group[i mod n]`` (as in
+        :meth:`_compressed_mean`). Its owner, as peer/sync/allreduce.py does: leaves out the members
+        its :class:`~peer.sync.screening.Strikes` ignore this round (never itself) and, for the rest
+        of the round, every member whose contribution is not finite; caps each claimed weight at
+        the run's tokens per round (:func:`~peer.sync.screening.round_token_cap`); clips the norms
+        to the median rule (:func:`~peer.sync.screening.clip_to_median`); sums in fp32 in member
+        order, each weighted by its share of the included weight (``GroupAllreduce._mean_of``).
+        After the round every owner counts a strike against each member it clipped or dropped
+        (peer/sync/averager.py ``_strike``). With ``screening`` off only the non-finite rule
+        applies.
+
+        Returns:
+            One fp32 tensor per contribution tensor, or None when a mean is not finite (the
+            all-reduce fails for the whole group; each member falls back to its own payload).
+        """
+        n, members = len(group), set(group)
+        self._excluded_any = False
+        excluded: dict[int, set[int]] = {owner: set() for owner in group}
+        offenders: dict[int, set[int]] = {owner: set() for owner in group}
+        if self.screening:
+            for owner in group:
+                ignored = (self.strikes[owner].ignored(self.round_) & members) - {owner}
+                excluded[owner] |= ignored
+                for s in ignored:
+                    self.counts.ignored[s] = self.counts.ignored.get(s, 0) + 1
+        mean: list[torch.Tensor] = []
+        failed = False
+        for i in range(len(contributions[0])):
+            owner = group[i % n]
+            parts, senders = [], []
+            for j, contribution, weight in zip(group, contributions, weights):
+                if j in excluded[owner]:
+                    continue
+                x = contribution[i].detach().float()
+                if not torch.isfinite(x).all():
+                    excluded[owner].add(j)
+                    if j != owner:  # a sender's BadPayload is a strike; the owner's own is not
+                        offenders[owner].add(j)
+                        self.counts.dropped[j] = self.counts.dropped.get(j, 0) + 1
+                    continue
+                parts.append((cap_weight(weight, self.max_weight), x))
+                senders.append(j)
+            if self.screening and parts:
+                parts, clipped = clip_to_median(parts)
+                for position in clipped:
+                    offenders[owner].add(senders[position])
+                    self.counts.clipped[senders[position]] = self.counts.clipped.get(senders[position], 0) + 1
+            total = sum(w for w, _ in parts)
+            acc = torch.zeros(contributions[0][i].shape, dtype=torch.float32)
+            for w, x in parts:
+                acc.add_(x, alpha=w / total)
+            failed = failed or not parts or not bool(torch.isfinite(acc).all())
+            mean.append(acc)
+        if self.screening:
+            for owner in group:
+                self.strikes[owner].record(self.round_, sorted(offenders[owner]))
+        self._excluded_any = any(excluded.values())
+        if failed:
+            self.counts.failed_groups += 1
+            return None
+        return mean
 
     def finish(self) -> None:
         """With overlap, wait for the last round's sync: apply its means and set θ ← φ (no-op
@@ -294,7 +437,7 @@ class Simulation:
                     t.copy_(p)
 
     def _compressed_mean(self, group: Sequence[int], payloads: Sequence[Sequence[torch.Tensor]],
-                         weights: Sequence[float]) -> tuple[list[torch.Tensor], float]:
+                         weights: Sequence[float]) -> tuple[list[torch.Tensor] | None, float]:
         """The group mean as the network's all-reduce computes it with a codec, and the bytes sent.
 
         Tensor i is owned by member ``i mod n`` (whole tensors stand in for the all-reduce's row
@@ -302,13 +445,14 @@ class Simulation:
         The owner's own contribution stays local: exact (its residual spent) for elementwise
         codecs, through the codec for topk and lowrank, whose mean is exact under
         ``for_mean(n)`` only when every contribution is a decoded encoding
-        (:attr:`~protocol.codecs.Codec.structured`). The owner averages in fp32, token-weighted,
-        and sends the mean with ``codec.for_mean(n)``; every member, the owner included,
-        applies that identical decoded tensor.
+        (:attr:`~protocol.codecs.Codec.structured`). The owner screens and averages the decoded
+        contributions in fp32 (:meth:`_group_mean`) and sends the mean with ``codec.for_mean(n)``;
+        every member, the owner included, applies that identical decoded tensor.
 
         Returns:
-            The group mean, and the bytes one member sends on average: per tensor, the encoded
-            contributions of the n − 1 non-owners plus n − 1 copies of the encoded mean, over n.
+            The group mean (None: a mean was not finite, the all-reduce failed and every member's
+            residuals roll back), and the bytes one member sends on average: per tensor, the
+            encoded contributions of the n − 1 non-owners plus n − 1 copies of the encoded mean, over n.
         """
         n, deltas = len(group), len(self.shapes)
         seeds = [codec_seed(self.round_, index) for index in range(len(payloads[0]))]
@@ -333,7 +477,12 @@ class Simulation:
                 out.append(y)
             decoded.append(out)
             codecs.append(mine)
-        mean = weighted_mean(decoded, weights)
+        mean = self._group_mean(group, decoded, weights)
+        if mean is None:
+            for j in group:
+                if self.feedback is not None:
+                    self.feedback[j].rollback()
+            return None, total / n
         final = []
         for i, t in enumerate(mean):
             data, value = codecs[i % n][i].for_mean(n).roundtrip(t, seed=seeds[i])
@@ -357,21 +506,49 @@ class Simulation:
         if self.data_parallel:
             loss = bits_per_byte(evaluate(self.models[0], windows))
             return EvalPoint(self.round_, self.tokens, loss, loss, None, 0.0)
+        phis = [self.phis[i] for i in self.honest]
         with torch.no_grad():
-            for p, mean in zip(self._eval_model.parameters(), weighted_mean(self.phis, [1.0] * self.peers)):
+            for p, mean in zip(self._eval_model.parameters(), weighted_mean(phis, [1.0] * len(phis))):
                 p.copy_(mean)
         averaged = bits_per_byte(evaluate(self._eval_model, windows))
+        if self.adversary is not None:  # each honest peer's own loss: a takeover may split them
+            per_peer = self._honest_losses(windows, bits_per_byte)
+            mean_loss = sum(per_peer) / len(per_peer)
+            return EvalPoint(self.round_, self.tokens, mean_loss, averaged, mean_loss, weight_spread(phis), per_peer)
         replica_mean = None
         if self.outers[0].replicas_differ:
             replica_mean = sum(bits_per_byte(evaluate(m, windows)) for m in self.models) / self.peers
         return EvalPoint(self.round_, self.tokens, replica_mean if replica_mean is not None else averaged,
                          averaged, replica_mean, weight_spread(self.phis))
 
+    def _honest_losses(self, windows: torch.Tensor, to_bpb) -> list[float]:
+        """Each honest peer's loss on ``windows`` (``to_bpb`` of the nats), one evaluation per distinct
+        φ; a φ that is not finite scores inf."""
+        seen: list[tuple[list[torch.Tensor], float]] = []
+        out = []
+        for i in self.honest:
+            phi = self.phis[i]
+            loss = next((l for other, l in seen if all(torch.equal(a, b) for a, b in zip(phi, other))), None)
+            if loss is None:
+                if all(bool(torch.isfinite(p).all()) for p in phi):
+                    with torch.no_grad():
+                        for p, src in zip(self._eval_model.parameters(), phi):
+                            p.copy_(src)
+                    loss = to_bpb(evaluate(self._eval_model, windows))
+                else:
+                    loss = math.inf
+                loss = loss if math.isfinite(loss) else math.inf
+                seen.append((phi, loss))
+            out.append(loss)
+        return out
+
 
 def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds: int, seed: int = 0,
                    data_parallel: bool = False, eval_every_rounds: int = 1,
-                   uplink_mbps: float = 50.0) -> SimulationResult:
-    """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``.
+                   uplink_mbps: float = 50.0, screening: bool = True,
+                   adversary: Adversary | None = None) -> SimulationResult:
+    """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
+    (``screening`` and ``adversary``: see :class:`Simulation`).
 
     Returns:
         SimulationResult with the loss curve (round 0 and the last round always included), the
@@ -379,7 +556,8 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     """
     start = time.perf_counter()
     windows = validation_batch(corpus, manifest.data)
-    sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps)
+    sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
+                     screening=screening, adversary=adversary)
     history = [sim.evaluate(windows)]
     for r in range(1, rounds + 1):
         sim.run_round()
@@ -393,4 +571,4 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     return SimulationResult(method=sim.method, peers=peers, seed=seed, rounds=rounds,
                             inner_steps=manifest.sync.inner_steps, parameters=sim.parameters,
                             bytes_sent_per_peer=sum(sim.bytes_sent) / peers, wall_s=time.perf_counter() - start,
-                            history=history)
+                            history=history, screening=asdict(sim.counts), taken_over=dict(sim.taken_over))
