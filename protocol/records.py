@@ -71,7 +71,8 @@ class ProgressRecord:
         expected = {"round", "inner_step", "train_loss", "tokens_per_s", "group_size", "bytes_sent",
                     "bytes_received", "eval_loss", "state_digest", "groupmates", "version"}
         if set(value) != expected:
-            raise BadPayload(f"progress record has fields {sorted(value)}, expected {sorted(expected)}")
+            # keys may be anything msgpack carries (bytes among them): name them as text
+            raise BadPayload(f"progress record has fields {sorted(map(repr, value))[:16]}, expected {sorted(expected)}")
         if value["version"] != PROTOCOL_VERSION:
             raise BadPayload(f"progress record version {value['version']!r}, expected {PROTOCOL_VERSION}")
         for name, upper in _UPPER.items():

@@ -120,6 +120,22 @@ class _DeltaPayload:
         return None
 
 
+def _commit(phi: Sequence[torch.Tensor], new_phi: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+            new_momentum: Sequence[torch.Tensor]) -> None:
+    """Copy an outer step computed out of place into ``phi`` and ``momentum``, only if every value
+    is finite: a finite mean can still overflow fp32 (φ = 3e38 minus a mean of −3e38 is inf), and
+    nothing a peer sends may leave a non-finite φ behind.
+
+    Raises:
+        BadPayload: a non-finite value; ``phi`` and ``momentum`` are left unchanged.
+    """
+    if not all(bool(torch.isfinite(t).all()) for t in (*new_phi, *new_momentum)):
+        raise BadPayload("the outer step would leave φ or the outer momentum non-finite (fp32 overflow); "
+                         "φ left unchanged")
+    for dst, src in zip([*phi, *momentum], [*new_phi, *new_momentum]):
+        dst.copy_(src)
+
+
 def _check_mean(phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor], copies: int) -> None:
     if len(group_mean) != copies * len(phi):
         raise BadPayload(f"group mean has {len(group_mean)} tensors, expected {copies * len(phi)}")
@@ -178,16 +194,17 @@ class DiLoCo(_DeltaPayload):
             mean_delta: fp32 group-mean pseudo-gradient Δ̄, shaped like ``phi``.
 
         Raises:
-            BadPayload: Δ̄ holds NaN or inf, or its shapes differ from φ's; φ and the momentum
-                are left unchanged.
+            BadPayload: Δ̄ holds NaN or inf, or its shapes differ from φ's, or the step would
+                leave φ or the momentum non-finite (a finite Δ̄ can still overflow fp32); φ and the
+                momentum are left unchanged.
         """
         _check_mean(phi, mean_delta, copies=1)
         lr, mu = self.spec.lr, self.spec.momentum
         with torch.no_grad():
-            for p, d, m in zip(phi, mean_delta, self.momentum):
-                m.mul_(mu).add_(d)
-                step = d.add(m, alpha=mu) if self.spec.nesterov else m
-                p.sub_(step, alpha=lr)
+            new_m = [m.mul(mu).add_(d) for d, m in zip(mean_delta, self.momentum)]
+            new_p = [p.sub(d.add(m, alpha=mu) if self.spec.nesterov else m, alpha=lr)
+                     for p, d, m in zip(phi, mean_delta, new_m)]
+            _commit(phi, new_p, self.momentum, new_m)
 
 
 class NoLoCo:
@@ -259,9 +276,9 @@ class NoLoCo:
         n = len(phi)
         a, b, g = self.spec.momentum, self.spec.lr, self.spec.pull
         with torch.no_grad():
-            for p, m, mean_d, mean_p in zip(phi, self.momentum, group_mean[:n], group_mean[n:]):
-                m.mul_(a).sub_(mean_d, alpha=b).add_(mean_p - p, alpha=g)
-                p.add_(m)
+            new_m = [m.mul(a).sub_(mean_d, alpha=b).add_(mean_p - p, alpha=g)
+                     for p, m, mean_d, mean_p in zip(phi, self.momentum, group_mean[:n], group_mean[n:])]
+            _commit(phi, [p.add(m) for p, m in zip(phi, new_m)], self.momentum, new_m)
 
 
 class Independent(_DeltaPayload):
@@ -288,8 +305,7 @@ class Independent(_DeltaPayload):
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
         _check_mean(phi, group_mean, copies=1)
         with torch.no_grad():
-            for p, d in zip(phi, group_mean):
-                p.sub_(d)
+            _commit(phi, [p.sub(d) for p, d in zip(phi, group_mean)], [], [])
 
 
 def make_outer(manifest: RunManifest, shapes: Sequence[torch.Size]) -> DiLoCo | NoLoCo | Independent:

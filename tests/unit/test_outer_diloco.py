@@ -76,3 +76,23 @@ def test_wrong_shape_is_rejected():
     outer = DiLoCo([torch.Size([3])], OuterOptimizerSpec())
     with pytest.raises(BadPayload, match="shape"):
         outer.apply([torch.ones(3)], [torch.ones(4)])
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco", "independent"])
+def test_a_finite_mean_that_would_overflow_phi_leaves_phi_and_momentum_unchanged(algorithm):
+    """An outer step whose every input is finite can still overflow fp32: the step is refused
+    (BadPayload) and φ and the outer state stay as they were."""
+    from peer.train.outer import make_outer
+    from protocol.errors import BadPayload
+    from protocol.presets import default_run
+
+    run = default_run().replace(sync={"algorithm": algorithm})
+    outer = make_outer(run, [torch.Size([2])])
+    if algorithm == "noloco":  # δ = −β·mean Δ + γ·(mean φ − φ) = 3e38; φ + δ = 6e38 → inf
+        phi, mean = [torch.tensor([3e38, 0.0])], [torch.tensor([-3e38, -1.0]), torch.tensor([3e38, 0.0])]
+    else:  # φ − lr·Δ̄ = −6e38 → −inf
+        phi, mean = [torch.tensor([-3e38, 0.0])], [torch.tensor([3e38, 1.0])]
+    before = [t.clone() for t in (*phi, *outer.state_tensors())]
+    with pytest.raises(BadPayload, match="non-finite"):
+        outer.apply(phi, mean)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*phi, *outer.state_tensors())))
