@@ -7,6 +7,9 @@ rounds, clamped to the bounds of the run manifest:
 
 * matchmaking time = 1.5 × the longest recent wait for the group (from this peer's arrival at
   the sync to the start of the all-reduce: the spread of the groupmates' arrival times) + 0.5 s;
+  a sync that found no group although groupmates were expected counts as a wait that filled its
+  whole window, so the window grows 1.5× after each miss (up to the manifest's bound) until the
+  expected groupmates fit in it again;
 * all-reduce timeout = 3 × the longest recent all-reduce + 2 s, and at least
   2 × ``next_chunk_timeout_s`` + 5 s, so that a groupmate that hangs is detected (and left out,
   or the round reported incomplete and retried) before the deadline ends the round.
@@ -69,6 +72,18 @@ class DeadlinePolicy:
                 raise ValueError(f"{name} = {value!r}: expected a finite duration >= 0 s")
         self._waits.append(wait_s)
         self._allreduces.append(allreduce_s)
+
+    def observe_missed_group(self, matchmaking_s: float) -> None:
+        """Record a sync whose window of ``matchmaking_s`` seconds closed without the groupmates this
+        peer expected (they arrived later, e.g. after evaluating φ or downloading a state): it counts
+        as a wait of the whole window, so the next window is 1.5× it + 0.5 s (clamped).
+
+        Raises:
+            ValueError: a negative or non-finite duration.
+        """
+        if not matchmaking_s >= 0 or matchmaking_s == float("inf"):
+            raise ValueError(f"matchmaking_s = {matchmaking_s!r}: expected a finite duration >= 0 s")
+        self._waits.append(matchmaking_s)
 
     def current(self) -> Deadlines:
         s = self.sync

@@ -229,10 +229,14 @@ class NetworkTransport:
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if "could not find a group" in text:
+                if expected_group_size > 1:  # the groupmates expected came too late: widen the window
+                    self.deadlines.observe_missed_group(d.matchmaking_s)
                 raise GroupNotFound(f"no group formed for round {round_}{' (retry)' if attempt else ''} within "
                                     f"{d.matchmaking_deadline_s:.0f} s") from exc
             raise AllreduceFailed(f"round {round_} all-reduce failed: {text}") from exc
         if outcome is None:
+            if expected_group_size > 1:
+                self.deadlines.observe_missed_group(d.matchmaking_s)
             raise GroupNotFound(f"no group formed for round {round_}")
         stats = outcome.stats
         if outcome.incomplete is not None:

@@ -57,3 +57,21 @@ def test_bad_observations_are_refused(wait_s, allreduce_s):
 def test_a_minimum_above_the_maximum_is_a_manifest_error():
     with pytest.raises(ManifestError, match="min_matchmaking_time_s"):
         SyncSpec(matchmaking_time_s=0.5)
+
+
+def test_a_missed_group_widens_the_next_window_until_the_bound():
+    """The expected groupmates arrived after the window closed: the next window is 1.5× + 0.5 s,
+    again after each miss, never beyond the manifest's matchmaking_time_s; successes then narrow it."""
+    policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=10.0, min_matchmaking_time_s=1.0, next_chunk_timeout_s=1.0))
+    policy.observe(wait_s=1.0, allreduce_s=1.0)
+    windows = []
+    for _ in range(5):
+        d = policy.current()
+        windows.append(d.matchmaking_s)
+        policy.observe_missed_group(d.matchmaking_s)
+    assert windows[:3] == [2.0, 3.5, 5.75] and windows[-1] == 10.0
+    for _ in range(WINDOW):
+        policy.observe(wait_s=0.2, allreduce_s=1.0)
+    assert policy.current().matchmaking_s == 1.0  # 1.5 × 0.2 + 0.5, clamped to the minimum
+    with pytest.raises(ValueError):
+        policy.observe_missed_group(-1.0)
