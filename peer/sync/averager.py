@@ -140,6 +140,21 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             future.cancel()
             raise
 
+    def set_group_bits(self, group_bits: str, wait: bool = True):
+        """hivemind's ``set_group_bits``, after protecting this run's matchmaking keys around the
+        round the bits carry (protocol/validator.py ``protect_round``; the round is the bits' first
+        ``keys.ROUND_BITS``, as protocol/keys.py ``round_group_bits`` writes them). A failure to
+        protect (the DHT stopped) is logged and the bits are set all the same."""
+        from protocol import keys
+        from protocol.validator import protect_round
+
+        if len(group_bits) >= keys.ROUND_BITS:
+            try:
+                protect_round(self.dht, self.prefix, int(group_bits[:keys.ROUND_BITS], 2))
+            except Exception as exc:  # the DHT is shutting down: matchmaking will fail on its own
+                logger.debug("could not protect the matchmaking keys of %s: %r", group_bits, exc)
+        return super().set_group_bits(group_bits, wait)
+
     def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float) -> None:
         """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
 

@@ -1,0 +1,126 @@
+"""Issue 17: "values on the next rounds' matchmaking keys stopped every group from forming".
+
+hivemind's matchmaking (``GroupKeyManager``) declares each peer under ``f"{prefix}.0b{group bits}"``
+as one entry of a dictionary (subkey: the peer id's bytes, value: looking for group, a bool) and
+finds its groupmates with ``get_averagers``, which returns nothing when the value read is not a
+dictionary. A DHT node keeps a plain value with a later expiration over the whole dictionary, so a
+stranger who stores one under the keys of the next rounds hides every declaration and no group
+forms. protocol/validator.py ``protect_round`` (called by ``LocoAverager.set_group_bits`` each
+round) makes a node of ours refuse anything but (peer id bytes → bool) under the run's matchmaking
+keys for rounds r-2..r+8.
+
+Real DHT nodes (a node of ours, a stock hivemind node as the attacker); the reads are hivemind's
+own ``GroupKeyManager.get_averagers``, what matchmaking does before a group forms. The full
+averager (a group actually assembling) is not started here: the read that decides whether a peer
+sees its groupmates is the one exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.utils import get_dht_time
+
+from protocol import dht as swarm_dht, keys
+from protocol.validator import is_peer_id_bytes, matchmaking_keys, protect_round
+from tests.security.dht_attacker import victim_and_attacker
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "ab" * 8
+PREFIX = keys.averager_prefix(RUN, "diloco")
+
+
+def _key(round_: int, group_index=None, attempt: int = 0) -> str:
+    return f"{PREFIX}.0b{keys.round_group_bits(round_, group_index, attempt)}"
+
+
+def _run(coroutine):
+    """Run ``coroutine`` in this thread's event loop, the one hivemind's MPFutures use (asyncio.run
+    would drop that loop unclosed; conftest.py closes it after the module)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        loop = asyncio.get_event_loop()
+    return loop.run_until_complete(coroutine)
+
+
+def _declare(dht, key: str, expiration: float) -> None:
+    manager = GroupKeyManager(dht, PREFIX, keys.round_group_bits(0), target_group_size=4)
+    assert _run(manager.declare_averager(key, dht.peer_id, expiration))
+
+
+def _averagers(dht, key: str) -> set:
+    manager = GroupKeyManager(dht, PREFIX, keys.round_group_bits(0), target_group_size=4)
+    return {peer for peer, _ in _run(manager.get_averagers(key, only_active=True))}
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """A node of ours, a second honest node of ours, and a stock node as the attacker."""
+    with victim_and_attacker() as (victim, attacker):
+        other = swarm_dht.start_dht(initial_peers=[str(m) for m in victim.get_visible_maddrs()])
+        try:
+            yield victim, other, attacker
+        finally:
+            other.shutdown()
+
+
+def _attack(attacker, key: str) -> list[bool]:
+    """Store a plain value and junk entries under ``key``, expiring later than any declaration;
+    what the victim accepted, in order."""
+    far = get_dht_time() + 600
+    return [attacker.store(key, "no groups this round", expiration=far),
+            attacker.store(key, True, subkey=b"not a peer id", expiration=far),
+            attacker.store(key, "not a bool", subkey=attacker.dht.peer_id.to_bytes(), expiration=far)]
+
+
+def test_without_protection_a_plain_value_hides_every_declaration(swarm):
+    """The attack itself, on keys no node protects (what every key was before the fix)."""
+    victim, other, attacker = swarm
+    key = _key(900)
+    expiration = get_dht_time() + 60
+    _declare(victim, key, expiration)
+    _declare(other, key, expiration)
+    assert _averagers(victim, key) == {victim.peer_id, other.peer_id}
+    assert _attack(attacker, key)[0]  # a stock-hivemind behaviour: the plain value is stored
+    assert _averagers(victim, key) == set()  # every declaration hidden: no group can form
+
+
+def test_the_next_rounds_matchmaking_keys_refuse_plain_values_and_junk(swarm):
+    victim, other, attacker = swarm
+    for node in (victim, other):
+        protect_round(node, PREFIX, 5)
+    for key in (_key(5), _key(6, attempt=1), _key(13), _key(7, group_index=3)):
+        assert _attack(attacker, key) == [False, False, False], key
+        expiration = get_dht_time() + 60
+        _declare(victim, key, expiration)
+        _declare(other, key, expiration)
+        assert _averagers(victim, key) == {victim.peer_id, other.peer_id}, key
+        assert _averagers(other, key) == {victim.peer_id, other.peer_id}, key
+    # a declaration stored by the attacker for itself is a peer's declaration like any other (through
+    # hivemind's own store: Attacker.store encodes a subkey once more than a declaration carries it)
+    _declare(attacker.dht, _key(8), get_dht_time() + 60)
+    assert attacker.dht.peer_id in _averagers(victim, _key(8))
+
+
+def test_the_window_moves_with_the_round(swarm):
+    victim, _, attacker = swarm
+    protect_round(victim, PREFIX, 20)
+    assert not attacker.store(_key(28), "junk")  # r+8: protected
+    assert attacker.store(_key(10), "junk")  # left behind: no longer checked
+    assert attacker.store(_key(40), "junk")  # beyond the window
+
+
+def test_window_and_peer_id_bytes():
+    window = matchmaking_keys(PREFIX, 0)
+    assert _key(0) in window and _key(-2) in window and _key(8, 15, 1) in window
+    assert _key(9) not in window and _key(0, 16) not in window
+    assert len(window) == len(set(window))
+    assert not is_peer_id_bytes(b"protocol.dht")
+    assert not is_peer_id_bytes(b"\x12\x20" + b"x" * 31)
+    assert is_peer_id_bytes(b"\x12\x20" + b"x" * 32)
+    assert is_peer_id_bytes(b"\x00\x24" + b"x" * 36)
+    assert not is_peer_id_bytes(True)
