@@ -13,9 +13,9 @@ rest, so a malformed entry costs nothing but itself.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Collection, Sequence
 
-from protocol.dht import entries, parse_initial_peers, read_value
+from protocol.dht import entries, parse_initial_peers, read_value, select_entries
 from protocol.errors import BadPeerAddress, BadSignature
 from protocol.signing import REJECTED, PeerSigner, open_record
 from protocol.text import sanitize
@@ -81,16 +81,21 @@ def publish_addresses(dht, run_id: str, signer: PeerSigner, maddrs: Sequence[str
     return bool(dht.store(key, signer.seal(key, expiration, value), expiration, subkey=signer.peer_id))
 
 
-def read_addresses(dht, run_id: str) -> dict[str, list[str]]:
+def read_addresses(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[str, list[str]]:
     """Every peer's published multiaddrs (validated): peer id → addresses; peers with none valid,
     or whose entry expires further ahead than a peer publishes, are left out.
+
+    At most ``MAX_RECORDS_READ`` entries are verified and kept (protocol/dht.py ``select_entries``:
+    ``prefer`` first, then a per-process keyed hash of the peer id): a flood of records signed by
+    fresh identities costs a bounded number of signature checks.
 
     Raises:
         NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
     """
     out = {}
     key = addresses_key(run_id)
-    for peer_id, value, expiration in entries(read_value(dht, key), max_ahead_s=ADDRESSES_TTL_S + 600):
+    found = entries(read_value(dht, key), max_ahead_s=ADDRESSES_TTL_S + 600)
+    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind="addresses"):
         try:
             value = open_record(key, peer_id, expiration, value)
         except BadSignature as exc:

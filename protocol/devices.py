@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Collection
 
-from protocol.dht import Periodic, entries, read_value
+from protocol.dht import Periodic, entries, read_value, select_entries
 from protocol.errors import BadPayload, BadSignature
 from protocol.signing import REJECTED, PeerSigner, open_record
 from protocol.text import sanitize
@@ -136,19 +136,24 @@ def publish_device(dht, run_id: str, signer: PeerSigner, record: DeviceRecord, t
     return bool(dht.store(key, signer.seal(key, expiration, record.to_wire()), expiration, subkey=signer.peer_id))
 
 
-def read_devices(dht, run_id: str) -> dict[str, DeviceRecord]:
+def read_devices(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[str, DeviceRecord]:
     """Every peer's published device (validated): peer id → record.
 
     A record whose signature does not match its subkey is ignored and counted
     (``signing.REJECTED["devices"]``); a malformed one, or one expiring further ahead than a peer
     publishes, is skipped with a debug log.
 
+    At most ``MAX_RECORDS_READ`` entries are verified and kept (protocol/dht.py ``select_entries``:
+    ``prefer`` first, then a per-process keyed hash of the peer id): a flood of records signed by
+    fresh identities costs a bounded number of signature checks.
+
     Raises:
         NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
     """
     out = {}
     key = devices_key(run_id)
-    for peer_id, value, expiration in entries(read_value(dht, key), max_ahead_s=DEVICES_TTL_S + 600):
+    found = entries(read_value(dht, key), max_ahead_s=DEVICES_TTL_S + 600)
+    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind="devices"):
         try:
             out[peer_id] = DeviceRecord.from_wire(open_record(key, peer_id, expiration, value))
         except BadSignature as exc:

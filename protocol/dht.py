@@ -32,14 +32,16 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+import hashlib
+import os
+from typing import Collection, Sequence
 
 from protocol import keys
 from protocol.errors import (BadPayload, BadPeerAddress, BadSignature, BootstrapUnreachable, ManifestError,
                              ManifestNotFound, NetworkError, ProtocolError)
 from protocol.manifest import RunManifest, SignedManifest, open_announcement
 from protocol.records import ProgressRecord
-from protocol.signing import REJECTED, PeerSigner, open_record
+from protocol.signing import REJECTED, PeerSigner, open_record, peer_id_of
 from protocol.text import sanitize
 
 logger = logging.getLogger(__name__)
@@ -300,6 +302,69 @@ def entries(found, *, max_ahead_s: float = MAX_EXPIRATION_AHEAD_S) -> list[tuple
     return out
 
 
+MAX_RECORDS_READ = 4096
+"""The most entries a reader keeps (and verifies) from one read of a run's records key (progress,
+addresses, devices). A run's largest legal group is 4096 peers (protocol/specs.py
+``target_group_size``); a run has no other bound on its size, and a reader that looked at more
+peers than that per read would gain nothing its matchmaking can use. Identities are free, so a
+flood of records each validly signed by a fresh identity (issue 17: 20,000 of them slowed sync
+from 0.2 s to 3-7 s and grew every peer by hundreds of MB) can only be bounded here, by count:
+signature checks (RSA) and kept records are at most this many per read."""
+
+_SELECTION_SALT = os.urandom(16)
+"""Per-process key of :func:`select_entries`'s ordering: an attacker cannot compute which of its
+subkeys a given reader keeps, and different readers keep different ones."""
+
+
+def _rank(subkey: str) -> bytes:
+    return hashlib.blake2b(subkey.encode("utf-8", "surrogatepass"), key=_SELECTION_SALT, digest_size=16).digest()
+
+
+def _bound_to_subkey(subkey: str, value) -> bool:
+    """Cheap pre-check (a hash, no RSA): ``value`` is an envelope whose public key's peer id is
+    ``subkey``. Records that fail it are rejected by ``open_record`` anyway; here they do not take
+    a place among the :data:`MAX_RECORDS_READ` kept."""
+    try:
+        return isinstance(value, dict) and peer_id_of(value.get("k")) == subkey
+    except Exception:  # BadSignature, or anything a malformed value makes the encoder raise
+        return False
+
+
+def select_entries(found: list[tuple[str, object, float]], *, prefer: Collection[str] = (),
+                   cap: int | None = None, kind: str | None = None) -> list[tuple[str, object, float]]:
+    """At most ``cap`` (default :data:`MAX_RECORDS_READ`) of ``found`` (:func:`entries`), the
+    ones a reader should verify and keep, in their original order.
+
+    Entries whose envelope's key is not the subkey's identity are dropped first (cheap: a hash;
+    counted in ``signing.REJECTED[kind]`` when ``kind`` is given).
+    Of the rest, entries whose subkey is in ``prefer`` (this peer, peers it knows) come first; when
+    they alone would fill the cap, they get ``cap - cap // 2`` places and the others ``cap // 2``,
+    so that a reader that once kept a flood's records still makes room for other peers. Within
+    each group the order is a keyed hash of the subkey
+    (:data:`_SELECTION_SALT`, per process). Expirations, which writers choose, play no part. No
+    errors: anything malformed is dropped.
+    """
+    cap = MAX_RECORDS_READ if cap is None else cap
+    if len(found) <= cap:
+        return found
+    bound = []
+    for entry in found:
+        if isinstance(entry[0], str) and _bound_to_subkey(entry[0], entry[1]):
+            bound.append(entry)
+        elif kind is not None:
+            REJECTED.note(kind, sanitize(str(entry[0]), max_chars=64), "the record is not signed by its subkey's peer")
+    if len(bound) <= cap:
+        return bound
+    prefer = prefer if isinstance(prefer, (set, frozenset, dict)) else set(prefer)
+    preferred = sorted((e for e in bound if e[0] in prefer), key=lambda e: _rank(e[0]))
+    others = sorted((e for e in bound if e[0] not in prefer), key=lambda e: _rank(e[0]))
+    if len(preferred) > cap - min(len(others), cap // 2):
+        preferred = preferred[:cap - min(len(others), cap // 2)]
+    kept = preferred + others[:cap - len(preferred)]
+    position = {id(entry): i for i, entry in enumerate(found)}
+    return sorted(kept, key=lambda e: position[id(e)])
+
+
 def list_announced(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, SignedManifest]:
     """Announced runs whose manifest is signed by the owner it names: run id → signed manifest.
 
@@ -478,8 +543,13 @@ class PeerProgress:
 
 
 def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
-                  max_ttl_s: float = MAX_EXPIRATION_AHEAD_S) -> list[PeerProgress]:
+                  max_ttl_s: float = MAX_EXPIRATION_AHEAD_S, prefer: Collection[str] = ()) -> list[PeerProgress]:
     """Live peers' latest progress records, each signed by the peer whose id it is stored under.
+
+    At most :data:`MAX_RECORDS_READ` records are verified and returned (:func:`select_entries`):
+    with more entries under the key (a flood of fresh identities), the peers in ``prefer`` (this
+    peer's id, peers it has seen) are kept first, the others by a per-process keyed hash of their
+    id; records left out by the cap are neither verified nor counted as rejected.
 
     A record that is unsigned, signed by another peer than its subkey names, or whose signature
     does not verify is ignored and counted in ``signing.REJECTED["progress"]`` (logged once per
@@ -491,10 +561,13 @@ def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
     """
     out = []
     key = keys.progress_key(run_id)
-    for peer_id, value, expiration in entries(read_value(dht, key, timeout_s=timeout_s), max_ahead_s=max_ttl_s):
-        if not _is_peer_id(peer_id):  # printed by `peer status` and the monitor: base58 only
-            REJECTED.note("progress", sanitize(peer_id, max_chars=64), "the subkey is not a peer id")
-            continue
+    found = []
+    for entry in entries(read_value(dht, key, timeout_s=timeout_s), max_ahead_s=max_ttl_s):
+        if _is_peer_id(entry[0]):  # printed by `peer status` and the monitor: base58 only
+            found.append(entry)
+        else:
+            REJECTED.note("progress", sanitize(entry[0], max_chars=64), "the subkey is not a peer id")
+    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind="progress"):
         try:
             record = ProgressRecord.from_wire(open_record(key, peer_id, expiration, value))
         except BadSignature as exc:

@@ -71,8 +71,10 @@ class SwarmView:
         start = time.monotonic()
         try:
             # no honest peer of this run stores a record for longer than record_ttl_s
+            # under a flood of records (protocol/dht.py MAX_RECORDS_READ), keep this peer and the peers last seen
+            seen = {self.peer_id, *(r.peer_id for r in self._last_records)}
             records = self._last_records = swarm_dht.read_progress(
-                self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S)
+                self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S, prefer=seen)
         except Exception as exc:
             logger.debug("reading progress records failed: %r; using the last ones read", exc)
             records = self._last_records

@@ -43,7 +43,13 @@ def _run(coroutine):
     would drop that loop unclosed; conftest.py closes it after the module)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        loop = asyncio.get_event_loop()
+        try:
+            loop = asyncio.get_event_loop()
+        except RuntimeError:  # an earlier module's loop was closed and unset (conftest.py)
+            loop = None
+    if loop is None or loop.is_closed():
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
     return loop.run_until_complete(coroutine)
 
 
