@@ -117,7 +117,10 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
 
     peers = [procs.peer(f"peer-{i}", "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--eval-every", "1",
                         "--wait-for-peers", "3") for i in range(3)]
-    ids = {p.wait_event(lambda e: e.kind == "started", 120)["peer_id"] for p in peers}
+    started = [p.wait_event(lambda e: e.kind == "started", 120) for p in peers]
+    ids = {e["peer_id"] for e in started}
+    # the device each peer said it trains on, as the monitor's row shows it (protocol/devices.py)
+    devices = {e["peer_id"]: f"cpu {e['device_name']} {e['precision']}" for e in started}
 
     # While the peers train: every one of them is on the page, as the browser renders it.
     def all_training(snap):
@@ -131,7 +134,13 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
     assert set(rows.rows) == ids, f"rendered rows {sorted(rows.rows)} != peers {sorted(ids)}"
     for peer_id, cells in rows.rows.items():
         assert cells[1] == "live", cells
-        assert int(cells[2]) >= 1, cells  # the round column
+        assert cells[2] in (devices[peer_id], "–"), cells  # the device column ("–" until its record is read)
+        assert int(cells[3]) >= 1, cells  # the round column
+    # the device records are read within a poll or two of a peer's first record
+    snap = wait_snapshot(base, lambda s: all(p.get("device") for r in s["runs"] if r["run_id"] == manifest.run_id
+                                             for p in r["peers"]), 60)
+    shown = {p["peer_id"]: p["device"] for r in snap["runs"] if r["run_id"] == manifest.run_id for p in r["peers"]}
+    assert shown == devices, shown
     shot = artifacts_dir() / "monitor.png"
     shot.unlink(missing_ok=True)
     browser(base, f"--screenshot={shot}", "--window-size=1280,1000", "--hide-scrollbars", workdir=tmp_path)

@@ -112,9 +112,10 @@ def test_default_peer_is_reachable_and_a_firewalled_one_falls_back(lab, tmp_path
         # no direct address is offered: only relay addresses, none until a relay slot is granted
         assert not any(walled.address in m.split("/p2p-circuit")[-1] for m in up.maddrs), up.maddrs
         assert all("/p2p-circuit/" in m for m in up.maddrs), up.maddrs
-        # Not asserted: that the walled peer then averages with the open one. In a fresh-clone run
-        # (2026-11-25) it did not within 300 s: the open peer could not open a state-download
-        # stream to it ("protocols not supported"), and no round followed. Open in issue #16.
+        # and it averages with the open peer: it dials every groupmate; it publishes no state digest
+        # (nobody could download it), and follows the open peer's state whenever they diverge
+        together = peers["walled"].wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 300)
+        assert together["round"] >= 1
     finally:
         for child in children:
             child.send(signal.SIGINT)
