@@ -130,3 +130,26 @@ def test_window_and_peer_id_bytes():
     assert is_peer_id_bytes(b"\x12\x20" + b"x" * 32)
     assert is_peer_id_bytes(b"\x00\x24" + b"x" * 36)
     assert not is_peer_id_bytes(True)
+
+
+def test_the_averager_protects_the_round_it_is_set_to(swarm, monkeypatch):
+    """``LocoAverager.set_group_bits`` (what the round loop calls before each sync) moves the
+    window of its DHT node to the round in the bits (the averager process itself is not started)."""
+    from hivemind.averaging import DecentralizedAverager
+
+    from peer.sync.averager import LocoAverager
+
+    victim, _, attacker = swarm
+    set_bits = []
+    monkeypatch.setattr(DecentralizedAverager, "set_group_bits", lambda self, bits, wait=True: set_bits.append(bits))
+    class Bare(LocoAverager):  # no process, nothing for hivemind's __del__ to stop
+        def __del__(self):
+            pass
+
+    averager = Bare.__new__(Bare)
+    averager.dht, averager.prefix = victim, PREFIX
+    averager.set_group_bits(keys.round_group_bits(500, None, 1))
+    assert set_bits == [keys.round_group_bits(500, None, 1)]
+    assert not attacker.store(_key(508), "junk")
+    assert not attacker.store(_key(500, 2, 1), "junk")
+    assert attacker.store(_key(20), "junk")  # the previous window (round 20) is left behind
