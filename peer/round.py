@@ -391,9 +391,8 @@ class Trainer:
         # Start where the swarm is inside this round (read again: it went on during the download), so
         # this peer reaches the sync with the others; the all-reduce weights its shorter round by the
         # tokens it actually processed.
-        same_round = [r.record.inner_step - self.pos.round * self.H for r in self.swarm.others()
-                      if r.record.round == self.pos.round]
-        self.pos.step = max(0, min(self.H - 1, max(same_round, default=0)))
+        self.pos.step = self.swarm.step_now(self.pos.round, inner_steps=self.H,
+                                            batch_size_tokens=self.m.inner_optimizer.batch_size_tokens)
         self.reporter.emit("adopted_state", round=self.pos.round, inner_step=self.inner_step,
                            seconds=time.monotonic() - start, reason=reason,
                            state_digest=self.state_digest, donors=download.chunks_by_donor,

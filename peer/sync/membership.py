@@ -88,6 +88,24 @@ class SwarmView:
         """:meth:`live` without this peer's own record."""
         return [r for r in self.live() if r.peer_id != self.peer_id]
 
+    def step_now(self, round_: int, *, inner_steps: int, batch_size_tokens: int) -> int:
+        """The inner step within ``round_`` that the furthest live peer at that round has reached by
+        now (0 when none is at it): its latest record's step, plus the steps its throughput
+        (``tokens_per_s`` over ``batch_size_tokens``) did since it published the record (the
+        record's expiration minus ``record_ttl_s``). Records come four times a round, so without
+        the extrapolation a peer starting from them starts up to a quarter round behind, and then
+        reaches the sync after its groupmates' group formed. At most ``inner_steps - 1``."""
+        now, steps = get_dht_time(), []
+        for r in self.others():
+            if r.record.round != round_:
+                continue
+            step = r.record.inner_step - round_ * inner_steps
+            if r.record.tokens_per_s > 0:
+                since = max(0.0, now - (r.expiration - self.record_ttl_s))
+                step += int(since * r.record.tokens_per_s / batch_size_tokens)
+            steps.append(step)
+        return max(0, min(inner_steps - 1, max(steps, default=0)))
+
     def publish(self, record: ProgressRecord, *, wait: bool = False) -> None:
         """Store this peer's record; failures are logged, never raised (the next publish retries)."""
         try:

@@ -16,6 +16,7 @@ from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint
 from peer.state.download import StateDownload, validate_state
+from peer.sync.membership import SwarmView
 from peer.sync.transport import SyncResult
 from peer.train.model import build_model
 from protocol.dht import PeerProgress
@@ -46,6 +47,9 @@ class Swarm:
 
     def others(self):
         return [r for r in self.live() if r.peer_id != self.peer_id]
+
+    record_ttl_s = 0.0
+    step_now = SwarmView.step_now  # records never expire here: no extrapolation
 
     def publish(self, record, *, wait=False):
         with self.shared.lock:
