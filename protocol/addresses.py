@@ -15,10 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Collection, Sequence
 
-from protocol.dht import entries, parse_initial_peers, read_value, select_entries
-from protocol.errors import BadPeerAddress, BadSignature
-from protocol.signing import REJECTED, PeerSigner, open_record
-from protocol.text import sanitize
+from protocol.dht import parse_initial_peers, read_signed
+from protocol.errors import BadPeerAddress
+from protocol.signing import PeerSigner
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +91,6 @@ def read_addresses(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[st
     Raises:
         NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
     """
-    out = {}
-    key = addresses_key(run_id)
-    found = entries(read_value(dht, key), max_ahead_s=ADDRESSES_TTL_S + 600)
-    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind="addresses"):
-        try:
-            value = open_record(key, peer_id, expiration, value)
-        except BadSignature as exc:
-            REJECTED.note("addresses", sanitize(str(peer_id), max_chars=64), exc)
-            continue
-        addresses = valid_addresses(peer_id, value)
-        if addresses:
-            out[peer_id] = addresses
-    return out
+    found = read_signed(dht, addresses_key(run_id), "addresses", valid_addresses, max_ahead_s=ADDRESSES_TTL_S + 600,
+                        prefer=prefer)
+    return {peer_id: addresses for peer_id, addresses, _ in found if addresses}

@@ -18,9 +18,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Collection
 
-from protocol.dht import Periodic, entries, read_value, select_entries
-from protocol.errors import BadPayload, BadSignature
-from protocol.signing import REJECTED, PeerSigner, open_record
+from protocol.dht import Periodic, read_signed
+from protocol.errors import BadPayload
+from protocol.signing import PeerSigner
 from protocol.text import sanitize
 
 logger = logging.getLogger(__name__)
@@ -150,17 +150,9 @@ def read_devices(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[str,
     Raises:
         NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
     """
-    out = {}
-    key = devices_key(run_id)
-    found = entries(read_value(dht, key), max_ahead_s=DEVICES_TTL_S + 600)
-    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind="devices"):
-        try:
-            out[peer_id] = DeviceRecord.from_wire(open_record(key, peer_id, expiration, value))
-        except BadSignature as exc:
-            REJECTED.note("devices", sanitize(str(peer_id), max_chars=64), exc)
-        except BadPayload as exc:
-            logger.debug("ignoring the device record of %s: %s", sanitize(str(peer_id), max_chars=64), exc)
-    return out
+    found = read_signed(dht, devices_key(run_id), "devices", lambda _, data: DeviceRecord.from_wire(data),
+                        max_ahead_s=DEVICES_TTL_S + 600, prefer=prefer)
+    return {peer_id: record for peer_id, record, _ in found}
 
 
 class DeviceAnnouncer(Periodic):

@@ -34,10 +34,10 @@ import threading
 from dataclasses import dataclass
 import hashlib
 import os
-from typing import Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from protocol import keys
-from protocol.errors import (BadPayload, BadPeerAddress, BadSignature, BootstrapUnreachable, ManifestError,
+from protocol.errors import (BadPeerAddress, BadSignature, BootstrapUnreachable, ManifestError,
                              ManifestNotFound, NetworkError, ProtocolError)
 from protocol.manifest import RunManifest, SignedManifest, open_announcement
 from protocol.records import ProgressRecord
@@ -542,6 +542,41 @@ class PeerProgress:
     expiration: float
 
 
+def read_signed(dht, key: str, kind: str, decode: Callable[[str, Any], Any], *, timeout_s: float = READ_TIMEOUT_S,
+                max_ahead_s: float = MAX_EXPIRATION_AHEAD_S,
+                prefer: Collection[str] = ()) -> list[tuple[str, Any, float]]:
+    """The signed per-peer values under ``key`` (progress records, addresses, devices), checked.
+
+    Entries whose subkey is not a peer id are counted in ``signing.REJECTED[kind]``; at most
+    :data:`MAX_RECORDS_READ` of the rest are verified (:func:`select_entries`: ``prefer`` first);
+    an entry whose signature does not match its subkey is counted too; ``decode(peer_id, data)``
+    turns the signed data into the value returned, and whatever it raises (``BadPayload`` or an
+    undocumented decoder error) skips that entry with a debug log: one bad value never hides the
+    others.
+
+    Returns:
+        ``(peer id, decoded value, expiration)`` per entry kept.
+
+    Raises:
+        NetworkError: the DHT did not answer within ``timeout_s``.
+    """
+    found = []
+    for entry in entries(read_value(dht, key, timeout_s=timeout_s), max_ahead_s=max_ahead_s):
+        if _is_peer_id(entry[0]):  # printed by `peer status` and the monitor: base58 only
+            found.append(entry)
+        else:
+            REJECTED.note(kind, sanitize(str(entry[0]), max_chars=64), "the subkey is not a peer id")
+    out = []
+    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind=kind):
+        try:
+            out.append((peer_id, decode(peer_id, open_record(key, peer_id, expiration, value)), expiration))
+        except BadSignature as exc:
+            REJECTED.note(kind, peer_id, exc)
+        except Exception as exc:  # BadPayload, or a decoder's undocumented error
+            logger.debug("ignoring the %s entry of %s: %r", kind, peer_id, exc)
+    return out
+
+
 def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
                   max_ttl_s: float = MAX_EXPIRATION_AHEAD_S, prefer: Collection[str] = ()) -> list[PeerProgress]:
     """Live peers' latest progress records, each signed by the peer whose id it is stored under.
@@ -559,25 +594,6 @@ def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
     """
-    out = []
-    key = keys.progress_key(run_id)
-    found = []
-    for entry in entries(read_value(dht, key, timeout_s=timeout_s), max_ahead_s=max_ttl_s):
-        if _is_peer_id(entry[0]):  # printed by `peer status` and the monitor: base58 only
-            found.append(entry)
-        else:
-            REJECTED.note("progress", sanitize(entry[0], max_chars=64), "the subkey is not a peer id")
-    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind="progress"):
-        try:
-            record = ProgressRecord.from_wire(open_record(key, peer_id, expiration, value))
-        except BadSignature as exc:
-            REJECTED.note("progress", peer_id, exc)
-            continue
-        except BadPayload as exc:
-            logger.debug("ignoring progress record of %s: %s", peer_id, exc)
-            continue
-        except Exception as exc:  # a decoder's undocumented error must not hide every other peer's record
-            logger.debug("ignoring progress record of %s: %r", peer_id, exc)
-            continue
-        out.append(PeerProgress(peer_id=peer_id, record=record, expiration=expiration))
-    return out
+    return [PeerProgress(peer_id=peer_id, record=record, expiration=expiration) for peer_id, record, expiration
+            in read_signed(dht, keys.progress_key(run_id), "progress", lambda _, data: ProgressRecord.from_wire(data),
+                           timeout_s=timeout_s, max_ahead_s=max_ttl_s, prefer=prefer)]
