@@ -27,3 +27,17 @@ def close_the_main_threads_event_loop():
     if not loop.is_running():
         loop.close()
     asyncio.set_event_loop(None)
+
+
+@pytest.fixture(autouse=True)
+def empty_log_once_memory():
+    """Each test starts with an empty log-once memory in protocol/signing.py's ``REJECTED``: a
+    flood test (test_record_flood.py) fills it to its bound, after which no new writer is logged,
+    and a later test that expects its rejection to be logged once would see nothing."""
+    from protocol.signing import REJECTED
+
+    saved = set(REJECTED._logged)
+    REJECTED._logged.clear()
+    yield
+    REJECTED._logged.clear()
+    REJECTED._logged.update(saved)
