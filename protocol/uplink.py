@@ -161,17 +161,10 @@ async def _handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
         writer.close()
 
 
-async def _install(_dht, node) -> None:
-    await node.p2p.add_binary_stream_handler(PROTOCOL, _handle)
-
-
 def serve_uplink(dht) -> None:
-    """Answer other nodes' uplink probes from now on (in ``dht``'s process).
-
-    Raises:
-        Whatever hivemind raises when the handler cannot be added (a DHT that is shutting down).
-    """
-    dht.run_coroutine(_install)
+    """Answer other nodes' uplink probes from now on (in ``dht``'s process; raises as
+    protocol/wire/framing.py ``serve_stream``)."""
+    framing.serve_stream(dht, PROTOCOL, _handle)
 
 
 async def _probe(_dht, node, checker: str, n: int) -> UplinkProbe:

@@ -54,6 +54,22 @@ def kind_of(payload: bytes, names: Mapping[int, str]) -> int:
     return payload[0]
 
 
+async def _add_stream_handler(_dht, node, protocol: str, handler) -> None:
+    await node.p2p.add_binary_stream_handler(protocol, handler)
+
+
+def serve_stream(dht, protocol: str, handler) -> None:
+    """Serve ``protocol`` with ``handler(stream_info, reader, writer)`` (a module-level coroutine
+    function) on ``dht``'s libp2p host, in the DHT's process, from now on.
+
+    Raises:
+        Whatever hivemind raises when the handler cannot be added (a DHT that is shutting down).
+    """
+    import functools
+
+    dht.run_coroutine(functools.partial(_add_stream_handler, protocol=protocol, handler=handler))
+
+
 def describe_failure(exc: BaseException) -> str:
     """Why a stream exchange failed, in words for a log line or a donor's failure reason."""
     if isinstance(exc, asyncio.TimeoutError):

@@ -33,8 +33,6 @@ HANDLER_MESSAGES = {"state downloader (download_state)": 800, "all-reduce stream
 MEMORY_MB = 20.0
 """Growth of the process over a run that counts as not flat (a leak of 10 KB per message would
 show as 30 MB on a decoder's run)."""
-KNOWN_CRASHES: dict[str, str] = {}
-"""Targets known to crash (marked xfail, strict): none since protocol/records.py names odd keys as text."""
 
 _TARGETS = {t.name: t for t in decoders() + handlers()}
 
@@ -47,8 +45,7 @@ def _close_the_targets_event_loops():
 
 def _params():
     for name in _TARGETS:
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_CRASHES[name])] if name in KNOWN_CRASHES else []
-        yield pytest.param(name, marks=marks, id=name.split(" (")[0].replace(" ", "-"))
+        yield pytest.param(name, id=name.split(" (")[0].replace(" ", "-"))
 
 
 @pytest.mark.parametrize("name", list(_params()))
