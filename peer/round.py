@@ -52,6 +52,10 @@ from protocol.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
 
+FINISHING_RECORD_WAIT_S = 5.0
+"""How long a peer waits, after a round, for the records of peers finishing the same round before it
+runs the re-sync rule (s; their publish normally takes milliseconds to ~1 s)."""
+
 
 class Trainer:
     """Trains one peer. Construct with the swarm view and a started transport; call :meth:`run`.
@@ -339,6 +343,7 @@ class Trainer:
         k = self.cfg.eval_every_rounds
         if k and self.pos.round % k == 0 and not self._done() and self._evaluates(self.pos.round):
             self.eval_phi("periodic")
+            self._keep_pace()
         self.save()
         k = self.cfg.export_phi_every_rounds
         if k and self.cfg.checkpoint_path is not None and self.pos.round % k == 0:
@@ -347,13 +352,47 @@ class Trainer:
             export_phi(self.cfg.checkpoint_path.parent, names=self.names, phi=phi, run_id=self.m.run_id,
                        round_=self.pos.round)
 
+    def _keep_pace(self) -> None:
+        """After evaluating φ for the swarm, start this round at the inner step the swarm reached
+        meanwhile (as a joiner does), not at step 0: otherwise this peer reaches the next sync an
+        evaluation's time after its groupmates, often after their group formed, and trains that
+        round alone. It trains fewer tokens this round; the all-reduce weights it by those it did.
+        The inner lr schedule follows the step (round·H + step), as on every peer."""
+        now = self.swarm.step_now(self.pos.round, inner_steps=self.H,
+                                  batch_size_tokens=self.m.inner_optimizer.batch_size_tokens)
+        if now > self.pos.step:
+            logger.info("round %d: evaluated φ for the swarm; starting at inner step %d with the others",
+                        self.pos.round, now)
+            self.pos.step = now
+
     # ---- catch-up -----------------------------------------------------------------------
     def catch_up(self, attempts: int = 3) -> None:
         """Adopt the swarm's state while this peer is behind or diverged (the outer algorithm's
         re-sync rule, peer/state/resync.py), again while the swarm moved on during a download."""
+        self._wait_for_peers_finishing()
         for _ in range(attempts):
             if self.stop_event.is_set() or not self._catch_up_once():
                 return
+
+    def _wait_for_peers_finishing(self) -> None:
+        """Wait until most peers whose last record is in the last quarter of the previous round
+        published the round this peer is now in, at most :data:`FINISHING_RECORD_WAIT_S`; a stop
+        ends the wait. Its groupmates finished the same sync at the same moment, so their next
+        record is milliseconds to a second away.
+
+        Without it the re-sync rule, run first, sees them one round behind (which it ignores), and a
+        peer that differs from its group by one mean (a joiner that dropped a sync in flight on
+        adopting) keeps syncing with it every round but never notices that it diverged.
+        """
+        round_, closing = self.pos.round - 1, self.H - max(1, self.H // 4)
+        finishing = {r.peer_id for r in self.swarm.others()
+                     if r.record.round == round_ and r.record.inner_step - round_ * self.H >= closing}
+        deadline = time.monotonic() + FINISHING_RECORD_WAIT_S
+        while finishing and not self.stop_event.is_set() and time.monotonic() < deadline:
+            still = sum(1 for r in self.swarm.others() if r.peer_id in finishing and r.record.round == round_)
+            if 2 * still < len(finishing):
+                return
+            self.stop_event.wait(0.1)
 
     def _catch_up_once(self) -> bool:
         """Download φ, outer state and round from every peer publishing the target digest at once

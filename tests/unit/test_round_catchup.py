@@ -66,3 +66,59 @@ def test_wait_is_bounded_by_one_sync_and_by_a_stop():
     t = trainer(ScriptedSwarm(stuck, max_sync_s=3600.0), stop)
     Trainer._wait_until_past(t, 7, ["a", "b"])  # returns at once: stopped
     assert t.swarm.calls == 0
+
+
+def at_round(t: types.SimpleNamespace, round_: int) -> types.SimpleNamespace:
+    t.pos = types.SimpleNamespace(round=round_, step=0)
+    return t
+
+
+def test_after_a_round_it_waits_for_peers_finishing_the_same_round(monkeypatch):
+    # a and b were in the last quarter of round 7 (they finished the sync with this peer); z is
+    # early in round 7 (another group, slower): only a and b are waited for, until most published 8
+    swarm = ScriptedSwarm([record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
+                          [record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
+                          [record("a", 8, 0), record("b", 7, 19), record("z", 7, 3)],
+                          [record("a", 8, 0), record("b", 8, 0), record("z", 7, 4)])
+    t = at_round(trainer(swarm), 8)
+    monkeypatch.setattr(t.stop_event, "wait", lambda seconds: None)
+    Trainer._wait_for_peers_finishing(t)
+    assert swarm.calls == 4
+
+
+def test_no_wait_without_peers_finishing_the_previous_round():
+    for others in ([], [record("a", 8, 0)], [record("a", 7, 3)], [record("a", 6, 19)]):
+        swarm = ScriptedSwarm(others)
+        Trainer._wait_for_peers_finishing(at_round(trainer(swarm), 8))
+        assert swarm.calls == 1  # the first read found nobody to wait for
+
+
+def test_the_wait_for_finishing_peers_is_bounded(monkeypatch):
+    import peer.round as round_module
+
+    monkeypatch.setattr(round_module, "FINISHING_RECORD_WAIT_S", 0.0)
+    swarm = ScriptedSwarm([record("a", 7, 19)])  # never publishes round 8 (hung or gone)
+    Trainer._wait_for_peers_finishing(at_round(trainer(swarm), 8))
+    assert swarm.calls == 1
+    stop = threading.Event()
+    stop.set()
+    monkeypatch.setattr(round_module, "FINISHING_RECORD_WAIT_S", 3600.0)
+    Trainer._wait_for_peers_finishing(at_round(trainer(ScriptedSwarm([record("a", 7, 19)]), stop), 8))
+
+
+def test_the_evaluating_peer_starts_at_the_swarms_step():
+    class Swarm:
+        def __init__(self, now):
+            self.now = now
+
+        def step_now(self, round_, *, inner_steps, batch_size_tokens):
+            assert (round_, inner_steps) == (8, H)
+            return self.now
+
+    for now, before, after in ((6, 0, 6), (0, 0, 0), (3, 5, 5)):  # never moves back
+        t = at_round(types.SimpleNamespace(H=H, swarm=Swarm(now),
+                                           m=types.SimpleNamespace(inner_optimizer=types.SimpleNamespace(
+                                               batch_size_tokens=1024))), 8)
+        t.pos.step = before
+        Trainer._keep_pace(t)
+        assert t.pos.step == after

@@ -65,8 +65,8 @@ class Swarm:
 class Group:
     """Averages the payloads of each round's members in memory, token-weighted; every member gets
     the same tensors (as the all-reduce gives everyone the same bytes). A round's group closes when
-    ``members`` (or the expected size) joined, or ``matchmaking_s`` after its first member came; a
-    peer arriving after that finds no group."""
+    ``members`` (or the expected size) joined, or ``matchmaking_s`` after its first member came (a
+    member alone then finds no group); a peer arriving after that finds no group."""
 
     def __init__(self, members: int | None = None, matchmaking_s: float = 60.0):
         self.members, self.matchmaking_s, self.cond, self.rounds = members, matchmaking_s, threading.Condition(), {}
@@ -88,7 +88,10 @@ class Group:
             while entry["mean"] is None:
                 if should_stop():
                     raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
-                if time.monotonic() - entry["first"] > self.matchmaking_s and len(entry["in"]) > 1:
+                if time.monotonic() - entry["first"] > self.matchmaking_s:
+                    if len(entry["in"]) == 1:  # alone when the window closed: no group, as in matchmaking
+                        del entry["in"][peer_id]
+                        raise GroupNotFound(f"no groupmate came for round {round_} within {self.matchmaking_s} s")
                     self._close(entry)
                 self.cond.wait(0.05)
             return [t.clone() for t in entry["mean"]], {p: d for p, (_, _, d) in entry["in"].items()}
