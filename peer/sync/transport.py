@@ -26,10 +26,13 @@ from peer.state.download import StateDownload, validate_state
 from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
-from protocol.errors import AllreduceFailed, AllreduceIncomplete, BadPayload, GroupNotFound, SyncError
+from protocol.errors import AllreduceFailed, AllreduceIncomplete, BadPayload, GroupNotFound, NetworkError, SyncError
 from protocol.manifest import CompressionSpec, SyncSpec
 
 logger = logging.getLogger(__name__)
+
+AVERAGER_START_TIMEOUT_S = 120.0
+"""How long a peer waits for its averager process (hivemind, its own libp2p daemon) to get ready, s."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class NetworkTransport:
         uplink_mbps: this peer's assumed uplink, Mbit/s, until the first sync measured it.
         max_weight_tokens: the most tokens a groupmate's contribution may weigh, the run's
             ``H × batch_size_tokens`` (:func:`peer.sync.screening.round_token_cap`); None: no cap.
+
+    Raises:
+        NetworkError: the averager process was not ready within :data:`AVERAGER_START_TIMEOUT_S`
+            (it is shut down; the DHT node stays the caller's to shut down).
     """
 
     def __init__(self, dht, param_shapes: Sequence[torch.Size], payload_shapes: Sequence[torch.Size], run_id: str,
@@ -116,10 +123,19 @@ class NetworkTransport:
             allow_state_sharing=False,
             declare_state_period=10.0,
             client_mode=client_mode,
-            start=True,
+            start=False,
         )
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous_sigint)
+        try:
+            # hivemind's start=True waits for the averager process without a bound: a process that
+            # never gets ready would leave this peer hanging before its first round
+            self.averager.run_in_background(await_ready=True, timeout=AVERAGER_START_TIMEOUT_S)
+        except TimeoutError as exc:
+            self.averager.shutdown()
+            raise NetworkError(f"the averager process did not get ready within {AVERAGER_START_TIMEOUT_S:.0f} s "
+                               "(its libp2p daemon could not attach to the DHT's); start the peer again") from exc
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, previous_sigint)
         self.deadlines = DeadlinePolicy(sync)
 
     @property

@@ -12,7 +12,7 @@ from peer.sync.allreduce import AllreduceStats
 from peer.sync.averager import GroupOutcome
 from peer.sync.deadlines import DeadlinePolicy
 from peer.sync.transport import NetworkTransport
-from protocol.errors import AllreduceIncomplete, GroupNotFound, SyncError
+from protocol.errors import AllreduceIncomplete, GroupNotFound, NetworkError, SyncError
 from protocol.manifest import SyncSpec
 
 SHAPES = [torch.Size([3, 2])]
@@ -112,3 +112,23 @@ def test_no_group_is_not_retried_and_carries_the_bound():
     assert isinstance(info.value, SyncError)
     assert (info.value.bytes_sent, info.value.bytes_received) == (0, 0) and info.value.deadline_s > 0
     assert transport.averager.outcomes == [] and len(transport.averager.group_bits) == 1
+
+
+def test_an_averager_that_never_gets_ready_is_an_error_not_a_hang(monkeypatch):
+    import peer.sync.transport as transport_module
+
+    class NeverReady:
+        def __init__(self, *args, **kwargs):
+            self.shut = False
+
+        def run_in_background(self, await_ready=True, timeout=None):
+            assert await_ready and timeout == transport_module.AVERAGER_START_TIMEOUT_S  # bounded
+            raise TimeoutError()
+
+        def shutdown(self):
+            NeverReady.shut = True
+
+    monkeypatch.setattr(transport_module, "LocoAverager", NeverReady)
+    with pytest.raises(NetworkError, match="did not get ready within 120 s"):
+        NetworkTransport(object(), SHAPES, SHAPES, "run", SyncSpec())
+    assert NeverReady.shut  # its process is not left behind
