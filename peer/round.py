@@ -321,13 +321,17 @@ class Trainer:
                                        sync_s=time.monotonic() - start, deadline_s=getattr(exc, "deadline_s", 0.0),
                                        note=note, failed=True)
         # groupmates that started from this peer's state hold the same state after the round
-        agreeing = [p for p, d in (result.start_digests or {}).items() if d == start_digest]
-        completed = [p for p in result.group if p != self.peer_id]
+        refused = set(getattr(result, "refused", ()))  # owners whose means it refused vouch for nothing
+        agreeing = [p for p, d in (result.start_digests or {}).items() if d == start_digest and p not in refused]
+        completed = [p for p in result.group if p != self.peer_id and p not in refused]
         note = ""
+        if refused:
+            note = (f"refused the means of {getattr(result, 'refused_pieces', 0)} piece(s) from "
+                    f"{', '.join(sorted(refused))} (applied as zeros / own values)")
         if result.excluded or result.partial_pieces:
             agreeing = completed = []  # which groupmates completed is not known here
-            note = (f"{result.partial_pieces} piece(s) averaged without a failed groupmate "
-                    f"({result.excluded} excluded here)")
+            note = "; ".join(filter(None, [note, f"{result.partial_pieces} piece(s) averaged without a failed "
+                                                 f"groupmate ({result.excluded} excluded here)"]))
         return result.mean, SyncReport(group_size=result.group_size, group=tuple(result.group),
                                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                                        sync_s=result.seconds, deadline_s=result.deadline_s, attempts=result.attempts,

@@ -30,6 +30,12 @@ Rules on failure (checked, never assumed):
   *excluded* by that owner: the owner's remaining means average the other senders only, with their
   weights, and each MEAN frame names the senders it includes. Every receiver gets the same bytes,
   so φ stays identical among the peers that complete.
+* A receiver checks every mean an owner sends against its own contribution to that piece
+  (peer/sync/screening.py ``owner_mean_problem``: norm within 3x its own reference norm; for Δ
+  pieces, the mean holds its own share). A mean that fails is *refused*: the piece is applied as
+  zeros (Δ: every honest receiver refusing the same bytes applies the same, so their φ stay
+  identical) or as this peer's own values (φ, NoLoCo), and the owner is named in the stats (no
+  voucher; struck like a sender whose contribution was clipped).
 * A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
   nothing from the round: :class:`~protocol.errors.PartialAverage` is raised, the tensors are left
   unchanged and the error-feedback residuals are rolled back. The caller falls back to its own
@@ -48,7 +54,7 @@ from typing import Callable, Sequence
 import torch
 
 from peer.sync.pieces import GroupPlan, Piece, piece_shape, piece_view
-from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median
+from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median, owner_mean_problem
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.wire import allreduce as frames
@@ -75,6 +81,11 @@ class AllreduceStats:
     """Senders whose contribution this owner clipped to the median norm, with how many pieces."""
     dropped: set[int] = field(default_factory=set)
     """Senders this owner excluded for an invalid contribution (non-finite, malformed), not for silence."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Owners (peer ids) whose mean of some piece this peer refused as a receiver (``owner_mean_problem``), with
+    the first reason; those pieces were applied as zeros (Δ) or this peer's own values (φ)."""
+    refused_pieces: int = 0
+    """Pieces whose owner's mean this peer refused."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
@@ -97,13 +108,16 @@ class GroupAllreduce:
             a HELLO claiming more is cut to it. None: no cap.
         ignored: groupmates (indices) whose contributions this owner leaves out of its means from the
             start (peer/sync/screening.py ``Strikes``); they still receive the means.
+        phi_from: index of the first tensor that is φ, not Δ (NoLoCo), or None: how a refused
+            mean is replaced (zeros for Δ, own values for φ) and which check applies.
     """
 
     def __init__(self, plan: GroupPlan, tensors: Sequence[torch.Tensor], *, weight: float,
                  compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
                  stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
                  open_stream, next_chunk_timeout: float, executor: Executor | None = None,
-                 max_weight: float | None = None, ignored: frozenset[int] = frozenset()):
+                 max_weight: float | None = None, ignored: frozenset[int] = frozenset(),
+                 phi_from: int | None = None):
         if max_weight is not None and not max_weight > 0:
             raise ValueError(f"max_weight = {max_weight!r}: expected a number of tokens > 0 or None")
         self.plan, self.tensors, self.weight = plan, list(tensors), float(weight)
@@ -129,6 +143,10 @@ class GroupAllreduce:
         self._mean_frames: dict[int, asyncio.Future] = {p.index: asyncio.get_running_loop().create_future()
                                                         for p in self.my_pieces}
         self.results: dict[int, torch.Tensor] = {}
+        self.phi_from = phi_from
+        self._sent: dict[int, torch.Tensor] = {}
+        """Per piece sent to another owner: this peer's contribution as that owner decodes it (bf16
+        for lossy codecs, to halve the copy), to check the owner's mean against."""
         self._start = time.monotonic()
         self.stats.started_at = time.time()
 
@@ -323,10 +341,33 @@ class GroupAllreduce:
         if self.plan.codecs[piece.index].lossy:
             data, decoded = self._roundtrip(piece, x)
             self.stage(piece, x, decoded)
+            self._sent[piece.index] = decoded.to(torch.bfloat16)
         else:
             data = self.plan.codecs[piece.index].encode(x, seed=self.plan.seeds[piece.index])
             self.stage(piece, x, x)
+            self._sent[piece.index] = x
         return frames.encode_piece(piece.index, data)
+
+    def _checked_mean(self, owner: int, piece: Piece, value: torch.Tensor, included: list[bool]) -> torch.Tensor:
+        """``value`` (the owner's decoded mean of ``piece``) if :func:`owner_mean_problem` accepts it
+        against this peer's contribution, else its replacement (zeros for Δ, own values for φ)."""
+        mine = self._sent.pop(piece.index, None)
+        if mine is None:
+            return value
+        mine = mine.float()
+        delta = self.phi_from is None or piece.tensor < self.phi_from
+        me_in = included[self.plan.my_index]
+        problem = owner_mean_problem(value, mine, weight=self.weight, included=sum(included),
+                                     max_weight=self.max_weight, holds_delta=delta and me_in)
+        if problem is None:
+            return value
+        self.stats.refused_pieces += 1
+        if str(self.plan.peer_ids[owner]) not in self.stats.refused:
+            self.stats.refused[str(self.plan.peer_ids[owner])] = problem
+            logger.warning("all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; applying %s for "
+                           "its pieces that fail", self.plan.group_id.hex()[:8], piece.index, owner,
+                           self.plan.peer_ids[owner], problem, "zeros" if delta else "this peer's own values")
+        return torch.zeros_like(value) if delta else mine
 
     async def _exchange_with(self, owner: int) -> None:
         pieces = self.pieces_by_owner[owner]
@@ -353,7 +394,8 @@ class GroupAllreduce:
                     included, data = frames.parse_mean(payload, expected_index=piece.index, group_size=n)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     self.stats.partial_pieces += not all(included)
-                    self.results[piece.index] = value
+                    self.results[piece.index] = await self._off_loop(self._checked_mean, owner, piece, value,
+                                                                     included)
                 await send_task
             finally:
                 send_task.cancel()

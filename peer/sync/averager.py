@@ -328,7 +328,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                                          next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor(),
                                          max_weight=self.max_weight_tokens,
                                          ignored=frozenset(i for i, p in enumerate(group_info.peer_ids)
-                                                           if p in ignored))
+                                                           if p in ignored), phi_from=self.phi_from)
                 if not future.done():
                     future.set_result(session)
                 # Our own deadline, a second before hivemind's: when it passes (a groupmate hangs with
@@ -370,8 +370,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
 
     def _strike(self, session: GroupAllreduce, round_: int) -> None:
         """Count a strike against each groupmate whose contribution ``session`` (of round ``round_``)
-        clipped or dropped."""
+        clipped or dropped, and each owner whose mean it refused."""
         offenders = [session.plan.peer_ids[s] for s in set(session.stats.clipped) | session.stats.dropped]
+        offenders += [p for p in session.plan.peer_ids if str(p) in session.stats.refused and p not in offenders]
         for peer in self._strikes.record(round_, offenders):
             logger.warning("ignoring groupmate %s for %d rounds: its contributions were clipped or dropped in %d of "
                            "the last %d rounds", peer, self._strikes.ignore_rounds, self._strikes.strikes,

@@ -65,6 +65,11 @@ class SyncResult:
     """Of that, until this peer's last piece was written, s."""
     allreduce_started_at: float = 0.0
     """``time.time()`` when this peer started the (last attempt's) all-reduce."""
+    refused: tuple[str, ...] = ()
+    """Owners (peer ids) whose mean of some piece this peer refused (peer/sync/screening.py
+    ``owner_mean_problem``): those pieces were applied as zeros (Δ) or own values (φ)."""
+    refused_pieces: int = 0
+    """Pieces whose owner's mean this peer refused."""
     start_digests: dict[str, str] | None = None
     """Each groupmate's digest of the state it started the round from (peer id → hex): groupmates
     that started from the same state and completed the round hold the same state after it."""
@@ -267,7 +272,8 @@ class NetworkTransport:
                           bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
                           seconds=time.monotonic() - start, deadline_s=d.total_s, excluded=len(stats.excluded),
                           partial_pieces=stats.partial_pieces, allreduce_s=stats.seconds, send_s=stats.send_seconds,
-                          allreduce_started_at=stats.started_at,
+                          allreduce_started_at=stats.started_at, refused=tuple(sorted(stats.refused)),
+                          refused_pieces=stats.refused_pieces,
                           start_digests={str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict)
                                          else "" for peer, data in gathered.items()})
 

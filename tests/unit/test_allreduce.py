@@ -39,7 +39,8 @@ class Peer:
         await self.session.serve(hello.sender, payload, reader, writer)
 
 
-async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None, dead_owner=None, timeout=1.0):
+async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None, dead_owner=None, timeout=1.0,
+                     piece_elements=64, max_weight=None, liar=None, phi_from=None):
     n = len(payloads)
     with tempfile.TemporaryDirectory() as tmp:
         peers = [Peer(i, Path(tmp)) for i in range(n)]
@@ -47,7 +48,7 @@ async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None,
             if p.index != dead_owner:
                 await p.start()
         shapes = [t.shape for t in payloads[0]]
-        pieces = plan_pieces(shapes, owners=list(range(n)), piece_elements=64)
+        pieces = plan_pieces(shapes, owners=list(range(n)), piece_elements=piece_elements)
         shapes_of_pieces = [piece_shape(shapes[p.tensor], p) for p in pieces]
         piece_codecs = [codecs.make_codec(spec, s) for s in shapes_of_pieces]
         sessions = []
@@ -62,7 +63,10 @@ async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None,
 
             session = GroupAllreduce(plan, [t.clone() for t in payloads[i]], weight=weights[i],
                                      compensate=lambda piece, x: x, stage=lambda *a: None,
-                                     open_stream=open_stream, next_chunk_timeout=timeout)
+                                     open_stream=open_stream, next_chunk_timeout=timeout, max_weight=max_weight,
+                                     phi_from=phi_from)
+            if liar is not None and i == liar[0]:
+                session._mean_of = _lying(session, liar[1])
             if corrupt is not None and i == corrupt[0]:
                 original = session._encode_contribution
 
@@ -83,6 +87,17 @@ async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None,
             if p.server is not None:
                 p.server.close()
         return live, outcomes
+
+
+def _lying(session, forge):
+    """``session._mean_of`` of an owner that sends ``forge(honest mean)`` instead of the mean."""
+    honest = session._mean_of
+
+    def mean_of(piece, parts, included):
+        _, value, clipped = honest(piece, parts, included)
+        data, forged = session._roundtrip(piece, forge(value), session.plan.mean_codecs[piece.index])
+        return frames.encode_mean(piece.index, included, data), forged, clipped
+    return mean_of
 
 
 def _expected(payloads, weights, members):
@@ -185,3 +200,59 @@ def test_topk_owner_compresses_its_own_rows_so_the_mean_stays_exact():
         want = sum(decoded) / n  # the mean of what every peer's codec kept, the owner's included
         got = sessions[0].tensors[piece.tensor][piece.start:piece.stop]
         assert torch.allclose(got, want, atol=1e-2, rtol=1e-2), piece
+
+
+LIE_SHAPES = [torch.Size([64, 16]), torch.Size([512])]
+
+
+@pytest.mark.parametrize("forge", ["flip", "x100", "zeros", "noise"])
+def test_a_lying_owners_pieces_are_refused_by_every_honest_receiver(forge):
+    n, liar = 4, 1
+    gen = torch.Generator().manual_seed(3)
+    common = [torch.randn(s, generator=gen) for s in LIE_SHAPES]  # Δs of one model: correlated
+    payloads = [[c + 0.5 * torch.randn(c.shape, generator=gen) for c in common] for _ in range(n)]
+    forges = {"flip": lambda m: -m, "x100": lambda m: 100 * m, "zeros": torch.zeros_like,
+              "noise": lambda m: torch.randn(m.shape, generator=gen) * m.norm() / m.numel() ** 0.5}
+    sessions, outcomes = asyncio.run(_run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0,
+                                                liar=(liar, forges[forge])))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    honest = [s for s in sessions if s.plan.my_index != liar]
+    expected = _expected(payloads, [100.0] * n, range(n))
+    for s in honest:
+        assert list(s.stats.refused) == [str(liar)] and s.stats.refused_pieces > 0
+        for piece in s.plan.pieces:
+            got = s.tensors[piece.tensor][piece.start:piece.stop]
+            if piece.owner == liar:
+                assert torch.equal(got, torch.zeros_like(got))  # refused: zeros, the same on every receiver
+            else:
+                assert torch.allclose(got, expected[piece.tensor][piece.start:piece.stop], atol=1e-5)
+        for got, first in zip(s.tensors, honest[0].tensors):
+            assert torch.equal(got, first)  # the honest receivers still agree bit for bit
+
+
+def test_honest_owners_means_are_never_refused():
+    n = 5
+    gen = torch.Generator().manual_seed(4)
+    common = [torch.randn(s, generator=gen) for s in LIE_SHAPES]
+    payloads = [[c + 0.5 * torch.randn(c.shape, generator=gen) for c in common] for _ in range(n)]
+    weights = [100.0, 100.0, 60.0, 100.0, 10.0]  # a short round (a joiner) among them
+    sessions, outcomes = asyncio.run(_run_group(payloads, weights, piece_elements=256, max_weight=100.0))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert all(not s.stats.refused and s.stats.refused_pieces == 0 for s in sessions)
+    for s in sessions:
+        for got, first in zip(s.tensors, sessions[0].tensors):
+            assert torch.equal(got, first)
+
+
+def test_a_refused_phi_piece_keeps_the_receivers_own_values():
+    n, liar = 3, 2
+    gen = torch.Generator().manual_seed(5)
+    common = [torch.randn(s, generator=gen) for s in LIE_SHAPES]
+    payloads = [[c + 0.1 * torch.randn(c.shape, generator=gen) for c in common] for _ in range(n)]
+    sessions, _ = asyncio.run(_run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0,
+                                         liar=(liar, lambda m: 1e3 * m), phi_from=1))  # tensor 1 is φ
+    for s in (x for x in sessions if x.plan.my_index != liar):
+        for piece in (p for p in s.plan.pieces if p.owner == liar):
+            got = s.tensors[piece.tensor][piece.start:piece.stop]
+            own = payloads[s.plan.my_index][piece.tensor][piece.start:piece.stop]
+            assert torch.equal(got, own if piece.tensor == 1 else torch.zeros_like(got))

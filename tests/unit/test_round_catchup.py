@@ -122,3 +122,21 @@ def test_the_evaluating_peer_starts_at_the_swarms_step():
         t.pos.step = before
         Trainer._keep_pace(t)
         assert t.pos.step == after
+
+
+def test_an_owner_whose_means_were_refused_vouches_for_nothing():
+    import torch
+
+    from peer.sync.transport import SyncResult
+    from peer.train.outer import GroupChoice
+
+    class Transport:
+        def average(self, payload, **kwargs):
+            return SyncResult(mean=[t.clone() for t in payload], group=["a", "b", "c"], group_size=3, bytes_sent=1,
+                              bytes_received=1, seconds=0.1, refused=("c",), refused_pieces=2,
+                              start_digests={"a": "d", "b": "d", "c": "d"})
+
+    t = types.SimpleNamespace(transport=Transport(), stop_event=threading.Event(), peer_id="a")
+    _, report = Trainer._sync(t, [torch.ones(3)], GroupChoice(expected_size=3), "d", round_=4, weight=1.0)
+    assert report.completed == ("b",) and set(report.agreeing) == {"a", "b"}
+    assert "refused the means of 2 piece(s) from c" in report.note

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median, median_norm, norm, round_token_cap
+from peer.sync.screening import (CLIP_MEDIAN_FACTOR, OWNER_CHECK_MIN_ELEMENTS, cap_weight, clip_to_median, median_norm,
+                                 norm, owner_mean_problem, round_token_cap, share_floor)
 from protocol.manifest import RunManifest
 
 
@@ -54,3 +55,47 @@ def test_a_mid_round_joiner_does_not_get_its_full_round_groupmate_clipped():
     # ... while a full-weight groupmate ten times longer than its peer still is clipped
     out, clipped = clip_to_median([(full, torch.full((8,), 1.0)), (full, torch.full((8,), 10.0))])
     assert clipped == [1] and abs(norm(out[1][1]) - CLIP_MEDIAN_FACTOR * norm(torch.full((8,), 1.0))) < 1e-4
+
+
+def _group(n, seed, spread=0.5, size=1024):
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(size, generator=gen)
+    return [common + spread * torch.randn(size, generator=gen) for _ in range(n)]
+
+
+def test_share_floor_counts_every_other_weight_at_the_cap():
+    assert share_floor(100.0, 4, 100.0) == 0.25
+    assert share_floor(50.0, 2, 100.0) == 50.0 / 150.0
+    assert share_floor(1e30, 2, 100.0) == 0.5  # a claim over the cap counts as the cap
+    assert share_floor(100.0, 4, None) is None
+
+
+def test_an_honest_mean_passes_for_every_member_even_a_short_round():
+    xs = _group(6, 0)
+    weights = [100.0] * 5 + [5.0]  # the last joined late: a short Δ
+    xs[5] = xs[5] * 0.05
+    total = sum(weights)
+    mean = sum(x * (w / total) for x, w in zip(xs, weights))
+    for x, w in zip(xs, weights):
+        assert owner_mean_problem(mean, x, weight=w, included=6, max_weight=100.0) is None
+
+
+def test_forged_means_are_refused_with_a_reason():
+    xs = _group(4, 1)
+    mean = sum(xs) / 4
+    x = xs[0]
+    gen = torch.Generator().manual_seed(9)
+    for forged, words in ((-mean, "does not hold"), (100 * mean, "exceeds"), (torch.zeros_like(mean), "does not hold"),
+                          (torch.randn(mean.shape, generator=gen) * norm(mean) / mean.numel() ** 0.5, "does not hold")):
+        problem = owner_mean_problem(forged, x, weight=100.0, included=4, max_weight=100.0)
+        assert problem is not None and words in problem
+    # φ pieces (NoLoCo) get the norm check only
+    assert owner_mean_problem(-mean, x, weight=100.0, included=4, max_weight=100.0, holds_delta=False) is None
+    assert owner_mean_problem(100 * mean, x, weight=100.0, included=4, max_weight=100.0, holds_delta=False)
+
+
+def test_small_pieces_and_zero_contributions_are_not_judged():
+    small = torch.ones(OWNER_CHECK_MIN_ELEMENTS - 1)
+    assert owner_mean_problem(-1e6 * small, small, weight=1.0, included=2, max_weight=1.0) is None
+    zero = torch.zeros(OWNER_CHECK_MIN_ELEMENTS)
+    assert owner_mean_problem(torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0) is None
