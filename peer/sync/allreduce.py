@@ -54,7 +54,8 @@ from typing import Callable, Sequence
 import torch
 
 from peer.sync.pieces import GroupPlan, Piece, piece_shape, piece_view
-from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median, owner_mean_problem
+from peer.sync.screening import (CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median, owner_mean_problem,
+                                 phi_contribution_problem)
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.wire import allreduce as frames
@@ -288,6 +289,14 @@ class GroupAllreduce:
                         last_change = time.monotonic()
                     except asyncio.TimeoutError:
                         pass
+            if self.phi_from is not None and piece.tensor >= self.phi_from and slots[me] is not None:
+                # NoLoCo's φ: a contribution far from this owner's own φ is left out (and struck)
+                for s in range(n):
+                    if s != me and s not in self._excluded and slots[s] is not None:
+                        problem = phi_contribution_problem(slots[s][1], slots[me][1])
+                        if problem is not None:
+                            self.stats.dropped.add(s)
+                            await self._exclude(s, f"piece {piece.index}: {problem}")
             included = [s not in self._excluded and slots[s] is not None for s in range(n)]
             parts = [slots[s] for s in range(n) if included[s]]
             self.stats.partial_pieces += not all(included)
@@ -358,7 +367,7 @@ class GroupAllreduce:
         delta = self.phi_from is None or piece.tensor < self.phi_from
         me_in = included[self.plan.my_index]
         problem = owner_mean_problem(value, mine, weight=self.weight, included=sum(included),
-                                     max_weight=self.max_weight, holds_delta=delta and me_in)
+                                     max_weight=self.max_weight, phi=not delta, included_self=me_in)
         if problem is None:
             return value
         self.stats.refused_pieces += 1

@@ -161,6 +161,10 @@ OWNER_CHECK_MIN_ELEMENTS = 256
 """Pieces smaller than this are not checked by :func:`owner_mean_problem`: over a few dozen values
 the honest ratios vary too much to tell (a scalar's mean may be 10x its own contribution)."""
 OWNER_SHARE_FACTOR = 0.25
+PHI_DRIFT_FACTOR = 0.45
+"""A receiver refuses an owner's mean of a φ piece (NoLoCo) farther than this fraction of its own φ's
+norm from its own φ. Measured honest drift of the mean from a receiver's φ: at most 0.21 (bench
+run, 8 peers, 10 rounds, lab/simulation.py); a partner sending φ = 0 moves a pair's mean 0.5."""
 """A receiver refuses an owner's mean of a Δ piece whose projection on its own contribution is below
 this fraction of what its own share alone puts there (see :func:`owner_mean_problem`)."""
 
@@ -176,7 +180,8 @@ def share_floor(weight: float, included: int, max_weight: float | None) -> float
 
 
 def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight: float, included: int,
-                       max_weight: float | None, holds_delta: bool = True) -> str | None:
+                       max_weight: float | None, phi: bool = False, included_self: bool = True,
+                       holds_delta: bool | None = None) -> str | None:
     """Why a receiver refuses the mean of one piece that its owner sent, or None to accept it.
 
     Only the owner of a piece sees every contribution to it, so a lying owner could send any finite
@@ -191,7 +196,9 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
        this receiver's own contribution (an honest mean gives m·x ≥ share × ‖x‖² plus the other
        peers' projections, which are positive for pseudo-gradients of one model: measured 1.17 to
        7.5 × share × ‖x‖² in lab/simulation.py on the tiny and bench runs); catches sign-flipped,
-       zeroed, random and replaced means. φ pieces (NoLoCo) get only check 1.
+       zeroed, random and replaced means (only when the owner says it included this receiver);
+    3. for φ pieces (NoLoCo, which averages φ itself), ``‖m − x‖ ≤`` :data:`PHI_DRIFT_FACTOR`
+       ``× ‖x‖``: replicas drift apart slowly, a mean pulled toward 0 or another model does not.
 
     Measured honest margins: ‖m‖ / (‖x‖ w_max / w) at most 1.79 (tiny, 8 peers), 1.12 (bench).
 
@@ -201,13 +208,18 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
         included: contributions the owner says it included, this one among them.
         max_weight: the run's cap on a weight (``H × batch_size_tokens``); None: check 1 uses
             ``w_max / w = 1`` and check 2 is skipped (no share floor is known).
-        holds_delta: False for φ pieces (NoLoCo): only check 1.
+        phi: the piece is of φ (NoLoCo): checks 1 and 3.
+        included_self: the owner's MEAN frame names this receiver among the included senders
+            (else check 2 is skipped: the mean need not hold its contribution).
+        holds_delta: the same as ``phi=not holds_delta`` (lab/simulation.py's name for it).
 
     Returns:
         None, or a one-line reason naming the measured and allowed values. A zero contribution
         (nothing to compare with) and a piece of fewer than :data:`OWNER_CHECK_MIN_ELEMENTS`
         values are never refused.
     """
+    if holds_delta is not None:
+        phi = not holds_delta
     if contribution.numel() < OWNER_CHECK_MIN_ELEMENTS:
         return None
     x_norm = norm(contribution)
@@ -218,11 +230,37 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
     allowed = OWNER_NORM_FACTOR * x_norm * scale
     if not m_norm <= allowed:
         return f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({OWNER_NORM_FACTOR:g}x this peer's reference norm)"
-    floor = share_floor(weight, included, max_weight) if holds_delta else None
+    if phi:
+        drift = norm(mean - contribution)
+        if not drift <= PHI_DRIFT_FACTOR * x_norm:
+            return (f"it is {drift:.4g} away from this peer's φ, more than {PHI_DRIFT_FACTOR:g}x its norm "
+                    f"{x_norm:.4g}")
+        return None
+    floor = share_floor(weight, included, max_weight) if included_self else None
     if floor is not None:
         projection = float(torch.dot(mean.flatten().double(), contribution.flatten().double()))
         needed = OWNER_SHARE_FACTOR * floor * x_norm ** 2
         if not projection >= needed:
             return (f"it does not hold this peer's contribution: projection {projection:.4g} < {needed:.4g} "
                     f"({OWNER_SHARE_FACTOR:g} x its share floor {floor:.3g} x |x|^2)")
+    return None
+
+
+def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor) -> str | None:
+    """Why an owner leaves a groupmate's φ contribution (NoLoCo) out of its mean, or None.
+
+    NoLoCo averages φ itself, so a partner that sends φ = 0 (or another model) pulls the owner's mean
+    halfway there, inside every norm bound. Replicas drift apart slowly: a contribution farther
+    than 2 × :data:`PHI_DRIFT_FACTOR` × ‖own‖ from the owner's own φ (fp32, same shape) is refused
+    (twice the receiver's bound, since a pair's mean lies halfway). Pieces under
+    :data:`OWNER_CHECK_MIN_ELEMENTS` values and a zero own φ are not judged.
+    """
+    if own.numel() < OWNER_CHECK_MIN_ELEMENTS:
+        return None
+    own_norm = norm(own)
+    if not own_norm > 0 or not math.isfinite(own_norm):
+        return None
+    drift = norm(contribution - own)
+    if not drift <= 2 * PHI_DRIFT_FACTOR * own_norm:
+        return f"its φ is {drift:.4g} away from this owner's, more than {2 * PHI_DRIFT_FACTOR:g}x its norm {own_norm:.4g}"
     return None

@@ -256,3 +256,23 @@ def test_a_refused_phi_piece_keeps_the_receivers_own_values():
             got = s.tensors[piece.tensor][piece.start:piece.stop]
             own = payloads[s.plan.my_index][piece.tensor][piece.start:piece.stop]
             assert torch.equal(got, own if piece.tensor == 1 else torch.zeros_like(got))
+
+
+def test_a_phi_contribution_far_from_the_owners_is_left_out():
+    # NoLoCo: tensor 1 is φ (its pieces owned by peer 2); peer 0 sends φ = 0 (pulling a mean halfway to zero)
+    n, attacker = 3, 0
+    gen = torch.Generator().manual_seed(6)
+    common = [torch.randn(s, generator=gen) for s in LIE_SHAPES]
+    payloads = [[c + 0.05 * torch.randn(c.shape, generator=gen) for c in common] for _ in range(n)]
+    payloads[attacker][1] = torch.zeros(LIE_SHAPES[1])
+    sessions, outcomes = asyncio.run(_run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0,
+                                                phi_from=1))
+    owners = {p.owner for p in sessions[0].plan.pieces if p.tensor == 1}
+    assert owners - {attacker}  # an honest owner holds φ pieces
+    for s in sessions:
+        if s.plan.my_index in owners - {attacker}:
+            assert attacker in s.stats.dropped and attacker in s.stats.excluded
+    honest_phi = (payloads[1][1] + payloads[2][1]) / 2
+    for s in sessions[1:]:
+        for piece in (p for p in s.plan.pieces if p.tensor == 1 and p.owner != attacker):
+            assert torch.allclose(s.tensors[1][piece.start:piece.stop], honest_phi[piece.start:piece.stop], atol=1e-6)

@@ -89,9 +89,20 @@ def test_forged_means_are_refused_with_a_reason():
                           (torch.randn(mean.shape, generator=gen) * norm(mean) / mean.numel() ** 0.5, "does not hold")):
         problem = owner_mean_problem(forged, x, weight=100.0, included=4, max_weight=100.0)
         assert problem is not None and words in problem
-    # φ pieces (NoLoCo) get the norm check only
-    assert owner_mean_problem(-mean, x, weight=100.0, included=4, max_weight=100.0, holds_delta=False) is None
-    assert owner_mean_problem(100 * mean, x, weight=100.0, included=4, max_weight=100.0, holds_delta=False)
+    # a mean that leaves this receiver out need not hold its contribution: norm check only
+    assert owner_mean_problem(-mean, x, weight=100.0, included=4, max_weight=100.0, included_self=False) is None
+    assert owner_mean_problem(100 * mean, x, weight=100.0, included=4, max_weight=100.0, included_self=False)
+
+
+def test_phi_pieces_may_drift_a_little_not_toward_zero():
+    gen = torch.Generator().manual_seed(2)
+    phi = torch.randn(1024, generator=gen)
+    partner = phi + 0.2 * torch.randn(1024, generator=gen)  # replicas apart by 20 % of the norm
+    assert owner_mean_problem((phi + partner) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
+    pulled = (phi + torch.zeros_like(phi)) / 2  # a partner that sends φ = 0
+    assert "away from this peer's φ" in owner_mean_problem(pulled, phi, weight=1.0, included=2, max_weight=1.0,
+                                                            phi=True)
+    assert owner_mean_problem(-phi, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
 
 
 def test_small_pieces_and_zero_contributions_are_not_judged():
