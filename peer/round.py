@@ -574,7 +574,7 @@ class Trainer:
             round_tokens=self.pos.tokens, names=self.names, phi=self.phi, momentum=self.outer.state_tensors(),
             theta=self._theta_on_host(), adam_exp_avg=adam and adam["exp_avg"],
             adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0,
-            residuals=residuals, data=self.inner.sampler.state()))
+            residuals=residuals, data=self.inner.sampler.state(), vouchers=self._vouching.ledger.as_dict()))
         return str(self.cfg.checkpoint_path)
 
     def _restore(self, path: Path) -> None:
@@ -592,6 +592,8 @@ class Trainer:
                                         "step": state.adam_step})
         self.pos.start_round(state.round, state.round_step)
         self.pos.tokens = state.round_tokens
+        if state.vouchers:
+            self._vouching.ledger.load(state.vouchers)  # validated by load_checkpoint
         residuals, problems = restore_extras(state, load_residuals=self.transport.load_error_feedback,
                                              sampler=self.inner.sampler)
         for problem in problems:

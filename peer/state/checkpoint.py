@@ -13,6 +13,7 @@ torn file.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ class PeerState:
     """Error-feedback residuals, one per parameter (None: the codec keeps none, or none yet)."""
     data: SamplerState | None = None
     """Where this peer's data sampler stands (None: not saved; format 1)."""
+    vouchers: dict[str, int] | None = None
+    """This peer's ledger of vouchers (peer/state/vouching.py: peer id → round first seen in a completed
+    group); None: not saved (older files)."""
     upgrade_note: str | None = None
     """Set by :func:`load_checkpoint` for an older format: what the file lacked, for a warning."""
 
@@ -82,6 +86,8 @@ def save_checkpoint(path: Path, state: PeerState) -> None:
         "round_tokens": str(state.round_tokens), "adam_step": str(state.adam_step),
         "names": ",".join(state.names),
     }
+    if state.vouchers is not None:
+        metadata["vouchers"] = json.dumps(state.vouchers, sort_keys=True)
     if state.data is not None:
         tensors["data.rng"] = state.data.rng.detach().to("cpu").contiguous().clone()
         metadata.update(data_seed=str(state.data.seed), batches_drawn=str(state.data.batches_drawn))
@@ -160,6 +166,7 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
         rng = tensors.get("data.rng")
         data = None if rng is None else SamplerState(seed=int(metadata["data_seed"]),
                                                       batches_drawn=int(metadata["batches_drawn"]), rng=rng)
+        vouchers = _vouchers(metadata.get("vouchers"))
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed metadata ({exc})") from exc
     if data is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
@@ -168,9 +175,24 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
     return PeerState(run_id=run_id, names=names, phi=group("phi"), momentum=group("momentum"),
                      theta=group("theta"), adam_exp_avg=group("adam_exp_avg", False),
                      adam_exp_avg_sq=group("adam_exp_avg_sq", False), residuals=group("residual", False),
-                     data=data, **position,
+                     data=data, vouchers=vouchers, **position,
                      upgrade_note=None if version == FORMAT_VERSION else
                      f"checkpoint {path} is of format {version}: {_OLDER_FORMATS[version]}")
+
+
+def _vouchers(text: str | None) -> dict[str, int] | None:
+    """The ``vouchers`` metadata: JSON object peer id → round >= 0, or None when absent.
+
+    Raises:
+        ValueError: not such an object.
+    """
+    if text is None:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
+                                              for k, v in value.items()):
+        raise ValueError("vouchers: expected a JSON object of peer id -> round >= 0")
+    return value
 
 
 def fetch_residuals(fetch: Callable[[], list[torch.Tensor] | None]) -> tuple[list[torch.Tensor] | None, str | None]:

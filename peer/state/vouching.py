@@ -72,6 +72,25 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._first)
 
+    def as_dict(self) -> dict[str, int]:
+        """Peer id → round of the first completed group with it (for a checkpoint)."""
+        return dict(self._first)
+
+    def load(self, first: Mapping[str, int]) -> None:
+        """Merge a ledger saved by :meth:`as_dict` (a restarted peer keeps its vouchers).
+
+        Raises:
+            ValueError: a peer id that is not a non-empty string or a round that is not an int >= 0;
+                the ledger is left unchanged.
+        """
+        items = list(first.items())
+        for peer, round_ in items:
+            if not isinstance(peer, str) or not peer or isinstance(round_, bool) or not isinstance(round_, int) \
+                    or round_ < 0:
+                raise ValueError(f"ledger entry {peer!r}: {round_!r}: expected a peer id and a round >= 0")
+        for peer, round_ in items:
+            self.record_group(round_, [peer])
+
 
 def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset[str]:
     """Peers vouched for by a peer that completed a round with them: ``p`` counts when some other

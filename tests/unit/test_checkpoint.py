@@ -227,3 +227,34 @@ def test_kill_9_during_writes_never_leaves_a_torn_checkpoint(tmp_path):
     # the next write clears what the killed writes left behind
     save_checkpoint(path, make_state())
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+def test_the_ledger_of_vouchers_survives_a_restart(tmp_path):
+    import dataclasses
+    import json
+
+    from peer.state.vouching import Ledger
+
+    ledger = Ledger()
+    ledger.record_group(4, ["12D3KooWa", "12D3KooWb"])
+    ledger.record_group(2, ["12D3KooWb"])
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, dataclasses.replace(make_state(), vouchers=ledger.as_dict()))
+    restored = Ledger()
+    restored.load(load(path).vouchers)
+    assert restored.vouchers(5) == {"12D3KooWa", "12D3KooWb"} and restored.vouchers(3) == {"12D3KooWb"}
+    save_checkpoint(path, make_state())  # none saved: none loaded
+    assert load(path).vouchers is None
+    for bad in ('["x"]', '{"p": -1}', '{"p": "3"}', '{"p": true}', "{"):
+        save_checkpoint(path, make_state())
+        from safetensors import safe_open
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata())
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta["vouchers"] = bad
+        save_file(tensors, str(path), metadata=meta)
+        with pytest.raises(CheckpointError, match="malformed metadata"):
+            load(path)
+    with pytest.raises(ValueError, match="expected a peer id"):
+        Ledger().load({"": 1})
+    assert json.loads(json.dumps(ledger.as_dict())) == {"12D3KooWa": 4, "12D3KooWb": 2}
