@@ -127,7 +127,7 @@ class SwarmMonitor:
                 continue
             self._devices_read_at[run_id] = time.monotonic()
             try:
-                records = read_devices(self.dht, run_id)
+                records = read_devices(self.dht, run_id, prefer={item.peer_id for item in items})
             except LocoError as exc:
                 logger.debug("no device records for run %s: %s", run_id, exc)
                 continue

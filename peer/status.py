@@ -28,9 +28,9 @@ def _manifest_or_none(dht, run_id: str):
         return None
 
 
-def _devices_or_empty(dht, run_id: str) -> dict:
+def _devices_or_empty(dht, run_id: str, peers=()) -> dict:
     try:
-        return read_devices(dht, run_id)
+        return read_devices(dht, run_id, prefer={p.peer_id for p in peers})  # peers with records first
     except LocoError as exc:  # the DHT did not answer in time: the table shows no devices
         logger.debug("no device records for run %s: %s", run_id, exc)
         return {}
@@ -73,7 +73,7 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
     out = []
     for rid, name in sorted(runs.items()):
         manifest = _manifest_or_none(dht, rid) if found.get(rid) else None
-        devices = _devices_or_empty(dht, rid) if found.get(rid) else {}
+        devices = _devices_or_empty(dht, rid, found[rid]) if found.get(rid) else {}
         now = get_dht_time()
         peers = []
         for item in found.get(rid, []):

@@ -221,7 +221,8 @@ class AddressKeeper(swarm_dht.Periodic):
         if self.publish and not swarm_addresses.publish_addresses(self.dht, self.run_id, self.signer,
                                                                   swarm_dht.visible_maddrs(self.dht)):
             logger.debug("no DHT node accepted this peer's addresses; retrying in %.0f s", self.period_s)
-        for peer_id, maddrs in swarm_addresses.read_addresses(self.dht, self.run_id).items():
+        known = {m.rsplit("/p2p/", 1)[1] for m in self.book.addresses() if "/p2p/" in m}  # read first
+        for peer_id, maddrs in swarm_addresses.read_addresses(self.dht, self.run_id, prefer=known).items():
             if peer_id != self.peer_id:
                 self.book.add(maddrs, exclude_peer=self.peer_id)
         self.book.save_if_changed()
