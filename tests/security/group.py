@@ -23,9 +23,11 @@ from protocol.wire import framing
 
 
 async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=CompressionSpec(),
-                    piece_elements=64, timeout=1.0, ignored=frozenset()):
+                    piece_elements=64, timeout=1.0, ignored=frozenset(), liars=None, phi_from=None):
     """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``; every
-    owner leaves the groupmates ``ignored`` (indices) out of its means.
+    owner leaves the groupmates ``ignored`` (indices) out of its means. An owner in ``liars``
+    (index → ``forge(honest mean) -> tensor``) sends ``forge`` of each mean it computes instead;
+    ``phi_from``: tensors from that index on are NoLoCo's φ.
 
     Returns:
         (sessions, outcomes): every session (tensors hold the means where its run succeeded)
@@ -63,7 +65,9 @@ async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=Com
             sessions[i] = GroupAllreduce(plan, [t.clone() for t in payloads[i]], weight=weights[i],
                                          compensate=lambda piece, x: x, stage=lambda *a: None,
                                          open_stream=open_stream, next_chunk_timeout=timeout,
-                                         max_weight=max_weight, ignored=ignored)
+                                         max_weight=max_weight, ignored=ignored, phi_from=phi_from)
+            if liars and i in liars:
+                sessions[i]._mean_of = _lying(sessions[i], liars[i])
             ready[i].set()
         try:
             outcomes = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
@@ -75,3 +79,14 @@ async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=Com
             for server in servers:
                 server.close()
         return sessions, outcomes
+
+
+def _lying(session, forge):
+    """``session._mean_of`` of an owner that sends ``forge(honest mean)``, encoded as a real mean."""
+    honest = session._mean_of
+
+    def mean_of(piece, parts, included):
+        _, value, clipped = honest(piece, parts, included)
+        data, forged = session._roundtrip(piece, forge(value), session.plan.mean_codecs[piece.index])
+        return frames.encode_mean(piece.index, included, data), forged, clipped
+    return mean_of
