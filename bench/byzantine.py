@@ -1,10 +1,10 @@
 """Benchmark: 8 peers of which 1 (then 2) are malicious, loss at equal tokens against the clean run (issue #17).
 
-    nice -n 5 python bench/byzantine.py [--rounds 10] [--seeds 0 1] [--attack-seeds 0] [--jobs 2]
+    nice -n 5 python bench/byzantine.py [--rounds 10] [--seeds 0 1] [--attack-seeds 0] [--jobs 2] [--merge]
 
-Gradient attacks and fake progress are simulated (lab/simulation.py: 8 DiLoCo peers in one
+Gradient attacks, lying owners and fake progress are simulated (lab/simulation.py: 8 DiLoCo peers in one
 process, the swarm's own inner loop, outer step, group plan, owner screening
-peer/sync/screening.py and re-sync rule peer/state/resync.py; lab/adversary.py forges what the
+peer/sync/screening.py, the receivers' check of each owner's mean (``owner_mean_problem``) and re-sync rule peer/state/resync.py; lab/adversary.py forges what the
 malicious peers send), with bench/compare.py's run manifest and fixed global batch, so every run
 trains on the same tokens. The bogus run announcement runs on real DHT nodes on 127.0.0.1 (the
 node a peer starts, a stock hivemind node as the attacker, peer/node.py's run choice for fresh
@@ -15,6 +15,9 @@ with the clean run of the same seed (8 honest peers, screening on): ``loss_chang
 (attacked − clean) / clean, a fraction, averaged over seeds. ``takeovers`` counts, over seeds, the
 honest peers (or joiners) the attacker took over (definitions in :data:`TAKEOVER`).
 ``clean_overhead`` is (clean with screening − clean without) / clean without, averaged over seeds.
+
+``--merge`` keeps every run (and announcement result) of an earlier invocation with the same
+manifest and rounds that this invocation does not run, so new attacks add rows to the files.
 
 Writes ``bench/results/byzantine.json`` with the issue's keys only, and
 ``bench/results/byzantine.detail.json`` with every run, the definitions and the config. Prints a
@@ -40,11 +43,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E402
-from lab.adversary import GRADIENT_ATTACKS, Adversary  # noqa: E402
+from lab.adversary import GRADIENT_ATTACKS, OWNER_ATTACKS, Adversary  # noqa: E402
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
 from protocol.manifest import RunManifest  # noqa: E402
 
+ORDER = [*GRADIENT_ATTACKS, *OWNER_ATTACKS, "fake-progress"]
 RESULTS = Path(__file__).with_name("results") / "byzantine.json"
 PEERS = 8
 TAKEOVER_LOSS_FACTOR = 1.5
@@ -54,6 +58,8 @@ own class (7 or 6), so that counting records alone would follow it."""
 TAKEOVER = {
     "gradient": f"an honest peer whose final φ is not finite or whose validation loss exceeds {TAKEOVER_LOSS_FACTOR}x "
                 "the clean run's (same seed)",
+    "owner": "as gradient: an honest peer whose final φ is not finite or whose validation loss exceeds "
+             f"{TAKEOVER_LOSS_FACTOR}x the clean run's (same seed)",
     "fake-progress": "an honest peer that adopted the attacker's all-zero state at least once (re-sync rule)",
     "bogus-announcement": "a fresh joiner (one per way of joining) whose run choice is the attacker's run",
 }
@@ -91,7 +97,7 @@ def summarize(runs: list[dict], announcements: list[dict]) -> tuple[list[dict], 
     overhead = statistics.fmean((clean[s] - bare[s]) / bare[s] for s in paired) if paired else None
     rows, detail = [], []
     keys = sorted({(r["attack"], r["malicious"]) for r in runs if r["attack"] != "none" and r["screening"]},
-                  key=lambda k: ([*GRADIENT_ATTACKS, "fake-progress"].index(k[0]), k[1]))
+                  key=lambda k: (ORDER.index(k[0]), k[1]))
     for attack, malicious in keys:
         mine = sorted((r for r in runs if (r["attack"], r["malicious"]) == (attack, malicious) and r["screening"]
                        and r["seed"] in clean), key=lambda r: r["seed"])
@@ -144,7 +150,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the clean runs (both switches)")
     parser.add_argument("--attack-seeds", type=int, nargs="+", default=[0], help="seeds of the attacked runs")
-    parser.add_argument("--attacks", nargs="+", default=[*GRADIENT_ATTACKS, "fake-progress", "bogus-announcement"])
+    parser.add_argument("--attacks", nargs="+", default=[*GRADIENT_ATTACKS, *OWNER_ATTACKS, "fake-progress", "bogus-announcement"])
     parser.add_argument("--malicious", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (separate processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per simulation")
@@ -157,6 +163,10 @@ def main() -> None:
                         help="keep the simulated runs of an earlier, interrupted invocation with the same manifest "
                              "and rounds (read from the detail file next to --out) and run only the others; fields "
                              "only one of the two manifests has (a newer manifest schema) are not compared")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the runs and announcement results of an earlier invocation with the same manifest "
+                             "and rounds (read from the detail file next to --out) that this invocation does not run: "
+                             "the files then hold both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
     if "fake-progress" in args.attacks and not _resync_takes_vouchers():
@@ -170,8 +180,9 @@ def main() -> None:
     base = apply_overrides(base, args.set)
     start = time.perf_counter()
     work = [dict(attack=None, malicious=0, seed=s, screening=sc) for s in args.seeds for sc in (True, False)]
-    work += [dict(attack=a, malicious=k, seed=s, screening=True) for a in args.attacks if a != "bogus-announcement"
-             for k in args.malicious for s in args.attack_seeds]
+    # seed-major: an interrupted invocation has every attack at the first seed
+    work += [dict(attack=a, malicious=k, seed=s, screening=True) for s in args.attack_seeds
+             for a in args.attacks if a != "bogus-announcement" for k in args.malicious]
     if "fake-progress" in args.attacks and not args.no_control:  # the attack on the rule before issue 17
         work.append(dict(attack="fake-progress", malicious=min(args.malicious), seed=args.attack_seeds[0],
                          screening=False))
@@ -180,14 +191,23 @@ def main() -> None:
     config = json.loads(json.dumps({**manifest_for(base, "diloco", PEERS, 0, bench["global_batch_tokens"],
                                                    args.rounds).to_dict(), "bench": bench}))
     runs: list[dict] = []
-    if args.resume and detail_path.exists():
+    announcements: list[dict] = []
+    earlier_invocations: list[dict] = []
+    """--merge: command and device of the invocations whose runs were kept."""
+    if (args.resume or args.merge) and detail_path.exists():
         earlier = json.loads(detail_path.read_text())
         if not _same_settings(earlier.get("config", {}), config):
-            parser.error(f"--resume: {detail_path} holds runs of another manifest or round count")
+            parser.error(f"--resume/--merge: {detail_path} holds runs of another manifest or round count")
         wanted = {_key(w) for w in work}
-        runs = [r for r in earlier["runs"] if _key(r) in wanted]
-        print(f"resumed {len(runs)} run(s) from {detail_path}", flush=True)
-    announcements: list[dict] = []
+        runs = [r for r in earlier["runs"] if (args.resume and _key(r) in wanted)
+                or (args.merge and _key(r) not in wanted)]
+        if args.merge:
+            earlier_invocations = [*earlier.get("earlier_invocations", []),
+                                   {k: earlier.get(k) for k in ("command", "device", "wall_s_simulations_sum")}]
+        if args.merge and "bogus-announcement" not in args.attacks:
+            announcements = [a for d in earlier["results"] for a in d.get("joiners", [])]
+        print(f"kept {len(runs)} run(s) and {len(announcements)} announcement result(s) from {detail_path}",
+              flush=True)
     if "bogus-announcement" in args.attacks:
         from bench.byzantine_announce import announcement_attack
 
@@ -209,13 +229,14 @@ def main() -> None:
             "units": {"loss_change": "fraction: (attacked - clean) / clean, final val bits per byte, honest peers",
                       "clean_overhead": "fraction: (screened - unscreened) / unscreened, no attacker"},
             "takeover_definitions": TAKEOVER,
-            "complete": len(runs) == len(work),
+            "complete": {_key(w) for w in work} <= {_key(r) for r in runs},
             "command": " ".join(["python", *sys.argv]),
             "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores, shared), torch "
                       f"{torch.__version__}, {args.jobs} simulation(s) at once, {args.threads} thread(s) each",
             "outer_optimizer": m.outer_optimizer.__dict__, "inner_steps": m.sync.inner_steps, "rounds": args.rounds,
             "config": config,
             "runs": runs, "wall_s_total": time.perf_counter() - start,
+            "earlier_invocations": earlier_invocations,
             "wall_s_simulations_sum": sum(r["wall_s"] for r in runs),
         }, indent=1) + "\n")
         return rows, detail, overhead
@@ -228,6 +249,7 @@ def main() -> None:
             r = runs[-1]
             print(f"{r['attack']} ({r['malicious']} malicious, screening {'on' if r['screening'] else 'off'}) "
                   f"seed {r['seed']}: {r['final_bpb']:.4f} bpb, clipped {r['screening_counts']['clipped']}, "
+                  f"refused {r['screening_counts'].get('refused')}, "
                   f"taken over {r['taken_over']} ({r['wall_s']:.0f} s)", flush=True)
             write()
     rows, detail, overhead = write()

@@ -12,13 +12,29 @@ malicious peer sends into its group's mean, and the token weight it claims for i
 Each of them claims ``claimed_tokens`` (1e30 by default) as its weight: without the owner's token
 cap, that alone makes the weighted mean equal the attacker's payload.
 
+Owner attacks leave the contributions honest (true tokens, honest payload) and lie as an *owner*:
+for every piece a malicious peer owns (tensor i of a group, owned by member ``group[i mod n]``) it
+sends its groupmates a forged mean instead of the one it computed (:meth:`Adversary.forge_mean`):
+
+* ``owner-flip``: −1 × the honest mean;
+* ``owner-flip-x100``: −100 × the honest mean;
+* ``owner-zeros``: all zeros;
+* ``owner-noise``: Gaussian noise scaled to the honest mean's norm;
+* ``owner-scale``: 2.5 × the honest mean (inside the receivers' norm bound of 3 × their own
+  contribution's reference norm: it measures what gets through).
+
+The lying owner and the other malicious peers apply the honest mean themselves (they keep an honest
+model, so their next contributions stay honest-looking); the honest receivers check each forged
+mean with peer/sync/screening.py's ``owner_mean_problem`` (lab/simulation.py).
+
 ``fake-progress`` leaves the payload honest and lies in the progress records instead: every round
 each malicious peer, and ``fresh_identities`` more identities that never joined a group, publish a
 record claiming the next round and the digest of an all-zero state (lab/simulation.py decides
 with the round loop's own re-sync rule whether honest peers adopt it).
 
-The malicious peers train like honest ones (they need an honest Δ to forge from). As owners of
-pieces of the group mean they compute honestly: a lying owner is not simulated.
+The malicious peers train like honest ones (they need an honest Δ to forge from). Under a
+gradient attack or fake progress they compute their pieces' means honestly as owners; only the
+owner attacks lie as owners.
 """
 
 from __future__ import annotations
@@ -36,10 +52,14 @@ from protocol.errors import BadPayload
 logger = logging.getLogger(__name__)
 
 GRADIENT_ATTACKS = ("sign-flip", "huge", "noise", "zeros")
-ATTACKS = (*GRADIENT_ATTACKS, "fake-progress")
+OWNER_ATTACKS = ("owner-flip", "owner-flip-x100", "owner-zeros", "owner-noise", "owner-scale")
+ATTACKS = (*GRADIENT_ATTACKS, *OWNER_ATTACKS, "fake-progress")
 HUGE_VALUE = 3e38
 """Just under fp32's largest finite value (3.4028e38)."""
 SIGN_FLIP_FACTOR = -100.0
+OWNER_FLIP_X100_FACTOR = -100.0
+OWNER_SCALE_FACTOR = 2.5
+"""``owner-scale``: under the receivers' norm bound (OWNER_NORM_FACTOR = 3 × their scaled reference norm)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +93,10 @@ class Adversary:
     def forges_payload(self) -> bool:
         return self.attack in GRADIENT_ATTACKS
 
+    @property
+    def lies_as_owner(self) -> bool:
+        return self.attack in OWNER_ATTACKS
+
     def claimed_weight(self, peer: int, honest_tokens: float) -> float:
         """The token weight ``peer`` claims for its contribution."""
         return self.claimed_tokens if peer in self.peers and self.forges_payload else honest_tokens
@@ -98,6 +122,24 @@ class Adversary:
         if self.attack == "zeros":
             return [torch.zeros(t.shape, dtype=torch.float32) for t in payload]
         return list(payload)
+
+    def forge_mean(self, mean: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The mean a malicious owner sends its groupmates for one piece instead of ``mean`` (the
+        fp32 mean it computed honestly); ``mean`` itself unless :attr:`lies_as_owner`."""
+        mean = mean.float()
+        if self.attack == "owner-flip":
+            return -mean
+        if self.attack == "owner-flip-x100":
+            return OWNER_FLIP_X100_FACTOR * mean
+        if self.attack == "owner-zeros":
+            return torch.zeros(mean.shape, dtype=torch.float32)
+        if self.attack == "owner-noise":
+            noise = torch.randn(mean.shape, generator=generator)
+            scale = float(torch.linalg.vector_norm(mean)) / max(float(torch.linalg.vector_norm(noise)), 1e-30)
+            return noise * scale
+        if self.attack == "owner-scale":
+            return OWNER_SCALE_FACTOR * mean
+        return mean
 
     def fake_identities(self) -> list[str]:
         """Peer ids that publish the fake progress record: the malicious peers and the fresh ones."""

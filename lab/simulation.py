@@ -10,8 +10,10 @@ encoded, decoded, then averaged in fp32, and the mean is encoded once more for t
 With ``sync.overlap`` the outer steps follow peer/train/overlap.py, as a peer's round loop does: a
 round's means land one round late. The owners of the mean's pieces screen the contributions as
 the networked owners do (peer/sync/screening.py: token cap, clip to the median norm, repeat
-offenders ignored; non-finite ones excluded), which a switch turns off; malicious peers
-(lab/adversary.py) forge their contributions or their progress records. A data-parallel mode (one model, gradients averaged every inner step) gives
+offenders ignored; non-finite ones excluded), and every receiver checks each mean an owner sends it
+against its own contribution (``owner_mean_problem``: a refused Δ mean is applied as zeros, a
+refused φ mean as the receiver's own φ), which a switch turns off; malicious peers
+(lab/adversary.py) forge their contributions, their means as owners or their progress records. A data-parallel mode (one model, gradients averaged every inner step) gives
 the ceiling that low-communication methods are compared against at equal tokens.
 
 Over 300 lines: one simulated round (inner steps, screened and compressed group means as the
@@ -34,7 +36,7 @@ from lab.adversary import Adversary, resync_after_round
 from peer.state.vouching import Ledger
 from peer.sync.adaptive import plan
 from peer.sync.error_feedback import ErrorFeedback
-from peer.sync.screening import Strikes, cap_weight, clip_to_median, round_token_cap
+from peer.sync.screening import Strikes, cap_weight, clip_to_median, owner_mean_problem, round_token_cap
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
@@ -146,6 +148,9 @@ class ScreeningCounts:
     """Contributions excluded as non-finite (one count per owner and round)."""
     ignored: dict[int, int] = field(default_factory=dict)
     """(owner, round) pairs in which an owner left the sender out by the repeat-offender rule."""
+    refused: dict[int, int] = field(default_factory=dict)
+    """Means an honest receiver refused (``owner_mean_problem``), per *owner* index: one count per
+    receiver, tensor and round."""
     failed_groups: int = 0
     """Group rounds whose mean was not finite: every member applied its own payload instead."""
     rule_chose_fake: int = 0
@@ -201,13 +206,17 @@ class Simulation:
             loss, hence averaged gradients), same AdamW and schedule.
         uplink_mbps: every simulated peer's uplink, Mbit/s (the adaptive codec's byte budget).
         screening: the defenses of issue 17 as the swarm runs them: owners screen each contribution
-            (token cap, clip to the median norm, repeat offenders ignored; :meth:`_group_mean`), and
+            (token cap, clip to the median norm, repeat offenders ignored; :meth:`_group_mean`),
+            every honest receiver checks the means owners send it (:meth:`_receive`), and
             a re-sync counts only vouched-for records and checks the state's sanity
             (lab/adversary.py :func:`~lab.adversary.resync_after_round`).
-            False: the plain token-weighted mean of every finite contribution, every record counts
-            and any finite state is adopted (what peers did before issue 17).
+            False: the plain token-weighted mean of every finite contribution, every finite mean
+            accepted, every record counts and any finite state is adopted (what peers did before
+            issue 17).
         adversary: malicious peers (lab/adversary.py), or None. Their payloads and claimed weights
-            are forged before they enter the group mean; evaluation covers the honest peers only.
+            are forged before they enter the group mean, or (owner attacks) the means of the pieces
+            they own are forged before they reach the receivers; evaluation covers the honest
+            peers only.
     """
 
     def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
@@ -231,6 +240,11 @@ class Simulation:
         self.ledgers = [Ledger() for _ in range(peers)]
         """Per peer, the groupmates it completed a sync with in full (peer/state/vouching.py)."""
         self._excluded_any = False
+        self._included: list[list[int]] = []
+        """Per tensor of the last :meth:`_group_mean`: the members whose contributions its owner included."""
+        self._decoded: list[list[torch.Tensor]] = []
+        self._honest_final: list[torch.Tensor] = []
+        """With a codec, of the last :meth:`_compressed_mean`: the decoded contributions and honest means."""
         self.m, self.peers, self.seed, self.data_parallel = manifest, peers, seed, data_parallel
         self.uplink_mbps = uplink_mbps
         self.method = "data-parallel" if data_parallel else manifest.sync.algorithm
@@ -313,18 +327,25 @@ class Simulation:
         shares = [1.0] * self.peers
         for group in sync_groups(self.m, self.peers, self.round_):
             weights = [claimed[j] for j in group]
+            own = [payloads[j] for j in group]
+            received: list[list[torch.Tensor]] | None
             if len(group) == 1:
-                mean, sent = payloads[group[0]], 0.0  # nothing crosses the network: the own Δ, exact
+                received, sent = [payloads[group[0]]], 0.0  # nothing crosses the network: the own Δ, exact
             elif self.compressed:
-                mean, sent = self._compressed_mean(group, [sent_payloads[j] for j in group], weights)
+                final, sent = self._compressed_mean(group, [sent_payloads[j] for j in group], weights)
+                received = None if final is None else self._receive(group, self._honest_final, final,
+                                                                     self._decoded, weights, own)
             else:
-                mean = self._group_mean(group, [sent_payloads[j] for j in group], weights)
+                contributions = [sent_payloads[j] for j in group]
+                mean = self._group_mean(group, contributions, weights)
+                forged = None if mean is None else self._owners_send(group, mean)
+                received = None if forged is None else self._receive(group, mean, forged, contributions, weights, own)
                 sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
             # completed in full: no member failed, none excluded (peer/round.py ``_sync``: ``completed``)
-            full = len(group) > 1 and mean is not None and not self._excluded_any
-            for j in group:
+            full = len(group) > 1 and received is not None and not self._excluded_any
+            for member, j in enumerate(group):
                 # a failed all-reduce: every member applies its own payload (peer/round.py ``_sync``)
-                means[j], shares[j] = (payloads[j] if mean is None else mean), 1.0 / len(group)
+                means[j], shares[j] = (payloads[j] if received is None else received[member]), 1.0 / len(group)
                 self.completed_with[j] = list(group) if full else [j]
                 if full:
                     self.ledgers[j].record_group(self.round_, [f"sim-peer-{k}" for k in group if k != j])
@@ -387,6 +408,7 @@ class Simulation:
                     self.counts.ignored[s] = self.counts.ignored.get(s, 0) + 1
         mean: list[torch.Tensor] = []
         failed = False
+        self._included = []
         for i in range(len(contributions[0])):
             owner = group[i % n]
             parts, senders = [], []
@@ -413,6 +435,7 @@ class Simulation:
                 acc.add_(x, alpha=w / total)
             failed = failed or not parts or not bool(torch.isfinite(acc).all())
             mean.append(acc)
+            self._included.append(senders)
         if self.screening:
             for owner in group:
                 self.strikes[owner].record(self.round_, sorted(offenders[owner]))
@@ -421,6 +444,66 @@ class Simulation:
             self.counts.failed_groups += 1
             return None
         return mean
+
+    def _owners_send(self, group: Sequence[int], mean: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The mean of each piece as its owner sends it: the computed ``mean`` from an honest owner,
+        the adversary's forgery (:meth:`~lab.adversary.Adversary.forge_mean`) from a malicious one
+        under an owner attack. None (the all-reduce fails, counted in ``failed_groups``) when a sent
+        mean is not finite, as a receiver's decode check fails the round in peer/sync/allreduce.py."""
+        adversary, n = self.adversary, len(group)
+        if adversary is None or not adversary.lies_as_owner or not set(group) & set(adversary.peers):
+            return list(mean)
+        out = [adversary.forge_mean(t, self._forge_rng) if group[i % n] in adversary.peers else t
+               for i, t in enumerate(mean)]
+        if not all(bool(torch.isfinite(t).all()) for t in out):
+            self.counts.failed_groups += 1
+            return None
+        return out
+
+    def _receive(self, group: Sequence[int], honest: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
+                 contributions: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
+                 own: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """What each member applies: per member (group order) one tensor per piece.
+
+        Every honest member j checks the mean ``sent[i]`` of each piece it does not own against its
+        own contribution ``contributions[j][i]`` (as the owner decoded it) with
+        :func:`~peer.sync.screening.owner_mean_problem` (its claimed weight, the count of
+        contributions the owner included and whether its own was among them, the run's cap; φ
+        pieces of NoLoCo get the norm and drift checks instead of the share check), as
+        peer/sync/allreduce.py does. A refused Δ mean is applied as zeros (every honest
+        receiver that refuses it applies the same thing), a refused φ mean as the member's own
+        payload ``own[j][i]``; each refusal is counted against the owner. Only with ``screening``:
+        off, every finite mean is applied. Malicious members apply the ``honest`` means (they know
+        what their owners computed).
+        """
+        n = len(group)
+        phi_from = self.outers[0].phi_from(len(self.shapes))
+        out = []
+        for member, j in enumerate(group):
+            if j not in self.honest:
+                out.append(list(honest))
+                continue
+            if not self.screening:
+                out.append(list(sent))
+                continue
+            mine = []
+            for i, m in enumerate(sent):
+                owner = group[i % n]
+                holds_delta = phi_from is None or i < phi_from
+                reason = None if owner == j else owner_mean_problem(
+                    m, contributions[member][i].detach().float(), weight=weights[member],
+                    included=len(self._included[i]), max_weight=self.max_weight, phi=not holds_delta,
+                    included_self=j in self._included[i])
+                if reason is None:
+                    mine.append(m)
+                    continue
+                self.counts.refused[owner] = self.counts.refused.get(owner, 0) + 1
+                logger.debug("round %d: peer %d refused the mean of tensor %d from owner %d: %s",
+                             self.round_, j, i, owner, reason)
+                mine.append(torch.zeros(m.shape, dtype=torch.float32) if holds_delta
+                            else own[member][i].detach().float().clone())
+            out.append(mine)
+        return out
 
     def finish(self) -> None:
         """With overlap, wait for the last round's sync: apply its means and set θ ← φ (no-op
@@ -446,12 +529,16 @@ class Simulation:
         codecs, through the codec for topk and lowrank, whose mean is exact under
         ``for_mean(n)`` only when every contribution is a decoded encoding
         (:attr:`~protocol.codecs.Codec.structured`). The owner screens and averages the decoded
-        contributions in fp32 (:meth:`_group_mean`) and sends the mean with ``codec.for_mean(n)``;
-        every member, the owner included, applies that identical decoded tensor.
+        contributions in fp32 (:meth:`_group_mean`) and sends the mean (forged by a lying owner:
+        :meth:`_owners_send`) with ``codec.for_mean(n)``; every member, the owner included, gets that
+        identical decoded tensor, to check against its own decoded contribution (:meth:`_receive`,
+        which the caller runs with ``_decoded``, the decoded contributions, and ``_honest_final``,
+        the decoded honest means).
 
         Returns:
-            The group mean (None: a mean was not finite, the all-reduce failed and every member's
-            residuals roll back), and the bytes one member sends on average: per tensor, the
+            The decoded means as the owners sent them (None: a mean was not finite, the all-reduce
+            failed and every member's residuals roll back), and the bytes one member sends on
+            average: per tensor, the
             encoded contributions of the n − 1 non-owners plus n − 1 copies of the encoded mean, over n.
         """
         n, deltas = len(group), len(self.shapes)
@@ -478,19 +565,23 @@ class Simulation:
             decoded.append(out)
             codecs.append(mine)
         mean = self._group_mean(group, decoded, weights)
-        if mean is None:
+        forged = None if mean is None else self._owners_send(group, mean)
+        if forged is None:
             for j in group:
                 if self.feedback is not None:
                     self.feedback[j].rollback()
             return None, total / n
-        final = []
-        for i, t in enumerate(mean):
-            data, value = codecs[i % n][i].for_mean(n).roundtrip(t, seed=seeds[i])
+        final, honest = [], []
+        for i, (t, f) in enumerate(zip(mean, forged)):
+            codec = codecs[i % n][i].for_mean(n)
+            data, value = codec.roundtrip(f, seed=seeds[i])
             final.append(value)
+            honest.append(value if f is t else codec.roundtrip(t, seed=seeds[i])[1])
             total += (n - 1) * len(data)
         for j in group:
             if self.feedback is not None:
                 self.feedback[j].commit()
+        self._decoded, self._honest_final = decoded, honest
         return final, total / n
 
     def evaluate(self, windows: torch.Tensor) -> EvalPoint:
