@@ -116,6 +116,8 @@ class RoundOutcome:
     """Model FLOPs utilisation of the inner steps in [0, 1] (peer/train/device.py); None without a peak."""
     micro_batch: int | None = None
     """Sequences per micro-batch at the round's end (None: the whole batch)."""
+    compute_s: float = 0.0
+    """Seconds this round's inner steps took (what compute utilization divides by wall time)."""
 
     def event_fields(self, peer_id: str) -> dict[str, Any]:
         """The ``round`` event as reporting and the launchers read it."""
@@ -127,7 +129,8 @@ class RoundOutcome:
                     planned_group=list(self.planned_group) if self.planned_group else None,
                     tokens=self.tokens, attempts=s.attempts, start_digest=self.start_digest,
                     agreeing=sorted({*s.agreeing, peer_id}), state_digest=self.state_digest,
-                    deadline_s=s.deadline_s, mfu=self.mfu, micro_batch=self.micro_batch)
+                    deadline_s=s.deadline_s, mfu=self.mfu, micro_batch=self.micro_batch,
+                    compute_s=self.compute_s)
 
 
 @dataclass

@@ -207,7 +207,8 @@ class Trainer:
         return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
                             tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
                             state_digest=self.state_digest, planned_group=choice.members, sync=report,
-                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch)
+                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch,
+                            compute_s=done.compute_s)
 
     def _overlap_step(self) -> RoundOutcome:
         """The end of a round with ``sync.overlap`` (peer/train/overlap.py): take the last round's
@@ -261,7 +262,8 @@ class Trainer:
         return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
                             tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
                             state_digest=self.state_digest, planned_group=choice.members, sync=report,
-                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch)
+                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch,
+                            compute_s=done.compute_s)
 
     def _take_background(self) -> tuple[list[torch.Tensor] | None, SyncReport]:
         """The sync in flight's mean and report; no mean when it failed after this peer adopted

@@ -37,3 +37,10 @@ def test_round_event_names_this_peer_in_its_group_and_agreeing_set():
     assert alone["group"] == ["me"] and alone["agreeing"] == ["me"] and alone["attempts"] == 0
     synced = outcome(SyncReport(group_size=2, group=("me", "p1"), agreeing=("p1",), attempts=2)).event_fields("me")
     assert synced["group"] == ["me", "p1"] and synced["agreeing"] == ["me", "p1"] and synced["attempts"] == 2
+
+
+def test_round_event_carries_the_rounds_compute_seconds():
+    # bench/overlap_rig.py divides these by the wall time between round events (issue 18 item 4)
+    fields = RoundOutcome(round=1, train_loss=2.0, tokens_per_s=10.0, tokens=64, peers=1, start_digest="a" * 32,
+                          state_digest="b" * 32, planned_group=None, sync=SyncReport(), compute_s=6.4).event_fields("me")
+    assert fields["compute_s"] == 6.4

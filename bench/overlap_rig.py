@@ -1,0 +1,199 @@
+"""Benchmark: compute utilization with and without overlapping each sync (issue #18 item 4).
+
+    sudo nice -n 5 .venv/bin/python bench/overlap_rig.py [--peers 4 8] [--rates 100 20]
+        [--modes none delayed eager] [--rounds 8] [--warmup 2] [--inner-steps 150]
+
+For each (peers, uplink, overlap mode): a bootstrap node and N real peers (``peer join``), each
+in its own network namespace behind a tbf uplink of the given rate (lab/chaos.py), train the run
+below for ``--rounds`` rounds, started together (``--wait-for-peers N``), with no evaluation
+between the first and the last (``--eval-every 0``). Every peer's ``round`` events give, per
+round, the seconds its inner steps took (``compute_s``), the sync's wall time (``sync_s``:
+matchmaking plus all-reduce; with overlap, the sync that landed, which ran in the background) and
+when the round ended.
+
+* ``compute_utilization`` of a peer: Σ ``compute_s`` of its rounds after the first ``--warmup`` ÷
+  the wall time from the event ending round ``--warmup`` to the event ending the last round (start-up,
+  the first matchmaking and the last in-flight sync's drain are left out). The row gives the mean
+  over peers (the detail file has each peer's).
+* ``round_s``: that wall time ÷ the rounds in it, mean over peers. ``sync_s``: mean over peers and
+  rounds. ``blocking_share`` (detail, table): mean ``sync_s`` ÷ mean ``compute_s``: the issue asks
+  for a payload whose blocking sync takes at least a third of a round's compute.
+
+The run: lab/chaos.py's 0.49 M-parameter model (a 1.9 MB fp32 payload, no codec), 256 tokens per
+inner step, ``--inner-steps`` H, DiLoCo with the default outer step. Every peer's torch uses one
+thread (``--threads 1``); on a machine with fewer cores than peers they share the cores, which
+makes ``compute_s`` longer than on an idle core: the utilization is of the peer's own wall time,
+and ``tokens_per_s`` (detail) says what it trained.
+
+Writes the issue's ``results`` rows into bench/results/overlap.json (its ``quality`` rows, from
+bench/overlap.py, are kept), every peer's figures to bench/results/overlap_rig.detail.json (beside ``--out``), and
+prints a markdown table for docs/benchmarks.md. Needs root (network namespaces, tc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lab.chaos import CHAOS_MODEL, ChaosSwarm  # noqa: E402
+from lab.netlab import available  # noqa: E402
+from protocol.manifest import RunManifest, dump_toml  # noqa: E402
+from protocol.presets import tiny_run  # noqa: E402
+from protocol.specs import OVERLAP_MODES  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "overlap.json"
+
+
+def rig_manifest(mode: str, inner_steps: int) -> RunManifest:
+    """The benchmark's run with ``sync.overlap = mode`` (a swarm-wide fact of the manifest)."""
+    return tiny_run().replace(
+        name=f"overlap-rig-{mode}",
+        model=CHAOS_MODEL,
+        inner_optimizer={"lr": 3e-3, "warmup_steps": 20, "decay_steps": 20000, "batch_size_tokens": 256},
+        sync={"inner_steps": inner_steps, "matchmaking_time_s": 2.0, "allreduce_timeout_s": 60.0,
+              "next_chunk_timeout_s": 10.0, "overlap": mode})
+
+
+def peer_figures(rounds: list[dict], warmup: int) -> dict:
+    """One peer's figures from its ``round`` events (dicts with ``time``, ``compute_s``, ``sync_s``,
+    ``tokens``, ``group_size``), in the order printed.
+
+    Raises:
+        ValueError: fewer than ``warmup`` + 2 round events (nothing to measure).
+    """
+    if len(rounds) < warmup + 2:
+        raise ValueError(f"{len(rounds)} round event(s): need at least warmup + 2 = {warmup + 2}")
+    start, measured = rounds[warmup - 1] if warmup else None, rounds[warmup:]
+    if start is None:  # no warm-up: from the first event, its own round left out
+        start, measured = rounds[0], rounds[1:]
+    wall = measured[-1]["time"] - start["time"]
+    compute = sum(e["compute_s"] for e in measured)
+    return {"rounds": len(measured), "wall_s": wall, "compute_s": compute,
+            "compute_utilization": compute / wall,
+            "round_s": wall / len(measured),
+            "sync_s": statistics.fmean(e["sync_s"] for e in measured),
+            "compute_s_per_round": compute / len(measured),
+            "tokens_per_s": sum(e["tokens"] for e in measured) / wall,
+            "group_sizes": [e["group_size"] for e in measured],
+            "notes": sorted({e.get("note") or "" for e in measured} - {""})}
+
+
+def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
+            inner_steps: int, timeout_s: float) -> dict:
+    """One swarm on the rig until every peer stopped at ``rounds``; its figures."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = workdir / "run.toml"
+    run.write_text(dump_toml(rig_manifest(mode, inner_steps)))
+    started = time.time()
+    with ChaosSwarm(workdir, run, rate_mbit=rate, prefix="lso", subnet="10.213.83",
+                    peer_args=["--max-rounds", str(rounds), "--eval-every", "0",
+                               "--wait-for-peers", str(peers), "--uplink-mbps", str(rate)]) as swarm:
+        swarm.start_bootstrap()
+        for i in range(peers):
+            swarm.add_peer(f"p{i}")
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for name, child in swarm.members.items():
+            codes[name] = child.wait(max(1.0, deadline - time.monotonic()))
+        events = {name: [dict(e.fields) for e in child.of("round")] for name, child in swarm.members.items()}
+        adoptions = {name: len(child.of("adopted_state")) for name, child in swarm.members.items()}
+    failed = {n: c for n, c in codes.items() if c != 0}
+    if failed:
+        raise RuntimeError(f"peers exited with {failed}: see {workdir}/<peer>.log")
+    per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
+    return {"overlap": mode, "peers": peers, "uplink_mbit": rate, "per_peer": per_peer, "adoptions": adoptions,
+            "wall_s_total": time.time() - started}
+
+
+def row(run: dict) -> dict:
+    """The issue's ``results`` row of one swarm (means over its peers)."""
+    per = list(run["per_peer"].values())
+    compute = statistics.fmean(p["compute_s_per_round"] for p in per)
+    sync = statistics.fmean(p["sync_s"] for p in per)
+    return {"overlap": run["overlap"], "peers": run["peers"], "uplink_mbit": run["uplink_mbit"],
+            "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
+            "round_s": statistics.fmean(p["round_s"] for p in per), "sync_s": sync,
+            "compute_utilization_min": min(p["compute_utilization"] for p in per),
+            "compute_s_per_round": compute, "blocking_share": sync / compute,
+            "tokens_per_s": sum(p["tokens_per_s"] for p in per),
+            "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"])}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| peers | uplink Mbit/s | overlap | compute utilization (mean / min peer) | round s | compute s | "
+             "sync s | sync ÷ compute | swarm tokens/s | mean group |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['peers']} | {r['uplink_mbit']:g} | {r['overlap']} | {100 * r['compute_utilization']:.1f} % / "
+                     f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
+                     f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['mean_group_size']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--rates", type=float, nargs="+", default=[100.0, 20.0], help="uplinks, Mbit/s")
+    parser.add_argument("--modes", nargs="+", default=["none", "delayed", "eager"], choices=list(OVERLAP_MODES))
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2, help="rounds left out at the start")
+    parser.add_argument("--inner-steps", type=int, default=150, help="H")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    ok, why = available()
+    if not ok:
+        parser.error(f"the network-namespace rig is not available here: {why}")
+    if args.rounds < args.warmup + 2:
+        parser.error(f"--rounds {args.rounds}: need at least --warmup + 2 = {args.warmup + 2}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the lab's namespaces go away
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-overlap-rig-"))
+    detail = args.out.with_name(args.out.stem + "_rig.detail.json")
+    runs, rows = [], []
+    start = time.perf_counter()
+    for peers in args.peers:
+        for rate in args.rates:
+            for mode in args.modes:
+                run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
+                              rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
+                              timeout_s=args.timeout)
+                runs.append(run)
+                rows.append(row(run))
+                r = rows[-1]
+                print(f"N={peers} {rate:g} Mbit/s {mode}: utilization {100 * r['compute_utilization']:.1f} %, "
+                      f"round {r['round_s']:.2f} s, compute {r['compute_s_per_round']:.2f} s, sync {r['sync_s']:.2f} s "
+                      f"({run['wall_s_total']:.0f} s)", flush=True)
+                device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores shared by every peer), "
+                          f"network namespaces with tbf uplinks")
+                record = json.loads(args.out.read_text()) if args.out.exists() else {"quality": []}
+                record.pop("results_note", None)
+                record["results"] = [{k: r[k] for k in ("overlap", "peers", "uplink_mbit", "compute_utilization",
+                                                        "round_s", "sync_s")} for r in rows]
+                record["results_command"] = " ".join(["python", *sys.argv])
+                record["results_device"] = device
+                args.out.write_text(json.dumps(record, indent=1) + "\n")
+                detail.write_text(json.dumps({
+                    "command": " ".join(["python", *sys.argv]), "device": device,
+                    "definitions": __doc__, "manifest": {m: rig_manifest(m, args.inner_steps).to_dict()
+                                                         for m in args.modes},
+                    "rows": rows, "runs": runs, "wall_s_total": time.perf_counter() - start}, indent=1) + "\n")
+    print()
+    print(markdown(rows))
+    print(f"\nwrote {args.out} and {detail}; total wall {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

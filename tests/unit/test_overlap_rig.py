@@ -1,0 +1,28 @@
+"""bench/overlap_rig.py's arithmetic: compute utilization of one peer from its round events (issue 18)."""
+
+import pytest
+
+from bench.overlap_rig import peer_figures, rig_manifest
+
+
+def rounds(times, compute, sync=1.0):
+    return [{"time": t, "compute_s": c, "sync_s": sync, "tokens": 100, "group_size": 4, "note": ""}
+            for t, c in zip(times, compute)]
+
+
+def test_utilization_leaves_out_the_warmup_rounds():
+    # round events at t = 10 (end of the warm-up round), 14, 18, 22: 3 rounds of 3 s compute in 12 s
+    f = peer_figures(rounds([10, 14, 18, 22], [9.0, 3.0, 3.0, 3.0]), warmup=1)
+    assert f["rounds"] == 3 and f["wall_s"] == 12
+    assert f["compute_utilization"] == pytest.approx(0.75)
+    assert f["round_s"] == pytest.approx(4.0) and f["tokens_per_s"] == pytest.approx(300 / 12)
+
+
+def test_too_few_rounds_is_an_error_naming_the_count():
+    with pytest.raises(ValueError, match="2 round event"):
+        peer_figures(rounds([1, 2], [1, 1]), warmup=1)
+
+
+def test_the_manifest_carries_the_overlap_mode():
+    assert rig_manifest("delayed", 40).sync.overlap == "delayed"
+    assert rig_manifest("none", 40).sync.inner_steps == 40
