@@ -101,6 +101,8 @@ def summarize(runs: list[dict], announcements: list[dict]) -> tuple[list[dict], 
     for attack, malicious in keys:
         mine = sorted((r for r in runs if (r["attack"], r["malicious"]) == (attack, malicious) and r["screening"]
                        and r["seed"] in clean), key=lambda r: r["seed"])
+        if not mine:  # its clean run (same seed) is not done yet: an interrupted or running invocation
+            continue
         changes = [(r["final_bpb"] - clean[r["seed"]]) / clean[r["seed"]] for r in mine]
         takeovers = sum(_takeovers(r, clean[r["seed"]]) for r in mine)
         rows.append({"attack": attack, "malicious": malicious, "peers": PEERS,

@@ -472,7 +472,12 @@ class Simulation:
         pieces of NoLoCo get the norm and drift checks instead of the share check), as
         peer/sync/allreduce.py does. A refused Δ mean is applied as zeros (every honest
         receiver that refuses it applies the same thing), a refused φ mean as the member's own
-        payload ``own[j][i]``; each refusal is counted against the owner. Only with ``screening``:
+        payload ``own[j][i]``; each refusal is counted against the owner, and one by a check that
+        counts a strike (``MeanRefusal.strike``) is recorded in the member's :class:`Strikes`, as
+        the networked averager does, so repeated ones make it ignore that peer's contributions.
+        Refusals are per receiver: under a gradient attack strong enough that an honest owner's
+        mean fails some receivers' share check, the honest φ differ after the round (the re-sync
+        rule then reunites them, as in the swarm). Only with ``screening``:
         off, every finite mean is applied. Malicious members apply the ``honest`` means (they know
         what their owners computed).
         """
@@ -498,6 +503,9 @@ class Simulation:
                     mine.append(m)
                     continue
                 self.counts.refused[owner] = self.counts.refused.get(owner, 0) + 1
+                if reason.strike:  # as peer/sync/averager.py's _strike: toward ignoring the owner's contributions
+                    for ignored in self.strikes[j].record(self.round_, [owner]):
+                        logger.debug("round %d: peer %d ignores peer %d (refused means)", self.round_, j, ignored)
                 logger.debug("round %d: peer %d refused the mean of tensor %d from owner %d: %s",
                              self.round_, j, i, owner, reason)
                 mine.append(torch.zeros(m.shape, dtype=torch.float32) if holds_delta

@@ -87,6 +87,9 @@ class AllreduceStats:
     the first reason; those pieces were applied as zeros (Δ) or this peer's own values (φ)."""
     refused_pieces: int = 0
     """Pieces whose owner's mean this peer refused."""
+    struck_owners: set[str] = field(default_factory=set)
+    """Owners in ``refused`` with a refusal that counts a strike (``MeanRefusal.strike``: the norm or
+    φ-drift check; not the share check, which honest owners can fail under attack)."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
@@ -371,6 +374,8 @@ class GroupAllreduce:
         if problem is None:
             return value
         self.stats.refused_pieces += 1
+        if problem.strike:
+            self.stats.struck_owners.add(str(self.plan.peer_ids[owner]))
         if str(self.plan.peer_ids[owner]) not in self.stats.refused:
             self.stats.refused[str(self.plan.peer_ids[owner])] = problem
             logger.warning("all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; applying %s for "

@@ -370,9 +370,10 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
 
     def _strike(self, session: GroupAllreduce, round_: int) -> None:
         """Count a strike against each groupmate whose contribution ``session`` (of round ``round_``)
-        clipped or dropped, and each owner whose mean it refused."""
+        clipped or dropped, and each owner whose mean it refused by a check that counts a strike
+        (``MeanRefusal.strike``: not the share check, which an honest owner can fail under attack)."""
         offenders = [session.plan.peer_ids[s] for s in set(session.stats.clipped) | session.stats.dropped]
-        offenders += [p for p in session.plan.peer_ids if str(p) in session.stats.refused and p not in offenders]
+        offenders += [p for p in session.plan.peer_ids if str(p) in session.stats.struck_owners and p not in offenders]
         for peer in self._strikes.record(round_, offenders):
             logger.warning("ignoring groupmate %s for %d rounds: its contributions were clipped or dropped in %d of "
                            "the last %d rounds", peer, self._strikes.ignore_rounds, self._strikes.strikes,

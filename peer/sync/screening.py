@@ -179,9 +179,29 @@ def share_floor(weight: float, included: int, max_weight: float | None) -> float
     return weight / (weight + (included - 1) * max_weight)
 
 
+class MeanRefusal(str):
+    """Why a receiver refuses an owner's mean (the one-line reason, a ``str``), and whether the
+    refusal counts a strike against the owner (:class:`Strikes`).
+
+    ``strike`` is True for the norm and φ-drift checks, which an honest owner's mean fails only
+    when this receiver's own contribution is far off the group's, and False for the share check
+    (the mean does not hold this receiver's contribution): an honest owner fails that one when
+    other senders' contributions, clipped but kept, pull against this receiver's (bench/byzantine.py,
+    2 sign-flip attackers of 8: honest owners' means refused in the rounds before the attackers
+    were ignored). The piece is refused either way; only a strike leads to ignoring the owner.
+    """
+
+    strike: bool
+
+    def __new__(cls, reason: str, *, strike: bool) -> MeanRefusal:
+        refusal = super().__new__(cls, reason)
+        refusal.strike = strike
+        return refusal
+
+
 def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight: float, included: int,
                        max_weight: float | None, phi: bool = False, included_self: bool = True,
-                       holds_delta: bool | None = None) -> str | None:
+                       holds_delta: bool | None = None) -> MeanRefusal | None:
     """Why a receiver refuses the mean of one piece that its owner sent, or None to accept it.
 
     Only the owner of a piece sees every contribution to it, so a lying owner could send any finite
@@ -214,7 +234,8 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
         holds_delta: the same as ``phi=not holds_delta`` (lab/simulation.py's name for it).
 
     Returns:
-        None, or a one-line reason naming the measured and allowed values. A zero contribution
+        None, or a :class:`MeanRefusal`: a one-line reason naming the measured and allowed values,
+        with ``strike`` True for checks 1 and 3, False for check 2. A zero contribution
         (nothing to compare with) and a piece of fewer than :data:`OWNER_CHECK_MIN_ELEMENTS`
         values are never refused.
     """
@@ -229,20 +250,22 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
     m_norm = norm(mean)
     allowed = OWNER_NORM_FACTOR * x_norm * scale
     if not m_norm <= allowed:
-        return f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({OWNER_NORM_FACTOR:g}x this peer's reference norm)"
+        return MeanRefusal(f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({OWNER_NORM_FACTOR:g}x this peer's "
+                           f"reference norm)", strike=True)
     if phi:
         drift = norm(mean - contribution)
         if not drift <= PHI_DRIFT_FACTOR * x_norm:
-            return (f"it is {drift:.4g} away from this peer's φ, more than {PHI_DRIFT_FACTOR:g}x its norm "
-                    f"{x_norm:.4g}")
+            return MeanRefusal(f"it is {drift:.4g} away from this peer's φ, more than {PHI_DRIFT_FACTOR:g}x its "
+                               f"norm {x_norm:.4g}", strike=True)
         return None
     floor = share_floor(weight, included, max_weight) if included_self else None
     if floor is not None:
         projection = float(torch.dot(mean.flatten().double(), contribution.flatten().double()))
         needed = OWNER_SHARE_FACTOR * floor * x_norm ** 2
         if not projection >= needed:
-            return (f"it does not hold this peer's contribution: projection {projection:.4g} < {needed:.4g} "
-                    f"({OWNER_SHARE_FACTOR:g} x its share floor {floor:.3g} x |x|^2)")
+            return MeanRefusal(f"it does not hold this peer's contribution: projection {projection:.4g} < "
+                               f"{needed:.4g} ({OWNER_SHARE_FACTOR:g} x its share floor {floor:.3g} x |x|^2)",
+                               strike=False)
     return None
 
 

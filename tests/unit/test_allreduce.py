@@ -220,6 +220,8 @@ def test_a_lying_owners_pieces_are_refused_by_every_honest_receiver(forge):
     expected = _expected(payloads, [100.0] * n, range(n))
     for s in honest:
         assert list(s.stats.refused) == [str(liar)] and s.stats.refused_pieces > 0
+        # the averager strikes (toward ignoring) only for the norm check: x100 fails it, the others fail the share check
+        assert s.stats.struck_owners == ({str(liar)} if forge == "x100" else set())
         for piece in s.plan.pieces:
             got = s.tensors[piece.tensor][piece.start:piece.stop]
             if piece.owner == liar:

@@ -89,6 +89,8 @@ def test_forged_means_are_refused_with_a_reason():
                           (torch.randn(mean.shape, generator=gen) * norm(mean) / mean.numel() ** 0.5, "does not hold")):
         problem = owner_mean_problem(forged, x, weight=100.0, included=4, max_weight=100.0)
         assert problem is not None and words in problem
+        # only the norm check counts a strike: an honest owner can fail the share check under attack
+        assert problem.strike == (words == "exceeds")
     # a mean that leaves this receiver out need not hold its contribution: norm check only
     assert owner_mean_problem(-mean, x, weight=100.0, included=4, max_weight=100.0, included_self=False) is None
     assert owner_mean_problem(100 * mean, x, weight=100.0, included=4, max_weight=100.0, included_self=False)
@@ -100,8 +102,8 @@ def test_phi_pieces_may_drift_a_little_not_toward_zero():
     partner = phi + 0.2 * torch.randn(1024, generator=gen)  # replicas apart by 20 % of the norm
     assert owner_mean_problem((phi + partner) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
     pulled = (phi + torch.zeros_like(phi)) / 2  # a partner that sends φ = 0
-    assert "away from this peer's φ" in owner_mean_problem(pulled, phi, weight=1.0, included=2, max_weight=1.0,
-                                                            phi=True)
+    drifted = owner_mean_problem(pulled, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
+    assert "away from this peer's φ" in drifted and drifted.strike
     assert owner_mean_problem(-phi, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
 
 
