@@ -49,6 +49,8 @@ from peer.train.data import load_corpus  # noqa: E402
 from protocol.manifest import RunManifest  # noqa: E402
 
 ORDER = [*GRADIENT_ATTACKS, *OWNER_ATTACKS, "fake-progress"]
+CONTROLS = ("fake-progress", "owner-flip-x100")
+"""Attacks also run once with the defenses off (first attack seed, fewest malicious): what they do unchecked."""
 RESULTS = Path(__file__).with_name("results") / "byzantine.json"
 PEERS = 8
 TAKEOVER_LOSS_FACTOR = 1.5
@@ -160,7 +162,8 @@ def main() -> None:
                         help="override a manifest field (TOML value)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-control", action="store_true",
-                        help="skip the control run: fake progress against the defenses off (every record counts)")
+                        help="skip the control runs (CONTROLS) against the defenses off (every record counts, every "
+                             "finite mean is applied)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the simulated runs of an earlier, interrupted invocation with the same manifest "
                              "and rounds (read from the detail file next to --out) and run only the others; fields "
@@ -185,9 +188,10 @@ def main() -> None:
     # seed-major: an interrupted invocation has every attack at the first seed
     work += [dict(attack=a, malicious=k, seed=s, screening=True) for s in args.attack_seeds
              for a in args.attacks if a != "bogus-announcement" for k in args.malicious]
-    if "fake-progress" in args.attacks and not args.no_control:  # the attack on the rule before issue 17
-        work.append(dict(attack="fake-progress", malicious=min(args.malicious), seed=args.attack_seeds[0],
-                         screening=False))
+    for control in CONTROLS:  # the attacks on the rules before issue 17, defenses off
+        if control in args.attacks and not args.no_control:
+            work.append(dict(attack=control, malicious=min(args.malicious), seed=args.attack_seeds[0],
+                             screening=False))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     detail_path = args.out.with_name(args.out.stem + ".detail.json")
     config = json.loads(json.dumps({**manifest_for(base, "diloco", PEERS, 0, bench["global_batch_tokens"],

@@ -112,8 +112,8 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
     if failed:
         raise RuntimeError(f"peers exited with {failed}: see {workdir}/<peer>.log")
     per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
-    return {"overlap": mode, "peers": peers, "uplink_mbit": rate, "per_peer": per_peer, "adoptions": adoptions,
-            "wall_s_total": time.time() - started}
+    return {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps, "per_peer": per_peer,
+            "adoptions": adoptions, "wall_s_total": time.time() - started}
 
 
 def row(run: dict) -> dict:
@@ -122,7 +122,7 @@ def row(run: dict) -> dict:
     compute = statistics.fmean(p["compute_s_per_round"] for p in per)
     sync = statistics.fmean(p["sync_s"] for p in per)
     return {"overlap": run["overlap"], "peers": run["peers"], "uplink_mbit": run["uplink_mbit"],
-            "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
+            "inner_steps": run["inner_steps"], "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
             "round_s": statistics.fmean(p["round_s"] for p in per), "sync_s": sync,
             "compute_utilization_min": min(p["compute_utilization"] for p in per),
             "compute_s_per_round": compute, "blocking_share": sync / compute,
@@ -131,11 +131,12 @@ def row(run: dict) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| peers | uplink Mbit/s | overlap | compute utilization (mean / min peer) | round s | compute s | "
+    lines = ["| peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
              "sync s | sync ÷ compute | swarm tokens/s | mean group |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['peers']} | {r['uplink_mbit']:g} | {r['overlap']} | {100 * r['compute_utilization']:.1f} % / "
+        lines.append(f"| {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {r['overlap']} | "
+                     f"{100 * r['compute_utilization']:.1f} % / "
                      f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
                      f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r['mean_group_size']:.2f} |")
@@ -153,6 +154,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the rows and runs of earlier invocations (in --out and its detail file) that this "
+                             "one does not measure again (same peers, uplink, H and mode)")
     args = parser.parse_args()
     ok, why = available()
     if not ok:
@@ -163,6 +167,12 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-overlap-rig-"))
     detail = args.out.with_name(args.out.stem + "_rig.detail.json")
     runs, rows = [], []
+    earlier: list[dict] = []
+    if args.keep and detail.exists():
+        planned = {(m, n, r, args.inner_steps) for n in args.peers for r in args.rates for m in args.modes}
+        earlier = [run for run in json.loads(detail.read_text())["runs"]
+                   if (run["overlap"], run["peers"], run["uplink_mbit"], run.get("inner_steps")) not in planned]
+        print(f"kept {len(earlier)} run(s) of earlier invocations from {detail}", flush=True)
     start = time.perf_counter()
     for peers in args.peers:
         for rate in args.rates:
@@ -170,9 +180,10 @@ def main() -> None:
                 run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
                               rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
                               timeout_s=args.timeout)
+                run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
-                rows.append(row(run))
-                r = rows[-1]
+                r = row(run)
+                rows = [row(x) for x in earlier] + [row(x) for x in runs]
                 print(f"N={peers} {rate:g} Mbit/s {mode}: utilization {100 * r['compute_utilization']:.1f} %, "
                       f"round {r['round_s']:.2f} s, compute {r['compute_s_per_round']:.2f} s, sync {r['sync_s']:.2f} s "
                       f"({run['wall_s_total']:.0f} s)", flush=True)
@@ -180,16 +191,19 @@ def main() -> None:
                           f"network namespaces with tbf uplinks")
                 record = json.loads(args.out.read_text()) if args.out.exists() else {"quality": []}
                 record.pop("results_note", None)
-                record["results"] = [{k: r[k] for k in ("overlap", "peers", "uplink_mbit", "compute_utilization",
-                                                        "round_s", "sync_s")} for r in rows]
-                record["results_command"] = " ".join(["python", *sys.argv])
+                record["results"] = [{k: x[k] for k in ("overlap", "peers", "uplink_mbit", "compute_utilization",
+                                                        "round_s", "sync_s", "inner_steps")} for x in rows]
+                record["results_commands"] = sorted({*(x.get("command", "") for x in earlier),
+                                                     " ".join(["python", *sys.argv])} - {""})
+                record.pop("results_command", None)
                 record["results_device"] = device
                 args.out.write_text(json.dumps(record, indent=1) + "\n")
                 detail.write_text(json.dumps({
                     "command": " ".join(["python", *sys.argv]), "device": device,
-                    "definitions": __doc__, "manifest": {m: rig_manifest(m, args.inner_steps).to_dict()
-                                                         for m in args.modes},
-                    "rows": rows, "runs": runs, "wall_s_total": time.perf_counter() - start}, indent=1) + "\n")
+                    "definitions": __doc__, "manifest (this invocation's H)": {
+                        m: rig_manifest(m, args.inner_steps).to_dict() for m in args.modes},
+                    "rows": rows, "runs": earlier + runs, "wall_s_total": time.perf_counter() - start}, indent=1)
+                    + "\n")
     print()
     print(markdown(rows))
     print(f"\nwrote {args.out} and {detail}; total wall {time.perf_counter() - start:.0f} s")
