@@ -377,7 +377,7 @@ class GroupAllreduce:
         if problem.strike:
             self.stats.struck_owners.add(str(self.plan.peer_ids[owner]))
         if str(self.plan.peer_ids[owner]) not in self.stats.refused:
-            self.stats.refused[str(self.plan.peer_ids[owner])] = problem
+            self.stats.refused[str(self.plan.peer_ids[owner])] = str(problem)  # stats cross process pipes
             logger.warning("all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; applying %s for "
                            "its pieces that fail", self.plan.group_id.hex()[:8], piece.index, owner,
                            self.plan.peer_ids[owner], problem, "zeros" if delta else "this peer's own values")

@@ -198,6 +198,10 @@ class MeanRefusal(str):
         refusal.strike = strike
         return refusal
 
+    def __getnewargs_ex__(self) -> tuple[tuple[str], dict[str, bool]]:
+        """Copy and pickle with ``strike`` (process pipes carry all-reduce stats)."""
+        return (str(self),), {"strike": self.strike}
+
 
 def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight: float, included: int,
                        max_weight: float | None, phi: bool = False, included_self: bool = True,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from peer.sync.screening import (CLIP_MEDIAN_FACTOR, OWNER_CHECK_MIN_ELEMENTS, cap_weight, clip_to_median, median_norm,
@@ -91,6 +93,8 @@ def test_forged_means_are_refused_with_a_reason():
         assert problem is not None and words in problem
         # only the norm check counts a strike: an honest owner can fail the share check under attack
         assert problem.strike == (words == "exceeds")
+        again = pickle.loads(pickle.dumps(problem))  # all-reduce stats cross process pipes
+        assert again == problem and again.strike == problem.strike
     # a mean that leaves this receiver out need not hold its contribution: norm check only
     assert owner_mean_problem(-mean, x, weight=100.0, included=4, max_weight=100.0, included_self=False) is None
     assert owner_mean_problem(100 * mean, x, weight=100.0, included=4, max_weight=100.0, included_self=False)
