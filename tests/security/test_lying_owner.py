@@ -13,6 +13,14 @@ import pytest
 import torch
 
 from tests.security.group import run_group
+import peer.sync.screening as screening_module
+
+@pytest.fixture(autouse=True)
+def share_check_on(monkeypatch):
+    """The receivers' share check is off by default (peer/sync/screening.py OWNER_SHARE_CHECK):
+    these tests test it, so they turn it on."""
+    monkeypatch.setattr(screening_module, "OWNER_SHARE_CHECK", True)
+
 
 SHAPES = [torch.Size([64, 32]), torch.Size([1024])]
 ROUND_TOKENS = 1024

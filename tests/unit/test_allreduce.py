@@ -16,6 +16,14 @@ from protocol.errors import PartialAverage
 from protocol.manifest import CompressionSpec
 from protocol.wire import allreduce as frames
 from protocol.wire import framing
+import peer.sync.screening as screening_module
+
+@pytest.fixture(autouse=True)
+def share_check_on(monkeypatch):
+    """The receivers' share check is off by default (peer/sync/screening.py OWNER_SHARE_CHECK):
+    these tests test it, so they turn it on."""
+    monkeypatch.setattr(screening_module, "OWNER_SHARE_CHECK", True)
+
 
 SHAPES = [torch.Size([40, 16]), torch.Size([16]), torch.Size([]), torch.Size([0, 3]), torch.Size([9, 2, 3])]
 

@@ -119,9 +119,9 @@ def test_peer_status_shows_a_stale_peer_as_gone(monkeypatch):
     items = [PeerProgress(FAST, fresh, stored(m, fresh, 1.0, now)),
              PeerProgress(SLOW, dead, stored(m, dead, liveness.stale_after_s(dead, m) + 5, now))]
     monkeypatch.setattr(swarm_dht, "list_runs", lambda dht: {m.run_id: m.name})
-    monkeypatch.setattr(swarm_dht, "read_progress", lambda dht, run_id: items)
+    monkeypatch.setattr(swarm_dht, "read_progress", lambda dht, run_id, **kw: items)
     monkeypatch.setattr(swarm_dht, "fetch_manifest", lambda dht, run_id: m)
-    monkeypatch.setattr(peer_status, "read_devices", lambda dht, run_id: {})
+    monkeypatch.setattr(peer_status, "read_devices", lambda dht, run_id, **kw: {})
     [run] = peer_status.collect_status(None, wait_s=0)["runs"]
     by_id = {p["peer_id"]: p for p in run["peers"]}
     assert (by_id[FAST]["live"], by_id[SLOW]["live"]) == (True, False)

@@ -9,6 +9,15 @@ import torch
 from peer.sync.screening import (CLIP_MEDIAN_FACTOR, OWNER_CHECK_MIN_ELEMENTS, cap_weight, clip_to_median, median_norm,
                                  norm, owner_mean_problem, round_token_cap, share_floor)
 from protocol.manifest import RunManifest
+import pytest
+import peer.sync.screening as screening_module
+
+@pytest.fixture(autouse=True)
+def share_check_on(monkeypatch):
+    """The receivers' share check is off by default (peer/sync/screening.py OWNER_SHARE_CHECK):
+    these tests test it, so they turn it on."""
+    monkeypatch.setattr(screening_module, "OWNER_SHARE_CHECK", True)
+
 
 
 def test_weight_cap_is_h_times_batch_tokens():

@@ -11,6 +11,15 @@ from peer.sync.screening import OWNER_CHECK_MIN_ELEMENTS
 from peer.train.data import validation_batch
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
+import pytest
+import peer.sync.screening as screening_module
+
+@pytest.fixture(autouse=True)
+def share_check_on(monkeypatch):
+    """The receivers' share check is off by default (peer/sync/screening.py OWNER_SHARE_CHECK):
+    these tests test it, so they turn it on."""
+    monkeypatch.setattr(screening_module, "OWNER_SHARE_CHECK", True)
+
 
 PEERS = 4
 LIAR = PEERS - 1
