@@ -74,9 +74,8 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
     """
     if len(rounds) < warmup + 2:
         raise ValueError(f"{len(rounds)} round event(s): need at least warmup + 2 = {warmup + 2}")
-    start, measured = rounds[warmup - 1] if warmup else None, rounds[warmup:]
-    if start is None:  # no warm-up: from the first event, its own round left out
-        start, measured = rounds[0], rounds[1:]
+    first = max(warmup, 1)  # no warm-up: from the first event, its own round left out
+    start, measured = rounds[first - 1], rounds[first:]
     wall = measured[-1]["time"] - start["time"]
     compute = sum(e["compute_s"] for e in measured)
     return {"rounds": len(measured), "wall_s": wall, "compute_s": compute,
