@@ -17,7 +17,7 @@ import click
 
 import protocol
 from protocol.errors import LocoError, exit_with
-from protocol.lifetime import StopOnSignal
+from protocol.lifetime import StopOnSignal, dump_stacks_on_sigusr1
 from protocol.manifest import load_manifest, sign_manifest
 from protocol.presets import PRESETS
 from protocol.signing import OWNER_KEY_FILE, load_owner_key
@@ -33,6 +33,7 @@ def default_identity() -> Path:
 @click.version_option(package_name="locoswarm")
 def main() -> None:
     """Run a bootstrap node: the well-known entry into a locoswarm DHT."""
+    dump_stacks_on_sigusr1()
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -66,7 +66,7 @@ class ChaosSwarm:
     def _start(self, name: str, host: Host, argv: list[str]) -> Child:
         self.hosts[name] = host
         return Child(name, argv, log_path=self.workdir / f"{name}.log", cwd=self.workdir, spawn=host.run,
-                     events_copy=self.workdir / f"{name}.events.jsonl").start()
+                     events_copy=self.workdir / f"{name}.events.jsonl", stack_signal=signal.SIGUSR1).start()
 
     def start_bootstrap(self, timeout_s: float = 90.0) -> str:
         """Start the bootstrap node in its own namespace; return its multiaddr."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from protocol.errors import LocoError, exit_with
+from protocol.lifetime import dump_stacks_on_sigusr1
 from protocol.manifest import RunManifest, load_manifest
 from protocol.presets import PRESETS
 
@@ -59,6 +60,7 @@ def resolve_run(run_file: Path | None, preset: str | None, algorithm: str | None
 @click.version_option(package_name="locoswarm")
 def main() -> None:
     """Train a shared language model with other peers (DiLoCo over a DHT)."""
+    dump_stacks_on_sigusr1()
 
 
 @main.command()

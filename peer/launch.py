@@ -45,12 +45,17 @@ class Child:
         events_copy: also append every raw stdout line to this file.
         on_event: called from the reader thread with each event, then with None when the
             child's stdout closed.
+        stack_signal: a signal that makes the child write its threads' stacks to its stderr
+            (``peer``/``bootstrap`` commands: SIGUSR1, protocol/lifetime.py
+            ``dump_stacks_on_sigusr1``); sent when :meth:`wait_event` times out, so the error
+            shows where the child waits. None: the error shows the log's tail only.
     """
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path, cwd: Path | None = None,
                  spawn: Callable[..., subprocess.Popen] = subprocess.Popen, events_copy: Path | None = None,
-                 on_event: Callable[[Child, Event | None], None] | None = None):
+                 on_event: Callable[[Child, Event | None], None] | None = None, stack_signal: int | None = None):
         self.name, self.argv, self.log_path, self.cwd = name, list(argv), Path(log_path), cwd
+        self.stack_signal = stack_signal
         self._spawn, self._events_copy, self._on_event = spawn, events_copy, on_event
         self.popen: subprocess.Popen | None = None
         self.starts = 0
@@ -212,8 +217,16 @@ class Child:
             except subprocess.TimeoutExpired:
                 code = None
             raise ChildExited(f"{self.name} exited ({code}) before the event; log tail:\n{self.tail()}", code)
+        lines = 40
+        if self.stack_signal is not None and self.alive:
+            try:
+                os.kill(self.popen.pid, self.stack_signal)
+                time.sleep(2.0)  # faulthandler writes at once; give the log a moment
+                lines = 300
+            except ProcessLookupError:
+                pass
         raise ChildTimeout(f"{self.name}: no matching event within {timeout_s:.0f} s (alive={self.alive}); "
-                           f"log tail:\n{self.tail()}")
+                           f"log tail:\n{self.tail(lines)}")
 
 
 def stop_all(children: Iterable[Child], grace_s: float) -> None:

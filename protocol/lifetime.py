@@ -23,6 +23,7 @@ averager must be started from a thread that outlives it (the main thread, in our
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import logging
 import multiprocessing as mp
@@ -39,6 +40,14 @@ try:  # looked up at import, in the parent: loading a library between fork and e
     _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
 except (OSError, AttributeError):
     _PRCTL = None
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` writes every thread's Python stack to this process's stderr (the peer's
+    log) and the process goes on: how to see where a peer that stopped making progress waits.
+    Helper processes forked afterwards inherit it. A no-op where SIGUSR1 does not exist."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

@@ -43,7 +43,7 @@ class Procs:
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         """Start ``argv`` with its stderr in ``<workdir>/<name>.log``."""
-        child = Child(name, argv, log_path=self.workdir / f"{name}.log", cwd=self.workdir)
+        child = Child(name, argv, log_path=self.workdir / f"{name}.log", cwd=self.workdir, stack_signal=signal.SIGUSR1)
         self.procs.append(child)
         return child.start()
 

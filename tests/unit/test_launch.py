@@ -50,6 +50,30 @@ def test_output_ending_without_the_event_says_so_with_the_exit_code(tmp_path):
     assert info.value.returncode == 3
 
 
+STUCK = """
+import sys, threading, time
+from protocol.lifetime import dump_stacks_on_sigusr1
+dump_stacks_on_sigusr1()
+def waits_for_the_network():
+    threading.Event().wait(60)
+print("ready", file=sys.stderr, flush=True)
+waits_for_the_network()
+"""
+
+
+def test_a_timeout_shows_where_the_child_waits(tmp_path):
+    c = Child("c", [sys.executable, "-c", STUCK], log_path=tmp_path / "c.log", cwd=tmp_path,
+              stack_signal=signal.SIGUSR1).start()
+    deadline = time.monotonic() + 30
+    while "ready" not in c.tail() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(ChildTimeout) as info:
+        c.wait_event(lambda e: e.kind == "round", 0.2)
+    assert "in waits_for_the_network" in str(info.value)
+    assert c.alive  # the stack dump does not stop it
+    c.kill()
+
+
 def test_no_event_in_time_and_no_exit_in_time_raise_timeouts_with_the_log(tmp_path):
     c = child(tmp_path, "30", "0").start()
     with pytest.raises(ChildTimeout, match="no matching event within 0 s"):
