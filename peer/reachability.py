@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+from protocol.dht import visible_maddrs
 from protocol.reachability import DialBack, ask_dialback
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def check(dht, initial_peers: Sequence[str]) -> Reachability:
     checkers = peer_ids(initial_peers)[:MAX_CHECKERS]
     if not checkers:
         return Reachability("unchecked")
-    ports = listen_ports([str(m) for m in dht.get_visible_maddrs(latest=True)])
+    ports = listen_ports(visible_maddrs(dht, latest=True))
     try:
         answers = ask_dialback(dht, checkers, ports)
     except Exception as exc:  # the DHT process failed to run the check at all
@@ -227,7 +228,7 @@ def relay_maddrs(dht, cfg) -> list[str]:
 def printable_maddrs(dht, cfg, verdict: Reachability) -> list[str]:
     """The addresses the ``started`` line offers others: :func:`dialable_maddrs`, or for a peer in
     client mode only its relay addresses (none until a relay slot is granted)."""
-    visible = [str(m) for m in dht.get_visible_maddrs(latest=True)]
+    visible = visible_maddrs(dht, latest=True)
     if cfg.client_mode:
         return [m for m in visible if "p2p-circuit" in m]
     return dialable_maddrs(visible, str(dht.peer_id), verified=verdict.verified,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Collection, Sequence
 
+from protocol import dht as swarm_dht
 from protocol.dht import parse_initial_peers, read_signed
 from protocol.errors import BadPeerAddress
 from protocol.signing import PeerSigner
@@ -77,7 +78,7 @@ def publish_addresses(dht, run_id: str, signer: PeerSigner, maddrs: Sequence[str
 
     key, expiration = addresses_key(run_id), get_dht_time() + ttl_s
     value = [str(m) for m in maddrs][:MAX_ADDRESSES_PER_PEER]
-    return bool(dht.store(key, signer.seal(key, expiration, value), expiration, subkey=signer.peer_id))
+    return swarm_dht.store(dht, key, signer.seal(key, expiration, value), expiration, subkey=signer.peer_id)
 
 
 def read_addresses(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[str, list[str]]:

@@ -18,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Collection
 
+from protocol import dht as swarm_dht
 from protocol.dht import Periodic, read_signed
 from protocol.errors import BadPayload
 from protocol.signing import PeerSigner
@@ -133,7 +134,7 @@ def publish_device(dht, run_id: str, signer: PeerSigner, record: DeviceRecord, t
     from hivemind.utils import get_dht_time
 
     key, expiration = devices_key(run_id), get_dht_time() + ttl_s
-    return bool(dht.store(key, signer.seal(key, expiration, record.to_wire()), expiration, subkey=signer.peer_id))
+    return swarm_dht.store(dht, key, signer.seal(key, expiration, record.to_wire()), expiration, subkey=signer.peer_id)
 
 
 def read_devices(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[str, DeviceRecord]:

@@ -52,6 +52,41 @@ MANIFEST_TTL_S = 300.0
 READ_TIMEOUT_S = 10.0
 """Longest a DHT read may take before it is given up (a round's reads must not stall it)."""
 
+CALL_TIMEOUT_S = 30.0
+"""Longest a DHT store, or a call run in the DHT process (``run_coroutine``), may take before it
+is given up. hivemind waits on both without a limit, and its DHT process keeps no reference to
+the tasks it starts: a task awaiting something nothing will resolve is garbage-collected ("Task
+was destroyed but it is pending!") and its caller would wait for good (seen once in the chaos
+test: a peer stopped between rounds)."""
+
+
+def finish(future, what: str, timeout_s: float = CALL_TIMEOUT_S):
+    """The result of ``future`` (the ``MPFuture`` of a hivemind DHT call made with
+    ``return_future=True``) within ``timeout_s`` seconds.
+
+    Raises:
+        NetworkError: no result in time (the call is cancelled; ``what`` names it in the message).
+        Whatever the call raised, unchanged.
+    """
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError as exc:
+        future.cancel()
+        raise NetworkError(f"the DHT did not finish {what} within {timeout_s:g} s") from exc
+
+
+def call_in_dht(dht, coro: Callable, what: str, timeout_s: float = CALL_TIMEOUT_S):
+    """``dht.run_coroutine(coro)`` that returns within ``timeout_s`` (:func:`finish`)."""
+    return finish(dht.run_coroutine(coro, return_future=True), what, timeout_s)
+
+
+def store(dht, key: str, value, expiration: float, *, subkey: str | None = None,
+          timeout_s: float = CALL_TIMEOUT_S) -> bool:
+    """``dht.store(...)`` that returns within ``timeout_s`` (:func:`finish`): whether a node
+    accepted the value."""
+    return bool(finish(dht.store(key, value, expiration, subkey=subkey, return_future=True),
+                       f"a store under {key!r}", timeout_s))
+
 MAX_EXPIRATION_AHEAD_S = 8 * 86400.0
 """A value expiring further ahead is ignored. The longest-lived honest value is a progress record
 of a run at the manifest's largest sync timeouts (protocol/liveness.py ``record_ttl_s``: three
@@ -234,8 +269,18 @@ def start_dht(
         raise NetworkError(f"could not start the DHT node on {host}:{port}: {text}") from exc
 
 
-def visible_maddrs(dht) -> list[str]:
-    return [str(m) for m in dht.get_visible_maddrs()]
+def visible_maddrs(dht, *, latest: bool = False, timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
+    """This node's multiaddrs as libp2p sees them (``latest``: ask p2pd afresh).
+
+    Raises:
+        NetworkError: no answer within ``timeout_s``.
+    """
+    return [str(m) for m in call_in_dht(dht, functools.partial(_visible_maddrs, latest=latest),
+                                        "reading this node's addresses", timeout_s)]
+
+
+async def _visible_maddrs(_dht, node, latest: bool):  # in the DHT process
+    return await node.get_visible_maddrs(latest=latest)
 
 
 def store_manifest(dht, signed: SignedManifest, ttl_s: float = MANIFEST_TTL_S) -> bool:
@@ -246,7 +291,7 @@ def store_manifest(dht, signed: SignedManifest, ttl_s: float = MANIFEST_TTL_S) -
     """
     from hivemind.utils import get_dht_time
 
-    return bool(dht.store(keys.RUNS_KEY, signed.to_wire(), get_dht_time() + ttl_s, subkey=signed.run_id))
+    return store(dht, keys.RUNS_KEY, signed.to_wire(), get_dht_time() + ttl_s, subkey=signed.run_id)
 
 
 def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
@@ -530,9 +575,10 @@ def publish_progress(dht, run_id: str, signer: PeerSigner, record: ProgressRecor
     from hivemind.utils import get_dht_time
 
     key, expiration = keys.progress_key(run_id), get_dht_time() + ttl_s
-    result = dht.store(key, signer.seal(key, expiration, record.to_wire()), expiration, subkey=signer.peer_id,
-                       return_future=not wait)
-    return bool(result) if wait else result
+    value = signer.seal(key, expiration, record.to_wire())
+    if wait:
+        return store(dht, key, value, expiration, subkey=signer.peer_id)
+    return dht.store(key, value, expiration, subkey=signer.peer_id, return_future=True)
 
 
 @dataclass(frozen=True)

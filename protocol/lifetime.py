@@ -45,9 +45,14 @@ except (OSError, AttributeError):
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 PID`` writes every thread's Python stack to this process's stderr (the peer's
     log) and the process goes on: how to see where a peer that stopped making progress waits.
-    Helper processes forked afterwards inherit it. A no-op where SIGUSR1 does not exist."""
-    if hasattr(signal, "SIGUSR1"):
+    Helper processes forked afterwards inherit it. A no-op where SIGUSR1 does not exist or stderr
+    is not a file (a test's captured output)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both OSError and ValueError
+        pass
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

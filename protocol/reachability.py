@@ -203,4 +203,7 @@ def ask_dialback(dht, checkers: Sequence[str], ports: Sequence[int]) -> list[Dia
     """
     if not checkers or not ports:
         return []
-    return dht.run_coroutine(functools.partial(_ask_all, checkers=list(checkers), ports=list(ports)[:MAX_PORTS]))
+    from protocol.dht import call_in_dht
+
+    return call_in_dht(dht, functools.partial(_ask_all, checkers=list(checkers), ports=list(ports)[:MAX_PORTS]),
+                       "the dial-back check", ASK_TIMEOUT_S + 30.0)

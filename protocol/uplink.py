@@ -30,7 +30,8 @@ from typing import Sequence
 
 import msgpack
 
-from protocol.errors import BadPayload
+from protocol.dht import call_in_dht
+from protocol.errors import BadPayload, NetworkError
 from protocol.wire import framing
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,11 @@ def measure_uplink(dht, checkers: Sequence[str], *, sizes: Sequence[int] = (2**2
     best = UplinkProbe(checker="", bytes=0, seconds=0.0, error="no node to send to")
     for checker in checkers:
         for n in sizes:
-            result = dht.run_coroutine(functools.partial(_probe, checker=checker, n=min(n, MAX_PROBE_BYTES)))
+            try:
+                result = call_in_dht(dht, functools.partial(_probe, checker=checker, n=min(n, MAX_PROBE_BYTES)),
+                                     "an uplink probe", PROBE_TIMEOUT_S + 30.0)
+            except NetworkError as exc:
+                result = UplinkProbe(checker=checker, bytes=0, seconds=0.0, error=str(exc))
             if result.error:
                 best = result if not best.bytes else best
                 break

@@ -175,9 +175,12 @@ async def _protect_run(dht, node, run_id: str) -> None:  # in the DHT process
 def protect_run(dht, run_id: str) -> None:
     """Make ``dht``'s node (started by protocol/dht.py ``new_dht``) refuse unsigned records of ``run_id``.
 
-    Raises whatever ``hivemind.DHT.run_coroutine`` raises (the DHT is not running).
+    Raises ``NetworkError`` when the DHT process does not do it within ``protocol.dht.CALL_TIMEOUT_S``,
+    and whatever ``hivemind.DHT.run_coroutine`` raises (the DHT is not running).
     """
-    dht.run_coroutine(functools.partial(_protect_run, run_id=run_id))
+    from protocol.dht import call_in_dht
+
+    call_in_dht(dht, functools.partial(_protect_run, run_id=run_id), "protecting the run's keys")
 
 
 async def _protect_round(dht, node, prefix: str, round_: int) -> None:  # in the DHT process
@@ -192,6 +195,9 @@ def protect_round(dht, prefix: str, round_: int) -> None:
     matchmaking keys of ``prefix`` around ``round_`` (:meth:`SwarmRecordValidator.protect_round`).
     A node without a :class:`SwarmRecordValidator` is left as it is.
 
-    Raises whatever ``hivemind.DHT.run_coroutine`` raises (the DHT is not running).
+    Raises ``NetworkError`` when the DHT process does not do it within ``protocol.dht.CALL_TIMEOUT_S``,
+    and whatever ``hivemind.DHT.run_coroutine`` raises (the DHT is not running).
     """
-    dht.run_coroutine(functools.partial(_protect_round, prefix=prefix, round_=round_))
+    from protocol.dht import call_in_dht
+
+    call_in_dht(dht, functools.partial(_protect_round, prefix=prefix, round_=round_), "protecting a round's keys")

@@ -63,11 +63,15 @@ def serve_stream(dht, protocol: str, handler) -> None:
     function) on ``dht``'s libp2p host, in the DHT's process, from now on.
 
     Raises:
-        Whatever hivemind raises when the handler cannot be added (a DHT that is shutting down).
+        Whatever hivemind raises when the handler cannot be added (a DHT that is shutting down);
+        ``NetworkError`` when the DHT process does not add it within ``protocol.dht.CALL_TIMEOUT_S``.
     """
     import functools
 
-    dht.run_coroutine(functools.partial(_add_stream_handler, protocol=protocol, handler=handler))
+    from protocol.dht import call_in_dht
+
+    call_in_dht(dht, functools.partial(_add_stream_handler, protocol=protocol, handler=handler),
+                f"adding the {protocol} handler")
 
 
 def describe_failure(exc: BaseException) -> str:

@@ -23,7 +23,11 @@ class FakeDHT:
             entries = self.stored.setdefault(key, Item({}, expiration_time))
             entries.value[subkey] = Item(value, expiration_time)
             entries.expiration_time = max(entries.expiration_time, expiration_time)
-        return True
+        if not return_future:
+            return True
+        future = concurrent.futures.Future()
+        future.set_result(True)
+        return future
 
     def get(self, key, latest=True, return_future=False):
         future = concurrent.futures.Future()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import json
@@ -214,21 +215,29 @@ class FakeDHT:
         self.stored: dict[str, dict[str, tuple[object, float]]] = {}
         self.maddrs = maddrs
 
-    def get_visible_maddrs(self):
+    async def get_visible_maddrs(self, latest=False):  # as the DHT process's node answers
         return self.maddrs
 
-    def store(self, key, value, expiration, subkey):
+    def run_coroutine(self, coro, return_future=False):
+        return done(asyncio.run(coro(self, self)), return_future)
+
+    def store(self, key, value, expiration, subkey, return_future=False):
         self.stored.setdefault(key, {})[subkey] = (value, expiration)
-        return True
+        return done(True, return_future)
 
     def get(self, key, latest=True, return_future=False):
         found = (self.Item({k: self.Item(*v) for k, v in self.stored[key].items()}, time.time() + 60)
                  if key in self.stored else None)
-        if not return_future:
-            return found
-        future = concurrent.futures.Future()
-        future.set_result(found)
-        return future
+        return done(found, return_future)
+
+
+def done(value, as_future: bool):
+    """``value``, or a future that holds it, as hivemind's DHT calls return them."""
+    if not as_future:
+        return value
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def test_the_keeper_publishes_this_peer_and_remembers_the_others(tmp_path):
