@@ -8,7 +8,10 @@ of by an all-reduce. With a lossy ``[compression]`` codec each peer's contributi
 the network's codec code (:mod:`protocol.codecs`, :mod:`peer.sync.adaptive`): error-compensated,
 encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
 With ``sync.overlap`` the outer steps follow peer/train/overlap.py, as a peer's round loop does: a
-round's means land one round late. The owners of the mean's pieces screen the contributions as
+round's means land one round late; ``"streaming"`` (Streaming DiLoCo, peer/train/streaming.py;
+simulation only so far) syncs one fragment of the model at a time at staggered inner steps, each
+mean landing ``sync.fragment_delay_steps`` steps after its sync started
+(:meth:`Simulation._streaming_round`). The owners of the mean's pieces screen the contributions as
 the networked owners do (peer/sync/screening.py: token cap, clip to the median norm, repeat
 offenders ignored; non-finite ones excluded), and every receiver checks each mean an owner sends it
 against its own contribution (``owner_mean_problem``: a refused Δ mean is applied as zeros, a
@@ -16,9 +19,10 @@ refused φ mean as the receiver's own φ), which a switch turns off; malicious p
 (lab/adversary.py) forge their contributions, their means as owners or their progress records. A data-parallel mode (one model, gradients averaged every inner step) gives
 the ceiling that low-communication methods are compared against at equal tokens.
 
-Over 300 lines: one simulated round (inner steps, screened and compressed group means as the
-network computes them, outer steps) and its evaluation share the Simulation's state; split, each
-half would reach into the other's. The adversary's fake-progress round lives in lab/adversary.py.
+Over 600 lines: one simulated round (inner steps, screened and compressed group means as the
+network computes them, outer steps, or streaming's fragment syncs between inner steps) and its
+evaluation share the Simulation's state; split, each half would reach into the other's. The
+adversary's fake-progress round lives in lab/adversary.py.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer
 from peer.train.overlap import drain, next_start, round_progress
+from peer.train.streaming import landing_at, merge, partition, syncing_at
 from protocol.codecs import Codec, make_codec
 from protocol.manifest import RunManifest
 from protocol.groups import codec_seed, plan_groups
@@ -268,6 +273,9 @@ class Simulation:
             self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
             self.phis = [[p.detach().clone() for p in m.parameters()] for m in self.models]
             self._setup_codecs(shapes)
+        self.streaming = not data_parallel and manifest.sync.overlap == "streaming"
+        if self.streaming:
+            self._setup_streaming([name for name, _ in base.named_parameters()])
         self.anchors = [[p.clone() for p in phi] for phi in self.phis]
         """ψ: where each peer's current round started (φ without overlap; peer/train/overlap.py)."""
         self.pending: list[list[torch.Tensor]] | None = None
@@ -285,14 +293,40 @@ class Simulation:
         lossy = spec.codec != "none"  # 'adaptive' included: its plan may pick lossy codecs
         self.feedback = [ErrorFeedback(shapes) for _ in range(self.peers)] if lossy and spec.error_feedback else None
 
+    def _setup_streaming(self, names: Sequence[str]) -> None:
+        """Streaming DiLoCo's state: the fragments (:func:`~peer.train.streaming.partition` of the
+        parameter ``names``), per peer one outer algorithm per fragment (its own slice of the outer
+        state), the means in flight and the tokens each peer trained since each fragment's last sync.
+
+        Raises:
+            ValueError: an algorithm whose payload holds φ (NoLoCo), a lossy codec or an adversary:
+                the fragment syncs run the plain screened mean only, so far; or more fragments than blocks.
+        """
+        if self.outers[0].phi_from(len(self.shapes)) is not None or self.compressed or self.adversary is not None:
+            raise ValueError(f"sync.overlap = 'streaming' with sync.algorithm = {self.method!r}, compression.codec "
+                             f"= {self.m.compression.codec!r}, adversary: {self.adversary is not None}: the "
+                             "simulation streams 'diloco' or 'independent' with codec 'none' and no adversary so far")
+        self.fragments = partition(names, self.m.sync.fragments)
+        self.fragment_outers = [[make_outer(self.m, [self.shapes[k] for k in index]) for index in self.fragments]
+                                for _ in range(self.peers)]
+        self.in_flight: dict[int, list[list[torch.Tensor]]] = {}
+        """Fragment → each peer's group mean of its sync in flight (applied at its landing step)."""
+        self.fragment_tokens = [[0] * self.peers for _ in self.fragments]
+        self.last_sync = [0] * len(self.fragments)
+        """Per fragment, the inner step (cumulative steps done) at which its last sync started."""
+
     def run_round(self) -> None:
         """One round: H inner steps per peer, then the outer step of every group.
 
         Implements DiLoCo (arXiv 2311.08105, Algorithm 1) or NoLoCo (arXiv 2506.10911, Eqs. 1-3)
         through the trainer's own outer objects: Δ_i = φ_i − θ_i, the token-weighted group mean
         of each peer's payload, ``apply`` on φ_i, then θ_i ← φ_i. Data-parallel: H AdamW steps
-        on the N peers' batches together, an all-reduce of the P gradients per step.
+        on the N peers' batches together, an all-reduce of the P gradients per step. Streaming:
+        :meth:`_streaming_round`.
         """
+        if self.streaming:
+            self._streaming_round()
+            return
         H = self.m.sync.inner_steps
         round_tokens = [0] * len(self.inners)
         for i, inner in enumerate(self.inners):
@@ -308,6 +342,70 @@ class Simulation:
         self.round_ += 1
         if self.adversary is not None and self.adversary.attack == "fake-progress":
             resync_after_round(self)
+
+    def _streaming_round(self) -> None:
+        """H inner steps per peer, one step at a time, with Streaming DiLoCo's fragment syncs between
+        them (arXiv 2501.18512; peer/train/streaming.py): once ``s`` steps are done, the fragments of
+        :func:`~peer.train.streaming.syncing_at` start their sync (:meth:`_fragment_sync`) and those
+        of :func:`~peer.train.streaming.landing_at` (started τ steps earlier) land
+        (:meth:`_fragment_land`); with τ = 0 a sync lands at once. Peers step in turn; each owns its
+        model, AdamW state and data, so the order changes nothing."""
+        sync = self.m.sync
+        H, P, tau = sync.inner_steps, sync.fragments, sync.fragment_delay_steps
+        for k in range(H):
+            for i, inner in enumerate(self.inners):
+                tokens = inner.step(self.inner_step + k).tokens
+                self.tokens += tokens
+                for counts in self.fragment_tokens:
+                    counts[i] += tokens
+            done = self.inner_step + k + 1
+            for p in syncing_at(done, inner_steps=H, fragments=P):
+                self._fragment_sync(p, done)
+            for p in landing_at(done, inner_steps=H, fragments=P, delay_steps=tau):
+                self._fragment_land(p)
+        self.inner_step += H
+        self.round_ += 1
+
+    def _fragment_sync(self, p: int, step: int) -> None:
+        """Start fragment p's sync on every peer: Δ_p = φ_p − θ_p, each group's token-weighted mean
+        as the owners screen it and the receivers check it (:meth:`_group_mean`, :meth:`_receive`,
+        as in :meth:`_outer_step`; a failed group applies each member's own Δ_p), held in
+        ``in_flight`` until it lands. Bytes: a butterfly all-reduce of the fragment alone."""
+        index = self.fragments[p]
+        payloads = []
+        for outer, phi, model in zip(self.fragment_outers, self.phis, self.models):
+            theta = list(model.parameters())
+            phi_p = [phi[k] for k in index]
+            payloads.append(outer[p].payload(phi_p, round_progress(phi_p, [theta[k] for k in index])))
+        claimed = [float(max(1, t)) for t in self.fragment_tokens[p]]
+        self.fragment_tokens[p] = [0] * self.peers
+        means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]
+        for group in sync_groups(self.m, self.peers, self.round_):
+            received: list[list[torch.Tensor]] | None
+            if len(group) == 1:
+                received, sent = [payloads[group[0]]], 0.0
+            else:
+                weights = [claimed[j] for j in group]
+                contributions = [payloads[j] for j in group]
+                mean = self._group_mean(group, contributions, weights)
+                received = None if mean is None else self._receive(group, mean, list(mean), contributions, weights,
+                                                                     contributions)
+                sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
+            for member, j in enumerate(group):
+                means[j] = payloads[j] if received is None else received[member]
+                self.bytes_sent[j] += sent
+        self.in_flight[p] = means
+        self.last_sync[p] = step
+
+    def _fragment_land(self, p: int) -> None:
+        """Fragment p's means arrive: φ_p ← OuterOpt_p(φ_p, mean) on every peer (its fragment's
+        outer state only), then θ_p ← α·θ_p + (1 − α)·φ_p (:func:`~peer.train.streaming.merge`)."""
+        index = self.fragments[p]
+        for outer, phi, model, mean in zip(self.fragment_outers, self.phis, self.models, self.in_flight.pop(p)):
+            phi_p = [phi[k] for k in index]
+            outer[p].apply(phi_p, mean)  # in place on the peer's own φ tensors
+            theta = list(model.parameters())
+            merge([theta[k] for k in index], phi_p, self.m.sync.fragment_alpha)
 
     def _outer_step(self, round_tokens: Sequence[int]) -> None:
         """The groups' means and outer steps; with ``sync.overlap`` the rules of peer/train/overlap.py:
@@ -515,7 +613,23 @@ class Simulation:
 
     def finish(self) -> None:
         """With overlap, wait for the last round's sync: apply its means and set θ ← φ (no-op
-        without one), so the final φ holds every round, as a peer's does when training ends."""
+        without one), so the final φ holds every round, as a peer's does when training ends.
+
+        Streaming: the syncs in flight land, then every fragment with inner steps since its last
+        sync (all but fragment 0 at a round's end) syncs once more and lands at once, so the final
+        φ holds every step, as φ does without overlap; then θ ← φ."""
+        if self.streaming:
+            for p in sorted(self.in_flight):
+                self._fragment_land(p)
+            for p, last in enumerate(self.last_sync):
+                if last < self.inner_step:
+                    self._fragment_sync(p, self.inner_step)
+                    self._fragment_land(p)
+            with torch.no_grad():
+                for model, phi in zip(self.models, self.phis):
+                    for t, p in zip(model.parameters(), phi):
+                        t.copy_(p)
+            return
         if self.data_parallel or self.pending is None:
             return
         for outer, phi, mean in zip(self.outers, self.phis, self.pending):

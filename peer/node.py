@@ -138,12 +138,29 @@ class StopOnSignal(lifetime.StopOnSignal):
         super().__init__(event, "stopping after the current inner step (signal again to exit now)")
 
 
+def refuse_unimplemented(manifest: RunManifest) -> None:
+    """Refuse a run whose manifest asks for what only the simulation implements so far.
+
+    Raises:
+        ConfigError: ``sync.overlap = "streaming"`` (Streaming DiLoCo: peer/train/streaming.py has
+            its rules, lab/simulation.py runs them; the round loop does not yet).
+    """
+    if manifest.sync.overlap == "streaming":
+        raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets sync.overlap = 'streaming': Streaming "
+                          "DiLoCo is only implemented in the simulation (lab/simulation.py) so far; a peer cannot "
+                          "train it. Use sync.overlap = 'none', 'delayed' or 'eager'")
+
+
 def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None = None) -> tuple[int, TrainSummary]:
     """Join (or start) a swarm and train. Returns (exit code, summary).
 
     Raises:
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
+        ConfigError: the run sets sync.overlap = 'streaming' (:func:`refuse_unimplemented`); for
+            this peer's own run (--run/--preset) before any network work.
     """
+    if cfg.new_run is not None:
+        refuse_unimplemented(cfg.new_run)
     stop_event = stop_event or threading.Event()
     resolve_device(cfg.device.device)  # a device this machine lacks fails now, before the DHT starts
     if cfg.threads is not None:
@@ -173,6 +190,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     try:
         signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
         manifest = signed.manifest
+        refuse_unimplemented(manifest)  # the swarm's run, known only now
         protect_run(dht, manifest.run_id)  # this node stores only signed records of its run
         # Every peer keeps its run's signed manifest alive, so the swarm outlives its bootstrap node.
         announcer = swarm_dht.ManifestAnnouncer(dht, signed).start()

@@ -33,7 +33,7 @@ from protocol.errors import BadSignature, ManifestError, VersionMismatch
 from protocol.signing import OwnerKey, is_owner_hex, verify_manifest
 from protocol.specs import (
     CODECS, PHI_CODECS, CompressionSpec, DataSpec, InnerOptimizerSpec, ModelSpec, NoLoCoSpec, OuterOptimizerSpec,
-    SyncSpec, check, int_in,
+    STREAMING_FIELDS, SyncSpec, check, int_in,
 )
 from protocol.version import PROTOCOL_VERSION
 
@@ -94,12 +94,22 @@ class RunManifest:
                f"at most model.max_seq_len = {self.model.max_seq_len}")
         if self.sync.algorithm == "noloco":
             self.noloco.check_stability()
+        if self.sync.overlap == "streaming":
+            check("sync", "fragments", self.sync.fragments, self.sync.fragments <= self.model.num_layers,
+                  f"at most model.num_layers = {self.model.num_layers} with sync.overlap = 'streaming' "
+                  "(a fragment holds whole transformer blocks)")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data; ``owner`` is left out while empty (so ownerless run ids stay as they were)."""
+        """Plain data; ``owner`` is left out while empty and the streaming fields of ``sync``
+        (``STREAMING_FIELDS``) while at their defaults, so run ids from before they existed stay as
+        they were (and older clients can read those manifests)."""
         data = dataclasses.asdict(self)
         if not self.owner:
             del data["owner"]
+        default = SyncSpec()
+        for name in STREAMING_FIELDS:
+            if getattr(self.sync, name) == getattr(default, name):
+                del data["sync"][name]
         return data
 
     def encode(self) -> bytes:

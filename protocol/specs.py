@@ -243,8 +243,12 @@ class NoLoCoSpec:
             )
 
 
-OVERLAP_MODES = ("none", "delayed", "eager")
-"""How a round's sync overlaps the next round's inner steps (``sync.overlap``)."""
+OVERLAP_MODES = ("none", "delayed", "eager", "streaming")
+"""How a round's sync overlaps the next round's inner steps (``sync.overlap``). 'streaming' is only
+implemented in the in-process simulation (lab/simulation.py) so far: a peer refuses such a run."""
+STREAMING_FIELDS = ("fragments", "fragment_delay_steps", "fragment_alpha")
+"""The sync fields only ``overlap = "streaming"`` reads; left out of a manifest's encoding while at
+their defaults (protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,13 +281,34 @@ class SyncSpec:
     """'none': a peer waits for its round's sync; 'delayed': round t's sync runs while round t+1
     trains and its outer step lands at the end of round t+1 (DiLoCoX one-step delay); 'eager': as
     delayed, and each peer starts round t+1 from φ plus its own fresh pseudo-gradient's share
-    (arXiv 2502.12996). peer/train/overlap.py; a swarm-wide fact."""
+    (arXiv 2502.12996). peer/train/overlap.py; 'streaming': Streaming DiLoCo (arXiv 2501.18512),
+    ``fragments`` parts of the model synced at staggered steps, each sync overlapping
+    ``fragment_delay_steps`` inner steps (peer/train/streaming.py; simulation only so far). A
+    swarm-wide fact."""
+    fragments: int = 4
+    """P, streaming only: fragments of the model (fragment p holds transformer blocks p, p+P, ...);
+    at most model.num_layers."""
+    fragment_delay_steps: int = 2
+    """τ, streaming only: inner steps between a fragment's sync starting and its mean being applied
+    (0: applied at once, no overlap); below inner_steps / fragments."""
+    fragment_alpha: float = 0.5
+    """α, streaming only: on arrival θ_p ← α·θ_p + (1 − α)·φ_p (1: keep the local θ_p, 0: take φ_p)."""
 
     def __post_init__(self) -> None:
         s = "sync"
         one_of(s, "algorithm", self.algorithm, ("diloco", "noloco", "independent"))
         one_of(s, "overlap", self.overlap, OVERLAP_MODES)
         int_in(s, "inner_steps", self.inner_steps, 1, 10**6)
+        int_in(s, "fragments", self.fragments, 1, 4096)
+        int_in(s, "fragment_delay_steps", self.fragment_delay_steps, 0, 10**6)
+        float_in(s, "fragment_alpha", self.fragment_alpha, 0.0, 1.0)
+        if self.overlap == "streaming":
+            # τ < H/P: a fragment's sync lands within its slot of the round (the next fragment's
+            # sync starts about H/P steps later), as in the paper, where τ is a few steps
+            check(s, "fragment_delay_steps", self.fragment_delay_steps,
+                  self.fragment_delay_steps * self.fragments < self.inner_steps,
+                  f"an integer below sync.inner_steps / sync.fragments = {self.inner_steps} / {self.fragments} "
+                  "with sync.overlap = 'streaming'")
         int_in(s, "target_group_size", self.target_group_size, 2, 4096)
         float_in(s, "matchmaking_time_s", self.matchmaking_time_s, 0.0, 3600.0, lo_open=True)
         float_in(s, "allreduce_timeout_s", self.allreduce_timeout_s, 0.0, 86400.0, lo_open=True)

@@ -1,0 +1,146 @@
+"""Streaming DiLoCo's rules, pure tensor code: fragments, their sync schedule and the merge.
+
+Implements Streaming DiLoCo (Douillard et al., arXiv 2501.18512; ALGORITHMS.md
+§4) for ``sync.overlap = "streaming"``. So far only the in-process simulation (lab/simulation.py)
+runs it; a peer refuses such a run (peer/node.py), and will call these same functions once its
+round loop learns the schedule.
+
+Notation as in ALGORITHMS.md: φ the outer parameters, θ the inner ones, H inner steps per round.
+The model's parameters are split into P *fragments* (:func:`partition`, strided by transformer
+block as in the paper: block ℓ belongs to fragment ℓ mod P). Fragment p syncs every H inner steps
+at the offset t_p = ⌊p·H/P⌋ (:func:`sync_offset`): once ``s`` inner steps are done with
+``s ≥ 1`` and ``s ≡ t_p (mod H)`` (:func:`syncing_at`), every peer computes
+``Δ_p = φ_p − θ_p`` and starts its all-reduce; τ inner steps later (:func:`landing_at`) the group
+mean lands::
+
+    φ_p ← OuterOpt_p(φ_p, mean Δ_p)             (the run's outer step, on fragment p's tensors and state)
+    θ_p ← α·θ_p + (1 − α)·φ_p                    (:func:`merge`; the paper mixes with α = 0.5)
+
+θ_p kept training during those τ steps; the merge keeps part of that fresh progress. φ is never
+touched while its fragment's sync is in flight, and groupmates apply the same mean to the same
+φ_p, so they keep bit-identical φ. With τ = 0 the mean lands at the sync step itself; with P = 1,
+τ = 0 and α = 0 this is DiLoCo without overlap (θ ← φ after every outer step). Peak bandwidth
+drops by P: a sync carries one fragment.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import torch
+
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+"""A transformer block's parameters: ``model.layers.<index>.`` in transformers' Llama (and most
+decoder-only models in that library)."""
+
+
+def block_of(name: str) -> int | None:
+    """The transformer block a parameter belongs to (``model.layers.3.mlp.up_proj.weight`` → 3),
+    or None for a parameter outside the blocks (embeddings, final norm, output head)."""
+    match = _BLOCK.search(name)
+    return int(match.group(1)) if match else None
+
+
+def partition(names: Sequence[str], fragments: int) -> list[list[int]]:
+    """Split a model's parameters into ``fragments`` fragments, strided by transformer block.
+
+    Block ℓ belongs to fragment ℓ mod P (Streaming DiLoCo, arXiv 2501.18512: strided
+    fragments). A parameter outside the blocks joins the fragment of the last block that precedes
+    it in ``names`` order, or fragment 0 when none does: for a Llama the token embedding joins
+    fragment 0 (with block 0) and the final norm and output head join the fragment of the last
+    block, (L − 1) mod P. Every peer lists the same names in the same order
+    (``model.named_parameters()``), so every peer draws the same fragments.
+
+    Args:
+        names: parameter names in the model's order, e.g. from ``model.named_parameters()``.
+        fragments: P ≥ 1, at most the number of blocks.
+
+    Returns:
+        P lists of indices into ``names``, each ascending; together they hold every index exactly
+        once, and none is empty.
+
+    Raises:
+        ValueError: P < 1, no parameter names a block, or P exceeds the number of blocks.
+    """
+    blocks = [block_of(n) for n in names]
+    distinct = sorted({b for b in blocks if b is not None})
+    if fragments < 1:
+        raise ValueError(f"fragments = {fragments}: need at least 1")
+    if not distinct:
+        raise ValueError(f"no parameter of {len(names)} names a transformer block ('layers.<index>.'): "
+                         "cannot split the model into fragments")
+    if fragments > len(distinct):
+        raise ValueError(f"fragments = {fragments}: the model has only {len(distinct)} transformer block(s); "
+                         "need 1 <= fragments <= blocks")
+    rank = {b: i for i, b in enumerate(distinct)}  # block indices need not start at 0 or be dense
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    current = 0
+    for index, block in enumerate(blocks):
+        if block is not None:
+            current = rank[block] % fragments
+        out[current].append(index)
+    return out
+
+
+def sync_offset(fragment: int, *, inner_steps: int, fragments: int) -> int:
+    """t_p = ⌊p·H/P⌋: fragment p syncs when the inner steps done are t_p modulo H.
+
+    Raises:
+        ValueError: ``fragment`` outside [0, P), or H, P < 1.
+    """
+    if inner_steps < 1 or fragments < 1 or not 0 <= fragment < fragments:
+        raise ValueError(f"fragment = {fragment}, inner_steps = {inner_steps}, fragments = {fragments}: "
+                         "need 0 <= fragment < fragments and inner_steps, fragments >= 1")
+    return fragment * inner_steps // fragments
+
+
+def syncing_at(step: int, *, inner_steps: int, fragments: int) -> list[int]:
+    """The fragments whose sync starts once ``step`` inner steps are done (cumulative, from 1).
+
+    Fragment 0 syncs at H, 2H, ... (where DiLoCo's round ends); fragment p > 0 first at t_p, after
+    only t_p steps, then every H.
+
+    Returns:
+        Fragment indices, ascending (several when P > H makes offsets coincide); [] for step < 1.
+    """
+    if step < 1:
+        return []
+    return [p for p in range(fragments)
+            if step % inner_steps == sync_offset(p, inner_steps=inner_steps, fragments=fragments)]
+
+
+def landing_at(step: int, *, inner_steps: int, fragments: int, delay_steps: int) -> list[int]:
+    """The fragments whose group mean is applied once ``step`` inner steps are done: those whose
+    sync started τ = ``delay_steps`` steps earlier (τ = 0: the sync step itself)."""
+    return syncing_at(step - delay_steps, inner_steps=inner_steps, fragments=fragments)
+
+
+def merge(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], alpha: float) -> None:
+    """θ_p ← α·θ_p + (1 − α)·φ_p, in place on ``theta``: Streaming DiLoCo's merge when a fragment's
+    mean arrives (arXiv 2501.18512).
+
+    α = 1 leaves θ exactly as it is and α = 0 copies φ exactly (no rounding from the mix).
+
+    Args:
+        theta: the fragment's inner parameters (any float dtype, any device), modified in place.
+        phi: the fragment's outer parameters after the outer step, fp32 host tensors shaped like ``theta``.
+        alpha: α in [0, 1].
+
+    Raises:
+        ValueError: α outside [0, 1] or a shape mismatch; ``theta`` unchanged.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha = {alpha!r}: need 0 <= alpha <= 1")
+    for t, p in zip(theta, phi, strict=True):
+        if t.shape != p.shape:
+            raise ValueError(f"θ of shape {tuple(t.shape)} and φ of shape {tuple(p.shape)}: need equal shapes")
+    if alpha == 1.0:
+        return
+    with torch.no_grad():
+        for t, p in zip(theta, phi):
+            src = p.to(device=t.device, dtype=t.dtype)
+            if alpha == 0.0:
+                t.copy_(src)
+            else:
+                t.mul_(alpha).add_(src, alpha=1.0 - alpha)

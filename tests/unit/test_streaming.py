@@ -1,0 +1,187 @@
+"""Streaming DiLoCo (arXiv 2501.18512; peer/train/streaming.py): fragments, schedule, merge, the
+manifest fields, the simulation's streaming mode and the peer's refusal of it."""
+
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.simulation import Simulation, butterfly_bytes, run_simulation
+from peer.config import JoinConfig
+from peer.reporting import Reporter
+from peer.train.model import build_model
+from peer.train.streaming import block_of, landing_at, merge, partition, sync_offset, syncing_at
+from protocol.errors import ConfigError, ManifestError
+from protocol.manifest import RunManifest, dump_toml, from_dict
+from protocol.presets import tiny_run
+from protocol.specs import ModelSpec
+from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
+
+
+def identical(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def llama_names(layers: int) -> list[str]:
+    model = build_model(ModelSpec(hidden_size=16, num_layers=layers, num_heads=2, num_kv_heads=2,
+                                  intermediate_size=32, max_seq_len=16))
+    return [name for name, _ in model.named_parameters()]
+
+
+@pytest.mark.parametrize("layers,fragments", [(1, 1), (4, 1), (4, 2), (4, 3), (4, 4), (5, 2)])
+def test_partition_covers_every_parameter_once_strided_by_block(layers, fragments):
+    names = llama_names(layers)
+    parts = partition(names, fragments)
+    assert len(parts) == fragments and all(parts)
+    flat = sorted(i for part in parts for i in part)
+    assert flat == list(range(len(names)))          # every parameter exactly once
+    where = {i: p for p, part in enumerate(parts) for i in part}
+    for i, name in enumerate(names):
+        block = block_of(name)
+        if block is not None:
+            assert where[i] == block % fragments     # block ℓ → fragment ℓ mod P
+        elif "embed_tokens" in name:
+            assert where[i] == 0
+        else:                                        # final norm, lm_head: the last block's fragment
+            assert name in ("model.norm.weight", "lm_head.weight")
+            assert where[i] == (layers - 1) % fragments
+
+
+def test_partition_refuses_more_fragments_than_blocks_and_models_without_blocks():
+    with pytest.raises(ValueError, match=r"fragments = 5: the model has only 4 transformer block"):
+        partition(llama_names(4), 5)
+    with pytest.raises(ValueError, match="fragments = 0"):
+        partition(llama_names(2), 0)
+    with pytest.raises(ValueError, match="names a transformer block"):
+        partition(["embed.weight", "head.weight"], 1)
+
+
+def test_schedule_offsets_each_fragment_once_per_round():
+    H, P = 10, 4
+    assert [sync_offset(p, inner_steps=H, fragments=P) for p in range(P)] == [0, 2, 5, 7]
+    starts = {p: [s for s in range(0, 31) if p in syncing_at(s, inner_steps=H, fragments=P)] for p in range(P)}
+    assert starts == {0: [10, 20, 30], 1: [2, 12, 22], 2: [5, 15, 25], 3: [7, 17, 27]}
+    for s in range(0, 31):
+        assert landing_at(s, inner_steps=H, fragments=P, delay_steps=2) == syncing_at(s - 2, inner_steps=H,
+                                                                                      fragments=P)
+        assert landing_at(s, inner_steps=H, fragments=P, delay_steps=0) == syncing_at(s, inner_steps=H, fragments=P)
+    assert syncing_at(5, inner_steps=5, fragments=1) == [0] and syncing_at(3, inner_steps=5, fragments=1) == []
+    with pytest.raises(ValueError, match="fragment = 4"):
+        sync_offset(4, inner_steps=H, fragments=P)
+
+
+def test_merge_alpha_one_keeps_theta_alpha_zero_takes_phi_half_is_the_midpoint():
+    g = torch.Generator().manual_seed(0)
+    theta = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    phi = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    kept = [t.clone() for t in theta]
+    merge(kept, phi, 1.0)
+    assert identical(kept, theta)
+    taken = [t.clone() for t in theta]
+    merge(taken, phi, 0.0)
+    assert identical(taken, phi)
+    half = [t.clone() for t in theta]
+    merge(half, phi, 0.5)
+    for h, t, p in zip(half, theta, phi):
+        torch.testing.assert_close(h, 0.5 * t + 0.5 * p)
+    with pytest.raises(ValueError, match=r"alpha = 1\.5"):
+        merge(half, phi, 1.5)
+    with pytest.raises(ValueError, match=r"shape \(5,\)"):
+        merge(half, phi[::-1], 0.5)
+
+
+def test_manifest_fields_validated_round_tripped_and_absent_at_defaults():
+    m = RunManifest().replace(sync={"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1,
+                                    "fragment_alpha": 1.0})
+    assert from_dict(tomllib.loads(dump_toml(m))) == m
+    assert (m.sync.fragments, m.sync.fragment_delay_steps, m.sync.fragment_alpha) == (2, 1, 1.0)
+    # at their defaults the fields stay out of the encoding: run ids from before them are unchanged
+    assert "fragments" not in dump_toml(RunManifest())
+    assert RunManifest().replace(sync={"fragments": 4}).run_id == RunManifest().run_id
+    assert RunManifest().replace(sync={"fragments": 3}).run_id != RunManifest().run_id
+    with pytest.raises(ManifestError, match=r"sync\.fragment_alpha = 1\.5"):
+        from_dict({"sync": {"fragment_alpha": 1.5}})
+    with pytest.raises(ManifestError, match=r"sync\.fragments = 0"):
+        from_dict({"sync": {"fragments": 0}})
+    with pytest.raises(ManifestError, match=r"sync\.fragment_delay_steps = -1"):
+        from_dict({"sync": {"fragment_delay_steps": -1}})
+    # streaming only: τ < H / P and P <= model.num_layers (default model: 4 layers, H = 20)
+    with pytest.raises(ManifestError, match=r"sync\.fragment_delay_steps = 5 .*20 / 4"):
+        from_dict({"sync": {"overlap": "streaming", "fragment_delay_steps": 5}})
+    with pytest.raises(ManifestError, match=r"sync\.fragments = 5 .*model\.num_layers = 4"):
+        from_dict({"sync": {"overlap": "streaming", "fragments": 5}})
+    assert from_dict({"sync": {"fragments": 5, "fragment_delay_steps": 9}}).sync.overlap == "none"
+
+
+def streaming(fragments: int, delay: int, alpha: float, layers: int = 2, **sync):
+    return tiny_run().replace(model={"num_layers": layers},
+                              sync={"overlap": "streaming", "fragments": fragments, "fragment_delay_steps": delay,
+                                    "fragment_alpha": alpha, **sync})
+
+
+def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus):
+    none = Simulation(tiny_run().replace(model={"num_layers": 2}), corpus, peers=2, seed=0)
+    stream = Simulation(streaming(1, 0, 0.0), corpus, peers=2, seed=0)
+    for sim in (none, stream):
+        for _ in range(2):
+            sim.run_round()
+        sim.finish()
+    for a, b in zip(none.phis, stream.phis):
+        assert identical(a, b)
+    assert identical(list(none.models[1].parameters()), list(stream.models[1].parameters()))
+    assert stream.bytes_sent == none.bytes_sent and stream.tokens == none.tokens
+
+
+def test_a_fragment_mean_lands_tau_steps_after_its_sync(corpus):
+    # H = 5, P = 2: fragment 1 syncs at step 2 and lands at 3; fragment 0 syncs at 5, lands at 6
+    sim = Simulation(streaming(2, 1, 0.5), corpus, peers=2, seed=0)
+    phi0 = [p.clone() for p in sim.phis[0]]
+    first, second = sim.fragments
+    sim.run_round()
+    assert list(sim.in_flight) == [0] and sim.last_sync == [5, 2]
+    assert identical([sim.phis[0][k] for k in first], [phi0[k] for k in first])       # still in flight
+    assert not identical([sim.phis[0][k] for k in second], [phi0[k] for k in second])  # landed at step 3
+    sim.run_round()
+    assert not identical([sim.phis[0][k] for k in first], [phi0[k] for k in first])
+    assert identical(sim.phis[0], sim.phis[1])
+
+
+def test_streaming_peers_hold_identical_phi_and_the_loss_falls(corpus):
+    m = streaming(2, 1, 0.5)
+    result = run_simulation(m, corpus, peers=3, rounds=3, seed=1, eval_every_rounds=3)
+    first, last = result.history[0], result.history[-1]
+    assert math.isfinite(last.loss_bpb) and last.loss_bpb < first.loss_bpb - 0.2
+    assert last.sigma == 0.0
+    sim = Simulation(m, corpus, peers=3, seed=1)
+    sim.run_round()
+    sim.run_round()
+    sim.finish()
+    assert not sim.in_flight and all(last == sim.inner_step for last in sim.last_sync)
+    for phi, model in zip(sim.phis, sim.models):
+        assert identical(phi, sim.phis[0]) and identical([p.detach() for p in model.parameters()], phi)
+    # a sync carries its fragment alone: fragment 0 synced at steps 5 and 10, fragment 1 at 2, 7 and
+    # once more at the end (10), for the final φ to hold every step
+    size = [sum(sim.phis[0][k].numel() for k in part) for part in sim.fragments]
+    assert sim.bytes_sent[0] == pytest.approx(2 * butterfly_bytes(size[0], 3) + 3 * butterfly_bytes(size[1], 3))
+
+
+def test_simulation_streams_only_what_it_implements(corpus):
+    with pytest.raises(ValueError, match="'noloco'"):
+        Simulation(streaming(2, 1, 0.5, algorithm="noloco"), corpus, peers=2, seed=0)
+
+
+def test_peer_join_refuses_streaming_before_any_network_work(monkeypatch, tmp_path: Path):
+    import peer.node as node
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the DHT was started for a run the peer cannot train")
+
+    monkeypatch.setattr(node, "start_dht_remembering", no_network)
+    monkeypatch.setattr(node, "load_corpus", no_network)
+    cfg = JoinConfig(new_run=streaming(2, 1, 0.5), data_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"sync\.overlap = 'streaming'.*lab/simulation\.py.*'none', 'delayed' or "
+                                          r"'eager'") as error:
+        node.join(cfg, Reporter("json"))
+    assert error.value.exit_code == 78
