@@ -1,16 +1,22 @@
 """Benchmark: what overlapping each sync with the next round costs in loss (issue #18, quality half).
 
     python bench/overlap.py [--config bench/compare.toml] [--methods diloco noloco] \
-        [--modes none delayed eager] [--peers 4] [--seeds 0 1] [--rounds 16] [--jobs 2] [--threads 1]
+        [--modes none delayed eager streaming] [--peers 4] [--seeds 0 1] [--rounds 16] [--jobs 2] \
+        [--threads 1] [--set sync.fragments=2] [--merge]
 
 Simulates N peers in one process (lab/simulation.py, the swarm's own outer and overlap code:
 peer/train/overlap.py) with bench/compare.py's run manifest and its fixed global batch, once per
 ``sync.overlap`` mode, so every run sees the same tokens; the mode is the only difference. The
 final validation loss (bits per byte, after the last in-flight sync landed) is compared with
 overlap "none" at the same method, N and seeds. Writes ``bench/results/overlap.json``:
-``{"results": [], "quality": [{"overlap", "peers", "final_bpb", "vs_none", ...}]}``; "results"
-(compute utilization on the network-namespace rig) is left empty here. Prints a markdown table for
-docs/benchmarks.md.
+``{"results": [...], "quality": [{"overlap", "peers", "final_bpb", "vs_none", ...}]}``. "results"
+(compute utilization on the network-namespace rig, bench/overlap_rig.py) are never touched here:
+those of an existing ``--out`` are kept. ``--merge`` also keeps the existing quality rows (and runs)
+that this invocation does not measure again, e.g. to add streaming rows beside none/delayed/eager;
+without it the quality rows are this invocation's alone. A streaming row names its fragments P,
+delay τ and α (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``, set with
+``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows of different settings are
+kept apart. Prints a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from protocol.manifest import RunManifest  # noqa: E402
 from protocol.specs import OVERLAP_MODES  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results") / "overlap.json"
+STREAMING_KEYS = ("fragments", "fragment_delay_steps", "fragment_alpha")
 
 
 def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict, rounds: int,
@@ -44,28 +51,53 @@ def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds).replace(sync={"overlap": mode})
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
                        eval_every_rounds=rounds)
-    return {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
-            "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
+    run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
+           "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
+    if mode == "streaming":
+        run["streaming"] = {k: getattr(m.sync, k) for k in STREAMING_KEYS}
+    return run
+
+
+def _variant(row: dict) -> tuple:
+    """A streaming row's (P, τ, α), () for the other modes: rows of different settings stay apart."""
+    return tuple(row.get("streaming", {}).get(k) for k in STREAMING_KEYS) if row["overlap"] == "streaming" else ()
+
+
+def row_key(row: dict) -> tuple:
+    """What a quality row (or run) measures: method, overlap, N and streaming's settings."""
+    return row["method"], row["overlap"], row["peers"], _variant(row)
 
 
 def quality(runs: list[dict]) -> list[dict]:
-    """Means over seeds per (method, overlap, N); ``vs_none``: % above overlap 'none' on the same seeds."""
+    """Means over seeds per (method, overlap, N, streaming settings); ``vs_none``: % above overlap
+    'none' on the same seeds."""
     out = []
     for method, peers in sorted({(r["method"], r["peers"]) for r in runs}):
         mine = [r for r in runs if r["method"] == method and r["peers"] == peers]
         none = {r["seed"]: r["final_bpb"] for r in mine if r["overlap"] == "none"}
         for mode in OVERLAP_MODES:
-            rs = sorted((r for r in mine if r["overlap"] == mode), key=lambda r: r["seed"])
-            if not rs:
-                continue
-            final = statistics.fmean(r["final_bpb"] for r in rs)
-            paired = [r for r in rs if r["seed"] in none]
-            vs = (100 * (statistics.fmean(r["final_bpb"] for r in paired) /
-                         statistics.fmean(none[r["seed"]] for r in paired) - 1)) if paired else None
-            out.append({"overlap": mode, "peers": peers, "final_bpb": final, "vs_none": vs, "method": method,
-                        "seeds": [r["seed"] for r in rs], "final_bpb_per_seed": [r["final_bpb"] for r in rs],
-                        "tokens_per_run": rs[0]["tokens"]})
+            for variant in sorted({_variant(r) for r in mine if r["overlap"] == mode}):
+                rs = sorted((r for r in mine if r["overlap"] == mode and _variant(r) == variant),
+                            key=lambda r: r["seed"])
+                final = statistics.fmean(r["final_bpb"] for r in rs)
+                paired = [r for r in rs if r["seed"] in none]
+                vs = (100 * (statistics.fmean(r["final_bpb"] for r in paired) /
+                             statistics.fmean(none[r["seed"]] for r in paired) - 1)) if paired else None
+                row = {"overlap": mode, "peers": peers, "final_bpb": final, "vs_none": vs, "method": method,
+                       "seeds": [r["seed"] for r in rs], "final_bpb_per_seed": [r["final_bpb"] for r in rs],
+                       "tokens_per_run": rs[0]["tokens"]}
+                if variant:
+                    row["streaming"] = dict(rs[0]["streaming"])
+                out.append(row)
     return out
+
+
+def merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """``new`` and the ``old`` rows whose :func:`row_key` no row of ``new`` has (the fresh
+    measurement wins), ordered by method, N, overlap mode (as in OVERLAP_MODES) and settings."""
+    fresh = {row_key(r) for r in new}
+    rows = [r for r in old if row_key(r) not in fresh] + new
+    return sorted(rows, key=lambda r: (r["method"], r["peers"], OVERLAP_MODES.index(r["overlap"]), _variant(r)))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -74,7 +106,11 @@ def markdown(rows: list[dict]) -> str:
     for q in rows:
         vs = "—" if q["vs_none"] is None else f"{q['vs_none']:+.2f} %"
         seeds = ", ".join(f"{x:.4f}" for x in q["final_bpb_per_seed"])
-        lines.append(f"| {q['method']} | {q['peers']} | {q['overlap']} | {q['final_bpb']:.4f} | {seeds} | {vs} |")
+        mode = q["overlap"]
+        if "streaming" in q:
+            st = q["streaming"]
+            mode += f" (P = {st['fragments']}, τ = {st['fragment_delay_steps']}, α = {st['fragment_alpha']})"
+        lines.append(f"| {q['method']} | {q['peers']} | {mode} | {q['final_bpb']:.4f} | {seeds} | {vs} |")
     return "\n".join(lines)
 
 
@@ -91,6 +127,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field (TOML value)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep --out's quality rows and runs that this invocation does not measure again "
+                             "(its rig 'results' are always kept)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if "none" not in args.modes:
@@ -103,20 +142,33 @@ def main() -> None:
             for seed in args.seeds for mode in args.modes]
     start = time.perf_counter()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    existing = json.loads(args.out.read_text()) if args.out.exists() else {}
+    # the rig's compute-utilization rows (bench/overlap_rig.py) are never this script's to drop
+    kept = {k: v for k, v in existing.items() if k.startswith("results")} or {
+        "results": [],
+        "results_note": "compute utilization on the network-namespace rig (issue #18 item 4): not measured yet"}
+    command = " ".join(["python", *sys.argv])
 
     def write(runs: list[dict]) -> list[dict]:
         rows = quality(runs)
+        all_rows, all_runs, commands = rows, runs, [command]
+        if args.merge and existing:
+            all_rows = merged(existing.get("quality", []), rows)
+            fresh = {(row_key(r), r["seed"]) for r in runs}
+            all_runs = [r for r in existing.get("runs", []) if (row_key(r), r["seed"]) not in fresh] + runs
+            before = existing.get("commands") or ([existing["command"]] if "command" in existing else [])
+            commands = [c for c in before if c != command] + [command]
         record = {
-            "results": [],
-            "results_note": "compute utilization on the network-namespace rig (issue #18 item 4): not measured yet",
-            "quality": rows,
+            **kept,
+            "quality": all_rows,
             "vs_none_unit": "percent above overlap 'none' (same method, N and seeds)",
             "complete": len(runs) == len(work),
-            "command": " ".join(["python", *sys.argv]),
+            "command": command,
+            "commands": commands,
             "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
                       f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each",
             "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
-            "runs": runs,
+            "runs": all_runs,
             "wall_s_total": time.perf_counter() - start,
         }
         args.out.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop

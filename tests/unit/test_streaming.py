@@ -185,3 +185,22 @@ def test_peer_join_refuses_streaming_before_any_network_work(monkeypatch, tmp_pa
                                           r"'eager'") as error:
         node.join(cfg, Reporter("json"))
     assert error.value.exit_code == 78
+
+
+def test_bench_merge_keeps_rows_not_measured_again_and_streaming_settings_apart():
+    from bench.overlap import merged, quality
+
+    def run(mode, seed, bpb, **st):
+        r = {"method": "diloco", "overlap": mode, "peers": 4, "seed": seed, "final_bpb": bpb, "tokens": 10}
+        return {**r, "streaming": st} if st else r
+
+    st = {"fragments": 2, "fragment_delay_steps": 1, "fragment_alpha": 0.5}
+    rows = quality([run("none", 0, 2.0), run("streaming", 0, 2.2, **st),
+                    run("streaming", 0, 2.4, **{**st, "fragment_alpha": 1.0})])
+    assert [(r["overlap"], r.get("streaming", {}).get("fragment_alpha")) for r in rows] == [
+        ("none", None), ("streaming", 0.5), ("streaming", 1.0)]
+    assert rows[1]["vs_none"] == pytest.approx(10.0) and rows[2]["vs_none"] == pytest.approx(20.0)
+    old = quality([run("none", 0, 2.1), run("delayed", 0, 2.3)])
+    out = merged(old, rows)
+    assert [r["overlap"] for r in out] == ["none", "delayed", "streaming", "streaming"]
+    assert out[0]["final_bpb"] == 2.0              # the fresh none row replaced the old one
