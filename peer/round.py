@@ -193,7 +193,8 @@ class Trainer:
         else:
             self._announce_sync(choice, self.pos.round)
             mean, report = self._sync(payload, choice, start_digest, round_=self.pos.round,
-                                      weight=float(max(self.pos.tokens, 1)))
+                                      weight=float(max(self.pos.tokens, 1)),
+                                      expected_wait_s=self._groupmates_due_s(live, self.pos.round, choice))
         done = dataclasses.replace(self.pos)  # the finished round's figures, before the position moves on
         with self._lock:
             if mean is not None:
@@ -252,7 +253,9 @@ class Trainer:
             else:
                 self._announce_sync(choice, done.round)
                 digest, weight = self.state_digest, float(max(done.tokens, 1))
-                self._background.start(lambda: self._sync(payload, choice, digest, round_=done.round, weight=weight),
+                due_s = self._groupmates_due_s(live, done.round, choice)
+                self._background.start(lambda: self._sync(payload, choice, digest, round_=done.round, weight=weight,
+                                                          expected_wait_s=due_s),
                                        round_=done.round, start_digest=digest)
         if start is self.phi:
             self.reporter.emit("warning", message=problem)
@@ -302,18 +305,29 @@ class Trainer:
             self.reporter.emit("sync", round=round_, expected_group_size=choice.expected_size,
                                peer_id=self.peer_id)
 
+    def _groupmates_due_s(self, live, round_: int, choice: GroupChoice) -> float:
+        """Seconds until the last groupmate expected at ``round_``'s sync gets there, predicted from
+        ``live`` (progress records: step and throughput); the matchmaking window covers it."""
+        if choice.expected_size <= 1:
+            return 0.0
+        return self.swarm.seconds_to_finish(round_, live, inner_steps=self.H,
+                                            batch_size_tokens=self.m.inner_optimizer.batch_size_tokens,
+                                            peers=set(choice.members) if choice.members else None)
+
     def _sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,
-              weight: float) -> tuple[list[torch.Tensor], SyncReport]:
+              weight: float, expected_wait_s: float = 0.0) -> tuple[list[torch.Tensor], SyncReport]:
         """The group's token-weighted mean payload, or this peer's own when there is no group or
         the sync fails (failed rounds are recorded, not fatal: DiLoCo paper Fig. 8). Reads no
-        state of the loop, so it may run in the background thread (peer/sync/background.py)."""
+        state of the loop, so it may run in the background thread (peer/sync/background.py).
+        ``expected_wait_s``: until the last expected groupmate arrives (:meth:`_groupmates_due_s`)."""
         if choice.expected_size <= 1:
             return payload, SyncReport(note=choice.note)
         start = time.monotonic()
         try:
             result = self.transport.average(payload, weight=weight, round_=round_,
                                             expected_group_size=choice.expected_size, group_index=choice.index,
-                                            start_digest=start_digest, should_stop=self.stop_event.is_set)
+                                            start_digest=start_digest, should_stop=self.stop_event.is_set,
+                                            expected_wait_s=expected_wait_s)
             check_finite(result.mean, "the group's mean payload")
         except (SyncError, BadPayload) as exc:
             note = f"no group: applied own step ({exc})"

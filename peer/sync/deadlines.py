@@ -9,7 +9,9 @@ rounds, clamped to the bounds of the run manifest:
   the sync to the start of the all-reduce: the spread of the groupmates' arrival times) + 0.5 s;
   a sync that found no group although groupmates were expected counts as a wait that filled its
   whole window, so the window grows 1.5× after each miss (up to the manifest's bound) until the
-  expected groupmates fit in it again;
+  expected groupmates fit in it again; and at least the time until the last groupmate this peer
+  expects arrives, predicted from its progress record (step and throughput) + 1 s, so a window
+  learned from fast rounds does not close on a groupmate known to be seconds away;
 * all-reduce timeout = 3 × the longest recent all-reduce + 2 s, and at least
   2 × ``next_chunk_timeout_s`` + 5 s, so that a groupmate that hangs is detected (and left out,
   or the round reported incomplete and retried) before the deadline ends the round.
@@ -27,6 +29,10 @@ from protocol.manifest import SyncSpec
 
 WINDOW = 8
 """Rounds of history the deadlines follow."""
+
+ARRIVAL_MARGIN_S = 1.0
+"""Added to the predicted arrival of the last expected groupmate (records are a quarter round old
+and throughput varies)."""
 
 
 @dataclass(frozen=True)
@@ -85,12 +91,24 @@ class DeadlinePolicy:
             raise ValueError(f"matchmaking_s = {matchmaking_s!r}: expected a finite duration >= 0 s")
         self._waits.append(matchmaking_s)
 
-    def current(self) -> Deadlines:
+    def current(self, *, expected_wait_s: float = 0.0) -> Deadlines:
+        """The next sync's deadlines.
+
+        Args:
+            expected_wait_s: how long until the groupmates this peer expects arrive, by their
+                progress records (``SwarmView.seconds_to_finish``); the matchmaking window is at
+                least that + :data:`ARRIVAL_MARGIN_S`, within the manifest's bound. Without it the
+                window follows the past only, and the first rounds (whose history is a start
+                barrier's, when every peer arrived at once) close before a groupmate a second
+                slower arrives.
+        """
         s = self.sync
         if not s.adaptive_deadlines or not self._allreduces:
             mm, ar = s.matchmaking_time_s, s.allreduce_timeout_s
         else:
             mm = _clamp(1.5 * max(self._waits) + 0.5, s.min_matchmaking_time_s, s.matchmaking_time_s)
+            if expected_wait_s > 0:
+                mm = max(mm, min(s.matchmaking_time_s, expected_wait_s + ARRIVAL_MARGIN_S))
             floor = max(s.min_allreduce_timeout_s, 2 * s.next_chunk_timeout_s + 5.0)
             ar = _clamp(3.0 * max(self._allreduces) + 2.0, min(floor, s.allreduce_timeout_s), s.allreduce_timeout_s)
         return Deadlines(matchmaking_s=mm, matchmaking_deadline_s=3 * mm, allreduce_s=ar)

@@ -106,6 +106,34 @@ class SwarmView:
             steps.append(step)
         return max(0, min(inner_steps - 1, max(steps, default=0)))
 
+    def seconds_to_finish(self, round_: int, records, *, inner_steps: int, batch_size_tokens: int,
+                          peers=None) -> float:
+        """How long until the slowest of ``records`` (other peers' live records, e.g. from
+        :meth:`live`) at ``round_`` finishes that round's inner steps, in seconds: the steps its
+        latest record leaves, less those its throughput did since it published the record (as
+        :meth:`step_now` extrapolates), at that throughput. 0 when no peer at ``round_`` is
+        predictably still computing (a record without throughput predicts nothing; a peer that
+        stopped, hung or died extrapolates to finished, so it never extends a wait much).
+
+        Args:
+            round_: the round whose sync this peer is about to join.
+            records: ``protocol.dht.PeerProgress`` of the live peers; this peer's own is skipped.
+            inner_steps: H.
+            batch_size_tokens: tokens per inner step (the manifest's, the same on every peer).
+            peers: only these peer ids (a NoLoCo plan's groupmates); None: every peer.
+        """
+        now, longest = get_dht_time(), 0.0
+        for r in records:
+            if r.peer_id == self.peer_id or r.record.round != round_ or r.record.tokens_per_s <= 0:
+                continue
+            if peers is not None and r.peer_id not in peers:
+                continue
+            steps_per_s = r.record.tokens_per_s / batch_size_tokens
+            since = max(0.0, now - (r.expiration - self.record_ttl_s))
+            left = inner_steps - (r.record.inner_step - round_ * inner_steps) - since * steps_per_s
+            longest = max(longest, left / steps_per_s)
+        return longest
+
     def publish(self, record: ProgressRecord, *, wait: bool = False) -> None:
         """Store this peer's record; failures are logged, never raised (the next publish retries)."""
         try:

@@ -151,7 +151,7 @@ class NetworkTransport:
 
     def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
                 group_index: int | None = None, start_digest: str = "",
-                should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
+                should_stop: Callable[[], bool] = lambda: False, expected_wait_s: float = 0.0) -> SyncResult:
         """Token-weighted group mean of ``payload`` over the peers at round ``round_``.
 
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
@@ -170,6 +170,8 @@ class NetworkTransport:
             start_digest: digest of the state this peer started the round from (peer/state/snapshot.py);
                 shared with the group, returned in :attr:`SyncResult.start_digests`.
             should_stop: polled while waiting; when it returns True the sync is cancelled.
+            expected_wait_s: seconds until the last expected groupmate arrives, by the progress
+                records; the matchmaking window covers it (peer/sync/deadlines.py).
 
         Returns:
             SyncResult; its bytes are summed over the attempts, its ``deadline_s`` is the bound
@@ -186,7 +188,7 @@ class NetworkTransport:
         with self.averager.get_tensors() as buffers:
             for buf, d in zip(buffers, payload, strict=True):
                 buf.copy_(d)
-        d = self.deadlines.current()
+        d = self.deadlines.current(expected_wait_s=expected_wait_s)
         bound_s = (1 + self.RETRIES) * d.total_s
         sent = received = 0
         for attempt in range(1 + self.RETRIES):

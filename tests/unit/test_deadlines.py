@@ -75,3 +75,16 @@ def test_a_missed_group_widens_the_next_window_until_the_bound():
     assert policy.current().matchmaking_s == 1.0  # 1.5 × 0.2 + 0.5, clamped to the minimum
     with pytest.raises(ValueError):
         policy.observe_missed_group(-1.0)
+
+
+def test_the_window_covers_a_groupmate_predicted_to_arrive_within_the_bound():
+    from peer.sync.deadlines import ARRIVAL_MARGIN_S
+
+    policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=5.0, min_matchmaking_time_s=1.0))
+    policy.observe(wait_s=0.0, allreduce_s=1.0)  # a start barrier: everyone arrived at once
+    assert policy.current().matchmaking_s == 1.0
+    d = policy.current(expected_wait_s=2.0)
+    assert d.matchmaking_s == 2.0 + ARRIVAL_MARGIN_S and d.matchmaking_deadline_s == 3 * d.matchmaking_s
+    assert policy.current(expected_wait_s=60.0).matchmaking_s == 5.0  # never past the manifest's bound
+    policy.observe(wait_s=2.0, allreduce_s=1.0)
+    assert policy.current(expected_wait_s=0.1).matchmaking_s == 1.5 * 2.0 + 0.5  # history still counts

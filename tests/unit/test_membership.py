@@ -40,3 +40,21 @@ def test_the_step_is_the_last_record_plus_what_the_throughput_did_since():
     assert view(record("a", 3, 5, tokens_per_s=0.0, published_s_ago=30.0)).step_now(
         3, inner_steps=H, batch_size_tokens=BATCH_TOKENS) == 5
     assert view().step_now(3, inner_steps=H, batch_size_tokens=BATCH_TOKENS) == 0
+
+
+def test_seconds_to_finish_predicts_the_last_expected_groupmate():
+    swarm = view()
+    # step 5 of 20 published 4 s ago at 1 step/s: about step 9 now, 11 steps (11 s) left
+    slow = record("a", 3, 5, tokens_per_s=1000.0, published_s_ago=4.0)
+    fast = record("b", 3, 15, tokens_per_s=2000.0, published_s_ago=0.0)  # 5 steps at 2 steps/s: 2.5 s
+    due = swarm.seconds_to_finish(3, [slow, fast], inner_steps=H, batch_size_tokens=BATCH_TOKENS)
+    assert 10.5 < due < 11.5
+    # a NoLoCo plan names the groupmates: only they count
+    due = swarm.seconds_to_finish(3, [slow, fast], inner_steps=H, batch_size_tokens=BATCH_TOKENS, peers={"b"})
+    assert 2.4 < due < 2.6
+    # this peer's own record, other rounds, unknown throughput and peers past the end predict nothing
+    nothing = [record("me", 3, 0, tokens_per_s=1000.0, published_s_ago=0.0),
+               record("c", 4, 0, tokens_per_s=1000.0, published_s_ago=0.0),
+               record("d", 3, 0, tokens_per_s=0.0, published_s_ago=0.0),
+               record("e", 3, 18, tokens_per_s=1000.0, published_s_ago=30.0)]  # hung or dead: long done
+    assert swarm.seconds_to_finish(3, nothing, inner_steps=H, batch_size_tokens=BATCH_TOKENS) == 0.0

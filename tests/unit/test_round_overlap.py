@@ -50,6 +50,7 @@ class Swarm:
 
     record_ttl_s = 0.0
     step_now = SwarmView.step_now  # records never expire here: no extrapolation
+    seconds_to_finish = SwarmView.seconds_to_finish
 
     def publish(self, record, *, wait=False):
         with self.shared.lock:
@@ -109,7 +110,7 @@ class Transport:
         """peer id → Trainer, whose served snapshots this transport downloads."""
 
     def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
-                should_stop=lambda: False):
+                should_stop=lambda: False, expected_wait_s=0.0):
         self.calls.append((round_, threading.current_thread().name))
         if self.fail is not None:
             self.fail(round_, should_stop)
