@@ -170,7 +170,14 @@ async def _ask_all(_dht, node, checkers: Sequence[str], ports: Sequence[int]) ->
 
     # Ask only nodes this one is connected to (never dial a dead initial peer); when none of the
     # given ones is (the DHT came up through remembered peers), any connected node can answer.
-    connected = list(dict.fromkeys(p.peer_id.to_base58() for p in await node.p2p.list_peers()))
+    from protocol.dht import DAEMON_CALL_TIMEOUT_S
+
+    try:
+        peers = await asyncio.wait_for(node.p2p.list_peers(), DAEMON_CALL_TIMEOUT_S)
+    except asyncio.TimeoutError:  # p2pd did not answer: ask the given checkers as they are
+        connected = list(checkers)
+    else:
+        connected = list(dict.fromkeys(p.peer_id.to_base58() for p in peers))
     checkers = [c for c in checkers if c in connected] or connected[:max(1, len(checkers))]
 
     async def ask(checker: str) -> DialBack:
