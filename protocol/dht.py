@@ -319,12 +319,10 @@ def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
     """
     from hivemind.utils import get_dht_time
 
-    future = dht.get(key, latest=True, return_future=True)
     try:
-        found = future.result(timeout=timeout_s)
-    except TimeoutError as exc:
-        future.cancel()
-        raise NetworkError(f"the DHT did not answer a read of {key!r} within {timeout_s:g} s") from exc
+        found = finish(dht.get(key, latest=True, return_future=True), f"a read of {key!r}", timeout_s)
+    except NetworkError:
+        raise
     except Exception as exc:
         raise NetworkError(f"DHT read of {key!r} failed: {type(exc).__name__}: {exc}") from exc
     expiration = getattr(found, "expiration_time", None)

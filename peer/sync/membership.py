@@ -26,6 +26,12 @@ CLOCK_SLACK_S = 600.0
 expire ``record_ttl_s`` after it published them by its clock, are ignored as implausible."""
 
 
+def _record_step(r, round_: int, inner_steps: int, now: float, record_ttl_s: float) -> tuple[int, float]:
+    """The inner step within ``round_`` that progress record ``r`` states, and the seconds since its
+    peer published it (its expiration minus ``record_ttl_s``, at least 0)."""
+    return r.record.inner_step - round_ * inner_steps, max(0.0, now - (r.expiration - record_ttl_s))
+
+
 class SwarmView:
     """Reads and writes the run's progress records for one peer.
 
@@ -99,9 +105,8 @@ class SwarmView:
         for r in self.others():
             if r.record.round != round_:
                 continue
-            step = r.record.inner_step - round_ * inner_steps
+            step, since = _record_step(r, round_, inner_steps, now, self.record_ttl_s)
             if r.record.tokens_per_s > 0:
-                since = max(0.0, now - (r.expiration - self.record_ttl_s))
                 step += int(since * r.record.tokens_per_s / batch_size_tokens)
             steps.append(step)
         return max(0, min(inner_steps - 1, max(steps, default=0)))
@@ -129,8 +134,8 @@ class SwarmView:
             if peers is not None and r.peer_id not in peers:
                 continue
             steps_per_s = r.record.tokens_per_s / batch_size_tokens
-            since = max(0.0, now - (r.expiration - self.record_ttl_s))
-            left = inner_steps - (r.record.inner_step - round_ * inner_steps) - since * steps_per_s
+            step, since = _record_step(r, round_, inner_steps, now, self.record_ttl_s)
+            left = inner_steps - step - since * steps_per_s
             longest = max(longest, left / steps_per_s)
         return longest
 
