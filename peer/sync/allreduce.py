@@ -143,6 +143,10 @@ class GroupAllreduce:
             self._excluded.add(s)
             self.stats.excluded[s] = "ignored: its contributions were clipped or dropped repeatedly"
         self._connected: set[int] = {me}
+        self._reading: set[asyncio.Future] = set()
+        """One per sender stream this owner reads: done when it has read every piece or given up, so
+        :meth:`run` returns counters that hold every frame read (a sender excluded mid-stream still
+        sends its remaining pieces, and they are read after the means went out)."""
         self._changed = asyncio.Condition()
         self._mean_frames: dict[int, asyncio.Future] = {p.index: asyncio.get_running_loop().create_future()
                                                         for p in self.my_pieces}
@@ -219,6 +223,8 @@ class GroupAllreduce:
                 self._connected.add(sender)
                 self._changed.notify_all()
             send_task = asyncio.create_task(self._send_means(writer))
+            reading = asyncio.get_running_loop().create_future()
+            self._reading.add(reading)
             try:
                 for piece in self.my_pieces:
                     limit = frames.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index]
@@ -233,6 +239,8 @@ class GroupAllreduce:
                 if isinstance(exc, BadPayload) and sender not in self._excluded:
                     self.stats.dropped.add(sender)
                 await self._exclude(sender, f"{type(exc).__name__}: {exc}")
+            finally:
+                reading.set_result(None)
             await send_task
             # The sender closes first, once it has read every mean: closing here could make the
             # p2p daemon drop the stream's tail before it reaches the sender.
@@ -296,7 +304,8 @@ class GroupAllreduce:
                 # NoLoCo's φ: a contribution far from this owner's own φ is left out (and struck)
                 for s in range(n):
                     if s != me and s not in self._excluded and slots[s] is not None:
-                        problem = phi_contribution_problem(slots[s][1], slots[me][1])
+                        problem = phi_contribution_problem(slots[s][1], slots[me][1],
+                                                           step_norm=self._own_step_norm(piece))
                         if problem is not None:
                             self.stats.dropped.add(s)
                             await self._exclude(s, f"piece {piece.index}: {problem}")
@@ -319,6 +328,15 @@ class GroupAllreduce:
     def _roundtrip(self, piece: Piece, x: torch.Tensor, codec=None) -> tuple[bytes, torch.Tensor]:
         codec = self.plan.codecs[piece.index] if codec is None else codec
         return codec.roundtrip(x, seed=self.plan.seeds[piece.index])
+
+    def _own_step_norm(self, piece: Piece) -> float:
+        """L2 norm of this peer's own Δ of the rows of φ piece ``piece`` (NoLoCo's payload is Δ then
+        φ, tensor for tensor): the scale of a round's honest drift, for the φ checks. 0 when that Δ is
+        not shaped like the φ tensor (a payload not laid out so)."""
+        delta, phi = self.tensors[piece.tensor - self.phi_from], self.tensors[piece.tensor]
+        if delta.shape != phi.shape:
+            return 0.0
+        return float(piece_view(delta, piece).float().norm())
 
     def _capped(self, sender: int, weight: float) -> float:
         """``weight`` cut to :attr:`max_weight`; a cut is logged and counted once per sender."""
@@ -370,7 +388,8 @@ class GroupAllreduce:
         delta = self.phi_from is None or piece.tensor < self.phi_from
         me_in = included[self.plan.my_index]
         problem = owner_mean_problem(value, mine, weight=self.weight, included=sum(included),
-                                     max_weight=self.max_weight, phi=not delta, included_self=me_in)
+                                     max_weight=self.max_weight, phi=not delta, included_self=me_in,
+                                     step_norm=0.0 if delta else self._own_step_norm(piece))
         if problem is None:
             return value
         self.stats.refused_pieces += 1
@@ -437,6 +456,8 @@ class GroupAllreduce:
             except Exception as exc:
                 errors.append(f"reducing own pieces: {type(exc).__name__}: {exc}")
                 self.close()  # senders waiting for our means get an ABORT
+        if self._reading:  # senders' pieces still arriving after the means (excluded mid-stream)
+            await asyncio.wait(self._reading, timeout=self.timeout)
         self.stats.seconds = time.monotonic() - self._start
         if errors:
             raise PartialAverage("; ".join(errors))

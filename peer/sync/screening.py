@@ -172,6 +172,14 @@ PHI_DRIFT_FACTOR = 0.45
 """A receiver refuses an owner's mean of a φ piece (NoLoCo) farther than this fraction of its own φ's
 norm from its own φ. Measured honest drift of the mean from a receiver's φ: at most 0.21 (bench
 run, 8 peers, 10 rounds, lab/simulation.py); a partner sending φ = 0 moves a pair's mean 0.5."""
+PHI_STEP_FACTOR = 1.5
+"""The φ drift bounds also allow this multiple of the norm of the checking peer's own pseudo-gradient
+of the same rows (this round's Δ), for the owner 2x it. While one round moves φ by a large fraction
+of its norm, honest replicas differ by about one round's steps, more than :data:`PHI_DRIFT_FACTOR`
+allows: in the tiny preset (lr 5e-3, H = 60, 4 NoLoCo peers on loopback) ‖Δ‖ was 0.44-0.59 ‖φ‖,
+pairs' φ differed by up to 0.82 ‖φ‖ and 1.51 ‖Δ‖, and the fixed bound left honest partners out of
+their pair's mean every round. A forged φ (zero, another model) is caught only when it lies
+farther than both bounds: once a round's step is under a third of φ's norm, as in long runs."""
 """A receiver refuses an owner's mean of a Δ piece whose projection on its own contribution is below
 this fraction of what its own share alone puts there (see :func:`owner_mean_problem`)."""
 
@@ -212,7 +220,8 @@ class MeanRefusal(str):
 
 def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight: float, included: int,
                        max_weight: float | None, phi: bool = False, included_self: bool = True,
-                       holds_delta: bool | None = None, share_check: bool | None = None) -> MeanRefusal | None:
+                       holds_delta: bool | None = None, share_check: bool | None = None,
+                       step_norm: float = 0.0) -> MeanRefusal | None:
     """Why a receiver refuses the mean of one piece that its owner sent, or None to accept it.
 
     Only the owner of a piece sees every contribution to it, so a lying owner could send any finite
@@ -228,8 +237,9 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
        peers' projections, which are positive for pseudo-gradients of one model: measured 1.17 to
        7.5 × share × ‖x‖² in lab/simulation.py on the tiny and bench runs); catches sign-flipped,
        zeroed, random and replaced means (only when the owner says it included this receiver);
-    3. for φ pieces (NoLoCo, which averages φ itself), ``‖m − x‖ ≤`` :data:`PHI_DRIFT_FACTOR`
-       ``× ‖x‖``: replicas drift apart slowly, a mean pulled toward 0 or another model does not.
+    3. for φ pieces (NoLoCo, which averages φ itself), ``‖m − x‖ ≤ max(``:data:`PHI_DRIFT_FACTOR`
+       ``× ‖x‖,`` :data:`PHI_STEP_FACTOR` ``× step_norm)``: replicas drift apart slowly (by about a
+       round's steps), a mean pulled toward 0 or another model does not.
 
     Measured honest margins: ‖m‖ / (‖x‖ w_max / w) at most 1.79 (tiny, 8 peers), 1.12 (bench).
 
@@ -244,6 +254,8 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
             (else check 2 is skipped: the mean need not hold its contribution).
         holds_delta: the same as ``phi=not holds_delta`` (lab/simulation.py's name for it).
         share_check: run check 2; None: :data:`OWNER_SHARE_CHECK` (off).
+        step_norm: for φ pieces, the L2 norm of this receiver's own pseudo-gradient (Δ) of the same
+            rows this round (0: unknown, the drift bound is the φ-norm one alone).
 
     Returns:
         None, or a :class:`MeanRefusal`: a one-line reason naming the measured and allowed values,
@@ -266,9 +278,10 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
                            f"reference norm)", strike=True)
     if phi:
         drift = norm(mean - contribution)
-        if not drift <= PHI_DRIFT_FACTOR * x_norm:
+        if not drift <= max(PHI_DRIFT_FACTOR * x_norm, PHI_STEP_FACTOR * step_norm):
             return MeanRefusal(f"it is {drift:.4g} away from this peer's φ, more than {PHI_DRIFT_FACTOR:g}x its "
-                               f"norm {x_norm:.4g}", strike=True)
+                               f"norm {x_norm:.4g} and {PHI_STEP_FACTOR:g}x its own step's norm {step_norm:.4g}",
+                               strike=True)
         return None
     if share_check is None:
         share_check = OWNER_SHARE_CHECK
@@ -283,13 +296,15 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
     return None
 
 
-def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor) -> str | None:
+def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor, *, step_norm: float = 0.0) -> str | None:
     """Why an owner leaves a groupmate's φ contribution (NoLoCo) out of its mean, or None.
 
     NoLoCo averages φ itself, so a partner that sends φ = 0 (or another model) pulls the owner's mean
-    halfway there, inside every norm bound. Replicas drift apart slowly: a contribution farther
-    than 2 × :data:`PHI_DRIFT_FACTOR` × ‖own‖ from the owner's own φ (fp32, same shape) is refused
-    (twice the receiver's bound, since a pair's mean lies halfway). Pieces under
+    halfway there, inside every norm bound. Replicas drift apart slowly, by about a round's steps: a
+    contribution farther from the owner's own φ (fp32, same shape) than both
+    2 × :data:`PHI_DRIFT_FACTOR` × ‖own‖ and 2 × :data:`PHI_STEP_FACTOR` × ``step_norm`` (the norm of
+    the owner's own pseudo-gradient of the same rows this round; 0: unknown) is refused: twice the
+    receiver's bounds, since a pair's mean lies halfway. Pieces under
     :data:`OWNER_CHECK_MIN_ELEMENTS` values and a zero own φ are not judged.
     """
     if own.numel() < OWNER_CHECK_MIN_ELEMENTS:
@@ -298,6 +313,7 @@ def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor) -> s
     if not own_norm > 0 or not math.isfinite(own_norm):
         return None
     drift = norm(contribution - own)
-    if not drift <= 2 * PHI_DRIFT_FACTOR * own_norm:
-        return f"its φ is {drift:.4g} away from this owner's, more than {2 * PHI_DRIFT_FACTOR:g}x its norm {own_norm:.4g}"
+    if not drift <= 2 * max(PHI_DRIFT_FACTOR * own_norm, PHI_STEP_FACTOR * step_norm):
+        return (f"its φ is {drift:.4g} away from this owner's, more than {2 * PHI_DRIFT_FACTOR:g}x its norm "
+                f"{own_norm:.4g} and {2 * PHI_STEP_FACTOR:g}x its own step's norm {step_norm:.4g}")
     return None

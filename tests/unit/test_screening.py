@@ -7,7 +7,8 @@ import pickle
 import torch
 
 from peer.sync.screening import (CLIP_MEDIAN_FACTOR, OWNER_CHECK_MIN_ELEMENTS, cap_weight, clip_to_median, median_norm,
-                                 norm, owner_mean_problem, round_token_cap, share_floor)
+                                 norm, owner_mean_problem, phi_contribution_problem, round_token_cap,
+                                 share_floor)
 from protocol.manifest import RunManifest
 import pytest
 import peer.sync.screening as screening_module
@@ -118,6 +119,29 @@ def test_phi_pieces_may_drift_a_little_not_toward_zero():
     drifted = owner_mean_problem(pulled, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
     assert "away from this peer's φ" in drifted and drifted.strike
     assert owner_mean_problem(-phi, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
+
+
+def test_phi_drift_of_about_a_round_is_allowed_while_steps_are_large():
+    """Early in a run one round moves φ by half its norm (the tiny preset: ‖Δ‖ = 0.44-0.59 ‖φ‖) and
+    honest pairs differ by more than the φ-norm bound; the own step's norm widens it, the forged φ
+    = 0 is still caught once steps are small."""
+    gen = torch.Generator().manual_seed(3)
+    phi = torch.randn(1024, generator=gen)
+    step = 0.5 * phi.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
+    partner = phi + 1.5 * step.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
+    mean = (phi + partner) / 2  # 0.375 ‖φ‖ from φ... and 0.75 ‖Δ‖
+    far = phi + 2.0 * (partner - phi)
+    assert phi_contribution_problem(partner, phi) is None  # 0.75 ‖φ‖ < 0.9 ‖φ‖
+    assert phi_contribution_problem(far, phi) is not None  # 1.5 ‖φ‖: beyond the φ-norm bound alone
+    assert phi_contribution_problem(far, phi, step_norm=float(step.norm())) is None  # 3.0 ‖Δ‖: allowed
+    assert owner_mean_problem((phi + far) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
+    assert owner_mean_problem((phi + far) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True,
+                              step_norm=float(step.norm())) is None
+    assert owner_mean_problem(mean, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
+    small_step = 0.05 * float(phi.norm())
+    assert phi_contribution_problem(torch.zeros_like(phi), phi, step_norm=small_step) is not None
+    refused = owner_mean_problem(phi / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True, step_norm=small_step)
+    assert refused is not None and refused.strike and "own step's norm" in refused
 
 
 def test_small_pieces_and_zero_contributions_are_not_judged():
