@@ -56,6 +56,13 @@ def norm(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x, dtype=torch.float64))
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine of the angle between ``a`` and ``b`` (float64; 0 when either is zero, NaN if not finite)."""
+    a, b = a.flatten().double(), b.flatten().double()
+    denominator = float(a.norm() * b.norm())
+    return float(torch.dot(a, b)) / denominator if denominator > 0 else 0.0
+
+
 def median_norm(norms: Sequence[float]) -> float:
     """The lower median of ``norms`` (non-empty): the smaller one of two."""
     ordered = sorted(norms)
@@ -179,7 +186,16 @@ of its norm, honest replicas differ by about one round's steps, more than :data:
 allows: in the tiny preset (lr 5e-3, H = 60, 4 NoLoCo peers on loopback) ‖Δ‖ was 0.44-0.59 ‖φ‖,
 pairs' φ differed by up to 0.82 ‖φ‖ and 1.51 ‖Δ‖, and the fixed bound left honest partners out of
 their pair's mean every round. A forged φ (zero, another model) is caught only when it lies
-farther than both bounds: once a round's step is under a third of φ's norm, as in long runs."""
+farther than both bounds: once a round's step is under a third of φ's norm, as in long runs; the
+direction checks below catch it at any step size."""
+PHI_MIN_COSINE = 0.2
+"""An owner refuses a partner's φ contribution c whose cosine with its own φ is below this (φ = 0,
+another model, a flipped φ: about 0 or below). Honest replicas share their start and average every
+round: cosine at least 0.66 where they drifted farthest (the tiny preset, measured above)."""
+PHI_MEAN_MIN_RATIO = 0.7
+"""A receiver refuses an owner's mean m of a φ piece whose cosine with, or norm relative to, its own
+φ x is below this: the halfway mean of two φ with cosine ≥ :data:`PHI_MIN_COSINE` and equal norms
+has both at least sqrt((1 + 0.2) / 2) = 0.77; a partner's φ = 0 pulled in halves the norm (0.5)."""
 """A receiver refuses an owner's mean of a Δ piece whose projection on its own contribution is below
 this fraction of what its own share alone puts there (see :func:`owner_mean_problem`)."""
 
@@ -237,9 +253,10 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
        peers' projections, which are positive for pseudo-gradients of one model: measured 1.17 to
        7.5 × share × ‖x‖² in lab/simulation.py on the tiny and bench runs); catches sign-flipped,
        zeroed, random and replaced means (only when the owner says it included this receiver);
-    3. for φ pieces (NoLoCo, which averages φ itself), ``‖m − x‖ ≤ max(``:data:`PHI_DRIFT_FACTOR`
-       ``× ‖x‖,`` :data:`PHI_STEP_FACTOR` ``× step_norm)``: replicas drift apart slowly (by about a
-       round's steps), a mean pulled toward 0 or another model does not.
+    3. for φ pieces (NoLoCo, which averages φ itself), ``‖m‖ / ‖x‖`` and ``cos(m, x)`` at least
+       :data:`PHI_MEAN_MIN_RATIO`, and ``‖m − x‖ ≤ max(``:data:`PHI_DRIFT_FACTOR` ``× ‖x‖,``
+       :data:`PHI_STEP_FACTOR` ``× step_norm)``: replicas drift apart slowly (by about a round's
+       steps), a mean pulled toward 0 or another model does not.
 
     Measured honest margins: ‖m‖ / (‖x‖ w_max / w) at most 1.79 (tiny, 8 peers), 1.12 (bench).
 
@@ -277,6 +294,10 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
         return MeanRefusal(f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({OWNER_NORM_FACTOR:g}x this peer's "
                            f"reference norm)", strike=True)
     if phi:
+        ratio, cosine = norm(mean) / x_norm, _cosine(mean, contribution)
+        if not (ratio >= PHI_MEAN_MIN_RATIO and cosine >= PHI_MEAN_MIN_RATIO):
+            return MeanRefusal(f"its norm is {ratio:.3g}x this peer's φ's and its cosine with it {cosine:.3g}, "
+                               f"below {PHI_MEAN_MIN_RATIO:g}", strike=True)
         drift = norm(mean - contribution)
         if not drift <= max(PHI_DRIFT_FACTOR * x_norm, PHI_STEP_FACTOR * step_norm):
             return MeanRefusal(f"it is {drift:.4g} away from this peer's φ, more than {PHI_DRIFT_FACTOR:g}x its "
@@ -300,8 +321,9 @@ def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor, *, s
     """Why an owner leaves a groupmate's φ contribution (NoLoCo) out of its mean, or None.
 
     NoLoCo averages φ itself, so a partner that sends φ = 0 (or another model) pulls the owner's mean
-    halfway there, inside every norm bound. Replicas drift apart slowly, by about a round's steps: a
-    contribution farther from the owner's own φ (fp32, same shape) than both
+    halfway there, inside every norm bound. A contribution whose cosine with the owner's own φ
+    (fp32, same shape) is below :data:`PHI_MIN_COSINE` is refused. Replicas drift apart slowly, by
+    about a round's steps: a contribution farther from the owner's own φ (fp32, same shape) than both
     2 × :data:`PHI_DRIFT_FACTOR` × ‖own‖ and 2 × :data:`PHI_STEP_FACTOR` × ``step_norm`` (the norm of
     the owner's own pseudo-gradient of the same rows this round; 0: unknown) is refused: twice the
     receiver's bounds, since a pair's mean lies halfway. Pieces under
@@ -312,6 +334,9 @@ def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor, *, s
     own_norm = norm(own)
     if not own_norm > 0 or not math.isfinite(own_norm):
         return None
+    cosine = _cosine(contribution, own)
+    if not cosine >= PHI_MIN_COSINE:
+        return f"its φ's cosine with this owner's is {cosine:.3g}, below {PHI_MIN_COSINE:g}"
     drift = norm(contribution - own)
     if not drift <= 2 * max(PHI_DRIFT_FACTOR * own_norm, PHI_STEP_FACTOR * step_norm):
         return (f"its φ is {drift:.4g} away from this owner's, more than {2 * PHI_DRIFT_FACTOR:g}x its norm "

@@ -117,7 +117,9 @@ def test_phi_pieces_may_drift_a_little_not_toward_zero():
     assert owner_mean_problem((phi + partner) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
     pulled = (phi + torch.zeros_like(phi)) / 2  # a partner that sends φ = 0
     drifted = owner_mean_problem(pulled, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
-    assert "away from this peer's φ" in drifted and drifted.strike
+    assert "its norm is 0.5x this peer's φ's" in drifted and drifted.strike
+    shifted = phi + 0.5 * phi.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
+    assert "away from this peer's φ" in owner_mean_problem(shifted, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
     assert owner_mean_problem(-phi, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
 
 
@@ -139,9 +141,25 @@ def test_phi_drift_of_about_a_round_is_allowed_while_steps_are_large():
                               step_norm=float(step.norm())) is None
     assert owner_mean_problem(mean, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
     small_step = 0.05 * float(phi.norm())
-    assert phi_contribution_problem(torch.zeros_like(phi), phi, step_norm=small_step) is not None
-    refused = owner_mean_problem(phi / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True, step_norm=small_step)
+    refused = owner_mean_problem(phi + far - partner, phi, weight=1.0, included=2, max_weight=1.0, phi=True,
+                                 step_norm=small_step)
     assert refused is not None and refused.strike and "own step's norm" in refused
+
+
+@pytest.mark.parametrize("step", [0.0, 0.05, 0.5, 5.0])
+def test_a_phi_of_zero_or_of_another_model_is_refused_at_any_step_size(step):
+    """The direction checks do not depend on the step's norm: φ = 0, another model's φ and a flipped
+    φ are refused by the owner, and a mean pulled halfway toward them by the receiver."""
+    gen = torch.Generator().manual_seed(4)
+    phi = torch.randn(1024, generator=gen)
+    step_norm = step * float(phi.norm())
+    for forged in (torch.zeros_like(phi), torch.randn(1024, generator=gen), -phi):
+        assert "cosine" in phi_contribution_problem(forged, phi, step_norm=step_norm)
+        refused = owner_mean_problem((phi + forged) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True,
+                                     step_norm=step_norm)
+        assert refused is not None and refused.strike and "below 0.7" in refused
+    honest = phi + 0.6 * float(phi.norm()) * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
+    assert phi_contribution_problem(honest, phi, step_norm=step_norm) is None  # cosine 0.86
 
 
 def test_small_pieces_and_zero_contributions_are_not_judged():
