@@ -567,7 +567,7 @@ class Simulation:
         own contribution ``contributions[j][i]`` (as the owner decoded it) with
         :func:`~peer.sync.screening.owner_mean_problem` (its claimed weight, the count of
         contributions the owner included and whether its own was among them, the run's cap; φ
-        pieces of NoLoCo get the norm and drift checks instead of the share check), as
+        pieces of NoLoCo get the norm and direction checks instead of the share check), as
         peer/sync/allreduce.py does. A refused Δ mean is applied as zeros (every honest
         receiver that refuses it applies the same thing), a refused φ mean as the member's own
         payload ``own[j][i]``; each refusal is counted against the owner, and one by a check that
@@ -596,8 +596,7 @@ class Simulation:
                 reason = None if owner == j else owner_mean_problem(
                     m, contributions[member][i].detach().float(), weight=weights[member],
                     included=len(self._included[i]), max_weight=self.max_weight, phi=not holds_delta,
-                    included_self=j in self._included[i],
-                    step_norm=0.0 if holds_delta else self._step_norm(contributions[member], i, phi_from))
+                    included_self=j in self._included[i])
                 if reason is None:
                     mine.append(m)
                     continue
@@ -611,13 +610,6 @@ class Simulation:
                             else own[member][i].detach().float().clone())
             out.append(mine)
         return out
-
-    @staticmethod
-    def _step_norm(contributions: Sequence[torch.Tensor], i: int, phi_from: int) -> float:
-        """‖Δ‖ of φ tensor ``i``'s parameter in one member's ``contributions`` (the φ checks' step scale,
-        as peer/sync/allreduce.py's ``_own_step_norm``)."""
-        delta = contributions[i - phi_from]
-        return float(delta.detach().float().norm()) if delta.shape == contributions[i].shape else 0.0
 
     def finish(self) -> None:
         """With overlap, wait for the last round's sync: apply its means and set θ ← φ (no-op

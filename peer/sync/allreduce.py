@@ -89,7 +89,7 @@ class AllreduceStats:
     """Pieces whose owner's mean this peer refused."""
     struck_owners: set[str] = field(default_factory=set)
     """Owners in ``refused`` with a refusal that counts a strike (``MeanRefusal.strike``: the norm or
-    φ-drift check; not the share check, which honest owners can fail under attack)."""
+    φ checks; not the share check, which honest owners can fail under attack)."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
@@ -304,8 +304,7 @@ class GroupAllreduce:
                 # NoLoCo's φ: a contribution far from this owner's own φ is left out (and struck)
                 for s in range(n):
                     if s != me and s not in self._excluded and slots[s] is not None:
-                        problem = phi_contribution_problem(slots[s][1], slots[me][1],
-                                                           step_norm=self._own_step_norm(piece))
+                        problem = phi_contribution_problem(slots[s][1], slots[me][1])
                         if problem is not None:
                             self.stats.dropped.add(s)
                             await self._exclude(s, f"piece {piece.index}: {problem}")
@@ -328,15 +327,6 @@ class GroupAllreduce:
     def _roundtrip(self, piece: Piece, x: torch.Tensor, codec=None) -> tuple[bytes, torch.Tensor]:
         codec = self.plan.codecs[piece.index] if codec is None else codec
         return codec.roundtrip(x, seed=self.plan.seeds[piece.index])
-
-    def _own_step_norm(self, piece: Piece) -> float:
-        """L2 norm of this peer's own Δ of the rows of φ piece ``piece`` (NoLoCo's payload is Δ then
-        φ, tensor for tensor): the scale of a round's honest drift, for the φ checks. 0 when that Δ is
-        not shaped like the φ tensor (a payload not laid out so)."""
-        delta, phi = self.tensors[piece.tensor - self.phi_from], self.tensors[piece.tensor]
-        if delta.shape != phi.shape:
-            return 0.0
-        return float(piece_view(delta, piece).float().norm())
 
     def _capped(self, sender: int, weight: float) -> float:
         """``weight`` cut to :attr:`max_weight`; a cut is logged and counted once per sender."""
@@ -388,8 +378,7 @@ class GroupAllreduce:
         delta = self.phi_from is None or piece.tensor < self.phi_from
         me_in = included[self.plan.my_index]
         problem = owner_mean_problem(value, mine, weight=self.weight, included=sum(included),
-                                     max_weight=self.max_weight, phi=not delta, included_self=me_in,
-                                     step_norm=0.0 if delta else self._own_step_norm(piece))
+                                     max_weight=self.max_weight, phi=not delta, included_self=me_in)
         if problem is None:
             return value
         self.stats.refused_pieces += 1

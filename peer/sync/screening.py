@@ -168,6 +168,8 @@ OWNER_CHECK_MIN_ELEMENTS = 256
 """Pieces smaller than this are not checked by :func:`owner_mean_problem`: over a few dozen values
 the honest ratios vary too much to tell (a scalar's mean may be 10x its own contribution)."""
 OWNER_SHARE_FACTOR = 0.25
+"""A receiver refuses an owner's mean of a Δ piece whose projection on its own contribution is below
+this fraction of what its own share alone puts there (see :func:`owner_mean_problem`)."""
 OWNER_SHARE_CHECK = False
 """Whether receivers run check 2 of :func:`owner_mean_problem` (the mean holds their share). Off:
 in the chaos test (real peers, kills, joiners with a fresh AdamW) honest owners' means had a
@@ -175,29 +177,21 @@ negative projection on some receivers' own Δ, so receivers refused honest piece
 and they kept downloading state; honest pseudo-gradients of a churning swarm are not reliably
 positively correlated. With it off, a lying owner is caught only by the norm bound (a flipped,
 zeroed or noisy mean of honest size gets through). Tests turn it on to test the check itself."""
-PHI_DRIFT_FACTOR = 0.45
-"""A receiver refuses an owner's mean of a φ piece (NoLoCo) farther than this fraction of its own φ's
-norm from its own φ. Measured honest drift of the mean from a receiver's φ: at most 0.21 (bench
-run, 8 peers, 10 rounds, lab/simulation.py); a partner sending φ = 0 moves a pair's mean 0.5."""
-PHI_STEP_FACTOR = 1.5
-"""The φ drift bounds also allow this multiple of the norm of the checking peer's own pseudo-gradient
-of the same rows (this round's Δ), for the owner 2x it. While one round moves φ by a large fraction
-of its norm, honest replicas differ by about one round's steps, more than :data:`PHI_DRIFT_FACTOR`
-allows: in the tiny preset (lr 5e-3, H = 60, 4 NoLoCo peers on loopback) ‖Δ‖ was 0.44-0.59 ‖φ‖,
-pairs' φ differed by up to 0.82 ‖φ‖ and 1.51 ‖Δ‖, and the fixed bound left honest partners out of
-their pair's mean every round. A forged φ (zero, another model) is caught only when it lies
-farther than both bounds: once a round's step is under a third of φ's norm, as in long runs; the
-direction checks below catch it at any step size."""
 PHI_MIN_COSINE = 0.2
-"""An owner refuses a partner's φ contribution c whose cosine with its own φ is below this (φ = 0,
-another model, a flipped φ: about 0 or below). Honest replicas share their start and average every
-round: cosine at least 0.66 where they drifted farthest (the tiny preset, measured above)."""
+"""An owner leaves out a partner's φ contribution (NoLoCo) whose cosine with its own φ is below this:
+φ = 0, another model and a flipped φ have about 0 or below. Honest replicas share their start and
+keep averaging: cosine 0.52 at the lowest, norm ratio 0.96-1.04, over 304 piece pairs of two runs
+of tests/integration/test_noloco_swarm.py (the tiny preset, lr 5e-3, H = 60, 4 peers), where
+pairs that had not met for a few rounds differed by ‖φ‖ and by 4.4x a round's own step: a bound on
+the distance between φ, which this check replaced, left honest partners out every run."""
+PHI_MAX_NORM_RATIO = 2.0
+"""An owner leaves out a partner's φ contribution whose norm is over this multiple, or under its
+inverse, of its own φ's (a scaled φ; with the cosine floor it bounds the pull of any accepted φ)."""
 PHI_MEAN_MIN_RATIO = 0.7
 """A receiver refuses an owner's mean m of a φ piece whose cosine with, or norm relative to, its own
-φ x is below this: the halfway mean of two φ with cosine ≥ :data:`PHI_MIN_COSINE` and equal norms
-has both at least sqrt((1 + 0.2) / 2) = 0.77; a partner's φ = 0 pulled in halves the norm (0.5)."""
-"""A receiver refuses an owner's mean of a Δ piece whose projection on its own contribution is below
-this fraction of what its own share alone puts there (see :func:`owner_mean_problem`)."""
+φ x is below this: a pair's mean of φ with cosine ≥ :data:`PHI_MIN_COSINE` and equal norms has
+both at least sqrt((1 + 0.2) / 2) = 0.77 (measured: 0.87 at the lowest, as above); a partner's
+φ = 0 pulled in halves the norm (0.5)."""
 
 
 def share_floor(weight: float, included: int, max_weight: float | None) -> float | None:
@@ -214,7 +208,7 @@ class MeanRefusal(str):
     """Why a receiver refuses an owner's mean (the one-line reason, a ``str``), and whether the
     refusal counts a strike against the owner (:class:`Strikes`).
 
-    ``strike`` is True for the norm and φ-drift checks, which an honest owner's mean fails only
+    ``strike`` is True for the norm and φ checks, which an honest owner's mean fails only
     when this receiver's own contribution is far off the group's, and False for the share check
     (the mean does not hold this receiver's contribution): an honest owner fails that one when
     other senders' contributions, clipped but kept, pull against this receiver's (bench/byzantine.py,
@@ -236,8 +230,7 @@ class MeanRefusal(str):
 
 def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight: float, included: int,
                        max_weight: float | None, phi: bool = False, included_self: bool = True,
-                       holds_delta: bool | None = None, share_check: bool | None = None,
-                       step_norm: float = 0.0) -> MeanRefusal | None:
+                       holds_delta: bool | None = None, share_check: bool | None = None) -> MeanRefusal | None:
     """Why a receiver refuses the mean of one piece that its owner sent, or None to accept it.
 
     Only the owner of a piece sees every contribution to it, so a lying owner could send any finite
@@ -254,9 +247,8 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
        7.5 × share × ‖x‖² in lab/simulation.py on the tiny and bench runs); catches sign-flipped,
        zeroed, random and replaced means (only when the owner says it included this receiver);
     3. for φ pieces (NoLoCo, which averages φ itself), ``‖m‖ / ‖x‖`` and ``cos(m, x)`` at least
-       :data:`PHI_MEAN_MIN_RATIO`, and ``‖m − x‖ ≤ max(``:data:`PHI_DRIFT_FACTOR` ``× ‖x‖,``
-       :data:`PHI_STEP_FACTOR` ``× step_norm)``: replicas drift apart slowly (by about a round's
-       steps), a mean pulled toward 0 or another model does not.
+       :data:`PHI_MEAN_MIN_RATIO`: an honest pair's mean lies between two φ that point the same
+       way, a mean pulled toward 0, a flipped φ or another model does not.
 
     Measured honest margins: ‖m‖ / (‖x‖ w_max / w) at most 1.79 (tiny, 8 peers), 1.12 (bench).
 
@@ -271,8 +263,6 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
             (else check 2 is skipped: the mean need not hold its contribution).
         holds_delta: the same as ``phi=not holds_delta`` (lab/simulation.py's name for it).
         share_check: run check 2; None: :data:`OWNER_SHARE_CHECK` (off).
-        step_norm: for φ pieces, the L2 norm of this receiver's own pseudo-gradient (Δ) of the same
-            rows this round (0: unknown, the drift bound is the φ-norm one alone).
 
     Returns:
         None, or a :class:`MeanRefusal`: a one-line reason naming the measured and allowed values,
@@ -298,11 +288,6 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
         if not (ratio >= PHI_MEAN_MIN_RATIO and cosine >= PHI_MEAN_MIN_RATIO):
             return MeanRefusal(f"its norm is {ratio:.3g}x this peer's φ's and its cosine with it {cosine:.3g}, "
                                f"below {PHI_MEAN_MIN_RATIO:g}", strike=True)
-        drift = norm(mean - contribution)
-        if not drift <= max(PHI_DRIFT_FACTOR * x_norm, PHI_STEP_FACTOR * step_norm):
-            return MeanRefusal(f"it is {drift:.4g} away from this peer's φ, more than {PHI_DRIFT_FACTOR:g}x its "
-                               f"norm {x_norm:.4g} and {PHI_STEP_FACTOR:g}x its own step's norm {step_norm:.4g}",
-                               strike=True)
         return None
     if share_check is None:
         share_check = OWNER_SHARE_CHECK
@@ -317,16 +302,13 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
     return None
 
 
-def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor, *, step_norm: float = 0.0) -> str | None:
+def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor) -> str | None:
     """Why an owner leaves a groupmate's φ contribution (NoLoCo) out of its mean, or None.
 
     NoLoCo averages φ itself, so a partner that sends φ = 0 (or another model) pulls the owner's mean
     halfway there, inside every norm bound. A contribution whose cosine with the owner's own φ
-    (fp32, same shape) is below :data:`PHI_MIN_COSINE` is refused. Replicas drift apart slowly, by
-    about a round's steps: a contribution farther from the owner's own φ (fp32, same shape) than both
-    2 × :data:`PHI_DRIFT_FACTOR` × ‖own‖ and 2 × :data:`PHI_STEP_FACTOR` × ``step_norm`` (the norm of
-    the owner's own pseudo-gradient of the same rows this round; 0: unknown) is refused: twice the
-    receiver's bounds, since a pair's mean lies halfway. Pieces under
+    (fp32, same shape) is below :data:`PHI_MIN_COSINE`, or whose norm is over
+    :data:`PHI_MAX_NORM_RATIO` times (or under its inverse) the own φ's, is left out. Pieces under
     :data:`OWNER_CHECK_MIN_ELEMENTS` values and a zero own φ are not judged.
     """
     if own.numel() < OWNER_CHECK_MIN_ELEMENTS:
@@ -334,11 +316,9 @@ def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor, *, s
     own_norm = norm(own)
     if not own_norm > 0 or not math.isfinite(own_norm):
         return None
-    cosine = _cosine(contribution, own)
+    cosine, ratio = _cosine(contribution, own), norm(contribution) / own_norm
     if not cosine >= PHI_MIN_COSINE:
         return f"its φ's cosine with this owner's is {cosine:.3g}, below {PHI_MIN_COSINE:g}"
-    drift = norm(contribution - own)
-    if not drift <= 2 * max(PHI_DRIFT_FACTOR * own_norm, PHI_STEP_FACTOR * step_norm):
-        return (f"its φ is {drift:.4g} away from this owner's, more than {2 * PHI_DRIFT_FACTOR:g}x its norm "
-                f"{own_norm:.4g} and {2 * PHI_STEP_FACTOR:g}x its own step's norm {step_norm:.4g}")
+    if not 1 / PHI_MAX_NORM_RATIO <= ratio <= PHI_MAX_NORM_RATIO:
+        return f"its φ's norm is {ratio:.3g}x this owner's, outside [{1 / PHI_MAX_NORM_RATIO:g}, {PHI_MAX_NORM_RATIO:g}]"
     return None

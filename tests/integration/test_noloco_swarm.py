@@ -52,7 +52,7 @@ def test_noloco_peers_exchange_with_one_partner_and_stay_closer_than_no_sync(pro
             assert payload_bytes <= e["bytes_sent"] <= 1.01 * payload_bytes, (e["bytes_sent"], payload_bytes, e.get("note"))
             assert payload_bytes <= e["bytes_received"] <= 1.01 * payload_bytes, (e["bytes_received"], payload_bytes,
                                                                                 e.get("note"))
-            # honest partners' φ drift apart by about a round's steps: no check may take that for an attack
+            # honest partners drift apart (by ‖φ‖ when they have not met for rounds): no check may call it an attack
             assert "refused" not in (e.get("note") or ""), e["note"]
             partner = (set(e["group"]) - {me}).pop()
             assert partner in ids

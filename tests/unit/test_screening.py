@@ -110,56 +110,30 @@ def test_forged_means_are_refused_with_a_reason():
     assert owner_mean_problem(100 * mean, x, weight=100.0, included=4, max_weight=100.0, included_self=False)
 
 
-def test_phi_pieces_may_drift_a_little_not_toward_zero():
+def test_phi_pieces_may_drift_apart_but_not_toward_zero():
     gen = torch.Generator().manual_seed(2)
     phi = torch.randn(1024, generator=gen)
-    partner = phi + 0.2 * torch.randn(1024, generator=gen)  # replicas apart by 20 % of the norm
+    # honest partners that had not met for rounds: as far apart as ‖φ‖ (cosine 0.5), same norm
+    partner = 0.5 * phi + 0.75 ** 0.5 * phi.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
+    assert phi_contribution_problem(partner, phi) is None
     assert owner_mean_problem((phi + partner) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
     pulled = (phi + torch.zeros_like(phi)) / 2  # a partner that sends φ = 0
     drifted = owner_mean_problem(pulled, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
     assert "its norm is 0.5x this peer's φ's" in drifted and drifted.strike
-    shifted = phi + 0.5 * phi.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
-    assert "away from this peer's φ" in owner_mean_problem(shifted, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
     assert owner_mean_problem(-phi, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
+    assert "outside [0.5, 2]" in phi_contribution_problem(3 * phi, phi)
+    assert "outside [0.5, 2]" in phi_contribution_problem(0.3 * phi, phi)
 
 
-def test_phi_drift_of_about_a_round_is_allowed_while_steps_are_large():
-    """Early in a run one round moves φ by half its norm (the tiny preset: ‖Δ‖ = 0.44-0.59 ‖φ‖) and
-    honest pairs differ by more than the φ-norm bound; the own step's norm widens it, the forged φ
-    = 0 is still caught once steps are small."""
-    gen = torch.Generator().manual_seed(3)
-    phi = torch.randn(1024, generator=gen)
-    step = 0.5 * phi.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
-    partner = phi + 1.5 * step.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
-    mean = (phi + partner) / 2  # 0.375 ‖φ‖ from φ... and 0.75 ‖Δ‖
-    far = phi + 2.0 * (partner - phi)
-    assert phi_contribution_problem(partner, phi) is None  # 0.75 ‖φ‖ < 0.9 ‖φ‖
-    assert phi_contribution_problem(far, phi) is not None  # 1.5 ‖φ‖: beyond the φ-norm bound alone
-    assert phi_contribution_problem(far, phi, step_norm=float(step.norm())) is None  # 3.0 ‖Δ‖: allowed
-    assert owner_mean_problem((phi + far) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
-    assert owner_mean_problem((phi + far) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True,
-                              step_norm=float(step.norm())) is None
-    assert owner_mean_problem(mean, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
-    small_step = 0.05 * float(phi.norm())
-    refused = owner_mean_problem(phi + far - partner, phi, weight=1.0, included=2, max_weight=1.0, phi=True,
-                                 step_norm=small_step)
-    assert refused is not None and refused.strike and "own step's norm" in refused
-
-
-@pytest.mark.parametrize("step", [0.0, 0.05, 0.5, 5.0])
-def test_a_phi_of_zero_or_of_another_model_is_refused_at_any_step_size(step):
-    """The direction checks do not depend on the step's norm: φ = 0, another model's φ and a flipped
-    φ are refused by the owner, and a mean pulled halfway toward them by the receiver."""
+def test_a_phi_of_zero_or_of_another_model_is_refused():
+    """φ = 0, another model's φ and a flipped φ are left out by the owner, and a mean pulled halfway
+    toward them is refused by the receiver."""
     gen = torch.Generator().manual_seed(4)
     phi = torch.randn(1024, generator=gen)
-    step_norm = step * float(phi.norm())
     for forged in (torch.zeros_like(phi), torch.randn(1024, generator=gen), -phi):
-        assert "cosine" in phi_contribution_problem(forged, phi, step_norm=step_norm)
-        refused = owner_mean_problem((phi + forged) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True,
-                                     step_norm=step_norm)
+        assert "cosine" in phi_contribution_problem(forged, phi)
+        refused = owner_mean_problem((phi + forged) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True)
         assert refused is not None and refused.strike and "below 0.7" in refused
-    honest = phi + 0.6 * float(phi.norm()) * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
-    assert phi_contribution_problem(honest, phi, step_norm=step_norm) is None  # cosine 0.86
 
 
 def test_small_pieces_and_zero_contributions_are_not_judged():
