@@ -143,8 +143,14 @@ def refuse_unimplemented(manifest: RunManifest) -> None:
 
     Raises:
         ConfigError: ``sync.overlap = "streaming"`` (Streaming DiLoCo: peer/train/streaming.py has
-            its rules, lab/simulation.py runs them; the round loop does not yet).
+            its rules, lab/simulation.py runs them; the round loop does not yet), or
+            ``pipeline.stages > 1`` (peer/pipeline/ has the stage split, the calls between stages and
+            the routing; the round loop does not serve a stage yet).
     """
+    if manifest.pipeline.stages > 1:
+        raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets pipeline.stages = {manifest.pipeline.stages}: "
+                          "a peer cannot serve a pipeline stage yet (peer/pipeline/ holds only its building "
+                          "blocks); use pipeline.stages = 1, a peer holding the whole model")
     if manifest.sync.overlap == "streaming":
         raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets sync.overlap = 'streaming': Streaming "
                           "DiLoCo is only implemented in the simulation (lab/simulation.py) so far; a peer cannot "
@@ -156,7 +162,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
 
     Raises:
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
-        ConfigError: the run sets sync.overlap = 'streaming' (:func:`refuse_unimplemented`); for
+        ConfigError: the run sets sync.overlap = 'streaming' or pipeline.stages > 1
+            (:func:`refuse_unimplemented`); for
             this peer's own run (--run/--preset) before any network work.
     """
     if cfg.new_run is not None:

@@ -33,13 +33,13 @@ from protocol.errors import BadSignature, ManifestError, VersionMismatch
 from protocol.signing import OwnerKey, is_owner_hex, verify_manifest
 from protocol.specs import (
     CODECS, PHI_CODECS, CompressionSpec, DataSpec, InnerOptimizerSpec, ModelSpec, NoLoCoSpec, OuterOptimizerSpec,
-    STREAMING_FIELDS, SyncSpec, check, int_in,
+    PipelineSpec, STREAMING_FIELDS, SyncSpec, check, int_in,
 )
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "CODECS", "PHI_CODECS", "RUN_ID_HEX_CHARS", "CompressionSpec", "DataSpec", "InnerOptimizerSpec", "ModelSpec",
-    "NoLoCoSpec", "OuterOptimizerSpec", "RunManifest", "SignedManifest", "SyncSpec", "decode",
+    "NoLoCoSpec", "OuterOptimizerSpec", "PipelineSpec", "RunManifest", "SignedManifest", "SyncSpec", "decode",
     "dump_toml", "from_dict", "load_manifest", "open_announcement", "sign_manifest",
 ]
 
@@ -54,6 +54,7 @@ _SECTIONS: dict[str, type] = {
     "sync": SyncSpec,
     "noloco": NoLoCoSpec,
     "compression": CompressionSpec,
+    "pipeline": PipelineSpec,
 }
 
 
@@ -73,6 +74,7 @@ class RunManifest:
     sync: SyncSpec = field(default_factory=SyncSpec)
     noloco: NoLoCoSpec = field(default_factory=NoLoCoSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
 
     def __post_init__(self) -> None:
         check("run", "name", self.name,
@@ -98,14 +100,19 @@ class RunManifest:
             check("sync", "fragments", self.sync.fragments, self.sync.fragments <= self.model.num_layers,
                   f"at most model.num_layers = {self.model.num_layers} with sync.overlap = 'streaming' "
                   "(a fragment holds whole transformer blocks)")
+        check("pipeline", "stages", self.pipeline.stages, self.pipeline.stages <= self.model.num_layers,
+              f"at most model.num_layers = {self.model.num_layers} (a stage holds whole transformer blocks)")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data; ``owner`` is left out while empty and the streaming fields of ``sync``
-        (``STREAMING_FIELDS``) while at their defaults, so run ids from before they existed stay as
-        they were (and older clients can read those manifests)."""
+        """Plain data; ``owner`` is left out while empty, the streaming fields of ``sync``
+        (``STREAMING_FIELDS``) while at their defaults and the ``pipeline`` section while all of it
+        is, so run ids from before they existed stay as they were (and older clients can read those
+        manifests)."""
         data = dataclasses.asdict(self)
         if not self.owner:
             del data["owner"]
+        if self.pipeline == PipelineSpec():
+            del data["pipeline"]
         default = SyncSpec()
         for name in STREAMING_FIELDS:
             if getattr(self.sync, name) == getattr(default, name):

@@ -324,6 +324,41 @@ class SyncSpec:
                                     f"{low} too, or raise {high}")
 
 
+ROUTINGS = ("random", "fastest")
+"""How a micro-batch picks its replica of the next pipeline stage (``pipeline.routing``,
+peer/pipeline/routing.py)."""
+ACTIVATION_DTYPES = ("bf16", "fp32")
+"""Dtypes activations and their gradients travel in between pipeline stages."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """Pipeline stages: the model split across peers (issue #19; DiLoCoX arXiv 2506.21263, SWARM
+    arXiv 2301.11913). ``stages = 1`` is a peer holding the whole model. The section is left out of a
+    manifest's encoding while every field is at its default, so run ids without stages stay as they
+    were. Only the building blocks exist (peer/pipeline/: stage split, wire frames and calls,
+    routing); a peer refuses a run with ``stages > 1`` until its round loop serves stages."""
+
+    stages: int = 1
+    """S: pipeline stages; stage 0 holds the embedding and reads data, the last the output layer and
+    the loss; at most model.num_layers (a stage holds whole transformer blocks)."""
+    routing: str = "random"
+    """'random': each micro-batch goes to the replica a permutation from a seed all peers share picks
+    (NoLoCo); 'fastest': to the replica with the least expected finish time (SWARM)."""
+    activation_dtype: str = "bf16"
+    """Dtype of activations and activation gradients on the wire."""
+    call_timeout_s: float = 30.0
+    """Deadline of one stage call (a micro-batch's forward and backward through the stages after
+    this one); a replica that misses it is skipped and the call retried on another."""
+
+    def __post_init__(self) -> None:
+        s = "pipeline"
+        int_in(s, "stages", self.stages, 1, 1024)
+        one_of(s, "routing", self.routing, ROUTINGS)
+        one_of(s, "activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
+        float_in(s, "call_timeout_s", self.call_timeout_s, 0.0, 3600.0, lo_open=True)
+
+
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")
 """Codecs a run may choose for pseudo-gradients (protocol/codecs/; ALGORITHMS.md §3, §5)."""
 PHI_CODECS = ("none", "fp16", "bf16", "int8")

@@ -1,0 +1,53 @@
+"""The run manifest's [pipeline] section (issue #19): validated, absent at its defaults, refused by peers."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from peer.config import JoinConfig
+from peer.reporting import Reporter
+from protocol.errors import ConfigError, ManifestError
+from protocol.manifest import RunManifest, dump_toml, from_dict
+
+
+def test_pipeline_fields_validated_round_tripped_and_absent_at_defaults():
+    m = RunManifest().replace(pipeline={"stages": 2, "routing": "fastest", "activation_dtype": "fp32",
+                                        "call_timeout_s": 5.0})
+    assert from_dict(tomllib.loads(dump_toml(m))) == m
+    assert (m.pipeline.stages, m.pipeline.routing, m.pipeline.activation_dtype) == (2, "fastest", "fp32")
+    # at its defaults the section stays out of the encoding: run ids from before it are unchanged
+    assert "pipeline" not in dump_toml(RunManifest()) and "pipeline" not in RunManifest().to_dict()
+    assert RunManifest().replace(pipeline={"stages": 1}).run_id == RunManifest().run_id
+    assert RunManifest().replace(pipeline={"stages": 2}).run_id != RunManifest().run_id
+    assert RunManifest().replace(pipeline={"routing": "fastest"}).run_id != RunManifest().run_id
+    with pytest.raises(ManifestError, match=r"pipeline\.stages = 0"):
+        from_dict({"pipeline": {"stages": 0}})
+    with pytest.raises(ManifestError, match=r"pipeline\.routing = 'nearest'.*'random', 'fastest'"):
+        from_dict({"pipeline": {"routing": "nearest"}})
+    with pytest.raises(ManifestError, match=r"pipeline\.activation_dtype = 'fp8'"):
+        from_dict({"pipeline": {"activation_dtype": "fp8"}})
+    with pytest.raises(ManifestError, match=r"pipeline\.call_timeout_s = 0"):
+        from_dict({"pipeline": {"call_timeout_s": 0}})
+    # a stage holds whole blocks: the default model has 4
+    with pytest.raises(ManifestError, match=r"pipeline\.stages = 5 .*model\.num_layers = 4"):
+        from_dict({"pipeline": {"stages": 5}})
+    with pytest.raises(ManifestError, match=r"unknown field\(s\) \['replicas'\] in manifest section \[pipeline\]"):
+        from_dict({"pipeline": {"replicas": 2}})
+
+
+def test_peer_join_refuses_pipeline_stages_before_any_network_work(monkeypatch, tmp_path: Path):
+    import peer.node as node
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the DHT was started for a run the peer cannot train")
+
+    monkeypatch.setattr(node, "start_dht_remembering", no_network)
+    monkeypatch.setattr(node, "load_corpus", no_network)
+    cfg = JoinConfig(new_run=RunManifest().replace(pipeline={"stages": 2}), data_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"pipeline\.stages = 2: a peer cannot serve a pipeline stage yet.*"
+                                          r"use pipeline\.stages = 1") as error:
+        node.join(cfg, Reporter("json"))
+    assert error.value.exit_code == 78
