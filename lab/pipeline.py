@@ -18,6 +18,7 @@ the pipeline and the unpipelined swarm train on the same batches.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -91,10 +92,13 @@ class PipelineSimulation:
         self.boundary_bytes = 0
 
     def _route(self, micro_batch: int) -> list[int]:
-        """The replica of each stage micro-batch ``micro_batch`` passes through (stage 0: its reader)."""
+        """The replica of each stage micro-batch ``micro_batch`` passes through (stage 0: its reader),
+        each choice counted as a call in flight (:meth:`Router.started`): a step's micro-batches are
+        all sent before any comes back, as from concurrent stage-0 replicas."""
         path = [micro_batch]
         for k in range(1, self.S):
             chosen = self.routers[k].order(self.ids[k], step=self.inner_step, micro_batch=micro_batch)[0]
+            self.routers[k].started(chosen)
             path.append(self.ids[k].index(chosen))
         return path
 
@@ -124,13 +128,17 @@ class PipelineSimulation:
             for opt in row:
                 opt.zero_grad(set_to_none=True)
         served = [[0] * self.replicas for _ in range(self.S)]
-        for r in range(self.replicas):
-            path = self._route(r)
+        paths = [self._route(r) for r in range(self.replicas)]
+        for r, path in enumerate(paths):
             windows = self.samplers[r].next_batch()
+            start = time.perf_counter()
             self._micro_batch(windows, path)
+            seconds = time.perf_counter() - start
             self.tokens += windows.shape[0] * (windows.shape[1] - 1)
             for k, j in enumerate(path):
                 served[k][j] += 1
+                if k > 0:
+                    self.routers[k].finished(self.ids[k][j], seconds)
         spec = self.m.inner_optimizer
         lr = lr_at(self.inner_step, lr=spec.lr, warmup_steps=spec.warmup_steps, schedule=spec.schedule,
                    decay_steps=spec.decay_steps, min_lr_ratio=spec.min_lr_ratio)

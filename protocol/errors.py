@@ -9,7 +9,9 @@ entry point can catch one base class and print one actionable line::
     │   └── NotText                 a corpus file is binary or not UTF-8 (file sources skip it)
     ├── NetworkError                the DHT or a peer could not be reached
     │   ├── BootstrapUnreachable    no initial peer answered (exit 69)
-    │   └── BadPeerAddress          an --initial-peers value is not a usable multiaddr (exit 2)
+    │   ├── BadPeerAddress          an --initial-peers value is not a usable multiaddr (exit 2)
+    │   ├── StageCallFailed         no replica of a pipeline stage answered a call validly
+    │   └── NoReplica               no live replica serves a pipeline stage: the pipeline pauses
     ├── ProtocolError               what came over the wire is not what this client speaks
     │   ├── VersionMismatch         the manifest's protocol version differs from ours
     │   ├── ManifestNotFound        no manifest for the run id in the DHT
@@ -81,6 +83,44 @@ class BadPeerAddress(NetworkError):
     """An --initial-peers value is not a multiaddr with a /p2p/ peer id."""
 
     exit_code = 2
+
+
+class StageCallFailed(NetworkError):
+    """A pipeline stage call got no valid answer: a timeout, a STAGE_ERROR, a broken stream or an
+    invalid reply (peer/pipeline/rpc.py). Nothing was applied on the caller's side; the request may
+    be retried as it is.
+
+    Args:
+        message: what failed, naming each replica and its reason.
+        failures: ``(peer_id, reason)`` for each replica tried, in the order tried.
+    """
+
+    def __init__(self, message: str, failures=()):
+        super().__init__(message)
+        self.failures = list(failures)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.failures)
+
+
+class NoReplica(NetworkError):
+    """No live replica serves a pipeline stage: the pipeline pauses until one joins or recovers
+    (peer/pipeline/routing.py).
+
+    Args:
+        stage: index of the stage without a live replica.
+        cooling: replicas of the stage skipped because a recent call to them failed.
+    """
+
+    def __init__(self, stage: int, cooling: int = 0):
+        self.stage = stage
+        self.cooling = cooling
+        why = f" ({cooling} cooling down after a failed call)" if cooling else ""
+        super().__init__(f"no live replica of pipeline stage {stage}{why}: the pipeline pauses "
+                         f"until a peer serving stage {stage} joins or recovers")
+
+    def __reduce__(self):
+        return type(self), (self.stage, self.cooling)
 
 
 class ProtocolError(LocoError):

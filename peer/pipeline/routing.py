@@ -24,30 +24,10 @@ import random
 import time
 from typing import Callable, Mapping, Sequence
 
-from protocol.errors import NetworkError
+from protocol.errors import NoReplica
 from protocol.specs import ROUTINGS
 
 logger = logging.getLogger(__name__)
-
-
-class NoReplica(NetworkError):
-    """No live replica serves a pipeline stage: the pipeline pauses until one joins or recovers.
-
-    Args:
-        stage: index of the stage without a live replica.
-        cooling: replicas of the stage skipped because a recent call to them failed.
-    """
-
-    def __init__(self, stage: int, cooling: int = 0):
-        self.stage = stage
-        self.cooling = cooling
-        why = f" ({cooling} cooling down after a failed call)" if cooling else ""
-        super().__init__(f"no live replica of pipeline stage {stage}{why}: the pipeline pauses "
-                         f"until a peer serving stage {stage} joins or recovers")
-
-    def __reduce__(self):
-        # The default would call NoReplica(message); rebuild from the fields instead.
-        return type(self), (self.stage, self.cooling)
 
 
 def routing_seed(*, run_id: str, stage: int, step: int, block: int) -> int:

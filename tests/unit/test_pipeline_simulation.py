@@ -41,3 +41,18 @@ def test_two_stages_train_and_send_bf16_activations_both_ways(corpus, algorithm)
 def test_fastest_routing_trains_too(corpus):
     result = run_pipeline(manifest(2, routing="fastest"), corpus, replicas=2, rounds=1, seed=0)
     assert result.history[-1].loss_bpb < result.history[0].loss_bpb
+
+
+@pytest.mark.parametrize("routing", ["random", "fastest"])
+def test_every_replica_of_a_stage_serves_a_step_of_concurrent_micro_batches(corpus, routing):
+    """R micro-batches in flight at once over R replicas: 'random' deals a permutation, 'fastest'
+    spreads them by calls in flight (SWARM), so every replica steps on one micro-batch."""
+    from lab.pipeline import PipelineSimulation
+
+    sim = PipelineSimulation(manifest(2, routing=routing), corpus, replicas=3, seed=0)
+    for _ in range(4):
+        paths = [sim._route(r) for r in range(3)]
+        assert sorted(p[1] for p in paths) == [0, 1, 2]
+        for p in paths:
+            sim.routers[1].finished(sim.ids[1][p[1]], 0.01)
+        sim.inner_step += 1
