@@ -153,6 +153,21 @@ def decoders() -> list[Target]:
     targets.append(Target("state CHUNK", [chunk], lambda d: st.parse_chunk(d, expected_index=1, shape=(3, 4)),
                           (BadPayload,)))
 
+    # -- the pipeline stages' frames (a micro-batch through the next stage)
+    from protocol.wire import pipeline as pl
+
+    stage_limits = pl.StageLimits(max_batch_sequences=4, max_seq_len_tokens=8, hidden_size=6, vocab_size=50, stages=3)
+    gen = torch.Generator().manual_seed(0)
+    stage_request = pl.StageRequest(request_id=7, micro_batch=3, stage=1,
+                                    activations=torch.randn(2, 4, 6, generator=gen).to(torch.bfloat16),
+                                    targets=torch.randint(0, 50, (2, 4), generator=gen, dtype=torch.int32))
+    reply = pl.encode_reply(pl.StageReply(request_id=7, grad=torch.randn(2, 4, 6, generator=gen).to(torch.bfloat16),
+                                          loss=3.5, tokens=8))
+    targets.append(Target("pipeline STAGE_REQUEST", [pl.encode_request(stage_request)],
+                          lambda d: pl.parse_request(d, stage_limits, stage=1), (BadPayload,)))
+    targets.append(Target("pipeline STAGE_REPLY / STAGE_ERROR", [reply, pl.encode_error(7, "no replica")],
+                          lambda d: pl.parse_answer(d, stage_limits, request=stage_request), (BadPayload,)))
+
     # -- codecs: every format, decoded as a receiver does (it knows the shape)
     shape = (8, 16)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
