@@ -5,12 +5,13 @@
 
 In one process per run (lab/pipeline.py): S stages × R replicas, each micro-batch routed to a
 replica of the next stage, activations and their gradients in ``pipeline.activation_dtype`` at
-each boundary, each stage's replicas running the outer algorithm among themselves; against R
-unpipelined peers of the same run (lab/simulation.py) on the same shards and batches. The model,
-data and schedule are bench/compare.py's (fixed global batch, split over the R replicas of stage
-0). Writes ``bench/results/pipeline.json``: ``{"results": [{"stages", "replicas_per_stage",
-"routing", "tokens_per_s", "activation_bytes_per_token", "final_bpb", "unpipelined_bpb", ...}]}``
-with seed means, and prints a markdown table for docs/benchmarks.md.
+each boundary, each stage's replicas running the outer algorithm among themselves; against the
+unpipelined swarm of the same run (lab/simulation.py). The model, data and schedule are
+bench/compare.py's (fixed global batch, split over the R replicas of stage 0). Two references at equal tokens: the unpipelined swarm of S·R peers (as many peers as the
+pipeline: ``unpipelined_bpb``) and of R peers (its width, on the same shards and batches:
+``unpipelined_r_peers_bpb``). Writes ``bench/results/pipeline.json``: ``{"results": [{"stages",
+"replicas_per_stage", "routing", "tokens_per_s", "activation_bytes_per_token", "final_bpb",
+"unpipelined_bpb", ...}]}`` with seed means, and prints a markdown table for docs/benchmarks.md.
 
 Not measured here: throughput across real peers (the round loop does not serve stages yet).
 ``tokens_per_s`` is the simulation's own, one process, one CPU thread, no network: the cost of
@@ -71,27 +72,33 @@ def rows_of(runs: list[dict]) -> list[dict]:
     for method, stages, routing, replicas in keys:
         mine = [r for r in runs if (r["method"], r["stages"], r["routing"], r["replicas"]) == (method, stages, routing,
                                                                                               replicas)]
-        seeds = sorted(r["seed"] for r in mine if (method, replicas, r["seed"]) in plain)
+        peers = stages * replicas
+        seeds = sorted(r["seed"] for r in mine if (method, replicas, r["seed"]) in plain
+                       and (method, peers, r["seed"]) in plain)
         mine = [r for r in mine if r["seed"] in seeds]
         if not mine:
             continue
         final = statistics.mean(r["final_bpb"] for r in mine)
-        unpiped = statistics.mean(plain[(method, replicas, s)] for s in seeds)
+        unpiped = statistics.mean(plain[(method, peers, s)] for s in seeds)
+        same_width = statistics.mean(plain[(method, replicas, s)] for s in seeds)
         rows.append({"stages": stages, "replicas_per_stage": replicas, "routing": routing, "method": method,
                      "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine),
                      "activation_bytes_per_token": mine[0]["activation_bytes_per_token"],
                      "final_bpb": final, "unpipelined_bpb": unpiped, "vs_unpipelined": 100 * (final / unpiped - 1),
+                     "unpipelined_r_peers_bpb": same_width, "vs_unpipelined_r_peers": 100 * (final / same_width - 1),
                      "seeds": seeds, "per_seed_bpb": [r["final_bpb"] for r in sorted(mine, key=lambda r: r["seed"])],
-                     "unpipelined_per_seed_bpb": [plain[(method, replicas, s)] for s in seeds]})
+                     "unpipelined_per_seed_bpb": [plain[(method, peers, s)] for s in seeds],
+                     "unpipelined_r_peers_per_seed_bpb": [plain[(method, replicas, s)] for s in seeds]})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| method | stages × replicas | routing | final bpb | unpipelined bpb | vs unpipelined | boundary "
-             "bytes/token | sim tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | stages × replicas | routing | final bpb | unpipelined S·R peers | vs it | unpipelined R "
+             "peers | vs it | boundary bytes/token | sim tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['stages']} × {r['replicas_per_stage']} | {r['routing']} | "
                      f"{r['final_bpb']:.4f} | {r['unpipelined_bpb']:.4f} | {r['vs_unpipelined']:+.2f} % | "
+                     f"{r['unpipelined_r_peers_bpb']:.4f} | {r['vs_unpipelined_r_peers']:+.2f} % | "
                      f"{r['activation_bytes_per_token']:.0f} | {r['tokens_per_s']:,.0f} |")
     return "\n".join(lines)
 
@@ -111,16 +118,18 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     base, bench = load_config(args.config)
     rounds = args.rounds or bench["rounds"]
-    work = [(method, 1, "-", seed) for method in args.methods for seed in args.seeds]
-    work += [(method, s, routing, seed) for method in args.methods for s in args.stages if s > 1
+    # the references: R unpipelined peers (the pipeline's width) and S·R (as many peers as the pipeline)
+    widths = sorted({args.replicas} | {s * args.replicas for s in args.stages if s > 1})
+    work = [(method, 1, "-", peers, seed) for method in args.methods for peers in widths for seed in args.seeds]
+    work += [(method, s, routing, args.replicas, seed) for method in args.methods for s in args.stages if s > 1
              for routing in args.routings for seed in args.seeds]
     start = time.perf_counter()
     command = " ".join(["python", *sys.argv])
     runs: list[dict] = []
     with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_one, base, method, s, routing, args.replicas, seed, bench, rounds)
-                   for method, s, routing, seed in work]
+        futures = [pool.submit(_one, base, method, s, routing, peers, seed, bench, rounds)
+                   for method, s, routing, peers, seed in work]
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())
             r = runs[-1]
@@ -131,7 +140,9 @@ def main() -> None:
                 "results": rows_of(runs),
                 "where": "in-process simulation (lab/pipeline.py vs lab/simulation.py), one CPU thread per run, no "
                          "network; tokens_per_s is the simulation's compute throughput, not a swarm's",
-                "vs_unpipelined_unit": "percent above the unpipelined swarm of R peers (same method, seeds, tokens)",
+                "vs_unpipelined_unit": "percent above the unpipelined swarm of S·R peers (as many peers as the "
+                                       "pipeline; vs_unpipelined_r_peers: of R peers, its width), same method, "
+                                       "seeds and tokens",
                 "complete": len(runs) == len(work), "command": command,
                 "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}",
                 "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
