@@ -143,10 +143,6 @@ class GroupAllreduce:
             self._excluded.add(s)
             self.stats.excluded[s] = "ignored: its contributions were clipped or dropped repeatedly"
         self._connected: set[int] = {me}
-        self._reading: set[asyncio.Future] = set()
-        """One per sender stream this owner reads: done when it has read every piece or given up, so
-        :meth:`run` returns counters that hold every frame read (a sender excluded mid-stream still
-        sends its remaining pieces, and they are read after the means went out)."""
         self._changed = asyncio.Condition()
         self._mean_frames: dict[int, asyncio.Future] = {p.index: asyncio.get_running_loop().create_future()
                                                         for p in self.my_pieces}
@@ -223,8 +219,6 @@ class GroupAllreduce:
                 self._connected.add(sender)
                 self._changed.notify_all()
             send_task = asyncio.create_task(self._send_means(writer))
-            reading = asyncio.get_running_loop().create_future()
-            self._reading.add(reading)
             try:
                 for piece in self.my_pieces:
                     limit = frames.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index]
@@ -239,8 +233,6 @@ class GroupAllreduce:
                 if isinstance(exc, BadPayload) and sender not in self._excluded:
                     self.stats.dropped.add(sender)
                 await self._exclude(sender, f"{type(exc).__name__}: {exc}")
-            finally:
-                reading.set_result(None)
             await send_task
             # The sender closes first, once it has read every mean: closing here could make the
             # p2p daemon drop the stream's tail before it reaches the sender.
@@ -445,8 +437,6 @@ class GroupAllreduce:
             except Exception as exc:
                 errors.append(f"reducing own pieces: {type(exc).__name__}: {exc}")
                 self.close()  # senders waiting for our means get an ABORT
-        if self._reading:  # senders' pieces still arriving after the means (excluded mid-stream)
-            await asyncio.wait(self._reading, timeout=self.timeout)
         self.stats.seconds = time.monotonic() - self._start
         if errors:
             raise PartialAverage("; ".join(errors))
