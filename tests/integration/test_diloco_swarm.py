@@ -62,9 +62,11 @@ def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
     for p in (joiner, *first):
         assert p.wait(120) == 130, p.tail()
 
-    # It evaluated the swarm's φ at the adopted round, not a fresh initialisation.
+    # It evaluated the swarm's φ at a round it adopted, not a fresh initialisation. (It may adopt
+    # twice: the swarm can finish a round during the first download, and catch-up goes again.)
     swarm_initial = first[0].of("eval")[0]["loss"]
-    assert joiner.of("eval")[0]["round"] == adopted["round"]
+    assert joiner.of("eval")[0]["round"] in {e["round"] for e in joiner.of("adopted_state")}, (
+        joiner.of("eval")[0]["round"], [(e["round"], e.get("reason")) for e in joiner.of("adopted_state")])
     assert joiner.of("eval")[0]["loss"] < swarm_initial - 0.5
     # It trained with the others: in its first full-group round, φ agrees with that of a peer that
     # completed the round in the group too. (A groupmate whose own end of the all-reduce failed
