@@ -102,6 +102,9 @@ def main() -> None:
 @click.option("--wait-for-peers", type=click.IntRange(1), default=1, show_default=True,
               help="Before the first round, wait (up to 120 s) until this many peers are live.")
 @click.option("--client-mode", is_flag=True, help="Do not accept incoming connections (behind NAT).")
+@click.option("--stage", type=click.IntRange(0), default=None,
+              help="In a run with [pipeline] stages > 1: the stage this peer serves. "
+                   "Default: the stage with the fewest live replicas (stage 0 in --client-mode).")
 @click.option("--uplink-mbps", type=click.FloatRange(0, 1e6, min_open=True), default=50.0, show_default=True,
               help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps|LIST",
@@ -128,7 +131,7 @@ def main() -> None:
 def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key, host, port, announce, data_path,
          data_dir,
          max_rounds,
-         eval_every, export_phi_every, threads, wait_for_peers, client_mode, uplink_mbps, device, precision, micro_batch,
+         eval_every, export_phi_every, threads, wait_for_peers, client_mode, stage, uplink_mbps, device, precision, micro_batch,
          max_memory, compile_, peak_tflops, activation_checkpointing, log_format, verbose) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
 
@@ -163,7 +166,7 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key,
         cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=local_run, run_flag=run_flag,
                          start_new_run=new_run, owner_key_path=owner_key, host=host, port=port,
                          announce=tuple(announce), data_path=data_path, data_dir=data_dir or default_data_dir(),
-                         client_mode=client_mode,
+                         client_mode=client_mode, stage=stage,
                          uplink_mbps=uplink_mbps,
                          threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
                                                      wait_for_peers=wait_for_peers,

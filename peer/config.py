@@ -101,6 +101,9 @@ class JoinConfig:
     (peer/train/data.py ``with_local_data``); None: the run's own ``data.path``."""
     data_dir: Path
     client_mode: bool = False
+    stage: int | None = None
+    """--stage: the pipeline stage this peer serves in a run with ``pipeline.stages > 1``; None: the
+    stage with the fewest live replicas (peer/pipeline/routing.py ``stage_to_serve``)."""
     uplink_mbps: float = 50.0
     """This peer's uplink in Mbit/s as assumed until its first sync measured it (the adaptive
     codec's byte budget). A per-peer fact: never part of the run manifest or its id."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -15,6 +16,9 @@ from peer.train.data import load_corpus, with_local_data
 from peer.train.sources import describe
 from peer.train.device import place, resolve_device
 from peer.train.model import build_model, parameter_count
+from peer.pipeline.peer import LoopThread, StageInnerLoop, pipeline_link, stage_key
+from peer.pipeline.routing import stage_to_serve
+from peer.pipeline.stages import build_stage
 from peer.train.outer import make_outer
 from peer.reporting import Reporter
 from peer.progress import TrainSummary
@@ -143,18 +147,56 @@ def refuse_unimplemented(manifest: RunManifest) -> None:
 
     Raises:
         ConfigError: ``sync.overlap = "streaming"`` (Streaming DiLoCo: peer/train/streaming.py has
-            its rules, lab/simulation.py runs them; the round loop does not yet), or
-            ``pipeline.stages > 1`` (peer/pipeline/ has the stage split, the calls between stages and
-            the routing; the round loop does not serve a stage yet).
+            its rules, lab/simulation.py runs them; the round loop does not yet), or pipeline stages
+            with ``sync.overlap`` other than 'none' (a stage's inner steps are driven by the stages
+            around it; overlapping its sync is not built).
     """
-    if manifest.pipeline.stages > 1:
-        raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets pipeline.stages = {manifest.pipeline.stages}: "
-                          "a peer cannot serve a pipeline stage yet (peer/pipeline/ holds only its building "
-                          "blocks); use pipeline.stages = 1, a peer holding the whole model")
     if manifest.sync.overlap == "streaming":
         raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets sync.overlap = 'streaming': Streaming "
                           "DiLoCo is only implemented in the simulation (lab/simulation.py) so far; a peer cannot "
                           "train it. Use sync.overlap = 'none', 'delayed' or 'eager'")
+    if manifest.pipeline.stages > 1 and manifest.sync.overlap != "none":
+        raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets pipeline.stages = {manifest.pipeline.stages} "
+                          f"with sync.overlap = {manifest.sync.overlap!r}: a pipeline stage syncs blocking only; "
+                          "use sync.overlap = 'none'")
+
+
+def choose_stage(dht, manifest: RunManifest, cfg: JoinConfig, signer: PeerSigner) -> int:
+    """The pipeline stage this peer serves: ``--stage``; else the stage it holds a checkpoint of (a
+    restarted peer goes back to its stage); else the one with the fewest live replicas read from
+    the stages' progress records (peer/pipeline/routing.py ``stage_to_serve``). A peer in client
+    mode cannot be called, so it serves stage 0 (which only calls).
+
+    Raises:
+        ConfigError: ``--stage`` outside [0, S), or a stage > 0 asked for in client mode.
+    """
+    S = manifest.pipeline.stages
+    if cfg.stage is not None:
+        if cfg.stage >= S:
+            raise ConfigError(f"--stage {cfg.stage}: run {manifest.run_id} has {S} pipeline stages (0 to {S - 1})")
+        if cfg.stage > 0 and cfg.client_mode:
+            raise ConfigError(f"--stage {cfg.stage} with --client-mode: stages after 0 are called by other peers, "
+                              "which a peer in client mode cannot be; use --stage 0 or make this peer dialable")
+        return cfg.stage
+    if cfg.client_mode:
+        return 0
+    held = [k for k in range(S) if stage_checkpoint(cfg, manifest, k).exists()]
+    if len(held) == 1:
+        return held[0]
+    live = {}
+    for k in range(S):
+        try:
+            records = swarm_dht.read_progress(dht, stage_key(manifest.run_id, k))
+        except NetworkError:
+            records = []
+        live[k] = len({r.peer_id for r in records if r.peer_id != signer.peer_id})
+    return stage_to_serve(live, S)
+
+
+def stage_checkpoint(cfg: JoinConfig, manifest: RunManifest, stage: int | None):
+    """Where this peer checkpoints its run (``stage``: its pipeline stage, None: the whole model)."""
+    run_dir = cfg.data_dir / "runs" / manifest.run_id
+    return run_dir / "checkpoint.safetensors" if stage is None else run_dir / f"stage{stage}" / "checkpoint.safetensors"
 
 
 def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None = None) -> tuple[int, TrainSummary]:
@@ -162,9 +204,9 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
 
     Raises:
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
-        ConfigError: the run sets sync.overlap = 'streaming' or pipeline.stages > 1
-            (:func:`refuse_unimplemented`); for
-            this peer's own run (--run/--preset) before any network work.
+        ConfigError: the run sets sync.overlap = 'streaming', or stages with overlap
+            (:func:`refuse_unimplemented`), for this peer's own run (--run/--preset) before any
+            network work; a bad --stage (:func:`choose_stage`).
     """
     if cfg.new_run is not None:
         refuse_unimplemented(cfg.new_run)
@@ -193,12 +235,16 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         cfg.initial_peers, book)
     # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
     dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
-    announcer = transport = keeper = trainer = devices = None
+    announcer = transport = keeper = trainer = devices = link = loop = None
     try:
         signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
         manifest = signed.manifest
         refuse_unimplemented(manifest)  # the swarm's run, known only now
-        protect_run(dht, manifest.run_id)  # this node stores only signed records of its run
+        S = manifest.pipeline.stages
+        for k in range(S):  # this node stores only signed records of its run (and of its stages)
+            protect_run(dht, stage_key(manifest.run_id, k))
+        stage = choose_stage(dht, manifest, cfg, signer) if S > 1 else None
+        key = manifest.run_id if stage is None else stage_key(manifest.run_id, stage)
         # Every peer keeps its run's signed manifest alive, so the swarm outlives its bootstrap node.
         announcer = swarm_dht.ManifestAnnouncer(dht, signed).start()
         peer_id = str(dht.peer_id)
@@ -210,25 +256,38 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
             data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
             reporter.emit("status", message=f"reading the run's data: {describe(data)}")
             corpus = load_corpus(data, cache_dir=default_cache_dir())
-        model = build_model(manifest.model, corpus.tokenizer)
+        model = (build_model(manifest.model, corpus.tokenizer) if stage is None
+                 else build_stage(manifest.model, S, stage, corpus.tokenizer))
         shapes = [p.shape for p in model.parameters()]
         outer = make_outer(manifest, shapes)
-        transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), manifest.run_id, manifest.sync,
+        # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
+        transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), key, manifest.sync,
                                      compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
                                      client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
                                      max_weight_tokens=round_token_cap(manifest))
         # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
-        swarm = SwarmView(dht, run_id=manifest.run_id, signer=signer,
+        swarm = SwarmView(dht, run_id=key, signer=signer,
                           record_ttl_s=liveness.record_ttl_s(manifest), max_sync_s=transport.max_sync_seconds)
-        checkpoint = cfg.data_dir / "runs" / manifest.run_id / "checkpoint.safetensors"
+        checkpoint = stage_checkpoint(cfg, manifest, stage)
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not cfg.client_mode)
         # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
         d = cfg.device
         placement, notes = place(d.device, precision=d.precision, compile=d.compile,
                                  micro_batch_sequences=d.micro_batch_sequences, max_memory_gib=d.max_memory_gib,
                                  peak_tflops=d.peak_tflops, activation_checkpointing=d.activation_checkpointing)
+        make_inner = None
+        if stage is not None:
+            if len(placement.devices) > 1:
+                raise ConfigError(f"--device {d.device}: a pipeline stage trains on one device; name one")
+            loop = LoopThread()
+            link = pipeline_link(dht, loop, manifest, stage, corpus.tokenizer.vocab_size, swarm, signer, reporter)
+            make_inner = functools.partial(StageInnerLoop.for_placement, link=link, stop=stop_event)
         trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
-                          config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement)
+                          config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement,
+                          make_inner=make_inner, evaluates_phi=stage is None)
+        if link is not None:  # a stage after 0 registers its server at its first inner step
+            reporter.emit("status", message=f"pipeline stage {stage} of 0-{S - 1} "
+                                            f"(blocks {model.layers.start}-{model.layers.stop - 1})")
         micro_batch = trainer.fit_micro_batch()
         device_fields = placement.event_fields()
         # what this peer trains on, for `peer status` and the monitor (signed, like its records)
@@ -237,7 +296,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
                       micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
                       maddrs=reachability.printable_maddrs(dht, cfg, reach),
                       relayed_at=reachability.relay_maddrs(dht, cfg), run_id=manifest.run_id, run_name=manifest.name,
-                      parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps,
+                      parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps, stage=stage,
                       threads=torch.get_num_threads())
         for note in notes:
             reporter.emit("warning", message=note)
@@ -250,6 +309,10 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     finally:
         if trainer is not None:
             trainer.inner.close()  # the other ranks of a peer on several devices (peer/train/ddp.py)
+        if link is not None:
+            link.close()
+        if loop is not None:
+            loop.stop()
         if announcer is not None:
             announcer.stop()
         if keeper is not None:

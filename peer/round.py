@@ -68,7 +68,7 @@ class Trainer:
 
     def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, corpus: Corpus, swarm: SwarmView,
                  transport: NetworkTransport, config: TrainerConfig, reporter: Reporter, stop_event: threading.Event,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, make_inner=None, evaluates_phi: bool = True):
         self.m, self.swarm, self.transport = manifest, swarm, transport
         self.peer_id, self.cfg, self.reporter, self.stop_event = swarm.peer_id, config, reporter, stop_event
         self.placement = placement
@@ -88,11 +88,16 @@ class Trainer:
                                batch_sequences=manifest.batch_sequences,
                                seed=peer_seed(self.peer_id, manifest.model.init_seed))
         # an InnerLoop on the placement's device; several devices: rank 0 of a data-parallel loop (ddp.py)
-        self.inner = make_inner_loop(model, manifest.inner_optimizer, sampler, placement)
+        # (a pipelined peer's: the stage's loop, peer/pipeline/peer.py, through ``make_inner``)
+        self.inner = (make_inner or make_inner_loop)(model, manifest.inner_optimizer, sampler, placement)
         self._micro_batch = self.inner.micro_batch_sequences
+        layers = getattr(model, "layers", None)  # a pipeline stage holds a range of the blocks
         self._flops_per_token = flops_per_token(
             params=parameter_count(model), embedding_params=embedding_parameter_count(model),
-            layers=manifest.model.num_layers, hidden=manifest.model.hidden_size, seq_len=manifest.data.seq_len_tokens)
+            layers=len(layers) if isinstance(layers, range) else manifest.model.num_layers,
+            hidden=manifest.model.hidden_size, seq_len=manifest.data.seq_len_tokens)
+        self.evaluates_phi = evaluates_phi
+        """False on a pipelined peer: it holds one stage's φ, not a model it could evaluate alone."""
         self.val_windows = validation_batch(corpus, manifest.data)
         self.tokenizer = corpus.tokenizer
         self._eval_model = copy.deepcopy(model)
@@ -160,7 +165,9 @@ class Trainer:
 
     def _inner_phase(self) -> None:
         """The rest of this round's H inner AdamW steps (DiLoCo Algorithm 1, lines 4-7)."""
-        while self.pos.step < self.H and not self.stop_event.is_set():
+        # a pipeline stage after the first steps as its callers do and ends its round when they do
+        paced = getattr(self.inner, "paced_by_callers", False)
+        while (paced or self.pos.step < self.H) and not self.stop_event.is_set():
             try:
                 result = self.inner.step(self.inner_step)
             except BadPayload as exc:
@@ -169,6 +176,10 @@ class Trainer:
                 self._set_theta(self.phi if self._anchor is None else self._anchor)
                 self.pos.discard_step()
                 continue
+            if result.tokens == 0:
+                if result.ends_round:
+                    return
+                continue  # a pipelined step that stopped before any work (stop_event is set)
             self.pos.record(loss=result.loss, tokens=result.tokens, seconds=result.seconds)
             if self._micro_batch is not None and result.micro_batch < self._micro_batch:
                 self.reporter.emit("warning", message=f"out of {self.device} memory: micro-batch halved from "
@@ -177,6 +188,8 @@ class Trainer:
             if self.pos.step % max(1, self.H // 4) == 0 and self.pos.step < self.H:
                 # Mid-round records let a joiner start at the swarm's current inner step.
                 self._publish(train_loss=result.loss, tokens_per_s=self.pos.tokens_per_s)
+            if result.ends_round:
+                return
 
     def _sync_and_step(self) -> RoundOutcome:
         """Δ = φ − θ, the group's mean payload, the outer step, θ ← φ (Algorithm 1, lines 8-12)."""
@@ -361,7 +374,7 @@ class Trainer:
         self._publish()
         self.reporter.emit("round", **outcome.event_fields(self.peer_id))
         k = self.cfg.eval_every_rounds
-        if k and self.pos.round % k == 0 and not self._done() and self._evaluates(self.pos.round):
+        if k and self.evaluates_phi and self.pos.round % k == 0 and not self._done() and self._evaluates(self.pos.round):
             self.eval_phi("periodic")
             self._keep_pace()
         self.save()
@@ -536,7 +549,8 @@ class Trainer:
         """Snapshot φ, outer state and position at a round boundary; its digest is what this peer
         publishes and what joiners download (peer/state/snapshot.py)."""
         with self._lock:
-            meta = {"run_id": self.m.run_id, "round": self.pos.round, "inner_step": self.pos.round * self.H}
+            # the key its state is served under: the run id, or a pipeline stage's (peer/pipeline/peer.py)
+            meta = {"run_id": self.swarm.run_id, "round": self.pos.round, "inner_step": self.pos.round * self.H}
             snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])
         self._snapshots.append(snapshot)
 
@@ -643,9 +657,12 @@ class Trainer:
         ids = {r.peer_id for r in self.swarm.live()} | {self.peer_id}
         return self.peer_id == min(ids, key=lambda p: hashlib.sha256(f"{p}:{round_}".encode()).digest())
 
-    def eval_phi(self, when: str) -> float:
+    def eval_phi(self, when: str) -> float | None:
         """Validation loss of φ (not of this peer's θ), in nats per token; emits an ``eval`` event
-        with it and in bits per UTF-8 byte (``bpb``: compares across tokenizers)."""
+        with it and in bits per UTF-8 byte (``bpb``: compares across tokenizers). None, and no event,
+        on a pipelined peer (``evaluates_phi`` False)."""
+        if not self.evaluates_phi:
+            return None
         with self._lock, torch.no_grad():
             for p, f in zip(self._eval_model.parameters(), self.phi):
                 p.copy_(f)

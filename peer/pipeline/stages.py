@@ -118,6 +118,10 @@ class PipelineStage(torch.nn.Module):
         if self.is_last:
             self.lm_head = model.lm_head
 
+    def get_input_embeddings(self) -> torch.nn.Module | None:
+        """The token embedding (stage 0), or None (as transformers models name it)."""
+        return self.model.embed_tokens if self.is_first else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run this stage on one batch.
 

@@ -50,6 +50,9 @@ class StepResult:
     seconds: float
     micro_batch: int = 0
     """Sequences per micro-batch the step finished with (smaller than before after an OOM back-off)."""
+    ends_round: bool = False
+    """A pipeline stage after the first (peer/pipeline/peer.py): the stages calling it moved on to
+    their next round, so this one's round ends with this step."""
 
 
 class InnerLoop:

@@ -90,8 +90,10 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 
 def embedding_parameter_count(model: torch.nn.Module) -> int:
-    """Parameters of the input embedding (a lookup: no FLOPs in the MFU count)."""
-    return model.get_input_embeddings().weight.numel()
+    """Parameters of the input embedding (a lookup: no FLOPs in the MFU count); 0 for a pipeline
+    stage without it (peer/pipeline/stages.py)."""
+    embeddings = model.get_input_embeddings()
+    return 0 if embeddings is None else embeddings.weight.numel()
 
 
 def spec_parameter_count(spec: ModelSpec, vocab_size: int) -> int:

@@ -38,7 +38,7 @@ def test_pipeline_fields_validated_round_tripped_and_absent_at_defaults():
         from_dict({"pipeline": {"replicas": 2}})
 
 
-def test_peer_join_refuses_pipeline_stages_before_any_network_work(monkeypatch, tmp_path: Path):
+def test_peer_join_refuses_pipeline_stages_with_overlap_before_any_network_work(monkeypatch, tmp_path: Path):
     import peer.node as node
 
     def no_network(*args, **kwargs):
@@ -46,8 +46,35 @@ def test_peer_join_refuses_pipeline_stages_before_any_network_work(monkeypatch, 
 
     monkeypatch.setattr(node, "start_dht_remembering", no_network)
     monkeypatch.setattr(node, "load_corpus", no_network)
-    cfg = JoinConfig(new_run=RunManifest().replace(pipeline={"stages": 2}), data_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"pipeline\.stages = 2: a peer cannot serve a pipeline stage yet.*"
-                                          r"use pipeline\.stages = 1") as error:
+    cfg = JoinConfig(new_run=RunManifest().replace(pipeline={"stages": 2}, sync={"overlap": "eager"}),
+                     data_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"pipeline\.stages = 2 with sync\.overlap = 'eager'.*"
+                                          r"use sync\.overlap = 'none'") as error:
         node.join(cfg, Reporter("json"))
     assert error.value.exit_code == 78
+
+
+def test_choose_stage_flag_checkpoint_and_fewest_replicas(monkeypatch, tmp_path: Path):
+    import peer.node as node
+    from types import SimpleNamespace
+
+    manifest = RunManifest().replace(pipeline={"stages": 3})
+    signer = SimpleNamespace(peer_id="me")
+    records = {node.stage_key(manifest.run_id, 0): ["a", "b"], node.stage_key(manifest.run_id, 1): ["c", "me"],
+               node.stage_key(manifest.run_id, 2): ["d"]}
+    monkeypatch.setattr(node.swarm_dht, "read_progress", lambda dht, key: [SimpleNamespace(peer_id=p)
+                                                                           for p in records.get(key, [])])
+    cfg = JoinConfig(data_dir=tmp_path)
+    # fewest live replicas, not counting this peer's own old record: stage 1 (1 other), ties to the lowest
+    assert node.choose_stage(None, manifest, cfg, signer) == 1
+    assert node.choose_stage(None, manifest, JoinConfig(data_dir=tmp_path, stage=2), signer) == 2
+    assert node.choose_stage(None, manifest, JoinConfig(data_dir=tmp_path, client_mode=True), signer) == 0
+    # a restarted peer goes back to the stage it holds a checkpoint of
+    checkpoint = node.stage_checkpoint(cfg, manifest, 2)
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"")
+    assert node.choose_stage(None, manifest, cfg, signer) == 2
+    with pytest.raises(ConfigError, match=r"--stage 3: run .* has 3 pipeline stages \(0 to 2\)"):
+        node.choose_stage(None, manifest, JoinConfig(data_dir=tmp_path, stage=3), signer)
+    with pytest.raises(ConfigError, match=r"--stage 1 with --client-mode"):
+        node.choose_stage(None, manifest, JoinConfig(data_dir=tmp_path, stage=1, client_mode=True), signer)

@@ -1,0 +1,500 @@
+"""A peer serving one pipeline stage (issue #19): the stage's inner loop and its link to the others.
+
+DiLoCoX (arXiv 2506.21263) splits the model into stages and keeps each stage's inner and outer
+optimizer state with the peers that serve it; SWARM (arXiv 2301.11913) carries each micro-batch's
+whole stage input in its request, so any replica of the next stage can serve it and a dead one
+costs a retry. Here:
+
+- **stage 0** reads data: each inner step runs its batch through its own stage in micro-batches,
+  sends each micro-batch's activations (and targets) to a replica of stage 1 chosen by the
+  router (peer/pipeline/routing.py), gets the gradient w.r.t. them back, finishes its backward
+  and steps its AdamW;
+- **a stage k > 0** serves calls (peer/pipeline/rpc.py ``StageServer``): the requests are queued
+  and worked in the trainer thread by :meth:`StageInnerLoop.step`, which runs the stage's forward
+  (and, unless it is the last stage, calls stage k + 1 in turn), its backward, answers, and steps
+  its AdamW once it has served a batch's worth of sequences (``batch_sequences``). Requests that
+  arrive while the round loop syncs wait in the queue (the caller's deadline is
+  ``pipeline.call_timeout_s``; past it the caller retries another replica).
+
+Each stage is a swarm of its own for the round loop (peer/round.py): its progress records, group
+matchmaking, state download and checkpoint live under :func:`stage_key` (the run id for stage 0,
+so `peer status` and the monitor see the peers that read data), so the outer sync averages a
+stage's pseudo-gradients among that stage's replicas only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from peer.pipeline.routing import Router
+from peer.pipeline.rpc import StageServer, call_with_retry
+from peer.pipeline.stages import PipelineStage
+from peer.train.data import BatchSampler
+from peer.train.inner import InnerLoop, StepResult
+from protocol.errors import BadPayload, NetworkError, NoReplica, StageCallFailed
+from protocol.manifest import RunManifest
+from protocol.wire.pipeline import StageLimits, StageReply, StageRequest
+
+logger = logging.getLogger(__name__)
+
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""``pipeline.activation_dtype`` → the torch dtype of activations and their gradients on the wire."""
+
+REPLICAS_REFRESH_S = 2.0
+"""How long a stage-0 or middle-stage peer reuses its list of the next stage's live replicas (s)."""
+
+INDEX_BITS = 16
+"""A micro-batch's id on the wire is (the stage-0 caller's cumulative inner step << INDEX_BITS) |
+its index within that step across the stage-0 replicas: the stages after 0 step, and end their
+rounds, as their callers do (:class:`StageInnerLoop`)."""
+
+
+def micro_batch_id(step: int, index: int) -> int:
+    """The wire id of micro-batch ``index`` (< 2**INDEX_BITS) of cumulative inner step ``step``."""
+    if not 0 <= index < 1 << INDEX_BITS:
+        raise ValueError(f"micro-batch index {index}: must be in [0, {1 << INDEX_BITS})")
+    return (step << INDEX_BITS) | index
+
+
+def split_micro_batch_id(micro_batch: int) -> tuple[int, int]:
+    """(step, index) of a wire micro-batch id (:func:`micro_batch_id`)."""
+    return micro_batch >> INDEX_BITS, micro_batch & ((1 << INDEX_BITS) - 1)
+
+
+PAUSE_RETRY_S = 1.0
+"""Seconds between tries while the next stage has no live replica (the pipeline pauses)."""
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    """The key a stage's replicas use in place of the run id for progress records, group
+    matchmaking and state download: the run id itself for stage 0, ``<run id>_stage<k>`` after."""
+    return run_id if stage == 0 else f"{run_id}_stage{stage}"
+
+
+def stage_protocol(run_id: str, stage: int) -> str:
+    """The libp2p protocol on which stage ``stage`` serves calls."""
+    return f"/locoswarm/{run_id}/stage/{stage}"
+
+
+def stage_limits(manifest: RunManifest, vocab_size: int) -> StageLimits:
+    """What a stage call of ``manifest``'s run may carry (protocol/wire/pipeline.py)."""
+    return StageLimits(max_batch_sequences=manifest.batch_sequences, max_seq_len_tokens=manifest.data.seq_len_tokens,
+                       hidden_size=manifest.model.hidden_size, vocab_size=vocab_size,
+                       stages=manifest.pipeline.stages)
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread, for the stage calls and the stage server of a
+    peer whose round loop runs in the main thread."""
+
+    def __init__(self, name: str = "pipeline-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout_s: float | None = None):
+        """Run ``coro`` on the loop and wait for its result (raises what it raises; TimeoutError
+        after ``timeout_s``, the coroutine then cancelled)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        """Stop the loop and join its thread (at most 5 s)."""
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5.0)
+
+
+class PipelineLink:
+    """This peer's connections to the other stages: the server of its own stage (k > 0) and the
+    calls to the next stage (k < S − 1).
+
+    Args:
+        p2p: a hivemind ``P2P`` usable from ``loop`` (the DHT's daemon, replicated into this process).
+        loop: the event loop thread that owns ``p2p``.
+        manifest: the run (``pipeline`` section, batch and model sizes).
+        stage: the stage this peer serves.
+        vocab_size: the tokenizer's ids (targets are checked against it).
+        next_replicas: () → peer ids (base58) of the next stage's live replicas; unused on the last stage.
+        own_replicas: () → peer ids of this stage's live replicas, this peer included (its index among
+            them picks its slot of the 'random' routing's permutation, as NoLoCo's does).
+        peer_id: this peer's id (base58).
+        on_pause: called with a one-line message when the next stage has no live replica (the
+            pipeline pauses), and with None when it resumes.
+    """
+
+    def __init__(self, p2p, loop: LoopThread, manifest: RunManifest, *, stage: int, vocab_size: int,
+                 next_replicas: Callable[[], Sequence[str]], own_replicas: Callable[[], Sequence[str]], peer_id: str,
+                 on_pause: Callable[[str | None], None] = lambda message: None):
+        self.p2p, self.loop, self.m, self.stage = p2p, loop, manifest, stage
+        self.S = manifest.pipeline.stages
+        self.limits = stage_limits(manifest, vocab_size)
+        self.wire = WIRE_DTYPES[manifest.pipeline.activation_dtype]
+        self.timeout_s = manifest.pipeline.call_timeout_s
+        self.peer_id = peer_id
+        self._next_replicas, self._own_replicas, self._on_pause = next_replicas, own_replicas, on_pause
+        self._replicas: tuple[float, list[str]] = (-math.inf, [])
+        self._sender: tuple[float, int] = (-math.inf, 0)
+        self.router = Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=stage + 1) \
+            if stage < self.S - 1 else None
+        self.requests: "queue.Queue[tuple[StageRequest, concurrent.futures.Future]]" = queue.Queue()
+        self.server: StageServer | None = None
+        self.retries = 0
+        """Calls that a replica failed and another served."""
+        self._paused = False
+
+    # ---- serving (stage k > 0) ---------------------------------------------------------------
+    def serve(self) -> None:
+        """Register the stage server (stage k > 0); requests then wait in :attr:`requests`.
+
+        Raises:
+            NetworkError: the daemon refused the handler.
+        """
+        if self.stage == 0:
+            return
+
+        async def handle(request: StageRequest):
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self.requests.put((request, future))
+            return await asyncio.wrap_future(future)
+
+        async def start():
+            return await StageServer(self.p2p, stage_protocol(self.m.run_id, self.stage), handle, self.limits,
+                                     max_streams_per_peer=8, timeout_s=max(self.timeout_s, 60.0),
+                                     stage=self.stage).start()
+
+        try:
+            self.server = self.loop.run(start(), timeout_s=30.0)
+        except Exception as exc:
+            raise NetworkError(f"could not serve stage {self.stage} on this peer's libp2p daemon: {exc}") from exc
+
+    def close(self) -> None:
+        """Stop serving; requests still queued are answered with an error (their callers retry)."""
+        if self.server is not None:
+            try:
+                self.loop.run(self.server.stop(), timeout_s=10.0)
+            except Exception as exc:  # the daemon may be gone already
+                logger.debug("stopping the stage server: %r", exc)
+            self.server = None
+        while True:
+            try:
+                _, future = self.requests.get_nowait()
+            except queue.Empty:
+                break
+            if future.set_running_or_notify_cancel():
+                future.set_exception(NetworkError("this replica is stopping"))
+
+    # ---- calling the next stage -----------------------------------------------------------------
+    def _replica_list(self) -> list[str]:
+        at, replicas = self._replicas
+        if time.monotonic() - at > REPLICAS_REFRESH_S or not replicas:
+            replicas = sorted(set(self._next_replicas()) - {self.peer_id})
+            self._replicas = (time.monotonic(), replicas)
+        return replicas
+
+    def sender_index(self) -> int:
+        """This peer's index among its stage's live replicas (sorted ids), refreshed every few s."""
+        at, index = self._sender
+        if time.monotonic() - at > REPLICAS_REFRESH_S:
+            ids = sorted(set(self._own_replicas()) | {self.peer_id})
+            index = ids.index(self.peer_id)
+            self._sender = (time.monotonic(), index)
+        return index
+
+    def call_next(self, activations: torch.Tensor, targets: torch.Tensor, *, step: int, index: int,
+                  stop: threading.Event) -> StageReply:
+        """The next stage's answer for one micro-batch: retried on the replicas in the router's order,
+        and, while none answers, again every :data:`PAUSE_RETRY_S` until one does or ``stop`` is set.
+
+        Args:
+            activations: (B, T, hidden) in the wire dtype, on the host.
+            targets: (B, T) int32 token ids.
+            step: the stage-0 caller's cumulative inner step (seeds 'random' routing; paces the
+                stages after).
+            index: the micro-batch's index within the step across the stage-0 replicas.
+
+        Raises:
+            StageCallFailed: ``stop`` was set before any replica answered.
+        """
+        micro_batch = micro_batch_id(step, index)
+        request = StageRequest(request_id=random.getrandbits(63), micro_batch=micro_batch, stage=self.stage + 1,
+                               activations=activations, targets=targets)
+        while True:
+            replicas = self._replica_list()
+            try:
+                order = self.router.order(replicas, step=step, micro_batch=index)
+            except NoReplica as exc:
+                if exc.cooling:  # all failed a call lately: a cooldown is a preference, try them again
+                    order = sorted(replicas)
+                    random.shuffle(order)
+                else:
+                    order = []
+            if not order:
+                exc = NoReplica(self.stage + 1)
+                self._pause(f"stage {self.stage + 1} has no live replica ({exc}): the pipeline pauses until one joins")
+                self._replicas = (-math.inf, [])
+                if stop.wait(PAUSE_RETRY_S):
+                    raise StageCallFailed(f"stopped while stage {self.stage + 1} had no live replica") from exc
+                continue
+            first = order[0]
+            self.router.started(first)
+            start = time.monotonic()
+            try:
+                reply, served_by, failures = self.loop.run(call_with_retry(
+                    self.p2p, order, stage_protocol(self.m.run_id, self.stage + 1), request, self.limits,
+                    self.timeout_s, attempts=min(len(order), 3)))
+            except StageCallFailed as exc:
+                self.router.failed(first, "no answer")
+                for peer, reason in exc.failures[1:]:
+                    self.router.failed(str(peer), reason)
+                self._pause(f"no replica of stage {self.stage + 1} answered: the pipeline pauses and retries "
+                            f"({exc})")
+                self._replicas = (-math.inf, [])
+                if stop.wait(PAUSE_RETRY_S):
+                    raise
+                continue
+            failed = {str(peer) for peer, _ in failures}
+            if first in failed:
+                self.router.failed(first, "no answer")
+            else:
+                self.router.finished(first, time.monotonic() - start)
+            for peer, reason in failures:
+                if str(peer) != first:
+                    self.router.failed(str(peer), reason)
+            if failures:
+                self.retries += 1
+                logger.info("micro-batch %d of step %d: %d replica(s) of stage %d failed, %s served it", index,
+                            step, len(failures), self.stage + 1, served_by)
+            self._resume()
+            return reply
+
+    def _pause(self, message: str) -> None:
+        if not self._paused:
+            self._paused = True
+            self._on_pause(message)
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._on_pause(None)
+
+
+class StageInnerLoop(InnerLoop):
+    """The inner loop of a peer serving one pipeline stage; the round loop drives it as it drives an
+    :class:`InnerLoop` (same AdamW, lr schedule by cumulative inner step, checkpointable state).
+
+    Stage 0: :meth:`step` draws a batch from ``sampler`` and runs it through the pipeline.
+    Stage k > 0 (``paced_by_callers``): :meth:`step` works queued requests of one caller step (the
+    step in the micro-batch id, :func:`micro_batch_id`; a late request of an earlier step joins the
+    current one) and steps on the mean gradient over the sequences it served when a request of a
+    later step arrives; when that request is of the callers' next round (step // H), the result
+    says ``ends_round`` and the round loop syncs this stage, as the callers just did. Its loss is
+    the mean of the losses it computed or was told by the stages after it. It registers its stage
+    server at its first step, so no call waits on a peer still catching up.
+
+    Args:
+        stage: this peer's :class:`PipelineStage` (fp32, on ``device``).
+        link: its :class:`PipelineLink`.
+        stop: set when the peer stops; a step waiting for requests or for a paused pipeline returns
+            then, with what it did so far (``tokens`` 0 when nothing).
+        Others: as :class:`InnerLoop` (fp32 only: no autocast, no compile).
+
+    Raises (from :meth:`step`):
+        BadPayload: the gradient is not finite; θ unchanged by the step.
+    """
+
+    def __init__(self, stage: PipelineStage, spec, sampler: BatchSampler, link: PipelineLink, *,
+                 stop: threading.Event, device: torch.device | None = None, micro_batch_sequences: int | None = None):
+        super().__init__(stage, spec, sampler, device=device, micro_batch_sequences=micro_batch_sequences)
+        self.stage, self.link, self.stop = stage, link, stop
+        self.batch_sequences = sampler.batch_sequences
+        self.H = link.m.sync.inner_steps
+        self.paced_by_callers = not stage.is_first
+        self._pending: tuple[StageRequest, concurrent.futures.Future] | None = None
+        """The request that closed the last step (of a later caller step): the first of the next."""
+        self._caller_step: int | None = None
+
+    @classmethod
+    def for_placement(cls, model: PipelineStage, spec, sampler: BatchSampler, placement=None, *,
+                      link: PipelineLink, stop: threading.Event) -> StageInnerLoop:
+        """The loop on ``placement``'s device (one device; the CPU without a placement), with its
+        micro-batch; the round loop's ``make_inner`` (peer/round.py)."""
+        return cls(model, spec, sampler, link, stop=stop, device=placement.device if placement is not None else None,
+                   micro_batch_sequences=placement.micro_batch_sequences if placement is not None else None)
+
+    def step(self, inner_step: int) -> StepResult:
+        """One AdamW step of this stage at cumulative inner step ``inner_step`` (see the class)."""
+        start = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        ends_round = False
+        if self.stage.is_first:
+            loss, tokens, rows = self._drive(inner_step)
+        else:
+            if self.link.server is None:
+                self.link.serve()
+            loss, tokens, rows, ends_round = self._serve_step(inner_step)
+        if rows == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss=0.0, tokens=0, seconds=time.perf_counter() - start, micro_batch=0,
+                              ends_round=ends_round)
+        if self.spec.grad_clip_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip_norm)
+            if not math.isfinite(norm.item()):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise BadPayload(f"stage {self.stage.index} gradient norm is {norm.item()} at inner step {inner_step}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr(inner_step)
+        self.optimizer.step()
+        return StepResult(loss=loss, tokens=tokens, seconds=time.perf_counter() - start,
+                          micro_batch=min(self.micro_batch_sequences or self.batch_sequences, self.batch_sequences),
+                          ends_round=ends_round)
+
+    def _drive(self, inner_step: int) -> tuple[float, int, int]:
+        """Stage 0: the step's batch through the pipeline; returns (mean loss, tokens, rows)."""
+        batch = self.sampler.next_batch()
+        rows = batch.shape[0]
+        chunks = batch.split(self.micro_batch_sequences or rows)
+        sender = self.link.sender_index()
+        loss_sum = tokens = 0.0
+        done = 0
+        for m, chunk in enumerate(chunks):
+            inputs, targets = chunk[:, :-1].to(self.device), chunk[:, 1:]
+            out = self.model(inputs)
+            try:
+                reply = self.link.call_next(out.detach().to("cpu", self.link.wire).contiguous(),
+                                            targets.to(torch.int32).contiguous(), step=inner_step,
+                                            index=sender * len(chunks) + m, stop=self.stop)
+            except StageCallFailed:
+                if self.stop.is_set():
+                    return 0.0, 0, 0  # stopped while paused: no step
+                raise
+            out.backward(reply.grad.to(self.device, out.dtype) * (chunk.shape[0] / rows))
+            loss_sum += reply.loss * reply.tokens
+            tokens += reply.tokens
+            done += chunk.shape[0]
+        if not math.isfinite(loss_sum):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise BadPayload(f"training loss is {loss_sum} at inner step {inner_step}")
+        return loss_sum / max(tokens, 1), int(tokens), done
+
+    def _serve_step(self, inner_step: int) -> tuple[float, int, int, bool]:
+        """Stage k > 0: work the requests of one caller step; returns (mean loss, tokens, rows,
+        whether the callers' round ended). ``.grad`` holds the mean gradient over the rows served.
+        A request whose caller left is skipped; one this stage cannot serve is answered STAGE_ERROR."""
+        loss_sum, tokens, rows = 0.0, 0, 0
+        while True:
+            item, self._pending = self._pending, None
+            if item is None:
+                try:
+                    item = self.link.requests.get(timeout=0.2)
+                except queue.Empty:
+                    if self.stop.is_set():
+                        break
+                    continue
+            request, future = item
+            step, _ = split_micro_batch_id(request.micro_batch)
+            if self._caller_step is None:
+                self._caller_step = step
+            if step > self._caller_step:
+                new_round = step // self.H > self._caller_step // self.H
+                self._caller_step = step
+                if rows or new_round:
+                    self._pending = item
+                    if rows:
+                        self._average_over(rows)
+                    return loss_sum / max(tokens, 1), tokens, rows, new_round
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up (and retried elsewhere)
+            try:
+                grad, loss, n = self._serve(request, inner_step)
+            except Exception as exc:  # answered as a STAGE_ERROR; the caller retries another replica
+                future.set_exception(exc)
+                continue
+            future.set_result((grad, loss, n))
+            loss_sum += loss * n
+            tokens += n
+            rows += request.activations.shape[0]
+        if rows:
+            self._average_over(rows)
+        return loss_sum / max(tokens, 1), tokens, rows, False
+
+    def _average_over(self, rows: int) -> None:
+        """Turn ``.grad`` (each micro-batch's weighted by rows / batch_sequences) into the mean over ``rows``."""
+        if rows != self.batch_sequences:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.batch_sequences / rows)
+
+    def _serve(self, request: StageRequest, inner_step: int) -> tuple[torch.Tensor, float, int]:
+        """One request: forward, (the next stages,) backward into ``.grad`` weighted by the request's
+        share of a batch; the gradient w.r.t. the request's activations (its own micro-batch mean
+        loss), in the request's dtype, on the host."""
+        acts = request.activations
+        share = acts.shape[0] / self.batch_sequences
+        x = acts.to(self.device).detach().requires_grad_(True)
+        out = self.model(x)
+        if self.stage.is_last:
+            targets = request.targets.to(self.device, torch.int64)
+            loss = self.stage.loss(out, targets)
+            if not torch.isfinite(loss):
+                raise BadPayload(f"stage {self.stage.index}: loss {loss.item()} on micro-batch {request.micro_batch}")
+            (loss * share).backward()
+            value, n = float(loss.item()), int(targets.numel())
+        else:
+            step, index = split_micro_batch_id(request.micro_batch)
+            reply = self.link.call_next(out.detach().to("cpu", self.link.wire).contiguous(), request.targets,
+                                        step=step, index=index, stop=self.stop)
+            out.backward(reply.grad.to(self.device, out.dtype) * share)
+            value, n = reply.loss, reply.tokens
+        grad = (x.grad / share).to("cpu", acts.dtype).contiguous()
+        if not torch.isfinite(grad).all():
+            raise BadPayload(f"stage {self.stage.index}: non-finite gradient on micro-batch {request.micro_batch}")
+        return grad, value, n
+
+
+def pipeline_link(dht, loop: LoopThread, manifest: RunManifest, stage: int, vocab_size: int, swarm, signer,
+                  reporter) -> PipelineLink:
+    """The link of a peer serving ``stage``: the DHT's libp2p daemon replicated into this process,
+    this stage's replicas from ``swarm`` (its SwarmView) and the next stage's from their progress
+    records; a pause or resume of the pipeline is reported on ``reporter``.
+
+    Raises:
+        NetworkError: the daemon could not be reached from this process within 30 s.
+    """
+    from peer.sync.membership import SwarmView
+
+    try:
+        p2p = loop.run(dht.replicate_p2p(), timeout_s=30.0)
+    except Exception as exc:
+        raise NetworkError(f"could not reach this peer's libp2p daemon for the pipeline calls: {exc}") from exc
+    S = manifest.pipeline.stages
+    following = None
+    if stage < S - 1:
+        following = SwarmView(dht, run_id=stage_key(manifest.run_id, stage + 1), signer=signer,
+                              record_ttl_s=swarm.record_ttl_s, max_sync_s=swarm.max_sync_s)
+
+    def on_pause(message: str | None) -> None:
+        if message is None:
+            reporter.emit("status", message=f"stage {stage + 1} answers again: the pipeline resumes")
+        else:
+            reporter.emit("warning", message=message)
+
+    return PipelineLink(p2p, loop, manifest, stage=stage, vocab_size=vocab_size,
+                        next_replicas=lambda: [r.peer_id for r in following.live()] if following is not None else [],
+                        own_replicas=lambda: [r.peer_id for r in swarm.live()], peer_id=swarm.peer_id,
+                        on_pause=on_pause)
