@@ -284,7 +284,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
             make_inner = functools.partial(StageInnerLoop.for_placement, link=link, stop=stop_event)
         trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
                           config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement,
-                          make_inner=make_inner, evaluates_phi=stage is None)
+                          make_inner=make_inner, evaluates_phi=stage is None, state_key=key)
         if link is not None:  # a stage after 0 registers its server at its first inner step
             reporter.emit("status", message=f"pipeline stage {stage} of 0-{S - 1} "
                                             f"(blocks {model.layers.start}-{model.layers.stop - 1})")

@@ -68,8 +68,11 @@ class Trainer:
 
     def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, corpus: Corpus, swarm: SwarmView,
                  transport: NetworkTransport, config: TrainerConfig, reporter: Reporter, stop_event: threading.Event,
-                 placement: Placement | None = None, make_inner=None, evaluates_phi: bool = True):
+                 placement: Placement | None = None, make_inner=None, evaluates_phi: bool = True,
+                 state_key: str | None = None):
         self.m, self.swarm, self.transport = manifest, swarm, transport
+        self.state_key = state_key or manifest.run_id
+        """What its snapshots say they belong to: the run id, or a pipeline stage's key (peer/pipeline/peer.py)."""
         self.peer_id, self.cfg, self.reporter, self.stop_event = swarm.peer_id, config, reporter, stop_event
         self.placement = placement
         self.device = placement.device if placement is not None else torch.device("cpu")
@@ -549,8 +552,7 @@ class Trainer:
         """Snapshot φ, outer state and position at a round boundary; its digest is what this peer
         publishes and what joiners download (peer/state/snapshot.py)."""
         with self._lock:
-            # the key its state is served under: the run id, or a pipeline stage's (peer/pipeline/peer.py)
-            meta = {"run_id": self.swarm.run_id, "round": self.pos.round, "inner_step": self.pos.round * self.H}
+            meta = {"run_id": self.state_key, "round": self.pos.round, "inner_step": self.pos.round * self.H}
             snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])
         self._snapshots.append(snapshot)
 

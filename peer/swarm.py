@@ -61,6 +61,10 @@ class SwarmConfig:
             raise ValueError(f"num_peers = {self.num_peers}: must be >= 1")
         if self.rounds < 1:
             raise ValueError(f"rounds = {self.rounds}: must be >= 1")
+        stages = self.manifest.pipeline.stages
+        if stages > 1 and self.num_peers < stages:
+            raise ValueError(f"num_peers = {self.num_peers}: run {self.manifest.run_id} has {stages} pipeline stages, "
+                             f"so at least {stages} peers (one per stage; {2 * stages} for two replicas each)")
 
 
 class Swarm:
@@ -98,9 +102,15 @@ class Swarm:
         return ready.addresses_on("127.0.0.1") or list(ready.maddrs)
 
     def start_peer(self, index: int, initial_peers: list[str], threads: int) -> None:
+        stages = self.cfg.manifest.pipeline.stages
+        # a pipelined run: peers serve the stages in turn (peer 0 stage 0, peer 1 stage 1, ...) and
+        # each waits for the peers of its own stage
+        wait = len(range(index % stages, self.cfg.num_peers, stages))
         extra = ["--max-rounds", str(self.cfg.rounds), "--threads", str(threads),
-                 "--eval-every", str(self.cfg.eval_every_rounds), "--wait-for-peers", str(self.cfg.num_peers),
+                 "--eval-every", str(self.cfg.eval_every_rounds), "--wait-for-peers", str(wait),
                  "--device", self.cfg.device]
+        if stages > 1:
+            extra += ["--stage", str(index % stages)]
         self._start(f"peer-{index}", peer_argv(data_dir=self.workdir / f"peer-{index}", initial_peers=initial_peers,
                                                extra=extra), watched=True)
 

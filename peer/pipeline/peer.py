@@ -74,6 +74,13 @@ def split_micro_batch_id(micro_batch: int) -> tuple[int, int]:
 PAUSE_RETRY_S = 1.0
 """Seconds between tries while the next stage has no live replica (the pipeline pauses)."""
 
+COOLDOWN_S = 5.0
+"""Seconds a replica whose call failed is skipped (peer/pipeline/routing.py): long enough not to
+retry a dead peer on every micro-batch, short enough that one still starting is not shunned."""
+
+CALLERS_ROUND_REFRESH_S = 1.0
+"""How long a stage after 0 reuses its reading of the stage-0 peers' round (s)."""
+
 
 def stage_key(run_id: str, stage: int) -> str:
     """The key a stage's replicas use in place of the run id for progress records, group
@@ -113,10 +120,23 @@ class LoopThread:
             raise
 
     def stop(self) -> None:
-        """Stop the loop and join its thread (at most 5 s)."""
+        """Cancel what still runs on the loop, stop it and join its thread (at most ~10 s)."""
+
+        async def drain():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=5.0) if tasks else None
+
         if self.loop.is_running():
+            try:
+                self.run(drain(), timeout_s=6.0)
+            except Exception as exc:
+                logger.debug("draining the pipeline loop: %r", exc)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 class PipelineLink:
@@ -132,6 +152,8 @@ class PipelineLink:
         next_replicas: () → peer ids (base58) of the next stage's live replicas; unused on the last stage.
         own_replicas: () → peer ids of this stage's live replicas, this peer included (its index among
             them picks its slot of the 'random' routing's permutation, as NoLoCo's does).
+        callers_rounds: () → the rounds the live stage-0 peers last published (the pipeline's round
+            clock, :meth:`callers_round`); unused on stage 0.
         peer_id: this peer's id (base58).
         on_pause: called with a one-line message when the next stage has no live replica (the
             pipeline pauses), and with None when it resumes.
@@ -139,6 +161,7 @@ class PipelineLink:
 
     def __init__(self, p2p, loop: LoopThread, manifest: RunManifest, *, stage: int, vocab_size: int,
                  next_replicas: Callable[[], Sequence[str]], own_replicas: Callable[[], Sequence[str]], peer_id: str,
+                 callers_rounds: Callable[[], Sequence[int]] = lambda: (),
                  on_pause: Callable[[str | None], None] = lambda message: None):
         self.p2p, self.loop, self.m, self.stage = p2p, loop, manifest, stage
         self.S = manifest.pipeline.stages
@@ -147,10 +170,12 @@ class PipelineLink:
         self.timeout_s = manifest.pipeline.call_timeout_s
         self.peer_id = peer_id
         self._next_replicas, self._own_replicas, self._on_pause = next_replicas, own_replicas, on_pause
+        self._callers_rounds = callers_rounds
+        self._callers: tuple[float, int | None] = (-math.inf, None)
         self._replicas: tuple[float, list[str]] = (-math.inf, [])
         self._sender: tuple[float, int] = (-math.inf, 0)
-        self.router = Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=stage + 1) \
-            if stage < self.S - 1 else None
+        self.router = Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=stage + 1,
+                             cooldown_s=COOLDOWN_S) if stage < self.S - 1 else None
         self.requests: "queue.Queue[tuple[StageRequest, concurrent.futures.Future]]" = queue.Queue()
         self.server: StageServer | None = None
         self.retries = 0
@@ -190,6 +215,10 @@ class PipelineLink:
             except Exception as exc:  # the daemon may be gone already
                 logger.debug("stopping the stage server: %r", exc)
             self.server = None
+        try:  # the replica's control connection to the daemon (the daemon itself is the DHT's)
+            self.loop.run(self.p2p.shutdown(), timeout_s=5.0)
+        except Exception as exc:
+            logger.debug("closing the libp2p replica: %r", exc)
         while True:
             try:
                 _, future = self.requests.get_nowait()
@@ -197,6 +226,16 @@ class PipelineLink:
                 break
             if future.set_running_or_notify_cancel():
                 future.set_exception(NetworkError("this replica is stopping"))
+
+    def callers_round(self) -> int | None:
+        """The round most live stage-0 peers are in (ties: the later), read at most every
+        :data:`CALLERS_ROUND_REFRESH_S`; None while none is known."""
+        at, value = self._callers
+        if time.monotonic() - at > CALLERS_ROUND_REFRESH_S:
+            rounds = list(self._callers_rounds())
+            value = max(set(rounds), key=lambda r: (rounds.count(r), r)) if rounds else None
+            self._callers = (time.monotonic(), value)
+        return value
 
     # ---- calling the next stage -----------------------------------------------------------------
     def _replica_list(self) -> list[str]:
@@ -328,6 +367,7 @@ class StageInnerLoop(InnerLoop):
         """The request that closed the last step (of a later caller step): the first of the next."""
         self._caller_step: int | None = None
 
+
     @classmethod
     def for_placement(cls, model: PipelineStage, spec, sampler: BatchSampler, placement=None, *,
                       link: PipelineLink, stop: threading.Event) -> StageInnerLoop:
@@ -397,6 +437,7 @@ class StageInnerLoop(InnerLoop):
         whether the callers' round ended). ``.grad`` holds the mean gradient over the rows served.
         A request whose caller left is skipped; one this stage cannot serve is answered STAGE_ERROR."""
         loss_sum, tokens, rows = 0.0, 0, 0
+        last_served = time.monotonic()
         while True:
             item, self._pending = self._pending, None
             if item is None:
@@ -405,6 +446,17 @@ class StageInnerLoop(InnerLoop):
                 except queue.Empty:
                     if self.stop.is_set():
                         break
+                    # No request: the stage-0 peers' records say whether their round ended (a replica
+                    # the routing passed over, or the run's last round, gets no request to say so).
+                    callers = self.link.callers_round()
+                    if callers is not None:
+                        if self._caller_step is None:
+                            self._caller_step = callers * self.H
+                        elif callers > self._caller_step // self.H and time.monotonic() - last_served > 0.5:
+                            self._caller_step = callers * self.H
+                            if rows:
+                                self._average_over(rows)
+                            return loss_sum / max(tokens, 1), tokens, rows, True
                     continue
             request, future = item
             step, _ = split_micro_batch_id(request.micro_batch)
@@ -426,6 +478,7 @@ class StageInnerLoop(InnerLoop):
                 future.set_exception(exc)
                 continue
             future.set_result((grad, loss, n))
+            last_served = time.monotonic()
             loss_sum += loss * n
             tokens += n
             rows += request.activations.shape[0]
@@ -483,7 +536,10 @@ def pipeline_link(dht, loop: LoopThread, manifest: RunManifest, stage: int, voca
     except Exception as exc:
         raise NetworkError(f"could not reach this peer's libp2p daemon for the pipeline calls: {exc}") from exc
     S = manifest.pipeline.stages
-    following = None
+    following = callers = None
+    if stage > 0:
+        callers = swarm if stage == 0 else SwarmView(dht, run_id=stage_key(manifest.run_id, 0), signer=signer,
+                                                     record_ttl_s=swarm.record_ttl_s, max_sync_s=swarm.max_sync_s)
     if stage < S - 1:
         following = SwarmView(dht, run_id=stage_key(manifest.run_id, stage + 1), signer=signer,
                               record_ttl_s=swarm.record_ttl_s, max_sync_s=swarm.max_sync_s)
@@ -497,4 +553,5 @@ def pipeline_link(dht, loop: LoopThread, manifest: RunManifest, stage: int, voca
     return PipelineLink(p2p, loop, manifest, stage=stage, vocab_size=vocab_size,
                         next_replicas=lambda: [r.peer_id for r in following.live()] if following is not None else [],
                         own_replicas=lambda: [r.peer_id for r in swarm.live()], peer_id=swarm.peer_id,
+                        callers_rounds=lambda: [r.record.round for r in callers.live()] if callers is not None else [],
                         on_pause=on_pause)

@@ -17,6 +17,48 @@ def _losses(child):
     return [e["train_loss"] for e in child.of("round")]
 
 
+def _final_loss(children, last: int = 2) -> float:
+    """Mean training loss over the last ``last`` rounds of ``children`` (nats per token)."""
+    values = [loss for c in children for loss in _losses(c)[-last:]]
+    return sum(values) / len(values)
+
+
+def test_pipelined_loss_falls_like_the_unpipelined_swarm_at_equal_tokens(procs, tmp_path):
+    """2 stages × 2 replicas against 2 unpipelined peers: the same batches per step, H and rounds,
+    so equal tokens (the stage-0 peers read the data). Training loss, as a pipelined peer holds no
+    whole model to evaluate."""
+    rounds = 8
+    finals = {}
+    for stages in (2, 1):
+        manifest = make_manifest(sync={"inner_steps": 10, "matchmaking_time_s": 3.0},
+                                 model={"num_layers": 2}, pipeline={"stages": stages})
+        run_dir = tmp_path / f"stages{stages}"
+        run_dir.mkdir()
+        boot, addr = procs.bootstrap(write_manifest(run_dir, manifest))
+        if stages == 2:
+            names = [("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1)]
+            peers = {n: procs.peer(f"{n}-{stages}", "--initial-peers", addr, "--stage", str(k), "--wait-for-peers",
+                                   "2", "--max-rounds", str(rounds)) for n, k in names}
+            readers = [peers["a0"], peers["b0"]]
+        else:
+            peers = {n: procs.peer(f"{n}-{stages}", "--initial-peers", addr, "--wait-for-peers", "2",
+                                   "--max-rounds", str(rounds)) for n in ("a", "b")}
+            readers = list(peers.values())
+        for p in peers.values():  # every stage ends its last round with its callers and exits
+            assert p.wait(240) == 0, p.tail()
+        for p in readers:
+            assert [e["round"] for e in p.of("round")] == list(range(1, rounds + 1))
+            assert p.of("round")[-1]["group_size"] == 2, [(e["round"], e.get("note")) for e in p.of("round")]
+        finals[stages] = _final_loss(readers)
+        first = sum(_losses(p)[0] for p in readers) / len(readers)
+        assert finals[stages] < first - 1.5, (stages, first, finals[stages])
+        boot.send(signal.SIGINT)
+        boot.wait(30)
+    print("final training loss (pipelined, unpipelined):", finals)
+    # measured here: +0.4 %, +0.6 %, +2.4 % in 3 runs; the unpipelined runs alone spread 2.6 %
+    assert finals[2] < finals[1] * 1.06, finals
+
+
 def test_two_stages_two_replicas_train_and_survive_a_killed_replica(procs, tmp_path):
     manifest = make_manifest(sync={"inner_steps": 10, "matchmaking_time_s": 3.0}, **PIPELINE)
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
