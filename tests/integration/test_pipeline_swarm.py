@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from peer.train.model import spec_parameter_count
 from tests.integration.harness import make_manifest, write_manifest
 
 pytestmark = pytest.mark.integration
@@ -67,28 +68,35 @@ def test_two_stages_two_replicas_train_and_survive_a_killed_replica(procs, tmp_p
     for name, p in peers.items():
         started = p.wait_event(lambda e: e.kind == "started", 120)
         assert started["stage"] == int(name[1])
-    # every stage-0 peer finishes rounds: activations reach stage 1, gradients come back
+    # activations reach stage 1 and gradients come back: the stage-0 peers finish rounds, and each
+    # stage's replicas sync among themselves (a group of 2 per stage)
     peers["s0a"].wait_event(lambda e: e.kind == "round" and e["round"] >= 2, 240)
+    assert any(e["group_size"] == 2 for e in peers["s1a"].of("round")), peers["s1a"].tail()
+    # each stage syncs its own half of the parameters (fp32 pseudo-gradients), not the whole model
+    whole = 4 * spec_parameter_count(manifest.model, 259)
+    for name in ("s0a", "s1a"):
+        sent = peers[name].of("round")[-1]["bytes_sent"]
+        assert 0.4 * whole < sent < 0.6 * whole, (name, sent, whole)
+
     peers["s1b"].popen.send_signal(signal.SIGKILL)
-    peers["s1b"].wait(30)
-    # training goes on through the other replica of stage 1
+    assert peers["s1b"].wait(30) == -signal.SIGKILL
+    # training goes on through the other replica of stage 1: a dead replica costs a retry
     killed_at = peers["s0a"].of("round")[-1]["round"]
-    peers["s0a"].wait_event(lambda e: e.kind == "round" and e["round"] >= killed_at + 2, 240)
-    # the killed peer comes back into its stage (its checkpoint says which) and trains with it again
+    for name in ("s0a", "s0b"):
+        peers[name].wait_event(lambda e: e.kind == "round" and e["round"] >= killed_at + 2, 240)
+
+    # the killed peer comes back into its stage (its checkpoint says which), catches up with the
+    # swarm's state of that stage and trains in a group with the other replica again
     back = procs.peer("s1b", "--initial-peers", addr)
     assert back.wait_event(lambda e: e.kind == "started", 120)["stage"] == 1
-    try:
-        back.wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 150)
-    except BaseException:
-        print("BACK", back.tail())
-        for n in ("s0a", "s0b", "s1a"):
-            print(n, [(e["round"], e["group_size"], e.get("note")) for e in peers[n].of("round")])
-            print(n, peers[n].tail()[-3000:])
-        raise
-    for p in (*[peers[n] for n in ("s0a", "s0b", "s1a")], back):
+    joint = back.wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 240)
+    assert back.of("adopted_state") or back.of("resumed"), back.tail()
+    survivors = [peers[n] for n in ("s0a", "s0b", "s1a")]
+    for p in (*survivors, back):
         p.popen.send_signal(signal.SIGINT)
-    for p in (*[peers[n] for n in ("s0a", "s0b", "s1a")], back):
+    for p in (*survivors, back):
         assert p.wait(120) == 130, p.tail()
+    assert joint["round"] in {e["round"] for e in peers["s1a"].of("round") if e["group_size"] == 2}
     for name in ("s0a", "s0b"):
         losses = _losses(peers[name])
         assert losses[-1] < losses[0] - 0.5, losses
