@@ -36,18 +36,15 @@ import argparse
 import json
 import multiprocessing
 import platform
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lab.chaos import CHAOS_MODEL, ChaosSwarm  # noqa: E402
-from lab.netlab import available  # noqa: E402
+from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
 from protocol.specs import OVERLAP_MODES  # noqa: E402
@@ -157,13 +154,7 @@ def main() -> None:
                         help="keep the rows and runs of earlier invocations (in --out and its detail file) that this "
                              "one does not measure again (same peers, uplink, H and mode)")
     args = parser.parse_args()
-    ok, why = available()
-    if not ok:
-        parser.error(f"the network-namespace rig is not available here: {why}")
-    if args.rounds < args.warmup + 2:
-        parser.error(f"--rounds {args.rounds}: need at least --warmup + 2 = {args.warmup + 2}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the lab's namespaces go away
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-overlap-rig-"))
+    workdir = prepare_rig_bench(parser, args, "locoswarm-overlap-rig-")
     detail = args.out.with_name(args.out.stem + "_rig.detail.json")
     runs, rows = [], []
     earlier: list[dict] = []

@@ -13,7 +13,8 @@ pipeline: ``unpipelined_bpb``) and of R peers (its width, on the same shards and
 "replicas_per_stage", "routing", "tokens_per_s", "activation_bytes_per_token", "final_bpb",
 "unpipelined_bpb", ...}]}`` with seed means, and prints a markdown table for docs/benchmarks.md.
 
-Not measured here: throughput across real peers (the round loop does not serve stages yet).
+Not measured here: throughput across real peers (bench/pipeline_rig.py measures it on the
+network-namespace rig; its rows, ``"measured": "rig"``, are kept in the same file).
 ``tokens_per_s`` is the simulation's own, one process, one CPU thread, no network: the cost of
 the stage split and bf16 boundaries in compute, nothing about the network.
 """
@@ -136,8 +137,13 @@ def main() -> None:
             print(f"{r['method']} S={r['stages']} R={r['replicas']} {r['routing']} seed {r['seed']}: "
                   f"{r['final_bpb']:.4f} bpb ({r['wall_s']:.0f} s)", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
+            # the rig's rows (bench/pipeline_rig.py: real peers) are kept beside the simulation's
+            earlier = json.loads(args.out.read_text()) if args.out.exists() else {}
+            kept = {k: v for k, v in earlier.items() if k.startswith("rig_")}
             args.out.write_text(json.dumps({
-                "results": rows_of(runs),
+                "results": [{"measured": "simulation", **r} for r in rows_of(runs)]
+                           + [r for r in earlier.get("results", []) if r.get("measured") == "rig"],
+                **kept,
                 "where": "in-process simulation (lab/pipeline.py vs lab/simulation.py), one CPU thread per run, no "
                          "network; tokens_per_s is the simulation's compute throughput, not a swarm's",
                 "vs_unpipelined_unit": "percent above the unpipelined swarm of S·R peers (as many peers as the "

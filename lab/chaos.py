@@ -208,3 +208,22 @@ class ChaosSwarm:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def prepare_rig_bench(parser, args, prefix: str) -> Path:
+    """Common start of a benchmark on the rig (bench/overlap_rig.py, bench/pipeline_rig.py): refuse
+    (``parser.error``) where network namespaces are unavailable or ``args.rounds`` leaves nothing
+    after ``args.warmup``; make SIGTERM unwind (so the lab's namespaces go away); return the work
+    directory (``args.workdir`` or a new temporary one named ``prefix``...)."""
+    import sys
+    import tempfile
+
+    from lab.netlab import available
+
+    ok, why = available()
+    if not ok:
+        parser.error(f"the network-namespace rig is not available here: {why}")
+    if args.rounds < args.warmup + 2:
+        parser.error(f"--rounds {args.rounds}: need at least --warmup + 2 = {args.warmup + 2}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return args.workdir or Path(tempfile.mkdtemp(prefix=prefix))

@@ -336,8 +336,8 @@ class PipelineSpec:
     """Pipeline stages: the model split across peers (issue #19; DiLoCoX arXiv 2506.21263, SWARM
     arXiv 2301.11913). ``stages = 1`` is a peer holding the whole model. The section is left out of a
     manifest's encoding while every field is at its default, so run ids without stages stay as they
-    were. Only the building blocks exist (peer/pipeline/: stage split, wire frames and calls,
-    routing); a peer refuses a run with ``stages > 1`` until its round loop serves stages."""
+    were. A peer serves one stage (peer/pipeline/: stage split, wire frames and calls, routing, the
+    stage's inner loop); ``stages > 1`` with ``sync.overlap`` other than 'none' is refused."""
 
     stages: int = 1
     """S: pipeline stages; stage 0 holds the embedding and reads data, the last the output layer and

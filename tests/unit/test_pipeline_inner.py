@@ -39,6 +39,9 @@ class Link:
     def sender_index(self) -> int:
         return 0
 
+    def callers_round(self):
+        return None  # no records: only requests pace stage 1 here
+
     def call_next(self, activations, targets, *, step, index, stop):
         future: concurrent.futures.Future = concurrent.futures.Future()
         mb = micro_batch_id(step, index)
@@ -119,3 +122,30 @@ def test_stage_keys_and_micro_batch_ids():
     assert split_micro_batch_id(micro_batch_id(12345, 7)) == (12345, 7)
     with pytest.raises(ValueError, match=r"micro-batch index 65536"):
         micro_batch_id(1, 1 << 16)
+
+
+def test_a_call_with_no_live_replica_pauses_the_pipeline_and_says_so():
+    from peer.pipeline.peer import PipelineLink
+    from protocol.errors import StageCallFailed
+
+    said = []
+    stop = threading.Event()
+    link = PipelineLink(None, None, MANIFEST, stage=0, vocab_size=259, next_replicas=lambda: [],
+                        own_replicas=lambda: ["me"], peer_id="me", on_pause=said.append)
+    threading.Timer(1.5, stop.set).start()
+    acts = torch.zeros(2, 4, MANIFEST.model.hidden_size)
+    with pytest.raises(StageCallFailed, match=r"stopped while stage 1 had no live replica"):
+        link.call_next(acts, torch.zeros(2, 4, dtype=torch.int32), step=0, index=0, stop=stop)
+    # said once, however long the pause
+    assert len(said) == 1 and "stage 1 has no live replica" in said[0] and "pipeline pauses" in said[0]
+
+
+def test_stage_one_ends_its_round_on_the_callers_records_when_no_request_comes():
+    _, _, (_, second), stop = _pipeline()
+    clock = {"round": 0}
+    second.link.callers_round = lambda: clock["round"]
+    thread, box = _serve_in_thread(second, 0)
+    threading.Timer(1.0, lambda: clock.update(round=1)).start()  # the stage-0 peers published round 1
+    thread.join(30)
+    stop.set()
+    assert box["result"].ends_round and box["result"].tokens == 0
