@@ -367,7 +367,6 @@ class StageInnerLoop(InnerLoop):
         """The request that closed the last step (of a later caller step): the first of the next."""
         self._caller_step: int | None = None
 
-
     @classmethod
     def for_placement(cls, model: PipelineStage, spec, sampler: BatchSampler, placement=None, *,
                       link: PipelineLink, stop: threading.Event) -> StageInnerLoop:
@@ -392,11 +391,12 @@ class StageInnerLoop(InnerLoop):
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss=0.0, tokens=0, seconds=time.perf_counter() - start, micro_batch=0,
                               ends_round=ends_round)
-        if self.spec.grad_clip_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip_norm)
-            if not math.isfinite(norm.item()):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise BadPayload(f"stage {self.stage.index} gradient norm is {norm.item()} at inner step {inner_step}")
+        # clipped per stage (no stage sees the others' gradients); without clipping still checked
+        clip = self.spec.grad_clip_norm if self.spec.grad_clip_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        if not math.isfinite(norm.item()):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise BadPayload(f"stage {self.stage.index} gradient norm is {norm.item()} at inner step {inner_step}")
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(inner_step)
         self.optimizer.step()
