@@ -49,7 +49,8 @@ from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
 from protocol.specs import ROUTINGS  # noqa: E402
-from protocol.wire.pipeline import StageReply, StageRequest, encode_reply, encode_request  # noqa: E402
+from protocol.wire.pipeline import (DTYPE_BY_NAME, StageReply, StageRequest, encode_reply,  # noqa: E402
+                                    encode_request)
 
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
 
@@ -69,7 +70,7 @@ def boundary_bytes_per_token(manifest: RunManifest) -> float:
     """Bytes of one micro-batch's STAGE_REQUEST and STAGE_REPLY payloads ÷ its tokens (the whole
     batch as one micro-batch, the run's activation dtype)."""
     b, t, h = manifest.batch_sequences, manifest.data.seq_len_tokens, manifest.model.hidden_size
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[manifest.pipeline.activation_dtype]
+    dtype = DTYPE_BY_NAME[manifest.pipeline.activation_dtype]
     acts = torch.zeros(b, t, h, dtype=dtype)
     request = encode_request(StageRequest(request_id=1, micro_batch=1, stage=1, activations=acts,
                                           targets=torch.zeros(b, t, dtype=torch.int32)))

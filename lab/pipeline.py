@@ -33,8 +33,7 @@ from peer.train.model import build_model, evaluate
 from peer.train.outer import make_outer
 from peer.train.overlap import round_progress
 from protocol.manifest import RunManifest
-
-WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from protocol.wire.pipeline import DTYPE_BY_NAME
 
 
 @dataclass
@@ -87,7 +86,7 @@ class PipelineSimulation:
                          for r in range(replicas)]
         self.ids = [[f"stage-{k}-replica-{r}" for r in range(replicas)] for k in range(self.S)]
         self.routers = [Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=k) for k in range(self.S)]
-        self.wire = WIRE_DTYPES[manifest.pipeline.activation_dtype]
+        self.wire = DTYPE_BY_NAME[manifest.pipeline.activation_dtype]
         self.inner_step = self.round_ = self.tokens = 0
         self.boundary_bytes = 0
 

@@ -103,7 +103,7 @@ class Trainer:
         """False on a pipelined peer: it holds one stage's φ, not a model it could evaluate alone."""
         self.val_windows = validation_batch(corpus, manifest.data)
         self.tokenizer = corpus.tokenizer
-        self._eval_model = copy.deepcopy(model)
+        self._eval_model = copy.deepcopy(model) if evaluates_phi else None
         self.pos = RoundProgress()
         self._lock = threading.Lock()
         """Guards φ, the outer state and the position against the thread that serves joiners."""

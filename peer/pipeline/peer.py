@@ -12,9 +12,9 @@ costs a retry. Here:
 - **a stage k > 0** serves calls (peer/pipeline/rpc.py ``StageServer``): the requests are queued
   and worked in the trainer thread by :meth:`StageInnerLoop.step`, which runs the stage's forward
   (and, unless it is the last stage, calls stage k + 1 in turn), its backward, answers, and steps
-  its AdamW once it has served a batch's worth of sequences (``batch_sequences``). Requests that
-  arrive while the round loop syncs wait in the queue (the caller's deadline is
-  ``pipeline.call_timeout_s``; past it the caller retries another replica).
+  its AdamW when its callers move to their next step (the step travels in the micro-batch id,
+  :func:`micro_batch_id`). Requests that arrive while the round loop syncs wait in the queue (the
+  caller's deadline is ``pipeline.call_timeout_s``; past it the caller retries another replica).
 
 Each stage is a swarm of its own for the round loop (peer/round.py): its progress records, group
 matchmaking, state download and checkpoint live under :func:`stage_key` (the run id for stage 0,
@@ -43,12 +43,9 @@ from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop, StepResult
 from protocol.errors import BadPayload, NetworkError, NoReplica, StageCallFailed
 from protocol.manifest import RunManifest
-from protocol.wire.pipeline import StageLimits, StageReply, StageRequest
+from protocol.wire.pipeline import DTYPE_BY_NAME, StageLimits, StageReply, StageRequest
 
 logger = logging.getLogger(__name__)
-
-WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-"""``pipeline.activation_dtype`` → the torch dtype of activations and their gradients on the wire."""
 
 REPLICAS_REFRESH_S = 2.0
 """How long a stage-0 or middle-stage peer reuses its list of the next stage's live replicas (s)."""
@@ -166,7 +163,7 @@ class PipelineLink:
         self.p2p, self.loop, self.m, self.stage = p2p, loop, manifest, stage
         self.S = manifest.pipeline.stages
         self.limits = stage_limits(manifest, vocab_size)
-        self.wire = WIRE_DTYPES[manifest.pipeline.activation_dtype]
+        self.wire = DTYPE_BY_NAME[manifest.pipeline.activation_dtype]
         self.timeout_s = manifest.pipeline.call_timeout_s
         self.peer_id = peer_id
         self._next_replicas, self._own_replicas, self._on_pause = next_replicas, own_replicas, on_pause
@@ -276,18 +273,15 @@ class PipelineLink:
             replicas = self._replica_list()
             try:
                 order = self.router.order(replicas, step=step, micro_batch=index)
-            except NoReplica as exc:
-                if exc.cooling:  # all failed a call lately: a cooldown is a preference, try them again
-                    order = sorted(replicas)
-                    random.shuffle(order)
-                else:
-                    order = []
+            except NoReplica:
+                # all cooling down after failed calls: a cooldown is a preference, try them again
+                order = random.sample(replicas, len(replicas))
             if not order:
-                exc = NoReplica(self.stage + 1)
-                self._pause(f"stage {self.stage + 1} has no live replica ({exc}): the pipeline pauses until one joins")
+                self._pause(f"stage {self.stage + 1} has no live replica ({NoReplica(self.stage + 1)}): "
+                            "the pipeline pauses until one joins")
                 self._replicas = (-math.inf, [])
                 if stop.wait(PAUSE_RETRY_S):
-                    raise StageCallFailed(f"stopped while stage {self.stage + 1} had no live replica") from exc
+                    raise StageCallFailed(f"stopped while stage {self.stage + 1} had no live replica")
                 continue
             first = order[0]
             self.router.started(first)
@@ -411,7 +405,6 @@ class StageInnerLoop(InnerLoop):
         chunks = batch.split(self.micro_batch_sequences or rows)
         sender = self.link.sender_index()
         loss_sum = tokens = 0.0
-        done = 0
         for m, chunk in enumerate(chunks):
             inputs, targets = chunk[:, :-1].to(self.device), chunk[:, 1:]
             out = self.model(inputs)
@@ -426,11 +419,10 @@ class StageInnerLoop(InnerLoop):
             out.backward(reply.grad.to(self.device, out.dtype) * (chunk.shape[0] / rows))
             loss_sum += reply.loss * reply.tokens
             tokens += reply.tokens
-            done += chunk.shape[0]
         if not math.isfinite(loss_sum):
             self.optimizer.zero_grad(set_to_none=True)
             raise BadPayload(f"training loss is {loss_sum} at inner step {inner_step}")
-        return loss_sum / max(tokens, 1), int(tokens), done
+        return loss_sum / max(tokens, 1), int(tokens), rows
 
     def _serve_step(self, inner_step: int) -> tuple[float, int, int, bool]:
         """Stage k > 0: work the requests of one caller step; returns (mean loss, tokens, rows,

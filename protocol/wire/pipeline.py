@@ -62,6 +62,8 @@ DTYPES = {FP32: torch.float32, BF16: torch.bfloat16}
 """Dtype code → the torch dtype activations and gradients travel in."""
 DTYPE_NAMES = {FP32: "fp32", BF16: "bf16"}
 """Dtype code → its name in a run manifest (``pipeline.activation_dtype``)."""
+DTYPE_BY_NAME = {DTYPE_NAMES[code]: dtype for code, dtype in DTYPES.items()}
+"""``pipeline.activation_dtype`` → the torch dtype activations and gradients travel in."""
 _WIRE = {FP32: (np.dtype("<f4"), np.float32, 4), BF16: (np.dtype("<i2"), np.int16, 2)}
 """Dtype code → (little-endian numpy dtype of the raw values, native numpy dtype, bytes per value)."""
 _TARGETS = np.dtype("<i4")
