@@ -8,8 +8,8 @@ of by an all-reduce. With a lossy ``[compression]`` codec each peer's contributi
 the network's codec code (:mod:`protocol.codecs`, :mod:`peer.sync.adaptive`): error-compensated,
 encoded, decoded, then averaged in fp32, and the mean is encoded once more for the groupmates.
 With ``sync.overlap`` the outer steps follow peer/train/overlap.py, as a peer's round loop does: a
-round's means land one round late; ``"streaming"`` (Streaming DiLoCo, peer/train/streaming.py;
-simulation only so far) syncs one fragment of the model at a time at staggered inner steps, each
+round's means land one round late; ``"streaming"`` (Streaming DiLoCo, peer/train/streaming.py, as
+the round loop runs it) syncs one fragment of the model at a time at staggered inner steps, each
 mean landing ``sync.fragment_delay_steps`` steps after its sync started
 (:meth:`Simulation._streaming_round`). The owners of the mean's pieces screen the contributions as
 the networked owners do (peer/sync/screening.py: token cap, clip to the median norm, repeat

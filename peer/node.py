@@ -143,18 +143,12 @@ class StopOnSignal(lifetime.StopOnSignal):
 
 
 def refuse_unimplemented(manifest: RunManifest) -> None:
-    """Refuse a run whose manifest asks for what only the simulation implements so far.
+    """Refuse a run whose manifest asks for what a peer does not implement.
 
     Raises:
-        ConfigError: ``sync.overlap = "streaming"`` (Streaming DiLoCo: peer/train/streaming.py has
-            its rules, lab/simulation.py runs them; the round loop does not yet), or pipeline stages
-            with ``sync.overlap`` other than 'none' (a stage's inner steps are driven by the stages
-            around it; overlapping its sync is not built).
+        ConfigError: pipeline stages with ``sync.overlap`` other than 'none' (a stage's inner steps
+            are driven by the stages around it; overlapping its sync is not built).
     """
-    if manifest.sync.overlap == "streaming":
-        raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets sync.overlap = 'streaming': Streaming "
-                          "DiLoCo is only implemented in the simulation (lab/simulation.py) so far; a peer cannot "
-                          "train it. Use sync.overlap = 'none', 'delayed' or 'eager'")
     if manifest.pipeline.stages > 1 and manifest.sync.overlap != "none":
         raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets pipeline.stages = {manifest.pipeline.stages} "
                           f"with sync.overlap = {manifest.sync.overlap!r}: a pipeline stage syncs blocking only; "

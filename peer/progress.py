@@ -97,6 +97,24 @@ class SyncReport:
     this peer's ledger and its signed ``groupmates`` statement record (peer/state/vouching.py)."""
 
 
+def combine_sync_reports(reports: "list[SyncReport]") -> SyncReport:
+    """One report for the syncs that landed in one round (Streaming DiLoCo syncs each fragment on
+    its own): the smallest group and its members, bytes, seconds and attempts summed, the longest
+    bound, the notes joined, and only the groupmates that agreed and completed in every sync.
+    No reports: a peer alone (the defaults)."""
+    if not reports:
+        return SyncReport()
+    smallest = min(reports, key=lambda r: r.group_size)
+    agreeing = set.intersection(*(set(r.agreeing) for r in reports))
+    completed = set.intersection(*(set(r.completed) for r in reports))
+    return SyncReport(group_size=smallest.group_size, group=smallest.group,
+                      bytes_sent=sum(r.bytes_sent for r in reports), bytes_received=sum(r.bytes_received for r in reports),
+                      sync_s=sum(r.sync_s for r in reports), deadline_s=max(r.deadline_s for r in reports),
+                      attempts=sum(r.attempts for r in reports), note="; ".join(r.note for r in reports if r.note),
+                      agreeing=tuple(sorted(agreeing)), failed=any(r.failed for r in reports),
+                      completed=tuple(sorted(completed)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundOutcome:
     """One finished round of one peer: the fields of its ``round`` event."""

@@ -9,8 +9,11 @@ counters on the types of peer/progress.py.
 
 With ``sync.overlap`` a round's sync runs in the background while the next round trains
 (:meth:`Trainer._overlap_step`; the update rules in peer/train/overlap.py, the thread in
-peer/sync/background.py). A checkpoint taken with a sync in flight holds the last applied φ and
-this peer's θ; a restart drops that sync (its own progress stays in θ and joins the next Δ).
+peer/sync/background.py). With ``"streaming"`` (Streaming DiLoCo) each fragment of the model syncs
+on its own schedule inside the round instead (:meth:`Trainer._stream_after_step`,
+:meth:`Trainer._streaming_step`; the rules in peer/train/streaming.py). A checkpoint taken with a
+sync in flight holds the last applied φ and this peer's θ; a restart drops that sync (its own
+progress stays in θ and joins the next Δ).
 
 Over 300 lines on purpose: the whole round (its phases, catch-up, and the state the loop holds
 between them: φ, snapshots, checkpoint) is told in this one file, so it reads top to bottom.
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 
 from peer.config import TrainerConfig
-from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary
+from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary, combine_sync_reports
 from peer.reporting import Reporter
 from peer.state.checkpoint import (PeerState, export_phi, fetch_residuals, load_checkpoint, restore_extras,
                                    save_checkpoint)
@@ -46,6 +49,7 @@ from peer.train.inner import make_inner_loop
 from peer.train.model import embedding_parameter_count, evaluate, parameter_count
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient
 from peer.train.overlap import next_start, round_progress
+from peer.train.streaming import fragment_outers, merge, partition, payload_indices, sync_offset
 from protocol.errors import BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
@@ -126,6 +130,25 @@ class Trainer:
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
         self._adopted_in_flight = False
         """This peer adopted a state while the sync in flight ran, and kept it (see :meth:`_adopt`)."""
+        self._fragments: list[list[int]] = []
+        """Streaming: the parameter indices of each fragment (peer/train/streaming.py); [] otherwise."""
+        self._flight: tuple[int, int] | None = None
+        """Streaming: (fragment, cumulative inner step its sync started) of the sync in flight."""
+        if self.overlap == "streaming":
+            P = manifest.sync.fragments
+            self._fragments = partition(self.names, P)
+            self._fragment_outer = fragment_outers(self.outer, manifest, self._fragments, self.shapes)
+            phi_from = self.outer.phi_from(len(self.phi))
+            self._fragment_payload = [payload_indices(f, phi_from=phi_from) for f in self._fragments]
+            self._fragment_offset = [sync_offset(p, inner_steps=self.H, fragments=P) for p in range(P)]
+            self._fragment_tokens = [0] * P
+            """Tokens trained since each fragment's last sync: the weight of its Δ in the group mean."""
+            self._fragments_synced: set[int] = set()
+            """The fragments whose sync of the current round started."""
+            self._landed: list[SyncReport] = []
+            """The fragment syncs that landed in the current round (its ``round`` event reports them)."""
+            self._choice: tuple[int, GroupChoice, list] | None = None
+            """(round, group choice, live records) of the current round's fragment syncs."""
         self._take_snapshot()
 
     # ---- the loop -----------------------------------------------------------------------
@@ -147,7 +170,8 @@ class Trainer:
                 self._inner_phase()
                 if self.stop_event.is_set():
                     break
-                outcome = self._sync_and_step() if self._background is None else self._overlap_step()
+                outcome = (self._sync_and_step() if self._background is None else
+                           self._streaming_step() if self._fragments else self._overlap_step())
                 self._after_round(outcome)
                 if not self._done():
                     self.catch_up()
@@ -178,6 +202,8 @@ class Trainer:
                 self.reporter.emit("warning", message=f"{exc}; restarting the round from its start")
                 self._set_theta(self.phi if self._anchor is None else self._anchor)
                 self.pos.discard_step()
+                if self._fragments:
+                    self._fragment_tokens = [0] * len(self._fragments)
                 continue
             if result.tokens == 0:
                 if result.ends_round:
@@ -188,6 +214,8 @@ class Trainer:
                 self.reporter.emit("warning", message=f"out of {self.device} memory: micro-batch halved from "
                                                       f"{self._micro_batch} to {result.micro_batch} sequences")
             self._micro_batch = result.micro_batch
+            if self._fragments:
+                self._stream_after_step(result.tokens)
             if self.pos.step % max(1, self.H // 4) == 0 and self.pos.step < self.H:
                 # Mid-round records let a joiner start at the swarm's current inner step.
                 self._publish(train_loss=result.loss, tokens_per_s=self.pos.tokens_per_s)
@@ -291,14 +319,147 @@ class Trainer:
         adopted, self._adopted_in_flight = self._adopted_in_flight, False
         return (None if adopted and report.failed else mean), report
 
+    # ---- streaming (Streaming DiLoCo, arXiv 2501.18512; peer/train/streaming.py) ---------------
+    def _stream_after_step(self, tokens: int) -> None:
+        """After an inner step with ``sync.overlap = "streaming"``: land the fragment sync in flight
+        once τ steps have passed since it started (waiting for it if it is slower), then start the
+        sync of every fragment whose offset in the round this step reached (fragment 0's, at the
+        round's end, is :meth:`_streaming_step`'s). A peer that jumped ahead in the round (a joiner,
+        or after evaluating φ) starts the syncs it jumped over at once."""
+        for p in range(len(self._fragments)):
+            self._fragment_tokens[p] += tokens
+        self._land_due()
+        if self.pos.step >= self.H:
+            return
+        for p in sorted(range(1, len(self._fragments)), key=lambda q: self._fragment_offset[q]):
+            if p not in self._fragments_synced and 0 < self._fragment_offset[p] <= self.pos.step:
+                self._start_fragment_sync(p, self.pos.round)
+                self._land_due()
+
+    def _land_due(self) -> None:
+        """Land the fragment sync in flight if τ inner steps passed since it started."""
+        tau = self.m.sync.fragment_delay_steps
+        if self._flight is not None and self.inner_step >= self._flight[1] + tau:
+            self._land_fragment()
+
+    def _round_choice(self, round_: int) -> tuple[GroupChoice, list]:
+        """The group choice (and the live records it came from) for ``round_``'s fragment syncs,
+        read from the DHT once per round."""
+        if self._choice is None or self._choice[0] != round_:
+            live = self.swarm.live()
+            choice = self.outer.choose_group(self.peer_id, round_=round_, run_id=self.m.run_id,
+                                             live=[(r.peer_id, r.record.round) for r in live
+                                                   if r.peer_id != self.peer_id])
+            self._choice = (round_, choice, live)
+        return self._choice[1], self._choice[2]
+
+    def _start_fragment_sync(self, p: int, round_: int) -> None:
+        """Start fragment p's sync of ``round_`` in the background: Δ_p = φ_p − θ_p, the payload of
+        its tensors only (``tensors`` of ``NetworkTransport.average``), weighted by the tokens
+        trained since its last sync. A sync still in flight lands first (one at a time). A
+        non-finite Δ_p starts nothing (a warning; the fragment's progress stays in θ)."""
+        if self._flight is not None:
+            self._land_fragment()
+        self._fragments_synced.add(p)
+        index = self._fragments[p]
+        phi_p = [self.phi[k] for k in index]
+        try:
+            delta = pseudo_gradient(phi_p, [self.params[k].detach().to("cpu", torch.float32) for k in index])
+            check_finite(delta, f"fragment {p}'s pseudo-gradient")
+        except BadPayload as exc:
+            self.reporter.emit("warning", message=f"{exc}: fragment {p} not synced in round {round_}")
+            return
+        # NoLoCo's payload holds φ_p itself: the sync reads a copy, φ may move under a dropped one
+        payload = [t.clone() if any(t is q for q in phi_p) else t for t in self._fragment_outer[p].payload(phi_p, delta)]
+        choice, live = self._round_choice(round_)
+        weight, self._fragment_tokens[p] = float(max(self._fragment_tokens[p], 1)), 0
+        digest = self.state_digest
+        due_s = self._groupmates_due_s(live, round_, choice) if self._fragment_offset[p] == 0 else 0.0
+        self._announce_sync(choice, round_, fragment=p)
+        self._background.start(lambda: self._sync(payload, choice, digest, round_=round_, weight=weight,
+                                                  expected_wait_s=due_s, fragment=p),
+                               round_=round_, start_digest=digest)
+        self._flight = (p, self.inner_step)
+
+    def _land_fragment(self) -> None:
+        """The fragment sync in flight lands (waiting for it if needed): φ_p ← OuterOpt_p(φ_p, mean)
+        with its slice of the outer state, then θ_p ← α·θ_p + (1 − α)·φ_p (Streaming DiLoCo's
+        merge). Its report joins the round's. A failed sync applies this peer's own payload, as a
+        failed blocking sync does; an outer step that would not be finite leaves φ_p as it was. On
+        a stop nothing is applied: the sync is dropped, and θ keeps the fragment's progress."""
+        mean, report = self._take_background()
+        p, self._flight = self._flight[0], None
+        if self.stop_event.is_set():
+            return  # stopping (the sync was cancelled, or will not be trusted): dropped, as at the end
+        index = self._fragments[p]
+        phi_p = [self.phi[k] for k in index]
+        if mean is not None:
+            try:
+                with self._lock:
+                    self._fragment_outer[p].apply(phi_p, mean)
+            except BadPayload as exc:
+                self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
+                report = dataclasses.replace(report, failed=True, agreeing=(), completed=(),
+                                             note=f"fragment {p}: outer step skipped ({exc})")
+        merge([self.params[k] for k in index], phi_p, self.m.sync.fragment_alpha)
+        self._landed.append(report)
+
+    def _streaming_step(self) -> RoundOutcome:
+        """The end of a round with ``sync.overlap = "streaming"``: fragment 0's sync starts (its mean
+        lands τ steps into the next round; at once with τ = 0), and the round's outcome reports the
+        fragment syncs that landed during it. θ is not reset to φ: each fragment's merge did that
+        part. The snapshot of the next round holds every mean landed so far."""
+        choice, live = self._round_choice(self.pos.round)
+        start_digest = self.state_digest
+        done = dataclasses.replace(self.pos)
+        for p in sorted(range(len(self._fragments)), key=lambda q: self._fragment_offset[q]):
+            if p not in self._fragments_synced:  # fragment 0, and any a jump or a failed Δ skipped
+                self._start_fragment_sync(p, done.round)
+                self._land_due()
+        report, self._landed = combine_sync_reports(self._landed), []
+        with self._lock:
+            self.pos.start_round(self.pos.round + 1)
+        self._fragments_synced = set()
+        if report.attempts:
+            self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
+            self._note_group(done.round, report)
+        self._take_snapshot()
+        peak = self.placement.peak_tflops if self.placement is not None else None
+        return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
+                            tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
+                            state_digest=self.state_digest, planned_group=choice.members, sync=report,
+                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch,
+                            compute_s=done.compute_s)
+
+    def _land_last_streaming_syncs(self) -> None:
+        """At ``max_rounds`` with streaming: the sync in flight lands, then every fragment with inner
+        steps since its last sync syncs once more and lands at once, so the final φ holds every
+        step (as the simulation's finish does); θ ← φ."""
+        if self._flight is not None:
+            self._land_fragment()
+        for p in range(len(self._fragments)):
+            if self._fragment_tokens[p] > 0:
+                self._start_fragment_sync(p, self.pos.round)
+                if self._flight is not None:
+                    self._land_fragment()
+        report, self._landed = combine_sync_reports(self._landed), []
+        if report.attempts:
+            self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
+            self._note_group(self.pos.round, report)
+        self._set_theta_to_phi()
+        self._take_snapshot()
+
     def _land_last_sync(self) -> None:
         """When training ends with a sync in flight: at ``max_rounds`` wait for it and apply its mean
         (φ then holds every round, θ ← φ); on a stop drop it, so φ stays the last applied one and
         θ keeps this peer's unsynced progress (what a checkpoint then holds)."""
-        if self._background is None or not self._background.in_flight:
+        if self._background is None or not (self._background.in_flight or self._fragments):
             return
         if self.stop_event.is_set():
             self._background.drop("stopping")
+            return
+        if self._fragments:
+            self._land_last_streaming_syncs()
             return
         mean, report = self._take_background()
         with self._lock:
@@ -316,10 +477,11 @@ class Trainer:
         self._vouching.ledger.record_group(round_, report.completed)
         self._groupmates = tuple(sorted(report.completed))
 
-    def _announce_sync(self, choice: GroupChoice, round_: int) -> None:
+    def _announce_sync(self, choice: GroupChoice, round_: int, fragment: int | None = None) -> None:
         if choice.expected_size > 1:
+            extra = {} if fragment is None else {"fragment": fragment}
             self.reporter.emit("sync", round=round_, expected_group_size=choice.expected_size,
-                               peer_id=self.peer_id)
+                               peer_id=self.peer_id, **extra)
 
     def _groupmates_due_s(self, live, round_: int, choice: GroupChoice) -> float:
         """Seconds until the last groupmate expected at ``round_``'s sync gets there, predicted from
@@ -331,19 +493,23 @@ class Trainer:
                                             peers=set(choice.members) if choice.members else None)
 
     def _sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,
-              weight: float, expected_wait_s: float = 0.0) -> tuple[list[torch.Tensor], SyncReport]:
+              weight: float, expected_wait_s: float = 0.0,
+              fragment: int | None = None) -> tuple[list[torch.Tensor], SyncReport]:
         """The group's token-weighted mean payload, or this peer's own when there is no group or
         the sync fails (failed rounds are recorded, not fatal: DiLoCo paper Fig. 8). Reads no
         state of the loop, so it may run in the background thread (peer/sync/background.py).
-        ``expected_wait_s``: until the last expected groupmate arrives (:meth:`_groupmates_due_s`)."""
+        ``expected_wait_s``: until the last expected groupmate arrives (:meth:`_groupmates_due_s`).
+        ``fragment``: streaming, the fragment whose tensors ``payload`` holds (its own key and buffers)."""
         if choice.expected_size <= 1:
             return payload, SyncReport(note=choice.note)
         start = time.monotonic()
+        extra = {} if fragment is None else dict(fragment=fragment, fragments=len(self._fragments),
+                                                 tensors=self._fragment_payload[fragment])
         try:
             result = self.transport.average(payload, weight=weight, round_=round_,
                                             expected_group_size=choice.expected_size, group_index=choice.index,
                                             start_digest=start_digest, should_stop=self.stop_event.is_set,
-                                            expected_wait_s=expected_wait_s)
+                                            expected_wait_s=expected_wait_s, **extra)
             check_finite(result.mean, "the group's mean payload")
         except (SyncError, BadPayload) as exc:
             note = f"no group: applied own step ({exc})"
@@ -511,10 +677,13 @@ class Trainer:
         download always lacks the mean then in flight, is in step after its second); else dropped."""
         bg = self._background
         if bg is not None and bg.in_flight:
-            if state.round == bg.round + 1:
+            # streaming: only fragment 0's sync, started at the round's end, is not in the next round's state
+            if state.round == bg.round + 1 and (self._flight is None or self._fragment_offset[self._flight[0]] == 0):
                 self._adopted_in_flight = True
             else:
                 bg.drop("adopted the swarm's state")  # its mean belongs to a φ left behind
+                if self._fragments:
+                    self._flight = None
         self._anchor = None
         with self._lock:
             for dst, src in zip([*self.phi, *self.outer.state_tensors()], [*state.phi, *state.outer_state]):
@@ -525,6 +694,8 @@ class Trainer:
         self.transport.reset_error_feedback()  # residuals of a φ this peer no longer holds
         self._completed_with = (self.peer_id,)
         self._groupmates = ()  # its last groupmates do not hold this state
+        if self._fragments:  # θ = φ: no fragment has progress of its own; this round's syncs are all ahead
+            self._fragment_tokens, self._fragments_synced, self._landed = [0] * len(self._fragments), set(), []
         self._take_snapshot()
 
     def _wait_for_peers(self) -> None:
@@ -624,6 +795,9 @@ class Trainer:
                                         "step": state.adam_step})
         self.pos.start_round(state.round, state.round_step)
         self.pos.tokens = state.round_tokens
+        if self._fragments:  # θ holds this round's steps: weigh each fragment's next Δ by them
+            self._fragment_tokens = [state.round_tokens] * len(self._fragments)
+            self._fragments_synced = {p for p, t in enumerate(self._fragment_offset) if 0 < t <= state.round_step}
         if state.vouchers:
             self._vouching.ledger.load(state.vouchers)  # validated by load_checkpoint
         residuals, problems = restore_extras(state, load_residuals=self.transport.load_error_feedback,

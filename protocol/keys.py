@@ -37,6 +37,22 @@ RETRY_BITS = 2
 """Bits of the retry number of a round's sync (different from GROUP_INDEX_BITS, so no key collides)."""
 
 
+def sync_index(round_: int, fragment: int | None = None, fragments: int = 1) -> int:
+    """What a sync's group bits carry as its "round": the round itself, or with Streaming DiLoCo's
+    fragments (``sync.overlap = "streaming"``) ``round_ · fragments + fragment``, so the fragment
+    syncs of one round meet under keys of their own and the matchmaking-key protection around a
+    round (protocol/validator.py) covers them as it covers rounds.
+
+    Raises:
+        ValueError: ``fragment`` outside [0, fragments).
+    """
+    if fragment is None:
+        return round_
+    if not 0 <= fragment < fragments:
+        raise ValueError(f"fragment = {fragment}: need 0 <= fragment < fragments = {fragments}")
+    return round_ * fragments + fragment
+
+
 def round_group_bits(round_: int, group_index: int | None = None, attempt: int = 0) -> str:
     """Averager group bits: the round (mod 2**20), then the random group's index if any, then the
     retry number when this is a retry of the round's sync (peers that retry meet only each other)."""

@@ -283,7 +283,7 @@ class SyncSpec:
     delayed, and each peer starts round t+1 from φ plus its own fresh pseudo-gradient's share
     (arXiv 2502.12996). peer/train/overlap.py; 'streaming': Streaming DiLoCo (arXiv 2501.18512),
     ``fragments`` parts of the model synced at staggered steps, each sync overlapping
-    ``fragment_delay_steps`` inner steps (peer/train/streaming.py; simulation only so far). A
+    ``fragment_delay_steps`` inner steps (peer/train/streaming.py). A
     swarm-wide fact."""
     fragments: int = 4
     """P, streaming only: fragments of the model (fragment p holds transformer blocks p, p+P, ...);

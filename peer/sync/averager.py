@@ -116,6 +116,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         self._strikes = Strikes()  # groupmates whose contributions this peer clipped or dropped repeatedly
         self._allreduce_slots: StreamSlots | None = None
         self._error_feedback = None
+        self._subset: tuple[int, ...] | None = None  # the buffers the next sync averages (None: all)
         self._uplink_bytes_per_s = uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -155,16 +156,30 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 logger.debug("could not protect the matchmaking keys of %s: %r", group_bits, exc)
         return super().set_group_bits(group_bits, wait)
 
-    def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float) -> None:
+    def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float,
+                        tensors: Sequence[int] | None = None) -> None:
         """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
 
         Args:
             target_group_size: matchmaking starts the all-reduce as soon as this many peers joined.
             matchmaking_s: how long a leader waits for more groupmates before starting with fewer.
             allreduce_s: deadline of the all-reduce once the group is formed.
+            tensors: indices of the buffers the next sync averages, ascending (Streaming DiLoCo's
+                fragment: its Δ tensors, then with NoLoCo its φ tensors); the other buffers are
+                neither sent nor changed, and their error-feedback residuals stay as they are.
+                None: every buffer.
+
+        Raises:
+            ValueError: an index out of range, repeated or unordered, or a subset that mixes φ
+                before Δ; nothing changed.
         """
+        if tensors is not None:
+            tensors = tuple(int(i) for i in tensors)
+            n = len(self._averaged_tensors)
+            if not tensors or list(tensors) != sorted(set(tensors)) or not 0 <= tensors[0] <= tensors[-1] < n:
+                raise ValueError(f"tensors = {tensors}: need distinct ascending indices into the {n} payload buffers")
         self._call_in_averager("_configure_round", size=target_group_size, matchmaking_s=matchmaking_s,
-                               allreduce_s=allreduce_s)
+                               allreduce_s=allreduce_s, tensors=tensors)
 
     def reset_error_feedback(self) -> None:
         """Forget the error-feedback residuals in the averager process (they belong to a φ this
@@ -211,7 +226,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         except ValueError as exc:
             future.set_exception(exc)
 
-    async def _configure_round(self, size: int, matchmaking_s: float, allreduce_s: float, future) -> None:
+    async def _configure_round(self, size: int, matchmaking_s: float, allreduce_s: float, future,
+                               tensors: tuple[int, ...] | None = None) -> None:
+        self._subset = tensors
         matchmaking = self._matchmaking
         matchmaking.target_group_size = size
         matchmaking.group_key_manager.target_group_size = size
@@ -295,27 +312,38 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             owners = [i for i, mode in enumerate(modes) if mode != AveragingMode.CLIENT]
             if not owners:
                 raise AllreduceIncomplete("every groupmate is in client mode: nobody can reduce")
-            async with enter_asynchronously(self.get_tensors()) as tensors:
+            fragments = {(d or {}).get("fragment") if isinstance(d, dict) else None for d in user_gathered.values()}
+            if len(fragments) != 1:
+                raise AllreduceIncomplete(f"groupmates sync different fragments {sorted(map(str, fragments))}")
+            async with enter_asynchronously(self.get_tensors()) as all_tensors:
+                # a fragment sync (Streaming DiLoCo) averages a subset of the buffers: plan, codecs
+                # and error feedback see only those; ``index`` maps a piece's tensor to its buffer
+                index = list(self._subset) if self._subset is not None else list(range(len(all_tensors)))
+                tensors = [all_tensors[i] for i in index]
                 shapes = [t.shape for t in tensors]
+                phi_from = None if self.phi_from is None else sum(1 for i in index if i < self.phi_from)
                 plan = await asyncio.get_running_loop().run_in_executor(self._codec_executor(), lambda: make_group_plan(
                     tensors, group_id=group_id, peer_ids=group_info.peer_ids,
                     my_index=group_info.peer_ids.index(self.peer_id), owners=owners, round_=next(iter(rounds)),
-                    compression=self.compression, phi_from=self.phi_from, piece_elements=self.piece_elements,
+                    compression=self.compression, phi_from=phi_from, piece_elements=self.piece_elements,
                     uplink_bytes_per_s=self._uplink_bytes_per_s))
-                ef = self._feedback(shapes)
+                ef = self._feedback([t.shape for t in all_tensors])
                 ef_lock = threading.Lock()
 
+                def has_feedback(piece: Piece) -> bool:
+                    return ef is not None and (phi_from is None or piece.tensor < phi_from)
+
                 def compensate(piece: Piece, x: torch.Tensor) -> torch.Tensor:
-                    if ef is None or not self._has_feedback(piece):
+                    if not has_feedback(piece):
                         return x
                     with ef_lock:
-                        return ef.compensate(piece.tensor, x, rows=self._rows(piece, shapes))
+                        return ef.compensate(index[piece.tensor], x, rows=self._rows(piece, shapes))
 
                 def stage(piece: Piece, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
-                    if ef is None or not self._has_feedback(piece):
+                    if not has_feedback(piece):
                         return
                     with ef_lock:
-                        ef.stage(piece.tensor, compensated, decoded, rows=self._rows(piece, shapes))
+                        ef.stage(index[piece.tensor], compensated, decoded, rows=self._rows(piece, shapes))
 
                 async def open_stream(peer_id):
                     _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, self.stream_protocol)
@@ -328,7 +356,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                                          next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor(),
                                          max_weight=self.max_weight_tokens,
                                          ignored=frozenset(i for i, p in enumerate(group_info.peer_ids)
-                                                           if p in ignored), phi_from=self.phi_from)
+                                                           if p in ignored), phi_from=phi_from)
                 if not future.done():
                     future.set_result(session)
                 # Our own deadline, a second before hivemind's: when it passes (a groupmate hangs with
@@ -400,9 +428,6 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             n_delta = len(shapes) if self.phi_from is None else self.phi_from
             self._error_feedback = ErrorFeedback(list(shapes[:n_delta]))
         return self._error_feedback
-
-    def _has_feedback(self, piece: Piece) -> bool:
-        return self.phi_from is None or piece.tensor < self.phi_from
 
     @staticmethod
     def _rows(piece: Piece, shapes) -> slice | None:

@@ -151,7 +151,9 @@ class NetworkTransport:
 
     def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
                 group_index: int | None = None, start_digest: str = "",
-                should_stop: Callable[[], bool] = lambda: False, expected_wait_s: float = 0.0) -> SyncResult:
+                should_stop: Callable[[], bool] = lambda: False, expected_wait_s: float = 0.0,
+                fragment: int | None = None, fragments: int = 1,
+                tensors: Sequence[int] | None = None) -> SyncResult:
         """Token-weighted group mean of ``payload`` over the peers at round ``round_``.
 
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
@@ -172,6 +174,12 @@ class NetworkTransport:
             should_stop: polled while waiting; when it returns True the sync is cancelled.
             expected_wait_s: seconds until the last expected groupmate arrives, by the progress
                 records; the matchmaking window covers it (peer/sync/deadlines.py).
+            fragment, fragments: Streaming DiLoCo (arXiv 2501.18512): this sync is fragment
+                ``fragment`` of ``fragments`` of round ``round_``; its groupmates meet under the
+                key of that fragment's sync (protocol/keys.py ``sync_index``). None: a whole round.
+            tensors: with ``fragment``, the indices of the payload buffers ``payload`` fills
+                (ascending; the fragment's Δ tensors, then its φ tensors for NoLoCo); the mean
+                returned holds those tensors only. None: ``payload`` is the whole payload.
 
         Returns:
             SyncResult; its bytes are summed over the attempts, its ``deadline_s`` is the bound
@@ -186,7 +194,8 @@ class NetworkTransport:
         """
         start = time.monotonic()
         with self.averager.get_tensors() as buffers:
-            for buf, d in zip(buffers, payload, strict=True):
+            chosen = buffers if tensors is None else [buffers[i] for i in tensors]
+            for buf, d in zip(chosen, payload, strict=True):
                 buf.copy_(d)
         d = self.deadlines.current(expected_wait_s=expected_wait_s)
         bound_s = (1 + self.RETRIES) * d.total_s
@@ -195,7 +204,8 @@ class NetworkTransport:
             try:
                 result = self._attempt(round_=round_, group_index=group_index, attempt=attempt, weight=weight,
                                        expected_group_size=expected_group_size, start_digest=start_digest,
-                                       should_stop=should_stop, d=d)
+                                       should_stop=should_stop, d=d, fragment=fragment, fragments=fragments,
+                                       tensors=tensors)
             except SyncError as exc:
                 sent, received = sent + exc.bytes_sent, received + exc.bytes_received
                 if isinstance(exc, AllreduceIncomplete) and attempt < self.RETRIES and not should_stop():
@@ -214,7 +224,8 @@ class NetworkTransport:
 
     def _attempt(self, *, round_: int, group_index: int | None, attempt: int, weight: float,
                  expected_group_size: int, start_digest: str, should_stop: Callable[[], bool],
-                 d: Deadlines) -> SyncResult:
+                 d: Deadlines, fragment: int | None = None, fragments: int = 1,
+                 tensors: Sequence[int] | None = None) -> SyncResult:
         """One matchmaking + all-reduce of the payload already in the buffers (see :meth:`average`).
 
         Raises:
@@ -223,12 +234,16 @@ class NetworkTransport:
             AllreduceIncomplete: with this attempt's bytes; the round may be retried at once.
         """
         start = time.monotonic()
-        self.averager.set_group_bits(keys.round_group_bits(round_, group_index, attempt))
+        self.averager.set_group_bits(keys.round_group_bits(keys.sync_index(round_, fragment, fragments), group_index,
+                                                           attempt))
         self.averager.configure_round(target_group_size=max(2, min(expected_group_size, self.sync.target_group_size)),
-                                      matchmaking_s=d.matchmaking_s, allreduce_s=d.allreduce_s)
+                                      matchmaking_s=d.matchmaking_s, allreduce_s=d.allreduce_s, tensors=tensors)
         arrived = time.time()
+        gather = {"round": round_, "start_digest": start_digest}
+        if fragment is not None:
+            gather["fragment"] = fragment
         control = self.averager.step(
-            gather={"round": round_, "start_digest": start_digest}, weight=float(weight),
+            gather=gather, weight=float(weight),
             scheduled_time=get_dht_time() + d.matchmaking_s, timeout=d.matchmaking_deadline_s, allow_retries=True,
             wait=False,
         )
@@ -267,7 +282,7 @@ class NetworkTransport:
                                       bytes_received=stats.bytes_received)
         gathered = outcome.gathered
         with self.averager.get_tensors() as buffers:
-            mean = [buf.clone() for buf in buffers]
+            mean = [buf.clone() for buf in (buffers if tensors is None else [buffers[i] for i in tensors])]
         if stats.started_at >= arrived:
             self.deadlines.observe(wait_s=stats.started_at - arrived, allreduce_s=stats.seconds)
         return SyncResult(mean=mean, group=sorted(str(peer) for peer in gathered), group_size=len(gathered),

@@ -1,9 +1,9 @@
 """Streaming DiLoCo's rules, pure tensor code: fragments, their sync schedule and the merge.
 
 Implements Streaming DiLoCo (Douillard et al., arXiv 2501.18512; ALGORITHMS.md
-§4) for ``sync.overlap = "streaming"``. So far only the in-process simulation (lab/simulation.py)
-runs it; a peer refuses such a run (peer/node.py), and will call these same functions once its
-round loop learns the schedule.
+§4) for ``sync.overlap = "streaming"``. The round loop (peer/round.py, each fragment's sync in the
+background thread of peer/sync/background.py over a subset of the averager's buffers) and the
+in-process simulation (lab/simulation.py) call these same functions.
 
 Notation as in ALGORITHMS.md: φ the outer parameters, θ the inner ones, H inner steps per round.
 The model's parameters are split into P *fragments* (:func:`partition`, strided by transformer
@@ -29,6 +29,9 @@ import re
 from typing import Sequence
 
 import torch
+
+from peer.train.outer import OuterAlgorithm, make_outer
+from protocol.manifest import RunManifest
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 """A transformer block's parameters: ``model.layers.<index>.`` in transformers' Llama (and most
@@ -144,3 +147,45 @@ def merge(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], alpha: flo
                 t.copy_(src)
             else:
                 t.mul_(alpha).add_(src, alpha=1.0 - alpha)
+
+
+def payload_indices(fragment: Sequence[int], *, phi_from: int | None) -> list[int]:
+    """The payload tensors a fragment's sync carries: its Δ tensors, then with NoLoCo (whose payload
+    is Δ followed by φ, ``phi_from`` = the parameter count) its φ tensors.
+
+    Args:
+        fragment: the fragment's parameter indices, ascending (:func:`partition`).
+        phi_from: ``OuterAlgorithm.phi_from(n_params)``: None when the payload is Δ only.
+
+    Returns:
+        Indices into the payload, ascending (what ``NetworkTransport.average`` takes as ``tensors``).
+    """
+    return list(fragment) if phi_from is None else [*fragment, *(phi_from + k for k in fragment)]
+
+
+def fragment_outers(outer: OuterAlgorithm, manifest: RunManifest, fragments: Sequence[Sequence[int]],
+                    shapes: Sequence[torch.Size]) -> list[OuterAlgorithm]:
+    """One outer algorithm per fragment, each stepping its fragment's tensors with its slice of
+    ``outer``'s state: the slice is ``outer``'s own state tensors (the same objects), so whatever
+    reads or replaces ``outer.state_tensors()`` in place (snapshots, checkpoints, an adopted state)
+    sees and sets every fragment's outer state.
+
+    Args:
+        outer: the run's outer algorithm over the whole model (its state: one tensor per parameter).
+        manifest: the run (which algorithm and its settings).
+        fragments: :func:`partition`'s index lists.
+        shapes: every parameter's shape.
+
+    Raises:
+        ValueError: ``outer`` keeps a state that is not one tensor per parameter.
+    """
+    state = outer.state_tensors()
+    if len(state) != len(shapes):
+        raise ValueError(f"the outer algorithm keeps {len(state)} state tensors for {len(shapes)} parameters: "
+                         "cannot slice it into fragments")
+    out = []
+    for index in fragments:
+        part = make_outer(manifest, [shapes[k] for k in index])
+        part.momentum = [state[k] for k in index]
+        out.append(part)
+    return out

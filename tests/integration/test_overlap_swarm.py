@@ -60,3 +60,34 @@ def test_two_noloco_peers_exchange_with_their_partner_in_the_background(procs, t
     for n in names:
         phi = load_file(str(phi_file(tmp_path, n, run_id, ROUNDS)))
         assert all(torch.isfinite(t).all() for t in phi.values())
+
+
+@pytest.mark.parametrize("algorithm,codec", [("diloco", "int8"), ("noloco", "none")])
+def test_two_peers_stream_fragments_over_the_network_with_identical_phi(procs, tmp_path, algorithm, codec):
+    """Streaming DiLoCo: each fragment's all-reduce carries only that fragment's tensors, under its
+    own key, in the background (with a codec: its error feedback kept per tensor of the fragment)."""
+    manifest = make_manifest(model={"num_layers": 2}, compression={"codec": codec},
+                             sync={"algorithm": algorithm, "overlap": "streaming", "inner_steps": 20, "fragments": 2,
+                                   "fragment_delay_steps": 2})
+    _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
+    names = ("p0", "p1")
+    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
+                        "--export-phi-every", "1") for n in names]
+    for p in peers:
+        assert p.wait(240) == 0, p.tail()
+    run_id = peers[0].of("started")[0]["run_id"]
+    for p in peers:
+        # fragment 1 mid-round and fragment 0 at each round's end, then fragment 1 once more at the end
+        assert [(e["round"], e["fragment"]) for e in p.of("sync")] == [
+            (r, f) for r in range(ROUNDS) for f in (1, 0)] + [(ROUNDS, 1)]
+        rounds = p.of("round")
+        assert [e["group_size"] for e in rounds] == [2] * ROUNDS, [e.get("note") for e in rounds]
+        assert p.of("eval")[-1]["loss"] < p.of("eval")[0]["loss"] - 0.3
+    for round_ in range(1, ROUNDS + 1):
+        a, b = (load_file(str(phi_file(tmp_path, n, run_id, round_))) for n in names)
+        for key in a:
+            assert torch.isfinite(a[key]).all() and torch.equal(a[key], b[key]), (round_, key)
+    final = [load_file(str(tmp_path / n / "runs" / run_id / "checkpoint.safetensors")) for n in names]
+    for key in final[0]:
+        if key.startswith("phi."):
+            assert torch.equal(final[0][key], final[1][key]), key

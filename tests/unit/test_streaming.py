@@ -1,5 +1,6 @@
 """Streaming DiLoCo (arXiv 2501.18512; peer/train/streaming.py): fragments, schedule, merge, the
-manifest fields, the simulation's streaming mode and the peer's refusal of it."""
+manifest fields, the simulation's streaming mode, and the peer's refusal of it with pipeline stages
+(the round loop's streaming: test_round_streaming.py)."""
 
 import math
 import tomllib
@@ -172,7 +173,7 @@ def test_simulation_streams_only_what_it_implements(corpus):
         Simulation(streaming(2, 1, 0.5, algorithm="noloco"), corpus, peers=2, seed=0)
 
 
-def test_peer_join_refuses_streaming_before_any_network_work(monkeypatch, tmp_path: Path):
+def test_peer_join_refuses_overlap_with_pipeline_stages_before_any_network_work(monkeypatch, tmp_path: Path):
     import peer.node as node
 
     def no_network(*args, **kwargs):
@@ -180,9 +181,8 @@ def test_peer_join_refuses_streaming_before_any_network_work(monkeypatch, tmp_pa
 
     monkeypatch.setattr(node, "start_dht_remembering", no_network)
     monkeypatch.setattr(node, "load_corpus", no_network)
-    cfg = JoinConfig(new_run=streaming(2, 1, 0.5), data_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"sync\.overlap = 'streaming'.*lab/simulation\.py.*'none', 'delayed' or "
-                                          r"'eager'") as error:
+    cfg = JoinConfig(new_run=streaming(2, 1, 0.5).replace(pipeline={"stages": 2}), data_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"pipeline\.stages = 2 with sync\.overlap = 'streaming'.*'none'") as error:
         node.join(cfg, Reporter("json"))
     assert error.value.exit_code == 78
 

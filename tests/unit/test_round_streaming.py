@@ -1,0 +1,134 @@
+"""The round loop with sync.overlap = "streaming" (Streaming DiLoCo, arXiv 2501.18512;
+peer/round.py, peer/train/streaming.py): two real Trainers in threads over the in-memory transport
+of test_round_overlap.py, each fragment's sync keyed and carried on its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from peer.state.checkpoint import load_checkpoint
+from peer.sync.transport import SyncResult
+from peer.train.streaming import partition
+from protocol.errors import GroupNotFound
+from protocol.presets import tiny_run
+from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
+from tests.unit.test_round_overlap import Events, Group, Records, Transport, make_trainer, run_in_threads
+
+H = 10
+
+
+def streaming(fragments=2, tau=1, alpha=0.5, **sync):
+    return tiny_run().replace(model={"num_layers": 2},
+                              sync={"overlap": "streaming", "inner_steps": H, "fragments": fragments,
+                                    "fragment_delay_steps": tau, "fragment_alpha": alpha, **sync})
+
+
+class FragmentTransport(Transport):
+    """The in-memory transport, a group per (round, fragment), as the network keys them
+    (protocol/keys.py ``sync_index``); records what each call carried."""
+
+    def __init__(self, peer_id, group, **kwargs):
+        super().__init__(peer_id, group, **kwargs)
+        self.carried = []
+
+    def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
+                should_stop=lambda: False, expected_wait_s=0.0, fragment=None, fragments=1, tensors=None):
+        self.carried.append((round_, fragment, [tuple(t.shape) for t in payload], list(tensors or ()),
+                             threading.current_thread().name))
+        if self.fail is not None:
+            self.fail(round_, should_stop)
+        key = round_ if fragment is None else round_ * fragments + fragment
+        mean, digests = self.group.average(self.peer_id, payload, weight, key, start_digest, should_stop,
+                                           expected_group_size)
+        return SyncResult(mean=mean, group=sorted(digests), group_size=len(digests), bytes_sent=1, bytes_received=1,
+                          seconds=0.0, start_digests=digests)
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
+def test_two_peers_stream_fragments_and_hold_identical_phi(corpus, algorithm):
+    manifest = streaming(algorithm=algorithm)
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, manifest, p, records, FragmentTransport(p, group), rounds=3) for p in ("a", "b")]
+    phi0 = [f.clone() for f in trainers[0].phi]
+    run_in_threads(trainers)
+    a, b = trainers
+    for x, y in zip(a.phi, b.phi):
+        assert torch.isfinite(x).all() and torch.equal(x, y)
+    assert a.state_digest == b.state_digest
+    fragments = partition(a.names, 2)
+    n = len(a.phi)
+    for t in trainers:
+        calls = t.transport.carried
+        # fragment 1 (offset H/2) mid-round, fragment 0 at the round's end; at the last round's end
+        # fragment 1 syncs once more so the final φ holds every step
+        assert [(r, f) for r, f, *_ in calls] == [(0, 1), (0, 0), (1, 1), (1, 0), (2, 1), (2, 0), (3, 1)]
+        for _, f, shapes, tensors, thread in calls:
+            want = fragments[f] if algorithm == "diloco" else [*fragments[f], *(n + k for k in fragments[f])]
+            assert tensors == want                                        # its own tensors, nothing else
+            assert shapes == [tuple(t.phi[k % n].shape) for k in want]
+            assert thread.startswith("locoswarm-sync")                    # in the background
+        assert [(e["round"], e["fragment"]) for e in t.reporter.of("sync")] == [(r, f) for r, f, *_ in calls]
+        rounds = t.reporter.of("round")
+        assert [e["round"] for e in rounds] == [1, 2, 3]
+        assert all(e["group_size"] == 2 for e in rounds)  # round 1 already reports fragment 1's sync
+        assert all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))  # θ ← φ at the end
+        assert t.summary.final_eval_loss < t.summary.initial_eval_loss
+    assert any(not torch.equal(x, y) for x, y in zip(a.phi, phi0))
+
+
+def test_one_fragment_without_delay_or_merge_is_diloco_without_overlap(corpus):
+    """P = 1, τ = 0, α = 0: Streaming DiLoCo's rules reduce to DiLoCo's round (θ ← φ after each
+    outer step), bit for bit, on the same data and peers."""
+    results = []
+    for manifest in (streaming(fragments=1, tau=0, alpha=0.0),
+                     tiny_run().replace(model={"num_layers": 2}, sync={"inner_steps": H})):
+        records, group = Records(), Group(2)
+        trainers = [make_trainer(corpus, manifest, p, records, FragmentTransport(p, group), rounds=3)
+                    for p in ("a", "b")]
+        run_in_threads(trainers)
+        results.append(trainers[0])
+    stream, plain = results
+    assert [(r, f) for r, f, *_ in stream.transport.carried] == [(0, 0), (1, 0), (2, 0)]
+    for x, y in zip(stream.phi, plain.phi):
+        assert torch.equal(x, y)
+    assert [e["train_loss"] for e in stream.reporter.of("round")] == [e["train_loss"] for e in plain.reporter.of("round")]
+
+
+def test_a_fragment_sync_in_flight_is_dropped_by_a_stop_and_the_checkpoint_holds_the_last_landed_phi(corpus, tmp_path):
+    manifest = streaming()
+    path = tmp_path / "checkpoint.safetensors"
+    stop, hung = threading.Event(), threading.Event()
+
+    def hang(round_, should_stop):   # the groupmate never answers: fragment 1's first sync stays in flight
+        hung.set()
+        while not should_stop():
+            time.sleep(0.02)
+        raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
+
+    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), FragmentTransport("a", None, fail=hang),
+                     rounds=5, checkpoint=path, stop=stop)
+    phi0 = [f.clone() for f in t.phi]
+    runner = threading.Thread(target=t.run)
+    runner.start()
+    assert hung.wait(60)
+    stop.set()                       # as a SIGINT while fragment 1's sync waits for its group
+    runner.join(60)
+    assert not runner.is_alive() and t.summary.interrupted
+    t.save()
+    saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
+    for a, b in zip(saved.phi, phi0):  # nothing landed: φ is the initial one
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(saved.theta, phi0))  # θ holds the steps trained
+
+    # the restart resumes mid-round with nothing in flight, trains alone and lands its own steps
+    again = make_trainer(corpus, manifest, "a", Records(), FragmentTransport("a", None), rounds=2, checkpoint=path,
+                         reporter=Events())
+    again.run()
+    assert again.reporter.of("resumed")[0]["round"] == saved.round
+    assert again.transport.carried == []      # alone: no sync went to the network
+    assert all(torch.isfinite(f).all() for f in again.phi)
+    assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
