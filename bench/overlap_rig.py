@@ -1,7 +1,8 @@
 """Benchmark: compute utilization with and without overlapping each sync (issue #18 item 4).
 
     sudo nice -n 5 .venv/bin/python bench/overlap_rig.py [--peers 4 8] [--rates 100 20]
-        [--modes none delayed eager] [--rounds 8] [--warmup 2] [--inner-steps 150]
+        [--modes none delayed eager streaming] [--rounds 8] [--warmup 2] [--inner-steps 150]
+        [--fragments 2] [--fragment-delay TAU]
 
 For each (peers, uplink, overlap mode): a bootstrap node and N real peers (``peer join``), each
 in its own network namespace behind a tbf uplink of the given rate (lab/chaos.py), train the run
@@ -52,14 +53,19 @@ from protocol.specs import OVERLAP_MODES  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "overlap.json"
 
 
-def rig_manifest(mode: str, inner_steps: int) -> RunManifest:
-    """The benchmark's run with ``sync.overlap = mode`` (a swarm-wide fact of the manifest)."""
+def rig_manifest(mode: str, inner_steps: int, fragments: int = 2, fragment_delay: int | None = None) -> RunManifest:
+    """The benchmark's run with ``sync.overlap = mode`` (a swarm-wide fact of the manifest); with
+    streaming, ``fragments`` P and τ = ``fragment_delay`` (None: H/P − 1, the most a fragment's sync may overlap)."""
+    sync = {"inner_steps": inner_steps, "matchmaking_time_s": 2.0, "allreduce_timeout_s": 60.0,
+            "next_chunk_timeout_s": 10.0, "overlap": mode}
+    if mode == "streaming":
+        tau = -(-inner_steps // fragments) - 1 if fragment_delay is None else fragment_delay
+        sync.update(fragments=fragments, fragment_delay_steps=tau)
     return tiny_run().replace(
         name=f"overlap-rig-{mode}",
         model=CHAOS_MODEL,
         inner_optimizer={"lr": 3e-3, "warmup_steps": 20, "decay_steps": 20000, "batch_size_tokens": 256},
-        sync={"inner_steps": inner_steps, "matchmaking_time_s": 2.0, "allreduce_timeout_s": 60.0,
-              "next_chunk_timeout_s": 10.0, "overlap": mode})
+        sync=sync)
 
 
 def peer_figures(rounds: list[dict], warmup: int) -> dict:
@@ -86,11 +92,12 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
 
 
 def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
-            inner_steps: int, timeout_s: float) -> dict:
+            inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int | None = None) -> dict:
     """One swarm on the rig until every peer stopped at ``rounds``; its figures."""
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
-    run.write_text(dump_toml(rig_manifest(mode, inner_steps)))
+    manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay)
+    run.write_text(dump_toml(manifest))
     started = time.time()
     with ChaosSwarm(workdir, run, rate_mbit=rate, prefix="lso", subnet="10.213.83",
                     peer_args=["--max-rounds", str(rounds), "--eval-every", "0",
@@ -108,8 +115,11 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
     if failed:
         raise RuntimeError(f"peers exited with {failed}: see {workdir}/<peer>.log")
     per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
-    return {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps, "per_peer": per_peer,
-            "adoptions": adoptions, "wall_s_total": time.time() - started}
+    out = {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps, "per_peer": per_peer,
+           "adoptions": adoptions, "wall_s_total": time.time() - started}
+    if mode == "streaming":
+        out["streaming"] = {k: getattr(manifest.sync, k) for k in ("fragments", "fragment_delay_steps", "fragment_alpha")}
+    return out
 
 
 def row(run: dict) -> dict:
@@ -147,6 +157,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="rounds left out at the start")
     parser.add_argument("--inner-steps", type=int, default=150, help="H")
+    parser.add_argument("--fragments", type=int, default=2, help="streaming: P (the rig's model has 2 blocks)")
+    parser.add_argument("--fragment-delay", type=int, default=None,
+                        help="streaming: τ in inner steps (default H/P − 1: the longest a fragment's sync may overlap)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -169,7 +182,7 @@ def main() -> None:
             for mode in args.modes:
                 run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
                               rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
-                              timeout_s=args.timeout)
+                              timeout_s=args.timeout, fragments=args.fragments, fragment_delay=args.fragment_delay)
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
                 r = row(run)

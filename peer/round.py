@@ -35,8 +35,8 @@ import torch
 from peer.config import TrainerConfig
 from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary, combine_sync_reports
 from peer.reporting import Reporter
-from peer.state.checkpoint import (PeerState, export_phi, fetch_residuals, load_checkpoint, restore_extras,
-                                   save_checkpoint)
+from peer.state.checkpoint import (CheckpointWriter, PeerState, encode_checkpoint, export_phi, fetch_residuals,
+                                   load_checkpoint, restore_extras, write_checkpoint)
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.background import BackgroundSync
 from peer.sync.membership import SwarmView
@@ -123,6 +123,8 @@ class Trainer:
         self._groupmates: tuple[str, ...] = ()
         """Who completed this peer's last sync with it: its signed statement in every record."""
         self.summary = TrainSummary(peer_id=self.peer_id)
+        self._checkpoints = CheckpointWriter()
+        """Writes each round's checkpoint in the background (:meth:`save`)."""
         self.overlap = manifest.sync.overlap
         self._background = BackgroundSync() if self.overlap != "none" else None
         """With ``sync.overlap``: the last round's sync, running while this round trains."""
@@ -179,6 +181,10 @@ class Trainer:
         finally:
             if self._background is not None:
                 self._background.shutdown(wait=False)
+            try:
+                self._checkpoints.flush()  # the last round's checkpoint is on disk when run() returns
+            except CheckpointError as exc:
+                self.reporter.emit("warning", message=str(exc))
         self.summary.interrupted = self.stop_event.is_set()
         self.summary.final_round = self.pos.round
         if not self.summary.interrupted:
@@ -546,7 +552,7 @@ class Trainer:
         if k and self.evaluates_phi and self.pos.round % k == 0 and not self._done() and self._evaluates(self.pos.round):
             self.eval_phi("periodic")
             self._keep_pace()
-        self.save()
+        self.save(background=True)
         k = self.cfg.export_phi_every_rounds
         if k and self.cfg.checkpoint_path is not None and self.pos.round % k == 0:
             with self._lock:
@@ -759,12 +765,21 @@ class Trainer:
         """θ as fp32 host tensors (θ itself on a CPU peer, copies from a GPU)."""
         return [p.detach().to("cpu", torch.float32) for p in self.params]
 
-    def save(self) -> str | None:
+    def save(self, *, background: bool = False) -> str | None:
         """Write the checkpoint (atomically, peer/state/checkpoint.py); its path, or None without one.
+
+        With ``background`` the state is copied now and written by a background thread (the round
+        loop's checkpoint every round: the training thread does not wait for the disk); otherwise
+        the write in progress is waited for and this one written before returning.
 
         With ``sync.overlap`` a sync is usually in flight: the checkpoint holds the last applied φ,
         θ (with this peer's progress not yet in φ) and the committed residuals; a restart from it
-        drops that sync (peer/train/overlap.py)."""
+        drops that sync (peer/train/overlap.py).
+
+        Raises:
+            CheckpointError: this write failed (without ``background``), or the last background one
+                did; the checkpoint before it is intact.
+        """
         if self.cfg.checkpoint_path is None:
             return None
         adam = self.inner.state_dict()
@@ -772,12 +787,18 @@ class Trainer:
         residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
         if problem:
             self.reporter.emit("warning", message=problem)
-        save_checkpoint(self.cfg.checkpoint_path, PeerState(
-            run_id=self.m.run_id, round=self.pos.round, inner_step=self.inner_step, round_step=self.pos.step,
-            round_tokens=self.pos.tokens, names=self.names, phi=self.phi, momentum=self.outer.state_tensors(),
-            theta=self._theta_on_host(), adam_exp_avg=adam and adam["exp_avg"],
-            adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0,
-            residuals=residuals, data=self.inner.sampler.state(), vouchers=self._vouching.ledger.as_dict()))
+        with self._lock:
+            file = encode_checkpoint(PeerState(
+                run_id=self.m.run_id, round=self.pos.round, inner_step=self.inner_step, round_step=self.pos.step,
+                round_tokens=self.pos.tokens, names=self.names, phi=self.phi, momentum=self.outer.state_tensors(),
+                theta=self._theta_on_host(), adam_exp_avg=adam and adam["exp_avg"],
+                adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0,
+                residuals=residuals, data=self.inner.sampler.state(), vouchers=self._vouching.ledger.as_dict()))
+        if background:
+            self._checkpoints.submit(self.cfg.checkpoint_path, file)
+        else:
+            self._checkpoints.flush()
+            write_checkpoint(self.cfg.checkpoint_path, file)
         return str(self.cfg.checkpoint_path)
 
     def _restore(self, path: Path) -> None:

@@ -258,3 +258,30 @@ def test_the_ledger_of_vouchers_survives_a_restart(tmp_path):
     with pytest.raises(ValueError, match="expected a peer id"):
         Ledger().load({"": 1})
     assert json.loads(json.dumps(ledger.as_dict())) == {"12D3KooWa": 4, "12D3KooWb": 2}
+
+
+def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the_next_call(tmp_path, monkeypatch):
+    from peer.state.checkpoint import CheckpointWriter, encode_checkpoint
+
+    path = tmp_path / "c.safetensors"
+    writer = CheckpointWriter()
+    state = make_state(round_=1)
+    file = encode_checkpoint(state)
+    state.phi[0].fill_(123.0)          # the encoded copy does not follow the live tensors
+    writer.submit(path, file)
+    writer.submit(path, encode_checkpoint(make_state(round_=2)))
+    writer.flush()
+    assert load(path).round == 2        # the newer write landed last
+
+    def crash(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.os, "replace", crash)
+    writer.submit(path, encode_checkpoint(make_state(round_=3, fill=9.0)))
+    with pytest.raises(CheckpointError, match="No space left on device; the previous one is intact"):
+        writer.submit(path, encode_checkpoint(make_state(round_=4)))   # the failure surfaces here
+    monkeypatch.undo()
+    assert load(path).round == 2
+    writer.flush()                      # nothing pending: the failed write was reported once
+    writer.close()
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
