@@ -95,6 +95,9 @@ class SyncReport:
     """Groupmates (not this peer) that completed the sync with it in full: no one excluded, no
     piece averaged without one, so each exchanged its bytes with this peer. Empty otherwise. What
     this peer's ledger and its signed ``groupmates`` statement record (peer/state/vouching.py)."""
+    overlap_steps: tuple[int, ...] = ()
+    """Streaming: for each fragment sync of the round, the inner steps it overlapped (from its start
+    to its mean landing; at least ``sync.fragment_delay_steps``). Empty otherwise."""
 
 
 def combine_sync_reports(reports: "list[SyncReport]") -> SyncReport:
@@ -112,7 +115,8 @@ def combine_sync_reports(reports: "list[SyncReport]") -> SyncReport:
                       sync_s=sum(r.sync_s for r in reports), deadline_s=max(r.deadline_s for r in reports),
                       attempts=sum(r.attempts for r in reports), note="; ".join(r.note for r in reports if r.note),
                       agreeing=tuple(sorted(agreeing)), failed=any(r.failed for r in reports),
-                      completed=tuple(sorted(completed)))
+                      completed=tuple(sorted(completed)),
+                      overlap_steps=tuple(s for r in reports for s in r.overlap_steps))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +152,7 @@ class RoundOutcome:
                     tokens=self.tokens, attempts=s.attempts, start_digest=self.start_digest,
                     agreeing=sorted({*s.agreeing, peer_id}), state_digest=self.state_digest,
                     deadline_s=s.deadline_s, mfu=self.mfu, micro_batch=self.micro_batch,
-                    compute_s=self.compute_s)
+                    compute_s=self.compute_s, **({"overlap_steps": list(s.overlap_steps)} if s.overlap_steps else {}))
 
 
 @dataclass

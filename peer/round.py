@@ -121,6 +121,8 @@ class Trainer:
         self._vouching = Vouching(min_round_s=self.H * MIN_INNER_STEP_S)
         """Its ledger of vouchers, the round clock and refused digests (peer/state/vouching.py)."""
         self._groupmates: tuple[str, ...] = ()
+        self._disagreed: set[str] = set()
+        """Groupmates of the last sync that landed who had started it from another state than this peer's."""
         """Who completed this peer's last sync with it: its signed statement in every record."""
         self.summary = TrainSummary(peer_id=self.peer_id)
         self._checkpoints = CheckpointWriter()
@@ -328,10 +330,11 @@ class Trainer:
     # ---- streaming (Streaming DiLoCo, arXiv 2501.18512; peer/train/streaming.py) ---------------
     def _stream_after_step(self, tokens: int) -> None:
         """After an inner step with ``sync.overlap = "streaming"``: land the fragment sync in flight
-        once τ steps have passed since it started (waiting for it if it is slower), then start the
-        sync of every fragment whose offset in the round this step reached (fragment 0's, at the
-        round's end, is :meth:`_streaming_step`'s). A peer that jumped ahead in the round (a joiner,
-        or after evaluating φ) starts the syncs it jumped over at once."""
+        once τ steps have passed since it started and its mean is there (:meth:`_land_due`), then
+        start the sync of every fragment whose offset in the round this step reached (fragment 0's,
+        at the round's end, is :meth:`_streaming_step`'s); a sync still in flight then lands first,
+        waiting for it. A peer that jumped ahead in the round (a joiner, or after evaluating φ)
+        starts the syncs it jumped over at once."""
         for p in range(len(self._fragments)):
             self._fragment_tokens[p] += tokens
         self._land_due()
@@ -343,9 +346,20 @@ class Trainer:
                 self._land_due()
 
     def _land_due(self) -> None:
-        """Land the fragment sync in flight if τ inner steps passed since it started."""
+        """Land the fragment sync in flight if τ inner steps passed since it started and its result
+        is there; with τ = 0 at once, waiting for it (no overlap).
+
+        τ is the earliest a mean lands (Streaming DiLoCo's delay, arXiv 2501.18512: merged after τ
+        overlapped steps). A sync slower than τ steps lands at the first step its result is there,
+        at the latest when the next fragment's sync starts (H/P steps after it started; the inner
+        loop waits only then), so a slow uplink costs staleness, not compute. Groupmates may land
+        the same mean at different steps: φ_p is touched only by that landing, so they still hold
+        identical φ; only their local θ_p differ, as they do anyway. Each landing's overlap, in
+        steps, is in the round's report (``overlap_steps``)."""
+        if self._flight is None:
+            return
         tau = self.m.sync.fragment_delay_steps
-        if self._flight is not None and self.inner_step >= self._flight[1] + tau:
+        if tau == 0 or (self.inner_step >= self._flight[1] + tau and self._background.done):
             self._land_fragment()
 
     def _round_choice(self, round_: int) -> tuple[GroupChoice, list]:
@@ -394,7 +408,8 @@ class Trainer:
         failed blocking sync does; an outer step that would not be finite leaves φ_p as it was. On
         a stop nothing is applied: the sync is dropped, and θ keeps the fragment's progress."""
         mean, report = self._take_background()
-        p, self._flight = self._flight[0], None
+        (p, started), self._flight = self._flight, None
+        report = dataclasses.replace(report, overlap_steps=(self.inner_step - started,))
         if self.stop_event.is_set():
             return  # stopping (the sync was cancelled, or will not be trusted): dropped, as at the end
         index = self._fragments[p]
@@ -479,9 +494,11 @@ class Trainer:
 
     def _note_group(self, round_: int, report: SyncReport) -> None:
         """Remember who completed the sync of ``round_`` with this peer in full (its ledger of
-        vouchers, and the statement its next records sign)."""
+        vouchers, and the statement its next records sign), and who averaged with it from another
+        state (:meth:`_wait_for_peers_finishing` waits for their next records)."""
         self._vouching.ledger.record_group(round_, report.completed)
         self._groupmates = tuple(sorted(report.completed))
+        self._disagreed = set(report.group) - set(report.agreeing) - {self.peer_id}
 
     def _announce_sync(self, choice: GroupChoice, round_: int, fragment: int | None = None) -> None:
         if choice.expected_size > 1:
@@ -591,10 +608,17 @@ class Trainer:
         Without it the re-sync rule, run first, sees them one round behind (which it ignores), and a
         peer that differs from its group by one mean (a joiner that dropped a sync in flight on
         adopting) keeps syncing with it every round but never notices that it diverged.
+
+        Also waited for, wherever they are in that round: the groupmates of the last sync that
+        landed who had started it from another state. With ``sync.overlap`` no sync holds peers
+        together at a round's end, so a diverged peer can run ahead of its group by more than the
+        last quarter of a round, round after round; without waiting for them it would see them a
+        round behind every time and never adopt their state.
         """
         round_, closing = self.pos.round - 1, self.H - max(1, self.H // 4)
         finishing = {r.peer_id for r in self.swarm.others()
-                     if r.record.round == round_ and r.record.inner_step - round_ * self.H >= closing}
+                     if r.record.round == round_ and (r.record.inner_step - round_ * self.H >= closing or
+                                                      r.peer_id in self._disagreed)}
         deadline = time.monotonic() + FINISHING_RECORD_WAIT_S
         while finishing and not self.stop_event.is_set() and time.monotonic() < deadline:
             still = sum(1 for r in self.swarm.others() if r.peer_id in finishing and r.record.round == round_)
@@ -700,6 +724,7 @@ class Trainer:
         self.transport.reset_error_feedback()  # residuals of a φ this peer no longer holds
         self._completed_with = (self.peer_id,)
         self._groupmates = ()  # its last groupmates do not hold this state
+        self._disagreed = set()
         if self._fragments:  # θ = φ: no fragment has progress of its own; this round's syncs are all ahead
             self._fragment_tokens, self._fragments_synced, self._landed = [0] * len(self._fragments), set(), []
         self._take_snapshot()

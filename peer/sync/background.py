@@ -49,6 +49,12 @@ class BackgroundSync:
         return self._in_flight is not None
 
     @property
+    def done(self) -> bool:
+        """Whether the sync in flight finished (its result can be taken without waiting); False
+        when nothing is in flight."""
+        return self._in_flight is not None and self._in_flight.future.done()
+
+    @property
     def round(self) -> int | None:
         """The round of the sync in flight, or None."""
         return None if self._in_flight is None else self._in_flight.round

@@ -275,13 +275,31 @@ def test_checkpoint_with_a_sync_in_flight_holds_the_last_applied_phi_and_a_resta
     assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
 
 
-def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus):
+def slowed(trainer, seconds):
+    """Make ``trainer``'s inner steps ``seconds`` longer (a slower machine)."""
+    step = trainer.inner.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    trainer.inner.step = slow_step
+
+
+@pytest.mark.parametrize("groupmates_slower_s", [0.0, 0.01])
+def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmates_slower_s):
     """The joiner's first download lacks the mean then in flight; it syncs its first round with the
-    others, adopts their next state while keeping that sync, and from then holds their φ exactly."""
+    others, adopts their next state while keeping that sync, and from then holds their φ exactly.
+    Also when the joiner is the faster machine: with overlap nothing holds it back at a round's end,
+    so it reaches each round's end before its groupmates publish theirs, and it must wait for
+    their records (they averaged with it from another state) to notice that it is a mean off."""
     manifest = tiny_run().replace(sync={"overlap": "delayed", "inner_steps": 30})
     records, group, trainers = Records(), Group(matchmaking_s=5.0), {}
     first = [make_trainer(corpus, manifest, p, records, Transport(p, group, donors=trainers), rounds=10)
              for p in ("a", "b")]
+    for t in first:
+        if groupmates_slower_s:
+            slowed(t, groupmates_slower_s)
     trainers.update({t.peer_id: t for t in first})
     joined = threading.Event()
     first[0].reporter.on_event = lambda event, fields: event == "round" and fields["round"] >= 2 and joined.set()

@@ -75,6 +75,8 @@ def test_two_peers_stream_fragments_and_hold_identical_phi(corpus, algorithm):
         rounds = t.reporter.of("round")
         assert [e["round"] for e in rounds] == [1, 2, 3]
         assert all(e["group_size"] == 2 for e in rounds)  # round 1 already reports fragment 1's sync
+        # each mean landed τ = 1 step after its sync started or later, before the next fragment's sync
+        assert all(1 <= s <= H // 2 for e in rounds for s in e["overlap_steps"])
         assert all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))  # θ ← φ at the end
         assert t.summary.final_eval_loss < t.summary.initial_eval_loss
     assert any(not torch.equal(x, y) for x, y in zip(a.phi, phi0))
@@ -132,3 +134,24 @@ def test_a_fragment_sync_in_flight_is_dropped_by_a_stop_and_the_checkpoint_holds
     assert again.transport.carried == []      # alone: no sync went to the network
     assert all(torch.isfinite(f).all() for f in again.phi)
     assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
+
+
+def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_identical(corpus):
+    """τ is the earliest a mean lands: a sync that takes longer lands at the first step its mean is
+    there, at the latest when the next fragment's sync starts; the groupmates still hold the same φ."""
+    manifest = streaming(tau=1)
+    records, group = Records(), Group(2)
+
+    def slow(round_, should_stop):
+        time.sleep(0.5)   # a slow uplink: many inner steps of the tiny model
+
+    trainers = [make_trainer(corpus, manifest, p, records, FragmentTransport(p, group, fail=slow), rounds=2)
+                for p in ("a", "b")]
+    run_in_threads(trainers)
+    a, b = trainers
+    for x, y in zip(a.phi, b.phi):
+        assert torch.equal(x, y)
+    for t in trainers:
+        overlaps = [s for e in t.reporter.of("round") for s in e["overlap_steps"]]
+        assert overlaps and all(1 <= s <= H // 2 for s in overlaps)
+        assert max(overlaps) > 1           # it trained on instead of waiting at τ
