@@ -30,8 +30,8 @@ class ScriptedSwarm:
         return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
 
 
-def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None) -> types.SimpleNamespace:
-    return types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event())
+def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None, disagreed=()) -> types.SimpleNamespace:
+    return types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event(), _disagreed=set(disagreed))
 
 
 def test_donors_in_the_last_quarter_are_about_to_sync():
@@ -84,6 +84,19 @@ def test_after_a_round_it_waits_for_peers_finishing_the_same_round(monkeypatch):
     monkeypatch.setattr(t.stop_event, "wait", lambda seconds: None)
     Trainer._wait_for_peers_finishing(t)
     assert swarm.calls == 4
+
+
+def test_groupmates_that_averaged_from_another_state_are_waited_for_wherever_they_are_in_the_round(monkeypatch):
+    # z averaged with this peer from another state and is early in round 7 (this peer ran ahead,
+    # as a diverged peer can with overlap): it is waited for until it published round 8
+    swarm = ScriptedSwarm([record("z", 7, 3)], [record("z", 7, 12)], [record("z", 8, 0)])
+    t = at_round(trainer(swarm, disagreed=("z",)), 8)
+    monkeypatch.setattr(t.stop_event, "wait", lambda seconds: None)
+    Trainer._wait_for_peers_finishing(t)
+    assert swarm.calls == 3
+    alone = ScriptedSwarm([record("z", 7, 3)])
+    Trainer._wait_for_peers_finishing(at_round(trainer(alone), 8))   # not a disagreeing groupmate
+    assert alone.calls == 1
 
 
 def test_no_wait_without_peers_finishing_the_previous_round():
