@@ -198,7 +198,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
 
     Raises:
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
-        ConfigError: the run sets sync.overlap = 'streaming', or stages with overlap
+        ConfigError: the run sets pipeline stages with sync.overlap
             (:func:`refuse_unimplemented`), for this peer's own run (--run/--preset) before any
             network work; a bad --stage (:func:`choose_stage`).
     """

@@ -61,6 +61,11 @@ FINISHING_RECORD_WAIT_S = 5.0
 runs the re-sync rule (s; their publish normally takes milliseconds to ~1 s)."""
 
 
+JOINER_WAIT_S = 10.0
+"""How long a fresh peer keeps reading the records for a state to adopt while peers ahead of it are
+live, before it trains from its own initial φ (s; :meth:`Trainer.catch_up`)."""
+
+
 class Trainer:
     """Trains one peer. Construct with the swarm view and a started transport; call :meth:`run`.
 
@@ -256,12 +261,7 @@ class Trainer:
         self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
         self._note_group(done.round, report)
         self._take_snapshot()
-        peak = self.placement.peak_tflops if self.placement is not None else None
-        return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
-                            tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
-                            state_digest=self.state_digest, planned_group=choice.members, sync=report,
-                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch,
-                            compute_s=done.compute_s)
+        return self._outcome(done, live=live, start_digest=start_digest, choice=choice, report=report)
 
     def _overlap_step(self) -> RoundOutcome:
         """The end of a round with ``sync.overlap`` (peer/train/overlap.py): take the last round's
@@ -313,6 +313,12 @@ class Trainer:
             self.reporter.emit("warning", message=problem)
         self._anchor = None if start is self.phi else start
         self._set_theta(start)
+        return self._outcome(done, live=live, start_digest=start_digest, choice=choice, report=report)
+
+    def _outcome(self, done: RoundProgress, *, live: list, start_digest: str, choice: GroupChoice,
+                 report: SyncReport) -> RoundOutcome:
+        """The finished round ``done`` (its figures, taken before the position moved on) as its
+        ``round`` event tells it; the position is already in the next round."""
         peak = self.placement.peak_tflops if self.placement is not None else None
         return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
                             tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
@@ -445,12 +451,7 @@ class Trainer:
             self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
             self._note_group(done.round, report)
         self._take_snapshot()
-        peak = self.placement.peak_tflops if self.placement is not None else None
-        return RoundOutcome(round=self.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
-                            tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
-                            state_digest=self.state_digest, planned_group=choice.members, sync=report,
-                            mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch,
-                            compute_s=done.compute_s)
+        return self._outcome(done, live=live, start_digest=start_digest, choice=choice, report=report)
 
     def _land_last_streaming_syncs(self) -> None:
         """At ``max_rounds`` with streaming: the sync in flight lands, then every fragment with inner
@@ -574,8 +575,9 @@ class Trainer:
         if k and self.cfg.checkpoint_path is not None and self.pos.round % k == 0:
             with self._lock:
                 phi = [t.clone() for t in self.phi]
-            export_phi(self.cfg.checkpoint_path.parent, names=self.names, phi=phi, run_id=self.m.run_id,
-                       round_=self.pos.round)
+            directory, round_ = self.cfg.checkpoint_path.parent, self.pos.round
+            self._checkpoints.submit_call(lambda: export_phi(directory, names=self.names, phi=phi,
+                                                             run_id=self.m.run_id, round_=round_))
 
     def _keep_pace(self) -> None:
         """After evaluating φ for the swarm, start this round at the inner step the swarm reached
@@ -593,11 +595,24 @@ class Trainer:
     # ---- catch-up -----------------------------------------------------------------------
     def catch_up(self, attempts: int = 3) -> None:
         """Adopt the swarm's state while this peer is behind or diverged (the outer algorithm's
-        re-sync rule, peer/state/resync.py), again while the swarm moved on during a download."""
+        re-sync rule, peer/state/resync.py), again while the swarm moved on during a download.
+
+        A fresh peer (round 0, no step trained) that finds no state to adopt while live peers are
+        ahead reads the records again twice a second, up to :data:`JOINER_WAIT_S`, before it
+        trains from its own initial φ: the joiner's rule counts only states the records attest, and
+        right after a round a groupmate's record can still be the last round's (it publishes four
+        times a round), so the first read may attest nothing. Training alone from scratch instead
+        would cost it a round and, with ``sync.overlap``, the sync it then drops on adopting."""
         self._wait_for_peers_finishing()
-        for _ in range(attempts):
-            if self.stop_event.is_set() or not self._catch_up_once():
+        deadline, adopted = time.monotonic() + JOINER_WAIT_S, 0
+        while adopted < attempts and not self.stop_event.is_set():
+            if self._catch_up_once():
+                adopted += 1
+                continue
+            fresh = self.pos.round == 0 and self.pos.step == 0
+            if not (fresh and any(r.record.round > 0 for r in self.swarm.others())) or time.monotonic() >= deadline:
                 return
+            self.stop_event.wait(0.5)
 
     def _wait_for_peers_finishing(self) -> None:
         """Wait until most peers whose last record is in the last quarter of the previous round
@@ -674,8 +689,19 @@ class Trainer:
     def _resync_target(self) -> tuple[int, str, list[str]] | None:
         """The outer algorithm's re-sync rule over the records that may vouch, counting only the
         peers this peer completed a sync with in an earlier round, or, without history, what the
-        records' signed ``groupmates`` attest (issue #17, item 3: :meth:`Vouching.screen`)."""
+        records' signed ``groupmates`` attest (issue #17, item 3: :meth:`Vouching.screen`).
+
+        With ``sync.overlap`` and a sync in flight, records one round ahead are left out, as records
+        one round behind are: nothing holds peers together at a round's end, so a faster groupmate
+        leads by up to a round (it goes on until it needs the mean this peer's sync in flight
+        brings), and its state is this peer's own next one once that sync lands. Adopting it would
+        skip a round and leave the leader's next sync without this peer (which then fails, and both
+        adopt each other's states round after round). Not left out: a groupmate that averaged with
+        this peer from another state in its last sync (this peer is off the swarm's φ)."""
         others, vouchers = self._vouching.screen(self.swarm.others(), round_=self.pos.round)
+        if self._background is not None and self._background.in_flight:
+            others = [r for r in others
+                      if not (r.record.round == self.pos.round + 1 and r.peer_id not in self._disagreed)]
         return self.outer.resync_target(
             [(r.peer_id, r.record.round, r.record.state_digest) for r in others],
             round_=self.pos.round, digest=self.state_digest, completed_with=self._completed_with,

@@ -290,7 +290,9 @@ class SyncSpec:
     at most model.num_layers."""
     fragment_delay_steps: int = 2
     """τ, streaming only: inner steps between a fragment's sync starting and its mean being applied
-    (0: applied at once, no overlap); below inner_steps / fragments."""
+    at the earliest (0: applied at once, no overlap); below inner_steps / fragments. A peer whose
+    sync takes longer applies the mean when it arrives, at the latest when the next fragment's sync
+    starts (peer/round.py ``_land_due``); the simulation applies it after exactly τ steps."""
     fragment_alpha: float = 0.5
     """α, streaming only: on arrival θ_p ← α·θ_p + (1 − α)·φ_p (1: keep the local θ_p, 0: take φ_p)."""
 

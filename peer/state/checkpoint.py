@@ -137,44 +137,61 @@ def save_checkpoint(path: Path, state: PeerState) -> None:
 
 
 class CheckpointWriter:
-    """Writes encoded checkpoints in one background thread, one at a time, so the round loop does
-    not wait for the disk (a checkpoint of a 125M-parameter peer is ~2.5 GB).
+    """Writes encoded checkpoints (and φ exports) in one background thread, in order, so the round
+    loop does not wait for the disk (a checkpoint of a 125M-parameter peer is ~2.5 GB).
 
     Not thread-safe itself: one thread (the round loop) calls every method. A write that failed
-    raises its CheckpointError from the next :meth:`submit` or :meth:`flush`, on the caller's thread.
+    raises its CheckpointError from a later :meth:`submit` or from :meth:`flush`, on the caller's
+    thread. At most two writes are queued; a third waits for the oldest.
     """
 
     def __init__(self) -> None:
         import concurrent.futures
 
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="locoswarm-checkpoint")
-        self._pending = None
+        self._pending: list = []
 
     def submit(self, path: Path, file: CheckpointFile) -> None:
-        """Write ``file`` to ``path`` in the background, after the write in progress (waited for).
+        """Write ``file`` to ``path`` in the background, after the writes queued before it.
 
         Raises:
-            CheckpointError: the previous background write failed (this one is not started).
+            CheckpointError: an earlier background write failed (this one is not started).
         """
-        self.flush()
-        self._pending = self._pool.submit(write_checkpoint, path, file)
+        self.submit_call(lambda: write_checkpoint(path, file))
+
+    def submit_call(self, call: Callable[[], object]) -> None:
+        """Run ``call`` (a write into the peer's run directory, e.g. :func:`export_phi` of a copy of
+        φ) in the background thread, after the writes queued before it: one thread writes there,
+        so :func:`write_checkpoint`'s removal of what killed writes left never meets a write under way.
+
+        Raises:
+            CheckpointError: an earlier background write failed (this one is not started).
+        """
+        self._reap(keep=1)
+        self._pending.append(self._pool.submit(call))
 
     def flush(self) -> None:
-        """Wait for the write in progress.
+        """Wait for every queued write.
 
         Raises:
-            CheckpointError: it failed (the checkpoint before it is intact).
+            CheckpointError: one failed (the checkpoint before it is intact); the rest are still
+                waited for by the next call.
         """
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        self._reap(keep=0)
+
+    def _reap(self, *, keep: int) -> None:
+        """Take the results of the finished writes, oldest first, and wait while more than ``keep``
+        are queued; the first failure raises."""
+        while self._pending and (self._pending[0].done() or len(self._pending) > keep):
+            self._pending.pop(0).result()
 
     def close(self) -> None:
-        """Finish the write in progress and stop the thread (its error, if any, is logged)."""
-        try:
-            self.flush()
-        except CheckpointError as exc:
-            logger.warning("%s", exc)
+        """Finish the queued writes and stop the thread (a failure is logged)."""
+        while self._pending:
+            try:
+                self.flush()
+            except CheckpointError as exc:
+                logger.warning("%s", exc)
         self._pool.shutdown(wait=True)
 
 
@@ -306,6 +323,6 @@ def export_phi(directory: Path, *, names: list[str], phi: list[torch.Tensor], ru
     try:
         save_file({n: t.detach().to("cpu", torch.float32).contiguous() for n, t in zip(names, phi, strict=True)},
                   str(path), metadata={"run_id": run_id, "round": str(round_)})
-    except OSError as exc:
-        raise CheckpointError(f"cannot write {path}: {exc.strerror}") from exc
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}") from exc
     return path

@@ -260,7 +260,7 @@ def test_the_ledger_of_vouchers_survives_a_restart(tmp_path):
     assert json.loads(json.dumps(ledger.as_dict())) == {"12D3KooWa": 4, "12D3KooWb": 2}
 
 
-def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the_next_call(tmp_path, monkeypatch):
+def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the_callers_thread(tmp_path, monkeypatch):
     from peer.state.checkpoint import CheckpointWriter, encode_checkpoint
 
     path = tmp_path / "c.safetensors"
@@ -279,9 +279,14 @@ def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the
     monkeypatch.setattr(ckpt.os, "replace", crash)
     writer.submit(path, encode_checkpoint(make_state(round_=3, fill=9.0)))
     with pytest.raises(CheckpointError, match="No space left on device; the previous one is intact"):
-        writer.submit(path, encode_checkpoint(make_state(round_=4)))   # the failure surfaces here
+        writer.flush()                  # the failure surfaces on the round loop's thread
     monkeypatch.undo()
     assert load(path).round == 2
     writer.flush()                      # nothing pending: the failed write was reported once
+    exported = []
+    writer.submit(path, encode_checkpoint(make_state(round_=4)))
+    writer.submit_call(lambda: exported.append(load(path).round))   # queued behind the write, in order
+    writer.flush()
+    assert exported == [4]
     writer.close()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())

@@ -153,3 +153,38 @@ def test_an_owner_whose_means_were_refused_vouches_for_nothing():
     _, report = Trainer._sync(t, [torch.ones(3)], GroupChoice(expected_size=3), "d", round_=4, weight=1.0)
     assert report.completed == ("b",) and set(report.agreeing) == {"a", "b"}
     assert "refused the means of 2 piece(s) from c" in report.note
+
+
+def joiner(swarm: ScriptedSwarm, reads: list[bool], round_: int = 0) -> types.SimpleNamespace:
+    """A peer at ``round_`` whose successive state reads find a state to adopt or not (``reads``)."""
+    t = at_round(trainer(swarm), round_)
+    t.reads = []
+
+    def catch_up_once():
+        found = reads.pop(0)
+        t.reads.append(found)
+        if found:
+            t.pos.round = 2   # it adopted the swarm's round
+        return found
+
+    t._wait_for_peers_finishing, t._catch_up_once = (lambda: None), catch_up_once
+    t.stop_event.wait = lambda seconds: None
+    return t
+
+
+def test_a_fresh_peer_reads_again_while_the_records_ahead_attest_nothing_yet(monkeypatch):
+    ahead = [record("a", 2, 0), record("b", 1, 17)]
+    t = joiner(ScriptedSwarm(ahead), [False, False, True, False])
+    Trainer.catch_up(t)
+    assert t.reads == [False, False, True, False]   # two empty reads, the adoption, nothing more
+    # not fresh (resumed mid-run), or nobody ahead: one read, then it trains
+    for t in (joiner(ScriptedSwarm(ahead), [False, True], round_=1),
+              joiner(ScriptedSwarm([record("a", 0, 5)]), [False, True])):
+        Trainer.catch_up(t)
+        assert t.reads == [False]
+    import peer.round as round_module
+
+    monkeypatch.setattr(round_module, "JOINER_WAIT_S", 0.0)   # bounded: then it trains from its own φ
+    t = joiner(ScriptedSwarm(ahead), [False, True])
+    Trainer.catch_up(t)
+    assert t.reads == [False]
