@@ -53,14 +53,14 @@ from protocol.specs import OVERLAP_MODES  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "overlap.json"
 
 
-def rig_manifest(mode: str, inner_steps: int, fragments: int = 2, fragment_delay: int | None = None) -> RunManifest:
+def rig_manifest(mode: str, inner_steps: int, fragments: int = 2, fragment_delay: int = 2) -> RunManifest:
     """The benchmark's run with ``sync.overlap = mode`` (a swarm-wide fact of the manifest); with
-    streaming, ``fragments`` P and τ = ``fragment_delay`` (None: H/P − 1, the most a fragment's sync may overlap)."""
+    streaming, ``fragments`` P and τ = ``fragment_delay``, the earliest a mean lands (a slower sync
+    lands when it arrives: the round events' ``overlap_steps`` say after how many steps)."""
     sync = {"inner_steps": inner_steps, "matchmaking_time_s": 2.0, "allreduce_timeout_s": 60.0,
             "next_chunk_timeout_s": 10.0, "overlap": mode}
     if mode == "streaming":
-        tau = -(-inner_steps // fragments) - 1 if fragment_delay is None else fragment_delay
-        sync.update(fragments=fragments, fragment_delay_steps=tau)
+        sync.update(fragments=fragments, fragment_delay_steps=fragment_delay)
     return tiny_run().replace(
         name=f"overlap-rig-{mode}",
         model=CHAOS_MODEL,
@@ -88,11 +88,12 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
             "compute_s_per_round": compute / len(measured),
             "tokens_per_s": sum(e["tokens"] for e in measured) / wall,
             "group_sizes": [e["group_size"] for e in measured],
+            "overlap_steps": [s for e in measured for s in e.get("overlap_steps", ())],
             "notes": sorted({e.get("note") or "" for e in measured} - {""})}
 
 
 def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
-            inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int | None = None) -> dict:
+            inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int = 2) -> dict:
     """One swarm on the rig until every peer stopped at ``rounds``; its figures."""
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
@@ -133,7 +134,9 @@ def row(run: dict) -> dict:
             "compute_utilization_min": min(p["compute_utilization"] for p in per),
             "compute_s_per_round": compute, "blocking_share": sync / compute,
             "tokens_per_s": sum(p["tokens_per_s"] for p in per),
-            "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"])}
+            "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
+            "median_overlap_steps": (statistics.median(s for p in per for s in p.get("overlap_steps", ()))
+                                     if any(p.get("overlap_steps") for p in per) else None)}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -141,7 +144,10 @@ def markdown(rows: list[dict]) -> str:
              "sync s | sync ÷ compute | swarm tokens/s | mean group |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {r['overlap']} | "
+        mode = r["overlap"]
+        if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
+            mode += f" (median {r['median_overlap_steps']:g} steps)"
+        lines.append(f"| {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
                      f"{100 * r['compute_utilization']:.1f} % / "
                      f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
                      f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | {r['tokens_per_s']:.0f} | "
@@ -158,8 +164,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="rounds left out at the start")
     parser.add_argument("--inner-steps", type=int, default=150, help="H")
     parser.add_argument("--fragments", type=int, default=2, help="streaming: P (the rig's model has 2 blocks)")
-    parser.add_argument("--fragment-delay", type=int, default=None,
-                        help="streaming: τ in inner steps (default H/P − 1: the longest a fragment's sync may overlap)")
+    parser.add_argument("--fragment-delay", type=int, default=2,
+                        help="streaming: τ, the earliest a fragment's mean lands, in inner steps (the manifest's default)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -127,6 +127,8 @@ class Trainer:
         """Its ledger of vouchers, the round clock and refused digests (peer/state/vouching.py)."""
         self._groupmates: tuple[str, ...] = ()
         self._disagreed: set[str] = set()
+        self._last_sync_failed = False
+        """With overlap: the last sync that landed failed (this peer applied its own payload: off the swarm's φ)."""
         """Groupmates of the last sync that landed who had started it from another state than this peer's."""
         """Who completed this peer's last sync with it: its signed statement in every record."""
         self.summary = TrainSummary(peer_id=self.peer_id)
@@ -330,6 +332,7 @@ class Trainer:
         """The sync in flight's mean and report; no mean when it failed after this peer adopted
         another state (its own payload belongs to the φ it left)."""
         mean, report, _ = self._background.result()
+        self._last_sync_failed = report.failed
         adopted, self._adopted_in_flight = self._adopted_in_flight, False
         return (None if adopted and report.failed else mean), report
 
@@ -697,9 +700,11 @@ class Trainer:
         brings), and its state is this peer's own next one once that sync lands. Adopting it would
         skip a round and leave the leader's next sync without this peer (which then fails, and both
         adopt each other's states round after round). Not left out: a groupmate that averaged with
-        this peer from another state in its last sync (this peer is off the swarm's φ)."""
+        this peer from another state in its last sync, and anyone when this peer's last landed
+        sync failed (it applied its own payload: it is off the swarm's φ, and a peer that keeps
+        missing its group falls further behind each round; it must follow the swarm)."""
         others, vouchers = self._vouching.screen(self.swarm.others(), round_=self.pos.round)
-        if self._background is not None and self._background.in_flight:
+        if self._background is not None and self._background.in_flight and not self._last_sync_failed:
             others = [r for r in others
                       if not (r.record.round == self.pos.round + 1 and r.peer_id not in self._disagreed)]
         return self.outer.resync_target(
@@ -750,7 +755,7 @@ class Trainer:
         self.transport.reset_error_feedback()  # residuals of a φ this peer no longer holds
         self._completed_with = (self.peer_id,)
         self._groupmates = ()  # its last groupmates do not hold this state
-        self._disagreed = set()
+        self._disagreed, self._last_sync_failed = set(), False
         if self._fragments:  # θ = φ: no fragment has progress of its own; this round's syncs are all ahead
             self._fragment_tokens, self._fragments_synced, self._landed = [0] * len(self._fragments), set(), []
         self._take_snapshot()

@@ -26,3 +26,12 @@ def test_too_few_rounds_is_an_error_naming_the_count():
 def test_the_manifest_carries_the_overlap_mode():
     assert rig_manifest("delayed", 40).sync.overlap == "delayed"
     assert rig_manifest("none", 40).sync.inner_steps == 40
+
+
+def test_streaming_rows_carry_p_tau_and_how_long_each_fragment_sync_overlapped():
+    m = rig_manifest("streaming", 40, fragments=2, fragment_delay=3)
+    assert (m.sync.fragments, m.sync.fragment_delay_steps) == (2, 3)
+    events = rounds([10, 14, 18], [3.0, 3.0, 3.0])
+    for e, steps in zip(events, ([], [5, 7], [9])):
+        e["overlap_steps"] = steps
+    assert peer_figures(events, warmup=1)["overlap_steps"] == [5, 7, 9]   # the warm-up round's are left out

@@ -188,3 +188,25 @@ def test_a_fresh_peer_reads_again_while_the_records_ahead_attest_nothing_yet(mon
     t = joiner(ScriptedSwarm(ahead), [False, True])
     Trainer.catch_up(t)
     assert t.reads == [False]
+
+
+def test_with_overlap_a_groupmate_one_round_ahead_is_adopted_only_when_this_peer_is_off_its_phi():
+    """With a sync in flight, b one round ahead is this peer's own next state (not adopted); it is
+    adopted when b averaged with this peer from another state, or when this peer's last sync failed."""
+    from protocol.presets import tiny_run
+    from peer.state.vouching import Vouching
+    from peer.train.outer import make_outer
+
+    def peer_at_round_3(*, disagreed=(), failed=False):
+        t = at_round(trainer(ScriptedSwarm([record("b", 4, 0), record("c", 4, 0)]), disagreed=disagreed), 3)
+        t.pos.step = 0
+        t._vouching, t.outer = Vouching(min_round_s=0.02), make_outer(tiny_run(), [])
+        t._vouching.ledger.record_group(1, ["b", "c"])          # b and c completed a sync with it before
+        t._background = types.SimpleNamespace(in_flight=True)
+        t._last_sync_failed, t._completed_with, t.peer_id = failed, ("a",), "a"
+        t.state_digest, t.cfg = "cd" * 16, types.SimpleNamespace(serves_state=True)
+        return t
+
+    assert Trainer._resync_target(peer_at_round_3()) is None
+    assert Trainer._resync_target(peer_at_round_3(disagreed=("b", "c")))[:2] == (4, "ab" * 16)
+    assert Trainer._resync_target(peer_at_round_3(failed=True))[:2] == (4, "ab" * 16)
