@@ -170,8 +170,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 None: every buffer.
 
         Raises:
-            ValueError: an index out of range, repeated or unordered, or a subset that mixes φ
-                before Δ; nothing changed.
+            ValueError: an index out of range, repeated or out of order (ascending keeps a
+                fragment's Δ tensors before its φ tensors); nothing changed.
         """
         if tensors is not None:
             tensors = tuple(int(i) for i in tensors)
