@@ -152,6 +152,8 @@ class Trainer:
             phi_from = self.outer.phi_from(len(self.phi))
             self._fragment_payload = [payload_indices(f, phi_from=phi_from) for f in self._fragments]
             self._fragment_offset = [sync_offset(p, inner_steps=self.H, fragments=P) for p in range(P)]
+            self._fragment_order = sorted(range(P), key=lambda p: self._fragment_offset[p])
+            """Fragments in the order their syncs come in a round (fragment 0, offset 0, first)."""
             self._fragment_tokens = [0] * P
             """Tokens trained since each fragment's last sync: the weight of its Δ in the group mean."""
             self._fragments_synced: set[int] = set()
@@ -260,7 +262,6 @@ class Trainer:
                 self.outer.apply(self.phi, mean)
             self.pos.start_round(self.pos.round + 1)
         self._set_theta_to_phi()
-        self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
         self._note_group(done.round, report)
         self._take_snapshot()
         return self._outcome(done, live=live, start_digest=start_digest, choice=choice, report=report)
@@ -292,7 +293,6 @@ class Trainer:
                 self.outer.apply(self.phi, mean)
             self.pos.start_round(self.pos.round + 1)
         if mean is not None:
-            self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
             self._note_group(max(0, done.round - 1), report)  # the sync landing is the last round's
         self._take_snapshot()
         start = self.phi
@@ -349,7 +349,7 @@ class Trainer:
         self._land_due()
         if self.pos.step >= self.H:
             return
-        for p in sorted(range(1, len(self._fragments)), key=lambda q: self._fragment_offset[q]):
+        for p in self._fragment_order:
             if p not in self._fragments_synced and 0 < self._fragment_offset[p] <= self.pos.step:
                 self._start_fragment_sync(p, self.pos.round)
                 self._land_due()
@@ -442,19 +442,24 @@ class Trainer:
         choice, live = self._round_choice(self.pos.round)
         start_digest = self.state_digest
         done = dataclasses.replace(self.pos)
-        for p in sorted(range(len(self._fragments)), key=lambda q: self._fragment_offset[q]):
+        for p in self._fragment_order:
             if p not in self._fragments_synced:  # fragment 0, and any a jump or a failed Δ skipped
                 self._start_fragment_sync(p, done.round)
                 self._land_due()
-        report, self._landed = combine_sync_reports(self._landed), []
+        report = self._take_landed(done.round)
         with self._lock:
             self.pos.start_round(self.pos.round + 1)
         self._fragments_synced = set()
-        if report.attempts:
-            self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
-            self._note_group(done.round, report)
         self._take_snapshot()
         return self._outcome(done, live=live, start_digest=start_digest, choice=choice, report=report)
+
+    def _take_landed(self, round_: int) -> SyncReport:
+        """The fragment syncs that landed since the last call, as one report (noted as the sync of
+        ``round_`` when any was tried)."""
+        report, self._landed = combine_sync_reports(self._landed), []
+        if report.attempts:
+            self._note_group(round_, report)
+        return report
 
     def _land_last_streaming_syncs(self) -> None:
         """At ``max_rounds`` with streaming: the sync in flight lands, then every fragment with inner
@@ -467,10 +472,7 @@ class Trainer:
                 self._start_fragment_sync(p, self.pos.round)
                 if self._flight is not None:
                     self._land_fragment()
-        report, self._landed = combine_sync_reports(self._landed), []
-        if report.attempts:
-            self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
-            self._note_group(self.pos.round, report)
+        self._take_landed(self.pos.round)
         self._set_theta_to_phi()
         self._take_snapshot()
 
@@ -490,16 +492,17 @@ class Trainer:
         with self._lock:
             if mean is not None:
                 self.outer.apply(self.phi, mean)
-        self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
         self._note_group(max(0, self.pos.round - 1), report)
         self._anchor = None
         self._set_theta_to_phi()
         self._take_snapshot()
 
     def _note_group(self, round_: int, report: SyncReport) -> None:
-        """Remember who completed the sync of ``round_`` with this peer in full (its ledger of
+        """Remember, of the sync of ``round_`` that just landed, who holds this peer's state after it
+        (its own class in the re-sync rule), who completed it with this peer in full (its ledger of
         vouchers, and the statement its next records sign), and who averaged with it from another
         state (:meth:`_wait_for_peers_finishing` waits for their next records)."""
+        self._completed_with = tuple(sorted({*report.agreeing, self.peer_id}))
         self._vouching.ledger.record_group(round_, report.completed)
         self._groupmates = tuple(sorted(report.completed))
         self._disagreed = set(report.group) - set(report.agreeing) - {self.peer_id}

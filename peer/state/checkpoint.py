@@ -185,15 +185,6 @@ class CheckpointWriter:
         while self._pending and (self._pending[0].done() or len(self._pending) > keep):
             self._pending.pop(0).result()
 
-    def close(self) -> None:
-        """Finish the queued writes and stop the thread (a failure is logged)."""
-        while self._pending:
-            try:
-                self.flush()
-            except CheckpointError as exc:
-                logger.warning("%s", exc)
-        self._pool.shutdown(wait=True)
-
 
 def _remove_stale_temporaries(path: Path) -> None:
     """Delete what writes killed midway left beside ``path``: our ``.NAME.tmpPID`` files and the

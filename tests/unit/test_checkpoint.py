@@ -288,5 +288,4 @@ def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the
     writer.submit_call(lambda: exported.append(load(path).round))   # queued behind the write, in order
     writer.flush()
     assert exported == [4]
-    writer.close()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
