@@ -16,6 +16,10 @@ when the round ended.
   the wall time from the event ending round ``--warmup`` to the event ending the last round (start-up,
   the first matchmaking and the last in-flight sync's drain are left out). The row gives the mean
   over peers (the detail file has each peer's).
+* idle seconds per round, means over peers: ``sync_wait`` (the training thread waited for a sync's
+  mean: blocking, the whole sync; with overlap, what a background sync still had to do),
+  ``resync_wait`` (the re-sync rule's catch-up after a round: waiting for finishing groupmates'
+  records, downloads), ``other`` (the rest: records, snapshots, checkpoint encoding, the outer step).
 * ``round_s``: that wall time ÷ the rounds in it, mean over peers. ``sync_s``: mean over peers and
   rounds. ``blocking_share`` (detail, table): mean ``sync_s`` ÷ mean ``compute_s``: the issue asks
   for a payload whose blocking sync takes at least a third of a round's compute.
@@ -86,6 +90,11 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
             "round_s": wall / len(measured),
             "sync_s": statistics.fmean(e["sync_s"] for e in measured),
             "compute_s_per_round": compute / len(measured),
+            # where the rest of the wall time went, per round (round events' sync_wait_s, resync_wait_s)
+            "sync_wait_s_per_round": statistics.fmean(e.get("sync_wait_s", 0.0) for e in measured),
+            "resync_wait_s_per_round": statistics.fmean(e.get("resync_wait_s", 0.0) for e in measured),
+            "other_s_per_round": (wall - compute - sum(e.get("sync_wait_s", 0.0) + e.get("resync_wait_s", 0.0)
+                                                       for e in measured)) / len(measured),
             "tokens_per_s": sum(e["tokens"] for e in measured) / wall,
             "group_sizes": [e["group_size"] for e in measured],
             "overlap_steps": [s for e in measured for s in e.get("overlap_steps", ())],
@@ -133,6 +142,8 @@ def row(run: dict) -> dict:
             "round_s": statistics.fmean(p["round_s"] for p in per), "sync_s": sync,
             "compute_utilization_min": min(p["compute_utilization"] for p in per),
             "compute_s_per_round": compute, "blocking_share": sync / compute,
+            **{k: statistics.fmean(p.get(k, 0.0) for p in per)
+               for k in ("sync_wait_s_per_round", "resync_wait_s_per_round", "other_s_per_round")},
             "tokens_per_s": sum(p["tokens_per_s"] for p in per),
             "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
             "median_overlap_steps": (statistics.median(s for p in per for s in p.get("overlap_steps", ()))
@@ -141,8 +152,8 @@ def row(run: dict) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
-             "sync s | sync ÷ compute | swarm tokens/s | mean group |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "sync s | sync ÷ compute | idle s per round: sync wait / re-sync / other | swarm tokens/s | mean group |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mode = r["overlap"]
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
@@ -150,7 +161,9 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
                      f"{100 * r['compute_utilization']:.1f} % / "
                      f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
-                     f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | "
+                     f"{r.get('sync_wait_s_per_round', 0.0):.2f} / {r.get('resync_wait_s_per_round', 0.0):.2f} / "
+                     f"{r.get('other_s_per_round', 0.0):.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r['mean_group_size']:.2f} |")
     return "\n".join(lines)
 

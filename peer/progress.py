@@ -140,6 +140,12 @@ class RoundOutcome:
     """Sequences per micro-batch at the round's end (None: the whole batch)."""
     compute_s: float = 0.0
     """Seconds this round's inner steps took (what compute utilization divides by wall time)."""
+    sync_wait_s: float = 0.0
+    """Seconds the training thread waited for a sync's mean since the last ``round`` event
+    (blocking: the whole sync; ``sync.overlap``: only what a background sync still had to do)."""
+    resync_wait_s: float = 0.0
+    """Seconds the training thread spent in the re-sync rule's catch-up since the last ``round``
+    event (after the previous round: waiting for finishing groupmates' records, state downloads)."""
 
     def event_fields(self, peer_id: str) -> dict[str, Any]:
         """The ``round`` event as reporting and the launchers read it."""
@@ -152,7 +158,8 @@ class RoundOutcome:
                     tokens=self.tokens, attempts=s.attempts, start_digest=self.start_digest,
                     agreeing=sorted({*s.agreeing, peer_id}), state_digest=self.state_digest,
                     deadline_s=s.deadline_s, mfu=self.mfu, micro_batch=self.micro_batch,
-                    compute_s=self.compute_s, **({"overlap_steps": list(s.overlap_steps)} if s.overlap_steps else {}))
+                    compute_s=self.compute_s, sync_wait_s=self.sync_wait_s, resync_wait_s=self.resync_wait_s,
+                    **({"overlap_steps": list(s.overlap_steps)} if s.overlap_steps else {}))
 
 
 @dataclass

@@ -128,6 +128,10 @@ class Trainer:
         self._groupmates: tuple[str, ...] = ()
         self._disagreed: set[str] = set()
         self._last_sync_failed = False
+        self._waited = {"sync": 0.0, "resync": 0.0}
+        """Seconds the training thread waited since the last ``round`` event: for a sync's mean
+        (blocking: the whole sync; overlap: the part of a background sync still running when its
+        mean was needed) and in the re-sync rule's catch-up (its reads, waits and downloads)."""
         """With overlap: the last sync that landed failed (this peer applied its own payload: off the swarm's φ)."""
         """Groupmates of the last sync that landed who had started it from another state than this peer's."""
         """Who completed this peer's last sync with it: its signed statement in every record."""
@@ -253,9 +257,11 @@ class Trainer:
             mean, report = None, SyncReport(note=f"{exc}: round discarded, φ unchanged")
         else:
             self._announce_sync(choice, self.pos.round)
+            started = time.monotonic()
             mean, report = self._sync(payload, choice, start_digest, round_=self.pos.round,
                                       weight=float(max(self.pos.tokens, 1)),
                                       expected_wait_s=self._groupmates_due_s(live, self.pos.round, choice))
+            self._waited["sync"] += time.monotonic() - started
         done = dataclasses.replace(self.pos)  # the finished round's figures, before the position moves on
         with self._lock:
             if mean is not None:
@@ -308,8 +314,9 @@ class Trainer:
                 self._announce_sync(choice, done.round)
                 digest, weight = self.state_digest, float(max(done.tokens, 1))
                 due_s = self._groupmates_due_s(live, done.round, choice)
+                budget_s = self._wait_budget_s(done, self.H)
                 self._background.start(lambda: self._sync(payload, choice, digest, round_=done.round, weight=weight,
-                                                          expected_wait_s=due_s),
+                                                          expected_wait_s=due_s, wait_budget_s=budget_s),
                                        round_=done.round, start_digest=digest)
         if start is self.phi:
             self.reporter.emit("warning", message=problem)
@@ -326,12 +333,15 @@ class Trainer:
                             tokens=done.tokens, peers=len(live) or 1, start_digest=start_digest,
                             state_digest=self.state_digest, planned_group=choice.members, sync=report,
                             mfu=mfu(done.tokens_per_s, self._flops_per_token, peak), micro_batch=self._micro_batch,
-                            compute_s=done.compute_s)
+                            compute_s=done.compute_s, sync_wait_s=self._waited["sync"],
+                            resync_wait_s=self._waited["resync"])
 
     def _take_background(self) -> tuple[list[torch.Tensor] | None, SyncReport]:
         """The sync in flight's mean and report; no mean when it failed after this peer adopted
         another state (its own payload belongs to the φ it left)."""
+        start = time.monotonic()
         mean, report, _ = self._background.result()
+        self._waited["sync"] += time.monotonic() - start
         self._last_sync_failed = report.failed
         adopted, self._adopted_in_flight = self._adopted_in_flight, False
         return (None if adopted and report.failed else mean), report
@@ -404,9 +414,10 @@ class Trainer:
         weight, self._fragment_tokens[p] = float(max(self._fragment_tokens[p], 1)), 0
         digest = self.state_digest
         due_s = self._groupmates_due_s(live, round_, choice) if self._fragment_offset[p] == 0 else 0.0
+        budget_s = self._wait_budget_s(self.pos, max(1, self.H // len(self._fragments)))
         self._announce_sync(choice, round_, fragment=p)
         self._background.start(lambda: self._sync(payload, choice, digest, round_=round_, weight=weight,
-                                                  expected_wait_s=due_s, fragment=p),
+                                                  expected_wait_s=due_s, wait_budget_s=budget_s, fragment=p),
                                round_=round_, start_digest=digest)
         self._flight = (p, self.inner_step)
 
@@ -522,13 +533,25 @@ class Trainer:
                                             batch_size_tokens=self.m.inner_optimizer.batch_size_tokens,
                                             peers=set(choice.members) if choice.members else None)
 
+    @staticmethod
+    def _wait_budget_s(progress: RoundProgress, steps: int) -> float:
+        """How long a sync started now in the background may wait for a groupmate known to be
+        coming (peer/sync/deadlines.py ``wait_budget_s``): half the inner-step time of the
+        ``steps`` steps after which its mean is needed (delayed and eager: a round; streaming:
+        H/P steps, when the next fragment's sync starts), at ``progress``'s seconds per step; the
+        other half is left for the all-reduce. 0 before any step was timed."""
+        if progress.steps_done <= 0:
+            return 0.0
+        return 0.5 * steps * progress.compute_s / progress.steps_done
+
     def _sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,
-              weight: float, expected_wait_s: float = 0.0,
+              weight: float, expected_wait_s: float = 0.0, wait_budget_s: float = 0.0,
               fragment: int | None = None) -> tuple[list[torch.Tensor], SyncReport]:
         """The group's token-weighted mean payload, or this peer's own when there is no group or
         the sync fails (failed rounds are recorded, not fatal: DiLoCo paper Fig. 8). Reads no
         state of the loop, so it may run in the background thread (peer/sync/background.py).
         ``expected_wait_s``: until the last expected groupmate arrives (:meth:`_groupmates_due_s`).
+        ``wait_budget_s``: a background sync's (:meth:`_wait_budget_s`); 0 for a blocking one.
         ``fragment``: streaming, the fragment whose tensors ``payload`` holds (its own key and buffers)."""
         if choice.expected_size <= 1:
             return payload, SyncReport(note=choice.note)
@@ -539,7 +562,8 @@ class Trainer:
             result = self.transport.average(payload, weight=weight, round_=round_,
                                             expected_group_size=choice.expected_size, group_index=choice.index,
                                             start_digest=start_digest, should_stop=self.stop_event.is_set,
-                                            expected_wait_s=expected_wait_s, **extra)
+                                            expected_wait_s=expected_wait_s, wait_budget_s=wait_budget_s,
+                                            **extra)
             check_finite(result.mean, "the group's mean payload")
         except (SyncError, BadPayload) as exc:
             note = f"no group: applied own step ({exc})"
@@ -572,6 +596,7 @@ class Trainer:
         self._last_round = outcome
         self._publish()
         self.reporter.emit("round", **outcome.event_fields(self.peer_id))
+        self._waited = dict.fromkeys(self._waited, 0.0)
         k = self.cfg.eval_every_rounds
         if k and self.evaluates_phi and self.pos.round % k == 0 and not self._done() and self._evaluates(self.pos.round):
             self.eval_phi("periodic")
@@ -609,16 +634,20 @@ class Trainer:
         right after a round a groupmate's record can still be the last round's (it publishes four
         times a round), so the first read may attest nothing. Training alone from scratch instead
         would cost it a round and, with ``sync.overlap``, the sync it then drops on adopting."""
-        self._wait_for_peers_finishing()
-        deadline, adopted = time.monotonic() + JOINER_WAIT_S, 0
-        while adopted < attempts and not self.stop_event.is_set():
-            if self._catch_up_once():
-                adopted += 1
-                continue
-            fresh = self.pos.round == 0 and self.pos.step == 0
-            if not (fresh and any(r.record.round > 0 for r in self.swarm.others())) or time.monotonic() >= deadline:
-                return
-            self.stop_event.wait(0.5)
+        started = time.monotonic()
+        try:
+            self._wait_for_peers_finishing()
+            deadline, adopted = time.monotonic() + JOINER_WAIT_S, 0
+            while adopted < attempts and not self.stop_event.is_set():
+                if self._catch_up_once():
+                    adopted += 1
+                    continue
+                fresh = self.pos.round == 0 and self.pos.step == 0
+                if not (fresh and any(r.record.round > 0 for r in self.swarm.others())) or time.monotonic() >= deadline:
+                    return
+                self.stop_event.wait(0.5)
+        finally:
+            self._waited["resync"] += time.monotonic() - started
 
     def _wait_for_peers_finishing(self) -> None:
         """Wait until most peers whose last record is in the last quarter of the previous round
@@ -630,6 +659,12 @@ class Trainer:
         peer that differs from its group by one mean (a joiner that dropped a sync in flight on
         adopting) keeps syncing with it every round but never notices that it diverged.
 
+        Not waited for: the groupmates that completed this peer's last landed sync from its own
+        state (``_completed_with``): they applied the same mean to the same φ and hold this peer's
+        state, so their next record can change nothing the re-sync rule decides. With
+        ``sync.overlap`` nothing holds peers together at a round's end, and waiting for a slower
+        groupmate's record (up to a second, each round) was idle time of the inner loop.
+
         Also waited for, wherever they are in that round: the groupmates of the last sync that
         landed who had started it from another state. With ``sync.overlap`` no sync holds peers
         together at a round's end, so a diverged peer can run ahead of its group by more than the
@@ -638,7 +673,8 @@ class Trainer:
         """
         round_, closing = self.pos.round - 1, self.H - max(1, self.H // 4)
         finishing = {r.peer_id for r in self.swarm.others()
-                     if r.record.round == round_ and (r.record.inner_step - round_ * self.H >= closing or
+                     if r.record.round == round_ and ((r.record.inner_step - round_ * self.H >= closing and
+                                                       r.peer_id not in self._completed_with) or
                                                       r.peer_id in self._disagreed)}
         deadline = time.monotonic() + FINISHING_RECORD_WAIT_S
         while finishing and not self.stop_event.is_set() and time.monotonic() < deadline:

@@ -152,15 +152,16 @@ class NetworkTransport:
     def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
                 group_index: int | None = None, start_digest: str = "",
                 should_stop: Callable[[], bool] = lambda: False, expected_wait_s: float = 0.0,
-                fragment: int | None = None, fragments: int = 1,
+                wait_budget_s: float = 0.0, fragment: int | None = None, fragments: int = 1,
                 tensors: Sequence[int] | None = None) -> SyncResult:
         """Token-weighted group mean of ``payload`` over the peers at round ``round_``.
 
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
         NoLoCo: only the peers of random group ``group_index`` (arXiv 2506.10911), so no peer
         exchanges data with more than its groupmates. Returns within the current deadlines'
-        ``total_s`` (peer/sync/deadlines.py; at most :attr:`max_sync_seconds`), whatever the other
-        peers do.
+        ``total_s`` (peer/sync/deadlines.py; at most :attr:`max_sync_seconds`, or past it by
+        three times ``wait_budget_s`` when a background sync waits for a groupmate known to be
+        coming), whatever the other peers do.
 
         Args:
             payload: this peer's contribution (see OuterAlgorithm.payload), fp32.
@@ -174,6 +175,9 @@ class NetworkTransport:
             should_stop: polled while waiting; when it returns True the sync is cancelled.
             expected_wait_s: seconds until the last expected groupmate arrives, by the progress
                 records; the matchmaking window covers it (peer/sync/deadlines.py).
+            wait_budget_s: a sync in the background (``sync.overlap``): seconds it may wait for
+                that groupmate past the manifest's ``matchmaking_time_s`` (0: a blocking sync,
+                never past it).
             fragment, fragments: Streaming DiLoCo (arXiv 2501.18512): this sync is fragment
                 ``fragment`` of ``fragments`` of round ``round_``; its groupmates meet under the
                 key of that fragment's sync (protocol/keys.py ``sync_index``). None: a whole round.
@@ -197,7 +201,7 @@ class NetworkTransport:
             chosen = buffers if tensors is None else [buffers[i] for i in tensors]
             for buf, d in zip(chosen, payload, strict=True):
                 buf.copy_(d)
-        d = self.deadlines.current(expected_wait_s=expected_wait_s)
+        d = self.deadlines.current(expected_wait_s=expected_wait_s, wait_budget_s=wait_budget_s)
         bound_s = (1 + self.RETRIES) * d.total_s
         sent = received = 0
         for attempt in range(1 + self.RETRIES):

@@ -88,3 +88,19 @@ def test_the_window_covers_a_groupmate_predicted_to_arrive_within_the_bound():
     assert policy.current(expected_wait_s=60.0).matchmaking_s == 5.0  # never past the manifest's bound
     policy.observe(wait_s=2.0, allreduce_s=1.0)
     assert policy.current(expected_wait_s=0.1).matchmaking_s == 1.5 * 2.0 + 0.5  # history still counts
+
+
+def test_a_background_sync_waits_for_a_groupmate_known_to_be_coming_up_to_its_budget():
+    from peer.sync.deadlines import ARRIVAL_MARGIN_S
+
+    policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=2.0, min_matchmaking_time_s=1.0))
+    policy.observe(wait_s=0.0, allreduce_s=1.0)
+    assert policy.current(expected_wait_s=4.0).matchmaking_s == 2.0                     # blocking: the bound
+    d = policy.current(expected_wait_s=4.0, wait_budget_s=10.0)
+    assert d.matchmaking_s == 4.0 + ARRIVAL_MARGIN_S and d.matchmaking_deadline_s == 3 * d.matchmaking_s
+    assert policy.current(expected_wait_s=60.0, wait_budget_s=10.0).matchmaking_s == 10.0  # never past the budget
+    assert policy.current(wait_budget_s=10.0).matchmaking_s == 1.0    # nobody expected later: history only
+    assert policy.current(expected_wait_s=4.0, wait_budget_s=1.0).matchmaking_s == 2.0   # a budget below the bound
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="wait_budget_s"):
+            policy.current(wait_budget_s=bad)

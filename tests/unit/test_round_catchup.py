@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 from peer.round import Trainer
@@ -30,8 +31,10 @@ class ScriptedSwarm:
         return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
 
 
-def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None, disagreed=()) -> types.SimpleNamespace:
-    return types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event(), _disagreed=set(disagreed))
+def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None, disagreed=(),
+            completed_with=("me",)) -> types.SimpleNamespace:
+    return types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event(), _disagreed=set(disagreed),
+                                 _completed_with=tuple(completed_with), _waited={"sync": 0.0, "resync": 0.0})
 
 
 def test_donors_in_the_last_quarter_are_about_to_sync():
@@ -74,8 +77,9 @@ def at_round(t: types.SimpleNamespace, round_: int) -> types.SimpleNamespace:
 
 
 def test_after_a_round_it_waits_for_peers_finishing_the_same_round(monkeypatch):
-    # a and b were in the last quarter of round 7 (they finished the sync with this peer); z is
-    # early in round 7 (another group, slower): only a and b are waited for, until most published 8
+    # a and b were in the last quarter of round 7 and did not complete this peer's last sync from
+    # its state (another group, or none); z is early in round 7 (slower): only a and b are waited
+    # for, until most published 8
     swarm = ScriptedSwarm([record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
                           [record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
                           [record("a", 8, 0), record("b", 7, 19), record("z", 7, 3)],
@@ -84,6 +88,20 @@ def test_after_a_round_it_waits_for_peers_finishing_the_same_round(monkeypatch):
     monkeypatch.setattr(t.stop_event, "wait", lambda seconds: None)
     Trainer._wait_for_peers_finishing(t)
     assert swarm.calls == 4
+
+
+def test_groupmates_that_completed_the_last_sync_from_this_peers_state_are_not_waited_for():
+    # a and b completed round 7's sync with this peer from its state: they hold its state, their
+    # next record changes nothing; c, in the same last quarter, did not (it is waited for)
+    finishing = [record("a", 7, 19), record("b", 7, 18)]
+    swarm = ScriptedSwarm(finishing)
+    Trainer._wait_for_peers_finishing(at_round(trainer(swarm, completed_with=("a", "b", "me")), 8))
+    assert swarm.calls == 1  # nobody to wait for
+    swarm = ScriptedSwarm([*finishing, record("c", 7, 19)], [*finishing, record("c", 8, 0)])
+    t = at_round(trainer(swarm, completed_with=("a", "b", "me")), 8)
+    t.stop_event.wait = lambda seconds: None
+    Trainer._wait_for_peers_finishing(t)
+    assert swarm.calls == 2  # waited until c published round 8
 
 
 def test_groupmates_that_averaged_from_another_state_are_waited_for_wherever_they_are_in_the_round(monkeypatch):
@@ -168,7 +186,7 @@ def joiner(swarm: ScriptedSwarm, reads: list[bool], round_: int = 0) -> types.Si
         return found
 
     t._wait_for_peers_finishing, t._catch_up_once = (lambda: None), catch_up_once
-    t.stop_event.wait = lambda seconds: None
+    t.stop_event.wait = lambda seconds: time.sleep(0.01)   # a short stand-in for the 0.5 s between reads
     return t
 
 
@@ -177,6 +195,7 @@ def test_a_fresh_peer_reads_again_while_the_records_ahead_attest_nothing_yet(mon
     t = joiner(ScriptedSwarm(ahead), [False, False, True, False])
     Trainer.catch_up(t)
     assert t.reads == [False, False, True, False]   # two empty reads, the adoption, nothing more
+    assert t._waited["resync"] >= 0.02   # its two waits are idle time its next round event reports
     # not fresh (resumed mid-run), or nobody ahead: one read, then it trains
     for t in (joiner(ScriptedSwarm(ahead), [False, True], round_=1),
               joiner(ScriptedSwarm([record("a", 0, 5)]), [False, True])):

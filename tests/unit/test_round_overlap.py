@@ -105,13 +105,14 @@ class Transport:
     max_sync_seconds = 5.0
 
     def __init__(self, peer_id: str, group: Group | None = None, fail=None, donors: dict | None = None):
-        self.peer_id, self.group, self.fail, self.calls = peer_id, group, fail, []
+        self.peer_id, self.group, self.fail, self.calls, self.budgets = peer_id, group, fail, [], []
         self.donors = donors if donors is not None else {}
         """peer id → Trainer, whose served snapshots this transport downloads."""
 
     def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
-                should_stop=lambda: False, expected_wait_s=0.0):
+                should_stop=lambda: False, expected_wait_s=0.0, wait_budget_s=0.0):
         self.calls.append((round_, threading.current_thread().name))
+        self.budgets.append(wait_budget_s)
         if self.fail is not None:
             self.fail(round_, should_stop)
         mean, digests = self.group.average(self.peer_id, payload, weight, round_, start_digest, should_stop,
@@ -198,6 +199,9 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap):
         assert [r for r, _ in t.transport.calls] == [0, 1, 2]
         assert [e["round"] for e in t.reporter.of("sync")] == [0, 1, 2]
         assert all(name.startswith("locoswarm-sync") for _, name in t.transport.calls)
+        # a background sync may wait for a late groupmate for up to half a round's inner steps
+        compute = [e["compute_s"] for e in t.reporter.of("round")]
+        assert all(0 < b <= c for b, c in zip(t.transport.budgets, compute))
         rounds = t.reporter.of("round")
         assert [e["round"] for e in rounds] == [1, 2, 3]
         assert [e["group_size"] for e in rounds] == [1, 2, 2]  # round 1 reports no landed sync yet
@@ -336,3 +340,14 @@ def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmate
     for t in first:
         for x, y in zip(t.phi, late.phi):   # all finished round 10 together, the last mean landed
             assert torch.isfinite(x).all() and torch.equal(x, y), history
+
+
+def test_the_wait_budget_is_half_the_inner_step_time_until_the_mean_is_needed():
+    from peer.progress import RoundProgress
+
+    done = RoundProgress()
+    assert Trainer._wait_budget_s(done, 20) == 0.0   # nothing timed yet: never past the manifest's bound
+    for _ in range(10):
+        done.record(loss=1.0, tokens=256, seconds=0.2)
+    assert Trainer._wait_budget_s(done, 20) == pytest.approx(0.5 * 20 * 0.2)   # delayed/eager: a round of H = 20
+    assert Trainer._wait_budget_s(done, 5) == pytest.approx(0.5 * 5 * 0.2)     # streaming: H/P steps

@@ -36,7 +36,8 @@ class FragmentTransport(Transport):
         self.carried = []
 
     def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
-                should_stop=lambda: False, expected_wait_s=0.0, fragment=None, fragments=1, tensors=None):
+                should_stop=lambda: False, expected_wait_s=0.0, wait_budget_s=0.0, fragment=None, fragments=1,
+                tensors=None):
         self.carried.append((round_, fragment, [tuple(t.shape) for t in payload], list(tensors or ()),
                              threading.current_thread().name))
         if self.fail is not None:
