@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -315,8 +316,9 @@ class Trainer:
                 digest, weight = self.state_digest, float(max(done.tokens, 1))
                 due_s = self._groupmates_due_s(live, done.round, choice)
                 budget_s = self._wait_budget_s(done, self.H)
-                self._background.start(lambda: self._sync(payload, choice, digest, round_=done.round, weight=weight,
-                                                          expected_wait_s=due_s, wait_budget_s=budget_s),
+                self._background.start(lambda dropped: self._sync(payload, choice, digest, round_=done.round,
+                                                                  weight=weight, expected_wait_s=due_s,
+                                                                  wait_budget_s=budget_s, dropped=dropped),
                                        round_=done.round, start_digest=digest)
         if start is self.phi:
             self.reporter.emit("warning", message=problem)
@@ -416,8 +418,9 @@ class Trainer:
         due_s = self._groupmates_due_s(live, round_, choice) if self._fragment_offset[p] == 0 else 0.0
         budget_s = self._wait_budget_s(self.pos, max(1, self.H // len(self._fragments)))
         self._announce_sync(choice, round_, fragment=p)
-        self._background.start(lambda: self._sync(payload, choice, digest, round_=round_, weight=weight,
-                                                  expected_wait_s=due_s, wait_budget_s=budget_s, fragment=p),
+        self._background.start(lambda dropped: self._sync(payload, choice, digest, round_=round_, weight=weight,
+                                                          expected_wait_s=due_s, wait_budget_s=budget_s, fragment=p,
+                                                          dropped=dropped),
                                round_=round_, start_digest=digest)
         self._flight = (p, self.inner_step)
 
@@ -535,23 +538,27 @@ class Trainer:
 
     @staticmethod
     def _wait_budget_s(progress: RoundProgress, steps: int) -> float:
-        """How long a sync started now in the background may wait for a groupmate known to be
-        coming (peer/sync/deadlines.py ``wait_budget_s``): half the inner-step time of the
-        ``steps`` steps after which its mean is needed (delayed and eager: a round; streaming:
-        H/P steps, when the next fragment's sync starts), at ``progress``'s seconds per step; the
-        other half is left for the all-reduce. 0 before any step was timed."""
+        """How long a sync started now in the background may wait for late groupmates
+        (peer/sync/deadlines.py ``wait_budget_s``): the inner-step time of the ``steps`` steps
+        after which its mean is needed (delayed and eager: a round; streaming: H/P steps, when the
+        next fragment's sync starts), at ``progress``'s seconds per step. A groupmate that comes
+        at the very end costs the others the all-reduce's time at the landing; one that misses
+        the group costs itself a failed sync (three windows) and a state download. 0 before any
+        step was timed."""
         if progress.steps_done <= 0:
             return 0.0
-        return 0.5 * steps * progress.compute_s / progress.steps_done
+        return steps * progress.compute_s / progress.steps_done
 
     def _sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,
               weight: float, expected_wait_s: float = 0.0, wait_budget_s: float = 0.0,
-              fragment: int | None = None) -> tuple[list[torch.Tensor], SyncReport]:
+              fragment: int | None = None,
+              dropped: Callable[[], bool] = lambda: False) -> tuple[list[torch.Tensor], SyncReport]:
         """The group's token-weighted mean payload, or this peer's own when there is no group or
         the sync fails (failed rounds are recorded, not fatal: DiLoCo paper Fig. 8). Reads no
         state of the loop, so it may run in the background thread (peer/sync/background.py).
         ``expected_wait_s``: until the last expected groupmate arrives (:meth:`_groupmates_due_s`).
         ``wait_budget_s``: a background sync's (:meth:`_wait_budget_s`); 0 for a blocking one.
+        ``dropped``: a background sync's flag (peer/sync/background.py): it gives up, as on a stop.
         ``fragment``: streaming, the fragment whose tensors ``payload`` holds (its own key and buffers)."""
         if choice.expected_size <= 1:
             return payload, SyncReport(note=choice.note)
@@ -561,7 +568,8 @@ class Trainer:
         try:
             result = self.transport.average(payload, weight=weight, round_=round_,
                                             expected_group_size=choice.expected_size, group_index=choice.index,
-                                            start_digest=start_digest, should_stop=self.stop_event.is_set,
+                                            start_digest=start_digest,
+                                            should_stop=lambda: self.stop_event.is_set() or dropped(),
                                             expected_wait_s=expected_wait_s, wait_budget_s=wait_budget_s,
                                             **extra)
             check_finite(result.mean, "the group's mean payload")
@@ -662,8 +670,10 @@ class Trainer:
         Not waited for: the groupmates that completed this peer's last landed sync from its own
         state (``_completed_with``): they applied the same mean to the same φ and hold this peer's
         state, so their next record can change nothing the re-sync rule decides. With
-        ``sync.overlap`` nothing holds peers together at a round's end, and waiting for a slower
-        groupmate's record (up to a second, each round) was idle time of the inner loop.
+        ``sync.overlap`` also not the other peers in the last quarter unless this peer's last sync
+        failed: nothing holds peers together at a round's end, a peer outside its group is then
+        the one off the swarm's φ (it follows the swarm itself), and the wait was idle time of the
+        inner loop, up to the whole bound while that peer sat in a failing sync of its own.
 
         Also waited for, wherever they are in that round: the groupmates of the last sync that
         landed who had started it from another state. With ``sync.overlap`` no sync holds peers
@@ -672,9 +682,10 @@ class Trainer:
         round behind every time and never adopt their state.
         """
         round_, closing = self.pos.round - 1, self.H - max(1, self.H // 4)
+        outsiders = self._background is None or self._last_sync_failed
         finishing = {r.peer_id for r in self.swarm.others()
-                     if r.record.round == round_ and ((r.record.inner_step - round_ * self.H >= closing and
-                                                       r.peer_id not in self._completed_with) or
+                     if r.record.round == round_ and ((outsiders and r.peer_id not in self._completed_with and
+                                                       r.record.inner_step - round_ * self.H >= closing) or
                                                       r.peer_id in self._disagreed)}
         deadline = time.monotonic() + FINISHING_RECORD_WAIT_S
         while finishing and not self.stop_event.is_set() and time.monotonic() < deadline:

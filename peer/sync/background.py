@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,9 +20,10 @@ from peer.progress import SyncReport
 
 logger = logging.getLogger(__name__)
 
-SyncCall = Callable[[], "tuple[list[torch.Tensor], SyncReport]"]
+SyncCall = Callable[[Callable[[], bool]], "tuple[list[torch.Tensor], SyncReport]"]
 """Runs one sync and returns (mean payload, or the peer's own payload when it failed; its report);
-it must not raise for a failed sync (failed rounds are recorded, not fatal)."""
+it must not raise for a failed sync (failed rounds are recorded, not fatal). Its argument tells
+whether the sync was dropped: the call polls it while it waits and gives up (as on a stop)."""
 
 
 @dataclass
@@ -31,6 +33,8 @@ class _InFlight:
     start_digest: str
     """Digest of the state this peer held when the sync started (peer/state/snapshot.py)."""
     future: concurrent.futures.Future
+    dropped: threading.Event
+    """Set by :meth:`BackgroundSync.drop`: the call gives up at its next poll."""
 
 
 class BackgroundSync:
@@ -67,7 +71,8 @@ class BackgroundSync:
         """
         if self._in_flight is not None:
             raise RuntimeError(f"round {round_}: the sync of round {self._in_flight.round} is still in flight")
-        self._in_flight = _InFlight(round_, start_digest, self._pool.submit(call))
+        dropped = threading.Event()
+        self._in_flight = _InFlight(round_, start_digest, self._pool.submit(call, dropped.is_set), dropped)
 
     def result(self, timeout_s: float | None = None) -> tuple[list[torch.Tensor], SyncReport, int]:
         """Wait for the sync in flight and return (mean payload, report, its round); nothing is then in flight.
@@ -84,13 +89,17 @@ class BackgroundSync:
 
     def drop(self, why: str) -> None:
         """Forget the sync in flight (its result will never be applied): this peer adopted another
-        state, or is stopping. The call itself runs on to its deadline or its cancellation (a stop
-        event it polls); the next :meth:`start` queues behind it."""
+        state, or is stopping. The call is told to give up (the flag it polls), so the next
+        :meth:`start`, which queues behind it, is not held up to the dropped sync's deadline: a
+        peer that adopted a state would otherwise reach its next group late and miss it."""
         if self._in_flight is not None:
             logger.info("round %d: in-flight sync dropped (%s)", self._in_flight.round, why)
+            self._in_flight.dropped.set()
             self._in_flight = None
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the worker thread (after the running call, with ``wait``)."""
+        if self._in_flight is not None:
+            self._in_flight.dropped.set()
         self._in_flight = None
         self._pool.shutdown(wait=wait, cancel_futures=True)

@@ -11,10 +11,11 @@ rounds, clamped to the bounds of the run manifest:
   whole window, so the window grows 1.5× after each miss (up to the manifest's bound) until the
   expected groupmates fit in it again; and at least the time until the last groupmate this peer
   expects arrives, predicted from its progress record (step and throughput) + 1 s, so a window
-  learned from fast rounds does not close on a groupmate known to be seconds away; for that
-  groupmate a sync in the background (``sync.overlap``) may wait past the manifest's bound, up to
-  its *wait budget* (the inner-step time until its mean is needed, half of it: the round loop's
-  choice), since its waiting costs the inner loop nothing;
+  learned from fast rounds does not close on a groupmate known to be seconds away; a sync in the
+  background (``sync.overlap``) waits at least its *wait budget* (the inner-step time until its
+  mean is needed: the round loop's choice) plus the manifest's bound, since its waiting costs the
+  inner loop nothing for the budget and then what a blocking sync's would, and peers that
+  overlap drift apart by up to a round;
 * all-reduce timeout = 3 × the longest recent all-reduce + 2 s, and at least
   2 × ``next_chunk_timeout_s`` + 5 s, so that a groupmate that hangs is detected (and left out,
   or the round reported incomplete and retried) before the deadline ends the round.
@@ -104,10 +105,9 @@ class DeadlinePolicy:
                 window follows the past only, and the first rounds (whose history is a start
                 barrier's, when every peer arrived at once) close before a groupmate a second
                 slower arrives.
-            wait_budget_s: a sync in the background: seconds it may wait for that groupmate without
-                the inner loop waiting for its mean. The window for ``expected_wait_s`` may then
-                reach this budget when it is above the manifest's bound (the window learned from
-                history stays within the bound, and so does every blocking sync's). Its
+            wait_budget_s: a sync in the background: seconds it may wait for late groupmates
+                without the inner loop waiting for its mean; the window is at least this plus the
+                manifest's bound (0, a blocking sync: the window stays within the bound). Its
                 ``matchmaking_deadline_s`` is three windows, as always.
 
         Raises:
@@ -122,9 +122,16 @@ class DeadlinePolicy:
         else:
             mm = _clamp(1.5 * max(self._waits) + 0.5, s.min_matchmaking_time_s, s.matchmaking_time_s)
             if expected_wait_s > 0:
-                mm = max(mm, min(max(s.matchmaking_time_s, wait_budget_s), expected_wait_s + ARRIVAL_MARGIN_S))
+                mm = max(mm, min(s.matchmaking_time_s, expected_wait_s + ARRIVAL_MARGIN_S))
             floor = max(s.min_allreduce_timeout_s, 2 * s.next_chunk_timeout_s + 5.0)
             ar = _clamp(3.0 * max(self._allreduces) + 2.0, min(floor, s.allreduce_timeout_s), s.allreduce_timeout_s)
+        # In the background a longer window costs the inner loop nothing until the mean is needed:
+        # matchmaking starts the all-reduce as soon as the expected groupmates joined, so the window
+        # only matters for a groupmate that is late, and peers drift apart by up to a round with
+        # nothing holding them together at a round's end (a blocking sync is that barrier). Past
+        # the budget it waits as long as a blocking sync would (the manifest's bound).
+        if wait_budget_s > 0:
+            mm = max(mm, wait_budget_s + s.matchmaking_time_s)
         return Deadlines(matchmaking_s=mm, matchmaking_deadline_s=3 * mm, allreduce_s=ar)
 
     def worst_case(self) -> Deadlines:

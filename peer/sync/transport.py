@@ -159,9 +159,9 @@ class NetworkTransport:
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
         NoLoCo: only the peers of random group ``group_index`` (arXiv 2506.10911), so no peer
         exchanges data with more than its groupmates. Returns within the current deadlines'
-        ``total_s`` (peer/sync/deadlines.py; at most :attr:`max_sync_seconds`, or past it by
-        three times ``wait_budget_s`` when a background sync waits for a groupmate known to be
-        coming), whatever the other peers do.
+        ``total_s`` (peer/sync/deadlines.py; at most :attr:`max_sync_seconds`, or with
+        ``wait_budget_s``, its matchmaking deadline of three times the budget longer), whatever the
+        other peers do.
 
         Args:
             payload: this peer's contribution (see OuterAlgorithm.payload), fp32.
@@ -175,9 +175,9 @@ class NetworkTransport:
             should_stop: polled while waiting; when it returns True the sync is cancelled.
             expected_wait_s: seconds until the last expected groupmate arrives, by the progress
                 records; the matchmaking window covers it (peer/sync/deadlines.py).
-            wait_budget_s: a sync in the background (``sync.overlap``): seconds it may wait for
-                that groupmate past the manifest's ``matchmaking_time_s`` (0: a blocking sync,
-                never past it).
+            wait_budget_s: a sync in the background (``sync.overlap``): its matchmaking window
+                is at least this plus the manifest's ``matchmaking_time_s`` (0: a blocking sync,
+                never past that).
             fragment, fragments: Streaming DiLoCo (arXiv 2501.18512): this sync is fragment
                 ``fragment`` of ``fragments`` of round ``round_``; its groupmates meet under the
                 key of that fragment's sync (protocol/keys.py ``sync_index``). None: a whole round.
@@ -257,7 +257,7 @@ class NetworkTransport:
             while True:
                 if should_stop():
                     control.cancel()
-                    raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
+                    raise GroupNotFound(f"round {round_} sync cancelled (stopping, or dropped by the round loop)")
                 try:
                     outcome = control.result(timeout=0.5)
                     break

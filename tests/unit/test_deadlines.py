@@ -90,17 +90,14 @@ def test_the_window_covers_a_groupmate_predicted_to_arrive_within_the_bound():
     assert policy.current(expected_wait_s=0.1).matchmaking_s == 1.5 * 2.0 + 0.5  # history still counts
 
 
-def test_a_background_sync_waits_for_a_groupmate_known_to_be_coming_up_to_its_budget():
-    from peer.sync.deadlines import ARRIVAL_MARGIN_S
-
+def test_a_background_sync_waits_its_budget_plus_the_manifests_bound():
     policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=2.0, min_matchmaking_time_s=1.0))
+    assert policy.current(wait_budget_s=5.0).matchmaking_s == 5.0 + 2.0       # no history yet
     policy.observe(wait_s=0.0, allreduce_s=1.0)
-    assert policy.current(expected_wait_s=4.0).matchmaking_s == 2.0                     # blocking: the bound
+    assert policy.current(expected_wait_s=4.0).matchmaking_s == 2.0            # blocking: the bound
     d = policy.current(expected_wait_s=4.0, wait_budget_s=10.0)
-    assert d.matchmaking_s == 4.0 + ARRIVAL_MARGIN_S and d.matchmaking_deadline_s == 3 * d.matchmaking_s
-    assert policy.current(expected_wait_s=60.0, wait_budget_s=10.0).matchmaking_s == 10.0  # never past the budget
-    assert policy.current(wait_budget_s=10.0).matchmaking_s == 1.0    # nobody expected later: history only
-    assert policy.current(expected_wait_s=4.0, wait_budget_s=1.0).matchmaking_s == 2.0   # a budget below the bound
+    assert d.matchmaking_s == 12.0 and d.matchmaking_deadline_s == 36.0         # background: budget + bound
+    assert policy.current(wait_budget_s=0.5).matchmaking_s == 2.5
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="wait_budget_s"):
             policy.current(wait_budget_s=bad)

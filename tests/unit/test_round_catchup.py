@@ -34,7 +34,8 @@ class ScriptedSwarm:
 def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None, disagreed=(),
             completed_with=("me",)) -> types.SimpleNamespace:
     return types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event(), _disagreed=set(disagreed),
-                                 _completed_with=tuple(completed_with), _waited={"sync": 0.0, "resync": 0.0})
+                                 _completed_with=tuple(completed_with), _waited={"sync": 0.0, "resync": 0.0},
+                                 _background=None, _last_sync_failed=False)
 
 
 def test_donors_in_the_last_quarter_are_about_to_sync():
@@ -102,6 +103,26 @@ def test_groupmates_that_completed_the_last_sync_from_this_peers_state_are_not_w
     t.stop_event.wait = lambda seconds: None
     Trainer._wait_for_peers_finishing(t)
     assert swarm.calls == 2  # waited until c published round 8
+
+
+def test_with_overlap_peers_outside_the_last_group_are_waited_for_only_after_a_failed_sync():
+    # c finishes round 7 outside this peer's last group: with overlap it is the one off the swarm's
+    # φ (it follows the swarm itself), so this peer trains on, unless its own last sync failed
+    def overlapping(failed):
+        swarm = ScriptedSwarm([record("c", 7, 19)], [record("c", 8, 0)])
+        t = at_round(trainer(swarm), 8)
+        t._background, t._last_sync_failed = types.SimpleNamespace(in_flight=True), failed
+        t.stop_event.wait = lambda seconds: None
+        Trainer._wait_for_peers_finishing(t)
+        return swarm.calls
+
+    assert overlapping(failed=False) == 1
+    assert overlapping(failed=True) == 2
+    swarm = ScriptedSwarm([record("c", 7, 3)], [record("c", 8, 0)])   # a disagreeing groupmate: always
+    t = at_round(trainer(swarm, disagreed=("c",)), 8)
+    t._background, t.stop_event.wait = types.SimpleNamespace(in_flight=True), (lambda seconds: None)
+    Trainer._wait_for_peers_finishing(t)
+    assert swarm.calls == 2
 
 
 def test_groupmates_that_averaged_from_another_state_are_waited_for_wherever_they_are_in_the_round(monkeypatch):

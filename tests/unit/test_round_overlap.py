@@ -199,9 +199,8 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap):
         assert [r for r, _ in t.transport.calls] == [0, 1, 2]
         assert [e["round"] for e in t.reporter.of("sync")] == [0, 1, 2]
         assert all(name.startswith("locoswarm-sync") for _, name in t.transport.calls)
-        # a background sync may wait for a late groupmate for up to half a round's inner steps
-        compute = [e["compute_s"] for e in t.reporter.of("round")]
-        assert all(0 < b <= c for b, c in zip(t.transport.budgets, compute))
+        # a background sync may wait for a late groupmate for about a round's inner steps
+        assert all(b > 0 for b in t.transport.budgets)
         rounds = t.reporter.of("round")
         assert [e["round"] for e in rounds] == [1, 2, 3]
         assert [e["group_size"] for e in rounds] == [1, 2, 2]  # round 1 reports no landed sync yet
@@ -342,12 +341,12 @@ def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmate
             assert torch.isfinite(x).all() and torch.equal(x, y), history
 
 
-def test_the_wait_budget_is_half_the_inner_step_time_until_the_mean_is_needed():
+def test_the_wait_budget_is_the_inner_step_time_until_the_mean_is_needed():
     from peer.progress import RoundProgress
 
     done = RoundProgress()
     assert Trainer._wait_budget_s(done, 20) == 0.0   # nothing timed yet: never past the manifest's bound
     for _ in range(10):
         done.record(loss=1.0, tokens=256, seconds=0.2)
-    assert Trainer._wait_budget_s(done, 20) == pytest.approx(0.5 * 20 * 0.2)   # delayed/eager: a round of H = 20
-    assert Trainer._wait_budget_s(done, 5) == pytest.approx(0.5 * 5 * 0.2)     # streaming: H/P steps
+    assert Trainer._wait_budget_s(done, 20) == pytest.approx(20 * 0.2)   # delayed/eager: a round of H = 20
+    assert Trainer._wait_budget_s(done, 5) == pytest.approx(5 * 0.2)     # streaming: H/P steps
