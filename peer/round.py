@@ -62,6 +62,11 @@ FINISHING_RECORD_WAIT_S = 5.0
 runs the re-sync rule (s; their publish normally takes milliseconds to ~1 s)."""
 
 
+RECORDS_REUSE_S = 1.0
+"""With ``sync.overlap``, the re-sync rule after a round reuses a read of the progress records at
+most this old (the one the round's end just made) instead of reading the DHT again: each read is
+tens of milliseconds of the inner loop's time, and nothing holds the loop at a round's end."""
+
 JOINER_WAIT_S = 10.0
 """How long a fresh peer keeps reading the records for a state to adopt while peers ahead of it are
 live, before it trains from its own initial φ (s; :meth:`Trainer.catch_up`)."""
@@ -683,7 +688,8 @@ class Trainer:
         """
         round_, closing = self.pos.round - 1, self.H - max(1, self.H // 4)
         outsiders = self._background is None or self._last_sync_failed
-        finishing = {r.peer_id for r in self.swarm.others()
+        reuse_s = 0.0 if self._background is None else RECORDS_REUSE_S
+        finishing = {r.peer_id for r in self.swarm.others(max_age_s=reuse_s)
                      if r.record.round == round_ and ((outsiders and r.peer_id not in self._completed_with and
                                                        r.record.inner_step - round_ * self.H >= closing) or
                                                       r.peer_id in self._disagreed)}
@@ -753,7 +759,8 @@ class Trainer:
         this peer from another state in its last sync, and anyone when this peer's last landed
         sync failed (it applied its own payload: it is off the swarm's φ, and a peer that keeps
         missing its group falls further behind each round; it must follow the swarm)."""
-        others, vouchers = self._vouching.screen(self.swarm.others(), round_=self.pos.round)
+        reuse_s = 0.0 if self._background is None else RECORDS_REUSE_S  # the read just made, with overlap
+        others, vouchers = self._vouching.screen(self.swarm.others(max_age_s=reuse_s), round_=self.pos.round)
         if self._background is not None and self._background.in_flight and not self._last_sync_failed:
             others = [r for r in others
                       if not (r.record.round == self.pos.round + 1 and r.peer_id not in self._disagreed)]

@@ -51,6 +51,8 @@ class SwarmView:
         self._round_seconds: deque[float] = deque(maxlen=8)
         self._round_started = time.monotonic()
         self._last_records: list[swarm_dht.PeerProgress] = []
+        self._read_at = float("-inf")
+        """``time.monotonic()`` of the last DHT read that worked."""
 
     def round_finished(self) -> None:
         """Time the round that just ended (the staleness threshold follows the swarm's pace)."""
@@ -67,32 +69,44 @@ class SwarmView:
         """
         return max(10.0, 2.0 * max(self._round_seconds, default=self.max_sync_s))
 
-    def live(self) -> list[swarm_dht.PeerProgress]:
+    def live(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
         """The records of the live peers of the run, this peer's own included when published.
 
         A failed or timed-out DHT read (protocol/dht.py ``READ_TIMEOUT_S``) returns the records of
         the last read that worked: a read failure must not stop training, nor make this peer think
         it is alone.
+
+        Args:
+            max_age_s: reuse the last read that worked when it is at most this old (seconds)
+                instead of reading the DHT again (a read is tens of milliseconds of the caller's
+                time; the round loop reads several times within a second of a round's end).
+                Liveness is judged again on every call. 0: always read.
         """
         start = time.monotonic()
+        if max_age_s > 0 and start - self._read_at <= max_age_s:
+            return self._alive(self._last_records)
         try:
             # no honest peer of this run stores a record for longer than record_ttl_s
             # under a flood of records (protocol/dht.py MAX_RECORDS_READ), keep this peer and the peers last seen
             seen = {self.peer_id, *(r.peer_id for r in self._last_records)}
             records = self._last_records = swarm_dht.read_progress(
                 self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S, prefer=seen)
+            self._read_at = start
         except Exception as exc:
             logger.debug("reading progress records failed: %r; using the last ones read", exc)
             records = self._last_records
         finally:
             logger.debug("read progress records in %.3f s", time.monotonic() - start)
+        return self._alive(records)
+
+    def _alive(self, records: list[swarm_dht.PeerProgress]) -> list[swarm_dht.PeerProgress]:
         # published at expiration - ttl (every peer of the run uses the same ttl)
         oldest = get_dht_time() + self.record_ttl_s - self.stale_after_s()
         return [r for r in records if r.peer_id == self.peer_id or r.expiration >= oldest]
 
-    def others(self) -> list[swarm_dht.PeerProgress]:
+    def others(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
         """:meth:`live` without this peer's own record."""
-        return [r for r in self.live() if r.peer_id != self.peer_id]
+        return [r for r in self.live(max_age_s) if r.peer_id != self.peer_id]
 
     def step_now(self, round_: int, *, inner_steps: int, batch_size_tokens: int) -> int:
         """The inner step within ``round_`` that the furthest live peer at that round has reached by

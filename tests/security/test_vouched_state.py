@@ -159,7 +159,7 @@ class Scripted:
     def __init__(self, peer_id: str):
         self.peer_id, self.records, self.max_sync_s = peer_id, [], 5.0
 
-    def others(self):
+    def others(self, max_age_s=0.0):
         return list(self.records)
 
 

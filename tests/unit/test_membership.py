@@ -58,3 +58,26 @@ def test_seconds_to_finish_predicts_the_last_expected_groupmate():
                record("d", 3, 0, tokens_per_s=0.0, published_s_ago=0.0),
                record("e", 3, 18, tokens_per_s=1000.0, published_s_ago=30.0)]  # hung or dead: long done
     assert swarm.seconds_to_finish(3, nothing, inner_steps=H, batch_size_tokens=BATCH_TOKENS) == 0.0
+
+
+def test_a_recent_read_is_reused_only_when_asked_and_liveness_is_judged_again(monkeypatch):
+    import peer.sync.membership as membership
+
+    reads = []
+
+    def read_progress(dht, run_id, *, max_ttl_s, prefer):
+        reads.append(run_id)
+        return [record("a", 3, 5, tokens_per_s=1.0, published_s_ago=0.0)]
+
+    monkeypatch.setattr(membership.swarm_dht, "read_progress", read_progress)
+    swarm = SwarmView(None, run_id="run", signer=type("Signer", (), {"peer_id": "me"})(), record_ttl_s=TTL,
+                      max_sync_s=5.0)
+    assert [r.peer_id for r in swarm.others()] == ["a"] and len(reads) == 1
+    assert [r.peer_id for r in swarm.others(max_age_s=60.0)] == ["a"] and len(reads) == 1   # reused
+    swarm.others()
+    assert len(reads) == 2                                     # 0 (the default): always a fresh read
+    swarm._read_at -= 120.0                                    # that read is now two minutes old
+    swarm.others(max_age_s=60.0)
+    assert len(reads) == 3                                     # too old to reuse: read again
+    monkeypatch.setattr(swarm, "stale_after_s", lambda: -TTL)  # every record is stale by now
+    assert swarm.others(max_age_s=60.0) == [] and len(reads) == 3   # a reused read is judged again

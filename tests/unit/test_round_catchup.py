@@ -26,7 +26,7 @@ class ScriptedSwarm:
     def __init__(self, *reads: list[PeerProgress], max_sync_s: float = 30.0):
         self.reads, self.calls, self.max_sync_s = list(reads), 0, max_sync_s
 
-    def others(self) -> list[PeerProgress]:
+    def others(self, max_age_s: float = 0.0) -> list[PeerProgress]:
         self.calls += 1
         return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
 

@@ -41,11 +41,11 @@ class Swarm:
     def __init__(self, peer_id: str, records: Records):
         self.peer_id, self.shared, self.max_sync_s = peer_id, records, 5.0
 
-    def live(self):
+    def live(self, max_age_s=0.0):
         with self.shared.lock:
             return [PeerProgress(peer_id=p, record=r, expiration=math.inf) for p, r in self.shared.records.items()]
 
-    def others(self):
+    def others(self, max_age_s=0.0):
         return [r for r in self.live() if r.peer_id != self.peer_id]
 
     record_ttl_s = 0.0
