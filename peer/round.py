@@ -134,13 +134,13 @@ class Trainer:
         self._groupmates: tuple[str, ...] = ()
         self._disagreed: set[str] = set()
         self._last_sync_failed = False
+        """With overlap: the last sync that landed failed (this peer applied its own payload: off the swarm's φ)."""
+        """Groupmates of the last sync that landed who had started it from another state than this peer's."""
+        """Who completed this peer's last sync with it: its signed statement in every record."""
         self._waited = {"sync": 0.0, "resync": 0.0}
         """Seconds the training thread waited since the last ``round`` event: for a sync's mean
         (blocking: the whole sync; overlap: the part of a background sync still running when its
         mean was needed) and in the re-sync rule's catch-up (its reads, waits and downloads)."""
-        """With overlap: the last sync that landed failed (this peer applied its own payload: off the swarm's φ)."""
-        """Groupmates of the last sync that landed who had started it from another state than this peer's."""
-        """Who completed this peer's last sync with it: its signed statement in every record."""
         self.summary = TrainSummary(peer_id=self.peer_id)
         self._checkpoints = CheckpointWriter()
         """Writes each round's checkpoint in the background (:meth:`save`)."""
@@ -263,11 +263,10 @@ class Trainer:
             mean, report = None, SyncReport(note=f"{exc}: round discarded, φ unchanged")
         else:
             self._announce_sync(choice, self.pos.round)
-            started = time.monotonic()
             mean, report = self._sync(payload, choice, start_digest, round_=self.pos.round,
                                       weight=float(max(self.pos.tokens, 1)),
                                       expected_wait_s=self._groupmates_due_s(live, self.pos.round, choice))
-            self._waited["sync"] += time.monotonic() - started
+            self._waited["sync"] += report.sync_s  # a blocking sync: the inner loop waited all of it
         done = dataclasses.replace(self.pos)  # the finished round's figures, before the position moves on
         with self._lock:
             if mean is not None:
