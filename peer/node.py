@@ -229,7 +229,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         cfg.initial_peers, book)
     # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
     dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
-    announcer = transport = keeper = trainer = devices = link = loop = None
+    announcer = transport = keeper = trainer = devices = link = loop = swarm = None
     try:
         signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
         manifest = signed.manifest
@@ -260,8 +260,9 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
                                      client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
                                      max_weight_tokens=round_token_cap(manifest))
         # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
-        swarm = SwarmView(dht, run_id=key, signer=signer,
-                          record_ttl_s=liveness.record_ttl_s(manifest), max_sync_s=transport.max_sync_seconds)
+        # records are signed and stored, and read ahead of a round's end, off the training thread
+        swarm = SwarmView(dht, run_id=key, signer=signer, record_ttl_s=liveness.record_ttl_s(manifest),
+                          max_sync_s=transport.max_sync_seconds).start_background()
         checkpoint = stage_checkpoint(cfg, manifest, stage)
         trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not cfg.client_mode)
         # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
@@ -313,6 +314,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
             keeper.stop()
         if devices is not None:
             devices.stop()
+        if swarm is not None:
+            swarm.close()  # a record still queued reaches the DHT before it shuts down
         if transport is not None:
             transport.shutdown()
         dht.shutdown()

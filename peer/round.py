@@ -63,9 +63,18 @@ runs the re-sync rule (s; their publish normally takes milliseconds to ~1 s)."""
 
 
 RECORDS_REUSE_S = 1.0
-"""With ``sync.overlap``, the re-sync rule after a round reuses a read of the progress records at
-most this old (the one the round's end just made) instead of reading the DHT again: each read is
-tens of milliseconds of the inner loop's time, and nothing holds the loop at a round's end."""
+"""A read of the progress records at most this old is reused instead of reading the DHT again: at
+a round's end, the read asked for in the background shortly before (:data:`RECORDS_PREFETCH_S`),
+and with ``sync.overlap`` in the re-sync rule after the round, the read the round's end used. Each
+read is tens of milliseconds of the inner loop's time, and with overlap nothing else holds the loop
+at a round's end."""
+
+RECORDS_PREFETCH_S = 0.5
+"""The round loop asks for the progress records in the background once the inner steps left until
+it needs them (the round's end; streaming: the round's first fragment sync) take at most this long
+(s, at the last step's time). With steps longer than this the read is asked for one step ahead, and
+is then too old to reuse when a step takes over :data:`RECORDS_REUSE_S` − this: the loop reads
+again, a read that is then a negligible part of the round."""
 
 JOINER_WAIT_S = 10.0
 """How long a fresh peer keeps reading the records for a state to adopt while peers ahead of it are
@@ -132,11 +141,13 @@ class Trainer:
         self._vouching = Vouching(min_round_s=self.H * MIN_INNER_STEP_S)
         """Its ledger of vouchers, the round clock and refused digests (peer/state/vouching.py)."""
         self._groupmates: tuple[str, ...] = ()
+        """Who completed this peer's last sync with it: its signed statement in every record."""
         self._disagreed: set[str] = set()
+        """Groupmates of the last sync that landed who had started it from another state than this peer's."""
         self._last_sync_failed = False
         """With overlap: the last sync that landed failed (this peer applied its own payload: off the swarm's φ)."""
-        """Groupmates of the last sync that landed who had started it from another state than this peer's."""
-        """Who completed this peer's last sync with it: its signed statement in every record."""
+        self._prefetched: int | None = None
+        """The round whose records were asked for in the background near its end (:meth:`_prefetch_records`)."""
         self._waited = {"sync": 0.0, "resync": 0.0}
         """Seconds the training thread waited since the last ``round`` event: for a sync's mean
         (blocking: the whole sync; overlap: the part of a background sync still running when its
@@ -241,6 +252,7 @@ class Trainer:
                 self.reporter.emit("warning", message=f"out of {self.device} memory: micro-batch halved from "
                                                       f"{self._micro_batch} to {result.micro_batch} sequences")
             self._micro_batch = result.micro_batch
+            self._prefetch_records(result.seconds)
             if self._fragments:
                 self._stream_after_step(result.tokens)
             if self.pos.step % max(1, self.H // 4) == 0 and self.pos.step < self.H:
@@ -249,9 +261,33 @@ class Trainer:
             if result.ends_round:
                 return
 
+    def _prefetch_records(self, step_s: float) -> None:
+        """After an inner step of ``step_s`` seconds: ask for the progress records in the background
+        (``SwarmView.prefetch``) once per round, when the steps left until the loop reads them take
+        at most :data:`RECORDS_PREFETCH_S`, so the read at that point (:meth:`_round_records`) is
+        not the inner loop's time."""
+        if self._prefetched == self.pos.round:
+            return
+        if self._fragments:  # streaming reads once a round, at the round's first fragment sync
+            if self._choice is not None and self._choice[0] == self.pos.round:
+                return
+            needed_at = min((o for p, o in enumerate(self._fragment_offset)
+                             if o > self.pos.step and p not in self._fragments_synced), default=self.H)
+        else:
+            needed_at = self.H
+        left = needed_at - self.pos.step  # 0: the read is now, nothing left to overlap it with
+        if 0 < left and left * step_s <= RECORDS_PREFETCH_S and self.swarm.prefetch():
+            self._prefetched = self.pos.round
+
+    def _round_records(self) -> list:
+        """The live records the round's group choice comes from: the read asked for shortly before
+        (:meth:`_prefetch_records`), waited for if still running, when it is at most
+        :data:`RECORDS_REUSE_S` old; else a read now."""
+        return self.swarm.live(max_age_s=RECORDS_REUSE_S if self._prefetched == self.pos.round else 0.0)
+
     def _sync_and_step(self) -> RoundOutcome:
         """Δ = φ − θ, the group's mean payload, the outer step, θ ← φ (Algorithm 1, lines 8-12)."""
-        live = self.swarm.live()
+        live = self._round_records()
         choice = self.outer.choose_group(self.peer_id, round_=self.pos.round, run_id=self.m.run_id,
                                          live=[(r.peer_id, r.record.round) for r in live if r.peer_id != self.peer_id])
         start_digest = self.state_digest
@@ -286,7 +322,7 @@ class Trainer:
         The outcome's ``sync`` is the sync that just landed (the last round's); the first round
         has none. A non-finite Δ or eager preview starts no sync and the next round from φ.
         """
-        live = self.swarm.live()
+        live = self._round_records()
         choice = self.outer.choose_group(self.peer_id, round_=self.pos.round, run_id=self.m.run_id,
                                          live=[(r.peer_id, r.record.round) for r in live if r.peer_id != self.peer_id])
         start_digest = self.state_digest
@@ -391,7 +427,7 @@ class Trainer:
         """The group choice (and the live records it came from) for ``round_``'s fragment syncs,
         read from the DHT once per round."""
         if self._choice is None or self._choice[0] != round_:
-            live = self.swarm.live()
+            live = self._round_records() if round_ == self.pos.round else self.swarm.live()
             choice = self.outer.choose_group(self.peer_id, round_=round_, run_id=self.m.run_id,
                                              live=[(r.peer_id, r.record.round) for r in live
                                                    if r.peer_id != self.peer_id])

@@ -4,6 +4,10 @@ Every peer republishes its record (protocol/records.py) four times per round and
 round; a record not refreshed for two of this peer's recent rounds belongs to a peer that is
 gone, hung or cut off. The round loop asks this view whom to expect in a group, which states
 the swarm holds (for the re-sync rule) and whether a start barrier is met.
+
+With :meth:`SwarmView.start_background` a daemon thread signs and stores this peer's records and
+reads the swarm's ahead of time (:meth:`SwarmView.prefetch`), so neither is the inner loop's
+time: an RSA signature per record and a DHT read of tens of milliseconds per round (issue #18).
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ class SwarmView:
         self._last_records: list[swarm_dht.PeerProgress] = []
         self._read_at = float("-inf")
         """``time.monotonic()`` of the last DHT read that worked."""
+        self._cond = threading.Condition()
+        """Guards the fields below and the last read; the background thread waits on it."""
+        self._store_lock = threading.Lock()
+        """Held while a record is signed and stored, so records reach the DHT in the order published
+        (a record's expiration is taken when it is signed; the DHT keeps the latest expiration)."""
+        self._pending: ProgressRecord | None = None
+        """The record the background thread stores next (a newer one replaces it)."""
+        self._read_wanted = False
+        self._prefetch_since: float | None = None
+        """``time.monotonic()`` when the background read in progress was asked for; None: none is."""
+        self._worker: threading.Thread | None = None
+        self._closing = False
 
     def round_finished(self) -> None:
         """Time the round that just ended (the staleness threshold follows the swarm's pace)."""
@@ -79,25 +95,38 @@ class SwarmView:
         Args:
             max_age_s: reuse the last read that worked when it is at most this old (seconds)
                 instead of reading the DHT again (a read is tens of milliseconds of the caller's
-                time; the round loop reads several times within a second of a round's end).
-                Liveness is judged again on every call. 0: always read.
+                time; the round loop reads several times within a second of a round's end); a
+                background read (:meth:`prefetch`) asked for within that age and still in progress
+                is waited for instead of reading twice. Liveness is judged again on every call.
+                0: always read.
         """
         start = time.monotonic()
-        if max_age_s > 0 and start - self._read_at <= max_age_s:
-            return self._alive(self._last_records)
+        if max_age_s > 0:
+            with self._cond:
+                self._cond.wait_for(lambda: self._prefetch_since is None or start - self._prefetch_since > max_age_s,
+                                    timeout=swarm_dht.READ_TIMEOUT_S + 1.0)
+                if start - self._read_at <= max_age_s:
+                    return self._alive(self._last_records)
+        return self._alive(self._read())
+
+    def _read(self) -> list[swarm_dht.PeerProgress]:
+        """Read the run's records from the DHT (from any thread); the last ones that worked on failure."""
+        start = time.monotonic()
         try:
             # no honest peer of this run stores a record for longer than record_ttl_s
             # under a flood of records (protocol/dht.py MAX_RECORDS_READ), keep this peer and the peers last seen
             seen = {self.peer_id, *(r.peer_id for r in self._last_records)}
-            records = self._last_records = swarm_dht.read_progress(
-                self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S, prefer=seen)
-            self._read_at = start
+            records = swarm_dht.read_progress(self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S,
+                                              prefer=seen)
         except Exception as exc:
             logger.debug("reading progress records failed: %r; using the last ones read", exc)
-            records = self._last_records
+            return self._last_records
         finally:
             logger.debug("read progress records in %.3f s", time.monotonic() - start)
-        return self._alive(records)
+        with self._cond:
+            if start >= self._read_at:  # a slower read started earlier must not replace a newer one
+                self._last_records, self._read_at = records, start
+        return records
 
     def _alive(self, records: list[swarm_dht.PeerProgress]) -> list[swarm_dht.PeerProgress]:
         # published at expiration - ttl (every peer of the run uses the same ttl)
@@ -154,11 +183,85 @@ class SwarmView:
         return longest
 
     def publish(self, record: ProgressRecord, *, wait: bool = False) -> None:
-        """Store this peer's record; failures are logged, never raised (the next publish retries)."""
+        """Store this peer's record; failures are logged, never raised (the next publish retries).
+
+        With the background thread (:meth:`start_background`) and not ``wait``, returns at once:
+        the thread signs and stores it, and a newer record published before it got to this one
+        replaces it (only the latest says where this peer is). With ``wait`` the record is stored
+        before this returns, and a record still queued is dropped (this one supersedes it).
+        Records reach the DHT in the order they were published either way.
+        """
+        if wait or self._worker is None:
+            with self._store_lock:
+                with self._cond:
+                    self._pending = None
+                self._store(record, wait=wait)
+            return
+        with self._cond:
+            self._pending = record
+            self._cond.notify_all()
+
+    def _store(self, record: ProgressRecord, *, wait: bool = False) -> None:
         try:
             swarm_dht.publish_progress(self.dht, self.run_id, self.signer, record, self.record_ttl_s, wait=wait)
         except Exception as exc:
             logger.debug("publishing progress failed: %r", exc)
+
+    def prefetch(self) -> bool:
+        """Read the records on the background thread now, for a :meth:`live` call with ``max_age_s``
+        soon after (the round loop asks shortly before a round ends). Returns whether a read was
+        asked for or is already in progress; False without the background thread (:meth:`live`
+        then reads on the caller's thread, as before)."""
+        if self._worker is None or self._closing:
+            return False
+        with self._cond:
+            if self._prefetch_since is None:
+                self._prefetch_since, self._read_wanted = time.monotonic(), True
+                self._cond.notify_all()
+        return True
+
+    def start_background(self) -> SwarmView:
+        """Start the daemon thread that stores published records and runs prefetched reads; stop it
+        with :meth:`close` before the DHT shuts down. Returns this view."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._background, name="locoswarm-records", daemon=True)
+            self._worker.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Store the record still queued, if any, and stop the background thread (waiting up to
+        ``timeout_s`` for a store or read in progress). Publishing afterwards stores on the
+        caller's thread. Idempotent."""
+        worker = self._worker
+        if worker is None:
+            return
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        worker.join(timeout=timeout_s)
+        self._worker = None
+
+    def _background(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._read_wanted or self._closing)
+                read, self._read_wanted = self._read_wanted and not self._closing, False
+                if self._closing and self._pending is None:
+                    self._prefetch_since = None
+                    self._cond.notify_all()
+                    return
+            with self._store_lock:  # taken before the record, so a waited-for publish cannot be overtaken
+                with self._cond:
+                    record, self._pending = self._pending, None
+                if record is not None:
+                    self._store(record)
+            if read:
+                try:
+                    self._read()
+                finally:
+                    with self._cond:
+                        self._prefetch_since = None
+                        self._cond.notify_all()
 
     def wait_for(self, want: int, *, timeout_s: float, stop: threading.Event, heartbeat) -> int:
         """Start barrier: wait until ``want`` peers (this one included) are live, calling

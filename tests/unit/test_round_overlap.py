@@ -48,6 +48,9 @@ class Swarm:
     def others(self, max_age_s=0.0):
         return [r for r in self.live() if r.peer_id != self.peer_id]
 
+    def prefetch(self):
+        return False  # no background reads: live() reads at once
+
     record_ttl_s = 0.0
     step_now = SwarmView.step_now  # records never expire here: no extrapolation
     seconds_to_finish = SwarmView.seconds_to_finish

@@ -1,0 +1,187 @@
+"""SwarmView's background thread (peer/sync/membership.py): records signed and stored off the
+caller's thread in the order published, the latest winning; reads asked for ahead of time and
+reused; a clean stop. The DHT calls are replaced by in-memory fakes (one module under test); the
+real DHT path is covered by the swarm tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import peer.sync.membership as membership
+from peer.sync.membership import SwarmView
+from protocol.records import ProgressRecord
+
+
+def rec(round_: int) -> ProgressRecord:
+    return ProgressRecord(round=round_, inner_step=round_ * 10, train_loss=1.0, tokens_per_s=1.0, group_size=1,
+                          bytes_sent=0)
+
+
+class FakeDHT:
+    """Stores records in a list (in the order they are stored) and answers reads, each able to be held."""
+
+    def __init__(self):
+        self.stored: list[tuple[int, bool, str]] = []
+        self.reads = 0
+        self.hold_store = threading.Event()
+        self.hold_store.set()
+        self.hold_read = threading.Event()
+        self.hold_read.set()
+        self.storing = threading.Event()
+        self.reading = threading.Event()
+
+    def publish_progress(self, dht, run_id, signer, record, ttl_s, *, wait=True):
+        self.storing.set()
+        self.hold_store.wait(10)
+        self.stored.append((record.round, wait, threading.current_thread().name))
+
+    def read_progress(self, dht, run_id, *, max_ttl_s, prefer):
+        self.reads += 1
+        self.reading.set()
+        self.hold_read.wait(10)
+        return []
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    dht = FakeDHT()
+    monkeypatch.setattr(membership.swarm_dht, "publish_progress", dht.publish_progress)
+    monkeypatch.setattr(membership.swarm_dht, "read_progress", dht.read_progress)
+    return dht
+
+
+@pytest.fixture
+def swarm():
+    view = SwarmView(None, run_id="run", signer=type("Signer", (), {"peer_id": "me"})(), record_ttl_s=60.0,
+                     max_sync_s=5.0)
+    yield view
+    view.close()
+
+
+def settle(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_without_the_thread_everything_happens_on_the_callers_thread(fake, swarm):
+    swarm.publish(rec(1))
+    assert fake.stored == [(1, False, threading.current_thread().name)]
+    assert swarm.prefetch() is False and fake.reads == 0
+    swarm.live(max_age_s=1.0)
+    assert fake.reads == 1  # nothing prefetched, nothing read before: a read now
+
+
+def test_a_published_record_is_stored_by_the_thread_and_a_newer_one_replaces_a_queued_one(fake, swarm):
+    swarm.start_background()
+    fake.hold_store.clear()
+    swarm.publish(rec(1))                      # returns at once; the thread is now storing it
+    assert fake.storing.wait(10)
+    swarm.publish(rec(2))                      # queued behind the store in progress
+    swarm.publish(rec(3))                      # replaces 2: only the latest says where this peer is
+    fake.hold_store.set()
+    assert settle(lambda: len(fake.stored) == 2)
+    assert [(r, w) for r, w, _ in fake.stored] == [(1, False), (3, False)]
+    assert {name for _, _, name in fake.stored} == {"locoswarm-records"}
+
+
+def test_a_waited_publish_is_never_overtaken_by_an_older_queued_record(fake, swarm):
+    swarm.start_background()
+    fake.hold_store.clear()
+    swarm.publish(rec(1))
+    assert fake.storing.wait(10)
+    swarm.publish(rec(2))                      # queued
+    done = threading.Thread(target=swarm.publish, args=(rec(3),), kwargs={"wait": True})
+    done.start()                               # waits for the store in progress, then stores 3
+    time.sleep(0.1)
+    fake.hold_store.set()
+    done.join(10)
+    assert not done.is_alive()
+    time.sleep(0.2)
+    rounds = [r for r, _, _ in fake.stored]
+    # 2 is dropped, or stored before 3 when the thread got the lock first: 3 is last in the DHT
+    assert rounds in ([1, 3], [1, 2, 3]) and fake.stored[-1][1] is True
+
+
+def test_close_stores_the_queued_record_and_later_publishes_store_at_once(fake, swarm):
+    swarm.start_background()
+    fake.hold_store.clear()
+    swarm.publish(rec(1))
+    assert fake.storing.wait(10)
+    swarm.publish(rec(2))
+    fake.hold_store.set()
+    swarm.close()
+    assert [r for r, _, _ in fake.stored] == [1, 2]
+    assert not any(t.name == "locoswarm-records" for t in threading.enumerate())
+    swarm.publish(rec(3))
+    assert fake.stored[-1] == (3, False, threading.current_thread().name)
+    assert swarm.prefetch() is False
+
+
+def test_a_prefetched_read_is_reused_and_one_in_progress_is_waited_for(fake, swarm):
+    swarm.start_background()
+    fake.hold_read.clear()
+    assert swarm.prefetch() is True
+    assert fake.reading.wait(10)
+    assert swarm.prefetch() is True and fake.reads == 1   # one read in progress: not asked twice
+    result = []
+    reader = threading.Thread(target=lambda: result.append(swarm.live(max_age_s=1.0)))
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive()                  # waiting for the prefetched read, not reading again
+    fake.hold_read.set()
+    reader.join(10)
+    assert result == [[]] and fake.reads == 1
+    assert swarm.live(max_age_s=1.0) == [] and fake.reads == 1   # still fresh: reused
+    swarm.live()
+    assert fake.reads == 2                    # 0 (the default) always reads
+
+
+def test_a_prefetch_older_than_the_age_asked_for_is_not_used(fake, swarm):
+    swarm.start_background()
+    assert swarm.prefetch() and settle(lambda: swarm._prefetch_since is None)
+    swarm._read_at -= 5.0                     # that read is now five seconds old
+    swarm.live(max_age_s=1.0)
+    assert fake.reads == 2
+
+
+class Prefetching:
+    """The round loop's side (peer/round.py ``Trainer._prefetch_records``) over a fake view."""
+
+    def __init__(self, *, H: int, offsets: list[int] | None = None, background: bool = True):
+        import types
+
+        from peer.round import Trainer
+
+        self.asked: list[tuple[int, int]] = []
+        swarm = types.SimpleNamespace(prefetch=lambda: self.asked.append((t.pos.round, t.pos.step)) or background)
+        t = types.SimpleNamespace(H=H, swarm=swarm, _prefetched=None, pos=types.SimpleNamespace(round=3, step=0),
+                                  _fragments=[[0], [1]] if offsets else [], _fragment_offset=offsets or [],
+                                  _fragments_synced=set(), _choice=None)
+        self.t, self.step = t, lambda step_s: Trainer._prefetch_records(t, step_s)
+
+    def run_round(self, step_s: float) -> None:
+        for step in range(1, self.t.H + 1):
+            self.t.pos.step = step
+            self.step(step_s)
+
+
+def test_the_round_loop_asks_for_the_records_once_a_round_just_before_it_reads_them():
+    from peer.round import RECORDS_PREFETCH_S
+
+    loop = Prefetching(H=50)
+    loop.run_round(0.1)                         # 0.5 s before the round's end: 5 steps ahead
+    assert loop.asked == [(3, 50 - int(RECORDS_PREFETCH_S / 0.1))]
+    loop.t.pos.round = 4
+    loop.run_round(2.0)                         # steps longer than the lead: never (the loop reads itself)
+    assert loop.asked == [(3, 45)] and loop.t._prefetched == 3
+    streaming = Prefetching(H=50, offsets=[0, 25])
+    streaming.run_round(0.1)                    # streaming reads at the round's first fragment sync
+    assert streaming.asked == [(3, 20)]
+    alone = Prefetching(H=50, background=False)
+    alone.run_round(0.1)                        # no background thread: asked, not marked, so read fresh
+    assert alone.t._prefetched is None
