@@ -62,12 +62,12 @@ FINISHING_RECORD_WAIT_S = 5.0
 runs the re-sync rule (s; their publish normally takes milliseconds to ~1 s)."""
 
 
-RECORDS_REUSE_S = 1.0
+RECORDS_REUSE_S = 1.5
 """A read of the progress records at most this old is reused instead of reading the DHT again: at
 a round's end, the read asked for in the background shortly before (:data:`RECORDS_PREFETCH_S`),
-and with ``sync.overlap`` in the re-sync rule after the round, the read the round's end used. Each
-read is tens of milliseconds of the inner loop's time, and with overlap nothing else holds the loop
-at a round's end."""
+and with ``sync.overlap`` in the re-sync rule after the round, the read the round's end used (asked
+for up to that lead before the end, plus the round's end work). Each read is tens of milliseconds
+of the inner loop's time, and with overlap nothing else holds the loop at a round's end."""
 
 RECORDS_PREFETCH_S = 0.5
 """The round loop asks for the progress records in the background once the inner steps left until
@@ -936,12 +936,21 @@ class Trainer:
         if problem:
             self.reporter.emit("warning", message=problem)
         with self._lock:
+            phi, momentum, private = self.phi, self.outer.state_tensors(), ()
+            snapshot = self._snapshots[-1]
+            if (not self._fragments and snapshot.meta["round"] == self.pos.round
+                    and len(snapshot.tensors) == len(phi) + len(momentum)):
+                # φ and the outer state change only with a new snapshot (streaming's landings aside):
+                # its private copies are theirs, and need no second copy on the training thread
+                phi, momentum = list(snapshot.tensors[:len(phi)]), list(snapshot.tensors[len(phi):])
+                private = ("phi", "momentum")
             file = encode_checkpoint(PeerState(
                 run_id=self.m.run_id, round=self.pos.round, inner_step=self.inner_step, round_step=self.pos.step,
-                round_tokens=self.pos.tokens, names=self.names, phi=self.phi, momentum=self.outer.state_tensors(),
+                round_tokens=self.pos.tokens, names=self.names, phi=phi, momentum=momentum,
                 theta=self._theta_on_host(), adam_exp_avg=adam and adam["exp_avg"],
                 adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0,
-                residuals=residuals, data=self.inner.sampler.state(), vouchers=self._vouching.ledger.as_dict()))
+                residuals=residuals, data=self.inner.sampler.state(), vouchers=self._vouching.ledger.as_dict()),
+                private=private)
         if background:
             self._checkpoints.submit(self.cfg.checkpoint_path, file)
         else:

@@ -101,7 +101,9 @@ def make_snapshot(meta: dict[str, Any], tensors: Sequence[torch.Tensor], *,
             raise ValueError(f"state tensor {index} holds NaN or inf")
         copies.append(copy)
     chunks = plan_chunks([t.shape for t in copies], chunk_elements)
-    hashes = tuple(chunk_hash(chunk_bytes(copies[c.tensor], c)) for c in chunks)
+    # hashed in place: the rows of a contiguous copy are one little-endian fp32 buffer (chunk_bytes's bytes)
+    hashes = tuple(chunk_hash(memoryview(piece_view(copies[c.tensor], c).numpy().astype("<f4", copy=False)))
+                   for c in chunks)
     meta = dict(meta)
     return StateSnapshot(meta=meta, tensors=tuple(copies), chunks=tuple(chunks), chunk_hashes=hashes,
                          digest=state_digest(meta, hashes))

@@ -187,10 +187,11 @@ def run_in_threads(trainers):
 
 
 @pytest.mark.parametrize("overlap", ["delayed", "eager"])
-def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap):
+def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, tmp_path):
     manifest = tiny_run().replace(sync={"overlap": overlap})
     records, group = Records(), Group(2)
-    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3) for p in ("a", "b")]
+    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3,
+                             checkpoint=tmp_path / f"{p}.safetensors") for p in ("a", "b")]
     phi0 = [f.clone() for f in trainers[0].phi]
     run_in_threads(trainers)
     a, b = trainers
@@ -209,6 +210,13 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap):
         assert [e["group_size"] for e in rounds] == [1, 2, 2]  # round 1 reports no landed sync yet
         assert t.summary.final_eval_loss < t.summary.initial_eval_loss
         assert [p.detach() for p in t.params] and all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))
+        # the checkpoint's φ and outer state are the snapshot's copies of them: the live values
+        t.save()  # as `peer join` does after run(): the last sync landed after round 3's checkpoint
+        saved = load_checkpoint(tmp_path / f"{t.peer_id}.safetensors", run_id=manifest.run_id, names=t.names,
+                                shapes=t.shapes)
+        assert saved.round == 3 and all(torch.equal(x, y) for x, y in zip(saved.phi, t.phi))
+        assert all(torch.equal(x, y) for x, y in zip(saved.momentum, t.outer.state_tensors()))
+        assert any(bool(m.abs().sum() > 0) for m in saved.momentum)
     assert a.state_digest == b.state_digest
 
 
