@@ -48,7 +48,7 @@ from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, v
 from peer.train.device import Placement, flops_per_token, mfu
 from peer.train.inner import make_inner_loop
 from peer.train.model import embedding_parameter_count, evaluate, parameter_count
-from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient
+from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient, step_on_copies
 from peer.train.overlap import next_start, round_progress
 from peer.train.streaming import fragment_outers, merge, partition, payload_indices, sync_offset
 from protocol.errors import BadPayload, CheckpointError, SyncError
@@ -56,6 +56,21 @@ from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedStep:
+    """An outer step computed in the background thread as soon as a sync's mean arrived
+    (:meth:`Trainer._prepare_step`), for the round loop to install at the landing instead of
+    computing it then."""
+
+    mean: list[torch.Tensor]
+    """The mean it applied (the landing installs it only for this very mean)."""
+    base: bytes
+    """Digest of the snapshot (φ and outer state) it was applied to."""
+    snapshot: StateSnapshot
+    """φ and the outer state after the step, as the next round's snapshot."""
+
 
 FINISHING_RECORD_WAIT_S = 5.0
 """How long a peer waits, after a round, for the records of peers finishing the same round before it
@@ -162,6 +177,8 @@ class Trainer:
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
         self._adopted_in_flight = False
         """This peer adopted a state while the sync in flight ran, and kept it (see :meth:`_adopt`)."""
+        self._prepared: _PreparedStep | None = None
+        """With ``delayed`` or ``eager``: the outer step of the sync in flight, prepared by its thread."""
         self._fragments: list[list[int]] = []
         """Streaming: the parameter indices of each fragment (peer/train/streaming.py); [] otherwise."""
         self._flight: tuple[int, int] | None = None
@@ -335,13 +352,18 @@ class Trainer:
         mean, report = None, SyncReport(note="overlap: this round's sync lands at the end of the next")
         if self._background.in_flight:
             mean, report = self._take_background()
+        prepared, self._prepared = self._prepared, None
         with self._lock:
-            if mean is not None:
+            installed = mean is not None and self._install(prepared, mean)
+            if mean is not None and not installed:
                 self.outer.apply(self.phi, mean)
             self.pos.start_round(self.pos.round + 1)
         if mean is not None:
             self._note_group(max(0, done.round - 1), report)  # the sync landing is the last round's
-        self._take_snapshot()
+        if installed:
+            self._snapshots.append(prepared.snapshot)
+        else:
+            self._take_snapshot()
         start = self.phi
         if delta is not None:
             # NoLoCo's payload holds φ itself: the sync reads a copy, φ may move under a dropped one
@@ -356,10 +378,15 @@ class Trainer:
                 digest, weight = self.state_digest, float(max(done.tokens, 1))
                 due_s = self._groupmates_due_s(live, done.round, choice)
                 budget_s = self._wait_budget_s(done, self.H)
-                self._background.start(lambda dropped: self._sync(payload, choice, digest, round_=done.round,
-                                                                  weight=weight, expected_wait_s=due_s,
-                                                                  wait_budget_s=budget_s, dropped=dropped),
-                                       round_=done.round, start_digest=digest)
+
+                def sync_and_prepare(dropped):
+                    mean, report = self._sync(payload, choice, digest, round_=done.round, weight=weight,
+                                              expected_wait_s=due_s, wait_budget_s=budget_s, dropped=dropped)
+                    if not dropped() and not self.stop_event.is_set():
+                        self._prepared = self._prepare_step(mean, lands_in=done.round + 2)
+                    return mean, report
+
+                self._background.start(sync_and_prepare, round_=done.round, start_digest=digest)
         if start is self.phi:
             self.reporter.emit("warning", message=problem)
         self._anchor = None if start is self.phi else start
@@ -387,6 +414,38 @@ class Trainer:
         self._last_sync_failed = report.failed
         adopted, self._adopted_in_flight = self._adopted_in_flight, False
         return (None if adopted and report.failed else mean), report
+
+    def _prepare_step(self, mean: list[torch.Tensor], *, lands_in: int) -> _PreparedStep | None:
+        """In the sync's background thread, once its mean arrived: the outer step applied to copies of
+        the last snapshot's φ and outer state (``step_on_copies``), and the snapshot of the result
+        (copy, finiteness check, hash) with the meta of round ``lands_in``, the round the landing
+        starts. The round loop installs it at the landing (:meth:`_install`), so neither the outer
+        step nor the snapshot is the inner loop's time (tens of milliseconds per million parameters
+        each). None when the mean is malformed or the step not finite: the landing applies it
+        itself, and reports it as without overlap. Reads only the snapshot deque's last entry
+        (immutable, appended atomically by the round loop)."""
+        base, n = self._snapshots[-1], len(self.phi)
+        try:
+            phi, state = step_on_copies(self.outer, base.tensors[:n], base.tensors[n:], mean)
+            meta = {"run_id": self.state_key, "round": lands_in, "inner_step": lands_in * self.H}
+            return _PreparedStep(mean=mean, base=base.digest, snapshot=make_snapshot(meta, [*phi, *state], owned=True))
+        except (BadPayload, ValueError) as exc:
+            logger.debug("outer step of round %d not prepared: %s", lands_in - 2, exc)
+            return None
+
+    def _install(self, prepared: _PreparedStep | None, mean: list[torch.Tensor]) -> bool:
+        """Copy a prepared outer step into φ and the outer state (call under ``_lock``, before the
+        position moves to the next round); whether it was installed. Only a step prepared from this
+        very ``mean``, from the state this peer still holds (the last snapshot: an adoption since
+        made another) and for the round the landing starts; else the caller applies ``mean``. Its
+        snapshot is the caller's to append, after the position moved."""
+        if (prepared is None or prepared.mean is not mean or prepared.base != self._snapshots[-1].digest
+                or prepared.snapshot.meta["round"] != self.pos.round + 1 or self._fragments):
+            return False
+        with torch.no_grad():
+            for dst, src in zip([*self.phi, *self.outer.state_tensors()], prepared.snapshot.tensors, strict=True):
+                dst.copy_(src)
+        return True
 
     # ---- streaming (Streaming DiLoCo, arXiv 2501.18512; peer/train/streaming.py) ---------------
     def _stream_after_step(self, tokens: int) -> None:
@@ -543,6 +602,7 @@ class Trainer:
             self._land_last_streaming_syncs()
             return
         mean, report = self._take_background()
+        self._prepared = None  # applied here, once: nothing of the training thread overlaps it any more
         with self._lock:
             if mean is not None:
                 self.outer.apply(self.phi, mean)

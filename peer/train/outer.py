@@ -8,6 +8,7 @@ benchmarks measure is the code the swarm runs.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Protocol, Sequence
 
@@ -73,7 +74,8 @@ class OuterAlgorithm(Protocol):
     """Peers hold different φ by design (NoLoCo, independent): evaluate each replica, report σ."""
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Tensors that a joiner must copy with φ (e.g. outer momentum), fp32."""
+        """Tensors that a joiner must copy with φ (e.g. outer momentum), fp32: the algorithm's
+        ``momentum`` list (:func:`step_on_copies` replaces it on a shallow copy)."""
         ...
 
     def payload(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -306,6 +308,32 @@ class Independent(_DeltaPayload):
         _check_mean(phi, group_mean, copies=1)
         with torch.no_grad():
             _commit(phi, [p.sub(d) for p, d in zip(phi, group_mean)], [], [])
+
+
+def step_on_copies(outer: DiLoCo | NoLoCo | Independent, phi: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
+                   mean: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What ``outer.apply(φ, mean)`` makes of φ and the outer state, computed on copies: ``phi``,
+    ``state`` and ``outer``'s own state are left as they are, so this may run in another thread
+    while the round loop uses ``outer`` (the outer step prepared while the next round trains,
+    peer/round.py ``Trainer._prepare_step``). The same operations as :meth:`apply`, so the result is
+    bit-identical to what it would leave in place.
+
+    Args:
+        outer: the run's outer algorithm (its spec is read; its state is not).
+        phi: fp32 φ on the host. state: fp32 tensors shaped like ``outer.state_tensors()``.
+        mean: the group's mean payload, as for :meth:`apply`.
+
+    Returns:
+        (new φ, new outer state): new contiguous fp32 host tensors.
+
+    Raises:
+        BadPayload: as :meth:`apply` (malformed or non-finite mean, or a non-finite result).
+    """
+    shadow = copy.copy(outer)  # shares the spec; its state is replaced by copies below
+    shadow.momentum = [t.detach().to("cpu", torch.float32, copy=True).contiguous() for t in state]
+    new_phi = [t.detach().to("cpu", torch.float32, copy=True).contiguous() for t in phi]
+    shadow.apply(new_phi, mean)
+    return new_phi, list(shadow.state_tensors())
 
 
 def make_outer(manifest: RunManifest, shapes: Sequence[torch.Size]) -> DiLoCo | NoLoCo | Independent:

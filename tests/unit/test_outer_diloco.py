@@ -96,3 +96,31 @@ def test_a_finite_mean_that_would_overflow_phi_leaves_phi_and_momentum_unchanged
     with pytest.raises(BadPayload, match="non-finite"):
         outer.apply(phi, mean)
     assert all(torch.equal(a, b) for a, b in zip(before, (*phi, *outer.state_tensors())))
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco", "independent"])
+def test_the_step_on_copies_is_the_in_place_step_bit_for_bit_and_touches_nothing(algorithm):
+    """``step_on_copies`` (the outer step prepared in the sync's thread) gives exactly the φ and
+    outer state that ``apply`` leaves in place, over several rounds, and changes neither its inputs
+    nor the algorithm's own state; a mean ``apply`` refuses it refuses too."""
+    from peer.train.outer import make_outer, step_on_copies
+    from protocol.presets import default_run
+
+    torch.manual_seed(0)
+    run = default_run().replace(sync={"algorithm": algorithm})
+    shapes = [torch.Size([5, 3]), torch.Size([7])]
+    live, shadow = make_outer(run, shapes), make_outer(run, shapes)
+    phi = [torch.randn(s) for s in shapes]
+    state = [t.clone() for t in shadow.state_tensors()]
+    copies = 2 if algorithm == "noloco" else 1
+    for _ in range(3):
+        mean = [torch.randn(s) * 0.1 for _ in range(copies) for s in shapes]
+        inputs = [t.clone() for t in (*phi, *state, *live.state_tensors())]
+        new_phi, new_state = step_on_copies(live, phi, state, mean)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (*phi, *state, *live.state_tensors())))
+        shadow.apply(phi, mean)  # the in-place step on an algorithm holding the same state
+        assert all(torch.equal(a, b) for a, b in zip(new_phi, phi))
+        assert all(torch.equal(a, b) for a, b in zip(new_state, shadow.state_tensors()))
+        state = new_state
+    with pytest.raises(BadPayload):
+        step_on_copies(live, phi, state, [torch.full(s, float("nan")) for _ in range(copies) for s in shapes])

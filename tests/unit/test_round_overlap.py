@@ -187,7 +187,16 @@ def run_in_threads(trainers):
 
 
 @pytest.mark.parametrize("overlap", ["delayed", "eager"])
-def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, tmp_path):
+def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, tmp_path, monkeypatch):
+    from peer.train.outer import DiLoCo
+
+    applied_in, apply = [], DiLoCo.apply
+
+    def recorded_apply(self, phi, mean):
+        applied_in.append(threading.current_thread().name)
+        return apply(self, phi, mean)
+
+    monkeypatch.setattr(DiLoCo, "apply", recorded_apply)
     manifest = tiny_run().replace(sync={"overlap": overlap})
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3,
@@ -218,6 +227,11 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
         assert all(torch.equal(x, y) for x, y in zip(saved.momentum, t.outer.state_tensors()))
         assert any(bool(m.abs().sum() > 0) for m in saved.momentum)
     assert a.state_digest == b.state_digest
+    # each landing installed the outer step its sync's thread prepared; only the last sync, waited
+    # for when training ends, was applied on the training thread (eager's previews aside)
+    prepared = [n for n in applied_in if n.startswith("locoswarm-sync")]
+    assert len(prepared) == 6
+    assert len([n for n in applied_in if not n.startswith("locoswarm-sync")]) == 2 + (6 if overlap == "eager" else 0)
 
 
 def test_groupmate_dying_during_a_background_sync_applies_the_own_step(corpus):
@@ -361,3 +375,29 @@ def test_the_wait_budget_is_the_inner_step_time_until_the_mean_is_needed():
         done.record(loss=1.0, tokens=256, seconds=0.2)
     assert Trainer._wait_budget_s(done, 20) == pytest.approx(20 * 0.2)   # delayed/eager: a round of H = 20
     assert Trainer._wait_budget_s(done, 5) == pytest.approx(5 * 0.2)     # streaming: H/P steps
+
+
+def test_a_prepared_outer_step_is_installed_only_for_its_mean_state_and_round():
+    """``Trainer._install``: the step the sync's thread prepared replaces the landing's apply only
+    when it came from this very mean, from the state the peer still holds, for the round the
+    landing starts; anything else (an adoption since, a dropped sync's leftover) is applied anew."""
+    import dataclasses
+    import types
+
+    from peer.round import Trainer, _PreparedStep
+    from peer.state.snapshot import make_snapshot
+
+    def snap(value, round_):
+        return make_snapshot({"run_id": "r", "round": round_, "inner_step": 0}, [torch.full((2,), value)] * 2)
+
+    held, mean = snap(1.0, 4), [torch.ones(2)]
+    t = types.SimpleNamespace(phi=[torch.zeros(2)], outer=types.SimpleNamespace(state_tensors=lambda: [m]),
+                              _snapshots=[held], pos=types.SimpleNamespace(round=4), _fragments=[])
+    m = torch.zeros(2)
+    ready = _PreparedStep(mean=mean, base=held.digest, snapshot=snap(7.0, 5))
+    for wrong in (None, dataclasses.replace(ready, mean=[torch.ones(2)]), dataclasses.replace(ready, base=b"x" * 16),
+                  dataclasses.replace(ready, snapshot=snap(7.0, 6))):
+        assert Trainer._install(t, wrong, mean) is False
+        assert torch.equal(t.phi[0], torch.zeros(2)) and torch.equal(m, torch.zeros(2))
+    assert Trainer._install(t, ready, mean) is True
+    assert torch.equal(t.phi[0], torch.full((2,), 7.0)) and torch.equal(m, torch.full((2,), 7.0))
