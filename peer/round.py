@@ -338,6 +338,11 @@ class Trainer:
 
         The outcome's ``sync`` is the sync that just landed (the last round's); the first round
         has none. A non-finite Δ or eager preview starts no sync and the next round from φ.
+
+        The outer step of the landing sync and the snapshot after it were prepared by the sync's
+        thread when its mean arrived (:meth:`_prepare_step`) and are installed here
+        (:meth:`_install`); the price is one more copy of φ and the outer state in host memory
+        from that moment until the landing (the snapshot deque's next entry, made early).
         """
         live = self._round_records()
         choice = self.outer.choose_group(self.peer_id, round_=self.pos.round, run_id=self.m.run_id,
