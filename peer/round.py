@@ -41,6 +41,7 @@ from peer.state.checkpoint import (CheckpointWriter, PeerState, encode_checkpoin
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.background import BackgroundSync
 from peer.sync.membership import SwarmView
+from peer.sync.screening import round_token_cap
 from peer.state.download import DownloadedState, check_sanity
 from peer.state.vouching import MIN_INNER_STEP_S, Vouching
 from peer.sync.transport import NetworkTransport
@@ -87,9 +88,14 @@ of the inner loop's time, and with overlap nothing else holds the loop at a roun
 RECORDS_PREFETCH_S = 0.5
 """The round loop asks for the progress records in the background once the inner steps left until
 it needs them (the round's end; streaming: the round's first fragment sync) take at most this long
-(s, at the last step's time). With steps longer than this the read is asked for one step ahead, and
-is then too old to reuse when a step takes over :data:`RECORDS_REUSE_S` − this: the loop reads
-again, a read that is then a negligible part of the round."""
+(s, at the last step's time). With inner steps longer than this nothing is asked for ahead: the
+loop reads at that point, a read that is then a small part of even one step."""
+
+EXTRA_STEPS_FRACTION = 1.0
+"""With ``delayed`` or ``eager`` overlap, a round past its H inner steps whose sync in flight has
+not landed yet takes more inner steps instead of waiting, up to this fraction of H
+(:meth:`Trainer._trains_while_waiting`): a peer faster than its groupmates otherwise idles at every
+landing until the slowest one's contribution is there. 1.0: at most 2·H steps a round."""
 
 JOINER_WAIT_S = 10.0
 """How long a fresh peer keeps reading the records for a state to adopt while peers ahead of it are
@@ -249,9 +255,11 @@ class Trainer:
         """The rest of this round's H inner AdamW steps (DiLoCo Algorithm 1, lines 4-7)."""
         # a pipeline stage after the first steps as its callers do and ends its round when they do
         paced = getattr(self.inner, "paced_by_callers", False)
-        while (paced or self.pos.step < self.H) and not self.stop_event.is_set():
+        while (paced or self.pos.step < self.H or self._trains_while_waiting()) and not self.stop_event.is_set():
+            # a step past H (while waiting for a sync) keeps the lr of the round's last step
+            lr_step = self.inner_step if paced or self.pos.step < self.H else (self.pos.round + 1) * self.H - 1
             try:
-                result = self.inner.step(self.inner_step)
+                result = self.inner.step(lr_step)
             except BadPayload as exc:
                 # A non-finite loss or gradient: drop this round's progress rather than poison θ.
                 self.reporter.emit("warning", message=f"{exc}; restarting the round from its start")
@@ -277,6 +285,19 @@ class Trainer:
                 self._publish(train_loss=result.loss, tokens_per_s=self.pos.tokens_per_s)
             if result.ends_round:
                 return
+
+    def _trains_while_waiting(self) -> bool:
+        """Past the round's H inner steps with ``delayed`` or ``eager`` overlap: whether to take one
+        more inner step instead of waiting for the sync in flight, whose mean (and prepared outer
+        step) is not there yet; at most ``EXTRA_STEPS_FRACTION``·H more. A peer faster than the
+        slowest of its group would otherwise idle at every landing: its sync's all-reduce starts
+        only when the slowest groupmate finished its round. The extra steps take the lr of the
+        round's last step (the schedule never runs past round·H + H − 1), add to this round's Δ,
+        and weigh in the group mean as the tokens they trained, up to the owners' cap of H steps'
+        tokens (peer/sync/screening.py ``round_token_cap``)."""
+        bg = self._background
+        return (bg is not None and not self._fragments and bg.in_flight and not bg.done
+                and self.pos.step < self.H + int(EXTRA_STEPS_FRACTION * self.H))
 
     def _prefetch_records(self, step_s: float) -> None:
         """After an inner step of ``step_s`` seconds: ask for the progress records in the background
@@ -380,9 +401,10 @@ class Trainer:
                 problem = f"{exc}: round discarded"
             else:
                 self._announce_sync(choice, done.round)
-                digest, weight = self.state_digest, float(max(done.tokens, 1))
+                # the extra steps taken while waiting weigh up to the owners' cap of a round's tokens
+                digest, weight = self.state_digest, float(min(max(done.tokens, 1), round_token_cap(self.m)))
                 due_s = self._groupmates_due_s(live, done.round, choice)
-                budget_s = self._wait_budget_s(done, self.H)
+                budget_s = self._wait_budget_s(done, max(self.H, done.steps_done))  # with its extra steps
 
                 def sync_and_prepare(dropped):
                     mean, report = self._sync(payload, choice, digest, round_=done.round, weight=weight,

@@ -4,9 +4,10 @@ A groupmate may lie about its weight and send any finite values. Before an owner
 contributions it applies, in this order, two deterministic rules:
 
 1. **Token weight cap.** A contribution's weight is the tokens its sender claims in its HELLO.
-   No honest peer trains more than ``H × batch_size_tokens`` tokens in a round (the run
-   manifest's ``sync.inner_steps × inner_optimizer.batch_size_tokens``), so a larger claim is cut
-   to that cap (logged and counted). Without the cap, one groupmate claiming 1e30 tokens makes
+   No honest peer claims more than ``H × batch_size_tokens`` tokens for a round (the run
+   manifest's ``sync.inner_steps × inner_optimizer.batch_size_tokens``; with overlap a peer may
+   train more steps while its sync in flight waits, and claims the cap for them), so a larger
+   claim is cut to that cap (logged and counted). Without the cap, one groupmate claiming 1e30 tokens makes
    the weighted mean equal its own payload.
 2. **Norm clip to the round's median** (Templar: clip each contribution to a multiple of the
    median norm of the round). Each contribution whose L2 norm exceeds
@@ -41,8 +42,9 @@ at most ``3 × median × (its weight share)`` instead of anywhere."""
 
 
 def round_token_cap(manifest) -> int:
-    """The most tokens an honest peer trains in one round of ``manifest``'s run:
-    ``sync.inner_steps × inner_optimizer.batch_size_tokens``."""
+    """The most tokens an honest peer claims for one round of ``manifest``'s run:
+    ``sync.inner_steps × inner_optimizer.batch_size_tokens`` (peer/round.py caps its own claim
+    there when it trained extra steps while waiting for a sync)."""
     return manifest.sync.inner_steps * manifest.inner_optimizer.batch_size_tokens
 
 

@@ -366,6 +366,35 @@ def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmate
             assert torch.isfinite(x).all() and torch.equal(x, y), history
 
 
+def test_a_faster_peer_trains_while_its_sync_waits_for_a_slower_groupmate(corpus):
+    """With overlap a peer faster than its groupmate takes more inner steps (at the round's last lr)
+    instead of idling until the groupmate's contribution lands, at most 2·H a round; both still
+    hold bit-identical φ, and the slow peer's rounds stay H steps."""
+    H = 10
+    manifest = tiny_run().replace(sync={"overlap": "delayed", "inner_steps": H})
+    records, group = Records(), Group(2)
+    fast, slow = (make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=5) for p in ("fast", "slow"))
+    slowed(slow, 0.03)
+    slowed(fast, 0.005)
+    lr_steps = []
+    step = fast.inner.step
+
+    def recorded_step(lr_step):
+        lr_steps.append((fast.pos.round, fast.pos.step, lr_step))
+        return step(lr_step)
+
+    fast.inner.step = recorded_step
+    run_in_threads([fast, slow])
+    batch = manifest.inner_optimizer.batch_size_tokens
+    fast_steps = [e["tokens"] // batch for e in fast.reporter.of("round")]
+    assert [e["tokens"] // batch for e in slow.reporter.of("round")] == [H] * 5
+    assert fast_steps[0] == H and max(fast_steps[1:]) > H and max(fast_steps) <= 2 * H, fast_steps
+    # every extra step used the round's last lr index; the regular ones their own
+    assert all(lr == r * H + min(s, H - 1) for r, s, lr in lr_steps)
+    for x, y in zip(fast.phi, slow.phi):
+        assert torch.equal(x, y)
+
+
 def test_the_wait_budget_is_the_inner_step_time_until_the_mean_is_needed():
     from peer.progress import RoundProgress
 
