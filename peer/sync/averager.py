@@ -75,6 +75,12 @@ class GroupOutcome:
     """Why this peer applied nothing from the round (tensors and residuals unchanged), or None."""
 
 
+def keeps_residuals(compression: CompressionSpec) -> bool:
+    """Whether a run with ``compression`` keeps error-feedback residuals (a lossy codec with
+    ``error_feedback`` on); otherwise the averager never holds any."""
+    return compression.error_feedback and compression.codec != "none"
+
+
 class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing, DecentralizedAverager):
     """Averages pseudo-gradients within a group of peers at the same round.
 
@@ -422,7 +428,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         return self._executor
 
     def _feedback(self, shapes):
-        if not self.compression.error_feedback or self.compression.codec == "none":
+        if not keeps_residuals(self.compression):
             return None
         if self._error_feedback is None:
             n_delta = len(shapes) if self.phi_from is None else self.phi_from
