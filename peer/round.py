@@ -467,7 +467,7 @@ class Trainer:
         made another) and for the round the landing starts; else the caller applies ``mean``. Its
         snapshot is the caller's to append, after the position moved."""
         if (prepared is None or prepared.mean is not mean or prepared.base != self._snapshots[-1].digest
-                or prepared.snapshot.meta["round"] != self.pos.round + 1 or self._fragments):
+                or prepared.snapshot.meta["round"] != self.pos.round + 1):
             return False
         with torch.no_grad():
             for dst, src in zip([*self.phi, *self.outer.state_tensors()], prepared.snapshot.tensors, strict=True):
@@ -1025,8 +1025,7 @@ class Trainer:
         with self._lock:
             phi, momentum, private = self.phi, self.outer.state_tensors(), ()
             snapshot = self._snapshots[-1]
-            if (not self._fragments and snapshot.meta["round"] == self.pos.round
-                    and len(snapshot.tensors) == len(phi) + len(momentum)):
+            if not self._fragments and snapshot.meta["round"] == self.pos.round:
                 # φ and the outer state change only with a new snapshot (streaming's landings aside):
                 # its private copies are theirs, and need no second copy on the training thread
                 phi, momentum = list(snapshot.tensors[:len(phi)]), list(snapshot.tensors[len(phi):])

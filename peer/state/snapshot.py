@@ -55,9 +55,14 @@ def state_digest(meta: dict[str, Any], chunk_hashes: Sequence[bytes]) -> bytes:
     return hashlib.blake2b(canonical_meta(meta) + b"".join(chunk_hashes), digest_size=HASH_BYTES).digest()
 
 
+def chunk_view(tensor: torch.Tensor, chunk: Piece) -> memoryview:
+    """``chunk``'s rows of ``tensor`` (contiguous fp32, CPU) as one little-endian fp32 buffer, not copied."""
+    return memoryview(piece_view(tensor, chunk).numpy().astype("<f4", copy=False))
+
+
 def chunk_bytes(tensor: torch.Tensor, chunk: Piece) -> bytes:
     """Raw little-endian fp32 bytes of ``chunk``'s rows of ``tensor`` (contiguous fp32, CPU)."""
-    return piece_view(tensor, chunk).numpy().astype("<f4", copy=False).tobytes()
+    return chunk_view(tensor, chunk).tobytes()
 
 
 @dataclass(frozen=True)
@@ -106,9 +111,7 @@ def make_snapshot(meta: dict[str, Any], tensors: Sequence[torch.Tensor], *,
             raise ValueError(f"state tensor {index} holds NaN or inf")
         copies.append(copy)
     chunks = plan_chunks([t.shape for t in copies], chunk_elements)
-    # hashed in place: the rows of a contiguous copy are one little-endian fp32 buffer (chunk_bytes's bytes)
-    hashes = tuple(chunk_hash(memoryview(piece_view(copies[c.tensor], c).numpy().astype("<f4", copy=False)))
-                   for c in chunks)
+    hashes = tuple(chunk_hash(chunk_view(copies[c.tensor], c)) for c in chunks)  # hashed in place
     meta = dict(meta)
     return StateSnapshot(meta=meta, tensors=tuple(copies), chunks=tuple(chunks), chunk_hashes=hashes,
                          digest=state_digest(meta, hashes))

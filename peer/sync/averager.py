@@ -204,6 +204,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         Raises:
             TimeoutError: the averager process did not answer within ``timeout`` seconds.
         """
+        if not keeps_residuals(self.compression):
+            return None  # no call into the averager process, which may be busy with a background sync
         return self._call_in_averager("_error_feedback_residuals", timeout=timeout)
 
     async def _error_feedback_residuals(self, future) -> None:

@@ -23,7 +23,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from peer.state.download import StateDownload, validate_state
-from peer.sync.averager import GroupOutcome, LocoAverager, keeps_residuals
+from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
 from protocol.errors import AllreduceFailed, AllreduceIncomplete, BadPayload, GroupNotFound, NetworkError, SyncError
@@ -311,8 +311,6 @@ class NetworkTransport:
         Raises:
             TimeoutError: the averager process did not answer.
         """
-        if not keeps_residuals(self.averager.compression):
-            return None  # no call to the averager process, which may be busy with a background sync
         return self.averager.error_feedback_residuals()
 
     def load_error_feedback(self, residuals: Sequence[torch.Tensor]) -> int:

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from peer.train.outer import OuterAlgorithm, check_finite, pseudo_gradient
+from peer.train.outer import OuterAlgorithm, check_finite, pseudo_gradient, step_on_copies
 from protocol.specs import OVERLAP_MODES
 
 
@@ -88,15 +88,7 @@ def preview_step(outer: OuterAlgorithm, phi: Sequence[torch.Tensor],
     Raises:
         BadPayload: ``mean`` has the wrong count, shapes or non-finite values; nothing changed.
     """
-    saved = [t.clone() for t in outer.state_tensors()]
-    out = [p.clone() for p in phi]
-    try:
-        outer.apply(out, mean)
-    finally:
-        with torch.no_grad():
-            for t, s in zip(outer.state_tensors(), saved):
-                t.copy_(s)
-    return out
+    return step_on_copies(outer, phi, outer.state_tensors(), mean)[0]
 
 
 def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],
