@@ -3,14 +3,18 @@
     python bench/compare.py [--config bench/compare.toml] [--out-dir docs] [--threads 1] [--jobs 2]
     python bench/compare.py --peers 4 --seeds 0 --methods diloco --set outer_optimizer.momentum=0.0 \
         --out-dir /tmp/diag      # one diagnostic run with a manifest field overridden
+    python bench/compare.py --config bench/compare-gpu.toml --device cuda --jobs 16   # the GPU scale
 
 Simulates N peers in one process (lab/simulation.py, the swarm's own algorithm code) for every
 method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batch: each peer's
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
 table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
 ``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
-``bench/results/compare-<bench.scale>.json``. ``--jobs`` runs that many simulations at once, each
-with ``--threads`` torch threads.
+``bench/results/compare-<bench.scale>.json`` (rewritten as each run ends, so a run cut short keeps
+the finished ones). ``--jobs`` runs that many simulations at once, each with ``--threads`` torch
+threads. ``--device cuda`` trains every simulation's replicas on the card (the precision the card
+gets in ``peer join``, bf16 on compute capability >= 8.0; eager, no compile); φ, the outer steps
+and the means stay fp32 on the host. Simulations at once then share the one card.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
 from peer.train.data import load_corpus
+from peer.train.device import place
 from lab.simulation import SimulationResult, run_simulation  # noqa: E402
 from protocol.manifest import RunManifest, from_dict
 
@@ -173,11 +178,13 @@ def results_record(results: list[SimulationResult], scale: str, base: RunManifes
 
 
 def _one(base: RunManifest, method: str, peers: int, seed: int, bench: dict, rounds: int, threads: int,
-         corpus=None) -> SimulationResult:
+         corpus=None, device: str = "cpu") -> SimulationResult:
     torch.set_num_threads(threads)
+    placement, _ = place(device, compile=False)
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
     return run_simulation(m, corpus if corpus is not None else load_corpus(base.data), peers=peers, rounds=rounds,
-                          seed=seed, data_parallel=method == "data-parallel", eval_every_rounds=bench["eval_every_rounds"])
+                          seed=seed, data_parallel=method == "data-parallel", eval_every_rounds=bench["eval_every_rounds"],
+                          device=placement.device, precision=placement.precision)
 
 
 def main() -> None:
@@ -186,6 +193,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per simulation")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (separate processes)")
+    parser.add_argument("--device", default="cpu", help="where the replicas train: cpu, cuda, cuda:N, auto")
     parser.add_argument("--rounds", type=int, help="override bench.rounds (quick trials)")
     parser.add_argument("--seeds", type=int, nargs="+", help="override bench.seeds")
     parser.add_argument("--peers", type=int, nargs="+", help="override bench.peers")
@@ -205,20 +213,29 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out_dir / "compare_results.json", args.out_dir / "compare_loss.png"
     scale = bench.get("scale", "cpu")
-    device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
-              f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
+    placement, _ = place(args.device, compile=False)
+    if placement.device.type == "cuda":
+        device = (f"{placement.info.name} ({placement.precision.name} autocast, eager), torch {torch.__version__}, "
+                  f"{args.jobs} simulation(s) at once sharing the card")
+    else:
+        device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
+                  f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
+    corpus = load_corpus(base.data)  # here first: the workers then read the token cache it leaves
+    final = Path(__file__).with_name("results") / f"compare-{scale}.json"
+    final.parent.mkdir(parents=True, exist_ok=True)
 
     header = ["method", "N", "seed", "val bpb", "replica-mean", "avg weights", "σ", "MB sent/peer", "wall s"]
     results: list[SimulationResult] = []
     work = [(method, peers, seed) for peers in peer_counts for seed in seeds for method in methods]
     if args.jobs > 1:
         pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
-        futures = [pool.submit(_one, base, method, peers, seed, bench, rounds, args.threads)
+        futures = [pool.submit(_one, base, method, peers, seed, bench, rounds, args.threads, None, args.device)
                    for method, peers, seed in work]
         done = (f.result() for f in concurrent.futures.as_completed(futures))
     else:
-        pool, corpus = None, load_corpus(base.data)
-        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus) for method, peers, seed in work)
+        pool = None
+        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus, args.device)
+                for method, peers, seed in work)
     try:
         for r in done:
             results.append(r)
@@ -232,6 +249,7 @@ def main() -> None:
                 "summary": summarize(results), "runs": [x.to_dict() for x in results],
             }
             json_path.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
+            final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -252,8 +270,6 @@ def main() -> None:
     plot(results, png_path, f"{base.model.hidden_size}-wide {base.model.num_layers}-layer Llama "
          f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
          f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens")
-    final = Path(__file__).with_name("results") / f"compare-{scale}.json"
-    final.parent.mkdir(parents=True, exist_ok=True)
     final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
     print(f"wrote {json_path}, {png_path} and {final}; total wall {time.perf_counter() - start:.0f} s")
 

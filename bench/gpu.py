@@ -8,7 +8,7 @@ For each preset (default: every preset on CUDA, skipping those that do not fit; 
 llama-125m on the CPU): the run's model (a fresh init, random tokens of its vocabulary), placed as
 ``peer join`` would place it (peer/train/device.py: precision per card, torch.compile on CUDA, the
 micro-batch probed to fit the card), then two loops on the same model init, batches, micro-batch,
-precision and AdamW settings:
+precision, compilation and AdamW settings:
 
 * project: :class:`peer.train.inner.InnerLoop` ``.step`` as the round loop calls it (loss to the
   host and a finiteness check every step, the lr schedule, grad clipping);
@@ -17,9 +17,11 @@ precision and AdamW settings:
 
 Each loop runs one untimed warm-up step (compilation), then ``--repeats`` × ``--steps`` timed steps;
 tokens/s is the best repeat's. The loops run one after the other, each alone on the device (the
-micro-batch is probed for one model's weights and AdamW state). ``inner_vs_bare`` = project
-tokens/s ÷ bare tokens/s. MFU = tokens/s × (6·N + 12·layers·hidden·seq) ÷ the card's dense bf16/fp16
-peak (peer/train/device.py's table, or ``--peak-tflops``); null where the peak is unknown (CPUs).
+micro-batch is probed for one model's weights and AdamW state); the bare loop reuses the project's
+compiled graph (same code and shapes). A preset that fails prints its traceback and the run goes
+on to the next. ``inner_vs_bare`` = project tokens/s ÷ bare tokens/s. MFU = tokens/s ×
+(6·N + 12·layers·hidden·seq) ÷ the card's dense bf16/fp16 peak (peer/train/device.py's table, or
+``--peak-tflops``); null where the peak is unknown (CPUs).
 ``peak_memory_gib`` is ``torch.cuda.max_memory_allocated`` over the project loop's steps on CUDA,
 null elsewhere (a process RSS would count both loops' models and the allocator's cache).
 
@@ -33,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -145,9 +149,11 @@ def bench_preset(name: str, args, placement) -> dict:
     compiled = project.compiled
     del project, model  # one loop on the card at a time: the micro-batch was probed for one
     if device.type == "cuda":
+        gc.collect()  # the model sits in reference cycles: free its CUDA tensors before the bare loop
         torch.cuda.empty_cache()
+    # compiled only where the project's loop still is (it falls back to eager if compiling fails)
     bare = BareLoop(bare_model.to(device), manifest.inner_optimizer, Cycle(batches), device=device,
-                    precision=placement.precision, micro=micro, compile=placement.compile)
+                    precision=placement.precision, micro=micro, compile=compiled)
     bare.step(0)
     bare_seconds = min(timed(bare, device, 1 + r * args.steps, args.steps) for r in range(args.repeats))
     model = bare.model
@@ -191,12 +197,19 @@ def main() -> None:
     results = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
+        # a fresh compile per preset: dynamo would otherwise compile the next preset's model for dynamic
+        # shapes (its input shape changed on the same code), which is not what `peer join` runs
+        torch._dynamo.reset()
         try:
             results.append(bench_preset(name, args, placement))
         except (ConfigError, torch.OutOfMemoryError) as exc:
             print(f"  {name}: skipped, does not fit ({str(exc).splitlines()[0]})", file=sys.stderr, flush=True)
-            if cuda:
-                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - one preset's failure must not lose the others' measurements
+            print(f"  {name}: failed", file=sys.stderr, flush=True)
+            traceback.print_exc()
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
         # written after every preset: a run cut short keeps what it measured
         out = {"device": device_name, "torch": torch.__version__, "results": results}
         args.out.write_text(json.dumps(out, indent=2) + "\n")

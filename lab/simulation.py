@@ -45,6 +45,7 @@ from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, v
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer
+from peer.train.precision import FP32, Precision
 from peer.train.overlap import drain, next_start, round_progress
 from peer.train.streaming import landing_at, merge, partition, syncing_at
 from protocol.codecs import Codec, make_codec
@@ -222,13 +223,25 @@ class Simulation:
             are forged before they enter the group mean, or (owner attacks) the means of the pieces
             they own are forged before they reach the receivers; evaluation covers the honest
             peers only.
+        device: where the replicas θ train (InnerLoop's device: one CUDA card holds all N). φ, the
+            outer states, Δ and the group means stay fp32 on the host, as a networked peer keeps them
+            (peer/train/device.py); θ is copied to the host for Δ and the round's start copied back.
+        precision: the inner loop's autocast (peer/train/precision.py), e.g. bf16 on a CUDA card.
+
+    Raises:
+        ValueError: ``peers`` < 1, an adversary outside the peers or with data-parallel, or an
+            adversary on a device other than the CPU (its fake-progress round reads θ in place).
     """
 
     def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
                  data_parallel: bool = False, uplink_mbps: float = 50.0, screening: bool = True,
-                 adversary: Adversary | None = None):
+                 adversary: Adversary | None = None, device: torch.device | str = "cpu",
+                 precision: Precision = FP32):
         if peers < 1:
             raise ValueError(f"peers = {peers}: need at least one")
+        self.device = torch.device(device)
+        if adversary is not None and self.device.type != "cpu":
+            raise ValueError(f"an adversary with device {str(self.device)!r}: the adversary runs on the CPU only")
         if adversary is not None and (data_parallel or max(adversary.peers) >= peers):
             raise ValueError(f"adversary peers {adversary.peers} with {peers} peers, data_parallel = {data_parallel}: "
                              "need peer indices below N and the low-communication mode")
@@ -259,19 +272,21 @@ class Simulation:
                                  batch_sequences=manifest.batch_sequences, seed=peer_seed(f"sim-peer-{i}", seed))
                     for i in range(peers)]
         self.tokenizer = corpus.tokenizer
-        base = build_model(manifest.model, corpus.tokenizer)
+        base = build_model(manifest.model, corpus.tokenizer).to(self.device)
         self.parameters = parameter_count(base)
         self._eval_model = copy.deepcopy(base)
+        spec = manifest.inner_optimizer
         if data_parallel:
             self.models = [base]
-            self.inners = [InnerLoop(base, manifest.inner_optimizer, _ConcatSampler(samplers))]
+            self.inners = [InnerLoop(base, spec, _ConcatSampler(samplers), device=self.device, precision=precision)]
             self.outers, self.phis = [], []
         else:
             self.models = [base] + [copy.deepcopy(base) for _ in range(peers - 1)]
-            self.inners = [InnerLoop(m, manifest.inner_optimizer, s) for m, s in zip(self.models, samplers)]
+            self.inners = [InnerLoop(m, spec, s, device=self.device, precision=precision)
+                           for m, s in zip(self.models, samplers)]
             shapes = [p.shape for p in base.parameters()]
             self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
-            self.phis = [[p.detach().clone() for p in m.parameters()] for m in self.models]
+            self.phis = [[p.detach().to("cpu", torch.float32, copy=True) for p in m.parameters()] for m in self.models]
             self._setup_codecs(shapes)
         self.streaming = not data_parallel and manifest.sync.overlap == "streaming"
         if self.streaming:
@@ -280,6 +295,14 @@ class Simulation:
         """ψ: where each peer's current round started (φ without overlap; peer/train/overlap.py)."""
         self.pending: list[list[torch.Tensor]] | None = None
         """With overlap: each peer's group mean of the last round, applied at the end of this one."""
+
+    def _theta(self, i: int) -> list[torch.Tensor]:
+        """Peer i's θ as host tensors for Δ: the parameters themselves on the CPU, fp32 copies from a
+        CUDA device (as the trainer copies θ to the host at a round's end)."""
+        params = list(self.models[i].parameters())
+        if self.device.type == "cpu":
+            return params
+        return [p.detach().to("cpu", torch.float32) for p in params]
 
     def _setup_codecs(self, shapes: Sequence[torch.Size]) -> None:
         """Per payload tensor its codec (None: adaptive, planned each round), per peer its residuals."""
@@ -373,8 +396,8 @@ class Simulation:
         ``in_flight`` until it lands. Bytes: a butterfly all-reduce of the fragment alone."""
         index = self.fragments[p]
         payloads = []
-        for outer, phi, model in zip(self.fragment_outers, self.phis, self.models):
-            theta = list(model.parameters())
+        for i, (outer, phi) in enumerate(zip(self.fragment_outers, self.phis)):
+            theta = self._theta(i)
             phi_p = [phi[k] for k in index]
             payloads.append(outer[p].payload(phi_p, round_progress(phi_p, [theta[k] for k in index])))
         claimed = [float(max(1, t)) for t in self.fragment_tokens[p]]
@@ -412,9 +435,8 @@ class Simulation:
         last round's means land now, this round's are held back a round (their sync "runs" while the
         next round trains), and each peer starts the next round from :func:`next_start`."""
         mode = self.m.sync.overlap
-        thetas = [list(m.parameters()) for m in self.models]
         anchors = self.phis if mode == "none" else self.anchors
-        deltas = [round_progress(anchor, theta) for anchor, theta in zip(anchors, thetas)]
+        deltas = [round_progress(anchor, self._theta(i)) for i, anchor in enumerate(anchors)]
         if self.pending is not None:  # round t−1's means, "synced" while round t trained
             for outer, phi, mean in zip(self.outers, self.phis, self.pending):
                 outer.apply(phi, mean)
@@ -458,8 +480,8 @@ class Simulation:
                       for outer, phi, delta, payload, share in zip(self.outers, self.phis, deltas, payloads, shares)]
             self.anchors = starts
         with torch.no_grad():
-            for theta, start in zip(thetas, starts):
-                for t, p in zip(theta, start):
+            for model, start in zip(self.models, starts):
+                for t, p in zip(model.parameters(), start):
                     t.copy_(p)
 
     def _contributions(self, payloads: list[list[torch.Tensor]], round_tokens: Sequence[int],
@@ -759,9 +781,10 @@ class Simulation:
 def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds: int, seed: int = 0,
                    data_parallel: bool = False, eval_every_rounds: int = 1,
                    uplink_mbps: float = 50.0, screening: bool = True,
-                   adversary: Adversary | None = None) -> SimulationResult:
+                   adversary: Adversary | None = None, device: torch.device | str = "cpu",
+                   precision: Precision = FP32) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
-    (``screening`` and ``adversary``: see :class:`Simulation`).
+    (``screening``, ``adversary``, ``device`` and ``precision``: see :class:`Simulation`).
 
     Returns:
         SimulationResult with the loss curve (round 0 and the last round always included), the
@@ -770,7 +793,7 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     start = time.perf_counter()
     windows = validation_batch(corpus, manifest.data)
     sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
-                     screening=screening, adversary=adversary)
+                     screening=screening, adversary=adversary, device=device, precision=precision)
     history = [sim.evaluate(windows)]
     for r in range(1, rounds + 1):
         sim.run_round()

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from peer.train.inner import InnerLoop
+from peer.train.model import register_attention
 from peer.train.precision import FP32, Precision
 from protocol.errors import ConfigError, LocoError, RankFailed
 from protocol.lifetime import HelperProcess
@@ -467,6 +468,7 @@ def _serve(setup: RankSetup, ready) -> None:
         cap_memory(device, setup.max_memory_gib)
         total = torch.cuda.get_device_properties(device).total_memory
         budget = min(total, setup.max_memory_gib * 1024 ** 3) if setup.max_memory_gib else total
+    register_attention()  # the config names locoswarm's attention, registered per process
     model = setup.model_class(setup.model_config).float().to(device)  # weights come from rank 0
     ready.set()
     dist.init_process_group(setup.backend, init_method=f"file://{setup.store_path}", rank=setup.rank,

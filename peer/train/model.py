@@ -13,9 +13,31 @@ from protocol.manifest import ModelSpec
 logger = logging.getLogger(__name__)
 
 
+ATTENTION = "locoswarm_sdpa"
+"""transformers' SDPA attention, registered under a name of its own that has no mask function, so
+transformers passes no mask and SDPA runs with ``is_causal=True``: the flash kernel on CUDA. Under
+torch.compile transformers' "sdpa" materialises a (batch, 1, seq, seq) mask instead (it never skips the
+mask while tracing, before torch 2.14), which rules out the flash kernel and computes the whole square.
+Valid because every window here is full: no padding, no KV cache."""
+
+
+def register_attention() -> str:
+    """Register :data:`ATTENTION` with transformers in this process and return its name (plain "sdpa"
+    where transformers predates ``AttentionInterface``). A process that builds the model from its
+    config alone (a spawned rank, peer/train/ddp.py) calls it first."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:
+        return "sdpa"
+    AttentionInterface.register(ATTENTION, sdpa_attention_forward)
+    return ATTENTION
+
+
 def build_model(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> torch.nn.Module:
     """A freshly initialised fp32 LlamaForCausalLM on the host; identical on every peer (seeded by
-    ``init_seed``), whatever device it then moves to. Attention runs through PyTorch's SDPA.
+    ``init_seed``), whatever device it then moves to. Attention runs through PyTorch's SDPA, causal
+    without a mask (:data:`ATTENTION`).
 
     No weights are downloaded: the model is built from a config.
 
@@ -39,7 +61,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> torch.nn
         pad_token_id=tokenizer.pad_id,
         tie_word_embeddings=False,
         use_cache=False,
-        attn_implementation="sdpa",  # PyTorch's fused attention (flash / memory-efficient kernels on CUDA)
+        attn_implementation=register_attention(),
     )
     saved_rng_state = torch.random.get_rng_state()
     torch.manual_seed(spec.init_seed)

@@ -78,6 +78,15 @@ def test_out_of_memory_at_one_sequence_is_a_config_error_and_leaves_theta():
     assert all(torch.equal(p, q) for p, q in zip(loop.params, before))
 
 
+@pytest.mark.parametrize("fits,micro", [(8, 8), (7, 4), (5, 4), (4, 4), (3, 3), (1, 1)])
+def test_the_probed_micro_batch_is_evened_out_over_the_fewest_micro_batches(monkeypatch, fits, micro):
+    # 8 sequences that fit 7 at a time run as 2 × 4: one shape for torch.compile, not 7 + 1
+    monkeypatch.setattr("peer.train.inner.probe_micro_batch", lambda try_step, *, upper, margin: fits)
+    loop = InnerLoop(build_model(RUN.model), SPEC, Fixed(batch()))
+    loop.device = torch.device("cuda")  # the probe is faked: nothing touches CUDA
+    assert loop.fit_micro_batch(budget_bytes=1.0) == micro == loop.micro_batch_sequences
+
+
 def test_fp16_with_a_gradient_scaler_trains_on_cpu():
     loop = InnerLoop(build_model(RUN.model), SPEC, Fixed(batch()), precision=FP16, micro_batch_sequences=4)
     assert loop.scaler is not None and loop.scaler.is_enabled()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peer.train.device import training_memory_bytes
-from peer.train.model import build_model, parameter_count, spec_parameter_count
+from peer.train.model import ATTENTION, build_model, parameter_count, spec_parameter_count
 from protocol.manifest import dump_toml, load_manifest
 from protocol.presets import PRESETS
 
@@ -25,7 +25,7 @@ def test_presets_have_the_sizes_they_are_named_for(name, low, high):
     n = parameter_count(model)
     assert n == spec_parameter_count(m.model, m.data.vocab_size)
     assert low <= n <= high
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == ATTENTION  # SDPA, causal without a mask
     assert m.data.seq_len_tokens <= m.model.max_seq_len and m.batch_sequences >= 32
 
 

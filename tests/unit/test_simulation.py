@@ -222,3 +222,26 @@ def test_structured_codecs_send_the_group_mean_exactly(corpus, codec):
     for i, got in enumerate(mean):
         sent_mean = sum(d[i] - e[i] for d, e in zip(deltas, residuals)) / 3  # Σ (Δ − e) = Σ decoded
         torch.testing.assert_close(got, sent_mean, rtol=2e-3, atol=1e-3 * float(sent_mean.abs().max()) + 1e-12)
+
+
+def test_replicas_train_under_the_placement_precision_while_phi_stays_fp32_on_the_host(corpus):
+    # The device seam of bench/compare.py --device: θ trains where and how the placement says (bf16
+    # autocast here, on the CPU), φ and the outer step stay fp32 host tensors, replicas stay identical.
+    from peer.train.precision import BF16
+
+    sim = Simulation(manifest("diloco"), corpus, peers=2, seed=0, precision=BF16)
+    assert all(inner.precision is BF16 for inner in sim.inners)
+    sim.run_round()
+    for a, b in zip(sim.phis[0], sim.phis[1]):
+        assert a.dtype == torch.float32 and a.device.type == "cpu"
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    history = run_simulation(manifest("diloco"), corpus, peers=2, rounds=2, precision=BF16).history
+    assert all(math.isfinite(h.loss_bpb) for h in history) and history[-1].loss_bpb < history[0].loss_bpb
+
+
+def test_an_adversary_is_refused_off_the_cpu_before_any_device_is_touched(corpus):
+    from lab.adversary import Adversary
+
+    with pytest.raises(ValueError, match="'cuda'.*CPU only"):
+        Simulation(manifest("diloco"), corpus, peers=2, adversary=Adversary(peers=(1,), attack="sign-flip"),
+                   device="cuda")
