@@ -11,7 +11,10 @@ batch is ``global_batch_tokens / N``, so every run trains on the same number of 
 table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
 ``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
 ``bench/results/compare-<bench.scale>.json`` (rewritten as each run ends, so a run cut short keeps
-the finished ones). ``--jobs`` runs that many simulations at once, each with ``--threads`` torch
+the finished ones), and appends every evaluation of every run as it is made to
+``compare_progress.jsonl`` in the output directory (one JSON object a line: method, peers, seed and
+the evaluation point), so a run stopped before it ends keeps its curve so far. SIGTERM or Ctrl-C
+ends the workers too. ``--jobs`` runs that many simulations at once, each with ``--threads`` torch
 threads. ``--device cuda`` trains every simulation's replicas on the card (the precision the card
 gets in ``peer join``, bf16 on compute capability >= 8.0; eager, no compile); φ, the outer steps
 and the means stay fp32 on the host. Simulations at once then share the one card.
@@ -20,11 +23,12 @@ and the means stay fp32 on the host. Simulations at once then share the one card
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import functools
 import json
 import multiprocessing
 import platform
 import logging
+import signal
 import statistics
 import sys
 import time
@@ -36,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
 from peer.train.data import load_corpus
 from peer.train.device import place
-from lab.simulation import SimulationResult, run_simulation  # noqa: E402
+from lab.simulation import EvalPoint, SimulationResult, run_simulation  # noqa: E402
 from protocol.manifest import RunManifest, from_dict
 
 LABELS = {
@@ -177,14 +181,30 @@ def results_record(results: list[SimulationResult], scale: str, base: RunManifes
             "tokens_per_run": results[0].history[-1].tokens, "results": out}
 
 
+def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) -> None:
+    """Append one evaluation to ``path`` as a JSON line (one short write: lines of workers don't mix)."""
+    line = json.dumps({"method": method, "peers": peers, "seed": seed, **point.__dict__}) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+
+
 def _one(base: RunManifest, method: str, peers: int, seed: int, bench: dict, rounds: int, threads: int,
-         corpus=None, device: str = "cpu") -> SimulationResult:
+         corpus=None, device: str = "cpu", progress: Path | None = None) -> SimulationResult:
     torch.set_num_threads(threads)
     placement, _ = place(device, compile=False)
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
+    on_eval = None if progress is None else functools.partial(_progress, progress, method, peers, seed)
     return run_simulation(m, corpus if corpus is not None else load_corpus(base.data), peers=peers, rounds=rounds,
                           seed=seed, data_parallel=method == "data-parallel", eval_every_rounds=bench["eval_every_rounds"],
-                          device=placement.device, precision=placement.precision)
+                          device=placement.device, precision=placement.precision, on_eval=on_eval)
+
+
+def _one_of(task: tuple) -> SimulationResult:
+    return _one(*task)
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main() -> None:
@@ -212,6 +232,9 @@ def main() -> None:
     start = time.perf_counter()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out_dir / "compare_results.json", args.out_dir / "compare_loss.png"
+    progress = args.out_dir / "compare_progress.jsonl"
+    progress.unlink(missing_ok=True)
+    signal.signal(signal.SIGTERM, _stop)  # `timeout` and kill: end the workers too (the finally below)
     scale = bench.get("scale", "cpu")
     placement, _ = place(args.device, compile=False)
     if placement.device.type == "cuda":
@@ -228,13 +251,12 @@ def main() -> None:
     results: list[SimulationResult] = []
     work = [(method, peers, seed) for peers in peer_counts for seed in seeds for method in methods]
     if args.jobs > 1:
-        pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
-        futures = [pool.submit(_one, base, method, peers, seed, bench, rounds, args.threads, None, args.device)
-                   for method, peers, seed in work]
-        done = (f.result() for f in concurrent.futures.as_completed(futures))
+        pool = multiprocessing.get_context("spawn").Pool(args.jobs)
+        done = pool.imap_unordered(_one_of, [(base, method, peers, seed, bench, rounds, args.threads, None,
+                                              args.device, progress) for method, peers, seed in work])
     else:
         pool = None
-        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus, args.device)
+        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus, args.device, progress)
                 for method, peers, seed in work)
     try:
         for r in done:
@@ -252,7 +274,8 @@ def main() -> None:
             final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
     finally:
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            pool.terminate()  # a stopped benchmark leaves no worker behind
+            pool.join()
     order = {(p, s, m): i for i, (m, p, s) in enumerate(work)}
     results.sort(key=lambda r: order[(r.peers, r.seed, r.method)])
 
@@ -275,4 +298,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt as exc:
+        sys.exit(f"stopped ({exc or 'Ctrl-C'}): the runs that ended are in bench/results and the output directory, "
+                 "every evaluation so far in compare_progress.jsonl")

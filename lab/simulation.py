@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -782,9 +782,12 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
                    data_parallel: bool = False, eval_every_rounds: int = 1,
                    uplink_mbps: float = 50.0, screening: bool = True,
                    adversary: Adversary | None = None, device: torch.device | str = "cpu",
-                   precision: Precision = FP32) -> SimulationResult:
+                   precision: Precision = FP32,
+                   on_eval: Callable[[EvalPoint], None] | None = None) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
     (``screening``, ``adversary``, ``device`` and ``precision``: see :class:`Simulation`).
+    ``on_eval`` is called with each evaluation as it is made (round 0 included), so a caller can keep
+    the curve of a run that is stopped before it returns.
 
     Returns:
         SimulationResult with the loss curve (round 0 and the last round always included), the
@@ -795,6 +798,8 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
                      screening=screening, adversary=adversary, device=device, precision=precision)
     history = [sim.evaluate(windows)]
+    if on_eval is not None:
+        on_eval(history[-1])
     for r in range(1, rounds + 1):
         sim.run_round()
         if r == rounds:
@@ -802,6 +807,8 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
         if r % max(1, eval_every_rounds) == 0 or r == rounds:
             history.append(sim.evaluate(windows))
             h = history[-1]
+            if on_eval is not None:
+                on_eval(h)
             logger.info("%s N=%d seed %d | round %d | val %.4f bpb | σ %.2e | %.1f MiB sent per peer",
                         sim.method, peers, seed, r, h.loss_bpb, h.sigma, sum(sim.bytes_sent) / peers / 2**20)
     return SimulationResult(method=sim.method, peers=peers, seed=seed, rounds=rounds,

@@ -245,3 +245,9 @@ def test_an_adversary_is_refused_off_the_cpu_before_any_device_is_touched(corpus
     with pytest.raises(ValueError, match="'cuda'.*CPU only"):
         Simulation(manifest("diloco"), corpus, peers=2, adversary=Adversary(peers=(1,), attack="sign-flip"),
                    device="cuda")
+
+
+def test_on_eval_sees_every_evaluation_as_it_is_made(corpus):
+    seen = []
+    result = run_simulation(manifest("diloco"), corpus, peers=2, rounds=3, eval_every_rounds=2, on_eval=seen.append)
+    assert [p.round_ for p in seen] == [0, 2, 3] and seen == result.history
