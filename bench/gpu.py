@@ -10,15 +10,15 @@ llama-125m on the CPU): the run's model (a fresh init, random tokens of its voca
 micro-batch probed to fit the card), then two loops on the same model init, batches, micro-batch,
 precision, compilation and AdamW settings:
 
-* project: :class:`peer.train.inner.InnerLoop` ``.step`` as the round loop calls it (loss to the
-  host and a finiteness check every step, the lr schedule, grad clipping);
-* bare: a plain loop (zero_grad, autocast forward, cross-entropy, backward per micro-batch, clip,
-  AdamW step), no host sync inside a step.
+* project: :class:`peer.train.inner.InnerLoop` ``.step`` as the round loop calls it (the model and
+  its loss compiled as one graph, the lr schedule, grad clipping, the loss and gradient checked for
+  finiteness, on the device with fused AdamW, and the loss read to the host at the step's end);
+* bare: a plain loop (zero_grad, autocast forward of the compiled model, cross-entropy, backward per
+  micro-batch, clip, AdamW step), no host sync inside a step, no finiteness check.
 
 Each loop runs one untimed warm-up step (compilation), then ``--repeats`` × ``--steps`` timed steps;
 tokens/s is the best repeat's. The loops run one after the other, each alone on the device (the
-micro-batch is probed for one model's weights and AdamW state); the bare loop reuses the project's
-compiled graph (same code and shapes). A preset that fails prints its traceback and the run goes
+micro-batch is probed for one model's weights and AdamW state). A preset that fails prints its traceback and the run goes
 on to the next. ``inner_vs_bare`` = project tokens/s ÷ bare tokens/s. MFU = tokens/s ×
 (6·N + 12·layers·hidden·seq) ÷ the card's dense bf16/fp16 peak (peer/train/device.py's table, or
 ``--peak-tflops``); null where the peak is unknown (CPUs).

@@ -55,6 +55,23 @@ class StepResult:
     their next round, so this one's round ends with this step."""
 
 
+def fused_adamw(device: torch.device) -> bool:
+    """Whether the inner loop runs fused AdamW on ``device`` (CUDA; a seam for the tests)."""
+    return device.type == "cuda"
+
+
+class _Loss(torch.nn.Module):
+    """The model's training loss as one module (:func:`peer.train.model.lm_loss`), so torch.compile
+    takes the logits' fp32 cast and the cross-entropy into the model's graph."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model, windows)
+
+
 class InnerLoop:
     """H steps of AdamW on θ (DiLoCo arXiv 2311.08105, Algorithm 1 lines 4-7).
 
@@ -68,8 +85,9 @@ class InnerLoop:
         precision: autocast dtype and gradient scaler (default fp32: no autocast).
         micro_batch_sequences: sequences per forward/backward (None: the whole batch at once). A
             CUDA out-of-memory error halves it and redoes the step.
-        compile: run the forward through :func:`torch.compile`; a compile failure at the first step
-            falls back to eager with one warning.
+        compile: run the forward and the loss (the logits' fp32 cast and the cross-entropy, one
+            graph) through :func:`torch.compile`; a compile failure at the first step falls back to
+            eager with one warning.
         compile_backend: torch.compile's backend (the seam tests use to make compilation fail).
         activation_checkpointing: recompute each decoder layer's activations in the backward
             (transformers' gradient checkpointing, non-reentrant) instead of keeping them; the
@@ -99,19 +117,22 @@ class InnerLoop:
         self.micro_batch_sequences = micro_batch_sequences
         self.oom_backoffs = 0
         """Times an out-of-memory error halved the micro-batch."""
+        self.fused = fused_adamw(self.device)
+        """Fused AdamW (CUDA): it skips a step on the device when told to (:meth:`step`'s one sync)."""
         self.optimizer = torch.optim.AdamW(
             self.params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
-            weight_decay=spec.weight_decay, fused=True if self.device.type == "cuda" else None,
+            weight_decay=spec.weight_decay, fused=True if self.fused else None,
         )
         self.scaler = torch.amp.GradScaler(self.device.type) if precision.grad_scaler else None
-        self._forward_model = torch.compile(model, backend=compile_backend) if compile else model
+        self._eager_loss = _Loss(model)
+        self._loss = torch.compile(self._eager_loss, backend=compile_backend) if compile else self._eager_loss
         self._compile_unproven = compile
         """True until the compiled model finished a step: until then a failure falls back to eager."""
 
     @property
     def compiled(self) -> bool:
         """Whether the forward runs compiled (False after a fallback to eager)."""
-        return self._forward_model is not self.model
+        return self._loss is not self._eager_loss
 
     def reset_optimizer(self) -> None:
         """Forget AdamW moments (after adopting φ from the swarm)."""
@@ -134,7 +155,7 @@ class InnerLoop:
         self.optimizer.state.clear()
         if state is None:
             return
-        fused = self.device.type == "cuda"  # fused AdamW keeps its step count on the device
+        fused = self.fused  # fused AdamW keeps its step count on the device
         for p, m1, m2 in zip(self.params, state["exp_avg"], state["exp_avg_sq"], strict=True):
             step = torch.tensor(float(state["step"]), device=p.device if fused else "cpu")
             self.optimizer.state[p] = {"step": step,
@@ -154,24 +175,34 @@ class InnerLoop:
         sequences). An out-of-memory error halves the micro-batch and redoes the step on the same
         batch: no step and no data are lost.
 
+        With fused AdamW (CUDA) and no gradient scaler the step waits for the device once, at its
+        end: the finiteness of the loss and of the gradient norm is decided on the device, where it
+        makes fused AdamW skip the update (the ``found_inf`` input the gradient scaler uses), and
+        only then is the loss read. Elsewhere the loss and the norm are read as they are computed.
+
         Raises:
-            BadPayload: the loss or gradient is not finite; θ is left unchanged by this step.
+            BadPayload: the loss or gradient is not finite; θ and AdamW's state are left unchanged
+                by this step.
             ConfigError: out of memory at one sequence per micro-batch; θ unchanged.
         """
         start = time.perf_counter()
         batch = self._next_batch(inner_step)
         self.model.train()
-        loss_value = self._forward_backward(batch)
+        loss = self._forward_backward(batch)
         self._compile_unproven = False
-        if not math.isfinite(loss_value):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise BadPayload(f"training loss is {loss_value} at inner step {inner_step}")
+        on_device = self.fused and self.scaler is None and isinstance(loss, torch.Tensor)
+        if not on_device:
+            loss = float(loss)
+            if not math.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise BadPayload(f"training loss is {loss} at inner step {inner_step}")
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+        norm = None
         if self.spec.grad_clip_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip_norm)
             # with a scaler an overflow is routine: the scaler skips this update and lowers its scale
-            if self.scaler is None and not math.isfinite(norm.item()):
+            if self.scaler is None and not on_device and not math.isfinite(norm.item()):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise BadPayload(f"gradient norm is {norm.item()} at inner step {inner_step}")
         for group in self.optimizer.param_groups:
@@ -179,21 +210,44 @@ class InnerLoop:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
+        elif on_device:
+            loss = self._step_unless_non_finite(loss, norm, inner_step)
         else:
             self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
-        return StepResult(loss=loss_value, tokens=tokens, seconds=time.perf_counter() - start,
+        return StepResult(loss=loss, tokens=tokens, seconds=time.perf_counter() - start,
                           micro_batch=min(self.micro_batch_sequences or self._share(batch).shape[0],
                                           self._share(batch).shape[0]))
+
+    def _step_unless_non_finite(self, loss: torch.Tensor, norm: torch.Tensor | None, inner_step: int) -> float:
+        """Fused AdamW's step, skipped on the device (parameters, moments and step count untouched)
+        when the loss or the gradient norm is not finite; then the step's one host sync: the loss.
+
+        Raises:
+            BadPayload: the loss or the norm was not finite (the update was skipped).
+        """
+        bad = ~torch.isfinite(loss) if norm is None else ~(torch.isfinite(loss) & torch.isfinite(norm))
+        self.optimizer.found_inf = bad.float()
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        value = loss.item()
+        if not math.isfinite(value) or (norm is not None and not math.isfinite(norm.item())):
+            self.optimizer.zero_grad(set_to_none=True)
+            what = f"training loss is {value}" if not math.isfinite(value) else f"gradient norm is {norm.item()}"
+            raise BadPayload(f"{what} at inner step {inner_step}")
+        return value
 
     def _next_batch(self, inner_step: int) -> torch.Tensor:
         """The step's whole batch, int64 (batch_sequences, seq_len + 1) on the host (pinned on CUDA)."""
         batch = self.sampler.next_batch()
         return batch.pin_memory() if self.device.type == "cuda" else batch
 
-    def _forward_backward(self, batch: torch.Tensor) -> float:
+    def _forward_backward(self, batch: torch.Tensor) -> float | torch.Tensor:
         """Gradients of ``batch``'s mean loss into ``.grad``, backing off on out-of-memory errors and
-        falling back to eager on a first compiled step's failure; returns the loss (nats per token)."""
+        falling back to eager on a first compiled step's failure; returns the loss (nats per token),
+        a 0-d tensor on the device (not read yet) or a float."""
         while True:
             out_of_memory = False
             try:
@@ -219,10 +273,11 @@ class InnerLoop:
     def close(self) -> None:
         """Release what the loop holds beyond this process (nothing here; ranks in peer/train/ddp.py)."""
 
-    def _accumulate(self, batch: torch.Tensor) -> float:
+    def _accumulate(self, batch: torch.Tensor) -> torch.Tensor:
         """Forward and backward over ``batch`` in micro-batches; the gradients of the mean loss are
-        left in ``.grad``; returns that loss (one host sync). Raises what the forward raises."""
-        return self._accumulate_share(batch, batch.shape[0]).item()
+        left in ``.grad``; returns that loss, a 0-d fp32 tensor on the device (no host sync). Raises
+        what the forward raises."""
+        return self._accumulate_share(batch, batch.shape[0])
 
     def _accumulate_share(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
         """Forward and backward over ``rows``, a share of a batch of ``batch_rows`` sequences, in
@@ -235,7 +290,7 @@ class InnerLoop:
         for chunk in chunks:
             chunk = chunk.to(self.device, non_blocking=True)
             with autocast(self.device.type, self.precision):
-                loss = lm_loss(self._forward_model, chunk)
+                loss = self._loss(chunk)
             if chunk.shape[0] != batch_rows:
                 loss = loss * (chunk.shape[0] / batch_rows)
             total = loss.detach() if total is None else total + loss.detach()
@@ -260,7 +315,7 @@ class InnerLoop:
         self.optimizer.zero_grad(set_to_none=True)
         logger.warning("torch.compile failed (%s: %s); training eagerly", type(exc).__name__,
                        str(exc).splitlines()[0] if str(exc) else "")
-        self._forward_model = self.model
+        self._loss = self._eager_loss
         self._compile_unproven = False
 
     def fit_micro_batch(self, *, budget_bytes: float, margin: float = 0.1) -> int:
