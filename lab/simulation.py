@@ -352,9 +352,13 @@ class Simulation:
             return
         H = self.m.sync.inner_steps
         round_tokens = [0] * len(self.inners)
+        # queued without waiting (fused AdamW on a card): the host queues every peer's steps back to
+        # back and the card never idles between them; settled, and checked, before the outer step
         for i, inner in enumerate(self.inners):
             for k in range(H):
-                round_tokens[i] += inner.step(self.inner_step + k).tokens
+                round_tokens[i] += inner.step(self.inner_step + k, wait=False).tokens
+        for inner in self.inners:
+            inner.settle()
         self.inner_step += H
         self.tokens += sum(round_tokens)
         if self.data_parallel:

@@ -45,9 +45,11 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, decay_steps
 @dataclass
 class StepResult:
     loss: float
-    """Training loss of the batch, nats per token."""
+    """Training loss of the batch, nats per token (NaN for a step not waited for: see
+    :meth:`InnerLoop.settle`)."""
     tokens: int
     seconds: float
+    """Wall time of the step (only its queuing, for a step not waited for)."""
     micro_batch: int = 0
     """Sequences per micro-batch the step finished with (smaller than before after an OOM back-off)."""
     ends_round: bool = False
@@ -128,6 +130,8 @@ class InnerLoop:
         self._loss = torch.compile(self._eager_loss, backend=compile_backend) if compile else self._eager_loss
         self._compile_unproven = compile
         """True until the compiled model finished a step: until then a failure falls back to eager."""
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        """Steps taken with ``wait=False`` whose loss and norm are not read yet: (inner step, loss, norm)."""
 
     @property
     def compiled(self) -> bool:
@@ -167,7 +171,7 @@ class InnerLoop:
         return lr_at(inner_step, lr=s.lr, warmup_steps=s.warmup_steps, schedule=s.schedule,
                      decay_steps=s.decay_steps, min_lr_ratio=s.min_lr_ratio)
 
-    def step(self, inner_step: int) -> StepResult:
+    def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
         """One AdamW step on a fresh batch at cumulative inner step ``inner_step``.
 
         The batch runs in micro-batches of :attr:`micro_batch_sequences` sequences whose gradients
@@ -179,6 +183,10 @@ class InnerLoop:
         end: the finiteness of the loss and of the gradient norm is decided on the device, where it
         makes fused AdamW skip the update (the ``found_inf`` input the gradient scaler uses), and
         only then is the loss read. Elsewhere the loss and the norm are read as they are computed.
+        With ``wait=False`` (fused AdamW only; ignored elsewhere) not even that: the step returns
+        once queued, with a NaN loss, so the host can queue the next ones (lab/simulation.py queues
+        N peers' steps on one card); :meth:`settle` later reads those steps' losses and raises for
+        them.
 
         Raises:
             BadPayload: the loss or gradient is not finite; θ and AdamW's state are left unchanged
@@ -211,7 +219,7 @@ class InnerLoop:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif on_device:
-            loss = self._step_unless_non_finite(loss, norm, inner_step)
+            loss = self._step_unless_non_finite(loss, norm, inner_step, wait=wait)
         else:
             self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
@@ -219,9 +227,11 @@ class InnerLoop:
                           micro_batch=min(self.micro_batch_sequences or self._share(batch).shape[0],
                                           self._share(batch).shape[0]))
 
-    def _step_unless_non_finite(self, loss: torch.Tensor, norm: torch.Tensor | None, inner_step: int) -> float:
+    def _step_unless_non_finite(self, loss: torch.Tensor, norm: torch.Tensor | None, inner_step: int, *,
+                                wait: bool = True) -> float:
         """Fused AdamW's step, skipped on the device (parameters, moments and step count untouched)
-        when the loss or the gradient norm is not finite; then the step's one host sync: the loss.
+        when the loss or the gradient norm is not finite; then the step's one host sync: the loss
+        (``wait=False``: none, the step is kept for :meth:`settle` and NaN returned).
 
         Raises:
             BadPayload: the loss or the norm was not finite (the update was skipped).
@@ -232,12 +242,32 @@ class InnerLoop:
             self.optimizer.step()
         finally:
             del self.optimizer.found_inf
-        value = loss.item()
-        if not math.isfinite(value) or (norm is not None and not math.isfinite(norm.item())):
-            self.optimizer.zero_grad(set_to_none=True)
-            what = f"training loss is {value}" if not math.isfinite(value) else f"gradient norm is {norm.item()}"
-            raise BadPayload(f"{what} at inner step {inner_step}")
-        return value
+        if not wait:
+            self._pending.append((inner_step, loss.detach(), None if norm is None else norm.detach()))
+            return math.nan
+        self._pending.append((inner_step, loss, norm))
+        return self.settle()[-1]
+
+    def settle(self) -> list[float]:
+        """The losses of the steps not read yet (taken with ``wait=False``), in step order, read with
+        one host sync; empty when there are none.
+
+        Raises:
+            BadPayload: one of them had a non-finite loss or gradient norm (the first is named); its
+                update was skipped on the device, so θ and AdamW hold only the finite steps.
+        """
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        # (loss, norm) per step, one sync; no clipping: no norm, 0 stands in
+        table = torch.stack([torch.stack([loss.float(), loss.new_zeros(()) if norm is None else norm.float()])
+                             for _, loss, norm in pending]).tolist()
+        for (inner_step, _, _), (value, norm_value) in zip(pending, table):
+            if not math.isfinite(value) or not math.isfinite(norm_value):
+                self.optimizer.zero_grad(set_to_none=True)
+                what = f"training loss is {value}" if not math.isfinite(value) else f"gradient norm is {norm_value}"
+                raise BadPayload(f"{what} at inner step {inner_step}")
+        return [value for value, _ in table]
 
     def _next_batch(self, inner_step: int) -> torch.Tensor:
         """The step's whole batch, int64 (batch_sequences, seq_len + 1) on the host (pinned on CUDA)."""

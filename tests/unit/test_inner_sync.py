@@ -86,3 +86,31 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_skipped_too(fused):
     hook.remove()
     loop.step(2)  # trains on afterwards: the skipped step left nothing behind
     assert not all(torch.equal(p, q) for p, q in zip(loop.params, before[0]))
+
+
+def test_steps_not_waited_for_train_the_same_and_settle_reads_their_losses(fused):
+    model = build_model(RUN.model)
+    queued, waited = loop_of(copy.deepcopy(model)), loop_of(copy.deepcopy(model))
+    results = [queued.step(k, wait=False) for k in range(3)]
+    assert all(r.loss != r.loss for r in results)  # NaN: not read yet
+    losses = queued.settle()
+    assert losses == [waited.step(k).loss for k in range(3)]
+    assert queued.settle() == []
+    assert all(torch.equal(p, q) for p, q in zip(queued.params, waited.params))
+
+
+def test_settle_names_the_first_bad_step_and_the_others_still_trained(fused):
+    loop = loop_of()
+    loop.step(0)
+    weight = loop.model.get_input_embeddings().weight
+    hook = weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    before = snapshot(loop)
+    loop.step(1, wait=False)  # skipped on the device
+    hook.remove()
+    after_bad = snapshot(loop)
+    loop.step(2, wait=False)  # trains
+    with pytest.raises(BadPayload, match="gradient norm is nan at inner step 1"):
+        loop.settle()
+    torch.testing.assert_close(after_bad[0], before[0], rtol=0, atol=0)
+    assert not all(torch.equal(p, q) for p, q in zip(loop.params, before[0]))
+    assert int(loop.optimizer.state[loop.params[0]]["step"]) == 2  # steps 0 and 2
