@@ -16,7 +16,8 @@ the finished ones), and appends every evaluation of every run as it is made to
 the evaluation point), so a run stopped before it ends keeps its curve so far. SIGTERM or Ctrl-C
 ends the workers too. ``--jobs`` runs that many simulations at once, each with ``--threads`` torch
 threads. ``--device cuda`` trains every simulation's replicas on the card (the precision the card
-gets in ``peer join``, bf16 on compute capability >= 8.0; eager, no compile); φ, the outer steps
+gets in ``peer join``, bf16 on compute capability >= 8.0; torch.compile on, as ``peer join`` has it
+on CUDA, unless ``--no-compile``); φ, the outer steps
 and the means stay fp32 on the host. Simulations at once then share the one card.
 """
 
@@ -28,6 +29,7 @@ import json
 import multiprocessing
 import platform
 import logging
+import os
 import signal
 import statistics
 import sys
@@ -189,14 +191,18 @@ def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) 
 
 
 def _one(base: RunManifest, method: str, peers: int, seed: int, bench: dict, rounds: int, threads: int,
-         corpus=None, device: str = "cpu", progress: Path | None = None) -> SimulationResult:
+         corpus=None, device: str = "cpu", progress: Path | None = None,
+         compile: bool | None = None) -> SimulationResult:
     torch.set_num_threads(threads)
-    placement, _ = place(device, compile=False)
+    # many simulations compile at once: one compile thread each (inductor's default is one per core)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
+    placement, _ = place(device, compile=compile)
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
     on_eval = None if progress is None else functools.partial(_progress, progress, method, peers, seed)
     return run_simulation(m, corpus if corpus is not None else load_corpus(base.data), peers=peers, rounds=rounds,
                           seed=seed, data_parallel=method == "data-parallel", eval_every_rounds=bench["eval_every_rounds"],
-                          device=placement.device, precision=placement.precision, on_eval=on_eval)
+                          device=placement.device, precision=placement.precision, compile=placement.compile,
+                          on_eval=on_eval)
 
 
 def _one_of(task: tuple) -> SimulationResult:
@@ -214,6 +220,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per simulation")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (separate processes)")
     parser.add_argument("--device", default="cpu", help="where the replicas train: cpu, cuda, cuda:N, auto")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the replicas (default: on CUDA, as peer join)")
     parser.add_argument("--rounds", type=int, help="override bench.rounds (quick trials)")
     parser.add_argument("--seeds", type=int, nargs="+", help="override bench.seeds")
     parser.add_argument("--peers", type=int, nargs="+", help="override bench.peers")
@@ -236,9 +244,10 @@ def main() -> None:
     progress.unlink(missing_ok=True)
     signal.signal(signal.SIGTERM, _stop)  # `timeout` and kill: end the workers too (the finally below)
     scale = bench.get("scale", "cpu")
-    placement, _ = place(args.device, compile=False)
+    placement, _ = place(args.device, compile=args.compile)
     if placement.device.type == "cuda":
-        device = (f"{placement.info.name} ({placement.precision.name} autocast, eager), torch {torch.__version__}, "
+        device = (f"{placement.info.name} ({placement.precision.name} autocast, "
+                  f"{'compiled' if placement.compile else 'eager'}), torch {torch.__version__}, "
                   f"{args.jobs} simulation(s) at once sharing the card")
     else:
         device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
@@ -253,11 +262,11 @@ def main() -> None:
     if args.jobs > 1:
         pool = multiprocessing.get_context("spawn").Pool(args.jobs)
         done = pool.imap_unordered(_one_of, [(base, method, peers, seed, bench, rounds, args.threads, None,
-                                              args.device, progress) for method, peers, seed in work])
+                                              args.device, progress, args.compile) for method, peers, seed in work])
     else:
         pool = None
-        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus, args.device, progress)
-                for method, peers, seed in work)
+        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus, args.device, progress,
+                     args.compile) for method, peers, seed in work)
     try:
         for r in done:
             results.append(r)

@@ -227,6 +227,8 @@ class Simulation:
             outer states, Δ and the group means stay fp32 on the host, as a networked peer keeps them
             (peer/train/device.py); θ is copied to the host for Δ and the round's start copied back.
         precision: the inner loop's autocast (peer/train/precision.py), e.g. bf16 on a CUDA card.
+        compile: each replica's forward and loss through torch.compile (InnerLoop's ``compile``; the
+            replicas share one class and shapes, so one graph serves them all).
 
     Raises:
         ValueError: ``peers`` < 1, an adversary outside the peers or with data-parallel, or an
@@ -236,7 +238,7 @@ class Simulation:
     def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
                  data_parallel: bool = False, uplink_mbps: float = 50.0, screening: bool = True,
                  adversary: Adversary | None = None, device: torch.device | str = "cpu",
-                 precision: Precision = FP32):
+                 precision: Precision = FP32, compile: bool = False):
         if peers < 1:
             raise ValueError(f"peers = {peers}: need at least one")
         self.device = torch.device(device)
@@ -278,11 +280,12 @@ class Simulation:
         spec = manifest.inner_optimizer
         if data_parallel:
             self.models = [base]
-            self.inners = [InnerLoop(base, spec, _ConcatSampler(samplers), device=self.device, precision=precision)]
+            self.inners = [InnerLoop(base, spec, _ConcatSampler(samplers), device=self.device, precision=precision,
+                                     compile=compile)]
             self.outers, self.phis = [], []
         else:
             self.models = [base] + [copy.deepcopy(base) for _ in range(peers - 1)]
-            self.inners = [InnerLoop(m, spec, s, device=self.device, precision=precision)
+            self.inners = [InnerLoop(m, spec, s, device=self.device, precision=precision, compile=compile)
                            for m, s in zip(self.models, samplers)]
             shapes = [p.shape for p in base.parameters()]
             self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
@@ -786,10 +789,10 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
                    data_parallel: bool = False, eval_every_rounds: int = 1,
                    uplink_mbps: float = 50.0, screening: bool = True,
                    adversary: Adversary | None = None, device: torch.device | str = "cpu",
-                   precision: Precision = FP32,
+                   precision: Precision = FP32, compile: bool = False,
                    on_eval: Callable[[EvalPoint], None] | None = None) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
-    (``screening``, ``adversary``, ``device`` and ``precision``: see :class:`Simulation`).
+    (``screening``, ``adversary``, ``device``, ``precision`` and ``compile``: see :class:`Simulation`).
     ``on_eval`` is called with each evaluation as it is made (round 0 included), so a caller can keep
     the curve of a run that is stopped before it returns.
 
@@ -800,7 +803,8 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     start = time.perf_counter()
     windows = validation_batch(corpus, manifest.data)
     sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
-                     screening=screening, adversary=adversary, device=device, precision=precision)
+                     screening=screening, adversary=adversary, device=device, precision=precision,
+                     compile=compile)
     history = [sim.evaluate(windows)]
     if on_eval is not None:
         on_eval(history[-1])

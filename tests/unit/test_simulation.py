@@ -251,3 +251,10 @@ def test_on_eval_sees_every_evaluation_as_it_is_made(corpus):
     seen = []
     result = run_simulation(manifest("diloco"), corpus, peers=2, rounds=3, eval_every_rounds=2, on_eval=seen.append)
     assert [p.round_ for p in seen] == [0, 2, 3] and seen == result.history
+
+
+def test_compile_reaches_every_replica_and_the_data_parallel_model(corpus):
+    for data_parallel in (False, True):
+        sim = Simulation(manifest("diloco"), corpus, peers=2, data_parallel=data_parallel, compile=True)
+        assert all(inner.compiled for inner in sim.inners)  # compiled lazily: nothing is traced here
+    assert not any(inner.compiled for inner in Simulation(manifest("diloco"), corpus, peers=2).inners)
