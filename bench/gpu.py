@@ -18,8 +18,8 @@ precision, compilation and AdamW settings:
 
 Each loop runs one untimed warm-up step (compilation), then ``--repeats`` × ``--steps`` timed steps;
 tokens/s is the best repeat's. The loops run one after the other, each alone on the device (the
-micro-batch is probed for one model's weights and AdamW state). A preset that fails prints its traceback and the run goes
-on to the next. ``inner_vs_bare`` = project tokens/s ÷ bare tokens/s. MFU = tokens/s ×
+micro-batch is probed for one model's weights and AdamW state). A preset that fails prints its
+traceback and the run goes on to the next. ``inner_vs_bare`` = project tokens/s ÷ bare tokens/s. MFU = tokens/s ×
 (6·N + 12·layers·hidden·seq) ÷ the card's dense bf16/fp16 peak (peer/train/device.py's table, or
 ``--peak-tflops``); null where the peak is unknown (CPUs).
 ``peak_memory_gib`` is ``torch.cuda.max_memory_allocated`` over the project loop's steps on CUDA,

@@ -299,13 +299,11 @@ class Simulation:
         self.pending: list[list[torch.Tensor]] | None = None
         """With overlap: each peer's group mean of the last round, applied at the end of this one."""
 
-    def _theta(self, i: int) -> list[torch.Tensor]:
-        """Peer i's θ as host tensors for Δ: the parameters themselves on the CPU, fp32 copies from a
-        CUDA device (as the trainer copies θ to the host at a round's end)."""
+    def _theta(self, i: int, index: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Peer i's θ (its tensors ``index``, default all) as fp32 host tensors for Δ: the parameters
+        themselves on the CPU, copies from a card (as the trainer's ``_theta_on_host``)."""
         params = list(self.models[i].parameters())
-        if self.device.type == "cpu":
-            return params
-        return [p.detach().to("cpu", torch.float32) for p in params]
+        return [params[k].detach().to("cpu", torch.float32) for k in (range(len(params)) if index is None else index)]
 
     def _setup_codecs(self, shapes: Sequence[torch.Size]) -> None:
         """Per payload tensor its codec (None: adaptive, planned each round), per peer its residuals."""
@@ -404,9 +402,8 @@ class Simulation:
         index = self.fragments[p]
         payloads = []
         for i, (outer, phi) in enumerate(zip(self.fragment_outers, self.phis)):
-            theta = self._theta(i)
             phi_p = [phi[k] for k in index]
-            payloads.append(outer[p].payload(phi_p, round_progress(phi_p, [theta[k] for k in index])))
+            payloads.append(outer[p].payload(phi_p, round_progress(phi_p, self._theta(i, index))))
         claimed = [float(max(1, t)) for t in self.fragment_tokens[p]]
         self.fragment_tokens[p] = [0] * self.peers
         means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]

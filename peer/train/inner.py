@@ -159,9 +159,9 @@ class InnerLoop:
         self.optimizer.state.clear()
         if state is None:
             return
-        fused = self.fused  # fused AdamW keeps its step count on the device
         for p, m1, m2 in zip(self.params, state["exp_avg"], state["exp_avg_sq"], strict=True):
-            step = torch.tensor(float(state["step"]), device=p.device if fused else "cpu")
+            # fused AdamW keeps its step count on the device
+            step = torch.tensor(float(state["step"]), device=p.device if self.fused else "cpu")
             self.optimizer.state[p] = {"step": step,
                                        "exp_avg": m1.detach().to(p.device, torch.float32, copy=True),
                                        "exp_avg_sq": m2.detach().to(p.device, torch.float32, copy=True)}

@@ -38,6 +38,14 @@ class ReadsAsItGoes(InnerLoop):
         return float(super()._forward_backward(batch))
 
 
+def trained_then_gradient(value: float):
+    """A loop after one step whose embedding gradient is ``value`` from now on; and the hook doing it."""
+    loop = loop_of()
+    loop.step(0)
+    hook = loop.model.get_input_embeddings().weight.register_hook(lambda grad: torch.full_like(grad, value))
+    return loop, hook
+
+
 def snapshot(loop):
     return [p.detach().clone() for p in loop.params], copy.deepcopy(loop.optimizer.state_dict())
 
@@ -75,10 +83,7 @@ def test_a_non_finite_loss_is_skipped_on_the_device_and_raised_at_the_step_end(f
 
 
 def test_a_non_finite_gradient_under_a_finite_loss_is_skipped_too(fused):
-    loop = loop_of()
-    loop.step(0)
-    weight = loop.model.get_input_embeddings().weight
-    hook = weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    loop, hook = trained_then_gradient(float("inf"))
     before = snapshot(loop)
     with pytest.raises(BadPayload, match="gradient norm is (inf|nan) at inner step 1"):
         loop.step(1)
@@ -100,10 +105,7 @@ def test_steps_not_waited_for_train_the_same_and_settle_reads_their_losses(fused
 
 
 def test_settle_names_the_first_bad_step_and_the_others_still_trained(fused):
-    loop = loop_of()
-    loop.step(0)
-    weight = loop.model.get_input_embeddings().weight
-    hook = weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    loop, hook = trained_then_gradient(float("nan"))
     before = snapshot(loop)
     loop.step(1, wait=False)  # skipped on the device
     hook.remove()
