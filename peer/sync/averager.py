@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -60,6 +61,9 @@ ALLREDUCE_STREAMS_TOTAL = 1024
 """All-reduce streams all peers may hold open to this peer at once: every groupmate of a group of
 up to a thousand peers; each holds at most a 1 KiB HELLO and asyncio's 128 KiB read buffer
 before its session takes it (~130 MiB in all at worst)."""
+SHUTDOWN_DRAIN_S = 3.0
+"""The longest a leaving peer waits for groupmates to finish reading the means it owes them (at most
+half of hivemind's shutdown grace, after which the averager process is terminated)."""
 
 
 @dataclass(frozen=True)
@@ -252,12 +256,29 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         await p2p.add_binary_stream_handler(self.state_protocol, self._handle_state_stream)
 
     async def _shutdown(self, timeout: float | None) -> None:
+        await self._drain_allreduce_streams(SHUTDOWN_DRAIN_S if timeout is None else min(SHUTDOWN_DRAIN_S, timeout / 2))
         # p2pd may be gone first (a service manager signals every process of the unit): removing
         # handlers then fails, and the exception would end this process with a traceback.
         try:
             await asyncio.wait_for(super()._shutdown(timeout), timeout)
         except Exception as exc:
             logger.debug("averager shutdown incomplete: %r", exc)
+
+    async def _drain_allreduce_streams(self, limit_s: float) -> None:
+        """Wait up to ``limit_s`` seconds for the groupmates' all-reduce streams still open here to end.
+
+        An owner's all-reduce is done once it has its own means, but the groupmates may not have
+        read the means it owes them yet (``GroupAllreduce.serve`` writes them, then waits for the
+        sender to close). A peer that leaves at once, e.g. at ``--max-rounds`` right after its last
+        round, would cut those streams, and a groupmate would find its round incomplete and apply
+        only its own Δ. Streams still open after ``limit_s`` are cut as before.
+        """
+        slots = self._allreduce_slots
+        deadline = time.monotonic() + limit_s
+        while slots is not None and slots.open > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if slots is not None and slots.open > 0:
+            logger.info("leaving with %d all-reduce stream(s) of groupmates still open", slots.open)
 
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A groupmate opened a stream to send us its pieces: route it to our session for its group.
