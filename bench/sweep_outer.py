@@ -3,6 +3,7 @@ and H at equal tokens, against data-parallel, to choose the shipped defaults (is
 
     python bench/sweep_outer.py [--config bench/compare.toml] [--peers 2 4 8] [--seeds 0 1] [--jobs 2]
     python bench/sweep_outer.py --peers 4 --seeds 0 --settings nesterov:0.7:0.9 heavy-ball:1.0:0.5:50
+    python bench/sweep_outer.py --peers 4 --global-batch 16384 --settings heavy-ball:1.0:0.0   # twice the batch
 
 Every run is a simulated swarm (lab/simulation.py, the swarm's own inner loop and outer step) at
 the scale of bench/compare.toml: the same global batch and the same number of inner steps per
@@ -76,7 +77,7 @@ _CORPUS = {}
 
 
 def one_run(config: str, outer: dict | None, peers: int, seed: int, steps_per_peer: int,
-            overrides: list[str]) -> dict:
+            overrides: list[str], global_batch_tokens: int) -> dict:
     """One simulated run in a worker process (1 torch thread); its final validation bpb."""
     torch.set_num_threads(1)
     base, bench = load_config(Path(config))
@@ -91,7 +92,7 @@ def one_run(config: str, outer: dict | None, peers: int, seed: int, steps_per_pe
     elif outer:
         base = base.replace(outer_optimizer={k: outer[k] for k in ("lr", "momentum", "nesterov")})
     m = manifest_for(base, "data-parallel" if outer is None else outer["algorithm"], peers, seed,
-                     bench["global_batch_tokens"], rounds)
+                     global_batch_tokens, rounds)
     r = run_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, data_parallel=outer is None,
                        eval_every_rounds=rounds)
     return {"outer": outer, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
@@ -108,9 +109,13 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field for every run, baseline included (TOML value)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the data-parallel runs")
+    parser.add_argument("--global-batch", type=int, default=None, metavar="TOKENS",
+                        help="override bench.global_batch_tokens of the config (tokens per inner step, all peers)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "sweep-outer.json")
     args = parser.parse_args()
     base, bench = load_config(Path(args.config))
+    if args.global_batch is not None:
+        bench["global_batch_tokens"] = args.global_batch
     steps_per_peer = bench["rounds"] * base.sync.inner_steps
     outers = [*([] if args.no_baseline else [None]), *(parse_setting(s, base.sync.inner_steps) for s in args.settings)]
     jobs = [(outer, peers, seed) for peers in args.peers for outer in outers for seed in args.seeds]
@@ -118,7 +123,8 @@ def main() -> None:
     runs = []
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(one_run, args.config, o, p, s, steps_per_peer, args.set) for o, p, s in jobs]
+        futures = [pool.submit(one_run, args.config, o, p, s, steps_per_peer, args.set, bench["global_batch_tokens"])
+                   for o, p, s in jobs]
         for f in concurrent.futures.as_completed(futures):
             run = f.result()
             runs.append(run)
@@ -145,7 +151,8 @@ def main() -> None:
         "scale": "cpu", "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch "
                                   f"{torch.__version__}, {args.jobs} runs at once, 1 thread each",
         "params": runs[0]["params"], "tokens_per_run": runs[0]["tokens"],
-        "command": " ".join(["python", *sys.argv]), "overrides": args.set, "wall_s": time.perf_counter() - start,
+        "command": " ".join(["python", *sys.argv]), "overrides": args.set,
+        "global_batch_tokens": bench["global_batch_tokens"], "wall_s": time.perf_counter() - start,
         "results": results}, indent=1) + "\n")
     print(f"wrote {args.out}; {time.perf_counter() - start:.0f} s")
 
