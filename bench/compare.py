@@ -60,12 +60,17 @@ def load_config(path: Path) -> tuple[RunManifest, dict]:
 
 
 def apply_overrides(base: RunManifest, items: list[str]) -> RunManifest:
-    """Apply ``--set SECTION.FIELD=VALUE`` overrides (VALUE in TOML syntax) to a manifest."""
+    """Apply ``--set SECTION.FIELD=VALUE`` overrides (VALUE in TOML syntax) to a manifest.
+
+    All overrides are applied in one replace, so fields that are only valid together (e.g.
+    ``data.tokenizer="bpe"`` with ``data.vocab_size=2048``) can be set in any order; a later
+    override of the same field wins."""
+    sections: dict[str, dict] = {}
     for item in items:
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")
-        base = base.replace(**{section: {name: tomllib.loads(f"v = {value}")["v"]}})
-    return base
+        sections.setdefault(section, {})[name] = tomllib.loads(f"v = {value}")["v"]
+    return base.replace(**sections) if sections else base
 
 
 def manifest_for(base: RunManifest, method: str, peers: int, seed: int, global_batch_tokens: int,

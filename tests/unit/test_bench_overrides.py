@@ -1,0 +1,32 @@
+"""bench/compare.py's ``--set`` overrides, shared by every simulation benchmark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.compare import apply_overrides, load_config
+from protocol.errors import ManifestError
+
+CONFIG = Path(__file__).resolve().parents[2] / "bench" / "compare.toml"
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_fields_valid_only_together_apply_in_either_order(order):
+    base, _ = load_config(CONFIG)
+    m = apply_overrides(base, ['data.tokenizer="bpe"', "data.vocab_size=2048"][::order])
+    assert (m.data.tokenizer, m.data.vocab_size) == ("bpe", 2048)
+    assert m.data.seq_len_tokens == base.data.seq_len_tokens  # the section's other fields are kept
+
+
+def test_later_override_wins_and_none_is_the_base():
+    base, _ = load_config(CONFIG)
+    assert apply_overrides(base, ["outer_optimizer.lr=1.2", "outer_optimizer.lr=1.3"]).outer_optimizer.lr == 1.3
+    assert apply_overrides(base, []) is base
+
+
+def test_invalid_value_names_the_field():
+    base, _ = load_config(CONFIG)
+    with pytest.raises(ManifestError, match="data.vocab_size"):
+        apply_overrides(base, ["data.vocab_size=2048"])  # 2048 ids need the bpe tokenizer
