@@ -200,7 +200,8 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
     manifest = tiny_run().replace(sync={"overlap": overlap})
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3,
-                             checkpoint=tmp_path / f"{p}.safetensors") for p in ("a", "b")]
+                             # a directory each, as real peers have: a write clears the directory's temporaries
+                             checkpoint=tmp_path / p / f"{p}.safetensors") for p in ("a", "b")]
     phi0 = [f.clone() for f in trainers[0].phi]
     run_in_threads(trainers)
     a, b = trainers
@@ -221,7 +222,7 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
         assert [p.detach() for p in t.params] and all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))
         # the checkpoint's φ and outer state are the snapshot's copies of them: the live values
         t.save()  # as `peer join` does after run(): the last sync landed after round 3's checkpoint
-        saved = load_checkpoint(tmp_path / f"{t.peer_id}.safetensors", run_id=manifest.run_id, names=t.names,
+        saved = load_checkpoint(tmp_path / t.peer_id / f"{t.peer_id}.safetensors", run_id=manifest.run_id, names=t.names,
                                 shapes=t.shapes)
         assert saved.round == 3 and all(torch.equal(x, y) for x, y in zip(saved.phi, t.phi))
         assert all(torch.equal(x, y) for x, y in zip(saved.momentum, t.outer.state_tensors()))
