@@ -116,6 +116,10 @@ def main() -> None:
     base, bench = load_config(Path(args.config))
     if args.global_batch is not None:
         bench["global_batch_tokens"] = args.global_batch
+    bad = [n for n in args.peers if n < 1 or bench["global_batch_tokens"] < 1 or bench["global_batch_tokens"] % n]
+    if bad:
+        parser.error(f"global batch {bench['global_batch_tokens']} tokens does not split evenly over {bad[0]} peers: "
+                     f"give --global-batch (or bench.global_batch_tokens) a positive multiple of every --peers value")
     steps_per_peer = bench["rounds"] * base.sync.inner_steps
     outers = [*([] if args.no_baseline else [None]), *(parse_setting(s, base.sync.inner_steps) for s in args.settings)]
     jobs = [(outer, peers, seed) for peers in args.peers for outer in outers for seed in args.seeds]
