@@ -27,6 +27,7 @@ from peer.round import Trainer
 from peer.run_choice import checkpointed_runs, choose_run
 from peer import reachability
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
+from peer.state.data_dir import hold_data_dir
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
@@ -196,12 +197,20 @@ def stage_checkpoint(cfg: JoinConfig, manifest: RunManifest, stage: int | None):
 def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None = None) -> tuple[int, TrainSummary]:
     """Join (or start) a swarm and train. Returns (exit code, summary).
 
+    The peer holds its data directory while it runs (peer/state/data_dir.py): a second peer on the
+    same directory is refused before it reads or writes anything there.
+
     Raises:
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
-        ConfigError: the run sets pipeline stages with sync.overlap
-            (:func:`refuse_unimplemented`), for this peer's own run (--run/--preset) before any
-            network work; a bad --stage (:func:`choose_stage`).
+        ConfigError: the data directory is held by another peer or not writable; the run sets
+            pipeline stages with sync.overlap (:func:`refuse_unimplemented`), for this peer's own
+            run (--run/--preset) before any network work; a bad --stage (:func:`choose_stage`).
     """
+    with hold_data_dir(cfg.data_dir):
+        return _join(cfg, reporter, stop_event)
+
+
+def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None) -> tuple[int, TrainSummary]:
     if cfg.new_run is not None:
         refuse_unimplemented(cfg.new_run)
     stop_event = stop_event or threading.Event()

@@ -126,6 +126,16 @@ def test_kill_9_takes_the_helpers_along_and_a_restart_works_at_once(procs, tmp_p
     assert restarted.start == 2
 
 
+def test_a_second_peer_on_a_data_dir_in_use_is_refused_and_the_first_trains_on(procs, tmp_path, bootstrap_addr):
+    peer, _ = start_peer(procs, tmp_path, bootstrap_addr, "holder")
+    second = procs.peer("holder", "--initial-peers", bootstrap_addr)  # the same --data-dir
+    assert second.wait(60) == 78, second.tail()
+    assert "is in use by another peer" in second.tail() and f"pid {peer.popen.pid}" in second.tail()
+    since = len(peer.events)
+    peer.wait_event(lambda e: e.kind == "round", 180, since=since)  # untouched by the refused one
+    assert peer.popen.poll() is None
+
+
 @pytest.mark.parametrize("sig, group", [
     (signal.SIGINT, True),    # Ctrl-C in a terminal: the whole foreground process group
     (signal.SIGTERM, False),  # kill PID
