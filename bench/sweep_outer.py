@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo too
 from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E402
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
+from protocol.errors import ManifestError  # noqa: E402
 
 DEFAULT_SETTINGS = [
     "nesterov:0.7:0.9",     # DiLoCo paper (H = 500, pretrained start); ~7× plain averaging
@@ -80,7 +81,7 @@ def one_run(config: str, outer: dict | None, peers: int, seed: int, steps_per_pe
             overrides: list[str], global_batch_tokens: int) -> dict:
     """One simulated run in a worker process (1 torch thread); its final validation bpb."""
     torch.set_num_threads(1)
-    base, bench = load_config(Path(config))
+    base, _ = load_config(Path(config))
     base = apply_overrides(base, overrides)
     if config not in _CORPUS:
         _CORPUS[config] = load_corpus(base.data)
@@ -116,10 +117,14 @@ def main() -> None:
     base, bench = load_config(Path(args.config))
     if args.global_batch is not None:
         bench["global_batch_tokens"] = args.global_batch
-    bad = [n for n in args.peers if n < 1 or bench["global_batch_tokens"] < 1 or bench["global_batch_tokens"] % n]
-    if bad:
-        parser.error(f"global batch {bench['global_batch_tokens']} tokens does not split evenly over {bad[0]} peers: "
-                     f"give --global-batch (or bench.global_batch_tokens) a positive multiple of every --peers value")
+    for n in args.peers:  # the runs' own rule (manifest_for), checked before any run starts
+        if n < 1:
+            parser.error(f"--peers {n}: need at least one peer")
+        try:
+            manifest_for(base, "diloco", n, 0, bench["global_batch_tokens"], bench["rounds"])
+        except (ValueError, ManifestError) as exc:
+            parser.error(f"{exc}; give --global-batch (or bench.global_batch_tokens) a positive multiple of every "
+                         "--peers value")
     steps_per_peer = bench["rounds"] * base.sync.inner_steps
     outers = [*([] if args.no_baseline else [None]), *(parse_setting(s, base.sync.inner_steps) for s in args.settings)]
     jobs = [(outer, peers, seed) for peers in args.peers for outer in outers for seed in args.seeds]

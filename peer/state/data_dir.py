@@ -9,7 +9,8 @@ The second peer is refused instead, naming the directory and the process that ho
 The lock is ``flock`` on ``DATA_DIR/.peer.lock`` (the file holds the holder's pid, for the message).
 It lives as long as the open file: it goes with the process, even after ``kill -9``, and is closed
 in every child forked from the holder (the DHT and averager processes), so a dead peer's children
-never keep it from a restart.
+never keep it from a restart. That last part is why this is not the ``filelock`` package: its lock
+file stays open in forked children, which would hold the lock for as long as they live.
 """
 
 from __future__ import annotations
