@@ -4,6 +4,7 @@ and H at equal tokens, against data-parallel, to choose the shipped defaults (is
     python bench/sweep_outer.py [--config bench/compare.toml] [--peers 2 4 8] [--seeds 0 1] [--jobs 2]
     python bench/sweep_outer.py --peers 4 --seeds 0 --settings nesterov:0.7:0.9 heavy-ball:1.0:0.5:50
     python bench/sweep_outer.py --peers 4 --global-batch 16384 --settings heavy-ball:1.0:0.0   # twice the batch
+    python bench/sweep_outer.py --peers 4 --set inner_optimizer.lr=0.003 --settings            # data-parallel only
 
 Every run is a simulated swarm (lab/simulation.py, the swarm's own inner loop and outer step) at
 the scale of bench/compare.toml: the same global batch and the same number of inner steps per
@@ -50,7 +51,9 @@ DEFAULT_SETTINGS = [
 ]
 
 
-def parse_setting(text: str, default_h: int) -> dict:
+def parse_setting(text: str, default_h: int, steps_per_peer: int) -> dict:
+    """One ``KIND:LR:MOMENTUM[:H]`` setting as a dict; SystemExit naming the setting if it is malformed or
+    its H does not divide ``steps_per_peer`` (every run must train the same inner steps, so the same tokens)."""
     parts = text.split(":")
     if len(parts) not in (3, 4) or parts[0] not in ("nesterov", "heavy-ball", "noloco"):
         raise SystemExit(f"bad setting {text!r}: want KIND:LR:MOMENTUM[:H], KIND nesterov, heavy-ball or noloco")
@@ -59,6 +62,9 @@ def parse_setting(text: str, default_h: int) -> dict:
         h = int(parts[3]) if len(parts) == 4 else default_h
     except ValueError:
         raise SystemExit(f"bad setting {text!r}: LR and MOMENTUM are numbers, H an integer") from None
+    if h < 1 or steps_per_peer % h:
+        raise SystemExit(f"bad setting {text!r}: H = {h} must divide the {steps_per_peer} inner steps per peer of "
+                         "the config (bench.rounds x sync.inner_steps), so that every run trains on the same tokens")
     if parts[0] == "noloco":  # β = γ = LR, α = MOMENTUM, heavy-ball (ALGORITHMS.md §2)
         return {"algorithm": "noloco", "lr": lr, "momentum": momentum, "pull": lr, "inner_steps": h}
     return {"algorithm": "diloco", "nesterov": parts[0] == "nesterov", "lr": lr, "momentum": momentum,
@@ -105,7 +111,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(Path(__file__).with_name("compare.toml")))
     parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS)
+    parser.add_argument("--settings", nargs="*", default=DEFAULT_SETTINGS,
+                        help="KIND:LR:MOMENTUM[:H] each; none (a bare --settings) runs only the data-parallel baseline")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one torch thread each")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field for every run, baseline included (TOML value)")
@@ -126,7 +133,10 @@ def main() -> None:
             parser.error(f"{exc}; give --global-batch (or bench.global_batch_tokens) a positive multiple of every "
                          "--peers value")
     steps_per_peer = bench["rounds"] * base.sync.inner_steps
-    outers = [*([] if args.no_baseline else [None]), *(parse_setting(s, base.sync.inner_steps) for s in args.settings)]
+    outers = [*([] if args.no_baseline else [None]),
+              *(parse_setting(s, base.sync.inner_steps, steps_per_peer) for s in args.settings)]
+    if not outers:
+        parser.error("--no-baseline with no --settings leaves nothing to run")
     jobs = [(outer, peers, seed) for peers in args.peers for outer in outers for seed in args.seeds]
     start = time.perf_counter()
     runs = []

@@ -30,3 +30,14 @@ def test_invalid_value_names_the_field():
     base, _ = load_config(CONFIG)
     with pytest.raises(ManifestError, match="data.vocab_size"):
         apply_overrides(base, ["data.vocab_size=2048"])  # 2048 ids need the bpe tokenizer
+
+
+def test_sweep_setting_parses_and_refuses_an_h_that_breaks_equal_tokens():
+    from bench.sweep_outer import parse_setting
+    assert parse_setting("heavy-ball:1.0:0.0:10", 25, 400) == {
+        "algorithm": "diloco", "nesterov": False, "lr": 1.0, "momentum": 0.0, "inner_steps": 10}
+    assert parse_setting("noloco:0.7:0.5", 25, 400)["pull"] == 0.7
+    for bad, why in [("heavy-ball:1.0:0.0:30", "must divide the 400"), ("heavy-ball:1.0:0.0:0", "H = 0"),
+                     ("adam:1:0", "want KIND"), ("nesterov:x:0.9", "are numbers")]:
+        with pytest.raises(SystemExit, match=why):
+            parse_setting(bad, 25, 400)
