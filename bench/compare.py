@@ -234,6 +234,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field (TOML value), e.g. --set outer_optimizer.lr=1.0")
     args = parser.parse_args()
+    try:  # the loss plot is drawn after every run: a missing matplotlib must stop us before them, not after
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("matplotlib is not installed, and the plot at the end needs it: pip install -e '.[bench]'")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     torch.set_num_threads(args.threads)
 
