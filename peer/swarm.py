@@ -243,6 +243,14 @@ def run_swarm(cfg: SwarmConfig) -> int:
     return swarm.failure[1] if swarm.failure is not None else 0
 
 
+def _signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 99`` for a number this platform does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _watch(swarm: Swarm, console) -> None:
     """Print the peers' progress until every peer's output ended; on the first peer that fails,
     record it (``swarm.failure``) and stop the others: a local swarm short of a peer tests nothing."""
@@ -256,7 +264,10 @@ def _watch(swarm: Swarm, console) -> None:
                 code = child.wait()
                 if code != 0 and swarm.failure is None:
                     reason = error_line(child) or f"no error line; see {child.log_path}"
-                    swarm.failure = (name, code if code > 0 else 1, reason)
+                    if code < 0:  # killed by a signal: say which, and exit as a shell would (128 + its number)
+                        reason = f"killed by {_signal_name(-code)}; {reason}"
+                        code = 128 - code
+                    swarm.failure = (name, code, reason)
                     console.print(f"{name} exited with code {code}: {reason}; stopping the others", style="red",
                                   markup=False, highlight=False)
                     swarm.interrupt()
