@@ -4,6 +4,7 @@
     python bench/compare.py --peers 4 --seeds 0 --methods diloco --set outer_optimizer.momentum=0.0 \
         --out-dir /tmp/diag      # one diagnostic run with a manifest field overridden
     python bench/compare.py --config bench/compare-gpu.toml --device cuda --jobs 16   # the GPU scale
+    python bench/compare.py --no-plot ...     # where matplotlib is not installed: no compare_loss.png
 
 Simulates N peers in one process (lab/simulation.py, the swarm's own algorithm code) for every
 method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batch: each peer's
@@ -233,11 +234,14 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=list(LABELS), help="override bench.methods")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field (TOML value), e.g. --set outer_optimizer.lr=1.0")
+    parser.add_argument("--no-plot", action="store_true", help="skip compare_loss.png (no matplotlib needed)")
     args = parser.parse_args()
-    try:  # the loss plot is drawn after every run: a missing matplotlib must stop us before them, not after
-        import matplotlib  # noqa: F401
-    except ImportError:
-        parser.error("matplotlib is not installed, and the plot at the end needs it: pip install -e '.[bench]'")
+    if not args.no_plot:  # the plot is drawn after every run: a missing matplotlib must stop us before them
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("matplotlib is not installed, and the loss plot at the end needs it: "
+                         "pip install -e '.[bench]', or pass --no-plot")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     torch.set_num_threads(args.threads)
 
@@ -308,11 +312,13 @@ def main() -> None:
          fmt(s["averaged_bpb"] if s["method"] in ("noloco", "independent") else None, ".4f"),
          f"{s['sigma']:.2e}", f"{s['mb_sent_per_peer']:.1f}", f"{s['wall_s']:.0f}"] for s in summary])
     tokens = results[-1].history[-1].tokens
-    plot(results, png_path, f"{base.model.hidden_size}-wide {base.model.num_layers}-layer Llama "
-         f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
-         f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens")
+    if not args.no_plot:
+        plot(results, png_path, f"{base.model.hidden_size}-wide {base.model.num_layers}-layer Llama "
+             f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
+             f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens")
     final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
-    print(f"wrote {json_path}, {png_path} and {final}; total wall {time.perf_counter() - start:.0f} s")
+    wrote = f"{json_path}, {final}" + ("" if args.no_plot else f" and {png_path}")
+    print(f"wrote {wrote}; total wall {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
