@@ -2,7 +2,7 @@
 
     python bench/compare.py [--config bench/compare.toml] [--out-dir docs] [--threads 1] [--jobs 2]
     python bench/compare.py --peers 4 --seeds 0 --methods diloco --set outer_optimizer.momentum=0.0 \
-        --out-dir /tmp/diag      # one diagnostic run with a manifest field overridden
+        --out-dir /tmp/diag --results /tmp/diag/compare.json   # a diagnostic run; bench/results/ untouched
     python bench/compare.py --config bench/compare-gpu.toml --device cuda --jobs 16   # the GPU scale
     python bench/compare.py --no-plot ...     # where matplotlib is not installed: no compare_loss.png
 
@@ -11,7 +11,7 @@ method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batc
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
 table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
 ``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
-``bench/results/compare-<bench.scale>.json`` (rewritten as each run ends, so a run cut short keeps
+``bench/results/compare-<bench.scale>.json`` or ``--results PATH`` (rewritten as each run ends, so a run cut short keeps
 the finished ones), and appends every evaluation of every run as it is made to
 ``compare_progress.jsonl`` in the output directory (one JSON object a line: method, peers, seed and
 the evaluation point), so a run stopped before it ends keeps its curve so far. SIGTERM or Ctrl-C
@@ -234,6 +234,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=list(LABELS), help="override bench.methods")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field (TOML value), e.g. --set outer_optimizer.lr=1.0")
+    parser.add_argument("--results", type=Path, default=None, metavar="PATH",
+                        help="where the finals go (default bench/results/compare-<bench.scale>.json, the recorded "
+                             "results: give trials their own path)")
     parser.add_argument("--no-plot", action="store_true", help="skip compare_loss.png (no matplotlib needed)")
     args = parser.parse_args()
     if not args.no_plot:  # the plot is drawn after every run: a missing matplotlib must stop us before them
@@ -266,7 +269,7 @@ def main() -> None:
         device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
                   f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
     corpus = load_corpus(base.data)  # here first: the workers then read the token cache it leaves
-    final = Path(__file__).with_name("results") / f"compare-{scale}.json"
+    final = args.results or Path(__file__).with_name("results") / f"compare-{scale}.json"
     final.parent.mkdir(parents=True, exist_ok=True)
 
     header = ["method", "N", "seed", "val bpb", "replica-mean", "avg weights", "σ", "MB sent/peer", "wall s"]
