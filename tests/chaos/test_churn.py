@@ -115,12 +115,20 @@ def test_swarm_survives_every_fault(tmp_path: Path):
             for e in member.of("round"):
                 assert math.isfinite(e["train_loss"]), f"{name} round {e['round']}: loss {e['train_loss']}"
                 assert len(e["state_digest"]) == 32
-        # (5) the joiner downloaded from several donors, then averaged with the swarm
-        # (a download can race the swarm's next round: donors that moved on answer "not held" and the
-        # others deliver their share, so look at all of the joiner's downloads)
+        # (5) the joiner asked several donors and striped its download over those that still held the
+        # state, then averaged with the swarm. A download can race the swarm's next round: donors that
+        # moved on answer MISSING and the others deliver their share (in one CI run 3 of 4 donors had
+        # moved on before the first piece, and the fourth delivered it all), so a download counts as
+        # striped when it took pieces from at least two donors, or from every donor still holding it.
         adopted = members["p5"].of("adopted_state")
         assert adopted, "the joiner never downloaded the swarm's state"
-        assert any(sum(1 for n in e["donors"].values() if n > 0) >= 2 for e in adopted), adopted
+
+        def striped(e) -> bool:
+            delivered = sum(1 for n in e["donors"].values() if n > 0)
+            moved_on = sum(1 for why in e.get("failed_donors", {}).values() if why.startswith("MISSING"))
+            return len(e["donors"]) >= 2 and delivered >= min(2, len(e["donors"]) - moved_on) >= 1
+
+        assert any(striped(e) for e in adopted), adopted
         # within two rounds of its first download the joiner averages with the swarm (a joiner waits
         # out a swarm about to sync, peer/round.py; its download can still outlast the swarm's
         # matchmaking on these 2 loaded cores, and then it re-syncs after one round alone)
