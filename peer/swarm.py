@@ -90,8 +90,8 @@ class Swarm:
         try:
             ready = child.wait_event(lambda e: e.kind == "ready", self.cfg.bootstrap_timeout_s)
         except ChildExited as exc:
-            code = exc.returncode or 1
-            self.failure = ("bootstrap", code, error_line(child) or f"see {child.log_path}")
+            code, reason = shell_exit(exc.returncode or 1, error_line(child) or f"see {child.log_path}")
+            self.failure = ("bootstrap", code, reason)
             failed = NetworkError(f"the bootstrap node exited with code {code}: {self.failure[2]}")
             failed.exit_code = code  # the launcher ends as its child did (78 stays 78 for restart policies)
             raise failed from None
@@ -251,6 +251,14 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def shell_exit(code: int, reason: str) -> tuple[int, str]:
+    """A child's exit as a shell reports it: ``Popen``'s ``-N`` (killed by signal N) becomes 128 + N,
+    with the signal named in front of ``reason``; other codes and reasons are returned as they are."""
+    if code >= 0:
+        return code, reason
+    return 128 - code, f"killed by {_signal_name(-code)}; {reason}"
+
+
 def _watch(swarm: Swarm, console) -> None:
     """Print the peers' progress until every peer's output ended; on the first peer that fails,
     record it (``swarm.failure``) and stop the others: a local swarm short of a peer tests nothing."""
@@ -263,10 +271,7 @@ def _watch(swarm: Swarm, console) -> None:
                 child = swarm.children[name]
                 code = child.wait()
                 if code != 0 and swarm.failure is None:
-                    reason = error_line(child) or f"no error line; see {child.log_path}"
-                    if code < 0:  # killed by a signal: say which, and exit as a shell would (128 + its number)
-                        reason = f"killed by {_signal_name(-code)}; {reason}"
-                        code = 128 - code
+                    code, reason = shell_exit(code, error_line(child) or f"no error line; see {child.log_path}")
                     swarm.failure = (name, code, reason)
                     console.print(f"{name} exited with code {code}: {reason}; stopping the others", style="red",
                                   markup=False, highlight=False)

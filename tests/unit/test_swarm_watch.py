@@ -16,7 +16,7 @@ class _Child:
     """A real finished process standing in for a peer (``wait`` and ``tail`` as peer.launch.Child)."""
 
     def __init__(self, code: int, stderr: str = ""):
-        script = f"import os, signal, sys; sys.stderr.write({stderr!r}); sys.stderr.flush(); "
+        script = f"import os, sys; sys.stderr.write({stderr!r}); sys.stderr.flush(); "
         script += f"os.kill(os.getpid(), {-code})" if code < 0 else f"sys.exit({code})"
         self.proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
         self.log_path = "/tmp/peer.log"
@@ -56,3 +56,9 @@ def test_a_peer_that_exits_with_an_error_keeps_its_code_and_line_and_only_the_fi
 
 def test_signal_names():
     assert (_signal_name(9), _signal_name(15), _signal_name(99)) == ("SIGKILL", "SIGTERM", "signal 99")
+
+
+def test_shell_exit_maps_a_signal_death_and_keeps_other_codes():
+    from peer.swarm import shell_exit
+    assert shell_exit(-15, "see log") == (143, "killed by SIGTERM; see log")
+    assert shell_exit(78, "bad manifest") == (78, "bad manifest")
