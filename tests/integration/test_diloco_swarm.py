@@ -56,7 +56,12 @@ def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
     assert adopted["round"] >= 2
     # The inner lr schedule continues from the swarm's step count: no warm-up restart.
     assert adopted["inner_step"] >= adopted["round"] * H
-    joint = joiner.wait_event(lambda e: e.get("event") == "round" and e["group_size"] == 3, 240)
+    # Its first full-group round in which a groupmate started from the same φ and completed the
+    # all-reduce with it in full (``agreeing``). A round can pass without one: a first peer that
+    # missed the previous group applied its own Δ and is a round out of step until it re-syncs
+    # (docs/architecture.md), and a round with an excluded piece vouches for no one.
+    joint = joiner.wait_event(lambda e: e.get("event") == "round" and e["group_size"] == 3
+                              and len(e["agreeing"]) >= 2, 240)
     for p in (joiner, *first):
         p.popen.send_signal(signal.SIGINT)
     for p in (joiner, *first):
@@ -68,16 +73,20 @@ def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
     assert joiner.of("eval")[0]["round"] in {e["round"] for e in joiner.of("adopted_state")}, (
         joiner.of("eval")[0]["round"], [(e["round"], e.get("reason")) for e in joiner.of("adopted_state")])
     assert joiner.of("eval")[0]["loss"] < swarm_initial - 0.5
-    # It trained with the others: in its first full-group round, φ agrees with that of a peer that
-    # completed the round in the group too. (A groupmate whose own end of the all-reduce failed
-    # applied its own Δ instead and is a round out of step until it re-syncs: docs/architecture.md.)
+    # It trained with the others: φ after that round is bit-identical with that of every groupmate
+    # that agreed, and each of them recorded the same round from the same start φ.
     r = joint["round"]
-    completed = [p for p in first if any(e["round"] == r and e["group_size"] == 3 for e in p.of("round"))]
-    assert completed, [(p.name, [(e["round"], e["group_size"], e.get("note")) for e in p.of("round")]) for p in first]
+    ids = {p.of("started")[0]["peer_id"]: p for p in first}
+    mates = [ids[i] for i in joint["agreeing"] if i in ids]
+    assert mates, (joint["agreeing"], list(ids))
     mine = load_file(str(phi_file(tmp_path, "late", manifest.run_id, r)))
-    theirs = load_file(str(phi_file(tmp_path, completed[0].name, manifest.run_id, r)))
-    for key in mine:
-        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-6)
+    for mate in mates:
+        theirs_round = [e for e in mate.of("round") if e["round"] == r]
+        assert [e["start_digest"] for e in theirs_round] == [joint["start_digest"]], (mate.name, theirs_round)
+        theirs = load_file(str(phi_file(tmp_path, mate.name, manifest.run_id, r)))
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), (mate.name, key)
 
 
 @pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive"])
