@@ -2,7 +2,7 @@
 
     python bench/overlap.py [--config bench/compare.toml] [--methods diloco noloco] \
         [--modes none delayed eager streaming] [--peers 4] [--seeds 0 1] [--rounds 16] [--jobs 2] \
-        [--threads 1] [--set sync.fragments=2] [--merge]
+        [--threads 1] [--set sync.fragments=2] [--from-round K] [--merge]
 
 Simulates N peers in one process (lab/simulation.py, the swarm's own outer and overlap code:
 peer/train/overlap.py) with bench/compare.py's run manifest and its fixed global batch, once per
@@ -16,7 +16,8 @@ that this invocation does not measure again, e.g. to add streaming rows beside n
 without it the quality rows are this invocation's alone. A streaming row names its fragments P,
 delay τ and α (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``, set with
 ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows of different settings are
-kept apart. Prints a markdown table for docs/benchmarks.md.
+kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds
+(their rows are kept apart too). Prints a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -46,21 +47,26 @@ STREAMING_KEYS = ("fragments", "fragment_delay_steps", "fragment_alpha")
 
 
 def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict, rounds: int,
-         threads: int) -> dict:
+         threads: int, from_round: int = 0) -> dict:
     torch.set_num_threads(threads)
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds).replace(sync={"overlap": mode})
+    k = from_round if mode != "none" else 0
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
-                       eval_every_rounds=rounds)
+                       eval_every_rounds=rounds, overlap_from_round=k)
     run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
            "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
     if mode == "streaming":
         run["streaming"] = {k: getattr(m.sync, k) for k in STREAMING_KEYS}
+    if k:
+        run["from_round"] = k
     return run
 
 
 def _variant(row: dict) -> tuple:
-    """A streaming row's (P, τ, α), () for the other modes: rows of different settings stay apart."""
-    return tuple(row.get("streaming", {}).get(k) for k in STREAMING_KEYS) if row["overlap"] == "streaming" else ()
+    """What tells rows of one mode apart: a streaming row's (P, τ, α), then ``from_round`` K where
+    the first K rounds ran without overlap; () for a plain delayed or eager row."""
+    streaming = tuple(row.get("streaming", {}).get(k) for k in STREAMING_KEYS) if row["overlap"] == "streaming" else ()
+    return streaming + ((row["from_round"],) if row.get("from_round") else ())
 
 
 def row_key(row: dict) -> tuple:
@@ -86,8 +92,10 @@ def quality(runs: list[dict]) -> list[dict]:
                 row = {"overlap": mode, "peers": peers, "final_bpb": final, "vs_none": vs, "method": method,
                        "seeds": [r["seed"] for r in rs], "final_bpb_per_seed": [r["final_bpb"] for r in rs],
                        "tokens_per_run": rs[0]["tokens"]}
-                if variant:
+                if "streaming" in rs[0]:
                     row["streaming"] = dict(rs[0]["streaming"])
+                if rs[0].get("from_round"):
+                    row["from_round"] = rs[0]["from_round"]
                 out.append(row)
     return out
 
@@ -110,6 +118,8 @@ def markdown(rows: list[dict]) -> str:
         if "streaming" in q:
             st = q["streaming"]
             mode += f" (P = {st['fragments']}, τ = {st['fragment_delay_steps']}, α = {st['fragment_alpha']})"
+        if q.get("from_round"):
+            mode += f" from round {q['from_round'] + 1} (none before)"
         lines.append(f"| {q['method']} | {q['peers']} | {mode} | {q['final_bpb']:.4f} | {seeds} | {vs} |")
     return "\n".join(lines)
 
@@ -127,6 +137,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field (TOML value)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--from-round", type=int, default=0, metavar="K",
+                        help="delayed and eager only: the first K rounds without overlap, the mode from "
+                             "round K + 1 on (does overlap cost quality only early in a run?)")
     parser.add_argument("--merge", action="store_true",
                         help="keep --out's quality rows and runs that this invocation does not measure again "
                              "(its rig 'results' are always kept)")
@@ -134,6 +147,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if "none" not in args.modes:
         parser.error("--modes must include 'none': every mode is compared with it")
+    if args.from_round < 0 or (args.from_round and "streaming" in args.modes):
+        parser.error(f"--from-round {args.from_round}: needs K >= 0, and K > 0 only with the modes none, "
+                     "delayed and eager (streaming's fragments are set up at the start)")
 
     base, bench = load_config(args.config)
     base = apply_overrides(base, args.set)
@@ -176,12 +192,13 @@ def main() -> None:
 
     with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_one, base, *w, bench, rounds, args.threads) for w in work]
+        futures = [pool.submit(_one, base, *w, bench, rounds, args.threads, args.from_round) for w in work]
         runs: list[dict] = []
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())
             r = runs[-1]
-            print(f"{r['method']} N={r['peers']} seed {r['seed']} overlap {r['overlap']}: {r['final_bpb']:.4f} bpb "
+            after = f" from round {r['from_round'] + 1}" if r.get("from_round") else ""
+            print(f"{r['method']} N={r['peers']} seed {r['seed']} overlap {r['overlap']}{after}: {r['final_bpb']:.4f} bpb "
                   f"({r['wall_s']:.0f} s)", flush=True)
             rows = write(runs)
     print()

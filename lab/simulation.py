@@ -637,6 +637,24 @@ class Simulation:
             out.append(mine)
         return out
 
+    def start_overlap(self, mode: str) -> None:
+        """Switch a run without overlap to ``mode`` ('delayed' or 'eager') from the next round on:
+        that round starts from φ (ψ = φ, as every round without overlap does) and its sync is the
+        first that lands a round late. For measuring whether overlap costs quality early in a run
+        only (bench/overlap.py ``--from-round``).
+
+        Raises:
+            ValueError: ``mode`` is not 'delayed' or 'eager', the run already overlaps, streams, or
+                is data-parallel; nothing changed.
+        """
+        if mode not in ("delayed", "eager"):
+            raise ValueError(f"start_overlap({mode!r}): only 'delayed' or 'eager' can start mid-run")
+        if self.data_parallel or self.streaming or self.m.sync.overlap != "none":
+            raise ValueError(f"start_overlap({mode!r}) needs a DiLoCo or NoLoCo run without overlap "
+                             f"(this one: overlap {self.m.sync.overlap!r}, data-parallel {self.data_parallel})")
+        self.m = self.m.replace(sync={"overlap": mode})
+        self.anchors = [[p.clone() for p in phi] for phi in self.phis]
+
     def finish(self) -> None:
         """With overlap, wait for the last round's sync: apply its means and set θ ← φ (no-op
         without one), so the final φ holds every round, as a peer's does when training ends.
@@ -787,11 +805,14 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
                    uplink_mbps: float = 50.0, screening: bool = True,
                    adversary: Adversary | None = None, device: torch.device | str = "cpu",
                    precision: Precision = FP32, compile: bool = False,
-                   on_eval: Callable[[EvalPoint], None] | None = None) -> SimulationResult:
+                   on_eval: Callable[[EvalPoint], None] | None = None,
+                   overlap_from_round: int = 0) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
     (``screening``, ``adversary``, ``device``, ``precision`` and ``compile``: see :class:`Simulation`).
     ``on_eval`` is called with each evaluation as it is made (round 0 included), so a caller can keep
-    the curve of a run that is stopped before it returns.
+    the curve of a run that is stopped before it returns. ``overlap_from_round`` K > 0: the first K
+    rounds run without overlap and the manifest's ``sync.overlap`` ('delayed' or 'eager') from round
+    K + 1 on (:meth:`Simulation.start_overlap`).
 
     Returns:
         SimulationResult with the loss curve (round 0 and the last round always included), the
@@ -799,6 +820,12 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     """
     start = time.perf_counter()
     windows = validation_batch(corpus, manifest.data)
+    mode = manifest.sync.overlap
+    if overlap_from_round < 0 or (overlap_from_round and mode not in ("delayed", "eager")):
+        raise ValueError(f"overlap_from_round = {overlap_from_round!r} with overlap {mode!r}: need K >= 0, "
+                         "and K > 0 only with 'delayed' or 'eager'")
+    if overlap_from_round:
+        manifest = manifest.replace(sync={"overlap": "none"})
     sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
                      screening=screening, adversary=adversary, device=device, precision=precision,
                      compile=compile)
@@ -806,6 +833,8 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     if on_eval is not None:
         on_eval(history[-1])
     for r in range(1, rounds + 1):
+        if overlap_from_round and r == overlap_from_round + 1:
+            sim.start_overlap(mode)
         sim.run_round()
         if r == rounds:
             sim.finish()  # overlap: the last round's sync lands before the final evaluation

@@ -57,3 +57,39 @@ def test_overlap_none_is_unchanged(corpus):
         sim.run_round()
         sim.run_round()
     assert identical(a.phis[0], b.phis[0])
+
+
+def test_overlap_from_round_k_runs_the_first_k_rounds_blocking(corpus):
+    """``overlap_from_round`` K: rounds 1..K are exactly the blocking run's, then the mean of round
+    K + 1 lands a round late, from a round that started at φ."""
+    blocking = Simulation(manifest("diloco", "none"), corpus, peers=2, seed=0)
+    switched = Simulation(manifest("diloco", "none"), corpus, peers=2, seed=0)
+    for sim in (blocking, switched):
+        sim.run_round()
+    assert identical(blocking.phis[0], switched.phis[0])
+    switched.start_overlap("eager")
+    assert switched.m.sync.overlap == "eager" and identical(switched.anchors[0], switched.phis[0])
+    phi_k = [p.clone() for p in switched.phis[0]]
+    switched.run_round()
+    assert identical(switched.phis[0], phi_k)      # round K + 1's mean is in flight
+    switched.finish()
+    assert not identical(switched.phis[0], phi_k) and identical(switched.phis[0], switched.phis[1])
+    with pytest.raises(ValueError, match="without overlap"):
+        switched.start_overlap("delayed")          # it overlaps already
+    with pytest.raises(ValueError, match="only 'delayed' or 'eager'"):
+        blocking.start_overlap("streaming")
+
+
+def test_run_simulation_overlap_from_round(corpus):
+    """Overlap from the last round changes nothing (that round starts from φ and its mean lands
+    before the final evaluation, as without overlap); from the round before, the last round starts
+    from eager's point and the result differs."""
+    plain = run_simulation(manifest("diloco", "none"), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3)
+    last = run_simulation(manifest("diloco", "eager"), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3,
+                          overlap_from_round=2)
+    two = run_simulation(manifest("diloco", "eager"), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3,
+                         overlap_from_round=1)
+    assert last.history[-1].loss_bpb == plain.history[-1].loss_bpb
+    assert math.isfinite(two.history[-1].loss_bpb) and two.history[-1].loss_bpb != plain.history[-1].loss_bpb
+    with pytest.raises(ValueError, match="overlap_from_round = 2 with overlap 'none'"):
+        run_simulation(manifest("diloco", "none"), corpus, peers=2, rounds=3, overlap_from_round=2)
