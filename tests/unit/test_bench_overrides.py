@@ -41,3 +41,14 @@ def test_sweep_setting_parses_and_refuses_an_h_that_breaks_equal_tokens():
                      ("adam:1:0", "want KIND"), ("nesterov:x:0.9", "are numbers")]:
         with pytest.raises(SystemExit, match=why):
             parse_setting(bad, 25, 400)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG.parent.glob("compare*.toml")), ids=lambda p: p.name)
+def test_every_compare_config_is_a_valid_manifest_with_a_whole_per_peer_batch(path):
+    """Each scale's config loads (the manifest validated, [bench] stripped) and its global batch
+    splits into whole sequences per peer at every N it compares."""
+    base, bench = load_config(path)
+    for n in bench["peers"]:
+        per_peer = bench["global_batch_tokens"] // n
+        assert per_peer * n == bench["global_batch_tokens"] and per_peer % base.data.seq_len_tokens == 0, (path, n)
+        assert per_peer >= 1024, (path, n)  # issue #15: per-peer batches of at least 1,024 tokens
