@@ -318,7 +318,8 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
             "tokens_per_s": (sum(e["tokens_per_s"] for e in rounds) / len(rounds)) if rounds else 0.0,
             "initial_eval_loss": first_eval["loss"] if first_eval else None,
             "final_eval_loss": last_eval["loss"] if last_eval else None,
-            "exit_code": child.returncode,
+            # as a shell reports it (137 for SIGKILL), as the error line names it; None: still running
+            "exit_code": None if child.returncode is None else shell_exit(child.returncode, "")[0],
         })
     return {
         "run_id": cfg.manifest.run_id,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from peer.swarm import _signal_name, _watch
+from peer.swarm import SwarmConfig, _signal_name, _watch, build_summary
 
 
 class _Child:
@@ -62,3 +62,21 @@ def test_shell_exit_maps_a_signal_death_and_keeps_other_codes():
     from peer.swarm import shell_exit
     assert shell_exit(-15, "see log") == (143, "killed by SIGTERM; see log")
     assert shell_exit(78, "bad manifest") == (78, "bad manifest")
+
+
+def test_the_summary_gives_the_exit_code_the_error_line_gives():
+    """The summary table and JSON say 137 for a peer killed by SIGKILL, as the error line does."""
+    class Finished:
+        def __init__(self, code):
+            self.returncode = code
+
+        def of(self, _kind):
+            return []
+
+        def last(self, _kind, **_match):
+            return None
+
+    swarm = SimpleNamespace(children={"bootstrap": Finished(0), "peer-0": Finished(-9), "peer-1": Finished(130),
+                                      "peer-2": Finished(None)}, workdir="/tmp/w")
+    summary = build_summary(swarm, SwarmConfig(), 1.0)
+    assert [p["exit_code"] for p in summary["peers"]] == [137, 130, None]
