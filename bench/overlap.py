@@ -154,6 +154,9 @@ def main() -> None:
     base, bench = load_config(args.config)
     base = apply_overrides(base, args.set)
     rounds = args.rounds or bench["rounds"]
+    if args.from_round >= rounds:
+        parser.error(f"--from-round {args.from_round}: the run has {rounds} rounds, so no round would overlap; "
+                     f"give K < {rounds}")
     work = [(method, mode, peers, seed) for method in args.methods for peers in args.peers
             for seed in args.seeds for mode in args.modes]
     start = time.perf_counter()
