@@ -50,15 +50,15 @@ def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench
          threads: int, from_round: int = 0) -> dict:
     torch.set_num_threads(threads)
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds).replace(sync={"overlap": mode})
-    k = from_round if mode != "none" else 0
+    blocking_rounds = from_round if mode != "none" else 0
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
-                       eval_every_rounds=rounds, overlap_from_round=k)
+                       eval_every_rounds=rounds, overlap_from_round=blocking_rounds)
     run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
            "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
     if mode == "streaming":
         run["streaming"] = {k: getattr(m.sync, k) for k in STREAMING_KEYS}
-    if k:
-        run["from_round"] = k
+    if blocking_rounds:
+        run["from_round"] = blocking_rounds
     return run
 
 

@@ -294,8 +294,9 @@ class Simulation:
         self.streaming = not data_parallel and manifest.sync.overlap == "streaming"
         if self.streaming:
             self._setup_streaming([name for name, _ in base.named_parameters()])
-        self.anchors = [[p.clone() for p in phi] for phi in self.phis]
+        self.anchors: list[list[torch.Tensor]] = []
         """ψ: where each peer's current round started (φ without overlap; peer/train/overlap.py)."""
+        self._anchor_at_phi()
         self.pending: list[list[torch.Tensor]] | None = None
         """With overlap: each peer's group mean of the last round, applied at the end of this one."""
 
@@ -637,6 +638,10 @@ class Simulation:
             out.append(mine)
         return out
 
+    def _anchor_at_phi(self) -> None:
+        """Every peer's next round starts from its own φ: ψ_i ← copies of φ_i."""
+        self.anchors = [[p.clone() for p in phi] for phi in self.phis]
+
     def start_overlap(self, mode: str) -> None:
         """Switch a run without overlap to ``mode`` ('delayed' or 'eager') from the next round on:
         that round starts from φ (ψ = φ, as every round without overlap does) and its sync is the
@@ -653,7 +658,7 @@ class Simulation:
             raise ValueError(f"start_overlap({mode!r}) needs a DiLoCo or NoLoCo run without overlap "
                              f"(this one: overlap {self.m.sync.overlap!r}, data-parallel {self.data_parallel})")
         self.m = self.m.replace(sync={"overlap": mode})
-        self.anchors = [[p.clone() for p in phi] for phi in self.phis]
+        self._anchor_at_phi()
 
     def finish(self) -> None:
         """With overlap, wait for the last round's sync: apply its means and set θ ← φ (no-op
@@ -679,7 +684,7 @@ class Simulation:
         for outer, phi, mean in zip(self.outers, self.phis, self.pending):
             drain(outer, phi, mean)
         self.pending = None
-        self.anchors = [[p.clone() for p in phi] for phi in self.phis]
+        self._anchor_at_phi()
         with torch.no_grad():
             for model, phi in zip(self.models, self.phis):
                 for t, p in zip(model.parameters(), phi):
