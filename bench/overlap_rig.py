@@ -2,7 +2,7 @@
 
     sudo nice -n 5 .venv/bin/python bench/overlap_rig.py [--peers 4 8] [--rates 100 20]
         [--modes none delayed eager streaming] [--rounds 8] [--warmup 2] [--inner-steps 150]
-        [--fragments 2] [--fragment-delay TAU]
+        [--fragments 2] [--fragment-delay TAU] [--hidden-size 128]
 
 For each (peers, uplink, overlap mode): a bootstrap node and N real peers (``peer join``), each
 in its own network namespace behind a tbf uplink of the given rate (lab/chaos.py), train the run
@@ -24,8 +24,10 @@ when the round ended.
   rounds. ``blocking_share`` (detail, table): mean ``sync_s`` ÷ mean ``compute_s``: the issue asks
   for a payload whose blocking sync takes at least a third of a round's compute.
 
-The run: lab/chaos.py's 0.49 M-parameter model (a 1.9 MB fp32 payload, no codec), 256 tokens per
-inner step, ``--inner-steps`` H, DiLoCo with the default outer step. Every peer's torch uses one
+The run: lab/chaos.py's 0.49 M-parameter model (a 1.97 MB fp32 payload, no codec; ``--hidden-size``
+widens it, the feed-forward at 3× the width: 256 gives 1.84 M parameters, a 7.35 MB payload, and
+rounds about 4× as long at the same sync ÷ compute), 256 tokens per inner step, ``--inner-steps``
+H, DiLoCo with the default outer step. Every peer's torch uses one
 thread (``--threads 1``); on a machine with fewer cores than peers they share the cores, which
 makes ``compute_s`` longer than on an idle core: the utilization is of the peer's own wall time,
 and ``tokens_per_s`` (detail) says what it trained.
@@ -50,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
+from peer.train.model import spec_parameter_count  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
 from protocol.specs import OVERLAP_MODES  # noqa: E402
@@ -57,17 +60,35 @@ from protocol.specs import OVERLAP_MODES  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "overlap.json"
 
 
-def rig_manifest(mode: str, inner_steps: int, fragments: int = 2, fragment_delay: int = 2) -> RunManifest:
+CHAOS_HIDDEN = CHAOS_MODEL["hidden_size"]
+
+
+def rig_model(hidden_size: int = CHAOS_HIDDEN) -> dict:
+    """lab/chaos.py's model at ``hidden_size`` (feed-forward 3× as wide, the same 2 blocks, 2 heads
+    and sequence length): a larger payload, so each sync and round is longer at the same H·tokens.
+
+    Raises:
+        ValueError: ``hidden_size`` not a positive multiple of the 2 heads' count.
+    """
+    heads = CHAOS_MODEL["num_heads"]
+    if hidden_size <= 0 or hidden_size % heads:
+        raise ValueError(f"hidden_size = {hidden_size}: need a positive multiple of num_heads = {heads}")
+    return {**CHAOS_MODEL, "hidden_size": hidden_size, "intermediate_size": 3 * hidden_size}
+
+
+def rig_manifest(mode: str, inner_steps: int, fragments: int = 2, fragment_delay: int = 2,
+                 hidden_size: int = CHAOS_HIDDEN) -> RunManifest:
     """The benchmark's run with ``sync.overlap = mode`` (a swarm-wide fact of the manifest); with
     streaming, ``fragments`` P and τ = ``fragment_delay``, the earliest a mean lands (a slower sync
-    lands when it arrives: the round events' ``overlap_steps`` say after how many steps)."""
+    lands when it arrives: the round events' ``overlap_steps`` say after how many steps); the model
+    of :func:`rig_model` at ``hidden_size``."""
     sync = {"inner_steps": inner_steps, "matchmaking_time_s": 2.0, "allreduce_timeout_s": 60.0,
             "next_chunk_timeout_s": 10.0, "overlap": mode}
     if mode == "streaming":
         sync.update(fragments=fragments, fragment_delay_steps=fragment_delay)
     return tiny_run().replace(
         name=f"overlap-rig-{mode}",
-        model=CHAOS_MODEL,
+        model=rig_model(hidden_size),
         inner_optimizer={"lr": 3e-3, "warmup_steps": 20, "decay_steps": 20000, "batch_size_tokens": 256},
         sync=sync)
 
@@ -102,11 +123,12 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
 
 
 def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
-            inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int = 2) -> dict:
+            inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int = 2,
+            hidden_size: int = CHAOS_HIDDEN) -> dict:
     """One swarm on the rig until every peer stopped at ``rounds``; its figures."""
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
-    manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay)
+    manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay, hidden_size)
     run.write_text(dump_toml(manifest))
     started = time.time()
     with ChaosSwarm(workdir, run, rate_mbit=rate, prefix="lso", subnet="10.213.83",
@@ -125,11 +147,21 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
     if failed:
         raise RuntimeError(f"peers exited with {failed}: see {workdir}/<peer>.log")
     per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
-    out = {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps, "per_peer": per_peer,
+    out = {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps,
+           "hidden_size": hidden_size, "payload_mb": payload_mb(manifest), "per_peer": per_peer,
            "adoptions": adoptions, "wall_s_total": time.time() - started}
     if mode == "streaming":
         out["streaming"] = {k: getattr(manifest.sync, k) for k in ("fragments", "fragment_delay_steps", "fragment_alpha")}
     return out
+
+
+def payload_mb(manifest: RunManifest) -> float:
+    """The fp32 DiLoCo payload of ``manifest``'s model (byte-level tokenizer, as the rig's run), MB
+    (10^6 bytes): 4 bytes per parameter."""
+    return 4 * spec_parameter_count(manifest.model, 259) / 1e6
+
+
+CHAOS_PAYLOAD_MB = payload_mb(tiny_run().replace(model=CHAOS_MODEL))
 
 
 def row(run: dict) -> dict:
@@ -138,7 +170,8 @@ def row(run: dict) -> dict:
     compute = statistics.fmean(p["compute_s_per_round"] for p in per)
     sync = statistics.fmean(p["sync_s"] for p in per)
     return {"overlap": run["overlap"], "peers": run["peers"], "uplink_mbit": run["uplink_mbit"],
-            "inner_steps": run["inner_steps"], "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
+            "inner_steps": run["inner_steps"], "payload_mb": run.get("payload_mb", CHAOS_PAYLOAD_MB),
+            "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
             "round_s": statistics.fmean(p["round_s"] for p in per), "sync_s": sync,
             "compute_utilization_min": min(p["compute_utilization"] for p in per),
             "compute_s_per_round": compute, "blocking_share": sync / compute,
@@ -151,14 +184,14 @@ def row(run: dict) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
+    lines = ["| payload MB | peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
              "sync s | sync ÷ compute | idle s per round: sync wait / re-sync / other | swarm tokens/s | mean group |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mode = r["overlap"]
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
             mode += f" (median {r['median_overlap_steps']:g} steps)"
-        lines.append(f"| {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
+        lines.append(f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
                      f"{100 * r['compute_utilization']:.1f} % / "
                      f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
                      f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | "
@@ -179,6 +212,8 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=2, help="streaming: P (the rig's model has 2 blocks)")
     parser.add_argument("--fragment-delay", type=int, default=2,
                         help="streaming: τ, the earliest a fragment's mean lands, in inner steps (the manifest's default)")
+    parser.add_argument("--hidden-size", type=int, default=CHAOS_HIDDEN,
+                        help="the model's width (lab/chaos.py's 128: 0.49 M parameters; 256: 1.84 M): a larger payload")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -191,9 +226,11 @@ def main() -> None:
     runs, rows = [], []
     earlier: list[dict] = []
     if args.keep and detail.exists():
-        planned = {(m, n, r, args.inner_steps) for n in args.peers for r in args.rates for m in args.modes}
+        planned = {(m, n, r, args.inner_steps, args.hidden_size)
+                   for n in args.peers for r in args.rates for m in args.modes}
         earlier = [run for run in json.loads(detail.read_text())["runs"]
-                   if (run["overlap"], run["peers"], run["uplink_mbit"], run.get("inner_steps")) not in planned]
+                   if (run["overlap"], run["peers"], run["uplink_mbit"], run.get("inner_steps"),
+                       run.get("hidden_size", CHAOS_HIDDEN)) not in planned]
         print(f"kept {len(earlier)} run(s) of earlier invocations from {detail}", flush=True)
     start = time.perf_counter()
     for peers in args.peers:
@@ -201,7 +238,8 @@ def main() -> None:
             for mode in args.modes:
                 run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
                               rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
-                              timeout_s=args.timeout, fragments=args.fragments, fragment_delay=args.fragment_delay)
+                              timeout_s=args.timeout, fragments=args.fragments, fragment_delay=args.fragment_delay,
+                              hidden_size=args.hidden_size)
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
                 r = row(run)
@@ -214,7 +252,7 @@ def main() -> None:
                 record = json.loads(args.out.read_text()) if args.out.exists() else {"quality": []}
                 record.pop("results_note", None)
                 record["results"] = [{k: x[k] for k in ("overlap", "peers", "uplink_mbit", "compute_utilization",
-                                                        "round_s", "sync_s", "inner_steps")} for x in rows]
+                                                        "round_s", "sync_s", "inner_steps", "payload_mb")} for x in rows]
                 record["results_commands"] = sorted({*(x.get("command", "") for x in earlier),
                                                      " ".join(["python", *sys.argv])} - {""})
                 record.pop("results_command", None)
@@ -223,7 +261,8 @@ def main() -> None:
                 detail.write_text(json.dumps({
                     "command": " ".join(["python", *sys.argv]), "device": device,
                     "definitions": __doc__, "manifest (this invocation's H)": {
-                        m: rig_manifest(m, args.inner_steps).to_dict() for m in args.modes},
+                        m: rig_manifest(m, args.inner_steps, hidden_size=args.hidden_size).to_dict()
+                        for m in args.modes},
                     "rows": rows, "runs": earlier + runs, "wall_s_total": time.perf_counter() - start}, indent=1)
                     + "\n")
     print()

@@ -35,3 +35,15 @@ def test_streaming_rows_carry_p_tau_and_how_long_each_fragment_sync_overlapped()
     for e, steps in zip(events, ([], [5, 7], [9])):
         e["overlap_steps"] = steps
     assert peer_figures(events, warmup=1)["overlap_steps"] == [5, 7, 9]   # the warm-up round's are left out
+
+
+def test_a_wider_rig_model_has_a_larger_payload_and_the_same_blocks():
+    from bench.overlap_rig import CHAOS_PAYLOAD_MB, payload_mb, rig_model
+
+    wide = rig_manifest("delayed", 20, hidden_size=256)
+    assert (wide.model.hidden_size, wide.model.intermediate_size, wide.model.num_layers) == (256, 768, 2)
+    assert rig_manifest("none", 20).model.hidden_size == 128          # lab/chaos.py's model by default
+    assert CHAOS_PAYLOAD_MB == pytest.approx(1.97, abs=0.01)          # 0.49 M fp32 parameters
+    assert payload_mb(wide) == pytest.approx(7.35, abs=0.01)
+    with pytest.raises(ValueError, match="hidden_size = 7"):
+        rig_model(7)
