@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ 
 from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E402
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
+from protocol.errors import ManifestError  # noqa: E402
 from protocol.manifest import RunManifest  # noqa: E402
 from protocol.specs import OVERLAP_MODES  # noqa: E402
 
@@ -46,10 +47,22 @@ RESULTS = Path(__file__).with_name("results") / "overlap.json"
 STREAMING_KEYS = ("fragments", "fragment_delay_steps", "fragment_alpha")
 
 
+def run_manifest(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict,
+                 rounds: int) -> RunManifest:
+    """The manifest of one simulation: bench/compare.py's (fixed global batch, seeded φ_0, cosine
+    ending with the run) with ``sync.overlap = mode``.
+
+    Raises:
+        ManifestError: the mode does not fit the run (e.g. streaming with more fragments than blocks).
+        ValueError: the global batch does not split over ``peers``.
+    """
+    return manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds).replace(sync={"overlap": mode})
+
+
 def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict, rounds: int,
          threads: int, from_round: int = 0) -> dict:
     torch.set_num_threads(threads)
-    m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds).replace(sync={"overlap": mode})
+    m = run_manifest(base, method, mode, peers, seed, bench, rounds)
     blocking_rounds = from_round if mode != "none" else 0
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
                        eval_every_rounds=rounds, overlap_from_round=blocking_rounds)
@@ -159,6 +172,12 @@ def main() -> None:
                      f"give K < {rounds}")
     work = [(method, mode, peers, seed) for method in args.methods for peers in args.peers
             for seed in args.seeds for mode in args.modes]
+    for method, mode, peers, seed in work:  # every run's manifest is checked before any starts
+        try:
+            run_manifest(base, method, mode, peers, seed, bench, rounds)
+        except (ManifestError, ValueError) as exc:
+            parser.error(f"{method} N={peers} overlap {mode}: {exc}; change it with --set SECTION.FIELD=VALUE "
+                         "(e.g. --set sync.fragments=2) or leave that mode out of --modes")
     start = time.perf_counter()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}

@@ -204,3 +204,20 @@ def test_bench_merge_keeps_rows_not_measured_again_and_streaming_settings_apart(
     out = merged(old, rows)
     assert [r["overlap"] for r in out] == ["none", "delayed", "streaming", "streaming"]
     assert out[0]["final_bpb"] == 2.0              # the fresh none row replaced the old one
+
+
+def test_bench_overlap_refuses_a_mode_the_config_cannot_run_before_any_simulation(tmp_path: Path):
+    """bench/compare-cpu-32k.toml has 2 blocks and streaming's default is 4 fragments: the script
+    stops at once naming the field and the fix, instead of after the other modes' minutes of work."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "overlap.json"
+    done = subprocess.run([sys.executable, str(root / "bench" / "overlap.py"), "--config",
+                           str(root / "bench" / "compare-cpu-32k.toml"), "--modes", "none", "streaming",
+                           "--peers", "4", "--seeds", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "sync.fragments = 4" in done.stderr and "--set sync.fragments=2" in done.stderr
+    assert not out.exists()
