@@ -2,7 +2,7 @@
 
     sudo nice -n 5 .venv/bin/python bench/overlap_rig.py [--peers 4 8] [--rates 100 20]
         [--modes none delayed eager streaming] [--rounds 8] [--warmup 2] [--inner-steps 150]
-        [--fragments 2] [--fragment-delay TAU] [--hidden-size 128]
+        [--fragments 2] [--fragment-delay TAU] [--hidden-size 128] [--checkpoint-every SECONDS]
 
 For each (peers, uplink, overlap mode): a bootstrap node and N real peers (``peer join``), each
 in its own network namespace behind a tbf uplink of the given rate (lab/chaos.py), train the run
@@ -124,7 +124,7 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
 
 def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
             inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int = 2,
-            hidden_size: int = CHAOS_HIDDEN) -> dict:
+            hidden_size: int = CHAOS_HIDDEN, checkpoint_every_s: float = 0.0) -> dict:
     """One swarm on the rig until every peer stopped at ``rounds``; its figures."""
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
@@ -132,8 +132,8 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
     run.write_text(dump_toml(manifest))
     started = time.time()
     with ChaosSwarm(workdir, run, rate_mbit=rate, prefix="lso", subnet="10.213.83",
-                    peer_args=["--max-rounds", str(rounds), "--eval-every", "0",
-                               "--wait-for-peers", str(peers), "--uplink-mbps", str(rate)]) as swarm:
+                    peer_args=["--max-rounds", str(rounds), "--eval-every", "0", "--wait-for-peers", str(peers),
+                               "--uplink-mbps", str(rate), "--checkpoint-every", f"{checkpoint_every_s:g}"]) as swarm:
         swarm.start_bootstrap()
         for i in range(peers):
             swarm.add_peer(f"p{i}")
@@ -148,7 +148,8 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
         raise RuntimeError(f"peers exited with {failed}: see {workdir}/<peer>.log")
     per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
     out = {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps,
-           "hidden_size": hidden_size, "payload_mb": payload_mb(manifest), "per_peer": per_peer,
+           "hidden_size": hidden_size, "payload_mb": payload_mb(manifest), "checkpoint_every_s": checkpoint_every_s,
+           "per_peer": per_peer,
            "adoptions": adoptions, "wall_s_total": time.time() - started}
     if mode == "streaming":
         out["streaming"] = {k: getattr(manifest.sync, k) for k in ("fragments", "fragment_delay_steps", "fragment_alpha")}
@@ -171,6 +172,7 @@ def row(run: dict) -> dict:
     sync = statistics.fmean(p["sync_s"] for p in per)
     return {"overlap": run["overlap"], "peers": run["peers"], "uplink_mbit": run["uplink_mbit"],
             "inner_steps": run["inner_steps"], "payload_mb": run.get("payload_mb", CHAOS_PAYLOAD_MB),
+            "checkpoint_every_s": run.get("checkpoint_every_s", 0.0),
             "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
             "round_s": statistics.fmean(p["round_s"] for p in per), "sync_s": sync,
             "compute_utilization_min": min(p["compute_utilization"] for p in per),
@@ -189,6 +191,8 @@ def markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mode = r["overlap"]
+        if r.get("checkpoint_every_s"):
+            mode += f", checkpoint every {r['checkpoint_every_s']:g} s"
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
             mode += f" (median {r['median_overlap_steps']:g} steps)"
         lines.append(f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
@@ -214,6 +218,8 @@ def main() -> None:
                         help="streaming: τ, the earliest a fragment's mean lands, in inner steps (the manifest's default)")
     parser.add_argument("--hidden-size", type=int, default=CHAOS_HIDDEN,
                         help="the model's width (lab/chaos.py's 128: 0.49 M parameters; 256: 1.84 M): a larger payload")
+    parser.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS",
+                        help="the peers' --checkpoint-every (0: a checkpoint every round, peer join's default)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -226,11 +232,11 @@ def main() -> None:
     runs, rows = [], []
     earlier: list[dict] = []
     if args.keep and detail.exists():
-        planned = {(m, n, r, args.inner_steps, args.hidden_size)
+        planned = {(m, n, r, args.inner_steps, args.hidden_size, args.checkpoint_every)
                    for n in args.peers for r in args.rates for m in args.modes}
         earlier = [run for run in json.loads(detail.read_text())["runs"]
                    if (run["overlap"], run["peers"], run["uplink_mbit"], run.get("inner_steps"),
-                       run.get("hidden_size", CHAOS_HIDDEN)) not in planned]
+                       run.get("hidden_size", CHAOS_HIDDEN), run.get("checkpoint_every_s", 0.0)) not in planned]
         print(f"kept {len(earlier)} run(s) of earlier invocations from {detail}", flush=True)
     start = time.perf_counter()
     for peers in args.peers:
@@ -239,7 +245,7 @@ def main() -> None:
                 run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
                               rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
                               timeout_s=args.timeout, fragments=args.fragments, fragment_delay=args.fragment_delay,
-                              hidden_size=args.hidden_size)
+                              hidden_size=args.hidden_size, checkpoint_every_s=args.checkpoint_every)
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
                 r = row(run)
@@ -252,7 +258,8 @@ def main() -> None:
                 record = json.loads(args.out.read_text()) if args.out.exists() else {"quality": []}
                 record.pop("results_note", None)
                 record["results"] = [{k: x[k] for k in ("overlap", "peers", "uplink_mbit", "compute_utilization",
-                                                        "round_s", "sync_s", "inner_steps", "payload_mb")} for x in rows]
+                                                        "round_s", "sync_s", "inner_steps", "payload_mb",
+                                                        "checkpoint_every_s")} for x in rows]
                 record["results_commands"] = sorted({*(x.get("command", "") for x in earlier),
                                                      " ".join(["python", *sys.argv])} - {""})
                 record.pop("results_command", None)

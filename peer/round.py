@@ -102,6 +102,15 @@ JOINER_WAIT_S = 10.0
 live, before it trains from its own initial φ (s; :meth:`Trainer.catch_up`)."""
 
 
+def checkpoint_due(last: float | None, now: float, every_s: float) -> bool:
+    """Whether a round's end writes the checkpoint: every round with ``every_s`` 0, else the first
+    round's end and then once ``every_s`` seconds (monotonic clock) have passed since the last one.
+    A stop or the run's end always writes one (peer/node.py calls :meth:`Trainer.save`); what a
+    crash loses is at most ``every_s`` seconds of this peer's rounds, which a restart then catches
+    up from the swarm like a joiner."""
+    return not every_s or last is None or now - last >= every_s
+
+
 class Trainer:
     """Trains one peer. Construct with the swarm view and a started transport; call :meth:`run`.
 
@@ -176,6 +185,8 @@ class Trainer:
         self.summary = TrainSummary(peer_id=self.peer_id)
         self._checkpoints = CheckpointWriter()
         """Writes each round's checkpoint in the background (:meth:`save`)."""
+        self._last_checkpoint: float | None = None
+        """``time.monotonic()`` of the last round-end checkpoint (``checkpoint_every_s``'s clock)."""
         self.overlap = manifest.sync.overlap
         self._background = BackgroundSync() if self.overlap != "none" else None
         """With ``sync.overlap``: the last round's sync, running while this round trains."""
@@ -736,7 +747,9 @@ class Trainer:
         if k and self.evaluates_phi and self.pos.round % k == 0 and not self._done() and self._evaluates(self.pos.round):
             self.eval_phi("periodic")
             self._keep_pace()
-        self.save(background=True)
+        if checkpoint_due(self._last_checkpoint, time.monotonic(), self.cfg.checkpoint_every_s):
+            self._last_checkpoint = time.monotonic()
+            self.save(background=True)
         k = self.cfg.export_phi_every_rounds
         if k and self.cfg.checkpoint_path is not None and self.pos.round % k == 0:
             with self._lock:
