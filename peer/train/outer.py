@@ -200,13 +200,32 @@ class DiLoCo(_DeltaPayload):
                 leave φ or the momentum non-finite (a finite Δ̄ can still overflow fp32); φ and the
                 momentum are left unchanged.
         """
+        new_p, new_m = self._step(phi, mean_delta)
+        _commit(phi, new_p, self.momentum, new_m)
+
+    def preview(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The φ that :meth:`apply` would leave, out of place: ``phi`` and the momentum are only
+        read (eager's start point, peer/train/overlap.py). The same operations as :meth:`apply`,
+        so bit-identical to it, without :func:`step_on_copies`' copies of φ and the momentum.
+
+        Returns:
+            New fp32 tensors shaped like ``phi``; the caller checks them for NaN/inf.
+
+        Raises:
+            BadPayload: Δ̄ has the wrong count or shapes, or holds NaN or inf.
+        """
+        return self._step(phi, mean_delta)[0]
+
+    def _step(self, phi: Sequence[torch.Tensor],
+              mean_delta: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(new φ, new momentum), computed out of place from a checked Δ̄."""
         _check_mean(phi, mean_delta, copies=1)
         lr, mu = self.spec.lr, self.spec.momentum
         with torch.no_grad():
             new_m = [m.mul(mu).add_(d) for d, m in zip(mean_delta, self.momentum)]
             new_p = [p.sub(d.add(m, alpha=mu) if self.spec.nesterov else m, alpha=lr)
                      for p, d, m in zip(phi, mean_delta, new_m)]
-            _commit(phi, new_p, self.momentum, new_m)
+        return new_p, new_m
 
 
 class NoLoCo:

@@ -75,7 +75,8 @@ def eager_mean(payload: Sequence[torch.Tensor], *, n_delta: int, share: float) -
 
 def preview_step(outer: OuterAlgorithm, phi: Sequence[torch.Tensor],
                  mean: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """What ``outer.apply(φ, mean)`` would make of φ, on copies: φ and the outer state are unchanged.
+    """What ``outer.apply(φ, mean)`` would make of φ, out of place (DiLoCo's ``preview``, else on copies):
+    φ and the outer state are unchanged.
 
     Args:
         outer: the run's outer algorithm (peer/train/outer.py).
@@ -88,7 +89,8 @@ def preview_step(outer: OuterAlgorithm, phi: Sequence[torch.Tensor],
     Raises:
         BadPayload: ``mean`` has the wrong count, shapes or non-finite values; nothing changed.
     """
-    return step_on_copies(outer, phi, outer.state_tensors(), mean)[0]
+    preview = getattr(outer, "preview", None)  # DiLoCo's: the same arithmetic without copying φ and its state
+    return preview(phi, mean) if preview is not None else step_on_copies(outer, phi, outer.state_tensors(), mean)[0]
 
 
 def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],

@@ -124,3 +124,25 @@ def test_the_step_on_copies_is_the_in_place_step_bit_for_bit_and_touches_nothing
         state = new_state
     with pytest.raises(BadPayload):
         step_on_copies(live, phi, state, [torch.full(s, float("nan")) for _ in range(copies) for s in shapes])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_preview_is_the_in_place_step_bit_for_bit_and_touches_nothing(nesterov):
+    """``DiLoCo.preview`` (eager's start point) is the φ ``apply`` would leave, bit for bit, with
+    momentum built up over earlier rounds; φ and the momentum are only read; a bad mean is refused."""
+    torch.manual_seed(1)
+    shapes = [torch.Size([5, 3]), torch.Size([7])]
+    outer = DiLoCo(shapes, OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=nesterov))
+    phi = [torch.randn(s) for s in shapes]
+    for _ in range(3):
+        outer.apply(phi, [torch.randn(s) * 0.1 for s in shapes])   # momentum is not zero any more
+        mean = [torch.randn(s) * 0.1 for s in shapes]
+        before = [t.clone() for t in (*phi, *outer.momentum)]
+        preview = outer.preview(phi, mean)
+        assert all(torch.equal(a, b) for a, b in zip(before, (*phi, *outer.momentum)))
+        outer.apply(phi, mean)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(preview, phi))
+    with pytest.raises(BadPayload, match="NaN or inf"):
+        outer.preview(phi, [torch.full(s, float("nan")) for s in shapes])
+    with pytest.raises(BadPayload, match="shape"):
+        outer.preview(phi, [torch.zeros(2), torch.zeros(7)])
