@@ -67,4 +67,12 @@ def test_noloco_peers_exchange_with_one_partner_and_stay_closer_than_no_sync(pro
     procs.cleanup()
     _, _, phis_alone = run_swarm(procs, tmp_path / "independent", "independent")
     sigma_alone = spread(phis_alone)
-    assert sigma_noloco < 0.7 * sigma_alone, (sigma_noloco, sigma_alone)
+    # The pairs of round r are drawn afresh each round (3 ways to pair 4 peers). When the last round
+    # paired peers that the round before had kept apart, every final φ averages both earlier pairs
+    # and the spread nearly vanishes (σ ratio 0.02-0.03 measured). When it kept the same pairs (1 in 3,
+    # and 1 in 27 for all four rounds), the two pairs have trained apart since their last meeting:
+    # two 2-peer swarms, whose spread is still well under no sync's (a CI run measured 0.73, as
+    # pairs kept all four rounds would give; 0.58 for pairs that average exactly).
+    pairings = [frozenset(tuple(sorted(p.of("round")[r]["group"])) for p in peers) for r in range(ROUNDS)]
+    bound = 0.2 if pairings[-1] != pairings[-2] else 0.9
+    assert sigma_noloco < bound * sigma_alone, (sigma_noloco, sigma_alone, bound)

@@ -191,12 +191,18 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
     from peer.train.outer import DiLoCo
 
     applied_in, apply = [], DiLoCo.apply
+    previewed_in, preview = [], DiLoCo.preview
 
     def recorded_apply(self, phi, mean):
         applied_in.append(threading.current_thread().name)
         return apply(self, phi, mean)
 
+    def recorded_preview(self, phi, mean):
+        previewed_in.append(threading.current_thread().name)
+        return preview(self, phi, mean)
+
     monkeypatch.setattr(DiLoCo, "apply", recorded_apply)
+    monkeypatch.setattr(DiLoCo, "preview", recorded_preview)
     manifest = tiny_run().replace(sync={"overlap": overlap})
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3,
@@ -229,10 +235,14 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
         assert any(bool(m.abs().sum() > 0) for m in saved.momentum)
     assert a.state_digest == b.state_digest
     # each landing installed the outer step its sync's thread prepared; only the last sync, waited
-    # for when training ends, was applied on the training thread (eager's previews aside)
+    # for when training ends, was applied on the training thread
     prepared = [n for n in applied_in if n.startswith("locoswarm-sync")]
     assert len(prepared) == 6
-    assert len([n for n in applied_in if not n.startswith("locoswarm-sync")]) == 2 + (6 if overlap == "eager" else 0)
+    assert len([n for n in applied_in if not n.startswith("locoswarm-sync")]) == 2
+    # eager's start point for each round after a sync is DiLoCo.preview, on the training thread,
+    # once per sync and peer; delayed never previews
+    assert len(previewed_in) == (6 if overlap == "eager" else 0)
+    assert not any(n.startswith("locoswarm-sync") for n in previewed_in)
 
 
 def test_groupmate_dying_during_a_background_sync_applies_the_own_step(corpus):
