@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 import protocol
+from protocol.cli_types import FiniteFloatRange
 from protocol.errors import LocoError, exit_with
 from protocol.lifetime import StopOnSignal, dump_stacks_on_sigusr1
 from protocol.manifest import load_manifest, sign_manifest
@@ -90,7 +91,7 @@ def _until_signal(what: str):
                    "port (0: any free port). Default: no monitor.")
 @click.option("--monitor-host", default="127.0.0.1", show_default=True,
               help="Interface of the monitor's HTTP server (0.0.0.0: all).")
-@click.option("--monitor-poll", type=click.FloatRange(0.1), default=1.0, show_default=True,
+@click.option("--monitor-poll", type=FiniteFloatRange(0.1), default=1.0, show_default=True,
               help="Seconds between two reads of the peers' progress records.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
@@ -158,7 +159,7 @@ def run(host, port, announce, identity, owner_key, run_file, preset, initial_pee
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface of the HTTP server (0.0.0.0: all).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
               help="HTTP port (0: any free port).")
-@click.option("--poll", type=click.FloatRange(0.1), default=1.0, show_default=True,
+@click.option("--poll", type=FiniteFloatRange(0.1), default=1.0, show_default=True,
               help="Seconds between two reads of the peers' progress records.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from protocol.cli_types import FiniteFloatRange
 from protocol.errors import LocoError, exit_with
 from protocol.lifetime import dump_stacks_on_sigusr1
 from protocol.manifest import RunManifest, load_manifest
@@ -98,7 +99,7 @@ def main() -> None:
                    "and publishes the validation loss (0: each peer at its start and end only).")
 @click.option("--export-phi-every", type=click.IntRange(0), default=0, show_default=True,
               help="Write φ as safetensors beside the checkpoint every K rounds (0: never).")
-@click.option("--checkpoint-every", "checkpoint_every", type=click.FloatRange(0, 1e9), default=0.0,
+@click.option("--checkpoint-every", "checkpoint_every", type=FiniteFloatRange(0, 1e9), default=0.0,
               show_default=True, metavar="SECONDS",
               help="Write the checkpoint at most every SECONDS (0: every round). It holds φ, θ and AdamW's "
                    "moments (2 GB at ~125M parameters): with rounds of a minute or two, e.g. 600 spares the disk. "
@@ -110,7 +111,7 @@ def main() -> None:
 @click.option("--stage", type=click.IntRange(0), default=None,
               help="In a run with [pipeline] stages > 1: the stage this peer serves. "
                    "Default: the stage with the fewest live replicas (stage 0 in --client-mode).")
-@click.option("--uplink-mbps", type=click.FloatRange(0, 1e6, min_open=True), default=50.0, show_default=True,
+@click.option("--uplink-mbps", type=FiniteFloatRange(0, 1e6, min_open=True), default=50.0, show_default=True,
               help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps|LIST",
               help="Where to train: auto picks CUDA, then Apple MPS, then the CPU (one card). A list "
@@ -121,11 +122,11 @@ def main() -> None:
 @click.option("--micro-batch", "micro_batch", type=click.IntRange(1), default=None,
               help="Sequences per forward/backward (gradient accumulation reaches the run's batch). "
                    "Default: the largest that fits on CUDA, the whole batch elsewhere.")
-@click.option("--max-memory", "max_memory", type=click.FloatRange(0, min_open=True), default=None, metavar="GIB",
+@click.option("--max-memory", "max_memory", type=FiniteFloatRange(0, min_open=True), default=None, metavar="GIB",
               help="Cap on the GPU memory this peer may use, in GiB (CUDA only).")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile the model. [default: on for CUDA, off for CPU]")
-@click.option("--peak-tflops", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--peak-tflops", type=FiniteFloatRange(0, min_open=True), default=None,
               help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU on cards the built-in table lacks.")
 @click.option("--activation-checkpointing", "activation_checkpointing", is_flag=True,
               help="Recompute activations in the backward instead of keeping them: a larger micro-batch "
@@ -245,7 +246,7 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
               help="Address of any live node of the swarm (repeatable).")
 @click.option("--run-id", default=None, help="Show only this run. Default: every run the swarm announces.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-@click.option("--wait", "wait_s", type=click.FloatRange(0), default=5.0, show_default=True,
+@click.option("--wait", "wait_s", type=FiniteFloatRange(0), default=5.0, show_default=True,
               help="Seconds to keep looking while no progress record is found.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
@@ -285,11 +286,11 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
               help="Device to check, as for peer join.")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="Precision to check, as for peer join.")
-@click.option("--max-memory", "max_memory", type=click.FloatRange(0, min_open=True), default=None, metavar="GIB",
+@click.option("--max-memory", "max_memory", type=FiniteFloatRange(0, min_open=True), default=None, metavar="GIB",
               help="Cap on the GPU memory, in GiB, as for peer join.")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile the model. [default: on for CUDA, off for CPU]")
-@click.option("--peak-tflops", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--peak-tflops", type=FiniteFloatRange(0, min_open=True), default=None,
               help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU.")
 @click.option("--activation-checkpointing", "activation_checkpointing", is_flag=True,
               help="Check with activations recomputed in the backward, as peer join --activation-checkpointing.")
