@@ -3,6 +3,7 @@
     sudo nice -n 5 .venv/bin/python bench/overlap_rig.py [--peers 4 8] [--rates 100 20]
         [--modes none delayed eager streaming] [--rounds 8] [--warmup 2] [--inner-steps 150]
         [--fragments 2] [--fragment-delay TAU] [--hidden-size 128] [--checkpoint-every SECONDS]
+        [--host-allocator tuned|system]
 
 For each (peers, uplink, overlap mode): a bootstrap node and N real peers (``peer join``), each
 in its own network namespace behind a tbf uplink of the given rate (lab/chaos.py), train the run
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import platform
 import statistics
 import sys
@@ -52,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
+from peer.train.host_memory import ENV as HOST_ALLOCATOR_ENV  # noqa: E402
 from peer.train.model import spec_parameter_count  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
@@ -124,8 +127,10 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
 
 def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
             inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int = 2,
-            hidden_size: int = CHAOS_HIDDEN, checkpoint_every_s: float = 0.0) -> dict:
-    """One swarm on the rig until every peer stopped at ``rounds``; its figures."""
+            hidden_size: int = CHAOS_HIDDEN, checkpoint_every_s: float = 0.0, host_allocator: str = "tuned") -> dict:
+    """One swarm on the rig until every peer stopped at ``rounds``; its figures. ``host_allocator``
+    goes to every peer as ``LOCOSWARM_HOST_ALLOCATOR`` (peer/train/host_memory.py)."""
+    os.environ[HOST_ALLOCATOR_ENV] = host_allocator  # the peers' processes inherit it
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
     manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay, hidden_size)
@@ -149,6 +154,7 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
     per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
     out = {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps,
            "hidden_size": hidden_size, "payload_mb": payload_mb(manifest), "checkpoint_every_s": checkpoint_every_s,
+           "host_allocator": host_allocator,
            "per_peer": per_peer,
            "adoptions": adoptions, "wall_s_total": time.time() - started}
     if mode == "streaming":
@@ -173,6 +179,8 @@ def row(run: dict) -> dict:
     return {"overlap": run["overlap"], "peers": run["peers"], "uplink_mbit": run["uplink_mbit"],
             "inner_steps": run["inner_steps"], "payload_mb": run.get("payload_mb", CHAOS_PAYLOAD_MB),
             "checkpoint_every_s": run.get("checkpoint_every_s", 0.0),
+            # runs from before peer/train/host_memory.py existed ran with glibc's own thresholds
+            "host_allocator": run.get("host_allocator", "system"),
             "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
             "round_s": statistics.fmean(p["round_s"] for p in per), "sync_s": sync,
             "compute_utilization_min": min(p["compute_utilization"] for p in per),
@@ -193,6 +201,8 @@ def markdown(rows: list[dict]) -> str:
         mode = r["overlap"]
         if r.get("checkpoint_every_s"):
             mode += f", checkpoint every {r['checkpoint_every_s']:g} s"
+        if r.get("host_allocator") == "tuned":
+            mode += ", tuned host allocator"
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
             mode += f" (median {r['median_overlap_steps']:g} steps)"
         lines.append(f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
@@ -220,6 +230,8 @@ def main() -> None:
                         help="the model's width (lab/chaos.py's 128: 0.49 M parameters; 256: 1.84 M): a larger payload")
     parser.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS",
                         help="the peers' --checkpoint-every (0: a checkpoint every round, peer join's default)")
+    parser.add_argument("--host-allocator", choices=["tuned", "system"], default="tuned",
+                        help="the peers' LOCOSWARM_HOST_ALLOCATOR (peer/train/host_memory.py; tuned: peer join's default)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -232,11 +244,12 @@ def main() -> None:
     runs, rows = [], []
     earlier: list[dict] = []
     if args.keep and detail.exists():
-        planned = {(m, n, r, args.inner_steps, args.hidden_size, args.checkpoint_every)
+        planned = {(m, n, r, args.inner_steps, args.hidden_size, args.checkpoint_every, args.host_allocator)
                    for n in args.peers for r in args.rates for m in args.modes}
         earlier = [run for run in json.loads(detail.read_text())["runs"]
                    if (run["overlap"], run["peers"], run["uplink_mbit"], run.get("inner_steps"),
-                       run.get("hidden_size", CHAOS_HIDDEN), run.get("checkpoint_every_s", 0.0)) not in planned]
+                       run.get("hidden_size", CHAOS_HIDDEN), run.get("checkpoint_every_s", 0.0),
+                       run.get("host_allocator", "system")) not in planned]
         print(f"kept {len(earlier)} run(s) of earlier invocations from {detail}", flush=True)
     start = time.perf_counter()
     for peers in args.peers:
@@ -245,7 +258,8 @@ def main() -> None:
                 run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
                               rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
                               timeout_s=args.timeout, fragments=args.fragments, fragment_delay=args.fragment_delay,
-                              hidden_size=args.hidden_size, checkpoint_every_s=args.checkpoint_every)
+                              hidden_size=args.hidden_size, checkpoint_every_s=args.checkpoint_every,
+                              host_allocator=args.host_allocator)
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
                 r = row(run)
@@ -259,7 +273,7 @@ def main() -> None:
                 record.pop("results_note", None)
                 record["results"] = [{k: x[k] for k in ("overlap", "peers", "uplink_mbit", "compute_utilization",
                                                         "round_s", "sync_s", "inner_steps", "payload_mb",
-                                                        "checkpoint_every_s")} for x in rows]
+                                                        "checkpoint_every_s", "host_allocator")} for x in rows]
                 record["results_commands"] = sorted({*(x.get("command", "") for x in earlier),
                                                      " ".join(["python", *sys.argv])} - {""})
                 record.pop("results_command", None)

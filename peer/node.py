@@ -15,6 +15,7 @@ from peer.train.cache import default_cache_dir
 from peer.train.data import load_corpus, with_local_data
 from peer.train.sources import describe
 from peer.train.device import place, resolve_device
+from peer.train.host_memory import tune_host_allocator
 from peer.train.model import build_model, parameter_count
 from peer.pipeline.peer import LoopThread, StageInnerLoop, pipeline_link, stage_key
 from peer.pipeline.routing import stage_to_serve
@@ -217,6 +218,8 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
     resolve_device(cfg.device.device)  # a device this machine lacks fails now, before the DHT starts
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    # before the transport forks its averager, which inherits the thresholds
+    tune_host_allocator()
     # A run known here (--run, --preset, or a new swarm's default) has its data checked before any
     # network work: a wrong path fails in seconds, not after the DHT started.
     local = cfg.new_run if cfg.new_run is not None or cfg.initial_peers else RunManifest()

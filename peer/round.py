@@ -36,8 +36,8 @@ import torch
 from peer.config import TrainerConfig
 from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary, combine_sync_reports
 from peer.reporting import Reporter
-from peer.state.checkpoint import (CheckpointWriter, PeerState, encode_checkpoint, export_phi, fetch_residuals,
-                                   load_checkpoint, restore_extras, write_checkpoint)
+from peer.state.checkpoint import (CheckpointWriter, PeerState, copy_live, encode_checkpoint, export_phi,
+                                   fetch_residuals, load_checkpoint, restore_extras, write_checkpoint)
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.background import BackgroundSync
 from peer.sync.membership import SwarmView
@@ -47,7 +47,7 @@ from peer.state.vouching import MIN_INNER_STEP_S, Vouching
 from peer.sync.transport import NetworkTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement, flops_per_token, mfu
-from peer.train.inner import make_inner_loop
+from peer.train.inner import InnerLoop, make_inner_loop
 from peer.train.model import embedding_parameter_count, evaluate, parameter_count
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient, step_on_copies
 from peer.train.overlap import next_start, round_progress
@@ -185,6 +185,8 @@ class Trainer:
         self.summary = TrainSummary(peer_id=self.peer_id)
         self._checkpoints = CheckpointWriter()
         """Writes each round's checkpoint in the background (:meth:`save`)."""
+        self._copying: threading.Event | None = None
+        """Set once the writer's thread copied θ and the moments for the last checkpoint (:meth:`save`)."""
         self._last_checkpoint: float | None = None
         """``time.monotonic()`` of the last round-end checkpoint (``checkpoint_every_s``'s clock)."""
         self.overlap = manifest.sync.overlap
@@ -1001,7 +1003,11 @@ class Trainer:
 
     def _set_theta(self, source: list[torch.Tensor]) -> None:
         """θ ← ``source`` (fp32 host tensors shaped like φ): to the device, asynchronous from pinned
-        memory and waited for here, so the host tensors may change again once this returns."""
+        memory and waited for here, so the host tensors may change again once this returns. Waits
+        first for a checkpoint's copy of θ still under way (:meth:`save`)."""
+        if self._copying is not None:
+            self._copying.wait()
+            self._copying = None
         cuda = self.device.type == "cuda"
         with torch.no_grad():
             for p, f in zip(self.params, source):
@@ -1016,9 +1022,13 @@ class Trainer:
     def save(self, *, background: bool = False) -> str | None:
         """Write the checkpoint (atomically, peer/state/checkpoint.py); its path, or None without one.
 
-        With ``background`` the state is copied now and written by a background thread (the round
-        loop's checkpoint every round: the training thread does not wait for the disk); otherwise
-        the write in progress is waited for and this one written before returning.
+        With ``background`` the state is written by a background thread (the round loop's
+        checkpoint every round: the training thread does not wait for the disk). φ and the outer
+        state are the last snapshot's copies; θ and AdamW's moments are copied by that thread when
+        it is idle, while the next inner step's forward and backward passes run, and the step's
+        update (or a θ ← φ before it) waits until the copy is done; when a write is still under
+        way they are copied here instead. Otherwise the write in progress is waited for and this
+        one written before returning.
 
         With ``sync.overlap`` a sync is usually in flight: the checkpoint holds the last applied φ,
         θ (with this peer's progress not yet in φ) and the committed residuals; a restart from it
@@ -1030,6 +1040,11 @@ class Trainer:
         """
         if self.cfg.checkpoint_path is None:
             return None
+        # θ and the moments are copied in the writer's thread while the next step's forward and
+        # backward passes run (its update waits for the copy): not when a write is still under way
+        # (the copy would wait for it), nor for streaming or a pipeline stage (other writers of θ)
+        defer = (background and self._checkpoints.idle() and not self._fragments
+                 and type(self.inner).step is InnerLoop.step)
         adam = self.inner.state_dict()
         # fetched anew every time: after an adoption the averager holds none, so none are saved
         residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
@@ -1046,11 +1061,24 @@ class Trainer:
             file = encode_checkpoint(PeerState(
                 run_id=self.m.run_id, round=self.pos.round, inner_step=self.inner_step, round_step=self.pos.step,
                 round_tokens=self.pos.tokens, names=self.names, phi=phi, momentum=momentum,
-                theta=self._theta_on_host(), adam_exp_avg=adam and adam["exp_avg"],
+                theta=list(self.params) if defer else self._theta_on_host(), adam_exp_avg=adam and adam["exp_avg"],
                 adam_exp_avg_sq=adam and adam["exp_avg_sq"], adam_step=adam["step"] if adam else 0,
                 residuals=residuals, data=self.inner.sampler.state(), vouchers=self._vouching.ledger.as_dict()),
-                private=private)
-        if background:
+                private=private, live=("theta", "adam_exp_avg", "adam_exp_avg_sq") if defer else ())
+        if defer:
+            copied, path = threading.Event(), self.cfg.checkpoint_path
+
+            def copy_and_write() -> None:
+                try:
+                    done = copy_live(file)
+                finally:
+                    copied.set()
+                write_checkpoint(path, done)
+
+            self._checkpoints.submit_call(copy_and_write)  # raises for an earlier failed write: nothing held
+            self.inner.hold_updates(copied)
+            self._copying = copied
+        elif background:
             self._checkpoints.submit(self.cfg.checkpoint_path, file)
         else:
             self._checkpoints.flush()

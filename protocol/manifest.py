@@ -21,6 +21,7 @@ agree byte for byte, so they stay in one module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import tomllib
 from dataclasses import dataclass, field
@@ -135,8 +136,11 @@ class RunManifest:
         """Whether the two describe the same training run, whoever owns each."""
         return self.with_owner("") == other.with_owner("")
 
-    @property
+    @functools.cached_property
     def run_id(self) -> str:
+        """The first RUN_ID_HEX_CHARS hex digits of the sha256 of :meth:`encode`. Computed once per
+        manifest (every section is a frozen dataclass of scalars, so it cannot change): the round
+        loop reads it several times a round."""
         return hashlib.sha256(self.encode()).hexdigest()[:RUN_ID_HEX_CHARS]
 
     @property

@@ -69,13 +69,21 @@ class PeerState:
 @dataclass(frozen=True)
 class CheckpointFile:
     """A checkpoint encoded for writing: copies of every tensor and the metadata, independent of
-    the trainer's live tensors (which may change while it is written)."""
+    the trainer's live tensors (which may change while it is written), except those named in
+    ``live`` until :func:`copy_live` copied them."""
 
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
+    live: frozenset[str] = frozenset()
+    """Names of ``tensors`` that are still the trainer's own (any device, any float dtype)."""
 
 
-def encode_checkpoint(state: PeerState, *, private: Collection[str] = ()) -> CheckpointFile:
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float32).contiguous().clone()
+
+
+def encode_checkpoint(state: PeerState, *, private: Collection[str] = (),
+                      live: Collection[str] = ()) -> CheckpointFile:
     """Copy ``state`` into the file's named tensors (fp32 CPU, contiguous) and string metadata.
     Milliseconds for a small model: a copy of each tensor, no I/O.
 
@@ -83,13 +91,16 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = ()) -> Che
         private: the groups of ``state`` (``"phi"``, ``"momentum"``) whose tensors are copies that
             nothing changes any more (a state snapshot's, peer/state/snapshot.py): taken as they
             are (contiguous fp32 CPU), not copied again.
+        live: the groups (``"theta"``, ``"adam_exp_avg"``, ``"adam_exp_avg_sq"``) referenced as
+            they are, not copied: the caller has :func:`copy_live` copy them (in the writer's
+            thread) and keeps them unchanged until it did. :func:`write_checkpoint` refuses a file
+            with live tensors.
     """
     groups = {"phi": state.phi, "momentum": state.momentum, "theta": state.theta,
               "residual": state.residuals}
     if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
         groups.update(adam_exp_avg=state.adam_exp_avg, adam_exp_avg_sq=state.adam_exp_avg_sq)
-    tensors = {f"{prefix}.{name}": (t if prefix in private else
-                                    t.detach().to("cpu", torch.float32).contiguous().clone())
+    tensors = {f"{prefix}.{name}": (t if prefix in private else t.detach() if prefix in live else _host_copy(t))
                for prefix, group in groups.items() if group is not None
                for name, t in zip(state.names, group, strict=True)}
     metadata = {
@@ -103,7 +114,18 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = ()) -> Che
     if state.data is not None:
         tensors["data.rng"] = state.data.rng.detach().to("cpu").contiguous().clone()
         metadata.update(data_seed=str(state.data.seed), batches_drawn=str(state.data.batches_drawn))
-    return CheckpointFile(tensors=tensors, metadata=metadata)
+    return CheckpointFile(tensors=tensors, metadata=metadata,
+                          live=frozenset(k for k in tensors if k.split(".", 1)[0] in live))
+
+
+def copy_live(file: CheckpointFile) -> CheckpointFile:
+    """``file`` with its live tensors (:func:`encode_checkpoint`'s ``live``) copied to fp32 CPU, so
+    the trainer may change its own again. Call from any thread while the trainer leaves them
+    unchanged; the other tensors and the metadata are shared, not copied."""
+    if not file.live:
+        return file
+    return CheckpointFile(tensors={k: _host_copy(t) if k in file.live else t for k, t in file.tensors.items()},
+                          metadata=file.metadata)
 
 
 def write_checkpoint(path: Path, file: CheckpointFile) -> None:
@@ -112,7 +134,11 @@ def write_checkpoint(path: Path, file: CheckpointFile) -> None:
 
     Raises:
         CheckpointError: the directory is not writable; any previous checkpoint is left intact.
+        ValueError: ``file`` still holds live tensors (:func:`copy_live`); nothing written.
     """
+    if file.live:
+        raise ValueError(f"{len(file.live)} tensor(s) of this checkpoint are still the trainer's own "
+                         f"(e.g. {min(file.live)}): copy_live() them before writing")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -176,6 +202,10 @@ class CheckpointWriter:
         """
         self._reap(keep=1)
         self._pending.append(self._pool.submit(call))
+
+    def idle(self) -> bool:
+        """Whether every queued write has finished (a call submitted now starts at once)."""
+        return all(f.done() for f in self._pending)
 
     def flush(self) -> None:
         """Wait for every queued write.

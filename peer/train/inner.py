@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,8 @@ class InnerLoop:
         """True until the compiled model finished a step: until then a failure falls back to eager."""
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         """Steps taken with ``wait=False`` whose loss and norm are not read yet: (inner step, loss, norm)."""
+        self._hold: threading.Event | None = None
+        """Set by :meth:`hold_updates`: the next update of θ and the moments waits for it."""
 
     @property
     def compiled(self) -> bool:
@@ -215,6 +218,7 @@ class InnerLoop:
                 raise BadPayload(f"gradient norm is {norm.item()} at inner step {inner_step}")
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(inner_step)
+        held_s = self._wait_for_hold()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -223,9 +227,25 @@ class InnerLoop:
         else:
             self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
-        return StepResult(loss=loss, tokens=tokens, seconds=time.perf_counter() - start,
+        return StepResult(loss=loss, tokens=tokens, seconds=time.perf_counter() - start - held_s,
                           micro_batch=min(self.micro_batch_sequences or self._share(batch).shape[0],
                                           self._share(batch).shape[0]))
+
+    def hold_updates(self, until: threading.Event) -> None:
+        """Make the next update of θ and AdamW's moments (the next :meth:`step`'s optimizer step,
+        after its forward and backward passes) wait until ``until`` is set: another thread is
+        copying them (the round loop's checkpoint, peer/round.py ``Trainer.save``). The wait is
+        left out of that step's ``seconds``. The caller must make sure ``until`` gets set."""
+        self._hold = until
+
+    def _wait_for_hold(self) -> float:
+        """Wait for :meth:`hold_updates`' event, once; the seconds waited."""
+        if self._hold is None:
+            return 0.0
+        start = time.perf_counter()
+        self._hold.wait()
+        self._hold = None
+        return time.perf_counter() - start
 
     def _step_unless_non_finite(self, loss: torch.Tensor, norm: torch.Tensor | None, inner_step: int, *,
                                 wait: bool = True) -> float:

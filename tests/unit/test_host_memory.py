@@ -1,0 +1,91 @@
+"""peer/train/host_memory.py: glibc's thresholds set for a training process, or left alone."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import pytest
+
+from peer.train import host_memory
+from protocol.errors import ConfigError
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# Allocates a 64 MiB-in-8-MiB-blocks tensor list, frees it, and prints how much of it the process
+# still holds resident (MiB): freed memory glibc kept for reuse, or gave back to the kernel.
+PROBE = textwrap.dedent("""
+    import torch
+    from peer.train.host_memory import tune_host_allocator
+    print(tune_host_allocator())
+    def rss_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+    before = rss_mib()
+    blocks = [torch.ones(2 * 2**20) for _ in range(8)]  # 8 x 8 MiB, each page written
+    held = rss_mib()
+    del blocks
+    print(held - before, rss_mib() - before)
+""")
+
+
+def probe(env_value: str | None) -> tuple[str, float, float]:
+    env = {k: v for k, v in os.environ.items() if k != host_memory.ENV}
+    if env_value is not None:
+        env[host_memory.ENV] = env_value
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=root, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split("\n")
+    grown, kept = map(float, out[1].split())
+    return out[0], grown, kept
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only (Linux)")
+def test_tuned_process_keeps_freed_blocks_and_system_returns_them():
+    result, grown, kept = probe(None)
+    assert result == "tuned"
+    assert grown >= 60  # the 64 MiB were resident while held
+    assert kept >= 0.9 * grown  # freed, but kept by the process for the next round's tensors
+    result, grown, kept = probe("system")
+    assert result == "system"
+    assert grown >= 60
+    assert kept <= 0.2 * grown  # glibc's own thresholds: each 8 MiB block was its own mapping, unmapped
+
+
+def test_system_leaves_malloc_alone(monkeypatch):
+    monkeypatch.setenv(host_memory.ENV, "system")
+    with mock.patch.object(host_memory.ctypes, "CDLL") as cdll:
+        assert host_memory.tune_host_allocator() == "system"
+    cdll.assert_not_called()
+
+
+def test_unknown_setting_names_the_value_and_the_choices(monkeypatch):
+    monkeypatch.setenv(host_memory.ENV, "jemalloc")
+    with mock.patch.object(host_memory.ctypes, "CDLL") as cdll, pytest.raises(ConfigError) as err:
+        host_memory.tune_host_allocator()
+    assert "'jemalloc'" in str(err.value) and "'tuned'" in str(err.value) and "'system'" in str(err.value)
+    cdll.assert_not_called()
+
+
+def test_other_c_libraries_are_left_alone(monkeypatch):
+    monkeypatch.delenv(host_memory.ENV, raising=False)
+    with mock.patch.object(host_memory.platform, "libc_ver", return_value=("", "")), \
+            mock.patch.object(host_memory.ctypes, "CDLL") as cdll:
+        assert host_memory.tune_host_allocator() == "not glibc"
+    cdll.assert_not_called()
+
+
+def test_a_refused_value_is_reported(monkeypatch):
+    monkeypatch.delenv(host_memory.ENV, raising=False)
+    monkeypatch.setattr(host_memory.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    with mock.patch.object(host_memory.ctypes, "CDLL") as cdll:
+        cdll.return_value.mallopt.side_effect = [1, 0]
+        assert host_memory.tune_host_allocator() == "mallopt refused"
+    calls = cdll.return_value.mallopt.call_args_list
+    assert [c.args for c in calls] == [(host_memory.M_TRIM_THRESHOLD, host_memory.TRIM_THRESHOLD_BYTES),
+                                       (host_memory.M_MMAP_THRESHOLD, host_memory.MMAP_THRESHOLD_BYTES)]
