@@ -4,7 +4,7 @@ A peer allocates and frees the same large host buffers every round: this round's
 point, eager's preview, the copies a checkpoint takes of θ and AdamW's moments, the state
 snapshot. glibc's malloc (Linux) serves a block above its mmap threshold with a fresh mapping and
 returns freed memory at the top of a heap to the kernel once more than the trim threshold is
-free. Both thresholds start small (128 KiB and 256 KiB) and rise only as far as the largest block
+free. Both thresholds start small (128 KiB each) and rise only as far as the largest block
 freed so far, so memory freed in bulk at a round's end goes back to the kernel, and the next
 round's tensors fault their pages in again, each one zero-filled by the kernel before torch
 writes it. On the rig's 1.84 M-parameter model (2-core x86_64, one thread) three clones of θ took
