@@ -38,7 +38,7 @@ from peer.progress import RoundOutcome, RoundProgress, SyncReport, TrainSummary,
 from peer.reporting import Reporter
 from peer.state.checkpoint import (CheckpointWriter, PeerState, copy_live, encode_checkpoint, export_phi,
                                    fetch_residuals, load_checkpoint, restore_extras, write_checkpoint)
-from peer.state.snapshot import StateSnapshot, make_snapshot
+from peer.state.snapshot import SealedTensor, StateSnapshot, make_snapshot, make_snapshot_from, seal_tensor
 from peer.sync.background import BackgroundSync
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
@@ -71,6 +71,22 @@ class _PreparedStep:
     """Digest of the snapshot (φ and outer state) it was applied to."""
     snapshot: StateSnapshot
     """φ and the outer state after the step, as the next round's snapshot."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedFragment:
+    """Streaming: a fragment's outer step computed in the sync's thread as soon as its mean arrived
+    (:meth:`Trainer._prepare_fragment`), with its result sealed for the round's snapshot; the
+    landing copies it into φ_p and the fragment's outer state instead of computing it then."""
+
+    fragment: int
+    mean: list[torch.Tensor]
+    """The mean it applied (the landing installs it only for this very mean)."""
+    base: tuple[torch.Tensor, ...]
+    """The immutable tensors it stepped from (φ_p, then the fragment's outer state): installed only
+    while they are still what this peer holds (:meth:`Trainer._held`)."""
+    sealed: tuple[SealedTensor, ...]
+    """φ_p and the fragment's outer state after the step, copied, checked and hashed."""
 
 
 FINISHING_RECORD_WAIT_S = 5.0
@@ -176,8 +192,9 @@ class Trainer:
         """Groupmates of the last sync that landed who had started it from another state than this peer's."""
         self._last_sync_failed = False
         """With overlap: the last sync that landed failed (this peer applied its own payload: off the swarm's φ)."""
-        self._prefetched: int | None = None
-        """The round whose records were asked for in the background near its end (:meth:`_prefetch_records`)."""
+        self._prefetched: tuple[int, int] | None = None
+        """(round, inner step it is for) of the last read of the records asked for in the background
+        ahead of the loop's read (:meth:`_prefetch_records`)."""
         self._waited = {"sync": 0.0, "resync": 0.0}
         """Seconds the training thread waited since the last ``round`` event: for a sync's mean
         (blocking: the whole sync; overlap: the part of a background sync still running when its
@@ -198,6 +215,13 @@ class Trainer:
         """This peer adopted a state while the sync in flight ran, and kept it (see :meth:`_adopt`)."""
         self._prepared: _PreparedStep | None = None
         """With ``delayed`` or ``eager``: the outer step of the sync in flight, prepared by its thread."""
+        self._sealed: dict[int, SealedTensor] = {}
+        """Streaming: by state index (φ, then the outer state), the tensors that fragments' landings
+        changed since the last snapshot, sealed (copied, checked, hashed: by the sync's thread when
+        the step was prepared, else at the landing); the round's end snapshots from them and the
+        last snapshot (:meth:`_take_snapshot`)."""
+        self._fragment_prepared: _PreparedFragment | None = None
+        """Streaming: the outer step of the fragment sync in flight, prepared by its thread."""
         self._fragments: list[list[int]] = []
         """Streaming: the parameter indices of each fragment (peer/train/streaming.py); [] otherwise."""
         self._flight: tuple[int, int] | None = None
@@ -314,27 +338,29 @@ class Trainer:
 
     def _prefetch_records(self, step_s: float) -> None:
         """After an inner step of ``step_s`` seconds: ask for the progress records in the background
-        (``SwarmView.prefetch``) once per round, when the steps left until the loop reads them take
-        at most :data:`RECORDS_PREFETCH_S`, so the read at that point (:meth:`_round_records`) is
-        not the inner loop's time."""
-        if self._prefetched == self.pos.round:
-            return
-        if self._fragments:  # streaming reads once a round, at the round's first fragment sync
-            if self._choice is not None and self._choice[0] == self.pos.round:
-                return
+        (``SwarmView.prefetch``) when the steps left until the loop reads them take at most
+        :data:`RECORDS_PREFETCH_S`, so the read at that point is not the inner loop's time: before
+        the round's end (the group choice, :meth:`_round_records`, and the re-sync rule after the
+        round, :meth:`catch_up`, which reuse it); with streaming also before the round's first
+        fragment sync, where its group choice is made (a round's end then reads again: the re-sync
+        rule needs the records of the round's end, not of its middle)."""
+        needed_at = self.H  # the round's end: the group choice and the re-sync rule after it
+        if self._fragments and not (self._choice is not None and self._choice[0] == self.pos.round):
+            # streaming's group choice is made at the round's first fragment sync
             needed_at = min((o for p, o in enumerate(self._fragment_offset)
                              if o > self.pos.step and p not in self._fragments_synced), default=self.H)
-        else:
-            needed_at = self.H
+        if self._prefetched == (self.pos.round, needed_at):
+            return
         left = needed_at - self.pos.step  # 0: the read is now, nothing left to overlap it with
         if 0 < left and left * step_s <= RECORDS_PREFETCH_S and self.swarm.prefetch():
-            self._prefetched = self.pos.round
+            self._prefetched = (self.pos.round, needed_at)
 
     def _round_records(self) -> list:
         """The live records the round's group choice comes from: the read asked for shortly before
         (:meth:`_prefetch_records`), waited for if still running, when it is at most
         :data:`RECORDS_REUSE_S` old; else a read now."""
-        return self.swarm.live(max_age_s=RECORDS_REUSE_S if self._prefetched == self.pos.round else 0.0)
+        prefetched = self._prefetched is not None and self._prefetched[0] == self.pos.round
+        return self.swarm.live(max_age_s=RECORDS_REUSE_S if prefetched else 0.0)
 
     def _sync_and_step(self) -> RoundOutcome:
         """Δ = φ − θ, the group's mean payload, the outer step, θ ← φ (Algorithm 1, lines 8-12)."""
@@ -557,11 +583,46 @@ class Trainer:
         due_s = self._groupmates_due_s(live, round_, choice) if self._fragment_offset[p] == 0 else 0.0
         budget_s = self._wait_budget_s(self.pos, max(1, self.H // len(self._fragments)))
         self._announce_sync(choice, round_, fragment=p)
-        self._background.start(lambda dropped: self._sync(payload, choice, digest, round_=round_, weight=weight,
-                                                          expected_wait_s=due_s, wait_budget_s=budget_s, fragment=p,
-                                                          dropped=dropped),
-                               round_=round_, start_digest=digest)
+        base = self._held(self._fragment_state(p))
+
+        def sync_and_prepare(dropped):
+            mean, report = self._sync(payload, choice, digest, round_=round_, weight=weight, expected_wait_s=due_s,
+                                      wait_budget_s=budget_s, fragment=p, dropped=dropped)
+            if mean is not None and not dropped() and not self.stop_event.is_set():
+                self._fragment_prepared = self._prepare_fragment(p, base, mean)
+            return mean, report
+
+        self._fragment_prepared = None
+        self._background.start(sync_and_prepare, round_=round_, start_digest=digest)
         self._flight = (p, self.inner_step)
+
+    def _fragment_state(self, p: int) -> list[int]:
+        """Fragment p's state indices: its φ tensors, then its outer state's (one per parameter)."""
+        n = len(self.phi)
+        return [*self._fragments[p], *(n + k for k in self._fragments[p])]
+
+    def _held(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        """Immutable tensors equal to what this peer holds now at these state indices: the last
+        snapshot's, or the sealed result of a landing since."""
+        last = self._snapshots[-1].tensors
+        return tuple(self._sealed[i].tensor if i in self._sealed else last[i] for i in indices)
+
+    def _prepare_fragment(self, p: int, base: tuple[torch.Tensor, ...], mean: list[torch.Tensor]
+                          ) -> _PreparedFragment | None:
+        """In the sync's background thread, once fragment p's mean arrived: its outer step on copies
+        of ``base`` (``step_on_copies``, bit-identical to applying it), the results sealed for the
+        round's snapshot (``seal_tensor``: the finiteness check and the chunks' hashes). None when
+        the mean is malformed or the step not finite: the landing applies it itself."""
+        k = len(self._fragments[p])
+        try:
+            phi, state = step_on_copies(self._fragment_outer[p], base[:k], base[k:], mean)
+            shapes = self._state_shapes()
+            sealed = tuple(seal_tensor(t, index=i, shapes=shapes, owned=True)
+                           for i, t in zip(self._fragment_state(p), [*phi, *state], strict=True))
+        except (BadPayload, ValueError) as exc:
+            logger.debug("outer step of fragment %d not prepared: %s", p, exc)
+            return None
+        return _PreparedFragment(fragment=p, mean=mean, base=base, sealed=sealed)
 
     def _land_fragment(self) -> None:
         """The fragment sync in flight lands (waiting for it if needed): φ_p ← OuterOpt_p(φ_p, mean)
@@ -576,16 +637,44 @@ class Trainer:
             return  # stopping (the sync was cancelled, or will not be trusted): dropped, as at the end
         index = self._fragments[p]
         phi_p = [self.phi[k] for k in index]
+        prepared, self._fragment_prepared = self._fragment_prepared, None
         if mean is not None:
             try:
                 with self._lock:
-                    self._fragment_outer[p].apply(phi_p, mean)
+                    if not self._install_fragment(prepared, p, mean):
+                        self._fragment_outer[p].apply(phi_p, mean)
+                        self._seal_fragment(p)
             except BadPayload as exc:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
                 report = dataclasses.replace(report, failed=True, agreeing=(), completed=(),
                                              note=f"fragment {p}: outer step skipped ({exc})")
         merge([self.params[k] for k in index], phi_p, self.m.sync.fragment_alpha)
         self._landed.append(report)
+
+    def _install_fragment(self, prepared: _PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
+        """Copy a prepared fragment step into φ_p and the fragment's outer state (call under
+        ``_lock``) and keep its sealed tensors for the round's snapshot; whether it was installed.
+        Only a step prepared for fragment p from this very ``mean`` and from the tensors this peer
+        still holds (an adoption since replaced them); else the caller applies ``mean``."""
+        held = self._held(self._fragment_state(p))
+        if (prepared is None or prepared.fragment != p or prepared.mean is not mean
+                or len(held) != len(prepared.base) or any(a is not b for a, b in zip(held, prepared.base))):
+            return False
+        live = [*self.phi, *self.outer.state_tensors()]
+        with torch.no_grad():
+            for sealed in prepared.sealed:
+                live[sealed.index].copy_(sealed.tensor)
+        self._sealed.update((sealed.index, sealed) for sealed in prepared.sealed)
+        return True
+
+    def _seal_fragment(self, p: int) -> None:
+        """Seal fragment p's φ_p and outer state as they are now (a landing without a prepared step:
+        copied and hashed on this thread), for the round's snapshot and the next prepared step's base."""
+        live, shapes = [*self.phi, *self.outer.state_tensors()], self._state_shapes()
+        self._sealed.update((i, seal_tensor(live[i], index=i, shapes=shapes)) for i in self._fragment_state(p))
+
+    def _state_shapes(self) -> list[torch.Size]:
+        return [*self.shapes, *(t.shape for t in self.outer.state_tensors())]
 
     def _streaming_step(self) -> RoundOutcome:
         """The end of a round with ``sync.overlap = "streaming"``: fragment 0's sync starts (its mean
@@ -603,7 +692,7 @@ class Trainer:
         with self._lock:
             self.pos.start_round(self.pos.round + 1)
         self._fragments_synced = set()
-        self._take_snapshot()
+        self._take_snapshot(from_sealed=True)
         return self._outcome(done, live=live, start_digest=start_digest, choice=choice, report=report)
 
     def _take_landed(self, round_: int) -> SyncReport:
@@ -975,12 +1064,21 @@ class Trainer:
     def state_digest(self) -> str:
         return self._snapshots[-1].digest.hex()
 
-    def _take_snapshot(self) -> None:
+    def _take_snapshot(self, *, from_sealed: bool = False) -> None:
         """Snapshot φ, outer state and position at a round boundary; its digest is what this peer
-        publishes and what joiners download (peer/state/snapshot.py)."""
+        publishes and what joiners download (peer/state/snapshot.py).
+
+        ``from_sealed`` (streaming's round end, where φ and the outer state changed since the last
+        snapshot only by the landings of fragments, each sealed): the last snapshot with the sealed
+        tensors in place (``make_snapshot_from``: the same snapshot as one made afresh, with
+        nothing copied or hashed here when the sync's thread sealed them); else one made afresh."""
         with self._lock:
             meta = {"run_id": self.state_key, "round": self.pos.round, "inner_step": self.pos.round * self.H}
-            snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])
+            if from_sealed:
+                snapshot = make_snapshot_from(self._snapshots[-1], meta, self._sealed.values())
+            else:
+                snapshot = make_snapshot(meta, [*self.phi, *self.outer.state_tensors()])
+            self._sealed = {}
         self._snapshots.append(snapshot)
 
     def fit_micro_batch(self) -> int | None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from peer.sync.pieces import Piece, piece_view, plan_pieces
+from peer.train.outer import all_finite
 from protocol.wire.state import HASH_BYTES, canonical_meta, meta_problem
 
 CHUNK_ELEMENTS = 1 << 18
@@ -99,19 +100,97 @@ def make_snapshot(meta: dict[str, Any], tensors: Sequence[torch.Tensor], *,
     problem = meta_problem(meta)
     if problem is not None:
         raise ValueError(problem)
-    copies = []
-    for index, tensor in enumerate(tensors):
-        if tensor.dtype != torch.float32:
-            raise ValueError(f"state tensor {index} is {tensor.dtype}, expected torch.float32")
-        if owned and tensor.device.type == "cpu" and tensor.is_contiguous():
-            copy = tensor.detach()
-        else:
-            copy = tensor.detach().cpu().clone(memory_format=torch.contiguous_format)
-        if not torch.isfinite(copy).all():
-            raise ValueError(f"state tensor {index} holds NaN or inf")
-        copies.append(copy)
+    copies = [_private_copy(tensor, index, owned=owned) for index, tensor in enumerate(tensors)]
     chunks = plan_chunks([t.shape for t in copies], chunk_elements)
     hashes = tuple(chunk_hash(chunk_view(copies[c.tensor], c)) for c in chunks)  # hashed in place
     meta = dict(meta)
     return StateSnapshot(meta=meta, tensors=tuple(copies), chunks=tuple(chunks), chunk_hashes=hashes,
+                         digest=state_digest(meta, hashes))
+
+
+def _private_copy(tensor: torch.Tensor, index: int, *, owned: bool) -> torch.Tensor:
+    """``tensor`` as a snapshot holds it (contiguous fp32 on the CPU, its own), checked finite."""
+    if tensor.dtype != torch.float32:
+        raise ValueError(f"state tensor {index} is {tensor.dtype}, expected torch.float32")
+    if owned and tensor.device.type == "cpu" and tensor.is_contiguous():
+        copy = tensor.detach()
+    else:
+        copy = tensor.detach().cpu().clone(memory_format=torch.contiguous_format)
+    if not all_finite(copy):
+        raise ValueError(f"state tensor {index} holds NaN or inf")
+    return copy
+
+
+@dataclass(frozen=True)
+class SealedTensor:
+    """One tensor of a state, copied, checked and hashed ahead of the snapshot that will hold it
+    (:func:`seal_tensor`, :func:`make_snapshot_from`): made in another thread, it costs the thread
+    that takes the snapshot nothing."""
+
+    index: int
+    """Its position in the state (φ, then the outer optimizer's state)."""
+    tensor: torch.Tensor
+    """A private contiguous fp32 CPU tensor, finite; nothing may change it."""
+    chunk_hashes: tuple[bytes, ...]
+    """The hashes of its chunks, in chunk order."""
+
+
+def seal_tensor(tensor: torch.Tensor, *, index: int, shapes: Sequence[Sequence[int]], owned: bool = False,
+                chunk_elements: int = CHUNK_ELEMENTS) -> SealedTensor:
+    """Copy (unless ``owned``), check and hash state tensor ``index`` as :func:`make_snapshot` would.
+
+    Args:
+        tensor: the tensor's new value, fp32, any device and layout, shaped ``shapes[index]``.
+        index: its position in the state.
+        shapes: every tensor's shape in state order (they decide the chunks).
+        owned: as :func:`make_snapshot`'s: a contiguous CPU tensor nothing else holds or changes.
+
+    Raises:
+        ValueError: ``index`` outside ``shapes``, another shape, not fp32, or NaN or inf in it.
+    """
+    if not 0 <= index < len(shapes) or tuple(tensor.shape) != tuple(shapes[index]):
+        raise ValueError(f"state tensor {index} of shape {tuple(tensor.shape)}: the state has "
+                         f"{len(shapes)} tensors" + (f", this one shaped {tuple(shapes[index])}"
+                                                     if 0 <= index < len(shapes) else ""))
+    copy = _private_copy(tensor, index, owned=owned)
+    chunks = [c for c in plan_chunks(shapes, chunk_elements) if c.tensor == index]
+    return SealedTensor(index=index, tensor=copy, chunk_hashes=tuple(chunk_hash(chunk_view(copy, c)) for c in chunks))
+
+
+def make_snapshot_from(previous: StateSnapshot, meta: dict[str, Any], sealed: Iterable[SealedTensor]) -> StateSnapshot:
+    """The snapshot of a state that differs from ``previous``'s only in the ``sealed`` tensors
+    (:func:`seal_tensor`): the other tensors and their chunk hashes are ``previous``'s, shared (both
+    snapshots are immutable), so nothing is copied or hashed but the digest. The result is
+    :func:`make_snapshot`'s for the same meta and tensors, digest included.
+
+    Streaming DiLoCo's round loop takes its round-end snapshot so: each fragment whose mean landed
+    during the round was sealed by the sync's thread (peer/round.py ``Trainer._prepare_fragment``).
+
+    Args:
+        previous: the snapshot of the state before the sealed tensors changed.
+        meta: the new snapshot's meta, as for :func:`make_snapshot`.
+        sealed: at most one per state index; a later one for the same index replaces an earlier.
+
+    Raises:
+        ValueError: a bad meta, or a sealed tensor whose index, shape or chunks are not ``previous``'s.
+    """
+    problem = meta_problem(meta)
+    if problem is not None:
+        raise ValueError(problem)
+    tensors, by_index = list(previous.tensors), {}
+    for s in sealed:
+        if not 0 <= s.index < len(tensors) or s.tensor.shape != tensors[s.index].shape:
+            raise ValueError(f"sealed tensor {s.index} of shape {tuple(s.tensor.shape)} does not fit the state's "
+                             f"{len(tensors)} tensors")
+        tensors[s.index], by_index[s.index] = s.tensor, list(s.chunk_hashes)
+    for index, new_hashes in by_index.items():
+        if len(new_hashes) != sum(1 for c in previous.chunks if c.tensor == index):
+            raise ValueError(f"sealed tensor {index} has {len(new_hashes)} chunk hashes, the state's chunks "
+                             "of it are not as many (sealed with another chunk size)")
+    hashes = []
+    for chunk, old in zip(previous.chunks, previous.chunk_hashes):
+        replaced = by_index.get(chunk.tensor)
+        hashes.append(replaced.pop(0) if replaced is not None else old)
+    meta = dict(meta)
+    return StateSnapshot(meta=meta, tensors=tuple(tensors), chunks=previous.chunks, chunk_hashes=tuple(hashes),
                          digest=state_digest(meta, hashes))

@@ -38,8 +38,8 @@ def pseudo_gradient(phi: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) 
     return [p.detach().float() - t.detach().float() for p, t in zip(phi, theta, strict=True)]
 
 
-def check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
-    """Raise BadPayload if any element of ``tensors`` is NaN or ±inf.
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` (any float dtype, any device) is finite.
 
     A tensor's sum is not finite whenever one of its elements is not (NaN and ±inf propagate, and
     +inf + −inf is NaN), so the element-wise test runs only on a tensor whose sum is not finite:
@@ -47,8 +47,13 @@ def check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
     of a boolean copy of it (0.3 ms instead of 9 ms for 1.8 M fp32 values on one CPU thread),
     which counts at an overlapped round's end, where every pass is the inner loop's time.
     """
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
+    """Raise BadPayload if any element of ``tensors`` is NaN or ±inf (:func:`all_finite`)."""
     for index, tensor in enumerate(tensors):
-        if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise BadPayload(f"{what}: tensor {index} of shape {tuple(tensor.shape)} holds NaN or inf")
 
 
@@ -138,7 +143,7 @@ def _commit(phi: Sequence[torch.Tensor], new_phi: Sequence[torch.Tensor], moment
     Raises:
         BadPayload: a non-finite value; ``phi`` and ``momentum`` are left unchanged.
     """
-    if not all(bool(torch.isfinite(t).all()) for t in (*new_phi, *new_momentum)):
+    if not all(all_finite(t) for t in (*new_phi, *new_momentum)):
         raise BadPayload("the outer step would leave φ or the outer momentum non-finite (fp32 overflow); "
                          "φ left unchanged")
     for dst, src in zip([*phi, *momentum], [*new_phi, *new_momentum]):

@@ -168,6 +168,10 @@ class Prefetching:
         for step in range(1, self.t.H + 1):
             self.t.pos.step = step
             self.step(step_s)
+            for p, offset in enumerate(self.t._fragment_offset):
+                if offset == step:  # the fragment's sync starts: the round's group choice is made
+                    self.t._fragments_synced.add(p)
+                    self.t._choice = (self.t.pos.round, None, [])
 
 
 def test_the_round_loop_asks_for_the_records_once_a_round_just_before_it_reads_them():
@@ -178,10 +182,11 @@ def test_the_round_loop_asks_for_the_records_once_a_round_just_before_it_reads_t
     assert loop.asked == [(3, 50 - int(RECORDS_PREFETCH_S / 0.1))]
     loop.t.pos.round = 4
     loop.run_round(2.0)                         # steps longer than the lead: never (the loop reads itself)
-    assert loop.asked == [(3, 45)] and loop.t._prefetched == 3
+    assert loop.asked == [(3, 45)] and loop.t._prefetched == (3, 50)
     streaming = Prefetching(H=50, offsets=[0, 25])
     streaming.run_round(0.1)                    # streaming reads at the round's first fragment sync
-    assert streaming.asked == [(3, 20)]
+    assert streaming.asked == [(3, 20), (3, 45)]  # and again at the round's end, for the re-sync rule
+    assert streaming.t._prefetched == (3, 50)
     alone = Prefetching(H=50, background=False)
     alone.run_round(0.1)                        # no background thread: asked, not marked, so read fresh
     assert alone.t._prefetched is None

@@ -156,3 +156,74 @@ def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_ide
         overlaps = [s for e in t.reporter.of("round") for s in e["overlap_steps"]]
         assert overlaps and all(1 <= s <= H // 2 for s in overlaps)
         assert max(overlaps) > 1           # it trained on instead of waiting at τ
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
+def test_each_landing_is_prepared_by_the_syncs_thread_and_the_rounds_snapshot_is_the_one_made_afresh(
+        corpus, algorithm, monkeypatch):
+    """The sync's thread steps and seals each fragment (Trainer._prepare_fragment), the landing
+    copies it in, and the round's end snapshots from the sealed tensors (make_snapshot_from): every
+    such snapshot has the digest of one made from φ and the outer state afresh."""
+    from peer.round import Trainer
+    from peer.state.snapshot import make_snapshot
+
+    prepared_on, installed, derived = [], [], []
+    prepare, install, take = Trainer._prepare_fragment, Trainer._install_fragment, Trainer._take_snapshot
+
+    def spy_prepare(self, p, base, mean):
+        prepared_on.append(threading.current_thread().name)
+        return prepare(self, p, base, mean)
+
+    def spy_install(self, prepared, p, mean):
+        installed.append(install(self, prepared, p, mean))
+        return installed[-1]
+
+    def spy_take(self, *, from_sealed=False):
+        take(self, from_sealed=from_sealed)
+        if from_sealed:
+            fresh = make_snapshot(self._snapshots[-1].meta, [*self.phi, *self.outer.state_tensors()])
+            derived.append(fresh.digest == self._snapshots[-1].digest)
+
+    monkeypatch.setattr(Trainer, "_prepare_fragment", spy_prepare)
+    monkeypatch.setattr(Trainer, "_install_fragment", spy_install)
+    monkeypatch.setattr(Trainer, "_take_snapshot", spy_take)
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, streaming(algorithm=algorithm), p, records, FragmentTransport(p, group),
+                             rounds=3) for p in ("a", "b")]
+    run_in_threads(trainers)
+    a, b = trainers
+    assert a.state_digest == b.state_digest and all(torch.equal(x, y) for x, y in zip(a.phi, b.phi))
+    assert len(derived) == 2 * 3 and all(derived)         # every round's end, on both peers
+    assert len(installed) == 2 * 7 and all(installed)     # every landing installed its prepared step
+    assert all(name.startswith("locoswarm-sync") for name in prepared_on)
+
+
+def test_a_landing_without_a_prepared_step_applies_the_mean_and_seals_it_itself(corpus, monkeypatch):
+    """When the sync's thread prepared nothing (here: it is made to), each landing applies the mean
+    and seals the fragment on the round loop's thread: φ and every snapshot are bit-identical to a
+    run whose steps were prepared (τ = 0: each mean lands at its sync's step, so both runs train
+    the same steps)."""
+    from peer.round import Trainer
+    from peer.state.snapshot import make_snapshot
+
+    runs, digests = {}, {True: [], False: []}
+    take = Trainer._take_snapshot
+    for prepared in (True, False):
+        def spy_take(self, *, from_sealed=False, prepared=prepared):
+            take(self, from_sealed=from_sealed)
+            last = self._snapshots[-1]
+            assert make_snapshot(last.meta, [*self.phi, *self.outer.state_tensors()]).digest == last.digest
+            digests[prepared].append((self.peer_id, last.digest))
+
+        monkeypatch.setattr(Trainer, "_take_snapshot", spy_take)
+        if not prepared:
+            monkeypatch.setattr(Trainer, "_prepare_fragment", lambda self, p, base, mean: None)
+        records, group = Records(), Group(2)
+        trainers = [make_trainer(corpus, streaming(tau=0), p, records, FragmentTransport(p, group), rounds=3)
+                    for p in ("a", "b")]
+        run_in_threads(trainers)
+        runs[prepared] = trainers
+    for with_prep, without in zip(runs[True], runs[False]):
+        assert all(torch.equal(x, y) for x, y in zip(with_prep.phi, without.phi))
+    for peer in ("a", "b"):
+        assert [d for p, d in digests[True] if p == peer] == [d for p, d in digests[False] if p == peer]

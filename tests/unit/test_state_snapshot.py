@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.state.snapshot import chunk_bytes, chunk_hash, make_snapshot, plan_chunks, state_digest
+from peer.state.snapshot import (chunk_bytes, chunk_hash, make_snapshot, make_snapshot_from, plan_chunks,
+                                 seal_tensor, state_digest)
 from tests.unit.state_samples import CHUNK, META, SHAPES
 from tests.unit.state_samples import sample_snapshot as _snapshot
 from tests.unit.state_samples import sample_tensors as _tensors
@@ -58,3 +59,43 @@ def test_snapshot_is_a_private_copy():
 def test_make_snapshot_rejects_what_no_joiner_could_accept(meta, tensors, match):
     with pytest.raises(ValueError, match=match):
         make_snapshot(meta, tensors if tensors is not None else _tensors(), chunk_elements=CHUNK)
+
+
+def test_a_snapshot_made_from_sealed_tensors_is_the_one_made_from_scratch():
+    tensors = _tensors()
+    before = _snapshot(tensors=tensors)
+    changed = [t.clone() for t in tensors]
+    for index in (1, 4):
+        changed[index].mul_(1.5).add_(0.25)
+    sealed = [seal_tensor(changed[i], index=i, shapes=SHAPES, chunk_elements=CHUNK) for i in (4, 1)]
+    kept = changed[1].clone()
+    changed[1].add_(1.0)  # sealed tensors are private copies
+    meta = {**META, "round": META["round"] + 1}
+    derived = make_snapshot_from(before, meta, sealed)
+    changed[1] = kept
+    scratch = make_snapshot(meta, changed, chunk_elements=CHUNK)
+    assert derived.digest == scratch.digest and derived.chunk_hashes == scratch.chunk_hashes
+    assert derived.chunks == scratch.chunks
+    for a, b in zip(derived.tensors, scratch.tensors):
+        assert torch.equal(a, b)
+    assert derived.tensors[0] is before.tensors[0] and derived.tensors[4] is sealed[0].tensor  # shared, not copied
+    assert make_snapshot_from(before, META, []).digest == before.digest
+    assert make_snapshot_from(before, meta, []).digest != before.digest  # the meta is in the digest
+
+
+def test_sealing_refuses_what_a_snapshot_refuses_and_tensors_that_do_not_fit():
+    tensors = _tensors()
+    before = _snapshot(tensors=tensors)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        seal_tensor(torch.full_like(tensors[1], float("nan")), index=1, shapes=SHAPES, chunk_elements=CHUNK)
+    with pytest.raises(ValueError, match="float32"):
+        seal_tensor(tensors[1].double(), index=1, shapes=SHAPES, chunk_elements=CHUNK)
+    with pytest.raises(ValueError, match="shape"):
+        seal_tensor(tensors[1], index=4, shapes=SHAPES, chunk_elements=CHUNK)
+    with pytest.raises(ValueError, match="tensors"):
+        seal_tensor(tensors[1], index=len(SHAPES), shapes=SHAPES, chunk_elements=CHUNK)
+    coarse = seal_tensor(tensors[0], index=0, shapes=SHAPES, chunk_elements=10 * CHUNK)
+    with pytest.raises(ValueError, match="chunk"):
+        make_snapshot_from(before, META, [coarse])  # hashed with another chunk size
+    with pytest.raises(ValueError, match="round"):
+        make_snapshot_from(before, {**META, "round": -1}, [])
