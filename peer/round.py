@@ -1151,9 +1151,10 @@ class Trainer:
         with self._lock:
             phi, momentum, private = self.phi, self.outer.state_tensors(), ()
             snapshot = self._snapshots[-1]
-            if not self._fragments and snapshot.meta["round"] == self.pos.round:
-                # φ and the outer state change only with a new snapshot (streaming's landings aside):
-                # its private copies are theirs, and need no second copy on the training thread
+            if not self._sealed and snapshot.meta["round"] == self.pos.round:
+                # φ and the outer state change only with a new snapshot, or by a streaming landing
+                # (which seals what it changed): its private copies are theirs, and need no second
+                # copy on the training thread
                 phi, momentum = list(snapshot.tensors[:len(phi)]), list(snapshot.tensors[len(phi):])
                 private = ("phi", "momentum")
             file = encode_checkpoint(PeerState(

@@ -227,3 +227,39 @@ def test_a_landing_without_a_prepared_step_applies_the_mean_and_seals_it_itself(
         assert all(torch.equal(x, y) for x, y in zip(with_prep.phi, without.phi))
     for peer in ("a", "b"):
         assert [d for p, d in digests[True] if p == peer] == [d for p, d in digests[False] if p == peer]
+
+
+def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds_end_the_snapshots(
+        corpus, tmp_path, monkeypatch):
+    """The checkpoint takes φ and the outer state from the round's snapshot only while no landing
+    changed them since (Trainer.save): a save right after a mid-round landing holds the landed φ,
+    and one right after the round's end holds the snapshot's, which is then the same φ."""
+    from peer.round import Trainer
+
+    checked = []
+    land, after = Trainer._land_fragment, Trainer._after_round
+
+    def check_save(self, when):
+        path = tmp_path / f"{self.peer_id}.safetensors"
+        self.save()
+        saved = load_checkpoint(path, run_id=self.m.run_id, names=self.names, shapes=self.shapes)
+        checked.append((when, all(torch.equal(a, b) for a, b in zip(saved.phi, self.phi)) and
+                        all(torch.equal(a, b) for a, b in zip(saved.momentum, self.outer.state_tensors()))))
+
+    def land_then_save(self):
+        land(self)
+        if self._sealed and self.pos.step > 0:      # a landing inside a round changed φ since the snapshot
+            check_save(self, "landing")
+
+    def after_then_save(self, outcome):
+        check_save(self, "round's end")
+        after(self, outcome)
+
+    monkeypatch.setattr(Trainer, "_land_fragment", land_then_save)
+    monkeypatch.setattr(Trainer, "_after_round", after_then_save)
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, streaming(), p, records, FragmentTransport(p, group), rounds=2,
+                             checkpoint=tmp_path / f"{p}.safetensors") for p in ("a", "b")]
+    run_in_threads(trainers)
+    assert {when for when, _ in checked} == {"landing", "round's end"}
+    assert all(ok for _, ok in checked)
