@@ -12,12 +12,18 @@ times each part on the model of bench/overlap_rig.py (``rig_model``) with the pr
 functions, and the finiteness check both ways: ``check_finite`` as shipped (the tensor's sum
 first) and the element-wise test alone (what it was before). Median of ``--repeats``, in ms.
 
+With ``sync.overlap = "streaming"`` (P = 2 fragments, the rig's 2 blocks) the training thread's
+parts are a fragment's Δ and check, its landing (the outer step applied there, or since
+2026-11-29 the copy of the step the sync's thread prepared) and merge, and the round's snapshot:
+made afresh (``make_snapshot``: copy, check, hash of φ and the outer state), or from the sealed
+tensors of the landed fragments (``make_snapshot_from``, what the round loop does since then).
+
 The process's allocator is set as ``peer join`` sets it (peer/train/host_memory.py); with
 ``LOCOSWARM_HOST_ALLOCATOR=system`` it keeps glibc's thresholds, and every part that allocates
 faults its pages in afresh each time. Writes ``bench/results/round_end.json``: ``{"runs":
 [{"host_allocator", "device", "params", "hidden_size", "threads", "repeats", "parts": [{"part":
 str, "median_ms": float}], "totals": {"delayed_ms", "eager_ms", "delayed_elementwise_ms",
-"eager_elementwise_ms", "checkpoint_ms"}, "command"}]}``, one run per allocator setting, model
+"eager_elementwise_ms", "checkpoint_ms", "streaming_ms", "streaming_unprepared_ms"}, "command"}]}``, one run per allocator setting, model
 width and thread count (a rerun replaces its own).
 """
 
@@ -43,7 +49,9 @@ from peer.state.checkpoint import PeerState, encode_checkpoint  # noqa: E402
 from peer.train import overlap as overlap_module  # noqa: E402
 from peer.train.host_memory import ENV, tune_host_allocator  # noqa: E402
 from peer.train.model import build_model  # noqa: E402
-from peer.train.outer import DiLoCo, check_finite  # noqa: E402
+from peer.train.outer import DiLoCo, check_finite, pseudo_gradient, step_on_copies  # noqa: E402
+from peer.train.streaming import fragment_outers, merge, partition  # noqa: E402
+from peer.state.snapshot import make_snapshot, make_snapshot_from, seal_tensor  # noqa: E402
 from peer.train.overlap import next_start, round_progress  # noqa: E402
 from protocol.errors import BadPayload  # noqa: E402
 
@@ -89,6 +97,7 @@ def measure(hidden_size: int, repeats: int) -> tuple[int, dict[str, float]]:
             momentum=phi, theta=theta, adam_exp_avg=moments, adam_exp_avg_sq=moments),
             private=("phi", "momentum")), repeats),
     }
+    parts.update(streaming_parts(manifest, hidden_size, repeats))
     with mock.patch.object(outer_module, "check_finite", elementwise_check), \
             mock.patch.object(overlap_module, "check_finite", elementwise_check):
         parts["check of Δ, element-wise"] = median_ms(lambda: elementwise_check(delta, "Δ"), repeats)
@@ -97,6 +106,35 @@ def measure(hidden_size: int, repeats: int) -> tuple[int, dict[str, float]]:
         parts["next start, eager, element-wise"] = median_ms(
             lambda: next_start("eager", outer, phi, delta, payload, share=share), repeats)
     return sum(p.numel() for p in params), parts
+
+
+def streaming_parts(manifest, hidden_size: int, repeats: int) -> dict[str, float]:
+    """Streaming's parts on the training thread, fragment 0 of P = 2 (half the model)."""
+    model = build_model(rig_manifest("streaming", 30, hidden_size=hidden_size).model)
+    names, params = zip(*model.named_parameters())
+    phi = [p.detach().float().add(1e-3) for p in params]
+    outer = DiLoCo([p.shape for p in phi], manifest.outer_optimizer)
+    state, n = [*phi, *outer.state_tensors()], len(phi)
+    shapes = [t.shape for t in state]
+    index = partition(list(names), 2)[0]
+    part = fragment_outers(outer, manifest, partition(list(names), 2), [p.shape for p in phi])[0]
+    phi_p, theta_p = [phi[k] for k in index], [params[k] for k in index]
+    mean = [d.mul(1e-3) for d in pseudo_gradient(phi_p, [t.detach() for t in theta_p])]
+    meta = {"run_id": "bench", "round": 1, "inner_step": 30}
+    last = make_snapshot(meta, state)
+    new_phi, new_state = step_on_copies(part, phi_p, part.state_tensors(), mean)
+    sealed = [seal_tensor(t, index=i, shapes=shapes, owned=True)
+              for i, t in zip([*index, *(n + k for k in index)], [*new_phi, *new_state])]
+    return {
+        "streaming: fragment's Δ and check": median_ms(
+            lambda: check_finite(pseudo_gradient(phi_p, [t.detach() for t in theta_p]), "Δ_p"), repeats),
+        "streaming: landing, outer step applied": median_ms(lambda: part.apply(phi_p, mean), repeats),
+        "streaming: landing, prepared step copied in": median_ms(
+            lambda: [state[s.index].copy_(s.tensor) for s in sealed], repeats),
+        "streaming: merge (α = 0.5)": median_ms(lambda: merge(theta_p, phi_p, 0.5), repeats),
+        "streaming: round's snapshot, afresh": median_ms(lambda: make_snapshot(meta, state), repeats),
+        "streaming: round's snapshot, from sealed": median_ms(lambda: make_snapshot_from(last, meta, sealed), repeats),
+    }
 
 
 def main() -> None:
@@ -117,7 +155,16 @@ def main() -> None:
     totals = {"delayed_ms": base + parts["next start, delayed"], "eager_ms": base + parts["next start, eager"],
               "delayed_elementwise_ms": base_old + parts["next start, delayed, element-wise"],
               "eager_elementwise_ms": base_old + parts["next start, eager, element-wise"],
-              "checkpoint_ms": parts["checkpoint's copies (θ, AdamW moments)"]}
+              "checkpoint_ms": parts["checkpoint's copies (θ, AdamW moments)"],
+              # one fragment's landing of each of P = 2 plus the round's snapshot, per round
+              "streaming_ms": 2 * (parts["streaming: fragment's Δ and check"]
+                                   + parts["streaming: landing, prepared step copied in"]
+                                   + parts["streaming: merge (α = 0.5)"])
+              + parts["streaming: round's snapshot, from sealed"],
+              "streaming_unprepared_ms": 2 * (parts["streaming: fragment's Δ and check"]
+                                          + parts["streaming: landing, outer step applied"]
+                                          + parts["streaming: merge (α = 0.5)"])
+              + parts["streaming: round's snapshot, afresh"]}
     device = f"CPU ({platform.machine()}), torch {torch.__version__}, {args.threads} thread(s)"
     print(f"{n_params:,} parameters (hidden size {args.hidden_size}); {device}; median of {args.repeats}; "
           f"host allocator: {allocator}\n")
@@ -128,6 +175,8 @@ def main() -> None:
           f"({totals['delayed_elementwise_ms']:.2f}) |")
     print(f"| **round's end, eager** (element-wise check) | **{totals['eager_ms']:.2f}** "
           f"({totals['eager_elementwise_ms']:.2f}) |")
+    print(f"| **a streaming round, P = 2** (steps applied, snapshot afresh) | **{totals['streaming_ms']:.2f}** "
+          f"({totals['streaming_unprepared_ms']:.2f}) |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run = {"host_allocator": allocator, "device": device, "params": n_params, "hidden_size": args.hidden_size,
            "threads": args.threads, "repeats": args.repeats,
