@@ -77,7 +77,8 @@ def median_ms(fn, repeats: int) -> float:
 def measure(hidden_size: int, repeats: int) -> tuple[int, dict[str, float]]:
     """Median milliseconds of each part of the round's end, on a fresh model and a small Δ."""
     manifest = rig_manifest("delayed", 30, hidden_size=hidden_size)
-    params = list(build_model(manifest.model).parameters())
+    model = build_model(manifest.model)
+    params = list(model.parameters())
     phi = [p.detach().float().add(1e-3) for p in params]
     outer = DiLoCo([p.shape for p in phi], manifest.outer_optimizer)
     theta = [p.detach() for p in params]
@@ -97,7 +98,7 @@ def measure(hidden_size: int, repeats: int) -> tuple[int, dict[str, float]]:
             momentum=phi, theta=theta, adam_exp_avg=moments, adam_exp_avg_sq=moments),
             private=("phi", "momentum")), repeats),
     }
-    parts.update(streaming_parts(manifest, hidden_size, repeats))
+    parts.update(streaming_parts(model, manifest, repeats))
     with mock.patch.object(outer_module, "check_finite", elementwise_check), \
             mock.patch.object(overlap_module, "check_finite", elementwise_check):
         parts["check of Δ, element-wise"] = median_ms(lambda: elementwise_check(delta, "Δ"), repeats)
@@ -108,9 +109,8 @@ def measure(hidden_size: int, repeats: int) -> tuple[int, dict[str, float]]:
     return sum(p.numel() for p in params), parts
 
 
-def streaming_parts(manifest, hidden_size: int, repeats: int) -> dict[str, float]:
+def streaming_parts(model: torch.nn.Module, manifest, repeats: int) -> dict[str, float]:
     """Streaming's parts on the training thread, fragment 0 of P = 2 (half the model)."""
-    model = build_model(rig_manifest("streaming", 30, hidden_size=hidden_size).model)
     names, params = zip(*model.named_parameters())
     phi = [p.detach().float().add(1e-3) for p in params]
     outer = DiLoCo([p.shape for p in phi], manifest.outer_optimizer)

@@ -79,7 +79,6 @@ class _PreparedFragment:
     (:meth:`Trainer._prepare_fragment`), with its result sealed for the round's snapshot; the
     landing copies it into φ_p and the fragment's outer state instead of computing it then."""
 
-    fragment: int
     mean: list[torch.Tensor]
     """The mean it applied (the landing installs it only for this very mean)."""
     base: tuple[torch.Tensor, ...]
@@ -622,7 +621,7 @@ class Trainer:
         except (BadPayload, ValueError) as exc:
             logger.debug("outer step of fragment %d not prepared: %s", p, exc)
             return None
-        return _PreparedFragment(fragment=p, mean=mean, base=base, sealed=sealed)
+        return _PreparedFragment(mean=mean, base=base, sealed=sealed)
 
     def _land_fragment(self) -> None:
         """The fragment sync in flight lands (waiting for it if needed): φ_p ← OuterOpt_p(φ_p, mean)
@@ -654,11 +653,11 @@ class Trainer:
     def _install_fragment(self, prepared: _PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
         """Copy a prepared fragment step into φ_p and the fragment's outer state (call under
         ``_lock``) and keep its sealed tensors for the round's snapshot; whether it was installed.
-        Only a step prepared for fragment p from this very ``mean`` and from the tensors this peer
-        still holds (an adoption since replaced them); else the caller applies ``mean``."""
+        Only a step prepared from this very ``mean`` and from fragment p's tensors as this peer still
+        holds them (an adoption since replaced them); else the caller applies ``mean``."""
         held = self._held(self._fragment_state(p))
-        if (prepared is None or prepared.fragment != p or prepared.mean is not mean
-                or len(held) != len(prepared.base) or any(a is not b for a, b in zip(held, prepared.base))):
+        if (prepared is None or prepared.mean is not mean or len(held) != len(prepared.base)
+                or any(a is not b for a, b in zip(held, prepared.base))):
             return False
         live = [*self.phi, *self.outer.state_tensors()]
         with torch.no_grad():

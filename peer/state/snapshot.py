@@ -153,7 +153,8 @@ def seal_tensor(tensor: torch.Tensor, *, index: int, shapes: Sequence[Sequence[i
                          f"{len(shapes)} tensors" + (f", this one shaped {tuple(shapes[index])}"
                                                      if 0 <= index < len(shapes) else ""))
     copy = _private_copy(tensor, index, owned=owned)
-    chunks = [c for c in plan_chunks(shapes, chunk_elements) if c.tensor == index]
+    # a tensor's chunk rows follow from its own shape alone (plan_pieces), so it is planned alone
+    chunks = plan_chunks([copy.shape], chunk_elements)
     return SealedTensor(index=index, tensor=copy, chunk_hashes=tuple(chunk_hash(chunk_view(copy, c)) for c in chunks))
 
 
@@ -182,15 +183,15 @@ def make_snapshot_from(previous: StateSnapshot, meta: dict[str, Any], sealed: It
         if not 0 <= s.index < len(tensors) or s.tensor.shape != tensors[s.index].shape:
             raise ValueError(f"sealed tensor {s.index} of shape {tuple(s.tensor.shape)} does not fit the state's "
                              f"{len(tensors)} tensors")
-        tensors[s.index], by_index[s.index] = s.tensor, list(s.chunk_hashes)
+        tensors[s.index], by_index[s.index] = s.tensor, s.chunk_hashes
+    hashes = list(previous.chunk_hashes)
     for index, new_hashes in by_index.items():
-        if len(new_hashes) != sum(1 for c in previous.chunks if c.tensor == index):
+        at = [c.index for c in previous.chunks if c.tensor == index]
+        if len(new_hashes) != len(at):
             raise ValueError(f"sealed tensor {index} has {len(new_hashes)} chunk hashes, the state's chunks "
                              "of it are not as many (sealed with another chunk size)")
-    hashes = []
-    for chunk, old in zip(previous.chunks, previous.chunk_hashes):
-        replaced = by_index.get(chunk.tensor)
-        hashes.append(replaced.pop(0) if replaced is not None else old)
+        for i, h in zip(at, new_hashes):
+            hashes[i] = h
     meta = dict(meta)
     return StateSnapshot(meta=meta, tensors=tuple(tensors), chunks=previous.chunks, chunk_hashes=tuple(hashes),
                          digest=state_digest(meta, hashes))
