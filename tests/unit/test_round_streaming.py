@@ -240,7 +240,7 @@ def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds
     land, after = Trainer._land_fragment, Trainer._after_round
 
     def check_save(self, when):
-        path = tmp_path / f"{self.peer_id}.safetensors"
+        path = tmp_path / self.peer_id / f"{self.peer_id}.safetensors"
         self.save()
         saved = load_checkpoint(path, run_id=self.m.run_id, names=self.names, shapes=self.shapes)
         checked.append((when, all(torch.equal(a, b) for a, b in zip(saved.phi, self.phi)) and
@@ -259,7 +259,7 @@ def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds
     monkeypatch.setattr(Trainer, "_after_round", after_then_save)
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, streaming(), p, records, FragmentTransport(p, group), rounds=2,
-                             checkpoint=tmp_path / f"{p}.safetensors") for p in ("a", "b")]
+                             checkpoint=tmp_path / p / f"{p}.safetensors") for p in ("a", "b")]  # a directory each, as peers have
     run_in_threads(trainers)
     assert {when for when, _ in checked} == {"landing", "round's end"}
     assert all(ok for _, ok in checked)
