@@ -46,7 +46,7 @@ from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer
 from peer.train.precision import FP32, Precision
-from peer.train.overlap import drain, next_start, round_progress
+from peer.train.overlap import EagerState, drain, next_start, round_progress
 from peer.train.streaming import landing_at, merge, partition, syncing_at
 from protocol.codecs import Codec, make_codec
 from protocol.manifest import RunManifest
@@ -299,6 +299,8 @@ class Simulation:
         self._anchor_at_phi()
         self.pending: list[list[torch.Tensor]] | None = None
         """With overlap: each peer's group mean of the last round, applied at the end of this one."""
+        self.eager = [EagerState() for _ in range(peers)]
+        """Eager with outer momentum: each peer's own part of its outer state (peer/train/overlap.py)."""
 
     def _theta(self, i: int, index: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Peer i's θ (its tensors ``index``, default all) as fp32 host tensors for Δ: the parameters
@@ -481,8 +483,9 @@ class Simulation:
             starts = self.phis
         else:
             self.pending = means
-            starts = [next_start(mode, outer, phi, delta, payload, share=share)
-                      for outer, phi, delta, payload, share in zip(self.outers, self.phis, deltas, payloads, shares)]
+            starts = [next_start(mode, outer, phi, delta, payload, share=share, eager=eager)
+                      for outer, phi, delta, payload, share, eager
+                      in zip(self.outers, self.phis, deltas, payloads, shares, self.eager)]
             self.anchors = starts
         with torch.no_grad():
             for model, start in zip(self.models, starts):
@@ -684,6 +687,8 @@ class Simulation:
         for outer, phi, mean in zip(self.outers, self.phis, self.pending):
             drain(outer, phi, mean)
         self.pending = None
+        for eager in self.eager:
+            eager.reset()  # θ ← φ below: a worker that starts from φ
         self._anchor_at_phi()
         with torch.no_grad():
             for model, phi in zip(self.models, self.phis):

@@ -50,7 +50,7 @@ from peer.train.device import Placement, flops_per_token, mfu
 from peer.train.inner import InnerLoop, make_inner_loop
 from peer.train.model import embedding_parameter_count, evaluate, parameter_count
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient, step_on_copies
-from peer.train.overlap import next_start, round_progress
+from peer.train.overlap import EagerState, next_start, round_progress
 from peer.train.streaming import fragment_outers, merge, partition, payload_indices, sync_offset
 from protocol.errors import BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
@@ -209,6 +209,7 @@ class Trainer:
         self._background = BackgroundSync() if self.overlap != "none" else None
         """With ``sync.overlap``: the last round's sync, running while this round trains."""
         self._anchor: list[torch.Tensor] | None = None
+        self._eager = EagerState()  # eager with outer momentum: this peer's part of its outer state
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
         self._adopted_in_flight = False
         """This peer adopted a state while the sync in flight ran, and kept it (see :meth:`_adopt`)."""
@@ -434,7 +435,7 @@ class Trainer:
             payload = [t.clone() if any(t is p for p in self.phi) else t for t in self.outer.payload(self.phi, delta)]
             try:
                 start = next_start(self.overlap, self.outer, self.phi, delta, payload,
-                                   share=1.0 / max(1, choice.expected_size))
+                                   share=1.0 / max(1, choice.expected_size), eager=self._eager)
             except BadPayload as exc:
                 problem = f"{exc}: round discarded"
             else:
@@ -454,6 +455,7 @@ class Trainer:
                 self._background.start(sync_and_prepare, round_=done.round, start_digest=digest)
         if start is self.phi:
             self.reporter.emit("warning", message=problem)
+            self._eager.reset()  # the next round starts from φ, as a fresh worker's does
         self._anchor = None if start is self.phi else start
         self._set_theta(start)
         return self._outcome(done, live=live, start_digest=start_digest, choice=choice, report=report)
@@ -736,6 +738,7 @@ class Trainer:
                 self.outer.apply(self.phi, mean)
         self._note_group(max(0, self.pos.round - 1), report)
         self._anchor = None
+        self._eager.reset()
         self._set_theta_to_phi()
         self._take_snapshot()
 
@@ -1028,6 +1031,7 @@ class Trainer:
                 if self._fragments:
                     self._flight = None
         self._anchor = None
+        self._eager.reset()  # a peer that adopts starts from φ: a fresh worker in eager's terms
         with self._lock:
             for dst, src in zip([*self.phi, *self.outer.state_tensors()], [*state.phi, *state.outer_state]):
                 dst.copy_(src)

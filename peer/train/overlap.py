@@ -19,13 +19,17 @@ from, and its pseudo-gradient is the round's own progress ``Δ_t = ψ_t − θ_t
    * ``delayed`` (DiLoCoX, arXiv 2506.21263, one-step delay): ``ψ = φ − Δ_t``, i.e.
      ``θ ← φ_new + (θ_t − ψ_t)``: the new φ plus this round's local progress, which is not in φ
      yet (it reaches φ through the group mean one round later, so nothing is counted twice);
-   * ``eager`` (Kale et al., arXiv 2502.12996): ``ψ = OuterOpt'(φ, Δ_t / n)``, a preview of the
-     outer step on a copy of φ and the outer state, with this peer's fresh Δ at its share 1/n of
-     the group mean standing in for round t's whole mean; the others' Δ of round t−1 are already
-     in φ through step 1. Eager's Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1) (ALGORITHMS.md
-     §3) with one difference: the paper keeps a per-worker outer state built on Δ̂; here φ and the
-     outer momentum are built on the true group means only, so φ stays identical across peers and
-     the eager step lives in θ alone. With plain outer SGD (no momentum) the two give the same θ.
+   * ``eager`` (Kale et al., arXiv 2502.12996): ``ψ = x_i``, this worker's outer parameters
+     after its eager step with Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1) (ALGORITHMS.md
+     §3): this peer's fresh Δ at its share 1/n of the group mean stands in for its own part of
+     round t's mean, and the others' Δ of round t−1 are already in φ through step 1. The paper
+     keeps a per-worker outer state (x_i and its momentum) built on Δ̂_i; since the outer step is
+     linear, x_i = φ + o_i, where φ and its momentum are built on the true group means (identical
+     on every peer) and the offset o_i with its own momentum on this peer's ``e_i(t) = Δ_i(t)/n −
+     Δ_i(t−1)/n`` (:class:`EagerState`), so φ stays identical across peers and the eager step
+     lives in θ alone. With plain outer SGD (no momentum) the offset telescopes
+     to −lr·Δ_i(t)/n, one outer step of φ with Δ_t/n, computed in that closed form (no state).
+     NoLoCo is not in the paper: its eager start is its own outer step previewed with Δ_t/n.
 
 The outer step of the last round's mean lands one round late; :func:`drain` is what a peer does
 when training ends (it waits for the last sync and applies it). A sync that fails applies the
@@ -38,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from peer.train.outer import OuterAlgorithm, check_finite, pseudo_gradient, step_on_copies
+from peer.train.outer import DiLoCo, OuterAlgorithm, check_finite, pseudo_gradient, step_on_copies
 from protocol.specs import OVERLAP_MODES
 
 
@@ -93,8 +97,75 @@ def preview_step(outer: OuterAlgorithm, phi: Sequence[torch.Tensor],
     return preview(phi, mean) if preview is not None else step_on_copies(outer, phi, outer.state_tensors(), mean)[0]
 
 
+class EagerState:
+    """This peer's own part of eager's per-worker outer state, for DiLoCo with outer momentum.
+
+    Kale et al. (arXiv 2502.12996) give every worker i its own outer parameters x_i and outer
+    optimizer state, stepped with Δ̂_i(t) = Δ_i(t)/M + Σ_{j≠i} Δ_j(t−1)/M = mean(t−1) + e_i(t),
+    e_i(t) = Δ_i(t)/M − Δ_i(t−1)/M. SGD with (Nesterov or heavy-ball) momentum is linear in its
+    gradients and its state, so x_i = φ + o_i and m_i = m + w_i: φ and its momentum m take the
+    group means (every peer the same bytes, φ bit-identical across peers) and the offset o_i with
+    its momentum w_i take e_i, by the same outer step (:class:`~peer.train.outer.DiLoCo`). Round
+    t+1 starts from x_i(t) = φ + o_i. Without momentum o_i telescopes to −lr·Δ_i(t)/M, which
+    :func:`next_start` computes directly; this state is needed only with momentum.
+
+    Holds three fp32 host tensors per parameter (o, w and the last Δ/M) from the first eager round.
+    A fresh state (o = w = 0, no last Δ) is a worker that just started from φ: what a peer is after
+    adopting the swarm's state, after a restart (the state is not checkpointed) and after a round
+    whose Δ was discarded (:meth:`reset`).
+    """
+
+    def __init__(self) -> None:
+        self.offset: list[torch.Tensor] | None = None
+        """o_i = x_i − φ, fp32 shaped like φ (None: zeros)."""
+        self.momentum: list[torch.Tensor] | None = None
+        """w_i: this peer's part of its outer momentum, fp32 shaped like φ (None: zeros)."""
+        self.last: list[torch.Tensor] | None = None
+        """Δ_i(t−1)/M as this peer counted its share of the last group mean (None: none yet)."""
+
+    def reset(self) -> None:
+        """Forget the offset and its momentum: the next round starts from φ plus one fresh step."""
+        self.offset = self.momentum = self.last = None
+
+    def start(self, outer: DiLoCo, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], *,
+              share: float) -> list[torch.Tensor]:
+        """x_i(t) = φ + o_i(t), after one outer step of (o_i, w_i) with e_i(t) (the eager update of
+        Kale et al., its outer state split as in the class docstring).
+
+        Args:
+            outer: the run's DiLoCo outer step (its lr, μ and Nesterov flag; its state is not read).
+            phi: φ after round t−1's mean, fp32 host tensors.
+            delta: Δ_i(t), this round's progress, shaped like ``phi``.
+            share: this peer's weight in the group mean, in (0, 1] (1/M).
+
+        Returns:
+            New fp32 tensors shaped like ``phi``.
+
+        Raises:
+            ValueError: ``share`` outside (0, 1].
+            BadPayload: e_i, the stepped offset or the start point is not finite; the state is
+                left unchanged.
+        """
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share = {share!r}: need 0 < share <= 1")
+        own = [d.detach().float() * share for d in delta]
+        step = own if self.last is None else [a - b for a, b in zip(own, self.last, strict=True)]
+        zeros = [torch.zeros_like(t) for t in own]
+        offset, momentum = step_on_copies(outer, self.offset or zeros, self.momentum or zeros, step)
+        start = [p + o for p, o in zip(phi, offset, strict=True)]
+        check_finite(start, "the eager start point")
+        self.offset, self.momentum, self.last = offset, momentum, own
+        return start
+
+
+def _per_worker_state(outer: OuterAlgorithm) -> bool:
+    """Whether eager needs :class:`EagerState`: DiLoCo with outer momentum."""
+    return isinstance(outer, DiLoCo) and outer.spec.momentum != 0.0
+
+
 def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],
-               payload: Sequence[torch.Tensor], *, share: float) -> list[torch.Tensor]:
+               payload: Sequence[torch.Tensor], *, share: float,
+               eager: EagerState | None = None) -> list[torch.Tensor]:
     """ψ_{t+1}, where round t+1's inner steps start (call after φ took round t−1's mean).
 
     Implements the one-step delay of DiLoCoX (arXiv 2506.21263) for ``delayed`` and the eager
@@ -107,13 +178,15 @@ def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], de
         delta: Δ_t = ψ_t − θ_t, this round's progress, shaped like ``phi``.
         payload: this peer's payload of round t (``outer.payload(φ, Δ_t)``).
         share: this peer's share of the group mean (1 / expected group size).
+        eager: this peer's :class:`EagerState`, required for ``eager`` with DiLoCo and outer
+            momentum (stepped in place), else unused.
 
     Returns:
         New fp32 tensors shaped like ``phi`` ('none': a copy of φ).
 
     Raises:
-        ValueError: unknown ``mode``.
-        BadPayload: Δ or the preview is not finite; φ and the outer state unchanged.
+        ValueError: unknown ``mode``; ``eager`` missing where it is required.
+        BadPayload: Δ or the preview is not finite; φ, the outer state and ``eager`` unchanged.
     """
     if mode not in OVERLAP_MODES:
         raise ValueError(f"overlap = {mode!r}: allowed {OVERLAP_MODES}")
@@ -122,6 +195,10 @@ def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], de
     check_finite(delta, "this round's progress")
     if mode == "delayed":
         return [p - d for p, d in zip(phi, delta, strict=True)]
+    if _per_worker_state(outer):
+        if eager is None:
+            raise ValueError("eager with outer momentum needs this peer's EagerState (the paper's per-worker state)")
+        return eager.start(outer, phi, delta, share=share)
     n_delta = outer.phi_from(len(phi))
     start = preview_step(outer, phi, eager_mean(payload, n_delta=len(payload) if n_delta is None else n_delta,
                                                 share=share))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from peer.train.outer import DiLoCo, NoLoCo
-from peer.train.overlap import drain, eager_mean, next_start, preview_step, round_progress
+from peer.train.overlap import EagerState, drain, eager_mean, next_start, preview_step, round_progress
 from protocol.errors import BadPayload, ManifestError
 from protocol.manifest import RunManifest, from_dict
 from protocol.specs import NoLoCoSpec, OuterOptimizerSpec, SyncSpec
@@ -82,17 +82,33 @@ def test_delayed_plain_averaging_of_one_peer_is_continued_local_training():
             torch.testing.assert_close(a, th, rtol=0, atol=1e-6)
 
 
-def test_eager_matches_the_papers_recursion_with_plain_outer_sgd():
-    """Eager (ALGORITHMS.md §3): θ_i(t) = OuterOpt(θ_i(t−1), Δ̂_i(t)) with
-    Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1). With outer SGD (lr η, no momentum) the start
-    of each round equals the paper's per-worker outer parameters, while φ stays shared."""
-    M, eta = 3, 0.8
-    outers = [plain(eta) for _ in range(M)]
+class PaperWorker:
+    """Worker i of the eager paper, written from its equations: its own outer parameters x_i and
+    SGD momentum m_i (torch.optim.SGD's update, dampening 0), stepped with Δ̂_i every round."""
+
+    def __init__(self, x: list[torch.Tensor], lr: float, mu: float, nesterov: bool):
+        self.x, self.m, self.lr, self.mu, self.nesterov = [t.clone() for t in x], None, lr, mu, nesterov
+
+    def step(self, hat: list[torch.Tensor]) -> None:
+        self.m = [h.clone() for h in hat] if self.m is None else [self.mu * m + h for m, h in zip(self.m, hat)]
+        direction = [h + self.mu * m for h, m in zip(hat, self.m)] if self.nesterov else self.m
+        self.x = [x - self.lr * d for x, d in zip(self.x, direction)]
+
+
+@pytest.mark.parametrize("lr,mu,nesterov", [(0.8, 0.0, False), (0.7, 0.9, True), (1.0, 0.5, False)],
+                         ids=["plain", "nesterov", "heavy-ball"])
+def test_eager_matches_the_papers_per_worker_recursion(lr, mu, nesterov):
+    """Eager (ALGORITHMS.md §3): x_i(t) = OuterOpt_i(x_i(t−1), Δ̂_i(t)) with
+    Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1), each worker with its own outer state. Each
+    round's start equals the paper's x_i, momentum or not, while φ and its momentum stay shared."""
+    M, rounds = 3, 6
+    spec = OuterOptimizerSpec(lr=lr, momentum=mu, nesterov=nesterov)
+    outers = [DiLoCo(SHAPES, spec) for _ in range(M)]
     phis = [rand(0) for _ in range(M)]
-    anchors = [[p.clone() for p in phi] for phi in phis]
-    paper = [[p.clone() for p in phi] for phi in phis]   # θ_i(t) of the paper, one per worker
+    states = [EagerState() for _ in range(M)]
+    paper = [PaperWorker(phi, lr, mu, nesterov) for phi in phis]
     pending, last = None, None
-    for t in range(4):
+    for t in range(rounds):
         deltas = [[0.05 * x for x in rand(100 * t + i)] for i in range(M)]   # Δ_i(t)
         mean = [sum(d[k] for d in deltas) / M for k in range(len(SHAPES))]
         if pending is not None:
@@ -101,31 +117,35 @@ def test_eager_matches_the_papers_recursion_with_plain_outer_sgd():
         for i in range(M):
             others = ([sum(last[j][k] for j in range(M) if j != i) / M for k in range(len(SHAPES))]
                       if last is not None else [torch.zeros(s) for s in SHAPES])
-            hat = [deltas[i][k] / M + others[k] for k in range(len(SHAPES))]
-            paper[i] = [p - eta * h for p, h in zip(paper[i], hat)]
-            anchors[i] = next_start("eager", outers[i], phis[i], deltas[i], deltas[i], share=1 / M)
-            for a, b in zip(anchors[i], paper[i]):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            paper[i].step([deltas[i][k] / M + others[k] for k in range(len(SHAPES))])
+            start = next_start("eager", outers[i], phis[i], deltas[i], deltas[i], share=1 / M, eager=states[i])
+            for a, b in zip(start, paper[i].x):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         pending, last = mean, deltas
-        for phi in phis[1:]:   # φ only ever takes group means: bit-identical on every worker
-            for a, b in zip(phi, phis[0]):
+        for phi, outer in zip(phis[1:], outers[1:]):   # φ only ever takes group means: bit-identical
+            for a, b in zip([*phi, *outer.momentum], [*phis[0], *outers[0].momentum]):
                 assert torch.equal(a, b)
+    if mu:   # the per-worker state matters: the closed form (one step of φ with Δ/M) is not the paper's
+        closed = preview_step(outers[0], phis[0], [d / M for d in deltas[0]])
+        assert max((a - b).abs().max().item() for a, b in zip(closed, paper[0].x)) > 1e-3
 
 
-def test_eager_preview_leaves_phi_and_momentum_alone_and_is_corrected_by_the_mean():
+def test_eager_leaves_phi_and_momentum_alone_and_is_corrected_by_the_mean():
     outer, phi = nesterov(), rand(0)
     outer.apply(phi, rand(1))            # some momentum
     phi_before, m_before = [p.clone() for p in phi], [m.clone() for m in outer.momentum]
-    mine, n = rand(2), 4
-    start = next_start("eager", outer, phi, mine, mine, share=1 / n)
+    mine, n, state = rand(2), 4, EagerState()
+    with pytest.raises(ValueError, match="EagerState"):
+        next_start("eager", outer, phi, mine, mine, share=1 / n)
+    start = next_start("eager", outer, phi, mine, mine, share=1 / n, eager=state)
     for p, b in zip(phi, phi_before):
         assert torch.equal(p, b)
     for m, b in zip(outer.momentum, m_before):
         assert torch.equal(m, b)
     lr, mu = 0.7, 0.9
-    for s, p, m, d in zip(start, phi, m_before, mine):   # SGD Nesterov on Δ/n, from a copy
+    for s, p, d in zip(start, phi, mine):   # a fresh worker: its offset's first Nesterov step on Δ/n
         g = d / n
-        torch.testing.assert_close(s, p - lr * (g + mu * (mu * m + g)), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s, p - lr * (g + mu * g), rtol=1e-6, atol=1e-6)
     # the group mean arrives: φ takes the true mean, whatever the eager guess was
     reference, group_mean = nesterov(), rand(3)
     reference.momentum = [m.clone() for m in m_before]
@@ -134,6 +154,16 @@ def test_eager_preview_leaves_phi_and_momentum_alone_and_is_corrected_by_the_mea
     outer.apply(phi, group_mean)
     for a, b in zip(phi, expected):
         assert torch.equal(a, b)
+    # a non-finite progress leaves the state as it was; reset() makes a fresh worker again
+    offset = [o.clone() for o in state.offset]
+    bad = [mine[0], torch.full_like(mine[1], float("inf"))]
+    with pytest.raises(BadPayload):
+        next_start("eager", outer, phi, bad, bad, share=1 / n, eager=state)
+    assert all(torch.equal(a, b) for a, b in zip(state.offset, offset))
+    state.reset()
+    again = next_start("eager", outer, phi, mine, mine, share=1 / n, eager=state)
+    for s, p, d in zip(again, phi, mine):
+        torch.testing.assert_close(s, p - lr * (1 + mu) * d / n, rtol=1e-6, atol=1e-6)
 
 
 def test_noloco_eager_preview_has_no_pull_until_the_partner_phi_arrives():

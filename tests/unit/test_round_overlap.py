@@ -245,6 +245,42 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
     assert not any(n.startswith("locoswarm-sync") for n in previewed_in)
 
 
+def test_eager_with_outer_momentum_starts_each_peer_from_its_own_state_on_identical_phi(corpus, monkeypatch):
+    """Eager with Nesterov momentum (the eager paper's per-worker outer state, peer/train/overlap.py
+    ``EagerState``): every round after the first starts each peer from φ plus its own offset, the
+    two peers' starts differ (their own Δ), while φ and the outer momentum stay bit-identical."""
+    from peer.train.overlap import EagerState
+
+    starts, start = {}, EagerState.start
+
+    def recorded_start(self, outer, phi, delta, *, share):
+        out = start(self, outer, phi, delta, share=share)
+        starts.setdefault(id(self), []).append(
+            ([p.clone() for p in phi], [t.clone() for t in out], [o.clone() for o in self.offset]))
+        return out
+
+    monkeypatch.setattr(EagerState, "start", recorded_start)
+    manifest = tiny_run().replace(sync={"overlap": "eager"},
+                                  outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3) for p in ("a", "b")]
+    run_in_threads(trainers)
+    a, b = trainers
+    for x, y in zip([*a.phi, *a.outer.state_tensors()], [*b.phi, *b.outer.state_tensors()]):
+        assert torch.isfinite(x).all() and torch.equal(x, y)
+    assert a.state_digest == b.state_digest
+    assert any(bool(m.abs().sum() > 0) for m in a.outer.state_tensors())
+    runs = [starts[id(t._eager)] for t in trainers]
+    assert [len(r) for r in runs] == [3, 3]     # one eager start per round end, on the training thread
+    for (phi, out, offset) in runs[0] + runs[1]:
+        for p, x, o in zip(phi, out, offset):
+            assert torch.equal(x, p + o)
+    # the same φ at round 2's end, different own offsets: each peer's own part of its outer state
+    assert all(torch.equal(x, y) for x, y in zip(runs[0][1][0], runs[1][1][0]))
+    assert any(not torch.equal(x, y) for x, y in zip(runs[0][1][2], runs[1][1][2]))
+    assert a._eager.offset is None and b._eager.offset is None   # training ended from φ: reset
+
+
 def test_groupmate_dying_during_a_background_sync_applies_the_own_step(corpus):
     """The groupmate is live when the round ends, then its all-reduce fails: the survivor keeps
     training, applies its own payload a round late (as a failed blocking sync does), φ finite."""
