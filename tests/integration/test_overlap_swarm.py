@@ -12,9 +12,13 @@ pytestmark = pytest.mark.integration
 ROUNDS = 3
 
 
-@pytest.mark.parametrize("overlap,codec", [("delayed", "none"), ("eager", "int8")])
-def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, codec):
-    manifest = make_manifest(sync={"overlap": overlap}, compression={"codec": codec})
+@pytest.mark.parametrize("overlap,codec,outer", [
+    ("delayed", "none", {}),
+    # eager with outer momentum: each peer's own part of the paper's per-worker outer state in θ
+    ("eager", "int8", {"lr": 0.7, "momentum": 0.5, "nesterov": True}),
+])
+def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, codec, outer):
+    manifest = make_manifest(sync={"overlap": overlap}, compression={"codec": codec}, outer_optimizer=outer)
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ("p0", "p1")
     peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
