@@ -326,13 +326,13 @@ class Simulation:
         state), the means in flight and the tokens each peer trained since each fragment's last sync.
 
         Raises:
-            ValueError: an algorithm whose payload holds φ (NoLoCo), a lossy codec or an adversary:
-                the fragment syncs run the plain screened mean only, so far; or more fragments than blocks.
+            ValueError: a lossy codec or an adversary: the fragment syncs run the plain screened mean
+                only, so far; or more fragments than blocks.
         """
-        if self.outers[0].phi_from(len(self.shapes)) is not None or self.compressed or self.adversary is not None:
-            raise ValueError(f"sync.overlap = 'streaming' with sync.algorithm = {self.method!r}, compression.codec "
-                             f"= {self.m.compression.codec!r}, adversary: {self.adversary is not None}: the "
-                             "simulation streams 'diloco' or 'independent' with codec 'none' and no adversary so far")
+        if self.compressed or self.adversary is not None:
+            raise ValueError(f"sync.overlap = 'streaming' with compression.codec = {self.m.compression.codec!r}, "
+                             f"adversary: {self.adversary is not None}: the simulation streams with codec 'none' "
+                             "and no adversary so far")
         self.fragments = partition(names, self.m.sync.fragments)
         self.fragment_outers = [[make_outer(self.m, [self.shapes[k] for k in index]) for index in self.fragments]
                                 for _ in range(self.peers)]
@@ -418,8 +418,9 @@ class Simulation:
                 weights = [claimed[j] for j in group]
                 contributions = [payloads[j] for j in group]
                 mean = self._group_mean(group, contributions, weights)
-                received = None if mean is None else self._receive(group, mean, list(mean), contributions, weights,
-                                                                     contributions)
+                received = None if mean is None else self._receive(
+                    group, mean, list(mean), contributions, weights, contributions,
+                    phi_from=self.fragment_outers[0][p].phi_from(len(index)))
                 sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
             for member, j in enumerate(group):
                 means[j] = payloads[j] if received is None else received[member]
@@ -590,8 +591,11 @@ class Simulation:
 
     def _receive(self, group: Sequence[int], honest: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
                  contributions: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
-                 own: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+                 own: Sequence[Sequence[torch.Tensor]], *, phi_from: int | None = -1) -> list[list[torch.Tensor]]:
         """What each member applies: per member (group order) one tensor per piece.
+
+        ``phi_from``: the index of the first φ piece (NoLoCo; None: all pieces are Δ); default
+        (−1): the whole model's payload's, a fragment's sync passes its own.
 
         Every honest member j checks the mean ``sent[i]`` of each piece it does not own against its
         own contribution ``contributions[j][i]`` (as the owner decoded it) with
@@ -610,7 +614,8 @@ class Simulation:
         what their owners computed).
         """
         n = len(group)
-        phi_from = self.outers[0].phi_from(len(self.shapes))
+        if phi_from == -1:
+            phi_from = self.outers[0].phi_from(len(self.shapes))
         out = []
         for member, j in enumerate(group):
             if j not in self.honest:

@@ -122,17 +122,28 @@ def streaming(fragments: int, delay: int, alpha: float, layers: int = 2, **sync)
                                     "fragment_alpha": alpha, **sync})
 
 
-def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus):
-    none = Simulation(tiny_run().replace(model={"num_layers": 2}), corpus, peers=2, seed=0)
-    stream = Simulation(streaming(1, 0, 0.0), corpus, peers=2, seed=0)
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
+def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, monkeypatch):
+    """P = 1, τ = 0, α = 0: one fragment, the whole model, synced and landed at the round's end,
+    θ ← φ: the blocking round, bit for bit (NoLoCo: its payload's φ half, its random pairs)."""
+    import lab.simulation
+
+    none = Simulation(tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm}), corpus,
+                      peers=4, seed=0)
+    stream = Simulation(streaming(1, 0, 0.0, algorithm=algorithm), corpus, peers=4, seed=0)
+    # NoLoCo's pairs are drawn from the run id, which the overlap field changes: draw the blocking run's
+    plan = lab.simulation.sync_groups
+    monkeypatch.setattr(lab.simulation, "sync_groups", lambda m, peers, round_: plan(none.m, peers, round_))
     for sim in (none, stream):
-        for _ in range(2):
+        for _ in range(3):
             sim.run_round()
         sim.finish()
     for a, b in zip(none.phis, stream.phis):
         assert identical(a, b)
     assert identical(list(none.models[1].parameters()), list(stream.models[1].parameters()))
     assert stream.bytes_sent == none.bytes_sent and stream.tokens == none.tokens
+    if algorithm == "noloco":   # replicas differ by design: the pairs did not average everything
+        assert not identical(stream.phis[0], stream.phis[1]) or not identical(stream.phis[0], stream.phis[2])
 
 
 def test_a_fragment_mean_lands_tau_steps_after_its_sync(corpus):
@@ -169,8 +180,23 @@ def test_streaming_peers_hold_identical_phi_and_the_loss_falls(corpus):
 
 
 def test_simulation_streams_only_what_it_implements(corpus):
-    with pytest.raises(ValueError, match="'noloco'"):
-        Simulation(streaming(2, 1, 0.5, algorithm="noloco"), corpus, peers=2, seed=0)
+    with pytest.raises(ValueError, match="compression.codec = 'int8'"):
+        Simulation(streaming(2, 1, 0.5).replace(compression={"codec": "int8"}), corpus, peers=2, seed=0)
+
+
+def test_noloco_streams_fragments_with_its_pairs_in_the_simulation(corpus):
+    """NoLoCo's payload (Δ_p then φ_p) per fragment: each fragment's pull uses its pair's φ_p, the
+    receivers check the φ half as φ (the fragment's own split), and the loss falls."""
+    m = streaming(2, 1, 0.5, algorithm="noloco")
+    result = run_simulation(m, corpus, peers=4, rounds=3, seed=1, eval_every_rounds=3)
+    first, last = result.history[0], result.history[-1]
+    assert math.isfinite(last.loss_bpb) and last.loss_bpb < first.loss_bpb - 0.2
+    assert last.sigma > 0.0   # replicas differ by design
+    sim = Simulation(m, corpus, peers=4, seed=1)
+    sim.run_round()
+    sim.finish()
+    assert not sim.in_flight and all(math.isfinite(float(t.sum())) for phi in sim.phis for t in phi)
+    assert not sim.counts.clipped and not sim.counts.dropped and not sim.counts.refused   # nothing honest refused
 
 
 def test_peer_join_refuses_overlap_with_pipeline_stages_before_any_network_work(monkeypatch, tmp_path: Path):
