@@ -280,8 +280,9 @@ class SyncSpec:
     overlap: str = "none"
     """'none': a peer waits for its round's sync; 'delayed': round t's sync runs while round t+1
     trains and its outer step lands at the end of round t+1 (DiLoCoX one-step delay); 'eager': as
-    delayed, and each peer starts round t+1 from φ plus its own fresh pseudo-gradient's share
-    (arXiv 2502.12996). peer/train/overlap.py; 'streaming': Streaming DiLoCo (arXiv 2501.18512),
+    delayed, and each peer starts round t+1 from its own outer parameters, φ plus its own fresh
+    pseudo-gradient's share (with outer momentum: an offset with momentum of its own; arXiv
+    2502.12996). peer/train/overlap.py; 'streaming': Streaming DiLoCo (arXiv 2501.18512),
     ``fragments`` parts of the model synced at staggered steps, each sync overlapping
     ``fragment_delay_steps`` inner steps (peer/train/streaming.py). A
     swarm-wide fact."""
