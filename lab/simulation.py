@@ -326,13 +326,12 @@ class Simulation:
         state), the means in flight and the tokens each peer trained since each fragment's last sync.
 
         Raises:
-            ValueError: a lossy codec or an adversary: the fragment syncs run the plain screened mean
-                only, so far; or more fragments than blocks.
+            ValueError: an adversary (the fragment syncs run the honest screened mean only, so
+                far); or more fragments than blocks.
         """
-        if self.compressed or self.adversary is not None:
-            raise ValueError(f"sync.overlap = 'streaming' with compression.codec = {self.m.compression.codec!r}, "
-                             f"adversary: {self.adversary is not None}: the simulation streams with codec 'none' "
-                             "and no adversary so far")
+        if self.adversary is not None:
+            raise ValueError("sync.overlap = 'streaming' with an adversary: the simulation streams honest peers "
+                             "only so far")
         self.fragments = partition(names, self.m.sync.fragments)
         self.fragment_outers = [[make_outer(self.m, [self.shapes[k] for k in index]) for index in self.fragments]
                                 for _ in range(self.peers)]
@@ -410,6 +409,8 @@ class Simulation:
         claimed = [float(max(1, t)) for t in self.fragment_tokens[p]]
         self.fragment_tokens[p] = [0] * self.peers
         means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]
+        phi_from = self.fragment_outers[0][p].phi_from(len(index))
+        tensors = [*index, *(len(self.shapes) + k for k in index)] if phi_from is not None else list(index)
         for group in sync_groups(self.m, self.peers, self.round_):
             received: list[list[torch.Tensor]] | None
             if len(group) == 1:
@@ -417,11 +418,15 @@ class Simulation:
             else:
                 weights = [claimed[j] for j in group]
                 contributions = [payloads[j] for j in group]
-                mean = self._group_mean(group, contributions, weights)
-                received = None if mean is None else self._receive(
-                    group, mean, list(mean), contributions, weights, contributions,
-                    phi_from=self.fragment_outers[0][p].phi_from(len(index)))
-                sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
+                if self.compressed:  # the fragment's tensors with their codecs, seeds and residuals
+                    final, sent = self._compressed_mean(group, contributions, weights, tensors=tensors)
+                    received = None if final is None else self._receive(
+                        group, self._honest_final, final, self._decoded, weights, contributions, phi_from=phi_from)
+                else:
+                    mean = self._group_mean(group, contributions, weights)
+                    received = None if mean is None else self._receive(
+                        group, mean, list(mean), contributions, weights, contributions, phi_from=phi_from)
+                    sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
             for member, j in enumerate(group):
                 means[j] = payloads[j] if received is None else received[member]
                 self.bytes_sent[j] += sent
@@ -701,7 +706,8 @@ class Simulation:
                     t.copy_(p)
 
     def _compressed_mean(self, group: Sequence[int], payloads: Sequence[Sequence[torch.Tensor]],
-                         weights: Sequence[float]) -> tuple[list[torch.Tensor] | None, float]:
+                         weights: Sequence[float], *, tensors: Sequence[int] | None = None,
+                         ) -> tuple[list[torch.Tensor] | None, float]:
         """The group mean as the network's all-reduce computes it with a codec, and the bytes sent.
 
         Tensor i is owned by member ``i mod n`` (whole tensors stand in for the all-reduce's row
@@ -716,19 +722,26 @@ class Simulation:
         which the caller runs with ``_decoded``, the decoded contributions, and ``_honest_final``,
         the decoded honest means).
 
+        ``tensors``: the whole payload's indices of the tensors ``payloads`` hold (a streaming
+        fragment's: its Δ tensors, then NoLoCo's φ tensors), whose codecs, codec seeds and
+        residuals they use; None: the whole payload.
+
         Returns:
             The decoded means as the owners sent them (None: a mean was not finite, the all-reduce
             failed and every member's residuals roll back), and the bytes one member sends on
             average: per tensor, the
             encoded contributions of the n − 1 non-owners plus n − 1 copies of the encoded mean, over n.
         """
-        n, deltas = len(group), len(self.shapes)
-        seeds = [codec_seed(self.round_, index) for index in range(len(payloads[0]))]
+        n, n_params = len(group), len(self.shapes)
+        index = list(range(len(payloads[0]))) if tensors is None else list(tensors)
+        deltas = sum(1 for g in index if g < n_params)  # the payload's Δ tensors come first
+        seeds = [codec_seed(self.round_, g) for g in index]
         decoded, codecs, total = [], [], 0
         for member, (j, payload) in enumerate(zip(group, payloads)):
             ef = self.feedback[j] if self.feedback is not None else None
-            inputs = [ef.compensate(i, t) if ef is not None and i < deltas else t for i, t in enumerate(payload)]
-            mine = list(self.codecs)
+            inputs = [ef.compensate(g, t) if ef is not None and i < deltas else t
+                      for i, (g, t) in enumerate(zip(index, payload))]
+            mine = [self.codecs[g] for g in index]
             if self.m.compression.codec == "adaptive":
                 mine[:deltas] = plan(inputs[:deltas], self.m.compression, group_size=n,
                                      uplink_bytes_per_s=self.uplink_mbps * 1e6 / 8)
@@ -741,7 +754,7 @@ class Simulation:
                     data, y = codec.roundtrip(x, seed=seeds[i])
                     total += 0 if own else len(data)
                 if ef is not None and i < deltas:
-                    ef.stage(i, x, y)
+                    ef.stage(index[i], x, y)
                 out.append(y)
             decoded.append(out)
             codecs.append(mine)

@@ -122,15 +122,18 @@ def streaming(fragments: int, delay: int, alpha: float, layers: int = 2, **sync)
                                     "fragment_alpha": alpha, **sync})
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
-def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, monkeypatch):
+@pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("noloco", "none"), ("diloco", "int8"),
+                                             ("noloco", "topk")])
+def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, codec, monkeypatch):
     """P = 1, τ = 0, α = 0: one fragment, the whole model, synced and landed at the round's end,
-    θ ← φ: the blocking round, bit for bit (NoLoCo: its payload's φ half, its random pairs)."""
+    θ ← φ: the blocking round, bit for bit (NoLoCo: its payload's φ half, its random pairs; a
+    lossy codec: its seeds and error feedback)."""
     import lab.simulation
 
-    none = Simulation(tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm}), corpus,
-                      peers=4, seed=0)
-    stream = Simulation(streaming(1, 0, 0.0, algorithm=algorithm), corpus, peers=4, seed=0)
+    none = Simulation(tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm},
+                                         compression={"codec": codec}), corpus, peers=4, seed=0)
+    stream = Simulation(streaming(1, 0, 0.0, algorithm=algorithm).replace(compression={"codec": codec}), corpus,
+                        peers=4, seed=0)
     # NoLoCo's pairs are drawn from the run id, which the overlap field changes: draw the blocking run's
     plan = lab.simulation.sync_groups
     monkeypatch.setattr(lab.simulation, "sync_groups", lambda m, peers, round_: plan(none.m, peers, round_))
@@ -180,8 +183,32 @@ def test_streaming_peers_hold_identical_phi_and_the_loss_falls(corpus):
 
 
 def test_simulation_streams_only_what_it_implements(corpus):
-    with pytest.raises(ValueError, match="compression.codec = 'int8'"):
-        Simulation(streaming(2, 1, 0.5).replace(compression={"codec": "int8"}), corpus, peers=2, seed=0)
+    from lab.adversary import Adversary
+
+    with pytest.raises(ValueError, match="adversary"):
+        Simulation(streaming(2, 1, 0.5), corpus, peers=3, seed=0, adversary=Adversary(attack="sign-flip", peers=(2,)))
+
+
+def test_a_lossy_codec_streams_each_fragment_with_its_own_residuals(corpus):
+    """int8 with error feedback: a fragment's sync compensates and stages the residuals of its own
+    tensors only (the others' stay as their last sync left them), and the loss falls."""
+    m = streaming(2, 1, 0.5).replace(compression={"codec": "int8"})
+    sim = Simulation(m, corpus, peers=2, seed=0)
+    first, second = sim.fragments
+    for k in range(sim.m.sync.inner_steps):   # up to fragment 1's sync at step H/P only
+        for inner in sim.inners:
+            inner.step(k)
+        if k + 1 == sim.m.sync.inner_steps // 2:
+            sim._fragment_sync(1, k + 1)
+            break
+    residuals = sim.feedback[0].residuals()
+    assert residuals is not None
+    # peer 0's residuals: for the fragment's tensors it does not own (its own stay exact, spent)
+    assert any(bool(residuals[k].abs().sum() > 0) for k in second)
+    assert all(not bool(residuals[k].abs().sum() > 0) for k in first)
+    result = run_simulation(m, corpus, peers=2, rounds=3, seed=1, eval_every_rounds=3)
+    assert math.isfinite(result.history[-1].loss_bpb)
+    assert result.history[-1].loss_bpb < result.history[0].loss_bpb - 0.2
 
 
 def test_noloco_streams_fragments_with_its_pairs_in_the_simulation(corpus):
