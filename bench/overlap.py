@@ -6,7 +6,8 @@
 
 Simulates N peers in one process (lab/simulation.py, the swarm's own outer and overlap code:
 peer/train/overlap.py) with bench/compare.py's run manifest and its fixed global batch, once per
-``sync.overlap`` mode, so every run sees the same tokens; the mode is the only difference. The
+``sync.overlap`` mode, so every run sees the same tokens and (NoLoCo) draws the same groups, those
+of the run without overlap; the mode is the only difference. The
 final validation loss (bits per byte, after the last in-flight sync landed) is compared with
 overlap "none" at the same method, N and seeds. Writes ``bench/results/overlap.json``:
 ``{"results": [...], "quality": [{"overlap", "peers", "final_bpb", "vs_none", ...}]}``. "results"
@@ -64,8 +65,10 @@ def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench
     torch.set_num_threads(threads)
     m = run_manifest(base, method, mode, peers, seed, bench, rounds)
     blocking_rounds = from_round if mode != "none" else 0
+    # NoLoCo's groups come from the run id, which the mode changes: every mode draws none's groups
+    groups = run_manifest(base, method, "none", peers, seed, bench, rounds).run_id
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
-                       eval_every_rounds=rounds, overlap_from_round=blocking_rounds)
+                       eval_every_rounds=rounds, overlap_from_round=blocking_rounds, groups_run_id=groups)
     run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
            "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
     if mode == "streaming":

@@ -112,16 +112,16 @@ def weight_spread(replicas: Sequence[Sequence[torch.Tensor]]) -> float:
     return math.sqrt(squares / (len(replicas) * params))
 
 
-def sync_groups(manifest: RunManifest, peers: int, round_: int) -> list[list[int]]:
+def sync_groups(manifest: RunManifest, peers: int, round_: int, *, run_id: str | None = None) -> list[list[int]]:
     """Indices of the peers that average together in round ``round_``.
 
     The swarm's own group plan (:func:`protocol.groups.plan_groups`) for the peer names
     ``sim-peer-{i}``, as every networked peer would draw it: DiLoCo one group of all peers,
-    NoLoCo random groups, independent groups of one.
+    NoLoCo random groups (drawn from ``run_id``, default the manifest's), independent groups of one.
     """
     index = {f"sim-peer-{i}": i for i in range(peers)}
-    groups = plan_groups(list(index), algorithm=manifest.sync.algorithm, run_id=manifest.run_id, round_=round_,
-                         group_size=manifest.noloco.group_size)
+    groups = plan_groups(list(index), algorithm=manifest.sync.algorithm, run_id=run_id or manifest.run_id,
+                         round_=round_, group_size=manifest.noloco.group_size)
     return [sorted(index[name] for name in group) for group in groups]
 
 
@@ -229,6 +229,10 @@ class Simulation:
         precision: the inner loop's autocast (peer/train/precision.py), e.g. bf16 on a CUDA card.
         compile: each replica's forward and loss through torch.compile (InnerLoop's ``compile``; the
             replicas share one class and shapes, so one graph serves them all).
+        groups_run_id: the run id NoLoCo's random groups are drawn from, for the whole run
+            (default: the manifest's at the start). Every manifest field changes the run id, so
+            runs that should differ in one setting alone (bench/overlap.py's overlap modes) pass
+            the same one to draw the same groups.
 
     Raises:
         ValueError: ``peers`` < 1, an adversary outside the peers or with data-parallel, or an
@@ -238,7 +242,7 @@ class Simulation:
     def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
                  data_parallel: bool = False, uplink_mbps: float = 50.0, screening: bool = True,
                  adversary: Adversary | None = None, device: torch.device | str = "cpu",
-                 precision: Precision = FP32, compile: bool = False):
+                 precision: Precision = FP32, compile: bool = False, groups_run_id: str | None = None):
         if peers < 1:
             raise ValueError(f"peers = {peers}: need at least one")
         self.device = torch.device(device)
@@ -248,6 +252,8 @@ class Simulation:
             raise ValueError(f"adversary peers {adversary.peers} with {peers} peers, data_parallel = {data_parallel}: "
                              "need peer indices below N and the low-communication mode")
         self.screening, self.adversary = screening, adversary
+        self.groups_run_id = groups_run_id or manifest.run_id
+        """What NoLoCo's groups are drawn from (fixed at the start: :meth:`start_overlap` changes ``m``)."""
         self.max_weight = round_token_cap(manifest) if screening else None
         self.strikes = [Strikes() for _ in range(peers)]
         """Per peer, as an owner: the groupmates it ignores (peer/sync/averager.py keeps one per peer)."""
@@ -411,7 +417,7 @@ class Simulation:
         means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]
         phi_from = self.fragment_outers[0][p].phi_from(len(index))
         tensors = [*index, *(len(self.shapes) + k for k in index)] if phi_from is not None else list(index)
-        for group in sync_groups(self.m, self.peers, self.round_):
+        for group in sync_groups(self.m, self.peers, self.round_, run_id=self.groups_run_id):
             received: list[list[torch.Tensor]] | None
             if len(group) == 1:
                 received, sent = [payloads[group[0]]], 0.0
@@ -458,7 +464,7 @@ class Simulation:
         sent_payloads, claimed = self._contributions(payloads, round_tokens)
         means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]
         shares = [1.0] * self.peers
-        for group in sync_groups(self.m, self.peers, self.round_):
+        for group in sync_groups(self.m, self.peers, self.round_, run_id=self.groups_run_id):
             weights = [claimed[j] for j in group]
             own = [payloads[j] for j in group]
             received: list[list[torch.Tensor]] | None
@@ -834,9 +840,10 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
                    adversary: Adversary | None = None, device: torch.device | str = "cpu",
                    precision: Precision = FP32, compile: bool = False,
                    on_eval: Callable[[EvalPoint], None] | None = None,
-                   overlap_from_round: int = 0) -> SimulationResult:
+                   overlap_from_round: int = 0, groups_run_id: str | None = None) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
-    (``screening``, ``adversary``, ``device``, ``precision`` and ``compile``: see :class:`Simulation`).
+    (``screening``, ``adversary``, ``device``, ``precision``, ``compile`` and ``groups_run_id``: see
+    :class:`Simulation`).
     ``on_eval`` is called with each evaluation as it is made (round 0 included), so a caller can keep
     the curve of a run that is stopped before it returns. ``overlap_from_round`` K > 0: the first K
     rounds run without overlap and the manifest's ``sync.overlap`` ('delayed' or 'eager') from round
@@ -856,7 +863,7 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
         manifest = manifest.replace(sync={"overlap": "none"})
     sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
                      screening=screening, adversary=adversary, device=device, precision=precision,
-                     compile=compile)
+                     compile=compile, groups_run_id=groups_run_id)
     history = [sim.evaluate(windows)]
     if on_eval is not None:
         on_eval(history[-1])

@@ -124,19 +124,15 @@ def streaming(fragments: int, delay: int, alpha: float, layers: int = 2, **sync)
 
 @pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("noloco", "none"), ("diloco", "int8"),
                                              ("noloco", "topk")])
-def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, codec, monkeypatch):
+def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, codec):
     """P = 1, τ = 0, α = 0: one fragment, the whole model, synced and landed at the round's end,
     θ ← φ: the blocking round, bit for bit (NoLoCo: its payload's φ half, its random pairs; a
     lossy codec: its seeds and error feedback)."""
-    import lab.simulation
-
     none = Simulation(tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm},
                                          compression={"codec": codec}), corpus, peers=4, seed=0)
-    stream = Simulation(streaming(1, 0, 0.0, algorithm=algorithm).replace(compression={"codec": codec}), corpus,
-                        peers=4, seed=0)
     # NoLoCo's pairs are drawn from the run id, which the overlap field changes: draw the blocking run's
-    plan = lab.simulation.sync_groups
-    monkeypatch.setattr(lab.simulation, "sync_groups", lambda m, peers, round_: plan(none.m, peers, round_))
+    stream = Simulation(streaming(1, 0, 0.0, algorithm=algorithm).replace(compression={"codec": codec}), corpus,
+                        peers=4, seed=0, groups_run_id=none.m.run_id)
     for sim in (none, stream):
         for _ in range(3):
             sim.run_round()
