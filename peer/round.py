@@ -209,8 +209,9 @@ class Trainer:
         self._background = BackgroundSync() if self.overlap != "none" else None
         """With ``sync.overlap``: the last round's sync, running while this round trains."""
         self._anchor: list[torch.Tensor] | None = None
-        self._eager = EagerState()  # eager with outer momentum: this peer's part of its outer state
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
+        self._eager = EagerState()
+        """Eager with outer momentum: this peer's own part of its outer state (never sent, not saved)."""
         self._adopted_in_flight = False
         """This peer adopted a state while the sync in flight ran, and kept it (see :meth:`_adopt`)."""
         self._prepared: _PreparedStep | None = None
