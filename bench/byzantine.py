@@ -46,6 +46,7 @@ from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E4
 from lab.adversary import GRADIENT_ATTACKS, OWNER_ATTACKS, Adversary  # noqa: E402
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
+from protocol.errors import ManifestError  # noqa: E402
 from protocol.manifest import RunManifest  # noqa: E402
 
 ORDER = [*GRADIENT_ATTACKS, *OWNER_ATTACKS, "fake-progress"]
@@ -182,7 +183,10 @@ def main() -> None:
         parser.error(f"--attack-seeds {missing} have no clean run: add them to --seeds")
 
     base, bench = load_config(args.config)
-    base = apply_overrides(base, args.set)
+    try:
+        base = apply_overrides(base, args.set)
+    except (ValueError, ManifestError) as exc:
+        parser.error(str(exc))
     start = time.perf_counter()
     work = [dict(attack=None, malicious=0, seed=s, screening=sc) for s in args.seeds for sc in (True, False)]
     # seed-major: an interrupted invocation has every attack at the first seed

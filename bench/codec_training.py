@@ -33,6 +33,7 @@ from compare import apply_overrides, load_config, manifest_for  # noqa: E402  (b
 from peer.train.data import load_corpus  # noqa: E402
 from peer.train.model import build_model, parameter_count  # noqa: E402
 from lab.simulation import butterfly_bytes, run_simulation  # noqa: E402
+from protocol.errors import ManifestError  # noqa: E402
 from protocol.manifest import CODECS  # noqa: E402  (every codec a run may name)
 
 ADAPTIVE_RATIO = 8.0
@@ -58,7 +59,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     base, bench = load_config(args.config)
-    base = apply_overrides(base, args.set)
+    try:
+        base = apply_overrides(base, args.set)
+    except (ValueError, ManifestError) as exc:
+        parser.error(str(exc))
     rounds = args.rounds or bench["rounds"]
     m0 = manifest_for(base, "diloco", args.peers, args.seed, bench["global_batch_tokens"], rounds)
     fp32_round = butterfly_bytes(parameter_count(build_model(m0.model)), args.peers)

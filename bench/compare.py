@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo too
 from peer.train.data import load_corpus
 from peer.train.device import place
 from lab.simulation import EvalPoint, SimulationResult, run_simulation  # noqa: E402
+from protocol.errors import ManifestError  # noqa: E402
 from protocol.manifest import RunManifest, from_dict
 
 LABELS = {
@@ -65,12 +66,25 @@ def apply_overrides(base: RunManifest, items: list[str]) -> RunManifest:
 
     All overrides are applied in one replace, so fields that are only valid together (e.g.
     ``data.tokenizer="bpe"`` with ``data.vocab_size=2048``) can be set in any order; a later
-    override of the same field wins."""
+    override of the same field wins.
+
+    Raises:
+        ValueError: an item not of the form SECTION.FIELD=VALUE or whose VALUE is not TOML (a
+            string needs quotes), naming the item.
+        ManifestError: a value the manifest refuses, naming the field.
+    """
     sections: dict[str, dict] = {}
     for item in items:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        sections.setdefault(section, {})[name] = tomllib.loads(f"v = {value}")["v"]
+        key, equals, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not (equals and dot and section and name and value.strip()):
+            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. --set sync.fragments=2")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ValueError(f"--set {item!r}: {value!r} is not a TOML value; a string needs quotes, "
+                             f"e.g. --set '{key.strip()}=\"{value.strip()}\"'") from None
+        sections.setdefault(section, {})[name] = parsed
     return base.replace(**sections) if sections else base
 
 
@@ -249,7 +263,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     base, bench = load_config(args.config)
-    base = apply_overrides(base, args.set)
+    try:
+        base = apply_overrides(base, args.set)
+    except (ValueError, ManifestError) as exc:
+        parser.error(str(exc))
     rounds = args.rounds or bench["rounds"]
     seeds, peer_counts = args.seeds or bench["seeds"], args.peers or bench["peers"]
     methods = args.methods or bench["methods"]

@@ -168,7 +168,10 @@ def main() -> None:
                      "delayed and eager (streaming's fragments are set up at the start)")
 
     base, bench = load_config(args.config)
-    base = apply_overrides(base, args.set)
+    try:
+        base = apply_overrides(base, args.set)
+    except (ValueError, ManifestError) as exc:
+        parser.error(str(exc))
     rounds = args.rounds or bench["rounds"]
     if args.from_round >= rounds:
         parser.error(f"--from-round {args.from_round}: the run has {rounds} rounds, so no round would overlap; "

@@ -52,3 +52,16 @@ def test_every_compare_config_is_a_valid_manifest_with_a_whole_per_peer_batch(pa
         per_peer = bench["global_batch_tokens"] // n
         assert per_peer * n == bench["global_batch_tokens"] and per_peer % base.data.seq_len_tokens == 0, (path, n)
         assert per_peer >= 1024, (path, n)  # issue #15: per-peer batches of at least 1,024 tokens
+
+
+@pytest.mark.parametrize("item,why", [
+    ("compression.codec=int8", r"'int8' is not a TOML value; a string needs quotes"),
+    ("fragments=2", "expected SECTION.FIELD=VALUE"),
+    ("sync.fragments", "expected SECTION.FIELD=VALUE"),
+    ("sync.fragments=", "expected SECTION.FIELD=VALUE"),
+])
+def test_a_malformed_override_names_the_item_and_the_form(item, why):
+    base, _ = load_config(CONFIG)
+    with pytest.raises(ValueError, match=why) as error:
+        apply_overrides(base, [item])
+    assert repr(item) in str(error.value)
