@@ -47,7 +47,7 @@ from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer
 from peer.train.precision import FP32, Precision
 from peer.train.overlap import EagerState, drain, next_start, round_progress
-from peer.train.streaming import landing_at, merge, partition, syncing_at
+from peer.train.streaming import landing_at, merge, partition, payload_indices, syncing_at
 from protocol.codecs import Codec, make_codec
 from protocol.manifest import RunManifest
 from protocol.groups import codec_seed, plan_groups
@@ -415,8 +415,7 @@ class Simulation:
         claimed = [float(max(1, t)) for t in self.fragment_tokens[p]]
         self.fragment_tokens[p] = [0] * self.peers
         means: list[list[torch.Tensor]] = [[] for _ in range(self.peers)]
-        phi_from = self.fragment_outers[0][p].phi_from(len(index))
-        tensors = [*index, *(len(self.shapes) + k for k in index)] if phi_from is not None else list(index)
+        tensors = payload_indices(index, phi_from=self.outers[0].phi_from(len(self.shapes)))
         for group in sync_groups(self.m, self.peers, self.round_, run_id=self.groups_run_id):
             received: list[list[torch.Tensor]] | None
             if len(group) == 1:
@@ -427,11 +426,11 @@ class Simulation:
                 if self.compressed:  # the fragment's tensors with their codecs, seeds and residuals
                     final, sent = self._compressed_mean(group, contributions, weights, tensors=tensors)
                     received = None if final is None else self._receive(
-                        group, self._honest_final, final, self._decoded, weights, contributions, phi_from=phi_from)
+                        group, self._honest_final, final, self._decoded, weights, contributions)
                 else:
                     mean = self._group_mean(group, contributions, weights)
                     received = None if mean is None else self._receive(
-                        group, mean, list(mean), contributions, weights, contributions, phi_from=phi_from)
+                        group, mean, list(mean), contributions, weights, contributions)
                     sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
             for member, j in enumerate(group):
                 means[j] = payloads[j] if received is None else received[member]
@@ -602,11 +601,9 @@ class Simulation:
 
     def _receive(self, group: Sequence[int], honest: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
                  contributions: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
-                 own: Sequence[Sequence[torch.Tensor]], *, phi_from: int | None = -1) -> list[list[torch.Tensor]]:
-        """What each member applies: per member (group order) one tensor per piece.
-
-        ``phi_from``: the index of the first φ piece (NoLoCo; None: all pieces are Δ); default
-        (−1): the whole model's payload's, a fragment's sync passes its own.
+                 own: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """What each member applies: per member (group order) one tensor per piece (the whole
+        payload's or a streaming fragment's).
 
         Every honest member j checks the mean ``sent[i]`` of each piece it does not own against its
         own contribution ``contributions[j][i]`` (as the owner decoded it) with
@@ -625,8 +622,8 @@ class Simulation:
         what their owners computed).
         """
         n = len(group)
-        if phi_from == -1:
-            phi_from = self.outers[0].phi_from(len(self.shapes))
+        # k parameters' payload: k Δ tensors, then (NoLoCo) k φ tensors; phi_from(k) is k or None
+        phi_from = self.outers[0].phi_from(len(sent) // 2)
         out = []
         for member, j in enumerate(group):
             if j not in self.honest:

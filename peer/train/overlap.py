@@ -150,8 +150,9 @@ class EagerState:
             raise ValueError(f"share = {share!r}: need 0 < share <= 1")
         own = [d.detach().float() * share for d in delta]
         step = own if self.last is None else [a - b for a, b in zip(own, self.last, strict=True)]
-        zeros = [torch.zeros_like(t) for t in own]
-        offset, momentum = step_on_copies(outer, self.offset or zeros, self.momentum or zeros, step)
+        if self.offset is None:  # a fresh worker: zero offset and momentum
+            self.offset = self.momentum = [torch.zeros_like(t) for t in own]
+        offset, momentum = step_on_copies(outer, self.offset, self.momentum, step)
         start = [p + o for p, o in zip(phi, offset, strict=True)]
         check_finite(start, "the eager start point")
         self.offset, self.momentum, self.last = offset, momentum, own
