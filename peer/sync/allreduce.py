@@ -146,6 +146,8 @@ class GroupAllreduce:
         self._changed = asyncio.Condition()
         self._mean_frames: dict[int, asyncio.Future] = {p.index: asyncio.get_running_loop().create_future()
                                                         for p in self.my_pieces}
+        self._mean_writers: set[asyncio.Task] = set()
+        """Owner: the tasks writing this peer's MEAN frames back to each sender (:meth:`serve`)."""
         self.results: dict[int, torch.Tensor] = {}
         self.phi_from = phi_from
         self._sent: dict[int, torch.Tensor] = {}
@@ -219,6 +221,7 @@ class GroupAllreduce:
                 self._connected.add(sender)
                 self._changed.notify_all()
             send_task = asyncio.create_task(self._send_means(writer))
+            self._mean_writers.add(send_task)
             try:
                 for piece in self.my_pieces:
                     limit = frames.PIECE_HEADER.size + self.plan.max_piece_bytes[piece.index]
@@ -437,6 +440,12 @@ class GroupAllreduce:
             except Exception as exc:
                 errors.append(f"reducing own pieces: {type(exc).__name__}: {exc}")
                 self.close()  # senders waiting for our means get an ABORT
+        # The means this peer owes its senders are written by serve()'s tasks, which may not have
+        # run yet: wait for them (each bounded by the next-chunk timeout) so that the stats returned,
+        # which the round's report reads now, count every byte this exchange sends.
+        writing = [t for t in self._mean_writers if not t.done()]
+        if writing:
+            await asyncio.wait(writing, timeout=self.timeout)
         self.stats.seconds = time.monotonic() - self._start
         if errors:
             raise PartialAverage("; ".join(errors))

@@ -131,6 +131,35 @@ def test_group_gets_identical_weighted_mean(n):
     assert sum(o.bytes_sent for o in outcomes) == sum(o.bytes_received for o in outcomes) > 0
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_stats_run_returns_count_the_means_still_being_written(n, monkeypatch):
+    """The round's report reads ``bytes_sent`` as soon as ``run()`` returns; the means this peer owes
+    its senders are written by ``serve()``'s own tasks. Here peer 0's writes start late (as they can
+    behind a p2p daemon), after its own exchange has ended: the count taken at the return still
+    holds them."""
+    original = GroupAllreduce._send_means
+
+    async def late(self, writer):
+        if self.plan.my_index == 0:
+            await asyncio.sleep(0.2)
+        await original(self, writer)
+    monkeypatch.setattr(GroupAllreduce, "_send_means", late)
+    counted = {}
+    run = GroupAllreduce.run
+
+    async def counting_run(self):
+        stats = await run(self)
+        counted[self.plan.my_index] = stats.bytes_sent  # what the transport reads, at this moment
+        return stats
+    monkeypatch.setattr(GroupAllreduce, "run", counting_run)
+    gen = torch.Generator().manual_seed(n)
+    payloads = [[1.0 + 0.3 * torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
+    sessions, outcomes = asyncio.run(_run_group(payloads, [1.0] * n, timeout=5.0))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert [counted[i] for i in range(n)] == [o.bytes_sent for o in outcomes]
+    assert sum(counted.values()) == sum(o.bytes_received for o in outcomes) > 0
+
+
 @pytest.mark.parametrize("how", ["long", "short"])
 def test_malformed_sender_is_excluded_and_others_agree(how):
     n = 4
