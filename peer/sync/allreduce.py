@@ -422,6 +422,9 @@ class GroupAllreduce:
     async def run(self) -> AllreduceStats:
         """Run the whole exchange; on success the tensors hold the group means.
 
+        Returns once this peer's own exchanges and reductions are done and the means it owes its
+        senders are written (or a next-chunk timeout has passed), so the stats count every byte sent.
+
         Raises:
             PartialAverage: some piece's mean did not arrive valid; tensors unchanged.
         """
