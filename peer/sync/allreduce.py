@@ -444,7 +444,7 @@ class GroupAllreduce:
                 errors.append(f"reducing own pieces: {type(exc).__name__}: {exc}")
                 self.close()  # senders waiting for our means get an ABORT
         # The means this peer owes its senders are written by serve()'s tasks, which may not have
-        # run yet: wait for them (each bounded by the next-chunk timeout) so that the stats returned,
+        # run yet: wait for them (all together bounded by one next-chunk timeout) so that the stats returned,
         # which the round's report reads now, count every byte this exchange sends.
         writing = [t for t in self._mean_writers if not t.done()]
         if writing:
