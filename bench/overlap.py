@@ -17,8 +17,8 @@ that this invocation does not measure again, e.g. to add streaming rows beside n
 without it the quality rows are this invocation's alone. A streaming row names its fragments P,
 delay τ and α (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``, set with
 ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows of different settings are
-kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds
-(their rows are kept apart too). Prints a markdown table for docs/benchmarks.md.
+kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds (the
+manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their rows are kept apart too). Prints a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -63,12 +63,13 @@ def run_manifest(base: RunManifest, method: str, mode: str, peers: int, seed: in
 def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict, rounds: int,
          threads: int, from_round: int = 0) -> dict:
     torch.set_num_threads(threads)
-    m = run_manifest(base, method, mode, peers, seed, bench, rounds)
     blocking_rounds = from_round if mode != "none" else 0
+    m = run_manifest(base, method, mode, peers, seed, bench, rounds).replace(
+        sync={"overlap_from_round": blocking_rounds})
     # NoLoCo's groups come from the run id, which the mode changes: every mode draws none's groups
     groups = run_manifest(base, method, "none", peers, seed, bench, rounds).run_id
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
-                       eval_every_rounds=rounds, overlap_from_round=blocking_rounds, groups_run_id=groups)
+                       eval_every_rounds=rounds, groups_run_id=groups)
     run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
            "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
     if mode == "streaming":
@@ -155,7 +156,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--from-round", type=int, default=0, metavar="K",
                         help="delayed and eager only: the first K rounds without overlap, the mode from "
-                             "round K + 1 on (does overlap cost quality only early in a run?)")
+                             "round K + 1 on (sync.overlap_from_round = K; does overlap cost quality only "
+                             "early in a run?)")
     parser.add_argument("--merge", action="store_true",
                         help="keep --out's quality rows and runs that this invocation does not measure again "
                              "(its rig 'results' are always kept)")

@@ -254,6 +254,12 @@ class Simulation:
         self.screening, self.adversary = screening, adversary
         self.groups_run_id = groups_run_id or manifest.run_id
         """What NoLoCo's groups are drawn from (fixed at the start: :meth:`start_overlap` changes ``m``)."""
+        self._overlap_later: tuple[int, str] | None = None
+        """(K, mode) with ``sync.overlap_from_round`` K > 0: the run syncs without overlap until
+        :meth:`run_round` starts round K (0-based) with :meth:`start_overlap`, as a peer does."""
+        if manifest.sync.overlap_from_round and not data_parallel:
+            self._overlap_later = (manifest.sync.overlap_from_round, manifest.sync.overlap)
+            manifest = manifest.replace(sync={"overlap": "none", "overlap_from_round": 0})
         self.max_weight = round_token_cap(manifest) if screening else None
         self.strikes = [Strikes() for _ in range(peers)]
         """Per peer, as an owner: the groupmates it ignores (peer/sync/averager.py keeps one per peer)."""
@@ -356,6 +362,9 @@ class Simulation:
         on the N peers' batches together, an all-reduce of the P gradients per step. Streaming:
         :meth:`_streaming_round`.
         """
+        if self._overlap_later is not None and self.round_ == self._overlap_later[0]:
+            self.start_overlap(self._overlap_later[1])  # sync.overlap_from_round: this round overlaps
+            self._overlap_later = None
         if self.streaming:
             self._streaming_round()
             return
@@ -661,8 +670,8 @@ class Simulation:
     def start_overlap(self, mode: str) -> None:
         """Switch a run without overlap to ``mode`` ('delayed' or 'eager') from the next round on:
         that round starts from φ (ψ = φ, as every round without overlap does) and its sync is the
-        first that lands a round late. For measuring whether overlap costs quality early in a run
-        only (bench/overlap.py ``--from-round``).
+        first that lands a round late. :meth:`run_round` calls it at round
+        ``sync.overlap_from_round`` (bench/overlap.py ``--from-round``).
 
         Raises:
             ValueError: ``mode`` is not 'delayed' or 'eager', the run already overlaps, streams, or
@@ -837,14 +846,14 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
                    adversary: Adversary | None = None, device: torch.device | str = "cpu",
                    precision: Precision = FP32, compile: bool = False,
                    on_eval: Callable[[EvalPoint], None] | None = None,
-                   overlap_from_round: int = 0, groups_run_id: str | None = None) -> SimulationResult:
+                   groups_run_id: str | None = None) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
     (``screening``, ``adversary``, ``device``, ``precision``, ``compile`` and ``groups_run_id``: see
     :class:`Simulation`).
     ``on_eval`` is called with each evaluation as it is made (round 0 included), so a caller can keep
-    the curve of a run that is stopped before it returns. ``overlap_from_round`` K > 0: the first K
-    rounds run without overlap and the manifest's ``sync.overlap`` ('delayed' or 'eager') from round
-    K + 1 on (:meth:`Simulation.start_overlap`).
+    the curve of a run that is stopped before it returns. With ``sync.overlap_from_round`` K > 0
+    the first K rounds run without overlap and ``sync.overlap`` ('delayed' or 'eager') from the
+    next on (:meth:`Simulation.run_round`).
 
     Returns:
         SimulationResult with the loss curve (round 0 and the last round always included), the
@@ -852,12 +861,6 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     """
     start = time.perf_counter()
     windows = validation_batch(corpus, manifest.data)
-    mode = manifest.sync.overlap
-    if overlap_from_round < 0 or (overlap_from_round and mode not in ("delayed", "eager")):
-        raise ValueError(f"overlap_from_round = {overlap_from_round!r} with overlap {mode!r}: need K >= 0, "
-                         "and K > 0 only with 'delayed' or 'eager'")
-    if overlap_from_round:
-        manifest = manifest.replace(sync={"overlap": "none"})
     sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
                      screening=screening, adversary=adversary, device=device, precision=precision,
                      compile=compile, groups_run_id=groups_run_id)
@@ -865,8 +868,6 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     if on_eval is not None:
         on_eval(history[-1])
     for r in range(1, rounds + 1):
-        if overlap_from_round and r == overlap_from_round + 1:
-            sim.start_overlap(mode)
         sim.run_round()
         if r == rounds:
             sim.finish()  # overlap: the last round's sync lands before the final evaluation

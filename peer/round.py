@@ -9,7 +9,8 @@ counters on the types of peer/progress.py.
 
 With ``sync.overlap`` a round's sync runs in the background while the next round trains
 (:meth:`Trainer._overlap_step`; the update rules in peer/train/overlap.py, the thread in
-peer/sync/background.py). With ``"streaming"`` (Streaming DiLoCo) each fragment of the model syncs
+peer/sync/background.py), from round ``sync.overlap_from_round`` on (the rounds before it sync
+blocking, :meth:`Trainer._blocking`). With ``"streaming"`` (Streaming DiLoCo) each fragment of the model syncs
 on its own schedule inside the round instead (:meth:`Trainer._stream_after_step`,
 :meth:`Trainer._streaming_step`; the rules in peer/train/streaming.py). A checkpoint taken with a
 sync in flight holds the last applied φ and this peer's θ; a restart drops that sync (its own
@@ -208,6 +209,8 @@ class Trainer:
         self.overlap = manifest.sync.overlap
         self._background = BackgroundSync() if self.overlap != "none" else None
         """With ``sync.overlap``: the last round's sync, running while this round trains."""
+        self._overlap_from = manifest.sync.overlap_from_round
+        """K: with ``delayed`` or ``eager``, rounds before K sync blocking (:meth:`_blocking`)."""
         self._anchor: list[torch.Tensor] | None = None
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
         self._eager = EagerState()
@@ -265,7 +268,7 @@ class Trainer:
                 self._inner_phase()
                 if self.stop_event.is_set():
                     break
-                outcome = (self._sync_and_step() if self._background is None else
+                outcome = (self._sync_and_step() if self._blocking(self.pos.round) else
                            self._streaming_step() if self._fragments else self._overlap_step())
                 self._after_round(outcome)
                 if not self._done():
@@ -323,6 +326,14 @@ class Trainer:
                 self._publish(train_loss=result.loss, tokens_per_s=self.pos.tokens_per_s)
             if result.ends_round:
                 return
+
+    def _blocking(self, round_: int) -> bool:
+        """Whether the sync of round ``round_`` holds the round loop until its mean is applied:
+        without ``sync.overlap``, and with ``delayed`` or ``eager`` in the rounds before
+        ``sync.overlap_from_round`` (the swarm's round index, so a whole group switches at once; the
+        first overlapping round, K, lands no earlier sync and starts its own in the background, as a
+        run's first round with overlap does)."""
+        return self._background is None or round_ < self._overlap_from
 
     def _trains_while_waiting(self) -> bool:
         """Past the round's H inner steps with ``delayed`` or ``eager`` overlap: whether to take one
@@ -916,8 +927,9 @@ class Trainer:
         round behind every time and never adopt their state.
         """
         round_, closing = self.pos.round - 1, self.H - max(1, self.H // 4)
-        outsiders = self._background is None or self._last_sync_failed
-        reuse_s = 0.0 if self._background is None else RECORDS_REUSE_S
+        blocking = self._blocking(round_)  # how the round just ended synced
+        outsiders = blocking or self._last_sync_failed
+        reuse_s = 0.0 if blocking else RECORDS_REUSE_S
         finishing = {r.peer_id for r in self.swarm.others(max_age_s=reuse_s)
                      if r.record.round == round_ and ((outsiders and r.peer_id not in self._completed_with and
                                                        r.record.inner_step - round_ * self.H >= closing) or
@@ -988,7 +1000,8 @@ class Trainer:
         this peer from another state in its last sync, and anyone when this peer's last landed
         sync failed (it applied its own payload: it is off the swarm's φ, and a peer that keeps
         missing its group falls further behind each round; it must follow the swarm)."""
-        reuse_s = 0.0 if self._background is None else RECORDS_REUSE_S  # the read just made, with overlap
+        # the read just made at the round's end, with overlap (a blocking sync came after it)
+        reuse_s = 0.0 if self._blocking(self.pos.round - 1) else RECORDS_REUSE_S
         others, vouchers = self._vouching.screen(self.swarm.others(max_age_s=reuse_s), round_=self.pos.round)
         if self._background is not None and self._background.in_flight and not self._last_sync_failed:
             others = [r for r in others

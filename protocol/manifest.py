@@ -34,7 +34,7 @@ from protocol.errors import BadSignature, ManifestError, VersionMismatch
 from protocol.signing import OwnerKey, is_owner_hex, verify_manifest
 from protocol.specs import (
     CODECS, PHI_CODECS, CompressionSpec, DataSpec, InnerOptimizerSpec, ModelSpec, NoLoCoSpec, OuterOptimizerSpec,
-    PipelineSpec, STREAMING_FIELDS, SyncSpec, check, int_in,
+    OMITTED_AT_DEFAULT_SYNC_FIELDS, PipelineSpec, SyncSpec, check, int_in,
 )
 from protocol.version import PROTOCOL_VERSION
 
@@ -105,8 +105,8 @@ class RunManifest:
               f"at most model.num_layers = {self.model.num_layers} (a stage holds whole transformer blocks)")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data; ``owner`` is left out while empty, the streaming fields of ``sync``
-        (``STREAMING_FIELDS``) while at their defaults and the ``pipeline`` section while all of it
+        """Plain data; ``owner`` is left out while empty, the streaming fields of ``sync`` and its
+        ``overlap_from_round`` (``OMITTED_AT_DEFAULT_SYNC_FIELDS``) while at their defaults and the ``pipeline`` section while all of it
         is, so run ids from before they existed stay as they were (and older clients can read those
         manifests)."""
         data = dataclasses.asdict(self)
@@ -115,7 +115,7 @@ class RunManifest:
         if self.pipeline == PipelineSpec():
             del data["pipeline"]
         default = SyncSpec()
-        for name in STREAMING_FIELDS:
+        for name in OMITTED_AT_DEFAULT_SYNC_FIELDS:
             if getattr(self.sync, name) == getattr(default, name):
                 del data["sync"][name]
         return data

@@ -249,6 +249,9 @@ implemented in the in-process simulation (lab/simulation.py) so far: a peer refu
 STREAMING_FIELDS = ("fragments", "fragment_delay_steps", "fragment_alpha")
 """The sync fields only ``overlap = "streaming"`` reads; left out of a manifest's encoding while at
 their defaults (protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""
+OMITTED_AT_DEFAULT_SYNC_FIELDS = (*STREAMING_FIELDS, "overlap_from_round")
+"""The sync fields left out of a manifest's encoding while at their defaults: the streaming fields
+and ``overlap_from_round`` (added after runs without them existed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +289,13 @@ class SyncSpec:
     ``fragments`` parts of the model synced at staggered steps, each sync overlapping
     ``fragment_delay_steps`` inner steps (peer/train/streaming.py). A
     swarm-wide fact."""
+    overlap_from_round: int = 0
+    """K, 'delayed' and 'eager' only: rounds 0 to K − 1 of the run sync blocking (as 'none'), round K
+    is the first whose sync overlaps the next round (its mean lands at the end of round K + 1). A
+    round's index is the swarm's, so every peer switches at the same round, a joiner too. Overlap
+    costs the most loss early in a run, when φ moves the most per round (docs/benchmarks.md: eager
+    from round 9 of 384 is +0.54 % vs none, eager from round 1 of 96 is +3.8 %). 0: overlap from
+    the first round."""
     fragments: int = 4
     """P, streaming only: fragments of the model (fragment p holds transformer blocks p, p+P, ...);
     at most model.num_layers."""
@@ -301,6 +311,11 @@ class SyncSpec:
         s = "sync"
         one_of(s, "algorithm", self.algorithm, ("diloco", "noloco", "independent"))
         one_of(s, "overlap", self.overlap, OVERLAP_MODES)
+        int_in(s, "overlap_from_round", self.overlap_from_round, 0, 10**9)
+        check(s, "overlap_from_round", self.overlap_from_round,
+              self.overlap_from_round == 0 or self.overlap in ("delayed", "eager"),
+              f"0 with sync.overlap = {self.overlap!r} (blocking rounds before overlap starts apply to "
+              "'delayed' and 'eager' only): set sync.overlap_from_round = 0, or sync.overlap to one of those")
         int_in(s, "inner_steps", self.inner_steps, 1, 10**6)
         int_in(s, "fragments", self.fragments, 1, 4096)
         int_in(s, "fragment_delay_steps", self.fragment_delay_steps, 0, 10**6)

@@ -12,13 +12,16 @@ pytestmark = pytest.mark.integration
 ROUNDS = 3
 
 
-@pytest.mark.parametrize("overlap,codec,outer", [
-    ("delayed", "none", {}),
+@pytest.mark.parametrize("overlap,codec,outer,from_round", [
+    ("delayed", "none", {}, 0),
     # eager with outer momentum: each peer's own part of the paper's per-worker outer state in θ
-    ("eager", "int8", {"lr": 0.7, "momentum": 0.5, "nesterov": True}),
+    ("eager", "int8", {"lr": 0.7, "momentum": 0.5, "nesterov": True}, 0),
+    # eager after a blocking first round (sync.overlap_from_round), with the shipped outer step
+    ("eager", "none", {}, 1),
 ])
-def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, codec, outer):
-    manifest = make_manifest(sync={"overlap": overlap}, compression={"codec": codec}, outer_optimizer=outer)
+def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, codec, outer, from_round):
+    manifest = make_manifest(sync={"overlap": overlap, "overlap_from_round": from_round}, compression={"codec": codec},
+                             outer_optimizer=outer)
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ("p0", "p1")
     peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
@@ -29,9 +32,11 @@ def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, co
     for p in peers:
         rounds = p.of("round")
         assert [e["round"] for e in rounds] == list(range(1, ROUNDS + 1))
-        # a round reports the sync that landed at its end: the previous round's (none for round 1)
-        assert [e["group_size"] for e in rounds[1:]] == [2] * (ROUNDS - 1), [e.get("note") for e in rounds]
-        assert all(e["bytes_sent"] > 0 for e in rounds[1:])
+        # a round reports the sync that landed at its end: its own while blocking (rounds before
+        # from_round), else the previous round's (none for the first overlapped round)
+        landed = [r != from_round for r in range(ROUNDS)]
+        assert [e["group_size"] for e in rounds] == [2 if x else 1 for x in landed], [e.get("note") for e in rounds]
+        assert [e["bytes_sent"] > 0 for e in rounds] == landed
         initial, final = p.of("eval")[0], p.of("eval")[-1]
         assert (initial["when"], final["when"]) == ("initial", "final")
         assert final["loss"] < initial["loss"] - 0.3

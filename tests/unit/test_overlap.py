@@ -1,6 +1,8 @@
 """The overlap update rules (peer/train/overlap.py) against references written from the papers'
 equations: DiLoCoX's one-step delay (arXiv 2506.21263) and eager updates (arXiv 2502.12996)."""
 
+import re
+
 import pytest
 import torch
 
@@ -35,6 +37,24 @@ def test_overlap_is_a_validated_manifest_field_defaulting_to_none():
         from_dict({"sync": {"overlap": "sometimes"}})
     # a swarm-wide fact: it changes the run id
     assert from_dict({"sync": {"overlap": "eager"}}).run_id != RunManifest().run_id
+
+
+def test_overlap_from_round_is_validated_and_left_out_of_the_encoding_at_its_default():
+    eager = from_dict({"sync": {"overlap": "eager"}})
+    assert eager.sync.overlap_from_round == 0 and "overlap_from_round" not in eager.to_dict()["sync"]
+    # at 0 the run id is the one from before the field existed; any other K is another run
+    assert eager.replace(sync={"overlap_from_round": 0}).run_id == eager.run_id
+    later = from_dict({"sync": {"overlap": "delayed", "overlap_from_round": 8}})
+    assert later.sync.overlap_from_round == 8 and later.to_dict()["sync"]["overlap_from_round"] == 8
+    assert later.run_id != from_dict({"sync": {"overlap": "delayed"}}).run_id
+    assert from_dict(later.to_dict()) == later
+    for mode in ("none", "streaming"):
+        with pytest.raises(ManifestError, match=rf"sync\.overlap_from_round = 8 .*0 with sync\.overlap = '{mode}'.*"
+                                                r"set sync\.overlap_from_round = 0"):
+            from_dict({"sync": {"overlap": mode, "overlap_from_round": 8}})
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ManifestError, match=rf"sync\.overlap_from_round = {re.escape(repr(bad))} is invalid"):
+            from_dict({"sync": {"overlap": "eager", "overlap_from_round": bad}})
 
 
 def test_delayed_phi_is_the_blocking_phi_one_round_late():

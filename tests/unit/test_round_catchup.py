@@ -33,9 +33,11 @@ class ScriptedSwarm:
 
 def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None, disagreed=(),
             completed_with=("me",)) -> types.SimpleNamespace:
-    return types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event(), _disagreed=set(disagreed),
-                                 _completed_with=tuple(completed_with), _waited={"sync": 0.0, "resync": 0.0},
-                                 _background=None, _last_sync_failed=False)
+    t = types.SimpleNamespace(H=H, swarm=swarm, stop_event=stop or threading.Event(), _disagreed=set(disagreed),
+                              _completed_with=tuple(completed_with), _waited={"sync": 0.0, "resync": 0.0},
+                              _background=None, _last_sync_failed=False, _overlap_from=0)
+    t._blocking = types.MethodType(Trainer._blocking, t)
+    return t
 
 
 def test_donors_in_the_last_quarter_are_about_to_sync():
@@ -108,16 +110,21 @@ def test_groupmates_that_completed_the_last_sync_from_this_peers_state_are_not_w
 def test_with_overlap_peers_outside_the_last_group_are_waited_for_only_after_a_failed_sync():
     # c finishes round 7 outside this peer's last group: with overlap it is the one off the swarm's
     # φ (it follows the swarm itself), so this peer trains on, unless its own last sync failed
-    def overlapping(failed):
+    def overlapping(failed, from_round=0):
         swarm = ScriptedSwarm([record("c", 7, 19)], [record("c", 8, 0)])
         t = at_round(trainer(swarm), 8)
-        t._background, t._last_sync_failed = types.SimpleNamespace(in_flight=True), failed
+        t._background, t._last_sync_failed = types.SimpleNamespace(in_flight=False), failed
+        t._overlap_from = from_round
         t.stop_event.wait = lambda seconds: None
         Trainer._wait_for_peers_finishing(t)
         return swarm.calls
 
     assert overlapping(failed=False) == 1
     assert overlapping(failed=True) == 2
+    # sync.overlap_from_round: round 7 synced blocking when K > 7 (held together: wait, as without
+    # overlap), in the background from K = 7 on
+    assert overlapping(failed=False, from_round=8) == 2
+    assert overlapping(failed=False, from_round=7) == 1
     swarm = ScriptedSwarm([record("c", 7, 3)], [record("c", 8, 0)])   # a disagreeing groupmate: always
     t = at_round(trainer(swarm, disagreed=("c",)), 8)
     t._background, t.stop_event.wait = types.SimpleNamespace(in_flight=True), (lambda seconds: None)

@@ -245,6 +245,44 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
     assert not any(n.startswith("locoswarm-sync") for n in previewed_in)
 
 
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_overlap_from_round_k_syncs_blocking_before_round_k_then_in_the_background(corpus, overlap, monkeypatch):
+    """``sync.overlap_from_round`` K = 2: rounds 0 and 1 sync on the training thread and report
+    their own group at once; round 2's sync is the first in the background (round 3's end lands
+    it: round 2's end reports none), eager previews only from then on, and φ stays bit-identical."""
+    from peer.train.outer import DiLoCo
+
+    previewed, preview = [], DiLoCo.preview
+
+    def recorded_preview(self, phi, mean):
+        previewed.append(threading.current_thread().name)
+        return preview(self, phi, mean)
+
+    monkeypatch.setattr(DiLoCo, "preview", recorded_preview)
+    manifest = tiny_run().replace(sync={"overlap": overlap, "overlap_from_round": 2})
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=4) for p in ("a", "b")]
+    run_in_threads(trainers)
+    a, b = trainers
+    for x, y in zip([*a.phi, *a.outer.state_tensors()], [*b.phi, *b.outer.state_tensors()]):
+        assert torch.isfinite(x).all() and torch.equal(x, y)
+    assert a.state_digest == b.state_digest
+    for t in trainers:
+        assert [r for r, _ in t.transport.calls] == [0, 1, 2, 3]
+        in_background = [name.startswith("locoswarm-sync") for _, name in t.transport.calls]
+        assert in_background == [False, False, True, True]
+        # a blocking sync has no inner steps to wait through; a background one may wait about a round's
+        assert [b > 0 for b in t.transport.budgets] == in_background
+        assert [e["round"] for e in t.reporter.of("sync")] == [0, 1, 2, 3]
+        rounds = t.reporter.of("round")
+        assert [e["round"] for e in rounds] == [1, 2, 3, 4]
+        assert [e["group_size"] for e in rounds] == [2, 2, 1, 2]  # round 2's sync lands at round 3's end
+        assert t.summary.final_eval_loss < t.summary.initial_eval_loss
+        assert all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))
+    # eager: one preview per peer at the end of rounds 2 and 3 (the overlapped ones), none before
+    assert len(previewed) == (4 if overlap == "eager" else 0)
+
+
 def test_eager_with_outer_momentum_starts_each_peer_from_its_own_state_on_identical_phi(corpus, monkeypatch):
     """Eager with Nesterov momentum (the eager paper's per-worker outer state, peer/train/overlap.py
     ``EagerState``): every round after the first starts each peer from φ plus its own offset, the

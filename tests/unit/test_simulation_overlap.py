@@ -84,12 +84,30 @@ def test_run_simulation_overlap_from_round(corpus):
     """Overlap from the last round changes nothing (that round starts from φ and its mean lands
     before the final evaluation, as without overlap); from the round before, the last round starts
     from eager's point and the result differs."""
+    def from_round(k):
+        return manifest("diloco", "eager").replace(sync={"overlap_from_round": k})
+
     plain = run_simulation(manifest("diloco", "none"), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3)
-    last = run_simulation(manifest("diloco", "eager"), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3,
-                          overlap_from_round=2)
-    two = run_simulation(manifest("diloco", "eager"), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3,
-                         overlap_from_round=1)
+    last = run_simulation(from_round(2), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3)
+    two = run_simulation(from_round(1), corpus, peers=2, rounds=3, seed=0, eval_every_rounds=3)
     assert last.history[-1].loss_bpb == plain.history[-1].loss_bpb
     assert math.isfinite(two.history[-1].loss_bpb) and two.history[-1].loss_bpb != plain.history[-1].loss_bpb
-    with pytest.raises(ValueError, match="overlap_from_round = 2 with overlap 'none'"):
-        run_simulation(manifest("diloco", "none"), corpus, peers=2, rounds=3, overlap_from_round=2)
+
+
+def test_a_simulation_from_the_manifest_switches_at_round_k_as_start_overlap_does(corpus):
+    """``sync.overlap_from_round`` K in the manifest: the Simulation itself starts overlap at
+    round K (0-based), bit-identical to a blocking run switched by hand before that round."""
+    by_hand = Simulation(manifest("diloco", "none"), corpus, peers=2, seed=0)
+    by_manifest = Simulation(manifest("diloco", "eager").replace(sync={"overlap_from_round": 2}), corpus,
+                             peers=2, seed=0)
+    for r in range(4):
+        if r == 2:
+            assert by_manifest.m.sync.overlap == "none"
+            by_hand.start_overlap("eager")
+        for sim in (by_hand, by_manifest):
+            sim.run_round()
+        assert by_manifest.m.sync.overlap == ("eager" if r >= 2 else "none")
+        assert identical(by_hand.phis[0], by_manifest.phis[0]) and identical(by_hand.anchors[0], by_manifest.anchors[0])
+    for sim in (by_hand, by_manifest):
+        sim.finish()
+    assert identical(by_hand.phis[0], by_manifest.phis[0])
