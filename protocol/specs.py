@@ -244,8 +244,8 @@ class NoLoCoSpec:
 
 
 OVERLAP_MODES = ("none", "delayed", "eager", "streaming")
-"""How a round's sync overlaps the next round's inner steps (``sync.overlap``). 'streaming' is only
-implemented in the in-process simulation (lab/simulation.py) so far: a peer refuses such a run."""
+"""How a round's sync overlaps the next round's inner steps (``sync.overlap``): the round loop
+(peer/round.py) and the in-process simulation (lab/simulation.py) run all four."""
 STREAMING_FIELDS = ("fragments", "fragment_delay_steps", "fragment_alpha")
 """The sync fields only ``overlap = "streaming"`` reads; left out of a manifest's encoding while at
 their defaults (protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""
