@@ -293,9 +293,9 @@ class SyncSpec:
     """K, 'delayed' and 'eager' only: rounds 0 to K − 1 of the run sync blocking (as 'none'), round K
     is the first whose sync overlaps the next round (its mean lands at the end of round K + 1). A
     round's index is the swarm's, so every peer switches at the same round, a joiner too. Overlap
-    costs the most loss early in a run, when φ moves the most per round (docs/benchmarks.md: eager
-    from round 9 of 384 is +0.54 % vs none, eager from round 1 of 96 is +3.8 %). 0: overlap from
-    the first round."""
+    costs the most loss early in a run, when φ moves the most per round (docs/benchmarks.md, H = 25:
+    eager from round 9 of 384 is +0.54 % vs none, from round 1 of 96 +3.8 %; with H = 10 eager
+    stays above +8 % even so). 0: overlap from the first round."""
     fragments: int = 4
     """P, streaming only: fragments of the model (fragment p holds transformer blocks p, p+P, ...);
     at most model.num_layers."""
