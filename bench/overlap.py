@@ -18,7 +18,8 @@ without it the quality rows are this invocation's alone. A streaming row names i
 delay τ and α (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``, set with
 ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows of different settings are
 kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds (the
-manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their rows are kept apart too). Prints a markdown table for docs/benchmarks.md.
+manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their rows are kept apart
+too). Prints a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ counters on the types of peer/progress.py.
 With ``sync.overlap`` a round's sync runs in the background while the next round trains
 (:meth:`Trainer._overlap_step`; the update rules in peer/train/overlap.py, the thread in
 peer/sync/background.py), from round ``sync.overlap_from_round`` on (the rounds before it sync
-blocking, :meth:`Trainer._blocking`). With ``"streaming"`` (Streaming DiLoCo) each fragment of the model syncs
-on its own schedule inside the round instead (:meth:`Trainer._stream_after_step`,
+blocking, :meth:`Trainer._blocking`). With ``"streaming"`` (Streaming DiLoCo) each fragment of the
+model syncs on its own schedule inside the round instead (:meth:`Trainer._stream_after_step`,
 :meth:`Trainer._streaming_step`; the rules in peer/train/streaming.py). A checkpoint taken with a
 sync in flight holds the last applied φ and this peer's θ; a restart drops that sync (its own
 progress stays in θ and joins the next Δ).

@@ -106,9 +106,9 @@ class RunManifest:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; ``owner`` is left out while empty, the streaming fields of ``sync`` and its
-        ``overlap_from_round`` (``OMITTED_AT_DEFAULT_SYNC_FIELDS``) while at their defaults and the ``pipeline`` section while all of it
-        is, so run ids from before they existed stay as they were (and older clients can read those
-        manifests)."""
+        ``overlap_from_round`` (``OMITTED_AT_DEFAULT_SYNC_FIELDS``) while at their defaults, and the
+        ``pipeline`` section while all of it is, so run ids from before they existed stay as they
+        were (and older clients can read those manifests)."""
         data = dataclasses.asdict(self)
         if not self.owner:
             del data["owner"]

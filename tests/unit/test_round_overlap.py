@@ -186,23 +186,37 @@ def run_in_threads(trainers):
     assert not any(th.is_alive() for th in threads)
 
 
+def run_pair_with_identical_state(corpus, manifest, *, rounds: int) -> list[Trainer]:
+    """Trainers "a" and "b" of ``manifest`` in one group of two, run for ``rounds`` in threads; checks
+    that their φ and outer state end finite and bit-identical, with equal digests."""
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=rounds) for p in ("a", "b")]
+    run_in_threads(trainers)
+    a, b = trainers
+    for x, y in zip([*a.phi, *a.outer.state_tensors()], [*b.phi, *b.outer.state_tensors()]):
+        assert torch.isfinite(x).all() and torch.equal(x, y)
+    assert a.state_digest == b.state_digest
+    return trainers
+
+
+def calling_threads(monkeypatch, cls, name: str) -> list[str]:
+    """The names of the threads that call ``cls.name`` from now on, in call order (the method still runs)."""
+    threads, method = [], getattr(cls, name)
+
+    def recorded(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return method(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, recorded)
+    return threads
+
+
 @pytest.mark.parametrize("overlap", ["delayed", "eager"])
 def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, tmp_path, monkeypatch):
     from peer.train.outer import DiLoCo
 
-    applied_in, apply = [], DiLoCo.apply
-    previewed_in, preview = [], DiLoCo.preview
-
-    def recorded_apply(self, phi, mean):
-        applied_in.append(threading.current_thread().name)
-        return apply(self, phi, mean)
-
-    def recorded_preview(self, phi, mean):
-        previewed_in.append(threading.current_thread().name)
-        return preview(self, phi, mean)
-
-    monkeypatch.setattr(DiLoCo, "apply", recorded_apply)
-    monkeypatch.setattr(DiLoCo, "preview", recorded_preview)
+    applied_in = calling_threads(monkeypatch, DiLoCo, "apply")
+    previewed_in = calling_threads(monkeypatch, DiLoCo, "preview")
     manifest = tiny_run().replace(sync={"overlap": overlap})
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3,
@@ -252,21 +266,9 @@ def test_overlap_from_round_k_syncs_blocking_before_round_k_then_in_the_backgrou
     it: round 2's end reports none), eager previews only from then on, and φ stays bit-identical."""
     from peer.train.outer import DiLoCo
 
-    previewed, preview = [], DiLoCo.preview
-
-    def recorded_preview(self, phi, mean):
-        previewed.append(threading.current_thread().name)
-        return preview(self, phi, mean)
-
-    monkeypatch.setattr(DiLoCo, "preview", recorded_preview)
+    previewed = calling_threads(monkeypatch, DiLoCo, "preview")
     manifest = tiny_run().replace(sync={"overlap": overlap, "overlap_from_round": 2})
-    records, group = Records(), Group(2)
-    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=4) for p in ("a", "b")]
-    run_in_threads(trainers)
-    a, b = trainers
-    for x, y in zip([*a.phi, *a.outer.state_tensors()], [*b.phi, *b.outer.state_tensors()]):
-        assert torch.isfinite(x).all() and torch.equal(x, y)
-    assert a.state_digest == b.state_digest
+    trainers = run_pair_with_identical_state(corpus, manifest, rounds=4)
     for t in trainers:
         assert [r for r, _ in t.transport.calls] == [0, 1, 2, 3]
         in_background = [name.startswith("locoswarm-sync") for _, name in t.transport.calls]
@@ -300,13 +302,7 @@ def test_eager_with_outer_momentum_starts_each_peer_from_its_own_state_on_identi
     monkeypatch.setattr(EagerState, "start", recorded_start)
     manifest = tiny_run().replace(sync={"overlap": "eager"},
                                   outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True})
-    records, group = Records(), Group(2)
-    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3) for p in ("a", "b")]
-    run_in_threads(trainers)
-    a, b = trainers
-    for x, y in zip([*a.phi, *a.outer.state_tensors()], [*b.phi, *b.outer.state_tensors()]):
-        assert torch.isfinite(x).all() and torch.equal(x, y)
-    assert a.state_digest == b.state_digest
+    trainers = a, b = run_pair_with_identical_state(corpus, manifest, rounds=3)
     assert any(bool(m.abs().sum() > 0) for m in a.outer.state_tensors())
     runs = [starts[id(t._eager)] for t in trainers]
     assert [len(r) for r in runs] == [3, 3]     # one eager start per round end, on the training thread
