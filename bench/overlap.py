@@ -15,8 +15,8 @@ overlap "none" at the same method, N and seeds. Writes ``bench/results/overlap.j
 those of an existing ``--out`` are kept. ``--merge`` also keeps the existing quality rows (and runs)
 that this invocation does not measure again, e.g. to add streaming rows beside none/delayed/eager;
 without it the quality rows are this invocation's alone. A streaming row names its fragments P,
-delay τ and α (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``, set with
-``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows of different settings are
+delay τ, α and merge rule (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``,
+``fragment_merge``, set with ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows of different settings are
 kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds (the
 manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their rows are kept apart
 too). Prints a markdown table for docs/benchmarks.md.
@@ -46,7 +46,9 @@ from protocol.manifest import RunManifest  # noqa: E402
 from protocol.specs import OVERLAP_MODES  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results") / "overlap.json"
-STREAMING_KEYS = ("fragments", "fragment_delay_steps", "fragment_alpha")
+STREAMING_KEYS = ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")
+STREAMING_DEFAULTS = {"fragment_merge": "mix"}
+"""What a streaming row recorded before a key existed ran with (rows from before 2026-11-29 lack the merge)."""
 
 
 def run_manifest(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict,
@@ -81,9 +83,10 @@ def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench
 
 
 def _variant(row: dict) -> tuple:
-    """What tells rows of one mode apart: a streaming row's (P, τ, α), then ``from_round`` K where
-    the first K rounds ran without overlap; () for a plain delayed or eager row."""
-    streaming = tuple(row.get("streaming", {}).get(k) for k in STREAMING_KEYS) if row["overlap"] == "streaming" else ()
+    """What tells rows of one mode apart: a streaming row's (P, τ, α, merge), then ``from_round`` K
+    where the first K rounds ran without overlap; () for a plain delayed or eager row."""
+    streaming = (tuple(row.get("streaming", {}).get(k, STREAMING_DEFAULTS.get(k)) for k in STREAMING_KEYS)
+                 if row["overlap"] == "streaming" else ())
     return streaming + ((row["from_round"],) if row.get("from_round") else ())
 
 
@@ -135,7 +138,9 @@ def markdown(rows: list[dict]) -> str:
         mode = q["overlap"]
         if "streaming" in q:
             st = q["streaming"]
-            mode += f" (P = {st['fragments']}, τ = {st['fragment_delay_steps']}, α = {st['fragment_alpha']})"
+            merge = st.get("fragment_merge", "mix")
+            mode += (f" (P = {st['fragments']}, τ = {st['fragment_delay_steps']}, α = {st['fragment_alpha']}"
+                     + (", shift)" if merge == "shift" else ")"))
         if q.get("from_round"):
             mode += f" from round {q['from_round'] + 1} (none before)"
         lines.append(f"| {q['method']} | {q['peers']} | {mode} | {q['final_bpb']:.4f} | {seeds} | {vs} |")

@@ -47,7 +47,7 @@ from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer
 from peer.train.precision import FP32, Precision
 from peer.train.overlap import EagerState, drain, next_start, round_progress
-from peer.train.streaming import landing_at, merge, partition, payload_indices, syncing_at
+from peer.train.streaming import land, landing_at, partition, payload_indices, syncing_at
 from protocol.codecs import Codec, make_codec
 from protocol.manifest import RunManifest
 from protocol.groups import codec_seed, plan_groups
@@ -349,6 +349,8 @@ class Simulation:
                                 for _ in range(self.peers)]
         self.in_flight: dict[int, list[list[torch.Tensor]]] = {}
         """Fragment → each peer's group mean of its sync in flight (applied at its landing step)."""
+        self.at_sync: dict[int, list[list[torch.Tensor]]] = {}
+        """Fragment → each peer's θ_p when its sync in flight started (``fragment_merge = "shift"`` only)."""
         self.fragment_tokens = [[0] * self.peers for _ in self.fragments]
         self.last_sync = [0] * len(self.fragments)
         """Per fragment, the inner step (cumulative steps done) at which its last sync started."""
@@ -446,16 +448,22 @@ class Simulation:
                 self.bytes_sent[j] += sent
         self.in_flight[p] = means
         self.last_sync[p] = step
+        if self.m.sync.fragment_merge == "shift":
+            self.at_sync[p] = [[t.clone() for t in self._theta(i, index)] for i in range(self.peers)]
 
     def _fragment_land(self, p: int) -> None:
         """Fragment p's means arrive: φ_p ← OuterOpt_p(φ_p, mean) on every peer (its fragment's
-        outer state only), then θ_p ← α·θ_p + (1 − α)·φ_p (:func:`~peer.train.streaming.merge`)."""
+        outer state only), then θ_p by ``sync.fragment_merge`` (:func:`~peer.train.streaming.land`):
+        θ_p ← α·θ_p + (1 − α)·φ_p, or with 'shift' θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync)."""
         index = self.fragments[p]
-        for outer, phi, model, mean in zip(self.fragment_outers, self.phis, self.models, self.in_flight.pop(p)):
+        at_sync = self.at_sync.pop(p, None) or [None] * self.peers
+        for outer, phi, model, mean, start in zip(self.fragment_outers, self.phis, self.models,
+                                                  self.in_flight.pop(p), at_sync, strict=True):
             phi_p = [phi[k] for k in index]
             outer[p].apply(phi_p, mean)  # in place on the peer's own φ tensors
             theta = list(model.parameters())
-            merge([theta[k] for k in index], phi_p, self.m.sync.fragment_alpha)
+            land([theta[k] for k in index], phi_p, alpha=self.m.sync.fragment_alpha,
+                 rule=self.m.sync.fragment_merge, at_sync=start)
 
     def _outer_step(self, round_tokens: Sequence[int]) -> None:
         """The groups' means and outer steps; with ``sync.overlap`` the rules of peer/train/overlap.py:

@@ -52,7 +52,7 @@ from peer.train.inner import InnerLoop, make_inner_loop
 from peer.train.model import embedding_parameter_count, evaluate, parameter_count
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient, step_on_copies
 from peer.train.overlap import EagerState, next_start, round_progress
-from peer.train.streaming import fragment_outers, merge, partition, payload_indices, sync_offset
+from peer.train.streaming import fragment_outers, land, partition, payload_indices, sync_offset
 from protocol.errors import BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
@@ -228,7 +228,7 @@ class Trainer:
         """Streaming: the outer step of the fragment sync in flight, prepared by its thread."""
         self._fragments: list[list[int]] = []
         """Streaming: the parameter indices of each fragment (peer/train/streaming.py); [] otherwise."""
-        self._flight: tuple[int, int] | None = None
+        self._flight: tuple[int, int, list[torch.Tensor] | None] | None = None
         """Streaming: (fragment, cumulative inner step its sync started) of the sync in flight."""
         if self.overlap == "streaming":
             P = manifest.sync.fragments
@@ -582,12 +582,16 @@ class Trainer:
         self._fragments_synced.add(p)
         index = self._fragments[p]
         phi_p = [self.phi[k] for k in index]
+        theta_p = [self.params[k].detach().to("cpu", torch.float32) for k in index]
         try:
-            delta = pseudo_gradient(phi_p, [self.params[k].detach().to("cpu", torch.float32) for k in index])
+            delta = pseudo_gradient(phi_p, theta_p)
             check_finite(delta, f"fragment {p}'s pseudo-gradient")
         except BadPayload as exc:
             self.reporter.emit("warning", message=f"{exc}: fragment {p} not synced in round {round_}")
             return
+        # 'shift' lands the mean relative to θ_p as it is now: kept (a copy where .to() returned θ itself)
+        at_sync = None if self.m.sync.fragment_merge != "shift" else [
+            t.clone() if t.data_ptr() == self.params[k].data_ptr() else t for t, k in zip(theta_p, index)]
         # NoLoCo's payload holds φ_p itself: the sync reads a copy, φ may move under a dropped one
         payload = [t.clone() if any(t is q for q in phi_p) else t for t in self._fragment_outer[p].payload(phi_p, delta)]
         choice, live = self._round_choice(round_)
@@ -607,7 +611,7 @@ class Trainer:
 
         self._fragment_prepared = None
         self._background.start(sync_and_prepare, round_=round_, start_digest=digest)
-        self._flight = (p, self.inner_step)
+        self._flight = (p, self.inner_step, at_sync)
 
     def _fragment_state(self, p: int) -> list[int]:
         """Fragment p's state indices: its φ tensors, then its outer state's (one per parameter)."""
@@ -639,12 +643,13 @@ class Trainer:
 
     def _land_fragment(self) -> None:
         """The fragment sync in flight lands (waiting for it if needed): φ_p ← OuterOpt_p(φ_p, mean)
-        with its slice of the outer state, then θ_p ← α·θ_p + (1 − α)·φ_p (Streaming DiLoCo's
-        merge). Its report joins the round's. A failed sync applies this peer's own payload, as a
+        with its slice of the outer state, then θ_p by ``sync.fragment_merge``: θ_p ← α·θ_p +
+        (1 − α)·φ_p (Streaming DiLoCo's merge) or θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync) ('shift',
+        θ_p^sync kept when the sync started). Its report joins the round's. A failed sync applies this peer's own payload, as a
         failed blocking sync does; an outer step that would not be finite leaves φ_p as it was. On
         a stop nothing is applied: the sync is dropped, and θ keeps the fragment's progress."""
         mean, report = self._take_background()
-        (p, started), self._flight = self._flight, None
+        (p, started, at_sync), self._flight = self._flight, None
         report = dataclasses.replace(report, overlap_steps=(self.inner_step - started,))
         if self.stop_event.is_set():
             return  # stopping (the sync was cancelled, or will not be trusted): dropped, as at the end
@@ -661,7 +666,8 @@ class Trainer:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
                 report = dataclasses.replace(report, failed=True, agreeing=(), completed=(),
                                              note=f"fragment {p}: outer step skipped ({exc})")
-        merge([self.params[k] for k in index], phi_p, self.m.sync.fragment_alpha)
+        land([self.params[k] for k in index], phi_p, alpha=self.m.sync.fragment_alpha,
+             rule=self.m.sync.fragment_merge, at_sync=at_sync)
         self._landed.append(report)
 
     def _install_fragment(self, prepared: _PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
@@ -1051,6 +1057,10 @@ class Trainer:
                 dst.copy_(src)
             self.pos.start_round(state.round)
         self._set_theta_to_phi()
+        if self._adopted_in_flight and self._flight is not None and self._flight[2] is not None:
+            # 'shift': θ_p restarts from the adopted φ_p, so the steps to keep at the landing are those since
+            p, started, _ = self._flight
+            self._flight = (p, started, [self.phi[k].clone() for k in self._fragments[p]])
         self.inner.reset_optimizer()  # a joiner starts a fresh AdamW (ALGORITHMS.md §6.3)
         self.transport.reset_error_feedback()  # residuals of a φ this peer no longer holds
         self._completed_with = (self.peer_id,)

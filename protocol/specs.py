@@ -244,9 +244,12 @@ class NoLoCoSpec:
 
 
 OVERLAP_MODES = ("none", "delayed", "eager", "streaming")
+FRAGMENT_MERGES = ("mix", "shift")
+"""How a streaming fragment's mean enters θ when it lands (``sync.fragment_merge``,
+peer/train/streaming.py :func:`~peer.train.streaming.land`)."""
 """How a round's sync overlaps the next round's inner steps (``sync.overlap``): the round loop
 (peer/round.py) and the in-process simulation (lab/simulation.py) run all four."""
-STREAMING_FIELDS = ("fragments", "fragment_delay_steps", "fragment_alpha")
+STREAMING_FIELDS = ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")
 """The sync fields only ``overlap = "streaming"`` reads; left out of a manifest's encoding while at
 their defaults (protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""
 OMITTED_AT_DEFAULT_SYNC_FIELDS = (*STREAMING_FIELDS, "overlap_from_round")
@@ -305,7 +308,17 @@ class SyncSpec:
     sync takes longer applies the mean when it arrives, at the latest when the next fragment's sync
     starts (peer/round.py ``_land_due``); the simulation applies it after exactly τ steps."""
     fragment_alpha: float = 0.5
-    """α, streaming only: on arrival θ_p ← α·θ_p + (1 − α)·φ_p (1: keep the local θ_p, 0: take φ_p)."""
+    """α, streaming only: on arrival θ_p ← α·θ_p + (1 − α)·φ_p (1: keep the local θ_p, 0: take φ_p);
+    with ``fragment_merge = "shift"`` that mix is taken of θ_p as it was when the sync started."""
+    fragment_merge: str = "mix"
+    """Streaming only: how a fragment's mean enters θ_p when it lands. 'mix' (Streaming DiLoCo's
+    rule, arXiv 2501.18512): θ_p ← α·θ_p + (1 − α)·φ_p, which also takes (1 − α) of the inner steps
+    trained while the sync was in flight back out. 'shift': θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync),
+    θ_p^sync being θ_p when the sync started: the same mix of the state the sync was about, with
+    the steps trained since kept in full (equal to 'mix' when none were). Measured better than 'mix'
+    at every setting tried (docs/benchmarks.md, issue #18: `cpu-32k` τ = 1 +0.85 % vs none where
+    'mix' is +1.41 %; τ = 12 of H = 25 +0.96 % where 'mix' is +3.66 %); 'mix' stays the default so
+    that a manifest written before this field existed means what it meant."""
 
     def __post_init__(self) -> None:
         s = "sync"
@@ -320,6 +333,7 @@ class SyncSpec:
         int_in(s, "fragments", self.fragments, 1, 4096)
         int_in(s, "fragment_delay_steps", self.fragment_delay_steps, 0, 10**6)
         float_in(s, "fragment_alpha", self.fragment_alpha, 0.0, 1.0)
+        one_of(s, "fragment_merge", self.fragment_merge, FRAGMENT_MERGES)
         if self.overlap == "streaming":
             # τ < H/P: a fragment's sync lands within its slot of the round (the next fragment's
             # sync starts about H/P steps later), as in the paper, where τ is a few steps

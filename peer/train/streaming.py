@@ -16,7 +16,9 @@ mean lands::
     φ_p ← OuterOpt_p(φ_p, mean Δ_p)             (the run's outer step, on fragment p's tensors and state)
     θ_p ← α·θ_p + (1 − α)·φ_p                    (:func:`merge`; the paper mixes with α = 0.5)
 
-θ_p kept training during those τ steps; the merge keeps part of that fresh progress. φ is never
+θ_p kept training during those τ steps; the merge keeps part of that fresh progress
+(``sync.fragment_merge = "shift"``, :func:`shift`: all of it, the mix being taken of θ_p as it was
+when the sync started). φ is never
 touched while its fragment's sync is in flight, and groupmates apply the same mean to the same
 φ_p, so they keep bit-identical φ. With τ = 0 the mean lands at the sync step itself; with P = 1,
 τ = 0 and α = 0 this is DiLoCo without overlap (θ ← φ after every outer step). Peak bandwidth
@@ -147,6 +149,61 @@ def merge(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], alpha: flo
                 t.copy_(src)
             else:
                 t.mul_(alpha).add_(src, alpha=1.0 - alpha)
+
+
+def shift(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], at_sync: Sequence[torch.Tensor],
+          alpha: float) -> None:
+    """θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync), in place on ``theta``: ``sync.fragment_merge = "shift"``.
+
+    The mix of :func:`merge` taken of θ_p^sync, the fragment as it was when its sync started (what
+    its Δ_p was computed from), with the inner steps trained since then, θ_p − θ_p^sync, added back
+    in full; :func:`merge` would take (1 − α) of those steps out again. Computed as
+    ``(α·θ^sync + (1 − α)·φ) + (θ − θ^sync)`` in fp32, so with no step in between (θ = θ^sync, τ = 0)
+    the result is bit-identical to :func:`merge`'s; α = 1 leaves θ exactly as it is.
+
+    Args:
+        theta: the fragment's inner parameters (any float dtype, any device), modified in place.
+        phi: the fragment's outer parameters after the outer step, fp32 host tensors shaped like ``theta``.
+        at_sync: θ_p when the sync started, fp32 tensors shaped like ``theta`` (any device; not modified).
+        alpha: α in [0, 1].
+
+    Raises:
+        ValueError: α outside [0, 1] or a shape mismatch; ``theta`` unchanged.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha = {alpha!r}: need 0 <= alpha <= 1")
+    for t, p, s in zip(theta, phi, at_sync, strict=True):
+        if not t.shape == p.shape == s.shape:
+            raise ValueError(f"θ of shape {tuple(t.shape)}, φ of shape {tuple(p.shape)} and θ at the sync of shape "
+                             f"{tuple(s.shape)}: need equal shapes")
+    if alpha == 1.0:
+        return
+    with torch.no_grad():
+        for t, p, s in zip(theta, phi, at_sync):
+            start = s.to(device=t.device, dtype=torch.float32)
+            target = p.to(device=t.device, dtype=torch.float32)
+            mixed = target.clone() if alpha == 0.0 else start.mul(alpha).add_(target, alpha=1.0 - alpha)
+            mixed.add_(t.to(torch.float32) - start)
+            t.copy_(mixed)
+
+
+def land(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], *, alpha: float, rule: str,
+         at_sync: Sequence[torch.Tensor] | None) -> None:
+    """A fragment's mean enters θ_p by the run's ``sync.fragment_merge`` ``rule``: 'mix'
+    (:func:`merge`) or 'shift' (:func:`shift`, which needs ``at_sync``).
+
+    Raises:
+        ValueError: an unknown rule, 'shift' without ``at_sync``, or what :func:`merge` and
+            :func:`shift` raise; ``theta`` unchanged.
+    """
+    if rule == "mix":
+        merge(theta, phi, alpha)
+    elif rule == "shift":
+        if at_sync is None:
+            raise ValueError("fragment_merge = 'shift' needs θ as it was when the sync started")
+        shift(theta, phi, at_sync, alpha)
+    else:
+        raise ValueError(f"fragment_merge = {rule!r}: need 'mix' or 'shift'")
 
 
 def payload_indices(fragment: Sequence[int], *, phi_from: int | None) -> list[int]:

@@ -263,3 +263,70 @@ def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds
     run_in_threads(trainers)
     assert {when for when, _ in checked} == {"landing", "round's end"}
     assert all(ok for _, ok in checked)
+
+
+def test_shift_lands_each_mean_relative_to_theta_at_its_sync_and_keeps_the_steps_since(corpus, monkeypatch):
+    """``sync.fragment_merge = "shift"``: each landing moves θ_p by (1 − α)·(φ_p − θ_p^sync), θ_p^sync
+    a copy taken when the fragment's sync started, so the steps trained while it was in flight stay
+    in θ_p; the groupmates still hold identical φ. A slow sync makes those steps many."""
+    import peer.round as round_module
+
+    landings, real_land = [], round_module.land
+
+    def spy_land(theta, phi, *, alpha, rule, at_sync):
+        before = [t.detach().clone() for t in theta]
+        real_land(theta, phi, alpha=alpha, rule=rule, at_sync=at_sync)
+        landings.append((rule, alpha, before, [p.clone() for p in phi],
+                         None if at_sync is None else [s.clone() for s in at_sync], [t.detach().clone() for t in theta]))
+
+    def slow(round_, should_stop):
+        time.sleep(0.3)
+
+    monkeypatch.setattr(round_module, "land", spy_land)
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, streaming(tau=1, fragment_merge="shift"), p, records,
+                             FragmentTransport(p, group, fail=slow), rounds=2) for p in ("a", "b")]
+    run_in_threads(trainers)
+    a, b = trainers
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi)) and a.state_digest == b.state_digest
+    assert len(landings) == 2 * 5      # per peer: fragments 1, 0 of rounds 0 and 1, and the final 1
+    stepped = 0
+    for rule, alpha, before, phi, at_sync, after in landings:
+        assert rule == "shift" and alpha == 0.5 and at_sync is not None
+        for t0, p, s, t1 in zip(before, phi, at_sync, after, strict=True):
+            torch.testing.assert_close(t1, t0 + 0.5 * (p - s))
+        stepped += any(not torch.equal(t0, s) for t0, s in zip(before, at_sync))
+    assert stepped >= 4                # steps trained between the sync and its landing were kept
+    assert a.summary.final_eval_loss < a.summary.initial_eval_loss
+
+
+def test_an_adopted_state_keeps_fragment_0s_sync_and_shifts_from_the_adopted_phi(corpus):
+    """A peer that adopts the swarm's state of round k+1 keeps fragment 0's sync of round k in flight
+    (its groupmates land that mean on exactly this φ); with 'shift' that landing is then relative to
+    the adopted φ_p, where θ_p restarted, not to the θ_p the sync started from. Any other sync in
+    flight is dropped, and its θ_p^sync with it."""
+    from types import SimpleNamespace
+
+    from peer.state.download import DownloadedState
+
+    t = make_trainer(corpus, streaming(tau=1, fragment_merge="shift"), "a", Records(), FragmentTransport("a", None),
+                     rounds=2)
+    dropped = []
+    t._background = SimpleNamespace(in_flight=True, round=0, drop=dropped.append)
+    index = t._fragments[0]
+    stale = [torch.full_like(t.phi[k], 7.0) for k in index]
+    g = torch.Generator().manual_seed(3)
+    state = DownloadedState(round=1, inner_step=H, phi=[torch.randn(f.shape, generator=g) for f in t.phi],
+                            outer_state=[s.clone() for s in t.outer.state_tensors()])
+    t._flight = (0, H, stale)
+    t._adopt(state)
+    assert t._adopted_in_flight and not dropped
+    p, started, at_sync = t._flight
+    assert (p, started) == (0, H)
+    assert all(torch.equal(s, state.phi[k]) for s, k in zip(at_sync, index, strict=True))
+    assert all(torch.equal(q.detach(), f) for q, f in zip(t.params, state.phi))   # θ restarted at the adopted φ
+
+    t._adopted_in_flight = False
+    t._flight = (1, H // 2, stale)   # fragment 1's sync is part of round 1's state already: dropped
+    t._adopt(state)
+    assert dropped and t._flight is None and not t._adopted_in_flight

@@ -13,7 +13,7 @@ from lab.simulation import Simulation, butterfly_bytes, run_simulation
 from peer.config import JoinConfig
 from peer.reporting import Reporter
 from peer.train.model import build_model
-from peer.train.streaming import block_of, landing_at, merge, partition, sync_offset, syncing_at
+from peer.train.streaming import block_of, land, landing_at, merge, partition, shift, sync_offset, syncing_at
 from protocol.errors import ConfigError, ManifestError
 from protocol.manifest import RunManifest, dump_toml, from_dict
 from protocol.presets import tiny_run
@@ -91,6 +91,81 @@ def test_merge_alpha_one_keeps_theta_alpha_zero_takes_phi_half_is_the_midpoint()
         merge(half, phi, 1.5)
     with pytest.raises(ValueError, match=r"shape \(5,\)"):
         merge(half, phi[::-1], 0.5)
+
+
+def test_shift_keeps_the_steps_since_the_sync_and_is_merge_when_there_were_none():
+    g = torch.Generator().manual_seed(1)
+    at_sync = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    steps = [0.01 * torch.randn(3, 4, generator=g), 0.01 * torch.randn(5, generator=g)]
+    phi = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    now = [s + d for s, d in zip(at_sync, steps)]
+    for alpha in (0.0, 0.25, 0.5):
+        shifted = [t.clone() for t in now]
+        shift(shifted, phi, at_sync, alpha)
+        for out, s, d, p in zip(shifted, at_sync, steps, phi):   # the mix of θ at the sync, plus the steps since
+            torch.testing.assert_close(out, alpha * s + (1 - alpha) * p + d)
+        mixed = [t.clone() for t in now]
+        merge(mixed, phi, alpha)   # the paper's rule takes (1 − α) of those steps back out
+        for out, m, d in zip(shifted, mixed, steps):
+            torch.testing.assert_close(out - m, (1 - alpha) * d)
+        # no step since the sync (τ = 0): bit for bit the paper's rule
+        same, ref = [t.clone() for t in at_sync], [t.clone() for t in at_sync]
+        shift(same, phi, at_sync, alpha)
+        merge(ref, phi, alpha)
+        assert identical(same, ref)
+    kept = [t.clone() for t in now]
+    shift(kept, phi, at_sync, 1.0)
+    assert identical(kept, now)
+    # errors leave θ and θ at the sync as they were
+    before, sync_before = [t.clone() for t in now], [t.clone() for t in at_sync]
+    with pytest.raises(ValueError, match=r"alpha = -0\.5"):
+        shift(now, phi, at_sync, -0.5)
+    with pytest.raises(ValueError, match=r"θ at the sync of shape \(5,\)"):
+        shift(now, phi, at_sync[::-1], 0.5)
+    with pytest.raises(ValueError, match="needs θ as it was when the sync started"):
+        land(now, phi, alpha=0.5, rule="shift", at_sync=None)
+    with pytest.raises(ValueError, match=r"fragment_merge = 'avg'"):
+        land(now, phi, alpha=0.5, rule="avg", at_sync=at_sync)
+    assert identical(now, before) and identical(at_sync, sync_before)
+    land(now, phi, alpha=0.5, rule="mix", at_sync=None)
+    merge(before, phi, 0.5)
+    assert identical(now, before)
+
+
+def test_fragment_merge_field_validated_and_absent_at_its_default():
+    m = RunManifest().replace(sync={"overlap": "streaming", "fragment_merge": "shift"})
+    assert from_dict(tomllib.loads(dump_toml(m))) == m and m.sync.fragment_merge == "shift"
+    assert "fragment_merge" not in dump_toml(RunManifest().replace(sync={"overlap": "streaming"}))
+    assert RunManifest().replace(sync={"fragment_merge": "mix"}).run_id == RunManifest().run_id
+    assert m.run_id != RunManifest().replace(sync={"overlap": "streaming"}).run_id
+    with pytest.raises(ManifestError, match=r"sync\.fragment_merge = 'avg'.*'mix', 'shift'"):
+        from_dict({"sync": {"overlap": "streaming", "fragment_merge": "avg"}})
+
+
+def test_the_simulation_shifts_by_the_mean_and_keeps_the_steps_since_the_sync(corpus):
+    """τ = 0: 'shift' is 'mix' bit for bit (no step between a sync and its landing). τ = 1: the two
+    differ in θ, and with 'shift' each landing moved θ_p by exactly (1 − α)·(φ_p − θ_p^sync)."""
+    runs = {(merge_rule, tau): Simulation(streaming(2, tau, 0.5, fragment_merge=merge_rule), corpus, peers=2, seed=0)
+            for merge_rule in ("mix", "shift") for tau in (0, 1)}
+    for sim in runs.values():
+        sim.run_round()
+    for tau in (0, 1):
+        mixed, shifted = runs["mix", tau], runs["shift", tau]
+        same = all(identical(list(a.parameters()), list(b.parameters())) for a, b in zip(mixed.models, shifted.models))
+        assert same == (tau == 0)
+        assert identical(shifted.phis[0], shifted.phis[1])
+    # by hand: fragment 0 syncs at step 5 and lands at step 6, in round 2
+    sim = runs["shift", 1]
+    index = sim.fragments[0]
+    at_sync = [t.clone() for t in sim.at_sync[0][0]]            # peer 0's θ_p at step 5
+    sim.inners[0].step(sim.inner_step)   # round 2's first step, for peer 0 (by hand)
+    stepped = [t.clone() for t in sim._theta(0, index)]
+    assert not identical(stepped, at_sync)
+    sim._fragment_land(0)
+    for out, phi_p, start, step in zip(sim._theta(0, index), [sim.phis[0][k] for k in index], at_sync, stepped,
+                                       strict=True):
+        torch.testing.assert_close(out, step + 0.5 * (phi_p - start))
+    assert 0 not in sim.at_sync and 0 not in sim.in_flight
 
 
 def test_manifest_fields_validated_round_tripped_and_absent_at_defaults():
