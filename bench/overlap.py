@@ -69,8 +69,11 @@ def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench
     blocking_rounds = from_round if mode != "none" else 0
     m = run_manifest(base, method, mode, peers, seed, bench, rounds).replace(
         sync={"overlap_from_round": blocking_rounds})
-    # NoLoCo's groups come from the run id, which the mode changes: every mode draws none's groups
-    groups = run_manifest(base, method, "none", peers, seed, bench, rounds).run_id
+    # NoLoCo's groups come from the run id, which the mode changes: every mode draws none's groups,
+    # and with the merge rule at its default, so that 'mix' and 'shift' rows draw the same pairs
+    # (the other streaming fields stay in, as the rows recorded before the rule existed drew them)
+    groups = run_manifest(base.replace(sync={"fragment_merge": "mix"}), method, "none", peers, seed, bench,
+                          rounds).run_id
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
                        eval_every_rounds=rounds, groups_run_id=groups)
     run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,

@@ -328,6 +328,12 @@ def test_bench_merge_keeps_rows_not_measured_again_and_streaming_settings_apart(
     out = merged(old, rows)
     assert [r["overlap"] for r in out] == ["none", "delayed", "streaming", "streaming"]
     assert out[0]["final_bpb"] == 2.0              # the fresh none row replaced the old one
+    # a row recorded before sync.fragment_merge existed ran 'mix': a fresh 'mix' row replaces it, 'shift' does not
+    fresh = quality([run("none", 0, 2.0), run("streaming", 0, 2.1, **st, fragment_merge="mix"),
+                     run("streaming", 0, 2.05, **st, fragment_merge="shift")])
+    out = merged(rows, fresh)
+    assert sorted((r["overlap"], r["final_bpb"]) for r in out) == [
+        ("none", 2.0), ("streaming", 2.05), ("streaming", 2.1), ("streaming", 2.4)]
 
 
 def test_bench_overlap_refuses_a_mode_the_config_cannot_run_before_any_simulation(tmp_path: Path):
