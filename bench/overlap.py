@@ -16,8 +16,8 @@ those of an existing ``--out`` are kept. ``--merge`` also keeps the existing qua
 that this invocation does not measure again, e.g. to add streaming rows beside none/delayed/eager;
 without it the quality rows are this invocation's alone. A streaming row names its fragments P,
 delay τ, α and merge rule (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``,
-``fragment_merge``, set with ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows of different settings are
-kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds (the
+``fragment_merge``, set with ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows
+of different settings are kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds (the
 manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their rows are kept apart
 too). Prints a markdown table for docs/benchmarks.md.
 """

@@ -229,7 +229,8 @@ class Trainer:
         self._fragments: list[list[int]] = []
         """Streaming: the parameter indices of each fragment (peer/train/streaming.py); [] otherwise."""
         self._flight: tuple[int, int, list[torch.Tensor] | None] | None = None
-        """Streaming: (fragment, cumulative inner step its sync started) of the sync in flight."""
+        """Streaming: (fragment, cumulative inner step its sync started, θ_p then as fp32 host tensors with
+        ``fragment_merge = "shift"``, else None) of the sync in flight."""
         if self.overlap == "streaming":
             P = manifest.sync.fragments
             self._fragments = partition(self.names, P)
@@ -645,9 +646,10 @@ class Trainer:
         """The fragment sync in flight lands (waiting for it if needed): φ_p ← OuterOpt_p(φ_p, mean)
         with its slice of the outer state, then θ_p by ``sync.fragment_merge``: θ_p ← α·θ_p +
         (1 − α)·φ_p (Streaming DiLoCo's merge) or θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync) ('shift',
-        θ_p^sync kept when the sync started). Its report joins the round's. A failed sync applies this peer's own payload, as a
-        failed blocking sync does; an outer step that would not be finite leaves φ_p as it was. On
-        a stop nothing is applied: the sync is dropped, and θ keeps the fragment's progress."""
+        θ_p^sync kept when the sync started). Its report joins the round's. A failed sync applies
+        this peer's own payload, as a failed blocking sync does; an outer step that would not be
+        finite leaves φ_p as it was. On a stop nothing is applied: the sync is dropped, and θ keeps
+        the fragment's progress."""
         mean, report = self._take_background()
         (p, started, at_sync), self._flight = self._flight, None
         report = dataclasses.replace(report, overlap_steps=(self.inner_step - started,))

@@ -277,7 +277,8 @@ def test_shift_lands_each_mean_relative_to_theta_at_its_sync_and_keeps_the_steps
         before = [t.detach().clone() for t in theta]
         real_land(theta, phi, alpha=alpha, rule=rule, at_sync=at_sync)
         landings.append((rule, alpha, before, [p.clone() for p in phi],
-                         None if at_sync is None else [s.clone() for s in at_sync], [t.detach().clone() for t in theta]))
+                         None if at_sync is None else [s.clone() for s in at_sync],
+                         [t.detach().clone() for t in theta]))
 
     def slow(round_, should_stop):
         time.sleep(0.3)
