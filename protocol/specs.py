@@ -316,8 +316,8 @@ class SyncSpec:
     trained while the sync was in flight back out. 'shift': θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync),
     θ_p^sync being θ_p when the sync started: the same mix of the state the sync was about, with
     the steps trained since kept in full (equal to 'mix' when none were). Measured better than 'mix'
-    at every setting tried (docs/benchmarks.md, issue #18: `cpu-32k` τ = 1 +0.84 % vs none where
-    'mix' is +1.41 %; τ = 12 of H = 25 +0.96 % where 'mix' is +3.66 %); 'mix' stays the default so
+    (docs/benchmarks.md, issue #18: `cpu-32k` τ = 1 +0.84 % vs none where 'mix' is +1.41 %; τ = 12
+    of H = 25 +0.96 % where 'mix' is +3.66 %; at τ = 4 of H = 10 both about +2 %); 'mix' stays the default so
     that a manifest written before this field existed means what it meant."""
 
     def __post_init__(self) -> None:
