@@ -17,9 +17,9 @@ that this invocation does not measure again, e.g. to add streaming rows beside n
 without it the quality rows are this invocation's alone. A streaming row names its fragments P,
 delay τ, α and merge rule (``sync.fragments``, ``fragment_delay_steps``, ``fragment_alpha``,
 ``fragment_merge``, set with ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows
-of different settings are kept apart. ``--from-round K`` runs delayed and eager without overlap for the first K rounds (the
-manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their rows are kept apart
-too). Prints a markdown table for docs/benchmarks.md.
+of different settings are kept apart. ``--from-round K`` runs delayed and eager without overlap for
+the first K rounds (the manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their
+rows are kept apart too). Prints a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
 from protocol.errors import ManifestError  # noqa: E402
 from protocol.manifest import RunManifest  # noqa: E402
-from protocol.specs import OVERLAP_MODES  # noqa: E402
+from protocol.specs import OVERLAP_MODES, STREAMING_FIELDS, SyncSpec  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results") / "overlap.json"
-STREAMING_KEYS = ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")
-STREAMING_DEFAULTS = {"fragment_merge": "mix"}
-"""What a streaming row recorded before a key existed ran with (rows from before 2026-11-29 lack the merge)."""
+DEFAULT_MERGE = SyncSpec().fragment_merge
+"""What a streaming row recorded before ``sync.fragment_merge`` existed ran with (rows from before
+2026-11-29 lack the key)."""
 
 
 def run_manifest(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict,
@@ -72,14 +72,14 @@ def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench
     # NoLoCo's groups come from the run id, which the mode changes: every mode draws none's groups,
     # and with the merge rule at its default, so that 'mix' and 'shift' rows draw the same pairs
     # (the other streaming fields stay in, as the rows recorded before the rule existed drew them)
-    groups = run_manifest(base.replace(sync={"fragment_merge": "mix"}), method, "none", peers, seed, bench,
+    groups = run_manifest(base.replace(sync={"fragment_merge": DEFAULT_MERGE}), method, "none", peers, seed, bench,
                           rounds).run_id
     r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
                        eval_every_rounds=rounds, groups_run_id=groups)
     run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
            "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
     if mode == "streaming":
-        run["streaming"] = {k: getattr(m.sync, k) for k in STREAMING_KEYS}
+        run["streaming"] = {k: getattr(m.sync, k) for k in STREAMING_FIELDS}
     if blocking_rounds:
         run["from_round"] = blocking_rounds
     return run
@@ -88,8 +88,8 @@ def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench
 def _variant(row: dict) -> tuple:
     """What tells rows of one mode apart: a streaming row's (P, τ, α, merge), then ``from_round`` K
     where the first K rounds ran without overlap; () for a plain delayed or eager row."""
-    streaming = (tuple(row.get("streaming", {}).get(k, STREAMING_DEFAULTS.get(k)) for k in STREAMING_KEYS)
-                 if row["overlap"] == "streaming" else ())
+    settings = {"fragment_merge": DEFAULT_MERGE, **row.get("streaming", {})}
+    streaming = tuple(settings.get(k) for k in STREAMING_FIELDS) if row["overlap"] == "streaming" else ()
     return streaming + ((row["from_round"],) if row.get("from_round") else ())
 
 
@@ -141,9 +141,9 @@ def markdown(rows: list[dict]) -> str:
         mode = q["overlap"]
         if "streaming" in q:
             st = q["streaming"]
-            merge = st.get("fragment_merge", "mix")
+            merge = st.get("fragment_merge", DEFAULT_MERGE)
             mode += (f" (P = {st['fragments']}, τ = {st['fragment_delay_steps']}, α = {st['fragment_alpha']}"
-                     + (", shift)" if merge == "shift" else ")"))
+                     + (f", {merge})" if merge != DEFAULT_MERGE else ")"))
         if q.get("from_round"):
             mode += f" from round {q['from_round'] + 1} (none before)"
         lines.append(f"| {q['method']} | {q['peers']} | {mode} | {q['final_bpb']:.4f} | {seeds} | {vs} |")

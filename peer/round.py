@@ -583,16 +583,14 @@ class Trainer:
         self._fragments_synced.add(p)
         index = self._fragments[p]
         phi_p = [self.phi[k] for k in index]
-        theta_p = [self.params[k].detach().to("cpu", torch.float32) for k in index]
+        keep = self.m.sync.fragment_merge == "shift"   # θ_p as it is now is kept for the landing: a copy
+        theta_p = [self.params[k].detach().to("cpu", torch.float32, copy=keep) for k in index]
         try:
             delta = pseudo_gradient(phi_p, theta_p)
             check_finite(delta, f"fragment {p}'s pseudo-gradient")
         except BadPayload as exc:
             self.reporter.emit("warning", message=f"{exc}: fragment {p} not synced in round {round_}")
             return
-        # 'shift' lands the mean relative to θ_p as it is now: kept (a copy where .to() returned θ itself)
-        at_sync = None if self.m.sync.fragment_merge != "shift" else [
-            t.clone() if t.data_ptr() == self.params[k].data_ptr() else t for t, k in zip(theta_p, index)]
         # NoLoCo's payload holds φ_p itself: the sync reads a copy, φ may move under a dropped one
         payload = [t.clone() if any(t is q for q in phi_p) else t for t in self._fragment_outer[p].payload(phi_p, delta)]
         choice, live = self._round_choice(round_)
@@ -612,7 +610,7 @@ class Trainer:
 
         self._fragment_prepared = None
         self._background.start(sync_and_prepare, round_=round_, start_digest=digest)
-        self._flight = (p, self.inner_step, at_sync)
+        self._flight = (p, self.inner_step, theta_p if keep else None)
 
     def _fragment_state(self, p: int) -> list[int]:
         """Fragment p's state indices: its φ tensors, then its outer state's (one per parameter)."""
