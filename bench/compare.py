@@ -5,6 +5,7 @@
         --out-dir /tmp/diag --results /tmp/diag/compare.json   # a diagnostic run; bench/results/ untouched
     python bench/compare.py --config bench/compare-gpu.toml --device cuda --jobs 16   # the GPU scale
     python bench/compare.py --no-plot ...     # where matplotlib is not installed: no compare_loss.png
+    python bench/compare.py --global-batch 65536 ...  # another global batch (tokens per inner step, all peers)
 
 Simulates N peers in one process (lab/simulation.py, the swarm's own algorithm code) for every
 method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batch: each peer's
@@ -245,6 +246,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="override bench.rounds (quick trials)")
     parser.add_argument("--seeds", type=int, nargs="+", help="override bench.seeds")
     parser.add_argument("--peers", type=int, nargs="+", help="override bench.peers")
+    parser.add_argument("--global-batch", type=int, default=None, metavar="TOKENS",
+                        help="override bench.global_batch_tokens (tokens per inner step, all peers together)")
     parser.add_argument("--methods", nargs="+", choices=list(LABELS), help="override bench.methods")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a manifest field (TOML value), e.g. --set outer_optimizer.lr=1.0")
@@ -267,9 +270,20 @@ def main() -> None:
         base = apply_overrides(base, args.set)
     except (ValueError, ManifestError) as exc:
         parser.error(str(exc))
+    if args.global_batch is not None:
+        bench["global_batch_tokens"] = args.global_batch
     rounds = args.rounds or bench["rounds"]
     seeds, peer_counts = args.seeds or bench["seeds"], args.peers or bench["peers"]
     methods = args.methods or bench["methods"]
+    for n in peer_counts:  # each run's own rule (manifest_for), checked before any run starts
+        try:
+            if n < 1 or bench["global_batch_tokens"] < 1:
+                raise ValueError(f"global_batch_tokens = {bench['global_batch_tokens']} with {n} peers: "
+                                 "both must be positive")
+            manifest_for(base, "diloco", n, 0, bench["global_batch_tokens"], rounds)
+        except (ValueError, ManifestError) as exc:
+            parser.error(f"{exc}; give --global-batch (or bench.global_batch_tokens) a positive multiple of every "
+                         "--peers value, each peer's share a whole number of sequences")
     start = time.perf_counter()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out_dir / "compare_results.json", args.out_dir / "compare_loss.png"

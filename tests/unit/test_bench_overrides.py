@@ -65,3 +65,20 @@ def test_a_malformed_override_names_the_item_and_the_form(item, why):
     with pytest.raises(ValueError, match=why) as error:
         apply_overrides(base, [item])
     assert repr(item) in str(error.value)
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--global-batch", "1000", "--peers", "3"], "global_batch_tokens = 1000 is not divisible by 3 peers"),
+    (["--global-batch", "0"], "global_batch_tokens = 0 with 4 peers: both must be positive"),
+    (["--global-batch", "96", "--peers", "3"], "batch_size_tokens = 32 is invalid"),  # not whole sequences
+])
+def test_compare_refuses_a_global_batch_before_any_run_starts(args, why, tmp_path):
+    import subprocess
+    import sys
+
+    script = CONFIG.with_name("compare.py")
+    result = subprocess.run([sys.executable, str(script), *args, "--no-plot", "--out-dir", str(tmp_path),
+                             "--results", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert why in result.stderr and "give --global-batch" in result.stderr, result.stderr
+    assert not any(tmp_path.iterdir())  # nothing written, nothing trained

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One prepared call on a lent GPU for the measurements issues #14 and #15 leave to one: a session
+# that is lent the `device` tool has 15 minutes of device time, the machine's start included, and
+# one command may run 10 minutes; this script fits everything in one command (BUDGET_S, default
+# 540 s) and writes what it finds under $OUT as it goes, so a stage cut short keeps what it had.
+#
+#   bash bench/device_prepare.sh                                  # here, first: .devcarry/
+#   device run: command "bash bench/device_session.sh", carry [".devcarry"], timeout_s 600
+#   OUT=/tmp/dry bash bench/device_session.sh --dry-run           # here, on the CPU: the plumbing
+#
+# Stages, in this order, each under `timeout` with what the budget has left:
+#   1. #14 item 10: bench/gpu.py on llama-125m and default ($OUT/gpu.json): MFU, inner vs bare.
+#   2. #14 item 11: the CUDA-peer + CPU-peer swarm over libp2p (identical φ after every round), and
+#      the unit tests of the device, precision, accumulation and inner-step code, now with a card.
+#   3. #15 item 4: bench/compare.py at the GPU scale (bench/compare-gpu.toml), data-parallel vs
+#      DiLoCo N = 4, seeds 0 and 1, set as the CPU scale that met its target (`cpu-32k`: 8,192 tokens
+#      per peer and step, H = 10, inner lr 3e-3) where the 2026-11-27 run had 4,096, H = 15 and 2e-3:
+#      a 32,768-token global step, 60 rounds, 19.7M tokens per run (2.4 passes over the corpus);
+#      every evaluation lands in $OUT/cmp/compare_progress.jsonl as it is made.
+#   4. If 150 s are left: bench/gpu.py on llama-350m and llama-1b ($OUT/gpu_large.json).
+# Everything a stage prints goes to $OUT/session.log. At most 8 files come back: this writes 6.
+set -u
+cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+: "${OUT:?set OUT to the folder for results (the device tool sets it)}"
+mkdir -p "$OUT/cmp"
+LOG=$OUT/session.log
+BUDGET=${BUDGET_S:-540}
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
+
+# the carried wheels go in on the device; a dry run uses this venv, or installs them as there with
+# INSTALL=1 PYTHON=<a Python 3.12 with the device image's packages> (how they were checked here)
+if [ "$DRY" = 1 ]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
+if [ "${INSTALL:-$(( 1 - DRY ))}" = 1 ]; then
+    if [ -d .devcarry/whl ]; then
+        rm -rf /tmp/site
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .devcarry/whl/*.whl >>"$LOG" 2>&1 || { say "installing the carried wheels failed (above)"; exit 1; }
+        export PYTHONPATH=/tmp/site:$PWD
+    else
+        say "no .devcarry/whl: run bash bench/device_prepare.sh here and carry .devcarry"
+    fi
+fi
+export PYTHONUNBUFFERED=1
+if [ ! -d bench/data/linux-doc ] && [ -s .devcarry/linux-doc.tar.xz ]; then
+    mkdir -p bench/data && tar -C bench/data -xJf .devcarry/linux-doc.tar.xz
+fi
+say "$("$PY" -c 'import sys, torch; c = torch.cuda.is_available(); v = sys.version.split()[0]
+print("python", v, "torch", torch.__version__, torch.cuda.get_device_name(0) if c else "no CUDA")' 2>&1 | tail -1)"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1
+fi
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log its output and its exit status
+    local name=$1 limit=$2; shift 2
+    if [ "$limit" -lt 20 ]; then say "$name: skipped, ${limit} s left"; return; fi
+    say "$name: start, limit ${limit} s: $*"
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+    say "$name: exit $? "
+}
+
+if [ "$DRY" = 1 ]; then
+    GPU_ARGS=(--device cpu --presets tiny --steps 1 --repeats 1)
+    CMP_ARGS=(--config bench/compare.toml --device cpu --jobs 2 --peers 2 --rounds 2 --global-batch 2048)
+    LARGE=(--device cpu --presets default --steps 1 --repeats 1)
+else
+    GPU_ARGS=(--presets llama-125m,default)
+    CMP_ARGS=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4 --global-batch 32768
+              --set sync.inner_steps=10)
+    LARGE=(--presets llama-350m,llama-1b)
+fi
+
+stage "1 bench/gpu.py" $(( $(left) < 200 ? $(left) : 200 )) \
+    "$PY" bench/gpu.py "${GPU_ARGS[@]}" --out "$OUT/gpu.json"
+stage "2 tests with a card" $(( $(left) < 170 ? $(left) : 170 )) \
+    "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/integration/test_gpu_cpu_swarm.py \
+    tests/unit/test_device.py tests/unit/test_devices.py tests/unit/test_device_presets.py \
+    tests/unit/test_precision.py tests/unit/test_accumulation.py tests/unit/test_inner.py tests/unit/test_inner_sync.py
+# stage 3 gets what is left; stage 4 runs only if stage 3 ended with 150 s to spare
+stage "3 bench/compare.py, GPU scale" $(( $(left) - 10 )) \
+    "$PY" bench/compare.py "${CMP_ARGS[@]}" --methods data-parallel diloco --seeds 0 1 \
+    --set inner_optimizer.lr=0.003 --out-dir "$OUT/cmp" --results "$OUT/compare-gpu-b32k.json" --no-plot
+if [ "$(left)" -ge 150 ]; then
+    stage "4 bench/gpu.py, large presets" $(( $(left) - 10 )) \
+        "$PY" bench/gpu.py "${LARGE[@]}" --out "$OUT/gpu_large.json"
+fi
+say "done; $(left) s of the budget left"
+ls -la "$OUT" "$OUT/cmp" >>"$LOG" 2>&1
