@@ -34,7 +34,7 @@ from protocol.errors import BadSignature, ManifestError, VersionMismatch
 from protocol.signing import OwnerKey, is_owner_hex, verify_manifest
 from protocol.specs import (
     CODECS, PHI_CODECS, CompressionSpec, DataSpec, InnerOptimizerSpec, ModelSpec, NoLoCoSpec, OuterOptimizerSpec,
-    OMITTED_AT_DEFAULT_SYNC_FIELDS, PipelineSpec, SyncSpec, check, int_in,
+    OMITTED_AT_DEFAULT_INNER_FIELDS, OMITTED_AT_DEFAULT_SYNC_FIELDS, PipelineSpec, SyncSpec, check, int_in,
 )
 from protocol.version import PROTOCOL_VERSION
 
@@ -101,12 +101,16 @@ class RunManifest:
             check("sync", "fragments", self.sync.fragments, self.sync.fragments <= self.model.num_layers,
                   f"at most model.num_layers = {self.model.num_layers} with sync.overlap = 'streaming' "
                   "(a fragment holds whole transformer blocks)")
+        check("inner_optimizer", "kind", self.inner_optimizer.kind,
+              self.inner_optimizer.kind == "adamw" or self.pipeline.stages == 1,
+              "'adamw' with pipeline.stages > 1 (a stage's inner step runs AdamW only)")
         check("pipeline", "stages", self.pipeline.stages, self.pipeline.stages <= self.model.num_layers,
               f"at most model.num_layers = {self.model.num_layers} (a stage holds whole transformer blocks)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; ``owner`` is left out while empty, the streaming fields of ``sync`` and its
-        ``overlap_from_round`` (``OMITTED_AT_DEFAULT_SYNC_FIELDS``) while at their defaults, and the
+        ``overlap_from_round`` (``OMITTED_AT_DEFAULT_SYNC_FIELDS``) and the inner optimizer's ``kind``
+        and ``muon_lr_ratio`` (``OMITTED_AT_DEFAULT_INNER_FIELDS``) while at their defaults, and the
         ``pipeline`` section while all of it is, so run ids from before they existed stay as they
         were (and older clients can read those manifests)."""
         data = dataclasses.asdict(self)
@@ -118,6 +122,10 @@ class RunManifest:
         for name in OMITTED_AT_DEFAULT_SYNC_FIELDS:
             if getattr(self.sync, name) == getattr(default, name):
                 del data["sync"][name]
+        inner = InnerOptimizerSpec()
+        for name in OMITTED_AT_DEFAULT_INNER_FIELDS:
+            if getattr(self.inner_optimizer, name) == getattr(inner, name):
+                del data["inner_optimizer"][name]
         return data
 
     def encode(self) -> bytes:

@@ -138,9 +138,17 @@ class DataSpec:
         int_in(s, "validation_sequences", self.validation_sequences, 1, 1 << 20)
 
 
+INNER_KINDS = ("adamw", "muon")
+"""The inner optimizers (``inner_optimizer.kind``, peer/train/inner.py)."""
+OMITTED_AT_DEFAULT_INNER_FIELDS = ("kind", "muon_lr_ratio")
+"""The inner_optimizer fields left out of a manifest's encoding while at their defaults (added after
+runs without them existed, whose run ids stay as they were)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class InnerOptimizerSpec:
-    """AdamW on each peer's θ; its schedule is indexed by cumulative inner steps of the swarm."""
+    """AdamW on each peer's θ (or Muon on its block matrices: ``kind``); its schedule is indexed by
+    cumulative inner steps of the swarm."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -157,9 +165,19 @@ class InnerOptimizerSpec:
     min_lr_ratio: float = 0.1
     batch_size_tokens: int = 2048
     """Tokens per inner step on one peer; a multiple of data.seq_len_tokens."""
+    kind: str = "adamw"
+    """'adamw': AdamW on every parameter. 'muon': :class:`torch.optim.Muon` (momentum 0.95,
+    Nesterov, 5 Newton-Schulz steps, its update's RMS matched to AdamW's so that AdamW's lr and
+    weight decay carry over) on the 2-D weight matrices of the transformer blocks, AdamW on the
+    rest (embeddings, output layer, norms), as MuLoCo (arXiv 2505.23725) runs DiLoCo's inner step.
+    Every peer of a run uses the same."""
+    muon_lr_ratio: float = 8.0
+    """With ``kind = "muon"``: Muon's lr ÷ AdamW's, at every step (both follow the schedule)."""
 
     def __post_init__(self) -> None:
         s = "inner_optimizer"
+        one_of(s, "kind", self.kind, INNER_KINDS)
+        float_in(s, "muon_lr_ratio", self.muon_lr_ratio, 0.0, 1000.0, lo_open=True)
         float_in(s, "lr", self.lr, 0.0, 1.0, lo_open=True)
         float_in(s, "weight_decay", self.weight_decay, 0.0, 10.0)
         float_in(s, "beta1", self.beta1, 0.0, 0.999999)

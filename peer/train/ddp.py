@@ -150,10 +150,14 @@ class DistributedInnerLoop(InnerLoop):
         CPU ranks split this process's torch threads between them (rank 0's count is lowered too).
 
         Raises:
-            ConfigError: fewer sequences per step than devices, or mixed device types.
+            ConfigError: fewer sequences per step than devices, mixed device types, or a run whose
+                inner optimizer is not AdamW.
             RankFailed: a rank did not start (its exit code in the message); nothing is left running.
         """
         world = len(devices)
+        if spec.kind != "adamw":
+            raise ConfigError(f"--device {','.join(devices)}: a peer on several devices runs inner_optimizer.kind "
+                              f"= 'adamw' only, and this run's is {spec.kind!r}: join with one device")
         types = {torch.device(d).type for d in devices}
         if len(types) != 1 or types & {"mps"}:
             raise ConfigError(f"--device {','.join(devices)}: several devices must all be CUDA cards or all CPU")

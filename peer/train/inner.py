@@ -1,4 +1,5 @@
-"""The inner loop: AdamW on this peer's θ over its own data shard, on this peer's device.
+"""The inner loop: AdamW (or Muon on the block matrices: ``inner_optimizer.kind``) on this peer's θ
+over its own data shard, on this peer's device.
 
 The batch is the run's (``batch_size_tokens``, swarm-wide); this peer reaches it by gradient
 accumulation over micro-batches that fit its memory, in the precision chosen for its card
@@ -63,6 +64,61 @@ def fused_adamw(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters ``kind = "muon"`` gives to Muon: the 2-D weight matrices of the transformer
+    blocks (attention and MLP projections), in ``model.parameters()`` order. The embeddings, the
+    output layer and the norms stay with AdamW (MuLoCo, arXiv 2505.23725, §3; Muon's own docs)."""
+    return [p for name, p in model.named_parameters() if p.ndim == 2 and ".layers." in f".{name}"]
+
+
+class MuonAdamW:
+    """:class:`torch.optim.Muon` on the block matrices and AdamW on the rest, stepped as one
+    optimizer: the calls the inner loop and :class:`torch.amp.GradScaler` make (``param_groups``,
+    ``zero_grad``, ``step``, ``state``). Muon's param group carries ``lr_ratio``, its lr ÷ AdamW's,
+    which the loop applies when it sets the step's lr.
+
+    Args:
+        adamw: AdamW over the parameters that are not block matrices.
+        muon: Muon over the block matrices, its one param group holding ``lr_ratio``.
+    """
+
+    def __init__(self, adamw: torch.optim.Optimizer, muon: torch.optim.Optimizer):
+        self.adamw, self.muon = adamw, muon
+        self.param_groups = [*adamw.param_groups, *muon.param_groups]
+        self.state = _JointState(adamw.state, muon.state)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        self.muon.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.adamw.step()
+        self.muon.step()
+
+
+class _JointState:
+    """Both optimizers' per-parameter state as one mapping (``clear``, ``in``, ``[]``, truth)."""
+
+    def __init__(self, *states: dict):
+        self.states = states
+
+    def clear(self) -> None:
+        for state in self.states:
+            state.clear()
+
+    def __contains__(self, p: Any) -> bool:
+        return any(p in state for state in self.states)
+
+    def __getitem__(self, p: Any) -> dict:
+        for state in self.states:
+            if p in state:
+                return state[p]
+        raise KeyError("no optimizer state for this parameter")
+
+    def __len__(self) -> int:
+        return sum(len(state) for state in self.states)
+
+
 class _Loss(torch.nn.Module):
     """The model's training loss as one module (:func:`peer.train.model.lm_loss`), so torch.compile
     takes the logits' fp32 cast and the cross-entropy into the model's graph."""
@@ -120,12 +176,26 @@ class InnerLoop:
         self.micro_batch_sequences = micro_batch_sequences
         self.oom_backoffs = 0
         """Times an out-of-memory error halved the micro-batch."""
-        self.fused = fused_adamw(self.device)
-        """Fused AdamW (CUDA): it skips a step on the device when told to (:meth:`step`'s one sync)."""
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
-            weight_decay=spec.weight_decay, fused=True if self.fused else None,
+        self.fused = fused_adamw(self.device) and spec.kind == "adamw"
+        """Fused AdamW (CUDA): it skips a step on the device when told to (:meth:`step`'s one sync).
+        Not with Muon, whose steps are checked on the host."""
+        matrices = {id(p) for p in muon_matrices(model)} if spec.kind == "muon" else set()
+        if spec.kind == "muon" and not matrices:
+            raise ConfigError(f"inner_optimizer.kind = 'muon' needs a model with transformer blocks; "
+                              f"{type(model).__name__} has none: use kind = 'adamw'")
+        adamw = torch.optim.AdamW(
+            [p for p in self.params if id(p) not in matrices], lr=spec.lr, betas=(spec.beta1, spec.beta2),
+            eps=spec.eps, weight_decay=spec.weight_decay, fused=True if self.fused else None,
         )
+        self.optimizer: torch.optim.Optimizer | MuonAdamW = adamw
+        if matrices:
+            # match_rms_adamw scales Muon's orthogonalised update to AdamW's RMS, so lr and weight
+            # decay mean what they mean for AdamW; lr_ratio scales it from there
+            muon = torch.optim.Muon([{"params": [p for p in self.params if id(p) in matrices],
+                                      "lr_ratio": spec.muon_lr_ratio}],
+                                    lr=spec.lr * spec.muon_lr_ratio, weight_decay=spec.weight_decay,
+                                    adjust_lr_fn="match_rms_adamw")
+            self.optimizer = MuonAdamW(adamw, muon)
         self.scaler = torch.amp.GradScaler(self.device.type) if precision.grad_scaler else None
         self._eager_loss = _Loss(model)
         self._loss = torch.compile(self._eager_loss, backend=compile_backend) if compile else self._eager_loss
@@ -142,32 +212,49 @@ class InnerLoop:
         return self._loss is not self._eager_loss
 
     def reset_optimizer(self) -> None:
-        """Forget AdamW moments (after adopting φ from the swarm)."""
+        """Forget AdamW's moments and Muon's momentum (after adopting φ from the swarm)."""
         self.optimizer.state.clear()
 
+    def _adamw(self) -> torch.optim.Optimizer:
+        return self.optimizer.adamw if isinstance(self.optimizer, MuonAdamW) else self.optimizer
+
+    def _muon_state(self) -> dict:
+        return self.optimizer.muon.state if isinstance(self.optimizer, MuonAdamW) else {}
+
     def state_dict(self) -> dict[str, Any] | None:
-        """AdamW's state for a checkpoint: ``exp_avg`` and ``exp_avg_sq`` (one fp32 tensor per
-        parameter, shaped like it, on θ's device, in model.parameters() order; the live tensors, not
-        copies) and ``step`` (int); None before the first step or after :meth:`reset_optimizer`."""
-        state = self.optimizer.state
-        if not all(p in state and "exp_avg" in state[p] for p in self.params):
+        """The inner optimizer's state for a checkpoint: ``exp_avg`` and ``exp_avg_sq`` (one fp32
+        tensor per parameter, shaped like it, on θ's device, in model.parameters() order; the live
+        tensors, not copies) and ``step`` (int, AdamW's); None before the first step or after
+        :meth:`reset_optimizer`. With Muon a block matrix's ``exp_avg`` is Muon's momentum buffer
+        and its ``exp_avg_sq`` zeros (Muon keeps no second moment), so the checkpoint's layout is
+        AdamW's whatever the kind."""
+        adamw, muon = self._adamw().state, self._muon_state()
+        if not all((p in muon and "momentum_buffer" in muon[p]) or (p in adamw and "exp_avg" in adamw[p])
+                   for p in self.params):
             return None
-        return {"exp_avg": [state[p]["exp_avg"] for p in self.params],
-                "exp_avg_sq": [state[p]["exp_avg_sq"] for p in self.params],
-                "step": int(state[self.params[0]]["step"])}
+        first = next(p for p in self.params if p in adamw)
+        return {"exp_avg": [muon[p]["momentum_buffer"] if p in muon else adamw[p]["exp_avg"] for p in self.params],
+                "exp_avg_sq": [torch.zeros_like(p) if p in muon else adamw[p]["exp_avg_sq"] for p in self.params],
+                "step": int(adamw[first]["step"])}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore what :meth:`state_dict` returned (copies the tensors to θ's device); None leaves a
-        fresh AdamW."""
+        fresh optimizer."""
         self.optimizer.state.clear()
         if state is None:
             return
+        adamw = self._adamw()
+        muon = self.optimizer.muon if isinstance(self.optimizer, MuonAdamW) else None
+        matrices = {id(p) for group in (muon.param_groups if muon else []) for p in group["params"]}
         for p, m1, m2 in zip(self.params, state["exp_avg"], state["exp_avg_sq"], strict=True):
+            if id(p) in matrices:
+                muon.state[p] = {"momentum_buffer": m1.detach().to(p.device, torch.float32, copy=True)}
+                continue
             # fused AdamW keeps its step count on the device
             step = torch.tensor(float(state["step"]), device=p.device if self.fused else "cpu")
-            self.optimizer.state[p] = {"step": step,
-                                       "exp_avg": m1.detach().to(p.device, torch.float32, copy=True),
-                                       "exp_avg_sq": m2.detach().to(p.device, torch.float32, copy=True)}
+            adamw.state[p] = {"step": step,
+                              "exp_avg": m1.detach().to(p.device, torch.float32, copy=True),
+                              "exp_avg_sq": m2.detach().to(p.device, torch.float32, copy=True)}
 
     def lr(self, inner_step: int) -> float:
         s = self.spec
@@ -217,7 +304,7 @@ class InnerLoop:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise BadPayload(f"gradient norm is {norm.item()} at inner step {inner_step}")
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr(inner_step)
+            group["lr"] = self.lr(inner_step) * group.get("lr_ratio", 1.0)
         held_s = self._wait_for_hold()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
