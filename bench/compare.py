@@ -49,7 +49,7 @@ from protocol.errors import ManifestError  # noqa: E402
 from protocol.manifest import RunManifest, from_dict
 
 LABELS = {
-    "data-parallel": "data-parallel (AdamW, all-reduce every step)",
+    "data-parallel": "data-parallel (the inner optimizer on the all-reduced gradient, every step)",
     "diloco": "DiLoCo (outer SGD as in the manifest)",
     "noloco": "NoLoCo (outer heavy-ball + pull as in the manifest)",
     "independent": "independent (never syncs)",
@@ -200,8 +200,12 @@ def results_record(results: list[SimulationResult], scale: str, base: RunManifes
         out.append({"method": s["method"], "peers": s["peers"], "seeds": [r.seed for r in rs],
                     "final_bpb": s["loss_bpb"], "final_bpb_per_seed": [r.history[-1].loss_bpb for r in rs],
                     "vs_data_parallel_pct": s["vs_data_parallel_pct"], "outer": outer_of(base, s["method"])})
+    inner = base.inner_optimizer
     return {"scale": scale, "device": device, "params": results[0].parameters,
-            "tokens_per_run": results[0].history[-1].tokens, "results": out}
+            "tokens_per_run": results[0].history[-1].tokens,
+            "inner": {"kind": inner.kind, "lr": inner.lr, **({"muon_lr_ratio": inner.muon_lr_ratio}
+                                                               if inner.kind == "muon" else {})},
+            "results": out}
 
 
 def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) -> None:

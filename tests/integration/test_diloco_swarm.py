@@ -11,8 +11,9 @@ from tests.integration.harness import make_manifest, phi_file, write_manifest
 pytestmark = pytest.mark.integration
 
 
-def test_three_peers_train_two_rounds_with_identical_phi(procs, tmp_path):
-    manifest = make_manifest()
+@pytest.mark.parametrize("inner", ["adamw", "muon"])
+def test_three_peers_train_two_rounds_with_identical_phi(procs, tmp_path, inner):
+    manifest = make_manifest(inner_optimizer={"kind": inner})
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ["p0", "p1", "p2"]
     peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", "2", "--wait-for-peers", "3",
