@@ -132,9 +132,10 @@ class _Loss(torch.nn.Module):
 
 
 class InnerLoop:
-    """H steps of AdamW on θ (DiLoCo arXiv 2311.08105, Algorithm 1 lines 4-7).
+    """H steps of AdamW on θ (DiLoCo arXiv 2311.08105, Algorithm 1 lines 4-7); with
+    ``spec.kind == "muon"``, Muon on the block matrices and AdamW on the rest (:class:`MuonAdamW`).
 
-    The AdamW state lives here and is never averaged or sent (paper §3). A joiner gets a fresh
+    The optimizer state lives here and is never averaged or sent (paper §3). A joiner gets a fresh
     one; the learning rate comes from :func:`lr_at` at the swarm's cumulative inner step.
 
     Args:
