@@ -17,8 +17,8 @@
 #      per peer and step, H = 10, inner lr 3e-3) where the 2026-11-27 run had 4,096, H = 15 and 2e-3:
 #      a 32,768-token global step, 60 rounds, 19.7M tokens per run (2.4 passes over the corpus);
 #      with AdamW and, at the same time on the same card, with inner_optimizer.kind = "muon" (8
-#      simulations at once). Every evaluation lands in /tmp/cmp_<kind>/compare_progress.jsonl as it
-#      is made, copied to $OUT/compare-gpu-b32k-<kind>.progress.jsonl after the stage, so runs the
+#      simulations at once). Every evaluation lands in a temporary folder's <kind>/compare_progress.jsonl
+#      as it is made, copied to $OUT/compare-gpu-b32k-<kind>.progress.jsonl after the stage, so runs the
 #      budget cuts short still give the gaps at equal tokens up to their last evaluation.
 #   4. If 150 s are left: bench/gpu.py on llama-350m and llama-1b ($OUT/gpu_large.json).
 # Everything a stage prints goes to $OUT/session.log. At most 8 files come back: this writes 7.
@@ -83,19 +83,20 @@ stage "2 tests with a card" $(( $(left) < 170 ? $(left) : 170 )) \
     tests/unit/test_device.py tests/unit/test_devices.py tests/unit/test_device_presets.py \
     tests/unit/test_precision.py tests/unit/test_accumulation.py tests/unit/test_inner.py tests/unit/test_inner_sync.py
 # stage 3 gets what is left; stage 4 runs only if stage 3 ended with 150 s to spare
+CMP_DIR=$(mktemp -d)  # the runs' curves; only the progress files are copied to $OUT (8 files at most)
 compare() {  # compare KIND: one bench/compare.py invocation with that inner optimizer
     "$PY" bench/compare.py "${CMP_ARGS[@]}" --methods data-parallel diloco --seeds 0 1 \
-        --set inner_optimizer.lr=0.003 --set "inner_optimizer.kind=\"$1\"" --out-dir "/tmp/cmp_$1" \
+        --set inner_optimizer.lr=0.003 --set "inner_optimizer.kind=\"$1\"" --out-dir "$CMP_DIR/$1" \
         --results "$OUT/compare-gpu-b32k-$1.json" --no-plot
 }
 both() { compare adamw & compare muon & wait; }  # timeout signals the whole process group
 export -f compare both
-export PY OUT
+export PY OUT CMP_DIR
 CMP_ARGS_STR="${CMP_ARGS[*]}"
 stage "3 bench/compare.py, GPU scale, AdamW and Muon" $(( $(left) - 15 )) \
     env CMP_ARGS_STR="$CMP_ARGS_STR" bash -c 'CMP_ARGS=($CMP_ARGS_STR); both'
 for kind in adamw muon; do
-    cp "/tmp/cmp_$kind/compare_progress.jsonl" "$OUT/compare-gpu-b32k-$kind.progress.jsonl" 2>>"$LOG"
+    cp "$CMP_DIR/$kind/compare_progress.jsonl" "$OUT/compare-gpu-b32k-$kind.progress.jsonl" 2>>"$LOG"
 done
 if [ "$(left)" -ge 150 ]; then
     stage "4 bench/gpu.py, large presets" $(( $(left) - 10 )) \
