@@ -102,6 +102,28 @@ def manifest_for(base: RunManifest, method: str, peers: int, seed: int, global_b
                                          "decay_steps": base.sync.inner_steps * rounds})
 
 
+GLOBAL_BATCH_HINT = ("give --global-batch (or bench.global_batch_tokens) a positive multiple of every --peers "
+                     "value, each peer's share a whole number of sequences")
+
+
+def check_global_batch(base: RunManifest, global_batch_tokens: int, peer_counts: list[int], rounds: int) -> None:
+    """Each run's batch rule (:func:`manifest_for`) for every N, checked before any run starts.
+
+    Raises:
+        ValueError: N below 1, a global batch below 1 token, one not divisible by N, or a per-peer
+            share the manifest refuses (not a whole number of sequences), naming the value.
+    """
+    for n in peer_counts:
+        if n < 1:
+            raise ValueError(f"--peers {n}: need at least one peer")
+        if global_batch_tokens < 1:
+            raise ValueError(f"global_batch_tokens = {global_batch_tokens} with {n} peers: both must be positive")
+        try:
+            manifest_for(base, "diloco", n, 0, global_batch_tokens, rounds)
+        except ManifestError as exc:
+            raise ValueError(str(exc)) from None
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
@@ -200,12 +222,12 @@ def results_record(results: list[SimulationResult], scale: str, base: RunManifes
         out.append({"method": s["method"], "peers": s["peers"], "seeds": [r.seed for r in rs],
                     "final_bpb": s["loss_bpb"], "final_bpb_per_seed": [r.history[-1].loss_bpb for r in rs],
                     "vs_data_parallel_pct": s["vs_data_parallel_pct"], "outer": outer_of(base, s["method"])})
-    inner = base.inner_optimizer
+    spec = base.inner_optimizer
+    inner = {"kind": spec.kind, "lr": spec.lr}
+    if spec.kind == "muon":
+        inner["muon_lr_ratio"] = spec.muon_lr_ratio
     return {"scale": scale, "device": device, "params": results[0].parameters,
-            "tokens_per_run": results[0].history[-1].tokens,
-            "inner": {"kind": inner.kind, "lr": inner.lr, **({"muon_lr_ratio": inner.muon_lr_ratio}
-                                                               if inner.kind == "muon" else {})},
-            "results": out}
+            "tokens_per_run": results[0].history[-1].tokens, "inner": inner, "results": out}
 
 
 def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) -> None:
@@ -279,15 +301,10 @@ def main() -> None:
     rounds = args.rounds or bench["rounds"]
     seeds, peer_counts = args.seeds or bench["seeds"], args.peers or bench["peers"]
     methods = args.methods or bench["methods"]
-    for n in peer_counts:  # each run's own rule (manifest_for), checked before any run starts
-        try:
-            if n < 1 or bench["global_batch_tokens"] < 1:
-                raise ValueError(f"global_batch_tokens = {bench['global_batch_tokens']} with {n} peers: "
-                                 "both must be positive")
-            manifest_for(base, "diloco", n, 0, bench["global_batch_tokens"], rounds)
-        except (ValueError, ManifestError) as exc:
-            parser.error(f"{exc}; give --global-batch (or bench.global_batch_tokens) a positive multiple of every "
-                         "--peers value, each peer's share a whole number of sequences")
+    try:
+        check_global_batch(base, bench["global_batch_tokens"], peer_counts, rounds)
+    except ValueError as exc:
+        parser.error(f"{exc}; {GLOBAL_BATCH_HINT}")
     start = time.perf_counter()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out_dir / "compare_results.json", args.out_dir / "compare_loss.png"

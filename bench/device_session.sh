@@ -84,17 +84,14 @@ stage "2 tests with a card" $(( $(left) < 170 ? $(left) : 170 )) \
     tests/unit/test_precision.py tests/unit/test_accumulation.py tests/unit/test_inner.py tests/unit/test_inner_sync.py
 # stage 3 gets what is left; stage 4 runs only if stage 3 ended with 150 s to spare
 CMP_DIR=$(mktemp -d)  # the runs' curves; only the progress files are copied to $OUT (8 files at most)
-compare() {  # compare KIND: one bench/compare.py invocation with that inner optimizer
-    "$PY" bench/compare.py "${CMP_ARGS[@]}" --methods data-parallel diloco --seeds 0 1 \
-        --set inner_optimizer.lr=0.003 --set "inner_optimizer.kind=\"$1\"" --out-dir "$CMP_DIR/$1" \
-        --results "$OUT/compare-gpu-b32k-$1.json" --no-plot
-}
-both() { compare adamw & compare muon & wait; }  # timeout signals the whole process group
-export -f compare both
-export PY OUT CMP_DIR
-CMP_ARGS_STR="${CMP_ARGS[*]}"
-stage "3 bench/compare.py, GPU scale, AdamW and Muon" $(( $(left) - 15 )) \
-    env CMP_ARGS_STR="$CMP_ARGS_STR" bash -c 'CMP_ARGS=($CMP_ARGS_STR); both'
+limit=$(( $(left) - 15 ))
+for kind in adamw muon; do  # both at once on the card, each under its own timeout
+    stage "3 bench/compare.py, GPU scale, $kind" "$limit" \
+        "$PY" bench/compare.py "${CMP_ARGS[@]}" --methods data-parallel diloco --seeds 0 1 \
+        --set inner_optimizer.lr=0.003 --set "inner_optimizer.kind=\"$kind\"" --out-dir "$CMP_DIR/$kind" \
+        --results "$OUT/compare-gpu-b32k-$kind.json" --no-plot &
+done
+wait
 for kind in adamw muon; do
     cp "$CMP_DIR/$kind/compare_progress.jsonl" "$OUT/compare-gpu-b32k-$kind.progress.jsonl" 2>>"$LOG"
 done

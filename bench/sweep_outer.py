@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
-from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E402
+from bench.compare import (  # noqa: E402
+    GLOBAL_BATCH_HINT, apply_overrides, check_global_batch, load_config, manifest_for,
+)
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
-from protocol.errors import ManifestError  # noqa: E402
 
 DEFAULT_SETTINGS = [
     "nesterov:0.7:0.9",     # DiLoCo paper (H = 500, pretrained start); ~7× plain averaging
@@ -124,14 +125,10 @@ def main() -> None:
     base, bench = load_config(Path(args.config))
     if args.global_batch is not None:
         bench["global_batch_tokens"] = args.global_batch
-    for n in args.peers:  # the runs' own rule (manifest_for), checked before any run starts
-        if n < 1:
-            parser.error(f"--peers {n}: need at least one peer")
-        try:
-            manifest_for(base, "diloco", n, 0, bench["global_batch_tokens"], bench["rounds"])
-        except (ValueError, ManifestError) as exc:
-            parser.error(f"{exc}; give --global-batch (or bench.global_batch_tokens) a positive multiple of every "
-                         "--peers value")
+    try:
+        check_global_batch(base, bench["global_batch_tokens"], args.peers, bench["rounds"])
+    except ValueError as exc:
+        parser.error(f"{exc}; {GLOBAL_BATCH_HINT}")
     steps_per_peer = bench["rounds"] * base.sync.inner_steps
     outers = [*([] if args.no_baseline else [None]),
               *(parse_setting(s, base.sync.inner_steps, steps_per_peer) for s in args.settings)]

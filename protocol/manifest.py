@@ -118,14 +118,11 @@ class RunManifest:
             del data["owner"]
         if self.pipeline == PipelineSpec():
             del data["pipeline"]
-        default = SyncSpec()
-        for name in OMITTED_AT_DEFAULT_SYNC_FIELDS:
-            if getattr(self.sync, name) == getattr(default, name):
-                del data["sync"][name]
-        inner = InnerOptimizerSpec()
-        for name in OMITTED_AT_DEFAULT_INNER_FIELDS:
-            if getattr(self.inner_optimizer, name) == getattr(inner, name):
-                del data["inner_optimizer"][name]
+        for section, default, names in (("sync", SyncSpec(), OMITTED_AT_DEFAULT_SYNC_FIELDS),
+                                        ("inner_optimizer", InnerOptimizerSpec(), OMITTED_AT_DEFAULT_INNER_FIELDS)):
+            for name in names:
+                if getattr(getattr(self, section), name) == getattr(default, name):
+                    del data[section][name]
         return data
 
     def encode(self) -> bytes:

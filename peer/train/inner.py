@@ -97,7 +97,8 @@ class MuonAdamW:
 
 
 class _JointState:
-    """Both optimizers' per-parameter state as one mapping (``clear``, ``in``, ``[]``, truth)."""
+    """Both optimizers' per-parameter state, for what the loop asks of ``optimizer.state``:
+    ``clear()`` and whether any is held."""
 
     def __init__(self, *states: dict):
         self.states = states
@@ -105,15 +106,6 @@ class _JointState:
     def clear(self) -> None:
         for state in self.states:
             state.clear()
-
-    def __contains__(self, p: Any) -> bool:
-        return any(p in state for state in self.states)
-
-    def __getitem__(self, p: Any) -> dict:
-        for state in self.states:
-            if p in state:
-                return state[p]
-        raise KeyError("no optimizer state for this parameter")
 
     def __len__(self) -> int:
         return sum(len(state) for state in self.states)
@@ -245,11 +237,10 @@ class InnerLoop:
         if state is None:
             return
         adamw = self._adamw()
-        muon = self.optimizer.muon if isinstance(self.optimizer, MuonAdamW) else None
-        matrices = {id(p) for group in (muon.param_groups if muon else []) for p in group["params"]}
+        with_adamw = {id(q) for q in adamw.param_groups[0]["params"]}
         for p, m1, m2 in zip(self.params, state["exp_avg"], state["exp_avg_sq"], strict=True):
-            if id(p) in matrices:
-                muon.state[p] = {"momentum_buffer": m1.detach().to(p.device, torch.float32, copy=True)}
+            if id(p) not in with_adamw:  # a block matrix: Muon's momentum
+                self.optimizer.muon.state[p] = {"momentum_buffer": m1.detach().to(p.device, torch.float32, copy=True)}
                 continue
             # fused AdamW keeps its step count on the device
             step = torch.tensor(float(state["step"]), device=p.device if self.fused else "cpu")
