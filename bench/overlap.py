@@ -100,7 +100,8 @@ def row_key(row: dict) -> tuple:
 
 def quality(runs: list[dict]) -> list[dict]:
     """Means over seeds per (method, overlap, N, streaming settings); ``vs_none``: % above overlap
-    'none' on the same seeds."""
+    'none' on the same seeds, whose mean is ``none_bpb`` (a row merged from another invocation keeps
+    the none it was measured against: NoLoCo's pairs follow the streaming fields, so its none differs)."""
     out = []
     for method, peers in sorted({(r["method"], r["peers"]) for r in runs}):
         mine = [r for r in runs if r["method"] == method and r["peers"] == peers]
@@ -111,9 +112,10 @@ def quality(runs: list[dict]) -> list[dict]:
                             key=lambda r: r["seed"])
                 final = statistics.fmean(r["final_bpb"] for r in rs)
                 paired = [r for r in rs if r["seed"] in none]
-                vs = (100 * (statistics.fmean(r["final_bpb"] for r in paired) /
-                             statistics.fmean(none[r["seed"]] for r in paired) - 1)) if paired else None
-                row = {"overlap": mode, "peers": peers, "final_bpb": final, "vs_none": vs, "method": method,
+                none_bpb = statistics.fmean(none[r["seed"]] for r in paired) if paired else None
+                vs = 100 * (statistics.fmean(r["final_bpb"] for r in paired) / none_bpb - 1) if paired else None
+                row = {"overlap": mode, "peers": peers, "final_bpb": final, "vs_none": vs, "none_bpb": none_bpb,
+                       "method": method,
                        "seeds": [r["seed"] for r in rs], "final_bpb_per_seed": [r["final_bpb"] for r in rs],
                        "tokens_per_run": rs[0]["tokens"]}
                 if "streaming" in rs[0]:

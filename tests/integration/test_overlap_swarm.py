@@ -71,15 +71,20 @@ def test_two_noloco_peers_exchange_with_their_partner_in_the_background(procs, t
         assert all(torch.isfinite(t).all() for t in phi.values())
 
 
-@pytest.mark.parametrize("algorithm,codec,merge", [("diloco", "int8", "mix"), ("noloco", "none", "mix"),
-                                                   ("diloco", "none", "shift")])
-def test_two_peers_stream_fragments_over_the_network_with_identical_phi(procs, tmp_path, algorithm, codec, merge):
+@pytest.mark.parametrize("algorithm,codec,merge,alpha,inner", [
+    ("diloco", "int8", "mix", 0.5, "adamw"), ("noloco", "none", "mix", 0.5, "adamw"),
+    ("diloco", "none", "shift", 0.5, "adamw"),
+    # Muon's momentum carried across the landings, with the merge measured best for it
+    ("diloco", "none", "shift", 0.0, "muon"),
+])
+def test_two_peers_stream_fragments_over_the_network_with_identical_phi(procs, tmp_path, algorithm, codec, merge,
+                                                                        alpha, inner):
     """Streaming DiLoCo: each fragment's all-reduce carries only that fragment's tensors, under its
     own key, in the background (with a codec: its error feedback kept per tensor of the fragment;
     with ``fragment_merge = "shift"``: each mean landed relative to θ at its sync)."""
-    manifest = make_manifest(model={"num_layers": 2}, compression={"codec": codec},
+    manifest = make_manifest(model={"num_layers": 2}, compression={"codec": codec}, inner_optimizer={"kind": inner},
                              sync={"algorithm": algorithm, "overlap": "streaming", "inner_steps": 20, "fragments": 2,
-                                   "fragment_delay_steps": 2, "fragment_merge": merge})
+                                   "fragment_delay_steps": 2, "fragment_merge": merge, "fragment_alpha": alpha})
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ("p0", "p1")
     peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",

@@ -324,6 +324,7 @@ def test_bench_merge_keeps_rows_not_measured_again_and_streaming_settings_apart(
     assert [(r["overlap"], r.get("streaming", {}).get("fragment_alpha")) for r in rows] == [
         ("none", None), ("streaming", 0.5), ("streaming", 1.0)]
     assert rows[1]["vs_none"] == pytest.approx(10.0) and rows[2]["vs_none"] == pytest.approx(20.0)
+    assert [r["none_bpb"] for r in rows] == [2.0, 2.0, 2.0]
     old = quality([run("none", 0, 2.1), run("delayed", 0, 2.3)])
     out = merged(old, rows)
     assert [r["overlap"] for r in out] == ["none", "delayed", "streaming", "streaming"]
@@ -334,6 +335,10 @@ def test_bench_merge_keeps_rows_not_measured_again_and_streaming_settings_apart(
     out = merged(rows, fresh)
     assert sorted((r["overlap"], r["final_bpb"]) for r in out) == [
         ("none", 2.0), ("streaming", 2.05), ("streaming", 2.1), ("streaming", 2.4)]
+    # a kept row says which none its vs_none is against, when a later invocation's none differs
+    out = merged(rows, quality([run("none", 0, 1.9), run("delayed", 0, 2.0)]))
+    assert [(r["overlap"], r["none_bpb"]) for r in out] == [
+        ("none", 1.9), ("delayed", 1.9), ("streaming", 2.0), ("streaming", 2.0)]
 
 
 def test_bench_overlap_refuses_a_mode_the_config_cannot_run_before_any_simulation(tmp_path: Path):
