@@ -1,7 +1,8 @@
 """The `bootstrap` command: run a bootstrap node for a locoswarm run.
 
 Exit codes: 0 ok, 1 runtime failure, 2 usage or bad address, 69 initial peers unreachable,
-78 configuration error, 130 stopped by a signal (Ctrl-C, SIGTERM).
+75 its DHT process died (killed for memory, most often: start it again), 78 configuration error,
+130 stopped by a signal (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -176,11 +177,13 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
     """
     from bootstrap.monitor import MonitorConfig, run_monitor
     from protocol import dht as swarm_dht
+    from protocol.lifetime import HelperWatch
 
     _configure_logging(verbose)
     with _until_signal("monitor") as stop:
         try:
             dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
+            watch = HelperWatch(stop, "run the monitor again").watch("monitor's DHT", dht).start()
             try:
                 def on_ready(url: str) -> None:
                     if log_format == "json":
@@ -192,7 +195,10 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
 
                 run_monitor(dht, host=host, port=port, config=MonitorConfig(poll_interval_s=poll), stop=stop,
                             on_ready=on_ready)
+                if watch.check() is not None:
+                    raise watch.died
             finally:
+                watch.stop()
                 dht.shutdown()
         except LocoError as exc:
             exit_with(exc, verbose=verbose)

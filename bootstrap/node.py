@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 from protocol import dht as swarm_dht
 from protocol.errors import NetworkError
 from protocol.identity import ensure_identity
+from protocol.lifetime import HelperWatch
 from protocol.reachability import serve_dialback
 from protocol.uplink import serve_uplink
 from protocol.manifest import SignedManifest
@@ -85,6 +86,7 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
 
     Raises:
         ConfigError: unusable identity file. NetworkError: a port cannot be bound.
+        HelperDied: the node's DHT process died (exit 75; a service manager restarts the node).
     """
     identity = ensure_identity(cfg.identity_path)
     dht = start_relay_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
@@ -94,6 +96,8 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
     run = cfg.manifest.manifest
     monitor = server = None
+    # its DHT process killed (for memory, most often), the node is no node: stop, and exit 75
+    watch = HelperWatch(stop, "run the bootstrap node again").watch("bootstrap node's DHT", dht).start()
     try:
         protect_run(dht, run.run_id)
         announcer.start()
@@ -105,7 +109,10 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
             server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=run.name).start()
         on_ready(swarm_dht.visible_maddrs(dht), server.url if server else None)
         stop.wait()
+        if watch.check() is not None:
+            raise watch.died
     finally:
+        watch.stop()
         if server is not None:
             server.stop()
         if monitor is not None:

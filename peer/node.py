@@ -206,6 +206,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         ConfigError: the data directory is held by another peer or not writable; the run sets
             pipeline stages with sync.overlap (:func:`refuse_unimplemented`), for this peer's own
             run (--run/--preset) before any network work; a bad --stage (:func:`choose_stage`).
+        HelperDied: this peer's DHT or averager process died (killed for memory, most often);
+            the checkpoint was written first, as on a stop, and the ``stopped`` event emitted.
     """
     with hold_data_dir(cfg.data_dir):
         return _join(cfg, reporter, stop_event)
@@ -241,7 +243,7 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
         cfg.initial_peers, book)
     # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
     dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
-    announcer = transport = keeper = trainer = devices = link = loop = swarm = None
+    announcer = transport = keeper = trainer = devices = link = loop = swarm = watch = None
     try:
         signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
         manifest = signed.manifest
@@ -271,6 +273,9 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
                                      compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
                                      client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
                                      max_weight_tokens=round_token_cap(manifest))
+        # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75
+        watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch("peer's DHT", dht).watch(
+            "peer's averager", transport.averager).start()
         # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
         # records are signed and stored, and read ahead of a round's end, off the training thread
         swarm = SwarmView(dht, run_id=key, signer=signer, record_ttl_s=liveness.record_ttl_s(manifest),
@@ -312,8 +317,13 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
         summary = trainer.run()
         saved = trainer.save()
         reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)
+        fatal = trainer.fatal or watch.check()
+        if fatal is not None:  # a helper process died: the checkpoint is written, now say why
+            raise fatal
         return (EXIT_INTERRUPTED if summary.interrupted else 0), summary
     finally:
+        if watch is not None:
+            watch.stop()  # the helpers are shut down on purpose from here on
         if trainer is not None:
             trainer.inner.close()  # the other ranks of a peer on several devices (peer/train/ddp.py)
         if link is not None:

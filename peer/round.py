@@ -53,7 +53,7 @@ from peer.train.model import embedding_parameter_count, evaluate, parameter_coun
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient, step_on_copies
 from peer.train.overlap import EagerState, next_start, round_progress
 from peer.train.streaming import fragment_outers, land, partition, payload_indices, sync_offset
-from protocol.errors import BadPayload, CheckpointError, SyncError
+from protocol.errors import HelperDied, BadPayload, CheckpointError, SyncError
 from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
 
@@ -200,6 +200,9 @@ class Trainer:
         (blocking: the whole sync; overlap: the part of a background sync still running when its
         mean was needed) and in the re-sync rule's catch-up (its reads, waits and downloads)."""
         self.summary = TrainSummary(peer_id=self.peer_id)
+        self.fatal: HelperDied | None = None
+        """Why :meth:`run` stopped without a signal: this peer's averager process died (raise it
+        after :meth:`save`); None otherwise."""
         self._checkpoints = CheckpointWriter()
         """Writes each round's checkpoint in the background (:meth:`save`)."""
         self._copying: threading.Event | None = None
@@ -255,7 +258,13 @@ class Trainer:
         """Train until ``max_rounds`` or until ``stop_event`` is set; return the summary.
 
         On a stop the current inner step finishes and the summary has ``interrupted=True``; the
-        caller writes the checkpoint (:meth:`save`).
+        caller writes the checkpoint (:meth:`save`). When this peer's averager process dies
+        (:class:`~protocol.errors.HelperDied`) the loop stops the same way and leaves the error in
+        :attr:`fatal`, for the caller to raise after it wrote the checkpoint.
+
+        Raises:
+            HelperDied: the averager process died before the first round (restoring the
+                checkpoint's residuals, or catching up).
         """
         if self.cfg.checkpoint_path is not None and self.cfg.checkpoint_path.exists():
             self._restore(self.cfg.checkpoint_path)
@@ -275,6 +284,11 @@ class Trainer:
                 if not self._done():
                     self.catch_up()
             self._land_last_sync()
+        except HelperDied as exc:
+            # no round can sync any more: stop as on a signal (the round in progress unapplied, a
+            # sync in flight dropped); the caller writes the checkpoint, then raises ``fatal``
+            self.fatal = exc
+            self.stop_event.set()
         finally:
             if self._background is not None:
                 self._background.shutdown(wait=False)

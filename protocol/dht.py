@@ -31,6 +31,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 import hashlib
 import os
@@ -39,6 +40,7 @@ from typing import Any, Callable, Collection, Sequence
 from protocol import keys
 from protocol.errors import (BadPeerAddress, BadSignature, BootstrapUnreachable, ManifestError,
                              ManifestNotFound, NetworkError, ProtocolError)
+from protocol.lifetime import helper_died
 from protocol.manifest import RunManifest, SignedManifest, open_announcement
 from protocol.records import ProgressRecord
 from protocol.signing import REJECTED, PeerSigner, open_record, peer_id_of
@@ -60,24 +62,38 @@ was destroyed but it is pending!") and its caller would wait for good (seen once
 test: a peer stopped between rounds)."""
 
 
-def finish(future, what: str, timeout_s: float = CALL_TIMEOUT_S):
+DEAD_CHECK_S = 0.5
+"""How often :func:`finish` checks that the DHT process running the call is alive, s."""
+
+
+def finish(future, what: str, timeout_s: float = CALL_TIMEOUT_S, dht=None):
     """The result of ``future`` (the ``MPFuture`` of a hivemind DHT call made with
-    ``return_future=True``) within ``timeout_s`` seconds.
+    ``return_future=True``) within ``timeout_s`` seconds; with ``dht`` (the DHT that runs the
+    call), given up at once when its process has died (the call will never finish).
 
     Raises:
-        NetworkError: no result in time (the call is cancelled; ``what`` names it in the message).
+        NetworkError: no result in time, or the DHT process died (the call is cancelled; ``what``
+            names it in the message). The command's HelperWatch (protocol/lifetime.py) is what
+            stops it when its DHT died.
         Whatever the call raised, unchanged.
     """
-    try:
-        return future.result(timeout=timeout_s)
-    except TimeoutError as exc:
-        future.cancel()
-        raise NetworkError(f"the DHT did not finish {what} within {timeout_s:g} s") from exc
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait = max(0.0, deadline - time.monotonic()) if dht is None else min(
+            DEAD_CHECK_S, max(0.0, deadline - time.monotonic()))
+        try:
+            return future.result(timeout=wait)
+        except TimeoutError as exc:
+            died = dht is not None and helper_died("DHT", dht, "") is not None
+            if died or time.monotonic() >= deadline:
+                future.cancel()
+                raise NetworkError(f"the DHT process died before finishing {what}" if died else
+                                   f"the DHT did not finish {what} within {timeout_s:g} s") from exc
 
 
 def call_in_dht(dht, coro: Callable, what: str, timeout_s: float = CALL_TIMEOUT_S):
     """``dht.run_coroutine(coro)`` that returns within ``timeout_s`` (:func:`finish`)."""
-    return finish(dht.run_coroutine(coro, return_future=True), what, timeout_s)
+    return finish(dht.run_coroutine(coro, return_future=True), what, timeout_s, dht)
 
 
 def store(dht, key: str, value, expiration: float, *, subkey: str | None = None,
@@ -85,7 +101,7 @@ def store(dht, key: str, value, expiration: float, *, subkey: str | None = None,
     """``dht.store(...)`` that returns within ``timeout_s`` (:func:`finish`): whether a node
     accepted the value."""
     return bool(finish(dht.store(key, value, expiration, subkey=subkey, return_future=True),
-                       f"a store under {key!r}", timeout_s))
+                       f"a store under {key!r}", timeout_s, dht))
 
 MAX_EXPIRATION_AHEAD_S = 8 * 86400.0
 """A value expiring further ahead is ignored. The longest-lived honest value is a progress record
@@ -320,7 +336,7 @@ def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
     from hivemind.utils import get_dht_time
 
     try:
-        found = finish(dht.get(key, latest=True, return_future=True), f"a read of {key!r}", timeout_s)
+        found = finish(dht.get(key, latest=True, return_future=True), f"a read of {key!r}", timeout_s, dht)
     except NetworkError:
         raise
     except Exception as exc:

@@ -25,6 +25,7 @@ entry point can catch one base class and print one actionable line::
     │   └── StateDownloadFailed     no donor is left to deliver a joiner's missing chunks
     ├── CheckpointError             a local checkpoint is unreadable or belongs to another run
     ├── RankFailed                  a local data-parallel rank of this peer died or stopped answering
+    ├── HelperDied                  a helper process (DHT, averager) died (exit 75: run it again)
     ├── RunChoiceNeeded             the swarm's runs and the flags do not name one run (exit 64)
     └── LaunchError                 a child process of a launcher (peer/launch.py) misbehaved
         ├── ChildTimeout            no awaited event, or no exit, in time (also a TimeoutError)
@@ -209,6 +210,17 @@ class RankFailed(LocoError):
     """A rank process of a peer that trains on several local devices (peer/train/ddp.py) died,
     failed to start, or a collective between the ranks failed; the peer stops (θ on rank 0 is left
     as it was before the failed step, φ untouched)."""
+
+
+class HelperDied(LocoError):
+    """A helper process of a command died while the command still needed it, most often killed for
+    memory: a peer's DHT process or its averager process (hivemind's, which runs the all-reduce and
+    serves its state), a bootstrap node's DHT process. The command stops as on a signal (a peer's
+    round in progress is not applied, its checkpoint is written) and exits 75; run again, a peer
+    resumes from its checkpoint. Raised by every wait on the averager instead of waiting forever,
+    and by protocol/lifetime.py's ``HelperWatch``."""
+
+    exit_code = 75  # sysexits EX_TEMPFAIL: starting the command again is the fix
 
 
 class RunChoiceNeeded(LocoError):

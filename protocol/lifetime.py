@@ -9,6 +9,11 @@ The processes of ``peer join`` (``bootstrap run`` has no averager)::
     │                     SIGTERM when the DHT process dies
     └── averager process  fork (HelperProcess): ignores SIGINT/SIGTERM, SIGKILL when main dies
 
+A helper that dies on its own while the command runs (the kernel's OOM killer, most often) is
+seen by :class:`HelperWatch` within a second: the command stops as on a signal (a peer writes its
+checkpoint) and exits 75 with one line naming the helper (:class:`~protocol.errors.HelperDied`);
+every wait on a helper also checks that it is alive, so none waits forever.
+
 A terminal's Ctrl-C and ``kill -TERM -PGID`` reach every process of the group. The helpers leave
 such a signal to the main process, whose stop path shuts them down in order (p2pd is not even in
 the group); a helper that acted on it itself would pull the DHT or the averager away under a
@@ -31,6 +36,8 @@ import os
 import signal
 import sys
 import threading
+
+from protocol.errors import HelperDied
 
 logger = logging.getLogger(__name__)
 
@@ -157,3 +164,76 @@ class StopOnSignal:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+PEER_RESTART = "run the peer again: it resumes from its checkpoint"
+"""What a peer whose helper died says to do (:class:`HelperDied`'s message ends with it)."""
+
+
+def helper_died(name: str, process, advice: str) -> HelperDied | None:
+    """:class:`HelperDied` naming helper ``name`` (a ``multiprocessing.Process`` this process
+    started) when it has exited, else None. None too in any other process, and for a helper never
+    started.
+
+    Args:
+        name: whose and which, as the message says it: "peer's averager", "bootstrap node's DHT".
+        advice: what to do, ending the message (e.g. "run the peer again: it resumes from its checkpoint").
+    """
+    if os.getpid() != getattr(process, "_parent_pid", None) or process.exitcode is None:
+        return None
+    code = process.exitcode
+    how = " (killed, most often for memory)" if code == -signal.SIGKILL else ""
+    return HelperDied(f"this {name} process (pid {process.pid}) died with exit code {code}{how}; {advice}")
+
+
+class HelperWatch:
+    """Watches a command's helper processes (DHT, averager) from a daemon thread, once a second.
+
+    When one has exited, :attr:`died` holds a :class:`HelperDied` naming it and ``stop`` is set, so
+    the command stops as on a signal; it raises :attr:`died` once it has stopped (and a peer has
+    written its checkpoint). :meth:`stop` before shutting the helpers down on purpose.
+
+    Args:
+        stop: the command's stop event (the one :class:`StopOnSignal` sets).
+        advice: the end of the error message: what to do.
+        period_s: seconds between two looks.
+    """
+
+    def __init__(self, stop: threading.Event, advice: str, period_s: float = 1.0):
+        self.stop_event, self.advice, self.period_s = stop, advice, period_s
+        self.died: HelperDied | None = None
+        self._helpers: list[tuple[str, object]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="helper-watch", daemon=True)
+
+    def watch(self, name: str, process) -> HelperWatch:
+        """Add helper ``name`` (a started ``multiprocessing.Process`` of this process); before :meth:`start`."""
+        self._helpers.append((name, process))
+        return self
+
+    def start(self) -> HelperWatch:
+        self._thread.start()
+        return self
+
+    def check(self) -> HelperDied | None:
+        """Look once: the first helper found dead (also recorded in :attr:`died`, ``stop`` set), or None."""
+        for name, process in self._helpers:
+            died = helper_died(name, process, self.advice)
+            if died is not None:
+                if self.died is None:
+                    self.died = died
+                    logger.warning("stopping: %s", died)  # the command's exit line says it again
+                self.stop_event.set()
+                return died
+        return None
+
+    def _run(self) -> None:
+        while not self._done.wait(self.period_s):
+            if self.check() is not None:
+                return
+
+    def stop(self) -> None:
+        """Stop watching (the helpers are about to be shut down on purpose). Idempotent."""
+        self._done.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)

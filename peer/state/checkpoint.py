@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from peer.train.data import BatchSampler, SamplerState
-from protocol.errors import CheckpointError
+from protocol.errors import HelperDied, CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def fetch_residuals(fetch: Callable[[], list[torch.Tensor] | None]) -> tuple[lis
     averager process), and None or a warning saying the checkpoint lacks them (it did not answer)."""
     try:
         return fetch(), None
-    except OSError as exc:  # TimeoutError included
+    except (OSError, HelperDied) as exc:  # TimeoutError included
         return None, (f"this checkpoint lacks the error-feedback residuals: the averager process did not hand "
                       f"them over ({exc!r})")
 

@@ -24,6 +24,7 @@ The class name is part of the wire protocol: hivemind derives RPC handler names 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -45,8 +46,8 @@ from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.limits import StreamSlots
 from peer.sync.pieces import Piece, make_group_plan
 from peer.sync.screening import Strikes
-from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
-from protocol.lifetime import HelperProcess
+from protocol.errors import AllreduceIncomplete, HelperDied, BadPayload, PartialAverage
+from protocol.lifetime import PEER_RESTART, HelperProcess, helper_died
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire import allreduce as frames
@@ -61,6 +62,8 @@ ALLREDUCE_STREAMS_TOTAL = 1024
 """All-reduce streams all peers may hold open to this peer at once: every groupmate of a group of
 up to a thousand peers; each holds at most a 1 KiB HELLO and asyncio's 128 KiB read buffer
 before its session takes it (~130 MiB in all at worst)."""
+ALIVE_POLL_S = 0.5
+"""How often a wait on the averager process checks that the process is still alive, s."""
 SHUTDOWN_DRAIN_S = 3.0
 """The longest a leaving peer waits for groupmates to finish reading the means it owes them (at most
 half of hivemind's shutdown grace, after which the averager process is terminated)."""
@@ -134,19 +137,90 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
     def stream_protocol(self) -> str:
         return f"{self.prefix}.LocoAllreduce.v{PROTOCOL_VERSION}"
 
+    # ---- the host's waits on the averager process -----------------------------------------
+    # hivemind waits on its process without a bound (an MPFuture nobody resolves once the process
+    # is gone, a lock it may die holding): every wait here is in slices, checking in between that
+    # the process is alive, so a peer whose averager was killed (out of memory) stops instead of
+    # hanging in a sync, a checkpoint or its exit.
+    def check_alive(self) -> None:
+        """Raise :class:`HelperDied` when the averager process has exited; in the host process only
+        (the averager process itself, and a process that never started it, pass)."""
+        died = helper_died("peer's averager", self, PEER_RESTART)
+        if died is not None:
+            raise died
+
+    def _await(self, future, timeout: float | None = None):
+        """``future.result(timeout)``, raising :class:`HelperDied` once the averager process exited.
+
+        Raises:
+            HelperDied: the process exited before the result came.
+            TimeoutError: no result within ``timeout`` seconds (None: no bound but the process's life).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = ALIVE_POLL_S if deadline is None else min(ALIVE_POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return future.result(timeout=wait)
+            except TimeoutError:
+                self.check_alive()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        """hivemind's ``get_tensors`` (the shared buffers, with the averager's lock held), except that
+        a host waiting for the lock raises :class:`HelperDied` when the process holding it died."""
+        lock = self.lock_averaged_tensors
+        while not lock.acquire(timeout=ALIVE_POLL_S):
+            self.check_alive()
+        try:
+            yield self._averaged_tensors
+        finally:
+            lock.release()
+
+    def start_step(self, *, gather, weight: float, scheduled_time: float, timeout: float):
+        """hivemind's ``step(..., wait=False)`` with its one unbounded wait (for the averager process
+        to take the step) bounded by the process's life: returns the running step's ``StepControl``.
+
+        Raises:
+            HelperDied: the averager process exited before it took the step.
+        """
+        from hivemind.averaging.control import StepControl
+        from hivemind.utils.mpfuture import MPFuture
+
+        if not weight > 0 or not scheduled_time < get_dht_time() + timeout:
+            raise ValueError(f"weight {weight} must be > 0 and the scheduled time within the timeout {timeout} s")
+        step = StepControl(scheduled_time=scheduled_time, deadline=get_dht_time() + timeout, allow_retries=True,
+                           weight=float(weight), data_for_gather=self.serializer.dumps(
+                               [self.bandwidth, self.mode.value, self.serializer.dumps(gather)]))
+        taken = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=taken)))
+        step.attach(*self._await(taken))
+        step.allow_allreduce()
+        return step
+
+    def shutdown(self) -> None:
+        """hivemind's shutdown; for a process that already died, only the host's helper thread is
+        stopped (hivemind would log an error with a traceback)."""
+        if helper_died("peer's averager", self, PEER_RESTART) is not None:
+            self._inner_pipe.send(("_SHUTDOWN", None))
+            return
+        super().shutdown()
+
     def _call_in_averager(self, method: str, *, timeout: float | None = None, **kwargs):
         """Run ``await self.<method>(**kwargs, future=...)`` in the averager process; return its result.
 
         Raises:
             TimeoutError: no result within ``timeout`` seconds (the call is cancelled); whatever
                 the method set as the future's exception.
+            HelperDied: the averager process exited before answering.
         """
         from hivemind.utils.mpfuture import MPFuture
 
         future = MPFuture()
         self._outer_pipe.send((method, [], dict(kwargs, future=future)))
         try:
-            return future.result(timeout=timeout)
+            return self._await(future, timeout)
         except TimeoutError:
             future.cancel()
             raise
@@ -155,7 +229,11 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         """hivemind's ``set_group_bits``, after protecting this run's matchmaking keys around the
         round the bits carry (protocol/validator.py ``protect_round``; the round is the bits' first
         ``keys.ROUND_BITS``, as protocol/keys.py ``round_group_bits`` writes them). A failure to
-        protect (the DHT stopped) is logged and the bits are set all the same."""
+        protect (the DHT stopped) is logged and the bits are set all the same.
+
+        Raises:
+            HelperDied: with ``wait``, the averager process exited before it took the bits.
+        """
         from protocol import keys
         from protocol.validator import protect_round
 
@@ -164,7 +242,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 protect_round(self.dht, self.prefix, int(group_bits[:keys.ROUND_BITS], 2))
             except Exception as exc:  # the DHT is shutting down: matchmaking will fail on its own
                 logger.debug("could not protect the matchmaking keys of %s: %r", group_bits, exc)
-        return super().set_group_bits(group_bits, wait)
+        future = super().set_group_bits(group_bits, wait=False)
+        return self._await(future) if wait else future
 
     def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float,
                         tensors: Sequence[int] | None = None) -> None:

@@ -26,7 +26,8 @@ from peer.state.download import StateDownload, validate_state
 from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
-from protocol.errors import AllreduceFailed, AllreduceIncomplete, BadPayload, GroupNotFound, NetworkError, SyncError
+from protocol.errors import (AllreduceFailed, AllreduceIncomplete, HelperDied, BadPayload, GroupNotFound, NetworkError,
+                             SyncError)
 from protocol.manifest import CompressionSpec, SyncSpec
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,8 @@ class NetworkTransport:
             AllreduceFailed: the all-reduce failed, timed out or mixed rounds.
             Every one carries ``bytes_sent`` and ``bytes_received`` (summed over the attempts) and
             ``deadline_s`` (the bound the call ran under, retry included); φ is untouched.
+            HelperDied: this peer's averager process exited (not a SyncError: the peer cannot
+                sync again and stops); φ is untouched.
         """
         start = time.monotonic()
         with self.averager.get_tensors() as buffers:
@@ -246,11 +249,9 @@ class NetworkTransport:
         gather = {"round": round_, "start_digest": start_digest}
         if fragment is not None:
             gather["fragment"] = fragment
-        control = self.averager.step(
-            gather=gather, weight=float(weight),
-            scheduled_time=get_dht_time() + d.matchmaking_s, timeout=d.matchmaking_deadline_s, allow_retries=True,
-            wait=False,
-        )
+        control = self.averager.start_step(gather=gather, weight=float(weight),
+                                           scheduled_time=get_dht_time() + d.matchmaking_s,
+                                           timeout=d.matchmaking_deadline_s)
         deadline = start + d.total_s
         outcome: GroupOutcome | None = None
         try:
@@ -262,11 +263,12 @@ class NetworkTransport:
                     outcome = control.result(timeout=0.5)
                     break
                 except TimeoutError:
+                    self.averager.check_alive()
                     if time.monotonic() > deadline:
                         control.cancel()
                         raise AllreduceFailed(f"round {round_} sync did not finish in its deadline of "
                                               f"{d.total_s:.0f} s")
-        except (GroupNotFound, AllreduceFailed):
+        except (GroupNotFound, AllreduceFailed, HelperDied):
             raise
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
@@ -310,6 +312,7 @@ class NetworkTransport:
 
         Raises:
             TimeoutError: the averager process did not answer.
+            HelperDied: the averager process exited.
         """
         return self.averager.error_feedback_residuals()
 
@@ -320,6 +323,7 @@ class NetworkTransport:
         Raises:
             ValueError: count, shapes or values do not fit this run; the residuals stay as they were.
             TimeoutError: the averager process did not answer.
+            HelperDied: the averager process exited.
         """
         return self.averager.load_error_feedback(residuals)
 

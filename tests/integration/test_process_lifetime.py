@@ -1,5 +1,6 @@
 """Nothing left behind: a peer's and a bootstrap node's helper processes (DHT, p2pd, averager) die
-with it however it ends, and every stop signal ends the command cleanly.
+with it however it ends, every stop signal ends the command cleanly, and a helper that dies on
+its own ends the command (exit 75) instead of leaving it hanging.
 
 Real processes: `peer join` (tiny runs, one per test, on one shared bootstrap node) and `bootstrap
 run`. A helper is found as a descendant of the command's process, recorded while it runs (after a
@@ -152,6 +153,65 @@ def test_a_stop_signal_checkpoints_and_exits_130_leaving_nothing(procs, tmp_path
     assert wait_until_gone(helpers, 30) == [], "helpers outlived the stopped peer"
 
 
+def helper_of(pid: int, which: str) -> Proc:
+    """Peer ``pid``'s DHT process (its forked child with p2pd below it) or its averager process
+    (its forked child without); ``which`` is "DHT" or "averager"."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    children = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children.update(int(c) for c in f.read().split())
+    found = []
+    for child in (c for c in descendants(pid) if c[0] in children):
+        try:
+            with open(f"/proc/{child[0]}/cmdline", "rb") as f:
+                forked = f.read() == cmdline  # not torch's shm manager
+        except OSError:
+            continue
+        if forked and ("p2pd" in [n for _, _, n in descendants(child[0])]) == (which == "DHT"):
+            found.append(child)
+    assert len(found) == 1, f"expected one {which} process below {pid}, found {found} in {descendants(pid)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("which, overlap", [("averager", "none"), ("averager", "delayed"), ("DHT", "none")])
+def test_a_peer_whose_helper_dies_checkpoints_exits_75_and_resumes(procs, tmp_path, bootstrap_addr, which, overlap):
+    """A helper process killed (as the kernel's OOM killer does) while the peer trains with a
+    groupmate: the peer neither hangs in its next sync nor at its exit, nor trains on cut off. It
+    writes its checkpoint, exits 75 with one line naming the helper, leaves nothing running, its
+    groupmate trains on, and run again it resumes from the checkpoint and syncs with the groupmate."""
+    name = f"{which.lower()}-{overlap}"
+    manifest = make_manifest(name=f"tiny-helper-death-{name}", sync={"inner_steps": 20, "overlap": overlap})
+    run_file = write_manifest(tmp_path, manifest)
+    a = procs.peer(f"dies-{name}", "--initial-peers", bootstrap_addr, "--run", str(run_file), "--new-run",
+                   "--wait-for-peers", "2")
+    a.wait_event(lambda e: e.kind == "started", 120)
+    b = procs.peer(f"mate-{name}", "--initial-peers", bootstrap_addr, "--run-id", manifest.run_id,
+                   "--wait-for-peers", "2")
+    a.wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 240)
+    helpers = descendants(a.popen.pid)
+    victim = helper_of(a.popen.pid, which)
+    os.kill(victim[0], signal.SIGKILL)
+
+    assert a.wait(120) == 75, a.tail()
+    log = stderr_of(a)
+    assert f"error: this peer's {which} process (pid {victim[0]}) died with exit code -9" in log, log
+    assert "run the peer again" in log and "Traceback" not in log, log
+    stopped = a.last("stopped")
+    assert stopped is not None and stopped["interrupted"], a.tail()
+    assert stopped["checkpoint"] and Path(stopped["checkpoint"]).is_file()
+    assert wait_until_gone(helpers, 30) == [], "helpers outlived the peer whose helper died"
+
+    b.wait_event(lambda e: e.kind == "round", 180, since=len(b.events))  # the groupmate trains on, alone
+    assert b.alive
+    since = len(a.events)
+    a.start()
+    resumed = a.wait_event(lambda e: e.kind == "resumed", 120, since=since)
+    assert resumed["round"] == stopped["final_round"], (resumed, stopped)
+    a.wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 240, since=since)
+
+
 def start_bootstrap(procs: Procs, tmp_path: Path):
     boot, _ = procs.bootstrap(write_manifest(tmp_path, make_manifest()))
     helpers = descendants(boot.popen.pid)
@@ -215,6 +275,18 @@ def test_a_helper_whose_parent_died_before_its_setup_ends_itself(tmp_path):
     finally:
         for pid, _, _ in alive(helper):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_bootstrap_node_whose_dht_process_dies_exits_75_leaving_nothing(procs, tmp_path):
+    boot, helpers = start_bootstrap(procs, tmp_path)
+    dht = [h for h in helpers if "p2pd" in [n for _, _, n in descendants(h[0])]]  # p2pd runs below it
+    assert len(dht) == 1, helpers
+    os.kill(dht[0][0], signal.SIGKILL)
+    assert boot.wait(60) == 75, boot.tail()
+    log = stderr_of(boot)
+    assert f"error: this bootstrap node's DHT process (pid {dht[0][0]}) died with exit code -9" in log, log
+    assert "Traceback" not in log, log
+    assert wait_until_gone(helpers, 30) == [], "helpers outlived the bootstrap node"
 
 
 def test_kill_9_of_bootstrap_takes_its_dht_and_p2pd_along(procs, tmp_path):

@@ -20,7 +20,7 @@ from peer.sync.membership import SwarmView
 from peer.sync.transport import SyncResult
 from peer.train.model import build_model
 from protocol.dht import PeerProgress
-from protocol.errors import AllreduceFailed, GroupNotFound, SyncError
+from protocol.errors import AllreduceFailed, HelperDied, GroupNotFound, SyncError
 from protocol.presets import tiny_run
 from protocol.records import ProgressRecord
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
@@ -382,6 +382,48 @@ def test_checkpoint_with_a_sync_in_flight_holds_the_last_applied_phi_and_a_resta
     assert again.transport.calls == []          # alone: its own step, no sync
     assert all(torch.isfinite(f).all() for f in again.phi)
     assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
+
+
+def die_with_the_averager(round_, should_stop):
+    """A transport's ``fail``: the averager process is gone (what LocoAverager's waits raise)."""
+    raise HelperDied("this peer's averager process (pid 1) died with exit code -9")
+
+
+def check_averager_death(corpus, manifest, path, transport, resumed_transport, expected: tuple[int, int]) -> None:
+    """A peer of ``manifest`` alone with a ghost groupmate, whose ``transport`` fails with
+    :func:`die_with_the_averager`: the loop stops as on a signal at ``expected`` (round, step), the
+    error in ``fatal`` and no mean applied; its checkpoint holds that position and the training
+    done, and a restart over ``resumed_transport`` resumes there and trains on."""
+    reporter = Events()
+    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), transport, rounds=5, checkpoint=path,
+                     reporter=reporter)
+    phi0 = [f.clone() for f in t.phi]
+    summary = t.run()
+    assert summary.interrupted and isinstance(t.fatal, HelperDied) and t.stop_event.is_set()
+    assert (t.pos.round, t.pos.step) == expected
+    assert [e["round"] for e in reporter.of("round")] == list(range(1, expected[0] + 1))
+    assert all(torch.equal(a, b) for a, b in zip(t.phi, phi0))  # nothing of the dead sync applied
+    t.save()
+    saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
+    assert (saved.round, saved.round_step) == expected
+    assert any(not torch.equal(a, b) for a, b in zip(saved.theta, phi0))  # the training done is kept
+
+    reporter = Events()
+    again = make_trainer(corpus, manifest, "a", Records(), resumed_transport, rounds=expected[0] + 2, checkpoint=path,
+                         reporter=reporter)
+    again.run()
+    assert reporter.of("resumed")[0]["round"] == expected[0] and again.fatal is None
+    assert [e["round"] for e in reporter.of("round")] == [expected[0] + 1, expected[0] + 2]
+
+
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_an_averager_that_dies_stops_the_loop_and_leaves_a_checkpoint_to_resume_from(corpus, tmp_path, overlap):
+    """The averager process dies during round 0's sync (blocking: the loop waits on it; delayed: in
+    the background thread, seen at round 1's landing)."""
+    manifest = tiny_run().replace(sync={"overlap": overlap})
+    check_averager_death(corpus, manifest, tmp_path / "checkpoint.safetensors",
+                         Transport("a", fail=die_with_the_averager), Transport("a"),
+                         expected=(0 if overlap == "none" else 1, manifest.sync.inner_steps))
 
 
 def slowed(trainer, seconds):

@@ -16,7 +16,8 @@ from peer.train.streaming import partition
 from protocol.errors import GroupNotFound
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
-from tests.unit.test_round_overlap import Events, Group, Records, Transport, make_trainer, run_in_threads
+from tests.unit.test_round_overlap import (Events, Group, Records, Transport, check_averager_death, die_with_the_averager,
+                                          make_trainer, run_in_threads)
 
 H = 10
 
@@ -135,6 +136,15 @@ def test_a_fragment_sync_in_flight_is_dropped_by_a_stop_and_the_checkpoint_holds
     assert again.transport.carried == []      # alone: no sync went to the network
     assert all(torch.isfinite(f).all() for f in again.phi)
     assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
+
+
+def test_an_averager_that_dies_during_a_fragment_sync_stops_the_loop_at_its_landing(corpus, tmp_path):
+    """The first fragment sync (fragment 1's, at step H/P) fails in its thread; its landing, τ steps
+    later, finds the averager dead."""
+    manifest = streaming(tau=2)
+    check_averager_death(corpus, manifest, tmp_path / "checkpoint.safetensors",
+                         FragmentTransport("a", None, fail=die_with_the_averager), FragmentTransport("a", None),
+                         expected=(0, H // 2 + 2))
 
 
 def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_identical(corpus):

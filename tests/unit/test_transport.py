@@ -12,10 +12,12 @@ from peer.sync.allreduce import AllreduceStats
 from peer.sync.averager import GroupOutcome
 from peer.sync.deadlines import DeadlinePolicy
 from peer.sync.transport import NetworkTransport
-from protocol.errors import AllreduceIncomplete, GroupNotFound, NetworkError, SyncError
+from protocol.errors import AllreduceIncomplete, HelperDied, GroupNotFound, NetworkError, SyncError
 from protocol.manifest import SyncSpec
 
 SHAPES = [torch.Size([3, 2])]
+_NEVER = object()
+"""A step outcome that never comes."""
 
 
 class _Control:
@@ -23,6 +25,8 @@ class _Control:
         self.outcome = outcome
 
     def result(self, timeout=None):
+        if self.outcome is _NEVER:  # the averager process died: nobody resolves the step
+            raise TimeoutError()
         if isinstance(self.outcome, BaseException):
             raise self.outcome
         return self.outcome
@@ -38,6 +42,11 @@ class ScriptedAverager:
         self.outcomes = list(outcomes)
         self.buffers = [torch.zeros(s) for s in SHAPES]
         self.group_bits = []
+        self.dead = False
+
+    def check_alive(self):
+        if self.dead:
+            raise HelperDied("this peer's averager process (pid 1) died with exit code -9")
 
     @contextlib.contextmanager
     def get_tensors(self):
@@ -49,7 +58,7 @@ class ScriptedAverager:
     def configure_round(self, **kwargs):
         pass
 
-    def step(self, **kwargs):
+    def start_step(self, **kwargs):
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, GroupOutcome) and outcome.incomplete is None:
             for buf in self.buffers:
@@ -112,6 +121,15 @@ def test_no_group_is_not_retried_and_carries_the_bound():
     assert isinstance(info.value, SyncError)
     assert (info.value.bytes_sent, info.value.bytes_received) == (0, 0) and info.value.deadline_s > 0
     assert transport.averager.outcomes == [] and len(transport.averager.group_bits) == 1
+
+
+def test_an_averager_that_dies_during_a_step_stops_the_sync_as_averager_died_not_a_sync_error():
+    transport = _transport([_NEVER])
+    transport.averager.dead = True
+    with pytest.raises(HelperDied, match="died") as info:
+        _average(transport)
+    assert not isinstance(info.value, SyncError)  # not a failed round: the peer cannot sync again
+    assert len(transport.averager.group_bits) == 1  # no retry
 
 
 def test_an_averager_that_never_gets_ready_is_an_error_not_a_hang(monkeypatch):
