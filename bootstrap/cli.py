@@ -19,7 +19,7 @@ import click
 import protocol
 from protocol.cli_types import FiniteFloatRange
 from protocol.errors import LocoError, exit_with
-from protocol.lifetime import StopOnSignal, dump_stacks_on_sigusr1
+from protocol.lifetime import StopOnSignal, dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
 from protocol.manifest import load_manifest, sign_manifest
 from protocol.presets import PRESETS
 from protocol.signing import OWNER_KEY_FILE, load_owner_key
@@ -36,6 +36,7 @@ def default_identity() -> Path:
 def main() -> None:
     """Run a bootstrap node: the well-known entry into a locoswarm DHT."""
     dump_stacks_on_sigusr1()
+    quiet_handshakes_cut_by_a_dead_helper()
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -177,13 +178,14 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
     """
     from bootstrap.monitor import MonitorConfig, run_monitor
     from protocol import dht as swarm_dht
-    from protocol.lifetime import HelperWatch
+    from protocol.lifetime import HelperWatch, child_named
 
     _configure_logging(verbose)
     with _until_signal("monitor") as stop:
         try:
             dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
-            watch = HelperWatch(stop, "run the monitor again").watch("monitor's DHT", dht).start()
+            watch = HelperWatch(stop, "run the monitor again").watch("monitor's DHT", dht).watch_pid(
+                "monitor's p2pd", child_named(dht.pid, "p2pd")).start()
             try:
                 def on_ready(url: str) -> None:
                     if log_format == "json":

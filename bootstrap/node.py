@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from protocol import dht as swarm_dht
 from protocol.errors import NetworkError
 from protocol.identity import ensure_identity
-from protocol.lifetime import HelperWatch
+from protocol.lifetime import HelperWatch, child_named
 from protocol.reachability import serve_dialback
 from protocol.uplink import serve_uplink
 from protocol.manifest import SignedManifest
@@ -97,7 +97,8 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     run = cfg.manifest.manifest
     monitor = server = None
     # its DHT process killed (for memory, most often), the node is no node: stop, and exit 75
-    watch = HelperWatch(stop, "run the bootstrap node again").watch("bootstrap node's DHT", dht).start()
+    watch = HelperWatch(stop, "run the bootstrap node again").watch("bootstrap node's DHT", dht).watch_pid(
+        "bootstrap node's p2pd", child_named(dht.pid, "p2pd")).start()
     try:
         protect_run(dht, run.run_id)
         announcer.start()

@@ -19,7 +19,7 @@ import click
 
 from protocol.cli_types import FiniteFloatRange
 from protocol.errors import LocoError, exit_with
-from protocol.lifetime import dump_stacks_on_sigusr1
+from protocol.lifetime import dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
 from protocol.manifest import RunManifest, load_manifest
 from protocol.presets import PRESETS
 
@@ -62,6 +62,7 @@ def resolve_run(run_file: Path | None, preset: str | None, algorithm: str | None
 def main() -> None:
     """Train a shared language model with other peers (DiLoCo over a DHT)."""
     dump_stacks_on_sigusr1()
+    quiet_handshakes_cut_by_a_dead_helper()
 
 
 @main.command()

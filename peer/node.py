@@ -206,7 +206,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         ConfigError: the data directory is held by another peer or not writable; the run sets
             pipeline stages with sync.overlap (:func:`refuse_unimplemented`), for this peer's own
             run (--run/--preset) before any network work; a bad --stage (:func:`choose_stage`).
-        HelperDied: this peer's DHT or averager process died (killed for memory, most often);
+        HelperDied: this peer's DHT, p2pd or averager process died (killed for memory, most often);
             the checkpoint was written first, as on a stop, and the ``stopped`` event emitted.
     """
     with hold_data_dir(cfg.data_dir):
@@ -274,8 +274,8 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
                                      client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
                                      max_weight_tokens=round_token_cap(manifest))
         # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75
-        watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch("peer's DHT", dht).watch(
-            "peer's averager", transport.averager).start()
+        watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch("peer's DHT", dht).watch_pid(
+            "peer's p2pd", lifetime.child_named(dht.pid, "p2pd")).watch("peer's averager", transport.averager).start()
         # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
         # records are signed and stored, and read ahead of a round's end, off the training thread
         swarm = SwarmView(dht, run_id=key, signer=signer, record_ttl_s=liveness.record_ttl_s(manifest),

@@ -53,7 +53,7 @@ from peer.train.model import embedding_parameter_count, evaluate, parameter_coun
 from peer.train.outer import GroupChoice, check_finite, make_outer, pseudo_gradient, step_on_copies
 from peer.train.overlap import EagerState, next_start, round_progress
 from peer.train.streaming import fragment_outers, land, partition, payload_indices, sync_offset
-from protocol.errors import HelperDied, BadPayload, CheckpointError, SyncError
+from protocol.errors import BadPayload, CheckpointError, HelperDied, SyncError
 from protocol.manifest import RunManifest
 from protocol.records import ProgressRecord
 

@@ -25,7 +25,7 @@ entry point can catch one base class and print one actionable line::
     │   └── StateDownloadFailed     no donor is left to deliver a joiner's missing chunks
     ├── CheckpointError             a local checkpoint is unreadable or belongs to another run
     ├── RankFailed                  a local data-parallel rank of this peer died or stopped answering
-    ├── HelperDied                  a helper process (DHT, averager) died (exit 75: run it again)
+    ├── HelperDied                  a helper process (DHT, p2pd, averager) died (exit 75: run it again)
     ├── RunChoiceNeeded             the swarm's runs and the flags do not name one run (exit 64)
     └── LaunchError                 a child process of a launcher (peer/launch.py) misbehaved
         ├── ChildTimeout            no awaited event, or no exit, in time (also a TimeoutError)
@@ -214,8 +214,8 @@ class RankFailed(LocoError):
 
 class HelperDied(LocoError):
     """A helper process of a command died while the command still needed it, most often killed for
-    memory: a peer's DHT process or its averager process (hivemind's, which runs the all-reduce and
-    serves its state), a bootstrap node's DHT process. The command stops as on a signal (a peer's
+    memory: a peer's DHT process, the p2pd (libp2p daemon) below it, or its averager process
+    (hivemind's, which runs the all-reduce and serves its state); a bootstrap node's DHT or p2pd. The command stops as on a signal (a peer's
     round in progress is not applied, its checkpoint is written) and exits 75; run again, a peer
     resumes from its checkpoint. Raised by every wait on the averager instead of waiting forever,
     and by protocol/lifetime.py's ``HelperWatch``."""

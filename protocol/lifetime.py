@@ -62,6 +62,32 @@ def dump_stacks_on_sigusr1() -> None:
         pass
 
 
+def quiet_handshakes_cut_by_a_dead_helper() -> None:
+    """A helper killed while it fetched a file descriptor from this process (torch passes shared
+    tensors' descriptors through multiprocessing's resource sharer) breaks the sharer thread's
+    handshake with ``ConnectionResetError``; the thread survives it, but hands it to
+    ``sys.excepthook``, which would print a traceback under the one line saying which helper died
+    (:class:`HelperWatch`). That error from that code only is logged at debug level; everything
+    else goes to the hook installed before."""
+    previous = sys.excepthook
+    if getattr(previous, "_quiets_handshakes", False):
+        return
+    sharer = os.path.join("multiprocessing", "resource_sharer.py")
+
+    def hook(exc_type, exc, tb) -> None:
+        frames, in_sharer = tb, False
+        while frames is not None:
+            in_sharer = in_sharer or frames.tb_frame.f_code.co_filename.endswith(sharer)
+            frames = frames.tb_next
+        if in_sharer and issubclass(exc_type, (ConnectionError, EOFError)):
+            logger.debug("a helper process left mid-handshake with the resource sharer: %r", exc)
+            return
+        previous(exc_type, exc, tb)
+
+    hook._quiets_handshakes = True
+    sys.excepthook = hook
+
+
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """Have the kernel send ``sig`` to this process when its parent's forking thread exits.
 
@@ -186,8 +212,39 @@ def helper_died(name: str, process, advice: str) -> HelperDied | None:
     return HelperDied(f"this {name} process (pid {process.pid}) died with exit code {code}{how}; {advice}")
 
 
+def _proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """(name, state, start time in clock ticks) of ``pid`` from /proc, or None (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return text[text.index("(") + 1:text.rindex(")")], fields[0], int(fields[19])
+
+
+def child_named(pid: int, name: str) -> int | None:
+    """The pid of a child of ``pid`` (a process this one started) whose name is ``name``, e.g. the
+    p2pd below a DHT process; None when there is none, or off Linux (no /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            stat = _proc_stat(child)
+            if stat is not None and stat[0] == name:
+                return child
+    return None
+
+
 class HelperWatch:
-    """Watches a command's helper processes (DHT, averager) from a daemon thread, once a second.
+    """Watches a command's helper processes (DHT, p2pd, averager) from a daemon thread, once a second.
 
     When one has exited, :attr:`died` holds a :class:`HelperDied` naming it and ``stop`` is set, so
     the command stops as on a signal; it raises :attr:`died` once it has stopped (and a peer has
@@ -202,13 +259,27 @@ class HelperWatch:
     def __init__(self, stop: threading.Event, advice: str, period_s: float = 1.0):
         self.stop_event, self.advice, self.period_s = stop, advice, period_s
         self.died: HelperDied | None = None
-        self._helpers: list[tuple[str, object]] = []
+        self._probes: list = []  # each returns a HelperDied for its helper once that one is gone, else None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="helper-watch", daemon=True)
 
     def watch(self, name: str, process) -> HelperWatch:
         """Add helper ``name`` (a started ``multiprocessing.Process`` of this process); before :meth:`start`."""
-        self._helpers.append((name, process))
+        self._probes.append(lambda: helper_died(name, process, self.advice))
+        return self
+
+    def watch_pid(self, name: str, pid: int | None) -> HelperWatch:
+        """Add a process this one did not start itself (p2pd, below the DHT process) by its pid, as
+        /proc shows it now; a None pid, or no /proc, adds nothing. Before :meth:`start`."""
+        stat = None if pid is None else _proc_stat(pid)
+        if stat is not None:
+            def probe() -> HelperDied | None:
+                now = _proc_stat(pid)
+                if now is not None and now[2] == stat[2] and now[1] not in "ZX":
+                    return None
+                return HelperDied(f"this {name} process (pid {pid}) exited; {self.advice}")
+
+            self._probes.append(probe)
         return self
 
     def start(self) -> HelperWatch:
@@ -217,8 +288,8 @@ class HelperWatch:
 
     def check(self) -> HelperDied | None:
         """Look once: the first helper found dead (also recorded in :attr:`died`, ``stop`` set), or None."""
-        for name, process in self._helpers:
-            died = helper_died(name, process, self.advice)
+        for probe in self._probes:  # in the order added: a DHT before the p2pd that dies with it
+            died = probe()
             if died is not None:
                 if self.died is None:
                     self.died = died

@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from peer.train.data import BatchSampler, SamplerState
-from protocol.errors import HelperDied, CheckpointError
+from protocol.errors import CheckpointError, HelperDied
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.limits import StreamSlots
 from peer.sync.pieces import Piece, make_group_plan
 from peer.sync.screening import Strikes
-from protocol.errors import AllreduceIncomplete, HelperDied, BadPayload, PartialAverage
+from protocol.errors import AllreduceIncomplete, BadPayload, HelperDied, PartialAverage
 from protocol.lifetime import PEER_RESTART, HelperProcess, helper_died
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION

@@ -26,7 +26,7 @@ from peer.state.download import StateDownload, validate_state
 from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
-from protocol.errors import (AllreduceFailed, AllreduceIncomplete, HelperDied, BadPayload, GroupNotFound, NetworkError,
+from protocol.errors import (AllreduceFailed, AllreduceIncomplete, BadPayload, GroupNotFound, HelperDied, NetworkError,
                              SyncError)
 from protocol.manifest import CompressionSpec, SyncSpec
 
@@ -257,6 +257,7 @@ class NetworkTransport:
         try:
             while True:
                 if should_stop():
+                    self.averager.check_alive()  # a stop for a dead averager: that, not a cancelled sync
                     control.cancel()
                     raise GroupNotFound(f"round {round_} sync cancelled (stopping, or dropped by the round loop)")
                 try:

@@ -154,8 +154,11 @@ def test_a_stop_signal_checkpoints_and_exits_130_leaving_nothing(procs, tmp_path
 
 
 def helper_of(pid: int, which: str) -> Proc:
-    """Peer ``pid``'s DHT process (its forked child with p2pd below it) or its averager process
-    (its forked child without); ``which`` is "DHT" or "averager"."""
+    """Peer ``pid``'s DHT process (its forked child with p2pd below it), its averager process (its
+    forked child without), or the p2pd below its DHT process; ``which`` is "DHT", "averager" or
+    "p2pd"."""
+    if which == "p2pd":
+        return next(h for h in descendants(helper_of(pid, "DHT")[0]) if h[2] == "p2pd")
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         cmdline = f.read()
     children = set()
@@ -175,7 +178,8 @@ def helper_of(pid: int, which: str) -> Proc:
     return found[0]
 
 
-@pytest.mark.parametrize("which, overlap", [("averager", "none"), ("averager", "delayed"), ("DHT", "none")])
+@pytest.mark.parametrize("which, overlap", [("averager", "none"), ("averager", "delayed"), ("DHT", "none"),
+                                            ("p2pd", "none")])
 def test_a_peer_whose_helper_dies_checkpoints_exits_75_and_resumes(procs, tmp_path, bootstrap_addr, which, overlap):
     """A helper process killed (as the kernel's OOM killer does) while the peer trains with a
     groupmate: the peer neither hangs in its next sync nor at its exit, nor trains on cut off. It
@@ -196,7 +200,8 @@ def test_a_peer_whose_helper_dies_checkpoints_exits_75_and_resumes(procs, tmp_pa
 
     assert a.wait(120) == 75, a.tail()
     log = stderr_of(a)
-    assert f"error: this peer's {which} process (pid {victim[0]}) died with exit code -9" in log, log
+    how = "exited" if which == "p2pd" else "died with exit code -9"  # p2pd is the DHT process's child
+    assert f"error: this peer's {which} process (pid {victim[0]}) {how}" in log, log
     assert "run the peer again" in log and "Traceback" not in log, log
     stopped = a.last("stopped")
     assert stopped is not None and stopped["interrupted"], a.tail()

@@ -18,6 +18,7 @@ sees its groupmates is the one exercised.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import warnings
 
 import pytest
@@ -141,7 +142,14 @@ def test_the_averager_protects_the_round_it_is_set_to(swarm, monkeypatch):
 
     victim, _, attacker = swarm
     set_bits = []
-    monkeypatch.setattr(DecentralizedAverager, "set_group_bits", lambda self, bits, wait=True: set_bits.append(bits))
+
+    def set_group_bits(self, bits, wait=True):  # hivemind's, as LocoAverager calls it: a future it waits on
+        set_bits.append(bits)
+        taken = concurrent.futures.Future()
+        taken.set_result(None)
+        return taken
+
+    monkeypatch.setattr(DecentralizedAverager, "set_group_bits", set_group_bits)
     class Bare(LocoAverager):  # no process, nothing for hivemind's __del__ to stop
         def __del__(self):
             pass

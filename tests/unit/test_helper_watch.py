@@ -10,11 +10,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
+from protocol import lifetime
 from protocol.errors import HelperDied
 from protocol.lifetime import HelperWatch, helper_died
 
@@ -72,3 +75,49 @@ def test_an_exit_that_was_not_a_kill_says_its_code_without_guessing(sleepers):
                          "run the bootstrap node again")
     assert helper_died("DHT", sleepers(), "x") is None  # alive
     assert helper_died("DHT", mp.get_context("fork").Process(target=time.sleep), "x") is None  # never started
+
+
+def test_a_process_started_by_a_helper_is_watched_by_pid_and_its_exit_stops_the_command():
+    """What the DHT process's p2pd is to the main process: not its own child, found by name."""
+    daemon = subprocess.Popen(["sleep", "120"])  # a child here, so child_named finds it by name
+    try:
+        assert lifetime.child_named(os.getpid(), "sleep") == daemon.pid
+        assert lifetime.child_named(os.getpid(), "no-such-daemon") is None
+        stop = threading.Event()
+        watch = HelperWatch(stop, "run the peer again", period_s=0.05).watch_pid("peer's p2pd", daemon.pid)
+        watch.watch_pid("nothing", None).start()  # no pid found: nothing watched
+        try:
+            assert not stop.wait(0.3)
+            daemon.kill()  # not reaped yet: a zombie, which has ended all the same
+            assert stop.wait(30)
+            assert str(watch.died) == f"this peer's p2pd process (pid {daemon.pid}) exited; run the peer again"
+        finally:
+            watch.stop()
+    finally:
+        daemon.kill()
+        daemon.wait(30)
+
+
+SHARER = compile("def serve():\n    raise ConnectionResetError(104, 'Connection reset by peer')\n"
+                 "def serve_bug():\n    raise ValueError('a bug is still reported')\n",
+                 os.path.join("lib", "multiprocessing", "resource_sharer.py"), "exec")
+
+
+def test_only_a_handshake_cut_in_the_resource_sharer_is_kept_off_stderr(monkeypatch):
+    """The sharer's thread hands what it caught to sys.excepthook (multiprocessing/resource_sharer.py)."""
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda exc_type, exc, tb: seen.append(exc_type))
+    lifetime.quiet_handshakes_cut_by_a_dead_helper()
+    lifetime.quiet_handshakes_cut_by_a_dead_helper()  # once is enough: not wrapped twice
+    sharer = {}
+    exec(SHARER, sharer)
+
+    def elsewhere():
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    for target in (sharer["serve"], elsewhere, sharer["serve_bug"]):
+        try:
+            target()
+        except Exception:
+            sys.excepthook(*sys.exc_info())
+    assert seen == [ConnectionResetError, ValueError]

@@ -20,7 +20,7 @@ from peer.sync.membership import SwarmView
 from peer.sync.transport import SyncResult
 from peer.train.model import build_model
 from protocol.dht import PeerProgress
-from protocol.errors import AllreduceFailed, HelperDied, GroupNotFound, SyncError
+from protocol.errors import AllreduceFailed, GroupNotFound, HelperDied, SyncError
 from protocol.presets import tiny_run
 from protocol.records import ProgressRecord
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)

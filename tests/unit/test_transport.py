@@ -12,7 +12,7 @@ from peer.sync.allreduce import AllreduceStats
 from peer.sync.averager import GroupOutcome
 from peer.sync.deadlines import DeadlinePolicy
 from peer.sync.transport import NetworkTransport
-from protocol.errors import AllreduceIncomplete, HelperDied, GroupNotFound, NetworkError, SyncError
+from protocol.errors import AllreduceIncomplete, GroupNotFound, HelperDied, NetworkError, SyncError
 from protocol.manifest import SyncSpec
 
 SHAPES = [torch.Size([3, 2])]
