@@ -178,14 +178,13 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
     """
     from bootstrap.monitor import MonitorConfig, run_monitor
     from protocol import dht as swarm_dht
-    from protocol.lifetime import HelperWatch, child_named
+    from protocol.lifetime import HelperWatch
 
     _configure_logging(verbose)
     with _until_signal("monitor") as stop:
         try:
             dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
-            watch = HelperWatch(stop, "run the monitor again").watch("monitor's DHT", dht).watch_pid(
-                "monitor's p2pd", child_named(dht.pid, "p2pd")).start()
+            watch = HelperWatch(stop, "run the monitor again").watch_dht("monitor's", dht).start()
             try:
                 def on_ready(url: str) -> None:
                     if log_format == "json":
@@ -197,8 +196,7 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
 
                 run_monitor(dht, host=host, port=port, config=MonitorConfig(poll_interval_s=poll), stop=stop,
                             on_ready=on_ready)
-                if watch.check() is not None:
-                    raise watch.died
+                watch.raise_if_died()
             finally:
                 watch.stop()
                 dht.shutdown()

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from protocol import dht as swarm_dht
 from protocol.errors import NetworkError
 from protocol.identity import ensure_identity
-from protocol.lifetime import HelperWatch, child_named
+from protocol.lifetime import HelperWatch
 from protocol.reachability import serve_dialback
 from protocol.uplink import serve_uplink
 from protocol.manifest import SignedManifest
@@ -97,8 +97,7 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     run = cfg.manifest.manifest
     monitor = server = None
     # its DHT process killed (for memory, most often), the node is no node: stop, and exit 75
-    watch = HelperWatch(stop, "run the bootstrap node again").watch("bootstrap node's DHT", dht).watch_pid(
-        "bootstrap node's p2pd", child_named(dht.pid, "p2pd")).start()
+    watch = HelperWatch(stop, "run the bootstrap node again").watch_dht("bootstrap node's", dht).start()
     try:
         protect_run(dht, run.run_id)
         announcer.start()
@@ -110,8 +109,7 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
             server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=run.name).start()
         on_ready(swarm_dht.visible_maddrs(dht), server.url if server else None)
         stop.wait()
-        if watch.check() is not None:
-            raise watch.died
+        watch.raise_if_died()
     finally:
         watch.stop()
         if server is not None:

@@ -274,8 +274,8 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
                                      client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
                                      max_weight_tokens=round_token_cap(manifest))
         # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75
-        watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch("peer's DHT", dht).watch_pid(
-            "peer's p2pd", lifetime.child_named(dht.pid, "p2pd")).watch("peer's averager", transport.averager).start()
+        watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch_dht("peer's", dht).watch(
+            "peer's averager", transport.averager).start()
         # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
         # records are signed and stored, and read ahead of a round's end, off the training thread
         swarm = SwarmView(dht, run_id=key, signer=signer, record_ttl_s=liveness.record_ttl_s(manifest),
@@ -317,9 +317,9 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
         summary = trainer.run()
         saved = trainer.save()
         reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)
-        fatal = trainer.fatal or watch.check()
-        if fatal is not None:  # a helper process died: the checkpoint is written, now say why
-            raise fatal
+        if trainer.fatal is not None:  # a helper process died: the checkpoint is written, now say why
+            raise trainer.fatal
+        watch.raise_if_died()
         return (EXIT_INTERRUPTED if summary.interrupted else 0), summary
     finally:
         if watch is not None:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Collection, Sequence
 from protocol import keys
 from protocol.errors import (BadPeerAddress, BadSignature, BootstrapUnreachable, ManifestError,
                              ManifestNotFound, NetworkError, ProtocolError)
-from protocol.lifetime import helper_died
+from protocol.lifetime import exited
 from protocol.manifest import RunManifest, SignedManifest, open_announcement
 from protocol.records import ProgressRecord
 from protocol.signing import REJECTED, PeerSigner, open_record, peer_id_of
@@ -78,13 +78,12 @@ def finish(future, what: str, timeout_s: float = CALL_TIMEOUT_S, dht=None):
         Whatever the call raised, unchanged.
     """
     deadline = time.monotonic() + timeout_s
+    slice_s = timeout_s if dht is None else DEAD_CHECK_S
     while True:
-        wait = max(0.0, deadline - time.monotonic()) if dht is None else min(
-            DEAD_CHECK_S, max(0.0, deadline - time.monotonic()))
         try:
-            return future.result(timeout=wait)
+            return future.result(timeout=min(slice_s, max(0.0, deadline - time.monotonic())))
         except TimeoutError as exc:
-            died = dht is not None and helper_died("DHT", dht, "") is not None
+            died = dht is not None and exited(dht)
             if died or time.monotonic() >= deadline:
                 future.cancel()
                 raise NetworkError(f"the DHT process died before finishing {what}" if died else

@@ -196,24 +196,30 @@ PEER_RESTART = "run the peer again: it resumes from its checkpoint"
 """What a peer whose helper died says to do (:class:`HelperDied`'s message ends with it)."""
 
 
+def exited(process) -> bool:
+    """Whether ``process`` (a ``multiprocessing.Process``) was started by this process and has
+    exited; False in any other process (only the parent can tell), and for one never started."""
+    return os.getpid() == getattr(process, "_parent_pid", None) and process.exitcode is not None
+
+
 def helper_died(name: str, process, advice: str) -> HelperDied | None:
     """:class:`HelperDied` naming helper ``name`` (a ``multiprocessing.Process`` this process
-    started) when it has exited, else None. None too in any other process, and for a helper never
-    started.
+    started) when it has :func:`exited`, else None.
 
     Args:
         name: whose and which, as the message says it: "peer's averager", "bootstrap node's DHT".
         advice: what to do, ending the message (e.g. "run the peer again: it resumes from its checkpoint").
     """
-    if os.getpid() != getattr(process, "_parent_pid", None) or process.exitcode is None:
+    if not exited(process):
         return None
     code = process.exitcode
     how = " (killed, most often for memory)" if code == -signal.SIGKILL else ""
     return HelperDied(f"this {name} process (pid {process.pid}) died with exit code {code}{how}; {advice}")
 
 
-def _proc_stat(pid: int) -> tuple[str, str, int] | None:
-    """(name, state, start time in clock ticks) of ``pid`` from /proc, or None (gone, or no /proc)."""
+def proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """(name, state, start time in clock ticks) of ``pid`` from /proc, or None (gone, or no /proc);
+    the start time tells a live process from a later one that reuses its pid."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
@@ -223,23 +229,30 @@ def _proc_stat(pid: int) -> tuple[str, str, int] | None:
     return text[text.index("(") + 1:text.rindex(")")], fields[0], int(fields[19])
 
 
-def child_named(pid: int, name: str) -> int | None:
-    """The pid of a child of ``pid`` (a process this one started) whose name is ``name``, e.g. the
-    p2pd below a DHT process; None when there is none, or off Linux (no /proc)."""
+def children(pid: int) -> list[int]:
+    """The pids of the processes ``pid`` started (from any of its threads), from /proc; [] when it
+    is gone, or off Linux."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return None
+        return []
+    found = []
     for task in tasks:
         try:
             with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
+                found += [int(c) for c in f.read().split()]
         except OSError:
             continue
-        for child in children:
-            stat = _proc_stat(child)
-            if stat is not None and stat[0] == name:
-                return child
+    return found
+
+
+def child_named(pid: int, name: str) -> int | None:
+    """The pid of a child of ``pid`` whose name is ``name``, e.g. the p2pd below a DHT process;
+    None when there is none, or off Linux (no /proc)."""
+    for child in children(pid):
+        stat = proc_stat(child)
+        if stat is not None and stat[0] == name:
+            return child
     return None
 
 
@@ -271,16 +284,21 @@ class HelperWatch:
     def watch_pid(self, name: str, pid: int | None) -> HelperWatch:
         """Add a process this one did not start itself (p2pd, below the DHT process) by its pid, as
         /proc shows it now; a None pid, or no /proc, adds nothing. Before :meth:`start`."""
-        stat = None if pid is None else _proc_stat(pid)
+        stat = None if pid is None else proc_stat(pid)
         if stat is not None:
             def probe() -> HelperDied | None:
-                now = _proc_stat(pid)
+                now = proc_stat(pid)
                 if now is not None and now[2] == stat[2] and now[1] not in "ZX":
                     return None
                 return HelperDied(f"this {name} process (pid {pid}) exited; {self.advice}")
 
             self._probes.append(probe)
         return self
+
+    def watch_dht(self, owner: str, dht) -> HelperWatch:
+        """Add a started hivemind DHT's process and the p2pd below it, named "<owner> DHT" and
+        "<owner> p2pd" (``owner``: "peer's", "bootstrap node's"); before :meth:`start`."""
+        return self.watch(f"{owner} DHT", dht).watch_pid(f"{owner} p2pd", child_named(dht.pid, "p2pd"))
 
     def start(self) -> HelperWatch:
         self._thread.start()
@@ -297,6 +315,17 @@ class HelperWatch:
                 self.stop_event.set()
                 return died
         return None
+
+    def raise_if_died(self) -> None:
+        """Look once more (:meth:`check`) and raise the first helper death seen, if any: what a
+        command does once it has stopped.
+
+        Raises:
+            HelperDied: a watched helper died.
+        """
+        self.check()
+        if self.died is not None:
+            raise self.died
 
     def _run(self) -> None:
         while not self._done.wait(self.period_s):

@@ -46,8 +46,8 @@ from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.limits import StreamSlots
 from peer.sync.pieces import Piece, make_group_plan
 from peer.sync.screening import Strikes
-from protocol.errors import AllreduceIncomplete, BadPayload, HelperDied, PartialAverage
-from protocol.lifetime import PEER_RESTART, HelperProcess, helper_died
+from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
+from protocol.lifetime import PEER_RESTART, HelperProcess, exited, helper_died
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire import allreduce as frames
@@ -202,7 +202,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
     def shutdown(self) -> None:
         """hivemind's shutdown; for a process that already died, only the host's helper thread is
         stopped (hivemind would log an error with a traceback)."""
-        if helper_died("peer's averager", self, PEER_RESTART) is not None:
+        if exited(self):
             self._inner_pipe.send(("_SHUTDOWN", None))
             return
         super().shutdown()

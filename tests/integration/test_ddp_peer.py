@@ -11,7 +11,6 @@ arithmetic is the same).
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import time
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from peer.launch import Child, peer_argv, stop_all
+from protocol import lifetime
 
 # each test starts one or two whole peers (DHT, corpus, a spawned rank): minutes on a loaded 2-core box
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
@@ -30,28 +30,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 def spawn_children(pid: int) -> list[int]:
     """Rank processes below ``pid``: children started by multiprocessing's spawn method."""
     found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
+    for child in lifetime.children(pid):
         try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(child)
         except OSError:
-            continue
-        for child in children:
-            try:
-                with open(f"/proc/{child}/cmdline", "rb") as f:
-                    if b"spawn_main" in f.read():
-                        found.append(child)
-            except OSError:
-                pass
+            pass
     return found
 
 
 def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    stat = lifetime.proc_stat(pid)
+    return stat is not None and stat[1] != "Z"
 
 
 def peer(tmp_path: Path, name: str, *args: str) -> Child:

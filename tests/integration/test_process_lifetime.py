@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol.lifetime import children, proc_stat
 from tests.integration.harness import PROJECT_ROOT, Procs, make_manifest, write_manifest
 
 pytestmark = pytest.mark.integration
@@ -26,36 +27,14 @@ Proc = tuple[int, int, str]
 """(pid, start time in clock ticks, name): the start time tells a live process from a reused pid."""
 
 
-def _stat(pid: int) -> tuple[str, str, int] | None:
-    """(name, state, start time) of ``pid``, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    name = text[text.index("(") + 1:text.rindex(")")]
-    fields = text[text.rindex(")") + 2:].split()
-    return name, fields[0], int(fields[19])
-
-
 def descendants(pid: int) -> list[Proc]:
     """Every process below ``pid``, children of all its threads included."""
     found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        for child in children:
-            stat = _stat(child)
-            if stat is not None:
-                found.append((child, stat[2], stat[0]))
-                found += descendants(child)
+    for child in children(pid):
+        stat = proc_stat(child)
+        if stat is not None:
+            found.append((child, stat[2], stat[0]))
+            found += descendants(child)
     return found
 
 
@@ -63,7 +42,7 @@ def alive(procs: list[Proc]) -> list[Proc]:
     """Those of ``procs`` still running (a zombie has ended; a reused pid is another process)."""
     running = []
     for pid, start, name in procs:
-        stat = _stat(pid)
+        stat = proc_stat(pid)
         if stat is not None and stat[2] == start and stat[1] != "Z":
             running.append((pid, start, name))
     return running
@@ -161,12 +140,9 @@ def helper_of(pid: int, which: str) -> Proc:
         return next(h for h in descendants(helper_of(pid, "DHT")[0]) if h[2] == "p2pd")
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         cmdline = f.read()
-    children = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children.update(int(c) for c in f.read().split())
+    mine = set(children(pid))
     found = []
-    for child in (c for c in descendants(pid) if c[0] in children):
+    for child in (c for c in descendants(pid) if c[0] in mine):
         try:
             with open(f"/proc/{child[0]}/cmdline", "rb") as f:
                 forked = f.read() == cmdline  # not torch's shm manager
@@ -273,7 +249,7 @@ def test_a_helper_whose_parent_died_before_its_setup_ends_itself(tmp_path):
                               stdout=out, stderr=out, timeout=120, cwd=PROJECT_ROOT).returncode
     assert code == 0, log.read_text()
     pid = int(pid_file.read_text())
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     helper = [(pid, stat[2], stat[0])] if stat is not None else []
     try:
         assert wait_until_gone(helper, 60) == [], "the helper outlived its parent"
