@@ -358,10 +358,18 @@ class Trainer:
         only when the slowest groupmate finished its round. The extra steps take the lr of the
         round's last step (the schedule never runs past round·H + H − 1), add to this round's Δ,
         and weigh in the group mean as the tokens they trained, up to the owners' cap of H steps'
-        tokens (peer/sync/screening.py ``round_token_cap``)."""
+        tokens (peer/sync/screening.py ``round_token_cap``). With streaming the same holds for its
+        last fragment syncs of the round: a fragment sync in flight, or a fragment due whose start
+        :meth:`_stream_after_step` postponed, keeps the round going (the extra steps add to every
+        fragment's next Δ), so fragment 0's sync at the round's end finds none in flight."""
         bg = self._background
-        return (bg is not None and not self._fragments and bg.in_flight and not bg.done
-                and self.pos.step < self.H + int(EXTRA_STEPS_FRACTION * self.H))
+        if bg is None or self.pos.step >= self.H + int(EXTRA_STEPS_FRACTION * self.H):
+            return False
+        if self._fragments:
+            # streaming: the round ends when its last fragment sync landed (fragment 0's then starts
+            # without waiting); a fragment whose start was postponed starts during these steps
+            return self._flight is not None or bool(self._postponed())
+        return bg.in_flight and not bg.done
 
     def _prefetch_records(self, step_s: float) -> None:
         """After an inner step of ``step_s`` seconds: ask for the progress records in the background
@@ -545,28 +553,37 @@ class Trainer:
     def _stream_after_step(self, tokens: int) -> None:
         """After an inner step with ``sync.overlap = "streaming"``: land the fragment sync in flight
         once τ steps have passed since it started and its mean is there (:meth:`_land_due`), then
-        start the sync of every fragment whose offset in the round this step reached (fragment 0's,
-        at the round's end, is :meth:`_streaming_step`'s); a sync still in flight then lands first,
-        waiting for it. A peer that jumped ahead in the round (a joiner, or after evaluating φ)
-        starts the syncs it jumped over at once."""
+        start the sync of the next fragment whose offset in the round this step reached (fragment
+        0's, at the round's end, is :meth:`_streaming_step`'s). One sync is in flight at a time:
+        while one is, the next fragment's start is postponed to the first step after it landed, so
+        the inner loop does not wait for it (its Δ_p then holds those steps too); a start postponed
+        past the round's H steps is made in the steps a peer trains on while waiting
+        (:meth:`_trains_while_waiting`). A peer that jumped ahead in the round (a joiner, or after
+        evaluating φ) starts the syncs it jumped over one after another, in the same way."""
         for p in range(len(self._fragments)):
             self._fragment_tokens[p] += tokens
         self._land_due()
-        if self.pos.step >= self.H:
-            return
-        for p in self._fragment_order:
-            if p not in self._fragments_synced and 0 < self._fragment_offset[p] <= self.pos.step:
-                self._start_fragment_sync(p, self.pos.round)
-                self._land_due()
+        for p in self._postponed():
+            if self._flight is not None:
+                return  # postponed: starts at the first step after the sync in flight landed
+            self._start_fragment_sync(p, self.pos.round)
+            self._land_due()
+
+    def _postponed(self) -> list[int]:
+        """The fragments (other than 0) whose offset this round reached and whose sync has not
+        started, in offset order."""
+        return [p for p in self._fragment_order
+                if p not in self._fragments_synced and 0 < self._fragment_offset[p] <= self.pos.step]
 
     def _land_due(self) -> None:
         """Land the fragment sync in flight if τ inner steps passed since it started and its result
         is there; with τ = 0 at once, waiting for it (no overlap).
 
         τ is the earliest a mean lands (Streaming DiLoCo's delay, arXiv 2501.18512: merged after τ
-        overlapped steps). A sync slower than τ steps lands at the first step its result is there,
-        at the latest when the next fragment's sync starts (H/P steps after it started; the inner
-        loop waits only then), so a slow uplink costs staleness, not compute. Groupmates may land
+        overlapped steps). A sync slower than τ steps lands at the first step its result is there
+        (the next fragment's start waits for that step: :meth:`_stream_after_step`); the inner loop
+        waits for it only at the round's end, once the steps it may train on past H are used up
+        (:meth:`_trains_while_waiting`), so a slow uplink costs staleness, not compute. Groupmates may land
         the same mean at different steps: φ_p is touched only by that landing, so they still hold
         identical φ; only their local θ_p differ, as they do anyway. Each landing's overlap, in
         steps, is in the round's report (``overlap_steps``)."""
@@ -608,7 +625,10 @@ class Trainer:
         # NoLoCo's payload holds φ_p itself: the sync reads a copy, φ may move under a dropped one
         payload = [t.clone() if any(t is q for q in phi_p) else t for t in self._fragment_outer[p].payload(phi_p, delta)]
         choice, live = self._round_choice(round_)
-        weight, self._fragment_tokens[p] = float(max(self._fragment_tokens[p], 1)), 0
+        # a postponed start and the steps past H make a fragment's steps more than a round's: its claim
+        # is capped where its groupmates cap it (the owners' cap of a round's tokens)
+        weight = float(min(max(self._fragment_tokens[p], 1), round_token_cap(self.m)))
+        self._fragment_tokens[p] = 0
         digest = self.state_digest
         due_s = self._groupmates_due_s(live, round_, choice) if self._fragment_offset[p] == 0 else 0.0
         budget_s = self._wait_budget_s(self.pos, max(1, self.H // len(self._fragments)))
@@ -710,15 +730,20 @@ class Trainer:
         return [*self.shapes, *(t.shape for t in self.outer.state_tensors())]
 
     def _streaming_step(self) -> RoundOutcome:
-        """The end of a round with ``sync.overlap = "streaming"``: fragment 0's sync starts (its mean
-        lands τ steps into the next round; at once with τ = 0), and the round's outcome reports the
-        fragment syncs that landed during it. θ is not reset to φ: each fragment's merge did that
-        part. The snapshot of the next round holds every mean landed so far."""
+        """The end of a round with ``sync.overlap = "streaming"``: a fragment sync whose start is
+        still postponed starts (waiting for the one in flight, and is waited for: the round's extra
+        steps are used up), then fragment 0's (its mean lands τ steps into the next round, or
+        later; at once with τ = 0), and the round's outcome reports the fragment syncs that landed
+        during it. θ is not reset to φ: each fragment's merge did that part. The snapshot of the
+        next round holds every mean landed so far."""
         choice, live = self._round_choice(self.pos.round)
         start_digest = self.state_digest
         done = dataclasses.replace(self.pos)
-        for p in self._fragment_order:
-            if p not in self._fragments_synced:  # fragment 0, and any a jump or a failed Δ skipped
+        # fragments due inside the round first (a start postponed this far, or one a jump or a failed
+        # Δ skipped: each waits for the one before), fragment 0 last: its sync is the one in flight
+        # into the next round
+        for p in sorted(self._fragment_order, key=lambda p: self._fragment_offset[p] == 0):
+            if p not in self._fragments_synced:
                 self._start_fragment_sync(p, done.round)
                 self._land_due()
         report = self._take_landed(done.round)
@@ -737,13 +762,16 @@ class Trainer:
         return report
 
     def _land_last_streaming_syncs(self) -> None:
-        """At ``max_rounds`` with streaming: the sync in flight lands, then every fragment with inner
-        steps since its last sync syncs once more and lands at once, so the final φ holds every
-        step (as the simulation's finish does); θ ← φ."""
+        """At ``max_rounds`` with streaming: the sync in flight lands, then every fragment synced
+        inside the round (offset > 0) syncs once more and lands at once, so the final φ holds every
+        step (as the simulation's finish does); θ ← φ. Those fragments sync whether or not this
+        peer trained steps since (a start postponed to the round's end leaves it none, weight 1),
+        so its groupmates find it in that sync whatever their timing; fragment 0, synced at the
+        round's end, only with steps since (never in a run without a skipped sync)."""
         if self._flight is not None:
             self._land_fragment()
         for p in range(len(self._fragments)):
-            if self._fragment_tokens[p] > 0:
+            if self._fragment_offset[p] > 0 or self._fragment_tokens[p] > 0:
                 self._start_fragment_sync(p, self.pos.round)
                 if self._flight is not None:
                     self._land_fragment()

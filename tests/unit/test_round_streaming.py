@@ -77,8 +77,9 @@ def test_two_peers_stream_fragments_and_hold_identical_phi(corpus, algorithm):
         rounds = t.reporter.of("round")
         assert [e["round"] for e in rounds] == [1, 2, 3]
         assert all(e["group_size"] == 2 for e in rounds)  # round 1 already reports fragment 1's sync
-        # each mean landed τ = 1 step after its sync started or later, before the next fragment's sync
-        assert all(1 <= s <= H // 2 for e in rounds for s in e["overlap_steps"])
+        # each mean landed τ = 1 step after its sync started or later (a slower one postponed the next
+        # fragment's start rather than the inner loop waiting: at most the round and its extra steps)
+        assert all(1 <= s <= 2 * H for e in rounds for s in e["overlap_steps"])
         assert all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))  # θ ← φ at the end
         assert t.summary.final_eval_loss < t.summary.initial_eval_loss
     assert any(not torch.equal(x, y) for x, y in zip(a.phi, phi0))
@@ -149,7 +150,9 @@ def test_an_averager_that_dies_during_a_fragment_sync_stops_the_loop_at_its_land
 
 def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_identical(corpus):
     """τ is the earliest a mean lands: a sync that takes longer lands at the first step its mean is
-    there, at the latest when the next fragment's sync starts; the groupmates still hold the same φ."""
+    there; the next fragment's start is postponed to that step and the round trains on past H while
+    one is in flight (the inner loop waits only once its extra steps are used up); the groupmates
+    still hold the same φ."""
     manifest = streaming(tau=1)
     records, group = Records(), Group(2)
 
@@ -163,9 +166,13 @@ def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_ide
     for x, y in zip(a.phi, b.phi):
         assert torch.equal(x, y)
     for t in trainers:
-        overlaps = [s for e in t.reporter.of("round") for s in e["overlap_steps"]]
-        assert overlaps and all(1 <= s <= H // 2 for s in overlaps)
-        assert max(overlaps) > 1           # it trained on instead of waiting at τ
+        rounds = t.reporter.of("round")
+        overlaps = [s for e in rounds for s in e["overlap_steps"]]
+        # a landing forced at a round's end, its extra steps used up, may have had none
+        assert overlaps and all(0 <= s <= 2 * H for s in overlaps)
+        assert max(overlaps) > H // 2      # it trained on past the next fragment's offset instead of waiting
+        tokens_per_step = t.m.inner_optimizer.batch_size_tokens
+        assert max(e["tokens"] for e in rounds) > H * tokens_per_step  # and past H while a sync was in flight
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
@@ -300,7 +307,9 @@ def test_shift_lands_each_mean_relative_to_theta_at_its_sync_and_keeps_the_steps
     run_in_threads(trainers)
     a, b = trainers
     assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi)) and a.state_digest == b.state_digest
-    assert len(landings) == 2 * 5      # per peer: fragments 1, 0 of rounds 0 and 1, and the final 1
+    # per peer: fragments 1, 0 of rounds 0 and 1, and the final 1 when fragment 1 has steps left (none
+    # when its postponed start came at the last round's end)
+    assert 2 * 4 <= len(landings) <= 2 * 5
     stepped = 0
     for rule, alpha, before, phi, at_sync, after in landings:
         assert rule == "shift" and alpha == 0.5 and at_sync is not None
