@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -57,6 +58,7 @@ class Reporter:
 
     def __init__(self, fmt: str = "text", stream: TextIO | None = None):
         self.fmt, self.stream = fmt, stream or sys.stdout
+        self._lock = threading.Lock()  # the round loop and its sync thread both emit: whole lines
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"event": event, "time": time.time(), **fields}
@@ -66,7 +68,8 @@ class Reporter:
             text = self._text(record)
             if text is None:
                 return
-        print(text, file=self.stream, flush=True)
+        with self._lock:
+            print(text, file=self.stream, flush=True)
 
     @staticmethod
     def _text(e: dict[str, Any]) -> str | None:

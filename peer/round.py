@@ -410,7 +410,6 @@ class Trainer:
         except BadPayload as exc:
             mean, report = None, SyncReport(note=f"{exc}: round discarded, φ unchanged")
         else:
-            self._announce_sync(choice, self.pos.round)
             mean, report = self._sync(payload, choice, start_digest, round_=self.pos.round,
                                       weight=float(max(self.pos.tokens, 1)),
                                       expected_wait_s=self._groupmates_due_s(live, self.pos.round, choice))
@@ -474,7 +473,6 @@ class Trainer:
             except BadPayload as exc:
                 problem = f"{exc}: round discarded"
             else:
-                self._announce_sync(choice, done.round)
                 # the extra steps taken while waiting weigh up to the owners' cap of a round's tokens
                 digest, weight = self.state_digest, float(min(max(done.tokens, 1), round_token_cap(self.m)))
                 due_s = self._groupmates_due_s(live, done.round, choice)
@@ -632,7 +630,6 @@ class Trainer:
         digest = self.state_digest
         due_s = self._groupmates_due_s(live, round_, choice) if self._fragment_offset[p] == 0 else 0.0
         budget_s = self._wait_budget_s(self.pos, max(1, self.H // len(self._fragments)))
-        self._announce_sync(choice, round_, fragment=p)
         base = self._held(self._fragment_state(p))
 
         def sync_and_prepare(dropped):
@@ -700,6 +697,7 @@ class Trainer:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
                 report = dataclasses.replace(report, failed=True, agreeing=(), completed=(),
                                              note=f"fragment {p}: outer step skipped ({exc})")
+        self._await_theta_copy()
         land([self.params[k] for k in index], phi_p, alpha=self.m.sync.fragment_alpha,
              rule=self.m.sync.fragment_merge, at_sync=at_sync)
         self._landed.append(report)
@@ -812,11 +810,6 @@ class Trainer:
         self._groupmates = tuple(sorted(report.completed))
         self._disagreed = set(report.group) - set(report.agreeing) - {self.peer_id}
 
-    def _announce_sync(self, choice: GroupChoice, round_: int, fragment: int | None = None) -> None:
-        if choice.expected_size > 1:
-            extra = {} if fragment is None else {"fragment": fragment}
-            self.reporter.emit("sync", round=round_, expected_group_size=choice.expected_size,
-                               peer_id=self.peer_id, **extra)
 
     def _groupmates_due_s(self, live, round_: int, choice: GroupChoice) -> float:
         """Seconds until the last groupmate expected at ``round_``'s sync gets there, predicted from
@@ -853,6 +846,10 @@ class Trainer:
         ``fragment``: streaming, the fragment whose tensors ``payload`` holds (its own key and buffers)."""
         if choice.expected_size <= 1:
             return payload, SyncReport(note=choice.note)
+        # the ``sync`` event comes from the thread that syncs: a background sync's emit (a write to
+        # stdout) is then not the inner loop's time
+        self.reporter.emit("sync", round=round_, expected_group_size=choice.expected_size, peer_id=self.peer_id,
+                           **({} if fragment is None else {"fragment": fragment}))
         start = time.monotonic()
         extra = {} if fragment is None else dict(fragment=fragment, fragments=len(self._fragments),
                                                  tensors=self._fragment_payload[fragment])
@@ -1172,15 +1169,20 @@ class Trainer:
         """θ ← ``source`` (fp32 host tensors shaped like φ): to the device, asynchronous from pinned
         memory and waited for here, so the host tensors may change again once this returns. Waits
         first for a checkpoint's copy of θ still under way (:meth:`save`)."""
-        if self._copying is not None:
-            self._copying.wait()
-            self._copying = None
+        self._await_theta_copy()
         cuda = self.device.type == "cuda"
         with torch.no_grad():
             for p, f in zip(self.params, source):
                 p.copy_(f, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize(self.device)
+
+    def _await_theta_copy(self) -> None:
+        """Before θ is written other than by an inner step's update (which waits on its own): wait
+        for a checkpoint's copy of θ and AdamW's moments still under way in the writer's thread."""
+        if self._copying is not None:
+            self._copying.wait()
+            self._copying = None
 
     def _theta_on_host(self) -> list[torch.Tensor]:
         """θ as fp32 host tensors (θ itself on a CPU peer, copies from a GPU)."""
@@ -1193,9 +1195,9 @@ class Trainer:
         checkpoint every round: the training thread does not wait for the disk). φ and the outer
         state are the last snapshot's copies; θ and AdamW's moments are copied by that thread when
         it is idle, while the next inner step's forward and backward passes run, and the step's
-        update (or a θ ← φ before it) waits until the copy is done; when a write is still under
-        way they are copied here instead. Otherwise the write in progress is waited for and this
-        one written before returning.
+        update (or any write of θ before it: θ ← φ, a streaming landing's merge) waits until the
+        copy is done; when a write is still under way they are copied here instead. Otherwise the
+        write in progress is waited for and this one written before returning.
 
         With ``sync.overlap`` a sync is usually in flight: the checkpoint holds the last applied φ,
         θ (with this peer's progress not yet in φ) and the committed residuals; a restart from it
@@ -1208,10 +1210,10 @@ class Trainer:
         if self.cfg.checkpoint_path is None:
             return None
         # θ and the moments are copied in the writer's thread while the next step's forward and
-        # backward passes run (its update waits for the copy): not when a write is still under way
-        # (the copy would wait for it), nor for streaming or a pipeline stage (other writers of θ)
-        defer = (background and self._checkpoints.idle() and not self._fragments
-                 and type(self.inner).step is InnerLoop.step)
+        # backward passes run (its update waits for the copy; every other writer of θ, a streaming
+        # landing's merge included, waits in _await_theta_copy): not when a write is still under way
+        # (the copy would wait for it), nor for a pipeline stage (its steps are its callers')
+        defer = background and self._checkpoints.idle() and type(self.inner).step is InnerLoop.step
         adam = self.inner.state_dict()
         # fetched anew every time: after an adoption the averager holds none, so none are saved
         residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)

@@ -105,6 +105,45 @@ def test_setting_theta_waits_for_the_copy_too(corpus, tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
 
 
+def test_a_streaming_landing_waits_for_the_copy_too(corpus, tmp_path, monkeypatch):
+    """With streaming the checkpoint's copy is deferred as well: a fragment's landing, whose merge
+    writes θ_p between inner steps, waits for it, so the checkpoint holds θ as it was."""
+    from tests.unit.test_round_overlap import Group
+    from tests.unit.test_round_streaming import FragmentTransport, streaming
+
+    path = tmp_path / "checkpoint.safetensors"
+    t = make_trainer(corpus, streaming(tau=1), "a", Records(), FragmentTransport("a", Group(1)), rounds=2,
+                     checkpoint=path)
+    for step in range(3):
+        t.inner.step(step)
+    t._start_fragment_sync(1, 0)
+    deadline = threading.Event()
+    while not t._background.done:
+        deadline.wait(0.01)
+    theta, _, _ = state_of(t)
+    gate, reached, real_copy = threading.Event(), threading.Event(), copy_live
+
+    def slow_copy(file):
+        reached.set()
+        assert gate.wait(60)
+        return real_copy(file)
+
+    monkeypatch.setattr("peer.round.copy_live", slow_copy)
+    t.save(background=True)
+    assert t._copying is not None, "streaming defers the copy to the writer's thread"
+    assert reached.wait(60)
+    landing = threading.Thread(target=t._land_fragment)
+    landing.start()
+    landing.join(0.5)
+    assert landing.is_alive(), "a landing merged into θ before the checkpoint copied it"
+    gate.set()
+    landing.join(60)
+    assert not landing.is_alive() and t._flight is None
+    t._checkpoints.flush()
+    saved = load_checkpoint(path, run_id=t.m.run_id, names=t.names, shapes=t.shapes)
+    assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
+
+
 def test_a_busy_writer_means_a_copy_on_the_training_thread(corpus, tmp_path):
     manifest = tiny_run().replace(sync={"overlap": "delayed"})
     path = tmp_path / "checkpoint.safetensors"
