@@ -195,8 +195,11 @@ def test_an_owner_whose_means_were_refused_vouches_for_nothing():
                               bytes_received=1, seconds=0.1, refused=("c",), refused_pieces=2,
                               start_digests={"a": "d", "b": "d", "c": "d"})
 
-    t = types.SimpleNamespace(transport=Transport(), stop_event=threading.Event(), peer_id="a")
+    events = []
+    t = types.SimpleNamespace(transport=Transport(), stop_event=threading.Event(), peer_id="a",
+                              reporter=types.SimpleNamespace(emit=lambda event, **fields: events.append((event, fields))))
     _, report = Trainer._sync(t, [torch.ones(3)], GroupChoice(expected_size=3), "d", round_=4, weight=1.0)
+    assert events == [("sync", {"round": 4, "expected_group_size": 3, "peer_id": "a"})]  # the sync announced
     assert report.completed == ("b",) and set(report.agreeing) == {"a", "b"}
     assert "refused the means of 2 piece(s) from c" in report.note
 
