@@ -581,10 +581,10 @@ class Trainer:
         overlapped steps). A sync slower than τ steps lands at the first step its result is there
         (the next fragment's start waits for that step: :meth:`_stream_after_step`); the inner loop
         waits for it only at the round's end, once the steps it may train on past H are used up
-        (:meth:`_trains_while_waiting`), so a slow uplink costs staleness, not compute. Groupmates may land
-        the same mean at different steps: φ_p is touched only by that landing, so they still hold
-        identical φ; only their local θ_p differ, as they do anyway. Each landing's overlap, in
-        steps, is in the round's report (``overlap_steps``)."""
+        (:meth:`_trains_while_waiting`), so a slow uplink costs staleness, not compute. Groupmates
+        may land the same mean at different steps: φ_p is touched only by that landing, so they
+        still hold identical φ; only their local θ_p differ, as they do anyway. Each landing's
+        overlap, in steps, is in the round's report (``overlap_steps``)."""
         if self._flight is None:
             return
         tau = self.m.sync.fragment_delay_steps
@@ -737,13 +737,12 @@ class Trainer:
         choice, live = self._round_choice(self.pos.round)
         start_digest = self.state_digest
         done = dataclasses.replace(self.pos)
-        # fragments due inside the round first (a start postponed this far, or one a jump or a failed
-        # Δ skipped: each waits for the one before), fragment 0 last: its sync is the one in flight
-        # into the next round
-        for p in sorted(self._fragment_order, key=lambda p: self._fragment_offset[p] == 0):
-            if p not in self._fragments_synced:
-                self._start_fragment_sync(p, done.round)
-                self._land_due()
+        # fragments due inside the round first (a start postponed this far, or jumped over: each
+        # waits for the one before), fragment 0 last: its sync is the one in flight into the next
+        # round (fragment 0 alone has offset 0, and syncs only here)
+        for p in [*self._postponed(), 0]:
+            self._start_fragment_sync(p, done.round)
+            self._land_due()
         report = self._take_landed(done.round)
         with self._lock:
             self.pos.start_round(self.pos.round + 1)
@@ -809,7 +808,6 @@ class Trainer:
         self._vouching.ledger.record_group(round_, report.completed)
         self._groupmates = tuple(sorted(report.completed))
         self._disagreed = set(report.group) - set(report.agreeing) - {self.peer_id}
-
 
     def _groupmates_due_s(self, live, round_: int, choice: GroupChoice) -> float:
         """Seconds until the last groupmate expected at ``round_``'s sync gets there, predicted from

@@ -217,8 +217,8 @@ class HelperDied(LocoError):
     memory: a peer's DHT process, the p2pd (libp2p daemon) below it, or its averager process
     (hivemind's, which runs the all-reduce and serves its state); a bootstrap node's DHT or p2pd.
     The command stops as on a signal (a peer's round in progress is not applied, its checkpoint is
-    written) and exits 75; run again, a peer resumes from its checkpoint. Raised by every wait on the averager instead of waiting forever,
-    and by protocol/lifetime.py's ``HelperWatch``."""
+    written) and exits 75; run again, a peer resumes from its checkpoint. Raised by every wait on
+    the averager instead of waiting forever, and by protocol/lifetime.py's ``HelperWatch``."""
 
     exit_code = 75  # sysexits EX_TEMPFAIL: starting the command again is the fix
 

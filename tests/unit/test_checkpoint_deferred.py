@@ -5,6 +5,7 @@ backward passes run; that step's update waits for the copy (``InnerLoop.hold_upd
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -32,6 +33,20 @@ class Probe:
 
     def is_set(self):
         return self.event.is_set()
+
+
+def gate_the_copy(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make the checkpoint writer's copy of θ and the moments wait until the returned ``gate`` is
+    set; ``reached`` is set once the copy is waiting there."""
+    gate, reached, real_copy = threading.Event(), threading.Event(), copy_live
+
+    def slow_copy(file):
+        reached.set()
+        assert gate.wait(60)
+        return real_copy(file)
+
+    monkeypatch.setattr("peer.round.copy_live", slow_copy)
+    return gate, reached
 
 
 def state_of(t: Trainer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -83,15 +98,7 @@ def test_setting_theta_waits_for_the_copy_too(corpus, tmp_path, monkeypatch):
     t = make_trainer(corpus, manifest, "a", Records(), Transport("a"), rounds=2, checkpoint=path)
     t.inner.step(0)
     theta, _, _ = state_of(t)
-    gate, reached = threading.Event(), threading.Event()
-    real_copy = copy_live
-
-    def slow_copy(file):
-        reached.set()
-        assert gate.wait(60)
-        return real_copy(file)
-
-    monkeypatch.setattr("peer.round.copy_live", slow_copy)
+    gate, reached = gate_the_copy(monkeypatch)
     t.save(background=True)
     assert reached.wait(60)
     moved = threading.Thread(target=t._set_theta, args=([f + 1.0 for f in t.phi],))  # as an adoption does
@@ -117,18 +124,10 @@ def test_a_streaming_landing_waits_for_the_copy_too(corpus, tmp_path, monkeypatc
     for step in range(3):
         t.inner.step(step)
     t._start_fragment_sync(1, 0)
-    deadline = threading.Event()
-    while not t._background.done:
-        deadline.wait(0.01)
+    while not t._background.done:  # its mean is there: the landing below waits for nothing but the copy
+        time.sleep(0.01)
     theta, _, _ = state_of(t)
-    gate, reached, real_copy = threading.Event(), threading.Event(), copy_live
-
-    def slow_copy(file):
-        reached.set()
-        assert gate.wait(60)
-        return real_copy(file)
-
-    monkeypatch.setattr("peer.round.copy_live", slow_copy)
+    gate, reached = gate_the_copy(monkeypatch)
     t.save(background=True)
     assert t._copying is not None, "streaming defers the copy to the writer's thread"
     assert reached.wait(60)
