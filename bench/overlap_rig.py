@@ -2,7 +2,8 @@
 
     sudo nice -n 5 .venv/bin/python bench/overlap_rig.py [--peers 4 8] [--rates 100 20]
         [--modes none delayed eager streaming] [--rounds 8] [--warmup 2] [--inner-steps 150]
-        [--fragments 2] [--fragment-delay TAU] [--hidden-size 128] [--checkpoint-every SECONDS]
+        [--fragments 2] [--fragment-delay TAU] [--fragment-merge mix|shift] [--fragment-alpha 0.5]
+        [--hidden-size 128] [--checkpoint-every SECONDS]
         [--host-allocator tuned|system]
 
 For each (peers, uplink, overlap mode): a bootstrap node and N real peers (``peer join``), each
@@ -58,7 +59,7 @@ from peer.train.host_memory import ENV as HOST_ALLOCATOR_ENV  # noqa: E402
 from peer.train.model import spec_parameter_count  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
-from protocol.specs import OVERLAP_MODES  # noqa: E402
+from protocol.specs import FRAGMENT_MERGES, OVERLAP_MODES  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "overlap.json"
 
@@ -80,15 +81,17 @@ def rig_model(hidden_size: int = CHAOS_HIDDEN) -> dict:
 
 
 def rig_manifest(mode: str, inner_steps: int, fragments: int = 2, fragment_delay: int = 2,
-                 hidden_size: int = CHAOS_HIDDEN) -> RunManifest:
+                 hidden_size: int = CHAOS_HIDDEN, fragment_merge: str = "mix", fragment_alpha: float = 0.5
+                 ) -> RunManifest:
     """The benchmark's run with ``sync.overlap = mode`` (a swarm-wide fact of the manifest); with
     streaming, ``fragments`` P and τ = ``fragment_delay``, the earliest a mean lands (a slower sync
-    lands when it arrives: the round events' ``overlap_steps`` say after how many steps); the model
-    of :func:`rig_model` at ``hidden_size``."""
+    lands when it arrives: the round events' ``overlap_steps`` say after how many steps), merged by
+    ``fragment_merge`` with α = ``fragment_alpha``; the model of :func:`rig_model` at ``hidden_size``."""
     sync = {"inner_steps": inner_steps, "matchmaking_time_s": 2.0, "allreduce_timeout_s": 60.0,
             "next_chunk_timeout_s": 10.0, "overlap": mode}
     if mode == "streaming":
-        sync.update(fragments=fragments, fragment_delay_steps=fragment_delay)
+        sync.update(fragments=fragments, fragment_delay_steps=fragment_delay, fragment_merge=fragment_merge,
+                    fragment_alpha=fragment_alpha)
     return tiny_run().replace(
         name=f"overlap-rig-{mode}",
         model=rig_model(hidden_size),
@@ -127,13 +130,14 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
 
 def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
             inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int = 2,
-            hidden_size: int = CHAOS_HIDDEN, checkpoint_every_s: float = 0.0, host_allocator: str = "tuned") -> dict:
+            hidden_size: int = CHAOS_HIDDEN, checkpoint_every_s: float = 0.0, host_allocator: str = "tuned",
+            fragment_merge: str = "mix", fragment_alpha: float = 0.5) -> dict:
     """One swarm on the rig until every peer stopped at ``rounds``; its figures. ``host_allocator``
     goes to every peer as ``LOCOSWARM_HOST_ALLOCATOR`` (peer/train/host_memory.py)."""
     os.environ[HOST_ALLOCATOR_ENV] = host_allocator  # the peers' processes inherit it
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
-    manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay, hidden_size)
+    manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay, hidden_size, fragment_merge, fragment_alpha)
     run.write_text(dump_toml(manifest))
     started = time.time()
     with ChaosSwarm(workdir, run, rate_mbit=rate, prefix="lso", subnet="10.213.83",
@@ -158,7 +162,8 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
            "per_peer": per_peer,
            "adoptions": adoptions, "wall_s_total": time.time() - started}
     if mode == "streaming":
-        out["streaming"] = {k: getattr(manifest.sync, k) for k in ("fragments", "fragment_delay_steps", "fragment_alpha")}
+        out["streaming"] = {k: getattr(manifest.sync, k)
+                            for k in ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")}
     return out
 
 
@@ -171,6 +176,12 @@ def payload_mb(manifest: RunManifest) -> float:
 CHAOS_PAYLOAD_MB = payload_mb(tiny_run().replace(model=CHAOS_MODEL))
 
 
+def fragments_of(run: dict) -> int | None:
+    """A streaming run's P (runs from before it was recorded streamed with the rig's P = 2); None
+    for the other modes."""
+    return run.get("streaming", {}).get("fragments", 2) if run["overlap"] == "streaming" else None
+
+
 def row(run: dict) -> dict:
     """The issue's ``results`` row of one swarm (means over its peers)."""
     per = list(run["per_peer"].values())
@@ -178,6 +189,7 @@ def row(run: dict) -> dict:
     sync = statistics.fmean(p["sync_s"] for p in per)
     return {"overlap": run["overlap"], "peers": run["peers"], "uplink_mbit": run["uplink_mbit"],
             "inner_steps": run["inner_steps"], "payload_mb": run.get("payload_mb", CHAOS_PAYLOAD_MB),
+            "fragments": fragments_of(run),
             "checkpoint_every_s": run.get("checkpoint_every_s", 0.0),
             # runs from before peer/train/host_memory.py existed ran with glibc's own thresholds
             "host_allocator": run.get("host_allocator", "system"),
@@ -203,6 +215,8 @@ def markdown(rows: list[dict]) -> str:
             mode += f", checkpoint every {r['checkpoint_every_s']:g} s"
         if r.get("host_allocator") == "tuned":
             mode += ", tuned host allocator"
+        if r.get("fragments") not in (None, 2):  # streaming with another P than the rig's 2 blocks
+            mode += f", P = {r['fragments']}"
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
             mode += f" (median {r['median_overlap_steps']:g} steps)"
         lines.append(f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
@@ -226,6 +240,9 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=2, help="streaming: P (the rig's model has 2 blocks)")
     parser.add_argument("--fragment-delay", type=int, default=2,
                         help="streaming: τ, the earliest a fragment's mean lands, in inner steps (the manifest's default)")
+    parser.add_argument("--fragment-merge", choices=list(FRAGMENT_MERGES), default="mix",
+                        help="streaming: how a fragment's mean enters θ (the manifest's default: mix)")
+    parser.add_argument("--fragment-alpha", type=float, default=0.5, help="streaming: α (the manifest's default)")
     parser.add_argument("--hidden-size", type=int, default=CHAOS_HIDDEN,
                         help="the model's width (lab/chaos.py's 128: 0.49 M parameters; 256: 1.84 M): a larger payload")
     parser.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS",
@@ -244,12 +261,13 @@ def main() -> None:
     runs, rows = [], []
     earlier: list[dict] = []
     if args.keep and detail.exists():
-        planned = {(m, n, r, args.inner_steps, args.hidden_size, args.checkpoint_every, args.host_allocator)
+        planned = {(m, n, r, args.inner_steps, args.hidden_size, args.checkpoint_every, args.host_allocator,
+                    args.fragments if m == "streaming" else None)
                    for n in args.peers for r in args.rates for m in args.modes}
         earlier = [run for run in json.loads(detail.read_text())["runs"]
                    if (run["overlap"], run["peers"], run["uplink_mbit"], run.get("inner_steps"),
                        run.get("hidden_size", CHAOS_HIDDEN), run.get("checkpoint_every_s", 0.0),
-                       run.get("host_allocator", "system")) not in planned]
+                       run.get("host_allocator", "system"), fragments_of(run)) not in planned]
         print(f"kept {len(earlier)} run(s) of earlier invocations from {detail}", flush=True)
     start = time.perf_counter()
     for peers in args.peers:
@@ -259,7 +277,8 @@ def main() -> None:
                               rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
                               timeout_s=args.timeout, fragments=args.fragments, fragment_delay=args.fragment_delay,
                               hidden_size=args.hidden_size, checkpoint_every_s=args.checkpoint_every,
-                              host_allocator=args.host_allocator)
+                              host_allocator=args.host_allocator, fragment_merge=args.fragment_merge,
+                              fragment_alpha=args.fragment_alpha)
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
                 r = row(run)
@@ -282,7 +301,8 @@ def main() -> None:
                 detail.write_text(json.dumps({
                     "command": " ".join(["python", *sys.argv]), "device": device,
                     "definitions": __doc__, "manifest (this invocation's H)": {
-                        m: rig_manifest(m, args.inner_steps, hidden_size=args.hidden_size).to_dict()
+                        m: rig_manifest(m, args.inner_steps, args.fragments, args.fragment_delay, args.hidden_size,
+                                        args.fragment_merge, args.fragment_alpha).to_dict()
                         for m in args.modes},
                     "rows": rows, "runs": earlier + runs, "wall_s_total": time.perf_counter() - start}, indent=1)
                     + "\n")

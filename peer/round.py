@@ -195,6 +195,8 @@ class Trainer:
         self._prefetched: tuple[int, int] | None = None
         """(round, inner step it is for) of the last read of the records asked for in the background
         ahead of the loop's read (:meth:`_prefetch_records`)."""
+        self._prefetched_at = float("-inf")
+        """When (monotonic s) that read was asked for."""
         self._waited = {"sync": 0.0, "resync": 0.0}
         """Seconds the training thread waited since the last ``round`` event: for a sync's mean
         (blocking: the whole sync; overlap: the part of a background sync still running when its
@@ -378,17 +380,26 @@ class Trainer:
         the round's end (the group choice, :meth:`_round_records`, and the re-sync rule after the
         round, :meth:`catch_up`, which reuse it); with streaming also before the round's first
         fragment sync, where its group choice is made (a round's end then reads again: the re-sync
-        rule needs the records of the round's end, not of its middle)."""
+        rule needs the records of the round's end, not of its middle). Past the round's H steps (it
+        trains on while its sync is out: :meth:`_trains_while_waiting`) the end comes when that
+        sync lands, which no step count predicts: a read is asked for again whenever the last one
+        asked is :data:`RECORDS_REUSE_S` − :data:`RECORDS_PREFETCH_S` old, so the end finds one
+        young enough to reuse."""
         needed_at = self.H  # the round's end: the group choice and the re-sync rule after it
         if self._fragments and not (self._choice is not None and self._choice[0] == self.pos.round):
             # streaming's group choice is made at the round's first fragment sync
             needed_at = min((o for p, o in enumerate(self._fragment_offset)
                              if o > self.pos.step and p not in self._fragments_synced), default=self.H)
+        if self.pos.step > needed_at:  # only past H: a streaming offset is always ahead of the step
+            now = time.monotonic()
+            if now - self._prefetched_at >= RECORDS_REUSE_S - RECORDS_PREFETCH_S and self.swarm.prefetch():
+                self._prefetched, self._prefetched_at = (self.pos.round, needed_at), now
+            return
         if self._prefetched == (self.pos.round, needed_at):
             return
         left = needed_at - self.pos.step  # 0: the read is now, nothing left to overlap it with
         if 0 < left and left * step_s <= RECORDS_PREFETCH_S and self.swarm.prefetch():
-            self._prefetched = (self.pos.round, needed_at)
+            self._prefetched, self._prefetched_at = (self.pos.round, needed_at), time.monotonic()
 
     def _round_records(self) -> list:
         """The live records the round's group choice comes from: the read asked for shortly before

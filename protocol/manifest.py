@@ -100,7 +100,7 @@ class RunManifest:
         if self.sync.overlap == "streaming":
             check("sync", "fragments", self.sync.fragments, self.sync.fragments <= self.model.num_layers,
                   f"at most model.num_layers = {self.model.num_layers} with sync.overlap = 'streaming' "
-                  "(a fragment holds whole transformer blocks)")
+                  "(a fragment holds whole transformer blocks; 1 syncs the whole model as one fragment)")
         check("inner_optimizer", "kind", self.inner_optimizer.kind,
               self.inner_optimizer.kind == "adamw" or self.pipeline.stages == 1,
               "'adamw' with pipeline.stages > 1 (a stage's inner step runs AdamW only)")

@@ -37,6 +37,22 @@ def test_streaming_rows_carry_p_tau_and_how_long_each_fragment_sync_overlapped()
     assert peer_figures(events, warmup=1)["overlap_steps"] == [5, 7, 9]   # the warm-up round's are left out
 
 
+def test_a_streaming_row_names_its_p_when_it_is_not_the_rigs_two_and_carries_the_merge():
+    from bench.overlap_rig import fragments_of, markdown
+
+    m = rig_manifest("streaming", 40, fragments=1, fragment_delay=2, fragment_merge="shift", fragment_alpha=0.0)
+    assert (m.sync.fragments, m.sync.fragment_merge, m.sync.fragment_alpha) == (1, "shift", 0.0)
+    assert fragments_of({"overlap": "streaming", "streaming": {"fragments": 1}}) == 1
+    assert fragments_of({"overlap": "streaming"}) == 2                  # recorded before P was: the rig's 2
+    assert fragments_of({"overlap": "delayed"}) is None
+    row = {"overlap": "streaming", "peers": 4, "uplink_mbit": 100.0, "inner_steps": 30, "payload_mb": 1.97,
+           "compute_utilization": 0.99, "compute_utilization_min": 0.98, "round_s": 2.0, "compute_s_per_round": 1.98,
+           "sync_s": 1.2, "blocking_share": 0.6, "tokens_per_s": 1e4, "mean_group_size": 4.0,
+           "median_overlap_steps": 12, "fragments": 1}
+    assert "| streaming, P = 1 (median 12 steps) |" in markdown([row])
+    assert "| streaming (median 12 steps) |" in markdown([{**row, "fragments": 2}])
+
+
 def test_a_wider_rig_model_has_a_larger_payload_and_the_same_blocks():
     from bench.overlap_rig import CHAOS_PAYLOAD_MB, payload_mb, rig_model
 

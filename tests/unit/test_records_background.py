@@ -159,7 +159,8 @@ class Prefetching:
 
         self.asked: list[tuple[int, int]] = []
         swarm = types.SimpleNamespace(prefetch=lambda: self.asked.append((t.pos.round, t.pos.step)) or background)
-        t = types.SimpleNamespace(H=H, swarm=swarm, _prefetched=None, pos=types.SimpleNamespace(round=3, step=0),
+        t = types.SimpleNamespace(H=H, swarm=swarm, _prefetched=None, _prefetched_at=float("-inf"),
+                                  pos=types.SimpleNamespace(round=3, step=0),
                                   _fragments=[[0], [1]] if offsets else [], _fragment_offset=offsets or [],
                                   _fragments_synced=set(), _choice=None)
         self.t, self.step = t, lambda step_s: Trainer._prefetch_records(t, step_s)
@@ -190,3 +191,28 @@ def test_the_round_loop_asks_for_the_records_once_a_round_just_before_it_reads_t
     alone = Prefetching(H=50, background=False)
     alone.run_round(0.1)                        # no background thread: asked, not marked, so read fresh
     assert alone.t._prefetched is None
+
+
+def test_a_round_training_past_h_keeps_a_read_young_enough_for_its_end(monkeypatch):
+    """Past H (a round that trains on while its sync is out) the round's end comes when the sync lands:
+    a read is asked for again whenever the last one asked is RECORDS_REUSE_S − RECORDS_PREFETCH_S old,
+    so the end reuses one instead of reading on the training thread."""
+    import types
+
+    import peer.round as round_module
+    from peer.round import RECORDS_PREFETCH_S, RECORDS_REUSE_S
+
+    clock = [100.0]
+    monkeypatch.setattr(round_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    loop = Prefetching(H=50)
+    for step in range(1, 50 + 31):       # 30 steps past H, 0.1 s each
+        loop.t.pos.step = step
+        loop.step(0.1)
+        clock[0] += 0.1
+    every = RECORDS_REUSE_S - RECORDS_PREFETCH_S
+    asked = [s for _, s in loop.asked]
+    assert asked[0] == 45 and all(s > 50 for s in asked[1:])      # before the end as always, then past it
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert len(asked) >= 3 and all(round(g * 0.1, 6) >= every for g in gaps)   # at most one per interval
+    assert max(gaps) * 0.1 <= every + 0.1 + 1e-9                  # and never let the last one age past it
+    assert loop.t._prefetched == (3, 50)

@@ -85,6 +85,33 @@ def test_two_peers_stream_fragments_and_hold_identical_phi(corpus, algorithm):
     assert any(not torch.equal(x, y) for x, y in zip(a.phi, phi0))
 
 
+def test_one_fragment_streams_a_one_block_model_its_mean_landing_tau_steps_into_the_next_round(corpus):
+    """P = 1 with τ > 0 (the tiny preset's single block, which P = 2 cannot split): the whole model's
+    sync starts at each round's end and its mean lands τ or more inner steps into the next round,
+    shifted onto θ with α = 0 (θ ← θ + φ − θ^sync); the peers hold identical φ after every round."""
+    tau = 3
+    manifest = tiny_run().replace(sync={"overlap": "streaming", "inner_steps": H, "fragments": 1,
+                                        "fragment_delay_steps": tau, "fragment_alpha": 0.0,
+                                        "fragment_merge": "shift"})
+    assert manifest.model.num_layers == 1
+    records, group = Records(), Group(2)
+    trainers = [make_trainer(corpus, manifest, p, records, FragmentTransport(p, group), rounds=3) for p in ("a", "b")]
+    phi0 = [f.clone() for f in trainers[0].phi]
+    run_in_threads(trainers)
+    a, b = trainers
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi)) and a.state_digest == b.state_digest
+    for t in trainers:
+        # one sync a round, at its end, of every tensor; the last one lands before the run ends
+        assert [(r, f, tensors) for r, f, _, tensors, _ in t.transport.carried] == [
+            (r, 0, list(range(len(t.phi)))) for r in range(3)]
+        rounds = t.reporter.of("round")
+        landed = [s for e in rounds for s in e.get("overlap_steps", ())]
+        assert len(landed) == 2 and all(tau <= s <= 2 * H for s in landed)  # rounds 0 and 1's, in rounds 1, 2
+        assert all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))  # θ ← φ at the end
+        assert t.summary.final_eval_loss < t.summary.initial_eval_loss
+    assert any(not torch.equal(x, y) for x, y in zip(a.phi, phi0))
+
+
 def test_one_fragment_without_delay_or_merge_is_diloco_without_overlap(corpus):
     """P = 1, τ = 0, α = 0: Streaming DiLoCo's rules reduce to DiLoCo's round (θ ← φ after each
     outer step), bit for bit, on the same data and peers."""
