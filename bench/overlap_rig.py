@@ -211,12 +211,12 @@ def markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mode = r["overlap"]
+        if r.get("fragments") not in (None, 2):  # streaming with another P than the rig's 2 blocks
+            mode += f", P = {r['fragments']}"
         if r.get("checkpoint_every_s"):
             mode += f", checkpoint every {r['checkpoint_every_s']:g} s"
         if r.get("host_allocator") == "tuned":
             mode += ", tuned host allocator"
-        if r.get("fragments") not in (None, 2):  # streaming with another P than the rig's 2 blocks
-            mode += f", P = {r['fragments']}"
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
             mode += f" (median {r['median_overlap_steps']:g} steps)"
         lines.append(f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
