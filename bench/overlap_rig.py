@@ -269,16 +269,18 @@ def main() -> None:
                        run.get("hidden_size", CHAOS_HIDDEN), run.get("checkpoint_every_s", 0.0),
                        run.get("host_allocator", "system"), fragments_of(run)) not in planned]
         print(f"kept {len(earlier)} run(s) of earlier invocations from {detail}", flush=True)
+    # the streaming fields, the same for the swarms run and the manifests written to the detail file
+    streaming = {"fragments": args.fragments, "fragment_delay": args.fragment_delay,
+                 "fragment_merge": args.fragment_merge, "fragment_alpha": args.fragment_alpha}
     start = time.perf_counter()
     for peers in args.peers:
         for rate in args.rates:
             for mode in args.modes:
                 run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
                               rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
-                              timeout_s=args.timeout, fragments=args.fragments, fragment_delay=args.fragment_delay,
-                              hidden_size=args.hidden_size, checkpoint_every_s=args.checkpoint_every,
-                              host_allocator=args.host_allocator, fragment_merge=args.fragment_merge,
-                              fragment_alpha=args.fragment_alpha)
+                              timeout_s=args.timeout, hidden_size=args.hidden_size,
+                              checkpoint_every_s=args.checkpoint_every, host_allocator=args.host_allocator,
+                              **streaming)
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
                 r = row(run)
@@ -301,8 +303,7 @@ def main() -> None:
                 detail.write_text(json.dumps({
                     "command": " ".join(["python", *sys.argv]), "device": device,
                     "definitions": __doc__, "manifest (this invocation's H)": {
-                        m: rig_manifest(m, args.inner_steps, args.fragments, args.fragment_delay, args.hidden_size,
-                                        args.fragment_merge, args.fragment_alpha).to_dict()
+                        m: rig_manifest(m, args.inner_steps, hidden_size=args.hidden_size, **streaming).to_dict()
                         for m in args.modes},
                     "rows": rows, "runs": earlier + runs, "wall_s_total": time.perf_counter() - start}, indent=1)
                     + "\n")
