@@ -335,7 +335,7 @@ class Trainer:
                 self.reporter.emit("warning", message=f"out of {self.device} memory: micro-batch halved from "
                                                       f"{self._micro_batch} to {result.micro_batch} sequences")
             self._micro_batch = result.micro_batch
-            self._prefetch_records(result.seconds)
+            self._prefetch_records(self.pos.compute_s / max(1, self.pos.steps_done))
             if self._fragments:
                 self._stream_after_step(result.tokens)
             if self.pos.step % max(1, self.H // 4) == 0 and self.pos.step < self.H:
@@ -374,28 +374,31 @@ class Trainer:
         return bg.in_flight and not bg.done
 
     def _prefetch_records(self, step_s: float) -> None:
-        """After an inner step of ``step_s`` seconds: ask for the progress records in the background
-        (``SwarmView.prefetch``) when the steps left until the loop reads them take at most
-        :data:`RECORDS_PREFETCH_S`, so the read at that point is not the inner loop's time: before
-        the round's end (the group choice, :meth:`_round_records`, and the re-sync rule after the
-        round, :meth:`catch_up`, which reuse it); with streaming also before the round's first
-        fragment sync, where its group choice is made (a round's end then reads again: the re-sync
-        rule needs the records of the round's end, not of its middle). Past the round's H steps (it
-        trains on while its sync is out: :meth:`_trains_while_waiting`) the end comes when that
-        sync lands, which no step count predicts: a read is asked for again whenever the last one
-        asked is :data:`RECORDS_REUSE_S` − :data:`RECORDS_PREFETCH_S` old, so the end finds one
-        young enough to reuse."""
+        """After an inner step, the round's steps so far having taken ``step_s`` seconds each on
+        average: ask for the progress records in the background (``SwarmView.prefetch``) when the
+        steps left until the loop reads them take at most :data:`RECORDS_PREFETCH_S`, so the read at
+        that point is not the inner loop's time: before the round's end (the group choice,
+        :meth:`_round_records`, and the re-sync rule after the round, :meth:`catch_up`, which reuse
+        it); with streaming also before the round's first fragment sync, where its group choice is
+        made (a round's end then reads again: the re-sync rule needs the records of the round's end,
+        not of its middle).
+
+        Once asked, and past the round's H steps (it trains on while its sync is out:
+        :meth:`_trains_while_waiting`) where the end comes when that sync lands, which no step count
+        predicts, a read is asked for again whenever the last one asked is :data:`RECORDS_REUSE_S`
+        − :data:`RECORDS_PREFETCH_S` old, so the point that reads finds one young enough to reuse
+        even when the steps slowed down after the ask (on cores shared with other processes one
+        step can take four times another)."""
         needed_at = self.H  # the round's end: the group choice and the re-sync rule after it
         if self._fragments and not (self._choice is not None and self._choice[0] == self.pos.round):
             # streaming's group choice is made at the round's first fragment sync
             needed_at = min((o for p, o in enumerate(self._fragment_offset)
                              if o > self.pos.step and p not in self._fragments_synced), default=self.H)
-        if self.pos.step > needed_at:  # only past H: a streaming offset is always ahead of the step
+        # past needed_at only past H: a streaming offset is always ahead of the step
+        if self.pos.step > needed_at or self._prefetched == (self.pos.round, needed_at):
             now = time.monotonic()
             if now - self._prefetched_at >= RECORDS_REUSE_S - RECORDS_PREFETCH_S and self.swarm.prefetch():
                 self._prefetched, self._prefetched_at = (self.pos.round, needed_at), now
-            return
-        if self._prefetched == (self.pos.round, needed_at):
             return
         left = needed_at - self.pos.step  # 0: the read is now, nothing left to overlap it with
         if 0 < left and left * step_s <= RECORDS_PREFETCH_S and self.swarm.prefetch():

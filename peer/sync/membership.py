@@ -95,16 +95,18 @@ class SwarmView:
         Args:
             max_age_s: reuse the last read that worked when it is at most this old (seconds)
                 instead of reading the DHT again (a read is tens of milliseconds of the caller's
-                time; the round loop reads several times within a second of a round's end); a
-                background read (:meth:`prefetch`) asked for within that age and still in progress
-                is waited for instead of reading twice. Liveness is judged again on every call.
-                0: always read.
+                time; the round loop reads several times within a second of a round's end), even
+                while a newer one runs in the background; when it is older, a background read
+                (:meth:`prefetch`) asked for within that age and still in progress is waited for
+                instead of reading twice. Liveness is judged again on every call. 0: always read.
         """
         start = time.monotonic()
         if max_age_s > 0:
             with self._cond:
-                self._cond.wait_for(lambda: self._prefetch_since is None or start - self._prefetch_since > max_age_s,
-                                    timeout=swarm_dht.READ_TIMEOUT_S + 1.0)
+                if start - self._read_at > max_age_s:
+                    self._cond.wait_for(
+                        lambda: self._prefetch_since is None or start - self._prefetch_since > max_age_s,
+                        timeout=swarm_dht.READ_TIMEOUT_S + 1.0)
                 if start - self._read_at <= max_age_s:
                     return self._alive(self._last_records)
         return self._alive(self._read())

@@ -36,3 +36,12 @@ def test_finite_values_whose_sum_overflows_are_accepted(values, dtype):
 def test_finite_and_empty_tensors_pass():
     check_finite([torch.randn(64, 64), torch.empty(0), torch.tensor(1.5)], "x")
     check_finite([], "x")
+
+
+def test_finite_tensors_whose_sums_overflow_fp32_together_or_alone_are_accepted():
+    """The sums of all tensors are added in fp32 for one test: an overflow there (two sums of 3e38,
+    or a float64 sum beyond fp32's range) is decided tensor by tensor, element-wise."""
+    check_finite([torch.tensor([3e38]), torch.tensor([3e38]), torch.ones(2)], "x")
+    check_finite([torch.tensor([1e300], dtype=torch.float64), torch.ones(2)], "x")
+    with pytest.raises(BadPayload, match="tensor 2"):
+        check_finite([torch.tensor([3e38]), torch.tensor([3e38]), torch.tensor([float("nan")])], "x")

@@ -216,3 +216,52 @@ def test_a_round_training_past_h_keeps_a_read_young_enough_for_its_end(monkeypat
     assert len(asked) >= 3 and all(round(g * 0.1, 6) >= every for g in gaps)   # at most one per interval
     assert max(gaps) * 0.1 <= every + 0.1 + 1e-9                  # and never let the last one age past it
     assert loop.t._prefetched == (3, 50)
+
+
+def test_an_ask_made_too_early_is_renewed_so_the_round_end_finds_a_young_read(monkeypatch):
+    """Steps that were fast when the read was asked for and slow afterwards (cores shared with other
+    processes: one step can take four times another) would leave the round's end a read older than
+    RECORDS_REUSE_S, read again on the training thread: once asked, a read is asked for again
+    whenever the last one asked is RECORDS_REUSE_S − RECORDS_PREFETCH_S old."""
+    import types
+
+    import peer.round as round_module
+    from peer.round import RECORDS_PREFETCH_S, RECORDS_REUSE_S
+
+    clock = [100.0]
+    monkeypatch.setattr(round_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    loop = Prefetching(H=50)
+    asked_at = []
+    for step in range(1, 50 + 1):
+        loop.t.pos.step = step
+        before = len(loop.asked)
+        loop.step(0.01)                  # the round's mean step time says 10 ms: asked at once
+        if len(loop.asked) > before:
+            asked_at.append(clock[0])
+        clock[0] += 0.01 if step < 5 else 0.1   # then the steps take 100 ms each
+    end = clock[0]
+    every = RECORDS_REUSE_S - RECORDS_PREFETCH_S
+    assert loop.asked[0] == (3, 1) and len(asked_at) >= 4      # asked early, then again and again
+    assert all(b - a >= every - 1e-9 for a, b in zip(asked_at, asked_at[1:]))   # at most one per interval
+    assert end - asked_at[-1] <= every + 0.1 + 1e-9               # the end finds one young enough to reuse
+    assert end - asked_at[-1] < RECORDS_REUSE_S
+    assert loop.t._prefetched == (3, 50)
+
+
+def test_a_young_read_is_reused_without_waiting_for_a_newer_one_in_progress(fake, swarm):
+    """The round loop asks again while its last read is still young enough (the ask is renewed every
+    RECORDS_REUSE_S − RECORDS_PREFETCH_S): the round's end takes the read it has instead of waiting
+    for the one in progress."""
+    swarm.start_background()
+    assert swarm.prefetch() and settle(lambda: swarm._prefetch_since is None)
+    assert fake.reads == 1
+    fake.hold_read.clear()
+    fake.reading.clear()
+    assert swarm.prefetch() and fake.reading.wait(10)      # a second read, held in progress
+    result = []
+    reader = threading.Thread(target=lambda: result.append(swarm.live(max_age_s=5.0)))
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive() and result == [[]]        # the first read, not waited for the second
+    assert fake.reads == 2
+    fake.hold_read.set()
