@@ -305,11 +305,17 @@ class HelperWatch:
         return self
 
     def check(self) -> HelperDied | None:
-        """Look once: the first helper found dead (also recorded in :attr:`died`, ``stop`` set), or None."""
+        """Look once: the first helper found dead (also recorded in :attr:`died`, ``stop`` set), or None.
+
+        A helper found dead once ``stop`` was set by something else (a signal: systemd's stop, and a
+        Ctrl-C in a terminal, signal every process of the unit or the process group, the helpers
+        with the command) is returned but not recorded: it went with the stop that was asked for, so
+        the command exits as stopped (130), not as failed (75)."""
+        stopping = self.stop_event.is_set() and self.died is None
         for probe in self._probes:  # in the order added: a DHT before the p2pd that dies with it
             died = probe()
             if died is not None:
-                if self.died is None:
+                if self.died is None and not stopping:
                     self.died = died
                     logger.warning("stopping: %s", died)  # the command's exit line says it again
                 self.stop_event.set()

@@ -121,3 +121,22 @@ def test_only_a_handshake_cut_in_the_resource_sharer_is_kept_off_stderr(monkeypa
         except Exception:
             sys.excepthook(*sys.exc_info())
     assert seen == [ConnectionResetError, ValueError]
+
+
+def test_a_helper_that_dies_after_a_signal_asked_the_command_to_stop_is_no_failure(sleepers, caplog):
+    """systemd's stop signals every process of the unit: the helpers may be gone before the command
+    looks at them once more on its way out, which must then exit as stopped (130), not as failed
+    (75); the watch was red on a fresh machine when p2pd won that race."""
+    dht = sleepers()
+    stop = threading.Event()
+    watch = HelperWatch(stop, "run the bootstrap node again", period_s=0.05).watch("bootstrap node's DHT", dht).start()
+    try:
+        stop.set()                      # the signal, handled first
+        os.kill(dht.pid, signal.SIGKILL)
+        dht.join(30)
+        assert watch.check() is not None     # seen dead ...
+        watch.raise_if_died()                # ... but not raised: it went with the stop asked for
+        assert watch.died is None
+        assert "stopping:" not in caplog.text
+    finally:
+        watch.stop()
