@@ -63,6 +63,11 @@ class RoundProgress:
         return self.loss_sum / max(1, self.steps_done)
 
     @property
+    def step_s(self) -> float:
+        """Mean seconds of this round's inner steps that trained (0 before any)."""
+        return self.compute_s / self.steps_done if self.steps_done > 0 else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         """Inner-loop throughput of this round, tokens per second of compute."""
         return self.tokens / max(self.compute_s, 1e-9)

@@ -335,7 +335,7 @@ class Trainer:
                 self.reporter.emit("warning", message=f"out of {self.device} memory: micro-batch halved from "
                                                       f"{self._micro_batch} to {result.micro_batch} sequences")
             self._micro_batch = result.micro_batch
-            self._prefetch_records(self.pos.compute_s / max(1, self.pos.steps_done))
+            self._prefetch_records(self.pos.step_s)
             if self._fragments:
                 self._stream_after_step(result.tokens)
             if self.pos.step % max(1, self.H // 4) == 0 and self.pos.step < self.H:
@@ -841,9 +841,7 @@ class Trainer:
         at the very end costs the others the all-reduce's time at the landing; one that misses
         the group costs itself a failed sync (three windows) and a state download. 0 before any
         step was timed."""
-        if progress.steps_done <= 0:
-            return 0.0
-        return steps * progress.compute_s / progress.steps_done
+        return steps * progress.step_s
 
     def _sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,
               weight: float, expected_wait_s: float = 0.0, wait_budget_s: float = 0.0,

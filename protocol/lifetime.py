@@ -311,11 +311,11 @@ class HelperWatch:
         Ctrl-C in a terminal, signal every process of the unit or the process group, the helpers
         with the command) is returned but not recorded: it went with the stop that was asked for, so
         the command exits as stopped (130), not as failed (75)."""
-        stopping = self.stop_event.is_set() and self.died is None
+        asked_to_stop = self.stop_event.is_set()  # before this look: a signal, or an earlier death
         for probe in self._probes:  # in the order added: a DHT before the p2pd that dies with it
             died = probe()
             if died is not None:
-                if self.died is None and not stopping:
+                if self.died is None and not asked_to_stop:
                     self.died = died
                     logger.warning("stopping: %s", died)  # the command's exit line says it again
                 self.stop_event.set()

@@ -50,8 +50,9 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def all_finite_many(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of every tensor in ``tensors`` is finite (:func:`all_finite` for a list).
+def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
+    """The index of the first tensor in ``tensors`` holding NaN or ±inf, None when every element
+    is finite (:func:`all_finite` for a list).
 
     One reduction per tensor and one read of the result for all of them: the sum of the tensors'
     sums (in fp32) is finite unless one of them is not, or unless finite sums overflow fp32 when
@@ -59,25 +60,24 @@ def all_finite_many(tensors: Sequence[torch.Tensor]) -> bool:
     at a round's end every per-tensor host read is the inner loop's time (on a GPU each is a wait
     for the device). Tensors on more than one device are tested one by one.
     """
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return True
-    if len({t.device for t in tensors}) == 1:
+    tensors = list(tensors)
+    counted = [t for t in tensors if t.numel()]
+    if not counted:
+        return None
+    if len({t.device for t in counted}) == 1:
         total = torch.stack([t.sum(dtype=torch.float32) if t.is_floating_point() else t.sum().float()
-                             for t in tensors]).sum()
+                             for t in counted]).sum()
         if bool(torch.isfinite(total)):
-            return True
-    return all(all_finite(t) for t in tensors)
+            return None
+    return next((index for index, t in enumerate(tensors) if not all_finite(t)), None)
 
 
 def check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
-    """Raise BadPayload if any element of ``tensors`` is NaN or ±inf (:func:`all_finite_many`),
+    """Raise BadPayload if any element of ``tensors`` is NaN or ±inf (:func:`first_non_finite`),
     naming the first such tensor."""
-    if all_finite_many(tensors):
-        return
-    for index, tensor in enumerate(tensors):
-        if not all_finite(tensor):
-            raise BadPayload(f"{what}: tensor {index} of shape {tuple(tensor.shape)} holds NaN or inf")
+    index = first_non_finite(tensors)
+    if index is not None:
+        raise BadPayload(f"{what}: tensor {index} of shape {tuple(tensors[index].shape)} holds NaN or inf")
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def _commit(phi: Sequence[torch.Tensor], new_phi: Sequence[torch.Tensor], moment
     Raises:
         BadPayload: a non-finite value; ``phi`` and ``momentum`` are left unchanged.
     """
-    if not all_finite_many([*new_phi, *new_momentum]):
+    if first_non_finite([*new_phi, *new_momentum]) is not None:
         raise BadPayload("the outer step would leave φ or the outer momentum non-finite (fp32 overflow); "
                          "φ left unchanged")
     for dst, src in zip([*phi, *momentum], [*new_phi, *new_momentum]):
