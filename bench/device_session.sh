@@ -13,13 +13,18 @@
 #   2. #14 item 11: the CUDA-peer + CPU-peer swarm over libp2p (identical φ after every round), and
 #      the unit tests of the device, precision, accumulation and inner-step code, now with a card.
 #   3. #15 item 4: bench/compare.py at the GPU scale (bench/compare-gpu.toml), data-parallel vs
-#      DiLoCo N = 4, seeds 0 and 1, set as the CPU scale that met its target (`cpu-32k`: 8,192 tokens
-#      per peer and step, H = 10, inner lr 3e-3) where the 2026-11-27 run had 4,096, H = 15 and 2e-3:
-#      a 32,768-token global step, 60 rounds, 19.7M tokens per run (2.4 passes over the corpus);
-#      with AdamW and, at the same time on the same card, with inner_optimizer.kind = "muon" (8
-#      simulations at once). Every evaluation lands in a temporary folder's <kind>/compare_progress.jsonl
-#      as it is made, copied to $OUT/compare-gpu-b32k-<kind>.progress.jsonl after the stage, so runs the
-#      budget cuts short still give the gaps at equal tokens up to their last evaluation.
+#      DiLoCo N = 4, seeds 0 and 1, two jobs at once on the card (8 simulations):
+#      lr4-adamw: the scale as the 2026-11-27 run had it (16,384-token step, H = 15, 60 rounds),
+#        inner lr 4e-3 where that run had 2e-3 (DiLoCo +20.1 % behind data-parallel): on its CPU
+#        proxy (bench/compare-gpu-proxy.toml) DiLoCo at twice data-parallel's inner lr took the gap
+#        from +9 % to +4.4 % (BPE) and +0.2 % (bytes) (docs/benchmarks.md, "A CPU proxy of the GPU
+#        scale"); data-parallel at 4e-3 says whether 2e-3 was its best;
+#      b32k-muon: inner_optimizer.kind = "muon", set as the CPU scale that met its target (`cpu-32k`:
+#        8,192 tokens per peer and step, H = 10, inner lr 3e-3): a 32,768-token global step, 60
+#        rounds, 19.7M tokens per run (2.4 passes over the corpus).
+#      Every evaluation lands in a temporary folder's <job>/compare_progress.jsonl as it is made,
+#      copied to $OUT/compare-gpu-<job>.progress.jsonl after the stage, so runs the budget cuts short
+#      still give the gaps at equal tokens up to their last evaluation.
 #   4. If 150 s are left: bench/gpu.py on llama-350m and llama-1b ($OUT/gpu_large.json).
 # Everything a stage prints goes to $OUT/session.log. At most 8 files come back: this writes 7.
 set -u
@@ -67,12 +72,16 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log its output and
 
 if [ "$DRY" = 1 ]; then
     GPU_ARGS=(--device cpu --presets tiny --steps 1 --repeats 1)
-    CMP_ARGS=(--config bench/compare.toml --device cpu --jobs 2 --peers 2 --rounds 2 --global-batch 2048)
+    ADAMW_ARGS=(--config bench/compare.toml --device cpu --jobs 2 --peers 2 --rounds 2 --global-batch 2048
+                --set inner_optimizer.lr=0.004)
+    MUON_ARGS=(--config bench/compare.toml --device cpu --jobs 2 --peers 2 --rounds 2 --global-batch 2048
+               --set inner_optimizer.lr=0.003 --set 'inner_optimizer.kind="muon"')
     LARGE=(--device cpu --presets default --steps 1 --repeats 1)
 else
     GPU_ARGS=(--presets llama-125m,default)
-    CMP_ARGS=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4 --global-batch 32768
-              --set sync.inner_steps=10)
+    ADAMW_ARGS=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4 --set inner_optimizer.lr=0.004)
+    MUON_ARGS=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4 --global-batch 32768
+               --set sync.inner_steps=10 --set inner_optimizer.lr=0.003 --set 'inner_optimizer.kind="muon"')
     LARGE=(--presets llama-350m,llama-1b)
 fi
 
@@ -85,15 +94,17 @@ stage "2 tests with a card" $(( $(left) < 170 ? $(left) : 170 )) \
 # stage 3 gets what is left; stage 4 runs only if stage 3 ended with 150 s to spare
 CMP_DIR=$(mktemp -d)  # the runs' curves; only the progress files are copied to $OUT (8 files at most)
 limit=$(( $(left) - 15 ))
-for kind in adamw muon; do  # both at once on the card, each under its own timeout
-    stage "3 bench/compare.py, GPU scale, $kind" "$limit" \
-        "$PY" bench/compare.py "${CMP_ARGS[@]}" --methods data-parallel diloco --seeds 0 1 \
-        --set inner_optimizer.lr=0.003 --set "inner_optimizer.kind=\"$kind\"" --out-dir "$CMP_DIR/$kind" \
-        --results "$OUT/compare-gpu-b32k-$kind.json" --no-plot &
-done
+compare_job() {  # compare_job NAME ARGS...: data-parallel and DiLoCo, seeds 0 and 1, under the stage's limit
+    local job=$1; shift
+    stage "3 bench/compare.py, GPU scale, $job" "$limit" \
+        "$PY" bench/compare.py "$@" --methods data-parallel diloco --seeds 0 1 --out-dir "$CMP_DIR/$job" \
+        --results "$OUT/compare-gpu-$job.json" --no-plot
+}
+compare_job lr4-adamw "${ADAMW_ARGS[@]}" &  # both at once on the card, each under its own timeout
+compare_job b32k-muon "${MUON_ARGS[@]}" &
 wait
-for kind in adamw muon; do
-    cp "$CMP_DIR/$kind/compare_progress.jsonl" "$OUT/compare-gpu-b32k-$kind.progress.jsonl" 2>>"$LOG"
+for job in lr4-adamw b32k-muon; do
+    cp "$CMP_DIR/$job/compare_progress.jsonl" "$OUT/compare-gpu-$job.progress.jsonl" 2>>"$LOG"
 done
 if [ "$(left)" -ge 150 ]; then
     stage "4 bench/gpu.py, large presets" $(( $(left) - 10 )) \
