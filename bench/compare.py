@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo too
 from peer.train.data import load_corpus
 from peer.train.device import place
 from lab.simulation import EvalPoint, SimulationResult, run_simulation  # noqa: E402
-from protocol.errors import ManifestError  # noqa: E402
+from protocol.errors import ConfigError, ManifestError  # noqa: E402
 from protocol.manifest import RunManifest, from_dict
 
 LABELS = {
@@ -320,7 +320,11 @@ def main() -> None:
     else:
         device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
                   f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
-    corpus = load_corpus(base.data)  # here first: the workers then read the token cache it leaves
+    try:
+        corpus = load_corpus(base.data)  # here first: the workers then read the token cache it leaves
+    except ConfigError as exc:  # a corpus path that is not there, an empty folder: one line, no traceback
+        parser.exit(ConfigError.exit_code, f"{parser.prog}: {exc} (the header of {args.config} says how its "
+                                            "corpus is made)\n")
     final = args.results or Path(__file__).with_name("results") / f"compare-{scale}.json"
     final.parent.mkdir(parents=True, exist_ok=True)
 

@@ -82,3 +82,22 @@ def test_compare_refuses_a_global_batch_before_any_run_starts(args, why, tmp_pat
     assert result.returncode == 2, result.stderr
     assert why in result.stderr and "give --global-batch" in result.stderr, result.stderr
     assert not any(tmp_path.iterdir())  # nothing written, nothing trained
+
+
+def test_compare_without_its_corpus_says_so_in_one_line(tmp_path):
+    """A config whose corpus folder is not there (bench/compare-gpu*.toml before
+    bench/linux_doc_corpus.py ran): exit 78 with the path named, no traceback, no results file."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-corpus-here"
+    config = tmp_path / "scale.toml"
+    text = CONFIG.with_name("compare-gpu-proxy.toml").read_text(encoding="utf-8")
+    config.write_text(text.replace('path = "bench/data/linux-doc"', f'path = "{missing.as_posix()}"'), encoding="utf-8")
+    assert str(missing) in config.read_text(encoding="utf-8")
+    result = subprocess.run([sys.executable, str(CONFIG.with_name("compare.py")), "--config", str(config),
+                             "--rounds", "1", "--seeds", "0", "--no-plot", "--out-dir", str(tmp_path / "out"),
+                             "--results", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78, result.stderr
+    assert f"data.path {str(missing)!r} does not exist" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "r.json").exists()
