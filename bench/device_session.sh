@@ -72,18 +72,17 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log its output and
 
 if [ "$DRY" = 1 ]; then
     GPU_ARGS=(--device cpu --presets tiny --steps 1 --repeats 1)
-    ADAMW_ARGS=(--config bench/compare.toml --device cpu --jobs 2 --peers 2 --rounds 2 --global-batch 2048
-                --set inner_optimizer.lr=0.004)
-    MUON_ARGS=(--config bench/compare.toml --device cpu --jobs 2 --peers 2 --rounds 2 --global-batch 2048
-               --set inner_optimizer.lr=0.003 --set 'inner_optimizer.kind="muon"')
+    CMP=(--config bench/compare.toml --device cpu --jobs 2 --peers 2 --rounds 2 --global-batch 2048)
+    B32K=()
     LARGE=(--device cpu --presets default --steps 1 --repeats 1)
 else
     GPU_ARGS=(--presets llama-125m,default)
-    ADAMW_ARGS=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4 --set inner_optimizer.lr=0.004)
-    MUON_ARGS=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4 --global-batch 32768
-               --set sync.inner_steps=10 --set inner_optimizer.lr=0.003 --set 'inner_optimizer.kind="muon"')
+    CMP=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4)
+    B32K=(--global-batch 32768 --set sync.inner_steps=10)
     LARGE=(--presets llama-350m,llama-1b)
 fi
+ADAMW_ARGS=("${CMP[@]}" --set inner_optimizer.lr=0.004)
+MUON_ARGS=("${CMP[@]}" "${B32K[@]}" --set inner_optimizer.lr=0.003 --set 'inner_optimizer.kind="muon"')
 
 stage "1 bench/gpu.py" $(( $(left) < 200 ? $(left) : 200 )) \
     "$PY" bench/gpu.py "${GPU_ARGS[@]}" --out "$OUT/gpu.json"
