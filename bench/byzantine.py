@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
-from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E402
+from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # noqa: E402
 from lab.adversary import GRADIENT_ATTACKS, OWNER_ATTACKS, Adversary  # noqa: E402
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
@@ -187,6 +187,7 @@ def main() -> None:
         base = apply_overrides(base, args.set)
     except (ValueError, ManifestError) as exc:
         parser.error(str(exc))
+    corpus_or_exit(parser, base.data, args.config)  # here first: the workers then read the token cache it leaves
     start = time.perf_counter()
     work = [dict(attack=None, malicious=0, seed=s, screening=sc) for s in args.seeds for sc in (True, False)]
     # seed-major: an interrupted invocation has every attack at the first seed

@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import apply_overrides, load_config, manifest_for  # noqa: E402  (bench/ is not a package)
+from compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # noqa: E402  (bench/ is not a package)
 
-from peer.train.data import load_corpus  # noqa: E402
 from peer.train.model import build_model, parameter_count  # noqa: E402
 from lab.simulation import butterfly_bytes, run_simulation  # noqa: E402
 from protocol.errors import ManifestError  # noqa: E402
@@ -67,7 +66,7 @@ def main() -> None:
     m0 = manifest_for(base, "diloco", args.peers, args.seed, bench["global_batch_tokens"], rounds)
     fp32_round = butterfly_bytes(parameter_count(build_model(m0.model)), args.peers)
     uplink = UPLINK_MBPS * 1e6 / 8
-    corpus = load_corpus(base.data)
+    corpus = corpus_or_exit(parser, base.data, args.config)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     rows = []

@@ -42,11 +42,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
-from peer.train.data import load_corpus
+from peer.train.data import Corpus, load_corpus
 from peer.train.device import place
 from lab.simulation import EvalPoint, SimulationResult, run_simulation  # noqa: E402
 from protocol.errors import ConfigError, ManifestError  # noqa: E402
 from protocol.manifest import RunManifest, from_dict
+from protocol.specs import DataSpec
 
 LABELS = {
     "data-parallel": "data-parallel (the inner optimizer on the all-reduced gradient, every step)",
@@ -100,6 +101,25 @@ def manifest_for(base: RunManifest, method: str, peers: int, seed: int, global_b
     return base.replace(sync={"algorithm": algorithm}, model={"init_seed": seed},
                         inner_optimizer={"batch_size_tokens": per_peer,
                                          "decay_steps": base.sync.inner_steps * rounds})
+
+
+def corpus_or_exit(parser: argparse.ArgumentParser, data: DataSpec, config: Path | str) -> Corpus:
+    """Load a bench script's corpus in its main process, or end it in one line.
+
+    Every bench script that trains calls this before it starts any run: a corpus path that is not
+    there (a GPU-scale config before ``bench/linux_doc_corpus.py`` ran), an empty folder or a file
+    that is not text then ends the script with the :class:`ConfigError`'s message, the config it
+    came from and the sysexits code 78, not a traceback from every worker. The token cache this
+    load leaves on disk is what the workers then read.
+
+    Returns:
+        the :class:`Corpus` of ``data``.
+    """
+    try:
+        return load_corpus(data)
+    except ConfigError as exc:
+        parser.exit(ConfigError.exit_code, f"{parser.prog}: {exc} (the header of {config} says how its "
+                                           "corpus is made)\n")
 
 
 GLOBAL_BATCH_HINT = ("give --global-batch (or bench.global_batch_tokens) a positive multiple of every --peers "
@@ -320,11 +340,7 @@ def main() -> None:
     else:
         device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
                   f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
-    try:
-        corpus = load_corpus(base.data)  # here first: the workers then read the token cache it leaves
-    except ConfigError as exc:  # a corpus path that is not there, an empty folder: one line, no traceback
-        parser.exit(ConfigError.exit_code, f"{parser.prog}: {exc} (the header of {args.config} says how its "
-                                            "corpus is made)\n")
+    corpus = corpus_or_exit(parser, base.data, args.config)  # the workers then read the token cache it leaves
     final = args.results or Path(__file__).with_name("results") / f"compare-{scale}.json"
     final.parent.mkdir(parents=True, exist_ok=True)
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
-from bench.compare import apply_overrides, load_config, manifest_for  # noqa: E402
+from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # noqa: E402
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
 from protocol.errors import ManifestError  # noqa: E402
@@ -185,6 +185,7 @@ def main() -> None:
         base = apply_overrides(base, args.set)
     except (ValueError, ManifestError) as exc:
         parser.error(str(exc))
+    corpus_or_exit(parser, base.data, args.config)  # here first: the workers then read the token cache it leaves
     rounds = args.rounds or bench["rounds"]
     if args.from_round >= rounds:
         parser.error(f"--from-round {args.from_round}: the run has {rounds} rounds, so no round would overlap; "

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
-from bench.compare import load_config, manifest_for  # noqa: E402
+from bench.compare import corpus_or_exit, load_config, manifest_for  # noqa: E402
 from lab.pipeline import run_pipeline  # noqa: E402
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
@@ -118,6 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     base, bench = load_config(args.config)
+    corpus_or_exit(parser, base.data, args.config)  # here first: the workers then read the token cache it leaves
     rounds = args.rounds or bench["rounds"]
     # the references: R unpipelined peers (the pipeline's width) and S·R (as many peers as the pipeline)
     widths = sorted({args.replicas} | {s * args.replicas for s in args.stages if s > 1})

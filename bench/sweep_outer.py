@@ -31,10 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
 from bench.compare import (  # noqa: E402
-    GLOBAL_BATCH_HINT, apply_overrides, check_global_batch, load_config, manifest_for,
+    GLOBAL_BATCH_HINT, apply_overrides, check_global_batch, corpus_or_exit, load_config, manifest_for,
 )
 from lab.simulation import run_simulation  # noqa: E402
 from peer.train.data import load_corpus  # noqa: E402
+from protocol.errors import ManifestError  # noqa: E402
 
 DEFAULT_SETTINGS = [
     "nesterov:0.7:0.9",     # DiLoCo paper (H = 500, pretrained start); ~7× plain averaging
@@ -123,6 +124,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "sweep-outer.json")
     args = parser.parse_args()
     base, bench = load_config(Path(args.config))
+    try:  # each worker applies the overrides again; checked here so that a bad one ends the sweep in one line
+        corpus_or_exit(parser, apply_overrides(base, args.set).data, args.config)
+    except (ValueError, ManifestError) as exc:
+        parser.error(str(exc))
     if args.global_batch is not None:
         bench["global_batch_tokens"] = args.global_batch
     try:

@@ -84,9 +84,22 @@ def test_compare_refuses_a_global_batch_before_any_run_starts(args, why, tmp_pat
     assert not any(tmp_path.iterdir())  # nothing written, nothing trained
 
 
-def test_compare_without_its_corpus_says_so_in_one_line(tmp_path):
+# every bench script that trains on a config's corpus, with the flag that puts its results file in tmp_path
+CORPUS_SCRIPTS = [
+    ("compare.py", ["--rounds", "1", "--seeds", "0", "--no-plot", "--out-dir", "{tmp}/out", "--results", "{tmp}/r.json"]),
+    ("overlap.py", ["--rounds", "1", "--seeds", "0", "--out", "{tmp}/r.json"]),
+    ("byzantine.py", ["--rounds", "1", "--seeds", "0", "--out", "{tmp}/r.json"]),
+    ("pipeline.py", ["--rounds", "1", "--seeds", "0", "--out", "{tmp}/r.json"]),
+    ("codec_training.py", ["--rounds", "1", "--json", "{tmp}/r.json"]),
+    ("sweep_outer.py", ["--seeds", "0", "--out", "{tmp}/r.json"]),
+]
+
+
+@pytest.mark.parametrize("script,flags", CORPUS_SCRIPTS, ids=[s for s, _ in CORPUS_SCRIPTS])
+def test_bench_script_without_its_corpus_says_so_in_one_line(tmp_path, script, flags):
     """A config whose corpus folder is not there (bench/compare-gpu*.toml before
-    bench/linux_doc_corpus.py ran): exit 78 with the path named, no traceback, no results file."""
+    bench/linux_doc_corpus.py ran): every bench script exits 78 with the path named, no traceback,
+    no results file."""
     import subprocess
     import sys
 
@@ -95,9 +108,9 @@ def test_compare_without_its_corpus_says_so_in_one_line(tmp_path):
     text = CONFIG.with_name("compare-gpu-proxy.toml").read_text(encoding="utf-8")
     config.write_text(text.replace('path = "bench/data/linux-doc"', f'path = "{missing.as_posix()}"'), encoding="utf-8")
     assert str(missing) in config.read_text(encoding="utf-8")
-    result = subprocess.run([sys.executable, str(CONFIG.with_name("compare.py")), "--config", str(config),
-                             "--rounds", "1", "--seeds", "0", "--no-plot", "--out-dir", str(tmp_path / "out"),
-                             "--results", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    argv = [sys.executable, str(CONFIG.with_name(script)), "--config", str(config),
+            *(f.format(tmp=tmp_path) for f in flags)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 78, result.stderr
     assert f"data.path {str(missing)!r} does not exist" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "r.json").exists()
