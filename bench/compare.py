@@ -114,6 +114,9 @@ def corpus_or_exit(parser: argparse.ArgumentParser, data: DataSpec, config: Path
 
     Returns:
         the :class:`Corpus` of ``data``.
+
+    Raises:
+        SystemExit: code 78 (``parser.exit``) on the corpus's :class:`ConfigError`; nothing written.
     """
     try:
         return load_corpus(data)
