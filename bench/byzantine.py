@@ -187,7 +187,7 @@ def main() -> None:
         base = apply_overrides(base, args.set)
     except (ValueError, ManifestError) as exc:
         parser.error(str(exc))
-    corpus_or_exit(parser, base.data, args.config)  # here first: the workers then read the token cache it leaves
+    corpus_or_exit(parser, base.data, args.config)
     start = time.perf_counter()
     work = [dict(attack=None, malicious=0, seed=s, screening=sc) for s in args.seeds for sc in (True, False)]
     # seed-major: an interrupted invocation has every attack at the first seed

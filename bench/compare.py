@@ -343,7 +343,7 @@ def main() -> None:
     else:
         device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
                   f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
-    corpus = corpus_or_exit(parser, base.data, args.config)  # the workers then read the token cache it leaves
+    corpus = corpus_or_exit(parser, base.data, args.config)
     final = args.results or Path(__file__).with_name("results") / f"compare-{scale}.json"
     final.parent.mkdir(parents=True, exist_ok=True)
 

@@ -185,7 +185,7 @@ def main() -> None:
         base = apply_overrides(base, args.set)
     except (ValueError, ManifestError) as exc:
         parser.error(str(exc))
-    corpus_or_exit(parser, base.data, args.config)  # here first: the workers then read the token cache it leaves
+    corpus_or_exit(parser, base.data, args.config)
     rounds = args.rounds or bench["rounds"]
     if args.from_round >= rounds:
         parser.error(f"--from-round {args.from_round}: the run has {rounds} rounds, so no round would overlap; "

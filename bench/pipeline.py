@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     base, bench = load_config(args.config)
-    corpus_or_exit(parser, base.data, args.config)  # here first: the workers then read the token cache it leaves
+    corpus_or_exit(parser, base.data, args.config)
     rounds = args.rounds or bench["rounds"]
     # the references: R unpipelined peers (the pipeline's width) and S·R (as many peers as the pipeline)
     widths = sorted({args.replicas} | {s * args.replicas for s in args.stages if s > 1})
