@@ -182,6 +182,9 @@ class TrainSummary:
     interrupted: bool = False
     failed_syncs: int = 0
     group_sizes: list[int] = field(default_factory=list)
+    fatal: Exception | None = field(default=None, repr=False, compare=False)
+    """Why the run stopped without a signal (a helper process died, :class:`~protocol.errors.HelperDied`):
+    the caller writes the checkpoint, then raises it; None otherwise. Not part of the ``stopped`` event."""
 
     def record(self, outcome: RoundOutcome) -> None:
         s = outcome.sync
@@ -196,6 +199,7 @@ class TrainSummary:
         """The ``stopped`` event's counters."""
         fields = asdict(self)
         fields.pop("peer_id")
+        fields.pop("fatal")
         return fields
 
 

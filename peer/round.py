@@ -289,7 +289,7 @@ class Trainer:
         except HelperDied as exc:
             # no round can sync any more: stop as on a signal (the round in progress unapplied, a
             # sync in flight dropped); the caller writes the checkpoint, then raises ``fatal``
-            self.fatal = exc
+            self.fatal = self.summary.fatal = exc
             self.stop_event.set()
         finally:
             if self._background is not None:
