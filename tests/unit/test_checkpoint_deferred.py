@@ -1,4 +1,4 @@
-"""A round's checkpoint copies θ and AdamW's moments in the writer's thread (peer/round.py
+"""A round's checkpoint copies θ and AdamW's moments in the writer's thread (peer/round/checkpointing.py
 ``Trainer.save``, peer/state/checkpoint.py ``copy_live``) while the next inner step's forward and
 backward passes run; that step's update waits for the copy (``InnerLoop.hold_updates``)."""
 
@@ -45,7 +45,7 @@ def gate_the_copy(monkeypatch) -> tuple[threading.Event, threading.Event]:
         assert gate.wait(60)
         return real_copy(file)
 
-    monkeypatch.setattr("peer.round.copy_live", slow_copy)
+    monkeypatch.setattr("peer.round.checkpointing.copy_live", slow_copy)
     return gate, reached
 
 
@@ -70,7 +70,7 @@ def test_the_next_update_waits_for_the_checkpoints_copy(corpus, tmp_path, monkey
         assert gate.wait(60)
         return real_copy(file)
 
-    monkeypatch.setattr("peer.round.copy_live", slow_copy)
+    monkeypatch.setattr("peer.round.checkpointing.copy_live", slow_copy)
     hold = t.inner.hold_updates
     monkeypatch.setattr(t.inner, "hold_updates", lambda until: (probes.append(Probe(until)), hold(probes[-1])))
     t.save(background=True)
@@ -83,7 +83,7 @@ def test_the_next_update_waits_for_the_checkpoints_copy(corpus, tmp_path, monkey
     gate.set()
     stepped.join(60)
     assert not stepped.is_alive()
-    t._checkpoints.flush()
+    t.checkpoints.writer.flush()
 
     saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
     for got, want in [(saved.theta, theta), (saved.adam_exp_avg, m1), (saved.adam_exp_avg_sq, m2)]:
@@ -101,13 +101,13 @@ def test_setting_theta_waits_for_the_copy_too(corpus, tmp_path, monkeypatch):
     gate, reached = gate_the_copy(monkeypatch)
     t.save(background=True)
     assert reached.wait(60)
-    moved = threading.Thread(target=t._set_theta, args=([f + 1.0 for f in t.phi],))  # as an adoption does
+    moved = threading.Thread(target=t.state.set_theta, args=([f + 1.0 for f in t.phi],))  # as an adoption does
     moved.start()
     moved.join(0.5)
     assert moved.is_alive(), "θ was overwritten before the checkpoint copied it"
     gate.set()
     moved.join(60)
-    t._checkpoints.flush()
+    t.checkpoints.writer.flush()
     saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
     assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
 
@@ -123,22 +123,22 @@ def test_a_streaming_landing_waits_for_the_copy_too(corpus, tmp_path, monkeypatc
                      checkpoint=path)
     for step in range(3):
         t.inner.step(step)
-    t._start_fragment_sync(1, 0)
-    while not t._background.done:  # its mean is there: the landing below waits for nothing but the copy
+    t.schedule.start_fragment_sync(1, 0)
+    while not t.schedule.background.done:  # its mean is there: the landing below waits for nothing but the copy
         time.sleep(0.01)
     theta, _, _ = state_of(t)
     gate, reached = gate_the_copy(monkeypatch)
     t.save(background=True)
-    assert t._copying is not None, "streaming defers the copy to the writer's thread"
+    assert t.state.copying is not None, "streaming defers the copy to the writer's thread"
     assert reached.wait(60)
-    landing = threading.Thread(target=t._land_fragment)
+    landing = threading.Thread(target=t.schedule.land_fragment)
     landing.start()
     landing.join(0.5)
     assert landing.is_alive(), "a landing merged into θ before the checkpoint copied it"
     gate.set()
     landing.join(60)
-    assert not landing.is_alive() and t._flight is None
-    t._checkpoints.flush()
+    assert not landing.is_alive() and t.schedule.flight is None
+    t.checkpoints.writer.flush()
     saved = load_checkpoint(path, run_id=t.m.run_id, names=t.names, shapes=t.shapes)
     assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
 
@@ -150,12 +150,12 @@ def test_a_busy_writer_means_a_copy_on_the_training_thread(corpus, tmp_path):
     t.inner.step(0)
     theta, _, _ = state_of(t)
     busy = threading.Event()
-    t._checkpoints.submit_call(lambda: busy.wait(60))  # a slow disk still writing the last one
+    t.checkpoints.writer.submit_call(lambda: busy.wait(60))  # a slow disk still writing the last one
     t.save(background=True)
-    assert t.inner._hold is None and t._copying is None  # nothing waits for a write under way
+    assert t.inner._hold is None and t.state.copying is None  # nothing waits for a write under way
     t.inner.step(1)  # changes θ at once; the checkpoint has its own copy already
     busy.set()
-    t._checkpoints.flush()
+    t.checkpoints.writer.flush()
     saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
     assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
 

@@ -150,47 +150,58 @@ def test_a_prefetch_older_than_the_age_asked_for_is_not_used(fake, swarm):
 
 
 class Prefetching:
-    """The round loop's side (peer/round.py ``Trainer._prefetch_records``) over a fake view."""
+    """The round loop's side (peer/round/records.py ``RecordReads.after_step``, with the inner step
+    the schedule reads the records at: the round's end, or streaming's first fragment sync) over a
+    fake view."""
 
     def __init__(self, *, H: int, offsets: list[int] | None = None, background: bool = True):
         import types
 
-        from peer.round import Trainer
+        from peer.round.records import RecordReads
+        from peer.round.streamed import StreamingSchedule
 
         self.asked: list[tuple[int, int]] = []
-        swarm = types.SimpleNamespace(prefetch=lambda: self.asked.append((t.pos.round, t.pos.step)) or background)
-        t = types.SimpleNamespace(H=H, swarm=swarm, _prefetched=None, _prefetched_at=float("-inf"),
-                                  pos=types.SimpleNamespace(round=3, step=0),
-                                  _fragments=[[0], [1]] if offsets else [], _fragment_offset=offsets or [],
-                                  _fragments_synced=set(), _choice=None)
-        self.t, self.step = t, lambda step_s: Trainer._prefetch_records(t, step_s)
+        pos = types.SimpleNamespace(round=3, step=0, step_s=0.0)
+        swarm = types.SimpleNamespace(prefetch=lambda: self.asked.append((pos.round, pos.step)) or background)
+        self.reads, self.pos, self.H = RecordReads(swarm), pos, H
+        self.schedule = types.SimpleNamespace(state=types.SimpleNamespace(H=H, pos=pos), choice=None,
+                                              offset=offsets or [], synced=set())
+
+        def needed_at() -> int:
+            return StreamingSchedule.records_needed_at(self.schedule) if offsets else H
+
+        def step(step_s: float) -> None:
+            pos.step_s = step_s
+            self.reads.after_step(pos, needed_at())
+
+        self.step = step
 
     def run_round(self, step_s: float) -> None:
-        for step in range(1, self.t.H + 1):
-            self.t.pos.step = step
+        for step in range(1, self.H + 1):
+            self.pos.step = step
             self.step(step_s)
-            for p, offset in enumerate(self.t._fragment_offset):
+            for p, offset in enumerate(self.schedule.offset):
                 if offset == step:  # the fragment's sync starts: the round's group choice is made
-                    self.t._fragments_synced.add(p)
-                    self.t._choice = (self.t.pos.round, None, [])
+                    self.schedule.synced.add(p)
+                    self.schedule.choice = (self.pos.round, None, [])
 
 
 def test_the_round_loop_asks_for_the_records_once_a_round_just_before_it_reads_them():
-    from peer.round import RECORDS_PREFETCH_S
+    from peer.round.records import RECORDS_PREFETCH_S
 
     loop = Prefetching(H=50)
     loop.run_round(0.1)                         # 0.5 s before the round's end: 5 steps ahead
     assert loop.asked == [(3, 50 - int(RECORDS_PREFETCH_S / 0.1))]
-    loop.t.pos.round = 4
+    loop.pos.round = 4
     loop.run_round(2.0)                         # steps longer than the lead: never (the loop reads itself)
-    assert loop.asked == [(3, 45)] and loop.t._prefetched == (3, 50)
+    assert loop.asked == [(3, 45)] and loop.reads.prefetched == (3, 50)
     streaming = Prefetching(H=50, offsets=[0, 25])
     streaming.run_round(0.1)                    # streaming reads at the round's first fragment sync
     assert streaming.asked == [(3, 20), (3, 45)]  # and again at the round's end, for the re-sync rule
-    assert streaming.t._prefetched == (3, 50)
+    assert streaming.reads.prefetched == (3, 50)
     alone = Prefetching(H=50, background=False)
     alone.run_round(0.1)                        # no background thread: asked, not marked, so read fresh
-    assert alone.t._prefetched is None
+    assert alone.reads.prefetched is None
 
 
 def test_a_round_training_past_h_keeps_a_read_young_enough_for_its_end(monkeypatch):
@@ -199,14 +210,14 @@ def test_a_round_training_past_h_keeps_a_read_young_enough_for_its_end(monkeypat
     so the end reuses one instead of reading on the training thread."""
     import types
 
-    import peer.round as round_module
-    from peer.round import RECORDS_PREFETCH_S, RECORDS_REUSE_S
+    import peer.round.records as round_module
+    from peer.round.records import RECORDS_PREFETCH_S, RECORDS_REUSE_S
 
     clock = [100.0]
     monkeypatch.setattr(round_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     loop = Prefetching(H=50)
     for step in range(1, 50 + 31):       # 30 steps past H, 0.1 s each
-        loop.t.pos.step = step
+        loop.pos.step = step
         loop.step(0.1)
         clock[0] += 0.1
     every = RECORDS_REUSE_S - RECORDS_PREFETCH_S
@@ -215,7 +226,7 @@ def test_a_round_training_past_h_keeps_a_read_young_enough_for_its_end(monkeypat
     gaps = [b - a for a, b in zip(asked, asked[1:])]
     assert len(asked) >= 3 and all(round(g * 0.1, 6) >= every for g in gaps)   # at most one per interval
     assert max(gaps) * 0.1 <= every + 0.1 + 1e-9                  # and never let the last one age past it
-    assert loop.t._prefetched == (3, 50)
+    assert loop.reads.prefetched == (3, 50)
 
 
 def test_an_ask_made_too_early_is_renewed_so_the_round_end_finds_a_young_read(monkeypatch):
@@ -225,15 +236,15 @@ def test_an_ask_made_too_early_is_renewed_so_the_round_end_finds_a_young_read(mo
     whenever the last one asked is RECORDS_REUSE_S − RECORDS_PREFETCH_S old."""
     import types
 
-    import peer.round as round_module
-    from peer.round import RECORDS_PREFETCH_S, RECORDS_REUSE_S
+    import peer.round.records as round_module
+    from peer.round.records import RECORDS_PREFETCH_S, RECORDS_REUSE_S
 
     clock = [100.0]
     monkeypatch.setattr(round_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     loop = Prefetching(H=50)
     asked_at = []
     for step in range(1, 50 + 1):
-        loop.t.pos.step = step
+        loop.pos.step = step
         before = len(loop.asked)
         loop.step(0.01)                  # the round's mean step time says 10 ms: asked at once
         if len(loop.asked) > before:
@@ -245,7 +256,7 @@ def test_an_ask_made_too_early_is_renewed_so_the_round_end_finds_a_young_read(mo
     assert all(b - a >= every - 1e-9 for a, b in zip(asked_at, asked_at[1:]))   # at most one per interval
     assert end - asked_at[-1] <= every + 0.1 + 1e-9               # the end finds one young enough to reuse
     assert end - asked_at[-1] < RECORDS_REUSE_S
-    assert loop.t._prefetched == (3, 50)
+    assert loop.reads.prefetched == (3, 50)
 
 
 def test_a_young_read_is_reused_without_waiting_for_a_newer_one_in_progress(fake, swarm):

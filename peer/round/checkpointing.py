@@ -1,0 +1,177 @@
+"""This peer's checkpoint: written atomically at round ends (in the background) and on a stop,
+restored at start (peer/state/checkpoint.py holds the file format).
+
+With ``sync.overlap`` a sync is usually in flight: the checkpoint holds the last applied φ, θ (with
+this peer's progress not yet in φ) and the committed residuals; a restart from it drops that sync.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from peer.config import TrainerConfig
+from peer.reporting import Reporter
+from peer.round.schedule import SyncSchedule
+from peer.round.state import RoundState
+from peer.state.checkpoint import (
+    CheckpointWriter,
+    PeerState,
+    copy_live,
+    encode_checkpoint,
+    export_phi,
+    fetch_residuals,
+    load_checkpoint,
+    restore_extras,
+    write_checkpoint,
+)
+from peer.state.vouching import Vouching
+from peer.sync.transport import NetworkTransport
+from peer.train.inner import InnerLoop
+from protocol.errors import CheckpointError
+
+
+def checkpoint_due(last: float | None, now: float, every_s: float) -> bool:
+    """Whether a round's end writes the checkpoint: every round with ``every_s`` 0, else the first
+    round's end and then once ``every_s`` seconds (monotonic clock) have passed since the last one.
+    A stop or the run's end always writes one; what a crash loses is at most ``every_s`` seconds of
+    this peer's rounds, which a restart then catches up from the swarm like a joiner."""
+    return not every_s or last is None or now - last >= every_s
+
+
+class Checkpointing:
+    """Writes and restores this peer's checkpoint at ``config.checkpoint_path`` (None: never)."""
+
+    def __init__(self, *, state: RoundState, schedule: SyncSchedule, inner: InnerLoop, transport: NetworkTransport,
+                 vouching: Vouching, config: TrainerConfig, reporter: Reporter):
+        self.state, self.schedule, self.inner, self.transport = state, schedule, inner, transport
+        self.vouching, self.path, self.reporter = vouching, config.checkpoint_path, reporter
+        self.every_s = config.checkpoint_every_s
+        self.writer = CheckpointWriter()
+        """Writes each round's checkpoint in the background."""
+        self.last: float | None = None
+        """``time.monotonic()`` of the last round-end checkpoint (``checkpoint_every_s``'s clock)."""
+
+    def due(self, now: float) -> bool:
+        """Whether the round's end at ``now`` writes the checkpoint (:func:`checkpoint_due`); marks it written."""
+        if checkpoint_due(self.last, now, self.every_s):
+            self.last = now
+            return True
+        return False
+
+    def save(self, *, background: bool = False) -> str | None:
+        """Write the checkpoint (atomically); its path, or None without one.
+
+        With ``background`` the state is written by a background thread (the round loop's checkpoint
+        every round). φ and the outer state are the last snapshot's copies; θ and AdamW's moments are
+        copied by that thread when it is idle, while the next inner step's forward and backward
+        passes run, and the step's update (or any write of θ before it) waits until the copy is
+        done; when a write is still under way they are copied here instead. Otherwise the write in
+        progress is waited for and this one written before returning.
+
+        Raises:
+            CheckpointError: this write failed (without ``background``), or the last background one
+                did; the checkpoint before it is intact.
+        """
+        if self.path is None:
+            return None
+        s = self.state
+        # θ and the moments are copied in the writer's thread while the next step's forward and
+        # backward passes run (its update waits for the copy; every other writer of θ waits in
+        # RoundState.await_theta_copy): not when a write is still under way (the copy would wait
+        # for it), nor for a pipeline stage (its steps are its callers')
+        defer = background and self.writer.idle() and type(self.inner).step is InnerLoop.step
+        adam = self.inner.state_dict()
+        # fetched anew every time: after an adoption the averager holds none, so none are saved
+        residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
+        if problem:
+            self.reporter.emit("warning", message=problem)
+        with s.lock:
+            phi, momentum, private = s.phi, s.outer.state_tensors(), cast(tuple[str, ...], ())
+            snapshot = s.snapshots[-1]
+            if not s.sealed and snapshot.meta["round"] == s.pos.round:
+                # φ and the outer state change only with a new snapshot, or by a streaming landing
+                # (which seals what it changed): its private copies are theirs
+                phi, momentum = list(snapshot.tensors[:len(phi)]), list(snapshot.tensors[len(phi):])
+                private = ("phi", "momentum")
+            file = encode_checkpoint(PeerState(
+                run_id=s.m.run_id, round=s.pos.round, inner_step=s.inner_step, round_step=s.pos.step,
+                round_tokens=s.pos.tokens, names=s.names, phi=phi, momentum=momentum,
+                theta=list(s.params) if defer else s.theta_on_host(),
+                adam_exp_avg=adam["exp_avg"] if adam else None, adam_exp_avg_sq=adam["exp_avg_sq"] if adam else None,
+                adam_step=adam["step"] if adam else 0,
+                residuals=residuals, data=self.inner.sampler.state(), vouchers=self.vouching.ledger.as_dict()),
+                private=private, live=("theta", "adam_exp_avg", "adam_exp_avg_sq") if defer else ())
+        if defer:
+            copied, path = threading.Event(), self.path
+
+            def copy_and_write() -> None:
+                try:
+                    done = copy_live(file)
+                finally:
+                    copied.set()
+                write_checkpoint(path, done)
+
+            self.writer.submit_call(copy_and_write)  # raises for an earlier failed write: nothing held
+            self.inner.hold_updates(copied)
+            s.copying = copied
+        elif background:
+            self.writer.submit(self.path, file)
+        else:
+            self.writer.flush()
+            write_checkpoint(self.path, file)
+        return str(self.path)
+
+    def export_phi(self, round_: int) -> None:
+        """Queue a copy of φ for export as a model file beside the checkpoint (peer/state/checkpoint.py)."""
+        if self.path is None:
+            return
+        s = self.state
+        with s.lock:
+            phi = [t.clone() for t in s.phi]
+        directory, names, run_id = self.path.parent, s.names, s.m.run_id
+        self.writer.submit_call(lambda: export_phi(directory, names=names, phi=phi, run_id=run_id, round_=round_))
+
+    def flush(self) -> None:
+        """Wait for the background writes; a failed one is reported as a warning."""
+        try:
+            self.writer.flush()  # the last round's checkpoint is on disk when this returns
+        except CheckpointError as exc:
+            self.reporter.emit("warning", message=str(exc))
+
+    def restore(self) -> None:
+        """Resume from the checkpoint when there is one; an unreadable one is reported and skipped
+        (this peer then starts as a joiner)."""
+        if self.path is None or not self.path.exists():
+            return
+        self._restore(self.path)
+
+    def _restore(self, path: Path) -> None:
+        s = self.state
+        try:
+            state = load_checkpoint(path, run_id=s.m.run_id, names=s.names, shapes=s.shapes)
+        except CheckpointError as exc:
+            self.reporter.emit("warning", message=f"{exc}; starting without it")
+            return
+        with torch.no_grad():
+            for dst, src in zip([*s.live_tensors(), *s.params], [*state.phi, *state.momentum, *state.theta]):
+                dst.copy_(src)
+        if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
+            self.inner.load_state_dict({"exp_avg": state.adam_exp_avg, "exp_avg_sq": state.adam_exp_avg_sq,
+                                        "step": state.adam_step})
+        s.pos.start_round(state.round, state.round_step)
+        s.pos.tokens = state.round_tokens
+        self.schedule.after_restore(state.round_step, state.round_tokens)
+        if state.vouchers:
+            self.vouching.ledger.load(state.vouchers)  # validated by load_checkpoint
+        residuals, problems = restore_extras(state, load_residuals=self.transport.load_error_feedback,
+                                             sampler=self.inner.sampler)
+        for problem in problems:
+            self.reporter.emit("warning", message=problem)
+        s.take_snapshot()
+        self.reporter.emit("resumed", path=str(path), round=s.pos.round, round_step=s.pos.step,
+                           state_digest=s.digest, residuals=residuals,
+                           batches_drawn=self.inner.sampler.batches_drawn)

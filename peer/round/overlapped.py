@@ -1,0 +1,211 @@
+"""The overlapped sync schedules, ``delayed`` and ``eager``: a round's sync runs in the background
+while the next round trains, and its mean lands at the end of that next round (the update rules in
+peer/train/overlap.py; DiLoCoX's one-step delay, arXiv 2506.21263; eager updates, arXiv 2502.12996).
+Rounds before ``sync.overlap_from_round`` sync blocking.
+
+A checkpoint taken with a sync in flight holds the last applied φ and this peer's θ; a restart
+drops that sync (its own progress stays in θ and joins the next Δ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from peer.progress import SyncReport
+from peer.round.blocking import BlockingSchedule
+from peer.round.schedule import BackgroundSchedule, RoundEnd
+from peer.round.syncing import wait_budget_s
+from peer.state.snapshot import StateSnapshot, make_snapshot
+from peer.sync.screening import round_token_cap
+from peer.train.outer import check_finite, step_on_copies
+from peer.train.overlap import EagerState, next_start, round_progress
+from protocol.errors import BadPayload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """An outer step computed in the background thread as soon as a sync's mean arrived, for the
+    round loop to install at the landing instead of computing it then."""
+
+    mean: list[torch.Tensor]
+    """The mean it applied (the landing installs it only for this very mean)."""
+    base: bytes
+    """Digest of the snapshot (φ and outer state) it was applied to."""
+    snapshot: StateSnapshot
+    """φ and the outer state after the step, as the next round's snapshot."""
+
+
+class OverlapSchedule(BackgroundSchedule):
+    """``delayed`` or ``eager``: the sync of round t lands at the end of round t + 1."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.mode = self.state.m.sync.overlap
+        self.from_round = self.state.m.sync.overlap_from_round
+        """K: rounds before K sync blocking (the swarm's round index, so a whole group switches at once)."""
+        self.blocking = BlockingSchedule(**kwargs)
+        self.anchor: list[torch.Tensor] | None = None
+        """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
+        self.eager = EagerState()
+        """Eager with outer momentum: this peer's own part of its outer state (never sent, not saved)."""
+        self.prepared: PreparedStep | None = None
+        """The outer step of the sync in flight, prepared by its thread."""
+
+    def synced_blocking(self, round_: int) -> bool:
+        """Rounds before K sync blocking; round K lands no earlier sync and starts its own in the
+        background, as a run's first round with overlap does."""
+        return round_ < self.from_round
+
+    def trains_while_waiting(self) -> bool:
+        """Past H with the sync in flight not landed yet: one more step (the lr of the round's last
+        step; the extra steps add to this round's Δ and weigh in the group mean up to the owners'
+        cap of H steps' tokens, peer/sync/screening.py ``round_token_cap``)."""
+        bg = self.background
+        return self.extra_steps_left() and bg.in_flight and not bg.done
+
+    def restart_round(self) -> None:
+        self.state.set_theta(self.state.phi if self.anchor is None else self.anchor)
+
+    def end_round(self) -> RoundEnd:
+        """Take the last round's sync from the background (waiting only if it is slower than a
+        round) and apply its mean to φ, start this round's sync in the background, and start the
+        next round from ψ (delayed: φ + this round's progress; eager: φ previewed with this peer's
+        share of its fresh Δ).
+
+        The report is of the sync that just landed (the last round's); the first round has none. A
+        non-finite Δ or eager preview starts no sync and the next round from φ. The outer step of
+        the landing sync and the snapshot after it were prepared by the sync's thread when its mean
+        arrived (:meth:`_prepare_step`) and are installed here (:meth:`_install`)."""
+        s = self.state
+        if self.synced_blocking(s.pos.round):
+            return self.blocking.end_round()
+        live, choice = self._choose()
+        start_digest = s.digest
+        done = dataclasses.replace(s.pos)
+        problem, delta = "", None
+        try:
+            progress = round_progress(s.phi if self.anchor is None else self.anchor, s.theta_on_host())
+            check_finite(progress, "this round's progress")
+            delta = progress
+        except BadPayload as exc:
+            problem = f"{exc}: round discarded"
+        mean, report = None, SyncReport(note="overlap: this round's sync lands at the end of the next")
+        if self.background.in_flight:
+            mean, report = self.take_background()
+        prepared, self.prepared = self.prepared, None
+        with s.lock:
+            installed = mean is not None and self._install(prepared, mean)
+            if mean is not None and not installed:
+                s.outer.apply(s.phi, mean)
+            s.pos.start_round(s.pos.round + 1)
+        if mean is not None:
+            self.history.note_group(max(0, done.round - 1), report)  # the sync landing is the last round's
+        if installed and prepared is not None:
+            s.snapshots.append(prepared.snapshot)
+        else:
+            s.take_snapshot()
+        start = s.phi
+        if delta is not None:
+            payload = self._own(s.outer.payload(s.phi, delta), s.phi)
+            try:
+                start = next_start(self.mode, s.outer, s.phi, delta, payload,
+                                   share=1.0 / max(1, choice.expected_size), eager=self.eager)
+            except BadPayload as exc:
+                problem = f"{exc}: round discarded"
+            else:
+                self._start(payload, choice, live, done)
+        if start is s.phi:
+            self.reporter.emit("warning", message=problem)
+            self.eager.reset()  # the next round starts from φ, as a fresh worker's does
+        self.anchor = None if start is s.phi else start
+        s.set_theta(start)
+        return RoundEnd(done=done, live=live, start_digest=start_digest, choice=choice, report=report)
+
+    def _start(self, payload, choice, live, done) -> None:
+        """Start the finished round's sync in the background; its thread prepares the outer step."""
+        s = self.state
+        # the extra steps taken while waiting weigh up to the owners' cap of a round's tokens
+        digest, weight = s.digest, float(min(max(done.tokens, 1), round_token_cap(s.m)))
+        due_s = self.sync.groupmates_due_s(live, done.round, choice)
+        budget_s = wait_budget_s(done, max(s.H, done.steps_done))  # with its extra steps
+
+        def sync_and_prepare(dropped):
+            mean, report = self.sync.sync(payload, choice, digest, round_=done.round, weight=weight,
+                                          expected_wait_s=due_s, wait_budget_s=budget_s, dropped=dropped)
+            if not dropped() and not self.stop_event.is_set():
+                self.prepared = self._prepare_step(mean, lands_in=done.round + 2)
+            return mean, report
+
+        self.background.start(sync_and_prepare, round_=done.round, start_digest=digest)
+
+    def _prepare_step(self, mean: list[torch.Tensor], *, lands_in: int) -> PreparedStep | None:
+        """In the sync's background thread, once its mean arrived: the outer step applied to copies of
+        the last snapshot's φ and outer state (``step_on_copies``), and the snapshot of the result
+        (copy, finiteness check, hash) with the meta of round ``lands_in``, the round the landing
+        starts, so neither is the inner loop's time. None when the mean is malformed or the step not
+        finite: the landing applies it itself. Reads only the snapshot deque's last entry
+        (immutable, appended atomically by the round loop)."""
+        s = self.state
+        base, n = s.snapshots[-1], len(s.phi)
+        try:
+            phi, outer_state = step_on_copies(s.outer, base.tensors[:n], base.tensors[n:], mean)
+            meta = {"run_id": s.state_key, "round": lands_in, "inner_step": lands_in * s.H}
+            return PreparedStep(mean=mean, base=base.digest,
+                                snapshot=make_snapshot(meta, [*phi, *outer_state], owned=True))
+        except (BadPayload, ValueError) as exc:
+            logger.debug("outer step of round %d not prepared: %s", lands_in - 2, exc)
+            return None
+
+    def _install(self, prepared: PreparedStep | None, mean: list[torch.Tensor]) -> bool:
+        """Copy a prepared outer step into φ and the outer state (call under the lock, before the
+        position moves to the next round); whether it was installed. Only a step prepared from this
+        very ``mean``, from the state this peer still holds (the last snapshot: an adoption since
+        made another) and for the round the landing starts; else the caller applies ``mean``."""
+        s = self.state
+        if (prepared is None or prepared.mean is not mean or prepared.base != s.snapshots[-1].digest
+                or prepared.snapshot.meta["round"] != s.pos.round + 1):
+            return False
+        with torch.no_grad():
+            for dst, src in zip(s.live_tensors(), prepared.snapshot.tensors, strict=True):
+                dst.copy_(src)
+        return True
+
+    def finish(self) -> None:
+        """At ``max_rounds`` wait for the sync in flight and apply its mean (φ then holds every round,
+        θ ← φ); on a stop drop it, so φ stays the last applied one and θ keeps this peer's unsynced
+        progress (what a checkpoint then holds)."""
+        if not self.background.in_flight:
+            return
+        if self.stop_event.is_set():
+            self.background.drop("stopping")
+            return
+        s = self.state
+        mean, report = self.take_background()
+        self.prepared = None  # applied here, once: nothing of the training thread overlaps it any more
+        with s.lock:
+            if mean is not None:
+                s.outer.apply(s.phi, mean)
+        self.history.note_group(max(0, s.pos.round - 1), report)
+        self.anchor = None
+        self.eager.reset()
+        s.set_theta_to_phi()
+        s.take_snapshot()
+
+    def before_adopt(self, round_: int) -> None:
+        """A sync in flight of round k is kept when the adopted state is of round k+1: its groupmates
+        apply that mean to exactly this φ (so a joiner, whose first download always lacks the mean
+        then in flight, is in step after its second); else dropped."""
+        bg = self.background
+        if bg.in_flight:
+            if bg.round is not None and round_ == bg.round + 1:
+                self.adopted_in_flight = True
+            else:
+                bg.drop("adopted the swarm's state")  # its mean belongs to a φ left behind
+        self.anchor = None
+        self.eager.reset()  # a peer that adopts starts from φ: a fresh worker in eager's terms

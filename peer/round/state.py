@@ -1,0 +1,126 @@
+"""The round's shared state: φ, θ, the outer state, the snapshots served to joiners, the position
+in the run and the lock that guards them against the thread that serves joiners.
+
+Every part of the round engine takes this one object: the sync schedules (peer/round/blocking.py,
+overlapped.py, streamed.py), catch-up and adoption (catchup.py), checkpointing (checkpointing.py)
+and progress publishing (publishing.py).
+
+θ (and AdamW, gradients) live on the placement's device; φ and the outer state stay fp32 on the
+host (pinned when the device is CUDA), so Δ = φ − θ is formed in fp32 on the host and peers that
+complete a round together hold bit-identical φ whatever device they trained on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from peer.progress import RoundProgress
+from peer.state.snapshot import SealedTensor, StateSnapshot, make_snapshot, make_snapshot_from
+from peer.train.outer import OuterAlgorithm, make_outer
+from protocol.manifest import RunManifest
+
+
+class RoundState:
+    """φ, θ, the outer state, snapshots and position of one peer.
+
+    Attributes:
+        params: θ, the model's parameters (on ``device``), in ``names`` order.
+        phi: φ, one fp32 host tensor per parameter (pinned on a CUDA peer).
+        outer: the outer algorithm and its state (peer/train/outer.py).
+        pos: the position in the run (round, inner step of the round, the round's counters).
+        lock: guards φ, the outer state and the position against the thread serving joiners.
+        snapshots: states at the start of this and the last round, served to joiners (newest last).
+        sealed: streaming: by state index (φ, then the outer state), the tensors that fragments'
+            landings changed since the last snapshot, sealed (copied, checked, hashed); the round's
+            end snapshots from them (:meth:`take_snapshot` with ``from_sealed``).
+        waited: seconds the training thread waited since the last ``round`` event, for a sync's
+            mean (``"sync"``) and in the re-sync rule's catch-up (``"resync"``).
+    """
+
+    def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, device: torch.device, state_key: str):
+        self.m, self.state_key, self.device, self.model = manifest, state_key, device, model
+        self.H = manifest.sync.inner_steps
+        named = list(model.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.phi = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        if device.type == "cuda":
+            self.phi = [f.pin_memory() for f in self.phi]
+        self.outer: OuterAlgorithm = make_outer(manifest, self.shapes)
+        self.pos = RoundProgress()
+        self.lock = threading.Lock()
+        self.snapshots: deque[StateSnapshot] = deque(maxlen=2)
+        self.sealed: dict[int, SealedTensor] = {}
+        self.copying: threading.Event | None = None
+        """Set once a checkpoint writer's thread copied θ and the moments (peer/round/checkpointing.py)."""
+        self.waited = {"sync": 0.0, "resync": 0.0}
+
+    @property
+    def inner_step(self) -> int:
+        """Cumulative inner steps of φ's history: indexes the inner lr schedule."""
+        return self.pos.inner_step(self.H)
+
+    @property
+    def digest(self) -> str:
+        """Hex digest of the last snapshot: what this peer publishes and joiners download."""
+        return self.snapshots[-1].digest.hex()
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """φ then the outer state, the tensors a snapshot holds (live: they change with the round)."""
+        return [*self.phi, *self.outer.state_tensors()]
+
+    def state_shapes(self) -> list[torch.Size]:
+        return [*self.shapes, *(t.shape for t in self.outer.state_tensors())]
+
+    def take_snapshot(self, *, from_sealed: bool = False) -> None:
+        """Snapshot φ, outer state and position at a round boundary (peer/state/snapshot.py).
+
+        ``from_sealed`` (streaming's round end, where φ and the outer state changed since the last
+        snapshot only by the landings of fragments, each sealed): the last snapshot with the sealed
+        tensors in place (``make_snapshot_from``: the same snapshot as one made afresh); else one
+        made afresh."""
+        with self.lock:
+            meta = {"run_id": self.state_key, "round": self.pos.round, "inner_step": self.pos.round * self.H}
+            if from_sealed:
+                snapshot = make_snapshot_from(self.snapshots[-1], meta, self.sealed.values())
+            else:
+                snapshot = make_snapshot(meta, self.live_tensors())
+            self.sealed = {}
+        self.snapshots.append(snapshot)
+
+    def held(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        """Immutable tensors equal to what this peer holds now at these state indices: the last
+        snapshot's, or the sealed result of a landing since."""
+        last = self.snapshots[-1].tensors
+        return tuple(self.sealed[i].tensor if i in self.sealed else last[i] for i in indices)
+
+    def set_theta(self, source: list[torch.Tensor]) -> None:
+        """θ ← ``source`` (fp32 host tensors shaped like φ): to the device, asynchronous from pinned
+        memory and waited for here, so the host tensors may change again once this returns. Waits
+        first for a checkpoint's copy of θ still under way."""
+        self.await_theta_copy()
+        cuda = self.device.type == "cuda"
+        with torch.no_grad():
+            for p, f in zip(self.params, source):
+                p.copy_(f, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+
+    def set_theta_to_phi(self) -> None:
+        """θ ← φ (see :meth:`set_theta`)."""
+        self.set_theta(self.phi)
+
+    def await_theta_copy(self) -> None:
+        """Before θ is written other than by an inner step's update (which waits on its own): wait
+        for a checkpoint's copy of θ and AdamW's moments still under way in the writer's thread."""
+        if self.copying is not None:
+            self.copying.wait()
+            self.copying = None
+
+    def theta_on_host(self) -> list[torch.Tensor]:
+        """θ as fp32 host tensors (θ itself on a CPU peer, copies from a GPU)."""
+        return [p.detach().to("cpu", torch.float32) for p in self.params]
