@@ -4,7 +4,7 @@
 
 Gradient attacks, lying owners and fake progress are simulated (lab/simulation.py: 8 DiLoCo peers in one
 process, the swarm's own inner loop, outer step, group plan, owner screening
-peer/sync/screening.py, the receivers' check of each owner's mean (``owner_mean_problem``) and re-sync rule peer/state/resync.py; lab/adversary.py forges what the
+peer/sync/screening.py, the receivers' check of each owner's mean (``owner_mean_problem``) and re-sync rule peer/train/resync.py; lab/adversary.py forges what the
 malicious peers send), with bench/compare.py's run manifest and fixed global batch, so every run
 trains on the same tokens. The bogus run announcement runs on real DHT nodes on 127.0.0.1 (the
 node a peer starts, a stock hivemind node as the attacker, peer/node.py's run choice for fresh
@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
-from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # noqa: E402
-from lab.adversary import GRADIENT_ATTACKS, OWNER_ATTACKS, Adversary  # noqa: E402
-from lab.simulation import run_simulation  # noqa: E402
-from peer.train.data import load_corpus  # noqa: E402
-from protocol.errors import ManifestError  # noqa: E402
-from protocol.manifest import RunManifest  # noqa: E402
+from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
+from lab.adversary import GRADIENT_ATTACKS, OWNER_ATTACKS, Adversary
+from lab.simulation import run_simulation
+from peer.train.data import load_corpus
+from protocol.errors import ManifestError
+from protocol.manifest import RunManifest
 
 ORDER = [*GRADIENT_ATTACKS, *OWNER_ATTACKS, "fake-progress"]
 CONTROLS = ("fake-progress", "owner-flip-x100")
@@ -282,7 +282,7 @@ def _key(run: dict) -> tuple:
 
 
 def _resync_takes_vouchers() -> bool:
-    from peer.state import resync
+    from peer.train import resync
 
     return "vouchers" in inspect.signature(resync.diloco_resync_target).parameters
 

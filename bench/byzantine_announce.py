@@ -1,6 +1,6 @@
 """The bogus run announcement of bench/byzantine.py, on real DHT nodes on 127.0.0.1 (issue #17, item 1).
 
-An honest bootstrap node (``protocol.dht.start_dht``, the node ``peer join`` starts, with its record
+An honest bootstrap node (``peer.net.dht_node.start_dht``, the node ``peer join`` starts, with its record
 validator) announces the run, signed by its owner. Each attacker is a stock hivemind node joined to
 it, which stores in its own storage whatever it likes and asks the honest node to store the same
 (the honest node's validator may refuse). Per attacker, in the runs index:
@@ -75,7 +75,7 @@ def announcement_attack(manifest: RunManifest, *, malicious: int) -> list[dict]:
     import hivemind
 
     from peer import node
-    from protocol import dht as swarm_dht
+    from peer.net import dht as swarm_dht, dht_node
 
     honest = sign_manifest(manifest.with_owner(""), OwnerKey.generate())
     reporter = types.SimpleNamespace(emit=lambda *args, **fields: None)
@@ -87,7 +87,7 @@ def announcement_attack(manifest: RunManifest, *, malicious: int) -> list[dict]:
         checkpoint.parent.mkdir(parents=True)
         checkpoint.write_bytes(b"")  # run choice only looks for the file
         try:
-            boot = swarm_dht.start_dht()
+            boot = dht_node.start_dht()
             nodes.append(boot)
             if not swarm_dht.store_manifest(boot, honest):
                 raise RuntimeError("the honest node did not store its own run's announcement")
@@ -96,7 +96,7 @@ def announcement_attack(manifest: RunManifest, *, malicious: int) -> list[dict]:
                 stock = hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
                 nodes.append(stock)
                 _announce_bogus(stock, honest, index)
-            joiner = swarm_dht.start_dht(initial_peers=maddrs)
+            joiner = dht_node.start_dht(initial_peers=maddrs)
             nodes.append(joiner)
             time.sleep(1.0)
             for join, cfg in _joins(honest, data_dir, holder_dir):

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # noqa: E402  (bench/ is not a package)
+from compare import apply_overrides, corpus_or_exit, load_config, manifest_for
 
-from peer.train.model import build_model, parameter_count  # noqa: E402
-from lab.simulation import butterfly_bytes, run_simulation  # noqa: E402
-from protocol.errors import ManifestError  # noqa: E402
-from protocol.manifest import CODECS  # noqa: E402  (every codec a run may name)
+from lab.simulation import butterfly_bytes, run_simulation
+from peer.train.model import build_model, parameter_count
+from protocol.errors import ManifestError
+from protocol.manifest import CODECS
 
 ADAPTIVE_RATIO = 8.0
 """'adaptive' gets a budget of fp32 bytes / this, per round."""

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
+from lab.simulation import butterfly_bytes
 from peer.sync.adaptive import plan
-from lab.simulation import butterfly_bytes  # noqa: E402
 from protocol.codecs import Codec, decode, make_codec
 from protocol.manifest import CODECS as RUN_CODECS, CompressionSpec
 from protocol.presets import default_run
@@ -50,9 +50,9 @@ def real_delta(regenerate: bool) -> dict[str, torch.Tensor]:
 
     if DELTA_FILE.exists() and not regenerate:
         return load_file(DELTA_FILE)
+    from lab.simulation import Simulation
     from peer.train.data import load_corpus
     from peer.train.outer import pseudo_gradient
-    from lab.simulation import Simulation
 
     manifest = default_run()
     print(f"training the default run for 3 rounds to produce {DELTA_FILE} ...", file=sys.stderr)

@@ -28,10 +28,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import multiprocessing
-import platform
 import logging
+import multiprocessing
 import os
+import platform
 import signal
 import statistics
 import sys
@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
+from lab.simulation import EvalPoint, SimulationResult, run_simulation
 from peer.train.data import Corpus, load_corpus
 from peer.train.device import place
-from lab.simulation import EvalPoint, SimulationResult, run_simulation  # noqa: E402
-from protocol.errors import ConfigError, ManifestError  # noqa: E402
+from protocol.errors import ConfigError, ManifestError
 from protocol.manifest import RunManifest, from_dict
 from protocol.specs import DataSpec
 

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
-from lab import fuzz  # noqa: E402
-from lab.fuzz_targets import close_loops, decoders, handlers  # noqa: E402
+from lab import fuzz
+from lab.fuzz_targets import close_loops, decoders, handlers
 
 HANDLER_MESSAGES = {
     "state donor (serve_state)": 100_000,

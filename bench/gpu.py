@@ -47,13 +47,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from peer.doctor import vocab_tokenizer  # noqa: E402
-from peer.train.device import flops_per_token, mfu, place  # noqa: E402
-from peer.train.inner import InnerLoop  # noqa: E402
-from peer.train.model import build_model, embedding_parameter_count, parameter_count  # noqa: E402
-from peer.train.precision import autocast  # noqa: E402
-from protocol.errors import ConfigError  # noqa: E402
-from protocol.presets import PRESETS  # noqa: E402
+from peer.doctor import vocab_tokenizer
+from peer.train.device import flops_per_token, mfu, place
+from peer.train.inner import InnerLoop
+from peer.train.model import build_model, embedding_parameter_count, parameter_count
+from peer.train.precision import autocast
+from protocol.errors import ConfigError
+from protocol.presets import PRESETS
 
 GIB = 1024 ** 3
 CPU_PRESETS = ("tiny", "default", "llama-125m")
@@ -204,7 +204,7 @@ def main() -> None:
             results.append(bench_preset(name, args, placement))
         except (ConfigError, torch.OutOfMemoryError) as exc:
             print(f"  {name}: skipped, does not fit ({str(exc).splitlines()[0]})", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 - one preset's failure must not lose the others' measurements
+        except Exception:
             print(f"  {name}: failed", file=sys.stderr, flush=True)
             traceback.print_exc()
         if cuda:

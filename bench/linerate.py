@@ -55,7 +55,7 @@ def run_config(n: int, size_mb: float, codecs: str, rate: float, trials: int, ti
                 rows += [json.loads(line) for line in path.read_text().splitlines()]
             for r in rows:
                 if r["index"] == i and (not r.get("ok") or r.get("group_size") != n):
-                    print(f"  peer {i} {r['codec']} trial {r['trial']}: {r.get('error') or 'group of %s' % r.get('group_size')}",
+                    print(f"  peer {i} {r['codec']} trial {r['trial']}: {r.get('error') or 'group of ' + str(r.get('group_size'))}",
                           file=sys.stderr)
             if not path.exists():
                 print((workdir / f"worker-{i}.log").read_text()[-3000:], file=sys.stderr)

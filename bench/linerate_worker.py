@@ -33,8 +33,8 @@ def main() -> None:
     torch.set_num_threads(1)
     import hivemind
 
+    from peer.net.dht import quiet_hivemind_logs
     from peer.sync.transport import NetworkTransport
-    from protocol.dht import quiet_hivemind_logs
     from protocol.manifest import CompressionSpec, SyncSpec
 
     quiet_hivemind_logs()

@@ -38,12 +38,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
-from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # noqa: E402
-from lab.simulation import run_simulation  # noqa: E402
-from peer.train.data import load_corpus  # noqa: E402
-from protocol.errors import ManifestError  # noqa: E402
-from protocol.manifest import RunManifest  # noqa: E402
-from protocol.specs import OVERLAP_MODES, STREAMING_FIELDS, SyncSpec  # noqa: E402
+from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
+from lab.simulation import run_simulation
+from peer.train.data import load_corpus
+from protocol.errors import ManifestError
+from protocol.manifest import RunManifest
+from protocol.specs import OVERLAP_MODES, STREAMING_FIELDS, SyncSpec
 
 RESULTS = Path(__file__).with_name("results") / "overlap.json"
 DEFAULT_MERGE = SyncSpec().fragment_merge

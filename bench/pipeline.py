@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
-from bench.compare import corpus_or_exit, load_config, manifest_for  # noqa: E402
-from lab.pipeline import run_pipeline  # noqa: E402
-from lab.simulation import run_simulation  # noqa: E402
-from peer.train.data import load_corpus  # noqa: E402
-from protocol.manifest import RunManifest  # noqa: E402
-from protocol.specs import ROUTINGS  # noqa: E402
+from bench.compare import corpus_or_exit, load_config, manifest_for
+from lab.pipeline import run_pipeline
+from lab.simulation import run_simulation
+from peer.train.data import load_corpus
+from protocol.manifest import RunManifest
+from protocol.specs import ROUTINGS
 
 RESULTS = Path(__file__).with_name("results") / "pipeline.json"
 

@@ -49,8 +49,7 @@ from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
 from protocol.specs import ROUTINGS  # noqa: E402
-from protocol.wire.pipeline import (DTYPE_BY_NAME, StageReply, StageRequest, encode_reply,  # noqa: E402
-                                    encode_request)
+from protocol.wire.pipeline import DTYPE_BY_NAME, StageReply, StageRequest, encode_reply, encode_request  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
 

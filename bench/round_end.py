@@ -43,17 +43,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.overlap_rig import CHAOS_HIDDEN, rig_manifest  # noqa: E402
-from peer.train import outer as outer_module  # noqa: E402
-from peer.state.checkpoint import PeerState, encode_checkpoint  # noqa: E402
-from peer.train import overlap as overlap_module  # noqa: E402
-from peer.train.host_memory import ENV, tune_host_allocator  # noqa: E402
-from peer.train.model import build_model  # noqa: E402
-from peer.train.outer import DiLoCo, check_finite, pseudo_gradient, step_on_copies  # noqa: E402
-from peer.train.streaming import fragment_outers, merge, partition  # noqa: E402
-from peer.state.snapshot import make_snapshot, make_snapshot_from, seal_tensor  # noqa: E402
-from peer.train.overlap import next_start, round_progress  # noqa: E402
-from protocol.errors import BadPayload  # noqa: E402
+from bench.overlap_rig import CHAOS_HIDDEN, rig_manifest
+from peer.state.checkpoint import PeerState, encode_checkpoint
+from peer.state.snapshot import make_snapshot, make_snapshot_from, seal_tensor
+from peer.train import (
+    outer as outer_module,
+    overlap as overlap_module,
+)
+from peer.train.host_memory import ENV, tune_host_allocator
+from peer.train.model import build_model
+from peer.train.outer import DiLoCo, check_finite, pseudo_gradient, step_on_copies
+from peer.train.overlap import next_start, round_progress
+from peer.train.streaming import fragment_outers, merge, partition
+from protocol.errors import BadPayload
 
 OUT = Path(__file__).resolve().parent / "results" / "round_end.json"
 

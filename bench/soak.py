@@ -33,8 +33,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,7 +44,6 @@ from peer.launch import stop_all  # noqa: E402
 from protocol.errors import ChildTimeout  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
 from protocol.presets import tiny_run  # noqa: E402
-
 
 FAULTS = ("kill9", "sigstop", "link_down", "join", "kill_bootstrap")
 """Fault kinds as ChaosSwarm notes them (restart, sigcont and link_up end a fault)."""
@@ -178,7 +177,7 @@ def check_checkpoints(workdir: Path, swarm: ChaosSwarm, manifest: RunManifest) -
             path, run_id = checkpoint_of(workdir, name)
             state = load_checkpoint(path, run_id=run_id, names=[n for n, _ in named],
                                     shapes=[p.shape for _, p in named])
-        except Exception as exc:  # noqa: BLE001 - any failure to load is what this counts
+        except Exception as exc:
             print(f"checkpoint of {name} does not load: {exc}", flush=True)
             bad.append(name)
             continue

@@ -30,12 +30,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
-from bench.compare import (  # noqa: E402
-    GLOBAL_BATCH_HINT, apply_overrides, check_global_batch, corpus_or_exit, load_config, manifest_for,
+from bench.compare import (
+    GLOBAL_BATCH_HINT,
+    apply_overrides,
+    check_global_batch,
+    corpus_or_exit,
+    load_config,
+    manifest_for,
 )
-from lab.simulation import run_simulation  # noqa: E402
-from peer.train.data import load_corpus  # noqa: E402
-from protocol.errors import ManifestError  # noqa: E402
+from lab.simulation import run_simulation
+from peer.train.data import load_corpus
+from protocol.errors import ManifestError
 
 DEFAULT_SETTINGS = [
     "nesterov:0.7:0.9",     # DiLoCo paper (H = 500, pretrained start); ~7× plain averaging

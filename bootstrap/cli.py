@@ -17,9 +17,11 @@ from pathlib import Path
 import click
 
 import protocol
-from protocol.cli_types import FiniteFloatRange
+from bootstrap.monitor import MonitorConfig, run_monitor
+from peer.net.cli_types import FiniteFloatRange
+from peer.net.dht import quiet_hivemind_logs
+from peer.net.lifetime import HelperWatch, StopOnSignal, dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
 from protocol.errors import LocoError, exit_with
-from protocol.lifetime import StopOnSignal, dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
 from protocol.manifest import load_manifest, sign_manifest
 from protocol.presets import PRESETS
 from protocol.signing import OWNER_KEY_FILE, load_owner_key
@@ -42,8 +44,6 @@ def main() -> None:
 def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
     if not verbose:
-        from protocol.dht import quiet_hivemind_logs
-
         quiet_hivemind_logs()
 
 
@@ -176,14 +176,12 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
       bootstrap monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmBootstrapId
       bootstrap monitor --initial-peers /dns4/boot.example.org/tcp/31337/p2p/QmId --host 0.0.0.0 --port 9100
     """
-    from bootstrap.monitor import MonitorConfig, run_monitor
-    from protocol import dht as swarm_dht
-    from protocol.lifetime import HelperWatch
+    from peer.net import dht_node
 
     _configure_logging(verbose)
     with _until_signal("monitor") as stop:
         try:
-            dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
+            dht = dht_node.start_dht(initial_peers=initial_peers, client_mode=True)
             watch = HelperWatch(stop, "run the monitor again").watch_dht("monitor's", dht).start()
             try:
                 def on_ready(url: str) -> None:

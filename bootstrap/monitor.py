@@ -26,14 +26,17 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 from bootstrap.monitor_history import PeerHistory, RunHistory
 from bootstrap.monitor_metrics import metrics_text
-from protocol import dht as swarm_dht, liveness
-from protocol.devices import read_devices
+from bootstrap.monitor_page import render_page
+from peer.net import dht as swarm_dht
+from peer.net.devices import read_devices
+from protocol import liveness
 from protocol.errors import LocoError, NetworkError
 from protocol.manifest import RunManifest
 
@@ -76,7 +79,7 @@ class SwarmMonitor:
         self._runs: dict[str, RunHistory] = {}
         self._manifests: dict[str, RunManifest] = {}
         self._devices: dict[str, dict[str, str]] = {}
-        """Run id → peer id → its device (protocol/devices.py ``DeviceRecord.describe``)."""
+        """Run id → peer id → its device (peer/net/devices.py ``DeviceRecord.describe``)."""
         self._devices_read_at: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -232,12 +235,10 @@ class SwarmMonitor:
 # ---- HTTP ---------------------------------------------------------------------------------
 
 def _handler(monitor: SwarmMonitor, title: str) -> type[BaseHTTPRequestHandler]:
-    from bootstrap.monitor_page import render_page
-
     class Handler(BaseHTTPRequestHandler):
         server_version = "locoswarm-monitor"
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path in ("/", "/index.html"):
                 body = render_page(title, json.dumps(monitor.snapshot()))

@@ -35,7 +35,7 @@ class PeerHistory:
     last_sync: dict[str, int] | None = None
     """Round, group size and bytes of the latest sync the monitor saw a record of."""
     device: str | None = None
-    """What the peer trains on, as its signed device record says (protocol/devices.py), or None."""
+    """What the peer trains on, as its signed device record says (peer/net/devices.py), or None."""
 
     def update(self, record: ProgressRecord, now: float, max_samples: int, inner_steps: int | None) -> None:
         changed = record != self.record or not self.samples

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
-from protocol import dht as swarm_dht
-from protocol.errors import NetworkError
-from protocol.identity import ensure_identity
-from protocol.lifetime import HelperWatch
-from protocol.reachability import serve_dialback
-from protocol.uplink import serve_uplink
+from bootstrap.monitor import MonitorConfig, MonitorServer, SwarmMonitor
+from peer.net import dht as swarm_dht, dht_node
+from peer.net.identity import ensure_identity
+from peer.net.lifetime import HelperWatch
+from peer.net.reachability import serve_dialback
+from peer.net.uplink import serve_uplink
+from peer.net.validator import protect_run
+from protocol.errors import BootstrapUnreachable, NetworkError
 from protocol.manifest import SignedManifest
-from protocol.validator import protect_run
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,10 @@ def start_relay_dht(*, initial_peers: Sequence[str], host: str, port: int, annou
     ``<this node's maddr>/p2p-circuit/p2p/<their id>``.
 
     Raises:
-        BadPeerAddress, BootstrapUnreachable, NetworkError: as ``protocol.dht.start_dht``.
+        BadPeerAddress, BootstrapUnreachable, NetworkError: as ``peer.net.dht_node.start_dht``.
     """
     if not relay:
-        return swarm_dht.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
+        return dht_node.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
                                    identity_path=identity_path, timeout_s=timeout_s)
     peers = swarm_dht.parse_initial_peers(initial_peers)
     kwargs = dict(initial_peers=peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, await_ready=True,
@@ -72,11 +73,9 @@ def start_relay_dht(*, initial_peers: Sequence[str], host: str, port: int, annou
     if announce:
         kwargs["announce_maddrs"] = list(announce)
     try:
-        return swarm_dht.new_dht(**kwargs)
+        return dht_node.new_dht(**kwargs)
     except Exception as exc:
         if peers and "bootstrap failed" in str(exc):
-            from protocol.errors import BootstrapUnreachable
-
             raise BootstrapUnreachable(f"none of the initial peers answered: {', '.join(peers)}") from exc
         raise NetworkError(f"could not start the DHT node on {host}:{port}: {exc}") from exc
 
@@ -91,8 +90,8 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     identity = ensure_identity(cfg.identity_path)
     dht = start_relay_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
                           identity_path=str(identity), relay=cfg.relay)
-    serve_dialback(dht)  # joiners ask whether the swarm can dial them (protocol/reachability.py)
-    serve_uplink(dht)  # and `peer doctor` measures its uplink against it (protocol/uplink.py)
+    serve_dialback(dht)  # joiners ask whether the swarm can dial them (peer/net/reachability.py)
+    serve_uplink(dht)  # and `peer doctor` measures its uplink against it (peer/net/uplink.py)
     announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
     run = cfg.manifest.manifest
     monitor = server = None
@@ -102,8 +101,6 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
         protect_run(dht, run.run_id)
         announcer.start()
         if cfg.monitor_port is not None:
-            from bootstrap.monitor import MonitorConfig, MonitorServer, SwarmMonitor
-
             monitor = SwarmMonitor(dht, MonitorConfig(poll_interval_s=cfg.monitor_poll_s),
                                    run_ids={run.run_id: run.name}).start()
             server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=run.name).start()

@@ -39,9 +39,9 @@ owner attacks lie as owners.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import logging
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -155,7 +155,7 @@ def _state_digest(sim, phi: Sequence[torch.Tensor], outer_state: Sequence[torch.
 def resync_after_round(sim) -> None:
     """After a round of ``sim`` (a :class:`lab.simulation.Simulation` with a ``fake-progress``
     adversary): every honest peer reads the progress records and decides, with the outer
-    algorithm's own re-sync rule (``resync_target``, peer/state/resync.py), which state to
+    algorithm's own re-sync rule (``resync_target``, peer/train/resync.py), which state to
     adopt, as the round loop's ``_resync_target`` and ``_catch_up_once`` do.
 
     Records: each honest peer publishes (its round, the digest of its φ and outer state); each

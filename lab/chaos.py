@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lab.netlab import Host, NetLab
 from peer.launch import Child, bootstrap_argv, peer_argv

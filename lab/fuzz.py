@@ -15,7 +15,7 @@ stream) and a writer that counts what they answer: the state donor (peer/state/s
 state downloader reading a donor's answer (peer/state/download.py), the all-reduce stream
 handler with a live session (peer/sync/allreduce.py), hivemind's ``rpc_join_group`` framing as
 bounded here (peer/sync/hivemind_limits.py), and the reachability dial-back server
-(protocol/reachability.py). Used by bench/fuzz.py (1e5 messages) and tests/security/test_fuzz.py.
+(peer/net/reachability.py). Used by bench/fuzz.py (1e5 messages) and tests/security/test_fuzz.py.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import random
 import signal
 import struct
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import msgpack
 

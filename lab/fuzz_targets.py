@@ -2,7 +2,7 @@
 
 :func:`decoders` and :func:`handlers` return :class:`lab.fuzz.Target` objects; each documents the
 exceptions its target may raise (anything else is a crash). Values from the DHT arrive as bytes
-and are decoded as protocol/dht.py decodes them (hivemind's msgpack serializer, an undecodable
+and are decoded as peer/net/dht.py decodes them (hivemind's msgpack serializer, an undecodable
 value read as None) before the record's own check.
 """
 
@@ -25,10 +25,10 @@ def _msgpack_after(offset: int):
 
 
 def _dht_value(data: bytes) -> Any:
-    """Bytes from the DHT as protocol/dht.py reads them: an undecodable value is None."""
+    """Bytes from the DHT as peer/net/dht.py reads them: an undecodable value is None."""
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from protocol.dht import _TolerantSerializer
+    from peer.net.dht_node import _TolerantSerializer
 
     return _TolerantSerializer(MSGPackSerializer).loads(data)
 
@@ -101,19 +101,18 @@ def close_loops() -> None:
 
 def decoders() -> list[Target]:
     from cryptography.hazmat.primitives.asymmetric import rsa
+    from hivemind.proto import averaging_pb2
 
+    from peer.net import reachability
+    from peer.net.addresses import valid_addresses
     from peer.sync.hivemind_limits import StreamLimits, read_protobuf
-    from protocol import codecs, reachability
-    from protocol.addresses import valid_addresses
+    from protocol import codecs
     from protocol.errors import BadPayload, ManifestError, VersionMismatch
     from protocol.manifest import CompressionSpec, open_announcement, sign_manifest
     from protocol.presets import PRESETS
     from protocol.records import ProgressRecord
     from protocol.signing import OwnerKey, PeerSigner, open_record
-    from protocol.wire import allreduce as ar
-    from protocol.wire import framing
-    from protocol.wire import state as st
-    from hivemind.proto import averaging_pb2
+    from protocol.wire import allreduce as ar, framing, state as st
 
     loop = _Loop()
     targets = []
@@ -244,19 +243,19 @@ def decoders() -> list[Target]:
 def handlers() -> list[Target]:
     from hivemind.proto import averaging_pb2
 
+    from peer.net import reachability
+    from peer.net.limits import ServeBudget
     from peer.state.download import download_state
     from peer.state.serve import serve_state
-    from peer.state.snapshot import make_snapshot, chunk_bytes
+    from peer.state.snapshot import chunk_bytes, make_snapshot
     from peer.sync.allreduce import GroupAllreduce
     from peer.sync.hivemind_limits import BoundedP2P, StreamLimits
-    from peer.sync.limits import ServeBudget
-    from peer.sync.pieces import GroupPlan, piece_shape, piece_view, plan_pieces
-    from protocol import codecs, reachability
+    from peer.sync.pieces import GroupPlan
+    from protocol import codecs
     from protocol.errors import AllreduceIncomplete, StateDownloadFailed
     from protocol.manifest import CompressionSpec
-    from protocol.wire import allreduce as ar
-    from protocol.wire import framing
-    from protocol.wire import state as st
+    from protocol.wire import allreduce as ar, framing, state as st
+    from protocol.wire.pieces import piece_shape, piece_view, plan_pieces
 
     loop = _Loop()
     targets = []

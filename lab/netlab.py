@@ -20,8 +20,8 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

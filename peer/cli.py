@@ -5,8 +5,8 @@ Precedence of settings: flag > environment (PEER_<COMMAND>_<FLAG>, e.g. PEER_JOI
 (several announced, or --run/--preset differs from the swarm's run), 69 bootstrap unreachable,
 78 configuration error, 130 interrupted.
 
-Over 300 lines on purpose: every command's flags and their help text are declared here (click),
-and nothing else; the work is in peer/node.py, peer/swarm.py, peer/status.py and peer/doctor.py.
+Only every command's flags and their help text are declared here (click); the work is in
+peer/node.py, peer/swarm.py, peer/status.py and peer/doctor.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,15 @@ from pathlib import Path
 
 import click
 
-from protocol.cli_types import FiniteFloatRange
+from peer.config import DeviceConfig, JoinConfig, TrainerConfig
+from peer.net.cli_types import FiniteFloatRange
+from peer.net.dht import quiet_hivemind_logs
+from peer.net.lifetime import dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
+from peer.reporting import Reporter
+from peer.swarm import SwarmConfig, run_swarm
+from peer.train.cache import default_cache_dir
+from peer.train.sources import describe
 from protocol.errors import LocoError, exit_with
-from protocol.lifetime import dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
 from protocol.manifest import RunManifest, load_manifest
 from protocol.presets import PRESETS
 
@@ -36,8 +42,6 @@ def configure_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not verbose:
-        from protocol.dht import quiet_hivemind_logs
-
         quiet_hivemind_logs()
 
 
@@ -156,12 +160,9 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key,
     """
     import threading
 
-    from peer.reporting import Reporter
-
     configure_logging(verbose)
     reporter = Reporter(log_format)
     reporter.emit("status", message="peer join: loading torch and hivemind")
-    from peer.config import DeviceConfig, JoinConfig, TrainerConfig
     from peer.node import StopOnSignal, join as run_join
 
     try:
@@ -227,7 +228,6 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
       peer swarm --device cpu                     # keep a GPU free
       peer swarm --keep                           # keep logs and checkpoints in /tmp
     """
-    from peer.swarm import SwarmConfig, run_swarm
     from peer.train.device import resolve_device
 
     configure_logging(verbose)
@@ -369,9 +369,7 @@ def prepare(run_file, preset, cache_dir, verbose) -> None:
       peer data prepare --run my_run.toml
       peer data prepare --run my_run.toml --cache-dir /srv/locoswarm-cache
     """
-    from peer.train.cache import default_cache_dir
     from peer.train.data import load_corpus
-    from peer.train.sources import describe
 
     configure_logging(verbose)
     try:

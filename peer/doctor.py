@@ -4,7 +4,7 @@ Device, memory, the precision this peer would train in, the micro-batch that fit
 model, tokens/s and MFU over a few real inner steps (on random tokens of the run's vocabulary,
 so no corpus is read), and versions; with initial peers (:func:`check_swarm`), whether any of
 them answers, whether they can dial this machine back on the port ``peer join`` would listen on
-(protocol/reachability.py), and the measured uplink to them (protocol/uplink.py).
+(peer/net/reachability.py), and the measured uplink to them (peer/net/uplink.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from peer import reachability
+from peer.net.identity import ensure_identity
+from peer.net.uplink import measure_uplink
+from peer.train.data import BatchSampler
+from peer.train.ddp import make_inner_loop
 from peer.train.device import flops_per_token, mfu, place
-from peer.train.inner import make_inner_loop
 from peer.train.model import build_model, embedding_parameter_count, parameter_count
 from peer.train.tokenizer import byte_tokenizer
 from protocol.errors import ConfigError, LocoError, NetworkError
@@ -93,7 +97,7 @@ def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str
       ``swarm_connect_s``);
     * whether they can dial this node back (``reachability``: 'reachable', 'unreachable' or
       'unknown', ``reachability_line``; peer/reachability.py ``check``);
-    * the uplink to them (``uplink_mbit_s``, ``uplink_bytes``, ``uplink_s``; protocol/uplink.py).
+    * the uplink to them (``uplink_mbit_s``, ``uplink_bytes``, ``uplink_s``; peer/net/uplink.py).
 
     Results go to ``report.facts``. No answer from the swarm goes to ``report.network_problems`` with
     what to do; a peer nobody can dial, or a slow uplink, still contributes (client mode, relayed):
@@ -102,10 +106,6 @@ def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str
     """
     import tempfile
     from pathlib import Path
-
-    from peer import reachability
-    from protocol.identity import ensure_identity
-    from protocol.uplink import measure_uplink
 
     notes = report.facts.setdefault("network_notes", [])
     start = time.monotonic()
@@ -160,8 +160,9 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
     report.facts.update(run=manifest.name, parameters=n, batch_sequences=manifest.batch_sequences)
     try:
         # several devices: the ranks start here and the timed steps are the whole peer's
-        loop = make_inner_loop(model, manifest.inner_optimizer, RandomTokens(manifest, tokenizer.vocab_size),
-                               placement)
+        # (the loop only draws batches: next_batch, batch_sequences and seq_len, which RandomTokens has)
+        loop = make_inner_loop(model, manifest.inner_optimizer,
+                               cast(BatchSampler, RandomTokens(manifest, tokenizer.vocab_size)), placement)
     except LocoError as exc:
         report.problems.append(str(exc))
         return report

@@ -5,7 +5,7 @@
 
 * each child runs in its own process group (a terminal's Ctrl-C reaches only the launcher, and
   the whole group, the child's DHT and averager processes included, can be killed at once; p2pd
-  runs in its own session and dies with the DHT process, protocol/lifetime.py)
+  runs in its own session and dies with the DHT process, peer/net/lifetime.py)
   and gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG, Linux);
 * a thread reads its stdout; every line that is a JSON object becomes a :class:`peer.events.Event`;
   its stderr goes to a log file, whose tail error messages quote;
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from peer.events import Event
+from peer.net.lifetime import die_with_parent
 from protocol.errors import ChildExited, ChildTimeout
-from protocol.lifetime import die_with_parent
 
 
 class Child:
@@ -46,7 +46,7 @@ class Child:
         on_event: called from the reader thread with each event, then with None when the
             child's stdout closed.
         stack_signal: a signal that makes the child write its threads' stacks to its stderr
-            (``peer``/``bootstrap`` commands: SIGUSR1, protocol/lifetime.py
+            (``peer``/``bootstrap`` commands: SIGUSR1, peer/net/lifetime.py
             ``dump_stacks_on_sigusr1``); sent when :meth:`wait_event` times out, so the error
             shows where the child waits. None: the error shows the log's tail only.
     """
@@ -123,7 +123,7 @@ class Child:
 
     def send(self, sig: int) -> None:
         """Send ``sig`` to the child's own process only (SIGINT: finish the step, checkpoint, exit)."""
-        if self.alive:
+        if self.popen is not None and self.alive:
             try:
                 os.kill(self.popen.pid, sig)
             except ProcessLookupError:

@@ -7,6 +7,7 @@ import functools
 import logging
 import threading
 import time
+from contextlib import ExitStack
 
 import torch
 
@@ -32,13 +33,14 @@ from peer.state.data_dir import hold_data_dir
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
-from protocol import dht as swarm_dht, lifetime, liveness
+from peer.net import dht as swarm_dht, lifetime
+from protocol import liveness
 from protocol.errors import ConfigError, ManifestNotFound, NetworkError
-from protocol.devices import DeviceAnnouncer, DeviceRecord
-from protocol.identity import ensure_identity
+from peer.net.devices import DeviceAnnouncer, DeviceRecord
+from peer.net.identity import ensure_identity
 from protocol.manifest import RunManifest, SignedManifest, sign_manifest
 from protocol.signing import OWNER_KEY_FILE, PeerSigner, load_owner_key
-from protocol.validator import protect_run
+from peer.net.validator import protect_run
 
 logger = logging.getLogger(__name__)
 
@@ -157,24 +159,30 @@ def refuse_unimplemented(manifest: RunManifest) -> None:
                           "use sync.overlap = 'none'")
 
 
-def choose_stage(dht, manifest: RunManifest, cfg: JoinConfig, signer: PeerSigner) -> int:
+def choose_stage(dht, manifest: RunManifest, cfg: JoinConfig, signer: PeerSigner, *,
+                 client_mode: bool | None = None) -> int:
     """The pipeline stage this peer serves: ``--stage``; else the stage it holds a checkpoint of (a
     restarted peer goes back to its stage); else the one with the fewest live replicas read from
     the stages' progress records (peer/pipeline/routing.py ``stage_to_serve``). A peer in client
     mode cannot be called, so it serves stage 0 (which only calls).
 
+    Args:
+        client_mode: whether the peer runs in client mode (``Reachability.client_mode``); None:
+            ``cfg.client_mode``.
+
     Raises:
         ConfigError: ``--stage`` outside [0, S), or a stage > 0 asked for in client mode.
     """
+    client_mode = cfg.client_mode if client_mode is None else client_mode
     S = manifest.pipeline.stages
     if cfg.stage is not None:
         if cfg.stage >= S:
             raise ConfigError(f"--stage {cfg.stage}: run {manifest.run_id} has {S} pipeline stages (0 to {S - 1})")
-        if cfg.stage > 0 and cfg.client_mode:
+        if cfg.stage > 0 and client_mode:
             raise ConfigError(f"--stage {cfg.stage} with --client-mode: stages after 0 are called by other peers, "
                               "which a peer in client mode cannot be; use --stage 0 or make this peer dialable")
         return cfg.stage
-    if cfg.client_mode:
+    if client_mode:
         return 0
     held = [k for k in range(S) if stage_checkpoint(cfg, manifest, k).exists()]
     if len(held) == 1:
@@ -195,11 +203,36 @@ def stage_checkpoint(cfg: JoinConfig, manifest: RunManifest, stage: int | None):
     return run_dir / "checkpoint.safetensors" if stage is None else run_dir / f"stage{stage}" / "checkpoint.safetensors"
 
 
-def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None = None) -> tuple[int, TrainSummary]:
-    """Join (or start) a swarm and train. Returns (exit code, summary).
+@dataclasses.dataclass(frozen=True)
+class _Peer:
+    """What :func:`_assemble` built and :func:`join` trains with (everything else is on its stack)."""
 
-    The peer holds its data directory while it runs (peer/state/data_dir.py): a second peer on the
-    same directory is refused before it reads or writes anything there.
+    trainer: Trainer
+    watch: lifetime.HelperWatch
+    peer_id: str
+
+
+def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None = None) -> tuple[int, TrainSummary]:
+    """Join (or start) a swarm and train until ``max_rounds`` or a stop. Returns (exit code, summary):
+    0, or :data:`EXIT_INTERRUPTED` when ``stop_event`` (a signal) stopped it.
+
+    The peer is assembled on one ``ExitStack`` (:func:`_assemble`): each resource is registered as
+    it is acquired and released in reverse order however ``join`` ends (return, exception, the
+    KeyboardInterrupt of a second signal). Acquired in this order:
+
+    1. the data directory's lock (peer/state/data_dir.py): a second peer on the same directory is
+       refused before it reads or writes anything there; released last;
+    2. the DHT node and its p2pd (shut down; after a fall back to client mode, the restarted one);
+    3. the manifest announcer and 4. the address keeper (stopped);
+    5. the transport and its averager process (shut down, after the averager's drain);
+    6. the helper watch (stopped before the transport and the DHT are shut down on purpose);
+    7. the swarm view (closed: a progress record still queued is stored before the DHT goes);
+    8. for a pipeline stage, its event loop and 9. its link (closed, then the loop stopped);
+    10. the trainer's inner loop (closed: the other ranks of a peer on several devices);
+    11. the device announcer (stopped).
+
+    On a stop (signal, ``max_rounds``) or a helper's death the checkpoint is written and the
+    ``stopped`` event emitted while everything still runs.
 
     Raises:
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
@@ -209,27 +242,57 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
         HelperDied: this peer's DHT, p2pd or averager process died (killed for memory, most often);
             the checkpoint was written first, as on a stop, and the ``stopped`` event emitted.
     """
-    with hold_data_dir(cfg.data_dir):
-        return _join(cfg, reporter, stop_event)
+    stop_event = stop_event or threading.Event()
+    with ExitStack() as stack:
+        peer = _assemble(stack, cfg, reporter, stop_event)
+        reporter.emit("status", message="training: catching up with the swarm if it is ahead, then the first round"
+                      if cfg.initial_peers else "training: the first round starts")
+        summary = peer.trainer.run()
+        saved = peer.trainer.save()
+        reporter.emit("stopped", peer_id=peer.peer_id, **summary.event_fields(), checkpoint=saved)
+        if summary.fatal is not None:  # a helper process died: the checkpoint is written, now say why
+            raise summary.fatal
+        peer.watch.raise_if_died()
+        return (EXIT_INTERRUPTED if summary.interrupted else 0), summary
 
 
-def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None) -> tuple[int, TrainSummary]:
+def _read_local_run(cfg: JoinConfig, reporter: Reporter):
+    """The run known before any network work (--run, --preset, or a new swarm's default; None for a
+    plain join) and its corpus, read now so that a wrong data path fails in seconds. Also sets up
+    this process: the device is resolved, torch's threads and the host allocator set.
+
+    Returns:
+        ``(local, corpus)``, both None for a plain join.
+
+    Raises:
+        ConfigError: the local run sets pipeline stages with sync.overlap; the device is missing.
+        DataError and the like: the local run's data cannot be read (peer/train/data.py).
+    """
     if cfg.new_run is not None:
         refuse_unimplemented(cfg.new_run)
-    stop_event = stop_event or threading.Event()
     resolve_device(cfg.device.device)  # a device this machine lacks fails now, before the DHT starts
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     # before the transport forks its averager, which inherits the thresholds
     tune_host_allocator()
-    # A run known here (--run, --preset, or a new swarm's default) has its data checked before any
-    # network work: a wrong path fails in seconds, not after the DHT started.
     local = cfg.new_run if cfg.new_run is not None or cfg.initial_peers else RunManifest()
     corpus = None
     if local is not None:
         data = with_local_data(local.data, cfg.data_path, run=f"run {local.run_id} ({local.name})")
         reporter.emit("status", message=f"reading the data of run {local.run_id} ({local.name}): {describe(data)}")
         corpus = load_corpus(data, cache_dir=default_cache_dir())
+    return local, corpus
+
+
+def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event) -> _Peer:
+    """Acquire everything :func:`join` lists, in that order, each registered on ``stack`` right
+    after it is acquired; emit ``started``. An exception leaves what was acquired on ``stack``.
+
+    Raises:
+        What :func:`join` raises, but for HelperDied from training.
+    """
+    stack.enter_context(hold_data_dir(cfg.data_dir))
+    local, corpus = _read_local_run(cfg, reporter)
     identity = ensure_identity(cfg.data_dir / "identity.key")
     signer = PeerSigner.from_identity(identity)  # signs this peer's records under its peer id
     # Peers seen before (peers.json): the way back into the swarm when the initial peers are gone.
@@ -237,107 +300,88 @@ def _join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | Non
     where = f"{cfg.host}:{cfg.port}" if cfg.port else f"{cfg.host}, any free port"
     reporter.emit("status", message=f"starting the DHT node on {where}" + (
         f", connecting to {len(cfg.initial_peers)} initial peer(s)" if cfg.initial_peers else " (a new swarm)"))
-    dht = start_dht_remembering(
+    dht = first_dht = start_dht_remembering(
         lambda peers: reachability.start_node(peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
                                               identity_path=str(identity), client_mode=cfg.client_mode),
         cfg.initial_peers, book)
+    stack.callback(first_dht.shutdown)
     # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
-    dht, cfg, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
-    announcer = transport = keeper = trainer = devices = link = loop = swarm = watch = None
-    try:
-        signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
-        manifest = signed.manifest
-        refuse_unimplemented(manifest)  # the swarm's run, known only now
-        S = manifest.pipeline.stages
-        for k in range(S):  # this node stores only signed records of its run (and of its stages)
-            protect_run(dht, stage_key(manifest.run_id, k))
-        stage = choose_stage(dht, manifest, cfg, signer) if S > 1 else None
-        key = manifest.run_id if stage is None else stage_key(manifest.run_id, stage)
-        # Every peer keeps its run's signed manifest alive, so the swarm outlives its bootstrap node.
-        announcer = swarm_dht.ManifestAnnouncer(dht, signed).start()
-        peer_id = str(dht.peer_id)
-        if peer_id != signer.peer_id:
-            raise ConfigError(f"the DHT runs as peer {peer_id}, but {identity} is the key of {signer.peer_id}: "
-                              "move the identity file away to create a new identity")
-        keeper = AddressKeeper(dht, book, run_id=manifest.run_id, signer=signer, publish=not cfg.client_mode).start()
-        if corpus is None or manifest.data != local.data:
-            data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
-            reporter.emit("status", message=f"reading the run's data: {describe(data)}")
-            corpus = load_corpus(data, cache_dir=default_cache_dir())
-        model = (build_model(manifest.model, corpus.tokenizer) if stage is None
-                 else build_stage(manifest.model, S, stage, corpus.tokenizer))
-        shapes = [p.shape for p in model.parameters()]
-        outer = make_outer(manifest, shapes)
-        # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
-        transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), key, manifest.sync,
-                                     compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
-                                     client_mode=cfg.client_mode, uplink_mbps=cfg.uplink_mbps,
-                                     max_weight_tokens=round_token_cap(manifest))
-        # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75
-        watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch_dht("peer's", dht).watch(
-            "peer's averager", transport.averager).start()
-        # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
-        # records are signed and stored, and read ahead of a round's end, off the training thread
-        swarm = SwarmView(dht, run_id=key, signer=signer, record_ttl_s=liveness.record_ttl_s(manifest),
-                          max_sync_s=transport.max_sync_seconds).start_background()
-        checkpoint = stage_checkpoint(cfg, manifest, stage)
-        trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not cfg.client_mode)
-        # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
-        d = cfg.device
-        placement, notes = place(d.device, precision=d.precision, compile=d.compile,
-                                 micro_batch_sequences=d.micro_batch_sequences, max_memory_gib=d.max_memory_gib,
-                                 peak_tflops=d.peak_tflops, activation_checkpointing=d.activation_checkpointing)
-        make_inner = None
-        if stage is not None:
-            if len(placement.devices) > 1:
-                raise ConfigError(f"--device {d.device}: a pipeline stage trains on one device; name one")
-            loop = LoopThread()
-            link = pipeline_link(dht, loop, manifest, stage, corpus.tokenizer.vocab_size, swarm, signer, reporter)
-            make_inner = functools.partial(StageInnerLoop.for_placement, link=link, stop=stop_event)
-        trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
-                          config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement,
-                          make_inner=make_inner, evaluates_phi=stage is None, state_key=key)
-        if link is not None:  # a stage after 0 registers its server at its first inner step
-            reporter.emit("status", message=f"pipeline stage {stage} of 0-{S - 1} "
-                                            f"(blocks {model.layers.start}-{model.layers.stop - 1})")
-        micro_batch = trainer.fit_micro_batch()
-        device_fields = placement.event_fields()
-        # what this peer trains on, for `peer status` and the monitor (signed, like its records)
-        devices = DeviceAnnouncer(dht, manifest.run_id, signer, DeviceRecord.from_event(device_fields)).start()
-        reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **device_fields,
-                      micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
-                      maddrs=reachability.printable_maddrs(dht, cfg, reach),
-                      relayed_at=reachability.relay_maddrs(dht, cfg), run_id=manifest.run_id, run_name=manifest.name,
-                      parameters=parameter_count(model), inner_steps=manifest.sync.inner_steps, stage=stage,
-                      threads=torch.get_num_threads())
-        for note in notes:
-            reporter.emit("warning", message=note)
-        reporter.emit("status", message="training: catching up with the swarm if it is ahead, then the first round"
-                      if cfg.initial_peers else "training: the first round starts")
-        summary = trainer.run()
-        saved = trainer.save()
-        reporter.emit("stopped", peer_id=peer_id, **summary.event_fields(), checkpoint=saved)
-        if trainer.fatal is not None:  # a helper process died: the checkpoint is written, now say why
-            raise trainer.fatal
-        watch.raise_if_died()
-        return (EXIT_INTERRUPTED if summary.interrupted else 0), summary
-    finally:
-        if watch is not None:
-            watch.stop()  # the helpers are shut down on purpose from here on
-        if trainer is not None:
-            trainer.inner.close()  # the other ranks of a peer on several devices (peer/train/ddp.py)
-        if link is not None:
-            link.close()
-        if loop is not None:
-            loop.stop()
-        if announcer is not None:
-            announcer.stop()
-        if keeper is not None:
-            keeper.stop()
-        if devices is not None:
-            devices.stop()
-        if swarm is not None:
-            swarm.close()  # a record still queued reaches the DHT before it shuts down
-        if transport is not None:
-            transport.shutdown()
-        dht.shutdown()
+    dht, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
+    if dht is not first_dht:  # restarted in client mode (the first node is shut down already)
+        stack.callback(dht.shutdown)
+    signed = _start_run(local, cfg) if not cfg.initial_peers else _find_run(dht, cfg, reporter)
+    manifest = signed.manifest
+    refuse_unimplemented(manifest)  # the swarm's run, known only now
+    S = manifest.pipeline.stages
+    for k in range(S):  # this node stores only signed records of its run (and of its stages)
+        protect_run(dht, stage_key(manifest.run_id, k))
+    stage = choose_stage(dht, manifest, cfg, signer, client_mode=reach.client_mode) if S > 1 else None
+    key = manifest.run_id if stage is None else stage_key(manifest.run_id, stage)
+    # Every peer keeps its run's signed manifest alive, so the swarm outlives its bootstrap node.
+    announcer = swarm_dht.ManifestAnnouncer(dht, signed).start()
+    stack.callback(announcer.stop)
+    peer_id = str(dht.peer_id)
+    if peer_id != signer.peer_id:
+        raise ConfigError(f"the DHT runs as peer {peer_id}, but {identity} is the key of {signer.peer_id}: "
+                          "move the identity file away to create a new identity")
+    keeper = AddressKeeper(dht, book, run_id=manifest.run_id, signer=signer, publish=not reach.client_mode).start()
+    stack.callback(keeper.stop)
+    if corpus is None or manifest.data != local.data:
+        data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
+        reporter.emit("status", message=f"reading the run's data: {describe(data)}")
+        corpus = load_corpus(data, cache_dir=default_cache_dir())
+    model = (build_model(manifest.model, corpus.tokenizer) if stage is None
+             else build_stage(manifest.model, S, stage, corpus.tokenizer))
+    shapes = [p.shape for p in model.parameters()]
+    outer = make_outer(manifest, shapes)
+    # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
+    transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), key, manifest.sync,
+                                 compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
+                                 client_mode=reach.client_mode, uplink_mbps=cfg.uplink_mbps,
+                                 max_weight_tokens=round_token_cap(manifest))
+    stack.callback(transport.shutdown)  # the averager first drains the means its groupmates still read
+    # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75
+    watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch_dht("peer's", dht).watch(
+        "peer's averager", transport.averager).start()
+    stack.callback(watch.stop)  # runs before the helpers are shut down on purpose
+    # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
+    # records are signed and stored, and read ahead of a round's end, off the training thread
+    swarm = SwarmView(dht, run_id=key, signer=signer, record_ttl_s=liveness.record_ttl_s(manifest),
+                      max_sync_s=transport.max_sync_seconds).start_background()
+    stack.callback(swarm.close)  # a record still queued reaches the DHT before it shuts down
+    checkpoint = stage_checkpoint(cfg, manifest, stage)
+    trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not reach.client_mode)
+    # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
+    d = cfg.device
+    placement, notes = place(d.device, precision=d.precision, compile=d.compile,
+                             micro_batch_sequences=d.micro_batch_sequences, max_memory_gib=d.max_memory_gib,
+                             peak_tflops=d.peak_tflops, activation_checkpointing=d.activation_checkpointing)
+    make_inner = None
+    if stage is not None:
+        if len(placement.devices) > 1:
+            raise ConfigError(f"--device {d.device}: a pipeline stage trains on one device; name one")
+        loop = LoopThread()
+        stack.callback(loop.stop)
+        link = pipeline_link(dht, loop, manifest, stage, corpus.tokenizer.vocab_size, swarm, signer, reporter)
+        stack.callback(link.close)
+        make_inner = functools.partial(StageInnerLoop.for_placement, link=link, stop=stop_event)
+    trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
+                      config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement,
+                      make_inner=make_inner, evaluates_phi=stage is None, state_key=key)
+    stack.callback(trainer.inner.close)  # the other ranks of a peer on several devices (peer/train/ddp.py)
+    if stage is not None:  # a stage after 0 registers its server at its first inner step
+        reporter.emit("status", message=f"pipeline stage {stage} of 0-{S - 1} "
+                                        f"(blocks {model.layers.start}-{model.layers.stop - 1})")
+    micro_batch = trainer.fit_micro_batch()
+    device_fields = placement.event_fields()
+    # what this peer trains on, for `peer status` and the monitor (signed, like its records)
+    devices = DeviceAnnouncer(dht, manifest.run_id, signer, DeviceRecord.from_event(device_fields)).start()
+    stack.callback(devices.stop)
+    reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **device_fields,
+                  micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
+                  maddrs=reachability.printable_maddrs(dht, reach), relayed_at=reachability.relay_maddrs(dht, reach),
+                  run_id=manifest.run_id, run_name=manifest.name, parameters=parameter_count(model),
+                  inner_steps=manifest.sync.inner_steps, stage=stage, threads=torch.get_num_threads())
+    for note in notes:
+        reporter.emit("warning", message=note)
+    return _Peer(trainer=trainer, watch=watch, peer_id=peer_id)

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
-from protocol.dht import visible_maddrs
-from protocol.reachability import DialBack, ask_dialback
+from peer.net import dht as swarm_dht, dht_node
+from peer.net.dht import parse_initial_peers, visible_maddrs
+from peer.net.reachability import DialBack, ask_dialback, serve_dialback
+from peer.net.uplink import serve_uplink
+from protocol.errors import BootstrapUnreachable, NetworkError
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,8 @@ MAX_CHECKERS = 3
 
 @dataclass(frozen=True)
 class Reachability:
-    """What the dial-back check found."""
+    """What the dial-back check found (:func:`judge`), and, once :func:`reach_out` decided, how
+    this peer is reached: what the rest of ``peer join`` reads instead of ``JoinConfig.client_mode``."""
 
     status: str
     """'reachable', 'unreachable', 'unknown' (no checker answered) or 'unchecked' (no initial peer,
@@ -43,6 +47,14 @@ class Reachability:
     """Addresses (without /p2p/) at which a checker opened a libp2p connection to this peer."""
     line: str = ""
     """The one line that tells the user (empty for 'unchecked')."""
+    client_mode: bool = False
+    """Whether the peer runs in client mode (dials out, accepts no connection, serves no state):
+    asked for with --client-mode, or fallen back to when it was found 'unreachable'."""
+    relays: tuple[str, ...] = ()
+    """In client mode: the initial peers through whose circuit relays others reach this peer
+    (:func:`relay_maddrs`); empty otherwise."""
+    announce: tuple[str, ...] = ()
+    """The ``--announce`` addresses offered to others (those without /p2p/; :func:`printable_maddrs`)."""
 
 
 def _ip_of(maddr: str) -> str:
@@ -137,20 +149,17 @@ def dialable_maddrs(visible: Sequence[str], peer_id: str, *, verified: Sequence[
 
 def start_node(initial_peers: Sequence[str], *, host: str, port: int, announce: Sequence[str], identity_path: str,
                client_mode: bool, restart: bool = False, timeout_s: float = 20.0):
-    """Start this peer's DHT node: as ``protocol.dht.start_dht``, and in client mode with libp2p's
+    """Start this peer's DHT node: as ``peer.net.dht_node.start_dht``, and in client mode with libp2p's
     auto relay through ``initial_peers`` (go-libp2p reserves a relay slot on them once it judges
     itself private, which client mode forces), so others can reach it through a bootstrap node.
     ``restart``: the same identity just left the swarm (hivemind's check whether the identity is
     taken could still see its old connections, so it is skipped).
 
     Raises:
-        BadPeerAddress, BootstrapUnreachable, NetworkError: as ``protocol.dht.start_dht``.
+        BadPeerAddress, BootstrapUnreachable, NetworkError: as ``peer.net.dht_node.start_dht``.
     """
-    from protocol import dht as swarm_dht
-    from protocol.errors import BootstrapUnreachable, NetworkError
-
     if not client_mode or not initial_peers:
-        return swarm_dht.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
+        return dht_node.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
                                    identity_path=identity_path, client_mode=client_mode, timeout_s=timeout_s)
     peers = swarm_dht.parse_initial_peers(initial_peers)
     kwargs = dict(initial_peers=peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], client_mode=True, start=True,
@@ -160,76 +169,73 @@ def start_node(initial_peers: Sequence[str], *, host: str, port: int, announce: 
     if announce:
         kwargs["announce_maddrs"] = list(announce)
     try:
-        return swarm_dht.new_dht(**kwargs)
+        return dht_node.new_dht(**kwargs)
     except Exception as exc:
         if "bootstrap failed" in str(exc) or "initial_peers" in str(exc):
             raise BootstrapUnreachable(f"none of the initial peers answered: {', '.join(peers)}") from exc
         raise NetworkError(f"could not start the DHT node on {host}:{port}: {exc}") from exc
 
 
-def reach_out(dht, cfg, reporter, *, identity_path: str):
+def reach_out(dht, cfg, reporter, *, identity_path: str) -> tuple[object, Reachability]:
     """Serve dial-back checks for others, check this peer's own reachability and say it in one line;
     an unreachable peer goes on in client mode, relayed (its DHT node is restarted, same identity).
 
     Args:
-        cfg: the peer's ``JoinConfig`` (host, port, announce, initial_peers, client_mode).
+        dht: this peer's started DHT node.
+        cfg: the peer's ``JoinConfig`` (host, port, announce, initial_peers, client_mode); not changed.
         reporter: where the line goes (a ``status`` event with ``reachability`` and ``verified``).
 
     Returns:
-        ``(dht, cfg, verdict)``: the DHT to use from now on, ``cfg`` with ``client_mode`` set when
-        the peer fell back to it, and the :class:`Reachability` found.
+        ``(dht, reach)``: the DHT to use from now on (``dht``, or after a fall back to client mode a
+        new node, ``dht`` then shut down) and the :class:`Reachability` found and decided.
 
     Raises:
         BootstrapUnreachable, NetworkError: the restarted node could not join (the old one is shut down).
     """
-    import dataclasses
+
+    def decided(verdict: Reachability, client_mode: bool) -> Reachability:
+        return replace(verdict, client_mode=client_mode, relays=tuple(cfg.initial_peers) if client_mode else (),
+                       announce=tuple(a for a in cfg.announce if "/p2p/" not in a))
 
     if cfg.client_mode:
         verdict = Reachability("unchecked", line="client mode: this peer dials out and accepts no connections"
                                                  + ("; relayed through the initial peers" if cfg.initial_peers else ""))
         reporter.emit("status", message=verdict.line, reachability=verdict.status, verified=[])
-        return dht, cfg, verdict
+        return dht, decided(verdict, True)
     try:
-        from protocol.reachability import serve_dialback
-        from protocol.uplink import serve_uplink
-
         serve_dialback(dht)
         serve_uplink(dht)
     except Exception as exc:  # a node that cannot serve checks still trains
         logger.debug("cannot serve dial-back checks: %r", exc)
     if not cfg.initial_peers:
-        return dht, cfg, Reachability("unchecked")
+        return dht, decided(Reachability("unchecked"), False)
     reporter.emit("status", message="checking whether the swarm can dial this peer back")
     verdict = check(dht, cfg.initial_peers)
     reporter.emit("status", message=verdict.line, reachability=verdict.status, verified=list(verdict.verified))
     if verdict.status != "unreachable":
-        return dht, cfg, verdict
+        return dht, decided(verdict, False)
     dht.shutdown()
-    cfg = dataclasses.replace(cfg, client_mode=True)
     dht = start_node(cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
                      identity_path=identity_path, client_mode=True, restart=True)
-    return dht, cfg, verdict
+    return dht, decided(verdict, True)
 
 
-def relay_maddrs(dht, cfg) -> list[str]:
+def relay_maddrs(dht, reach: Reachability) -> list[str]:
     """For a peer in client mode: the addresses at which others reach it through its initial peers'
     circuit relays (``<initial peer>/p2p-circuit/p2p/<this peer>``). They work once a relay granted
     this peer a slot: go-libp2p's auto relay asks after about three minutes, and only relays with
     public addresses (in the namespace lab, a public-range subnet: tests/integration/test_relay.py).
     Empty for a peer that is not in client mode or has no initial peer."""
-    if not cfg.client_mode or not cfg.initial_peers:
+    if not reach.relays:
         return []
-    from protocol.dht import parse_initial_peers
-
-    return [f"{m}/p2p-circuit/p2p/{dht.peer_id}" for m in parse_initial_peers(cfg.initial_peers)
+    return [f"{m}/p2p-circuit/p2p/{dht.peer_id}" for m in parse_initial_peers(reach.relays)
             if "/p2p-circuit" not in m]
 
 
-def printable_maddrs(dht, cfg, verdict: Reachability) -> list[str]:
+def printable_maddrs(dht, reach: Reachability) -> list[str]:
     """The addresses the ``started`` line offers others: :func:`dialable_maddrs`, or for a peer in
     client mode only its relay addresses (none until a relay slot is granted)."""
     visible = visible_maddrs(dht, latest=True)
-    if cfg.client_mode:
+    if reach.client_mode:
         return [m for m in visible if "p2p-circuit" in m]
-    return dialable_maddrs(visible, str(dht.peer_id), verified=verdict.verified,
-                           announce=[a for a in cfg.announce if "/p2p/" not in a])
+    return dialable_maddrs(visible, str(dht.peer_id), verified=reach.verified, announce=reach.announce)

@@ -10,6 +10,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 
@@ -21,7 +22,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def round_line(e: dict[str, Any]) -> str:
+def round_line(e: Mapping[str, Any]) -> str:
     """``round 12 | loss 2.913 | 1,830 tok/s | group 4 | sync 2.4 s | sent 5.1 MiB | recv 5.1 MiB | peers 7``"""
     line = (f"round {e['round']} | loss {e['train_loss']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
             f"group {e['group_size']} | sync {e['sync_s']:.1f} s | sent {format_bytes(e['bytes_sent'])} | "
@@ -63,7 +64,7 @@ class Reporter:
     def emit(self, event: str, **fields: Any) -> None:
         record = {"event": event, "time": time.time(), **fields}
         if self.fmt == "json":
-            text = json.dumps(record)
+            text: str | None = json.dumps(record)
         else:
             text = self._text(record)
             if text is None:

@@ -11,7 +11,7 @@
   the runs (name, run id, peers, round) and asking for ``--run-id``.
 
 Runs have owners (protocol/manifest.py): the announced runs here are only those whose manifest is
-signed by the owner its run id binds (protocol/dht.py ``list_announced``), so an unsigned or
+signed by the owner its run id binds (peer/net/dht.py ``list_announced``), so an unsigned or
 forged announcement neither counts as a second run nor stands in for the real one. A local
 manifest that names its owner is that one run; one that names none (a preset, most TOML files)
 matches the swarm's runs of the same content, whoever owns them, and if it is started, the peer
@@ -22,8 +22,8 @@ Pure: the DHT reads are the caller's (``announced`` and ``stats``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Set
 from pathlib import Path
-from typing import Callable
 
 from protocol.errors import ManifestNotFound, RunChoiceNeeded
 from protocol.manifest import RunManifest
@@ -53,11 +53,11 @@ def describe_runs(announced: dict[str, RunManifest], stats: RunStats) -> str:
 
 def choose_run(announced: dict[str, RunManifest], *, local: RunManifest | None,
                local_flag: str = "--run/--preset", run_id: str | None = None, new_run: bool = False,
-               checkpoints: set[str] = frozenset(), stats: RunStats = lambda run_id: None) -> str | None:
+               checkpoints: Set[str] = frozenset(), stats: RunStats = lambda run_id: None) -> str | None:
     """The id of the run this peer trains.
 
     Args:
-        announced: the swarm's validly signed runs, run id → manifest (protocol/dht.py ``list_announced``).
+        announced: the swarm's validly signed runs, run id → manifest (peer/net/dht.py ``list_announced``).
         local: the manifest of ``--run``/``--preset``, or None for a plain join.
         local_flag: how the user named ``local`` (``--preset tiny``), for the messages.
         run_id: ``--run-id``.

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from protocol import dht as swarm_dht, liveness
-from protocol.devices import read_devices
+from peer.net import dht as swarm_dht, dht_node
+from peer.net.devices import DeviceRecord, read_devices
+from peer.reporting import format_bytes
+from protocol import liveness
 from protocol.errors import LocoError, ManifestNotFound
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +104,6 @@ def print_status(status: dict[str, Any], console) -> None:
     """One rich table per run: peers (live or gone), device, rounds, losses, throughput, group, bytes."""
     from rich.table import Table
 
-    from peer.reporting import format_bytes
-
     if not status["runs"]:
         console.print("the swarm announces no run and no peer published progress yet")
         return
@@ -108,10 +112,11 @@ def print_status(status: dict[str, Any], console) -> None:
         gone = len(peers) - run["live_peers"]
         title = f"run {run['run_id']} ({run['name']}): {run['live_peers']} live peer(s)"
         table = Table(title=title + (f", {gone} gone" if gone else ""))
-        for column, justify in (("peer id", "left"), ("status", "left"), ("device", "left"), ("round", "right"),
+        columns: tuple[tuple[str, JustifyMethod], ...] = (("peer id", "left"), ("status", "left"), ("device", "left"), ("round", "right"),
                                 ("inner step", "right"), ("train loss", "right"), ("val loss", "right"),
                                 ("tok/s", "right"), ("group", "right"), ("sent", "right"), ("received", "right"),
-                                ("record age", "right")):
+                                ("record age", "right"))
+        for column, justify in columns:
             table.add_column(column, justify=justify)
         for p in peers:
             table.add_row(p["peer_id"], "live" if p["live"] else "gone", device_text(p["device"]),
@@ -129,8 +134,6 @@ def print_status(status: dict[str, Any], console) -> None:
 def device_text(device: dict | None) -> str:
     """A status row's device cell: :meth:`DeviceRecord.describe` of a ``collect_status`` peer's
     ``device`` map, ``-`` when the peer published none."""
-    from protocol.devices import DeviceRecord
-
     return "-" if device is None else DeviceRecord(**device).describe()
 
 
@@ -141,7 +144,7 @@ def status(initial_peers: Sequence[str], run_id: str | None, *, wait_s: float = 
         BadPeerAddress, BootstrapUnreachable, NetworkError: the swarm cannot be reached.
         ManifestNotFound: ``run_id`` is unknown to the swarm.
     """
-    dht = swarm_dht.start_dht(initial_peers=initial_peers, client_mode=True)
+    dht = dht_node.start_dht(initial_peers=initial_peers, client_mode=True)
     try:
         return collect_status(dht, run_id, wait_s=wait_s)
     finally:

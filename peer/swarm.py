@@ -10,9 +10,6 @@ peers find the token cache filled). When a peer fails, the others are stopped an
 exits with that peer's exit code and prints its one-line reason. A temporary working directory
 (no ``--workdir``) is removed at the end unless ``keep`` is set or a peer failed (its logs stay,
 and the launcher says where).
-
-Over 300 lines on purpose: the launcher, its watch loop and the summary it prints read the same
-children and events; split apart, each would pass the swarm's state around for no reader's gain.
 """
 
 from __future__ import annotations
@@ -25,13 +22,15 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from peer.events import Event
 from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
-from peer.reporting import format_bytes
+from peer.reporting import format_bytes, round_line
+from peer.train.cache import default_cache_dir
 from protocol.errors import ChildExited, ChildTimeout, NetworkError
 from protocol.manifest import RunManifest, dump_toml
 
@@ -177,7 +176,6 @@ def check_data(manifest: RunManifest) -> None:
     Raises:
         ConfigError: the data is missing or is not what the run pins (peer/train/data.py).
     """
-    from peer.train.cache import default_cache_dir
     from peer.train.data import load_corpus
 
     load_corpus(manifest.data, cache_dir=default_cache_dir())
@@ -279,8 +277,6 @@ def _watch(swarm: Swarm, console) -> None:
             continue
         kind = event.kind
         if kind == "round":
-            from peer.reporting import round_line
-
             console.print(f"{name} | {round_line(event)}", markup=False, highlight=False)
         elif kind == "eval":
             bpb = f" nats/token ({event['bpb']:.3f} bits/byte)" if event.get("bpb") is not None else ""
@@ -298,8 +294,8 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
     for name, child in swarm.children.items():
         if name == "bootstrap":
             continue
-        started = child.last("started") or {}
-        stopped = child.last("stopped") or {}
+        started: Mapping[str, Any] = child.last("started") or {}
+        stopped: Mapping[str, Any] = child.last("stopped") or {}
         rounds = child.of("round")
         first_eval = next((e for e in child.of("eval") if e.get("when") == "initial"), None)
         last_eval = child.last("eval", when="final")

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import NoReturn
+from collections.abc import Iterable
+from typing import Any, NoReturn, Self
 
 
 class LocoError(Exception):
@@ -96,11 +97,11 @@ class StageCallFailed(NetworkError):
         failures: ``(peer_id, reason)`` for each replica tried, in the order tried.
     """
 
-    def __init__(self, message: str, failures=()):
+    def __init__(self, message: str, failures: Iterable[tuple[Any, str]] = ()):
         super().__init__(message)
         self.failures = list(failures)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Self], tuple[str, list[tuple[Any, str]]]]:
         return type(self), (str(self), self.failures)
 
 
@@ -120,7 +121,7 @@ class NoReplica(NetworkError):
         super().__init__(f"no live replica of pipeline stage {stage}{why}: the pipeline pauses "
                          f"until a peer serving stage {stage} joins or recovers")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Self], tuple[int, int]]:
         return type(self), (self.stage, self.cooling)
 
 
@@ -159,11 +160,11 @@ class SyncError(LocoError):
         deadline_s: the bound the failed call ran under, s (retries included); 0 if none.
     """
 
-    def __init__(self, *args, bytes_sent: int = 0, bytes_received: int = 0, deadline_s: float = 0.0):
+    def __init__(self, *args: object, bytes_sent: int = 0, bytes_received: int = 0, deadline_s: float = 0.0):
         super().__init__(*args)
         self.bytes_sent, self.bytes_received, self.deadline_s = bytes_sent, bytes_received, deadline_s
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Self], tuple[Any, ...], dict[str, Any]]:
         # Rebuilt from the message, then every attribute restored: keyword attributes are not in
         # ``args``, and a subclass's own attributes (StateDownloadFailed.failed) travel the same way.
         return type(self), self.args, self.__dict__
@@ -197,7 +198,7 @@ class StateDownloadFailed(SyncError):
         failed: each donor that failed (peer handle) → its reason.
     """
 
-    def __init__(self, message: str = "", failed: dict | None = None, **kwargs):
+    def __init__(self, message: str = "", failed: dict[Any, str] | None = None, **kwargs: Any):
         super().__init__(message, **kwargs)
         self.failed = dict(failed or {})
 
@@ -218,7 +219,7 @@ class HelperDied(LocoError):
     (hivemind's, which runs the all-reduce and serves its state); a bootstrap node's DHT or p2pd.
     The command stops as on a signal (a peer's round in progress is not applied, its checkpoint is
     written) and exits 75; run again, a peer resumes from its checkpoint. Raised by every wait on
-    the averager instead of waiting forever, and by protocol/lifetime.py's ``HelperWatch``."""
+    the averager instead of waiting forever, and by peer/net/lifetime.py's ``HelperWatch``."""
 
     exit_code = 75  # sysexits EX_TEMPFAIL: starting the command again is the fix
 
@@ -247,7 +248,7 @@ class ChildExited(LaunchError):
         super().__init__(message)
         self.returncode = returncode
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Self], tuple[str, int | None]]:
         return type(self), (str(self), self.returncode)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 SEED_MODULUS = 1 << 31
 """Codec seeds are below this (stochastic rounding generators take a 31-bit seed)."""

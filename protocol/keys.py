@@ -5,7 +5,7 @@ from __future__ import annotations
 RUNS_KEY = "locoswarm_runs"
 """Subkey: run id; value: the run's manifest signed by its owner (``{"m": canonical msgpack bytes,
 "s": Ed25519 signature}``, protocol/manifest.py ``SignedManifest``). Lets `peer join` find and
-verify the run; every node of ours refuses other values here (protocol/validator.py)."""
+verify the run; every node of ours refuses other values here (peer/net/validator.py)."""
 
 
 def manifest_key(run_id: str) -> str:
@@ -18,6 +18,17 @@ def progress_key(run_id: str) -> str:
     """Subkey: peer id (base58); value: a progress record (see protocol.records) signed by that peer
     (protocol/signing.py ``PeerSigner.seal``)."""
     return f"locoswarm_progress_{run_id}"
+
+
+def addresses_key(run_id: str) -> str:
+    """Subkey: peer id (base58); value: that peer's visible multiaddrs (list of str), signed by it
+    (peer/net/addresses.py)."""
+    return f"locoswarm_peers_{run_id}"
+
+
+def devices_key(run_id: str) -> str:
+    """Subkey: peer id (base58); value: that peer's device record, signed by it (peer/net/devices.py)."""
+    return f"locoswarm_devices_{run_id}"
 
 
 def averager_prefix(run_id: str, algorithm: str) -> str:
@@ -41,7 +52,7 @@ def sync_index(round_: int, fragment: int | None = None, fragments: int = 1) -> 
     """What a sync's group bits carry as its "round": the round itself, or with Streaming DiLoCo's
     fragments (``sync.overlap = "streaming"``) ``round_ · fragments + fragment``, so the fragment
     syncs of one round meet under keys of their own and the matchmaking-key protection around a
-    round (protocol/validator.py) covers them as it covers rounds.
+    round (peer/net/validator.py) covers them as it covers rounds.
 
     Raises:
         ValueError: ``fragment`` outside [0, fragments).

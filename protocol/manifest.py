@@ -26,15 +26,27 @@ import hashlib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
 from protocol.errors import BadSignature, ManifestError, VersionMismatch
 from protocol.signing import OwnerKey, is_owner_hex, verify_manifest
 from protocol.specs import (
-    CODECS, PHI_CODECS, CompressionSpec, DataSpec, InnerOptimizerSpec, ModelSpec, NoLoCoSpec, OuterOptimizerSpec,
-    OMITTED_AT_DEFAULT_INNER_FIELDS, OMITTED_AT_DEFAULT_SYNC_FIELDS, PipelineSpec, SyncSpec, check, int_in,
+    CODECS,
+    OMITTED_AT_DEFAULT_INNER_FIELDS,
+    OMITTED_AT_DEFAULT_SYNC_FIELDS,
+    PHI_CODECS,
+    CompressionSpec,
+    DataSpec,
+    InnerOptimizerSpec,
+    ModelSpec,
+    NoLoCoSpec,
+    OuterOptimizerSpec,
+    PipelineSpec,
+    SyncSpec,
+    check,
+    int_in,
 )
 from protocol.version import PROTOCOL_VERSION
 
@@ -127,7 +139,7 @@ class RunManifest:
 
     def encode(self) -> bytes:
         """Canonical msgpack bytes: keys sorted at every level, so equal manifests encode equally."""
-        return msgpack.packb(_sorted(self.to_dict()), use_bin_type=True)
+        return cast(bytes, msgpack.packb(_sorted(self.to_dict()), use_bin_type=True))
 
     def with_owner(self, owner: str) -> RunManifest:
         """This run owned by ``owner`` (hex public key; "" for the ownerless content).
@@ -297,7 +309,7 @@ def _toml_value(value: Any) -> str:
 @dataclass(frozen=True)
 class SignedManifest:
     """A manifest with its owner's signature of :meth:`RunManifest.encode`: what a run's announcement
-    holds (protocol/dht.py), checked by :func:`open_announcement`."""
+    holds (peer/net/dht.py), checked by :func:`open_announcement`."""
 
     manifest: RunManifest
     signature: bytes

@@ -7,7 +7,7 @@ Two kinds of keys sign:
   manifest's canonical encoding (protocol/manifest.py), so the run id binds the key: no other key
   can sign a manifest with that run id. The key file is PKCS#8 PEM, created with mode 0600
   (:func:`load_owner_key`).
-* A peer's **identity key** (the libp2p RSA key of protocol/identity.py, which fixes its peer id)
+* A peer's **identity key** (the libp2p RSA key of peer/net/identity.py, which fixes its peer id)
   signs its records (progress, addresses). A signed record carries the signer's public key; its
   peer id is the multihash of that key (libp2p's rule), so a reader checks that the subkey the
   record is stored under is the signer's peer id, then the signature (:func:`open_record`).
@@ -141,9 +141,9 @@ def load_owner_key(path: str | Path, *, create: bool = True) -> OwnerKey:
         return OwnerKey(key, path)
     if not create:
         raise ConfigError(f"owner key file {path} does not exist; pass --owner-key with the run owner's key file")
-    key = save_owner_key(OwnerKey.generate(), path)
+    created = save_owner_key(OwnerKey.generate(), path)
     logger.info("created new owner key %s", path)
-    return key
+    return created
 
 
 def save_owner_key(key: OwnerKey, path: str | Path) -> OwnerKey:
@@ -177,6 +177,73 @@ def save_owner_key(key: OwnerKey, path: str | Path) -> OwnerKey:
 
 # ---------------------------------------------------------------- peer records (libp2p identity)
 
+_LIBP2P_RSA = 0
+"""libp2p's ``KeyType.RSA`` (crypto.proto)."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _libp2p_key(key_type: int, data: bytes) -> bytes:
+    """libp2p's ``PublicKey``/``PrivateKey`` protobuf (proto2, both fields required):
+    ``key_type = 1`` (varint), ``data = 2`` (bytes), the bytes protobuf itself writes for them."""
+    return b"\x08" + _varint(key_type) + b"\x12" + _varint(len(data)) + data
+
+
+def _parse_libp2p_key(blob: bytes) -> tuple[int, bytes]:
+    """``(key_type, data)`` of a libp2p ``PrivateKey``/``PublicKey`` protobuf (what p2pd reads with
+    ``-id``); fields of other numbers are skipped, as protobuf does.
+
+    Raises:
+        ValueError: malformed, or a required field missing.
+    """
+
+    def varint(at: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            if at >= len(blob) or shift > 63:
+                raise ValueError("truncated or overlong varint")
+            byte = blob[at]
+            value |= (byte & 0x7F) << shift
+            at, shift = at + 1, shift + 7
+            if not byte & 0x80:
+                return value, at
+
+    key_type = data = None
+    at = 0
+    while at < len(blob):
+        tag, at = varint(at)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, at = varint(at)
+            if field == 1:
+                key_type = value
+        elif wire == 2:
+            length, at = varint(at)
+            if at + length > len(blob):
+                raise ValueError("truncated length-delimited field")
+            if field == 2:
+                data = blob[at:at + length]
+            at += length
+        elif wire in (1, 5):
+            at += 8 if wire == 1 else 4
+            if at > len(blob):
+                raise ValueError("truncated fixed-size field")
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if field == 0:
+            raise ValueError("field number 0")
+    if key_type is None or data is None:
+        raise ValueError("not a libp2p key: key_type or data missing")
+    return key_type, data
+
+
 def peer_id_of(public_der: bytes) -> str:
     """The libp2p peer id (base58) of an RSA public key in DER SubjectPublicKeyInfo form.
 
@@ -185,11 +252,10 @@ def peer_id_of(public_der: bytes) -> str:
     """
     import base58
     import multihash
-    from hivemind.proto import crypto_pb2
 
     if not isinstance(public_der, bytes) or not 0 < len(public_der) <= MAX_KEY_BYTES:
         raise BadSignature("a record's public key must be 1 to 1024 bytes")
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()
+    encoded = _libp2p_key(_LIBP2P_RSA, public_der)
     digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
     return base58.b58encode(digest).decode()
 
@@ -215,17 +281,15 @@ class PeerSigner:
 
     @classmethod
     def from_identity(cls, path: str | Path) -> PeerSigner:
-        """The signer of the identity file at ``path`` (protocol/identity.py ``ensure_identity``).
+        """The signer of the identity file at ``path`` (peer/net/identity.py ``ensure_identity``).
 
         Raises:
             ConfigError: the file is unreadable or not a libp2p RSA private key.
         """
-        from hivemind.proto import crypto_pb2
-
         path = Path(path).expanduser()
         try:
-            key = crypto_pb2.PrivateKey.FromString(path.read_bytes())
-            private = serialization.load_der_private_key(key.data, password=None)
+            _, data = _parse_libp2p_key(path.read_bytes())
+            private = serialization.load_der_private_key(data, password=None)
         except Exception as exc:  # protobuf and cryptography raise several unrelated types
             raise ConfigError(f"identity file {path} is not a libp2p private key ({exc}); "
                               "move it away to create a new identity") from exc
@@ -295,7 +359,7 @@ class Rejections:
     MAX_LOGGED = 10_000
     """Writers remembered for log-once; past this, further rejections are counted but not logged."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()

@@ -3,9 +3,6 @@
 Each ``__post_init__`` checks every field and raises :class:`~protocol.errors.ManifestError`
 naming the field, the bad value and the allowed range. :mod:`protocol.manifest` assembles the
 sections into a :class:`~protocol.manifest.RunManifest` and gives it its encoding and run id.
-
-Over 300 lines on purpose: every section of the manifest is here, so the whole schema with its
-ranges reads in one file; each section is short and stands alone.
 """
 
 from __future__ import annotations
@@ -89,7 +86,7 @@ class DataSpec:
     path: str = ""
     """The file or directory of every source but 'python-stdlib'. Empty when ``corpus_sha256`` names the
     corpus by content: each peer then reads its own copy (``peer join --data PATH``), checked against
-    the hash; a run announced with a non-empty path is refused by joiners (protocol/dht.py)."""
+    the hash; a run announced with a non-empty path is refused by joiners (peer/net/dht.py)."""
     text_field: str = "text"
     """The JSON key or column holding each document's text ('jsonl', 'parquet', 'hf-dataset')."""
     tokenizer: str = "bytes"
@@ -195,10 +192,10 @@ class InnerOptimizerSpec:
 class OuterOptimizerSpec:
     """SGD on φ with the averaged pseudo-gradient as its gradient (DiLoCo, arXiv 2311.08105).
 
-    The default is plain averaging (lr 1.0, no momentum: φ ← mean of the group's θ), chosen by
-    measurement (docs/benchmarks.md "Outer optimizer sweep", bench/sweep_outer.py): from scratch
-    at H = 25, N = 2/4/8, 2 seeds, it beat the DiLoCo paper's Nesterov 0.7/0.9 (picked at H = 500
-    from a pretrained start) by 13-17 % and every other lr × momentum tried.
+    The default is plain averaging (lr 1.0, no momentum: φ ← mean of the group's θ): from scratch
+    at short H it beat the DiLoCo paper's Nesterov 0.7/0.9 (picked at H = 500 from a pretrained
+    start) and every other lr × momentum tried (docs/benchmarks.md "Outer optimizer sweep",
+    bench/sweep_outer.py).
     """
 
     lr: float = 1.0
@@ -217,9 +214,8 @@ class OuterOptimizerSpec:
 class NoLoCoSpec:
     """NoLoCo's outer step (arXiv 2506.10911; ALGORITHMS.md §2), used when sync.algorithm = 'noloco'.
 
-    The default, α = 0 and β = γ = 1 (φ ← the group's mean θ, no momentum), was chosen by
-    measurement (docs/benchmarks.md "Outer optimizer sweep"): from scratch at H = 25 it beat the
-    paper's α = 0.5, β = γ = 0.7 by 3.4 % (N = 4) and 2.5 % (N = 8), 2 seeds each.
+    The default, α = 0 and β = γ = 1 (φ ← the group's mean θ, no momentum): from scratch at short
+    H it beat the paper's α = 0.5, β = γ = 0.7 (docs/benchmarks.md "Outer optimizer sweep").
     """
 
     momentum: float = 0.0
@@ -314,9 +310,8 @@ class SyncSpec:
     """K, 'delayed' and 'eager' only: rounds 0 to K − 1 of the run sync blocking (as 'none'), round K
     is the first whose sync overlaps the next round (its mean lands at the end of round K + 1). A
     round's index is the swarm's, so every peer switches at the same round, a joiner too. Overlap
-    costs the most loss early in a run, when φ moves the most per round (docs/benchmarks.md, H = 25:
-    eager from round 9 of 384 is +0.54 % vs none, from round 1 of 96 +3.8 %; with H = 10 eager
-    stays above +8 % even so). 0: overlap from the first round."""
+    costs the most loss early in a run, when φ moves the most per round (docs/benchmarks.md). 0:
+    overlap from the first round."""
     fragments: int = 4
     """P, streaming only: fragments of the model (fragment p holds transformer blocks p, p+P, ...);
     at most model.num_layers."""
@@ -333,10 +328,9 @@ class SyncSpec:
     rule, arXiv 2501.18512): θ_p ← α·θ_p + (1 − α)·φ_p, which also takes (1 − α) of the inner steps
     trained while the sync was in flight back out. 'shift': θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync),
     θ_p^sync being θ_p when the sync started: the same mix of the state the sync was about, with
-    the steps trained since kept in full (equal to 'mix' when none were). Measured better than 'mix'
-    (docs/benchmarks.md, issue #18: `cpu-32k` τ = 1 +0.84 % vs none where 'mix' is +1.41 %; τ = 12
-    of H = 25 +0.96 % where 'mix' is +3.66 %; at τ = 4 of H = 10 both about +2 %); 'mix' stays the default so
-    that a manifest written before this field existed means what it meant."""
+    the steps trained since kept in full (equal to 'mix' when none were). It cost less loss than
+    'mix' where a sync overlaps many steps (docs/benchmarks.md, issue #18); 'mix' stays the default
+    so that a manifest written before this field existed means what it meant."""
 
     def __post_init__(self) -> None:
         s = "sync"

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Collection, Sequence
 
-from protocol import dht as swarm_dht
-from protocol.dht import parse_initial_peers, read_signed
+from peer.net import dht as swarm_dht
+from peer.net.dht import parse_initial_peers, read_signed
 from protocol.errors import BadPeerAddress
+from protocol.keys import addresses_key
 from protocol.signing import PeerSigner
 
 logger = logging.getLogger(__name__)
@@ -30,11 +31,6 @@ MAX_ADDRESSES_PER_PEER = 8
 
 MAX_ADDRESS_CHARS = 512
 """Longer strings are not taken for multiaddrs."""
-
-
-def addresses_key(run_id: str) -> str:
-    """Subkey: peer id (base58); value: that peer's visible multiaddrs (list of str)."""
-    return f"locoswarm_peers_{run_id}"
 
 
 def check_peer_maddr(address: object) -> tuple[str, str]:
@@ -85,12 +81,12 @@ def read_addresses(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[st
     """Every peer's published multiaddrs (validated): peer id → addresses; peers with none valid,
     or whose entry expires further ahead than a peer publishes, are left out.
 
-    At most ``MAX_RECORDS_READ`` entries are verified and kept (protocol/dht.py ``select_entries``:
+    At most ``MAX_RECORDS_READ`` entries are verified and kept (peer/net/dht.py ``select_entries``:
     ``prefer`` first, then a per-process keyed hash of the peer id): a flood of records signed by
     fresh identities costs a bounded number of signature checks.
 
     Raises:
-        NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
+        NetworkError: the DHT did not answer in time (peer/net/dht.py ``read_value``).
     """
     found = read_signed(dht, addresses_key(run_id), "addresses", valid_addresses, max_ahead_s=ADDRESSES_TTL_S + 600,
                         prefer=prefer)

@@ -3,7 +3,7 @@
 The device is a per-peer fact, not part of the run manifest: CPU and GPU peers train in one
 swarm. Each peer publishes one small record under :func:`devices_key` (subkey: its peer id),
 signed by its identity key like its progress record (protocol/signing.py), so no one can describe
-another peer's card; every node of ours refuses unsigned values there (protocol/validator.py).
+another peer's card; every node of ours refuses unsigned values there (peer/net/validator.py).
 It is kept apart from the progress record, which is published every quarter round, because it
 does not change while the peer runs.
 
@@ -18,9 +18,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Collection
 
-from protocol import dht as swarm_dht
-from protocol.dht import Periodic, read_signed
+from peer.net import dht as swarm_dht
+from peer.net.dht import Periodic, read_signed
 from protocol.errors import BadPayload
+from protocol.keys import devices_key
 from protocol.signing import PeerSigner
 from protocol.text import sanitize
 
@@ -38,11 +39,6 @@ MAX_RANKS = 64
 """Devices one peer trains on at most (peer/train/ddp.py); a larger claim is a lie."""
 MAX_MEMORY_GIB = 4096.0
 """No single accelerator has more memory than this (GiB); a larger claim is a lie."""
-
-
-def devices_key(run_id: str) -> str:
-    """Subkey: peer id (base58); value: that peer's :class:`DeviceRecord`, signed by it."""
-    return f"locoswarm_devices_{run_id}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,12 +140,12 @@ def read_devices(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[str,
     (``signing.REJECTED["devices"]``); a malformed one, or one expiring further ahead than a peer
     publishes, is skipped with a debug log.
 
-    At most ``MAX_RECORDS_READ`` entries are verified and kept (protocol/dht.py ``select_entries``:
+    At most ``MAX_RECORDS_READ`` entries are verified and kept (peer/net/dht.py ``select_entries``:
     ``prefer`` first, then a per-process keyed hash of the peer id): a flood of records signed by
     fresh identities costs a bounded number of signature checks.
 
     Raises:
-        NetworkError: the DHT did not answer in time (protocol/dht.py ``read_value``).
+        NetworkError: the DHT did not answer in time (peer/net/dht.py ``read_value``).
     """
     found = read_signed(dht, devices_key(run_id), "devices", lambda _, data: DeviceRecord.from_wire(data),
                         max_ahead_s=DEVICES_TTL_S + 600, prefer=prefer)

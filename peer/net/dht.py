@@ -1,12 +1,13 @@
-"""DHT access shared by peers and bootstrap nodes: start a node, announce and fetch run manifests,
-publish and read progress records.
+"""DHT access shared by peers and bootstrap nodes: bounded calls into the DHT process, this node's
+addresses and stream handlers, announce and fetch run manifests, publish and read progress records
+(starting a node: peer/net/dht_node.py).
 
 Anyone can write to the DHT, so every read peers act on is bounded and screened:
 
 * it returns within a timeout (:func:`read_value`: hivemind's ``DHT.get`` has none);
 * a value that is not msgpack is skipped, not fatal: in hivemind 1.1.12 it raises inside the
   search's callback, whose future then never resolves, so every later read of that key hung. The
-  DHT process of :func:`new_dht` decodes each found value on its own and reads an undecodable one
+  DHT process of ``new_dht`` (peer/net/dht_node.py) decodes each found value on its own and reads an undecodable one
   as None, which every reader here rejects like any other invalid value;
 * a value whose expiration lies further ahead than any honest writer sets
   (:data:`MAX_EXPIRATION_AHEAD_S`) is ignored;
@@ -16,7 +17,7 @@ Anyone can write to the DHT, so every read peers act on is bounded and screened:
   manifest signed by the run's owner (protocol/manifest.py ``open_announcement``), and a peer's
   progress record is signed by the peer's identity key, stored under its peer id. A value whose
   signature does not match is ignored and counted (``signing.REJECTED``). Every node started here
-  also refuses to store such values under the keys it protects (protocol/validator.py), so an
+  also refuses to store such values under the keys it protects (peer/net/validator.py), so an
   unsigned write can neither replace nor hide a signed one.
 
 hivemind serializes DHT values with msgpack, never pickle.
@@ -37,10 +38,9 @@ import hashlib
 import os
 from typing import Any, Callable, Collection, Sequence
 
+from peer.net.lifetime import exited
 from protocol import keys
-from protocol.errors import (BadPeerAddress, BadSignature, BootstrapUnreachable, ManifestError,
-                             ManifestNotFound, NetworkError, ProtocolError)
-from protocol.lifetime import exited
+from protocol.errors import BadPeerAddress, BadSignature, ManifestError, ManifestNotFound, NetworkError, ProtocolError
 from protocol.manifest import RunManifest, SignedManifest, open_announcement
 from protocol.records import ProgressRecord
 from protocol.signing import REJECTED, PeerSigner, open_record, peer_id_of
@@ -73,7 +73,7 @@ def finish(future, what: str, timeout_s: float = CALL_TIMEOUT_S, dht=None):
 
     Raises:
         NetworkError: no result in time, or the DHT process died (the call is cancelled; ``what``
-            names it in the message). The command's HelperWatch (protocol/lifetime.py) is what
+            names it in the message). The command's HelperWatch (peer/net/lifetime.py) is what
             stops it when its DHT died.
         Whatever the call raised, unchanged.
     """
@@ -150,140 +150,6 @@ def parse_initial_peers(addresses: Sequence[str]) -> list[str]:
     return parsed
 
 
-@functools.cache
-def _helper_dht_class():
-    """hivemind's DHT as a helper process (protocol/lifetime.py), built on first use so that importing
-    this module does not import hivemind (and torch)."""
-    import hivemind
-
-    from protocol.lifetime import HelperProcess, bind_subprocesses_to_this_process
-
-    class SwarmDHT(HelperProcess, hivemind.DHT):
-        """A hivemind DHT whose process and p2pd die with the process that started it, leave
-        signals to it, and shut down within ``shutdown_timeout`` even when p2pd is already gone."""
-
-        def run(self) -> None:  # in the DHT process
-            bind_subprocesses_to_this_process()  # p2pd dies with this process
-            _decode_found_values_one_by_one()
-            super().run()
-
-        async def _shutdown(self) -> None:
-            # When p2pd is gone first (a service manager signals every process of the unit),
-            # DHTNode.shutdown raises or waits forever on the closed daemon connection.
-            try:
-                await asyncio.wait_for(super()._shutdown(), self.shutdown_timeout / 2)
-            except Exception as exc:
-                logger.debug("DHT node did not shut down cleanly (%r); stopping p2pd", exc)
-                try:
-                    await asyncio.wait_for(self._node.p2p.shutdown(), self.shutdown_timeout / 4)
-                except Exception as p2p_exc:
-                    logger.debug("p2pd did not stop cleanly: %r", p2p_exc)
-
-    return SwarmDHT
-
-
-class _TolerantSerializer:
-    """hivemind's serializer for values a search found: an undecodable value reads as None."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def dumps(self, obj):
-        return self.inner.dumps(obj)
-
-    def loads(self, buf):
-        try:
-            return self.inner.loads(buf)
-        except Exception as exc:  # msgpack raises several unrelated types
-            logger.debug("skipping an undecodable DHT value (%d bytes): %r", len(buf), exc)
-            return None
-
-
-def _decode_found_values_one_by_one() -> None:
-    """In this (the DHT) process: make every DHT search decode each value it found on its own, an
-    undecodable one as None, instead of raising from the search's callback and leaving the
-    caller's future unresolved forever (hivemind 1.1.12 ``_SearchState.finish_search``)."""
-    from hivemind.dht.node import _SearchState
-
-    if getattr(_SearchState, "_locoswarm_tolerant", False):
-        return
-    original_init = _SearchState.__init__
-
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.serializer = _TolerantSerializer(self.serializer)
-
-    _SearchState.__init__ = __init__
-    _SearchState._locoswarm_tolerant = True
-
-
-def new_dht(**kwargs):
-    """``hivemind.DHT(**kwargs)`` whose DHT process and p2pd die with this process however it
-    dies (``kill -9`` included) and ignore the signals that stop it (protocol/lifetime.py).
-
-    Start it from a thread that outlives it (the kernel kills the DHT process when the thread
-    that forked it exits). Unless ``record_validators`` is given, the node refuses unsigned values
-    under the keys it protects (protocol/validator.py). Raises whatever ``hivemind.DHT`` raises.
-    """
-    from protocol.validator import SwarmRecordValidator
-
-    kwargs.setdefault("record_validators", [SwarmRecordValidator()])
-    return _helper_dht_class()(**kwargs)
-
-
-def start_dht(
-    *,
-    initial_peers: Sequence[str] = (),
-    host: str = "127.0.0.1",
-    port: int = 0,
-    announce: Sequence[str] = (),
-    identity_path: str | None = None,
-    client_mode: bool = False,
-    timeout_s: float = 20.0,
-):
-    """Start a hivemind DHT node (its own process plus a p2pd daemon) and connect it to the swarm.
-
-    Args:
-        initial_peers: multiaddrs of any live node of the swarm (checked by parse_initial_peers).
-        host, port: where to listen (port 0: any free port).
-        announce: multiaddrs to advertise instead of the listen addresses (e.g. a public IP).
-        identity_path: key file fixing the peer id; see protocol.identity.
-        timeout_s: how long to wait for an initial peer to answer.
-
-    Returns:
-        A started ``hivemind.DHT`` (see :func:`new_dht`). Shut it down with ``dht.shutdown()``.
-
-    Raises:
-        BadPeerAddress: an initial peer address is malformed.
-        BootstrapUnreachable: no initial peer answered within ``timeout_s``.
-        NetworkError: the node could not start (e.g. the port is taken).
-    """
-    peers = parse_initial_peers(initial_peers)
-    kwargs = dict(
-        initial_peers=peers,
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-        client_mode=client_mode,
-        start=True,
-        await_ready=True,
-        wait_timeout=min(5.0, timeout_s),
-        bootstrap_timeout=min(5.0, timeout_s),
-    )
-    if announce:
-        kwargs["announce_maddrs"] = list(announce)
-    if identity_path is not None:
-        kwargs["identity_path"] = str(identity_path)
-    try:
-        return new_dht(**kwargs)
-    except Exception as exc:
-        text = str(exc)
-        if peers and ("bootstrap failed" in text or "initial_peers" in text or "connect" in text.lower()):
-            raise BootstrapUnreachable(
-                f"none of the initial peers answered: {', '.join(peers)}. Check that the node is running, "
-                "that HOST:PORT is reachable from here (firewall, NAT) and that the /p2p/ id is current"
-            ) from exc
-        raise NetworkError(f"could not start the DHT node on {host}:{port}: {text}") from exc
-
-
 def visible_maddrs(dht, *, latest: bool = False, timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
     """This node's multiaddrs as libp2p sees them (``latest``: ask p2pd afresh; when it does not
     answer within :data:`DAEMON_CALL_TIMEOUT_S`, the addresses it gave last, with a warning).
@@ -297,7 +163,8 @@ def visible_maddrs(dht, *, latest: bool = False, timeout_s: float = CALL_TIMEOUT
 
 DAEMON_CALL_TIMEOUT_S = 10.0
 """Longest a call from the DHT process to p2pd's control socket (identify, list peers) may take:
-seen in CI, an identify whose answer never came (its task was then garbage-collected)."""
+an identify's answer may never come (its task can be garbage-collected), and the caller must not
+wait for it forever."""
 
 
 async def _visible_maddrs(_dht, node, latest: bool):  # in the DHT process
@@ -308,6 +175,22 @@ async def _visible_maddrs(_dht, node, latest: bool):  # in the DHT process
             logger.warning("p2pd did not say this node's addresses within %.0f s; using the ones it said at the "
                            "start", DAEMON_CALL_TIMEOUT_S)
     return await node.get_visible_maddrs(latest=False)  # no daemon call: the addresses identify last gave
+
+
+async def _add_stream_handler(_dht, node, protocol: str, handler) -> None:
+    await node.p2p.add_binary_stream_handler(protocol, handler)
+
+
+def serve_stream(dht, protocol: str, handler) -> None:
+    """Serve ``protocol`` with ``handler(stream_info, reader, writer)`` (a module-level coroutine
+    function) on ``dht``'s libp2p host, in the DHT's process, from now on.
+
+    Raises:
+        Whatever hivemind raises when the handler cannot be added (a DHT that is shutting down);
+        ``NetworkError`` when the DHT process does not add it within :data:`CALL_TIMEOUT_S`.
+    """
+    call_in_dht(dht, functools.partial(_add_stream_handler, protocol=protocol, handler=handler),
+                f"adding the {protocol} handler")
 
 
 def store_manifest(dht, signed: SignedManifest, ttl_s: float = MANIFEST_TTL_S) -> bool:
@@ -377,8 +260,8 @@ MAX_RECORDS_READ = 4096
 addresses, devices). A run's largest legal group is 4096 peers (protocol/specs.py
 ``target_group_size``); a run has no other bound on its size, and a reader that looked at more
 peers than that per read would gain nothing its matchmaking can use. Identities are free, so a
-flood of records each validly signed by a fresh identity (issue 17: 20,000 of them slowed sync
-from 0.2 s to 3-7 s and grew every peer by hundreds of MB) can only be bounded here, by count:
+flood of records each validly signed by a fresh identity (issue 17: it slows every sync and grows
+every peer's memory) can only be bounded here, by count:
 signature checks (RSA) and kept records are at most this many per read."""
 
 _SELECTION_SALT = os.urandom(16)
@@ -395,7 +278,7 @@ def _bound_to_subkey(subkey: str, value) -> bool:
     ``subkey``. Records that fail it are rejected by ``open_record`` anyway; here they do not take
     a place among the :data:`MAX_RECORDS_READ` kept."""
     try:
-        return isinstance(value, dict) and peer_id_of(value.get("k")) == subkey
+        return isinstance(value, dict) and isinstance(key := value.get("k"), bytes) and peer_id_of(key) == subkey
     except Exception:  # BadSignature, or anything a malformed value makes the encoder raise
         return False
 

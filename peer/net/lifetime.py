@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from protocol.errors import HelperDied
 
@@ -84,7 +85,7 @@ def quiet_handshakes_cut_by_a_dead_helper() -> None:
             return
         previous(exc_type, exc, tb)
 
-    hook._quiets_handshakes = True
+    hook._quiets_handshakes = True  # type: ignore[attr-defined]  # a marker on the function
     sys.excepthook = hook
 
 
@@ -136,7 +137,7 @@ def bind_subprocesses_to_this_process() -> None:
         kwargs.setdefault("preexec_fn", functools.partial(_spawned_helper_setup, os.getpid()))
         return spawn(*args, **kwargs)
 
-    spawn_bound._bound_to = os.getpid()
+    spawn_bound._bound_to = os.getpid()  # type: ignore[attr-defined]  # a marker on the function
     asyncio.subprocess.create_subprocess_exec = asyncio.create_subprocess_exec = spawn_bound
 
 
@@ -156,11 +157,13 @@ class HelperProcess:
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        die_with_parent(mp.parent_process().pid, signal.SIGKILL)
-        super().run()
+        parent = mp.parent_process()
+        assert parent is not None and parent.pid is not None  # run() runs in the child
+        die_with_parent(parent.pid, signal.SIGKILL)
+        super().run()  # type: ignore[misc]  # the multiprocessing Process this is mixed into
 
     def terminate(self) -> None:
-        self.kill()
+        self.kill()  # type: ignore[attr-defined]  # (likewise)
 
 
 class StopOnSignal:
@@ -174,7 +177,7 @@ class StopOnSignal:
 
     def __init__(self, event: threading.Event, message: str = "stopping (signal again to exit now)"):
         self.event, self.message = event, message
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopOnSignal:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -285,7 +288,7 @@ class HelperWatch:
         """Add a process this one did not start itself (p2pd, below the DHT process) by its pid, as
         /proc shows it now; a None pid, or no /proc, adds nothing. Before :meth:`start`."""
         stat = None if pid is None else proc_stat(pid)
-        if stat is not None:
+        if pid is not None and stat is not None:
             def probe() -> HelperDied | None:
                 now = proc_stat(pid)
                 if now is not None and now[2] == stat[2] and now[1] not in "ZX":

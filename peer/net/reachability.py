@@ -29,6 +29,7 @@ from typing import Sequence
 
 import msgpack
 
+from peer.net.dht import DAEMON_CALL_TIMEOUT_S, call_in_dht, serve_stream
 from protocol.errors import BadPayload
 from protocol.wire import framing
 
@@ -161,8 +162,8 @@ async def _handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
 
 def serve_dialback(dht) -> None:
     """Answer other nodes' dial-back requests from now on (in ``dht``'s process; raises as
-    protocol/wire/framing.py ``serve_stream``)."""
-    framing.serve_stream(dht, PROTOCOL, _handle)
+    peer/net/dht.py ``serve_stream``)."""
+    serve_stream(dht, PROTOCOL, _handle)
 
 
 async def _ask_all(_dht, node, checkers: Sequence[str], ports: Sequence[int]) -> list[DialBack]:
@@ -170,8 +171,6 @@ async def _ask_all(_dht, node, checkers: Sequence[str], ports: Sequence[int]) ->
 
     # Ask only nodes this one is connected to (never dial a dead initial peer); when none of the
     # given ones is (the DHT came up through remembered peers), any connected node can answer.
-    from protocol.dht import DAEMON_CALL_TIMEOUT_S
-
     try:
         peers = await asyncio.wait_for(node.p2p.list_peers(), DAEMON_CALL_TIMEOUT_S)
     except asyncio.TimeoutError:  # p2pd did not answer: ask the given checkers as they are
@@ -210,7 +209,5 @@ def ask_dialback(dht, checkers: Sequence[str], ports: Sequence[int]) -> list[Dia
     """
     if not checkers or not ports:
         return []
-    from protocol.dht import call_in_dht
-
     return call_in_dht(dht, functools.partial(_ask_all, checkers=list(checkers), ports=list(ports)[:MAX_PORTS]),
                        "the dial-back check", ASK_TIMEOUT_S + 30.0)

@@ -4,7 +4,7 @@ A volunteer's uplink decides how long each sync takes (a home line often uploads
 its download speed), so `peer doctor` measures it before the first join: it sends a few MiB of
 random bytes to an initial peer on :data:`PROTOCOL` and times them until the peer's answer that it
 received all of them. Every locoswarm node (bootstrap nodes and peers) serves the probe next to
-the dial-back check (protocol/reachability.py), on its DHT's libp2p host.
+the dial-back check (peer/net/reachability.py), on its DHT's libp2p host.
 
 Serving a probe costs only download bandwidth (the answer is a few bytes), and it is bounded:
 at most :data:`MAX_PROBE_BYTES` per probe, :data:`MAX_CONCURRENT` probes at a time (others are
@@ -30,8 +30,9 @@ from typing import Sequence
 
 import msgpack
 
-from protocol.dht import call_in_dht
+from peer.net.dht import call_in_dht, serve_stream
 from protocol.errors import BadPayload, NetworkError
+from protocol.text import sanitize
 from protocol.wire import framing
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,6 @@ def parse_answer(payload: bytes) -> int:
     except Exception as exc:
         raise BadPayload(f"uplink probe answer is not msgpack: {exc}") from exc
     if isinstance(data, dict) and isinstance(data.get("refused"), str):
-        from protocol.text import sanitize
-
         raise BadPayload(f"the checker refused the probe: {sanitize(data['refused'], max_chars=64)}")
     n = data.get("received") if isinstance(data, dict) else None
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -164,8 +163,8 @@ async def _handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
 
 def serve_uplink(dht) -> None:
     """Answer other nodes' uplink probes from now on (in ``dht``'s process; raises as
-    protocol/wire/framing.py ``serve_stream``)."""
-    framing.serve_stream(dht, PROTOCOL, _handle)
+    peer/net/dht.py ``serve_stream``)."""
+    serve_stream(dht, PROTOCOL, _handle)
 
 
 async def _probe(_dht, node, checker: str, n: int) -> UplinkProbe:

@@ -38,6 +38,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
+from peer.net.dht import call_in_dht
 from protocol import keys
 from protocol.manifest import open_announcement
 from protocol.signing import open_record
@@ -107,12 +108,9 @@ class SwarmRecordValidator(RecordValidatorBase):
 
     def protect_run(self, run_id: str) -> None:
         """Protect ``run_id``'s progress records, published addresses and device records."""
-        from protocol.addresses import addresses_key
-        from protocol.devices import devices_key
-
         self.protect(keys.progress_key(run_id), "record")
-        self.protect(addresses_key(run_id), "record")
-        self.protect(devices_key(run_id), "record")
+        self.protect(keys.addresses_key(run_id), "record")
+        self.protect(keys.devices_key(run_id), "record")
 
     def protect_round(self, prefix: str, round_: int) -> None:
         """Protect the matchmaking keys of ``prefix`` around ``round_`` (:func:`matchmaking_keys`),
@@ -173,13 +171,11 @@ async def _protect_run(dht, node, run_id: str) -> None:  # in the DHT process
 
 
 def protect_run(dht, run_id: str) -> None:
-    """Make ``dht``'s node (started by protocol/dht.py ``new_dht``) refuse unsigned records of ``run_id``.
+    """Make ``dht``'s node (started by peer/net/dht.py ``new_dht``) refuse unsigned records of ``run_id``.
 
-    Raises ``NetworkError`` when the DHT process does not do it within ``protocol.dht.CALL_TIMEOUT_S``,
+    Raises ``NetworkError`` when the DHT process does not do it within ``peer.net.dht.CALL_TIMEOUT_S``,
     and whatever ``hivemind.DHT.run_coroutine`` raises (the DHT is not running).
     """
-    from protocol.dht import call_in_dht
-
     call_in_dht(dht, functools.partial(_protect_run, run_id=run_id), "protecting the run's keys")
 
 
@@ -195,9 +191,7 @@ def protect_round(dht, prefix: str, round_: int) -> None:
     matchmaking keys of ``prefix`` around ``round_`` (:meth:`SwarmRecordValidator.protect_round`).
     A node without a :class:`SwarmRecordValidator` is left as it is.
 
-    Raises ``NetworkError`` when the DHT process does not do it within ``protocol.dht.CALL_TIMEOUT_S``,
+    Raises ``NetworkError`` when the DHT process does not do it within ``peer.net.dht.CALL_TIMEOUT_S``,
     and whatever ``hivemind.DHT.run_coroutine`` raises (the DHT is not running).
     """
-    from protocol.dht import call_in_dht
-
     call_in_dht(dht, functools.partial(_protect_round, prefix=prefix, round_=round_), "protecting a round's keys")

@@ -32,13 +32,14 @@ import queue
 import random
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from peer.pipeline.routing import Router
 from peer.pipeline.rpc import StageServer, call_with_retry
 from peer.pipeline.stages import PipelineStage
+from peer.sync.membership import SwarmView
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop, StepResult
 from protocol.errors import BadPayload, NetworkError, NoReplica, StageCallFailed
@@ -173,7 +174,7 @@ class PipelineLink:
         self._sender: tuple[float, int] = (-math.inf, 0)
         self.router = Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=stage + 1,
                              cooldown_s=COOLDOWN_S) if stage < self.S - 1 else None
-        self.requests: "queue.Queue[tuple[StageRequest, concurrent.futures.Future]]" = queue.Queue()
+        self.requests: queue.Queue[tuple[StageRequest, concurrent.futures.Future]] = queue.Queue()
         self.server: StageServer | None = None
         self.retries = 0
         """Calls that a replica failed and another served."""
@@ -266,6 +267,7 @@ class PipelineLink:
         Raises:
             StageCallFailed: ``stop`` was set before any replica answered.
         """
+        assert self.router is not None, "the last stage calls no next stage"
         micro_batch = micro_batch_id(step, index)
         request = StageRequest(request_id=random.getrandbits(63), micro_batch=micro_batch, stage=self.stage + 1,
                                activations=activations, targets=targets)
@@ -357,7 +359,8 @@ class StageInnerLoop(InnerLoop):
         self.batch_sequences = sampler.batch_sequences
         self.H = link.m.sync.inner_steps
         self.paced_by_callers = not stage.is_first
-        self._pending: tuple[StageRequest, concurrent.futures.Future] | None = None
+        # (not InnerLoop's _pending, the steps settle() reads: a stage never steps with wait=False)
+        self._held: tuple[StageRequest, concurrent.futures.Future] | None = None
         """The request that closed the last step (of a later caller step): the first of the next."""
         self._caller_step: int | None = None
 
@@ -369,8 +372,9 @@ class StageInnerLoop(InnerLoop):
         return cls(model, spec, sampler, link, stop=stop, device=placement.device if placement is not None else None,
                    micro_batch_sequences=placement.micro_batch_sequences if placement is not None else None)
 
-    def step(self, inner_step: int) -> StepResult:
-        """One AdamW step of this stage at cumulative inner step ``inner_step`` (see the class)."""
+    def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
+        """One AdamW step of this stage at cumulative inner step ``inner_step`` (see the class);
+        ``wait`` is InnerLoop's, ignored: a stage reads its loss at once."""
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -431,7 +435,7 @@ class StageInnerLoop(InnerLoop):
         loss_sum, tokens, rows = 0.0, 0, 0
         last_served = time.monotonic()
         while True:
-            item, self._pending = self._pending, None
+            item, self._held = self._held, None
             if item is None:
                 try:
                     item = self.link.requests.get(timeout=0.2)
@@ -458,7 +462,7 @@ class StageInnerLoop(InnerLoop):
                 new_round = step // self.H > self._caller_step // self.H
                 self._caller_step = step
                 if rows or new_round:
-                    self._pending = item
+                    self._held = item
                     if rows:
                         self._average_over(rows)
                     return loss_sum / max(tokens, 1), tokens, rows, new_round
@@ -506,6 +510,7 @@ class StageInnerLoop(InnerLoop):
                                         step=step, index=index, stop=self.stop)
             out.backward(reply.grad.to(self.device, out.dtype) * share)
             value, n = reply.loss, reply.tokens
+        assert x.grad is not None  # x requires grad and fed this stage's backward
         grad = (x.grad / share).to("cpu", acts.dtype).contiguous()
         if not torch.isfinite(grad).all():
             raise BadPayload(f"stage {self.stage.index}: non-finite gradient on micro-batch {request.micro_batch}")
@@ -521,8 +526,6 @@ def pipeline_link(dht, loop: LoopThread, manifest: RunManifest, stage: int, voca
     Raises:
         NetworkError: the daemon could not be reached from this process within 30 s.
     """
-    from peer.sync.membership import SwarmView
-
     try:
         p2p = loop.run(dht.replicate_p2p(), timeout_s=30.0)
     except Exception as exc:

@@ -22,7 +22,7 @@ import logging
 import math
 import random
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from protocol.errors import NoReplica
 from protocol.specs import ROUTINGS

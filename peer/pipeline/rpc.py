@@ -23,24 +23,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import suppress
-from typing import Awaitable, Callable, Hashable, Sequence, Union
+from typing import TypeAlias
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
-from peer.sync.limits import StreamSlots
+from peer.net.limits import StreamSlots
 from protocol.errors import BadPayload, StageCallFailed
 from protocol.text import sanitize
 from protocol.wire import framing
-from protocol.wire.pipeline import (KIND_NAMES, STAGE_ERROR, StageError, StageLimits, StageReply, StageRequest,
-                                    encode_error, encode_reply, encode_request, max_answer_bytes,
-                                    max_request_bytes, parse_answer, parse_request, peek_request_id)
+from protocol.wire.pipeline import (
+    KIND_NAMES,
+    STAGE_ERROR,
+    StageError,
+    StageLimits,
+    StageReply,
+    StageRequest,
+    encode_error,
+    encode_reply,
+    encode_request,
+    max_answer_bytes,
+    max_request_bytes,
+    parse_answer,
+    parse_request,
+    peek_request_id,
+)
 
 logger = logging.getLogger(__name__)
 
-PeerRef = Union[PeerID, str]
+PeerRef: TypeAlias = PeerID | str
 """A replica: a hivemind PeerID, or its base58 text (as the router, peer/pipeline/routing.py, holds it)."""
 Handle = Callable[[StageRequest], Awaitable[tuple[torch.Tensor, float, int]]]
 """A stage's work on one request: ``(grad, loss, tokens)`` (see :class:`StageServer`)."""
@@ -147,6 +161,7 @@ class StageServer:
                 0, f"refused: at most {self.slots.per_peer} streams per peer and {self.slots.total} in all"))
             return
         task = asyncio.current_task()
+        assert task is not None  # a stream handler runs in its own task
         self._streams.add(task)
         try:
             await self._serve(peer, reader, writer)
@@ -165,7 +180,7 @@ class StageServer:
                 if exc.partial:
                     logger.warning("stage stream from %s: %s", peer, framing.describe_failure(exc))
                 return  # the caller closed between requests: done
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
             except BadPayload as exc:  # a declared length over the cap: the stream cannot resync
                 await self._refuse(peer, reader, writer, 0, exc)
@@ -204,7 +219,7 @@ class StageServer:
                     await asyncio.wait_for(_discard_until_eof(reader), LINGER_S)
                 finally:
                     self._lingering -= 1
-        except (asyncio.TimeoutError, ConnectionError, OSError):
+        except (TimeoutError, ConnectionError, OSError):
             pass
         finally:
             writer.close()
@@ -343,7 +358,7 @@ async def _exchange(p2p: P2P, peer_id: PeerRef, protocol_name: str, framed: byte
             if writer is None:
                 _close_abandoned_connection(exc)
             raise
-    except asyncio.TimeoutError:
+    except TimeoutError:
         reason = f"no answer within {timeout_s:g} s"
     except asyncio.IncompleteReadError as exc:
         reason = framing.describe_failure(exc)
@@ -362,7 +377,7 @@ async def _exchange(p2p: P2P, peer_id: PeerRef, protocol_name: str, framed: byte
                           [(peer_id, reason)])
 
 
-def _close_abandoned_connection(exc: BaseException) -> None:
+def _close_abandoned_connection(exc: BaseException | None) -> None:
     """Close the daemon connection a failed stream open left behind.
 
     hivemind 1.1.12's ``ControlClient.stream_open`` opens a connection to its p2pd, and raises

@@ -10,6 +10,7 @@ model's and checkpoints of the stages can be matched to it by name.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ import torch.nn.functional as F
 from peer.train.model import build_model
 from peer.train.tokenizer import Tokenizer
 from protocol.manifest import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,7 @@ class PipelineStage(torch.nn.Module):
                 ``[0, stages)``.
         """
         super().__init__()
+        model = cast("LlamaForCausalLM", model)
         self.config = model.config
         self.layers = stage_layers(self.config.num_hidden_layers, stages)[index]
         _check_index(stages, index)
@@ -108,7 +113,8 @@ class PipelineStage(torch.nn.Module):
         self.is_first, self.is_last = index == 0, index == stages - 1
         # A bare "model" submodule with a ModuleDict keyed by block index keeps the full model's
         # parameter names, so state dicts of stages and of the full model match key for key.
-        self.model = torch.nn.Module()
+        # (Any: torch types the attributes set on a bare Module as Tensor | Module)
+        self.model: Any = torch.nn.Module()
         if self.is_first:
             self.model.embed_tokens = model.model.embed_tokens
         self.model.layers = torch.nn.ModuleDict({str(i): model.model.layers[i] for i in self.layers})

@@ -69,8 +69,19 @@ class OverlapSchedule(BackgroundSchedule):
         bg = self.background
         return self.extra_steps_left() and bg.in_flight and not bg.done
 
+    def after_step(self, tokens: int) -> None:
+        self.blocking.after_step(tokens)  # its weight, should the round sync blocking
+
     def restart_round(self) -> None:
-        self.state.set_theta(self.state.phi if self.anchor is None else self.anchor)
+        self.blocking.restart_round()
+        if self.anchor is not None:
+            self.state.set_theta(self.anchor)
+
+    def after_adopt(self) -> None:
+        self.blocking.after_adopt()
+
+    def after_restore(self, round_step: int, round_tokens: int) -> None:
+        self.blocking.after_restore(round_step, round_tokens)
 
     def end_round(self) -> RoundEnd:
         """Take the last round's sync from the background (waiting only if it is slower than a

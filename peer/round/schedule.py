@@ -28,7 +28,7 @@ from peer.reporting import Reporter
 from peer.round.records import RecordReads
 from peer.round.state import RoundState
 from peer.round.syncing import GroupSync, SyncHistory
-from peer.sync.background import BackgroundSync
+from peer.sync.background import BackgroundSync, InlineSync
 from peer.train.outer import GroupChoice
 
 EXTRA_STEPS_FRACTION = 1.0
@@ -165,11 +165,15 @@ class ScheduleBase:
 
 class BackgroundSchedule(ScheduleBase):
     """A schedule whose syncs run in a background thread while the next inner steps train (one sync
-    in flight at a time, peer/sync/background.py)."""
+    in flight at a time, peer/sync/background.py), or, with :attr:`inline`, on the training thread."""
+
+    inline = False
+    """Whether the syncs run on the training thread when their mean is needed (no delay) instead of
+    in the background thread (peer/sync/background.py ``InlineSync``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.background = BackgroundSync()
+        self.background: BackgroundSync | InlineSync = InlineSync() if self.inline else BackgroundSync()
         self.adopted_in_flight = False
         """This peer adopted a state while the sync in flight ran, and kept that sync (its mean
         belongs to the adopted φ: :meth:`before_adopt`)."""

@@ -1,8 +1,13 @@
-"""The streaming sync schedule (Streaming DiLoCo, arXiv 2501.18512; the rules in
+"""The fragment sync schedule (Streaming DiLoCo, arXiv 2501.18512; the rules in
 peer/train/streaming.py): the model's P fragments sync at staggered offsets inside the round, one
 sync in flight at a time, each mean landing τ inner steps after its sync started (or at the first
-step after that its result is there). Fragment 0 syncs at the round's end; with P = 1 and τ = 0
-that is the blocking schedule's round, told per fragment.
+step after that its result is there). Fragment 0 syncs at the round's end.
+
+``sync.overlap = "streaming"`` runs it as the run sets P, τ and the merge. The blocking schedule
+(peer/round/blocking.py, ``sync.overlap = "none"``) is this schedule with one fragment (the whole
+model, synced under the run's own key), no delay (the sync runs on the training thread when its
+mean is needed: at once) and θ ← φ at the landing (the merge with α = 0), as torchft's DiLoCo is
+its streaming DiLoCo with one fragment.
 """
 
 from __future__ import annotations
@@ -40,19 +45,30 @@ class PreparedFragment:
     """φ_p and the fragment's outer state after the step, copied, checked and hashed."""
 
 
-class StreamingSchedule(BackgroundSchedule):
-    """P fragments, each synced once a round at its offset, landing τ steps later."""
+class FragmentSchedule(BackgroundSchedule):
+    """P fragments, each synced once a round at its offset, landing τ steps later; with
+    :attr:`whole_model`, one fragment synced at the round's end and landing at once."""
+
+    whole_model = False
+    """One fragment holding every parameter, no delay, θ ← φ at the landing, the run's own sync key
+    (the blocking schedule); else the run's ``sync.fragments``, ``fragment_delay_steps`` and merge."""
 
     def __init__(self, **kwargs: Any) -> None:
+        self.inline = self.whole_model
         super().__init__(**kwargs)
         s, spec = self.state, self.state.m.sync
-        P = spec.fragments
-        self.fragments = partition(s.names, P)
-        """The parameter indices of each fragment."""
-        self.fragment_outer = fragment_outers(s.outer, s.m, self.fragments, s.shapes)
-        phi_from = s.outer.phi_from(len(s.phi))
-        self.sync.fragments = P
-        self.sync.fragment_payload = [payload_indices(f, phi_from=phi_from) for f in self.fragments]
+        if self.whole_model:
+            self.fragments = [list(range(len(s.phi)))]
+            self.fragment_outer = [s.outer]
+            self.delay_steps, self.alpha, self.rule = 0, 0.0, "mix"
+        else:
+            self.fragments = partition(s.names, spec.fragments)
+            self.fragment_outer = fragment_outers(s.outer, s.m, self.fragments, s.shapes)
+            self.delay_steps, self.alpha, self.rule = spec.fragment_delay_steps, spec.fragment_alpha, spec.fragment_merge
+            phi_from = s.outer.phi_from(len(s.phi))
+            self.sync.fragments = spec.fragments  # each fragment's sync has a key and buffers of its own
+            self.sync.fragment_payload = [payload_indices(f, phi_from=phi_from) for f in self.fragments]
+        P = len(self.fragments)
         self.offset = [sync_offset(p, inner_steps=s.H, fragments=P) for p in range(P)]
         self.order = sorted(range(P), key=lambda p: self.offset[p])
         """Fragments in the order their syncs come in a round (fragment 0, offset 0, first)."""
@@ -71,7 +87,8 @@ class StreamingSchedule(BackgroundSchedule):
         """The outer step of the fragment sync in flight, prepared by its thread."""
 
     def synced_blocking(self, round_: int) -> bool:
-        return False
+        """Whether a round's mean is applied before the next round starts (no delay)."""
+        return self.inline
 
     # ---- inside the round ---------------------------------------------------------------
     def after_step(self, tokens: int) -> None:
@@ -127,7 +144,7 @@ class StreamingSchedule(BackgroundSchedule):
         identical φ; only their local θ_p differ, as they do anyway."""
         if self.flight is None:
             return
-        tau = self.state.m.sync.fragment_delay_steps
+        tau = self.delay_steps
         if tau == 0 or (self.state.inner_step >= self.flight[1] + tau and self.background.done):
             self.land_fragment()
 
@@ -146,25 +163,33 @@ class StreamingSchedule(BackgroundSchedule):
 
     # ---- one fragment's sync ------------------------------------------------------------
     def start_fragment_sync(self, p: int, round_: int) -> None:
-        """Start fragment p's sync of ``round_`` in the background: Δ_p = φ_p − θ_p, the payload of
-        its tensors only, weighted by the tokens trained since its last sync. A sync still in flight
-        lands first (one at a time). A non-finite Δ_p starts nothing (a warning; the fragment's
-        progress stays in θ)."""
+        """Start fragment p's sync of ``round_`` (in the background, or inline: run at its landing):
+        Δ_p = φ_p − θ_p, the payload of its tensors only, weighted by the tokens trained since its
+        last sync. A sync still in flight lands first (one at a time). A non-finite Δ_p starts
+        nothing: the fragment's progress is discarded (θ_p ← φ_p, φ_p unchanged) and the round's
+        report says so."""
         s = self.state
         if self.flight is not None:
             self.land_fragment()
         self.synced.add(p)
         index = self.fragments[p]
         phi_p = [s.phi[k] for k in index]
-        keep = s.m.sync.fragment_merge == "shift"   # θ_p as it is now is kept for the landing: a copy
+        keep = self.rule == "shift"   # θ_p as it is now is kept for the landing: a copy
         theta_p = [s.params[k].detach().to("cpu", torch.float32, copy=keep) for k in index]
         try:
             delta = pseudo_gradient(phi_p, theta_p)
             check_finite(delta, f"fragment {p}'s pseudo-gradient")
         except BadPayload as exc:
-            self.reporter.emit("warning", message=f"{exc}: fragment {p} not synced in round {round_}")
+            what = "round" if self.whole_model else f"fragment {p}"
+            self.reporter.emit("warning", message=f"{exc}: {what} not synced in round {round_}, its progress discarded")
+            self.landed.append(SyncReport(note=f"{exc}: {what} discarded, φ unchanged"))
+            self.tokens[p] = 0
+            s.await_theta_copy()
+            land([s.params[k] for k in index], phi_p, alpha=0.0, rule="mix", at_sync=None)
             return
-        payload = self._own(self.fragment_outer[p].payload(phi_p, delta), phi_p)
+        payload = self.fragment_outer[p].payload(phi_p, delta)
+        if not self.inline:  # a background sync reads a copy of φ_p, which may move under a dropped one
+            payload = self._own(payload, phi_p)
         choice, live = self.round_choice(round_)
         # a postponed start and the steps past H make a fragment's steps more than a round's: its claim
         # is capped where its groupmates cap it (the owners' cap of a round's tokens)
@@ -172,13 +197,16 @@ class StreamingSchedule(BackgroundSchedule):
         self.tokens[p] = 0
         digest = s.digest
         due_s = self.sync.groupmates_due_s(live, round_, choice) if self.offset[p] == 0 else 0.0
-        budget_s = wait_budget_s(s.pos, max(1, s.H // len(self.fragments)))
+        # inline: the training thread waits for the whole sync, no budget past the matchmaking window
+        budget_s = 0.0 if self.inline else wait_budget_s(s.pos, max(1, s.H // len(self.fragments)))
         base = s.held(self.fragment_state(p))
+        key = None if self.whole_model else p
 
         def sync_and_prepare(dropped):
             mean, report = self.sync.sync(payload, choice, digest, round_=round_, weight=weight,
-                                          expected_wait_s=due_s, wait_budget_s=budget_s, fragment=p, dropped=dropped)
-            if mean is not None and not dropped() and not self.stop_event.is_set():
+                                          expected_wait_s=due_s, wait_budget_s=budget_s, fragment=key, dropped=dropped)
+            # the outer step is prepared off the training thread: not inline, where the landing is now
+            if mean is not None and not self.inline and not dropped() and not self.stop_event.is_set():
                 self.prepared = self.prepare_fragment(p, base, mean)
             return mean, report
 
@@ -215,9 +243,12 @@ class StreamingSchedule(BackgroundSchedule):
         mean, report = self.take_background()
         assert self.flight is not None
         (p, started, at_sync), self.flight = self.flight, None
-        report = dataclasses.replace(report, overlap_steps=(s.inner_step - started,))
-        if self.stop_event.is_set():
-            return  # stopping (the sync was cancelled, or will not be trusted): dropped, as at the end
+        if not self.inline:
+            report = dataclasses.replace(report, overlap_steps=(s.inner_step - started,))
+        if self.stop_event.is_set() and not self.inline:
+            # stopping (a background sync was cancelled, or will not be trusted): dropped, as at the end;
+            # an inline one ran to its end on this thread (a cancelled one applies this peer's own payload)
+            return
         index = self.fragments[p]
         phi_p = [s.phi[k] for k in index]
         prepared, self.prepared = self.prepared, None
@@ -232,8 +263,7 @@ class StreamingSchedule(BackgroundSchedule):
                 report = dataclasses.replace(report, failed=True, agreeing=(), completed=(),
                                              note=f"fragment {p}: outer step skipped ({exc})")
         s.await_theta_copy()
-        land([s.params[k] for k in index], phi_p, alpha=s.m.sync.fragment_alpha,
-             rule=s.m.sync.fragment_merge, at_sync=at_sync)
+        land([s.params[k] for k in index], phi_p, alpha=self.alpha, rule=self.rule, at_sync=at_sync)
         self.landed.append(report)
 
     def install_fragment(self, prepared: PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
@@ -285,9 +315,10 @@ class StreamingSchedule(BackgroundSchedule):
 
     def take_landed(self, round_: int) -> SyncReport:
         """The fragment syncs that landed since the last call, as one report (noted as the sync of
-        ``round_`` when any was tried)."""
-        report, self.landed = combine_sync_reports(self.landed), []
-        if report.attempts:
+        ``round_`` when any landed: alone or discarded, nobody else holds this peer's state)."""
+        landed, self.landed = self.landed, []
+        report = landed[0] if len(landed) == 1 else combine_sync_reports(landed)
+        if landed:
             self.history.note_group(round_, report)
         return report
 
@@ -300,6 +331,8 @@ class StreamingSchedule(BackgroundSchedule):
         if self.stop_event.is_set():
             self.background.drop("stopping")
             return
+        if self.inline:
+            return  # its mean landed at the round's end, with θ ← φ: nothing in flight, nothing left
         s = self.state
         if self.flight is not None:
             self.land_fragment()
@@ -336,3 +369,7 @@ class StreamingSchedule(BackgroundSchedule):
         """θ holds this round's steps: weigh each fragment's next Δ by them."""
         self.tokens = [round_tokens] * len(self.fragments)
         self.synced = {p for p, t in enumerate(self.offset) if 0 < t <= round_step}
+
+
+StreamingSchedule = FragmentSchedule
+"""``sync.overlap = "streaming"``: the fragment schedule as the run sets it."""

@@ -2,7 +2,7 @@
 
 ``<data-dir>/peers.json`` holds the full multiaddrs (``/ip4/HOST/tcp/PORT/p2p/PEER_ID``) of the
 peers this peer has seen: the initial peers that answered it, and the addresses the other peers
-of its run publish (protocol/addresses.py)::
+of its run publish (peer/net/addresses.py)::
 
     {"version": 1, "addresses": [{"maddr": "/ip4/…/tcp/…/p2p/Qm…", "seen": 1700000000.0}, …]}
 
@@ -24,11 +24,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
-from protocol import addresses as swarm_addresses
-from protocol import dht as swarm_dht
+from peer.net import addresses as swarm_addresses, dht as swarm_dht
 from protocol.errors import BadPeerAddress, BootstrapUnreachable
 from protocol.signing import PeerSigner
 
@@ -163,7 +162,7 @@ def start_dht_remembering(start: Callable[[list[str]], object], initial_peers: S
     """Start the DHT through ``initial_peers``, or through the remembered peers if none of those answer.
 
     Args:
-        start: starts a DHT node with the given initial peers (e.g. ``protocol.dht.start_dht``
+        start: starts a DHT node with the given initial peers (e.g. ``peer.net.dht_node.start_dht``
             with this peer's other settings bound).
         initial_peers: the ``--initial-peers``; with none, this peer starts a new swarm and the book
             is not consulted.

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Collection
 
 import torch
 from safetensors import SafetensorError
@@ -261,17 +261,21 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
     if metadata.get("names", "").split(",") != names:
         raise CheckpointError(f"checkpoint {path} was written for a different model; move it away to start fresh")
 
-    def group(prefix: str, required: bool = True) -> list[torch.Tensor] | None:
-        found = [tensors.get(f"{prefix}.{name}") for name in names]
-        if all(t is None for t in found) and not required:
-            return None
-        for name, shape, tensor in zip(names, shapes, found):
+    def group(prefix: str) -> list[torch.Tensor]:
+        found = []
+        for name, shape in zip(names, shapes):
+            tensor = tensors.get(f"{prefix}.{name}")
             if tensor is None:
                 raise CheckpointError(f"checkpoint {path} lacks tensor {prefix}.{name}")
             if tensor.shape != shape or not torch.isfinite(tensor).all():
                 raise CheckpointError(f"checkpoint {path} tensor {prefix}.{name} has shape {tuple(tensor.shape)} "
                                       f"or non-finite values, expected finite {tuple(shape)}")
+            found.append(tensor)
         return found
+
+    def optional_group(prefix: str) -> list[torch.Tensor] | None:
+        """None when the checkpoint holds none of ``prefix``'s tensors."""
+        return None if all(tensors.get(f"{prefix}.{name}") is None for name in names) else group(prefix)
 
     try:
         position = {k: int(metadata[k]) for k in ("round", "inner_step", "round_step", "round_tokens", "adam_step")}
@@ -281,12 +285,12 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
         vouchers = _vouchers(metadata.get("vouchers"))
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed metadata ({exc})") from exc
-    if data is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
+    if rng is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
         raise CheckpointError(f"checkpoint {path} tensor data.rng is {rng.dtype} {tuple(rng.shape)}, "
                               f"expected 1-D uint8")
     return PeerState(run_id=run_id, names=names, phi=group("phi"), momentum=group("momentum"),
-                     theta=group("theta"), adam_exp_avg=group("adam_exp_avg", False),
-                     adam_exp_avg_sq=group("adam_exp_avg_sq", False), residuals=group("residual", False),
+                     theta=group("theta"), adam_exp_avg=optional_group("adam_exp_avg"),
+                     adam_exp_avg_sq=optional_group("adam_exp_avg_sq"), residuals=optional_group("residual"),
                      data=data, vouchers=vouchers, **position,
                      upgrade_note=None if version == FORMAT_VERSION else
                      f"checkpoint {path} is of format {version}: {_OLDER_FORMATS[version]}")

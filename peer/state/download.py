@@ -17,17 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from peer.state.snapshot import CHUNK_ELEMENTS, chunk_hash, plan_chunks, state_digest
-from peer.sync.pieces import Piece, piece_shape, piece_view
 from protocol.errors import BadPayload, StateDownloadFailed
-from protocol.wire import framing
-from protocol.wire import state as frames
+from protocol.wire import framing, state as frames
+from protocol.wire.pieces import Piece, piece_shape, piece_view
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class _Download:
                 self._accept_chunk(await self._read(donor, reader, limit), index, hashes)
                 self.chunks_by_donor[donor] += 1
                 self._report()
-        except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             self._fail(donor, framing.describe_failure(exc))
         finally:
             writer.close()
@@ -213,10 +213,9 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
 
 NORM_FACTOR = 10.0
 """How far a downloaded φ's global L2 norm may lie from this peer's own φ's, as a factor either way.
-Training moves the norm slowly: measured with lab/simulation.py (2 peers, DiLoCo), ‖φ_t‖/‖φ_0‖ was
-1.11 after 6 rounds of the default run (+1.7 % a round) and 2.2 after 40 rounds of the tiny preset,
-growing ever more slowly. A joiner compares with φ_0, a peer with history with its own trained φ;
-a factor of 10 leaves that room several times over, while a zeroed, scaled-up (1e30) or otherwise
+Training moves the norm slowly, and ever more slowly as a run goes on. A joiner compares with
+φ_0, a peer with history with its own trained φ; a factor of 10 leaves that room several times
+over, while a zeroed, scaled-up (1e30) or otherwise
 implausible φ lies outside it. Within the bound the check proves nothing: it stops crude
 takeovers, not a subtly poisoned φ."""
 

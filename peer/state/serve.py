@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from peer.state.snapshot import StateSnapshot, chunk_bytes
-from peer.sync.pieces import piece_view
 from protocol.errors import BadPayload
-from protocol.wire import framing
-from protocol.wire import state as frames
+from protocol.wire import framing, state as frames
+from protocol.wire.pieces import piece_view
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         try:
             payload = await framing.read_frame(reader, max_bytes=frames.MAX_REQUEST_BYTES, timeout=timeout)
             digest, indices = frames.parse_request(payload)
-        except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+        except (TimeoutError, BadPayload, asyncio.IncompleteReadError) as exc:
             logger.warning("rejected a state request: %s", framing.describe_failure(exc))
             return written
         try:
@@ -81,7 +80,7 @@ async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         # The joiner closes first, once it has read everything: closing here could make the p2p
         # daemon drop the stream's tail before it reaches the joiner.
         await asyncio.wait_for(reader.read(1), timeout)
-    except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+    except (TimeoutError, ConnectionError, OSError) as exc:
         logger.info("state stream ended early after %d bytes: %s", written, framing.describe_failure(exc))
     finally:
         writer.close()

@@ -14,16 +14,17 @@ import asyncio
 import logging
 import math
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from peer.net.limits import ServeBudget, StreamSlots
 from peer.progress import TransferProgress
 from peer.state import download
 from peer.state.download import DownloadResult
 from peer.state.serve import serve_state
 from peer.state.snapshot import StateSnapshot, plan_chunks
-from peer.sync.limits import ServeBudget, StreamSlots
 from protocol.errors import StateDownloadFailed
 from protocol.version import PROTOCOL_VERSION
 
@@ -53,6 +54,14 @@ downloaded often; what a request can buy is bounded by 64 MiB a minute per joine
 
 class StateSharing:
     """Serves this peer's state snapshots on ``<prefix>.LocoState.v<N>`` and downloads others'."""
+
+    # from the hivemind DecentralizedAverager this mixes into (see the module docstring)
+    prefix: str
+    peer_id: Any
+    serializer: Any
+    next_chunk_timeout: float | None
+    _call_in_averager: Callable[..., Any]
+    _get_current_state_from_host_process: Callable[..., Any]
 
     def _init_state_sharing(self) -> None:
         """Call in ``__init__`` before the averager process forks."""
@@ -126,7 +135,7 @@ class StateSharing:
                 run_id=run_id, timeout=timeout_s, on_progress=on_progress), bound_s)
             if not future.done():
                 future.set_result(result)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not future.done():
                 future.set_exception(StateDownloadFailed(
                     f"state {digest.hex()} not downloaded within {bound_s:.0f} s", {}))

@@ -14,13 +14,14 @@ are ``blake2b(raw bytes, digest_size=16)``; the digest is
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from peer.sync.pieces import Piece, piece_view, plan_pieces
 from peer.train.outer import all_finite
+from protocol.wire.pieces import Piece, piece_view, plan_pieces
 from protocol.wire.state import HASH_BYTES, canonical_meta, meta_problem
 
 CHUNK_ELEMENTS = 1 << 18
@@ -58,7 +59,7 @@ def state_digest(meta: dict[str, Any], chunk_hashes: Sequence[bytes]) -> bytes:
 
 def chunk_view(tensor: torch.Tensor, chunk: Piece) -> memoryview:
     """``chunk``'s rows of ``tensor`` (contiguous fp32, CPU) as one little-endian fp32 buffer, not copied."""
-    return memoryview(piece_view(tensor, chunk).numpy().astype("<f4", copy=False))
+    return piece_view(tensor, chunk).numpy().astype("<f4", copy=False).data
 
 
 def chunk_bytes(tensor: torch.Tensor, chunk: Piece) -> bytes:
@@ -84,8 +85,8 @@ def make_snapshot(meta: dict[str, Any], tensors: Sequence[torch.Tensor], *,
                   chunk_elements: int = CHUNK_ELEMENTS, owned: bool = False) -> StateSnapshot:
     """Copy a state and hash it, so that it can be served while training goes on.
 
-    Costs one copy of the state in memory and one blake2b pass over it (about 1 GB/s on one
-    core; blake2b releases the GIL, so it may run in an executor).
+    Costs one copy of the state in memory and one blake2b pass over it (blake2b releases the GIL,
+    so it may run in an executor).
 
     Args:
         meta: {"run_id": str, "round": int >= 0, "inner_step": int >= 0}, nothing else.

@@ -1,6 +1,6 @@
 """Who may vouch for a state this peer adopts (issue #17, item 3).
 
-The re-sync rule (peer/state/resync.py) adopts the state of a class of peers: those that publish
+The re-sync rule (peer/train/resync.py) adopts the state of a class of peers: those that publish
 the same (round, digest) in their signed progress records. Signatures bind a record to its peer
 (protocol/signing.py), but identities are free: anyone can make four fresh Ed25519 keys and sign
 four records claiming round r+1 with an all-zero φ. So a class member counts only when this peer
@@ -10,7 +10,7 @@ has reason to believe it did the work:
   exclusions), and the round that first happened. A peer counts as a *voucher* from the round
   after: a burst of fresh identities counts for nothing until each of them has taken part in a
   group with this peer, in full, in an earlier round.
-* :func:`attested`: for a joiner, which has no ledger, the peers whose signed records name each
+* ``attested`` (peer/train/resync.py, beside the rule that uses it): for a joiner, which has no ledger, the peers whose signed records name each
   other as groupmates (mutual statements, rounds at most one apart).
 * :class:`RoundClock`: a claimed round may not run ahead of what elapsed time allows since this
   reader first saw the peer; a record that does is ignored and counted.
@@ -18,14 +18,15 @@ has reason to believe it did the work:
 What this cannot do: a cluster of identities that really completes all-reduces with this peer
 (paying the bandwidth, passing the screening of peer/sync/screening.py) is vouched for from the
 next round, and a majority of vouchers wins the rule. A joiner has no history: identities that
-attest each other in their records are enough for it (see :func:`attested`).
+attest each other in their records are enough for it (see peer/train/resync.py ``attested``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -92,35 +93,6 @@ class Ledger:
             self.record_group(round_, [peer])
 
 
-def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset[str]:
-    """Peers vouched for by a peer that completed a round with them: ``p`` counts when some other
-    peer ``q`` names ``p`` as a groupmate, ``p`` names ``q`` back, and their rounds differ by at
-    most one (groupmates publish the round after their sync one after the other, and with
-    ``sync.overlap`` a statement is about the sync that landed, a round late).
-
-    Args:
-        statements: peer id → (round, groupmates) as its signed progress record says: the round
-            it is at and the peers that completed its last sync with it.
-
-    Returns:
-        The attested peer ids.
-
-    A single identity cannot attest itself, and one honest peer never names a stranger it did not
-    sync with; but identities of one owner can name each other: for a peer without history (a
-    joiner) this is the only evidence there is.
-    """
-    out: set[str] = set()
-    for p, (round_, mates) in statements.items():
-        for q in mates:
-            if q == p or q not in statements:
-                continue
-            q_round, q_mates = statements[q]
-            if abs(q_round - round_) <= 1 and p in q_mates:
-                out.add(p)
-                break
-    return frozenset(out)
-
-
 class RoundClock:
     """Bounds the round a peer may claim by the time since this reader first saw it.
 
@@ -168,6 +140,7 @@ class RoundClock:
             self._first[peer_id] = (now, round_)
             return True
         limit = self.limit(peer_id, now)
+        assert limit is not None  # peer_id was seen (above)
         if round_ <= limit:
             return True
         self.ignored += 1
@@ -195,7 +168,7 @@ class Vouching:
         """The records the rule may read, and the vouchers it counts, for a peer at ``round_``.
 
         Args:
-            records: the other live peers' records (``protocol.dht.PeerProgress``: ``peer_id``, ``record``).
+            records: the other live peers' records (``peer.net.dht.PeerProgress``: ``peer_id``, ``record``).
             round_: this peer's round.
 
         Returns:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -89,7 +89,7 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
         # Low rank only where it is as faithful as 4-bit floats, i.e. where Δ's effective rank is
         # low: what a codec drops comes back only rounds later through error feedback, and
         # dropping most of a full-rank Δ each round costs far more loss than its squared error
-        # suggests (docs/benchmarks.md, "Codecs": low rank +24 %, top-k +36 %).
+        # suggests (docs/benchmarks.md, "Codecs").
         faithful = next(o.error for o in options if o.codec == Codec("fp4", block_size=spec.block_size))
         cheapest_dense = min(o.bytes_ for o in options)
         rank = 1

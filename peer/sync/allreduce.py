@@ -47,19 +47,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
-from peer.sync.pieces import GroupPlan, Piece, piece_shape, piece_view
-from peer.sync.screening import (CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median, owner_mean_problem,
-                                 phi_contribution_problem)
+from peer.sync.pieces import GroupPlan
+from peer.sync.screening import (
+    CLIP_MEDIAN_FACTOR,
+    cap_weight,
+    clip_to_median,
+    owner_mean_problem,
+    phi_contribution_problem,
+)
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
-from protocol.wire import allreduce as frames
-from protocol.wire import framing
+from protocol.wire import allreduce as frames, framing
+from protocol.wire.pieces import Piece, piece_shape, piece_view
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +214,7 @@ class GroupAllreduce:
                     raise BadPayload(f"HELLO claims sender index {hello.sender}, which is not the stream's peer")
                 if hello.sender == self.plan.my_index or hello.pieces != len(self.my_pieces):
                     raise BadPayload(f"HELLO announces {hello.pieces} pieces, this owner reduces {len(self.my_pieces)}")
-            except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError) as exc:
                 self._write(writer, frames.encode_abort(f"rejected: {exc!r}"))
                 await writer.drain()
                 if sender is not None:
@@ -232,7 +237,7 @@ class GroupAllreduce:
                         if sender not in self._excluded:
                             self._contrib[piece.index][sender] = (weight, value)
                         self._changed.notify_all()
-            except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError) as exc:
                 if isinstance(exc, BadPayload) and sender not in self._excluded:
                     self.stats.dropped.add(sender)
                 await self._exclude(sender, f"{type(exc).__name__}: {exc}")
@@ -241,7 +246,7 @@ class GroupAllreduce:
             # p2p daemon drop the stream's tail before it reaches the sender.
             try:
                 await asyncio.wait_for(reader.read(1), self.timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             logger.debug("stream from %s broke: %r", stream_peer_id, exc)
@@ -293,13 +298,14 @@ class GroupAllreduce:
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=self.timeout - silent + 0.05)
                         last_change = time.monotonic()
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
             if self.phi_from is not None and piece.tensor >= self.phi_from and slots[me] is not None:
                 # NoLoCo's φ: a contribution far from this owner's own φ is left out (and struck)
                 for s in range(n):
-                    if s != me and s not in self._excluded and slots[s] is not None:
-                        problem = phi_contribution_problem(slots[s][1], slots[me][1])
+                    theirs, ours = slots[s], slots[me]
+                    if s != me and s not in self._excluded and theirs is not None and ours is not None:
+                        problem = phi_contribution_problem(theirs[1], ours[1])
                         if problem is not None:
                             self.stats.dropped.add(s)
                             await self._exclude(s, f"piece {piece.index}: {problem}")
@@ -406,8 +412,8 @@ class GroupAllreduce:
                 for piece in pieces:
                     limit = frames.MEAN_HEADER.size + (n + 7) // 8 + self.plan.max_piece_bytes[piece.index]
                     payload = await self._read(reader, limit, 2 * self.timeout + 1.0)
-                    if send_task.done() and send_task.exception() is not None:
-                        raise send_task.exception()
+                    if send_task.done() and (error := send_task.exception()) is not None:
+                        raise error
                     included, data = frames.parse_mean(payload, expected_index=piece.index, group_size=n)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     self.stats.partial_pieces += not all(included)

@@ -28,8 +28,8 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -38,20 +38,22 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
+from peer.net.lifetime import PEER_RESTART, HelperProcess, exited, helper_died
+from peer.net.limits import StreamSlots
+from peer.net.validator import protect_round
 from peer.state.sharing import StateSharing
 from peer.sync.allreduce import AllreduceStats, GroupAllreduce
 from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
-from peer.sync.limits import StreamSlots
-from peer.sync.pieces import Piece, make_group_plan
+from peer.sync.pieces import make_group_plan
 from peer.sync.screening import Strikes
+from protocol import keys
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
-from protocol.lifetime import PEER_RESTART, HelperProcess, exited, helper_died
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
-from protocol.wire import allreduce as frames
-from protocol.wire import framing
+from protocol.wire import allreduce as frames, framing
+from protocol.wire.pieces import Piece
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def keeps_residuals(compression: CompressionSpec) -> bool:
 class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing, DecentralizedAverager):
     """Averages pseudo-gradients within a group of peers at the same round.
 
-    Its process dies with the peer's and leaves signals to it (protocol/lifetime.py); hivemind's
+    Its process dies with the peer's and leaves signals to it (peer/net/lifetime.py); hivemind's
     re-keying after a group assembled is off, the round loop sets the group bits (group_key.py).
     hivemind's handlers are bounded (declared lengths, streams per peer, time: hivemind_limits.py),
     and those of its all-reduce and state download, which locoswarm does not use, refuse.
@@ -112,6 +114,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             with this. None: no cap.
         **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
+
+    next_chunk_timeout: float
+    """Required here (DecentralizedAverager's may be None): checked in ``__init__``."""
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, compression: CompressionSpec,
                  uplink_mbps: float = 50.0,
@@ -227,16 +232,13 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
 
     def set_group_bits(self, group_bits: str, wait: bool = True):
         """hivemind's ``set_group_bits``, after protecting this run's matchmaking keys around the
-        round the bits carry (protocol/validator.py ``protect_round``; the round is the bits' first
+        round the bits carry (peer/net/validator.py ``protect_round``; the round is the bits' first
         ``keys.ROUND_BITS``, as protocol/keys.py ``round_group_bits`` writes them). A failure to
         protect (the DHT stopped) is logged and the bits are set all the same.
 
         Raises:
             HelperDied: with ``wait``, the averager process exited before it took the bits.
         """
-        from protocol import keys
-        from protocol.validator import protect_round
-
         if len(group_bits) >= keys.ROUND_BITS:
             try:
                 protect_round(self.dht, self.prefix, int(group_bits[:keys.ROUND_BITS], 2))
@@ -384,7 +386,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             hello = frames.parse_hello(payload, group_size=frames.MAX_GROUP_SIZE)
             future = self._session_future(hello.group_id)
             session = await asyncio.wait_for(asyncio.shield(future), timeout)
-        except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+        except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError) as exc:
             logger.warning("rejected an all-reduce stream from %s: %s", stream_info.peer_id, exc)
             writer.close()
             return
@@ -415,7 +417,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
             modes = [AveragingMode(m) for m in mode_ids]
             rounds = {(d or {}).get("round") if isinstance(d, dict) else None for d in user_gathered.values()}
-            if len(rounds) != 1 or not isinstance(next(iter(rounds)), int):
+            if len(rounds) != 1 or not isinstance(group_round := next(iter(rounds)), int):
                 raise AllreduceIncomplete(f"groupmates are at different rounds {sorted(map(str, rounds))}")
             owners = [i for i, mode in enumerate(modes) if mode != AveragingMode.CLIENT]
             if not owners:
@@ -432,7 +434,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 phi_from = None if self.phi_from is None else sum(1 for i in index if i < self.phi_from)
                 plan = await asyncio.get_running_loop().run_in_executor(self._codec_executor(), lambda: make_group_plan(
                     tensors, group_id=group_id, peer_ids=group_info.peer_ids,
-                    my_index=group_info.peer_ids.index(self.peer_id), owners=owners, round_=next(iter(rounds)),
+                    my_index=group_info.peer_ids.index(self.peer_id), owners=owners, round_=group_round,
                     compression=self.compression, phi_from=phi_from, piece_elements=self.piece_elements,
                     uplink_bytes_per_s=self._uplink_bytes_per_s))
                 ef = self._feedback([t.shape for t in all_tensors])
@@ -457,7 +459,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, self.stream_protocol)
                     return reader, writer
 
-                round_ = next(iter(rounds))
+                round_ = group_round
                 ignored = self._strikes.ignored(round_)
                 session = GroupAllreduce(plan, tensors, weight=kwargs.get("weight") or 1.0, compensate=compensate,
                                          stage=stage, open_stream=open_stream,
@@ -472,7 +474,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 own_deadline = max(1.0, (self._allreduce_timeout or float("inf")) - 1.0)
                 try:
                     stats = await asyncio.wait_for(session.run(), own_deadline)
-                except (PartialAverage, asyncio.TimeoutError) as exc:
+                except (TimeoutError, PartialAverage) as exc:
                     if ef is not None:
                         ef.rollback()
                     reason = exc if isinstance(exc, PartialAverage) else f"not done in {own_deadline:.0f} s"
@@ -497,7 +499,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                                 incomplete=f"all-reduce failed: {type(exc).__name__}: {exc}")
         finally:
             if session is not None:
-                self._strike(session, round_)
+                if round_ is not None:  # (set before the session)
+                    self._strike(session, round_)
                 session.close()
             if not future.done():
                 future.cancel()

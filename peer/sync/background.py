@@ -11,8 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -103,3 +103,57 @@ class BackgroundSync:
             self._in_flight.dropped.set()
         self._in_flight = None
         self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+class InlineSync:
+    """:class:`BackgroundSync`'s interface for a sync with no delay: :meth:`start` only takes the call,
+    and :meth:`result` runs it on the calling thread, when its mean is needed, which for a schedule
+    with no delay is at once (the blocking schedule, peer/round/blocking.py). Nothing runs in the
+    background, so nothing is ever dropped half-way."""
+
+    def __init__(self) -> None:
+        self._call: tuple[SyncCall, int] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a call was started and its result not yet taken."""
+        return self._call is not None
+
+    @property
+    def done(self) -> bool:
+        """False: the call runs only when its result is asked for."""
+        return False
+
+    @property
+    def round(self) -> int | None:
+        return None if self._call is None else self._call[1]
+
+    def start(self, call: SyncCall, *, round_: int, start_digest: str) -> None:
+        """Take ``call`` to run at :meth:`result`.
+
+        Raises:
+            RuntimeError: a call is already waiting for its result to be taken.
+        """
+        if self._call is not None:
+            raise RuntimeError(f"round {round_}: the sync of round {self._call[1]} was not taken")
+        self._call = (call, round_)
+
+    def result(self, timeout_s: float | None = None) -> tuple[list[torch.Tensor], SyncReport, int]:
+        """Run the call now, on this thread, and return (mean payload, report, its round).
+
+        Raises:
+            RuntimeError: nothing started.
+            HelperDied: what the call raises (nothing of it applied).
+        """
+        if self._call is None:
+            raise RuntimeError("no sync started")
+        (call, round_), self._call = self._call, None
+        mean, report = call(lambda: False)
+        return mean, report, round_
+
+    def drop(self, why: str) -> None:
+        """Forget a call not run yet."""
+        self._call = None
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._call = None

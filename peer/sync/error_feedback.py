@@ -7,7 +7,7 @@ it succeeded.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -60,9 +60,10 @@ class ErrorFeedback:
         self._staged.clear()
 
     def _buffer(self, index: int) -> torch.Tensor:
-        if self._e[index] is None:
-            self._e[index] = torch.zeros(self.shapes[index], dtype=torch.float32)
-        return self._e[index]
+        buffer = self._e[index]
+        if buffer is None:
+            buffer = self._e[index] = torch.zeros(self.shapes[index], dtype=torch.float32)
+        return buffer
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The residual buffers (fp32, one per tensor), for checkpoints; loading copies into them."""

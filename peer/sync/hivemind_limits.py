@@ -2,8 +2,8 @@
 
 hivemind 1.1.12 frames a protobuf message on a libp2p stream as ``1 marker byte`` (0: message,
 1: error) + ``u64 big-endian length`` + the serialized message, and reads it with
-``P2P.receive_raw_data``, which allocates whatever length the sender declares: 1.5 GiB sent
-into ``rpc_join_group`` grew the averager process by 3.2 GB (issue #17). Its stream handlers have
+``P2P.receive_raw_data``, which allocates whatever length the sender declares, so one stranger
+can make the averager process allocate gigabytes (issue #17). Its stream handlers have
 no cap on concurrent streams, and no time limit on a stream whose sender stays silent.
 
 hivemind offers no hook for any of it: ``P2P.receive_protobuf`` is a static method, called by
@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from google.protobuf.message import DecodeError, Message
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
-from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from peer.sync.limits import StreamSlots
+from peer.net.limits import StreamSlots
 from protocol.errors import BadPayload
 from protocol.text import sanitize
 
@@ -125,7 +124,7 @@ async def read_protobuf(reader: asyncio.StreamReader, message_type: type[Message
 class BoundedP2P(P2P):
     """hivemind's ``P2P`` whose protobuf stream handlers and stream calls are bounded by
     ``self.stream_limits`` (a :class:`StreamLimits`) and ``self.stream_slots`` (a
-    :class:`~peer.sync.limits.StreamSlots`). The averager process's is made by :meth:`adopt`;
+    :class:`~peer.net.limits.StreamSlots`). The averager process's is made by :meth:`adopt`;
     ``adopt(BoundedP2P(), limits)`` (no daemon) serves in-process tests and the fuzzer."""
 
     stream_limits: StreamLimits
@@ -153,7 +152,7 @@ class BoundedP2P(P2P):
                 await asyncio.wait_for(self._serve_stream(handler, context, input_protobuf_type, reader, writer,
                                                           prefetch=max(1, min(max_prefetch, limits.max_messages))),
                                        limits.stream_lifetime_s)
-            except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, OSError) as exc:
+            except (TimeoutError, BadPayload, asyncio.IncompleteReadError, OSError) as exc:
                 logger.warning("closed a %s stream from %s: %s", name, peer,
                                "timed out" if isinstance(exc, asyncio.TimeoutError) else sanitize(str(exc)))
             finally:
@@ -172,7 +171,8 @@ class BoundedP2P(P2P):
                 oversized, malformed, late or cut off, or one message too many; the handler is
                 cancelled.
         """
-        limits, requests = self.stream_limits, asyncio.Queue(prefetch)
+        limits = self.stream_limits
+        requests: asyncio.Queue[Message | None] = asyncio.Queue(prefetch)
 
         async def read_requests() -> None:
             for _ in range(limits.max_messages):

@@ -7,7 +7,7 @@ the swarm holds (for the re-sync rule) and whether a start barrier is met.
 
 With :meth:`SwarmView.start_background` a daemon thread signs and stores this peer's records and
 reads the swarm's ahead of time (:meth:`SwarmView.prefetch`), so neither is the inner loop's
-time: an RSA signature per record and a DHT read of tens of milliseconds per round (issue #18).
+time: an RSA signature per record and a DHT read per round (issue #18).
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from typing import Protocol, runtime_checkable
 
 from hivemind.utils import get_dht_time
 
-from protocol import dht as swarm_dht
+from peer.net import dht as swarm_dht
 from protocol.records import ProgressRecord
 from protocol.signing import PeerSigner
 
@@ -34,6 +36,51 @@ def _record_step(r, round_: int, inner_steps: int, now: float, record_ttl_s: flo
     """The inner step within ``round_`` that progress record ``r`` states, and the seconds since its
     peer published it (its expiration minus ``record_ttl_s``, at least 0)."""
     return r.record.inner_step - round_ * inner_steps, max(0.0, now - (r.expiration - record_ttl_s))
+
+
+@runtime_checkable
+class RoundSwarm(Protocol):
+    """What the round loop (peer.round.Trainer) uses of its view of the swarm. :class:`SwarmView`
+    implements it over the DHT, :class:`peer.sync.inprocess.InProcessSwarm` in one process; see
+    :class:`SwarmView`'s methods for what each one means."""
+
+    @property
+    def peer_id(self) -> str:
+        ...
+
+    @property
+    def max_sync_s(self) -> float:
+        """The longest one sync may take, s (bounds the loop's waits on records)."""
+        ...
+
+    @property
+    def record_ttl_s(self) -> float:
+        ...
+
+    def live(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
+        ...
+
+    def others(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
+        ...
+
+    def prefetch(self) -> bool:
+        ...
+
+    def publish(self, record: ProgressRecord, *, wait: bool = False) -> None:
+        ...
+
+    def round_finished(self) -> None:
+        ...
+
+    def wait_for(self, want: int, *, timeout_s: float, stop: threading.Event, heartbeat: Callable[[], None]) -> int:
+        ...
+
+    def step_now(self, round_: int, *, inner_steps: int, batch_size_tokens: int) -> int:
+        ...
+
+    def seconds_to_finish(self, round_: int, records: Sequence[swarm_dht.PeerProgress], *, inner_steps: int,
+                          batch_size_tokens: int, peers: Collection[str] | None = None) -> float:
+        ...
 
 
 class SwarmView:
@@ -88,14 +135,14 @@ class SwarmView:
     def live(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
         """The records of the live peers of the run, this peer's own included when published.
 
-        A failed or timed-out DHT read (protocol/dht.py ``READ_TIMEOUT_S``) returns the records of
+        A failed or timed-out DHT read (peer/net/dht.py ``READ_TIMEOUT_S``) returns the records of
         the last read that worked: a read failure must not stop training, nor make this peer think
         it is alone.
 
         Args:
             max_age_s: reuse the last read that worked when it is at most this old (seconds)
-                instead of reading the DHT again (a read is tens of milliseconds of the caller's
-                time; the round loop reads several times within a second of a round's end), even
+                instead of reading the DHT again (a read is the caller's time; the round loop
+                reads several times within a second of a round's end), even
                 while a newer one runs in the background; when it is older, a background read
                 (:meth:`prefetch`) asked for within that age and still in progress is waited for
                 instead of reading twice. Liveness is judged again on every call. 0: always read.
@@ -116,7 +163,7 @@ class SwarmView:
         start = time.monotonic()
         try:
             # no honest peer of this run stores a record for longer than record_ttl_s
-            # under a flood of records (protocol/dht.py MAX_RECORDS_READ), keep this peer and the peers last seen
+            # under a flood of records (peer/net/dht.py MAX_RECORDS_READ), keep this peer and the peers last seen
             seen = {self.peer_id, *(r.peer_id for r in self._last_records)}
             records = swarm_dht.read_progress(self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S,
                                               prefer=seen)
@@ -167,7 +214,7 @@ class SwarmView:
 
         Args:
             round_: the round whose sync this peer is about to join.
-            records: ``protocol.dht.PeerProgress`` of the live peers; this peer's own is skipped.
+            records: ``peer.net.dht.PeerProgress`` of the live peers; this peer's own is skipped.
             inner_steps: H.
             batch_size_tokens: tokens per inner step (the manifest's, the same on every peer).
             peers: only these peer ids (a NoLoCo plan's groupmates); None: every peer.

@@ -2,82 +2,21 @@
 
 Every groupmate derives the same plan from the payload's shapes, the group and the round, so
 both ends of a stream agree on what each frame carries without sending it (peer/sync/allreduce.py).
-The state transfer cuts its chunks with the same :func:`plan_pieces` (peer/state/snapshot.py).
+The pieces are cut by protocol/wire/pieces.py ``plan_pieces``, as the state transfer's chunks are
+(peer/state/snapshot.py).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
+from peer.sync.adaptive import plan as adaptive_plan
 from protocol import codecs, groups
 from protocol.manifest import CompressionSpec
-
-PIECE_ELEMENTS = 1 << 18
-"""Default piece size: 256 Ki elements (1 MiB of fp32), small enough to pipeline the phases."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``[start, stop)`` of tensor ``tensor`` (the whole tensor for 0-d), reduced by ``owner``."""
-
-    index: int
-    tensor: int
-    start: int
-    stop: int
-    owner: int
-    """Position in the group (not in the owner list)."""
-
-
-def plan_pieces(shapes: Sequence[torch.Size], owners: Sequence[int], *, piece_elements: int = PIECE_ELEMENTS,
-                split: Callable[[int], bool] = lambda index: True) -> list[Piece]:
-    """Cut tensors into row pieces and deal them to ``owners`` (group positions) in contiguous runs.
-
-    Args:
-        shapes: the payload's tensor shapes, in payload order.
-        owners: group positions of the peers that reduce pieces (not in client mode), ascending.
-        piece_elements: target elements per piece; a piece is never smaller than one row.
-        split: ``split(i)`` False keeps tensor i whole (low-rank codecs want whole matrices).
-
-    Returns:
-        Pieces in payload order; every row of every non-empty tensor is in exactly one piece.
-    """
-    if not owners:
-        raise ValueError("a group needs at least one owner")
-    raw: list[tuple[int, int, int, int]] = []  # tensor, start, stop, elements
-    for index, shape in enumerate(shapes):
-        numel = math.prod(shape)
-        if numel == 0:
-            continue
-        if len(shape) == 0:
-            raw.append((index, 0, 1, 1))
-            continue
-        rows, row_size = shape[0], numel // shape[0]
-        step = rows if not split(index) else max(1, piece_elements // max(1, row_size))
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            raw.append((index, start, stop, (stop - start) * row_size))
-    total = sum(r[3] for r in raw)
-    pieces, done = [], 0
-    for i, (tensor, start, stop, numel) in enumerate(raw):
-        # owner k takes the pieces whose midpoint falls in [k/n, (k+1)/n) of the elements
-        mid = (done + numel / 2) / max(1, total)
-        owner = owners[min(len(owners) - 1, int(mid * len(owners)))]
-        pieces.append(Piece(index=i, tensor=tensor, start=start, stop=stop, owner=owner))
-        done += numel
-    return pieces
-
-
-def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return tensor if tensor.dim() == 0 else tensor[piece.start:piece.stop]
-
-
-def piece_shape(shape: Sequence[int], piece: Piece) -> tuple[int, ...]:
-    """Shape of ``piece`` of a tensor shaped ``shape``."""
-    return tuple(shape) if len(shape) == 0 else (piece.stop - piece.start, *shape[1:])
+from protocol.wire.pieces import PIECE_ELEMENTS, Piece, piece_shape, plan_pieces
 
 
 @dataclass(frozen=True)
@@ -121,8 +60,6 @@ def make_group_plan(tensors: Sequence[torch.Tensor], *, group_id: bytes, peer_id
     n_delta = len(shapes) if phi_from is None else phi_from
     per_tensor = [None] * len(shapes)
     if compression.codec == "adaptive":
-        from peer.sync.adaptive import plan as adaptive_plan
-
         per_tensor[:n_delta] = adaptive_plan(list(tensors[:n_delta]), compression,
                                              uplink_bytes_per_s=uplink_bytes_per_s, group_size=n)
     piece_codecs = [per_tensor[p.tensor] or codecs.make_codec(compression, piece_shape(shapes[p.tensor], p),

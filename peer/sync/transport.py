@@ -16,8 +16,9 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from hivemind.utils import get_dht_time
@@ -26,8 +27,15 @@ from peer.state.download import StateDownload, validate_state
 from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from protocol import keys
-from protocol.errors import (AllreduceFailed, AllreduceIncomplete, BadPayload, GroupNotFound, HelperDied, NetworkError,
-                             SyncError)
+from protocol.errors import (
+    AllreduceFailed,
+    AllreduceIncomplete,
+    BadPayload,
+    GroupNotFound,
+    HelperDied,
+    NetworkError,
+    SyncError,
+)
 from protocol.manifest import CompressionSpec, SyncSpec
 
 logger = logging.getLogger(__name__)
@@ -74,6 +82,46 @@ class SyncResult:
     start_digests: dict[str, str] | None = None
     """Each groupmate's digest of the state it started the round from (peer id → hex): groupmates
     that started from the same state and completed the round hold the same state after it."""
+
+
+@runtime_checkable
+class RoundTransport(Protocol):
+    """What the round loop (peer.round.Trainer) uses of its transport. :class:`NetworkTransport`
+    implements it over hivemind, :class:`peer.sync.inprocess.InProcessTransport` in one process;
+    see :meth:`NetworkTransport.average` and the others for what each call means."""
+
+    @property
+    def max_sync_seconds(self) -> float:
+        """Upper bound on any :meth:`average` call, s."""
+        ...
+
+    def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
+                group_index: int | None = None, start_digest: str = "",
+                should_stop: Callable[[], bool] = ..., expected_wait_s: float = 0.0,
+                wait_budget_s: float = 0.0, fragment: int | None = None, fragments: int = 1,
+                tensors: Sequence[int] | None = None) -> SyncResult:
+        """The token-weighted group mean of ``payload``; raises a SyncError (or HelperDied)."""
+        ...
+
+    def share_state(self, provider: Callable[[], list[Any]] | None) -> None:
+        """Serve the snapshots ``provider`` returns (newest last) to joiners; None: stop."""
+        ...
+
+    def download_state(self, donors: Sequence[str], digest_hex: str, timeout_s: float) -> StateDownload:
+        """The state named ``digest_hex`` from ``donors``, verified and checked."""
+        ...
+
+    def reset_error_feedback(self) -> None:
+        """Drop this peer's error-feedback residuals."""
+        ...
+
+    def error_feedback_residuals(self) -> list[torch.Tensor] | None:
+        """This peer's committed error-feedback residuals, for a checkpoint (None: none kept)."""
+        ...
+
+    def load_error_feedback(self, residuals: Sequence[torch.Tensor]) -> int:
+        """Restore residuals from a checkpoint; returns how many tensors were taken."""
+        ...
 
 
 class NetworkTransport:
@@ -202,8 +250,8 @@ class NetworkTransport:
         start = time.monotonic()
         with self.averager.get_tensors() as buffers:
             chosen = buffers if tensors is None else [buffers[i] for i in tensors]
-            for buf, d in zip(chosen, payload, strict=True):
-                buf.copy_(d)
+            for buf, value in zip(chosen, payload, strict=True):
+                buf.copy_(value)
         d = self.deadlines.current(expected_wait_s=expected_wait_s, wait_budget_s=wait_budget_s)
         bound_s = (1 + self.RETRIES) * d.total_s
         sent = received = 0
@@ -268,7 +316,7 @@ class NetworkTransport:
                     if time.monotonic() > deadline:
                         control.cancel()
                         raise AllreduceFailed(f"round {round_} sync did not finish in its deadline of "
-                                              f"{d.total_s:.0f} s")
+                                              f"{d.total_s:.0f} s") from None
         except (GroupNotFound, AllreduceFailed, HelperDied):
             raise
         except Exception as exc:

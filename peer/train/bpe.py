@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from peer.train.cache import atomic_write
-from peer.train.tokenizer import Tokenizer
+from peer.train.tokenizer import Tokenizer, byte_tokenizer
 from protocol.errors import ConfigError
 from protocol.manifest import DataSpec
 
@@ -83,3 +83,29 @@ def load_or_train_bpe(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
         text = train_bpe(train_texts(), spec.vocab_size).to_str()
         atomic_write(path, lambda f: f.write(text.encode("utf-8")))
     return from_json(path.read_text(encoding="utf-8"), vocab_size=spec.vocab_size)
+
+
+def load_tokenizer(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
+                   train_texts: Callable[[], Iterator[str]]) -> Tokenizer:
+    """The run's tokenizer: byte-level, or the BPE of this corpus (from the cache, else trained and cached).
+
+    Args:
+        cache_dir: where a trained BPE is kept (``tokenizer-*.json``) and found again.
+        corpus_sha256: the corpus's content hash; part of the cached BPE's name.
+        train_texts: starts a fresh pass over the training split's documents (only called to train).
+
+    Raises:
+        ConfigError: ``data.tokenizer_sha256`` is set and the tokenizer hashes otherwise.
+    """
+    if spec.tokenizer == "bytes":
+        tokenizer = byte_tokenizer()
+    else:
+        tokenizer = load_or_train_bpe(spec, cache_dir=cache_dir, corpus_sha256=corpus_sha256,
+                                      train_texts=train_texts)
+    if spec.tokenizer_sha256 and tokenizer.sha256 != spec.tokenizer_sha256:
+        raise ConfigError(
+            f"the {spec.tokenizer} tokenizer built here hashes to {tokenizer.sha256}, the run pins "
+            f"data.tokenizer_sha256 = {spec.tokenizer_sha256}: use the run's corpus and the tokenizers "
+            "version it was prepared with (`peer data prepare` prints both hashes)"
+        )
+    return tokenizer

@@ -137,7 +137,7 @@ def write_token_cache(cache_dir: Path, key: str, documents: Iterable[Document], 
     """
     train_path, val_path, meta_path = _paths(cache_dir, key)
     tokens, docs = [0, 0], [0, 0]
-    eos = np.asarray([eos_id], dtype=dtype)
+    eos: np.ndarray = np.asarray([eos_id], dtype=dtype)
     with atomic_file(train_path) as train_f, atomic_file(val_path) as val_f:
         handles = (train_f, val_f)
         pending: list[tuple[int, bytes]] = []

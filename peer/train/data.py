@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from peer.train.bpe import load_tokenizer
 from peer.train.cache import cache_key, corpus_sha256, default_cache_dir, load_token_cache, write_token_cache
 from peer.train.sources import SkippedFiles, describe, iter_documents, list_files, stdlib_root
-from peer.train.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
+from peer.train.tokenizer import Tokenizer, byte_tokenizer
 from protocol.errors import ConfigError
 from protocol.manifest import DataSpec
 
@@ -64,7 +65,7 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
     """Hash, tokenize (once, into the cache) and memory-map the corpus the data spec names.
 
     Reads the whole corpus once per call to hash it; the first call for a corpus and tokenizer also
-    tokenizes it (a few seconds for the ~30 MB standard library with bytes), and trains the BPE
+    tokenizes it, and trains the BPE
     when ``data.tokenizer = 'bpe'`` (once per corpus and vocabulary).
 
     Args:

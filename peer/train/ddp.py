@@ -27,10 +27,10 @@ lets every rank agree first whether the step succeeded.
 
 Lifetime: ranks are spawned (CUDA cannot be forked) from the peer's main thread, ignore SIGINT and
 SIGTERM (the peer's stop path ends them), and the kernel SIGKILLs them when the peer process dies
-in any way (protocol/lifetime.py); multiprocessing's exit handler kills any left.
+in any way (peer/net/lifetime.py); multiprocessing's exit handler kills any left.
 
-Over 300 lines on purpose: both sides of the rank protocol (rank 0's commands, the other ranks'
-answers) live in this one file, so their collectives can be read and kept in matching order.
+Both sides of the rank protocol (rank 0's commands, the other ranks' answers) live in this one
+file, so their collectives can be read and kept in matching order.
 """
 
 from __future__ import annotations
@@ -49,16 +49,19 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from peer.train.inner import InnerLoop
+from peer.net.lifetime import HelperProcess
+from peer.train.data import BatchSampler
+from peer.train.device import cap_memory
+from peer.train.inner import InnerLoop, StepResult
 from peer.train.model import register_attention
 from peer.train.precision import FP32, Precision
 from protocol.errors import ConfigError, LocoError, RankFailed
-from protocol.lifetime import HelperProcess
 from protocol.manifest import InnerOptimizerSpec
 
 logger = logging.getLogger(__name__)
@@ -123,7 +126,7 @@ class DistributedInnerLoop(InnerLoop):
     """
 
     def __init__(self, model: torch.nn.Module, spec: InnerOptimizerSpec, sampler, *, rank: int, world: int,
-                 comm_device: torch.device, processes: Sequence[mp.Process] = (), store_dir: str | None = None,
+                 comm_device: torch.device, processes: Sequence[BaseProcess] = (), store_dir: str | None = None,
                  memory_budget_bytes: float | None = None, **kwargs):
         super().__init__(model, spec, sampler, **kwargs)
         self.rank, self.world, self.comm_device = rank, world, comm_device
@@ -195,7 +198,7 @@ class DistributedInnerLoop(InnerLoop):
             _wait_ready(processes, ready)
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=world,
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                                    **({"device_id": torch.device(devices[0])} if cuda else {}))
+                                    device_id=torch.device(devices[0]) if cuda else None)
         except BaseException:
             for process in processes:
                 process.kill()
@@ -213,7 +216,7 @@ class DistributedInnerLoop(InnerLoop):
                    precision=precision, compile=compile, micro_batch_sequences=micro_batch_sequences,
                    activation_checkpointing=activation_checkpointing)
 
-    def step(self, inner_step: int):
+    def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
         """One AdamW step of the whole peer (:meth:`InnerLoop.step`), every rank on its share of the
         batch; θ written since the last step is broadcast from rank 0 first.
 
@@ -225,7 +228,7 @@ class DistributedInnerLoop(InnerLoop):
             if self.rank == 0:
                 self._share_theta_if_written()
             try:
-                return super().step(inner_step)
+                return super().step(inner_step, wait=wait)
             finally:
                 self._versions = self._param_versions()
 
@@ -263,7 +266,7 @@ class DistributedInnerLoop(InnerLoop):
         if not self._broken:
             try:
                 self._send(_STOP)
-            except Exception as exc:  # noqa: BLE001 - a dead rank; killed below
+            except Exception as exc:
                 logger.debug("stopping the ranks: %s", exc)
                 self._broken = True
         for process in self._processes:
@@ -321,6 +324,7 @@ class DistributedInnerLoop(InnerLoop):
             self._send(_STEP, inner_step, *batch.shape)
             batch = batch.to(self.comm_device)
         else:
+            assert self._pending_shape is not None  # rank 0's _STEP command carried it
             batch = torch.empty(self._pending_shape, dtype=torch.int64, device=self.comm_device)
         dist.broadcast(batch, src=0)
         return batch
@@ -341,7 +345,7 @@ class DistributedInnerLoop(InnerLoop):
                 loss = self._accumulate_share(share, batch.shape[0])
             except torch.OutOfMemoryError:
                 oom = True
-            except Exception as exc:  # noqa: BLE001 - a first compiled step's failure falls back
+            except Exception as exc:
                 if not self._compile_unproven:
                     raise
                 compile_failure = RuntimeError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -360,12 +364,13 @@ class DistributedInnerLoop(InnerLoop):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for bucket in self._buckets:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            grads = [cast(torch.Tensor, p.grad) for p in bucket]  # each set above
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
             offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
         total = loss.detach().reshape(1).to(self.comm_device, torch.float32)
         dist.all_reduce(total)
         return total.item()
@@ -393,8 +398,8 @@ class DistributedInnerLoop(InnerLoop):
                                      "step": state["step"]})
         if state is not None:
             for p in self.params:
-                dist.broadcast(self.optimizer.state[p]["exp_avg"], src=0)
-                dist.broadcast(self.optimizer.state[p]["exp_avg_sq"], src=0)
+                dist.broadcast(self._adamw().state[p]["exp_avg"], src=0)
+                dist.broadcast(self._adamw().state[p]["exp_avg_sq"], src=0)
 
     def _fit(self, budget_bytes: float | None, margin: float) -> int:
         try:
@@ -446,7 +451,7 @@ class _RankProcess(HelperProcess, SpawnProcess):
     """A spawned rank: ignores SIGINT/SIGTERM, SIGKILLed when the peer process dies (lifetime.py)."""
 
 
-def _wait_ready(processes: list[mp.Process], ready: list) -> None:
+def _wait_ready(processes: Sequence[BaseProcess], ready: list) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     for rank, (process, event) in enumerate(zip(processes, ready), start=1):
         while not event.wait(0.2):
@@ -466,8 +471,6 @@ def _serve(setup: RankSetup, ready) -> None:
     device = torch.device(setup.device)
     budget = None
     if device.type == "cuda":
-        from peer.train.device import cap_memory
-
         torch.cuda.set_device(device)
         cap_memory(device, setup.max_memory_gib)
         total = torch.cuda.get_device_properties(device).total_memory
@@ -477,7 +480,7 @@ def _serve(setup: RankSetup, ready) -> None:
     ready.set()
     dist.init_process_group(setup.backend, init_method=f"file://{setup.store_path}", rank=setup.rank,
                             world_size=setup.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                            **({"device_id": device} if device.type == "cuda" else {}))  # NCCL binds its card
+                            device_id=device if device.type == "cuda" else None)  # NCCL binds its card
     try:
         loop = DistributedInnerLoop(model, setup.spec, _BatchShape(setup.batch_sequences, setup.seq_len),
                                     rank=setup.rank, world=setup.world,
@@ -489,3 +492,23 @@ def _serve(setup: RankSetup, ready) -> None:
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def make_inner_loop(model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler,
+                    placement: Any = None) -> InnerLoop:
+    """The inner loop a :class:`peer.train.device.Placement` asks for: an :class:`InnerLoop` on its
+    device (on the CPU in fp32 without one), or, for several devices, rank 0 of a
+    :class:`DistributedInnerLoop` with the other ranks started (``close()`` ends them).
+
+    Raises:
+        ConfigError, RankFailed: see :meth:`DistributedInnerLoop.launch`.
+    """
+    if placement is None:
+        return InnerLoop(model, spec, sampler)
+    settings = dict(precision=placement.precision, compile=placement.compile,
+                    micro_batch_sequences=placement.micro_batch_sequences,
+                    activation_checkpointing=getattr(placement, "activation_checkpointing", False))
+    if len(placement.devices) > 1:
+        return DistributedInnerLoop.launch(model, spec, sampler, devices=placement.devices,
+                                           max_memory_gib=placement.max_memory_gib, **settings)
+    return InnerLoop(model, spec, sampler, device=placement.device, **settings)

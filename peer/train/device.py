@@ -272,12 +272,12 @@ def place(device: str = "auto", *, precision: str = "auto", compile: bool | None
     infos = [describe(d) for d in torch_devices]
     info = infos[0]
     # one precision for every rank (a scaler on one rank only would let θ drift apart): fp16 if any card lacks bf16
-    chosen = [choose_precision(i.type, i.capability, precision) for i in infos]
-    chosen = chosen[0] if len({c.name for c in chosen}) == 1 else FP16
+    choices = [choose_precision(i.type, i.capability, precision) for i in infos]
+    chosen = choices[0] if len({c.name for c in choices}) == 1 else FP16
     notes = [n for n in [cap_memory(torch_device, max_memory_gib)] if n]
     if info.type == "cuda":
-        peaks = [peak_of(i.name, peak_tflops) for i in infos]
-        peak = None if None in peaks else sum(peaks)
+        peaks = [p for p in (peak_of(i.name, peak_tflops) for i in infos) if p is not None]
+        peak = sum(peaks) if len(peaks) == len(infos) else None
     else:
         peak = None if peak_tflops is None else peak_tflops * len(infos)
     budget = None

@@ -7,8 +7,7 @@ returns freed memory at the top of a heap to the kernel once more than the trim 
 free. Both thresholds start small (128 KiB each) and rise only as far as the largest block
 freed so far, so memory freed in bulk at a round's end goes back to the kernel, and the next
 round's tensors fault their pages in again, each one zero-filled by the kernel before torch
-writes it. On the rig's 1.84 M-parameter model (2-core x86_64, one thread) three clones of θ took
-12.4 ms that way against 4.2 ms for copies into held buffers; with the thresholds below, 5.8 ms.
+writes it, which makes a fresh tensor cost several times a copy into a held buffer.
 
 :func:`tune_host_allocator` sets, through ``mallopt(3)``:
 

@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -154,10 +154,13 @@ class InnerLoop:
         self.model, self.spec, self.sampler = model, spec, sampler
         if activation_checkpointing:
             # transformers >= 5 names it activation checkpointing; older releases, gradient checkpointing
+            # (a transformers model's methods; torch types an nn.Module's unknown attributes as Tensor | Module)
             if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                model.activation_checkpointing_enable(  # type: ignore[operator]
+                    activation_checkpointing_kwargs={"use_reentrant": False})
             elif hasattr(model, "gradient_checkpointing_enable"):
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.gradient_checkpointing_enable(  # type: ignore[operator]
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
             else:
                 raise ConfigError(f"--activation-checkpointing needs a transformers model, not {type(model).__name__}")
         self.activation_checkpointing = activation_checkpointing
@@ -240,6 +243,7 @@ class InnerLoop:
         with_adamw = {id(q) for q in adamw.param_groups[0]["params"]}
         for p, m1, m2 in zip(self.params, state["exp_avg"], state["exp_avg_sq"], strict=True):
             if id(p) not in with_adamw:  # a block matrix: Muon's momentum
+                assert isinstance(self.optimizer, MuonAdamW)  # only Muon steps parameters that AdamW lacks
                 self.optimizer.muon.state[p] = {"momentum_buffer": m1.detach().to(p.device, torch.float32, copy=True)}
                 continue
             # fused AdamW keeps its step count on the device
@@ -286,8 +290,10 @@ class InnerLoop:
             if not math.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise BadPayload(f"training loss is {loss} at inner step {inner_step}")
+        # GradScaler takes a torch Optimizer; MuonAdamW has the calls it makes
+        scaled = cast(torch.optim.Optimizer, self.optimizer)
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(scaled)
         norm = None
         if self.spec.grad_clip_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip_norm)
@@ -299,14 +305,14 @@ class InnerLoop:
             group["lr"] = self.lr(inner_step) * group.get("lr_ratio", 1.0)
         held_s = self._wait_for_hold()
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            self.scaler.step(scaled)
             self.scaler.update()
         elif on_device:
-            loss = self._step_unless_non_finite(loss, norm, inner_step, wait=wait)
+            loss = self._step_unless_non_finite(cast(torch.Tensor, loss), norm, inner_step, wait=wait)
         else:
             self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
-        return StepResult(loss=loss, tokens=tokens, seconds=time.perf_counter() - start - held_s,
+        return StepResult(loss=float(loss), tokens=tokens, seconds=time.perf_counter() - start - held_s,
                           micro_batch=min(self.micro_batch_sequences or self._share(batch).shape[0],
                                           self._share(batch).shape[0]))
 
@@ -336,11 +342,12 @@ class InnerLoop:
             BadPayload: the loss or the norm was not finite (the update was skipped).
         """
         bad = ~torch.isfinite(loss) if norm is None else ~(torch.isfinite(loss) & torch.isfinite(norm))
-        self.optimizer.found_inf = bad.float()
+        # fused AdamW skips its step where found_inf is set, an attribute torch's Optimizer does not declare
+        self.optimizer.found_inf = bad.float()  # type: ignore[union-attr]
         try:
             self.optimizer.step()
         finally:
-            del self.optimizer.found_inf
+            del self.optimizer.found_inf  # type: ignore[union-attr]
         if not wait:
             self._pending.append((inner_step, loss.detach(), None if norm is None else norm.detach()))
             return math.nan
@@ -383,7 +390,7 @@ class InnerLoop:
                 return self._accumulate(batch)
             except torch.OutOfMemoryError:
                 out_of_memory = True  # handled below, once the exception's frames (and tensors) are gone
-            except Exception as exc:  # noqa: BLE001 - any failure of a first compiled step falls back
+            except Exception as exc:
                 if not self._compile_unproven:
                     raise
                 self._fall_back_to_eager(exc)
@@ -424,6 +431,7 @@ class InnerLoop:
                 loss = loss * (chunk.shape[0] / batch_rows)
             total = loss.detach() if total is None else total + loss.detach()
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        assert total is not None  # split() gives at least one chunk
         return total
 
     def _back_off(self, rows: int) -> None:
@@ -482,25 +490,3 @@ class InnerLoop:
         chunks = -(-rows // fits)
         self.micro_batch_sequences = -(-rows // chunks)
         return self.micro_batch_sequences
-
-
-def make_inner_loop(model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler,
-                    placement: Any = None) -> InnerLoop:
-    """The inner loop a :class:`peer.train.device.Placement` asks for: an :class:`InnerLoop` on its
-    device (on the CPU in fp32 without one), or, for several devices, rank 0 of a
-    :class:`peer.train.ddp.DistributedInnerLoop` with the other ranks started (``close()`` ends them).
-
-    Raises:
-        ConfigError, RankFailed: see :meth:`peer.train.ddp.DistributedInnerLoop.launch`.
-    """
-    if placement is None:
-        return InnerLoop(model, spec, sampler)
-    settings = dict(precision=placement.precision, compile=placement.compile,
-                    micro_batch_sequences=placement.micro_batch_sequences,
-                    activation_checkpointing=getattr(placement, "activation_checkpointing", False))
-    if len(placement.devices) > 1:
-        from peer.train.ddp import DistributedInnerLoop
-
-        return DistributedInnerLoop.launch(model, spec, sampler, devices=placement.devices,
-                                           max_memory_gib=placement.max_memory_gib, **settings)
-    return InnerLoop(model, spec, sampler, device=placement.device, **settings)

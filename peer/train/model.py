@@ -61,7 +61,8 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> torch.nn
         pad_token_id=tokenizer.pad_id,
         tie_word_embeddings=False,
         use_cache=False,
-        attn_implementation=register_attention(),
+        # through PreTrainedConfig's **kwargs, which transformers 5's typed LlamaConfig signature leaves out
+        attn_implementation=register_attention(),  # type: ignore[call-arg]
     )
     saved_rng_state = torch.random.get_rng_state()
     torch.manual_seed(spec.init_seed)
@@ -114,7 +115,8 @@ def parameter_count(model: torch.nn.Module) -> int:
 def embedding_parameter_count(model: torch.nn.Module) -> int:
     """Parameters of the input embedding (a lookup: no FLOPs in the MFU count); 0 for a pipeline
     stage without it (peer/pipeline/stages.py)."""
-    embeddings = model.get_input_embeddings()
+    # a transformers model's or a stage's method: torch types an nn.Module's unknown attributes as Tensor | Module
+    embeddings = model.get_input_embeddings()  # type: ignore[operator]
     return 0 if embeddings is None else embeddings.weight.numel()
 
 

@@ -9,12 +9,13 @@ benchmarks measure is the code the swarm runs.
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
-from peer.state.resync import diloco_resync_target, noloco_resync_target
+from peer.train.resync import diloco_resync_target, noloco_resync_target
 from protocol.errors import BadPayload
 from protocol.groups import group_of, plan_groups
 from protocol.manifest import NoLoCoSpec, OuterOptimizerSpec, RunManifest
@@ -44,8 +45,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
     A tensor's sum is not finite whenever one of its elements is not (NaN and ±inf propagate, and
     +inf + −inf is NaN), so the element-wise test runs only on a tensor whose sum is not finite:
     a sum of finite values that overflows its dtype is no error. One reduction per tensor instead
-    of a boolean copy of it (0.3 ms instead of 9 ms for 1.8 M fp32 values on one CPU thread),
-    which counts at an overlapped round's end, where every pass is the inner loop's time.
+    of a boolean copy of it, which counts at an overlapped round's end, where every pass is the
+    inner loop's time.
     """
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
@@ -107,6 +108,8 @@ class OuterAlgorithm(Protocol):
     name: str
     replicas_differ: bool
     """Peers hold different φ by design (NoLoCo, independent): evaluate each replica, report σ."""
+    momentum: list[torch.Tensor]
+    """The outer state, fp32 shaped like φ (what :meth:`state_tensors` returns)."""
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors that a joiner must copy with φ (e.g. outer momentum), fp32: the algorithm's
@@ -136,7 +139,7 @@ class OuterAlgorithm(Protocol):
     def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
                       fresh: bool, vouchers: Collection[str] | None,
                       groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
-        """(round, digest, donors) of the swarm state to adopt, or None (peer/state/resync.py).
+        """(round, digest, donors) of the swarm state to adopt, or None (peer/train/resync.py).
 
         Only members vouched for count: ``vouchers`` (peers this peer completed an all-reduce with
         in an earlier round; None: no history, a joiner, which counts what ``groupmates`` attest).
@@ -364,7 +367,7 @@ class Independent(_DeltaPayload):
             _commit(phi, [p.sub(d) for p, d in zip(phi, group_mean)], [], [])
 
 
-def step_on_copies(outer: DiLoCo | NoLoCo | Independent, phi: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
+def step_on_copies(outer: OuterAlgorithm, phi: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
                    mean: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """What ``outer.apply(φ, mean)`` makes of φ and the outer state, computed on copies: ``phi``,
     ``state`` and ``outer``'s own state are left as they are, so this may run in another thread

@@ -38,7 +38,8 @@ peer's own payload, as without overlap (DiLoCo paper Fig. 8).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -150,7 +151,7 @@ class EagerState:
             raise ValueError(f"share = {share!r}: need 0 < share <= 1")
         own = [d.detach().float() * share for d in delta]
         step = own if self.last is None else [a - b for a, b in zip(own, self.last, strict=True)]
-        if self.offset is None:  # a fresh worker: zero offset and momentum
+        if self.offset is None or self.momentum is None:  # a fresh worker: zero offset and momentum
             self.offset = self.momentum = [torch.zeros_like(t) for t in own]
         offset, momentum = step_on_copies(outer, self.offset, self.momentum, step)
         start = [p + o for p, o in zip(phi, offset, strict=True)]
@@ -159,7 +160,7 @@ class EagerState:
         return start
 
 
-def _per_worker_state(outer: OuterAlgorithm) -> bool:
+def _per_worker_state(outer: OuterAlgorithm) -> TypeGuard[DiLoCo]:
     """Whether eager needs :class:`EagerState`: DiLoCo with outer momentum."""
     return isinstance(outer, DiLoCo) and outer.spec.momentum != 0.0
 

@@ -17,12 +17,39 @@ Classes without a counted member are ignored.
 
 from __future__ import annotations
 
-from typing import Collection, Iterable, Mapping, Sequence
-
-from peer.state.vouching import attested
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 Others = Iterable[tuple[str, int, str]]
 Groupmates = Mapping[str, Collection[str]]
+
+
+def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset[str]:
+    """Peers vouched for by a peer that completed a round with them: ``p`` counts when some other
+    peer ``q`` names ``p`` as a groupmate, ``p`` names ``q`` back, and their rounds differ by at
+    most one (groupmates publish the round after their sync one after the other, and with
+    ``sync.overlap`` a statement is about the sync that landed, a round late).
+
+    Args:
+        statements: peer id → (round, groupmates) as its signed progress record says: the round
+            it is at and the peers that completed its last sync with it.
+
+    Returns:
+        The attested peer ids.
+
+    A single identity cannot attest itself, and one honest peer never names a stranger it did not
+    sync with; but identities of one owner can name each other: for a peer without history (a
+    joiner) this is the only evidence there is.
+    """
+    out: set[str] = set()
+    for p, (round_, mates) in statements.items():
+        for q in mates:
+            if q == p or q not in statements:
+                continue
+            q_round, q_mates = statements[q]
+            if abs(q_round - round_) <= 1 and p in q_mates:
+                out.add(p)
+                break
+    return frozenset(out)
 
 
 def resync_target(others: Others, *, round_: int, digest: str, completed_with: Sequence[str],

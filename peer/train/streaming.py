@@ -28,7 +28,7 @@ drops by P: a sync carries one fragment.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -240,7 +240,7 @@ def fragment_outers(outer: OuterAlgorithm, manifest: RunManifest, fragments: Seq
     if len(state) != len(shapes):
         raise ValueError(f"the outer algorithm keeps {len(state)} state tensors for {len(shapes)} parameters: "
                          "cannot slice it into fragments")
-    out = []
+    out: list[OuterAlgorithm] = []
     for index in fragments:
         part = make_outer(manifest, [shapes[k] for k in index])
         part.momentum = [state[k] for k in index]

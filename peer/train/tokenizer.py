@@ -2,21 +2,19 @@
 
 Byte-level ids 0..255 are the bytes of UTF-8 text; 256 is BOS, 257 EOS, 258 PAD. Vocabulary size 259.
 A byte-level BPE (``data.tokenizer = 'bpe'``) is trained locally on the run's training split
-(peer/train/bpe.py). Both are described by a :class:`Tokenizer`, which carries the content hash that
+(peer/train/bpe.py, which also picks the run's tokenizer: ``load_tokenizer``). Both are described by a :class:`Tokenizer`, which carries the content hash that
 ``data.tokenizer_sha256`` pins.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from protocol.errors import ConfigError
 from protocol.manifest import DataSpec
 
 BOS_ID = 256
@@ -88,31 +86,3 @@ def vocab_size(spec: DataSpec) -> int:
     may use fewer ids; the rest are never seen).
     """
     return VOCAB_SIZE if spec.tokenizer == "bytes" else spec.vocab_size
-
-
-def load_tokenizer(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
-                   train_texts: Callable[[], Iterator[str]]) -> Tokenizer:
-    """The run's tokenizer: byte-level, or the BPE of this corpus (from the cache, else trained and cached).
-
-    Args:
-        cache_dir: where a trained BPE is kept (``tokenizer-*.json``) and found again.
-        corpus_sha256: the corpus's content hash; part of the cached BPE's name.
-        train_texts: starts a fresh pass over the training split's documents (only called to train).
-
-    Raises:
-        ConfigError: ``data.tokenizer_sha256`` is set and the tokenizer hashes otherwise.
-    """
-    if spec.tokenizer == "bytes":
-        tokenizer = byte_tokenizer()
-    else:
-        from peer.train.bpe import load_or_train_bpe
-
-        tokenizer = load_or_train_bpe(spec, cache_dir=cache_dir, corpus_sha256=corpus_sha256,
-                                      train_texts=train_texts)
-    if spec.tokenizer_sha256 and tokenizer.sha256 != spec.tokenizer_sha256:
-        raise ConfigError(
-            f"the {spec.tokenizer} tokenizer built here hashes to {tokenizer.sha256}, the run pins "
-            f"data.tokenizer_sha256 = {spec.tokenizer_sha256}: use the run's corpus and the tokenizers "
-            "version it was prepared with (`peer data prepare` prints both hashes)"
-        )
-    return tokenizer

@@ -46,11 +46,17 @@ import sys
 if sys.byteorder != "little":  # the wire is little-endian and the arrays are native views
     raise ImportError("protocol.codecs supports little-endian hosts only")
 
-from protocol.codecs.base import (  # noqa: E402
-    BLOCK_RANGE, DENSE_FALLBACK, ELEMENTWISE_FALLBACK, FLUSH_BELOW, HEADER_MAX_BYTES, LOSSY_MAX, SHIFT_RANGE,
+from protocol.codecs.base import (
+    BLOCK_RANGE,
+    DENSE_FALLBACK,
+    ELEMENTWISE_FALLBACK,
+    FLUSH_BELOW,
+    HEADER_MAX_BYTES,
+    LOSSY_MAX,
+    SHIFT_RANGE,
     TOPK_CHUNK,
 )
-from protocol.codecs.codec import FORMATS, NAMES, WIRE_IDS, Codec, decode, make_codec, max_encoded_bytes  # noqa: E402
+from protocol.codecs.codec import FORMATS, NAMES, WIRE_IDS, Codec, decode, make_codec, max_encoded_bytes
 
 __all__ = [
     "BLOCK_RANGE", "DENSE_FALLBACK", "ELEMENTWISE_FALLBACK", "FLUSH_BELOW", "FORMATS", "HEADER_MAX_BYTES",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch

@@ -7,12 +7,18 @@ adding a format is one entry there.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from protocol.codecs.base import (
-    BLOCK_RANGE, DENSE_FALLBACK, ELEMENTWISE_FALLBACK, HEADER_MAX_BYTES, LOSSY_MAX, Format, shape_numel,
+    BLOCK_RANGE,
+    DENSE_FALLBACK,
+    ELEMENTWISE_FALLBACK,
+    HEADER_MAX_BYTES,
+    LOSSY_MAX,
+    Format,
+    shape_numel,
 )
 from protocol.codecs.blockwise import FloatBlock, IntBlock
 from protocol.codecs.dense import Exact, Half

@@ -55,7 +55,7 @@ class Hello:
 
 
 def encode_hello(*, group_id: bytes, sender: int, weight: float, pieces: int) -> bytes:
-    body = msgpack.packb({"v": PROTOCOL_VERSION, "group": group_id, "sender": sender, "weight": float(weight),
+    body: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "group": group_id, "sender": sender, "weight": float(weight),
                           "pieces": pieces}, use_bin_type=True)
     return bytes([HELLO]) + body
 

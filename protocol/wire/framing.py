@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Mapping
+from collections.abc import Mapping
 
 from protocol.errors import BadPayload
 
@@ -52,26 +52,6 @@ def kind_of(payload: bytes, names: Mapping[int, str]) -> int:
     if not payload or payload[0] not in names:
         raise BadPayload(f"unknown frame kind {payload[:1].hex() or '(empty)'}")
     return payload[0]
-
-
-async def _add_stream_handler(_dht, node, protocol: str, handler) -> None:
-    await node.p2p.add_binary_stream_handler(protocol, handler)
-
-
-def serve_stream(dht, protocol: str, handler) -> None:
-    """Serve ``protocol`` with ``handler(stream_info, reader, writer)`` (a module-level coroutine
-    function) on ``dht``'s libp2p host, in the DHT's process, from now on.
-
-    Raises:
-        Whatever hivemind raises when the handler cannot be added (a DHT that is shutting down);
-        ``NetworkError`` when the DHT process does not add it within ``protocol.dht.CALL_TIMEOUT_S``.
-    """
-    import functools
-
-    from protocol.dht import call_in_dht
-
-    call_in_dht(dht, functools.partial(_add_stream_handler, protocol=protocol, handler=handler),
-                f"adding the {protocol} handler")
 
 
 def describe_failure(exc: BaseException) -> str:

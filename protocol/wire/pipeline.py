@@ -40,8 +40,10 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from protocol.errors import BadPayload
@@ -64,7 +66,8 @@ DTYPE_NAMES = {FP32: "fp32", BF16: "bf16"}
 """Dtype code → its name in a run manifest (``pipeline.activation_dtype``)."""
 DTYPE_BY_NAME = {DTYPE_NAMES[code]: dtype for code, dtype in DTYPES.items()}
 """``pipeline.activation_dtype`` → the torch dtype activations and gradients travel in."""
-_WIRE = {FP32: (np.dtype("<f4"), np.float32, 4), BF16: (np.dtype("<i2"), np.int16, 2)}
+_WIRE: dict[int, tuple[np.dtype[Any], npt.DTypeLike, int]] = {
+    FP32: (np.dtype("<f4"), np.float32, 4), BF16: (np.dtype("<i2"), np.int16, 2)}
 """Dtype code → (little-endian numpy dtype of the raw values, native numpy dtype, bytes per value)."""
 _TARGETS = np.dtype("<i4")
 
@@ -228,7 +231,7 @@ def peek_request_id(payload: bytes) -> int:
     when the payload is too short or not a request. Never raises."""
     if len(payload) < REQUEST_HEADER.size or payload[0] != STAGE_REQUEST:
         return 0
-    return REQUEST_HEADER.unpack_from(payload)[2]
+    return int(REQUEST_HEADER.unpack_from(payload)[2])
 
 
 def parse_request(payload: bytes, limits: StageLimits, *, stage: int | None = None) -> StageRequest:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import msgpack
 
@@ -53,7 +54,7 @@ META_FIELDS = ("inner_step", "round", "run_id")
 
 def canonical_meta(meta: dict[str, Any]) -> bytes:
     """The meta as META carries it and the digest hashes it: msgpack, keys sorted."""
-    return msgpack.packb({key: meta[key] for key in sorted(meta)}, use_bin_type=True)
+    return cast(bytes, msgpack.packb({key: meta[key] for key in sorted(meta)}, use_bin_type=True))
 
 
 def meta_problem(meta: Any) -> str | None:

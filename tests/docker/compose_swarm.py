@@ -40,9 +40,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from peer.events import Event  # noqa: E402
-from tests.docker.engine import (  # noqa: E402
-    BASE_IMAGE, IMAGE, PROJECT, ROOT, Engine, Skip, artifacts_dir, build_base_image, build_image, ensure_packages, log,
+from peer.events import Event
+from tests.docker.engine import (
+    BASE_IMAGE,
+    IMAGE,
+    PROJECT,
+    ROOT,
+    Engine,
+    Skip,
+    artifacts_dir,
+    build_base_image,
+    build_image,
+    ensure_packages,
+    log,
     run,
 )
 

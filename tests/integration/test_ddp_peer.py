@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from peer.launch import Child, peer_argv, stop_all
-from protocol import lifetime
+from peer.net import lifetime
 
 # each test starts one or two whole peers (DHT, corpus, a spawned rank): minutes on a loaded 2-core box
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]

@@ -119,7 +119,7 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
                         "--wait-for-peers", "3") for i in range(3)]
     started = [p.wait_event(lambda e: e.kind == "started", 120) for p in peers]
     ids = {e["peer_id"] for e in started}
-    # the device each peer said it trains on, as the monitor's row shows it (protocol/devices.py)
+    # the device each peer said it trains on, as the monitor's row shows it (peer/net/devices.py)
     devices = {e["peer_id"]: f"cpu {e['device_name']} {e['precision']}" for e in started}
 
     # While the peers train: every one of them is on the page, as the browser renders it.

@@ -17,8 +17,7 @@ import torch
 from hivemind.p2p import P2P
 
 from peer.pipeline.rpc import StageCallFailed, StageServer, call_stage, call_with_retry
-from protocol.wire import framing
-from protocol.wire import pipeline as frames
+from protocol.wire import framing, pipeline as frames
 from protocol.wire.pipeline import StageLimits, StageRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.lifetime import children, proc_stat
+from peer.net.lifetime import children, proc_stat
 from tests.integration.harness import PROJECT_ROOT, Procs, make_manifest, write_manifest
 
 pytestmark = pytest.mark.integration
@@ -224,7 +224,7 @@ def test_bootstrap_stops_when_every_process_of_its_unit_gets_sigterm(procs, tmp_
 
 LATE_HELPER = """
 import multiprocessing as mp, os, sys, time
-from protocol.lifetime import HelperProcess
+from peer.net.lifetime import HelperProcess
 
 class Late(HelperProcess, mp.context.ForkProcess):
     def run(self):  # the helper's own setup (HelperProcess.run) starts after its parent is gone

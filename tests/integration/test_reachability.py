@@ -2,7 +2,7 @@
 own network namespace (lab/netlab.py).
 
 A peer with default flags listens on all interfaces, is dialed back by the bootstrap node
-(protocol/reachability.py) and prints its lab address, not 127.0.0.1. A peer whose host drops
+(peer/net/reachability.py) and prints its lab address, not 127.0.0.1. A peer whose host drops
 every incoming TCP connection (a NAT or firewall: SYNs towards it are held back by tc, see
 :func:`refuse_incoming_tcp`) says in one line that it cannot be dialed and goes on in client
 mode, relayed through the bootstrap node: it still joins the run and averages with the open peer.

@@ -1,5 +1,5 @@
 """A stock hivemind DHT node that asks another node to store raw bytes (any bytes, any expiration),
-the way any stranger on the swarm can. The victim's record validator (protocol/validator.py) may
+the way any stranger on the swarm can. The victim's record validator (peer/net/validator.py) may
 refuse; :meth:`Attacker.store_raw` says whether it did."""
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ class Attacker:
 
 @contextlib.contextmanager
 def victim_and_attacker(identity=None):
-    """An honest DHT node of ours (``protocol.dht.start_dht``, with ``identity`` if given) and an
+    """An honest DHT node of ours (``peer.net.dht_node.start_dht``, with ``identity`` if given) and an
     :class:`Attacker` connected to it; both shut down on exit, whatever happened."""
-    from protocol import dht as swarm_dht
+    from peer.net import dht_node
 
     peer = attacker = None
     try:
-        peer = swarm_dht.start_dht() if identity is None else swarm_dht.start_dht(identity_path=str(identity))
+        peer = dht_node.start_dht() if identity is None else dht_node.start_dht(identity_path=str(identity))
         attacker = Attacker(peer)
         yield peer, attacker
     finally:

@@ -12,14 +12,12 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-import torch
-
 from peer.sync.allreduce import GroupAllreduce
-from peer.sync.pieces import GroupPlan, piece_shape, plan_pieces
+from peer.sync.pieces import GroupPlan
 from protocol import codecs
 from protocol.manifest import CompressionSpec
-from protocol.wire import allreduce as frames
-from protocol.wire import framing
+from protocol.wire import allreduce as frames, framing
+from protocol.wire.pieces import piece_shape, plan_pieces
 
 
 async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=CompressionSpec(),

@@ -11,11 +11,11 @@ import dataclasses
 
 import pytest
 
-from protocol import addresses, keys
-from protocol import dht as swarm_dht
+from peer.net import addresses, dht as swarm_dht
+from peer.net.identity import ensure_identity
+from protocol import keys
 from protocol.errors import ManifestError, ManifestNotFound
 from protocol.manifest import RunManifest
-from protocol.identity import ensure_identity
 from protocol.records import ProgressRecord
 from protocol.signing import PeerSigner
 from tests.security.dht_attacker import victim_and_attacker

@@ -17,13 +17,13 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # lab/ is repo tooling, not installed
-from lab import fuzz  # noqa: E402
-from lab.fuzz_targets import close_loops, decoders, handlers  # noqa: E402
-from protocol import dht as swarm_dht  # noqa: E402
-from protocol import keys  # noqa: E402
-from protocol.records import ProgressRecord  # noqa: E402
-from protocol.signing import PeerSigner  # noqa: E402
-from tests.security.fake_dht import FakeDHT  # noqa: E402
+from lab import fuzz
+from lab.fuzz_targets import close_loops, decoders, handlers
+from peer.net import dht as swarm_dht
+from protocol import keys
+from protocol.records import ProgressRecord
+from protocol.signing import PeerSigner
+from tests.security.fake_dht import FakeDHT
 
 pytestmark = pytest.mark.timeout(240)
 

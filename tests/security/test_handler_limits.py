@@ -23,16 +23,15 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
+from peer.net import dht_node
+from peer.net.limits import ServeBudget, StreamSlots
 from peer.state.sharing import MIN_STATE_BYTES, STATE_STREAMS_PER_PEER
 from peer.state.snapshot import make_snapshot
 from peer.sync.averager import ALLREDUCE_STREAMS_PER_PEER
 from peer.sync.hivemind_limits import StreamLimits
-from peer.sync.limits import ServeBudget, StreamSlots
 from peer.sync.transport import NetworkTransport
-from protocol import dht as swarm_dht
 from protocol.manifest import SyncSpec
-from protocol.wire import framing
-from protocol.wire import state as state_frames
+from protocol.wire import framing, state as state_frames
 
 ATTACK_MIB = int(os.environ.get("LOCO_ATTACK_MIB", "256"))
 STATE_ELEMENTS = 4 << 20  # a 16 MiB state: 16 chunks of 1 MiB
@@ -51,7 +50,7 @@ def victim_and_attacker():
     """A peer with an averager serving a 16 MiB state, and a stock hivemind node connected to it."""
     dht = transport = attacker = None
     try:
-        dht = swarm_dht.start_dht()
+        dht = dht_node.start_dht()
         shapes = [torch.Size([STATE_ELEMENTS // 1024, 1024])]
         transport = NetworkTransport(dht, shapes, shapes, "run-limits",
                                      SyncSpec(matchmaking_time_s=2.0, next_chunk_timeout_s=5.0))
@@ -78,7 +77,7 @@ async def _flood(_dht, node, *, victim: bytes, handler: str, declared: int, send
             writer.write(block)
             await asyncio.wait_for(writer.drain(), 20)
             sent += len(block)
-    except (ConnectionError, OSError, asyncio.TimeoutError):
+    except (TimeoutError, ConnectionError, OSError):
         pass
     finally:
         writer.close()
@@ -105,7 +104,7 @@ async def _request_state(_dht, node, *, victim: bytes, handler: str, digest: byt
                 if not data:
                     break
                 received += len(data)
-        except (ConnectionError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, ConnectionError, OSError):
             pass
         finally:
             writer.close()
@@ -123,7 +122,7 @@ async def _hold(_dht, node, *, victim: bytes, handler: str, streams: int) -> int
     async def closed(reader) -> bool:
         try:
             return await asyncio.wait_for(reader.read(1), 2) == b""
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             return False
 
     try:

@@ -12,8 +12,9 @@ import asyncio
 import pytest
 import torch
 
-from tests.security.group import run_group
 import peer.sync.screening as screening_module
+from tests.security.group import run_group
+
 
 @pytest.fixture(autouse=True)
 def share_check_on(monkeypatch):

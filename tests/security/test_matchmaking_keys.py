@@ -5,7 +5,7 @@ as one entry of a dictionary (subkey: the peer id's bytes, value: looking for gr
 finds its groupmates with ``get_averagers``, which returns nothing when the value read is not a
 dictionary. A DHT node keeps a plain value with a later expiration over the whole dictionary, so a
 stranger who stores one under the keys of the next rounds hides every declaration and no group
-forms. protocol/validator.py ``protect_round`` (called by ``LocoAverager.set_group_bits`` each
+forms. peer/net/validator.py ``protect_round`` (called by ``LocoAverager.set_group_bits`` each
 round) makes a node of ours refuse anything but (peer id bytes → bool) under the run's matchmaking
 keys for rounds r-2..r+8.
 
@@ -25,8 +25,9 @@ import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.utils import get_dht_time
 
-from protocol import dht as swarm_dht, keys
-from protocol.validator import is_peer_id_bytes, matchmaking_keys, protect_round
+from peer.net import dht_node
+from peer.net.validator import is_peer_id_bytes, matchmaking_keys, protect_round
+from protocol import keys
 from tests.security.dht_attacker import victim_and_attacker
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,7 +69,7 @@ def _averagers(dht, key: str) -> set:
 def swarm():
     """A node of ours, a second honest node of ours, and a stock node as the attacker."""
     with victim_and_attacker() as (victim, attacker):
-        other = swarm_dht.start_dht(initial_peers=[str(m) for m in victim.get_visible_maddrs()])
+        other = dht_node.start_dht(initial_peers=[str(m) for m in victim.get_visible_maddrs()])
         try:
             yield victim, other, attacker
         finally:

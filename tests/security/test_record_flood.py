@@ -2,7 +2,7 @@
 
 Records are signed by their peer's identity, but identities are free, so signatures alone do not
 bound a flood: a reader verified (RSA) and kept every entry under the run's records key. Now a read
-verifies and keeps at most ``MAX_RECORDS_READ`` entries (protocol/dht.py ``select_entries``): the
+verifies and keeps at most ``MAX_RECORDS_READ`` entries (peer/net/dht.py ``select_entries``): the
 reader's own and known peers first, the others by a per-process keyed hash of the peer id, never
 by the expiration (the writer's choice).
 
@@ -27,7 +27,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.utils import get_dht_time
 
-from protocol import devices as swarm_devices, dht as swarm_dht, keys
+from peer.net import devices as swarm_devices, dht as swarm_dht
+from protocol import keys
 from protocol.records import ProgressRecord
 from protocol.signing import PeerSigner
 from tests.security.fake_dht import FakeDHT
@@ -79,7 +80,7 @@ def flooded(identities):
 
 @pytest.fixture()
 def verified(monkeypatch):
-    """Counts signature checks made by protocol/dht.py's readers (progress, addresses and devices
+    """Counts signature checks made by peer/net/dht.py's readers (progress, addresses and devices
     all verify through ``read_signed``)."""
     calls = []
 

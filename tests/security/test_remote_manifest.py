@@ -7,7 +7,7 @@ import types
 import pytest
 
 from peer import node
-from protocol import dht as swarm_dht
+from peer.net import dht as swarm_dht
 from protocol.errors import ManifestError
 from protocol.manifest import DataSpec, RunManifest, sign_manifest
 from protocol.signing import OwnerKey

@@ -10,13 +10,13 @@ import pytest
 
 from bootstrap.monitor import SwarmMonitor
 from bootstrap.monitor_page import render_page
-from protocol import dht as swarm_dht, keys
+from peer.net import dht as swarm_dht
+from protocol import keys
 from protocol.errors import BadPayload, ManifestError
 from protocol.manifest import RunManifest, sign_manifest
 from protocol.signing import OwnerKey
 from protocol.text import sanitize
-from protocol.wire import allreduce as frames
-from protocol.wire import state as state_frames
+from protocol.wire import allreduce as frames, state as state_frames
 from tests.security.fake_dht import FakeDHT
 
 HOSTILE = "evil\x1b[2J\x1b]0;pwned\x07<!--<script>\u202e"

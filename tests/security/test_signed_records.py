@@ -14,11 +14,12 @@ import logging
 import pytest
 from hivemind.utils import get_dht_time
 
-from protocol import dht as swarm_dht, keys
-from protocol.identity import ensure_identity
+from peer.net import dht as swarm_dht
+from peer.net.identity import ensure_identity
+from peer.net.validator import protect_run
+from protocol import keys
 from protocol.records import ProgressRecord
 from protocol.signing import REJECTED, PeerSigner
-from protocol.validator import protect_run
 from tests.security.dht_attacker import victim_and_attacker
 from tests.security.fake_dht import FakeDHT
 
@@ -105,7 +106,7 @@ def test_a_wrongly_signed_record_is_ignored_counted_and_logged_once(signers, cap
 
 
 def test_a_forged_device_record_is_refused_by_a_node_of_the_run(swarm, signers):
-    from protocol.devices import DeviceRecord, devices_key, publish_device, read_devices
+    from peer.net.devices import DeviceRecord, devices_key, publish_device, read_devices
 
     peer, attacker = swarm
     honest, evil = signers

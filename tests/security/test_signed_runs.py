@@ -13,7 +13,8 @@ import types
 import pytest
 
 from peer import node
-from protocol import dht as swarm_dht, keys
+from peer.net import dht as swarm_dht
+from protocol import keys
 from protocol.errors import ManifestNotFound, RunChoiceNeeded
 from protocol.manifest import RunManifest, sign_manifest
 from protocol.presets import PRESETS

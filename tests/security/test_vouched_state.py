@@ -21,13 +21,13 @@ from peer.round import Trainer
 from peer.state.snapshot import make_snapshot
 from peer.sync.membership import SwarmView
 from peer.train.model import build_model
-from protocol import dht as swarm_dht
-from protocol.dht import PeerProgress
-from protocol.identity import ensure_identity
+from peer.net import dht as swarm_dht
+from peer.net.dht import PeerProgress
+from peer.net.identity import ensure_identity
 from protocol.presets import tiny_run
 from protocol.records import ProgressRecord
 from protocol.signing import PeerSigner
-from protocol.validator import protect_run
+from peer.net.validator import protect_run
 from tests.security.dht_attacker import victim_and_attacker
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 from tests.unit.test_round_overlap import Events, Group, Transport, run_in_threads
@@ -79,18 +79,17 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
     peer, attacker = node
     manifest = tiny_run().replace(name=f"vouched-{algorithm}", sync={"algorithm": algorithm}, noloco={"group_size": 4})
     protect_run(peer, manifest.run_id)
-    group, donors = Group(4), {}
+    group = Group(4)   # the honest peers stay up serving their states after their round loops
     peers = {name: trainer(corpus, manifest, signers[name], peer,
-                           Transport(signers[name].peer_id, group, donors=donors), peers=4)
+                           Transport(signers[name].peer_id, group, keeps_serving=True), peers=4)
              for name in (*HONEST, "mallory")}
-    donors.update({t.peer_id: t for t in peers.values()})
     run_in_threads(list(peers.values()))
     honest = [peers[name] for name in HONEST]
     everyone = {t.peer_id for t in peers.values()}
     for t in honest:
         assert t.pos.round == ROUNDS
         # each completed a group with the others, and says so in its signed record
-        assert t._vouching.ledger.vouchers(t.pos.round) == everyone - {t.peer_id}
+        assert t.vouching.ledger.vouchers(t.pos.round) == everyone - {t.peer_id}
         mine = [r.record for r in t.swarm.live() if r.peer_id == t.peer_id]
         assert set(mine[0].groupmates) == everyone - {t.peer_id}
 
@@ -99,7 +98,7 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
     ahead = ROUNDS + (1 if algorithm == "diloco" else 2)
     served, digest = zero_state(honest[0], ahead)
     for name in ("mallory", "fresh0", "fresh1", "fresh2", "fresh3"):
-        donors[signers[name].peer_id] = served
+        group.serve(signers[name].peer_id, lambda: served._snapshots)
         assert swarm_dht.publish_progress(attacker.dht, manifest.run_id, signers[name],
                                           forged(ahead, digest, manifest.sync.inner_steps), ttl_s=120.0)
 
@@ -107,7 +106,7 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
         seen = [r for r in t.swarm.others() if r.record.state_digest == digest]
         assert len(seen) == 5  # every forged record verifies and is read
         before = [f.clone() for f in t.phi]
-        t.catch_up()
+        t.catchup.catch_up()
         assert not t.reporter.of("adopted_state")
         assert t.pos.round == ROUNDS
         for f, g in zip(t.phi, before):
@@ -115,8 +114,8 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
 
     # A joiner (no history) counts the honest peers, whose signed records name each other as the
     # groupmates of their last round; the forged records (mallory's included) name no one.
-    joiner = trainer(corpus, manifest, signers["joiner"], peer, Transport("joiner", group, donors=donors))
-    joiner.catch_up(attempts=1)
+    joiner = trainer(corpus, manifest, signers["joiner"], peer, Transport("joiner", group))
+    joiner.catchup.catch_up(attempts=1)
     (adopted,) = joiner.reporter.of("adopted_state")
     assert adopted["round"] == ROUNDS and set(adopted["donors"]) <= {t.peer_id for t in honest}
     assert any(torch.equal(f, g) for t in honest for f, g in zip(joiner.phi, t.phi))
@@ -130,7 +129,7 @@ def test_a_zero_phi_is_refused_by_the_sanity_bound_even_from_the_only_class(corp
     peer, attacker = node
     manifest = tiny_run().replace(name="vouched-sanity")
     protect_run(peer, manifest.run_id)
-    donors = {}
+    group = Group(2)
     downloads = []
 
     class Counting(Transport):
@@ -138,14 +137,14 @@ def test_a_zero_phi_is_refused_by_the_sanity_bound_even_from_the_only_class(corp
             downloads.append(digest)
             return super().download_state(donors_, digest, timeout_s)
 
-    joiner = trainer(corpus, manifest, signers["joiner"], peer, Counting("joiner", Group(2), donors=donors))
+    joiner = trainer(corpus, manifest, signers["joiner"], peer, Counting("joiner", group))
     served, digest = zero_state(joiner, 5)
     for name in ("mallory", "fresh0"):
-        donors[signers[name].peer_id] = served
+        group.serve(signers[name].peer_id, lambda: served._snapshots)
         assert swarm_dht.publish_progress(attacker.dht, manifest.run_id, signers[name],
                                           forged(5, digest, manifest.sync.inner_steps), ttl_s=120.0)
     phi0 = [f.clone() for f in joiner.phi]
-    joiner.catch_up()
+    joiner.catchup.catch_up()
     assert downloads == [digest]  # downloaded once (verified against the digest), then not again
     assert not joiner.reporter.of("adopted_state") and joiner.pos.round == 0
     assert all(torch.equal(f, g) for f, g in zip(joiner.phi, phi0))
@@ -173,16 +172,16 @@ def test_a_round_jump_beyond_elapsed_time_is_ignored(corpus, algorithm):
     t = Trainer(manifest=manifest, model=build_model(manifest.model, corpus.tokenizer), corpus=corpus, swarm=swarm,
                 transport=Transport("victim"), config=TrainerConfig(), reporter=Events(),
                 stop_event=threading.Event())
-    t._vouching.ledger.record_group(2, ["mallory"])
+    t.vouching.ledger.record_group(2, ["mallory"])
     t.pos.start_round(5)
-    t._take_snapshot()
+    t.state.take_snapshot()
 
     def claim(round_: int, digest: str) -> None:
         record = forged(round_, digest, manifest.sync.inner_steps)
         swarm.records = [PeerProgress(peer_id="mallory", record=record, expiration=0.0)]
 
     claim(5, t.state_digest)
-    assert t._resync_target() is None  # the first sight of mallory: its clock starts at round 5
+    assert t.catchup.resync_target() is None  # the first sight of mallory: its clock starts at round 5
     claim(5000, "0" * 32)
-    assert t._resync_target() is None
-    assert t._vouching.clock.ignored == 1
+    assert t.catchup.resync_target() is None
+    assert t.vouching.clock.ignored == 1

@@ -3,7 +3,7 @@ byte flipped, cut short or extended, and plain noise."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from hypothesis import strategies as st
 

@@ -1,4 +1,4 @@
-"""peer.state.address_book and protocol.addresses: the peers a peer remembers, and the way back in."""
+"""peer.state.address_book and peer.net.addresses: the peers a peer remembers, and the way back in."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import time
 import base58
 import pytest
 
+from peer.net import addresses
 from peer.state import address_book
 from peer.state.address_book import AddressBook, AddressKeeper, start_dht_remembering
-from protocol import addresses
 from protocol.errors import BadPeerAddress, BootstrapUnreachable
 
 
@@ -141,7 +141,7 @@ def test_seeing_a_known_address_again_does_not_rewrite_the_file_every_time(tmp_p
 
 
 class Starter:
-    """A stand-in for protocol.dht.start_dht: the peers in ``answering`` answer, every other does not."""
+    """A stand-in for peer.net.dht_node.start_dht: the peers in ``answering`` answer, every other does not."""
 
     def __init__(self, answering: set[str]):
         self.answering, self.calls = answering, []
@@ -241,7 +241,7 @@ def done(value, as_future: bool):
 
 
 def test_the_keeper_publishes_this_peer_and_remembers_the_others(tmp_path):
-    from protocol.identity import ensure_identity
+    from peer.net.identity import ensure_identity
     from protocol.signing import PeerSigner
 
     me, other, liar = (PeerSigner.from_identity(ensure_identity(tmp_path / f"{i}.key")) for i in range(3))

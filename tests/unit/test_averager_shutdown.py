@@ -12,9 +12,9 @@ import asyncio
 import pytest
 from hivemind.averaging import DecentralizedAverager
 
+from peer.net.limits import StreamSlots
 from peer.sync import averager as averager_module
 from peer.sync.averager import LocoAverager
-from peer.sync.limits import StreamSlots
 
 
 def _leaving_peer(monkeypatch, open_streams: int) -> tuple[LocoAverager, list[int]]:

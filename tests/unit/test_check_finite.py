@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from protocol.errors import BadPayload
 from peer.train.outer import check_finite
+from protocol.errors import BadPayload
 
 BAD = float("nan"), float("inf"), -float("inf")
 

@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from bootstrap.cli import main as bootstrap_main
 from peer.cli import main as peer_main
-from protocol.cli_types import FiniteFloatRange
+from peer.net.cli_types import FiniteFloatRange
 
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])

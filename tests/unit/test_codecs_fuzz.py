@@ -10,8 +10,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from protocol.codecs import WIRE_IDS, Codec, decode
 from protocol.errors import BadPayload

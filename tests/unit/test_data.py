@@ -56,7 +56,7 @@ def test_peers_sample_different_shards():
 def test_a_restored_sampler_continues_where_the_saved_one_stopped():
     stream = torch.arange(10_000, dtype=torch.int16)
 
-    def sampler(seed=peer_seed("peerA")):
+    def sampler(seed=peer_seed("peerA")):  # noqa: B008 (an int, computed once)
         return BatchSampler(stream, seq_len=16, batch_sequences=4, seed=seed)
 
     uninterrupted, saved = sampler(), sampler()

@@ -4,8 +4,16 @@ import pytest
 import torch
 
 from peer.train import device as dev
-from peer.train.device import (PEAK_TFLOPS, cap_memory, flops_per_token, mfu, peak_of, place, probe_micro_batch,
-                               resolve_device)
+from peer.train.device import (
+    PEAK_TFLOPS,
+    cap_memory,
+    flops_per_token,
+    mfu,
+    peak_of,
+    place,
+    probe_micro_batch,
+    resolve_device,
+)
 from protocol.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""protocol/devices.py: each peer's device record, its validation, and where it is shown
+"""peer/net/devices.py: each peer's device record, its validation, and where it is shown
 (`peer status`, the monitor). Issue #14 item 1: the device is a per-peer fact the swarm can see."""
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from rich.console import Console
 
 from bootstrap.monitor import SwarmMonitor
 from peer import status as peer_status
-from protocol import devices
-from protocol import dht as swarm_dht
-from protocol.devices import DeviceRecord, publish_device, read_devices
+from peer.net import devices, dht as swarm_dht
+from peer.net.devices import DeviceRecord, publish_device, read_devices
+from peer.net.identity import ensure_identity
 from protocol.errors import BadPayload
-from protocol.identity import ensure_identity
 from protocol.records import ProgressRecord
 from protocol.signing import REJECTED, PeerSigner
 from tests.security.fake_dht import FakeDHT

@@ -1,8 +1,8 @@
-"""protocol.dht: --initial-peers values are checked before any connection is tried."""
+"""peer.net.dht: --initial-peers values are checked before any connection is tried."""
 
 import pytest
 
-from protocol.dht import parse_initial_peers
+from peer.net.dht import parse_initial_peers
 from protocol.errors import BadPeerAddress
 
 

@@ -1,4 +1,4 @@
-"""Calls into the DHT process never wait for good (protocol/dht.py ``finish``, ``_visible_maddrs``)."""
+"""Calls into the DHT process never wait for good (peer/net/dht.py ``finish``, ``_visible_maddrs``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from protocol import dht as swarm_dht
+from peer.net import dht as swarm_dht
 from protocol.errors import NetworkError
 
 

@@ -8,8 +8,7 @@ import io
 
 from peer.progress import TransferProgress
 from peer.state.download import download_state
-from tests.unit.state_samples import CHUNK, RUN, SHAPES
-from tests.unit.state_samples import sample_snapshot
+from tests.unit.state_samples import CHUNK, RUN, SHAPES, sample_snapshot
 from tests.unit.test_state_transfer import TIMEOUT, dies_after_one_chunk, honest, swarm
 
 

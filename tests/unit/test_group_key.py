@@ -55,7 +55,7 @@ class Averager(PinnedGroupBits):
 def test_the_averager_pins_the_key_manager_hivemind_creates():
     averager = Averager()
     with pytest.raises(AttributeError):
-        averager._matchmaking  # before the averager process started matchmaking
+        _ = averager._matchmaking  # before the averager process started matchmaking
     original = manager(target_group_size=4)
     matchmaking = SimpleNamespace(group_key_manager=original)
     averager._matchmaking = matchmaking

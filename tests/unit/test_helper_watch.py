@@ -1,4 +1,4 @@
-"""protocol/lifetime.py ``HelperWatch``: a helper process that dies stops the command once, with
+"""peer/net/lifetime.py ``HelperWatch``: a helper process that dies stops the command once, with
 one error naming it; a helper shut down on purpose after ``stop`` is not reported.
 
 The helpers are real forked processes (sleepers standing in for the DHT and the averager), killed
@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from protocol import lifetime
+from peer.net import lifetime
+from peer.net.lifetime import HelperWatch, helper_died
 from protocol.errors import HelperDied
-from protocol.lifetime import HelperWatch, helper_died
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@ import stat
 
 import pytest
 
+from peer.net.identity import ensure_identity
 from protocol.errors import ConfigError
-from protocol.identity import ensure_identity
 
 
 def test_identity_created_private_and_reused(tmp_path):

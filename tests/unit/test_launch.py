@@ -52,7 +52,7 @@ def test_output_ending_without_the_event_says_so_with_the_exit_code(tmp_path):
 
 STUCK = """
 import sys, threading, time
-from protocol.lifetime import dump_stacks_on_sigusr1
+from peer.net.lifetime import dump_stacks_on_sigusr1
 dump_stacks_on_sigusr1()
 def waits_for_the_network():
     threading.Event().wait(60)

@@ -13,10 +13,11 @@ import pytest
 
 from bootstrap.monitor import SwarmMonitor
 from peer import status as peer_status
+from peer.net import dht as swarm_dht
+from peer.net.dht import PeerProgress
 from peer.sync.deadlines import DeadlinePolicy
 from peer.sync.transport import NetworkTransport
-from protocol import dht as swarm_dht, liveness
-from protocol.dht import PeerProgress
+from protocol import liveness
 from protocol.presets import default_run, tiny_run
 from protocol.records import ProgressRecord
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from hivemind.utils import get_dht_time
 
+from peer.net.dht import PeerProgress
 from peer.sync.membership import SwarmView
-from protocol.dht import PeerProgress
 from protocol.records import ProgressRecord
 
 H, BATCH_TOKENS, TTL = 20, 1000, 60.0

@@ -6,9 +6,10 @@ import math
 
 import torch
 
-from peer.sync.pieces import make_group_plan, plan_pieces
+from peer.sync.pieces import make_group_plan
 from protocol.groups import codec_seed
 from protocol.manifest import CompressionSpec
+from protocol.wire.pieces import plan_pieces
 
 
 def test_plan_covers_every_row_once_and_balances_owners():

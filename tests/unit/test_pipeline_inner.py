@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from peer.pipeline.peer import (StageInnerLoop, micro_batch_id, split_micro_batch_id, stage_key)
+from peer.pipeline.peer import StageInnerLoop, micro_batch_id, split_micro_batch_id, stage_key
 from peer.pipeline.stages import PipelineStage
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop
@@ -95,8 +95,9 @@ def test_a_step_through_two_stages_equals_one_step_of_the_unsplit_model(micro_ba
     # parameters after AdamW's first step agree to 1e-5 (its g/|g| amplifies rounding where |g| ~ eps)
     after = dict(full.named_parameters())
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, after[name].grad, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(p, after[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, after[name].grad, rtol=0, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p, after[name], rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     chunks = -(-MANIFEST.batch_sequences // (micro_batch or MANIFEST.batch_sequences))
     assert [split_micro_batch_id(mb) for mb in first.link.calls] == [(0, i) for i in range(chunks)]
 

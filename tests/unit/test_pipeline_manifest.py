@@ -55,8 +55,9 @@ def test_peer_join_refuses_pipeline_stages_with_overlap_before_any_network_work(
 
 
 def test_choose_stage_flag_checkpoint_and_fewest_replicas(monkeypatch, tmp_path: Path):
-    import peer.node as node
     from types import SimpleNamespace
+
+    import peer.node as node
 
     manifest = RunManifest().replace(pipeline={"stages": 3})
     signer = SimpleNamespace(peer_id="me")

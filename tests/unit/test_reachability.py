@@ -1,5 +1,5 @@
 """The dial-back check's wire format and verdict, and the addresses a peer prints for others
-(protocol/reachability.py, peer/reachability.py); the real thing runs in
+(peer/net/reachability.py, peer/reachability.py); the real thing runs in
 tests/integration/test_reachability.py."""
 
 import asyncio
@@ -7,11 +7,18 @@ import asyncio
 import msgpack
 import pytest
 
+from peer.net.reachability import (
+    GREETING,
+    MAX_PORTS,
+    DialBack,
+    encode_request,
+    observed_ip,
+    parse_answer,
+    parse_request,
+    speaks_libp2p,
+)
 from peer.reachability import dialable_maddrs, judge, listen_ports, peer_ids
 from protocol.errors import BadPayload
-from protocol.reachability import (
-    GREETING, MAX_PORTS, DialBack, encode_request, observed_ip, parse_answer, parse_request, speaks_libp2p,
-)
 
 ID = "12D3KooWKypwB8ARFtvZsniHQMbzHYKNEM9Eaov1exVoCKYt5P8z"
 

@@ -1,8 +1,8 @@
-"""The re-sync rule (peer/state/resync.py): which state a peer adopts from the swarm, and which
+"""The re-sync rule (peer/train/resync.py): which state a peer adopts from the swarm, and which
 members of a class count (peer/state/vouching.py)."""
 
-from peer.state.resync import resync_target
-from peer.state.vouching import Ledger, RoundClock, attested
+from peer.state.vouching import Ledger, RoundClock
+from peer.train.resync import attested, resync_target
 
 A, B, C = "a" * 32, "b" * 32, "c" * 32
 EVERYONE = frozenset(f"p{i}" for i in range(10)) | {"racer"}
@@ -159,7 +159,7 @@ def test_screening_drops_refused_digests_and_falls_back_to_the_joiners_rule_with
 def test_a_peer_that_serves_no_state_follows_the_dialable_swarm_even_behind_it():
     """A client-mode peer raced ahead alone; the dialable peer behind cannot download its state (it
     publishes no digest), so without deferring both would keep their own state for good."""
-    from peer.state.resync import diloco_resync_target, noloco_resync_target
+    from peer.train.resync import diloco_resync_target, noloco_resync_target
 
     others = [("open", 3, "b" * 32)]
     kwargs = dict(round_=40, digest="a" * 32, completed_with=("walled",), vouchers=None)

@@ -15,135 +15,17 @@ from peer.config import TrainerConfig
 from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint
-from peer.state.download import StateDownload, validate_state
-from peer.sync.membership import SwarmView
-from peer.sync.transport import SyncResult
+from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
-from protocol.dht import PeerProgress
-from protocol.errors import AllreduceFailed, GroupNotFound, HelperDied, SyncError
+from protocol.errors import AllreduceFailed, GroupNotFound, HelperDied
 from protocol.presets import tiny_run
-from protocol.records import ProgressRecord
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 
-class Records:
-    """The swarm's progress records, shared by the trainers of one test (a DHT in a dict)."""
-
-    def __init__(self, ghosts: tuple[str, ...] = ()):
-        self.lock = threading.Lock()
-        self.records = {g: ProgressRecord(round=0, inner_step=0, train_loss=1.0, tokens_per_s=1.0, group_size=1,
-                                          bytes_sent=0) for g in ghosts}
-
-
-class Swarm:
-    """The SwarmView interface the round loop uses, over :class:`Records`."""
-
-    def __init__(self, peer_id: str, records: Records):
-        self.peer_id, self.shared, self.max_sync_s = peer_id, records, 5.0
-
-    def live(self, max_age_s=0.0):
-        with self.shared.lock:
-            return [PeerProgress(peer_id=p, record=r, expiration=math.inf) for p, r in self.shared.records.items()]
-
-    def others(self, max_age_s=0.0):
-        return [r for r in self.live() if r.peer_id != self.peer_id]
-
-    def prefetch(self):
-        return False  # no background reads: live() reads at once
-
-    record_ttl_s = 0.0
-    step_now = SwarmView.step_now  # records never expire here: no extrapolation
-    seconds_to_finish = SwarmView.seconds_to_finish
-
-    def publish(self, record, *, wait=False):
-        with self.shared.lock:
-            self.shared.records[self.peer_id] = record
-
-    def round_finished(self):
-        pass
-
-    def wait_for(self, want, *, timeout_s, stop, heartbeat):
-        return want
-
-
-class Group:
-    """Averages the payloads of each round's members in memory, token-weighted; every member gets
-    the same tensors (as the all-reduce gives everyone the same bytes). A round's group closes when
-    ``members`` (or the expected size) joined, or ``matchmaking_s`` after its first member came (a
-    member alone then finds no group); a peer arriving after that finds no group."""
-
-    def __init__(self, members: int | None = None, matchmaking_s: float = 60.0):
-        self.members, self.matchmaking_s, self.cond, self.rounds = members, matchmaking_s, threading.Condition(), {}
-
-    def _close(self, entry):
-        total = sum(w for _, w, _ in entry["in"].values())
-        ordered = [entry["in"][p] for p in sorted(entry["in"])]
-        entry["mean"] = [sum(x[k] * (w / total) for x, w, _ in ordered) for k in range(len(ordered[0][0]))]
-        self.cond.notify_all()
-
-    def average(self, peer_id, payload, weight, round_, start_digest, should_stop, expected=2):
-        with self.cond:
-            entry = self.rounds.setdefault(round_, {"in": {}, "mean": None, "first": time.monotonic()})
-            if entry["mean"] is not None:
-                raise GroupNotFound(f"no group formed for round {round_}")
-            entry["in"][peer_id] = ([t.clone() for t in payload], weight, start_digest)
-            if len(entry["in"]) >= (self.members or expected):
-                self._close(entry)
-            while entry["mean"] is None:
-                if should_stop():
-                    raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
-                if time.monotonic() - entry["first"] > self.matchmaking_s:
-                    if len(entry["in"]) == 1:  # alone when the window closed: no group, as in matchmaking
-                        del entry["in"][peer_id]
-                        raise GroupNotFound(f"no groupmate came for round {round_} within {self.matchmaking_s} s")
-                    self._close(entry)
-                self.cond.wait(0.05)
-            return [t.clone() for t in entry["mean"]], {p: d for p, (_, _, d) in entry["in"].items()}
-
-
-class Transport:
-    """The NetworkTransport interface the round loop uses; ``average`` goes to a :class:`Group`, or
-    to ``fail`` (a callable that raises) when given."""
-
-    max_sync_seconds = 5.0
-
-    def __init__(self, peer_id: str, group: Group | None = None, fail=None, donors: dict | None = None):
-        self.peer_id, self.group, self.fail, self.calls, self.budgets = peer_id, group, fail, [], []
-        self.donors = donors if donors is not None else {}
-        """peer id → Trainer, whose served snapshots this transport downloads."""
-
-    def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
-                should_stop=lambda: False, expected_wait_s=0.0, wait_budget_s=0.0):
-        self.calls.append((round_, threading.current_thread().name))
-        self.budgets.append(wait_budget_s)
-        if self.fail is not None:
-            self.fail(round_, should_stop)
-        mean, digests = self.group.average(self.peer_id, payload, weight, round_, start_digest, should_stop,
-                                           expected_group_size)
-        return SyncResult(mean=mean, group=sorted(digests), group_size=len(digests), bytes_sent=1, bytes_received=1,
-                          seconds=0.0, start_digests=digests)
-
-    def share_state(self, provider):
-        pass
-
-    def download_state(self, donors, digest, timeout_s):
-        for donor in donors:
-            trainer = self.donors.get(donor)
-            for snap in list(trainer._snapshots) if trainer is not None else []:
-                if snap.digest.hex() == digest:
-                    state = validate_state(snap.meta, [t.clone() for t in snap.tensors], run_id=snap.meta["run_id"],
-                                           shapes=trainer.shapes)
-                    return StateDownload(state=state, chunks_by_donor={donor: 1}, failed={}, bytes_received=0)
-        raise SyncError(f"no donor of {donors} serves state {digest}")
-
-    def reset_error_feedback(self):
-        pass
-
-    def error_feedback_residuals(self):
-        return None
-
-    def load_error_feedback(self, residuals):
-        return 0
+Records = Group = InProcessHub
+"""The swarm's records (a DHT in a dict) and each round's group: ``Records(ghosts=...)``, ``Group(members,
+matchmaking_s=...)`` (peer/sync/inprocess.py); a state is downloaded from a provider its peer registered."""
+Swarm, Transport = InProcessSwarm, InProcessTransport
 
 
 class Events(Reporter):
@@ -304,7 +186,7 @@ def test_eager_with_outer_momentum_starts_each_peer_from_its_own_state_on_identi
                                   outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True})
     trainers = a, b = run_pair_with_identical_state(corpus, manifest, rounds=3)
     assert any(bool(m.abs().sum() > 0) for m in a.outer.state_tensors())
-    runs = [starts[id(t._eager)] for t in trainers]
+    runs = [starts[id(t.schedule.eager)] for t in trainers]
     assert [len(r) for r in runs] == [3, 3]     # one eager start per round end, on the training thread
     for (phi, out, offset) in runs[0] + runs[1]:
         for p, x, o in zip(phi, out, offset):
@@ -312,7 +194,7 @@ def test_eager_with_outer_momentum_starts_each_peer_from_its_own_state_on_identi
     # the same φ at round 2's end, different own offsets: each peer's own part of its outer state
     assert all(torch.equal(x, y) for x, y in zip(runs[0][1][0], runs[1][1][0]))
     assert any(not torch.equal(x, y) for x, y in zip(runs[0][1][2], runs[1][1][2]))
-    assert a._eager.offset is None and b._eager.offset is None   # training ended from φ: reset
+    assert a.schedule.eager.offset is None and b.schedule.eager.offset is None   # training ended from φ: reset
 
 
 def test_groupmate_dying_during_a_background_sync_applies_the_own_step(corpus):
@@ -392,14 +274,14 @@ def die_with_the_averager(round_, should_stop):
 def check_averager_death(corpus, manifest, path, transport, resumed_transport, expected: tuple[int, int]) -> None:
     """A peer of ``manifest`` alone with a ghost groupmate, whose ``transport`` fails with
     :func:`die_with_the_averager`: the loop stops as on a signal at ``expected`` (round, step), the
-    error in ``fatal`` and no mean applied; its checkpoint holds that position and the training
+    error in the summary's ``fatal`` and no mean applied; its checkpoint holds that position and the training
     done, and a restart over ``resumed_transport`` resumes there and trains on."""
     reporter = Events()
     t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), transport, rounds=5, checkpoint=path,
                      reporter=reporter)
     phi0 = [f.clone() for f in t.phi]
     summary = t.run()
-    assert summary.interrupted and isinstance(t.fatal, HelperDied) and t.stop_event.is_set()
+    assert summary.interrupted and isinstance(summary.fatal, HelperDied) and t.stop_event.is_set()
     assert (t.pos.round, t.pos.step) == expected
     assert [e["round"] for e in reporter.of("round")] == list(range(1, expected[0] + 1))
     assert all(torch.equal(a, b) for a, b in zip(t.phi, phi0))  # nothing of the dead sync applied
@@ -411,8 +293,8 @@ def check_averager_death(corpus, manifest, path, transport, resumed_transport, e
     reporter = Events()
     again = make_trainer(corpus, manifest, "a", Records(), resumed_transport, rounds=expected[0] + 2, checkpoint=path,
                          reporter=reporter)
-    again.run()
-    assert reporter.of("resumed")[0]["round"] == expected[0] and again.fatal is None
+    resumed = again.run()
+    assert reporter.of("resumed")[0]["round"] == expected[0] and resumed.fatal is None
     assert [e["round"] for e in reporter.of("round")] == [expected[0] + 1, expected[0] + 2]
 
 
@@ -448,7 +330,7 @@ def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmate
     as a joiner's record reads (twice a second) assume, instead of a sixth of one."""
     manifest = tiny_run().replace(sync={"overlap": "delayed", "inner_steps": 30})
     records, group, trainers = Records(), Group(matchmaking_s=5.0), {}
-    first = [make_trainer(corpus, manifest, p, records, Transport(p, group, donors=trainers), rounds=10)
+    first = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=10)
              for p in ("a", "b")]
     for t in first:
         slowed(t, groupmates_step_s)
@@ -466,7 +348,7 @@ def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmate
     for th in threads:
         th.start()
     assert joined.wait(120)
-    late = make_trainer(corpus, manifest, "c", records, Transport("c", group, donors=trainers), rounds=10)
+    late = make_trainer(corpus, manifest, "c", records, Transport("c", group), rounds=10)
     slowed(late, 0.02)
     late_built.set()
     late.run()
@@ -520,36 +402,37 @@ def test_a_faster_peer_trains_while_its_sync_waits_for_a_slower_groupmate(corpus
 
 def test_the_wait_budget_is_the_inner_step_time_until_the_mean_is_needed():
     from peer.progress import RoundProgress
+    from peer.round.syncing import wait_budget_s
 
     done = RoundProgress()
-    assert Trainer._wait_budget_s(done, 20) == 0.0   # nothing timed yet: never past the manifest's bound
+    assert wait_budget_s(done, 20) == 0.0   # nothing timed yet: never past the manifest's bound
     for _ in range(10):
         done.record(loss=1.0, tokens=256, seconds=0.2)
-    assert Trainer._wait_budget_s(done, 20) == pytest.approx(20 * 0.2)   # delayed/eager: a round of H = 20
-    assert Trainer._wait_budget_s(done, 5) == pytest.approx(5 * 0.2)     # streaming: H/P steps
+    assert wait_budget_s(done, 20) == pytest.approx(20 * 0.2)   # delayed/eager: a round of H = 20
+    assert wait_budget_s(done, 5) == pytest.approx(5 * 0.2)     # streaming: H/P steps
 
 
 def test_a_prepared_outer_step_is_installed_only_for_its_mean_state_and_round():
-    """``Trainer._install``: the step the sync's thread prepared replaces the landing's apply only
+    """``OverlapSchedule._install``: the step the sync's thread prepared replaces the landing's apply only
     when it came from this very mean, from the state the peer still holds, for the round the
     landing starts; anything else (an adoption since, a dropped sync's leftover) is applied anew."""
     import dataclasses
     import types
 
-    from peer.round import Trainer, _PreparedStep
+    from peer.round.overlapped import OverlapSchedule, PreparedStep
     from peer.state.snapshot import make_snapshot
 
     def snap(value, round_):
         return make_snapshot({"run_id": "r", "round": round_, "inner_step": 0}, [torch.full((2,), value)] * 2)
 
     held, mean = snap(1.0, 4), [torch.ones(2)]
-    t = types.SimpleNamespace(phi=[torch.zeros(2)], outer=types.SimpleNamespace(state_tensors=lambda: [m]),
-                              _snapshots=[held], pos=types.SimpleNamespace(round=4), _fragments=[])
-    m = torch.zeros(2)
-    ready = _PreparedStep(mean=mean, base=held.digest, snapshot=snap(7.0, 5))
+    phi, m = [torch.zeros(2)], torch.zeros(2)
+    t = types.SimpleNamespace(state=types.SimpleNamespace(phi=phi, live_tensors=lambda: [*phi, m], snapshots=[held],
+                                                          pos=types.SimpleNamespace(round=4)))
+    ready = PreparedStep(mean=mean, base=held.digest, snapshot=snap(7.0, 5))
     for wrong in (None, dataclasses.replace(ready, mean=[torch.ones(2)]), dataclasses.replace(ready, base=b"x" * 16),
                   dataclasses.replace(ready, snapshot=snap(7.0, 6))):
-        assert Trainer._install(t, wrong, mean) is False
-        assert torch.equal(t.phi[0], torch.zeros(2)) and torch.equal(m, torch.zeros(2))
-    assert Trainer._install(t, ready, mean) is True
-    assert torch.equal(t.phi[0], torch.full((2,), 7.0)) and torch.equal(m, torch.full((2,), 7.0))
+        assert OverlapSchedule._install(t, wrong, mean) is False
+        assert torch.equal(phi[0], torch.zeros(2)) and torch.equal(m, torch.zeros(2))
+    assert OverlapSchedule._install(t, ready, mean) is True
+    assert torch.equal(phi[0], torch.full((2,), 7.0)) and torch.equal(m, torch.full((2,), 7.0))

@@ -1,5 +1,5 @@
 """The round loop with sync.overlap = "streaming" (Streaming DiLoCo, arXiv 2501.18512;
-peer/round.py, peer/train/streaming.py): two real Trainers in threads over the in-memory transport
+peer/round/streamed.py, peer/train/streaming.py): two real Trainers in threads over the in-memory transport
 of test_round_overlap.py, each fragment's sync keyed and carried on its own."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from peer.state.checkpoint import load_checkpoint
-from peer.sync.transport import SyncResult
 from peer.train.streaming import partition
 from protocol.errors import GroupNotFound
 from protocol.presets import tiny_run
@@ -28,26 +27,9 @@ def streaming(fragments=2, tau=1, alpha=0.5, **sync):
                                     "fragment_delay_steps": tau, "fragment_alpha": alpha, **sync})
 
 
-class FragmentTransport(Transport):
-    """The in-memory transport, a group per (round, fragment), as the network keys them
-    (protocol/keys.py ``sync_index``); records what each call carried."""
-
-    def __init__(self, peer_id, group, **kwargs):
-        super().__init__(peer_id, group, **kwargs)
-        self.carried = []
-
-    def average(self, payload, *, weight, round_, expected_group_size, group_index=None, start_digest="",
-                should_stop=lambda: False, expected_wait_s=0.0, wait_budget_s=0.0, fragment=None, fragments=1,
-                tensors=None):
-        self.carried.append((round_, fragment, [tuple(t.shape) for t in payload], list(tensors or ()),
-                             threading.current_thread().name))
-        if self.fail is not None:
-            self.fail(round_, should_stop)
-        key = round_ if fragment is None else round_ * fragments + fragment
-        mean, digests = self.group.average(self.peer_id, payload, weight, key, start_digest, should_stop,
-                                           expected_group_size)
-        return SyncResult(mean=mean, group=sorted(digests), group_size=len(digests), bytes_sent=1, bytes_received=1,
-                          seconds=0.0, start_digests=digests)
+FragmentTransport = Transport
+"""The in-process transport (peer/sync/inprocess.py) keys a group per (round, fragment), as the
+network does (protocol/keys.py ``sync_index``), and records what each call carried."""
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
@@ -205,14 +187,16 @@ def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_ide
 @pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
 def test_each_landing_is_prepared_by_the_syncs_thread_and_the_rounds_snapshot_is_the_one_made_afresh(
         corpus, algorithm, monkeypatch):
-    """The sync's thread steps and seals each fragment (Trainer._prepare_fragment), the landing
-    copies it in, and the round's end snapshots from the sealed tensors (make_snapshot_from): every
-    such snapshot has the digest of one made from φ and the outer state afresh."""
-    from peer.round import Trainer
+    """The sync's thread steps and seals each fragment (StreamingSchedule.prepare_fragment), the
+    landing copies it in, and the round's end snapshots from the sealed tensors (make_snapshot_from):
+    every such snapshot has the digest of one made from φ and the outer state afresh."""
+    from peer.round.state import RoundState
+    from peer.round.streamed import StreamingSchedule
     from peer.state.snapshot import make_snapshot
 
     prepared_on, installed, derived = [], [], []
-    prepare, install, take = Trainer._prepare_fragment, Trainer._install_fragment, Trainer._take_snapshot
+    prepare, install = StreamingSchedule.prepare_fragment, StreamingSchedule.install_fragment
+    take = RoundState.take_snapshot
 
     def spy_prepare(self, p, base, mean):
         prepared_on.append(threading.current_thread().name)
@@ -225,12 +209,12 @@ def test_each_landing_is_prepared_by_the_syncs_thread_and_the_rounds_snapshot_is
     def spy_take(self, *, from_sealed=False):
         take(self, from_sealed=from_sealed)
         if from_sealed:
-            fresh = make_snapshot(self._snapshots[-1].meta, [*self.phi, *self.outer.state_tensors()])
-            derived.append(fresh.digest == self._snapshots[-1].digest)
+            fresh = make_snapshot(self.snapshots[-1].meta, [*self.phi, *self.outer.state_tensors()])
+            derived.append(fresh.digest == self.snapshots[-1].digest)
 
-    monkeypatch.setattr(Trainer, "_prepare_fragment", spy_prepare)
-    monkeypatch.setattr(Trainer, "_install_fragment", spy_install)
-    monkeypatch.setattr(Trainer, "_take_snapshot", spy_take)
+    monkeypatch.setattr(StreamingSchedule, "prepare_fragment", spy_prepare)
+    monkeypatch.setattr(StreamingSchedule, "install_fragment", spy_install)
+    monkeypatch.setattr(RoundState, "take_snapshot", spy_take)
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, streaming(algorithm=algorithm), p, records, FragmentTransport(p, group),
                              rounds=3) for p in ("a", "b")]
@@ -247,21 +231,22 @@ def test_a_landing_without_a_prepared_step_applies_the_mean_and_seals_it_itself(
     and seals the fragment on the round loop's thread: φ and every snapshot are bit-identical to a
     run whose steps were prepared (τ = 0: each mean lands at its sync's step, so both runs train
     the same steps)."""
-    from peer.round import Trainer
+    from peer.round.state import RoundState
+    from peer.round.streamed import StreamingSchedule
     from peer.state.snapshot import make_snapshot
 
     runs, digests = {}, {True: [], False: []}
-    take = Trainer._take_snapshot
+    take = RoundState.take_snapshot
     for prepared in (True, False):
         def spy_take(self, *, from_sealed=False, prepared=prepared):
             take(self, from_sealed=from_sealed)
-            last = self._snapshots[-1]
+            last = self.snapshots[-1]
             assert make_snapshot(last.meta, [*self.phi, *self.outer.state_tensors()]).digest == last.digest
-            digests[prepared].append((self.peer_id, last.digest))
+            digests[prepared].append((id(self), last.digest))
 
-        monkeypatch.setattr(Trainer, "_take_snapshot", spy_take)
+        monkeypatch.setattr(RoundState, "take_snapshot", spy_take)
         if not prepared:
-            monkeypatch.setattr(Trainer, "_prepare_fragment", lambda self, p, base, mean: None)
+            monkeypatch.setattr(StreamingSchedule, "prepare_fragment", lambda self, p, base, mean: None)
         records, group = Records(), Group(2)
         trainers = [make_trainer(corpus, streaming(tau=0), p, records, FragmentTransport(p, group), rounds=3)
                     for p in ("a", "b")]
@@ -269,19 +254,21 @@ def test_a_landing_without_a_prepared_step_applies_the_mean_and_seals_it_itself(
         runs[prepared] = trainers
     for with_prep, without in zip(runs[True], runs[False]):
         assert all(torch.equal(x, y) for x, y in zip(with_prep.phi, without.phi))
-    for peer in ("a", "b"):
-        assert [d for p, d in digests[True] if p == peer] == [d for p, d in digests[False] if p == peer]
+    for with_prep, without in zip(runs[True], runs[False]):
+        assert ([d for s, d in digests[True] if s == id(with_prep.state)] ==
+                [d for s, d in digests[False] if s == id(without.state)])
 
 
 def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds_end_the_snapshots(
         corpus, tmp_path, monkeypatch):
     """The checkpoint takes φ and the outer state from the round's snapshot only while no landing
-    changed them since (Trainer.save): a save right after a mid-round landing holds the landed φ,
-    and one right after the round's end holds the snapshot's, which is then the same φ."""
+    changed them since (Checkpointing.save): a save right after a mid-round landing holds the landed
+    φ, and one right after the round's end holds the snapshot's, which is then the same φ."""
     from peer.round import Trainer
+    from peer.round.streamed import StreamingSchedule
 
-    checked = []
-    land, after = Trainer._land_fragment, Trainer._after_round
+    checked, trainer_of = [], {}
+    land, after = StreamingSchedule.land_fragment, Trainer._after_round
 
     def check_save(self, when):
         path = tmp_path / self.peer_id / f"{self.peer_id}.safetensors"
@@ -292,18 +279,19 @@ def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds
 
     def land_then_save(self):
         land(self)
-        if self._sealed and self.pos.step > 0:      # a landing inside a round changed φ since the snapshot
-            check_save(self, "landing")
+        if self.state.sealed and self.state.pos.step > 0:  # a landing inside a round changed φ since the snapshot
+            check_save(trainer_of[id(self)], "landing")
 
     def after_then_save(self, outcome):
         check_save(self, "round's end")
         after(self, outcome)
 
-    monkeypatch.setattr(Trainer, "_land_fragment", land_then_save)
+    monkeypatch.setattr(StreamingSchedule, "land_fragment", land_then_save)
     monkeypatch.setattr(Trainer, "_after_round", after_then_save)
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, streaming(), p, records, FragmentTransport(p, group), rounds=2,
                              checkpoint=tmp_path / p / f"{p}.safetensors") for p in ("a", "b")]  # a directory each, as peers have
+    trainer_of.update((id(t.schedule), t) for t in trainers)
     run_in_threads(trainers)
     assert {when for when, _ in checked} == {"landing", "round's end"}
     assert all(ok for _, ok in checked)
@@ -313,7 +301,7 @@ def test_shift_lands_each_mean_relative_to_theta_at_its_sync_and_keeps_the_steps
     """``sync.fragment_merge = "shift"``: each landing moves θ_p by (1 − α)·(φ_p − θ_p^sync), θ_p^sync
     a copy taken when the fragment's sync started, so the steps trained while it was in flight stay
     in θ_p; the groupmates still hold identical φ. A slow sync makes those steps many."""
-    import peer.round as round_module
+    import peer.round.streamed as round_module
 
     landings, real_land = [], round_module.land
 
@@ -359,21 +347,21 @@ def test_an_adopted_state_keeps_fragment_0s_sync_and_shifts_from_the_adopted_phi
     t = make_trainer(corpus, streaming(tau=1, fragment_merge="shift"), "a", Records(), FragmentTransport("a", None),
                      rounds=2)
     dropped = []
-    t._background = SimpleNamespace(in_flight=True, round=0, drop=dropped.append)
-    index = t._fragments[0]
+    t.schedule.background = SimpleNamespace(in_flight=True, round=0, drop=dropped.append)
+    index = t.schedule.fragments[0]
     stale = [torch.full_like(t.phi[k], 7.0) for k in index]
     g = torch.Generator().manual_seed(3)
     state = DownloadedState(round=1, inner_step=H, phi=[torch.randn(f.shape, generator=g) for f in t.phi],
                             outer_state=[s.clone() for s in t.outer.state_tensors()])
-    t._flight = (0, H, stale)
-    t._adopt(state)
-    assert t._adopted_in_flight and not dropped
-    p, started, at_sync = t._flight
+    t.schedule.flight = (0, H, stale)
+    t.catchup.adopt(state)
+    assert t.schedule.adopted_in_flight and not dropped
+    p, started, at_sync = t.schedule.flight
     assert (p, started) == (0, H)
     assert all(torch.equal(s, state.phi[k]) for s, k in zip(at_sync, index, strict=True))
     assert all(torch.equal(q.detach(), f) for q, f in zip(t.params, state.phi))   # θ restarted at the adopted φ
 
-    t._adopted_in_flight = False
-    t._flight = (1, H // 2, stale)   # fragment 1's sync is part of round 1's state already: dropped
-    t._adopt(state)
-    assert dropped and t._flight is None and not t._adopted_in_flight
+    t.schedule.adopted_in_flight = False
+    t.schedule.flight = (1, H // 2, stale)   # fragment 1's sync is part of round 1's state already: dropped
+    t.catchup.adopt(state)
+    assert dropped and t.schedule.flight is None and not t.schedule.adopted_in_flight

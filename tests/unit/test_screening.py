@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 
-from peer.sync.screening import (CLIP_MEDIAN_FACTOR, OWNER_CHECK_MIN_ELEMENTS, cap_weight, clip_to_median, median_norm,
-                                 norm, owner_mean_problem, phi_contribution_problem, round_token_cap,
-                                 share_floor)
-from protocol.manifest import RunManifest
-import pytest
 import peer.sync.screening as screening_module
+from peer.sync.screening import (
+    CLIP_MEDIAN_FACTOR,
+    OWNER_CHECK_MIN_ELEMENTS,
+    cap_weight,
+    clip_to_median,
+    median_norm,
+    norm,
+    owner_mean_problem,
+    phi_contribution_problem,
+    round_token_cap,
+    share_floor,
+)
+from protocol.manifest import RunManifest
+
 
 @pytest.fixture(autouse=True)
 def share_check_on(monkeypatch):

@@ -8,11 +8,10 @@ import stat
 import msgpack
 import pytest
 
+from peer.net.identity import ensure_identity
 from protocol.errors import BadSignature, ConfigError, ManifestError
-from protocol.identity import ensure_identity
 from protocol.manifest import RunManifest, dump_toml, load_manifest, open_announcement, sign_manifest
-from protocol.signing import (OwnerKey, PeerSigner, Rejections, load_owner_key, open_record, peer_id_of,
-                              verify_manifest)
+from protocol.signing import OwnerKey, PeerSigner, Rejections, load_owner_key, open_record, peer_id_of, verify_manifest
 
 KEY = "locoswarm_progress_" + "a" * 32
 
@@ -117,6 +116,24 @@ def test_the_signers_peer_id_is_libp2ps(signer, tmp_path):
     with pytest.raises(ConfigError, match="identity file"):
         (tmp_path / "bad.key").write_bytes(b"\xff" * 10)
         PeerSigner.from_identity(tmp_path / "bad.key")
+
+
+def test_libp2p_key_protobuf_without_hivemind_matches_hiveminds(tmp_path):
+    """protocol/signing.py writes and reads libp2p's key protobuf itself (protocol/ imports no hivemind)."""
+    from hivemind.proto import crypto_pb2
+
+    from protocol.signing import _libp2p_key, _parse_libp2p_key
+
+    for n in (0, 1, 127, 128, 294, 1024, 20_000):
+        data = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
+        assert _libp2p_key(0, data) == crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=data).SerializeToString()
+        blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=data).SerializeToString()
+        assert _parse_libp2p_key(blob) == (0, data)
+    blob = ensure_identity(tmp_path / "id.key").read_bytes()
+    assert _parse_libp2p_key(blob) == (0, crypto_pb2.PrivateKey.FromString(blob).data)
+    for bad in (b"", b"\xff" * 10, b"\x08\x00", b"\x12\x05ab"):
+        with pytest.raises(ValueError):
+            _parse_libp2p_key(bad)
 
 
 def test_rejections_are_counted_each_time_and_logged_once_per_writer(caplog):

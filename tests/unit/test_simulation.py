@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from lab.simulation import (
-    Simulation, bits_per_byte, butterfly_bytes, run_simulation, sync_groups, weight_spread, weighted_mean,
+    Simulation,
+    bits_per_byte,
+    butterfly_bytes,
+    run_simulation,
+    sync_groups,
+    weight_spread,
+    weighted_mean,
 )
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)

@@ -3,16 +3,17 @@ peer/sync/screening.py's ``owner_mean_problem`` and apply zeros (Δ) or their ow
 
 import math
 
+import pytest
 import torch
 
+import peer.sync.screening as screening_module
 from lab.adversary import Adversary
 from lab.simulation import Simulation
 from peer.sync.screening import OWNER_CHECK_MIN_ELEMENTS
 from peer.train.data import validation_batch
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
-import pytest
-import peer.sync.screening as screening_module
+
 
 @pytest.fixture(autouse=True)
 def share_check_on(monkeypatch):

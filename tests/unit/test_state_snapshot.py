@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.state.snapshot import (chunk_bytes, chunk_hash, make_snapshot, make_snapshot_from, plan_chunks,
-                                 seal_tensor, state_digest)
-from tests.unit.state_samples import CHUNK, META, SHAPES
-from tests.unit.state_samples import sample_snapshot as _snapshot
-from tests.unit.state_samples import sample_tensors as _tensors
+from peer.state.snapshot import (
+    chunk_bytes,
+    chunk_hash,
+    make_snapshot,
+    make_snapshot_from,
+    plan_chunks,
+    seal_tensor,
+    state_digest,
+)
+from tests.unit.state_samples import CHUNK, META, SHAPES, sample_snapshot as _snapshot, sample_tensors as _tensors
 
 
 def test_plan_covers_every_row_once_in_small_chunks():

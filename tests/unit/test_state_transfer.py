@@ -15,14 +15,19 @@ import torch
 from peer.state.download import download_state, validate_state
 from peer.state.serve import serve_state
 from peer.state.snapshot import StateSnapshot, chunk_bytes, chunk_hash, make_snapshot, state_digest
-from peer.sync.pieces import piece_view
 from protocol.errors import BadPayload, StateDownloadFailed
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire import framing
-from protocol.wire.state import (MAX_REQUEST_BYTES, REQUEST_HEADER, encode_chunk, encode_meta, encode_request,
-                                 parse_request)
-from tests.unit.state_samples import CHUNK, META, RUN, SHAPES
-from tests.unit.state_samples import sample_snapshot as _snapshot
+from protocol.wire.pieces import piece_view
+from protocol.wire.state import (
+    MAX_REQUEST_BYTES,
+    REQUEST_HEADER,
+    encode_chunk,
+    encode_meta,
+    encode_request,
+    parse_request,
+)
+from tests.unit.state_samples import CHUNK, META, RUN, SHAPES, sample_snapshot as _snapshot
 
 TIMEOUT = 2.0
 

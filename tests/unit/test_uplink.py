@@ -1,4 +1,4 @@
-"""protocol/uplink.py: the uplink probe's frames and the serving side's limits (one module; the
+"""peer/net/uplink.py: the uplink probe's frames and the serving side's limits (one module; the
 probe over real sockets runs in tests/integration/test_doctor_swarm.py)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol import uplink
+from peer.net import uplink
+from peer.net.uplink import MAX_CONCURRENT, MAX_PROBE_BYTES, PEER_BUDGET_BYTES, PEER_WINDOW_S, UplinkProbe
 from protocol.errors import BadPayload
-from protocol.uplink import MAX_CONCURRENT, MAX_PROBE_BYTES, PEER_BUDGET_BYTES, PEER_WINDOW_S, UplinkProbe
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb([1]), msgpack.packb({"bytes": 0}),

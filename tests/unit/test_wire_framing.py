@@ -41,7 +41,7 @@ def test_a_frame_on_the_wrong_stream_is_rejected_by_its_kind():
 
 
 def test_failures_are_described_in_words():
-    assert framing.describe_failure(asyncio.TimeoutError()) == "timed out"
+    assert framing.describe_failure(TimeoutError()) == "timed out"
     assert framing.describe_failure(asyncio.IncompleteReadError(b"ab", 6)) == \
         "stream closed after 2 of 6 bytes of a frame"
     assert framing.describe_failure(BadPayload("CHUNK 3 holds NaN or inf")) == "CHUNK 3 holds NaN or inf"

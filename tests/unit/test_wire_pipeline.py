@@ -12,8 +12,7 @@ import torch
 
 from protocol.errors import BadPayload
 from protocol.version import PROTOCOL_VERSION
-from protocol.wire import framing
-from protocol.wire import pipeline as frames
+from protocol.wire import framing, pipeline as frames
 from protocol.wire.pipeline import StageLimits, StageReply, StageRequest
 
 LIMITS = StageLimits(max_batch_sequences=4, max_seq_len_tokens=8, hidden_size=16, vocab_size=50, stages=4)

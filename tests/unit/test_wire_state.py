@@ -4,8 +4,7 @@ input with BadPayload and nothing else."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from protocol.errors import BadPayload
 from protocol.version import PROTOCOL_VERSION

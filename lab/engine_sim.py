@@ -1,0 +1,255 @@
+"""N real round loops (peer.round.Trainer) in threads of one process, over the in-process transport.
+
+Where lab/simulation.py re-tells a round with the swarm's algorithm code, this runs the peer's own
+round engine: each simulated peer is a :class:`peer.round.Trainer` with an
+:class:`peer.sync.inprocess.InProcessSwarm` and an :class:`~peer.sync.inprocess.InProcessTransport`
+over one :class:`~peer.sync.inprocess.InProcessHub` (records in a dict, each group's token-weighted
+fp32 mean, states served from the peers' snapshots). Peers are named ``sim-peer-{i}`` and the
+Trainer salts its data shard with the manifest's ``model.init_seed``, so with ``seed`` equal to it
+(bench/compare.py sets ``init_seed`` to the seed) each peer samples the shard lab/simulation.py's
+peer i samples, from the same φ_0.
+
+What the engine does and the simulation does not: the round loop's records, re-sync rule, state
+snapshots, overlap/streaming schedules as a peer runs them. What the hub does not do: screening,
+codecs (the mean is plain fp32), timing of a network. Evaluation is taken from copies of each
+peer's φ made as it finished each evaluated round (its ``round`` event), evaluated after the run,
+so the training's wall time holds no evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lab.simulation import EvalPoint, SimulationResult, weight_spread, weighted_mean
+from peer.config import TrainerConfig
+from peer.progress import TrainSummary
+from peer.reporting import Reporter
+from peer.round import Trainer
+from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
+from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
+from peer.train.device import Placement
+from peer.train.model import build_model, evaluate, parameter_count
+from protocol.manifest import RunManifest
+
+PHI_OF = ("mean", "peer0")
+
+
+@dataclasses.dataclass
+class EngineResult(SimulationResult):
+    """:class:`SimulationResult` of an engine run, with its timing."""
+
+    train_s: float = 0.0
+    """Wall time of the round loops (threads started → all joined), s; no evaluation in it."""
+    round_end_s: list[float] = dataclasses.field(default_factory=list)
+    """Per round, seconds from the start until the last peer finished it (its ``round`` event)."""
+    state_digests: list[str] = dataclasses.field(default_factory=list)
+    """Each peer's state digest (φ and outer state) at the end, in peer order: equal when they hold
+    bit-identical states."""
+
+
+class _Recorder(Reporter):
+    """A peer's reporter: keeps its events; copies φ at each evaluated round's end."""
+
+    def __init__(self, index: int, on_round: Callable[[int, dict[str, Any]], None]):
+        super().__init__()
+        self.index, self.on_round = index, on_round
+        self.events: list[dict[str, Any]] = []
+        self.trainer: Trainer | None = None
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self.events.append({"event": event, **fields})
+        if event == "round":
+            self.on_round(self.index, fields)
+
+
+def run_engine_simulation(
+    manifest: RunManifest,
+    corpus: Corpus,
+    *,
+    peers: int,
+    rounds: int,
+    seed: int | None = None,
+    data_parallel: bool = False,
+    eval_every_rounds: int = 1,
+    placement: Placement | None = None,
+    phi_of: str = "mean",
+    on_eval: Callable[[EvalPoint], None] | None = None,
+    matchmaking_s: float = 60.0,
+    timeout_s: float | None = None,
+) -> EngineResult:
+    """Train ``rounds`` rounds of N :class:`~peer.round.Trainer` s in threads and evaluate every
+    ``eval_every_rounds`` (round 0 and the last round always), as lab/simulation.py's
+    ``run_simulation`` does.
+
+    Args:
+        seed: must be the manifest's ``model.init_seed`` (the Trainer salts its shard with it);
+            None: that one.
+        data_parallel: not available here (there is no round loop for it): True raises.
+        placement: where every peer's θ trains (one card holds all N); None: CPU, fp32.
+        phi_of: ``"mean"``: each evaluation is of the peers' averaged φ (and, where replicas differ,
+            the mean of each φ's loss, the headline as lab/simulation.py has it); ``"peer0"``: of
+            ``sim-peer-0``'s φ alone.
+        on_eval: called with each evaluation, after the run (they are computed from the copies).
+        matchmaking_s: how long a group waits for the members it expects, s.
+        timeout_s: how long the round loops may take in all (None: 600 s + 60 s a round); past it
+            they are stopped and a ``RuntimeError`` raised.
+
+    Returns:
+        EngineResult: the loss curve, bytes sent per peer (the fp32 butterfly's estimate of each
+        sync), wall time (evaluation included, as the simulation's), the training's own wall time
+        and when each round ended.
+
+    Raises:
+        ValueError: ``peers`` < 1, ``data_parallel``, ``phi_of`` unknown or ``seed`` not the init seed.
+        RuntimeError: a round loop raised or did not finish in time.
+    """
+    start = time.perf_counter()
+    if peers < 1 or data_parallel or phi_of not in PHI_OF:
+        raise ValueError(
+            f"peers = {peers}, data_parallel = {data_parallel}, phi_of = {phi_of!r}: need at least "
+            f"one peer, the low-communication mode and one of {PHI_OF}"
+        )
+    if seed is not None and seed != manifest.model.init_seed:
+        raise ValueError(
+            f"seed = {seed} but model.init_seed = {manifest.model.init_seed}: the round loop salts "
+            "its data shard with the init seed; set both alike"
+        )
+    seed = manifest.model.init_seed
+    every = max(1, eval_every_rounds)
+    evaluated = {r for r in range(1, rounds + 1) if r % every == 0 or r == rounds}
+    hub = InProcessHub(matchmaking_s=matchmaking_s)
+    lock = threading.Lock()
+    copies: dict[int, list[list[torch.Tensor] | None]] = {r: [None] * peers for r in evaluated}
+    tokens: dict[int, list[int]] = {}
+    finished: dict[int, float] = {}
+    reporters: list[_Recorder] = []
+
+    def on_round(i: int, fields: dict[str, Any]) -> None:
+        r = int(fields["round"])
+        trainer = reporters[i].trainer
+        phi = [f.clone() for f in trainer.phi] if r in evaluated and trainer is not None else None
+        with lock:
+            tokens.setdefault(r, [0] * peers)[i] = int(fields["tokens"])
+            if phi is not None:
+                copies[r][i] = phi
+            if all(tokens[r]):
+                finished[r] = time.perf_counter() - train_start
+
+    stop = threading.Event()
+    trainers: list[Trainer] = []
+    for i in range(peers):
+        peer_id = f"sim-peer-{i}"
+        reporter = _Recorder(i, on_round)
+        reporters.append(reporter)
+        transport = InProcessTransport(
+            peer_id, hub, run_id=manifest.run_id, bytes_per_sync=None, max_sync_seconds=matchmaking_s
+        )
+        t = Trainer(
+            manifest=manifest,
+            model=build_model(manifest.model, corpus.tokenizer),
+            corpus=corpus,
+            swarm=InProcessSwarm(peer_id, hub, max_sync_s=matchmaking_s),
+            transport=transport,
+            config=TrainerConfig(max_rounds=rounds, wait_for_peers=peers, wait_for_peers_timeout_s=matchmaking_s),
+            reporter=reporter,
+            stop_event=stop,
+            placement=placement,
+            evaluates_phi=False,
+        )
+        transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
+        reporter.trainer = t
+        trainers.append(t)
+
+    errors: list[BaseException] = []
+    summaries: dict[str, TrainSummary] = {}
+
+    def run(t: Trainer) -> None:
+        try:
+            summaries[t.peer_id] = t.run()
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(t,), name=t.peer_id) for t in trainers]
+    train_start = time.perf_counter()
+    for th in threads:
+        th.start()
+    deadline = train_start + (timeout_s if timeout_s is not None else 600.0 + 60.0 * rounds)
+    for th in threads:
+        th.join(max(0.0, deadline - time.perf_counter()))
+    if any(th.is_alive() for th in threads):
+        stop.set()
+        for th in threads:
+            th.join(60.0)
+        raise RuntimeError(f"the round loops did not finish {rounds} rounds in time")
+    train_s = time.perf_counter() - train_start
+    if errors:
+        raise RuntimeError(f"a round loop raised: {errors[0]!r}") from errors[0]
+    ended = [summaries[t.peer_id] for t in trainers]
+    if any(s.fatal is not None or s.interrupted or s.final_round != rounds for s in ended):
+        raise RuntimeError(
+            f"the round loops ended at rounds {[s.final_round for s in ended]}, not {rounds} "
+            f"({[repr(s.fatal) for s in ended if s.fatal is not None]})"
+        )
+
+    # the final φ: the last round's sync (with overlap) landed before run() returned
+    copies[rounds] = [[f.clone() for f in t.phi] for t in trainers]
+    windows = validation_batch(corpus, manifest.data)
+    model = build_model(manifest.model, corpus.tokenizer)
+    replicas_differ = trainers[0].outer.replicas_differ
+
+    def bpb(phi: list[torch.Tensor]) -> float:
+        with torch.no_grad():
+            for p, f in zip(model.parameters(), phi, strict=True):
+                p.copy_(f)
+        return validation_bits_per_byte(evaluate(model, windows), windows, corpus.tokenizer)
+
+    def point(r: int, phis: list[list[torch.Tensor]], total_tokens: int) -> EvalPoint:
+        if phi_of == "peer0":
+            loss = bpb(phis[0])
+            return EvalPoint(r, total_tokens, loss, loss, None, weight_spread(phis))
+        averaged = bpb(weighted_mean(phis, [1.0] * len(phis)))
+        replica_mean = sum(bpb(p) for p in phis) / len(phis) if replicas_differ else None
+        return EvalPoint(
+            r,
+            total_tokens,
+            replica_mean if replica_mean is not None else averaged,
+            averaged,
+            replica_mean,
+            weight_spread(phis),
+        )
+
+    phi0 = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+    history = [point(0, [phi0] * peers, 0)]
+    running = 0
+    for r in range(1, rounds + 1):
+        running += sum(tokens.get(r, [0]))
+        if r in evaluated:
+            phis = copies[r]
+            if any(p is None for p in phis):
+                raise RuntimeError(f"round {r}: not every peer reported its φ")
+            history.append(point(r, phis, running))  # type: ignore[arg-type]
+    if on_eval is not None:
+        for h in history:
+            on_eval(h)
+    bytes_sent = sum(s.bytes_sent for s in ended) / peers
+    return EngineResult(
+        method=manifest.sync.algorithm,
+        peers=peers,
+        seed=seed,
+        rounds=rounds,
+        inner_steps=manifest.sync.inner_steps,
+        parameters=parameter_count(model),
+        bytes_sent_per_peer=bytes_sent,
+        wall_s=time.perf_counter() - start,
+        history=history,
+        train_s=train_s,
+        round_end_s=[finished.get(r, float("nan")) for r in range(1, rounds + 1)],
+        state_digests=[t.state_digest for t in trainers],
+    )

@@ -1,0 +1,150 @@
+"""Start a DHT node of ours: hivemind's DHT as a helper process that dies with its parent, whose
+node refuses unsigned records under protected keys (peer/net/validator.py).
+
+Importing it imports hivemind (the validator subclasses hivemind's). Everything done with a
+started node (bounded calls, reads and writes of DHT values, its addresses, stream handlers) and
+the check of --initial-peers: peer/net/dht.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Sequence
+
+from peer.net.dht import parse_initial_peers
+from peer.net.lifetime import HelperProcess, bind_subprocesses_to_this_process
+from peer.net.validator import SwarmRecordValidator
+from protocol.errors import BootstrapUnreachable, NetworkError
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _helper_dht_class():
+    """hivemind's DHT as a helper process (peer/net/lifetime.py), built on first use."""
+    import hivemind
+
+    class SwarmDHT(HelperProcess, hivemind.DHT):
+        """A hivemind DHT whose process and p2pd die with the process that started it, leave
+        signals to it, and shut down within ``shutdown_timeout`` even when p2pd is already gone."""
+
+        def run(self) -> None:  # in the DHT process
+            bind_subprocesses_to_this_process()  # p2pd dies with this process
+            _decode_found_values_one_by_one()
+            super().run()
+
+        async def _shutdown(self) -> None:
+            # When p2pd is gone first (a service manager signals every process of the unit),
+            # DHTNode.shutdown raises or waits forever on the closed daemon connection.
+            try:
+                await asyncio.wait_for(super()._shutdown(), self.shutdown_timeout / 2)
+            except Exception as exc:
+                logger.debug("DHT node did not shut down cleanly (%r); stopping p2pd", exc)
+                try:
+                    await asyncio.wait_for(self._node.p2p.shutdown(), self.shutdown_timeout / 4)
+                except Exception as p2p_exc:
+                    logger.debug("p2pd did not stop cleanly: %r", p2p_exc)
+
+    return SwarmDHT
+
+
+class _TolerantSerializer:
+    """hivemind's serializer for values a search found: an undecodable value reads as None."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def dumps(self, obj):
+        return self.inner.dumps(obj)
+
+    def loads(self, buf):
+        try:
+            return self.inner.loads(buf)
+        except Exception as exc:  # msgpack raises several unrelated types
+            logger.debug("skipping an undecodable DHT value (%d bytes): %r", len(buf), exc)
+            return None
+
+
+def _decode_found_values_one_by_one() -> None:
+    """In this (the DHT) process: make every DHT search decode each value it found on its own, an
+    undecodable one as None, instead of raising from the search's callback and leaving the
+    caller's future unresolved forever (hivemind 1.1.12 ``_SearchState.finish_search``)."""
+    from hivemind.dht.node import _SearchState
+
+    if getattr(_SearchState, "_locoswarm_tolerant", False):
+        return
+    original_init = _SearchState.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.serializer = _TolerantSerializer(self.serializer)
+
+    _SearchState.__init__ = __init__
+    _SearchState._locoswarm_tolerant = True
+
+
+def new_dht(**kwargs):
+    """``hivemind.DHT(**kwargs)`` whose DHT process and p2pd die with this process however it
+    dies (``kill -9`` included) and ignore the signals that stop it (peer/net/lifetime.py).
+
+    Start it from a thread that outlives it (the kernel kills the DHT process when the thread
+    that forked it exits). Unless ``record_validators`` is given, the node refuses unsigned values
+    under the keys it protects (peer/net/validator.py). Raises whatever ``hivemind.DHT`` raises.
+    """
+    kwargs.setdefault("record_validators", [SwarmRecordValidator()])
+    return _helper_dht_class()(**kwargs)
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    announce: Sequence[str] = (),
+    identity_path: str | None = None,
+    client_mode: bool = False,
+    timeout_s: float = 20.0,
+):
+    """Start a hivemind DHT node (its own process plus a p2pd daemon) and connect it to the swarm.
+
+    Args:
+        initial_peers: multiaddrs of any live node of the swarm (checked by parse_initial_peers).
+        host, port: where to listen (port 0: any free port).
+        announce: multiaddrs to advertise instead of the listen addresses (e.g. a public IP).
+        identity_path: key file fixing the peer id; see peer/net/identity.py.
+        timeout_s: how long to wait for an initial peer to answer.
+
+    Returns:
+        A started ``hivemind.DHT`` (see :func:`new_dht`). Shut it down with ``dht.shutdown()``.
+
+    Raises:
+        BadPeerAddress: an initial peer address is malformed.
+        BootstrapUnreachable: no initial peer answered within ``timeout_s``.
+        NetworkError: the node could not start (e.g. the port is taken).
+    """
+    peers = parse_initial_peers(initial_peers)
+    kwargs = dict(
+        initial_peers=peers,
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        client_mode=client_mode,
+        start=True,
+        await_ready=True,
+        wait_timeout=min(5.0, timeout_s),
+        bootstrap_timeout=min(5.0, timeout_s),
+    )
+    if announce:
+        kwargs["announce_maddrs"] = list(announce)
+    if identity_path is not None:
+        kwargs["identity_path"] = str(identity_path)
+    try:
+        return new_dht(**kwargs)
+    except Exception as exc:
+        text = str(exc)
+        if peers and ("bootstrap failed" in text or "initial_peers" in text or "connect" in text.lower()):
+            raise BootstrapUnreachable(
+                f"none of the initial peers answered: {', '.join(peers)}. Check that the node is running, "
+                "that HOST:PORT is reachable from here (firewall, NAT) and that the /p2p/ id is current"
+            ) from exc
+        raise NetworkError(f"could not start the DHT node on {host}:{port}: {text}") from exc
