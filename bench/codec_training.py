@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import apply_overrides, corpus_or_exit, load_config, manifest_for
+from compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # (bench/ is not a package)
 
 from lab.simulation import butterfly_bytes, run_simulation
 from peer.train.model import build_model, parameter_count
 from protocol.errors import ManifestError
-from protocol.manifest import CODECS
+from protocol.manifest import CODECS  # every codec a run may name
 
 ADAPTIVE_RATIO = 8.0
 """'adaptive' gets a budget of fp32 bytes / this, per round."""

@@ -7,8 +7,12 @@
     python bench/compare.py --no-plot ...     # where matplotlib is not installed: no compare_loss.png
     python bench/compare.py --global-batch 65536 ...  # another global batch (tokens per inner step, all peers)
 
-Simulates N peers in one process (lab/simulation.py, the swarm's own algorithm code) for every
-method, N in ``bench.peers`` and seed in ``bench.seeds``, at a fixed global batch: each peer's
+Runs N peers in one process for every method, N in ``bench.peers`` and seed in ``bench.seeds``:
+DiLoCo, NoLoCo and independent peers as N real round loops (``peer.round.Trainer``, the code a peer
+runs) over the in-process transport (lab/engine_sim.py), data-parallel (which has no round loop)
+and anything the engine does not run here (a lossy codec, overlap: see ``engine_runs``) in
+lab/simulation.py, which the engine matches bit for bit on blocking DiLoCo and NoLoCo
+(``--runner simulation`` runs every method there). All at a fixed global batch: each peer's
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
 table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
 ``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
@@ -42,6 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
+from lab.engine_sim import EngineResult, run_engine_simulation
 from lab.simulation import EvalPoint, SimulationResult, run_simulation
 from peer.train.data import Corpus, load_corpus
 from peer.train.device import place
@@ -243,6 +248,7 @@ def results_record(results: list[SimulationResult], scale: str, base: RunManifes
     for s in summarize(results):
         rs = sorted((r for r in results if r.peers == s["peers"] and r.method == s["method"]), key=lambda r: r.seed)
         out.append({"method": s["method"], "peers": s["peers"], "seeds": [r.seed for r in rs],
+                    "source": "engine" if all(isinstance(r, EngineResult) for r in rs) else "simulation",
                     "final_bpb": s["loss_bpb"], "final_bpb_per_seed": [r.history[-1].loss_bpb for r in rs],
                     "vs_data_parallel_pct": s["vs_data_parallel_pct"], "outer": outer_of(base, s["method"])})
     spec = base.inner_optimizer
@@ -260,16 +266,31 @@ def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) 
         f.write(line)
 
 
+RUNNERS = ("engine", "simulation")
+
+
+def engine_runs(m: RunManifest, method: str) -> bool:
+    """Whether ``method`` of run ``m`` runs on the round engine (lab/engine_sim.py): a method with a
+    round loop, synced blocking (overlap's landings depend on threads' timing) without a lossy codec
+    (the in-process hub averages in plain fp32)."""
+    return (method != "data-parallel" and m.sync.overlap == "none" and m.compression.codec == "none"
+            and m.compression.phi_codec == "none")
+
+
 def _one(base: RunManifest, method: str, peers: int, seed: int, bench: dict, rounds: int, threads: int,
          corpus=None, device: str = "cpu", progress: Path | None = None,
-         compile: bool | None = None) -> SimulationResult:
+         compile: bool | None = None, runner: str = "engine") -> SimulationResult:
     torch.set_num_threads(threads)
     # many simulations compile at once: one compile thread each (inductor's default is one per core)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
     placement, _ = place(device, compile=compile)
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
     on_eval = None if progress is None else functools.partial(_progress, progress, method, peers, seed)
-    return run_simulation(m, corpus if corpus is not None else load_corpus(base.data), peers=peers, rounds=rounds,
+    corpus = corpus if corpus is not None else load_corpus(base.data)
+    if runner == "engine" and engine_runs(m, method):
+        return run_engine_simulation(m, corpus, peers=peers, rounds=rounds, seed=seed,
+                                     eval_every_rounds=bench["eval_every_rounds"], placement=placement, on_eval=on_eval)
+    return run_simulation(m, corpus, peers=peers, rounds=rounds,
                           seed=seed, data_parallel=method == "data-parallel", eval_every_rounds=bench["eval_every_rounds"],
                           device=placement.device, precision=placement.precision, compile=placement.compile,
                           on_eval=on_eval)
@@ -303,6 +324,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=None, metavar="PATH",
                         help="where the finals go (default bench/results/compare-<bench.scale>.json, the recorded "
                              "results: give trials their own path)")
+    parser.add_argument("--runner", choices=RUNNERS, default="engine",
+                        help="engine: DiLoCo, NoLoCo and independent on N real round loops (data-parallel and what the "
+                             "engine does not run in the simulation); simulation: every method in lab/simulation.py")
     parser.add_argument("--no-plot", action="store_true", help="skip compare_loss.png (no matplotlib needed)")
     args = parser.parse_args()
     if not args.no_plot:  # the plot is drawn after every run: a missing matplotlib must stop us before them
@@ -353,11 +377,12 @@ def main() -> None:
     if args.jobs > 1:
         pool = multiprocessing.get_context("spawn").Pool(args.jobs)
         done = pool.imap_unordered(_one_of, [(base, method, peers, seed, bench, rounds, args.threads, None,
-                                              args.device, progress, args.compile) for method, peers, seed in work])
+                                              args.device, progress, args.compile, args.runner)
+                                             for method, peers, seed in work])
     else:
         pool = None
         done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus, args.device, progress,
-                     args.compile) for method, peers, seed in work)
+                     args.compile, args.runner) for method, peers, seed in work)
     try:
         for r in done:
             results.append(r)

@@ -204,7 +204,7 @@ def main() -> None:
             results.append(bench_preset(name, args, placement))
         except (ConfigError, torch.OutOfMemoryError) as exc:
             print(f"  {name}: skipped, does not fit ({str(exc).splitlines()[0]})", file=sys.stderr, flush=True)
-        except Exception:
+        except Exception:  # one preset's failure must not lose the others' measurements
             print(f"  {name}: failed", file=sys.stderr, flush=True)
             traceback.print_exc()
         if cuda:

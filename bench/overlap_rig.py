@@ -206,8 +206,8 @@ def row(run: dict) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| payload MB | peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
-             "sync s | sync ÷ compute | idle s per round: sync wait / re-sync / other | swarm tokens/s | mean group |",
+    lines = [("| payload MB | peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
+             "sync s | sync ÷ compute | idle s per round: sync wait / re-sync / other | swarm tokens/s | mean group |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mode = r["overlap"]

@@ -94,8 +94,8 @@ def rows_of(runs: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| method | stages × replicas | routing | final bpb | unpipelined S·R peers | vs it | unpipelined R "
-             "peers | vs it | boundary bytes/token | sim tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| method | stages × replicas | routing | final bpb | unpipelined S·R peers | vs it | unpipelined R "
+             "peers | vs it | boundary bytes/token | sim tokens/s |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['stages']} × {r['replicas_per_stage']} | {r['routing']} | "
                      f"{r['final_bpb']:.4f} | {r['unpipelined_bpb']:.4f} | {r['vs_unpipelined']:+.2f} % | "

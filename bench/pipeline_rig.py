@@ -122,8 +122,8 @@ def run_one(workdir: Path, *, label: str, manifest: RunManifest, stages_of: list
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| swarm | routing | uplink Mbit/s | swarm tokens/s | boundary bytes/token | final train bpb | "
-             "vs unpipelined 4 peers | vs unpipelined 2 peers |", "|---|---|---|---|---|---|---|---|"]
+    lines = [("| swarm | routing | uplink Mbit/s | swarm tokens/s | boundary bytes/token | final train bpb | "
+             "vs unpipelined 4 peers | vs unpipelined 2 peers |"), "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['routing']} | {r['uplink_mbit']:g} | {r['tokens_per_s']:,.0f} | "
                      f"{r['activation_bytes_per_token']:.0f} | {r['final_bpb']:.4f} | {r['vs_unpipelined']:+.2f} % | "

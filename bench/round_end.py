@@ -3,7 +3,7 @@
     python bench/round_end.py [--hidden-size 256] [--repeats 60] [--threads 1]
     LOCOSWARM_HOST_ALLOCATOR=system python bench/round_end.py   # glibc's own thresholds
 
-With ``sync.overlap`` the inner loop stops at a round's end only for what peer/round.py's
+With ``sync.overlap`` the inner loop stops at a round's end only for what peer/round/'s
 ``_overlap_step`` does itself: this round's Δ (``round_progress``), its NaN/inf check, the next
 start point (``next_start``: delayed φ − Δ, or eager's preview) and θ ← the start point; and, with
 a checkpoint every round (peer join's default), the checkpoint's copies of θ and AdamW's two

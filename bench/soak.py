@@ -177,7 +177,7 @@ def check_checkpoints(workdir: Path, swarm: ChaosSwarm, manifest: RunManifest) -
             path, run_id = checkpoint_of(workdir, name)
             state = load_checkpoint(path, run_id=run_id, names=[n for n, _ in named],
                                     shapes=[p.shape for _, p in named])
-        except Exception as exc:
+        except Exception as exc:  # any failure to load is what this counts
             print(f"checkpoint of {name} does not load: {exc}", flush=True)
             bad.append(name)
             continue

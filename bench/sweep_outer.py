@@ -35,9 +35,11 @@ from bench.compare import (
     apply_overrides,
     check_global_batch,
     corpus_or_exit,
+    engine_runs,
     load_config,
     manifest_for,
 )
+from lab.engine_sim import run_engine_simulation
 from lab.simulation import run_simulation
 from peer.train.data import load_corpus
 from protocol.errors import ManifestError
@@ -107,8 +109,11 @@ def one_run(config: str, outer: dict | None, peers: int, seed: int, steps_per_pe
         base = base.replace(outer_optimizer={k: outer[k] for k in ("lr", "momentum", "nesterov")})
     m = manifest_for(base, "data-parallel" if outer is None else outer["algorithm"], peers, seed,
                      global_batch_tokens, rounds)
-    r = run_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, data_parallel=outer is None,
-                       eval_every_rounds=rounds)
+    if outer is not None and engine_runs(m, outer["algorithm"]):  # the round loop a peer runs (lab/engine_sim.py)
+        r = run_engine_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds)
+    else:
+        r = run_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, data_parallel=outer is None,
+                           eval_every_rounds=rounds)
     return {"outer": outer, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
             "tokens": r.history[-1].tokens, "params": r.parameters, "wall_s": r.wall_s}
 

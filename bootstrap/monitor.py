@@ -238,7 +238,7 @@ def _handler(monitor: SwarmMonitor, title: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "locoswarm-monitor"
 
-        def do_GET(self) -> None:
+        def do_GET(self) -> None:  # (http.server's name)
             path = self.path.split("?", 1)[0]
             if path in ("/", "/index.html"):
                 body = render_page(title, json.dumps(monitor.snapshot()))

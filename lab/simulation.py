@@ -257,10 +257,10 @@ class Simulation(StreamingRounds, GroupMeans):
                 forged = None if mean is None else self._owners_send(group, mean)
                 received = None if forged is None else self._receive(group, mean, forged, contributions, weights, own)
                 sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
-            # completed in full: no member failed, none excluded (peer/round.py ``_sync``: ``completed``)
+            # completed in full: no member failed, none excluded (peer/round/syncing.py ``GroupSync.sync``: ``completed``)
             full = len(group) > 1 and received is not None and not self._excluded_any
             for member, j in enumerate(group):
-                # a failed all-reduce: every member applies its own payload (peer/round.py ``_sync``)
+                # a failed all-reduce: every member applies its own payload (peer/round/syncing.py ``GroupSync.sync``)
                 means[j], shares[j] = (payloads[j] if received is None else received[member]), 1.0 / len(group)
                 self.completed_with[j] = list(group) if full else [j]
                 if full:

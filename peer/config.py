@@ -2,7 +2,7 @@
 
 Resolved once by the CLI (flag > environment > default) and handed down: ``peer join``'s
 :class:`JoinConfig` to the node assembly (peer/node.py), its ``trainer`` part to the round loop
-(peer/round.py). Per-peer facts live here and never enter the run id.
+(peer/round/). Per-peer facts live here and never enter the run id.
 """
 
 from __future__ import annotations

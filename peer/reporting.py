@@ -78,8 +78,8 @@ class Reporter:
         if kind == "round":
             return round_line(e)
         if kind == "started":
-            lines = [f"locoswarm {e['version']} | peer {e['peer_id']} | device {device_text(e)} | run {e['run_id']} "
-                     f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})"]
+            lines = [(f"locoswarm {e['version']} | peer {e['peer_id']} | device {device_text(e)} | run {e['run_id']} "
+                     f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})")]
             lines += [f"  others can join with: peer join --initial-peers {a}" for a in e["maddrs"]]
             if not e["maddrs"]:  # client mode, no relay slot yet: others come in through the initial peers
                 lines.append("  others cannot dial this peer directly; they join through the swarm's bootstrap node")

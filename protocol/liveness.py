@@ -7,7 +7,7 @@ was published: ``expiration − ttl`` (:func:`published_at`). The trainer (peer/
 SwarmView with this ttl), ``peer status`` and the swarm monitor all derive it this way.
 
 A live peer republishes its record every H/4 inner steps and right after every round's sync
-(peer/round.py), so the longest silence of a live peer is about one quarter round of compute
+(peer/round/), so the longest silence of a live peer is about one quarter round of compute
 plus one sync, which is bounded by the manifest's sync deadlines. ``peer status`` and the monitor
 call a peer live while its latest record is younger than :func:`stale_after_s`::
 

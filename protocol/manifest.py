@@ -164,8 +164,9 @@ class RunManifest:
     def batch_sequences(self) -> int:
         return self.inner_optimizer.batch_size_tokens // self.data.seq_len_tokens
 
-    def replace(self, **sections: dict[str, Any]) -> RunManifest:
-        """A copy with fields overridden per section, e.g. ``replace(sync={"inner_steps": 5})``."""
+    def replace(self, **sections: Any) -> RunManifest:
+        """A copy with fields overridden per section, e.g. ``replace(sync={"inner_steps": 5})``, or
+        top-level ones (``replace(name="x")``)."""
         return from_dict(_merge(self.to_dict(), sections))
 
 

@@ -262,7 +262,7 @@ FRAGMENT_MERGES = ("mix", "shift")
 """How a streaming fragment's mean enters θ when it lands (``sync.fragment_merge``,
 peer/train/streaming.py :func:`~peer.train.streaming.land`)."""
 """How a round's sync overlaps the next round's inner steps (``sync.overlap``): the round loop
-(peer/round.py) and the in-process simulation (lab/simulation.py) run all four."""
+(peer/round/) and the in-process simulation (lab/simulation.py) run all four."""
 STREAMING_FIELDS = ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")
 """The sync fields only ``overlap = "streaming"`` reads; left out of a manifest's encoding while at
 their defaults (protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""
@@ -319,7 +319,7 @@ class SyncSpec:
     """τ, streaming only: inner steps between a fragment's sync starting and its mean being applied
     at the earliest (0: applied at once, no overlap); below inner_steps / fragments. A peer whose
     sync takes longer applies the mean when it arrives, at the latest when the next fragment's sync
-    starts (peer/round.py ``_land_due``); the simulation applies it after exactly τ steps."""
+    starts (peer/round/streamed.py ``FragmentSchedule.land_due``); the simulation applies it after exactly τ steps."""
     fragment_alpha: float = 0.5
     """α, streaming only: on arrival θ_p ← α·θ_p + (1 − α)·φ_p (1: keep the local θ_p, 0: take φ_p);
     with ``fragment_merge = "shift"`` that mix is taken of θ_p as it was when the sync started."""

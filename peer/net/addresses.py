@@ -13,7 +13,7 @@ rest, so a malformed entry costs nothing but itself.
 from __future__ import annotations
 
 import logging
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from peer.net import dht as swarm_dht
 from peer.net.dht import parse_initial_peers, read_signed

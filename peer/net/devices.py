@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
-from typing import Any, Collection
+from typing import Any
 
 from peer.net import dht as swarm_dht
 from peer.net.dht import Periodic, read_signed

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-import hashlib
-import os
-from typing import Any, Callable, Collection, Sequence
+from typing import Any
 
 from peer.net.lifetime import exited
 from protocol import keys
@@ -171,7 +172,7 @@ async def _visible_maddrs(_dht, node, latest: bool):  # in the DHT process
     if latest:
         try:
             return await asyncio.wait_for(node.get_visible_maddrs(latest=True), DAEMON_CALL_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("p2pd did not say this node's addresses within %.0f s; using the ones it said at the "
                            "start", DAEMON_CALL_TIMEOUT_S)
     return await node.get_visible_maddrs(latest=False)  # no daemon call: the addresses identify last gave

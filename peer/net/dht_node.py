@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from peer.net.dht import parse_initial_peers
 from peer.net.lifetime import HelperProcess, bind_subprocesses_to_this_process

@@ -17,7 +17,7 @@ imports neither hivemind nor torch.
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 
 class StreamSlots:

@@ -24,8 +24,8 @@ import asyncio
 import functools
 import ipaddress
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgpack
 
@@ -129,7 +129,7 @@ async def speaks_libp2p(ip: str, port: int, timeout_s: float = DIAL_TIMEOUT_S) -
         reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout_s)
         greeting = await asyncio.wait_for(reader.read(64), timeout_s)
         return GREETING in greeting
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return False
     finally:
         if writer is not None:
@@ -154,7 +154,7 @@ async def _handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
             reachable = [port for port, ok in zip(ports, answers) if ok]
         writer.write(framing.frame(msgpack.packb({"observed": ip, "reachable": reachable})))
         await asyncio.wait_for(writer.drain(), DIAL_TIMEOUT_S)
-    except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+    except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
         logger.debug("dial-back request from %s refused: %s", stream_info.peer_id, exc)
     finally:
         writer.close()
@@ -173,7 +173,7 @@ async def _ask_all(_dht, node, checkers: Sequence[str], ports: Sequence[int]) ->
     # given ones is (the DHT came up through remembered peers), any connected node can answer.
     try:
         peers = await asyncio.wait_for(node.p2p.list_peers(), DAEMON_CALL_TIMEOUT_S)
-    except asyncio.TimeoutError:  # p2pd did not answer: ask the given checkers as they are
+    except TimeoutError:  # p2pd did not answer: ask the given checkers as they are
         connected = list(checkers)
     else:
         connected = list(dict.fromkeys(p.peer_id.to_base58() for p in peers))

@@ -25,8 +25,8 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgpack
 
@@ -153,7 +153,7 @@ async def _handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
             await asyncio.wait_for(_receive(reader, n), PROBE_TIMEOUT_S)
             writer.write(framing.frame(msgpack.packb({"received": n})))
         await asyncio.wait_for(writer.drain(), 5.0)
-    except (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+    except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
         logger.debug("uplink probe from %s ended: %s", stream_info.peer_id, framing.describe_failure(exc))
     finally:
         if admitted:

@@ -16,7 +16,7 @@ costs a retry. Here:
   :func:`micro_batch_id`). Requests that arrive while the round loop syncs wait in the queue (the
   caller's deadline is ``pipeline.call_timeout_s``; past it the caller retries another replica).
 
-Each stage is a swarm of its own for the round loop (peer/round.py): its progress records, group
+Each stage is a swarm of its own for the round loop (peer/round/): its progress records, group
 matchmaking, state download and checkpoint live under :func:`stage_key` (the run id for stage 0,
 so `peer status` and the monitor see the peers that read data), so the outer sync averages a
 stage's pseudo-gradients among that stage's replicas only.
@@ -368,7 +368,7 @@ class StageInnerLoop(InnerLoop):
     def for_placement(cls, model: PipelineStage, spec, sampler: BatchSampler, placement=None, *,
                       link: PipelineLink, stop: threading.Event) -> StageInnerLoop:
         """The loop on ``placement``'s device (one device; the CPU without a placement), with its
-        micro-batch; the round loop's ``make_inner`` (peer/round.py)."""
+        micro-batch; the round loop's ``make_inner`` (peer/round/)."""
         return cls(model, spec, sampler, link, stop=stop, device=placement.device if placement is not None else None,
                    micro_batch_sequences=placement.micro_batch_sequences if placement is not None else None)
 

@@ -1,4 +1,4 @@
-# Over 300 lines: the server and the two call functions share one stream discipline (answer, linger,
+# The server and the two call functions share one stream discipline (answer, linger,
 # cancel on give-up) and its workarounds for hivemind 1.1.12; apart they would repeat it.
 """Stage calls between peers: a micro-batch's forward and backward in one exchange on a libp2p stream.
 

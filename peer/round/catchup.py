@@ -16,8 +16,8 @@ from peer.round.state import RoundState
 from peer.round.syncing import SyncHistory
 from peer.state.download import DownloadedState, check_sanity
 from peer.state.vouching import Vouching
-from peer.sync.membership import SwarmView
-from peer.sync.transport import NetworkTransport
+from peer.sync.membership import RoundSwarm
+from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
 from protocol.errors import BadPayload, SyncError
 
@@ -34,7 +34,7 @@ class CatchUp:
     """Runs the re-sync rule after every round (and before the first) and adopts what it picks."""
 
     def __init__(self, *, state: RoundState, schedule: SyncSchedule, history: SyncHistory, vouching: Vouching,
-                 swarm: SwarmView, transport: NetworkTransport, inner: InnerLoop, config: TrainerConfig,
+                 swarm: RoundSwarm, transport: RoundTransport, inner: InnerLoop, config: TrainerConfig,
                  reporter: Reporter, stop_event: threading.Event, publish: Callable[[], None]):
         self.state, self.schedule, self.history, self.vouching = state, schedule, history, vouching
         self.swarm, self.transport, self.inner, self.cfg = swarm, transport, inner, config

@@ -29,7 +29,7 @@ from peer.state.checkpoint import (
     write_checkpoint,
 )
 from peer.state.vouching import Vouching
-from peer.sync.transport import NetworkTransport
+from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
 from protocol.errors import CheckpointError
 
@@ -45,7 +45,7 @@ def checkpoint_due(last: float | None, now: float, every_s: float) -> bool:
 class Checkpointing:
     """Writes and restores this peer's checkpoint at ``config.checkpoint_path`` (None: never)."""
 
-    def __init__(self, *, state: RoundState, schedule: SyncSchedule, inner: InnerLoop, transport: NetworkTransport,
+    def __init__(self, *, state: RoundState, schedule: SyncSchedule, inner: InnerLoop, transport: RoundTransport,
                  vouching: Vouching, config: TrainerConfig, reporter: Reporter):
         self.state, self.schedule, self.inner, self.transport = state, schedule, inner, transport
         self.vouching, self.path, self.reporter = vouching, config.checkpoint_path, reporter

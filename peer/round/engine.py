@@ -31,8 +31,8 @@ from peer.round.state import RoundState
 from peer.round.streamed import StreamingSchedule
 from peer.round.syncing import GroupSync, SyncHistory
 from peer.state.vouching import MIN_INNER_STEP_S, Vouching
-from peer.sync.membership import SwarmView
-from peer.sync.transport import NetworkTransport
+from peer.sync.membership import RoundSwarm
+from peer.sync.transport import RoundTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed
 from peer.train.ddp import make_inner_loop
 from peer.train.device import Placement, flops_per_token, mfu
@@ -60,8 +60,8 @@ class Trainer:
     ``state_key`` is what its snapshots say they belong to (the run id, or a pipeline stage's key).
     """
 
-    def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, corpus: Corpus, swarm: SwarmView,
-                 transport: NetworkTransport, config: TrainerConfig, reporter: Reporter, stop_event: threading.Event,
+    def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, corpus: Corpus, swarm: RoundSwarm,
+                 transport: RoundTransport, config: TrainerConfig, reporter: Reporter, stop_event: threading.Event,
                  placement: Placement | None = None, make_inner: Callable[..., InnerLoop] | None = None,
                  evaluates_phi: bool = True, state_key: str | None = None):
         self.m, self.swarm, self.transport, self.cfg = manifest, swarm, transport, config

@@ -12,7 +12,7 @@ from peer.progress import RoundOutcome, SyncReport
 from peer.reporting import Reporter
 from peer.round.state import RoundState
 from peer.round.syncing import SyncHistory
-from peer.sync.membership import SwarmView
+from peer.sync.membership import RoundSwarm
 from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
 from peer.train.model import evaluate
 from protocol.records import ProgressRecord
@@ -29,7 +29,7 @@ class Publisher:
         serves_state: False in client mode (nobody can dial it): its records offer no digest.
     """
 
-    def __init__(self, *, state: RoundState, swarm: SwarmView, history: SyncHistory, corpus: Corpus,
+    def __init__(self, *, state: RoundState, swarm: RoundSwarm, history: SyncHistory, corpus: Corpus,
                  reporter: Reporter, evaluates_phi: bool, serves_state: bool):
         self.state, self.swarm, self.history, self.reporter = state, swarm, history, reporter
         self.peer_id, self.serves_state, self.evaluates_phi = swarm.peer_id, serves_state, evaluates_phi

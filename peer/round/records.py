@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from peer.progress import RoundProgress
-from peer.sync.membership import SwarmView
+from peer.sync.membership import RoundSwarm
 
 RECORDS_REUSE_S = 1.5
 """A read of the progress records at most this old is reused instead of reading the DHT again: at
@@ -23,7 +23,7 @@ loop reads at that point, a read that is then a small part of even one step."""
 class RecordReads:
     """When to ask for the records ahead of the loop, and which read a round's group choice uses."""
 
-    def __init__(self, swarm: SwarmView):
+    def __init__(self, swarm: RoundSwarm):
         self.swarm = swarm
         self.prefetched: tuple[int, int] | None = None
         """(round, inner step it is for) of the last read asked for in the background."""
@@ -32,7 +32,7 @@ class RecordReads:
 
     def after_step(self, pos: RoundProgress, needed_at: int) -> None:
         """After an inner step, the round's steps so far having taken ``pos.step_s`` seconds each on
-        average: ask for the progress records in the background (``SwarmView.prefetch``) when the
+        average: ask for the progress records in the background (``RoundSwarm.prefetch``) when the
         steps left until the loop reads them at inner step ``needed_at`` take at most
         :data:`RECORDS_PREFETCH_S`.
 

@@ -19,8 +19,8 @@ import torch
 from peer.progress import RoundProgress, SyncReport
 from peer.reporting import Reporter
 from peer.state.vouching import Vouching
-from peer.sync.membership import SwarmView
-from peer.sync.transport import NetworkTransport
+from peer.sync.membership import RoundSwarm
+from peer.sync.transport import RoundTransport
 from peer.train.outer import GroupChoice, OuterAlgorithm, check_finite
 from protocol.errors import BadPayload, SyncError
 from protocol.manifest import RunManifest
@@ -42,8 +42,8 @@ class GroupSync:
     """The group choice and the sync of one payload with that group (DiLoCo's all-reduce, or
     NoLoCo's exchange with partners), over ``transport``."""
 
-    def __init__(self, *, manifest: RunManifest, outer: OuterAlgorithm, swarm: SwarmView,
-                 transport: NetworkTransport, reporter: Reporter, stop_event: threading.Event):
+    def __init__(self, *, manifest: RunManifest, outer: OuterAlgorithm, swarm: RoundSwarm,
+                 transport: RoundTransport, reporter: Reporter, stop_event: threading.Event):
         self.m, self.outer, self.swarm, self.transport = manifest, outer, swarm, transport
         self.reporter, self.stop_event, self.peer_id = reporter, stop_event, swarm.peer_id
         self.fragments = 0

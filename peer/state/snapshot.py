@@ -166,7 +166,7 @@ def make_snapshot_from(previous: StateSnapshot, meta: dict[str, Any], sealed: It
     :func:`make_snapshot`'s for the same meta and tensors, digest included.
 
     Streaming DiLoCo's round loop takes its round-end snapshot so: each fragment whose mean landed
-    during the round was sealed by the sync's thread (peer/round.py ``Trainer._prepare_fragment``).
+    during the round was sealed by the sync's thread (peer/round/streamed.py ``FragmentSchedule.prepare_fragment``).
 
     Args:
         previous: the snapshot of the state before the sealed tensors changed.

@@ -1,4 +1,4 @@
-# Over 300 lines: GroupAllreduce's owner and sender halves share one session's state, counters and stream helpers.
+# GroupAllreduce's owner and sender halves share one session's state, counters and stream helpers.
 """locoswarm's group all-reduce: a butterfly reduce-scatter plus all-gather of codec-compressed
 pieces on hivemind's libp2p streams (frames: protocol/wire/allreduce.py; plan: pieces.py).
 

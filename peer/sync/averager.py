@@ -14,7 +14,7 @@ Each all-reduce hands its outcome back to the host process as the result of hive
 (:class:`GroupOutcome`): the group's gathered data, or why this peer applied nothing, and the
 exchange's counters. The state transfer for joiners is the mixin peer/state/sharing.py.
 
-Over 300 lines: everything that must run inside hivemind's forked averager process (the all-reduce
+Everything that must run inside hivemind's forked averager process (the all-reduce
 session, error feedback, its calls from the host) is one class; the state transfer already lives
 apart (peer/state/sharing.py).
 

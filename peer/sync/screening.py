@@ -43,7 +43,7 @@ at most ``3 × median × (its weight share)`` instead of anywhere."""
 
 def round_token_cap(manifest) -> int:
     """The most tokens an honest peer claims for one round of ``manifest``'s run:
-    ``sync.inner_steps × inner_optimizer.batch_size_tokens`` (peer/round.py caps its own claim
+    ``sync.inner_steps × inner_optimizer.batch_size_tokens`` (peer/round/ caps its own claim
     there when it trained extra steps while waiting for a sync)."""
     return manifest.sync.inner_steps * manifest.inner_optimizer.batch_size_tokens
 

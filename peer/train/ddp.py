@@ -4,7 +4,7 @@ A peer started with ``--device cuda:0,cuda:1`` (or ``cuda:all``; ``cpu,cpu`` run
 for tests) trains on every listed device and still takes part in the swarm as one peer with one
 outer step::
 
-    peer process = rank 0      the round loop (peer/round.py), DHT, averager, φ and the outer step;
+    peer process = rank 0      the round loop (peer/round/), DHT, averager, φ and the outer step;
     │                          draws every step's batch and drives the other ranks
     ├── rank 1 (spawned)       a replica of θ and its own AdamW on device 1
     └── rank N-1 (spawned)     ...
@@ -266,7 +266,7 @@ class DistributedInnerLoop(InnerLoop):
         if not self._broken:
             try:
                 self._send(_STOP)
-            except Exception as exc:
+            except Exception as exc:  # a dead rank; killed below
                 logger.debug("stopping the ranks: %s", exc)
                 self._broken = True
         for process in self._processes:
@@ -345,7 +345,7 @@ class DistributedInnerLoop(InnerLoop):
                 loss = self._accumulate_share(share, batch.shape[0])
             except torch.OutOfMemoryError:
                 oom = True
-            except Exception as exc:
+            except Exception as exc:  # a first compiled step's failure falls back
                 if not self._compile_unproven:
                     raise
                 compile_failure = RuntimeError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

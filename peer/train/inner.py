@@ -319,7 +319,7 @@ class InnerLoop:
     def hold_updates(self, until: threading.Event) -> None:
         """Make the next update of θ and AdamW's moments (the next :meth:`step`'s optimizer step,
         after its forward and backward passes) wait until ``until`` is set: another thread is
-        copying them (the round loop's checkpoint, peer/round.py ``Trainer.save``). The wait is
+        copying them (the round loop's checkpoint, peer/round/checkpointing.py ``Checkpointing.save``). The wait is
         left out of that step's ``seconds``. The caller must make sure ``until`` gets set."""
         self._hold = until
 
@@ -390,7 +390,7 @@ class InnerLoop:
                 return self._accumulate(batch)
             except torch.OutOfMemoryError:
                 out_of_memory = True  # handled below, once the exception's frames (and tensors) are gone
-            except Exception as exc:
+            except Exception as exc:  # any failure of a first compiled step falls back
                 if not self._compile_unproven:
                     raise
                 self._fall_back_to_eager(exc)

@@ -372,7 +372,7 @@ def step_on_copies(outer: OuterAlgorithm, phi: Sequence[torch.Tensor], state: Se
     """What ``outer.apply(φ, mean)`` makes of φ and the outer state, computed on copies: ``phi``,
     ``state`` and ``outer``'s own state are left as they are, so this may run in another thread
     while the round loop uses ``outer`` (the outer step prepared while the next round trains,
-    peer/round.py ``Trainer._prepare_step``). The same operations as :meth:`apply`, so the result is
+    peer/round/overlapped.py ``OverlapSchedule._prepare_step``). The same operations as :meth:`apply`, so the result is
     bit-identical to what it would leave in place.
 
     Args:

@@ -1,6 +1,6 @@
 """Overlapping a round's sync with the next round's inner steps: the update rules, pure tensor code.
 
-Shared by the round loop (peer/round.py with peer/sync/background.py) and the in-process
+Shared by the round loop (peer/round/ with peer/sync/background.py) and the in-process
 simulation (lab/simulation.py), so the benchmark measures what the swarm runs. ALGORITHMS.md §3.
 
 Notation as in ALGORITHMS.md: φ the outer parameters (identical on every peer that completed a

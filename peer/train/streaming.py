@@ -1,7 +1,7 @@
 """Streaming DiLoCo's rules, pure tensor code: fragments, their sync schedule and the merge.
 
 Implements Streaming DiLoCo (Douillard et al., arXiv 2501.18512; ALGORITHMS.md
-§4) for ``sync.overlap = "streaming"``. The round loop (peer/round.py, each fragment's sync in the
+§4) for ``sync.overlap = "streaming"``. The round loop (peer/round/, each fragment's sync in the
 background thread of peer/sync/background.py over a subset of the averager's buffers) and the
 in-process simulation (lab/simulation.py) call these same functions.
 

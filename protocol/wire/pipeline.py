@@ -1,4 +1,4 @@
-# Over 300 lines: three frames with their limits, encoders and parsers; every check a parser makes
+# Three frames with their limits, encoders and parsers; every check a parser makes
 # sits beside the layout it checks, and split apart the layout would be written twice.
 """Pipeline stages' frames: one micro-batch's forward and backward per call (framing: framing.py).
 

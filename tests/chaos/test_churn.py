@@ -131,7 +131,7 @@ def test_swarm_survives_every_fault(tmp_path: Path):
 
         assert any(striped(e) for e in adopted), adopted
         # within two rounds of its first download the joiner averages with the swarm (a joiner waits
-        # out a swarm about to sync, peer/round.py; its download can still outlast the swarm's
+        # out a swarm about to sync, peer/round/; its download can still outlast the swarm's
         # matchmaking on these 2 loaded cores, and then it re-syncs after one round alone)
         first_rounds = after(members["p5"], adopted[0].time)[:2]
         assert any(e["group_size"] > 1 for e in first_rounds), f"joiner's first rounds were alone: {first_rounds}"

@@ -180,7 +180,7 @@ def check_swarm(swarm: ComposeSwarm, timeout_s: float) -> dict:
             assert history[-1]["loss"] < history[0]["loss"], (peer["peer_id"], history)
             log(f"monitor: {peer['peer_id'][-6:]} validation loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f}")
     # Every peer evaluates φ at its start; after that one peer per cadence round evaluates for the
-    # swarm (peer/round.py), so the fall is read from all peers' evaluations together.
+    # swarm (peer/round/), so the fall is read from all peers' evaluations together.
     losses = swarm.eval_losses()
     assert set(losses) == {p["peer_id"] for p in run_["peers"]}, (sorted(losses), run_["peers"])
     pooled = sorted(point for points in losses.values() for point in points)

@@ -35,3 +35,21 @@ def test_the_engine_refuses_what_it_cannot_run(corpus):
         run_engine_simulation(tiny_run(), corpus, peers=2, rounds=1, data_parallel=True)
     with pytest.raises(ValueError, match="init_seed"):
         run_engine_simulation(tiny_run(), corpus, peers=2, rounds=1, seed=tiny_run().model.init_seed + 1)
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
+def test_the_engine_and_the_simulation_train_the_same_curve(corpus, algorithm):
+    """bench/compare.py runs blocking DiLoCo and NoLoCo on the round engine and data-parallel on
+    lab/simulation.py: the two must agree where both run, so the simulation's other figures stay
+    held to the code a peer runs. Same seed, data shards and φ_0: the same losses round by round."""
+    from lab.simulation import run_simulation
+
+    manifest = tiny_run().replace(sync={"algorithm": algorithm})
+    seed = manifest.model.init_seed
+    engine = run_engine_simulation(manifest, corpus, peers=3, rounds=3, seed=seed, timeout_s=240.0)
+    simulated = run_simulation(manifest, corpus, peers=3, rounds=3, seed=seed)
+    assert [h.round_ for h in engine.history] == [h.round_ for h in simulated.history] == [0, 1, 2, 3]
+    for e, s in zip(engine.history, simulated.history, strict=True):
+        assert e.tokens == s.tokens
+        assert math.isclose(e.loss_bpb, s.loss_bpb, rel_tol=1e-5), (e.round_, e.loss_bpb, s.loss_bpb)
+    assert engine.history[-1].loss_bpb < engine.history[0].loss_bpb

@@ -1,4 +1,4 @@
-"""The round loop with sync.overlap (peer/round.py, peer/sync/background.py), two real Trainers in
+"""The round loop with sync.overlap (peer/round/, peer/sync/background.py), two real Trainers in
 threads over an in-memory transport: identical φ, a groupmate dying during a background sync, and
 a checkpoint taken with a sync in flight (a restart drops that sync)."""
 
