@@ -8,39 +8,40 @@ import logging
 import threading
 import time
 from contextlib import ExitStack
+from typing import cast
 
 import torch
 
 import protocol
-from peer.train.cache import default_cache_dir
-from peer.train.data import load_corpus, with_local_data
-from peer.train.sources import describe
-from peer.train.device import place, resolve_device
-from peer.train.host_memory import tune_host_allocator
-from peer.train.model import build_model, parameter_count
+from peer import reachability
+from peer.config import JoinConfig
+from peer.net import dht as swarm_dht, lifetime
+from peer.net.devices import DeviceAnnouncer, DeviceRecord
+from peer.net.identity import ensure_identity
+from peer.net.validator import protect_run
 from peer.pipeline.peer import LoopThread, StageInnerLoop, pipeline_link, stage_key
 from peer.pipeline.routing import stage_to_serve
 from peer.pipeline.stages import build_stage
-from peer.train.outer import make_outer
-from peer.reporting import Reporter
 from peer.progress import TrainSummary
-from peer.config import JoinConfig
+from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.run_choice import checkpointed_runs, choose_run
-from peer import reachability
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.state.data_dir import hold_data_dir
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
-from peer.net import dht as swarm_dht, lifetime
+from peer.train.cache import default_cache_dir
+from peer.train.data import load_corpus, with_local_data
+from peer.train.device import place, resolve_device
+from peer.train.host_memory import tune_host_allocator
+from peer.train.model import build_model, parameter_count
+from peer.train.outer import make_outer
+from peer.train.sources import describe
 from protocol import liveness
 from protocol.errors import ConfigError, ManifestNotFound, NetworkError
-from peer.net.devices import DeviceAnnouncer, DeviceRecord
-from peer.net.identity import ensure_identity
 from protocol.manifest import RunManifest, SignedManifest, sign_manifest
 from protocol.signing import OWNER_KEY_FILE, PeerSigner, load_owner_key
-from peer.net.validator import protect_run
 
 logger = logging.getLogger(__name__)
 
@@ -370,8 +371,8 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
                       make_inner=make_inner, evaluates_phi=stage is None, state_key=key)
     stack.callback(trainer.inner.close)  # the other ranks of a peer on several devices (peer/train/ddp.py)
     if stage is not None:  # a stage after 0 registers its server at its first inner step
-        reporter.emit("status", message=f"pipeline stage {stage} of 0-{S - 1} "
-                                        f"(blocks {model.layers.start}-{model.layers.stop - 1})")
+        blocks = cast(range, model.layers)  # a pipeline stage holds a range of the blocks (peer/pipeline/stages.py)
+        reporter.emit("status", message=f"pipeline stage {stage} of 0-{S - 1} (blocks {blocks.start}-{blocks.stop - 1})")
     micro_batch = trainer.fit_micro_batch()
     device_fields = placement.event_fields()
     # what this peer trains on, for `peer status` and the monitor (signed, like its records)

@@ -105,7 +105,7 @@ class SyncReport:
     to its mean landing; at least ``sync.fragment_delay_steps``). Empty otherwise."""
 
 
-def combine_sync_reports(reports: "list[SyncReport]") -> SyncReport:
+def combine_sync_reports(reports: list[SyncReport]) -> SyncReport:
     """One report for the syncs that landed in one round (Streaming DiLoCo syncs each fragment on
     its own): the smallest group and its members, bytes, seconds and attempts summed, the longest
     bound, the notes joined, and only the groupmates that agreed and completed in every sync.

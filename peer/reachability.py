@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any
 
 from peer.net import dht as swarm_dht, dht_node
 from peer.net.dht import parse_initial_peers, visible_maddrs
@@ -176,7 +177,7 @@ def start_node(initial_peers: Sequence[str], *, host: str, port: int, announce: 
         raise NetworkError(f"could not start the DHT node on {host}:{port}: {exc}") from exc
 
 
-def reach_out(dht, cfg, reporter, *, identity_path: str) -> tuple[object, Reachability]:
+def reach_out(dht, cfg, reporter, *, identity_path: str) -> tuple[Any, Reachability]:
     """Serve dial-back checks for others, check this peer's own reachability and say it in one line;
     an unreachable peer goes on in client mode, relayed (its DHT node is restarted, same identity).
 

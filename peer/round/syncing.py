@@ -127,8 +127,8 @@ class GroupSync:
                     f"{', '.join(sorted(refused))} (applied as zeros / own values)")
         if result.excluded or result.partial_pieces:
             agreeing = completed = []  # which groupmates completed is not known here
-            note = "; ".join(filter(None, [note, f"{result.partial_pieces} piece(s) averaged without a failed "
-                                                 f"groupmate ({result.excluded} excluded here)"]))
+            partial = f"{result.partial_pieces} piece(s) averaged without a failed groupmate ({result.excluded} excluded here)"
+            note = "; ".join(filter(None, [note, partial]))
         return result.mean, SyncReport(group_size=result.group_size, group=tuple(result.group),
                                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                                        sync_s=result.seconds, deadline_s=result.deadline_s, attempts=result.attempts,

@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from peer.config import TrainerConfig
+from peer.net import dht as swarm_dht
+from peer.net.dht import PeerProgress
+from peer.net.identity import ensure_identity
+from peer.net.validator import protect_run
 from peer.round import Trainer
 from peer.state.snapshot import make_snapshot
 from peer.sync.membership import SwarmView
 from peer.train.model import build_model
-from peer.net import dht as swarm_dht
-from peer.net.dht import PeerProgress
-from peer.net.identity import ensure_identity
 from protocol.presets import tiny_run
 from protocol.records import ProgressRecord
 from protocol.signing import PeerSigner
-from peer.net.validator import protect_run
 from tests.security.dht_attacker import victim_and_attacker
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 from tests.unit.test_round_overlap import Events, Group, Transport, run_in_threads

@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from peer.round import Trainer
-from peer.state.checkpoint import (CheckpointFile, PeerState, copy_live, encode_checkpoint, load_checkpoint,
-                                   write_checkpoint)
+from peer.state.checkpoint import (
+    CheckpointFile,
+    PeerState,
+    copy_live,
+    encode_checkpoint,
+    load_checkpoint,
+    write_checkpoint,
+)
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 from tests.unit.test_round_overlap import Records, Transport, make_trainer

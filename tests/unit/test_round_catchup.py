@@ -7,12 +7,12 @@ import threading
 import time
 import types
 
+from peer.net.dht import PeerProgress
 from peer.round.catchup import CatchUp
 from peer.round.overlapped import OverlapSchedule
 from peer.round.publishing import Publisher
 from peer.round.schedule import BackgroundSchedule
 from peer.round.syncing import GroupSync
-from peer.net.dht import PeerProgress
 from protocol.records import ProgressRecord
 
 H = 20
@@ -257,9 +257,9 @@ def test_a_fresh_peer_reads_again_while_the_records_ahead_attest_nothing_yet(mon
 def test_with_overlap_a_groupmate_one_round_ahead_is_adopted_only_when_this_peer_is_off_its_phi():
     """With a sync in flight, b one round ahead is this peer's own next state (not adopted); it is
     adopted when b averaged with this peer from another state, or when this peer's last sync failed."""
-    from protocol.presets import tiny_run
     from peer.state.vouching import Vouching
     from peer.train.outer import make_outer
+    from protocol.presets import tiny_run
 
     def peer_at_round_3(*, disagreed=(), failed=False):
         t = at_round(trainer(ScriptedSwarm([record("b", 4, 0), record("c", 4, 0)]), disagreed=disagreed), 3)

@@ -21,7 +21,6 @@ from protocol.errors import AllreduceFailed, GroupNotFound, HelperDied
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
-
 Records = Group = InProcessHub
 """The swarm's records (a DHT in a dict) and each round's group: ``Records(ghosts=...)``, ``Group(members,
 matchmaking_s=...)`` (peer/sync/inprocess.py); a state is downloaded from a provider its peer registered."""
@@ -56,7 +55,7 @@ def run_in_threads(trainers):
     def run(t):
         try:
             t.run()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(t,)) for t in trainers]

@@ -15,8 +15,16 @@ from peer.train.streaming import partition
 from protocol.errors import GroupNotFound
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
-from tests.unit.test_round_overlap import (Events, Group, Records, Transport, check_averager_death, die_with_the_averager,
-                                          make_trainer, run_in_threads)
+from tests.unit.test_round_overlap import (
+    Events,
+    Group,
+    Records,
+    Transport,
+    check_averager_death,
+    die_with_the_averager,
+    make_trainer,
+    run_in_threads,
+)
 
 H = 10
 
