@@ -28,7 +28,7 @@ from lab.adversary import Adversary
 from lab.sim_results import ScreeningCounts
 from peer.sync.adaptive import plan
 from peer.sync.error_feedback import ErrorFeedback
-from peer.sync.screening import Strikes, cap_weight, clip_to_median, owner_mean_problem, round_token_cap
+from peer.sync.screening import Strikes, cap_weight, clip_to_median, owner_mean_problem, reference_rms, round_token_cap
 from peer.train.outer import OuterAlgorithm
 from protocol.codecs import Codec, make_codec
 from protocol.groups import codec_seed, plan_groups
@@ -220,13 +220,17 @@ class GroupMeans:
                 out.append(list(sent))
                 continue
             mine = []
+            split = len(sent) if phi_from is None else phi_from
+            # the floor of the norm bound: this member's own payload's RMS per value, Δ and φ apart
+            rms = {True: reference_rms(c.detach().float() for c in contributions[member][:split]),
+                   False: reference_rms(c.detach().float() for c in contributions[member][split:])}
             for i, m in enumerate(sent):
                 owner = group[i % n]
                 holds_delta = phi_from is None or i < phi_from
                 reason = None if owner == j else owner_mean_problem(
                     m, contributions[member][i].detach().float(), weight=weights[member],
                     included=len(self._included[i]), max_weight=self.max_weight, phi=not holds_delta,
-                    included_self=j in self._included[i])
+                    included_self=j in self._included[i], reference_rms=rms[holds_delta])
                 if reason is None:
                     mine.append(m)
                     continue

@@ -101,8 +101,14 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
 
 
 def print_status(status: dict[str, Any], console) -> None:
-    """One rich table per run: peers (live or gone), device, rounds, losses, throughput, group, bytes."""
+    """One rich table per run: peers (live or gone), device, rounds, losses, throughput, group, bytes.
+
+    Every string from the network (run ids and names, peer ids, device names) reaches rich as a
+    :class:`rich.text.Text`, never as markup: a run named ``[/]`` or ``[link=…]`` is printed as it
+    is, not parsed (a ``MarkupError``, an injected hyperlink).
+    """
     from rich.table import Table
+    from rich.text import Text
 
     if not status["runs"]:
         console.print("the swarm announces no run and no peer published progress yet")
@@ -111,7 +117,7 @@ def print_status(status: dict[str, Any], console) -> None:
         peers = run["peers"]
         gone = len(peers) - run["live_peers"]
         title = f"run {run['run_id']} ({run['name']}): {run['live_peers']} live peer(s)"
-        table = Table(title=title + (f", {gone} gone" if gone else ""))
+        table = Table(title=Text(title + (f", {gone} gone" if gone else "")))
         columns: tuple[tuple[str, JustifyMethod], ...] = (("peer id", "left"), ("status", "left"), ("device", "left"), ("round", "right"),
                                 ("inner step", "right"), ("train loss", "right"), ("val loss", "right"),
                                 ("tok/s", "right"), ("group", "right"), ("sent", "right"), ("received", "right"),
@@ -119,7 +125,7 @@ def print_status(status: dict[str, Any], console) -> None:
         for column, justify in columns:
             table.add_column(column, justify=justify)
         for p in peers:
-            table.add_row(p["peer_id"], "live" if p["live"] else "gone", device_text(p["device"]),
+            table.add_row(Text(p["peer_id"]), "live" if p["live"] else "gone", Text(device_text(p["device"])),
                           str(p["round"]), str(p["inner_step"]),
                           f"{p['train_loss']:.3f}", "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
                           f"{p['tokens_per_s']:,.0f}", str(p["group_size"]), format_bytes(p["bytes_sent"]),
@@ -128,7 +134,7 @@ def print_status(status: dict[str, Any], console) -> None:
         live = [p for p in peers if p["live"]]
         if live:
             console.print(f"swarm: round {max(p['round'] for p in live)} | {run['tokens_per_s']:,.0f} tok/s "
-                          f"from {len(live)} live peer(s)")
+                          f"from {len(live)} live peer(s)", markup=False, highlight=False)
 
 
 def device_text(device: dict | None) -> str:

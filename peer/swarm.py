@@ -192,7 +192,8 @@ def run_swarm(cfg: SwarmConfig) -> int:
     from rich.console import Console
 
     console = Console(stderr=False, soft_wrap=True)
-    console.print(f"local swarm: reading the data of run {cfg.manifest.run_id} ({cfg.manifest.name})")
+    console.print(f"local swarm: reading the data of run {cfg.manifest.run_id} ({cfg.manifest.name})",
+                  markup=False, highlight=False)
     check_data(cfg.manifest)
     temporary = cfg.workdir is None
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-swarm-"))
@@ -205,11 +206,12 @@ def run_swarm(cfg: SwarmConfig) -> int:
     interrupted = False
     console.print(f"local swarm: run {cfg.manifest.run_id} ({cfg.manifest.name}), {cfg.num_peers} peer(s), "
                   f"{cfg.rounds} round(s), H={cfg.manifest.sync.inner_steps}, {threads} thread(s) each; "
-                  f"logs in {workdir}" + (" (removed at the end unless --keep)" if temporary and not cfg.keep else ""))
+                  f"logs in {workdir}" + (" (removed at the end unless --keep)" if temporary and not cfg.keep else ""),
+                  markup=False, highlight=False)
     try:
         try:
             maddrs = swarm.start_bootstrap(manifest_path)
-            console.print(f"bootstrap node at {maddrs[0]}")
+            console.print(f"bootstrap node at {maddrs[0]}", markup=False, highlight=False)
             for i in range(cfg.num_peers):
                 swarm.start_peer(i, maddrs, threads)
             _watch(swarm, console)
@@ -227,7 +229,7 @@ def run_swarm(cfg: SwarmConfig) -> int:
         _print_summary(console, summary)
         if cfg.summary_path is not None:
             cfg.summary_path.write_text(json.dumps(summary, indent=2))
-            console.print(f"summary written to {cfg.summary_path}")
+            console.print(f"summary written to {cfg.summary_path}", markup=False, highlight=False)
     finally:
         if swarm.failure is not None:
             name, code, reason = swarm.failure
@@ -283,7 +285,8 @@ def _watch(swarm: Swarm, console) -> None:
             console.print(f"{name} | eval ({event['when']}) at round {event['round']}: "
                           f"validation loss {event['loss']:.4f}{bpb}", markup=False, highlight=False)
         elif kind == "adopted_state":
-            console.print(f"{name} | joined at round {event['round']} with the swarm's φ", markup=False)
+            console.print(f"{name} | joined at round {event['round']} with the swarm's φ", markup=False,
+                          highlight=False)
         elif kind == "warning":
             console.print(f"{name} | warning: {event['message']}", markup=False, highlight=False)
 
@@ -330,17 +333,19 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
 
 
 def _print_summary(console, summary: dict[str, Any]) -> None:
+    """The summary's table; its names (run name, peer ids, paths) reach rich as text, never markup."""
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"swarm summary: run {summary['run_id']} ({summary['run_name']})")
+    table = Table(title=Text(f"swarm summary: run {summary['run_id']} ({summary['run_name']})"))
     for column in ("peer", "peer id", "rounds", "max group", "sent", "received", "tok/s", "final eval loss", "exit"):
         table.add_column(column)
     for p in summary["peers"]:
-        table.add_row(p["name"], (p["peer_id"] or "?")[:16] + "…", str(p["rounds_completed"]),
+        table.add_row(Text(p["name"]), Text((p["peer_id"] or "?")[:16] + "…"), str(p["rounds_completed"]),
                       str(p["max_group_size"]), format_bytes(p["bytes_sent"]),
                       format_bytes(p["bytes_received"]), f"{p['tokens_per_s']:,.0f}",
                       "-" if p["final_eval_loss"] is None else f"{p['final_eval_loss']:.4f}", str(p["exit_code"]))
     console.print(table)
     init, fin = summary["initial_eval_loss"], summary["final_eval_loss"]
     console.print(f"validation loss: {'-' if init is None else f'{init:.4f}'} → {'-' if fin is None else f'{fin:.4f}'}"
-                  f" nats/token | wall {summary['wall_seconds']:.0f} s")
+                  f" nats/token | wall {summary['wall_seconds']:.0f} s", markup=False, highlight=False)

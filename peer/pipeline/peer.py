@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import math
 import queue
@@ -75,6 +76,11 @@ PAUSE_RETRY_S = 1.0
 COOLDOWN_S = 5.0
 """Seconds a replica whose call failed is skipped (peer/pipeline/routing.py): long enough not to
 retry a dead peer on every micro-batch, short enough that one still starting is not shunned."""
+
+MAX_POISONED_REPLIES = 3
+"""Replies to one micro-batch that would make this stage's step non-finite (issue #51: a finite
+3e38 gradient) before the step fails: each one's replica counts a failed call and cools down, and
+the micro-batch goes to the next replica."""
 
 CALLERS_ROUND_REFRESH_S = 1.0
 """How long a stage after 0 reuses its reading of the stage-0 peers' round (s)."""
@@ -178,6 +184,11 @@ class PipelineLink:
         self.server: StageServer | None = None
         self.retries = 0
         """Calls that a replica failed and another served."""
+        self.poisoned = 0
+        """Replies refused after they arrived because they would make this stage's step non-finite
+        (:meth:`reject_last`); each cooled its replica down."""
+        self.last_served_by: str | None = None
+        """The replica whose reply :meth:`call_next` returned last."""
         self._paused = False
 
     # ---- serving (stage k > 0) ---------------------------------------------------------------
@@ -315,7 +326,21 @@ class PipelineLink:
                 logger.info("micro-batch %d of step %d: %d replica(s) of stage %d failed, %s served it", index,
                             step, len(failures), self.stage + 1, served_by)
             self._resume()
+            self.last_served_by = str(served_by)
             return reply
+
+    def reject_last(self, reason: str) -> None:
+        """The reply :meth:`call_next` returned last would make this stage's step non-finite (a
+        well-formed, finite, but huge gradient): its replica's call counts as failed and it
+        cools down (peer/pipeline/routing.py), so the caller's retry goes to another replica."""
+        assert self.router is not None, "the last stage calls no next stage"
+        peer, self.last_served_by = self.last_served_by, None
+        if peer is None:
+            return
+        self.poisoned += 1
+        self.router.failed(peer, reason)
+        logger.warning("stage %d replica %s answered with a reply this stage cannot step on (%s): skipped for "
+                       "%.0f s", self.stage + 1, peer, reason, COOLDOWN_S)
 
     def _pause(self, message: str) -> None:
         if not self._paused:
@@ -412,15 +437,17 @@ class StageInnerLoop(InnerLoop):
         for m, chunk in enumerate(chunks):
             inputs, targets = chunk[:, :-1].to(self.device), chunk[:, 1:]
             out = self.model(inputs)
+            acts, ids = out.detach().to("cpu", self.link.wire).contiguous(), targets.to(torch.int32).contiguous()
             try:
-                reply = self.link.call_next(out.detach().to("cpu", self.link.wire).contiguous(),
-                                            targets.to(torch.int32).contiguous(), step=inner_step,
-                                            index=sender * len(chunks) + m, stop=self.stop)
+                reply, _ = self._backward_next(
+                    out, None, functools.partial(self.link.call_next, acts, ids, step=inner_step,
+                                                 index=sender * len(chunks) + m, stop=self.stop),
+                    weight=chunk.shape[0] / rows, what=f"micro-batch {m} of inner step {inner_step}")
             except StageCallFailed:
                 if self.stop.is_set():
                     return 0.0, 0, 0  # stopped while paused: no step
                 raise
-            out.backward(reply.grad.to(self.device, out.dtype) * (chunk.shape[0] / rows))
+            del out  # its graph (kept for a retry) goes before the next micro-batch's forward
             loss_sum += reply.loss * reply.tokens
             tokens += reply.tokens
         if not math.isfinite(loss_sum):
@@ -482,6 +509,45 @@ class StageInnerLoop(InnerLoop):
             self._average_over(rows)
         return loss_sum / max(tokens, 1), tokens, rows, False
 
+    def _backward_next(self, out: torch.Tensor, x: torch.Tensor | None, call: Callable[[], StageReply], *,
+                       weight: float, what: str) -> tuple[StageReply, torch.Tensor | None]:
+        """Backward of ``out`` with the gradient the next stage answers (``call()``), times ``weight``,
+        added to ``.grad``; returns the reply and the gradient w.r.t. ``x`` (None without ``x``).
+
+        A reply passes the wire's checks when its values are finite, yet a finite gradient can be
+        huge (3e38): its backward would make this stage's gradient norm, and so its step,
+        non-finite. So the reply's gradients are taken apart from ``.grad`` first, and added only
+        when the sum keeps the norm (and the gradient w.r.t. ``x``) finite; else the
+        reply's replica counts a failed call and cools down (``PipelineLink.reject_last``) and the
+        micro-batch goes to the next replica, at most :data:`MAX_POISONED_REPLIES` times.
+
+        Raises:
+            BadPayload: every try was refused; ``.grad`` is as before.
+            StageCallFailed: from ``call``.
+        """
+        params = [p for p in self.params if p.requires_grad]
+        inputs = [*params] if x is None else [x, *params]
+        problem = ""
+        for _ in range(MAX_POISONED_REPLIES):
+            reply = call()
+            grads = list(torch.autograd.grad(out, inputs, reply.grad.to(self.device, out.dtype) * weight,
+                                             retain_graph=True, allow_unused=True))
+            x_grad = grads.pop(0) if x is not None else None
+            summed = [p.grad if g is None else g if p.grad is None else g.add_(p.grad) for p, g in zip(params, grads)]
+            norm = torch.nn.utils.get_total_norm([g for g in summed if g is not None] or [torch.zeros(())])
+            if not math.isfinite(norm.item()):
+                problem = f"gradient norm would be {norm.item()}"
+            elif x_grad is not None and not bool(torch.isfinite(x_grad).all()):
+                problem = "the gradient w.r.t. this stage's input would be non-finite"
+            else:
+                for p, g, new in zip(params, summed, grads):
+                    if new is not None:
+                        p.grad = g
+                return reply, x_grad
+            self.link.reject_last(f"{what}: {problem}")
+        raise BadPayload(f"stage {self.stage.index}: {MAX_POISONED_REPLIES} replies to {what} would make the step "
+                         f"non-finite (last: {problem})")
+
     def _average_over(self, rows: int) -> None:
         """Turn ``.grad`` (each micro-batch's weighted by rows / batch_sequences) into the mean over ``rows``."""
         if rows != self.batch_sequences:
@@ -504,14 +570,17 @@ class StageInnerLoop(InnerLoop):
                 raise BadPayload(f"stage {self.stage.index}: loss {loss.item()} on micro-batch {request.micro_batch}")
             (loss * share).backward()
             value, n = float(loss.item()), int(targets.numel())
+            x_grad = x.grad
         else:
             step, index = split_micro_batch_id(request.micro_batch)
-            reply = self.link.call_next(out.detach().to("cpu", self.link.wire).contiguous(), request.targets,
-                                        step=step, index=index, stop=self.stop)
-            out.backward(reply.grad.to(self.device, out.dtype) * share)
+            sent = out.detach().to("cpu", self.link.wire).contiguous()
+            reply, x_grad = self._backward_next(
+                out, x, functools.partial(self.link.call_next, sent, request.targets, step=step, index=index,
+                                          stop=self.stop),
+                weight=share, what=f"micro-batch {request.micro_batch}")
             value, n = reply.loss, reply.tokens
-        assert x.grad is not None  # x requires grad and fed this stage's backward
-        grad = (x.grad / share).to("cpu", acts.dtype).contiguous()
+        assert x_grad is not None  # x requires grad and fed this stage's backward
+        grad = (x_grad / share).to("cpu", acts.dtype).contiguous()
         if not torch.isfinite(grad).all():
             raise BadPayload(f"stage {self.stage.index}: non-finite gradient on micro-batch {request.micro_batch}")
         return grad, value, n

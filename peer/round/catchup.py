@@ -14,12 +14,12 @@ from peer.round.records import RECORDS_REUSE_S
 from peer.round.schedule import SyncSchedule
 from peer.round.state import RoundState
 from peer.round.syncing import SyncHistory
-from peer.state.download import DownloadedState, check_sanity
+from peer.state.download import DownloadedState, check_agrees, check_sanity
 from peer.state.vouching import Vouching
 from peer.sync.membership import RoundSwarm
 from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
-from protocol.errors import BadPayload, SyncError
+from protocol.errors import BadPayload, HelperDied, SyncError
 
 FINISHING_RECORD_WAIT_S = 5.0
 """How long a peer waits, after a round, for the records of peers finishing the same round before it
@@ -108,12 +108,16 @@ class CatchUp:
         start = time.monotonic()
         try:
             download = self.transport.download_state(donors, digest, self.cfg.state_download_timeout_s)
-        except (BadPayload, SyncError) as exc:
+        except HelperDied:
+            raise
+        except Exception as exc:  # whatever a hostile donor's state makes the download raise: this peer goes on
+            kind = "" if isinstance(exc, (BadPayload, SyncError)) else f"{type(exc).__name__}: "
             self.reporter.emit("warning", message=f"state download of round {round_} failed, continuing from "
-                                                  f"round {s.pos.round}: {exc}")
+                                                  f"round {s.pos.round}: {kind}{exc}")
             return False
         state = download.state
         try:
+            check_agrees(state, round_=round_, inner_steps=s.H)  # the round its records advertise (#51)
             with s.lock:
                 check_sanity(state, s.phi)
         except BadPayload as exc:

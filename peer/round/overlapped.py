@@ -21,7 +21,7 @@ from peer.round.schedule import BackgroundSchedule, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.screening import round_token_cap
-from peer.train.outer import check_finite, step_on_copies
+from peer.train.outer import check_finite, check_step_bound, step_on_copies
 from peer.train.overlap import EagerState, next_start, round_progress
 from protocol.errors import BadPayload
 
@@ -56,6 +56,9 @@ class OverlapSchedule(BackgroundSchedule):
         """Eager with outer momentum: this peer's own part of its outer state (never sent, not saved)."""
         self.prepared: PreparedStep | None = None
         """The outer step of the sync in flight, prepared by its thread."""
+        self.own: tuple[list[torch.Tensor], float] | None = None
+        """(this peer's own Δ, the cap on a weight over its weight) of the sync in flight: what its
+        outer step's change of φ is bounded by (``check_step_bound``)."""
 
     def synced_blocking(self, round_: int) -> bool:
         """Rounds before K sync blocking; round K lands no earlier sync and starts its own in the
@@ -110,16 +113,24 @@ class OverlapSchedule(BackgroundSchedule):
         if self.background.in_flight:
             mean, report = self.take_background()
         prepared, self.prepared = self.prepared, None
+        own, self.own = self.own, None
+        refused = None
         with s.lock:
-            installed = mean is not None and self._install(prepared, mean)
+            installed = mean is not None and self._install(prepared, mean)  # a prepared step was checked
             if mean is not None and not installed:
-                s.outer.apply(s.phi, mean)
+                try:
+                    self._apply_checked(mean, own)
+                except BadPayload as exc:
+                    refused = exc
             s.pos.start_round(s.pos.round + 1)
+        if refused is not None:
+            report = self._refused(refused, report)
         if mean is not None:
             self.history.note_group(max(0, done.round - 1), report)  # the sync landing is the last round's
         if installed and prepared is not None:
-            s.snapshots.append(prepared.snapshot)
+            s.snapshots.append(prepared.snapshot)  # checked (finite, within its bound) in the sync's thread
         else:
+            self.guard_phi()
             s.take_snapshot()
         start = s.phi
         if delta is not None:
@@ -143,6 +154,7 @@ class OverlapSchedule(BackgroundSchedule):
         s = self.state
         # the extra steps taken while waiting weigh up to the owners' cap of a round's tokens
         digest, weight = s.digest, float(min(max(done.tokens, 1), round_token_cap(s.m)))
+        own = (payload[:len(s.phi)], round_token_cap(s.m) / weight)  # bounds the landing's change of φ
         due_s = self.sync.groupmates_due_s(live, done.round, choice)
         budget_s = wait_budget_s(done, max(s.H, done.steps_done))  # with its extra steps
 
@@ -150,28 +162,63 @@ class OverlapSchedule(BackgroundSchedule):
             mean, report = self.sync.sync(payload, choice, digest, round_=done.round, weight=weight,
                                           expected_wait_s=due_s, wait_budget_s=budget_s, dropped=dropped)
             if not dropped() and not self.stop_event.is_set():
-                self.prepared = self._prepare_step(mean, lands_in=done.round + 2)
+                self.prepared = self._prepare_step(mean, lands_in=done.round + 2, own=own)
             return mean, report
 
         self.background.start(sync_and_prepare, round_=done.round, start_digest=digest)
+        self.own = own
 
-    def _prepare_step(self, mean: list[torch.Tensor], *, lands_in: int) -> PreparedStep | None:
+    def _prepare_step(self, mean: list[torch.Tensor], *, lands_in: int,
+                      own: tuple[list[torch.Tensor], float] | None = None) -> PreparedStep | None:
         """In the sync's background thread, once its mean arrived: the outer step applied to copies of
         the last snapshot's φ and outer state (``step_on_copies``), and the snapshot of the result
         (copy, finiteness check, hash) with the meta of round ``lands_in``, the round the landing
-        starts, so neither is the inner loop's time. None when the mean is malformed or the step not
-        finite: the landing applies it itself. Reads only the snapshot deque's last entry
+        starts, so neither is the inner loop's time. None when the mean is malformed, the step not
+        finite or over its bound from this peer's own Δ (``own``: ``check_step_bound``): the landing
+        applies it itself (and refuses it). Reads only the snapshot deque's last entry
         (immutable, appended atomically by the round loop)."""
         s = self.state
         base, n = s.snapshots[-1], len(s.phi)
         try:
             phi, outer_state = step_on_copies(s.outer, base.tensors[:n], base.tensors[n:], mean)
+            if own is not None:
+                check_step_bound(s.outer, base.tensors[:n], phi, own[0], old_state=base.tensors[n:], scale=own[1])
             meta = {"run_id": s.state_key, "round": lands_in, "inner_step": lands_in * s.H}
             return PreparedStep(mean=mean, base=base.digest,
                                 snapshot=make_snapshot(meta, [*phi, *outer_state], owned=True))
         except (BadPayload, ValueError) as exc:
             logger.debug("outer step of round %d not prepared: %s", lands_in - 2, exc)
             return None
+
+    def _apply_checked(self, mean: list[torch.Tensor], own: tuple[list[torch.Tensor], float] | None) -> None:
+        """Apply ``mean`` to φ and the outer state (call under the lock), refusing a step whose change of
+        φ exceeds what an honest mean can make from this peer's own Δ (``check_step_bound``): then φ
+        and the outer state are put back to the last snapshot's (what this peer held: φ changes only
+        at a landing or an adoption, each followed by a snapshot).
+
+        Raises:
+            BadPayload: the step was refused (malformed or non-finite mean, a non-finite result, or
+                over its bound); φ and the outer state are as they were.
+        """
+        s = self.state
+        n, before = len(s.phi), s.snapshots[-1].tensors
+        s.outer.apply(s.phi, mean)
+        if own is None:
+            return
+        try:
+            check_step_bound(s.outer, before[:n], s.phi, own[0], old_state=before[n:], scale=own[1])
+        except BadPayload:
+            with torch.no_grad():
+                for dst, src in zip(s.live_tensors(), before, strict=True):
+                    dst.copy_(src)
+            raise
+
+    def _refused(self, exc: BadPayload, report: SyncReport) -> SyncReport:
+        """A landing whose outer step was refused: warn, and mark its report failed (φ unchanged)."""
+        self.reporter.emit("warning", message=f"{exc}: the landing sync's outer step skipped")
+        self.history.last_failed = True
+        return dataclasses.replace(report, failed=True, agreeing=(), completed=(),
+                                   note=f"outer step skipped ({exc})")
 
     def _install(self, prepared: PreparedStep | None, mean: list[torch.Tensor]) -> bool:
         """Copy a prepared outer step into φ and the outer state (call under the lock, before the
@@ -199,12 +246,20 @@ class OverlapSchedule(BackgroundSchedule):
         s = self.state
         mean, report = self.take_background()
         self.prepared = None  # applied here, once: nothing of the training thread overlaps it any more
+        own, self.own = self.own, None
+        refused = None
         with s.lock:
             if mean is not None:
-                s.outer.apply(s.phi, mean)
+                try:
+                    self._apply_checked(mean, own)
+                except BadPayload as exc:
+                    refused = exc
+        if refused is not None:
+            report = self._refused(refused, report)
         self.history.note_group(max(0, s.pos.round - 1), report)
         self.anchor = None
         self.eager.reset()
+        self.guard_phi()
         s.set_theta_to_phi()
         s.take_snapshot()
 

@@ -151,6 +151,13 @@ class ScheduleBase:
     def after_restore(self, round_step: int, round_tokens: int) -> None:
         pass
 
+    def guard_phi(self) -> None:
+        """At a round's end, before its snapshot: roll a non-finite or exploded φ back to the last
+        snapshot (``RoundState.guard_phi``) and warn."""
+        problem = self.state.guard_phi()
+        if problem:
+            self.reporter.emit("warning", message=problem)
+
     def _choose(self) -> tuple[list, GroupChoice]:
         """The live records for this round's group choice and the choice."""
         live = self.records.for_round(self.state.pos.round)

@@ -12,6 +12,8 @@ complete a round together hold bit-identical φ whatever device they trained on.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections import deque
 
@@ -19,8 +21,23 @@ import torch
 
 from peer.progress import RoundProgress
 from peer.state.snapshot import SealedTensor, StateSnapshot, make_snapshot, make_snapshot_from
-from peer.train.outer import OuterAlgorithm, make_outer
+from peer.train.outer import OuterAlgorithm, first_non_finite, make_outer
 from protocol.manifest import RunManifest
+
+logger = logging.getLogger(__name__)
+
+PHI_GROWTH_LIMIT = 10.0
+"""At a round's end, a φ whose L2 norm is over this multiple of the last snapshot's is taken as
+exploded and rolled back (:meth:`RoundState.guard_phi`). 10: the factor within which a downloaded
+φ must lie of this peer's own (peer/state/download.py ``NORM_FACTOR``); an honest round moves φ by
+its outer step, a small fraction of ‖φ‖, and each step is already bounded by this peer's own Δ
+(peer/train/outer.py ``check_step_bound``), so only a φ that went wrong past every check gets here."""
+
+
+def _phi_norm(tensors) -> float:
+    """L2 norm of ``tensors`` together, float64 (fp32 values square without overflow); NaN or inf
+    when a value is not finite."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
 
 
 class RoundState:
@@ -58,6 +75,8 @@ class RoundState:
         self.copying: threading.Event | None = None
         """Set once a checkpoint writer's thread copied θ and the moments (peer/round/checkpointing.py)."""
         self.waited = {"sync": 0.0, "resync": 0.0}
+        self._snapshot_norm: tuple[bytes, float] | None = None
+        """(digest of a snapshot, its φ's norm): :meth:`guard_phi` measures each snapshot's φ once."""
 
     @property
     def inner_step(self) -> int:
@@ -91,6 +110,40 @@ class RoundState:
                 snapshot = make_snapshot(meta, self.live_tensors())
             self.sealed = {}
         self.snapshots.append(snapshot)
+
+    def guard_phi(self) -> str | None:
+        """At a round's end, before its snapshot: a φ or outer state that turned non-finite, or a φ
+        whose norm is over :data:`PHI_GROWTH_LIMIT` × the last snapshot's (exploded), is rolled back
+        to the last snapshot (immutable: the last good state), and the landings sealed since are
+        dropped, so the round's snapshot, what joiners download and what a checkpoint writes never
+        hold it. θ, which a landing may have set from that φ, restarts from the restored φ.
+
+        Returns:
+            The warning to report when it rolled back, else None.
+        """
+        if not self.snapshots:
+            return None
+        last, n = self.snapshots[-1], len(self.phi)
+        if self._snapshot_norm is None or self._snapshot_norm[0] != last.digest:
+            self._snapshot_norm = (last.digest, _phi_norm(last.tensors[:n]))
+        with self.lock:
+            now = _phi_norm(self.phi)
+            state = first_non_finite(self.outer.state_tensors())
+            limit = PHI_GROWTH_LIMIT * self._snapshot_norm[1]
+            if math.isfinite(now) and state is None and (now <= limit or not limit > 0):
+                return None
+            with torch.no_grad():
+                for dst, src in zip(self.live_tensors(), last.tensors, strict=True):
+                    dst.copy_(src)
+            self.sealed = {}
+        self.set_theta_to_phi()
+        problem = ("φ turned non-finite" if not math.isfinite(now)
+                   else "the outer state turned non-finite" if state is not None
+                   else f"φ exploded: its norm {now:.4g} is over {PHI_GROWTH_LIMIT:g}x the last snapshot's "
+                        f"{self._snapshot_norm[1]:.4g}")
+        problem = f"{problem}; rolled back to the last good state (round {last.meta.get('round')})"
+        logger.warning(problem)
+        return problem
 
     def held(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         """Immutable tensors equal to what this peer holds now at these state indices: the last

@@ -23,7 +23,7 @@ from peer.round.schedule import BackgroundSchedule, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import SealedTensor, seal_tensor
 from peer.sync.screening import round_token_cap
-from peer.train.outer import GroupChoice, check_finite, pseudo_gradient, step_on_copies
+from peer.train.outer import GroupChoice, check_finite, check_step_bound, pseudo_gradient, step_on_copies
 from peer.train.streaming import fragment_outers, land, partition, payload_indices, sync_offset
 from protocol.errors import BadPayload
 
@@ -85,6 +85,9 @@ class FragmentSchedule(BackgroundSchedule):
         ``fragment_merge = "shift"``, else None) of the sync in flight."""
         self.prepared: PreparedFragment | None = None
         """The outer step of the fragment sync in flight, prepared by its thread."""
+        self.own: tuple[list[torch.Tensor], float] | None = None
+        """(this peer's own Δ_p, the cap on a weight over its weight) of the sync in flight: what its
+        outer step's change of φ_p is bounded by (``check_step_bound``)."""
 
     def synced_blocking(self, round_: int) -> bool:
         """Whether a round's mean is applied before the next round starts (no delay)."""
@@ -194,6 +197,7 @@ class FragmentSchedule(BackgroundSchedule):
         # a postponed start and the steps past H make a fragment's steps more than a round's: its claim
         # is capped where its groupmates cap it (the owners' cap of a round's tokens)
         weight = float(min(max(self.tokens[p], 1), round_token_cap(s.m)))
+        own = (delta, round_token_cap(s.m) / weight)  # bounds the landing's change of φ_p
         self.tokens[p] = 0
         digest = s.digest
         due_s = self.sync.groupmates_due_s(live, round_, choice) if self.offset[p] == 0 else 0.0
@@ -207,12 +211,19 @@ class FragmentSchedule(BackgroundSchedule):
                                           expected_wait_s=due_s, wait_budget_s=budget_s, fragment=key, dropped=dropped)
             # the outer step is prepared off the training thread: not inline, where the landing is now
             if mean is not None and not self.inline and not dropped() and not self.stop_event.is_set():
-                self.prepared = self.prepare_fragment(p, base, mean)
+                prepared = self.prepare_fragment(p, base, mean)
+                try:  # a step over its bound is not prepared: the landing refuses it, with the warning
+                    if prepared is not None:
+                        self.check_fragment_step(p, base, [t.tensor for t in prepared.sealed], own)
+                except BadPayload:
+                    prepared = None
+                self.prepared = prepared
             return mean, report
 
         self.prepared = None
         self.background.start(sync_and_prepare, round_=round_, start_digest=digest)
         self.flight = (p, s.inner_step, theta_p if keep else None)
+        self.own = own
 
     def prepare_fragment(self, p: int, base: tuple[torch.Tensor, ...], mean: list[torch.Tensor]
                          ) -> PreparedFragment | None:
@@ -252,11 +263,21 @@ class FragmentSchedule(BackgroundSchedule):
         index = self.fragments[p]
         phi_p = [s.phi[k] for k in index]
         prepared, self.prepared = self.prepared, None
+        own, self.own = self.own, None
         if mean is not None:
             try:
                 with s.lock:
-                    if not self.install_fragment(prepared, p, mean):
+                    if not self.install_fragment(prepared, p, mean):  # a prepared step was checked in its thread
+                        before = s.held(self.fragment_state(p))
                         self.fragment_outer[p].apply(phi_p, mean)
+                        try:
+                            self.check_fragment_step(p, before, phi_p, own)
+                        except BadPayload:  # φ_p and its outer state back to what this peer held
+                            live = s.live_tensors()
+                            with torch.no_grad():
+                                for i, t in zip(self.fragment_state(p), before, strict=True):
+                                    live[i].copy_(t)
+                            raise
                         self.seal_fragment(p)
             except BadPayload as exc:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
@@ -282,6 +303,19 @@ class FragmentSchedule(BackgroundSchedule):
                 live[sealed.index].copy_(sealed.tensor)
         s.sealed.update((sealed.index, sealed) for sealed in prepared.sealed)
         return True
+
+    def check_fragment_step(self, p: int, before: tuple[torch.Tensor, ...], after: list[torch.Tensor],
+                            own: tuple[list[torch.Tensor], float] | None) -> None:
+        """Refuse fragment p's outer step (BadPayload) when its change of φ_p, from ``before`` (φ_p then
+        the fragment's outer state, as this peer held them) to ``after`` (φ_p, at least), exceeds what
+        an honest mean can make from this peer's own Δ_p (``own``: peer/train/outer.py
+        ``check_step_bound``). No ``own`` (no sync of this peer's started it): not checked."""
+        if own is None:
+            return
+        k = len(self.fragments[p])
+        what = "the round's outer step" if self.whole_model else f"fragment {p}'s outer step"
+        check_step_bound(self.fragment_outer[p], before[:k], after[:k], own[0], old_state=before[k:],
+                         scale=own[1], what=what)
 
     def seal_fragment(self, p: int) -> None:
         """Seal fragment p's φ_p and outer state as they are now (a landing without a prepared step),
@@ -310,6 +344,7 @@ class FragmentSchedule(BackgroundSchedule):
         with s.lock:
             s.pos.start_round(s.pos.round + 1)
         self.synced = set()
+        self.guard_phi()
         s.take_snapshot(from_sealed=True)
         return RoundEnd(done=done, live=live, start_digest=start_digest, choice=choice, report=report)
 
@@ -342,6 +377,7 @@ class FragmentSchedule(BackgroundSchedule):
                 if self.flight is not None:
                     self.land_fragment()
         self.take_landed(s.pos.round)
+        self.guard_phi()
         s.set_theta_to_phi()
         s.take_snapshot()
 

@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from peer.train.data import BatchSampler, SamplerState
+from peer.train.outer import first_non_finite
 from protocol.errors import CheckpointError, HelperDied
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,17 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (),
             they are, not copied: the caller has :func:`copy_live` copy them (in the writer's
             thread) and keeps them unchanged until it did. :func:`write_checkpoint` refuses a file
             with live tensors.
+
+    Raises:
+        CheckpointError: φ or the outer state holds NaN or inf (issue #51: a poisoned φ must never
+            outlive a restart); nothing is encoded, the previous checkpoint file is left as it is.
     """
+    bad = first_non_finite([*state.phi, *state.momentum])
+    if bad is not None:
+        k = bad if bad < len(state.phi) else bad - len(state.phi)
+        what = f"{'φ' if bad < len(state.phi) else 'the outer state'} ({state.names[k] if k < len(state.names) else k})"
+        raise CheckpointError(f"refusing to write a checkpoint of round {state.round}: {what} holds NaN or inf; "
+                              "the previous checkpoint is kept")
     groups = {"phi": state.phi, "momentum": state.momentum, "theta": state.theta,
               "residual": state.residuals}
     if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:

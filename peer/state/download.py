@@ -26,6 +26,7 @@ import torch
 
 from peer.state.snapshot import CHUNK_ELEMENTS, chunk_hash, plan_chunks, state_digest
 from protocol.errors import BadPayload, StateDownloadFailed
+from protocol.text import sanitize
 from protocol.wire import framing, state as frames
 from protocol.wire.pieces import Piece, piece_shape, piece_view
 
@@ -245,6 +246,28 @@ def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], 
                          f"{factor:g} either way")
 
 
+def check_agrees(state: DownloadedState, *, round_: int, inner_steps: int) -> None:
+    """Check that a downloaded state is of the round the progress records that advertised its digest
+    claim, before it replaces this peer's (issue #51): the digest binds the state's meta, not the
+    record's round, so a donor can serve a state whose meta claims any round (2^63, a million rounds
+    ahead) under a record of round r+1; adopting it would move this peer's round counter there.
+
+    Args:
+        state: the verified download (its meta within :data:`protocol.wire.state.META_BOUNDS`).
+        round_: the round of the records that publish the state's digest.
+        inner_steps: the run's H; a snapshot's meta is at the round's start, inner step ``round·H``.
+
+    Raises:
+        BadPayload: another round, or another inner step than ``round_·H``; nothing is changed.
+    """
+    if state.round != round_ or not 0 <= state.round <= frames.META_BOUNDS["round"]:
+        raise BadPayload(f"the state's meta claims round {state.round}, the records that publish it "
+                         f"round {round_}")
+    if state.inner_step != round_ * inner_steps:
+        raise BadPayload(f"the state's meta claims inner step {state.inner_step}, expected {round_ * inner_steps} "
+                         f"(the start of round {round_})")
+
+
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
@@ -262,16 +285,18 @@ def validate_state(metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: st
         A DownloadedState holding copies of ``tensors``.
 
     Raises:
-        BadPayload: names the first field or tensor that is wrong.
+        BadPayload: names the first field or tensor that is wrong (a round or inner step outside
+            :data:`protocol.wire.state.META_BOUNDS` included).
     """
     if not isinstance(metadata, dict):
         raise BadPayload(f"downloaded state metadata is a {type(metadata).__name__}, expected a map")
     if metadata.get("run_id") != run_id:
         raise BadPayload(f"downloaded state is for run {metadata.get('run_id')!r}, expected {run_id}")
     for name in ("round", "inner_step"):
-        value = metadata.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise BadPayload(f"downloaded state field {name} = {value!r}: expected a non-negative integer")
+        value, bound = metadata.get(name), frames.META_BOUNDS[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
+            raise BadPayload(f"downloaded state field {name} = {sanitize(repr(value), max_chars=40)}: "
+                             f"expected an integer in [0, {bound}]")
     n = len(shapes)
     if len(tensors) != 2 * n:
         raise BadPayload(f"downloaded state has {len(tensors)} tensors, expected {2 * n} (φ and outer momentum)")

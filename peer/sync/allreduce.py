@@ -31,8 +31,9 @@ Rules on failure (checked, never assumed):
   weights, and each MEAN frame names the senders it includes. Every receiver gets the same bytes,
   so φ stays identical among the peers that complete.
 * A receiver checks every mean an owner sends against its own contribution to that piece
-  (peer/sync/screening.py ``owner_mean_problem``: norm within 3x its own reference norm; for Δ
-  pieces, the mean holds its own share). A mean that fails is *refused*: the piece is applied as
+  (peer/sync/screening.py ``owner_mean_problem``: norm within 3x its own reference norm, 30x for
+  pieces under 256 values, never below a floor of 3x a piece of this peer's typical values; for
+  large φ pieces, norm ratio and direction). A mean that fails is *refused*: the piece is applied as
   zeros (Δ: every honest receiver refusing the same bytes applies the same, so their φ stay
   identical) or as this peer's own values (φ, NoLoCo), and the owner is named in the stats (no
   voucher; struck like a sender whose contribution was clipped).
@@ -60,6 +61,7 @@ from peer.sync.screening import (
     clip_to_median,
     owner_mean_problem,
     phi_contribution_problem,
+    reference_rms,
 )
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
@@ -155,6 +157,9 @@ class GroupAllreduce:
         """Owner: the tasks writing this peer's MEAN frames back to each sender (:meth:`serve`)."""
         self.results: dict[int, torch.Tensor] = {}
         self.phi_from = phi_from
+        self._reference: dict[bool, float] = {}
+        """This peer's own payload's RMS per value, of its Δ tensors (True) and φ tensors (False): the
+        unit of the floor of the receiver's norm bound (``owner_mean_problem``'s ``reference_rms``)."""
         self._sent: dict[int, torch.Tensor] = {}
         """Per piece sent to another owner: this peer's contribution as that owner decodes it (bf16
         for lossy codecs, to halve the copy), to check the owner's mean against."""
@@ -378,8 +383,12 @@ class GroupAllreduce:
         mine = mine.float()
         delta = self.phi_from is None or piece.tensor < self.phi_from
         me_in = included[self.plan.my_index]
+        if delta not in self._reference:  # once per kind (two executor threads may both compute it: the same value)
+            split = len(self.tensors) if self.phi_from is None else self.phi_from
+            self._reference[delta] = reference_rms(self.tensors[:split] if delta else self.tensors[split:])
         problem = owner_mean_problem(value, mine, weight=self.weight, included=sum(included),
-                                     max_weight=self.max_weight, phi=not delta, included_self=me_in)
+                                     max_weight=self.max_weight, phi=not delta, included_self=me_in,
+                                     reference_rms=self._reference[delta])
         if problem is None:
             return value
         self.stats.refused_pieces += 1

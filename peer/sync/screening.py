@@ -167,8 +167,25 @@ OWNER_NORM_FACTOR = CLIP_MEDIAN_FACTOR
 """A receiver refuses an owner's mean of a piece whose norm exceeds this multiple of its own
 contribution's reference norm (see :func:`owner_mean_problem`)."""
 OWNER_CHECK_MIN_ELEMENTS = 256
-"""Pieces smaller than this are not checked by :func:`owner_mean_problem`: over a few dozen values
-the honest ratios vary too much to tell (a scalar's mean may be 10x its own contribution)."""
+"""Pieces smaller than this get only the looser norm bound of :func:`owner_mean_problem` (factor
+:data:`OWNER_SMALL_NORM_FACTOR`, and the floor), not the tight one nor the share and φ direction
+checks: over a few dozen values the honest ratios vary too much to tell (a scalar's mean may be 10x
+its own contribution). Every piece, whatever its size, gets a norm bound (issue #51: an owner of the
+RMSNorm gains sending means of 1e30 left every honest φ at 1e30, then NaN)."""
+OWNER_SMALL_NORM_FACTOR = 10 * OWNER_NORM_FACTOR
+"""A receiver refuses an owner's mean of a piece under :data:`OWNER_CHECK_MIN_ELEMENTS` values whose
+norm exceeds this multiple of its own contribution's reference norm: 10x the large pieces' factor,
+the spread the comment above measured for a scalar's mean, so honest small pieces pass."""
+OWNER_FLOOR_SPREAD = 1.0
+"""The floor of the norm bound, for a piece where this receiver's own contribution is near zero (an
+embedding row its shard never saw, a gain its steps did not move): :data:`OWNER_NORM_FACTOR` ×
+this × the receiver's own payload's RMS per value (:func:`reference_rms`) × sqrt(the piece's
+values), scaled to a full round like the bound itself, i.e. the bound of a piece whose own values
+are of this peer's typical size. 1: the honest mean of such a piece is a weighted average that
+holds this peer's near-zero values and the others' (of typical size, each clipped by the owner to
+3x the piece's median), so it stays under 3x the typical size; a larger spread would loosen the
+bound of every piece of typical size (the floor then exceeds 3x its own norm). A mean of 1e30, or
+anything not finite, is far above it."""
 OWNER_SHARE_FACTOR = 0.25
 """A receiver refuses an owner's mean of a Δ piece whose projection on its own contribution is below
 this fraction of what its own share alone puts there (see :func:`owner_mean_problem`)."""
@@ -228,9 +245,21 @@ class MeanRefusal(str):
         return (str(self),), {"strike": self.strike}
 
 
+def reference_rms(tensors) -> float:
+    """The RMS per value of ``tensors`` (this peer's own contributions of one kind, Δ or φ, to a sync),
+    in float64: the unit of :func:`owner_mean_problem`'s floor (``reference_rms``). 0 when empty."""
+    tensors = list(tensors)
+    count = sum(t.numel() for t in tensors)
+    if not count:
+        return 0.0
+    total = sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors)
+    return math.sqrt(total / count)
+
+
 def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight: float, included: int,
                        max_weight: float | None, phi: bool = False, included_self: bool = True,
-                       holds_delta: bool | None = None, share_check: bool | None = None) -> MeanRefusal | None:
+                       holds_delta: bool | None = None, share_check: bool | None = None,
+                       reference_rms: float | None = None) -> MeanRefusal | None:
     """Why a receiver refuses the mean of one piece that its owner sent, or None to accept it.
 
     Only the owner of a piece sees every contribution to it, so a lying owner could send any finite
@@ -240,7 +269,12 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
     its own contribution x (as the owner decoded it) and the mean m (both fp32, same shape):
 
     1. ``‖m‖ ≤`` :data:`OWNER_NORM_FACTOR` ``× ‖x‖ × max_weight / w`` (x's norm scaled up to a
-       full round, as the owner's clip does): catches huge or scaled-up means;
+       full round, as the owner's clip does): catches huge or scaled-up means. Every piece gets
+       it, whatever its size: under :data:`OWNER_CHECK_MIN_ELEMENTS` values with the factor
+       :data:`OWNER_SMALL_NORM_FACTOR`; and the bound is never below its floor
+       (:data:`OWNER_FLOOR_SPREAD`, from ``reference_rms``: 3x a piece of this peer's typical
+       values), so an honest mean of a piece where x is near zero passes while a mean that is not
+       finite or of 1e30 never does;
     2. for Δ pieces, ``m·x ≥`` :data:`OWNER_SHARE_FACTOR` ``× share_floor × ‖x‖²``: the mean holds
        this receiver's own contribution (an honest mean gives m·x ≥ share × ‖x‖² plus the other
        peers' projections, which are positive for pseudo-gradients of one model); catches
@@ -263,26 +297,38 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
             (else check 2 is skipped: the mean need not hold its contribution).
         holds_delta: the same as ``phi=not holds_delta`` (lab/simulation.py's name for it).
         share_check: run check 2; None: :data:`OWNER_SHARE_CHECK` (off).
+        reference_rms: this receiver's own payload's RMS per value, of the kind of this piece (Δ or
+            φ: :func:`reference_rms`), for the floor of check 1; None: no floor (a zero ``x`` then
+            leaves only the finiteness of the mean to check, as before the floor).
 
     Returns:
         None, or a :class:`MeanRefusal`: a one-line reason naming the measured and allowed values,
-        with ``strike`` True for checks 1 and 3, False for check 2. A zero contribution
-        (nothing to compare with) and a piece of fewer than :data:`OWNER_CHECK_MIN_ELEMENTS`
-        values are never refused.
+        with ``strike`` True for checks 1 and 3, False for check 2. Checks 2 and 3 need a piece
+        of at least :data:`OWNER_CHECK_MIN_ELEMENTS` values and a non-zero contribution.
     """
     if holds_delta is not None:
         phi = not holds_delta
-    if contribution.numel() < OWNER_CHECK_MIN_ELEMENTS:
-        return None
-    x_norm = norm(contribution)
-    if not x_norm > 0 or not math.isfinite(x_norm):
-        return None
+    small = contribution.numel() < OWNER_CHECK_MIN_ELEMENTS
+    x_norm, m_norm = norm(contribution), norm(mean)
+    if not math.isfinite(m_norm):
+        return MeanRefusal(f"its norm is {m_norm} (not finite)", strike=True)
+    if not math.isfinite(x_norm):
+        return None  # this peer's own contribution is broken: nothing to compare with
     scale = max_weight / min(weight, max_weight) if max_weight is not None and weight > 0 else 1.0
-    m_norm = norm(mean)
-    allowed = OWNER_NORM_FACTOR * x_norm * scale
-    if not m_norm <= allowed:
-        return MeanRefusal(f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({OWNER_NORM_FACTOR:g}x this peer's "
-                           f"reference norm)", strike=True)
+    factor = OWNER_SMALL_NORM_FACTOR if small else OWNER_NORM_FACTOR
+    allowed = factor * x_norm * scale
+    floor = 0.0
+    if reference_rms is not None and math.isfinite(reference_rms):
+        floor = OWNER_NORM_FACTOR * OWNER_FLOOR_SPREAD * reference_rms * math.sqrt(contribution.numel()) * scale
+    if floor > allowed:
+        allowed = floor
+    if allowed > 0 and not m_norm <= allowed:  # allowed 0: a zero x and no floor, nothing to compare with
+        basis = (f"{factor:g}x this peer's reference norm" if allowed > floor
+                 else f"the floor from this peer's payload RMS {reference_rms:.3g}")
+        return MeanRefusal(f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({basis}; a piece of "
+                           f"{contribution.numel()} values)", strike=True)
+    if small or not x_norm > 0:
+        return None
     if phi:
         ratio, cosine = norm(mean) / x_norm, _cosine(mean, contribution)
         if not (ratio >= PHI_MEAN_MIN_RATIO and cosine >= PHI_MEAN_MIN_RATIO):
@@ -291,13 +337,13 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
         return None
     if share_check is None:
         share_check = OWNER_SHARE_CHECK
-    floor = share_floor(weight, included, max_weight) if included_self and share_check else None
-    if floor is not None:
+    share = share_floor(weight, included, max_weight) if included_self and share_check else None
+    if share is not None:
         projection = float(torch.dot(mean.flatten().double(), contribution.flatten().double()))
-        needed = OWNER_SHARE_FACTOR * floor * x_norm ** 2
+        needed = OWNER_SHARE_FACTOR * share * x_norm ** 2
         if not projection >= needed:
             return MeanRefusal(f"it does not hold this peer's contribution: projection {projection:.4g} < "
-                               f"{needed:.4g} ({OWNER_SHARE_FACTOR:g} x its share floor {floor:.3g} x |x|^2)",
+                               f"{needed:.4g} ({OWNER_SHARE_FACTOR:g} x its share floor {share:.3g} x |x|^2)",
                                strike=False)
     return None
 

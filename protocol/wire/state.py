@@ -15,7 +15,8 @@ REQUEST kind 16, u16 protocol version, 16 B state digest, u32 count n, n × u32 
         (strictly ascending, each below the state's chunk count)
 MISSING kind 17: the donor does not (or no longer) hold(s) that digest
 META    kind 18, u32 length m, m bytes msgpack of {"inner_step", "round", "run_id"} (sorted
-        keys), then 16 B blake2b hash of every chunk of the state, in chunk order
+        keys; round ≤ MAX_ROUND, inner_step ≤ MAX_INNER_STEP, protocol/records.py's bounds),
+        then 16 B blake2b hash of every chunk of the state, in chunk order
 CHUNK   kind 19, u32 chunk index, then the chunk's fp32 values, little-endian, row-major
 ======= =====================================================================================
 
@@ -35,6 +36,7 @@ from typing import Any, cast
 import msgpack
 
 from protocol.errors import BadPayload
+from protocol.records import MAX_INNER_STEP, MAX_ROUND
 from protocol.text import sanitize
 from protocol.version import PROTOCOL_VERSION
 
@@ -50,6 +52,10 @@ MAX_REQUEST_CHUNKS = 1 << 20
 MAX_REQUEST_BYTES = REQUEST_HEADER.size + 4 * MAX_REQUEST_CHUNKS
 MAX_META_BYTES = 1024
 META_FIELDS = ("inner_step", "round", "run_id")
+META_BOUNDS = {"round": MAX_ROUND, "inner_step": MAX_INNER_STEP}
+"""A meta's largest round and inner step: a progress record's bounds (a state is of a round some
+record published). A served meta claiming round 2^63 is refused here, before it reaches a digest,
+a snapshot or a round counter."""
 
 
 def canonical_meta(meta: dict[str, Any]) -> bytes:
@@ -58,7 +64,8 @@ def canonical_meta(meta: dict[str, Any]) -> bytes:
 
 
 def meta_problem(meta: Any) -> str | None:
-    """What is wrong with ``meta``, or None: exactly run_id (str), round and inner_step (int >= 0)."""
+    """What is wrong with ``meta``, or None: exactly run_id (str), round and inner_step (integers in
+    ``[0, META_BOUNDS[name]]``)."""
     if not isinstance(meta, dict) or set(meta) != set(META_FIELDS):
         found = sorted(sanitize(str(k), max_chars=16) for k in meta) if isinstance(meta, dict) else type(meta).__name__
         return f"state meta has fields {found}, expected {list(META_FIELDS)}"
@@ -66,8 +73,9 @@ def meta_problem(meta: Any) -> str | None:
         return f"state meta run_id {meta['run_id']!r} is not a string"
     for name in ("round", "inner_step"):
         value = meta[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"state meta {name} = {value!r}: expected a non-negative integer"
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= META_BOUNDS[name]:
+            return f"state meta {name} = {sanitize(repr(value), max_chars=40)}: expected an integer in " \
+                   f"[0, {META_BOUNDS[name]}]"
     return None
 
 

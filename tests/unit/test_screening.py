@@ -146,8 +146,16 @@ def test_a_phi_of_zero_or_of_another_model_is_refused():
         assert refused is not None and refused.strike and "below 0.7" in refused
 
 
-def test_small_pieces_and_zero_contributions_are_not_judged():
+def test_small_pieces_and_zero_contributions_get_only_the_norm_bound():
+    """Under OWNER_CHECK_MIN_ELEMENTS values only a (looser) norm bound applies: a flipped mean of
+    honest size passes, a huge one does not (issue #51). A zero contribution is judged only against
+    the floor from the receiver's payload RMS; without one (no reference) it is not judged."""
     small = torch.ones(OWNER_CHECK_MIN_ELEMENTS - 1)
-    assert owner_mean_problem(-1e6 * small, small, weight=1.0, included=2, max_weight=1.0) is None
+    assert owner_mean_problem(-10 * small, small, weight=1.0, included=2, max_weight=1.0) is None
+    assert owner_mean_problem(-1e6 * small, small, weight=1.0, included=2, max_weight=1.0).strike
     zero = torch.zeros(OWNER_CHECK_MIN_ELEMENTS)
     assert owner_mean_problem(torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0) is None
+    assert owner_mean_problem(torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0,
+                              reference_rms=1.0) is None
+    assert owner_mean_problem(1e3 * torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0,
+                              reference_rms=1.0).strike
