@@ -104,10 +104,11 @@ def main() -> None:
                    "and publishes the validation loss (0: each peer at its start and end only).")
 @click.option("--export-phi-every", type=click.IntRange(0), default=0, show_default=True,
               help="Write φ as safetensors beside the checkpoint every K rounds (0: never).")
-@click.option("--checkpoint-every", "checkpoint_every", type=FiniteFloatRange(0, 1e9), default=0.0,
-              show_default=True, metavar="SECONDS",
-              help="Write the checkpoint at most every SECONDS (0: every round). It holds φ, θ and AdamW's "
-                   "moments (2 GB at ~125M parameters): with rounds of a minute or two, e.g. 600 spares the disk. "
+@click.option("--checkpoint-every", "checkpoint_every", type=FiniteFloatRange(0, 1e9), default=None,
+              metavar="SECONDS",
+              help="Write the checkpoint at most every SECONDS (0: every round). It holds φ, the outer state, θ and "
+                   "AdamW's moments (2.5 GB at ~125M parameters). Default: sized to the model, every round while "
+                   "the checkpoint is under 256 MiB (the default and tiny presets), else at most every 600 s. "
                    "Ctrl-C always writes one; a crash loses at most SECONDS of rounds, caught up from the swarm.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for torch.")
 @click.option("--wait-for-peers", type=click.IntRange(1), default=1, show_default=True,

@@ -12,6 +12,29 @@ from pathlib import Path
 
 from protocol.manifest import RunManifest
 
+AUTO_CHECKPOINT_EVERY_ROUND_BYTES = 256 * 2**20
+"""With ``checkpoint_every_s`` None, a checkpoint under this many bytes is written every round."""
+AUTO_CHECKPOINT_EVERY_S = 600.0
+"""With ``checkpoint_every_s`` None, a larger checkpoint is written at most every this many seconds."""
+
+
+def checkpoint_bytes(*, parameters: int, outer_state: int) -> int:
+    """The fp32 tensors of a checkpoint (peer/state/checkpoint.py), in bytes: φ, θ and AdamW's two
+    moments (``parameters`` elements each) and the outer state (``outer_state`` elements, e.g. the
+    outer momentum: as many again). About 20 bytes a parameter; the error-feedback residuals and the
+    small fields are left out."""
+    return 4 * (4 * parameters + outer_state)
+
+
+def checkpoint_interval_s(every_s: float | None, size_bytes: int) -> float:
+    """The round-end checkpoint interval a peer uses (``checkpoint_due``'s ``every_s``): ``every_s``
+    when given (``--checkpoint-every``; 0: every round), else sized to the checkpoint: every round
+    (0) under :data:`AUTO_CHECKPOINT_EVERY_ROUND_BYTES` (the default and tiny models, a few MB), else
+    :data:`AUTO_CHECKPOINT_EVERY_S` (llama-125m's 2.5 GB is not written every minute-long round)."""
+    if every_s is not None:
+        return every_s
+    return 0.0 if size_bytes < AUTO_CHECKPOINT_EVERY_ROUND_BYTES else AUTO_CHECKPOINT_EVERY_S
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -25,10 +48,12 @@ class TrainerConfig:
     state_download_timeout_s: float = 5.0
     """A donor that sends nothing for this long during a state download is dropped (its chunks go
     to the other donors)."""
-    checkpoint_every_s: float = 0.0
+    checkpoint_every_s: float | None = None
     """Write the checkpoint at a round's end at most every this many seconds (0: every round). A
-    checkpoint holds φ, θ and AdamW's two moments, fp32: 2 GB at ~125 M parameters, so a peer with
-    minute-long rounds writes ~120 GB an hour at 0. A stop always writes one."""
+    checkpoint holds φ, the outer state, θ and AdamW's two moments, fp32: 2.5 GB at ~125 M
+    parameters, so a peer with minute-long rounds would write ~150 GB an hour at 0. None: sized to
+    the model (:func:`checkpoint_interval_s`): every round under 256 MiB of checkpoint, else at most
+    every 600 s. A stop always writes one."""
     export_phi_every_rounds: int = 0
     """Write φ to ``phi-round-NNNNNN.safetensors`` beside the checkpoint every k rounds (0: never)."""
     wait_for_peers: int = 1
@@ -43,8 +68,9 @@ class TrainerConfig:
             raise ValueError(f"max_rounds = {self.max_rounds}: must be >= 0")
         if self.wait_for_peers < 1:
             raise ValueError(f"wait_for_peers = {self.wait_for_peers}: must be >= 1")
-        if not 0.0 <= self.checkpoint_every_s < float("inf"):
-            raise ValueError(f"checkpoint_every_s = {self.checkpoint_every_s}: must be a finite number >= 0")
+        if self.checkpoint_every_s is not None and not 0.0 <= self.checkpoint_every_s < float("inf"):
+            raise ValueError(f"checkpoint_every_s = {self.checkpoint_every_s}: must be a finite number >= 0 "
+                             "(or None: sized to the model)")
         if self.export_phi_every_rounds < 0:
             raise ValueError(f"export_phi_every_rounds = {self.export_phi_every_rounds}: must be >= 0")
         if self.eval_every_rounds < 0:

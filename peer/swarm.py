@@ -291,9 +291,27 @@ def _watch(swarm: Swarm, console) -> None:
             console.print(f"{name} | warning: {event['message']}", markup=False, highlight=False)
 
 
+def final_state(events: list[Event]) -> tuple[str | None, int | None]:
+    """(digest, round) of the state a peer ended on: the last ``state_digest`` its ``round``,
+    ``adopted_state`` or ``resumed`` events carried up to its final evaluation of φ (or up to its
+    last event, without one); (None, None) when none carried one."""
+    end = next((i for i in range(len(events) - 1, -1, -1)
+                if events[i].kind == "eval" and events[i].get("when") == "final"), len(events) - 1)
+    for event in reversed(events[:end + 1]):
+        if event.get("state_digest"):
+            return str(event["state_digest"]), event.round
+    return None, None
+
+
 def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, Any]:
+    """The run's summary (``--summary`` writes it as JSON). ``final_eval_loss`` is the mean of the
+    peers' final validation losses; ``final_states`` (distinct final state digests among the peers
+    that evaluated φ at their end) and ``final_eval_loss_spread`` (max − min of those losses) say
+    whether that mean stands for one φ: with DiLoCo every peer that completed the last round in the
+    group holds the same φ bit for bit; a peer that missed it (under load) ends on another."""
     peers = []
     initial, final = [], []
+    final_digests: set[str] = set()
     for name, child in swarm.children.items():
         if name == "bootstrap":
             continue
@@ -304,8 +322,11 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
         last_eval = child.last("eval", when="final")
         if first_eval:
             initial.append(first_eval["loss"])
+        digest, digest_round = final_state(child.events)
         if last_eval:
             final.append(last_eval["loss"])
+            if digest is not None:
+                final_digests.add(digest)
         peers.append({
             "name": name,
             "peer_id": started.get("peer_id"),
@@ -317,6 +338,8 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
             "tokens_per_s": (sum(e["tokens_per_s"] for e in rounds) / len(rounds)) if rounds else 0.0,
             "initial_eval_loss": first_eval["loss"] if first_eval else None,
             "final_eval_loss": last_eval["loss"] if last_eval else None,
+            "final_state_digest": digest,
+            "final_state_round": digest_round,
             # as a shell reports it (137 for SIGKILL), as the error line names it; None: still running
             "exit_code": None if child.returncode is None else shell_exit(child.returncode, "")[0],
         })
@@ -326,6 +349,10 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
         "rounds": cfg.rounds,
         "initial_eval_loss": sum(initial) / len(initial) if initial else None,
         "final_eval_loss": sum(final) / len(final) if final else None,
+        "final_eval_loss_peers": len(final),
+        "final_eval_loss_spread": max(final) - min(final) if final else None,
+        "final_states": len(final_digests),
+        "algorithm": cfg.manifest.sync.algorithm,
         "peers": peers,
         "wall_seconds": wall_s,
         "workdir": str(swarm.workdir),
@@ -347,5 +374,50 @@ def _print_summary(console, summary: dict[str, Any]) -> None:
                       "-" if p["final_eval_loss"] is None else f"{p['final_eval_loss']:.4f}", str(p["exit_code"]))
     console.print(table)
     init, fin = summary["initial_eval_loss"], summary["final_eval_loss"]
+    evaluated = summary.get("final_eval_loss_peers", 0)
+    mean = f" (mean of {evaluated} peers)" if evaluated > 1 else ""
     console.print(f"validation loss: {'-' if init is None else f'{init:.4f}'} → {'-' if fin is None else f'{fin:.4f}'}"
-                  f" nats/token | wall {summary['wall_seconds']:.0f} s", markup=False, highlight=False)
+                  f" nats/token{mean} | wall {summary['wall_seconds']:.0f} s", markup=False, highlight=False)
+    line = final_phi_line(summary)
+    if line is not None:
+        console.print(line, markup=False, highlight=False,
+                      style="yellow" if summary.get("final_states", 0) > 1 else None)
+
+
+def final_phi_line(summary: dict[str, Any]) -> str | None:
+    """Whether the peers ended on one φ, and each peer's final validation loss, e.g.
+    ``final φ: all 3 peers on the same state (3f2a9c1e…, round 10): peer-0 2.0962, ...`` or
+    ``final φ: the peers ended on 2 different states, validation loss 2.0725 to 2.1547 (spread
+    0.0822 nats/token): peer-0 2.1547 (state 3f2a9c1e…, round 10), ...``. None with fewer than two
+    peers that evaluated φ at their end (a single peer, a pipelined run, a failed one)."""
+    peers = summary["peers"]
+    evaluated = [p for p in peers if p.get("final_eval_loss") is not None]
+    if len(evaluated) < 2:
+        return None
+    states = summary.get("final_states", 0)
+
+    def state(p: dict[str, Any]) -> str:
+        digest = p.get("final_state_digest")
+        return "state ?" if digest is None else f"state {digest[:8]}…, round {p.get('final_state_round')}"
+
+    def loss(p: dict[str, Any]) -> str:
+        return "no final evaluation" if p.get("final_eval_loss") is None else f"{p['final_eval_loss']:.4f}"
+
+    if states == 1:
+        first = evaluated[0]
+        every = "both" if len(evaluated) == 2 else f"all {len(evaluated)}"
+        head = (f"final φ: {every} peers on the same state ({state(first).removeprefix('state ')})"
+                if len(evaluated) == len(peers) else
+                f"final φ: the {len(evaluated)} peers that evaluated it on the same state "
+                f"({state(first).removeprefix('state ')})")
+        return f"{head}: " + ", ".join(f"{p['name']} {loss(p)}" for p in peers)
+    losses = [p["final_eval_loss"] for p in evaluated]
+    spread = summary.get("final_eval_loss_spread")
+    spread = max(losses) - min(losses) if spread is None else spread
+    what = f"{states} different states" if states > 1 else "states this summary cannot compare (no digests)"
+    line = (f"final φ: the peers ended on {what}, validation loss {min(losses):.4f} to {max(losses):.4f} "
+            f"(spread {spread:.4f} nats/token; the loss above is their mean): "
+            + ", ".join(f"{p['name']} {loss(p)} ({state(p)})" for p in peers))
+    if summary.get("algorithm") == "noloco" and states > 1:
+        line += "; expected with NoLoCo, which averages with one partner a round"
+    return line

@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from peer.config import TrainerConfig
+from peer.config import TrainerConfig, checkpoint_bytes, checkpoint_interval_s
 from peer.reporting import Reporter
 from peer.round.schedule import SyncSchedule
 from peer.round.state import RoundState
@@ -49,7 +49,10 @@ class Checkpointing:
                  vouching: Vouching, config: TrainerConfig, reporter: Reporter):
         self.state, self.schedule, self.inner, self.transport = state, schedule, inner, transport
         self.vouching, self.path, self.reporter = vouching, config.checkpoint_path, reporter
-        self.every_s = config.checkpoint_every_s
+        # --checkpoint-every, else sized to what this peer's checkpoint holds (a pipeline stage: its own)
+        self.every_s = checkpoint_interval_s(config.checkpoint_every_s, checkpoint_bytes(
+            parameters=sum(p.numel() for p in state.params),
+            outer_state=sum(t.numel() for t in state.outer.state_tensors())))
         self.writer = CheckpointWriter()
         """Writes each round's checkpoint in the background."""
         self.last: float | None = None

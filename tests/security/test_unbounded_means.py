@@ -32,6 +32,7 @@ from protocol.errors import CheckpointError
 from protocol.presets import tiny_run
 from tests.security.group import run_group
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
+from tests.unit.test_round_overlap import run_in_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,22 +125,7 @@ def _trainers(corpus, manifest, hub, *, rounds, checkpoints=None):
                     reporter=Events(), stop_event=threading.Event()) for p in ("a", "b")]
 
 
-def _run(trainers):
-    errors = []
-
-    def run(t):
-        try:
-            t.run()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(240)
-    assert not errors, errors
-    assert not any(th.is_alive() for th in threads)
+_run = run_in_threads  # tests/unit/test_round_overlap.py: run the Trainers to their end, none raising
 
 
 def _small_tensor(trainer) -> int:

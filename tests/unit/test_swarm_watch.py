@@ -67,6 +67,8 @@ def test_shell_exit_maps_a_signal_death_and_keeps_other_codes():
 def test_the_summary_gives_the_exit_code_the_error_line_gives():
     """The summary table and JSON say 137 for a peer killed by SIGKILL, as the error line does."""
     class Finished:
+        events: list = []
+
         def __init__(self, code):
             self.returncode = code
 
