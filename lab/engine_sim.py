@@ -51,6 +51,12 @@ class EngineResult(SimulationResult):
     state_digests: list[str] = dataclasses.field(default_factory=list)
     """Each peer's state digest (φ and outer state) at the end, in peer order: equal when they hold
     bit-identical states."""
+    final_phis: list[list[torch.Tensor]] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    """Each peer's φ at the end (copies, fp32 on the host), in peer order; not in :meth:`to_dict`."""
+
+    def to_dict(self) -> dict:
+        """As :meth:`SimulationResult.to_dict`, without the tensors of ``final_phis``."""
+        return dataclasses.asdict(dataclasses.replace(self, final_phis=[]))
 
 
 class _Recorder(Reporter):
@@ -199,7 +205,8 @@ def run_engine_simulation(
         )
 
     # the final φ: the last round's sync (with overlap) landed before run() returned
-    copies[rounds] = [[f.clone() for f in t.phi] for t in trainers]
+    final_phis = [[f.clone() for f in t.phi] for t in trainers]
+    copies[rounds] = list(final_phis)
     windows = validation_batch(corpus, manifest.data)
     model = build_model(manifest.model, corpus.tokenizer)
     replicas_differ = trainers[0].outer.replicas_differ
@@ -252,4 +259,5 @@ def run_engine_simulation(
         train_s=train_s,
         round_end_s=[finished.get(r, float("nan")) for r in range(1, rounds + 1)],
         state_digests=[t.state_digest for t in trainers],
+        final_phis=final_phis,
     )

@@ -349,8 +349,8 @@ class Simulation(StreamingRounds, GroupMeans):
             mean_loss = sum(per_peer) / len(per_peer)
             return EvalPoint(self.round_, self.tokens, mean_loss, averaged, mean_loss, weight_spread(phis), per_peer)
         replica_mean = None
-        if self.outers[0].replicas_differ:
-            replica_mean = sum(bits_per_byte(evaluate(m, windows)) for m in self.models) / self.peers
+        if self.outers[0].replicas_differ:  # each replica's φ: with overlap or streaming θ is not φ
+            replica_mean = sum(self._honest_losses(windows, bits_per_byte)) / self.peers
         return EvalPoint(self.round_, self.tokens, replica_mean if replica_mean is not None else averaged,
                          averaged, replica_mean, weight_spread(self.phis))
 
