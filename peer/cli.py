@@ -215,9 +215,13 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key,
 @click.option("--keep", is_flag=True, help="Keep the temporary directory (logs, checkpoints) at the end.")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
               help="Where every peer trains (they share it).")
+@click.option("--data", "data_path", type=click.Path(path_type=Path), default=None, metavar="PATH",
+              help="Train on this corpus (file or directory of text, .jsonl or .parquet): every peer reads it "
+                   "(peer join --data PATH); the run is announced by its content hash, never by the path. "
+                   "Default: the run's data.path, or the Python standard library.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, keep, device,
-          verbose) -> None:
+          data_path, verbose) -> None:
     """Start a bootstrap node and N peers on 127.0.0.1, train, and print a summary.
 
     \b
@@ -228,15 +232,19 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
       peer swarm --algorithm noloco --peers 4
       peer swarm --device cpu                     # keep a GPU free
       peer swarm --keep                           # keep logs and checkpoints in /tmp
+      peer swarm --run my_run.toml --data ~/corpus   # train on a corpus of this machine
     """
+    from peer.swarm import check_data_path
     from peer.train.device import resolve_device
 
     configure_logging(verbose)
     try:
+        check_data_path(data_path)  # one line naming it, exit 78, before anything starts
         resolve_device(device)  # one error line here rather than one per peer
         manifest = resolve_run(run_file, preset, algorithm) or PRESETS["default"]()
         cfg = SwarmConfig(num_peers=num_peers, rounds=rounds, manifest=manifest, eval_every_rounds=eval_every,
-                          summary_path=summary_file, workdir=workdir, keep=keep, device=device)
+                          summary_path=summary_file, workdir=workdir, keep=keep, device=device,
+                          data_path=data_path)
         code = run_swarm(cfg)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
@@ -300,15 +308,21 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
               help="Timed inner steps (after one untimed warm-up step).")
 @click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
               help="Also check that one of these swarm nodes answers (repeatable), as peer join would dial them.")
+@click.option("--run-id", default=None, help="With --initial-peers: the run to check when the swarm announces several.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="TCP port to check dialability on: the one peer join will listen on (0: any free port).")
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="With --initial-peers: peer join's data dir, whose checkpoints pick one of several runs as "
+                   "peer join does. [default: the user data dir]/locoswarm/peer")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflops, activation_checkpointing, steps,
-           initial_peers, port, as_json, verbose) -> None:
+           initial_peers, run_id, port, data_dir, as_json, verbose) -> None:
     """Check this machine before joining: device, memory, precision, the micro-batch that fits the
     run's model, tokens/s over a few real inner steps, versions; with --initial-peers, whether the
-    swarm answers, whether it can dial this machine back on --port, and the measured uplink.
+    swarm answers, whether it can dial this machine back on --port, the measured uplink, and the
+    model of the run the swarm announces (chosen as peer join chooses: --run/--preset, --run-id,
+    checkpoints in --data-dir), rather than the local --run/--preset or the default.
 
     Exits 0 when this peer can contribute, 78 when it cannot, 69 when only the swarm did not
     answer (each problem says what to do).
@@ -323,15 +337,20 @@ def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflop
     import json
 
     from peer.doctor import DoctorReport, check_swarm, diagnose, render
+    from peer.run_choice import checkpointed_runs
 
     configure_logging(verbose)
     try:
-        manifest = resolve_run(run_file, preset) or PRESETS["default"]()
+        local = resolve_run(run_file, preset)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
+    manifest = local or PRESETS["default"]()
     report = DoctorReport()
-    if initial_peers:
-        check_swarm(report, initial_peers, port=port)  # first: the DHT forks before CUDA is touched
+    if initial_peers:  # first: the DHT forks before CUDA is touched
+        flag = f"--run {run_file}" if run_file is not None else f"--preset {preset}"
+        run = check_swarm(report, initial_peers, port=port, local=local, local_flag=flag, run_id=run_id,
+                          checkpoints=checkpointed_runs(data_dir or default_data_dir()))
+        manifest = run or manifest
     report = diagnose(manifest, device=device, precision=precision, compile=compile_, max_memory_gib=max_memory,
                       peak_tflops=peak_tflops, activation_checkpointing=activation_checkpointing, steps=steps,
                       report=report)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, cast
@@ -89,7 +89,9 @@ UPLINK_LOW_MBIT_S = 5.0
 
 
 def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str = "0.0.0.0", port: int = 0,
-                timeout_s: float = 20.0) -> None:
+                timeout_s: float = 20.0, local: RunManifest | None = None, local_flag: str = "--run/--preset",
+                run_id: str | None = None, checkpoints: Set[str] = frozenset(),
+                announce_wait_s: float = 5.0) -> RunManifest | None:
     """What the swarm sees of this machine: starts a DHT node listening on ``host:port`` (as ``peer
     join`` would, with a throwaway identity, so a peer running here keeps its own), then
 
@@ -97,7 +99,13 @@ def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str
       ``swarm_connect_s``);
     * whether they can dial this node back (``reachability``: 'reachable', 'unreachable' or
       'unknown', ``reachability_line``; peer/reachability.py ``check``);
-    * the uplink to them (``uplink_mbit_s``, ``uplink_bytes``, ``uplink_s``; peer/net/uplink.py).
+    * the uplink to them (``uplink_mbit_s``, ``uplink_bytes``, ``uplink_s``; peer/net/uplink.py);
+    * the run ``peer join`` would train there (:func:`swarm_run`, with ``local``, ``run_id`` and
+      ``checkpoints`` as ``peer join``'s ``--run``/``--preset``, ``--run-id`` and data dir).
+
+    Returns:
+        The manifest of that run, for :func:`diagnose` to size; None when the swarm did not answer
+        or no run could be chosen (``report.problems`` says why; ``local`` is then sized).
 
     Results go to ``report.facts``. No answer from the swarm goes to ``report.network_problems`` with
     what to do; a peer nobody can dial, or a slow uplink, still contributes (client mode, relayed):
@@ -118,7 +126,7 @@ def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str
             report.facts["swarm"] = "unreachable"
             report.network_problems.append(f"{exc}; check the address and that its node runs, and that this "
                                            "machine may open outbound TCP connections")
-            return
+            return None
         try:
             report.facts.update(swarm="answered", swarm_connect_s=round(time.monotonic() - start, 2))
             verdict = reachability.check(dht, initial_peers)
@@ -133,8 +141,62 @@ def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str
             if probe.mbit_per_s is not None and probe.mbit_per_s < UPLINK_LOW_MBIT_S:
                 notes.append(f"uplink {probe.mbit_per_s:.1f} Mbit/s: each sync will take long; a lossy codec "
                              "(run manifest [compression]) or a larger H moves fewer bytes per token")
+            return swarm_run(report, dht, local=local, local_flag=local_flag, run_id=run_id,
+                             checkpoints=checkpoints, wait_s=announce_wait_s)
         finally:
             dht.shutdown()
+
+
+def swarm_run(report: DoctorReport, dht, *, local: RunManifest | None = None, local_flag: str = "--run/--preset",
+              run_id: str | None = None, checkpoints: Set[str] = frozenset(),
+              wait_s: float = 5.0) -> RunManifest | None:
+    """The run ``peer join`` would train in the swarm ``dht`` is part of: its validly signed
+    announced runs (read for up to ``wait_s`` while none is found), chosen as ``peer join`` chooses
+    (peer/run_choice.py). Sets ``report.facts["swarm_run"]`` (run id, name, and whether this peer
+    would start it); a choice ``peer join`` would refuse goes to ``report.problems`` with its
+    message, as does a run whose ``data.path`` a joiner refuses.
+
+    Returns:
+        The chosen manifest (``local`` when this peer would start it), or None: no run to size
+        (the swarm announces none and none is given, or the choice failed).
+    """
+    from peer.net import dht as swarm_dht
+    from peer.run_choice import choose_run
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            announced = {rid: s.manifest for rid, s in swarm_dht.list_announced(dht).items()}
+        except NetworkError:
+            announced = {}
+        if announced or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    try:
+        chosen = choose_run(announced, local=local, local_flag=local_flag, run_id=run_id, checkpoints=checkpoints)
+        if chosen is None or (chosen not in announced and local is not None and chosen == local.run_id):
+            assert local is not None
+            report.facts["swarm_run"] = {"run_id": local.run_id, "name": local.name, "announced": False}
+            report.facts.setdefault("network_notes", []).append(
+                f"the swarm does not announce {local_flag} ({local.name!r}): peer join would start it as a new run")
+            return local
+        manifest = announced[chosen] if chosen in announced else swarm_dht.fetch_manifest(
+            dht, chosen, allow_data_path=True)
+    except LocoError as exc:  # RunChoiceNeeded, ManifestNotFound, ManifestError
+        report.facts["swarm_run"] = None
+        report.problems.append(f"{exc} (peer join would stop here too)")
+        return None
+    report.facts["swarm_run"] = {"run_id": manifest.run_id, "name": manifest.name, "announced": True}
+    if local is None or not manifest.same_content(local):
+        try:
+            swarm_dht.refuse_local_data_path(manifest)
+        except ConfigError as exc:
+            report.problems.append(str(exc))
+    if manifest.data.source != "python-stdlib" and not manifest.data.path:
+        report.facts.setdefault("network_notes", []).append(
+            f"run {manifest.run_id} names its corpus by content (data.corpus_sha256 = {manifest.data.corpus_sha256}): "
+            "peer join needs --data PATH pointing at your copy of it")
+    return manifest
 
 
 def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "auto", compile: bool | None = None,
@@ -179,7 +241,11 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
             torch.cuda.synchronize(placement.device)
         seconds = time.perf_counter() - start
     except LocoError as exc:
-        report.problems.append(str(exc))
+        report.problems.append(f"{exc}; {fit_advice(manifest, placement.device.type, activation_checkpointing)}")
+        return report
+    except torch.OutOfMemoryError:
+        report.problems.append(f"run {manifest.name!r} ({n:,} parameters) ran out of memory on {placement.device}; "
+                               f"{fit_advice(manifest, placement.device.type, activation_checkpointing)}")
         return report
     finally:
         loop.close()
@@ -194,10 +260,31 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
     return report
 
 
+def fit_advice(manifest: RunManifest, device_type: str, activation_checkpointing: bool) -> str:
+    """What to change so that ``manifest``'s model fits this peer, as one clause."""
+    ways = []
+    if not activation_checkpointing:
+        ways.append("--activation-checkpointing (recompute activations: a larger micro-batch fits)")
+    if device_type == "cuda":
+        ways += ["peer join --micro-batch 1",
+                 ("a larger --max-memory, or a card with more memory (--device cuda:N, or a list "
+                  "of cards to train data-parallel)")]
+    else:
+        ways.append("a CUDA card (--device cuda), or close other programs to free memory")
+    return (f"to train run {manifest.name!r} ({manifest.model.num_layers} layers, hidden {manifest.model.hidden_size}, "
+            f"seq_len {manifest.data.seq_len_tokens}) here, try " + "; ".join(ways)
+            + "; else join a swarm of a smaller run")
+
+
 def render(report: DoctorReport) -> list[str]:
     """The report as lines for a person: one fact per line, then each problem with what to do."""
     f = report.facts
     lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in f.get("versions", {}).items())]
+    run = f.get("swarm_run")
+    if run:
+        lines.append(f"swarm run: {run['name']} (run id {run['run_id']}), "
+                     + ("the run the swarm announces: its model is sized below" if run.get("announced")
+                        else "not announced by the swarm (peer join would start it): its model is sized below"))
     if "device" in f:
         memory = f"{f['device_memory_gib']:.1f} GiB" if f.get("device_memory_gib") is not None else "shared with the system"
         cap = f"compute capability {f['compute_capability']}" if f.get("compute_capability") else "no compute capability"

@@ -6,7 +6,11 @@ with the launcher (PR_SET_PDEATHSIG). Whatever is still alive at the end is kill
 group, which takes the children's DHT, averager and p2pd processes with it: no orphans.
 
 The run's data is read once here before any process starts (a bad path fails in seconds, and the
-peers find the token cache filled). When a peer fails, the others are stopped and the launcher
+peers find the token cache filled). A corpus on this machine (``--data PATH``, or the run file's
+``data.path``) never travels: the bootstrap node announces the run with its corpus named by content
+(``data.path = ""``, ``data.corpus_sha256`` of the copy read here) and each peer, a process of this
+launcher on this machine, is told the path (``peer join --data PATH``). A peer joining over the
+network from elsewhere passes its own copy the same way; a remote ``data.path`` stays refused. When a peer fails, the others are stopped and the launcher
 exits with that peer's exit code and prints its one-line reason. A temporary working directory
 (no ``--workdir``) is removed at the end unless ``keep`` is set or a peer failed (its logs stay,
 and the launcher says where).
@@ -14,6 +18,7 @@ and the launcher says where).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -31,7 +36,7 @@ from peer.events import Event
 from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
 from peer.reporting import format_bytes, round_line
 from peer.train.cache import default_cache_dir
-from protocol.errors import ChildExited, ChildTimeout, NetworkError
+from protocol.errors import ChildExited, ChildTimeout, ConfigError, NetworkError
 from protocol.manifest import RunManifest, dump_toml
 
 STOP_GRACE_S = 60.0
@@ -54,6 +59,9 @@ class SwarmConfig:
     bootstrap_timeout_s: float = 60.0
     device: str = "auto"
     """Every peer's ``--device`` (a per-peer fact, not in the manifest)."""
+    data_path: Path | None = None
+    """The corpus on this machine every peer reads (``peer join --data``); None: the run's own
+    ``data.path`` (a run file's), or none (python-stdlib). :func:`with_swarm_data` sets it."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 1:
@@ -110,6 +118,8 @@ class Swarm:
                  "--device", self.cfg.device]
         if stages > 1:
             extra += ["--stage", str(index % stages)]
+        if self.cfg.data_path is not None:  # this machine's corpus, given to its own processes only
+            extra += ["--data", str(self.cfg.data_path)]
         self._start(f"peer-{index}", peer_argv(data_dir=self.workdir / f"peer-{index}", initial_peers=initial_peers,
                                                extra=extra), watched=True)
 
@@ -170,15 +180,84 @@ def remove_stale_sockets(since: float, pattern: str = HIVEMIND_SOCKETS) -> int:
     return removed
 
 
-def check_data(manifest: RunManifest) -> None:
+def check_data(manifest: RunManifest):
     """Read (and cache the tokens of) the run's data, as every peer will, before any process starts.
+
+    Returns:
+        The corpus (peer/train/data.py ``Corpus``).
 
     Raises:
         ConfigError: the data is missing or is not what the run pins (peer/train/data.py).
     """
     from peer.train.data import load_corpus
 
-    load_corpus(manifest.data, cache_dir=default_cache_dir())
+    return load_corpus(manifest.data, cache_dir=default_cache_dir())
+
+
+def check_data_path(data_path: Path | None) -> None:
+    """Refuse a ``--data`` path that does not exist, with one line naming it, before anything starts.
+
+    Raises:
+        ConfigError: ``data_path`` does not exist.
+    """
+    if data_path is not None and not Path(data_path).exists():
+        raise ConfigError(f"--data {str(data_path)!r}: no such file or directory; point --data at the corpus "
+                          "(a file or directory of text, .jsonl or .parquet) the local swarm should train on")
+
+
+def source_of(path: Path) -> str:
+    """The ``data.source`` a corpus at ``path`` is read as when the run names none (python-stdlib):
+    'jsonl' or 'parquet' for such a file or a directory holding only such files, else 'files'."""
+    for kind in ("jsonl", "parquet"):
+        if path.is_file() and path.suffix == f".{kind}":
+            return kind
+        if path.is_dir():
+            names = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+            if names and all(p.suffix == f".{kind}" for p in names):
+                return kind
+    return "files"
+
+
+def with_swarm_data(cfg: SwarmConfig) -> tuple[SwarmConfig, Any]:
+    """Read the run's corpus here, once, and say how the swarm trains on it.
+
+    A corpus on this machine (``cfg.data_path``, else the run's ``data.path``) is announced by content:
+    the returned config's manifest has ``data.path = ""`` and (unless the run pins them already) the
+    copy's ``corpus_sha256`` and ``corpus_bytes``, and its ``data_path`` is the absolute path each local peer gets as ``--data``.
+    A run without a path (python-stdlib) is returned as it is. With ``--data`` and a python-stdlib run
+    (a preset), the corpus replaces the standard library (``data.source`` from :func:`source_of`).
+
+    Returns:
+        ``(cfg, corpus)``: the config to run, the corpus read.
+
+    Raises:
+        ConfigError: ``--data`` does not exist; the run names its corpus by content and no ``--data``
+            was given; the corpus is unreadable or not the one the run pins.
+    """
+    from peer.train.data import with_local_data
+
+    manifest = cfg.manifest
+    check_data_path(cfg.data_path)
+    run = f"run {manifest.run_id} ({manifest.name})"
+    data = manifest.data
+    if cfg.data_path is not None:
+        path = Path(cfg.data_path).expanduser().resolve()
+        source = source_of(path) if data.source == "python-stdlib" else data.source
+        data = dataclasses.replace(data, source=source, path=str(path))
+    else:
+        data = with_local_data(data, None, run=run)  # a run named by content needs --data
+        if data.path:
+            path = Path(data.path).expanduser().resolve()
+            check_data_path(path)
+            data = dataclasses.replace(data, path=str(path))
+    corpus = check_data(manifest.replace(data=dataclasses.asdict(data)))
+    if not data.path:  # python-stdlib: every peer reads its own, nothing to pass
+        return cfg, corpus
+    pinned = {"path": "", "source": data.source}
+    if not manifest.data.corpus_sha256:  # a run file that pins its corpus keeps its run id
+        pinned.update(corpus_sha256=corpus.corpus_sha256, corpus_bytes=corpus.corpus_bytes)
+    announced = manifest.replace(data=pinned)
+    return dataclasses.replace(cfg, manifest=announced, data_path=Path(data.path)), corpus
 
 
 def run_swarm(cfg: SwarmConfig) -> int:
@@ -192,9 +271,15 @@ def run_swarm(cfg: SwarmConfig) -> int:
     from rich.console import Console
 
     console = Console(stderr=False, soft_wrap=True)
+    check_data_path(cfg.data_path)  # a missing --data: one line, before anything starts
     console.print(f"local swarm: reading the data of run {cfg.manifest.run_id} ({cfg.manifest.name})",
                   markup=False, highlight=False)
-    check_data(cfg.manifest)
+    cfg, corpus = with_swarm_data(cfg)
+    if cfg.data_path is not None:
+        console.print(f"local swarm: the peers train on {cfg.data_path} ({corpus.train_files:,} + "
+                      f"{corpus.validation_files:,} documents, {corpus.corpus_bytes:,} bytes; each peer gets --data); "
+                      f"the run is announced by content as run {cfg.manifest.run_id} "
+                      f"(data.corpus_sha256 = {corpus.corpus_sha256})", markup=False, highlight=False)
     temporary = cfg.workdir is None
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
