@@ -57,14 +57,23 @@ def _joins(honest, data_dir: Path, holder_dir: Path) -> list[tuple[str, types.Si
     content = honest.manifest.with_owner("")
 
     def cfg(**kw):
-        base = dict(new_run=None, manifest_wait_s=0.0, run_flag="--run compare.toml", run_id=None,
-                    start_new_run=False, data_dir=data_dir, owner_key_path=None)
+        base = dict(
+            new_run=None,
+            manifest_wait_s=0.0,
+            run_flag="--run compare.toml",
+            run_id=None,
+            start_new_run=False,
+            data_dir=data_dir,
+            owner_key_path=None,
+        )
         return types.SimpleNamespace(**{**base, **kw})
 
-    return [("--run-id (given by the owner)", cfg(run_id=honest.run_id)),
-            ("plain join", cfg()),
-            ("--run FILE (the run's content, no owner)", cfg(new_run=content)),
-            ("plain join, holds a checkpoint of the run", cfg(data_dir=holder_dir))]
+    return [
+        ("--run-id (given by the owner)", cfg(run_id=honest.run_id)),
+        ("plain join", cfg()),
+        ("--run FILE (the run's content, no owner)", cfg(new_run=content)),
+        ("plain join, holds a checkpoint of the run", cfg(data_dir=holder_dir)),
+    ]
 
 
 def announcement_attack(manifest: RunManifest, *, malicious: int) -> list[dict]:
@@ -108,8 +117,15 @@ def announcement_attack(manifest: RunManifest, *, malicious: int) -> list[dict]:
                 else:
                     chose = "honest" if chosen.run_id == honest.run_id else "attacker"
                     outcome = f"run {chosen.run_id} ({chosen.manifest.name})"
-                out.append({"malicious": malicious, "join": join, "chose": chose, "outcome": outcome,
-                            "announcements_rejected": REJECTED.counts.get("manifest", 0) - before})
+                out.append(
+                    {
+                        "malicious": malicious,
+                        "join": join,
+                        "chose": chose,
+                        "outcome": outcome,
+                        "announcements_rejected": REJECTED.counts.get("manifest", 0) - before,
+                    }
+                )
         finally:
             for n in reversed(nodes):
                 n.shutdown()

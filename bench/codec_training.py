@@ -49,8 +49,13 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override a manifest field (TOML value), e.g. --set compression.block_size=256")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a manifest field (TOML value), e.g. --set compression.block_size=256",
+    )
     parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "data" / "codec_training.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -75,28 +80,61 @@ def main() -> None:
         if codec == "adaptive":
             compression["sync_time_budget_s"] = fp32_round / ADAPTIVE_RATIO / uplink
         m = m0.replace(compression=compression)
-        r = run_simulation(m, corpus, peers=args.peers, rounds=rounds, seed=args.seed,
-                           eval_every_rounds=bench["eval_every_rounds"], uplink_mbps=UPLINK_MBPS)
-        rows.append({"codec": codec, "loss_bpb": r.history[-1].loss_bpb, "bytes_per_peer": r.bytes_sent_per_peer,
-                     "fp32_bytes_per_peer": fp32_round * rounds, "wall_s": r.wall_s,
-                     "compression": dataclasses.asdict(m.compression),
-                     "history": [dataclasses.asdict(h) for h in r.history]})
-        print(f"{codec}: {r.history[-1].loss_bpb:.4f} bpb, {r.bytes_sent_per_peer / 1e6:.2f} MB per peer, "
-              f"{r.wall_s:.0f} s", flush=True)
-        args.json.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "rounds": rounds,
-                                         "overrides": args.set,
-                                         "peers": args.peers, "seed": args.seed, "threads": args.threads,
-                                         "tokens": r.history[-1].tokens, "runs": rows}, indent=1) + "\n")
+        r = run_simulation(
+            m,
+            corpus,
+            peers=args.peers,
+            rounds=rounds,
+            seed=args.seed,
+            eval_every_rounds=bench["eval_every_rounds"],
+            uplink_mbps=UPLINK_MBPS,
+        )
+        rows.append(
+            {
+                "codec": codec,
+                "loss_bpb": r.history[-1].loss_bpb,
+                "bytes_per_peer": r.bytes_sent_per_peer,
+                "fp32_bytes_per_peer": fp32_round * rounds,
+                "wall_s": r.wall_s,
+                "compression": dataclasses.asdict(m.compression),
+                "history": [dataclasses.asdict(h) for h in r.history],
+            }
+        )
+        print(
+            f"{codec}: {r.history[-1].loss_bpb:.4f} bpb, {r.bytes_sent_per_peer / 1e6:.2f} MB per peer, "
+            f"{r.wall_s:.0f} s",
+            flush=True,
+        )
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": " ".join(["python", *sys.argv]),
+                    "rounds": rounds,
+                    "overrides": args.set,
+                    "peers": args.peers,
+                    "seed": args.seed,
+                    "threads": args.threads,
+                    "tokens": r.history[-1].tokens,
+                    "runs": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
     ref = next((r["loss_bpb"] for r in rows if r["codec"] == "none"), None)
-    print(f"\nDiLoCo, N = {args.peers}, seed {args.seed}, {rounds} rounds, {rows[-1]['history'][-1]['tokens']:,} "
-          f"tokens per run, {args.threads} thread(s), total {time.perf_counter() - start:.0f} s\n")
+    print(
+        f"\nDiLoCo, N = {args.peers}, seed {args.seed}, {rounds} rounds, {rows[-1]['history'][-1]['tokens']:,} "
+        f"tokens per run, {args.threads} thread(s), total {time.perf_counter() - start:.0f} s\n"
+    )
     print("| codec | val bpb | vs none | MB sent per peer | bytes vs fp32 | wall s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         change = "—" if ref is None or r["codec"] == "none" else f"{100 * (r['loss_bpb'] / ref - 1):+.2f} %"
-        print(f"| {r['codec']} | {r['loss_bpb']:.4f} | {change} | {r['bytes_per_peer'] / 1e6:.2f} | "
-              f"{r['fp32_bytes_per_peer'] / r['bytes_per_peer']:.1f}x fewer | {r['wall_s']:.0f} |")
+        print(
+            f"| {r['codec']} | {r['loss_bpb']:.4f} | {change} | {r['bytes_per_peer'] / 1e6:.2f} | "
+            f"{r['fp32_bytes_per_peer'] / r['bytes_per_peer']:.1f}x fewer | {r['wall_s']:.0f} |"
+        )
     print(f"\nwrote {args.json}")
 
 

@@ -101,10 +101,16 @@ def measure(name: str, tensors: list[torch.Tensor], repeats: int) -> dict:
     err = sum(float((t - d).pow(2).sum()) for t, d in zip(tensors, decoded)) ** 0.5
     norm = sum(float(t.pow(2).sum()) for t in tensors) ** 0.5
     mb = fp32_bytes / 1e6
-    return {"codec": name, "bytes": sum(map(len, encoded)), "ratio": fp32_bytes / sum(map(len, encoded)),
-            "rel_error": err / norm, "encode_mb_s": mb / encode_s, "decode_mb_s": mb / decode_s,
-            "roundtrip_mb_s": mb / (encode_s + decode_s),
-            "formats": sorted({c.resolve(s) for c, s in zip(codecs, shapes)})}
+    return {
+        "codec": name,
+        "bytes": sum(map(len, encoded)),
+        "ratio": fp32_bytes / sum(map(len, encoded)),
+        "rel_error": err / norm,
+        "encode_mb_s": mb / encode_s,
+        "decode_mb_s": mb / decode_s,
+        "roundtrip_mb_s": mb / (encode_s + decode_s),
+        "formats": sorted({c.resolve(s) for c, s in zip(codecs, shapes)}),
+    }
 
 
 def print_table(title: str, rows: list[dict]) -> None:
@@ -112,8 +118,10 @@ def print_table(title: str, rows: list[dict]) -> None:
     print("| codec | bytes | vs fp32 | rel. error ‖x−x̂‖/‖x‖ | encode MB/s | decode MB/s | enc+dec MB/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['codec']} | {r['bytes']:,} | {r['ratio']:.1f}x | {r['rel_error']:.2e} | "
-              f"{r['encode_mb_s']:,.0f} | {r['decode_mb_s']:,.0f} | {r['roundtrip_mb_s']:,.0f} |")
+        print(
+            f"| {r['codec']} | {r['bytes']:,} | {r['ratio']:.1f}x | {r['rel_error']:.2e} | "
+            f"{r['encode_mb_s']:,.0f} | {r['decode_mb_s']:,.0f} | {r['roundtrip_mb_s']:,.0f} |"
+        )
 
 
 def main() -> None:
@@ -121,29 +129,42 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats; the best is reported")
     parser.add_argument("--regenerate", action="store_true", help="retrain the real pseudo-gradient")
-    parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "codecs.json",
-                        help="where the numbers go (with the device and torch version)")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "codecs.json",
+        help="where the numbers go (with the device and torch version)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(args.threads)
     real = real_delta(args.regenerate)
-    inputs = {"(a) random normal, default-run shapes": normal_like(real),
-              "(b) real pseudo-gradient of the default run (round 4, peer 0)": real}
-    results = {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                         f"{args.threads} torch thread(s))", "torch": torch.__version__, "inputs": {}}
+    inputs = {
+        "(a) random normal, default-run shapes": normal_like(real),
+        "(b) real pseudo-gradient of the default run (round 4, peer 0)": real,
+    }
+    results = {
+        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{args.threads} torch thread(s))",
+        "torch": torch.__version__,
+        "inputs": {},
+    }
     for title, tensors in inputs.items():
         values = list(tensors.values())
         rows = [measure(name, values, args.repeats) for name in CODECS]
         results["inputs"][title] = rows
-        print_table(f"{title}: {len(values)} tensors, {sum(t.numel() for t in values):,} values, "
-                    f"{args.threads} thread(s)", rows)
+        print_table(
+            f"{title}: {len(values)} tensors, {sum(t.numel() for t in values):,} values, {args.threads} thread(s)", rows
+        )
         if "adaptive" in CODECS:
             chosen = codecs_for("adaptive", values)
             counts: dict[str, int] = {}
             for c in chosen:
                 counts[repr(c)] = counts.get(repr(c), 0) + 1
-            print("\nadaptive plan at 1/8 of the fp32 bytes, group of 4: "
-                  + ", ".join(f"{k} × {v}" for k, v in sorted(counts.items())))
+            print(
+                "\nadaptive plan at 1/8 of the fp32 bytes, group of 4: "
+                + ", ".join(f"{k} × {v}" for k, v in sorted(counts.items()))
+            )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nwritten to {args.json}")

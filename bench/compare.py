@@ -89,23 +89,28 @@ def apply_overrides(base: RunManifest, items: list[str]) -> RunManifest:
         try:
             parsed = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
-            raise ValueError(f"--set {item!r}: {value!r} is not a TOML value; a string needs quotes, "
-                             f"e.g. --set '{key.strip()}=\"{value.strip()}\"'") from None
+            raise ValueError(
+                f"--set {item!r}: {value!r} is not a TOML value; a string needs quotes, "
+                f"e.g. --set '{key.strip()}=\"{value.strip()}\"'"
+            ) from None
         sections.setdefault(section, {})[name] = parsed
     return base.replace(**sections) if sections else base
 
 
-def manifest_for(base: RunManifest, method: str, peers: int, seed: int, global_batch_tokens: int,
-                 rounds: int) -> RunManifest:
+def manifest_for(
+    base: RunManifest, method: str, peers: int, seed: int, global_batch_tokens: int, rounds: int
+) -> RunManifest:
     """The run manifest of one benchmark run: fixed global batch, seed-dependent φ_0, and the
     cosine schedule ending with the run (decay_steps = H × rounds)."""
     per_peer = global_batch_tokens // peers
     if per_peer * peers != global_batch_tokens:
         raise ValueError(f"global_batch_tokens = {global_batch_tokens} is not divisible by {peers} peers")
     algorithm = "diloco" if method == "data-parallel" else method
-    return base.replace(sync={"algorithm": algorithm}, model={"init_seed": seed},
-                        inner_optimizer={"batch_size_tokens": per_peer,
-                                         "decay_steps": base.sync.inner_steps * rounds})
+    return base.replace(
+        sync={"algorithm": algorithm},
+        model={"init_seed": seed},
+        inner_optimizer={"batch_size_tokens": per_peer, "decay_steps": base.sync.inner_steps * rounds},
+    )
 
 
 def corpus_or_exit(parser: argparse.ArgumentParser, data: DataSpec, config: Path | str) -> Corpus:
@@ -126,12 +131,15 @@ def corpus_or_exit(parser: argparse.ArgumentParser, data: DataSpec, config: Path
     try:
         return load_corpus(data)
     except ConfigError as exc:
-        parser.exit(ConfigError.exit_code, f"{parser.prog}: {exc} (the header of {config} says how its "
-                                           "corpus is made)\n")
+        parser.exit(
+            ConfigError.exit_code, f"{parser.prog}: {exc} (the header of {config} says how its corpus is made)\n"
+        )
 
 
-GLOBAL_BATCH_HINT = ("give --global-batch (or bench.global_batch_tokens) a positive multiple of every --peers "
-                     "value, each peer's share a whole number of sequences")
+GLOBAL_BATCH_HINT = (
+    "give --global-batch (or bench.global_batch_tokens) a positive multiple of every --peers "
+    "value, each peer's share a whole number of sequences"
+)
 
 
 def check_global_batch(base: RunManifest, global_batch_tokens: int, peer_counts: list[int], rounds: int) -> None:
@@ -158,9 +166,17 @@ def fmt(x: float | None, spec: str) -> str:
 
 def row(r: SimulationResult) -> list[str]:
     h = r.history[-1]
-    return [r.method, str(r.peers), str(r.seed), f"{h.loss_bpb:.4f}", fmt(h.replica_mean_bpb, ".4f"),
-            fmt(h.averaged_bpb if r.method in ("noloco", "independent") else None, ".4f"), f"{h.sigma:.2e}",
-            f"{r.bytes_sent_per_peer / 1e6:.1f}", f"{r.wall_s:.0f}"]
+    return [
+        r.method,
+        str(r.peers),
+        str(r.seed),
+        f"{h.loss_bpb:.4f}",
+        fmt(h.replica_mean_bpb, ".4f"),
+        fmt(h.averaged_bpb if r.method in ("noloco", "independent") else None, ".4f"),
+        f"{h.sigma:.2e}",
+        f"{r.bytes_sent_per_peer / 1e6:.1f}",
+        f"{r.wall_s:.0f}",
+    ]
 
 
 def print_table(header: list[str], rows: list[list[str]]) -> None:
@@ -181,16 +197,21 @@ def summarize(results: list[SimulationResult]) -> list[dict]:
             values = [v for v in values if v is not None]
             return statistics.fmean(values) if values else None
 
-        out.append({
-            "method": method, "peers": peers, "seeds": len(rs),
-            "loss_bpb": mean([r.history[-1].loss_bpb for r in rs]),
-            "loss_bpb_seed_range": max(r.history[-1].loss_bpb for r in rs) - min(r.history[-1].loss_bpb for r in rs),
-            "replica_mean_bpb": mean([r.history[-1].replica_mean_bpb for r in rs]),
-            "averaged_bpb": mean([r.history[-1].averaged_bpb for r in rs]),
-            "sigma": mean([r.history[-1].sigma for r in rs]),
-            "mb_sent_per_peer": mean([r.bytes_sent_per_peer / 1e6 for r in rs]),
-            "wall_s": mean([r.wall_s for r in rs]),
-        })
+        out.append(
+            {
+                "method": method,
+                "peers": peers,
+                "seeds": len(rs),
+                "loss_bpb": mean([r.history[-1].loss_bpb for r in rs]),
+                "loss_bpb_seed_range": max(r.history[-1].loss_bpb for r in rs)
+                - min(r.history[-1].loss_bpb for r in rs),
+                "replica_mean_bpb": mean([r.history[-1].replica_mean_bpb for r in rs]),
+                "averaged_bpb": mean([r.history[-1].averaged_bpb for r in rs]),
+                "sigma": mean([r.history[-1].sigma for r in rs]),
+                "mb_sent_per_peer": mean([r.bytes_sent_per_peer / 1e6 for r in rs]),
+                "wall_s": mean([r.wall_s for r in rs]),
+            }
+        )
     dp = {s["peers"]: s["loss_bpb"] for s in out if s["method"] == "data-parallel"}
     for s in out:
         s["vs_data_parallel_pct"] = 100 * (s["loss_bpb"] / dp[s["peers"]] - 1) if s["peers"] in dp else None
@@ -233,12 +254,22 @@ def outer_of(m: RunManifest, method: str) -> dict:
     """The outer optimizer of one method, named exactly (issue #15: Nesterov or heavy-ball, lr, μ)."""
     if method == "diloco":
         o = m.outer_optimizer
-        return {"kind": "Nesterov" if o.nesterov else "heavy-ball", "lr": o.lr, "momentum": o.momentum,
-                "inner_steps": m.sync.inner_steps}
+        return {
+            "kind": "Nesterov" if o.nesterov else "heavy-ball",
+            "lr": o.lr,
+            "momentum": o.momentum,
+            "inner_steps": m.sync.inner_steps,
+        }
     if method == "noloco":
         n = m.noloco
-        return {"kind": "heavy-ball + pull", "lr": n.lr, "momentum": n.momentum, "pull": n.pull,
-                "group_size": n.group_size, "inner_steps": m.sync.inner_steps}
+        return {
+            "kind": "heavy-ball + pull",
+            "lr": n.lr,
+            "momentum": n.momentum,
+            "pull": n.pull,
+            "group_size": n.group_size,
+            "inner_steps": m.sync.inner_steps,
+        }
     return {}
 
 
@@ -247,16 +278,30 @@ def results_record(results: list[SimulationResult], scale: str, base: RunManifes
     out = []
     for s in summarize(results):
         rs = sorted((r for r in results if r.peers == s["peers"] and r.method == s["method"]), key=lambda r: r.seed)
-        out.append({"method": s["method"], "peers": s["peers"], "seeds": [r.seed for r in rs],
-                    "source": "engine" if all(isinstance(r, EngineResult) for r in rs) else "simulation",
-                    "final_bpb": s["loss_bpb"], "final_bpb_per_seed": [r.history[-1].loss_bpb for r in rs],
-                    "vs_data_parallel_pct": s["vs_data_parallel_pct"], "outer": outer_of(base, s["method"])})
+        out.append(
+            {
+                "method": s["method"],
+                "peers": s["peers"],
+                "seeds": [r.seed for r in rs],
+                "source": "engine" if all(isinstance(r, EngineResult) for r in rs) else "simulation",
+                "final_bpb": s["loss_bpb"],
+                "final_bpb_per_seed": [r.history[-1].loss_bpb for r in rs],
+                "vs_data_parallel_pct": s["vs_data_parallel_pct"],
+                "outer": outer_of(base, s["method"]),
+            }
+        )
     spec = base.inner_optimizer
     inner = {"kind": spec.kind, "lr": spec.lr}
     if spec.kind == "muon":
         inner["muon_lr_ratio"] = spec.muon_lr_ratio
-    return {"scale": scale, "device": device, "params": results[0].parameters,
-            "tokens_per_run": results[0].history[-1].tokens, "inner": inner, "results": out}
+    return {
+        "scale": scale,
+        "device": device,
+        "params": results[0].parameters,
+        "tokens_per_run": results[0].history[-1].tokens,
+        "inner": inner,
+        "results": out,
+    }
 
 
 def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) -> None:
@@ -273,13 +318,28 @@ def engine_runs(m: RunManifest, method: str) -> bool:
     """Whether ``method`` of run ``m`` runs on the round engine (lab/engine_sim.py): a method with a
     round loop, synced blocking (overlap's landings depend on threads' timing) without a lossy codec
     (the in-process hub averages in plain fp32)."""
-    return (method != "data-parallel" and m.sync.overlap == "none" and m.compression.codec == "none"
-            and m.compression.phi_codec == "none")
+    return (
+        method != "data-parallel"
+        and m.sync.overlap == "none"
+        and m.compression.codec == "none"
+        and m.compression.phi_codec == "none"
+    )
 
 
-def _one(base: RunManifest, method: str, peers: int, seed: int, bench: dict, rounds: int, threads: int,
-         corpus=None, device: str = "cpu", progress: Path | None = None,
-         compile: bool | None = None, runner: str = "engine") -> SimulationResult:
+def _one(
+    base: RunManifest,
+    method: str,
+    peers: int,
+    seed: int,
+    bench: dict,
+    rounds: int,
+    threads: int,
+    corpus=None,
+    device: str = "cpu",
+    progress: Path | None = None,
+    compile: bool | None = None,
+    runner: str = "engine",
+) -> SimulationResult:
     torch.set_num_threads(threads)
     # many simulations compile at once: one compile thread each (inductor's default is one per core)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
@@ -288,12 +348,29 @@ def _one(base: RunManifest, method: str, peers: int, seed: int, bench: dict, rou
     on_eval = None if progress is None else functools.partial(_progress, progress, method, peers, seed)
     corpus = corpus if corpus is not None else load_corpus(base.data)
     if runner == "engine" and engine_runs(m, method):
-        return run_engine_simulation(m, corpus, peers=peers, rounds=rounds, seed=seed,
-                                     eval_every_rounds=bench["eval_every_rounds"], placement=placement, on_eval=on_eval)
-    return run_simulation(m, corpus, peers=peers, rounds=rounds,
-                          seed=seed, data_parallel=method == "data-parallel", eval_every_rounds=bench["eval_every_rounds"],
-                          device=placement.device, precision=placement.precision, compile=placement.compile,
-                          on_eval=on_eval)
+        return run_engine_simulation(
+            m,
+            corpus,
+            peers=peers,
+            rounds=rounds,
+            seed=seed,
+            eval_every_rounds=bench["eval_every_rounds"],
+            placement=placement,
+            on_eval=on_eval,
+        )
+    return run_simulation(
+        m,
+        corpus,
+        peers=peers,
+        rounds=rounds,
+        seed=seed,
+        data_parallel=method == "data-parallel",
+        eval_every_rounds=bench["eval_every_rounds"],
+        device=placement.device,
+        precision=placement.precision,
+        compile=placement.compile,
+        on_eval=on_eval,
+    )
 
 
 def _one_of(task: tuple) -> SimulationResult:
@@ -311,30 +388,55 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per simulation")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (separate processes)")
     parser.add_argument("--device", default="cpu", help="where the replicas train: cpu, cuda, cuda:N, auto")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the replicas (default: on CUDA, as peer join)")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the replicas (default: on CUDA, as peer join)",
+    )
     parser.add_argument("--rounds", type=int, help="override bench.rounds (quick trials)")
     parser.add_argument("--seeds", type=int, nargs="+", help="override bench.seeds")
     parser.add_argument("--peers", type=int, nargs="+", help="override bench.peers")
-    parser.add_argument("--global-batch", type=int, default=None, metavar="TOKENS",
-                        help="override bench.global_batch_tokens (tokens per inner step, all peers together)")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="override bench.global_batch_tokens (tokens per inner step, all peers together)",
+    )
     parser.add_argument("--methods", nargs="+", choices=list(LABELS), help="override bench.methods")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override a manifest field (TOML value), e.g. --set outer_optimizer.lr=1.0")
-    parser.add_argument("--results", type=Path, default=None, metavar="PATH",
-                        help="where the finals go (default bench/results/compare-<bench.scale>.json, the recorded "
-                             "results: give trials their own path)")
-    parser.add_argument("--runner", choices=RUNNERS, default="engine",
-                        help="engine: DiLoCo, NoLoCo and independent on N real round loops (data-parallel and what the "
-                             "engine does not run in the simulation); simulation: every method in lab/simulation.py")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a manifest field (TOML value), e.g. --set outer_optimizer.lr=1.0",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="where the finals go (default bench/results/compare-<bench.scale>.json, the recorded "
+        "results: give trials their own path)",
+    )
+    parser.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="engine",
+        help="engine: DiLoCo, NoLoCo and independent on N real round loops (data-parallel and what the "
+        "engine does not run in the simulation); simulation: every method in lab/simulation.py",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip compare_loss.png (no matplotlib needed)")
     args = parser.parse_args()
     if not args.no_plot:  # the plot is drawn after every run: a missing matplotlib must stop us before them
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("matplotlib is not installed, and the loss plot at the end needs it: "
-                         "pip install -e '.[bench]', or pass --no-plot")
+            parser.error(
+                "matplotlib is not installed, and the loss plot at the end needs it: "
+                "pip install -e '.[bench]', or pass --no-plot"
+            )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     torch.set_num_threads(args.threads)
 
@@ -361,12 +463,16 @@ def main() -> None:
     scale = bench.get("scale", "cpu")
     placement, _ = place(args.device, compile=args.compile)
     if placement.device.type == "cuda":
-        device = (f"{placement.info.name} ({placement.precision.name} autocast, "
-                  f"{'compiled' if placement.compile else 'eager'}), torch {torch.__version__}, "
-                  f"{args.jobs} simulation(s) at once sharing the card")
+        device = (
+            f"{placement.info.name} ({placement.precision.name} autocast, "
+            f"{'compiled' if placement.compile else 'eager'}), torch {torch.__version__}, "
+            f"{args.jobs} simulation(s) at once sharing the card"
+        )
     else:
-        device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
-                  f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each")
+        device = (
+            f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
+            f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each"
+        )
     corpus = corpus_or_exit(parser, base.data, args.config)
     final = args.results or Path(__file__).with_name("results") / f"compare-{scale}.json"
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -376,24 +482,61 @@ def main() -> None:
     work = [(method, peers, seed) for peers in peer_counts for seed in seeds for method in methods]
     if args.jobs > 1:
         pool = multiprocessing.get_context("spawn").Pool(args.jobs)
-        done = pool.imap_unordered(_one_of, [(base, method, peers, seed, bench, rounds, args.threads, None,
-                                              args.device, progress, args.compile, args.runner)
-                                             for method, peers, seed in work])
+        done = pool.imap_unordered(
+            _one_of,
+            [
+                (
+                    base,
+                    method,
+                    peers,
+                    seed,
+                    bench,
+                    rounds,
+                    args.threads,
+                    None,
+                    args.device,
+                    progress,
+                    args.compile,
+                    args.runner,
+                )
+                for method, peers, seed in work
+            ],
+        )
     else:
         pool = None
-        done = (_one(base, method, peers, seed, bench, rounds, args.threads, corpus, args.device, progress,
-                     args.compile, args.runner) for method, peers, seed in work)
+        done = (
+            _one(
+                base,
+                method,
+                peers,
+                seed,
+                bench,
+                rounds,
+                args.threads,
+                corpus,
+                args.device,
+                progress,
+                args.compile,
+                args.runner,
+            )
+            for method, peers, seed in work
+        )
     try:
         for r in done:
             results.append(r)
             print(" | ".join(row(r)), flush=True)
             record = {
                 "command": " ".join(["python", *sys.argv]),
-                "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds, "seeds": seeds,
-                                                       "peers": peer_counts, "methods": methods}},
-                "overrides": args.set, "threads": args.threads, "tokens_per_run": r.history[-1].tokens,
+                "config": {
+                    **base.to_dict(),
+                    "bench": {**bench, "rounds": rounds, "seeds": seeds, "peers": peer_counts, "methods": methods},
+                },
+                "overrides": args.set,
+                "threads": args.threads,
+                "tokens_per_run": r.history[-1].tokens,
                 "wall_s_total": time.perf_counter() - start,
-                "summary": summarize(results), "runs": [x.to_dict() for x in results],
+                "summary": summarize(results),
+                "runs": [x.to_dict() for x in results],
             }
             json_path.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
             final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
@@ -407,18 +550,36 @@ def main() -> None:
     print()
     print_table(header, [row(r) for r in results])
     summary = summarize(results)
-    print("Mean over seeds (val bpb: the one model for data-parallel and DiLoCo, the replica mean for "
-          "NoLoCo and independent):")
-    print_table(["method", "N", "val bpb", "vs DP", "replica-mean", "avg weights", "σ", "MB sent/peer", "wall s"], [
-        [LABELS[s["method"]], str(s["peers"]), f"{s['loss_bpb']:.4f}", f"{s['vs_data_parallel_pct']:+.1f} %"
-         if s["vs_data_parallel_pct"] is not None else "—", fmt(s["replica_mean_bpb"], ".4f"),
-         fmt(s["averaged_bpb"] if s["method"] in ("noloco", "independent") else None, ".4f"),
-         f"{s['sigma']:.2e}", f"{s['mb_sent_per_peer']:.1f}", f"{s['wall_s']:.0f}"] for s in summary])
+    print(
+        "Mean over seeds (val bpb: the one model for data-parallel and DiLoCo, the replica mean for "
+        "NoLoCo and independent):"
+    )
+    print_table(
+        ["method", "N", "val bpb", "vs DP", "replica-mean", "avg weights", "σ", "MB sent/peer", "wall s"],
+        [
+            [
+                LABELS[s["method"]],
+                str(s["peers"]),
+                f"{s['loss_bpb']:.4f}",
+                f"{s['vs_data_parallel_pct']:+.1f} %" if s["vs_data_parallel_pct"] is not None else "—",
+                fmt(s["replica_mean_bpb"], ".4f"),
+                fmt(s["averaged_bpb"] if s["method"] in ("noloco", "independent") else None, ".4f"),
+                f"{s['sigma']:.2e}",
+                f"{s['mb_sent_per_peer']:.1f}",
+                f"{s['wall_s']:.0f}",
+            ]
+            for s in summary
+        ],
+    )
     tokens = results[-1].history[-1].tokens
     if not args.no_plot:
-        plot(results, png_path, f"{base.model.hidden_size}-wide {base.model.num_layers}-layer Llama "
-             f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
-             f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens")
+        plot(
+            results,
+            png_path,
+            f"{base.model.hidden_size}-wide {base.model.num_layers}-layer Llama "
+            f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
+            f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens",
+        )
     final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
     wrote = f"{json_path}, {final}" + ("" if args.no_plot else f" and {png_path}")
     print(f"wrote {wrote}; total wall {time.perf_counter() - start:.0f} s")
@@ -428,5 +589,7 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as exc:
-        sys.exit(f"stopped ({exc or 'Ctrl-C'}): the runs that ended are in bench/results and the output directory, "
-                 "every evaluation so far in compare_progress.jsonl")
+        sys.exit(
+            f"stopped ({exc or 'Ctrl-C'}): the runs that ended are in bench/results and the output directory, "
+            "every evaluation so far in compare_progress.jsonl"
+        )

@@ -46,25 +46,47 @@ def main() -> int:
     args = parser.parse_args()
 
     plan = [(t, args.messages) for t in decoders()] + [
-        (t, max(1, int(HANDLER_MESSAGES.get(t.name, 10_000) * args.scale))) for t in handlers()]
+        (t, max(1, int(HANDLER_MESSAGES.get(t.name, 10_000) * args.scale))) for t in handlers()
+    ]
     if args.only:
         plan = [(t, n) for t, n in plan if args.only in t.name]
     rows = []
     print(f"{'target':<46} {'messages':>9} {'crashes':>7} {'hangs':>5} {'refused':>8} {'mem MB':>7} {'s':>6}")
     for target, count in plan:
         result, seconds = fuzz.timed(target, count)
-        rows.append({"target": result.target, "messages": result.messages, "crashes": result.crashes,
-                     "hangs": result.hangs, "memory_growth_mb": result.memory_growth_mb,
-                     "refused": result.refused, "seconds": round(seconds, 1)})
-        print(f"{result.target:<46} {result.messages:>9,} {result.crashes:>7} {result.hangs:>5} "
-              f"{result.refused:>8,} {result.memory_growth_mb:>7.1f} {seconds:>6.0f}"
-              + (f"  first crash: {result.first_crash}" if result.first_crash else ""), flush=True)
+        rows.append(
+            {
+                "target": result.target,
+                "messages": result.messages,
+                "crashes": result.crashes,
+                "hangs": result.hangs,
+                "memory_growth_mb": result.memory_growth_mb,
+                "refused": result.refused,
+                "seconds": round(seconds, 1),
+            }
+        )
+        print(
+            f"{result.target:<46} {result.messages:>9,} {result.crashes:>7} {result.hangs:>5} "
+            f"{result.refused:>8,} {result.memory_growth_mb:>7.1f} {seconds:>6.0f}"
+            + (f"  first crash: {result.first_crash}" if result.first_crash else ""),
+            flush=True,
+        )
     close_loops()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"results": rows, "hang_s": fuzz.HANG_S,
-                               "cpu": platform.processor() or platform.machine(),
-                               "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "results": rows,
+                "hang_s": fuzz.HANG_S,
+                "cpu": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(),
+                "date": time.strftime("%Y-%m-%d"),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 1 if any(r["crashes"] or r["hangs"] for r in rows) else 0
 

@@ -55,7 +55,7 @@ from peer.train.precision import autocast
 from protocol.errors import ConfigError
 from protocol.presets import PRESETS
 
-GIB = 1024 ** 3
+GIB = 1024**3
 CPU_PRESETS = ("tiny", "default", "llama-125m")
 CPU_TOKENS_PER_STEP = 1024
 
@@ -76,12 +76,23 @@ class BareLoop:
     """The baseline: what a person writes without the project (same model, batch, optimizer)."""
 
     def __init__(self, model, spec, sampler: Cycle, *, device, precision, micro: int, compile: bool):
-        self.model, self.spec, self.sampler, self.device, self.precision, self.micro = \
-            model, spec, sampler, device, precision, micro
+        self.model, self.spec, self.sampler, self.device, self.precision, self.micro = (
+            model,
+            spec,
+            sampler,
+            device,
+            precision,
+            micro,
+        )
         self.params = list(model.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
-                                           weight_decay=spec.weight_decay,
-                                           fused=True if device.type == "cuda" else None)
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=spec.lr,
+            betas=(spec.beta1, spec.beta2),
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            fused=True if device.type == "cuda" else None,
+        )
         self.scaler = torch.amp.GradScaler(device.type) if precision.grad_scaler else None
         self.forward = torch.compile(model) if compile else model
 
@@ -136,8 +147,15 @@ def bench_preset(name: str, args, placement) -> dict:
     model = build_model(manifest.model, tokenizer)
     bare_model = copy.deepcopy(model)  # the same init, kept on the host until the project loop is done
     model = model.to(device)
-    project = InnerLoop(model, manifest.inner_optimizer, Cycle(batches), device=device, precision=placement.precision,
-                        micro_batch_sequences=args.micro_batch, compile=placement.compile)
+    project = InnerLoop(
+        model,
+        manifest.inner_optimizer,
+        Cycle(batches),
+        device=device,
+        precision=placement.precision,
+        micro_batch_sequences=args.micro_batch,
+        compile=placement.compile,
+    )
     if device.type == "cuda" and args.micro_batch is None:
         project.fit_micro_batch(budget_bytes=placement.memory_budget_gib * GIB)
     micro = project.micro_batch_sequences or rows
@@ -152,22 +170,44 @@ def bench_preset(name: str, args, placement) -> dict:
         gc.collect()  # the model sits in reference cycles: free its CUDA tensors before the bare loop
         torch.cuda.empty_cache()
     # compiled only where the project's loop still is (it falls back to eager if compiling fails)
-    bare = BareLoop(bare_model.to(device), manifest.inner_optimizer, Cycle(batches), device=device,
-                    precision=placement.precision, micro=micro, compile=compiled)
+    bare = BareLoop(
+        bare_model.to(device),
+        manifest.inner_optimizer,
+        Cycle(batches),
+        device=device,
+        precision=placement.precision,
+        micro=micro,
+        compile=compiled,
+    )
     bare.step(0)
     bare_seconds = min(timed(bare, device, 1 + r * args.steps, args.steps) for r in range(args.repeats))
     model = bare.model
     tokens = args.steps * rows * seq
     rate, bare_rate = tokens / seconds, tokens / bare_seconds
     n = parameter_count(model)
-    per_token = flops_per_token(params=n, embedding_params=embedding_parameter_count(model),
-                                layers=manifest.model.num_layers, hidden=manifest.model.hidden_size, seq_len=seq)
-    result = {"preset": name, "params": n, "precision": placement.precision.name, "micro_batch": micro,
-              "tokens_per_s": round(rate, 1), "mfu": mfu(rate, per_token, placement.peak_tflops),
-              "peak_memory_gib": None if peak is None else round(peak, 3),
-              "inner_vs_bare": round(rate / bare_rate, 4)}
-    print(f"  {name}: batch {rows} × {seq} tokens, compiled {compiled}, project {rate:,.0f} tok/s, "
-          f"bare {bare_rate:,.0f} tok/s", file=sys.stderr, flush=True)
+    per_token = flops_per_token(
+        params=n,
+        embedding_params=embedding_parameter_count(model),
+        layers=manifest.model.num_layers,
+        hidden=manifest.model.hidden_size,
+        seq_len=seq,
+    )
+    result = {
+        "preset": name,
+        "params": n,
+        "precision": placement.precision.name,
+        "micro_batch": micro,
+        "tokens_per_s": round(rate, 1),
+        "mfu": mfu(rate, per_token, placement.peak_tflops),
+        "peak_memory_gib": None if peak is None else round(peak, 3),
+        "inner_vs_bare": round(rate / bare_rate, 4),
+    }
+    print(
+        f"  {name}: batch {rows} × {seq} tokens, compiled {compiled}, project {rate:,.0f} tok/s, "
+        f"bare {bare_rate:,.0f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
     del bare, model, bare_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -192,8 +232,12 @@ def main() -> None:
     args.repeats = args.repeats or (3 if cuda else 2)
     names = args.presets.split(",") if args.presets else (list(PRESETS) if cuda else list(CPU_PRESETS))
     device_name = placement.info.name if cuda else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
-    print(f"device {placement.info.device}: {device_name}, {placement.precision.name}, "
-          f"compile {placement.compile}; torch {torch.__version__}", file=sys.stderr, flush=True)
+    print(
+        f"device {placement.info.device}: {device_name}, {placement.precision.name}, "
+        f"compile {placement.compile}; torch {torch.__version__}",
+        file=sys.stderr,
+        flush=True,
+    )
     results = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -218,8 +262,10 @@ def main() -> None:
     for r in results:
         mfu_text = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
         memory = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
-        print(f"| {r['preset']} | {r['params']:,} | {r['precision']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
-              f"{mfu_text} | {memory} | {100 * r['inner_vs_bare']:.1f} % |")
+        print(
+            f"| {r['preset']} | {r['params']:,} | {r['precision']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
+            f"{mfu_text} | {memory} | {100 * r['inner_vs_bare']:.1f} % |"
+        )
 
 
 if __name__ == "__main__":

@@ -28,19 +28,42 @@ from lab.netlab import NetLab, available  # noqa: E402
 CODECS = "none,fp16,bf16,int8,int4,fp4,topk,lowrank"
 
 
-def run_config(n: int, size_mb: float, codecs: str, rate: float, trials: int, timeout: float,
-               piece_elements: int = 0) -> list[dict]:
+def run_config(
+    n: int, size_mb: float, codecs: str, rate: float, trials: int, timeout: float, piece_elements: int = 0
+) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="linerate-") as tmp, NetLab(prefix="lrate", rate_mbit=rate or None) as lab:
         workdir = Path(tmp)
         procs = []
         for i in range(n):
             host = lab.add_host(f"p{i}")
             log = (workdir / f"worker-{i}.log").open("w")
-            procs.append(host.run([sys.executable, str(ROOT / "bench" / "linerate_worker.py"), "--index", str(i),
-                                   "--n", str(n), "--address", host.address, "--size-mb", str(size_mb),
-                                   "--codecs", codecs, "--trials", str(trials), "--dir", str(workdir),
-                                   "--piece-elements", str(piece_elements)],
-                                  stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT)))
+            procs.append(
+                host.run(
+                    [
+                        sys.executable,
+                        str(ROOT / "bench" / "linerate_worker.py"),
+                        "--index",
+                        str(i),
+                        "--n",
+                        str(n),
+                        "--address",
+                        host.address,
+                        "--size-mb",
+                        str(size_mb),
+                        "--codecs",
+                        codecs,
+                        "--trials",
+                        str(trials),
+                        "--dir",
+                        str(workdir),
+                        "--piece-elements",
+                        str(piece_elements),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(ROOT),
+                )
+            )
         deadline = time.monotonic() + timeout
         for proc in procs:
             try:
@@ -55,8 +78,10 @@ def run_config(n: int, size_mb: float, codecs: str, rate: float, trials: int, ti
                 rows += [json.loads(line) for line in path.read_text().splitlines()]
             for r in rows:
                 if r["index"] == i and (not r.get("ok") or r.get("group_size") != n):
-                    print(f"  peer {i} {r['codec']} trial {r['trial']}: {r.get('error') or 'group of ' + str(r.get('group_size'))}",
-                          file=sys.stderr)
+                    print(
+                        f"  peer {i} {r['codec']} trial {r['trial']}: {r.get('error') or 'group of ' + str(r.get('group_size'))}",
+                        file=sys.stderr,
+                    )
             if not path.exists():
                 print((workdir / f"worker-{i}.log").read_text()[-3000:], file=sys.stderr)
         return rows
@@ -81,8 +106,20 @@ def summarize(n: int, size_mb: float, rate: float, rows: list[dict]) -> list[dic
             continue
         t, b = statistics.median(times), statistics.median(sent)
         floor = b * 8 / (rate * 1e6) if rate else 0.0
-        out.append({"peers": n, "size_mb": size_mb, "codec": codec, "bytes_sent": int(b), "floor_s": floor,
-                    "seconds": t, "efficiency": floor / t, "skew_s": statistics.median(skews), "trials": len(times), "failed": failed})
+        out.append(
+            {
+                "peers": n,
+                "size_mb": size_mb,
+                "codec": codec,
+                "bytes_sent": int(b),
+                "floor_s": floor,
+                "seconds": t,
+                "efficiency": floor / t,
+                "skew_s": statistics.median(skews),
+                "trials": len(times),
+                "failed": failed,
+            }
+        )
     return out
 
 
@@ -108,18 +145,23 @@ def main() -> None:
             for line in summarize(n, size, args.rate, rows):
                 table.append(line)
                 if "seconds" in line:
-                    print(f"  {line['codec']:8s} sent {line['bytes_sent'] / 1e6:7.2f} MB  floor {line['floor_s']:6.2f} s"
-                          f"  measured {line['seconds']:6.2f} s  efficiency {100 * line['efficiency']:5.1f} %"
-                          f"  start skew {line['skew_s']:.2f} s"
-                          + (f"  ({line['failed']} failed trial(s))" if line["failed"] else ""), flush=True)
+                    print(
+                        f"  {line['codec']:8s} sent {line['bytes_sent'] / 1e6:7.2f} MB  floor {line['floor_s']:6.2f} s"
+                        f"  measured {line['seconds']:6.2f} s  efficiency {100 * line['efficiency']:5.1f} %"
+                        f"  start skew {line['skew_s']:.2f} s"
+                        + (f"  ({line['failed']} failed trial(s))" if line["failed"] else ""),
+                        flush=True,
+                    )
                 else:
                     print(f"  {line['codec']:8s} all {line['failed']} trial(s) failed", flush=True)
     print("\n| peers | payload | codec | sent per peer | floor | measured | efficiency |")
     print("|---|---|---|---|---|---|---|")
     for line in table:
         if "seconds" in line:
-            print(f"| {line['peers']} | {line['size_mb']:g} MB | {line['codec']} | {line['bytes_sent'] / 1e6:.2f} MB | "
-                  f"{line['floor_s']:.2f} s | {line['seconds']:.2f} s | {100 * line['efficiency']:.0f} % |")
+            print(
+                f"| {line['peers']} | {line['size_mb']:g} MB | {line['codec']} | {line['bytes_sent'] / 1e6:.2f} MB | "
+                f"{line['floor_s']:.2f} s | {line['seconds']:.2f} s | {100 * line['efficiency']:.0f} % |"
+            )
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
 

@@ -57,8 +57,9 @@ def main() -> None:
     for codec in args.codecs.split(","):
         spec = CompressionSpec(codec=codec)
         run_id = hashlib.sha256(f"linerate-{codec}".encode()).hexdigest()[:32]
-        transport = NetworkTransport(dht, shapes, shapes, run_id, sync, compression=spec,
-                                     piece_elements=args.piece_elements or None)
+        transport = NetworkTransport(
+            dht, shapes, shapes, run_id, sync, compression=spec, piece_elements=args.piece_elements or None
+        )
         for trial in range(args.trials):
             tag = f"{codec}-{trial}"
             (args.dir / f"ready-{tag}-{args.index}").touch()
@@ -68,9 +69,16 @@ def main() -> None:
             row = {"index": args.index, "codec": codec, "trial": trial}
             try:
                 result = transport.average(payload, weight=1.0, round_=trial, expected_group_size=args.n)
-                row.update(ok=True, group_size=result.group_size, bytes_sent=result.bytes_sent,
-                           bytes_received=result.bytes_received, allreduce_s=result.allreduce_s,
-                           send_s=result.send_s, sync_s=result.seconds, started_at=result.allreduce_started_at)
+                row.update(
+                    ok=True,
+                    group_size=result.group_size,
+                    bytes_sent=result.bytes_sent,
+                    bytes_received=result.bytes_received,
+                    allreduce_s=result.allreduce_s,
+                    send_s=result.send_s,
+                    sync_s=result.seconds,
+                    started_at=result.allreduce_started_at,
+                )
             except Exception as exc:
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
             out.write(json.dumps(row) + "\n")

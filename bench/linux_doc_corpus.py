@@ -52,7 +52,9 @@ def main() -> None:
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                print(f"skipped {path.relative_to(docs)}: not UTF-8 ({exc.reason} at byte {exc.start})", file=sys.stderr)
+                print(
+                    f"skipped {path.relative_to(docs)}: not UTF-8 ({exc.reason} at byte {exc.start})", file=sys.stderr
+                )
                 skipped += 1
                 continue
             target = args.out / path.relative_to(docs).parent / name

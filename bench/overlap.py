@@ -51,8 +51,9 @@ DEFAULT_MERGE = SyncSpec().fragment_merge
 2026-11-29 lack the key)."""
 
 
-def run_manifest(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict,
-                 rounds: int) -> RunManifest:
+def run_manifest(
+    base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict, rounds: int
+) -> RunManifest:
     """The manifest of one simulation: bench/compare.py's (fixed global batch, seeded φ_0, cosine
     ending with the run) with ``sync.overlap = mode``.
 
@@ -63,21 +64,40 @@ def run_manifest(base: RunManifest, method: str, mode: str, peers: int, seed: in
     return manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds).replace(sync={"overlap": mode})
 
 
-def _one(base: RunManifest, method: str, mode: str, peers: int, seed: int, bench: dict, rounds: int,
-         threads: int, from_round: int = 0) -> dict:
+def _one(
+    base: RunManifest,
+    method: str,
+    mode: str,
+    peers: int,
+    seed: int,
+    bench: dict,
+    rounds: int,
+    threads: int,
+    from_round: int = 0,
+) -> dict:
     torch.set_num_threads(threads)
     blocking_rounds = from_round if mode != "none" else 0
     m = run_manifest(base, method, mode, peers, seed, bench, rounds).replace(
-        sync={"overlap_from_round": blocking_rounds})
+        sync={"overlap_from_round": blocking_rounds}
+    )
     # NoLoCo's groups come from the run id, which the mode changes: every mode draws none's groups,
     # and with the merge rule at its default, so that 'mix' and 'shift' rows draw the same pairs
     # (the other streaming fields stay in, as the rows recorded before the rule existed drew them)
-    groups = run_manifest(base.replace(sync={"fragment_merge": DEFAULT_MERGE}), method, "none", peers, seed, bench,
-                          rounds).run_id
-    r = run_simulation(m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed,
-                       eval_every_rounds=rounds, groups_run_id=groups)
-    run = {"method": method, "overlap": mode, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
-           "tokens": r.history[-1].tokens, "wall_s": r.wall_s}
+    groups = run_manifest(
+        base.replace(sync={"fragment_merge": DEFAULT_MERGE}), method, "none", peers, seed, bench, rounds
+    ).run_id
+    r = run_simulation(
+        m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds, groups_run_id=groups
+    )
+    run = {
+        "method": method,
+        "overlap": mode,
+        "peers": peers,
+        "seed": seed,
+        "final_bpb": r.history[-1].loss_bpb,
+        "tokens": r.history[-1].tokens,
+        "wall_s": r.wall_s,
+    }
     if mode == "streaming":
         run["streaming"] = {k: getattr(m.sync, k) for k in STREAMING_FIELDS}
     if blocking_rounds:
@@ -108,16 +128,24 @@ def quality(runs: list[dict]) -> list[dict]:
         none = {r["seed"]: r["final_bpb"] for r in mine if r["overlap"] == "none"}
         for mode in OVERLAP_MODES:
             for variant in sorted({_variant(r) for r in mine if r["overlap"] == mode}):
-                rs = sorted((r for r in mine if r["overlap"] == mode and _variant(r) == variant),
-                            key=lambda r: r["seed"])
+                rs = sorted(
+                    (r for r in mine if r["overlap"] == mode and _variant(r) == variant), key=lambda r: r["seed"]
+                )
                 final = statistics.fmean(r["final_bpb"] for r in rs)
                 paired = [r for r in rs if r["seed"] in none]
                 none_bpb = statistics.fmean(none[r["seed"]] for r in paired) if paired else None
                 vs = 100 * (statistics.fmean(r["final_bpb"] for r in paired) / none_bpb - 1) if paired else None
-                row = {"overlap": mode, "peers": peers, "final_bpb": final, "vs_none": vs, "none_bpb": none_bpb,
-                       "method": method,
-                       "seeds": [r["seed"] for r in rs], "final_bpb_per_seed": [r["final_bpb"] for r in rs],
-                       "tokens_per_run": rs[0]["tokens"]}
+                row = {
+                    "overlap": mode,
+                    "peers": peers,
+                    "final_bpb": final,
+                    "vs_none": vs,
+                    "none_bpb": none_bpb,
+                    "method": method,
+                    "seeds": [r["seed"] for r in rs],
+                    "final_bpb_per_seed": [r["final_bpb"] for r in rs],
+                    "tokens_per_run": rs[0]["tokens"],
+                }
                 if "streaming" in rs[0]:
                     row["streaming"] = dict(rs[0]["streaming"])
                 if rs[0].get("from_round"):
@@ -135,8 +163,10 @@ def merged(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| method | N | overlap | final val bpb (mean over seeds) | per seed | vs none |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | N | overlap | final val bpb (mean over seeds) | per seed | vs none |",
+        "|---|---|---|---|---|---|",
+    ]
     for q in rows:
         vs = "—" if q["vs_none"] is None else f"{q['vs_none']:+.2f} %"
         seeds = ", ".join(f"{x:.4f}" for x in q["final_bpb_per_seed"])
@@ -144,8 +174,9 @@ def markdown(rows: list[dict]) -> str:
         if "streaming" in q:
             st = q["streaming"]
             merge = st.get("fragment_merge", DEFAULT_MERGE)
-            mode += (f" (P = {st['fragments']}, τ = {st['fragment_delay_steps']}, α = {st['fragment_alpha']}"
-                     + (f", {merge})" if merge != DEFAULT_MERGE else ")"))
+            mode += f" (P = {st['fragments']}, τ = {st['fragment_delay_steps']}, α = {st['fragment_alpha']}" + (
+                f", {merge})" if merge != DEFAULT_MERGE else ")"
+            )
         if q.get("from_round"):
             mode += f" from round {q['from_round'] + 1} (none before)"
         lines.append(f"| {q['method']} | {q['peers']} | {mode} | {q['final_bpb']:.4f} | {seeds} | {vs} |")
@@ -162,23 +193,38 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="override bench.rounds of the config")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (separate processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per simulation")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override a manifest field (TOML value)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a manifest field (TOML value)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--from-round", type=int, default=0, metavar="K",
-                        help="delayed and eager only: the first K rounds without overlap, the mode from "
-                             "round K + 1 on (sync.overlap_from_round = K; does overlap cost quality only "
-                             "early in a run?)")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep --out's quality rows and runs that this invocation does not measure again "
-                             "(its rig 'results' are always kept)")
+    parser.add_argument(
+        "--from-round",
+        type=int,
+        default=0,
+        metavar="K",
+        help="delayed and eager only: the first K rounds without overlap, the mode from "
+        "round K + 1 on (sync.overlap_from_round = K; does overlap cost quality only "
+        "early in a run?)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep --out's quality rows and runs that this invocation does not measure again "
+        "(its rig 'results' are always kept)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if "none" not in args.modes:
         parser.error("--modes must include 'none': every mode is compared with it")
     if args.from_round < 0 or (args.from_round and "streaming" in args.modes):
-        parser.error(f"--from-round {args.from_round}: needs K >= 0, and K > 0 only with the modes none, "
-                     "delayed and eager (streaming's fragments are set up at the start)")
+        parser.error(
+            f"--from-round {args.from_round}: needs K >= 0, and K > 0 only with the modes none, "
+            "delayed and eager (streaming's fragments are set up at the start)"
+        )
 
     base, bench = load_config(args.config)
     try:
@@ -188,23 +234,32 @@ def main() -> None:
     corpus_or_exit(parser, base.data, args.config)
     rounds = args.rounds or bench["rounds"]
     if args.from_round >= rounds:
-        parser.error(f"--from-round {args.from_round}: the run has {rounds} rounds, so no round would overlap; "
-                     f"give K < {rounds}")
-    work = [(method, mode, peers, seed) for method in args.methods for peers in args.peers
-            for seed in args.seeds for mode in args.modes]
+        parser.error(
+            f"--from-round {args.from_round}: the run has {rounds} rounds, so no round would overlap; give K < {rounds}"
+        )
+    work = [
+        (method, mode, peers, seed)
+        for method in args.methods
+        for peers in args.peers
+        for seed in args.seeds
+        for mode in args.modes
+    ]
     for method, mode, peers, seed in work:  # every run's manifest is checked before any starts
         try:
             run_manifest(base, method, mode, peers, seed, bench, rounds)
         except (ManifestError, ValueError) as exc:
-            parser.error(f"{method} N={peers} overlap {mode}: {exc}; change it with --set SECTION.FIELD=VALUE "
-                         "(e.g. --set sync.fragments=2) or leave that mode out of --modes")
+            parser.error(
+                f"{method} N={peers} overlap {mode}: {exc}; change it with --set SECTION.FIELD=VALUE "
+                "(e.g. --set sync.fragments=2) or leave that mode out of --modes"
+            )
     start = time.perf_counter()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
     # the rig's compute-utilization rows (bench/overlap_rig.py) are never this script's to drop
     kept = {k: v for k, v in existing.items() if k.startswith("results")} or {
         "results": [],
-        "results_note": "compute utilization on the network-namespace rig (issue #18 item 4): not measured yet"}
+        "results_note": "compute utilization on the network-namespace rig (issue #18 item 4): not measured yet",
+    }
     command = " ".join(["python", *sys.argv])
 
     def write(runs: list[dict]) -> list[dict]:
@@ -224,7 +279,7 @@ def main() -> None:
             "command": command,
             "commands": commands,
             "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
-                      f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each",
+            f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each",
             "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
             "runs": all_runs,
             "wall_s_total": time.perf_counter() - start,
@@ -232,16 +287,20 @@ def main() -> None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
         return rows
 
-    with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        max(1, args.jobs), mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
         futures = [pool.submit(_one, base, *w, bench, rounds, args.threads, args.from_round) for w in work]
         runs: list[dict] = []
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())
             r = runs[-1]
             after = f" from round {r['from_round'] + 1}" if r.get("from_round") else ""
-            print(f"{r['method']} N={r['peers']} seed {r['seed']} overlap {r['overlap']}{after}: {r['final_bpb']:.4f} bpb "
-                  f"({r['wall_s']:.0f} s)", flush=True)
+            print(
+                f"{r['method']} N={r['peers']} seed {r['seed']} overlap {r['overlap']}{after}: {r['final_bpb']:.4f} bpb "
+                f"({r['wall_s']:.0f} s)",
+                flush=True,
+            )
             rows = write(runs)
     print()
     print(markdown(rows))

@@ -80,23 +80,39 @@ def rig_model(hidden_size: int = CHAOS_HIDDEN) -> dict:
     return {**CHAOS_MODEL, "hidden_size": hidden_size, "intermediate_size": 3 * hidden_size}
 
 
-def rig_manifest(mode: str, inner_steps: int, fragments: int = 2, fragment_delay: int = 2,
-                 hidden_size: int = CHAOS_HIDDEN, fragment_merge: str = "mix", fragment_alpha: float = 0.5
-                 ) -> RunManifest:
+def rig_manifest(
+    mode: str,
+    inner_steps: int,
+    fragments: int = 2,
+    fragment_delay: int = 2,
+    hidden_size: int = CHAOS_HIDDEN,
+    fragment_merge: str = "mix",
+    fragment_alpha: float = 0.5,
+) -> RunManifest:
     """The benchmark's run with ``sync.overlap = mode`` (a swarm-wide fact of the manifest); with
     streaming, ``fragments`` P and τ = ``fragment_delay``, the earliest a mean lands (a slower sync
     lands when it arrives: the round events' ``overlap_steps`` say after how many steps), merged by
     ``fragment_merge`` with α = ``fragment_alpha``; the model of :func:`rig_model` at ``hidden_size``."""
-    sync = {"inner_steps": inner_steps, "matchmaking_time_s": 2.0, "allreduce_timeout_s": 60.0,
-            "next_chunk_timeout_s": 10.0, "overlap": mode}
+    sync = {
+        "inner_steps": inner_steps,
+        "matchmaking_time_s": 2.0,
+        "allreduce_timeout_s": 60.0,
+        "next_chunk_timeout_s": 10.0,
+        "overlap": mode,
+    }
     if mode == "streaming":
-        sync.update(fragments=fragments, fragment_delay_steps=fragment_delay, fragment_merge=fragment_merge,
-                    fragment_alpha=fragment_alpha)
+        sync.update(
+            fragments=fragments,
+            fragment_delay_steps=fragment_delay,
+            fragment_merge=fragment_merge,
+            fragment_alpha=fragment_alpha,
+        )
     return tiny_run().replace(
         name=f"overlap-rig-{mode}",
         model=rig_model(hidden_size),
         inner_optimizer={"lr": 3e-3, "warmup_steps": 20, "decay_steps": 20000, "batch_size_tokens": 256},
-        sync=sync)
+        sync=sync,
+    )
 
 
 def peer_figures(rounds: list[dict], warmup: int) -> dict:
@@ -112,26 +128,46 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
     start, measured = rounds[first - 1], rounds[first:]
     wall = measured[-1]["time"] - start["time"]
     compute = sum(e["compute_s"] for e in measured)
-    return {"rounds": len(measured), "wall_s": wall, "compute_s": compute,
-            "compute_utilization": compute / wall,
-            "round_s": wall / len(measured),
-            "sync_s": statistics.fmean(e["sync_s"] for e in measured),
-            "compute_s_per_round": compute / len(measured),
-            # where the rest of the wall time went, per round (round events' sync_wait_s, resync_wait_s)
-            "sync_wait_s_per_round": statistics.fmean(e.get("sync_wait_s", 0.0) for e in measured),
-            "resync_wait_s_per_round": statistics.fmean(e.get("resync_wait_s", 0.0) for e in measured),
-            "other_s_per_round": (wall - compute - sum(e.get("sync_wait_s", 0.0) + e.get("resync_wait_s", 0.0)
-                                                       for e in measured)) / len(measured),
-            "tokens_per_s": sum(e["tokens"] for e in measured) / wall,
-            "group_sizes": [e["group_size"] for e in measured],
-            "overlap_steps": [s for e in measured for s in e.get("overlap_steps", ())],
-            "notes": sorted({e.get("note") or "" for e in measured} - {""})}
+    return {
+        "rounds": len(measured),
+        "wall_s": wall,
+        "compute_s": compute,
+        "compute_utilization": compute / wall,
+        "round_s": wall / len(measured),
+        "sync_s": statistics.fmean(e["sync_s"] for e in measured),
+        "compute_s_per_round": compute / len(measured),
+        # where the rest of the wall time went, per round (round events' sync_wait_s, resync_wait_s)
+        "sync_wait_s_per_round": statistics.fmean(e.get("sync_wait_s", 0.0) for e in measured),
+        "resync_wait_s_per_round": statistics.fmean(e.get("resync_wait_s", 0.0) for e in measured),
+        "other_s_per_round": (
+            wall - compute - sum(e.get("sync_wait_s", 0.0) + e.get("resync_wait_s", 0.0) for e in measured)
+        )
+        / len(measured),
+        "tokens_per_s": sum(e["tokens"] for e in measured) / wall,
+        "group_sizes": [e["group_size"] for e in measured],
+        "overlap_steps": [s for e in measured for s in e.get("overlap_steps", ())],
+        "notes": sorted({e.get("note") or "" for e in measured} - {""}),
+    }
 
 
-def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, warmup: int,
-            inner_steps: int, timeout_s: float, fragments: int = 2, fragment_delay: int = 2,
-            hidden_size: int = CHAOS_HIDDEN, checkpoint_every_s: float = 0.0, host_allocator: str = "tuned",
-            fragment_merge: str = "mix", fragment_alpha: float = 0.5) -> dict:
+def run_one(
+    workdir: Path,
+    *,
+    peers: int,
+    rate: float,
+    mode: str,
+    rounds: int,
+    warmup: int,
+    inner_steps: int,
+    timeout_s: float,
+    fragments: int = 2,
+    fragment_delay: int = 2,
+    hidden_size: int = CHAOS_HIDDEN,
+    checkpoint_every_s: float = 0.0,
+    host_allocator: str = "tuned",
+    fragment_merge: str = "mix",
+    fragment_alpha: float = 0.5,
+) -> dict:
     """One swarm on the rig until every peer stopped at ``rounds``; its figures. ``host_allocator``
     goes to every peer as ``LOCOSWARM_HOST_ALLOCATOR`` (peer/train/host_memory.py)."""
     os.environ[HOST_ALLOCATOR_ENV] = host_allocator  # the peers' processes inherit it
@@ -140,9 +176,25 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
     manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay, hidden_size, fragment_merge, fragment_alpha)
     run.write_text(dump_toml(manifest))
     started = time.time()
-    with ChaosSwarm(workdir, run, rate_mbit=rate, prefix="lso", subnet="10.213.83",
-                    peer_args=["--max-rounds", str(rounds), "--eval-every", "0", "--wait-for-peers", str(peers),
-                               "--uplink-mbps", str(rate), "--checkpoint-every", f"{checkpoint_every_s:g}"]) as swarm:
+    with ChaosSwarm(
+        workdir,
+        run,
+        rate_mbit=rate,
+        prefix="lso",
+        subnet="10.213.83",
+        peer_args=[
+            "--max-rounds",
+            str(rounds),
+            "--eval-every",
+            "0",
+            "--wait-for-peers",
+            str(peers),
+            "--uplink-mbps",
+            str(rate),
+            "--checkpoint-every",
+            f"{checkpoint_every_s:g}",
+        ],
+    ) as swarm:
         swarm.start_bootstrap()
         for i in range(peers):
             swarm.add_peer(f"p{i}")
@@ -156,14 +208,24 @@ def run_one(workdir: Path, *, peers: int, rate: float, mode: str, rounds: int, w
     if failed:
         raise RuntimeError(f"peers exited with {failed}: see {workdir}/<peer>.log")
     per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
-    out = {"overlap": mode, "peers": peers, "uplink_mbit": rate, "inner_steps": inner_steps,
-           "hidden_size": hidden_size, "payload_mb": payload_mb(manifest), "checkpoint_every_s": checkpoint_every_s,
-           "host_allocator": host_allocator,
-           "per_peer": per_peer,
-           "adoptions": adoptions, "wall_s_total": time.time() - started}
+    out = {
+        "overlap": mode,
+        "peers": peers,
+        "uplink_mbit": rate,
+        "inner_steps": inner_steps,
+        "hidden_size": hidden_size,
+        "payload_mb": payload_mb(manifest),
+        "checkpoint_every_s": checkpoint_every_s,
+        "host_allocator": host_allocator,
+        "per_peer": per_peer,
+        "adoptions": adoptions,
+        "wall_s_total": time.time() - started,
+    }
     if mode == "streaming":
-        out["streaming"] = {k: getattr(manifest.sync, k)
-                            for k in ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")}
+        out["streaming"] = {
+            k: getattr(manifest.sync, k)
+            for k in ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")
+        }
     return out
 
 
@@ -187,28 +249,44 @@ def row(run: dict) -> dict:
     per = list(run["per_peer"].values())
     compute = statistics.fmean(p["compute_s_per_round"] for p in per)
     sync = statistics.fmean(p["sync_s"] for p in per)
-    return {"overlap": run["overlap"], "peers": run["peers"], "uplink_mbit": run["uplink_mbit"],
-            "inner_steps": run["inner_steps"], "payload_mb": run.get("payload_mb", CHAOS_PAYLOAD_MB),
-            "fragments": fragments_of(run),
-            "checkpoint_every_s": run.get("checkpoint_every_s", 0.0),
-            # runs from before peer/train/host_memory.py existed ran with glibc's own thresholds
-            "host_allocator": run.get("host_allocator", "system"),
-            "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
-            "round_s": statistics.fmean(p["round_s"] for p in per), "sync_s": sync,
-            "compute_utilization_min": min(p["compute_utilization"] for p in per),
-            "compute_s_per_round": compute, "blocking_share": sync / compute,
-            **{k: statistics.fmean(p.get(k, 0.0) for p in per)
-               for k in ("sync_wait_s_per_round", "resync_wait_s_per_round", "other_s_per_round")},
-            "tokens_per_s": sum(p["tokens_per_s"] for p in per),
-            "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
-            "median_overlap_steps": (statistics.median(s for p in per for s in p.get("overlap_steps", ()))
-                                     if any(p.get("overlap_steps") for p in per) else None)}
+    return {
+        "overlap": run["overlap"],
+        "peers": run["peers"],
+        "uplink_mbit": run["uplink_mbit"],
+        "inner_steps": run["inner_steps"],
+        "payload_mb": run.get("payload_mb", CHAOS_PAYLOAD_MB),
+        "fragments": fragments_of(run),
+        "checkpoint_every_s": run.get("checkpoint_every_s", 0.0),
+        # runs from before peer/train/host_memory.py existed ran with glibc's own thresholds
+        "host_allocator": run.get("host_allocator", "system"),
+        "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
+        "round_s": statistics.fmean(p["round_s"] for p in per),
+        "sync_s": sync,
+        "compute_utilization_min": min(p["compute_utilization"] for p in per),
+        "compute_s_per_round": compute,
+        "blocking_share": sync / compute,
+        **{
+            k: statistics.fmean(p.get(k, 0.0) for p in per)
+            for k in ("sync_wait_s_per_round", "resync_wait_s_per_round", "other_s_per_round")
+        },
+        "tokens_per_s": sum(p["tokens_per_s"] for p in per),
+        "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
+        "median_overlap_steps": (
+            statistics.median(s for p in per for s in p.get("overlap_steps", ()))
+            if any(p.get("overlap_steps") for p in per)
+            else None
+        ),
+    }
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = [("| payload MB | peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
-             "sync s | sync ÷ compute | idle s per round: sync wait / re-sync / other | swarm tokens/s | mean group |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| payload MB | peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
+            "sync s | sync ÷ compute | idle s per round: sync wait / re-sync / other | swarm tokens/s | mean group |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mode = r["overlap"]
         if r.get("fragments") not in (None, 2):  # streaming with another P than the rig's 2 blocks
@@ -219,13 +297,15 @@ def markdown(rows: list[dict]) -> str:
             mode += ", tuned host allocator"
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
             mode += f" (median {r['median_overlap_steps']:g} steps)"
-        lines.append(f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
-                     f"{100 * r['compute_utilization']:.1f} % / "
-                     f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
-                     f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | "
-                     f"{r.get('sync_wait_s_per_round', 0.0):.2f} / {r.get('resync_wait_s_per_round', 0.0):.2f} / "
-                     f"{r.get('other_s_per_round', 0.0):.2f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['mean_group_size']:.2f} |")
+        lines.append(
+            f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
+            f"{100 * r['compute_utilization']:.1f} % / "
+            f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
+            f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | "
+            f"{r.get('sync_wait_s_per_round', 0.0):.2f} / {r.get('resync_wait_s_per_round', 0.0):.2f} / "
+            f"{r.get('other_s_per_round', 0.0):.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['mean_group_size']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -238,75 +318,169 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="rounds left out at the start")
     parser.add_argument("--inner-steps", type=int, default=150, help="H")
     parser.add_argument("--fragments", type=int, default=2, help="streaming: P (the rig's model has 2 blocks)")
-    parser.add_argument("--fragment-delay", type=int, default=2,
-                        help="streaming: τ, the earliest a fragment's mean lands, in inner steps (the manifest's default)")
-    parser.add_argument("--fragment-merge", choices=list(FRAGMENT_MERGES), default="mix",
-                        help="streaming: how a fragment's mean enters θ (the manifest's default: mix)")
+    parser.add_argument(
+        "--fragment-delay",
+        type=int,
+        default=2,
+        help="streaming: τ, the earliest a fragment's mean lands, in inner steps (the manifest's default)",
+    )
+    parser.add_argument(
+        "--fragment-merge",
+        choices=list(FRAGMENT_MERGES),
+        default="mix",
+        help="streaming: how a fragment's mean enters θ (the manifest's default: mix)",
+    )
     parser.add_argument("--fragment-alpha", type=float, default=0.5, help="streaming: α (the manifest's default)")
-    parser.add_argument("--hidden-size", type=int, default=CHAOS_HIDDEN,
-                        help="the model's width (lab/chaos.py's 128: 0.49 M parameters; 256: 1.84 M): a larger payload")
-    parser.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS",
-                        help="the peers' --checkpoint-every (0: a checkpoint every round, peer join's default)")
-    parser.add_argument("--host-allocator", choices=["tuned", "system"], default="tuned",
-                        help="the peers' LOCOSWARM_HOST_ALLOCATOR (peer/train/host_memory.py; tuned: peer join's default)")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=CHAOS_HIDDEN,
+        help="the model's width (lab/chaos.py's 128: 0.49 M parameters; 256: 1.84 M): a larger payload",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="the peers' --checkpoint-every (0: a checkpoint every round, peer join's default)",
+    )
+    parser.add_argument(
+        "--host-allocator",
+        choices=["tuned", "system"],
+        default="tuned",
+        help="the peers' LOCOSWARM_HOST_ALLOCATOR (peer/train/host_memory.py; tuned: peer join's default)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the rows and runs of earlier invocations (in --out and its detail file) that this "
-                             "one does not measure again (same peers, uplink, H and mode)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the rows and runs of earlier invocations (in --out and its detail file) that this "
+        "one does not measure again (same peers, uplink, H and mode)",
+    )
     args = parser.parse_args()
     workdir = prepare_rig_bench(parser, args, "locoswarm-overlap-rig-")
     detail = args.out.with_name(args.out.stem + "_rig.detail.json")
     runs, rows = [], []
     earlier: list[dict] = []
     if args.keep and detail.exists():
-        planned = {(m, n, r, args.inner_steps, args.hidden_size, args.checkpoint_every, args.host_allocator,
-                    args.fragments if m == "streaming" else None)
-                   for n in args.peers for r in args.rates for m in args.modes}
-        earlier = [run for run in json.loads(detail.read_text())["runs"]
-                   if (run["overlap"], run["peers"], run["uplink_mbit"], run.get("inner_steps"),
-                       run.get("hidden_size", CHAOS_HIDDEN), run.get("checkpoint_every_s", 0.0),
-                       run.get("host_allocator", "system"), fragments_of(run)) not in planned]
+        planned = {
+            (
+                m,
+                n,
+                r,
+                args.inner_steps,
+                args.hidden_size,
+                args.checkpoint_every,
+                args.host_allocator,
+                args.fragments if m == "streaming" else None,
+            )
+            for n in args.peers
+            for r in args.rates
+            for m in args.modes
+        }
+        earlier = [
+            run
+            for run in json.loads(detail.read_text())["runs"]
+            if (
+                run["overlap"],
+                run["peers"],
+                run["uplink_mbit"],
+                run.get("inner_steps"),
+                run.get("hidden_size", CHAOS_HIDDEN),
+                run.get("checkpoint_every_s", 0.0),
+                run.get("host_allocator", "system"),
+                fragments_of(run),
+            )
+            not in planned
+        ]
         print(f"kept {len(earlier)} run(s) of earlier invocations from {detail}", flush=True)
     # the streaming fields, the same for the swarms run and the manifests written to the detail file
-    streaming = {"fragments": args.fragments, "fragment_delay": args.fragment_delay,
-                 "fragment_merge": args.fragment_merge, "fragment_alpha": args.fragment_alpha}
+    streaming = {
+        "fragments": args.fragments,
+        "fragment_delay": args.fragment_delay,
+        "fragment_merge": args.fragment_merge,
+        "fragment_alpha": args.fragment_alpha,
+    }
     start = time.perf_counter()
     for peers in args.peers:
         for rate in args.rates:
             for mode in args.modes:
-                run = run_one(workdir / f"n{peers}-r{rate:g}-{mode}", peers=peers, rate=rate, mode=mode,
-                              rounds=args.rounds, warmup=args.warmup, inner_steps=args.inner_steps,
-                              timeout_s=args.timeout, hidden_size=args.hidden_size,
-                              checkpoint_every_s=args.checkpoint_every, host_allocator=args.host_allocator,
-                              **streaming)
+                run = run_one(
+                    workdir / f"n{peers}-r{rate:g}-{mode}",
+                    peers=peers,
+                    rate=rate,
+                    mode=mode,
+                    rounds=args.rounds,
+                    warmup=args.warmup,
+                    inner_steps=args.inner_steps,
+                    timeout_s=args.timeout,
+                    hidden_size=args.hidden_size,
+                    checkpoint_every_s=args.checkpoint_every,
+                    host_allocator=args.host_allocator,
+                    **streaming,
+                )
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
                 r = row(run)
                 rows = [row(x) for x in earlier] + [row(x) for x in runs]
-                print(f"N={peers} {rate:g} Mbit/s {mode}: utilization {100 * r['compute_utilization']:.1f} %, "
-                      f"round {r['round_s']:.2f} s, compute {r['compute_s_per_round']:.2f} s, sync {r['sync_s']:.2f} s "
-                      f"({run['wall_s_total']:.0f} s)", flush=True)
-                device = (f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores shared by every peer), "
-                          f"network namespaces with tbf uplinks")
+                print(
+                    f"N={peers} {rate:g} Mbit/s {mode}: utilization {100 * r['compute_utilization']:.1f} %, "
+                    f"round {r['round_s']:.2f} s, compute {r['compute_s_per_round']:.2f} s, sync {r['sync_s']:.2f} s "
+                    f"({run['wall_s_total']:.0f} s)",
+                    flush=True,
+                )
+                device = (
+                    f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores shared by every peer), "
+                    f"network namespaces with tbf uplinks"
+                )
                 record = json.loads(args.out.read_text()) if args.out.exists() else {"quality": []}
                 record.pop("results_note", None)
-                record["results"] = [{k: x[k] for k in ("overlap", "peers", "uplink_mbit", "compute_utilization",
-                                                        "round_s", "sync_s", "inner_steps", "payload_mb",
-                                                        "checkpoint_every_s", "host_allocator")} for x in rows]
-                record["results_commands"] = sorted({*(x.get("command", "") for x in earlier),
-                                                     " ".join(["python", *sys.argv])} - {""})
+                record["results"] = [
+                    {
+                        k: x[k]
+                        for k in (
+                            "overlap",
+                            "peers",
+                            "uplink_mbit",
+                            "compute_utilization",
+                            "round_s",
+                            "sync_s",
+                            "inner_steps",
+                            "payload_mb",
+                            "checkpoint_every_s",
+                            "host_allocator",
+                        )
+                    }
+                    for x in rows
+                ]
+                record["results_commands"] = sorted(
+                    {*(x.get("command", "") for x in earlier), " ".join(["python", *sys.argv])} - {""}
+                )
                 record.pop("results_command", None)
                 record["results_device"] = device
                 args.out.write_text(json.dumps(record, indent=1) + "\n")
-                detail.write_text(json.dumps({
-                    "command": " ".join(["python", *sys.argv]), "device": device,
-                    "definitions": __doc__, "manifest (this invocation's H)": {
-                        m: rig_manifest(m, args.inner_steps, hidden_size=args.hidden_size, **streaming).to_dict()
-                        for m in args.modes},
-                    "rows": rows, "runs": earlier + runs, "wall_s_total": time.perf_counter() - start}, indent=1)
-                    + "\n")
+                detail.write_text(
+                    json.dumps(
+                        {
+                            "command": " ".join(["python", *sys.argv]),
+                            "device": device,
+                            "definitions": __doc__,
+                            "manifest (this invocation's H)": {
+                                m: rig_manifest(
+                                    m, args.inner_steps, hidden_size=args.hidden_size, **streaming
+                                ).to_dict()
+                                for m in args.modes
+                            },
+                            "rows": rows,
+                            "runs": earlier + runs,
+                            "wall_s_total": time.perf_counter() - start,
+                        },
+                        indent=1,
+                    )
+                    + "\n"
+                )
     print()
     print(markdown(rows))
     print(f"\nwrote {args.out} and {detail}; total wall {time.perf_counter() - start:.0f} s")

@@ -45,8 +45,9 @@ from protocol.specs import ROUTINGS
 RESULTS = Path(__file__).with_name("results") / "pipeline.json"
 
 
-def _one(base: RunManifest, method: str, stages: int, routing: str, replicas: int, seed: int, bench: dict,
-         rounds: int) -> dict:
+def _one(
+    base: RunManifest, method: str, stages: int, routing: str, replicas: int, seed: int, bench: dict, rounds: int
+) -> dict:
     """One run: ``stages`` = 1 is the unpipelined swarm of ``replicas`` peers (lab/simulation.py)."""
     torch.set_num_threads(1)
     m = manifest_for(base, method, replicas, seed, bench["global_batch_tokens"], rounds)
@@ -60,9 +61,17 @@ def _one(base: RunManifest, method: str, stages: int, routing: str, replicas: in
         p = run_pipeline(m, corpus, replicas=replicas, rounds=rounds, seed=seed, eval_every_rounds=rounds)
         history, boundary = p.history, p.activation_bytes_per_token
     wall = time.perf_counter() - start
-    return {"method": method, "stages": stages, "routing": routing if stages > 1 else "-", "replicas": replicas,
-            "seed": seed, "final_bpb": history[-1].loss_bpb, "tokens": history[-1].tokens,
-            "activation_bytes_per_token": boundary, "wall_s": wall}
+    return {
+        "method": method,
+        "stages": stages,
+        "routing": routing if stages > 1 else "-",
+        "replicas": replicas,
+        "seed": seed,
+        "final_bpb": history[-1].loss_bpb,
+        "tokens": history[-1].tokens,
+        "activation_bytes_per_token": boundary,
+        "wall_s": wall,
+    }
 
 
 def rows_of(runs: list[dict]) -> list[dict]:
@@ -71,36 +80,58 @@ def rows_of(runs: list[dict]) -> list[dict]:
     keys = sorted({(r["method"], r["stages"], r["routing"], r["replicas"]) for r in runs if r["stages"] > 1})
     rows = []
     for method, stages, routing, replicas in keys:
-        mine = [r for r in runs if (r["method"], r["stages"], r["routing"], r["replicas"]) == (method, stages, routing,
-                                                                                              replicas)]
+        mine = [
+            r
+            for r in runs
+            if (r["method"], r["stages"], r["routing"], r["replicas"]) == (method, stages, routing, replicas)
+        ]
         peers = stages * replicas
-        seeds = sorted(r["seed"] for r in mine if (method, replicas, r["seed"]) in plain
-                       and (method, peers, r["seed"]) in plain)
+        seeds = sorted(
+            r["seed"] for r in mine if (method, replicas, r["seed"]) in plain and (method, peers, r["seed"]) in plain
+        )
         mine = [r for r in mine if r["seed"] in seeds]
         if not mine:
             continue
         final = statistics.mean(r["final_bpb"] for r in mine)
         unpiped = statistics.mean(plain[(method, peers, s)] for s in seeds)
         same_width = statistics.mean(plain[(method, replicas, s)] for s in seeds)
-        rows.append({"stages": stages, "replicas_per_stage": replicas, "routing": routing, "method": method,
-                     "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine),
-                     "activation_bytes_per_token": mine[0]["activation_bytes_per_token"],
-                     "final_bpb": final, "unpipelined_bpb": unpiped, "vs_unpipelined": 100 * (final / unpiped - 1),
-                     "unpipelined_r_peers_bpb": same_width, "vs_unpipelined_r_peers": 100 * (final / same_width - 1),
-                     "seeds": seeds, "per_seed_bpb": [r["final_bpb"] for r in sorted(mine, key=lambda r: r["seed"])],
-                     "unpipelined_per_seed_bpb": [plain[(method, peers, s)] for s in seeds],
-                     "unpipelined_r_peers_per_seed_bpb": [plain[(method, replicas, s)] for s in seeds]})
+        rows.append(
+            {
+                "stages": stages,
+                "replicas_per_stage": replicas,
+                "routing": routing,
+                "method": method,
+                "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine),
+                "activation_bytes_per_token": mine[0]["activation_bytes_per_token"],
+                "final_bpb": final,
+                "unpipelined_bpb": unpiped,
+                "vs_unpipelined": 100 * (final / unpiped - 1),
+                "unpipelined_r_peers_bpb": same_width,
+                "vs_unpipelined_r_peers": 100 * (final / same_width - 1),
+                "seeds": seeds,
+                "per_seed_bpb": [r["final_bpb"] for r in sorted(mine, key=lambda r: r["seed"])],
+                "unpipelined_per_seed_bpb": [plain[(method, peers, s)] for s in seeds],
+                "unpipelined_r_peers_per_seed_bpb": [plain[(method, replicas, s)] for s in seeds],
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = [("| method | stages × replicas | routing | final bpb | unpipelined S·R peers | vs it | unpipelined R "
-             "peers | vs it | boundary bytes/token | sim tokens/s |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| method | stages × replicas | routing | final bpb | unpipelined S·R peers | vs it | unpipelined R "
+            "peers | vs it | boundary bytes/token | sim tokens/s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['stages']} × {r['replicas_per_stage']} | {r['routing']} | "
-                     f"{r['final_bpb']:.4f} | {r['unpipelined_bpb']:.4f} | {r['vs_unpipelined']:+.2f} % | "
-                     f"{r['unpipelined_r_peers_bpb']:.4f} | {r['vs_unpipelined_r_peers']:+.2f} % | "
-                     f"{r['activation_bytes_per_token']:.0f} | {r['tokens_per_s']:,.0f} |")
+        lines.append(
+            f"| {r['method']} | {r['stages']} × {r['replicas_per_stage']} | {r['routing']} | "
+            f"{r['final_bpb']:.4f} | {r['unpipelined_bpb']:.4f} | {r['vs_unpipelined']:+.2f} % | "
+            f"{r['unpipelined_r_peers_bpb']:.4f} | {r['vs_unpipelined_r_peers']:+.2f} % | "
+            f"{r['activation_bytes_per_token']:.0f} | {r['tokens_per_s']:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -123,37 +154,58 @@ def main() -> None:
     # the references: R unpipelined peers (the pipeline's width) and S·R (as many peers as the pipeline)
     widths = sorted({args.replicas} | {s * args.replicas for s in args.stages if s > 1})
     work = [(method, 1, "-", peers, seed) for method in args.methods for peers in widths for seed in args.seeds]
-    work += [(method, s, routing, args.replicas, seed) for method in args.methods for s in args.stages if s > 1
-             for routing in args.routings for seed in args.seeds]
+    work += [
+        (method, s, routing, args.replicas, seed)
+        for method in args.methods
+        for s in args.stages
+        if s > 1
+        for routing in args.routings
+        for seed in args.seeds
+    ]
     start = time.perf_counter()
     command = " ".join(["python", *sys.argv])
     runs: list[dict] = []
-    with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_one, base, method, s, routing, peers, seed, bench, rounds)
-                   for method, s, routing, peers, seed in work]
+    with concurrent.futures.ProcessPoolExecutor(
+        max(1, args.jobs), mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        futures = [
+            pool.submit(_one, base, method, s, routing, peers, seed, bench, rounds)
+            for method, s, routing, peers, seed in work
+        ]
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())
             r = runs[-1]
-            print(f"{r['method']} S={r['stages']} R={r['replicas']} {r['routing']} seed {r['seed']}: "
-                  f"{r['final_bpb']:.4f} bpb ({r['wall_s']:.0f} s)", flush=True)
+            print(
+                f"{r['method']} S={r['stages']} R={r['replicas']} {r['routing']} seed {r['seed']}: "
+                f"{r['final_bpb']:.4f} bpb ({r['wall_s']:.0f} s)",
+                flush=True,
+            )
             args.out.parent.mkdir(parents=True, exist_ok=True)
             # the rig's rows (bench/pipeline_rig.py: real peers) are kept beside the simulation's
             earlier = json.loads(args.out.read_text()) if args.out.exists() else {}
             kept = {k: v for k, v in earlier.items() if k.startswith("rig_")}
-            args.out.write_text(json.dumps({
-                "results": [{"measured": "simulation", **r} for r in rows_of(runs)]
-                           + [r for r in earlier.get("results", []) if r.get("measured") == "rig"],
-                **kept,
-                "where": "in-process simulation (lab/pipeline.py vs lab/simulation.py), one CPU thread per run, no "
-                         "network; tokens_per_s is the simulation's compute throughput, not a swarm's",
-                "vs_unpipelined_unit": "percent above the unpipelined swarm of S·R peers (as many peers as the "
-                                       "pipeline; vs_unpipelined_r_peers: of R peers, its width), same method, "
-                                       "seeds and tokens",
-                "complete": len(runs) == len(work), "command": command,
-                "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}",
-                "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
-                "runs": runs, "wall_s_total": time.perf_counter() - start}, indent=1) + "\n")
+            args.out.write_text(
+                json.dumps(
+                    {
+                        "results": [{"measured": "simulation", **r} for r in rows_of(runs)]
+                        + [r for r in earlier.get("results", []) if r.get("measured") == "rig"],
+                        **kept,
+                        "where": "in-process simulation (lab/pipeline.py vs lab/simulation.py), one CPU thread per run, no "
+                        "network; tokens_per_s is the simulation's compute throughput, not a swarm's",
+                        "vs_unpipelined_unit": "percent above the unpipelined swarm of S·R peers (as many peers as the "
+                        "pipeline; vs_unpipelined_r_peers: of R peers, its width), same method, "
+                        "seeds and tokens",
+                        "complete": len(runs) == len(work),
+                        "command": command,
+                        "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}",
+                        "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
+                        "runs": runs,
+                        "wall_s_total": time.perf_counter() - start,
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
     print()
     print(markdown(rows_of(runs)))
     print(f"\nwrote {args.out}; total wall {time.perf_counter() - start:.0f} s")

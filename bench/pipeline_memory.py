@@ -48,20 +48,31 @@ from protocol.presets import tiny_run  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "pipeline_memory.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def run_manifest(*, stages: int, hidden: int, layers: int, inner_steps: int) -> RunManifest:
     heads = max(1, hidden // 64)
     return tiny_run().replace(
         name=f"pipeline-memory-s{stages}",
-        model={"hidden_size": hidden, "num_layers": layers, "num_heads": heads, "num_kv_heads": heads,
-               "intermediate_size": int(hidden * 8 / 3) // 64 * 64, "max_seq_len": 128},
+        model={
+            "hidden_size": hidden,
+            "num_layers": layers,
+            "num_heads": heads,
+            "num_kv_heads": heads,
+            "intermediate_size": int(hidden * 8 / 3) // 64 * 64,
+            "max_seq_len": 128,
+        },
         data={"seq_len_tokens": 64, "validation_sequences": 8},
         inner_optimizer={"lr": 1e-3, "warmup_steps": 2, "decay_steps": 1000, "batch_size_tokens": 256},
-        sync={"inner_steps": inner_steps, "matchmaking_time_s": 5.0, "allreduce_timeout_s": 120.0,
-              "next_chunk_timeout_s": 30.0},
-        pipeline={"stages": stages, "call_timeout_s": 300.0})
+        sync={
+            "inner_steps": inner_steps,
+            "matchmaking_time_s": 5.0,
+            "allreduce_timeout_s": 120.0,
+            "next_chunk_timeout_s": 30.0,
+        },
+        pipeline={"stages": stages, "call_timeout_s": 300.0},
+    )
 
 
 class Cgroup:
@@ -120,8 +131,12 @@ def run_swarm(workdir: Path, manifest: RunManifest, *, cap: int | None, rounds: 
     S = manifest.pipeline.stages
     children, groups = [], []
     try:
-        boot = Child("bootstrap", bootstrap_argv(identity=workdir / "bootstrap.key", run=run),
-                     log_path=workdir / "bootstrap.log", cwd=workdir).start()
+        boot = Child(
+            "bootstrap",
+            bootstrap_argv(identity=workdir / "bootstrap.key", run=run),
+            log_path=workdir / "bootstrap.log",
+            cwd=workdir,
+        ).start()
         children.append(boot)
         addr = boot.wait_event(lambda e: e.kind == "ready", 90).addresses_on("127.0.0.1")[0]
         peers = []
@@ -131,8 +146,13 @@ def run_swarm(workdir: Path, manifest: RunManifest, *, cap: int | None, rounds: 
             extra = ["--threads", "1", "--max-rounds", str(rounds), "--eval-every", "0"]
             if S > 1:
                 extra += ["--stage", str(k)]
-            child = Child(f"p{k}", peer_argv(data_dir=workdir / f"p{k}", initial_peers=[addr], extra=extra),
-                          log_path=workdir / f"p{k}.log", cwd=workdir, spawn=group.spawn).start()
+            child = Child(
+                f"p{k}",
+                peer_argv(data_dir=workdir / f"p{k}", initial_peers=[addr], extra=extra),
+                log_path=workdir / f"p{k}.log",
+                cwd=workdir,
+                spawn=group.spawn,
+            ).start()
             children.append(child)
             peers.append(child)
         deadline = time.monotonic() + timeout_s
@@ -141,11 +161,17 @@ def run_swarm(workdir: Path, manifest: RunManifest, *, cap: int | None, rounds: 
             rss = [max(r, g.rss()) for r, g in zip(rss, groups)]  # sampled every 0.2 s
             time.sleep(0.2)
         codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in peers]
-        return {"stages": S, "cap_bytes": cap, "exit_codes": codes, "peak_rss_bytes": rss,
-                "peak_bytes": [g.peak for g in groups], "oom_kills": [g.oom_kills for g in groups],
-                "rounds": [[e["round"] for e in p.of("round")] for p in peers],
-                "train_loss": [[e["train_loss"] for e in p.of("round")] for p in peers],
-                "parameters": [(p.last("started") or {}).get("parameters") for p in peers]}
+        return {
+            "stages": S,
+            "cap_bytes": cap,
+            "exit_codes": codes,
+            "peak_rss_bytes": rss,
+            "peak_bytes": [g.peak for g in groups],
+            "oom_kills": [g.oom_kills for g in groups],
+            "rounds": [[e["round"] for e in p.of("round")] for p in peers],
+            "train_loss": [[e["train_loss"] for e in p.of("round")] for p in peers],
+            "parameters": [(p.last("started") or {}).get("parameters") for p in peers],
+        }
     finally:
         for child in children:
             child.send(signal.SIGINT)
@@ -168,45 +194,63 @@ def main() -> None:
         parser.error(f"needs root and the cgroup v1 memory controller at {CGROUP_ROOT}")
     workdir = Path(tempfile.mkdtemp(prefix="locoswarm-pipeline-memory-"))
     start = time.perf_counter()
-    make = {s: run_manifest(stages=s, hidden=args.hidden, layers=args.layers, inner_steps=args.inner_steps)
-            for s in (1, 2)}
+    make = {
+        s: run_manifest(stages=s, hidden=args.hidden, layers=args.layers, inner_steps=args.inner_steps) for s in (1, 2)
+    }
     params = spec_parameter_count(make[1].model, 259)
     print(f"model: {params / 1e6:.1f} M parameters ({args.hidden} wide, {args.layers} blocks)", flush=True)
     whole = run_swarm(workdir / "measure1", make[1], cap=None, rounds=args.rounds, timeout_s=args.timeout)
     staged = run_swarm(workdir / "measure2", make[2], cap=None, rounds=args.rounds, timeout_s=args.timeout)
-    print(f"uncapped peak RSS (page cache included): whole model {whole['peak_rss_bytes'][0] / GIB:.2f} "
-          f"({whole['peak_bytes'][0] / GIB:.2f}) GiB; stages "
-          f"{', '.join(f'{r / GIB:.2f} ({b / GIB:.2f})' for r, b in zip(staged['peak_rss_bytes'], staged['peak_bytes']))}"
-          f" GiB (exit codes {whole['exit_codes']}, {staged['exit_codes']})", flush=True)
+    print(
+        f"uncapped peak RSS (page cache included): whole model {whole['peak_rss_bytes'][0] / GIB:.2f} "
+        f"({whole['peak_bytes'][0] / GIB:.2f}) GiB; stages "
+        f"{', '.join(f'{r / GIB:.2f} ({b / GIB:.2f})' for r, b in zip(staged['peak_rss_bytes'], staged['peak_bytes']))}"
+        f" GiB (exit codes {whole['exit_codes']}, {staged['exit_codes']})",
+        flush=True,
+    )
     if args.cap_gib == "auto":
         cap = (max(staged["peak_rss_bytes"]) + whole["peak_rss_bytes"][0]) // 2
     else:
         cap = int(float(args.cap_gib) * GIB)
     capped_whole = run_swarm(workdir / "cap1", make[1], cap=cap, rounds=args.rounds, timeout_s=args.timeout)
     capped_stages = run_swarm(workdir / "cap2", make[2], cap=cap, rounds=args.rounds, timeout_s=args.timeout)
-    print(f"cap {cap / GIB:.2f} GiB: whole model exit {capped_whole['exit_codes']} (OOM kills "
-          f"{capped_whole['oom_kills']}); stages exit {capped_stages['exit_codes']} (OOM kills "
-          f"{capped_stages['oom_kills']}), rounds {capped_stages['rounds']}", flush=True)
-    record = {"command": " ".join(["python", *sys.argv]),
-              "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), memory cgroups (v1) as the cap",
-              "parameters": params, "cap_bytes": cap,
-              "measure": {"whole": whole, "stages": staged}, "capped": {"whole": capped_whole, "stages": capped_stages},
-              "whole_fits": capped_whole["exit_codes"] == [0],
-              "stages_fit": all(c == 0 for c in capped_stages["exit_codes"]),
-              "wall_s_total": time.perf_counter() - start}
+    print(
+        f"cap {cap / GIB:.2f} GiB: whole model exit {capped_whole['exit_codes']} (OOM kills "
+        f"{capped_whole['oom_kills']}); stages exit {capped_stages['exit_codes']} (OOM kills "
+        f"{capped_stages['oom_kills']}), rounds {capped_stages['rounds']}",
+        flush=True,
+    )
+    record = {
+        "command": " ".join(["python", *sys.argv]),
+        "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), memory cgroups (v1) as the cap",
+        "parameters": params,
+        "cap_bytes": cap,
+        "measure": {"whole": whole, "stages": staged},
+        "capped": {"whole": capped_whole, "stages": capped_stages},
+        "whole_fits": capped_whole["exit_codes"] == [0],
+        "stages_fit": all(c == 0 for c in capped_stages["exit_codes"]),
+        "wall_s_total": time.perf_counter() - start,
+    }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print()
-    print("| peers | memory cap per peer | peak RSS per peer, uncapped (with page cache) | under the cap: exit | "
-          "rounds trained | training loss, first → last round |")
+    print(
+        "| peers | memory cap per peer | peak RSS per peer, uncapped (with page cache) | under the cap: exit | "
+        "rounds trained | training loss, first → last round |"
+    )
     print("|---|---|---|---|---|---|")
-    for label, measured, capped in (("1, whole model", whole, capped_whole), ("2, one stage each", staged,
-                                                                              capped_stages)):
+    for label, measured, capped in (
+        ("1, whole model", whole, capped_whole),
+        ("2, one stage each", staged, capped_stages),
+    ):
         losses = "; ".join(f"{t[0]:.3f} → {t[-1]:.3f}" if t else "-" for t in capped["train_loss"])
-        peaks = ", ".join(f"{r / GIB:.2f} ({b / GIB:.2f})" for r, b in zip(measured["peak_rss_bytes"],
-                                                                           measured["peak_bytes"]))
-        print(f"| {label} | {cap / GIB:.2f} GiB | {peaks} GiB | "
-              f"{capped['exit_codes']} (OOM kills {capped['oom_kills']}) | "
-              f"{[len(r) for r in capped['rounds']]} | {losses} |")
+        peaks = ", ".join(
+            f"{r / GIB:.2f} ({b / GIB:.2f})" for r, b in zip(measured["peak_rss_bytes"], measured["peak_bytes"])
+        )
+        print(
+            f"| {label} | {cap / GIB:.2f} GiB | {peaks} GiB | "
+            f"{capped['exit_codes']} (OOM kills {capped['oom_kills']}) | "
+            f"{[len(r) for r in capped['rounds']]} | {losses} |"
+        )
     print(f"\nwrote {args.out}; total wall {time.perf_counter() - start:.0f} s")
     shutil.rmtree(workdir, ignore_errors=True)
 

@@ -92,22 +92,43 @@ def measure(hidden_size: int, repeats: int) -> tuple[int, dict[str, float]]:
     parts = {
         "Δ = ψ − θ": median_ms(lambda: round_progress(phi, theta), repeats),
         "check of Δ": median_ms(lambda: check_finite(delta, "Δ"), repeats),
-        "next start, delayed": median_ms(lambda: next_start("delayed", outer, phi, delta, payload, share=share), repeats),
+        "next start, delayed": median_ms(
+            lambda: next_start("delayed", outer, phi, delta, payload, share=share), repeats
+        ),
         "next start, eager": median_ms(lambda: next_start("eager", outer, phi, delta, payload, share=share), repeats),
         "θ ← start": median_ms(lambda: [p.data.copy_(f) for p, f in zip(params, phi)], repeats),
-        "checkpoint's copies (θ, AdamW moments)": median_ms(lambda: encode_checkpoint(PeerState(
-            run_id="bench", round=1, inner_step=30, round_step=0, round_tokens=0, names=names, phi=phi,
-            momentum=phi, theta=theta, adam_exp_avg=moments, adam_exp_avg_sq=moments),
-            private=("phi", "momentum")), repeats),
+        "checkpoint's copies (θ, AdamW moments)": median_ms(
+            lambda: encode_checkpoint(
+                PeerState(
+                    run_id="bench",
+                    round=1,
+                    inner_step=30,
+                    round_step=0,
+                    round_tokens=0,
+                    names=names,
+                    phi=phi,
+                    momentum=phi,
+                    theta=theta,
+                    adam_exp_avg=moments,
+                    adam_exp_avg_sq=moments,
+                ),
+                private=("phi", "momentum"),
+            ),
+            repeats,
+        ),
     }
     parts.update(streaming_parts(model, manifest, repeats))
-    with mock.patch.object(outer_module, "check_finite", elementwise_check), \
-            mock.patch.object(overlap_module, "check_finite", elementwise_check):
+    with (
+        mock.patch.object(outer_module, "check_finite", elementwise_check),
+        mock.patch.object(overlap_module, "check_finite", elementwise_check),
+    ):
         parts["check of Δ, element-wise"] = median_ms(lambda: elementwise_check(delta, "Δ"), repeats)
         parts["next start, delayed, element-wise"] = median_ms(
-            lambda: next_start("delayed", outer, phi, delta, payload, share=share), repeats)
+            lambda: next_start("delayed", outer, phi, delta, payload, share=share), repeats
+        )
         parts["next start, eager, element-wise"] = median_ms(
-            lambda: next_start("eager", outer, phi, delta, payload, share=share), repeats)
+            lambda: next_start("eager", outer, phi, delta, payload, share=share), repeats
+        )
     return sum(p.numel() for p in params), parts
 
 
@@ -125,14 +146,18 @@ def streaming_parts(model: torch.nn.Module, manifest, repeats: int) -> dict[str,
     meta = {"run_id": "bench", "round": 1, "inner_step": 30}
     last = make_snapshot(meta, state)
     new_phi, new_state = step_on_copies(part, phi_p, part.state_tensors(), mean)
-    sealed = [seal_tensor(t, index=i, shapes=shapes, owned=True)
-              for i, t in zip([*index, *(n + k for k in index)], [*new_phi, *new_state])]
+    sealed = [
+        seal_tensor(t, index=i, shapes=shapes, owned=True)
+        for i, t in zip([*index, *(n + k for k in index)], [*new_phi, *new_state])
+    ]
     return {
         "streaming: fragment's Δ and check": median_ms(
-            lambda: check_finite(pseudo_gradient(phi_p, [t.detach() for t in theta_p]), "Δ_p"), repeats),
+            lambda: check_finite(pseudo_gradient(phi_p, [t.detach() for t in theta_p]), "Δ_p"), repeats
+        ),
         "streaming: landing, outer step applied": median_ms(lambda: part.apply(phi_p, mean), repeats),
         "streaming: landing, prepared step copied in": median_ms(
-            lambda: [state[s.index].copy_(s.tensor) for s in sealed], repeats),
+            lambda: [state[s.index].copy_(s.tensor) for s in sealed], repeats
+        ),
         "streaming: merge (α = 0.5)": median_ms(lambda: merge(theta_p, phi_p, 0.5), repeats),
         "streaming: round's snapshot, afresh": median_ms(lambda: make_snapshot(meta, state), repeats),
         "streaming: round's snapshot, from sealed": median_ms(lambda: make_snapshot_from(last, meta, sealed), repeats),
@@ -141,8 +166,12 @@ def streaming_parts(model: torch.nn.Module, manifest, repeats: int) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=2 * CHAOS_HIDDEN,
-                        help="the rig's model width (256: the 7.35 MB payload of the 100 Mbit/s rows)")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=2 * CHAOS_HIDDEN,
+        help="the rig's model width (256: the 7.35 MB payload of the 100 Mbit/s rows)",
+    )
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (a peer's --threads)")
     parser.add_argument("--out", type=Path, default=OUT)
@@ -154,36 +183,60 @@ def main() -> None:
     n_params, parts = measure(args.hidden_size, args.repeats)
     base = parts["Δ = ψ − θ"] + parts["check of Δ"] + parts["θ ← start"]
     base_old = parts["Δ = ψ − θ"] + parts["check of Δ, element-wise"] + parts["θ ← start"]
-    totals = {"delayed_ms": base + parts["next start, delayed"], "eager_ms": base + parts["next start, eager"],
-              "delayed_elementwise_ms": base_old + parts["next start, delayed, element-wise"],
-              "eager_elementwise_ms": base_old + parts["next start, eager, element-wise"],
-              "checkpoint_ms": parts["checkpoint's copies (θ, AdamW moments)"],
-              # one fragment's landing of each of P = 2 plus the round's snapshot, per round
-              "streaming_ms": 2 * (parts["streaming: fragment's Δ and check"]
-                                   + parts["streaming: landing, prepared step copied in"]
-                                   + parts["streaming: merge (α = 0.5)"])
-              + parts["streaming: round's snapshot, from sealed"],
-              "streaming_unprepared_ms": 2 * (parts["streaming: fragment's Δ and check"]
-                                          + parts["streaming: landing, outer step applied"]
-                                          + parts["streaming: merge (α = 0.5)"])
-              + parts["streaming: round's snapshot, afresh"]}
+    totals = {
+        "delayed_ms": base + parts["next start, delayed"],
+        "eager_ms": base + parts["next start, eager"],
+        "delayed_elementwise_ms": base_old + parts["next start, delayed, element-wise"],
+        "eager_elementwise_ms": base_old + parts["next start, eager, element-wise"],
+        "checkpoint_ms": parts["checkpoint's copies (θ, AdamW moments)"],
+        # one fragment's landing of each of P = 2 plus the round's snapshot, per round
+        "streaming_ms": 2
+        * (
+            parts["streaming: fragment's Δ and check"]
+            + parts["streaming: landing, prepared step copied in"]
+            + parts["streaming: merge (α = 0.5)"]
+        )
+        + parts["streaming: round's snapshot, from sealed"],
+        "streaming_unprepared_ms": 2
+        * (
+            parts["streaming: fragment's Δ and check"]
+            + parts["streaming: landing, outer step applied"]
+            + parts["streaming: merge (α = 0.5)"]
+        )
+        + parts["streaming: round's snapshot, afresh"],
+    }
     device = f"CPU ({platform.machine()}), torch {torch.__version__}, {args.threads} thread(s)"
-    print(f"{n_params:,} parameters (hidden size {args.hidden_size}); {device}; median of {args.repeats}; "
-          f"host allocator: {allocator}\n")
+    print(
+        f"{n_params:,} parameters (hidden size {args.hidden_size}); {device}; median of {args.repeats}; "
+        f"host allocator: {allocator}\n"
+    )
     print("| part | ms |\n|---|---|")
     for name, ms in parts.items():
         print(f"| {name} | {ms:.2f} |")
-    print(f"| **round's end, delayed** (element-wise check) | **{totals['delayed_ms']:.2f}** "
-          f"({totals['delayed_elementwise_ms']:.2f}) |")
-    print(f"| **round's end, eager** (element-wise check) | **{totals['eager_ms']:.2f}** "
-          f"({totals['eager_elementwise_ms']:.2f}) |")
-    print(f"| **a streaming round, P = 2** (steps applied, snapshot afresh) | **{totals['streaming_ms']:.2f}** "
-          f"({totals['streaming_unprepared_ms']:.2f}) |")
+    print(
+        f"| **round's end, delayed** (element-wise check) | **{totals['delayed_ms']:.2f}** "
+        f"({totals['delayed_elementwise_ms']:.2f}) |"
+    )
+    print(
+        f"| **round's end, eager** (element-wise check) | **{totals['eager_ms']:.2f}** "
+        f"({totals['eager_elementwise_ms']:.2f}) |"
+    )
+    print(
+        f"| **a streaming round, P = 2** (steps applied, snapshot afresh) | **{totals['streaming_ms']:.2f}** "
+        f"({totals['streaming_unprepared_ms']:.2f}) |"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    run = {"host_allocator": allocator, "device": device, "params": n_params, "hidden_size": args.hidden_size,
-           "threads": args.threads, "repeats": args.repeats,
-           "parts": [{"part": k, "median_ms": v} for k, v in parts.items()], "totals": totals,
-           "command": " ".join([*([f"{ENV}={os.environ[ENV]}"] if ENV in os.environ else []), "python", *sys.argv])}
+    run = {
+        "host_allocator": allocator,
+        "device": device,
+        "params": n_params,
+        "hidden_size": args.hidden_size,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "parts": [{"part": k, "median_ms": v} for k, v in parts.items()],
+        "totals": totals,
+        "command": " ".join([*([f"{ENV}={os.environ[ENV]}"] if ENV in os.environ else []), "python", *sys.argv]),
+    }
     same = ("host_allocator", "hidden_size", "threads")
     runs = json.loads(args.out.read_text()).get("runs", []) if args.out.exists() else []
     runs = [r for r in runs if any(r.get(k) != run[k] for k in same)] + [run]

@@ -54,7 +54,8 @@ def soak_manifest() -> RunManifest:
         name="soak",
         model=CHAOS_MODEL,
         inner_optimizer={"lr": 3e-3, "warmup_steps": 20, "decay_steps": 20000, "batch_size_tokens": 256},
-        sync={"inner_steps": 30, "matchmaking_time_s": 3.0, "allreduce_timeout_s": 30.0, "next_chunk_timeout_s": 5.0})
+        sync={"inner_steps": 30, "matchmaking_time_s": 3.0, "allreduce_timeout_s": 30.0, "next_chunk_timeout_s": 5.0},
+    )
 
 
 def checkpoint_of(workdir: Path, name: str) -> tuple[Path, str]:
@@ -79,8 +80,7 @@ def evaluate_checkpoint(workdir: Path, name: str, manifest: RunManifest) -> floa
     model = build_model(manifest.model)
     named = list(model.named_parameters())
     path, run_id = checkpoint_of(workdir, name)
-    state = load_checkpoint(path, run_id=run_id, names=[n for n, _ in named],
-                            shapes=[p.shape for _, p in named])
+    state = load_checkpoint(path, run_id=run_id, names=[n for n, _ in named], shapes=[p.shape for _, p in named])
     import torch
 
     with torch.no_grad():
@@ -125,7 +125,9 @@ class MemoryWatch:
         for name, child in list(self.swarm.members.items()):
             if child.alive and name not in self.swarm.frozen:
                 done = sum(1 for e in child.of("round") if e.start == child.starts)
-                self.samples.setdefault((name, child.starts), []).append((done, pss_mib(namespace_pids(self.swarm, name))))
+                self.samples.setdefault((name, child.starts), []).append(
+                    (done, pss_mib(namespace_pids(self.swarm, name)))
+                )
 
     def growth(self) -> tuple[float, dict[str, tuple[float, float]]]:
         """(largest relative growth, {peer: (MiB after 10 rounds, MiB at the end)}) over the starts
@@ -175,8 +177,9 @@ def check_checkpoints(workdir: Path, swarm: ChaosSwarm, manifest: RunManifest) -
     for name in swarm.members:
         try:
             path, run_id = checkpoint_of(workdir, name)
-            state = load_checkpoint(path, run_id=run_id, names=[n for n, _ in named],
-                                    shapes=[p.shape for _, p in named])
+            state = load_checkpoint(
+                path, run_id=run_id, names=[n for n, _ in named], shapes=[p.shape for _, p in named]
+            )
         except Exception as exc:  # any failure to load is what this counts
             print(f"checkpoint of {name} does not load: {exc}", flush=True)
             bad.append(name)
@@ -201,13 +204,15 @@ def majority_peer(swarm: ChaosSwarm) -> tuple[str, int, str]:
 def classify(note: str) -> str:
     if not note:
         return "completed"
-    for key, cause in (("incomplete", "all-reduce incomplete (groupmate failed)"),
-                       ("no group formed", "no group formed in time"),
-                       ("did not finish", "sync deadline passed"),
-                       ("alone", "alone (no live peer)"),
-                       ("averaged without", "partial pieces, failed groupmate excluded"),
-                       ("discarded", "round discarded (non-finite)"),
-                       ("cancelled by shutdown", "stopped at the end of the run")):
+    for key, cause in (
+        ("incomplete", "all-reduce incomplete (groupmate failed)"),
+        ("no group formed", "no group formed in time"),
+        ("did not finish", "sync deadline passed"),
+        ("alone", "alone (no live peer)"),
+        ("averaged without", "partial pieces, failed groupmate excluded"),
+        ("discarded", "round discarded (non-finite)"),
+        ("cancelled by shutdown", "stopped at the end of the run"),
+    ):
         if key in note:
             return cause
     return "other: " + note[:60]
@@ -254,21 +259,45 @@ def report(swarm: ChaosSwarm, started: float, ended: float) -> dict:
                 longest = (b - a, name, next(e["round"] for e in rounds if e["time"] == b))
     # one round's deadline: a round's inner compute plus its sync deadline (medians over all
     # rounds); a peer past it has neither completed nor abandoned its round in time
-    compute = sorted(e["tokens"] / e["tokens_per_s"] for c in swarm.members.values() for e in c.of("round")
-                     if e.get("tokens") and e.get("tokens_per_s"))
+    compute = sorted(
+        e["tokens"] / e["tokens_per_s"]
+        for c in swarm.members.values()
+        for e in c.of("round")
+        if e.get("tokens") and e.get("tokens_per_s")
+    )
     deadlines = [e["deadline_s"] for c in swarm.members.values() for e in c.of("round") if e.get("deadline_s")]
     deadlines.sort()
-    round_deadline = (compute[len(compute) // 2] if compute else 0.0) + (deadlines[len(deadlines) // 2] if deadlines else 0.0)
-    overdue_syncs = sum(1 for c in swarm.members.values() for e in c.of("round")
-                        if e.get("deadline_s") and e["sync_s"] > e["deadline_s"] + 5.0)
-    nan_events = sum(1 for c in swarm.members.values() for e in c.events
-                     if (e.kind == "warning" and "restarting the round from" in str(e.get("message", "")))
-                     or (e.kind == "round" and "discarded" in str(e.get("note") or "")))
-    return {"minutes": (ended - started) / 60, "faults": Counter(f["fault"] for f in swarm.faults if f["time"] >= started and f["fault"] in FAULTS),
-            "round_deadline_s": round_deadline, "overdue_syncs": overdue_syncs, "nan_events": nan_events,
-            "rounds_per_peer": per_peer, "round_outcomes": dict(causes), "adoptions": dict(adoptions),
-            "longest_gap_between_rounds_s": longest[0], "longest_gap_peer": longest[1],
-            "longest_sync_s": longest_sync[0], "its_deadline_s": longest_sync[1], "tokens": tokens}
+    round_deadline = (compute[len(compute) // 2] if compute else 0.0) + (
+        deadlines[len(deadlines) // 2] if deadlines else 0.0
+    )
+    overdue_syncs = sum(
+        1
+        for c in swarm.members.values()
+        for e in c.of("round")
+        if e.get("deadline_s") and e["sync_s"] > e["deadline_s"] + 5.0
+    )
+    nan_events = sum(
+        1
+        for c in swarm.members.values()
+        for e in c.events
+        if (e.kind == "warning" and "restarting the round from" in str(e.get("message", "")))
+        or (e.kind == "round" and "discarded" in str(e.get("note") or ""))
+    )
+    return {
+        "minutes": (ended - started) / 60,
+        "faults": Counter(f["fault"] for f in swarm.faults if f["time"] >= started and f["fault"] in FAULTS),
+        "round_deadline_s": round_deadline,
+        "overdue_syncs": overdue_syncs,
+        "nan_events": nan_events,
+        "rounds_per_peer": per_peer,
+        "round_outcomes": dict(causes),
+        "adoptions": dict(adoptions),
+        "longest_gap_between_rounds_s": longest[0],
+        "longest_gap_peer": longest[1],
+        "longest_sync_s": longest_sync[0],
+        "its_deadline_s": longest_sync[1],
+        "tokens": tokens,
+    }
 
 
 def start_swarm(workdir: Path, args, manifest: RunManifest, peer_args: Sequence[str] = ()) -> ChaosSwarm:
@@ -330,8 +359,10 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
                     # enough joiners for the machine: another fault, if enough peers are healthy
                     fault = "sigstop" if len(healthy) > args.peers - 2 else "none"
                 victim = rng.choice(healthy).name if healthy else None
-                print(f"{(now - started) / 60:5.1f} min: {fault} {victim if fault not in ('join', 'kill_bootstrap') else ''}",
-                      flush=True)
+                print(
+                    f"{(now - started) / 60:5.1f} min: {fault} {victim if fault not in ('join', 'kill_bootstrap') else ''}",
+                    flush=True,
+                )
                 if fault == "kill9" and victim:
                     swarm.kill(victim)
                     pending.append((now + rng.uniform(30, 60), "restart", victim))
@@ -355,12 +386,24 @@ def run_faulted(workdir: Path, args, manifest: RunManifest, rng: random.Random) 
         result = report(swarm, started, ended)
         bad, nonfinite = check_checkpoints(workdir, swarm, manifest)
         name, round_, digest = majority_peer(swarm)
-        result.update(hung_at_stop=hung, orphans=orphans, bad_checkpoints=bad, nonfinite_checkpoints=nonfinite,
-                      rss_growth=growth, memory_mib=levels)
-        result.update(eval_peer=name, final_round=round_, final_digest=digest,
-                      final_holders=sum(1 for c in swarm.members.values() if c.last("round")
-                                        and c.last("round")["state_digest"] == digest),
-                      peers_total=len(swarm.members), fault_log=swarm.faults)
+        result.update(
+            hung_at_stop=hung,
+            orphans=orphans,
+            bad_checkpoints=bad,
+            nonfinite_checkpoints=nonfinite,
+            rss_growth=growth,
+            memory_mib=levels,
+        )
+        result.update(
+            eval_peer=name,
+            final_round=round_,
+            final_digest=digest,
+            final_holders=sum(
+                1 for c in swarm.members.values() if c.last("round") and c.last("round")["state_digest"] == digest
+            ),
+            peers_total=len(swarm.members),
+            fault_log=swarm.faults,
+        )
     result["validation_loss"] = evaluate_checkpoint(workdir, name, manifest)
     return result
 
@@ -410,33 +453,60 @@ def main() -> None:
     print(f"| rounds completed per peer | {faulted['rounds_per_peer']} | {clean['rounds_per_peer']} |")
     print(f"| round outcomes | {faulted['round_outcomes']} | {clean['round_outcomes']} |")
     print(f"| state adoptions by reason | {faulted['adoptions']} | {clean['adoptions']} |")
-    print(f"| longest gap between rounds of a peer no fault acted on | {faulted['longest_gap_between_rounds_s']:.1f} s "
-          f"({faulted['longest_gap_peer']}) | {clean['longest_gap_between_rounds_s']:.1f} s |")
-    print(f"| longest sync / its deadline | {faulted['longest_sync_s']:.1f} s / {faulted['its_deadline_s']:.1f} s | "
-          f"{clean['longest_sync_s']:.1f} s / {clean['its_deadline_s']:.1f} s |")
-    print(f"| validation loss of φ (nats/token) | {faulted['validation_loss']:.4f} (round {faulted['final_round']}, "
-          f"held by {faulted['final_holders']} of {faulted['peers_total']} peers) | {clean['validation_loss']:.4f} "
-          f"(round {clean['final_round']}) |")
+    print(
+        f"| longest gap between rounds of a peer no fault acted on | {faulted['longest_gap_between_rounds_s']:.1f} s "
+        f"({faulted['longest_gap_peer']}) | {clean['longest_gap_between_rounds_s']:.1f} s |"
+    )
+    print(
+        f"| longest sync / its deadline | {faulted['longest_sync_s']:.1f} s / {faulted['its_deadline_s']:.1f} s | "
+        f"{clean['longest_sync_s']:.1f} s / {clean['its_deadline_s']:.1f} s |"
+    )
+    print(
+        f"| validation loss of φ (nats/token) | {faulted['validation_loss']:.4f} (round {faulted['final_round']}, "
+        f"held by {faulted['final_holders']} of {faulted['peers_total']} peers) | {clean['validation_loss']:.4f} "
+        f"(round {clean['final_round']}) |"
+    )
     print(f"| loss change from faults | {100 * change:+.2f} % | |")
-    print(f"| one round's deadline (median compute + median sync deadline) | {faulted['round_deadline_s']:.1f} s | "
-          f"{clean['round_deadline_s']:.1f} s |")
+    print(
+        f"| one round's deadline (median compute + median sync deadline) | {faulted['round_deadline_s']:.1f} s | "
+        f"{clean['round_deadline_s']:.1f} s |"
+    )
     for key in ("overdue_syncs", "hung_at_stop", "nan_events", "nonfinite_checkpoints", "bad_checkpoints", "orphans"):
         print(f"| {key.replace('_', ' ')} | {faulted[key]} | {clean[key]} |")
     print(f"| memory growth after round 10 (worst peer) | {100 * faulted['rss_growth']:+.1f} % | |")
     summary = {
-        "minutes": faulted["minutes"], "peers": args.peers, "faults": dict(faulted["faults"]),
-        "loss_faults": faulted["validation_loss"], "loss_clean": clean["validation_loss"], "loss_change": change,
-        "longest_stall_s": faulted["longest_gap_between_rounds_s"], "round_deadline_s": faulted["round_deadline_s"],
-        "hangs": len(faulted["hung_at_stop"]) + faulted["overdue_syncs"] + len(clean["hung_at_stop"]) + clean["overdue_syncs"],
+        "minutes": faulted["minutes"],
+        "peers": args.peers,
+        "faults": dict(faulted["faults"]),
+        "loss_faults": faulted["validation_loss"],
+        "loss_clean": clean["validation_loss"],
+        "loss_change": change,
+        "longest_stall_s": faulted["longest_gap_between_rounds_s"],
+        "round_deadline_s": faulted["round_deadline_s"],
+        "hangs": len(faulted["hung_at_stop"])
+        + faulted["overdue_syncs"]
+        + len(clean["hung_at_stop"])
+        + clean["overdue_syncs"],
         "nan_events": faulted["nan_events"] + len(faulted["nonfinite_checkpoints"]) + clean["nan_events"],
         "bad_checkpoints": len(faulted["bad_checkpoints"]) + len(clean["bad_checkpoints"]),
-        "orphans": faulted["orphans"] + clean["orphans"], "rss_growth": faulted["rss_growth"]}
+        "orphans": faulted["orphans"] + clean["orphans"],
+        "rss_growth": faulted["rss_growth"],
+    }
     print(json.dumps(summary))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")
-        args.out.with_suffix(".detail.json").write_text(json.dumps(
-            {"args": {k: str(v) for k, v in vars(args).items()}, "faulted": faulted, "clean": clean,
-             "loss_change": change}, indent=2, default=str))
+        args.out.with_suffix(".detail.json").write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "faulted": faulted,
+                    "clean": clean,
+                    "loss_change": change,
+                },
+                indent=2,
+                default=str,
+            )
+        )
 
 
 if __name__ == "__main__":

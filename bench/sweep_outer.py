@@ -45,16 +45,16 @@ from peer.train.data import load_corpus
 from protocol.errors import ManifestError
 
 DEFAULT_SETTINGS = [
-    "nesterov:0.7:0.9",     # DiLoCo paper (H = 500, pretrained start); ~7× plain averaging
-    "nesterov:0.1:0.9",     # same momentum, step ~1× plain averaging
+    "nesterov:0.7:0.9",  # DiLoCo paper (H = 500, pretrained start); ~7× plain averaging
+    "nesterov:0.1:0.9",  # same momentum, step ~1× plain averaging
     "nesterov:0.3:0.9",
     "nesterov:0.7:0.5",
     "nesterov:1.0:0.3",
-    "heavy-ball:1.0:0.0",   # plain averaging
-    "heavy-ball:0.7:0.3",   # the NoLoCo repo's DiLoCo baseline
+    "heavy-ball:1.0:0.0",  # plain averaging
+    "heavy-ball:0.7:0.3",  # the NoLoCo repo's DiLoCo baseline
     "heavy-ball:1.0:0.5",
     "heavy-ball:0.7:0.5",
-    "noloco:0.7:0.5",       # NoLoCo paper defaults (β = γ = 0.7, α = 0.5)
+    "noloco:0.7:0.5",  # NoLoCo paper defaults (β = γ = 0.7, α = 0.5)
     "noloco:1.0:0.0",
     "noloco:0.7:0.3",
 ]
@@ -72,12 +72,13 @@ def parse_setting(text: str, default_h: int, steps_per_peer: int) -> dict:
     except ValueError:
         raise SystemExit(f"bad setting {text!r}: LR and MOMENTUM are numbers, H an integer") from None
     if h < 1 or steps_per_peer % h:
-        raise SystemExit(f"bad setting {text!r}: H = {h} must divide the {steps_per_peer} inner steps per peer of "
-                         "the config (bench.rounds x sync.inner_steps), so that every run trains on the same tokens")
+        raise SystemExit(
+            f"bad setting {text!r}: H = {h} must divide the {steps_per_peer} inner steps per peer of "
+            "the config (bench.rounds x sync.inner_steps), so that every run trains on the same tokens"
+        )
     if parts[0] == "noloco":  # β = γ = LR, α = MOMENTUM, heavy-ball (ALGORITHMS.md §2)
         return {"algorithm": "noloco", "lr": lr, "momentum": momentum, "pull": lr, "inner_steps": h}
-    return {"algorithm": "diloco", "nesterov": parts[0] == "nesterov", "lr": lr, "momentum": momentum,
-            "inner_steps": h}
+    return {"algorithm": "diloco", "nesterov": parts[0] == "nesterov", "lr": lr, "momentum": momentum, "inner_steps": h}
 
 
 def label(outer: dict | None) -> str:
@@ -92,8 +93,15 @@ def label(outer: dict | None) -> str:
 _CORPUS = {}
 
 
-def one_run(config: str, outer: dict | None, peers: int, seed: int, steps_per_peer: int,
-            overrides: list[str], global_batch_tokens: int) -> dict:
+def one_run(
+    config: str,
+    outer: dict | None,
+    peers: int,
+    seed: int,
+    steps_per_peer: int,
+    overrides: list[str],
+    global_batch_tokens: int,
+) -> dict:
     """One simulated run in a worker process (1 torch thread); its final validation bpb."""
     torch.set_num_threads(1)
     base, _ = load_config(Path(config))
@@ -107,15 +115,30 @@ def one_run(config: str, outer: dict | None, peers: int, seed: int, steps_per_pe
         base = base.replace(noloco={k: outer[k] for k in ("lr", "momentum", "pull")})
     elif outer:
         base = base.replace(outer_optimizer={k: outer[k] for k in ("lr", "momentum", "nesterov")})
-    m = manifest_for(base, "data-parallel" if outer is None else outer["algorithm"], peers, seed,
-                     global_batch_tokens, rounds)
+    m = manifest_for(
+        base, "data-parallel" if outer is None else outer["algorithm"], peers, seed, global_batch_tokens, rounds
+    )
     if outer is not None and engine_runs(m, outer["algorithm"]):  # the round loop a peer runs (lab/engine_sim.py)
         r = run_engine_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds)
     else:
-        r = run_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, data_parallel=outer is None,
-                           eval_every_rounds=rounds)
-    return {"outer": outer, "peers": peers, "seed": seed, "final_bpb": r.history[-1].loss_bpb,
-            "tokens": r.history[-1].tokens, "params": r.parameters, "wall_s": r.wall_s}
+        r = run_simulation(
+            m,
+            _CORPUS[config],
+            peers=peers,
+            rounds=rounds,
+            seed=seed,
+            data_parallel=outer is None,
+            eval_every_rounds=rounds,
+        )
+    return {
+        "outer": outer,
+        "peers": peers,
+        "seed": seed,
+        "final_bpb": r.history[-1].loss_bpb,
+        "tokens": r.history[-1].tokens,
+        "params": r.parameters,
+        "wall_s": r.wall_s,
+    }
 
 
 def main() -> None:
@@ -123,14 +146,28 @@ def main() -> None:
     parser.add_argument("--config", default=str(Path(__file__).with_name("compare.toml")))
     parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--settings", nargs="*", default=DEFAULT_SETTINGS,
-                        help="KIND:LR:MOMENTUM[:H] each; none (a bare --settings) runs only the data-parallel baseline")
+    parser.add_argument(
+        "--settings",
+        nargs="*",
+        default=DEFAULT_SETTINGS,
+        help="KIND:LR:MOMENTUM[:H] each; none (a bare --settings) runs only the data-parallel baseline",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one torch thread each")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override a manifest field for every run, baseline included (TOML value)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a manifest field for every run, baseline included (TOML value)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the data-parallel runs")
-    parser.add_argument("--global-batch", type=int, default=None, metavar="TOKENS",
-                        help="override bench.global_batch_tokens of the config (tokens per inner step, all peers)")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="override bench.global_batch_tokens of the config (tokens per inner step, all peers)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "sweep-outer.json")
     args = parser.parse_args()
     base, bench = load_config(Path(args.config))
@@ -145,8 +182,10 @@ def main() -> None:
     except ValueError as exc:
         parser.error(f"{exc}; {GLOBAL_BATCH_HINT}")
     steps_per_peer = bench["rounds"] * base.sync.inner_steps
-    outers = [*([] if args.no_baseline else [None]),
-              *(parse_setting(s, base.sync.inner_steps, steps_per_peer) for s in args.settings)]
+    outers = [
+        *([] if args.no_baseline else [None]),
+        *(parse_setting(s, base.sync.inner_steps, steps_per_peer) for s in args.settings),
+    ]
     if not outers:
         parser.error("--no-baseline with no --settings leaves nothing to run")
     jobs = [(outer, peers, seed) for peers in args.peers for outer in outers for seed in args.seeds]
@@ -154,37 +193,62 @@ def main() -> None:
     runs = []
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(one_run, args.config, o, p, s, steps_per_peer, args.set, bench["global_batch_tokens"])
-                   for o, p, s in jobs]
+        futures = [
+            pool.submit(one_run, args.config, o, p, s, steps_per_peer, args.set, bench["global_batch_tokens"])
+            for o, p, s in jobs
+        ]
         for f in concurrent.futures.as_completed(futures):
             run = f.result()
             runs.append(run)
-            print(f"{label(run['outer'])} | N {run['peers']} | seed {run['seed']} | {run['final_bpb']:.4f} bpb | "
-                  f"{run['wall_s']:.0f} s", flush=True)
+            print(
+                f"{label(run['outer'])} | N {run['peers']} | seed {run['seed']} | {run['final_bpb']:.4f} bpb | "
+                f"{run['wall_s']:.0f} s",
+                flush=True,
+            )
 
     results = []
     for peers in args.peers:
         for outer in outers:
             mine = sorted((r for r in runs if r["peers"] == peers and r["outer"] == outer), key=lambda r: r["seed"])
-            results.append({"method": "data-parallel" if outer is None else outer["algorithm"], "peers": peers,
-                            "seeds": [r["seed"] for r in mine], "final_bpb": statistics.fmean(r["final_bpb"] for r in mine),
-                            "final_bpb_per_seed": [r["final_bpb"] for r in mine], "outer": outer or {}})
+            results.append(
+                {
+                    "method": "data-parallel" if outer is None else outer["algorithm"],
+                    "peers": peers,
+                    "seeds": [r["seed"] for r in mine],
+                    "final_bpb": statistics.fmean(r["final_bpb"] for r in mine),
+                    "final_bpb_per_seed": [r["final_bpb"] for r in mine],
+                    "outer": outer or {},
+                }
+            )
     dp = {r["peers"]: r["final_bpb"] for r in results if r["method"] == "data-parallel"}
     for r in results:
         r["vs_data_parallel_pct"] = 100 * (r["final_bpb"] / dp[r["peers"]] - 1) if r["peers"] in dp else None
     print("\n| setting | N | final bpb (mean) | per seed | vs data-parallel |\n|---|---|---|---|---|")
     for r in sorted(results, key=lambda r: (r["peers"], r["final_bpb"])):
-        print(f"| {label(r['outer'] or None)} | {r['peers']} | {r['final_bpb']:.4f} | "
-              f"{' / '.join(f'{x:.4f}' for x in r['final_bpb_per_seed'])} | "
-              f"{'—' if r['vs_data_parallel_pct'] is None else format(r['vs_data_parallel_pct'], '+.1f') + ' %'} |")
+        print(
+            f"| {label(r['outer'] or None)} | {r['peers']} | {r['final_bpb']:.4f} | "
+            f"{' / '.join(f'{x:.4f}' for x in r['final_bpb_per_seed'])} | "
+            f"{'—' if r['vs_data_parallel_pct'] is None else format(r['vs_data_parallel_pct'], '+.1f') + ' %'} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "scale": "cpu", "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch "
-                                  f"{torch.__version__}, {args.jobs} runs at once, 1 thread each",
-        "params": runs[0]["params"], "tokens_per_run": runs[0]["tokens"],
-        "command": " ".join(["python", *sys.argv]), "overrides": args.set,
-        "global_batch_tokens": bench["global_batch_tokens"], "wall_s": time.perf_counter() - start,
-        "results": results}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "scale": "cpu",
+                "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch "
+                f"{torch.__version__}, {args.jobs} runs at once, 1 thread each",
+                "params": runs[0]["params"],
+                "tokens_per_run": runs[0]["tokens"],
+                "command": " ".join(["python", *sys.argv]),
+                "overrides": args.set,
+                "global_batch_tokens": bench["global_batch_tokens"],
+                "wall_s": time.perf_counter() - start,
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}; {time.perf_counter() - start:.0f} s")
 
 

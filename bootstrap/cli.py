@@ -70,35 +70,88 @@ def _until_signal(what: str):
 
 @main.command()
 @click.option("--host", default="0.0.0.0", show_default=True, help="Interface to listen on.")
-@click.option("--port", default=31337, show_default=True, type=click.IntRange(0, 65535),
-              help="TCP port of the DHT (open it in the firewall; 0 picks a free one).")
-@click.option("--announce", multiple=True, metavar="MULTIADDR",
-              help="Public address to advertise, e.g. /ip4/203.0.113.7/tcp/31337 or "
-                   "/dns4/boot.example.org/tcp/31337 (repeatable). Needed behind NAT or port forwarding.")
-@click.option("--identity", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Private key file (created with mode 0600 on first start, reused after: the peer id and "
-                   "so the multiaddr stay the same). [default: the user data dir]/locoswarm/bootstrap/identity.key")
-@click.option("--owner-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Ed25519 key of the run's owner, which signs its announcement (created with mode 0600 on first "
-                   "start; the run id binds it, so keep it). A --run file that names an owner needs that owner's "
-                   "key. [default: owner.key beside the --identity file]")
-@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Run manifest (TOML) to announce. Default: the 'default' preset.")
+@click.option(
+    "--port",
+    default=31337,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="TCP port of the DHT (open it in the firewall; 0 picks a free one).",
+)
+@click.option(
+    "--announce",
+    multiple=True,
+    metavar="MULTIADDR",
+    help="Public address to advertise, e.g. /ip4/203.0.113.7/tcp/31337 or "
+    "/dns4/boot.example.org/tcp/31337 (repeatable). Needed behind NAT or port forwarding.",
+)
+@click.option(
+    "--identity",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Private key file (created with mode 0600 on first start, reused after: the peer id and "
+    "so the multiaddr stay the same). [default: the user data dir]/locoswarm/bootstrap/identity.key",
+)
+@click.option(
+    "--owner-key",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Ed25519 key of the run's owner, which signs its announcement (created with mode 0600 on first "
+    "start; the run id binds it, so keep it). A --run file that names an owner needs that owner's "
+    "key. [default: owner.key beside the --identity file]",
+)
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Run manifest (TOML) to announce. Default: the 'default' preset.",
+)
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Announce a named preset.")
 @click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="Other nodes to link with.")
-@click.option("--relay/--no-relay", default=True, show_default=True,
-              help="Serve as a libp2p circuit relay so peers behind NAT can be reached through this node.")
-@click.option("--monitor-port", type=click.IntRange(0, 65535), default=None,
-              help="Serve the swarm monitor (web page, /api/swarm JSON, /metrics, /healthz) on this HTTP "
-                   "port (0: any free port). Default: no monitor.")
-@click.option("--monitor-host", default="127.0.0.1", show_default=True,
-              help="Interface of the monitor's HTTP server (0.0.0.0: all).")
-@click.option("--monitor-poll", type=FiniteFloatRange(0.1), default=1.0, show_default=True,
-              help="Seconds between two reads of the peers' progress records.")
+@click.option(
+    "--relay/--no-relay",
+    default=True,
+    show_default=True,
+    help="Serve as a libp2p circuit relay so peers behind NAT can be reached through this node.",
+)
+@click.option(
+    "--monitor-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve the swarm monitor (web page, /api/swarm JSON, /metrics, /healthz) on this HTTP "
+    "port (0: any free port). Default: no monitor.",
+)
+@click.option(
+    "--monitor-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Interface of the monitor's HTTP server (0.0.0.0: all).",
+)
+@click.option(
+    "--monitor-poll",
+    type=FiniteFloatRange(0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between two reads of the peers' progress records.",
+)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def run(host, port, announce, identity, owner_key, run_file, preset, initial_peers, relay, monitor_port, monitor_host,
-        monitor_poll, log_format, verbose) -> None:
+def run(
+    host,
+    port,
+    announce,
+    identity,
+    owner_key,
+    run_file,
+    preset,
+    initial_peers,
+    relay,
+    monitor_port,
+    monitor_host,
+    monitor_poll,
+    log_format,
+    verbose,
+) -> None:
     """Start the node, print its multiaddrs, announce the run; Ctrl-C or SIGTERM stops it (exit 130).
 
     The node is the swarm's well-known entry: peers pass one of the printed multiaddrs to
@@ -128,26 +181,49 @@ def run(host, port, announce, identity, owner_key, run_file, preset, initial_pee
             owner = load_owner_key(owner_key or identity.with_name(OWNER_KEY_FILE))
             signed = sign_manifest(draft, owner)  # ManifestError: the file names another owner
             manifest = signed.manifest
-            cfg = BootstrapConfig(host=host, port=port, announce=tuple(announce),
-                                  identity_path=identity, initial_peers=tuple(initial_peers),
-                                  manifest=signed, relay=relay, monitor_host=monitor_host, monitor_port=monitor_port,
-                                  monitor_poll_s=monitor_poll)
+            cfg = BootstrapConfig(
+                host=host,
+                port=port,
+                announce=tuple(announce),
+                identity_path=identity,
+                initial_peers=tuple(initial_peers),
+                manifest=signed,
+                relay=relay,
+                monitor_host=monitor_host,
+                monitor_port=monitor_port,
+                monitor_poll_s=monitor_poll,
+            )
 
             def on_ready(maddrs: list[str], monitor_url: str | None) -> None:
                 if log_format == "json":
-                    click.echo(json.dumps({"event": "ready", "maddrs": maddrs, "run_id": manifest.run_id,
-                                           "run_name": manifest.name, "owner": manifest.owner, "version": protocol.__version__,
-                                           "relay": relay, "monitor_url": monitor_url}))
+                    click.echo(
+                        json.dumps(
+                            {
+                                "event": "ready",
+                                "maddrs": maddrs,
+                                "run_id": manifest.run_id,
+                                "run_name": manifest.name,
+                                "owner": manifest.owner,
+                                "version": protocol.__version__,
+                                "relay": relay,
+                                "monitor_url": monitor_url,
+                            }
+                        )
+                    )
                 else:
-                    click.echo(f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} "
-                               f"({manifest.name}) | relay {'on' if relay else 'off'}")
+                    click.echo(
+                        f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} "
+                        f"({manifest.name}) | relay {'on' if relay else 'off'}"
+                    )
                     click.echo(f"run owner {manifest.owner} (key {owner.path})")
                     click.echo("peers join with:")
                     for maddr in maddrs:
                         click.echo(f"  peer join --initial-peers {maddr}")
                     if monitor_url:
-                        click.echo(f"swarm monitor: {monitor_url} (JSON: {monitor_url}api/swarm, "
-                                   f"Prometheus: {monitor_url}metrics)")
+                        click.echo(
+                            f"swarm monitor: {monitor_url} (JSON: {monitor_url}api/swarm, "
+                            f"Prometheus: {monitor_url}metrics)"
+                        )
                 sys.stdout.flush()
 
             serve(cfg, stop, on_ready)
@@ -156,13 +232,24 @@ def run(host, port, announce, identity, owner_key, run_file, preset, initial_pee
 
 
 @main.command()
-@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR",
-              help="Address of any live node of the swarm (repeatable).")
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    required=True,
+    metavar="MULTIADDR",
+    help="Address of any live node of the swarm (repeatable).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface of the HTTP server (0.0.0.0: all).")
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
-              help="HTTP port (0: any free port).")
-@click.option("--poll", type=FiniteFloatRange(0.1), default=1.0, show_default=True,
-              help="Seconds between two reads of the peers' progress records.")
+@click.option(
+    "--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="HTTP port (0: any free port)."
+)
+@click.option(
+    "--poll",
+    type=FiniteFloatRange(0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between two reads of the peers' progress records.",
+)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
@@ -184,16 +271,20 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
             dht = dht_node.start_dht(initial_peers=initial_peers, client_mode=True)
             watch = HelperWatch(stop, "run the monitor again").watch_dht("monitor's", dht).start()
             try:
+
                 def on_ready(url: str) -> None:
                     if log_format == "json":
                         click.echo(json.dumps({"event": "ready", "monitor_url": url, "version": protocol.__version__}))
                     else:
-                        click.echo(f"locoswarm {protocol.__version__} swarm monitor: {url} "
-                                   f"(JSON: {url}api/swarm, Prometheus: {url}metrics)")
+                        click.echo(
+                            f"locoswarm {protocol.__version__} swarm monitor: {url} "
+                            f"(JSON: {url}api/swarm, Prometheus: {url}metrics)"
+                        )
                     sys.stdout.flush()
 
-                run_monitor(dht, host=host, port=port, config=MonitorConfig(poll_interval_s=poll), stop=stop,
-                            on_ready=on_ready)
+                run_monitor(
+                    dht, host=host, port=port, config=MonitorConfig(poll_interval_s=poll), stop=stop, on_ready=on_ready
+                )
                 watch.raise_if_died()
             finally:
                 watch.stop()

@@ -137,8 +137,9 @@ class SwarmMonitor:
             with self._lock:
                 self._devices[run_id] = {peer_id: record.describe() for peer_id, record in records.items()}
 
-    def ingest(self, runs: dict[str, str], found: dict[str, list[swarm_dht.PeerProgress]],
-               now: float | None = None) -> None:
+    def ingest(
+        self, runs: dict[str, str], found: dict[str, list[swarm_dht.PeerProgress]], now: float | None = None
+    ) -> None:
         """Fold one poll's records (already validated) into the history.
 
         ``now`` is wall-clock time, s since the epoch (hivemind's DHT time is the same clock): a
@@ -159,7 +160,8 @@ class SwarmMonitor:
                     peer = run.peers.get(item.peer_id)
                     if peer is None:
                         peer = run.peers[item.peer_id] = PeerHistory(
-                            peer_id=item.peer_id, first_seen=now, last_seen=now, last_change=now, record=item.record)
+                            peer_id=item.peer_id, first_seen=now, last_seen=now, last_change=now, record=item.record
+                        )
                     peer.update(item.record, now, self.cfg.history_samples, run.inner_steps)
                     peer.device = self._devices.get(run_id, {}).get(item.peer_id, peer.device)
                     if manifest is not None:
@@ -215,24 +217,38 @@ class SwarmMonitor:
         with self._lock:
             runs = []
             for run in sorted(self._runs.values(), key=lambda r: r.run_id):
-                peers = [p.to_json(with_samples=with_samples)
-                         for p in sorted(run.peers.values(), key=lambda p: p.peer_id)]
+                peers = [
+                    p.to_json(with_samples=with_samples) for p in sorted(run.peers.values(), key=lambda p: p.peer_id)
+                ]
                 live = [p for p in peers if p["live"]]
                 by_size: dict[str, int] = {}
                 for p in live:
                     if p["last_sync"] is not None:
                         size = str(p["last_sync"]["group_size"])
                         by_size[size] = by_size.get(size, 0) + 1
-                runs.append({"run_id": run.run_id, "name": run.name, "inner_steps": run.inner_steps,
-                             "live_peers": len(live), "max_round": max((p["round"] for p in peers), default=0),
-                             "tokens_per_s": sum(p["tokens_per_s"] for p in live),
-                             "live_by_group_size": dict(sorted(by_size.items(), key=lambda kv: int(kv[0]))),
-                             "peers": peers})
-            return {"generated_at": time.time(), "started_at": self.started_at, "last_poll": self.last_poll,
-                    "last_error": self.last_error, "runs": runs}
+                runs.append(
+                    {
+                        "run_id": run.run_id,
+                        "name": run.name,
+                        "inner_steps": run.inner_steps,
+                        "live_peers": len(live),
+                        "max_round": max((p["round"] for p in peers), default=0),
+                        "tokens_per_s": sum(p["tokens_per_s"] for p in live),
+                        "live_by_group_size": dict(sorted(by_size.items(), key=lambda kv: int(kv[0]))),
+                        "peers": peers,
+                    }
+                )
+            return {
+                "generated_at": time.time(),
+                "started_at": self.started_at,
+                "last_poll": self.last_poll,
+                "last_error": self.last_error,
+                "runs": runs,
+            }
 
 
 # ---- HTTP ---------------------------------------------------------------------------------
+
 
 def _handler(monitor: SwarmMonitor, title: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -276,8 +292,10 @@ class MonitorServer:
         try:
             self.httpd = ThreadingHTTPServer((host, port), _handler(monitor, title))
         except OSError as exc:
-            raise NetworkError(f"the monitor cannot listen on {host}:{port}: {exc.strerror}; "
-                               "pick another --monitor-port (0: any free port)") from exc
+            raise NetworkError(
+                f"the monitor cannot listen on {host}:{port}: {exc.strerror}; "
+                "pick another --monitor-port (0: any free port)"
+            ) from exc
         self.httpd.daemon_threads = True
         self.host, self.port = host, self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="monitor-http", daemon=True)
@@ -297,9 +315,17 @@ class MonitorServer:
         self._thread.join(timeout=5)
 
 
-def run_monitor(dht, *, host: str, port: int, config: MonitorConfig, stop: threading.Event,
-                on_ready: Callable[[str], None], run_ids: dict[str, str] | None = None,
-                title: str = "locoswarm") -> None:
+def run_monitor(
+    dht,
+    *,
+    host: str,
+    port: int,
+    config: MonitorConfig,
+    stop: threading.Event,
+    on_ready: Callable[[str], None],
+    run_ids: dict[str, str] | None = None,
+    title: str = "locoswarm",
+) -> None:
     """Serve the monitor for ``dht`` until ``stop`` is set; ``on_ready(url)`` once it listens.
 
     Raises:

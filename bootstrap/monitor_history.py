@@ -48,16 +48,28 @@ class PeerHistory:
         if record.round > 0 and (at_boundary or record.group_size > 1):
             self.group_by_round[record.round] = max(self.group_by_round.get(record.round, 0), record.group_size)
             if self.last_sync is None or record.round >= self.last_sync["round"]:
-                self.last_sync = {"round": record.round, "group_size": record.group_size,
-                                  "bytes_sent": record.bytes_sent, "bytes_received": record.bytes_received}
+                self.last_sync = {
+                    "round": record.round,
+                    "group_size": record.group_size,
+                    "bytes_sent": record.bytes_sent,
+                    "bytes_received": record.bytes_received,
+                }
         if record.eval_loss is not None and record.round not in self.evals:
             self.evals[record.round] = (now, float(record.eval_loss))
         if changed:
             self.last_change = now
-            self.samples.append({"t": now, "round": record.round, "inner_step": record.inner_step,
-                                 "train_loss": record.train_loss, "tokens_per_s": record.tokens_per_s,
-                                 "group_size": record.group_size, "bytes_sent": record.bytes_sent,
-                                 "bytes_received": record.bytes_received})
+            self.samples.append(
+                {
+                    "t": now,
+                    "round": record.round,
+                    "inner_step": record.inner_step,
+                    "train_loss": record.train_loss,
+                    "tokens_per_s": record.tokens_per_s,
+                    "group_size": record.group_size,
+                    "bytes_sent": record.bytes_sent,
+                    "bytes_received": record.bytes_received,
+                }
+            )
             while len(self.samples) > max_samples:
                 self.samples.popleft()
 
@@ -75,16 +87,26 @@ class PeerHistory:
     def to_json(self, *, with_samples: bool) -> dict[str, Any]:
         r = self.record
         out = {
-            "peer_id": self.peer_id, "live": self.live, "device": self.device, "first_seen": self.first_seen,
-            "last_seen": self.last_seen, "last_change": self.last_change,
-            "published_at": self.published_at, "stale_after_s": self.stale_after_s,
-            "round": r.round, "inner_step": r.inner_step, "train_loss": r.train_loss,
-            "tokens_per_s": r.tokens_per_s, "group_size": r.group_size, "bytes_sent": r.bytes_sent,
+            "peer_id": self.peer_id,
+            "live": self.live,
+            "device": self.device,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+            "last_change": self.last_change,
+            "published_at": self.published_at,
+            "stale_after_s": self.stale_after_s,
+            "round": r.round,
+            "inner_step": r.inner_step,
+            "train_loss": r.train_loss,
+            "tokens_per_s": r.tokens_per_s,
+            "group_size": r.group_size,
+            "bytes_sent": r.bytes_sent,
             "bytes_received": r.bytes_received,
             "eval_loss": self.evals[max(self.evals)][1] if self.evals else None,
             "last_sync": dict(self.last_sync) if self.last_sync else None,
             "rounds_by_group_size": _count_by_size(self.group_by_round),
-            "first_round": self.first_round, "rounds_unseen": self.rounds_unseen,
+            "first_round": self.first_round,
+            "rounds_unseen": self.rounds_unseen,
             "group_by_round": {str(k): v for k, v in sorted(self.group_by_round.items())},
             "eval_history": [{"round": k, "t": t, "loss": loss} for k, (t, loss) in sorted(self.evals.items())],
         }

@@ -28,18 +28,30 @@ class _Collector:
             "group_size": ("locoswarm_peer_group_size", "Peers in the peer's last sync group, itself included."),
             "bytes_sent": ("locoswarm_peer_round_bytes_sent", "Sync bytes the peer sent in its last sync."),
             "bytes_received": ("locoswarm_peer_round_bytes_received", "Sync bytes the peer received in its last sync."),
-            "last_seen": ("locoswarm_peer_last_seen_timestamp_seconds", "When the monitor last found the peer's record."),
+            "last_seen": (
+                "locoswarm_peer_last_seen_timestamp_seconds",
+                "When the monitor last found the peer's record.",
+            ),
         }
-        families = {key: GaugeMetricFamily(name, doc, labels=["run_id", "peer_id"])
-                    for key, (name, doc) in per_peer.items()}
-        live = GaugeMetricFamily("locoswarm_live_peers", "Peers whose latest progress record is fresh "
-                                 "(younger than about one round's deadline).", labels=["run_id"])
-        tokens = GaugeMetricFamily("locoswarm_swarm_tokens_per_second", "Inner-loop throughput of the live peers "
-                                   "together, tokens/s.", labels=["run_id"])
+        families = {
+            key: GaugeMetricFamily(name, doc, labels=["run_id", "peer_id"]) for key, (name, doc) in per_peer.items()
+        }
+        live = GaugeMetricFamily(
+            "locoswarm_live_peers",
+            "Peers whose latest progress record is fresh (younger than about one round's deadline).",
+            labels=["run_id"],
+        )
+        tokens = GaugeMetricFamily(
+            "locoswarm_swarm_tokens_per_second",
+            "Inner-loop throughput of the live peers together, tokens/s.",
+            labels=["run_id"],
+        )
         max_round = GaugeMetricFamily("locoswarm_run_max_round", "Highest round any peer reached.", labels=["run_id"])
-        grouped = CounterMetricFamily("locoswarm_peer_rounds_by_group_size",
-                                      "Rounds the monitor saw the peer complete, by sync group size.",
-                                      labels=["run_id", "peer_id", "group_size"])
+        grouped = CounterMetricFamily(
+            "locoswarm_peer_rounds_by_group_size",
+            "Rounds the monitor saw the peer complete, by sync group size.",
+            labels=["run_id", "peer_id", "group_size"],
+        )
         for run in snap["runs"]:
             live.add_metric([run["run_id"]], run["live_peers"])
             tokens.add_metric([run["run_id"]], run["tokens_per_s"])

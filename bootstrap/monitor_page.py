@@ -209,5 +209,4 @@ def render_page(title: str, snapshot_json: str) -> str:
     followed by ``<script>`` makes the HTML parser swallow the page's script: a blank monitor). The
     script renders every string with ``textContent``/``createTextNode`` only, never as HTML.
     """
-    return (_PAGE.replace("__TITLE__", html.escape(title))
-            .replace("__SNAPSHOT__", snapshot_json.translate(_SCRIPT_SAFE)))
+    return _PAGE.replace("__TITLE__", html.escape(title)).replace("__SNAPSHOT__", snapshot_json.translate(_SCRIPT_SAFE))

@@ -50,8 +50,16 @@ class BootstrapConfig:
             raise ValueError(f"monitor_poll_s = {self.monitor_poll_s}: must be > 0")
 
 
-def start_relay_dht(*, initial_peers: Sequence[str], host: str, port: int, announce: Sequence[str],
-                    identity_path: str, relay: bool, timeout_s: float = 20.0):
+def start_relay_dht(
+    *,
+    initial_peers: Sequence[str],
+    host: str,
+    port: int,
+    announce: Sequence[str],
+    identity_path: str,
+    relay: bool,
+    timeout_s: float = 20.0,
+):
     """Start the bootstrap node's DHT, with the circuit relay service when ``relay``.
 
     go-libp2p runs its relay service only while it believes itself publicly reachable; a
@@ -64,12 +72,26 @@ def start_relay_dht(*, initial_peers: Sequence[str], host: str, port: int, annou
         BadPeerAddress, BootstrapUnreachable, NetworkError: as ``peer.net.dht_node.start_dht``.
     """
     if not relay:
-        return dht_node.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
-                                   identity_path=identity_path, timeout_s=timeout_s)
+        return dht_node.start_dht(
+            initial_peers=initial_peers,
+            host=host,
+            port=port,
+            announce=announce,
+            identity_path=identity_path,
+            timeout_s=timeout_s,
+        )
     peers = swarm_dht.parse_initial_peers(initial_peers)
-    kwargs = dict(initial_peers=peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, await_ready=True,
-                  wait_timeout=min(5.0, timeout_s), bootstrap_timeout=min(5.0, timeout_s),
-                  identity_path=str(identity_path), use_relay=True, force_reachability="public")
+    kwargs = dict(
+        initial_peers=peers,
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        start=True,
+        await_ready=True,
+        wait_timeout=min(5.0, timeout_s),
+        bootstrap_timeout=min(5.0, timeout_s),
+        identity_path=str(identity_path),
+        use_relay=True,
+        force_reachability="public",
+    )
     if announce:
         kwargs["announce_maddrs"] = list(announce)
     try:
@@ -88,8 +110,14 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
         HelperDied: the node's DHT process died (exit 75; a service manager restarts the node).
     """
     identity = ensure_identity(cfg.identity_path)
-    dht = start_relay_dht(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
-                          identity_path=str(identity), relay=cfg.relay)
+    dht = start_relay_dht(
+        initial_peers=cfg.initial_peers,
+        host=cfg.host,
+        port=cfg.port,
+        announce=cfg.announce,
+        identity_path=str(identity),
+        relay=cfg.relay,
+    )
     serve_dialback(dht)  # joiners ask whether the swarm can dial them (peer/net/reachability.py)
     serve_uplink(dht)  # and `peer doctor` measures its uplink against it (peer/net/uplink.py)
     announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
@@ -101,8 +129,9 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
         protect_run(dht, run.run_id)
         announcer.start()
         if cfg.monitor_port is not None:
-            monitor = SwarmMonitor(dht, MonitorConfig(poll_interval_s=cfg.monitor_poll_s),
-                                   run_ids={run.run_id: run.name}).start()
+            monitor = SwarmMonitor(
+                dht, MonitorConfig(poll_interval_s=cfg.monitor_poll_s), run_ids={run.run_id: run.name}
+            ).start()
             server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=run.name).start()
         on_ready(swarm_dht.visible_maddrs(dht), server.url if server else None)
         stop.wait()

@@ -110,8 +110,9 @@ class Adversary:
         if self.attack == "sign-flip":
             return [SIGN_FLIP_FACTOR * t.float() for t in payload]
         if self.attack == "huge":
-            return [HUGE_VALUE * torch.randint(0, 2, t.shape, generator=generator).float().mul_(2).sub_(1)
-                    for t in payload]
+            return [
+                HUGE_VALUE * torch.randint(0, 2, t.shape, generator=generator).float().mul_(2).sub_(1) for t in payload
+            ]
         if self.attack == "noise":
             out = []
             for t in payload:
@@ -172,8 +173,7 @@ def resync_after_round(sim) -> None:
     round 0). ``screening`` off: every record counts and no sanity check.
     """
     names = [f"sim-peer-{i}" for i in range(sim.peers)]
-    digests = {i: _state_digest(sim, sim.phis[i], sim.outers[i].state_tensors(), sim.round_)
-               for i in sim.honest}
+    digests = {i: _state_digest(sim, sim.phis[i], sim.outers[i].state_tensors(), sim.round_) for i in sim.honest}
     fake_round = sim.round_ + 1
     zero_phi = [torch.zeros_like(p) for p in sim.phis[0]]
     zero_state = [torch.zeros_like(t) for t in sim.outers[0].state_tensors()]
@@ -190,8 +190,9 @@ def resync_after_round(sim) -> None:
                 vouchers = None
         else:
             vouchers = {r[0] for r in others}  # before issue 17: every record counts
-        decisions[i] = sim.outers[i].resync_target(others, round_=sim.round_, digest=digests[i],
-                                                    completed_with=completed, fresh=False, vouchers=vouchers)
+        decisions[i] = sim.outers[i].resync_target(
+            others, round_=sim.round_, digest=digests[i], completed_with=completed, fresh=False, vouchers=vouchers
+        )
     by_digest = {d: i for i, d in digests.items()}
     for i, target in decisions.items():
         if target is None:
@@ -206,8 +207,15 @@ def resync_after_round(sim) -> None:
             continue
         if sim.screening:
             try:
-                check_sanity(DownloadedState(round=round_, inner_step=round_ * sim.m.sync.inner_steps,
-                                             phi=list(source_phi), outer_state=list(source_state)), sim.phis[i])
+                check_sanity(
+                    DownloadedState(
+                        round=round_,
+                        inner_step=round_ * sim.m.sync.inner_steps,
+                        phi=list(source_phi),
+                        outer_state=list(source_state),
+                    ),
+                    sim.phis[i],
+                )
             except BadPayload:
                 sim.counts.refused_states += 1
                 continue

@@ -29,8 +29,14 @@ from typing import Any
 from lab.netlab import Host, NetLab
 from peer.launch import Child, bootstrap_argv, peer_argv
 
-CHAOS_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 384,
-               "max_seq_len": 64}
+CHAOS_MODEL = {
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 2,
+    "intermediate_size": 384,
+    "max_seq_len": 64,
+}
 """The model of the chaos test and the soak: 0.49 M parameters, so one payload is ~2 MB and a sync
 behind a 20-50 Mbit/s link lasts long enough for a fault to land in it."""
 
@@ -46,8 +52,16 @@ class ChaosSwarm:
         peer_args: extra ``peer join`` arguments for every peer.
     """
 
-    def __init__(self, workdir: Path, manifest_path: Path, *, rate_mbit: float | None = 20.0,
-                 prefix: str = "lsc", subnet: str = "10.213.78", peer_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        workdir: Path,
+        manifest_path: Path,
+        *,
+        rate_mbit: float | None = 20.0,
+        prefix: str = "lsc",
+        subnet: str = "10.213.78",
+        peer_args: Sequence[str] = (),
+    ):
         self.workdir, self.manifest_path = Path(workdir), Path(manifest_path)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.lab = NetLab(prefix=prefix, subnet=subnet, rate_mbit=rate_mbit)
@@ -66,27 +80,47 @@ class ChaosSwarm:
     # ---- processes ------------------------------------------------------------------------
     def _start(self, name: str, host: Host, argv: list[str]) -> Child:
         self.hosts[name] = host
-        return Child(name, argv, log_path=self.workdir / f"{name}.log", cwd=self.workdir, spawn=host.run,
-                     events_copy=self.workdir / f"{name}.events.jsonl", stack_signal=signal.SIGUSR1).start()
+        return Child(
+            name,
+            argv,
+            log_path=self.workdir / f"{name}.log",
+            cwd=self.workdir,
+            spawn=host.run,
+            events_copy=self.workdir / f"{name}.events.jsonl",
+            stack_signal=signal.SIGUSR1,
+        ).start()
 
     def start_bootstrap(self, timeout_s: float = 90.0) -> str:
         """Start the bootstrap node in its own namespace; return its multiaddr."""
         host = self.lab.add_host("boot")
-        self.bootstrap = self._start("bootstrap", host, bootstrap_argv(
-            identity=self.workdir / "bootstrap.key", run=self.manifest_path, host=host.address, port=31337,
-            extra=["--no-relay"]))
+        self.bootstrap = self._start(
+            "bootstrap",
+            host,
+            bootstrap_argv(
+                identity=self.workdir / "bootstrap.key",
+                run=self.manifest_path,
+                host=host.address,
+                port=31337,
+                extra=["--no-relay"],
+            ),
+        )
         ready = self.bootstrap.wait_event(lambda e: e.kind == "ready", timeout_s)
         self.bootstrap_addr = ready.addresses_on(host.address)[0]
         return self.bootstrap_addr
 
-    def add_peer(self, name: str, *, initial_peers: Sequence[str] | None = None,
-                 extra: Sequence[str] = ()) -> Child:
+    def add_peer(self, name: str, *, initial_peers: Sequence[str] | None = None, extra: Sequence[str] = ()) -> Child:
         """Start a new peer host running ``peer join`` (a joiner, when the swarm is running)."""
         host = self.lab.add_host(name)
         peers = list(initial_peers) if initial_peers is not None else [self.bootstrap_addr]
-        self.members[name] = self._start(name, host, peer_argv(
-            data_dir=self.workdir / name, initial_peers=peers,
-            extra=["--host", host.address, "--port", "31337", "--threads", "1", *self.peer_args, *extra]))
+        self.members[name] = self._start(
+            name,
+            host,
+            peer_argv(
+                data_dir=self.workdir / name,
+                initial_peers=peers,
+                extra=["--host", host.address, "--port", "31337", "--threads", "1", *self.peer_args, *extra],
+            ),
+        )
         self._note("join", name, initial_peers=peers)
         return self.members[name]
 
@@ -152,7 +186,7 @@ class ChaosSwarm:
             argv = list(child.argv)
             while "--initial-peers" in argv:
                 i = argv.index("--initial-peers")
-                del argv[i:i + 2]
+                del argv[i : i + 2]
             argv += [a for p in initial_peers for a in ("--initial-peers", p)]
         child.start(argv)
         self._note("restart", name)
@@ -178,8 +212,11 @@ class ChaosSwarm:
             for e in child.of("round"):
                 if len(e.get("agreeing", [])) > 1:
                     digests.setdefault((e.round, tuple(e["agreeing"])), {})[name] = e["state_digest"]
-        return [f"round {r}, group of {len(g)}: {by_peer}" for (r, g), by_peer in sorted(digests.items())
-                if len(set(by_peer.values())) > 1]
+        return [
+            f"round {r}, group of {len(g)}: {by_peer}"
+            for (r, g), by_peer in sorted(digests.items())
+            if len(set(by_peer.values())) > 1
+        ]
 
     def live_peers(self) -> list[Child]:
         return [c for n, c in self.members.items() if c.alive and n not in self.frozen and n not in self.partitioned]
@@ -188,8 +225,10 @@ class ChaosSwarm:
         """Wait until every named peer reports round ``round_`` (or later)."""
         deadline = time.monotonic() + timeout_s
         for name in names:
-            self.members[name].wait_event(lambda e: e.kind in ("round", "adopted_state") and e.round >= round_,
-                                          max(1.0, deadline - time.monotonic()))
+            self.members[name].wait_event(
+                lambda e: e.kind in ("round", "adopted_state") and e.round >= round_,
+                max(1.0, deadline - time.monotonic()),
+            )
 
     def close(self) -> None:
         """Stop everything (SIGCONT first, so frozen processes can die) and remove the lab."""

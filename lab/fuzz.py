@@ -73,9 +73,29 @@ _EXTREME_U32 = (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFE, 1 << 24)
 
 
 def _swap_value(value: Any, rng: random.Random) -> Any:
-    choices = [2 ** 64 - 1, -(2 ** 63), -1, 0, 2 ** 63, math.nan, math.inf, -math.inf, 1e308, True, None,
-               "", "x" * rng.choice((1, 255, 4096)), "\x1b[2J<script>", b"", b"\xff" * rng.choice((1, 16, 4096)),
-               [], {}, [value] * rng.choice((1, 2, 1000)), {"k": value}, 3.5]
+    choices = [
+        2**64 - 1,
+        -(2**63),
+        -1,
+        0,
+        2**63,
+        math.nan,
+        math.inf,
+        -math.inf,
+        1e308,
+        True,
+        None,
+        "",
+        "x" * rng.choice((1, 255, 4096)),
+        "\x1b[2J<script>",
+        b"",
+        b"\xff" * rng.choice((1, 16, 4096)),
+        [],
+        {},
+        [value] * rng.choice((1, 2, 1000)),
+        {"k": value},
+        3.5,
+    ]
     nested: Any = 0
     for _ in range(rng.choice((10, 100, 500))):
         nested = [nested]
@@ -92,7 +112,7 @@ def _mutate_object(obj: Any, rng: random.Random) -> Any:
         if roll < 0.15:
             del out[key]
         elif roll < 0.3:
-            new_key = rng.choice((2 ** 64 - 1, -1, "", b"k", None, 3.5, True, f"{key}x"))
+            new_key = rng.choice((2**64 - 1, -1, "", b"k", None, 3.5, True, f"{key}x"))
             out[new_key] = out.pop(key)
         else:
             out[key] = _mutate_object(out[key], rng)
@@ -112,8 +132,13 @@ def _repack(obj: Any) -> bytes | None:
         return None
 
 
-def mutate(seed: bytes, rng: random.Random, *, seeds: Sequence[bytes] = (),
-           msgpack_body: Callable[[bytes], tuple[bytes, bytes, bytes]] | None = None) -> bytes:
+def mutate(
+    seed: bytes,
+    rng: random.Random,
+    *,
+    seeds: Sequence[bytes] = (),
+    msgpack_body: Callable[[bytes], tuple[bytes, bytes, bytes]] | None = None,
+) -> bytes:
     """One mutation of ``seed`` (see the module docstring)."""
     data = bytearray(seed)
     roll = rng.random()
@@ -124,16 +149,16 @@ def mutate(seed: bytes, rng: random.Random, *, seeds: Sequence[bytes] = (),
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         return bytes(data)
     if roll < 0.42:
-        return bytes(data[:rng.randrange(len(data))])
+        return bytes(data[: rng.randrange(len(data))])
     if roll < 0.5:
         return bytes(data) + rng.randbytes(rng.choice((1, 3, 64, 4096)))
     if roll < 0.62 and len(data) >= 4:
         at = rng.randrange(min(len(data) - 3, 16)) if rng.random() < 0.7 else rng.randrange(len(data) - 3)
-        data[at:at + 4] = struct.pack(">I", rng.choice(_EXTREME_U32 + (len(seed), len(seed) + 1)))
+        data[at : at + 4] = struct.pack(">I", rng.choice(_EXTREME_U32 + (len(seed), len(seed) + 1)))
         return bytes(data)
     if roll < 0.68 and seeds:
         other = rng.choice(seeds)
-        return bytes(data[:rng.randrange(len(data) + 1)]) + other[rng.randrange(len(other) + 1):]
+        return bytes(data[: rng.randrange(len(data) + 1)]) + other[rng.randrange(len(other) + 1) :]
     if msgpack_body is not None:
         prefix, body, suffix = msgpack_body(seed)
         try:
@@ -159,6 +184,7 @@ def messages(target: Target, count: int, *, seed: int = 0) -> Iterator[bytes]:
 
 
 # ---------------------------------------------------------------- the run
+
 
 def rss_mb() -> float:
     """This process's resident memory, MB."""

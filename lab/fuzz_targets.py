@@ -99,6 +99,7 @@ def close_loops() -> None:
 
 # ---------------------------------------------------------------- decoders
 
+
 def decoders() -> list[Target]:
     from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import averaging_pb2
@@ -123,13 +124,26 @@ def decoders() -> list[Target]:
     def read_frame(data: bytes):
         return loop.run(lambda: framing.read_frame(_reader(data), max_bytes=4096, timeout=1.0))
 
-    targets.append(Target("wire frame (framing.read_frame)", frames[:2], read_frame,
-                          (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError)))
+    targets.append(
+        Target(
+            "wire frame (framing.read_frame)",
+            frames[:2],
+            read_frame,
+            (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError),
+        )
+    )
 
     # -- the all-reduce's frames
     hello = ar.encode_hello(group_id=b"g" * 8, sender=1, weight=1024.0, pieces=3)
-    targets.append(Target("all-reduce HELLO", [hello], lambda d: ar.parse_hello(d, group_size=4), (BadPayload,),
-                          msgpack_body=_msgpack_after(1)))
+    targets.append(
+        Target(
+            "all-reduce HELLO",
+            [hello],
+            lambda d: ar.parse_hello(d, group_size=4),
+            (BadPayload,),
+            msgpack_body=_msgpack_after(1),
+        )
+    )
     piece = ar.encode_piece(2, bytes(64))
     mean = ar.encode_mean(2, [True, False, True, True], bytes(64))
     abort = ar.encode_abort("a groupmate left")
@@ -138,8 +152,14 @@ def decoders() -> list[Target]:
         ar.parse_piece(d, expected_index=2)
 
     targets.append(Target("all-reduce PIECE", [piece, mean, abort], allreduce_frames, (BadPayload,)))
-    targets.append(Target("all-reduce MEAN / ABORT", [mean, abort, piece],
-                          lambda d: ar.parse_mean(d, expected_index=2, group_size=4), (BadPayload,)))
+    targets.append(
+        Target(
+            "all-reduce MEAN / ABORT",
+            [mean, abort, piece],
+            lambda d: ar.parse_mean(d, expected_index=2, group_size=4),
+            (BadPayload,),
+        )
+    )
 
     # -- the state transfer's frames
     digest = bytes(range(16))
@@ -147,25 +167,50 @@ def decoders() -> list[Target]:
     meta = st.encode_meta({"run_id": RUN, "round": 3, "inner_step": 30}, [bytes(16)] * 4)
     chunk = st.encode_chunk(1, bytes(4 * 12))
     targets.append(Target("state REQUEST", [request], st.parse_request, (BadPayload,)))
-    targets.append(Target("state META", [meta, st.encode_missing()], lambda d: st.parse_meta(d, chunks=4),
-                          (BadPayload,), msgpack_body=lambda s: (s[:5], s[5:-64], s[-64:])))
-    targets.append(Target("state CHUNK", [chunk], lambda d: st.parse_chunk(d, expected_index=1, shape=(3, 4)),
-                          (BadPayload,)))
+    targets.append(
+        Target(
+            "state META",
+            [meta, st.encode_missing()],
+            lambda d: st.parse_meta(d, chunks=4),
+            (BadPayload,),
+            msgpack_body=lambda s: (s[:5], s[5:-64], s[-64:]),
+        )
+    )
+    targets.append(
+        Target("state CHUNK", [chunk], lambda d: st.parse_chunk(d, expected_index=1, shape=(3, 4)), (BadPayload,))
+    )
 
     # -- the pipeline stages' frames (a micro-batch through the next stage)
     from protocol.wire import pipeline as pl
 
     stage_limits = pl.StageLimits(max_batch_sequences=4, max_seq_len_tokens=8, hidden_size=6, vocab_size=50, stages=3)
     gen = torch.Generator().manual_seed(0)
-    stage_request = pl.StageRequest(request_id=7, micro_batch=3, stage=1,
-                                    activations=torch.randn(2, 4, 6, generator=gen).to(torch.bfloat16),
-                                    targets=torch.randint(0, 50, (2, 4), generator=gen, dtype=torch.int32))
-    reply = pl.encode_reply(pl.StageReply(request_id=7, grad=torch.randn(2, 4, 6, generator=gen).to(torch.bfloat16),
-                                          loss=3.5, tokens=8))
-    targets.append(Target("pipeline STAGE_REQUEST", [pl.encode_request(stage_request)],
-                          lambda d: pl.parse_request(d, stage_limits, stage=1), (BadPayload,)))
-    targets.append(Target("pipeline STAGE_REPLY / STAGE_ERROR", [reply, pl.encode_error(7, "no replica")],
-                          lambda d: pl.parse_answer(d, stage_limits, request=stage_request), (BadPayload,)))
+    stage_request = pl.StageRequest(
+        request_id=7,
+        micro_batch=3,
+        stage=1,
+        activations=torch.randn(2, 4, 6, generator=gen).to(torch.bfloat16),
+        targets=torch.randint(0, 50, (2, 4), generator=gen, dtype=torch.int32),
+    )
+    reply = pl.encode_reply(
+        pl.StageReply(request_id=7, grad=torch.randn(2, 4, 6, generator=gen).to(torch.bfloat16), loss=3.5, tokens=8)
+    )
+    targets.append(
+        Target(
+            "pipeline STAGE_REQUEST",
+            [pl.encode_request(stage_request)],
+            lambda d: pl.parse_request(d, stage_limits, stage=1),
+            (BadPayload,),
+        )
+    )
+    targets.append(
+        Target(
+            "pipeline STAGE_REPLY / STAGE_ERROR",
+            [reply, pl.encode_error(7, "no replica")],
+            lambda d: pl.parse_answer(d, stage_limits, request=stage_request),
+            (BadPayload,),
+        )
+    )
 
     # -- codecs: every format, decoded as a receiver does (it knows the shape)
     shape = (8, 16)
@@ -174,49 +219,96 @@ def decoders() -> list[Target]:
     for name in ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank"):
         codec = codecs.make_codec(CompressionSpec(codec=name), torch.Size(shape))
         encodings.append(codec.encode(x, seed=1))
-    targets.append(Target("codec decode (every format)", encodings,
-                          lambda d: codecs.decode(d, shape, seed=1), (BadPayload,)))
+    targets.append(
+        Target("codec decode (every format)", encodings, lambda d: codecs.decode(d, shape, seed=1), (BadPayload,))
+    )
 
     # -- DHT records: signed envelopes, progress records, addresses, run announcements
     signer = PeerSigner(rsa.generate_private_key(public_exponent=65537, key_size=2048))
-    record = ProgressRecord(round=3, inner_step=30, train_loss=3.0, tokens_per_s=100.0, group_size=2, bytes_sent=10,
-                            state_digest="a" * 32, groupmates=(signer.peer_id,))
+    record = ProgressRecord(
+        round=3,
+        inner_step=30,
+        train_loss=3.0,
+        tokens_per_s=100.0,
+        group_size=2,
+        bytes_sent=10,
+        state_digest="a" * 32,
+        groupmates=(signer.peer_id,),
+    )
     key, expiration = f"{RUN}.progress", 1.9e9
     sealed = msgpack.packb(signer.seal(key, expiration, record.to_wire()), use_bin_type=True)
 
     def signed_record(d: bytes):
         return open_record(key, signer.peer_id, expiration, _dht_value(d))
 
-    targets.append(Target("signed envelope (open_record)", [sealed], signed_record, (BadPayload,),
-                          msgpack_body=_msgpack_after(0)))
+    targets.append(
+        Target("signed envelope (open_record)", [sealed], signed_record, (BadPayload,), msgpack_body=_msgpack_after(0))
+    )
     plain = msgpack.packb(record.to_wire(), use_bin_type=True)
-    targets.append(Target("progress record (ProgressRecord.from_wire)", [plain],
-                          lambda d: ProgressRecord.from_wire(_dht_value(d)), (BadPayload,),
-                          msgpack_body=_msgpack_after(0)))
-    addresses = msgpack.packb([f"/ip4/127.0.0.1/tcp/4100/p2p/{signer.peer_id}",
-                               f"/ip6/::1/tcp/4100/p2p/{signer.peer_id}"], use_bin_type=True)
-    targets.append(Target("address record (valid_addresses)", [addresses],
-                          lambda d: valid_addresses(signer.peer_id, _dht_value(d)), (),
-                          msgpack_body=_msgpack_after(0)))
+    targets.append(
+        Target(
+            "progress record (ProgressRecord.from_wire)",
+            [plain],
+            lambda d: ProgressRecord.from_wire(_dht_value(d)),
+            (BadPayload,),
+            msgpack_body=_msgpack_after(0),
+        )
+    )
+    addresses = msgpack.packb(
+        [f"/ip4/127.0.0.1/tcp/4100/p2p/{signer.peer_id}", f"/ip6/::1/tcp/4100/p2p/{signer.peer_id}"], use_bin_type=True
+    )
+    targets.append(
+        Target(
+            "address record (valid_addresses)",
+            [addresses],
+            lambda d: valid_addresses(signer.peer_id, _dht_value(d)),
+            (),
+            msgpack_body=_msgpack_after(0),
+        )
+    )
     owner = OwnerKey.generate()
     announcement = msgpack.packb(sign_manifest(PRESETS["tiny"](), owner).to_wire(), use_bin_type=True)
-    targets.append(Target("run announcement (open_announcement)", [announcement],
-                          lambda d: open_announcement(_dht_value(d)), (BadPayload, ManifestError, VersionMismatch),
-                          msgpack_body=_msgpack_after(0)))
+    targets.append(
+        Target(
+            "run announcement (open_announcement)",
+            [announcement],
+            lambda d: open_announcement(_dht_value(d)),
+            (BadPayload, ManifestError, VersionMismatch),
+            msgpack_body=_msgpack_after(0),
+        )
+    )
 
     # -- the reachability dial-back's request and answer
-    targets.append(Target("dial-back request", [reachability.encode_request([4100, 4101])],
-                          reachability.parse_request, (BadPayload,), msgpack_body=_msgpack_after(0)))
+    targets.append(
+        Target(
+            "dial-back request",
+            [reachability.encode_request([4100, 4101])],
+            reachability.parse_request,
+            (BadPayload,),
+            msgpack_body=_msgpack_after(0),
+        )
+    )
     answer = msgpack.packb({"observed": "10.0.0.7", "reachable": [4100]})
-    targets.append(Target("dial-back answer", [answer], lambda d: reachability.parse_answer(d, "checker"),
-                          (BadPayload,), msgpack_body=_msgpack_after(0)))
+    targets.append(
+        Target(
+            "dial-back answer",
+            [answer],
+            lambda d: reachability.parse_answer(d, "checker"),
+            (BadPayload,),
+            msgpack_body=_msgpack_after(0),
+        )
+    )
 
     # -- hivemind's protobuf framing as bounded here (JoinRequest and a leader's answer)
-    join = averaging_pb2.JoinRequest(schema_hash=b"s" * 20, expiration=1.9e9, gather=b"g" * 100,
-                                     group_key=f"{RUN}.0b0101").SerializeToString()
-    begin = averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=b"g" * 8,
-                                            ordered_peer_ids=[b"p" * 34] * 3, gathered=[b"x" * 50] * 3
-                                            ).SerializeToString()
+    join = averaging_pb2.JoinRequest(
+        schema_hash=b"s" * 20, expiration=1.9e9, gather=b"g" * 100, group_key=f"{RUN}.0b0101"
+    ).SerializeToString()
+    begin = averaging_pb2.MessageFromLeader(
+        code=averaging_pb2.BEGIN_ALLREDUCE,
+        group_id=b"g" * 8,
+        ordered_peer_ids=[b"p" * 34] * 3,
+        gathered=[b"x" * 50] * 3,
+    ).SerializeToString()
 
     def hivemind_framed(message: bytes) -> bytes:
         return b"\x00" + len(message).to_bytes(8, "big") + message
@@ -224,21 +316,29 @@ def decoders() -> list[Target]:
     limits = StreamLimits()
 
     def read_join(d: bytes):
-        return loop.run(lambda: read_protobuf(_reader(d), averaging_pb2.JoinRequest,
-                                              max_bytes=limits.max_request_bytes, timeout=1.0))
+        return loop.run(
+            lambda: read_protobuf(
+                _reader(d), averaging_pb2.JoinRequest, max_bytes=limits.max_request_bytes, timeout=1.0
+            )
+        )
 
     def read_leader(d: bytes):
-        return loop.run(lambda: read_protobuf(_reader(d), averaging_pb2.MessageFromLeader,
-                                              max_bytes=limits.max_response_bytes, timeout=1.0))
+        return loop.run(
+            lambda: read_protobuf(
+                _reader(d), averaging_pb2.MessageFromLeader, max_bytes=limits.max_response_bytes, timeout=1.0
+            )
+        )
 
     protobuf_errors = (BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError)
     targets.append(Target("hivemind JoinRequest (read_protobuf)", [hivemind_framed(join)], read_join, protobuf_errors))
-    targets.append(Target("hivemind MessageFromLeader (read_protobuf)", [hivemind_framed(begin)], read_leader,
-                          protobuf_errors))
+    targets.append(
+        Target("hivemind MessageFromLeader (read_protobuf)", [hivemind_framed(begin)], read_leader, protobuf_errors)
+    )
     return targets
 
 
 # ---------------------------------------------------------------- handlers
+
 
 def handlers() -> list[Target]:
     from hivemind.proto import averaging_pb2
@@ -270,26 +370,41 @@ def handlers() -> list[Target]:
         return snapshot if digest == snapshot.digest else None
 
     def serve(d: bytes):
-        return loop.run(lambda: serve_state(_reader(d), _Writer(), snapshot_for, timeout=0.5,
-                                            admit=lambda a, b: budget.take("fuzzer", a, b)))
+        return loop.run(
+            lambda: serve_state(
+                _reader(d), _Writer(), snapshot_for, timeout=0.5, admit=lambda a, b: budget.take("fuzzer", a, b)
+            )
+        )
 
     n_chunks = len(snapshot.chunks)
-    requests = [framing.frame(st.encode_request(snapshot.digest, list(range(n_chunks)))),
-                framing.frame(st.encode_request(snapshot.digest, [0, 3])),
-                framing.frame(st.encode_request(bytes(16), [0]))]
+    requests = [
+        framing.frame(st.encode_request(snapshot.digest, list(range(n_chunks)))),
+        framing.frame(st.encode_request(snapshot.digest, [0, 3])),
+        framing.frame(st.encode_request(bytes(16), [0])),
+    ]
     targets.append(Target("state donor (serve_state)", requests, serve, ()))
 
     # -- the state downloader: a donor's answer to this joiner's REQUEST
     answer = framing.frame(st.encode_meta(snapshot.meta, snapshot.chunk_hashes)) + b"".join(
         framing.frame(st.encode_chunk(i, chunk_bytes(snapshot.tensors[c.tensor], c)))
-        for i, c in enumerate(snapshot.chunks))
+        for i, c in enumerate(snapshot.chunks)
+    )
 
     def download(d: bytes):
         async def open_stream(_donor):
             return _reader(d), _Writer()
 
-        return loop.run(lambda: download_state(["donor"], open_stream, digest=snapshot.digest, shapes=shapes,
-                                               run_id=RUN, timeout=0.5, chunk_elements=64))
+        return loop.run(
+            lambda: download_state(
+                ["donor"],
+                open_stream,
+                digest=snapshot.digest,
+                shapes=shapes,
+                run_id=RUN,
+                timeout=0.5,
+                chunk_elements=64,
+            )
+        )
 
     targets.append(Target("state downloader (download_state)", [answer], download, (StateDownloadFailed,)))
 
@@ -301,20 +416,38 @@ def handlers() -> list[Target]:
     piece_codecs = [codecs.make_codec(spec, s) for s in piece_shapes]
     contribution = [torch.randn(s, generator=torch.Generator().manual_seed(7)) for s in group_shapes]
 
-    stream = framing.frame(ar.encode_hello(group_id=b"g" * 8, sender=1, weight=100.0, pieces=len(pieces))) + \
-        b"".join(framing.frame(ar.encode_piece(p.index, piece_codecs[p.index].encode(
-            piece_view(contribution[p.tensor], p).float(), seed=p.index))) for p in pieces)
+    stream = framing.frame(ar.encode_hello(group_id=b"g" * 8, sender=1, weight=100.0, pieces=len(pieces))) + b"".join(
+        framing.frame(
+            ar.encode_piece(
+                p.index, piece_codecs[p.index].encode(piece_view(contribution[p.tensor], p).float(), seed=p.index)
+            )
+        )
+        for p in pieces
+    )
 
     def allreduce(d: bytes):
-        plan = GroupPlan(group_id=b"g" * 8, peer_ids=(0, 1), my_index=0, pieces=pieces, codecs=piece_codecs,
-                         mean_codecs=[c.for_mean(2) for c in piece_codecs],
-                         max_piece_bytes=[codecs.max_encoded_bytes(s) for s in piece_shapes],
-                         seeds=[p.index for p in pieces])
+        plan = GroupPlan(
+            group_id=b"g" * 8,
+            peer_ids=(0, 1),
+            my_index=0,
+            pieces=pieces,
+            codecs=piece_codecs,
+            mean_codecs=[c.for_mean(2) for c in piece_codecs],
+            max_piece_bytes=[codecs.max_encoded_bytes(s) for s in piece_shapes],
+            seeds=[p.index for p in pieces],
+        )
 
         async def exchange():
-            session = GroupAllreduce(plan, [torch.zeros(s) for s in group_shapes], weight=100.0,
-                                     compensate=lambda piece, x: x, stage=lambda *a: None,
-                                     open_stream=None, next_chunk_timeout=0.05, max_weight=1000.0)
+            session = GroupAllreduce(
+                plan,
+                [torch.zeros(s) for s in group_shapes],
+                weight=100.0,
+                compensate=lambda piece, x: x,
+                stage=lambda *a: None,
+                open_stream=None,
+                next_chunk_timeout=0.05,
+                max_weight=1000.0,
+            )
             reader, writer = _reader(d), _Writer()
             try:
                 payload = await framing.read_frame(reader, max_bytes=ar.MAX_HELLO_BYTES, timeout=0.05)
@@ -323,8 +456,9 @@ def handlers() -> list[Target]:
                 if isinstance(exc, (ar.BadPayload, asyncio.TimeoutError, asyncio.IncompleteReadError)):
                     return
                 raise
-            outcome = await asyncio.gather(session.run(), session.serve(1, payload, reader, writer),
-                                           return_exceptions=True)
+            outcome = await asyncio.gather(
+                session.run(), session.serve(1, payload, reader, writer), return_exceptions=True
+            )
             session.close()
             for item in outcome:
                 if isinstance(item, BaseException):
@@ -352,15 +486,19 @@ def handlers() -> list[Target]:
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_DISBANDED)
 
-    loop.run(lambda: p2p.add_protobuf_handler("LocoAverager.rpc_join_group", rpc_join_group,
-                                              averaging_pb2.JoinRequest, stream_output=True))
+    loop.run(
+        lambda: p2p.add_protobuf_handler(
+            "LocoAverager.rpc_join_group", rpc_join_group, averaging_pb2.JoinRequest, stream_output=True
+        )
+    )
     handle = registered["LocoAverager.rpc_join_group"]
 
     class _Info:
         peer_id = "fuzzer"
 
-    join = averaging_pb2.JoinRequest(schema_hash=b"s" * 20, expiration=1.9e9, gather=b"g" * 100,
-                                     group_key=f"{RUN}.0b0101").SerializeToString()
+    join = averaging_pb2.JoinRequest(
+        schema_hash=b"s" * 20, expiration=1.9e9, gather=b"g" * 100, group_key=f"{RUN}.0b0101"
+    ).SerializeToString()
     join_stream = b"\x00" + len(join).to_bytes(8, "big") + join + b"\x01" + (0).to_bytes(8, "big")
 
     def join_group(d: bytes):
@@ -376,12 +514,17 @@ def handlers() -> list[Target]:
     def dialback(d: bytes):
         return loop.run(lambda: reachability._handle(_Relayed(), _reader(d), _Writer()))
 
-    targets.append(Target("dial-back server (reachability._handle)",
-                          [framing.frame(reachability.encode_request([4100, 4101]))], dialback, (),
-                          msgpack_body=_msgpack_after(4)))
+    targets.append(
+        Target(
+            "dial-back server (reachability._handle)",
+            [framing.frame(reachability.encode_request([4100, 4101]))],
+            dialback,
+            (),
+            msgpack_body=_msgpack_after(4),
+        )
+    )
     return targets
 
 
 def all_targets() -> list[Target]:
     return decoders() + handlers()
-

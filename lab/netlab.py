@@ -87,8 +87,13 @@ class NetLab:
             usual home line, whose download is several times faster than its upload).
     """
 
-    def __init__(self, prefix: str = "lsw", subnet: str = "10.213.77", rate_mbit: float | None = None,
-                 downlink_mbit: float | None = None):
+    def __init__(
+        self,
+        prefix: str = "lsw",
+        subnet: str = "10.213.77",
+        rate_mbit: float | None = None,
+        downlink_mbit: float | None = None,
+    ):
         if len(prefix) > 6:
             raise ValueError(f"prefix {prefix!r} is longer than 6 characters (interface names are limited to 15)")
         self.prefix, self.subnet, self.rate_mbit, self.downlink_mbit = prefix, subnet, rate_mbit, downlink_mbit
@@ -147,8 +152,11 @@ class NetLab:
         """Shape ``host``'s uplink (and its downlink, if given) with tbf."""
         host.exec(["tc", "qdisc", "replace", "dev", host.veth_host, "root", "handle", "1:", *self._tbf(uplink_mbit)])
         if downlink_mbit:
-            subprocess.run(["tc", "qdisc", "replace", "dev", host.veth_root, "root", *self._tbf(downlink_mbit)], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["tc", "qdisc", "replace", "dev", host.veth_root, "root", *self._tbf(downlink_mbit)],
+                check=True,
+                capture_output=True,
+            )
 
     def link_down(self, host: Host) -> None:
         """Cut ``host`` off the network (a partition); its processes and sockets stay."""

@@ -75,15 +75,32 @@ class PipelineSimulation:
         self.stages = [[PipelineStage(copy.deepcopy(base), self.S, k) for _ in range(replicas)] for k in range(self.S)]
         self.names = [stage_parameter_names(manifest.model.num_layers, self.S, k) for k in range(self.S)]
         spec = manifest.inner_optimizer
-        self.optimizers = [[torch.optim.AdamW(list(stage.parameters()), lr=spec.lr, betas=(spec.beta1, spec.beta2),
-                                              eps=spec.eps, weight_decay=spec.weight_decay) for stage in row]
-                           for row in self.stages]
-        self.outers = [[make_outer(manifest, [p.shape for p in stage.parameters()]) for stage in row]
-                       for row in self.stages]
+        self.optimizers = [
+            [
+                torch.optim.AdamW(
+                    list(stage.parameters()),
+                    lr=spec.lr,
+                    betas=(spec.beta1, spec.beta2),
+                    eps=spec.eps,
+                    weight_decay=spec.weight_decay,
+                )
+                for stage in row
+            ]
+            for row in self.stages
+        ]
+        self.outers = [
+            [make_outer(manifest, [p.shape for p in stage.parameters()]) for stage in row] for row in self.stages
+        ]
         self.phis = [[[p.detach().clone() for p in stage.parameters()] for stage in row] for row in self.stages]
-        self.samplers = [BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
-                                      batch_sequences=manifest.batch_sequences, seed=peer_seed(f"sim-peer-{r}", seed))
-                         for r in range(replicas)]
+        self.samplers = [
+            BatchSampler(
+                corpus.train,
+                seq_len=manifest.data.seq_len_tokens,
+                batch_sequences=manifest.batch_sequences,
+                seed=peer_seed(f"sim-peer-{r}", seed),
+            )
+            for r in range(replicas)
+        ]
         self.ids = [[f"stage-{k}-replica-{r}" for r in range(replicas)] for k in range(self.S)]
         self.routers = [Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=k) for k in range(self.S)]
         self.wire = DTYPE_BY_NAME[manifest.pipeline.activation_dtype]
@@ -139,8 +156,14 @@ class PipelineSimulation:
                 if k > 0:
                     self.routers[k].finished(self.ids[k][j], seconds)
         spec = self.m.inner_optimizer
-        lr = lr_at(self.inner_step, lr=spec.lr, warmup_steps=spec.warmup_steps, schedule=spec.schedule,
-                   decay_steps=spec.decay_steps, min_lr_ratio=spec.min_lr_ratio)
+        lr = lr_at(
+            self.inner_step,
+            lr=spec.lr,
+            warmup_steps=spec.warmup_steps,
+            schedule=spec.schedule,
+            decay_steps=spec.decay_steps,
+            min_lr_ratio=spec.min_lr_ratio,
+        )
         for k in range(self.S):
             for j, (stage, opt) in enumerate(zip(self.stages[k], self.optimizers[k])):
                 if not served[k][j]:
@@ -164,8 +187,10 @@ class PipelineSimulation:
             self.step()
         for k in range(self.S):
             thetas = [list(stage.parameters()) for stage in self.stages[k]]
-            payloads = [outer.payload(phi, round_progress(phi, theta))
-                        for outer, phi, theta in zip(self.outers[k], self.phis[k], thetas)]
+            payloads = [
+                outer.payload(phi, round_progress(phi, theta))
+                for outer, phi, theta in zip(self.outers[k], self.phis[k], thetas)
+            ]
             for group in sync_groups(self.m, self.replicas, self.round_):
                 mean = weighted_mean([payloads[j] for j in group], [1.0] * len(group))
                 for j in group:
@@ -189,8 +214,9 @@ class PipelineSimulation:
         return EvalPoint(self.round_, self.tokens, loss, loss, None, sigma)
 
 
-def run_pipeline(manifest: RunManifest, corpus: Corpus, *, replicas: int, rounds: int, seed: int = 0,
-                 eval_every_rounds: int = 1) -> PipelineResult:
+def run_pipeline(
+    manifest: RunManifest, corpus: Corpus, *, replicas: int, rounds: int, seed: int = 0, eval_every_rounds: int = 1
+) -> PipelineResult:
     """Train ``rounds`` rounds of the pipeline and evaluate every ``eval_every_rounds`` (round 0 and
     the last always)."""
     windows = validation_batch(corpus, manifest.data)
@@ -200,6 +226,12 @@ def run_pipeline(manifest: RunManifest, corpus: Corpus, *, replicas: int, rounds
         sim.run_round()
         if r % max(1, eval_every_rounds) == 0 or r == rounds:
             history.append(sim.evaluate(windows))
-    return PipelineResult(stages=sim.S, replicas_per_stage=replicas, routing=manifest.pipeline.routing, seed=seed,
-                          rounds=rounds, activation_bytes_per_token=sim.boundary_bytes / max(1, sim.tokens),
-                          history=history)
+    return PipelineResult(
+        stages=sim.S,
+        replicas_per_stage=replicas,
+        routing=manifest.pipeline.routing,
+        seed=seed,
+        rounds=rounds,
+        activation_bytes_per_token=sim.boundary_bytes / max(1, sim.tokens),
+        history=history,
+    )

@@ -45,8 +45,13 @@ def sync_groups(manifest: RunManifest, peers: int, round_: int, *, run_id: str |
     NoLoCo random groups (drawn from ``run_id``, default the manifest's), independent groups of one.
     """
     index = {f"sim-peer-{i}": i for i in range(peers)}
-    groups = plan_groups(list(index), algorithm=manifest.sync.algorithm, run_id=run_id or manifest.run_id,
-                         round_=round_, group_size=manifest.noloco.group_size)
+    groups = plan_groups(
+        list(index),
+        algorithm=manifest.sync.algorithm,
+        run_id=run_id or manifest.run_id,
+        round_=round_,
+        group_size=manifest.noloco.group_size,
+    )
     return [sorted(index[name] for name in group) for group in groups]
 
 
@@ -59,8 +64,9 @@ class GroupMeans:
     uplink_mbps: float
     outers: list[OuterAlgorithm]
 
-    def _setup_screening(self, manifest: RunManifest, *, peers: int, seed: int, screening: bool,
-                         adversary: Adversary | None) -> None:
+    def _setup_screening(
+        self, manifest: RunManifest, *, peers: int, seed: int, screening: bool, adversary: Adversary | None
+    ) -> None:
         """The owners' and receivers' state: the defenses' switch and token cap, each peer's strikes,
         the counts, the honest peers and the adversary's forging generator (seeded from ``seed``)."""
         self.screening, self.adversary = screening, adversary
@@ -77,7 +83,6 @@ class GroupMeans:
         self._honest_final: list[torch.Tensor] = []
         """With a codec, of the last :meth:`_compressed_mean`: the decoded contributions and honest means."""
 
-
     def _setup_codecs(self, shapes: Sequence[torch.Size]) -> None:
         """Per payload tensor its codec (None: adaptive, planned each round), per peer its residuals."""
         spec = self.m.compression
@@ -90,8 +95,11 @@ class GroupMeans:
         lossy = spec.codec != "none"  # 'adaptive' included: its plan may pick lossy codecs
         self.feedback = [ErrorFeedback(shapes) for _ in range(self.peers)] if lossy and spec.error_feedback else None
 
-    def _contributions(self, payloads: list[list[torch.Tensor]], round_tokens: Sequence[int],
-                       ) -> tuple[list[list[torch.Tensor]], list[float]]:
+    def _contributions(
+        self,
+        payloads: list[list[torch.Tensor]],
+        round_tokens: Sequence[int],
+    ) -> tuple[list[list[torch.Tensor]], list[float]]:
         """What each peer sends into its group's mean and the token weight it claims: the honest
         payload and tokens, or the adversary's forgery and claim for a malicious peer."""
         claimed = [float(max(1, t)) for t in round_tokens]
@@ -103,8 +111,9 @@ class GroupMeans:
             claimed[j] = self.adversary.claimed_weight(j, claimed[j])
         return sent, claimed
 
-    def _group_mean(self, group: Sequence[int], contributions: Sequence[Sequence[torch.Tensor]],
-                    weights: Sequence[float]) -> list[torch.Tensor] | None:
+    def _group_mean(
+        self, group: Sequence[int], contributions: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]
+    ) -> list[torch.Tensor] | None:
         """The group mean as the owners of its pieces compute it in the networked all-reduce.
 
         Tensor i stands for a piece owned by member ``group[i mod n]`` (as in
@@ -179,16 +188,24 @@ class GroupMeans:
         adversary, n = self.adversary, len(group)
         if adversary is None or not adversary.lies_as_owner or not set(group) & set(adversary.peers):
             return list(mean)
-        out = [adversary.forge_mean(t, self._forge_rng) if group[i % n] in adversary.peers else t
-               for i, t in enumerate(mean)]
+        out = [
+            adversary.forge_mean(t, self._forge_rng) if group[i % n] in adversary.peers else t
+            for i, t in enumerate(mean)
+        ]
         if not all(bool(torch.isfinite(t).all()) for t in out):
             self.counts.failed_groups += 1
             return None
         return out
 
-    def _receive(self, group: Sequence[int], honest: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
-                 contributions: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
-                 own: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def _receive(
+        self,
+        group: Sequence[int],
+        honest: Sequence[torch.Tensor],
+        sent: Sequence[torch.Tensor],
+        contributions: Sequence[Sequence[torch.Tensor]],
+        weights: Sequence[float],
+        own: Sequence[Sequence[torch.Tensor]],
+    ) -> list[list[torch.Tensor]]:
         """What each member applies: per member (group order) one tensor per piece (the whole
         payload's or a streaming fragment's).
 
@@ -222,15 +239,27 @@ class GroupMeans:
             mine = []
             split = len(sent) if phi_from is None else phi_from
             # the floor of the norm bound: this member's own payload's RMS per value, Δ and φ apart
-            rms = {True: reference_rms(c.detach().float() for c in contributions[member][:split]),
-                   False: reference_rms(c.detach().float() for c in contributions[member][split:])}
+            rms = {
+                True: reference_rms(c.detach().float() for c in contributions[member][:split]),
+                False: reference_rms(c.detach().float() for c in contributions[member][split:]),
+            }
             for i, m in enumerate(sent):
                 owner = group[i % n]
                 holds_delta = phi_from is None or i < phi_from
-                reason = None if owner == j else owner_mean_problem(
-                    m, contributions[member][i].detach().float(), weight=weights[member],
-                    included=len(self._included[i]), max_weight=self.max_weight, phi=not holds_delta,
-                    included_self=j in self._included[i], reference_rms=rms[holds_delta])
+                reason = (
+                    None
+                    if owner == j
+                    else owner_mean_problem(
+                        m,
+                        contributions[member][i].detach().float(),
+                        weight=weights[member],
+                        included=len(self._included[i]),
+                        max_weight=self.max_weight,
+                        phi=not holds_delta,
+                        included_self=j in self._included[i],
+                        reference_rms=rms[holds_delta],
+                    )
+                )
                 if reason is None:
                     mine.append(m)
                     continue
@@ -238,16 +267,30 @@ class GroupMeans:
                 if reason.strike:  # as peer/sync/averager.py's _strike: toward ignoring the owner's contributions
                     for ignored in self.strikes[j].record(self.round_, [owner]):
                         logger.debug("round %d: peer %d ignores peer %d (refused means)", self.round_, j, ignored)
-                logger.debug("round %d: peer %d refused the mean of tensor %d from owner %d: %s",
-                             self.round_, j, i, owner, reason)
-                mine.append(torch.zeros(m.shape, dtype=torch.float32) if holds_delta
-                            else own[member][i].detach().float().clone())
+                logger.debug(
+                    "round %d: peer %d refused the mean of tensor %d from owner %d: %s",
+                    self.round_,
+                    j,
+                    i,
+                    owner,
+                    reason,
+                )
+                mine.append(
+                    torch.zeros(m.shape, dtype=torch.float32)
+                    if holds_delta
+                    else own[member][i].detach().float().clone()
+                )
             out.append(mine)
         return out
 
-    def _compressed_mean(self, group: Sequence[int], payloads: Sequence[Sequence[torch.Tensor]],
-                         weights: Sequence[float], *, tensors: Sequence[int] | None = None,
-                         ) -> tuple[list[torch.Tensor] | None, float]:
+    def _compressed_mean(
+        self,
+        group: Sequence[int],
+        payloads: Sequence[Sequence[torch.Tensor]],
+        weights: Sequence[float],
+        *,
+        tensors: Sequence[int] | None = None,
+    ) -> tuple[list[torch.Tensor] | None, float]:
         """The group mean as the network's all-reduce computes it with a codec, and the bytes sent.
 
         Tensor i is owned by member ``i mod n`` (whole tensors stand in for the all-reduce's row
@@ -279,12 +322,15 @@ class GroupMeans:
         decoded, codecs, total = [], [], 0
         for member, (j, payload) in enumerate(zip(group, payloads)):
             ef = self.feedback[j] if self.feedback is not None else None
-            inputs = [ef.compensate(g, t) if ef is not None and i < deltas else t
-                      for i, (g, t) in enumerate(zip(index, payload))]
+            inputs = [
+                ef.compensate(g, t) if ef is not None and i < deltas else t
+                for i, (g, t) in enumerate(zip(index, payload))
+            ]
             mine = [self.codecs[g] for g in index]
             if self.m.compression.codec == "adaptive":
-                mine[:deltas] = plan(inputs[:deltas], self.m.compression, group_size=n,
-                                     uplink_bytes_per_s=self.uplink_mbps * 1e6 / 8)
+                mine[:deltas] = plan(
+                    inputs[:deltas], self.m.compression, group_size=n, uplink_bytes_per_s=self.uplink_mbps * 1e6 / 8
+                )
             out = []
             for i, (x, codec) in enumerate(zip(inputs, mine)):
                 own = i % n == member  # the owner's own rows never cross the network

@@ -64,8 +64,11 @@ def weight_spread(replicas: Sequence[Sequence[torch.Tensor]]) -> float:
     # fp64 throughout: the mean of identical fp32 replicas is then exact and σ exactly 0.
     mean = [sum(r[k].detach().double() for r in replicas) / len(replicas) for k in range(len(replicas[0]))]
     params = sum(t.numel() for t in mean)
-    squares = sum(float(((t.detach().double() - m) ** 2).sum())
-                  for replica in replicas for t, m in zip(replica, mean, strict=True))
+    squares = sum(
+        float(((t.detach().double() - m) ** 2).sum())
+        for replica in replicas
+        for t, m in zip(replica, mean, strict=True)
+    )
     return math.sqrt(squares / (len(replicas) * params))
 
 

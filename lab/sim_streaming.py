@@ -35,7 +35,6 @@ class StreamingRounds(GroupMeans):
     bytes_sent: list[float]
     _theta: Callable[..., list[torch.Tensor]]
 
-
     def _setup_streaming(self, names: Sequence[str]) -> None:
         """Streaming DiLoCo's state: the fragments (:func:`~peer.train.streaming.partition` of the
         parameter ``names``), per peer one outer algorithm per fragment (its own slice of the outer
@@ -46,11 +45,13 @@ class StreamingRounds(GroupMeans):
                 far); or more fragments than blocks.
         """
         if self.adversary is not None:
-            raise ValueError("sync.overlap = 'streaming' with an adversary: the simulation streams honest peers "
-                             "only so far")
+            raise ValueError(
+                "sync.overlap = 'streaming' with an adversary: the simulation streams honest peers only so far"
+            )
         self.fragments = partition(names, self.m.sync.fragments)
-        self.fragment_outers = [[make_outer(self.m, [self.shapes[k] for k in index]) for index in self.fragments]
-                                for _ in range(self.peers)]
+        self.fragment_outers = [
+            [make_outer(self.m, [self.shapes[k] for k in index]) for index in self.fragments] for _ in range(self.peers)
+        ]
         self.in_flight: dict[int, list[list[torch.Tensor]]] = {}
         """Fragment → each peer's group mean of its sync in flight (applied at its landing step)."""
         self.at_sync: dict[int, list[list[torch.Tensor]]] = {}
@@ -105,12 +106,18 @@ class StreamingRounds(GroupMeans):
                 contributions = [payloads[j] for j in group]
                 if self.compressed:  # the fragment's tensors with their codecs, seeds and residuals
                     final, sent = self._compressed_mean(group, contributions, weights, tensors=tensors)
-                    received = None if final is None else self._receive(
-                        group, self._honest_final, final, self._decoded, weights, contributions)
+                    received = (
+                        None
+                        if final is None
+                        else self._receive(group, self._honest_final, final, self._decoded, weights, contributions)
+                    )
                 else:
                     mean = self._group_mean(group, contributions, weights)
-                    received = None if mean is None else self._receive(
-                        group, mean, list(mean), contributions, weights, contributions)
+                    received = (
+                        None
+                        if mean is None
+                        else self._receive(group, mean, list(mean), contributions, weights, contributions)
+                    )
                     sent = butterfly_bytes(sum(t.numel() for t in payloads[group[0]]), len(group))
             for member, j in enumerate(group):
                 means[j] = payloads[j] if received is None else received[member]
@@ -126,13 +133,19 @@ class StreamingRounds(GroupMeans):
         θ_p ← α·θ_p + (1 − α)·φ_p, or with 'shift' θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync)."""
         index = self.fragments[p]
         at_sync = self.at_sync.pop(p, None) or [None] * self.peers
-        for outer, phi, model, mean, start in zip(self.fragment_outers, self.phis, self.models,
-                                                  self.in_flight.pop(p), at_sync, strict=True):
+        for outer, phi, model, mean, start in zip(
+            self.fragment_outers, self.phis, self.models, self.in_flight.pop(p), at_sync, strict=True
+        ):
             phi_p = [phi[k] for k in index]
             outer[p].apply(phi_p, mean)  # in place on the peer's own φ tensors
             theta = list(model.parameters())
-            land([theta[k] for k in index], phi_p, alpha=self.m.sync.fragment_alpha,
-                 rule=self.m.sync.fragment_merge, at_sync=start)
+            land(
+                [theta[k] for k in index],
+                phi_p,
+                alpha=self.m.sync.fragment_alpha,
+                rule=self.m.sync.fragment_merge,
+                at_sync=start,
+            )
 
     def _finish_streaming(self) -> None:
         """The end of a streaming run: the syncs in flight land, then every fragment with inner steps

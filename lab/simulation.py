@@ -63,8 +63,18 @@ from peer.train.precision import FP32, Precision
 from protocol.manifest import RunManifest
 
 __all__ = [
-    "FP32_BYTES", "METHODS", "EvalPoint", "ScreeningCounts", "Simulation", "SimulationResult", "bits_per_byte",
-    "butterfly_bytes", "run_simulation", "sync_groups", "weight_spread", "weighted_mean",
+    "FP32_BYTES",
+    "METHODS",
+    "EvalPoint",
+    "ScreeningCounts",
+    "Simulation",
+    "SimulationResult",
+    "bits_per_byte",
+    "butterfly_bytes",
+    "run_simulation",
+    "sync_groups",
+    "weight_spread",
+    "weighted_mean",
 ]
 
 logger = logging.getLogger(__name__)
@@ -122,18 +132,32 @@ class Simulation(StreamingRounds, GroupMeans):
             adversary on a device other than the CPU (its fake-progress round reads θ in place).
     """
 
-    def __init__(self, manifest: RunManifest, corpus: Corpus, *, peers: int, seed: int = 0,
-                 data_parallel: bool = False, uplink_mbps: float = 50.0, screening: bool = True,
-                 adversary: Adversary | None = None, device: torch.device | str = "cpu",
-                 precision: Precision = FP32, compile: bool = False, groups_run_id: str | None = None):
+    def __init__(
+        self,
+        manifest: RunManifest,
+        corpus: Corpus,
+        *,
+        peers: int,
+        seed: int = 0,
+        data_parallel: bool = False,
+        uplink_mbps: float = 50.0,
+        screening: bool = True,
+        adversary: Adversary | None = None,
+        device: torch.device | str = "cpu",
+        precision: Precision = FP32,
+        compile: bool = False,
+        groups_run_id: str | None = None,
+    ):
         if peers < 1:
             raise ValueError(f"peers = {peers}: need at least one")
         self.device = torch.device(device)
         if adversary is not None and self.device.type != "cpu":
             raise ValueError(f"an adversary with device {str(self.device)!r}: the adversary runs on the CPU only")
         if adversary is not None and (data_parallel or max(adversary.peers) >= peers):
-            raise ValueError(f"adversary peers {adversary.peers} with {peers} peers, data_parallel = {data_parallel}: "
-                             "need peer indices below N and the low-communication mode")
+            raise ValueError(
+                f"adversary peers {adversary.peers} with {peers} peers, data_parallel = {data_parallel}: "
+                "need peer indices below N and the low-communication mode"
+            )
         self.groups_run_id = groups_run_id or manifest.run_id
         """What NoLoCo's groups are drawn from (fixed at the start: :meth:`start_overlap` changes ``m``)."""
         self._overlap_later: tuple[int, str] | None = None
@@ -153,9 +177,15 @@ class Simulation(StreamingRounds, GroupMeans):
         self.method = "data-parallel" if data_parallel else manifest.sync.algorithm
         self.round_ = self.inner_step = self.tokens = 0
         self.bytes_sent = [0.0] * peers
-        samplers = [BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
-                                 batch_sequences=manifest.batch_sequences, seed=peer_seed(f"sim-peer-{i}", seed))
-                    for i in range(peers)]
+        samplers = [
+            BatchSampler(
+                corpus.train,
+                seq_len=manifest.data.seq_len_tokens,
+                batch_sequences=manifest.batch_sequences,
+                seed=peer_seed(f"sim-peer-{i}", seed),
+            )
+            for i in range(peers)
+        ]
         self.tokenizer = corpus.tokenizer
         base = build_model(manifest.model, corpus.tokenizer).to(self.device)
         self.parameters = parameter_count(base)
@@ -163,13 +193,18 @@ class Simulation(StreamingRounds, GroupMeans):
         spec = manifest.inner_optimizer
         if data_parallel:
             self.models = [base]
-            self.inners = [InnerLoop(base, spec, _ConcatSampler(samplers), device=self.device, precision=precision,
-                                     compile=compile)]
+            self.inners = [
+                InnerLoop(
+                    base, spec, _ConcatSampler(samplers), device=self.device, precision=precision, compile=compile
+                )
+            ]
             self.outers, self.phis = [], []
         else:
             self.models = [base] + [copy.deepcopy(base) for _ in range(peers - 1)]
-            self.inners = [InnerLoop(m, spec, s, device=self.device, precision=precision, compile=compile)
-                           for m, s in zip(self.models, samplers)]
+            self.inners = [
+                InnerLoop(m, spec, s, device=self.device, precision=precision, compile=compile)
+                for m, s in zip(self.models, samplers)
+            ]
             shapes = [p.shape for p in base.parameters()]
             self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
             self.phis = [[p.detach().to("cpu", torch.float32, copy=True) for p in m.parameters()] for m in self.models]
@@ -249,8 +284,11 @@ class Simulation(StreamingRounds, GroupMeans):
                 received, sent = [payloads[group[0]]], 0.0  # nothing crosses the network: the own Δ, exact
             elif self.compressed:
                 final, sent = self._compressed_mean(group, [sent_payloads[j] for j in group], weights)
-                received = None if final is None else self._receive(group, self._honest_final, final,
-                                                                     self._decoded, weights, own)
+                received = (
+                    None
+                    if final is None
+                    else self._receive(group, self._honest_final, final, self._decoded, weights, own)
+                )
             else:
                 contributions = [sent_payloads[j] for j in group]
                 mean = self._group_mean(group, contributions, weights)
@@ -272,9 +310,12 @@ class Simulation(StreamingRounds, GroupMeans):
             starts = self.phis
         else:
             self.pending = means
-            starts = [next_start(mode, outer, phi, delta, payload, share=share, eager=eager)
-                      for outer, phi, delta, payload, share, eager
-                      in zip(self.outers, self.phis, deltas, payloads, shares, self.eager)]
+            starts = [
+                next_start(mode, outer, phi, delta, payload, share=share, eager=eager)
+                for outer, phi, delta, payload, share, eager in zip(
+                    self.outers, self.phis, deltas, payloads, shares, self.eager
+                )
+            ]
             self.anchors = starts
         with torch.no_grad():
             for model, start in zip(self.models, starts):
@@ -298,8 +339,10 @@ class Simulation(StreamingRounds, GroupMeans):
         if mode not in ("delayed", "eager"):
             raise ValueError(f"start_overlap({mode!r}): only 'delayed' or 'eager' can start mid-run")
         if self.data_parallel or self.streaming or self.m.sync.overlap != "none":
-            raise ValueError(f"start_overlap({mode!r}) needs a DiLoCo or NoLoCo run without overlap "
-                             f"(this one: overlap {self.m.sync.overlap!r}, data-parallel {self.data_parallel})")
+            raise ValueError(
+                f"start_overlap({mode!r}) needs a DiLoCo or NoLoCo run without overlap "
+                f"(this one: overlap {self.m.sync.overlap!r}, data-parallel {self.data_parallel})"
+            )
         self.m = self.m.replace(sync={"overlap": mode})
         self._anchor_at_phi()
 
@@ -333,6 +376,7 @@ class Simulation(StreamingRounds, GroupMeans):
         in bits per UTF-8 byte of the targets (peer.train.data.validation_bits_per_byte), so runs
         with different tokenizers compare.
         """
+
         def bits_per_byte(nats: float) -> float:
             return validation_bits_per_byte(nats, windows, self.tokenizer)
 
@@ -351,8 +395,14 @@ class Simulation(StreamingRounds, GroupMeans):
         replica_mean = None
         if self.outers[0].replicas_differ:  # each replica's φ: with overlap or streaming θ is not φ
             replica_mean = sum(self._honest_losses(windows, bits_per_byte)) / self.peers
-        return EvalPoint(self.round_, self.tokens, replica_mean if replica_mean is not None else averaged,
-                         averaged, replica_mean, weight_spread(self.phis))
+        return EvalPoint(
+            self.round_,
+            self.tokens,
+            replica_mean if replica_mean is not None else averaged,
+            averaged,
+            replica_mean,
+            weight_spread(self.phis),
+        )
 
     def _honest_losses(self, windows: torch.Tensor, to_bpb) -> list[float]:
         """Each honest peer's loss on ``windows`` (``to_bpb`` of the nats), one evaluation per distinct
@@ -376,13 +426,24 @@ class Simulation(StreamingRounds, GroupMeans):
         return out
 
 
-def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds: int, seed: int = 0,
-                   data_parallel: bool = False, eval_every_rounds: int = 1,
-                   uplink_mbps: float = 50.0, screening: bool = True,
-                   adversary: Adversary | None = None, device: torch.device | str = "cpu",
-                   precision: Precision = FP32, compile: bool = False,
-                   on_eval: Callable[[EvalPoint], None] | None = None,
-                   groups_run_id: str | None = None) -> SimulationResult:
+def run_simulation(
+    manifest: RunManifest,
+    corpus: Corpus,
+    *,
+    peers: int,
+    rounds: int,
+    seed: int = 0,
+    data_parallel: bool = False,
+    eval_every_rounds: int = 1,
+    uplink_mbps: float = 50.0,
+    screening: bool = True,
+    adversary: Adversary | None = None,
+    device: torch.device | str = "cpu",
+    precision: Precision = FP32,
+    compile: bool = False,
+    on_eval: Callable[[EvalPoint], None] | None = None,
+    groups_run_id: str | None = None,
+) -> SimulationResult:
     """Train ``rounds`` rounds of N simulated peers and evaluate every ``eval_every_rounds``
     (``screening``, ``adversary``, ``device``, ``precision``, ``compile`` and ``groups_run_id``: see
     :class:`Simulation`).
@@ -397,9 +458,20 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
     """
     start = time.perf_counter()
     windows = validation_batch(corpus, manifest.data)
-    sim = Simulation(manifest, corpus, peers=peers, seed=seed, data_parallel=data_parallel, uplink_mbps=uplink_mbps,
-                     screening=screening, adversary=adversary, device=device, precision=precision,
-                     compile=compile, groups_run_id=groups_run_id)
+    sim = Simulation(
+        manifest,
+        corpus,
+        peers=peers,
+        seed=seed,
+        data_parallel=data_parallel,
+        uplink_mbps=uplink_mbps,
+        screening=screening,
+        adversary=adversary,
+        device=device,
+        precision=precision,
+        compile=compile,
+        groups_run_id=groups_run_id,
+    )
     history = [sim.evaluate(windows)]
     if on_eval is not None:
         on_eval(history[-1])
@@ -412,9 +484,26 @@ def run_simulation(manifest: RunManifest, corpus: Corpus, *, peers: int, rounds:
             h = history[-1]
             if on_eval is not None:
                 on_eval(h)
-            logger.info("%s N=%d seed %d | round %d | val %.4f bpb | σ %.2e | %.1f MiB sent per peer",
-                        sim.method, peers, seed, r, h.loss_bpb, h.sigma, sum(sim.bytes_sent) / peers / 2**20)
-    return SimulationResult(method=sim.method, peers=peers, seed=seed, rounds=rounds,
-                            inner_steps=manifest.sync.inner_steps, parameters=sim.parameters,
-                            bytes_sent_per_peer=sum(sim.bytes_sent) / peers, wall_s=time.perf_counter() - start,
-                            history=history, screening=asdict(sim.counts), taken_over=dict(sim.taken_over))
+            logger.info(
+                "%s N=%d seed %d | round %d | val %.4f bpb | σ %.2e | %.1f MiB sent per peer",
+                sim.method,
+                peers,
+                seed,
+                r,
+                h.loss_bpb,
+                h.sigma,
+                sum(sim.bytes_sent) / peers / 2**20,
+            )
+    return SimulationResult(
+        method=sim.method,
+        peers=peers,
+        seed=seed,
+        rounds=rounds,
+        inner_steps=manifest.sync.inner_steps,
+        parameters=sim.parameters,
+        bytes_sent_per_peer=sum(sim.bytes_sent) / peers,
+        wall_s=time.perf_counter() - start,
+        history=history,
+        screening=asdict(sim.counts),
+        taken_over=dict(sim.taken_over),
+    )

@@ -22,7 +22,8 @@ from peer.net.cli_types import FiniteFloatRange
 from peer.net.dht import quiet_hivemind_logs
 from peer.net.lifetime import dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
 from peer.reporting import Reporter
-from peer.swarm import SwarmConfig, run_swarm
+from peer.run_choice import checkpointed_runs
+from peer.swarm import SwarmConfig, check_data_path, run_swarm
 from peer.train.cache import default_cache_dir
 from peer.train.sources import describe
 from protocol.errors import LocoError, exit_with
@@ -39,8 +40,11 @@ def default_data_dir() -> Path:
 
 
 def configure_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     if not verbose:
         quiet_hivemind_logs()
 
@@ -70,81 +74,224 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
-              help="Address of any live node of the swarm (repeatable). None: start a new swarm.")
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    metavar="MULTIADDR",
+    help="Address of any live node of the swarm (repeatable). None: start a new swarm.",
+)
 @click.option("--run-id", default=None, help="Run to join when the swarm announces several.")
-@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Train this run manifest (TOML): the swarm's run, or a new swarm's. "
-                   "Another run than the swarm's only with --new-run.")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
-              help="Train a named preset run, as --run (with no --initial-peers: 'default').")
-@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
-              help="Sync algorithm of this peer's run (overrides the manifest's sync.algorithm).")
-@click.option("--new-run", is_flag=True,
-              help="Start the --run/--preset run even though the swarm announces another one.")
-@click.option("--owner-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Ed25519 key that signs a run this peer starts (a new swarm, or --new-run); created with mode "
-                   "0600 on first use. The run id binds it: keep it to restart the run. [default: DATA_DIR/owner.key]")
-@click.option("--host", default="0.0.0.0", show_default=True,
-              help="IPv4 address to listen on (0.0.0.0: all interfaces; 127.0.0.1: this machine only).")
-@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
-              help="TCP port; 0 picks one (forward a fixed port on a NAT router to be reachable).")
-@click.option("--announce", multiple=True, metavar="MULTIADDR",
-              help="Address others can dial, e.g. /ip4/203.0.113.7/tcp/31337 behind a forwarded port "
-                   "(repeatable): advertised and printed first.")
-@click.option("--data", "data_path", type=click.Path(path_type=Path), default=None, metavar="PATH",
-              help="Your copy of the run's corpus (file or directory), checked against the run's "
-                   "data.corpus_sha256 before training.")
-@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Identity and checkpoints. [default: the user data dir]/locoswarm/peer")
-@click.option("--max-rounds", type=click.IntRange(0), default=None,
-              help="Stop once the run reaches this round (outer step). Default: train until Ctrl-C.")
-@click.option("--eval-every", type=click.IntRange(0), default=5, show_default=True,
-              help="Every K rounds one live peer of the swarm (the same choice on every peer) evaluates φ "
-                   "and publishes the validation loss (0: each peer at its start and end only).")
-@click.option("--export-phi-every", type=click.IntRange(0), default=0, show_default=True,
-              help="Write φ as safetensors beside the checkpoint every K rounds (0: never).")
-@click.option("--checkpoint-every", "checkpoint_every", type=FiniteFloatRange(0, 1e9), default=None,
-              metavar="SECONDS",
-              help="Write the checkpoint at most every SECONDS (0: every round). It holds φ, the outer state, θ and "
-                   "AdamW's moments (2.5 GB at ~125M parameters). Default: sized to the model, every round while "
-                   "the checkpoint is under 256 MiB (the default and tiny presets), else at most every 600 s. "
-                   "Ctrl-C always writes one; a crash loses at most SECONDS of rounds, caught up from the swarm.")
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Train this run manifest (TOML): the swarm's run, or a new swarm's. "
+    "Another run than the swarm's only with --new-run.",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default=None,
+    help="Train a named preset run, as --run (with no --initial-peers: 'default').",
+)
+@click.option(
+    "--algorithm",
+    type=click.Choice(ALGORITHMS),
+    default=None,
+    help="Sync algorithm of this peer's run (overrides the manifest's sync.algorithm).",
+)
+@click.option(
+    "--new-run", is_flag=True, help="Start the --run/--preset run even though the swarm announces another one."
+)
+@click.option(
+    "--owner-key",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Ed25519 key that signs a run this peer starts (a new swarm, or --new-run); created with mode "
+    "0600 on first use. The run id binds it: keep it to restart the run. [default: DATA_DIR/owner.key]",
+)
+@click.option(
+    "--host",
+    default="0.0.0.0",
+    show_default=True,
+    help="IPv4 address to listen on (0.0.0.0: all interfaces; 127.0.0.1: this machine only).",
+)
+@click.option(
+    "--port",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="TCP port; 0 picks one (forward a fixed port on a NAT router to be reachable).",
+)
+@click.option(
+    "--announce",
+    multiple=True,
+    metavar="MULTIADDR",
+    help="Address others can dial, e.g. /ip4/203.0.113.7/tcp/31337 behind a forwarded port "
+    "(repeatable): advertised and printed first.",
+)
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="PATH",
+    help="Your copy of the run's corpus (file or directory), checked against the run's "
+    "data.corpus_sha256 before training.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Identity and checkpoints. [default: the user data dir]/locoswarm/peer",
+)
+@click.option(
+    "--max-rounds",
+    type=click.IntRange(0),
+    default=None,
+    help="Stop once the run reaches this round (outer step). Default: train until Ctrl-C.",
+)
+@click.option(
+    "--eval-every",
+    type=click.IntRange(0),
+    default=5,
+    show_default=True,
+    help="Every K rounds one live peer of the swarm (the same choice on every peer) evaluates φ "
+    "and publishes the validation loss (0: each peer at its start and end only).",
+)
+@click.option(
+    "--export-phi-every",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Write φ as safetensors beside the checkpoint every K rounds (0: never).",
+)
+@click.option(
+    "--checkpoint-every",
+    "checkpoint_every",
+    type=FiniteFloatRange(0, 1e9),
+    default=None,
+    metavar="SECONDS",
+    help="Write the checkpoint at most every SECONDS (0: every round). It holds φ, the outer state, θ and "
+    "AdamW's moments (2.5 GB at ~125M parameters). Default: sized to the model, every round while "
+    "the checkpoint is under 256 MiB (the default and tiny presets), else at most every 600 s. "
+    "Ctrl-C always writes one; a crash loses at most SECONDS of rounds, caught up from the swarm.",
+)
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for torch.")
-@click.option("--wait-for-peers", type=click.IntRange(1), default=1, show_default=True,
-              help="Before the first round, wait (up to 120 s) until this many peers are live.")
+@click.option(
+    "--wait-for-peers",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Before the first round, wait (up to 120 s) until this many peers are live.",
+)
 @click.option("--client-mode", is_flag=True, help="Do not accept incoming connections (behind NAT).")
-@click.option("--stage", type=click.IntRange(0), default=None,
-              help="In a run with [pipeline] stages > 1: the stage this peer serves. "
-                   "Default: the stage with the fewest live replicas (stage 0 in --client-mode).")
-@click.option("--uplink-mbps", type=FiniteFloatRange(0, 1e6, min_open=True), default=50.0, show_default=True,
-              help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).")
-@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps|LIST",
-              help="Where to train: auto picks CUDA, then Apple MPS, then the CPU (one card). A list "
-                   "(cuda:0,cuda:1) or cuda:all trains data-parallel on those cards as one peer.")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
-              help="auto: bf16 on CUDA compute capability >= 8.0, fp16 with a gradient scaler on older cards, "
-                   "fp32 on CPU/MPS. Master weights and φ stay fp32.")
-@click.option("--micro-batch", "micro_batch", type=click.IntRange(1), default=None,
-              help="Sequences per forward/backward (gradient accumulation reaches the run's batch). "
-                   "Default: the largest that fits on CUDA, the whole batch elsewhere.")
-@click.option("--max-memory", "max_memory", type=FiniteFloatRange(0, min_open=True), default=None, metavar="GIB",
-              help="Cap on the GPU memory this peer may use, in GiB (CUDA only).")
-@click.option("--compile/--no-compile", "compile_", default=None,
-              help="torch.compile the model. [default: on for CUDA, off for CPU]")
-@click.option("--peak-tflops", type=FiniteFloatRange(0, min_open=True), default=None,
-              help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU on cards the built-in table lacks.")
-@click.option("--activation-checkpointing", "activation_checkpointing", is_flag=True,
-              help="Recompute activations in the backward instead of keeping them: a larger micro-batch "
-                   "fits (llama-350m/1b on a 12 GiB card) for about a third more compute per step.")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="json: one event per line on stdout, for programs.")
+@click.option(
+    "--stage",
+    type=click.IntRange(0),
+    default=None,
+    help="In a run with [pipeline] stages > 1: the stage this peer serves. "
+    "Default: the stage with the fewest live replicas (stage 0 in --client-mode).",
+)
+@click.option(
+    "--uplink-mbps",
+    type=FiniteFloatRange(0, 1e6, min_open=True),
+    default=50.0,
+    show_default=True,
+    help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).",
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    metavar="auto|cpu|cuda|cuda:N|mps|LIST",
+    help="Where to train: auto picks CUDA, then Apple MPS, then the CPU (one card). A list "
+    "(cuda:0,cuda:1) or cuda:all trains data-parallel on those cards as one peer.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 on CUDA compute capability >= 8.0, fp16 with a gradient scaler on older cards, "
+    "fp32 on CPU/MPS. Master weights and φ stay fp32.",
+)
+@click.option(
+    "--micro-batch",
+    "micro_batch",
+    type=click.IntRange(1),
+    default=None,
+    help="Sequences per forward/backward (gradient accumulation reaches the run's batch). "
+    "Default: the largest that fits on CUDA, the whole batch elsewhere.",
+)
+@click.option(
+    "--max-memory",
+    "max_memory",
+    type=FiniteFloatRange(0, min_open=True),
+    default=None,
+    metavar="GIB",
+    help="Cap on the GPU memory this peer may use, in GiB (CUDA only).",
+)
+@click.option(
+    "--compile/--no-compile",
+    "compile_",
+    default=None,
+    help="torch.compile the model. [default: on for CUDA, off for CPU]",
+)
+@click.option(
+    "--peak-tflops",
+    type=FiniteFloatRange(0, min_open=True),
+    default=None,
+    help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU on cards the built-in table lacks.",
+)
+@click.option(
+    "--activation-checkpointing",
+    "activation_checkpointing",
+    is_flag=True,
+    help="Recompute activations in the backward instead of keeping them: a larger micro-batch "
+    "fits (llama-350m/1b on a 12 GiB card) for about a third more compute per step.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one event per line on stdout, for programs.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key, host, port, announce, data_path,
-         data_dir,
-         max_rounds,
-         eval_every, export_phi_every, checkpoint_every, threads, wait_for_peers, client_mode, stage, uplink_mbps, device, precision, micro_batch,
-         max_memory, compile_, peak_tflops, activation_checkpointing, log_format, verbose) -> None:
+def join(
+    initial_peers,
+    run_id,
+    run_file,
+    preset,
+    algorithm,
+    new_run,
+    owner_key,
+    host,
+    port,
+    announce,
+    data_path,
+    data_dir,
+    max_rounds,
+    eval_every,
+    export_phi_every,
+    checkpoint_every,
+    threads,
+    wait_for_peers,
+    client_mode,
+    stage,
+    uplink_mbps,
+    device,
+    precision,
+    micro_batch,
+    max_memory,
+    compile_,
+    peak_tflops,
+    activation_checkpointing,
+    log_format,
+    verbose,
+) -> None:
     """Join a swarm and train until stopped (Ctrl-C finishes the step, checkpoints, exits 130).
 
     \b
@@ -170,21 +317,46 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key,
         local_run = resolve_run(run_file, preset, algorithm)
         if new_run and local_run is None:
             raise click.UsageError("--new-run needs the run to start: --run FILE.toml or --preset NAME")
-        run_flag = (f"--run {run_file}" if run_file is not None else f"--preset {preset}" if preset is not None
-                    else f"--algorithm {algorithm}")
-        cfg = JoinConfig(initial_peers=tuple(initial_peers), run_id=run_id, new_run=local_run, run_flag=run_flag,
-                         start_new_run=new_run, owner_key_path=owner_key, host=host, port=port,
-                         announce=tuple(announce), data_path=data_path, data_dir=data_dir or default_data_dir(),
-                         client_mode=client_mode, stage=stage,
-                         uplink_mbps=uplink_mbps,
-                         threads=threads, trainer=TrainerConfig(max_rounds=max_rounds, eval_every_rounds=eval_every,
-                                                     wait_for_peers=wait_for_peers,
-                                                     export_phi_every_rounds=export_phi_every,
-                                                     checkpoint_every_s=checkpoint_every),
-                         device=DeviceConfig(device=device, precision=precision, compile=compile_,
-                                             micro_batch_sequences=micro_batch, max_memory_gib=max_memory,
-                                             peak_tflops=peak_tflops,
-                                             activation_checkpointing=activation_checkpointing))
+        run_flag = (
+            f"--run {run_file}"
+            if run_file is not None
+            else f"--preset {preset}"
+            if preset is not None
+            else f"--algorithm {algorithm}"
+        )
+        cfg = JoinConfig(
+            initial_peers=tuple(initial_peers),
+            run_id=run_id,
+            new_run=local_run,
+            run_flag=run_flag,
+            start_new_run=new_run,
+            owner_key_path=owner_key,
+            host=host,
+            port=port,
+            announce=tuple(announce),
+            data_path=data_path,
+            data_dir=data_dir or default_data_dir(),
+            client_mode=client_mode,
+            stage=stage,
+            uplink_mbps=uplink_mbps,
+            threads=threads,
+            trainer=TrainerConfig(
+                max_rounds=max_rounds,
+                eval_every_rounds=eval_every,
+                wait_for_peers=wait_for_peers,
+                export_phi_every_rounds=export_phi_every,
+                checkpoint_every_s=checkpoint_every,
+            ),
+            device=DeviceConfig(
+                device=device,
+                precision=precision,
+                compile=compile_,
+                micro_batch_sequences=micro_batch,
+                max_memory_gib=max_memory,
+                peak_tflops=peak_tflops,
+                activation_checkpointing=activation_checkpointing,
+            ),
+        )
         stop = threading.Event()
         with StopOnSignal(stop):
             code, _ = run_join(cfg, reporter, stop)
@@ -197,31 +369,67 @@ def join(initial_peers, run_id, run_file, preset, algorithm, new_run, owner_key,
 
 
 @main.command()
-@click.option("--peers", "num_peers", type=click.IntRange(1, 64), default=3, show_default=True,
-              help="Peer processes to start.")
+@click.option(
+    "--peers", "num_peers", type=click.IntRange(1, 64), default=3, show_default=True, help="Peer processes to start."
+)
 @click.option("--rounds", type=click.IntRange(1), default=10, show_default=True, help="Rounds (outer steps) to train.")
-@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Run manifest (TOML). Default: the 'default' preset.")
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Run manifest (TOML). Default: the 'default' preset.",
+)
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Named run preset.")
-@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
-              help="Sync algorithm (overrides the manifest's sync.algorithm).")
-@click.option("--eval-every", type=click.IntRange(0), default=5, show_default=True,
-              help="Every K rounds one peer evaluates φ (0: each peer at its start and end only).")
-@click.option("--summary", "summary_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Also write the summary as JSON to this file.")
-@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Where peers keep identities, checkpoints and logs. Default: a temporary directory, "
-                   "removed at the end unless --keep or a peer failed.")
+@click.option(
+    "--algorithm",
+    type=click.Choice(ALGORITHMS),
+    default=None,
+    help="Sync algorithm (overrides the manifest's sync.algorithm).",
+)
+@click.option(
+    "--eval-every",
+    type=click.IntRange(0),
+    default=5,
+    show_default=True,
+    help="Every K rounds one peer evaluates φ (0: each peer at its start and end only).",
+)
+@click.option(
+    "--summary",
+    "summary_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write the summary as JSON to this file.",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Where peers keep identities, checkpoints and logs. Default: a temporary directory, "
+    "removed at the end unless --keep or a peer failed.",
+)
 @click.option("--keep", is_flag=True, help="Keep the temporary directory (logs, checkpoints) at the end.")
-@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
-              help="Where every peer trains (they share it).")
-@click.option("--data", "data_path", type=click.Path(path_type=Path), default=None, metavar="PATH",
-              help="Train on this corpus (file or directory of text, .jsonl or .parquet): every peer reads it "
-                   "(peer join --data PATH); the run is announced by its content hash, never by the path. "
-                   "Default: the run's data.path, or the Python standard library.")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    metavar="auto|cpu|cuda|cuda:N|mps",
+    help="Where every peer trains (they share it).",
+)
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="PATH",
+    help="Train on this corpus (file or directory of text, .jsonl or .parquet): every peer reads it "
+    "(peer join --data PATH); the run is announced by its content hash, never by the path. "
+    "Default: the run's data.path, or the Python standard library.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, keep, device,
-          data_path, verbose) -> None:
+def swarm(
+    num_peers, rounds, run_file, preset, algorithm, eval_every, summary_file, workdir, keep, device, data_path, verbose
+) -> None:
     """Start a bootstrap node and N peers on 127.0.0.1, train, and print a summary.
 
     \b
@@ -234,7 +442,6 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
       peer swarm --keep                           # keep logs and checkpoints in /tmp
       peer swarm --run my_run.toml --data ~/corpus   # train on a corpus of this machine
     """
-    from peer.swarm import check_data_path
     from peer.train.device import resolve_device
 
     configure_logging(verbose)
@@ -242,9 +449,17 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
         check_data_path(data_path)  # one line naming it, exit 78, before anything starts
         resolve_device(device)  # one error line here rather than one per peer
         manifest = resolve_run(run_file, preset, algorithm) or PRESETS["default"]()
-        cfg = SwarmConfig(num_peers=num_peers, rounds=rounds, manifest=manifest, eval_every_rounds=eval_every,
-                          summary_path=summary_file, workdir=workdir, keep=keep, device=device,
-                          data_path=data_path)
+        cfg = SwarmConfig(
+            num_peers=num_peers,
+            rounds=rounds,
+            manifest=manifest,
+            eval_every_rounds=eval_every,
+            summary_path=summary_file,
+            workdir=workdir,
+            keep=keep,
+            device=device,
+            data_path=data_path,
+        )
         code = run_swarm(cfg)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
@@ -252,12 +467,23 @@ def swarm(num_peers, rounds, run_file, preset, algorithm, eval_every, summary_fi
 
 
 @main.command()
-@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR",
-              help="Address of any live node of the swarm (repeatable).")
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    required=True,
+    metavar="MULTIADDR",
+    help="Address of any live node of the swarm (repeatable).",
+)
 @click.option("--run-id", default=None, help="Show only this run. Default: every run the swarm announces.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-@click.option("--wait", "wait_s", type=FiniteFloatRange(0), default=5.0, show_default=True,
-              help="Seconds to keep looking while no progress record is found.")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=FiniteFloatRange(0),
+    default=5.0,
+    show_default=True,
+    help="Seconds to keep looking while no progress record is found.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
     """Print the swarm's live peers: rounds, losses, throughput, groups, bytes. Does not train.
@@ -288,36 +514,106 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
 
 
 @main.command()
-@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Run manifest (TOML) whose model to try.")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
-              help="Named run preset instead of --run. Neither: 'default'.")
-@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N|mps",
-              help="Device to check, as for peer join.")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
-              help="Precision to check, as for peer join.")
-@click.option("--max-memory", "max_memory", type=FiniteFloatRange(0, min_open=True), default=None, metavar="GIB",
-              help="Cap on the GPU memory, in GiB, as for peer join.")
-@click.option("--compile/--no-compile", "compile_", default=None,
-              help="torch.compile the model. [default: on for CUDA, off for CPU]")
-@click.option("--peak-tflops", type=FiniteFloatRange(0, min_open=True), default=None,
-              help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU.")
-@click.option("--activation-checkpointing", "activation_checkpointing", is_flag=True,
-              help="Check with activations recomputed in the backward, as peer join --activation-checkpointing.")
-@click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
-              help="Timed inner steps (after one untimed warm-up step).")
-@click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
-              help="Also check that one of these swarm nodes answers (repeatable), as peer join would dial them.")
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Run manifest (TOML) whose model to try.",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default=None,
+    help="Named run preset instead of --run. Neither: 'default'.",
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    metavar="auto|cpu|cuda|cuda:N|mps",
+    help="Device to check, as for peer join.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
+    default="auto",
+    show_default=True,
+    help="Precision to check, as for peer join.",
+)
+@click.option(
+    "--max-memory",
+    "max_memory",
+    type=FiniteFloatRange(0, min_open=True),
+    default=None,
+    metavar="GIB",
+    help="Cap on the GPU memory, in GiB, as for peer join.",
+)
+@click.option(
+    "--compile/--no-compile",
+    "compile_",
+    default=None,
+    help="torch.compile the model. [default: on for CUDA, off for CPU]",
+)
+@click.option(
+    "--peak-tflops",
+    type=FiniteFloatRange(0, min_open=True),
+    default=None,
+    help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU.",
+)
+@click.option(
+    "--activation-checkpointing",
+    "activation_checkpointing",
+    is_flag=True,
+    help="Check with activations recomputed in the backward, as peer join --activation-checkpointing.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(1, 100),
+    default=3,
+    show_default=True,
+    help="Timed inner steps (after one untimed warm-up step).",
+)
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    metavar="MULTIADDR",
+    help="Also check that one of these swarm nodes answers (repeatable), as peer join would dial them.",
+)
 @click.option("--run-id", default=None, help="With --initial-peers: the run to check when the swarm announces several.")
-@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
-              help="TCP port to check dialability on: the one peer join will listen on (0: any free port).")
-@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="With --initial-peers: peer join's data dir, whose checkpoints pick one of several runs as "
-                   "peer join does. [default: the user data dir]/locoswarm/peer")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="TCP port to check dialability on: the one peer join will listen on (0: any free port).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="With --initial-peers: peer join's data dir, whose checkpoints pick one of several runs as "
+    "peer join does. [default: the user data dir]/locoswarm/peer",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflops, activation_checkpointing, steps,
-           initial_peers, run_id, port, data_dir, as_json, verbose) -> None:
+def doctor(
+    run_file,
+    preset,
+    device,
+    precision,
+    max_memory,
+    compile_,
+    peak_tflops,
+    activation_checkpointing,
+    steps,
+    initial_peers,
+    run_id,
+    port,
+    data_dir,
+    as_json,
+    verbose,
+) -> None:
     """Check this machine before joining: device, memory, precision, the micro-batch that fits the
     run's model, tokens/s over a few real inner steps, versions; with --initial-peers, whether the
     swarm answers, whether it can dial this machine back on --port, the measured uplink, and the
@@ -337,7 +633,6 @@ def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflop
     import json
 
     from peer.doctor import DoctorReport, check_swarm, diagnose, render
-    from peer.run_choice import checkpointed_runs
 
     configure_logging(verbose)
     try:
@@ -348,15 +643,38 @@ def doctor(run_file, preset, device, precision, max_memory, compile_, peak_tflop
     report = DoctorReport()
     if initial_peers:  # first: the DHT forks before CUDA is touched
         flag = f"--run {run_file}" if run_file is not None else f"--preset {preset}"
-        run = check_swarm(report, initial_peers, port=port, local=local, local_flag=flag, run_id=run_id,
-                          checkpoints=checkpointed_runs(data_dir or default_data_dir()))
+        run = check_swarm(
+            report,
+            initial_peers,
+            port=port,
+            local=local,
+            local_flag=flag,
+            run_id=run_id,
+            checkpoints=checkpointed_runs(data_dir or default_data_dir()),
+        )
         manifest = run or manifest
-    report = diagnose(manifest, device=device, precision=precision, compile=compile_, max_memory_gib=max_memory,
-                      peak_tflops=peak_tflops, activation_checkpointing=activation_checkpointing, steps=steps,
-                      report=report)
+    report = diagnose(
+        manifest,
+        device=device,
+        precision=precision,
+        compile=compile_,
+        max_memory_gib=max_memory,
+        peak_tflops=peak_tflops,
+        activation_checkpointing=activation_checkpointing,
+        steps=steps,
+        report=report,
+    )
     if as_json:
-        click.echo(json.dumps({**report.facts, "problems": [*report.network_problems, *report.problems],
-                               "can_contribute": report.can_contribute}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    **report.facts,
+                    "problems": [*report.network_problems, *report.problems],
+                    "can_contribute": report.can_contribute,
+                },
+                indent=2,
+            )
+        )
     else:
         for line in render(report):
             click.echo(line)
@@ -369,13 +687,26 @@ def data_group() -> None:
 
 
 @data_group.command()
-@click.option("--run", "run_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Run manifest (TOML) whose [data] section to prepare.")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
-              help="Named run preset instead of --run. Neither: 'default'.")
-@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Token cache directory. [default: $LOCOSWARM_CACHE_DIR, else the user cache dir]/locoswarm; "
-                   "peers on this machine read the same one")
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Run manifest (TOML) whose [data] section to prepare.",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default=None,
+    help="Named run preset instead of --run. Neither: 'default'.",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Token cache directory. [default: $LOCOSWARM_CACHE_DIR, else the user cache dir]/locoswarm; "
+    "peers on this machine read the same one",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def prepare(run_file, preset, cache_dir, verbose) -> None:
     """Tokenize a run's corpus into the token cache (training its BPE first if it uses one) and print the
@@ -399,11 +730,15 @@ def prepare(run_file, preset, cache_dir, verbose) -> None:
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
     tok = corpus.tokenizer
-    click.echo(f"# {describe(manifest.data)}: {corpus.train_files:,} training and {corpus.validation_files:,} "
-               f"validation documents, {corpus.train.numel():,} + {corpus.validation.numel():,} tokens "
-               f"({tok.kind} tokenizer, {tok.vocab_size:,} ids); cache in {cache_dir}")
-    click.echo(f'[data]\ncorpus_sha256 = "{corpus.corpus_sha256}"\ncorpus_bytes = {corpus.corpus_bytes}\n'
-               f'tokenizer_sha256 = "{tok.sha256}"')
+    click.echo(
+        f"# {describe(manifest.data)}: {corpus.train_files:,} training and {corpus.validation_files:,} "
+        f"validation documents, {corpus.train.numel():,} + {corpus.validation.numel():,} tokens "
+        f"({tok.kind} tokenizer, {tok.vocab_size:,} ids); cache in {cache_dir}"
+    )
+    click.echo(
+        f'[data]\ncorpus_sha256 = "{corpus.corpus_sha256}"\ncorpus_bytes = {corpus.corpus_bytes}\n'
+        f'tokenizer_sha256 = "{tok.sha256}"'
+    )
 
 
 if __name__ == "__main__":

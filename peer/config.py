@@ -69,13 +69,14 @@ class TrainerConfig:
         if self.wait_for_peers < 1:
             raise ValueError(f"wait_for_peers = {self.wait_for_peers}: must be >= 1")
         if self.checkpoint_every_s is not None and not 0.0 <= self.checkpoint_every_s < float("inf"):
-            raise ValueError(f"checkpoint_every_s = {self.checkpoint_every_s}: must be a finite number >= 0 "
-                             "(or None: sized to the model)")
+            raise ValueError(
+                f"checkpoint_every_s = {self.checkpoint_every_s}: must be a finite number >= 0 "
+                "(or None: sized to the model)"
+            )
         if self.export_phi_every_rounds < 0:
             raise ValueError(f"export_phi_every_rounds = {self.export_phi_every_rounds}: must be >= 0")
         if self.eval_every_rounds < 0:
             raise ValueError(f"eval_every_rounds = {self.eval_every_rounds}: must be >= 0")
-
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,8 +20,10 @@ from typing import Any, cast
 import torch
 
 from peer import reachability
+from peer.net import dht as swarm_dht
 from peer.net.identity import ensure_identity
 from peer.net.uplink import measure_uplink
+from peer.run_choice import choose_run
 from peer.train.data import BatchSampler
 from peer.train.ddp import make_inner_loop
 from peer.train.device import flops_per_token, mfu, place
@@ -88,10 +90,19 @@ UPLINK_LOW_MBIT_S = 5.0
 """Below this measured uplink a peer still contributes, but its syncs are slow: the report says so."""
 
 
-def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str = "0.0.0.0", port: int = 0,
-                timeout_s: float = 20.0, local: RunManifest | None = None, local_flag: str = "--run/--preset",
-                run_id: str | None = None, checkpoints: Set[str] = frozenset(),
-                announce_wait_s: float = 5.0) -> RunManifest | None:
+def check_swarm(
+    report: DoctorReport,
+    initial_peers: Sequence[str],
+    *,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    timeout_s: float = 20.0,
+    local: RunManifest | None = None,
+    local_flag: str = "--run/--preset",
+    run_id: str | None = None,
+    checkpoints: Set[str] = frozenset(),
+    announce_wait_s: float = 5.0,
+) -> RunManifest | None:
     """What the swarm sees of this machine: starts a DHT node listening on ``host:port`` (as ``peer
     join`` would, with a throwaway identity, so a peer running here keeps its own), then
 
@@ -120,36 +131,67 @@ def check_swarm(report: DoctorReport, initial_peers: Sequence[str], *, host: str
     with tempfile.TemporaryDirectory(prefix="locoswarm-doctor-") as tmp:
         identity = ensure_identity(Path(tmp) / "identity.key")
         try:
-            dht = reachability.start_node(list(initial_peers), host=host, port=port, announce=(),
-                                          identity_path=str(identity), client_mode=False, timeout_s=timeout_s)
+            dht = reachability.start_node(
+                list(initial_peers),
+                host=host,
+                port=port,
+                announce=(),
+                identity_path=str(identity),
+                client_mode=False,
+                timeout_s=timeout_s,
+            )
         except (NetworkError, ConfigError) as exc:
             report.facts["swarm"] = "unreachable"
-            report.network_problems.append(f"{exc}; check the address and that its node runs, and that this "
-                                           "machine may open outbound TCP connections")
+            report.network_problems.append(
+                f"{exc}; check the address and that its node runs, and that this "
+                "machine may open outbound TCP connections"
+            )
             return None
         try:
             report.facts.update(swarm="answered", swarm_connect_s=round(time.monotonic() - start, 2))
             verdict = reachability.check(dht, initial_peers)
             report.facts.update(reachability=verdict.status, reachability_line=verdict.line)
             if verdict.status == "unreachable":
-                notes.append("the swarm cannot dial this machine: peer join goes on in client mode (it trains, "
-                             "but serves no state to joiners); to be dialable, forward the TCP port and pass "
-                             "--port PORT --announce /ip4/PUBLIC_IP/tcp/PORT")
+                notes.append(
+                    "the swarm cannot dial this machine: peer join goes on in client mode (it trains, "
+                    "but serves no state to joiners); to be dialable, forward the TCP port and pass "
+                    "--port PORT --announce /ip4/PUBLIC_IP/tcp/PORT"
+                )
             probe = measure_uplink(dht, reachability.peer_ids(initial_peers))
-            report.facts.update(uplink_mbit_s=probe.mbit_per_s, uplink_bytes=probe.bytes,
-                                uplink_s=round(probe.seconds, 3), uplink_error=probe.error or None)
+            report.facts.update(
+                uplink_mbit_s=probe.mbit_per_s,
+                uplink_bytes=probe.bytes,
+                uplink_s=round(probe.seconds, 3),
+                uplink_error=probe.error or None,
+            )
             if probe.mbit_per_s is not None and probe.mbit_per_s < UPLINK_LOW_MBIT_S:
-                notes.append(f"uplink {probe.mbit_per_s:.1f} Mbit/s: each sync will take long; a lossy codec "
-                             "(run manifest [compression]) or a larger H moves fewer bytes per token")
-            return swarm_run(report, dht, local=local, local_flag=local_flag, run_id=run_id,
-                             checkpoints=checkpoints, wait_s=announce_wait_s)
+                notes.append(
+                    f"uplink {probe.mbit_per_s:.1f} Mbit/s: each sync will take long; a lossy codec "
+                    "(run manifest [compression]) or a larger H moves fewer bytes per token"
+                )
+            return swarm_run(
+                report,
+                dht,
+                local=local,
+                local_flag=local_flag,
+                run_id=run_id,
+                checkpoints=checkpoints,
+                wait_s=announce_wait_s,
+            )
         finally:
             dht.shutdown()
 
 
-def swarm_run(report: DoctorReport, dht, *, local: RunManifest | None = None, local_flag: str = "--run/--preset",
-              run_id: str | None = None, checkpoints: Set[str] = frozenset(),
-              wait_s: float = 5.0) -> RunManifest | None:
+def swarm_run(
+    report: DoctorReport,
+    dht,
+    *,
+    local: RunManifest | None = None,
+    local_flag: str = "--run/--preset",
+    run_id: str | None = None,
+    checkpoints: Set[str] = frozenset(),
+    wait_s: float = 5.0,
+) -> RunManifest | None:
     """The run ``peer join`` would train in the swarm ``dht`` is part of: its validly signed
     announced runs (read for up to ``wait_s`` while none is found), chosen as ``peer join`` chooses
     (peer/run_choice.py). Sets ``report.facts["swarm_run"]`` (run id, name, and whether this peer
@@ -160,8 +202,6 @@ def swarm_run(report: DoctorReport, dht, *, local: RunManifest | None = None, lo
         The chosen manifest (``local`` when this peer would start it), or None: no run to size
         (the swarm announces none and none is given, or the choice failed).
     """
-    from peer.net import dht as swarm_dht
-    from peer.run_choice import choose_run
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -178,10 +218,12 @@ def swarm_run(report: DoctorReport, dht, *, local: RunManifest | None = None, lo
             assert local is not None
             report.facts["swarm_run"] = {"run_id": local.run_id, "name": local.name, "announced": False}
             report.facts.setdefault("network_notes", []).append(
-                f"the swarm does not announce {local_flag} ({local.name!r}): peer join would start it as a new run")
+                f"the swarm does not announce {local_flag} ({local.name!r}): peer join would start it as a new run"
+            )
             return local
-        manifest = announced[chosen] if chosen in announced else swarm_dht.fetch_manifest(
-            dht, chosen, allow_data_path=True)
+        manifest = (
+            announced[chosen] if chosen in announced else swarm_dht.fetch_manifest(dht, chosen, allow_data_path=True)
+        )
     except LocoError as exc:  # RunChoiceNeeded, ManifestNotFound, ManifestError
         report.facts["swarm_run"] = None
         report.problems.append(f"{exc} (peer join would stop here too)")
@@ -195,23 +237,39 @@ def swarm_run(report: DoctorReport, dht, *, local: RunManifest | None = None, lo
     if manifest.data.source != "python-stdlib" and not manifest.data.path:
         report.facts.setdefault("network_notes", []).append(
             f"run {manifest.run_id} names its corpus by content (data.corpus_sha256 = {manifest.data.corpus_sha256}): "
-            "peer join needs --data PATH pointing at your copy of it")
+            "peer join needs --data PATH pointing at your copy of it"
+        )
     return manifest
 
 
-def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "auto", compile: bool | None = None,
-             micro_batch_sequences: int | None = None, max_memory_gib: float | None = None,
-             peak_tflops: float | None = None, activation_checkpointing: bool = False, steps: int = 3,
-             report: DoctorReport | None = None) -> DoctorReport:
+def diagnose(
+    manifest: RunManifest,
+    *,
+    device: str = "auto",
+    precision: str = "auto",
+    compile: bool | None = None,
+    micro_batch_sequences: int | None = None,
+    max_memory_gib: float | None = None,
+    peak_tflops: float | None = None,
+    activation_checkpointing: bool = False,
+    steps: int = 3,
+    report: DoctorReport | None = None,
+) -> DoctorReport:
     """Run the local checks for training ``manifest`` here; never raises for a failed check (it goes
     into ``problems``). Trains ``steps`` + 1 inner steps (the first one warms up, untimed) on a
     throwaway copy of the run's model. Adds to ``report`` when given (after :func:`check_swarm`)."""
     report = DoctorReport() if report is None else report
     report.facts["versions"] = _versions()
     try:
-        placement, notes = place(device, precision=precision, compile=compile,
-                                 micro_batch_sequences=micro_batch_sequences, max_memory_gib=max_memory_gib,
-                                 peak_tflops=peak_tflops, activation_checkpointing=activation_checkpointing)
+        placement, notes = place(
+            device,
+            precision=precision,
+            compile=compile,
+            micro_batch_sequences=micro_batch_sequences,
+            max_memory_gib=max_memory_gib,
+            peak_tflops=peak_tflops,
+            activation_checkpointing=activation_checkpointing,
+        )
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report
@@ -223,14 +281,15 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
     try:
         # several devices: the ranks start here and the timed steps are the whole peer's
         # (the loop only draws batches: next_batch, batch_sequences and seq_len, which RandomTokens has)
-        loop = make_inner_loop(model, manifest.inner_optimizer,
-                               cast(BatchSampler, RandomTokens(manifest, tokenizer.vocab_size)), placement)
+        loop = make_inner_loop(
+            model, manifest.inner_optimizer, cast(BatchSampler, RandomTokens(manifest, tokenizer.vocab_size)), placement
+        )
     except LocoError as exc:
         report.problems.append(str(exc))
         return report
     try:
         if placement.device.type == "cuda" and micro_batch_sequences is None and placement.memory_budget_gib:
-            loop.fit_micro_batch(budget_bytes=placement.memory_budget_gib * 1024 ** 3)
+            loop.fit_micro_batch(budget_bytes=placement.memory_budget_gib * 1024**3)
         loop.step(0)
         if placement.device.type == "cuda":
             torch.cuda.synchronize(placement.device)
@@ -244,19 +303,29 @@ def diagnose(manifest: RunManifest, *, device: str = "auto", precision: str = "a
         report.problems.append(f"{exc}; {fit_advice(manifest, placement.device.type, activation_checkpointing)}")
         return report
     except torch.OutOfMemoryError:
-        report.problems.append(f"run {manifest.name!r} ({n:,} parameters) ran out of memory on {placement.device}; "
-                               f"{fit_advice(manifest, placement.device.type, activation_checkpointing)}")
+        report.problems.append(
+            f"run {manifest.name!r} ({n:,} parameters) ran out of memory on {placement.device}; "
+            f"{fit_advice(manifest, placement.device.type, activation_checkpointing)}"
+        )
         return report
     finally:
         loop.close()
     rate = tokens / max(seconds, 1e-9)
-    per_token = flops_per_token(params=n, embedding_params=embedding_parameter_count(model),
-                                layers=manifest.model.num_layers, hidden=manifest.model.hidden_size,
-                                seq_len=manifest.data.seq_len_tokens)
-    report.facts.update(micro_batch=loop.micro_batch_sequences or loop.rows_per_step, compile=loop.compiled,
-                        tokens_per_s=rate, mfu=mfu(rate, per_token, placement.peak_tflops),
-                        seconds_per_inner_step=seconds / steps,
-                        seconds_per_round=seconds / steps * manifest.sync.inner_steps)
+    per_token = flops_per_token(
+        params=n,
+        embedding_params=embedding_parameter_count(model),
+        layers=manifest.model.num_layers,
+        hidden=manifest.model.hidden_size,
+        seq_len=manifest.data.seq_len_tokens,
+    )
+    report.facts.update(
+        micro_batch=loop.micro_batch_sequences or loop.rows_per_step,
+        compile=loop.compiled,
+        tokens_per_s=rate,
+        mfu=mfu(rate, per_token, placement.peak_tflops),
+        seconds_per_inner_step=seconds / steps,
+        seconds_per_round=seconds / steps * manifest.sync.inner_steps,
+    )
     return report
 
 
@@ -266,14 +335,19 @@ def fit_advice(manifest: RunManifest, device_type: str, activation_checkpointing
     if not activation_checkpointing:
         ways.append("--activation-checkpointing (recompute activations: a larger micro-batch fits)")
     if device_type == "cuda":
-        ways += ["peer join --micro-batch 1",
-                 ("a larger --max-memory, or a card with more memory (--device cuda:N, or a list "
-                  "of cards to train data-parallel)")]
+        ways += [
+            "peer join --micro-batch 1",
+            (
+                "a larger --max-memory, or a card with more memory (--device cuda:N, or a list "
+                "of cards to train data-parallel)"
+            ),
+        ]
     else:
         ways.append("a CUDA card (--device cuda), or close other programs to free memory")
-    return (f"to train run {manifest.name!r} ({manifest.model.num_layers} layers, hidden {manifest.model.hidden_size}, "
-            f"seq_len {manifest.data.seq_len_tokens}) here, try " + "; ".join(ways)
-            + "; else join a swarm of a smaller run")
+    return (
+        f"to train run {manifest.name!r} ({manifest.model.num_layers} layers, hidden {manifest.model.hidden_size}, "
+        f"seq_len {manifest.data.seq_len_tokens}) here, try " + "; ".join(ways) + "; else join a swarm of a smaller run"
+    )
 
 
 def render(report: DoctorReport) -> list[str]:
@@ -282,30 +356,48 @@ def render(report: DoctorReport) -> list[str]:
     lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in f.get("versions", {}).items())]
     run = f.get("swarm_run")
     if run:
-        lines.append(f"swarm run: {run['name']} (run id {run['run_id']}), "
-                     + ("the run the swarm announces: its model is sized below" if run.get("announced")
-                        else "not announced by the swarm (peer join would start it): its model is sized below"))
+        lines.append(
+            f"swarm run: {run['name']} (run id {run['run_id']}), "
+            + (
+                "the run the swarm announces: its model is sized below"
+                if run.get("announced")
+                else "not announced by the swarm (peer join would start it): its model is sized below"
+            )
+        )
     if "device" in f:
-        memory = f"{f['device_memory_gib']:.1f} GiB" if f.get("device_memory_gib") is not None else "shared with the system"
-        cap = f"compute capability {f['compute_capability']}" if f.get("compute_capability") else "no compute capability"
+        memory = (
+            f"{f['device_memory_gib']:.1f} GiB" if f.get("device_memory_gib") is not None else "shared with the system"
+        )
+        cap = (
+            f"compute capability {f['compute_capability']}" if f.get("compute_capability") else "no compute capability"
+        )
         lines.append(f"device: {f['device']} ({f['device_name']}), memory {memory}, {cap}")
         lines.append(f"precision: {f['precision']}")
         lines += [f"note: {n}" for n in f.get("notes", [])]
     if "tokens_per_s" in f:
-        lines.append(f"run {f['run']}: {f['parameters']:,} parameters, micro-batch {f['micro_batch']} of "
-                     f"{f['batch_sequences']} sequences{', on each of ' + str(f['ranks']) + ' ranks' if f.get('ranks', 1) > 1 else ''}"
-                     f"{', compiled' if f['compile'] else ''}")
+        lines.append(
+            f"run {f['run']}: {f['parameters']:,} parameters, micro-batch {f['micro_batch']} of "
+            f"{f['batch_sequences']} sequences{', on each of ' + str(f['ranks']) + ' ranks' if f.get('ranks', 1) > 1 else ''}"
+            f"{', compiled' if f['compile'] else ''}"
+        )
         mfu_text = f", MFU {100 * f['mfu']:.1f} %" if f.get("mfu") is not None else ""
-        lines.append(f"throughput: {f['tokens_per_s']:,.0f} tok/s{mfu_text}; {f['seconds_per_inner_step']:.2f} s per "
-                     f"inner step, about {f['seconds_per_round']:,.0f} s per round")
+        lines.append(
+            f"throughput: {f['tokens_per_s']:,.0f} tok/s{mfu_text}; {f['seconds_per_inner_step']:.2f} s per "
+            f"inner step, about {f['seconds_per_round']:,.0f} s per round"
+        )
     if "swarm" in f:
-        lines.append(f"swarm: an initial peer answered in {f['swarm_connect_s']:.1f} s" if f["swarm"] == "answered"
-                     else "swarm: no initial peer answered")
+        lines.append(
+            f"swarm: an initial peer answered in {f['swarm_connect_s']:.1f} s"
+            if f["swarm"] == "answered"
+            else "swarm: no initial peer answered"
+        )
     if f.get("reachability_line"):
         lines.append(f"dialable: {f['reachability_line']}")
     if f.get("uplink_mbit_s") is not None:
-        lines.append(f"uplink: {f['uplink_mbit_s']:,.1f} Mbit/s ({f['uplink_bytes'] / 2**20:.0f} MiB in "
-                     f"{f['uplink_s']:.2f} s, one round trip included)")
+        lines.append(
+            f"uplink: {f['uplink_mbit_s']:,.1f} Mbit/s ({f['uplink_bytes'] / 2**20:.0f} MiB in "
+            f"{f['uplink_s']:.2f} s, one round trip included)"
+        )
     elif f.get("uplink_error"):
         lines.append(f"uplink: not measured ({f['uplink_error']})")
     lines += [f"note: {n}" for n in f.get("network_notes", [])]

@@ -51,9 +51,18 @@ class Child:
             shows where the child waits. None: the error shows the log's tail only.
     """
 
-    def __init__(self, name: str, argv: Sequence[str], *, log_path: Path, cwd: Path | None = None,
-                 spawn: Callable[..., subprocess.Popen] = subprocess.Popen, events_copy: Path | None = None,
-                 on_event: Callable[[Child, Event | None], None] | None = None, stack_signal: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        cwd: Path | None = None,
+        spawn: Callable[..., subprocess.Popen] = subprocess.Popen,
+        events_copy: Path | None = None,
+        on_event: Callable[[Child, Event | None], None] | None = None,
+        stack_signal: int | None = None,
+    ):
         self.name, self.argv, self.log_path, self.cwd = name, list(argv), Path(log_path), cwd
         self.stack_signal = stack_signal
         self._spawn, self._events_copy, self._on_event = spawn, events_copy, on_event
@@ -78,11 +87,19 @@ class Child:
         self.starts += 1
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb" if self.starts == 1 else "ab") as log:
-            self.popen = self._spawn(self.argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                     cwd=self.cwd, env=env, start_new_session=True,
-                                     preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM))
-        self._reader = threading.Thread(target=self._read, args=(self.popen, self.starts), daemon=True,
-                                        name=f"launch-read-{self.name}")
+            self.popen = self._spawn(
+                self.argv,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                cwd=self.cwd,
+                env=env,
+                start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
+            )
+        self._reader = threading.Thread(
+            target=self._read, args=(self.popen, self.starts), daemon=True, name=f"launch-read-{self.name}"
+        )
         self._reader.start()
         return self
 
@@ -149,8 +166,7 @@ class Child:
         try:
             code = self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise ChildTimeout(f"{self.name} still running after {timeout_s:.0f} s; log tail:\n{self.tail()}") \
-                from None
+            raise ChildTimeout(f"{self.name} still running after {timeout_s:.0f} s; log tail:\n{self.tail()}") from None
         self.join_output(5.0)
         return code
 
@@ -225,8 +241,10 @@ class Child:
                 lines = 300
             except ProcessLookupError:
                 pass
-        raise ChildTimeout(f"{self.name}: no matching event within {timeout_s:.0f} s (alive={self.alive}); "
-                           f"log tail:\n{self.tail(lines)}")
+        raise ChildTimeout(
+            f"{self.name}: no matching event within {timeout_s:.0f} s (alive={self.alive}); "
+            f"log tail:\n{self.tail(lines)}"
+        )
 
 
 def stop_all(children: Iterable[Child], grace_s: float) -> None:
@@ -251,12 +269,38 @@ def stop_all(children: Iterable[Child], grace_s: float) -> None:
 
 def peer_argv(*, data_dir: Path, initial_peers: Iterable[str] = (), extra: Sequence[str] = ()) -> list[str]:
     """``peer join --log-format json`` with this interpreter."""
-    return [sys.executable, "-m", "peer", "join", "--data-dir", str(data_dir), "--log-format", "json",
-            *[a for p in initial_peers for a in ("--initial-peers", p)], *extra]
+    return [
+        sys.executable,
+        "-m",
+        "peer",
+        "join",
+        "--data-dir",
+        str(data_dir),
+        "--log-format",
+        "json",
+        *[a for p in initial_peers for a in ("--initial-peers", p)],
+        *extra,
+    ]
 
 
-def bootstrap_argv(*, identity: Path, run: Path, host: str = "127.0.0.1", port: int = 0,
-                   extra: Sequence[str] = ()) -> list[str]:
+def bootstrap_argv(
+    *, identity: Path, run: Path, host: str = "127.0.0.1", port: int = 0, extra: Sequence[str] = ()
+) -> list[str]:
     """``bootstrap run --log-format json`` with this interpreter (port 0: any free port)."""
-    return [sys.executable, "-m", "bootstrap", "run", "--host", host, "--port", str(port), "--identity", str(identity),
-            "--run", str(run), "--log-format", "json", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "bootstrap",
+        "run",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--identity",
+        str(identity),
+        "--run",
+        str(run),
+        "--log-format",
+        "json",
+        *extra,
+    ]

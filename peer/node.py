@@ -109,16 +109,23 @@ def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> SignedManifest:
 
     while True:
         try:
-            chosen = choose_run({rid: s.manifest for rid, s in announced.items()}, local=local,
-                                local_flag=cfg.run_flag, run_id=cfg.run_id, new_run=cfg.start_new_run,
-                                checkpoints=checkpointed_runs(cfg.data_dir), stats=stats)
+            chosen = choose_run(
+                {rid: s.manifest for rid, s in announced.items()},
+                local=local,
+                local_flag=cfg.run_flag,
+                run_id=cfg.run_id,
+                new_run=cfg.start_new_run,
+                checkpoints=checkpointed_runs(cfg.data_dir),
+                stats=stats,
+            )
             if chosen in announced:
                 signed = announced[chosen]
             elif local is not None and chosen in (None, local.run_id):
                 if not can_start:
                     raise ManifestNotFound(
                         f"{cfg.run_flag} is run {local.run_id} of owner {local.owner}, which the swarm does not "
-                        "announce (yet); retry once a peer of that run is up, or ask its owner")
+                        "announce (yet); retry once a peer of that run is up, or ask its owner"
+                    )
                 signed = _start_run(local, cfg)
                 reporter.emit("status", message=f"starting run {signed.run_id} ({local.name}), owned by this peer")
                 return signed
@@ -155,13 +162,16 @@ def refuse_unimplemented(manifest: RunManifest) -> None:
             are driven by the stages around it; overlapping its sync is not built).
     """
     if manifest.pipeline.stages > 1 and manifest.sync.overlap != "none":
-        raise ConfigError(f"run {manifest.run_id} ({manifest.name}) sets pipeline.stages = {manifest.pipeline.stages} "
-                          f"with sync.overlap = {manifest.sync.overlap!r}: a pipeline stage syncs blocking only; "
-                          "use sync.overlap = 'none'")
+        raise ConfigError(
+            f"run {manifest.run_id} ({manifest.name}) sets pipeline.stages = {manifest.pipeline.stages} "
+            f"with sync.overlap = {manifest.sync.overlap!r}: a pipeline stage syncs blocking only; "
+            "use sync.overlap = 'none'"
+        )
 
 
-def choose_stage(dht, manifest: RunManifest, cfg: JoinConfig, signer: PeerSigner, *,
-                 client_mode: bool | None = None) -> int:
+def choose_stage(
+    dht, manifest: RunManifest, cfg: JoinConfig, signer: PeerSigner, *, client_mode: bool | None = None
+) -> int:
     """The pipeline stage this peer serves: ``--stage``; else the stage it holds a checkpoint of (a
     restarted peer goes back to its stage); else the one with the fewest live replicas read from
     the stages' progress records (peer/pipeline/routing.py ``stage_to_serve``). A peer in client
@@ -180,8 +190,10 @@ def choose_stage(dht, manifest: RunManifest, cfg: JoinConfig, signer: PeerSigner
         if cfg.stage >= S:
             raise ConfigError(f"--stage {cfg.stage}: run {manifest.run_id} has {S} pipeline stages (0 to {S - 1})")
         if cfg.stage > 0 and client_mode:
-            raise ConfigError(f"--stage {cfg.stage} with --client-mode: stages after 0 are called by other peers, "
-                              "which a peer in client mode cannot be; use --stage 0 or make this peer dialable")
+            raise ConfigError(
+                f"--stage {cfg.stage} with --client-mode: stages after 0 are called by other peers, "
+                "which a peer in client mode cannot be; use --stage 0 or make this peer dialable"
+            )
         return cfg.stage
     if client_mode:
         return 0
@@ -246,8 +258,12 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
     stop_event = stop_event or threading.Event()
     with ExitStack() as stack:
         peer = _assemble(stack, cfg, reporter, stop_event)
-        reporter.emit("status", message="training: catching up with the swarm if it is ahead, then the first round"
-                      if cfg.initial_peers else "training: the first round starts")
+        reporter.emit(
+            "status",
+            message="training: catching up with the swarm if it is ahead, then the first round"
+            if cfg.initial_peers
+            else "training: the first round starts",
+        )
         summary = peer.trainer.run()
         saved = peer.trainer.save()
         reporter.emit("stopped", peer_id=peer.peer_id, **summary.event_fields(), checkpoint=saved)
@@ -299,12 +315,23 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
     # Peers seen before (peers.json): the way back into the swarm when the initial peers are gone.
     book = AddressBook.load(cfg.data_dir / ADDRESS_BOOK)
     where = f"{cfg.host}:{cfg.port}" if cfg.port else f"{cfg.host}, any free port"
-    reporter.emit("status", message=f"starting the DHT node on {where}" + (
-        f", connecting to {len(cfg.initial_peers)} initial peer(s)" if cfg.initial_peers else " (a new swarm)"))
+    reporter.emit(
+        "status",
+        message=f"starting the DHT node on {where}"
+        + (f", connecting to {len(cfg.initial_peers)} initial peer(s)" if cfg.initial_peers else " (a new swarm)"),
+    )
     dht = first_dht = start_dht_remembering(
-        lambda peers: reachability.start_node(peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
-                                              identity_path=str(identity), client_mode=cfg.client_mode),
-        cfg.initial_peers, book)
+        lambda peers: reachability.start_node(
+            peers,
+            host=cfg.host,
+            port=cfg.port,
+            announce=cfg.announce,
+            identity_path=str(identity),
+            client_mode=cfg.client_mode,
+        ),
+        cfg.initial_peers,
+        book,
+    )
     stack.callback(first_dht.shutdown)
     # can the swarm dial this peer? one line says; an unreachable peer goes on in client mode, relayed
     dht, reach = reachability.reach_out(dht, cfg, reporter, identity_path=str(identity))
@@ -323,40 +350,68 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
     stack.callback(announcer.stop)
     peer_id = str(dht.peer_id)
     if peer_id != signer.peer_id:
-        raise ConfigError(f"the DHT runs as peer {peer_id}, but {identity} is the key of {signer.peer_id}: "
-                          "move the identity file away to create a new identity")
+        raise ConfigError(
+            f"the DHT runs as peer {peer_id}, but {identity} is the key of {signer.peer_id}: "
+            "move the identity file away to create a new identity"
+        )
     keeper = AddressKeeper(dht, book, run_id=manifest.run_id, signer=signer, publish=not reach.client_mode).start()
     stack.callback(keeper.stop)
     if corpus is None or manifest.data != local.data:
         data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
         reporter.emit("status", message=f"reading the run's data: {describe(data)}")
         corpus = load_corpus(data, cache_dir=default_cache_dir())
-    model = (build_model(manifest.model, corpus.tokenizer) if stage is None
-             else build_stage(manifest.model, S, stage, corpus.tokenizer))
+    model = (
+        build_model(manifest.model, corpus.tokenizer)
+        if stage is None
+        else build_stage(manifest.model, S, stage, corpus.tokenizer)
+    )
     shapes = [p.shape for p in model.parameters()]
     outer = make_outer(manifest, shapes)
     # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
-    transport = NetworkTransport(dht, shapes, outer.payload_shapes(shapes), key, manifest.sync,
-                                 compression=manifest.compression, phi_from=outer.phi_from(len(shapes)),
-                                 client_mode=reach.client_mode, uplink_mbps=cfg.uplink_mbps,
-                                 max_weight_tokens=round_token_cap(manifest))
+    transport = NetworkTransport(
+        dht,
+        shapes,
+        outer.payload_shapes(shapes),
+        key,
+        manifest.sync,
+        compression=manifest.compression,
+        phi_from=outer.phi_from(len(shapes)),
+        client_mode=reach.client_mode,
+        uplink_mbps=cfg.uplink_mbps,
+        max_weight_tokens=round_token_cap(manifest),
+    )
     stack.callback(transport.shutdown)  # the averager first drains the means its groupmates still read
     # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75
-    watch = lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART).watch_dht("peer's", dht).watch(
-        "peer's averager", transport.averager).start()
+    watch = (
+        lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART)
+        .watch_dht("peer's", dht)
+        .watch("peer's averager", transport.averager)
+        .start()
+    )
     stack.callback(watch.stop)  # runs before the helpers are shut down on purpose
     # One ttl for every peer of the run (protocol/liveness.py), so readers know when a record was published.
     # records are signed and stored, and read ahead of a round's end, off the training thread
-    swarm = SwarmView(dht, run_id=key, signer=signer, record_ttl_s=liveness.record_ttl_s(manifest),
-                      max_sync_s=transport.max_sync_seconds).start_background()
+    swarm = SwarmView(
+        dht,
+        run_id=key,
+        signer=signer,
+        record_ttl_s=liveness.record_ttl_s(manifest),
+        max_sync_s=transport.max_sync_seconds,
+    ).start_background()
     stack.callback(swarm.close)  # a record still queued reaches the DHT before it shuts down
     checkpoint = stage_checkpoint(cfg, manifest, stage)
     trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not reach.client_mode)
     # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
     d = cfg.device
-    placement, notes = place(d.device, precision=d.precision, compile=d.compile,
-                             micro_batch_sequences=d.micro_batch_sequences, max_memory_gib=d.max_memory_gib,
-                             peak_tflops=d.peak_tflops, activation_checkpointing=d.activation_checkpointing)
+    placement, notes = place(
+        d.device,
+        precision=d.precision,
+        compile=d.compile,
+        micro_batch_sequences=d.micro_batch_sequences,
+        max_memory_gib=d.max_memory_gib,
+        peak_tflops=d.peak_tflops,
+        activation_checkpointing=d.activation_checkpointing,
+    )
     make_inner = None
     if stage is not None:
         if len(placement.devices) > 1:
@@ -366,23 +421,47 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         link = pipeline_link(dht, loop, manifest, stage, corpus.tokenizer.vocab_size, swarm, signer, reporter)
         stack.callback(link.close)
         make_inner = functools.partial(StageInnerLoop.for_placement, link=link, stop=stop_event)
-    trainer = Trainer(manifest=manifest, model=model, corpus=corpus, swarm=swarm, transport=transport,
-                      config=trainer_cfg, reporter=reporter, stop_event=stop_event, placement=placement,
-                      make_inner=make_inner, evaluates_phi=stage is None, state_key=key)
+    trainer = Trainer(
+        manifest=manifest,
+        model=model,
+        corpus=corpus,
+        swarm=swarm,
+        transport=transport,
+        config=trainer_cfg,
+        reporter=reporter,
+        stop_event=stop_event,
+        placement=placement,
+        make_inner=make_inner,
+        evaluates_phi=stage is None,
+        state_key=key,
+    )
     stack.callback(trainer.inner.close)  # the other ranks of a peer on several devices (peer/train/ddp.py)
     if stage is not None:  # a stage after 0 registers its server at its first inner step
         blocks = cast(range, model.layers)  # a pipeline stage holds a range of the blocks (peer/pipeline/stages.py)
-        reporter.emit("status", message=f"pipeline stage {stage} of 0-{S - 1} (blocks {blocks.start}-{blocks.stop - 1})")
+        reporter.emit(
+            "status", message=f"pipeline stage {stage} of 0-{S - 1} (blocks {blocks.start}-{blocks.stop - 1})"
+        )
     micro_batch = trainer.fit_micro_batch()
     device_fields = placement.event_fields()
     # what this peer trains on, for `peer status` and the monitor (signed, like its records)
     devices = DeviceAnnouncer(dht, manifest.run_id, signer, DeviceRecord.from_event(device_fields)).start()
     stack.callback(devices.stop)
-    reporter.emit("started", version=protocol.__version__, peer_id=peer_id, **device_fields,
-                  micro_batch=micro_batch or manifest.batch_sequences, batch_sequences=manifest.batch_sequences,
-                  maddrs=reachability.printable_maddrs(dht, reach), relayed_at=reachability.relay_maddrs(dht, reach),
-                  run_id=manifest.run_id, run_name=manifest.name, parameters=parameter_count(model),
-                  inner_steps=manifest.sync.inner_steps, stage=stage, threads=torch.get_num_threads())
+    reporter.emit(
+        "started",
+        version=protocol.__version__,
+        peer_id=peer_id,
+        **device_fields,
+        micro_batch=micro_batch or manifest.batch_sequences,
+        batch_sequences=manifest.batch_sequences,
+        maddrs=reachability.printable_maddrs(dht, reach),
+        relayed_at=reachability.relay_maddrs(dht, reach),
+        run_id=manifest.run_id,
+        run_name=manifest.name,
+        parameters=parameter_count(model),
+        inner_steps=manifest.sync.inner_steps,
+        stage=stage,
+        threads=torch.get_num_threads(),
+    )
     for note in notes:
         reporter.emit("warning", message=note)
     return _Peer(trainer=trainer, watch=watch, peer_id=peer_id)

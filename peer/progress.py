@@ -115,13 +115,20 @@ def combine_sync_reports(reports: list[SyncReport]) -> SyncReport:
     smallest = min(reports, key=lambda r: r.group_size)
     agreeing = set.intersection(*(set(r.agreeing) for r in reports))
     completed = set.intersection(*(set(r.completed) for r in reports))
-    return SyncReport(group_size=smallest.group_size, group=smallest.group,
-                      bytes_sent=sum(r.bytes_sent for r in reports), bytes_received=sum(r.bytes_received for r in reports),
-                      sync_s=sum(r.sync_s for r in reports), deadline_s=max(r.deadline_s for r in reports),
-                      attempts=sum(r.attempts for r in reports), note="; ".join(r.note for r in reports if r.note),
-                      agreeing=tuple(sorted(agreeing)), failed=any(r.failed for r in reports),
-                      completed=tuple(sorted(completed)),
-                      overlap_steps=tuple(s for r in reports for s in r.overlap_steps))
+    return SyncReport(
+        group_size=smallest.group_size,
+        group=smallest.group,
+        bytes_sent=sum(r.bytes_sent for r in reports),
+        bytes_received=sum(r.bytes_received for r in reports),
+        sync_s=sum(r.sync_s for r in reports),
+        deadline_s=max(r.deadline_s for r in reports),
+        attempts=sum(r.attempts for r in reports),
+        note="; ".join(r.note for r in reports if r.note),
+        agreeing=tuple(sorted(agreeing)),
+        failed=any(r.failed for r in reports),
+        completed=tuple(sorted(completed)),
+        overlap_steps=tuple(s for r in reports for s in r.overlap_steps),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,16 +162,32 @@ class RoundOutcome:
     def event_fields(self, peer_id: str) -> dict[str, Any]:
         """The ``round`` event as reporting and the launchers read it."""
         s = self.sync
-        return dict(round=self.round, train_loss=self.train_loss, tokens_per_s=self.tokens_per_s,
-                    group_size=s.group_size, sync_s=s.sync_s, bytes_sent=s.bytes_sent,
-                    bytes_received=s.bytes_received, peers=self.peers, peer_id=peer_id,
-                    group=list(s.group or (peer_id,)), note=s.note,
-                    planned_group=list(self.planned_group) if self.planned_group else None,
-                    tokens=self.tokens, attempts=s.attempts, start_digest=self.start_digest,
-                    agreeing=sorted({*s.agreeing, peer_id}), state_digest=self.state_digest,
-                    deadline_s=s.deadline_s, mfu=self.mfu, micro_batch=self.micro_batch,
-                    compute_s=self.compute_s, sync_wait_s=self.sync_wait_s, resync_wait_s=self.resync_wait_s,
-                    **({"overlap_steps": list(s.overlap_steps)} if s.overlap_steps else {}))
+        return dict(
+            round=self.round,
+            train_loss=self.train_loss,
+            tokens_per_s=self.tokens_per_s,
+            group_size=s.group_size,
+            sync_s=s.sync_s,
+            bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received,
+            peers=self.peers,
+            peer_id=peer_id,
+            group=list(s.group or (peer_id,)),
+            note=s.note,
+            planned_group=list(self.planned_group) if self.planned_group else None,
+            tokens=self.tokens,
+            attempts=s.attempts,
+            start_digest=self.start_digest,
+            agreeing=sorted({*s.agreeing, peer_id}),
+            state_digest=self.state_digest,
+            deadline_s=s.deadline_s,
+            mfu=self.mfu,
+            micro_batch=self.micro_batch,
+            compute_s=self.compute_s,
+            sync_wait_s=self.sync_wait_s,
+            resync_wait_s=self.resync_wait_s,
+            **({"overlap_steps": list(s.overlap_steps)} if s.overlap_steps else {}),
+        )
 
 
 @dataclass
@@ -226,17 +249,25 @@ class TransferProgress:
         if console.is_terminal:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-            self._bar = Progress(TextColumn(f"downloading {what}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TextColumn("{task.fields[detail]}"), console=console,
-                                 transient=False)
+            self._bar = Progress(
+                TextColumn(f"downloading {what}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TextColumn("{task.fields[detail]}"),
+                console=console,
+                transient=False,
+            )
             self._task = self._bar.add_task(what, total=self.total, detail="")
             self._bar.start()
 
     def line(self) -> str:
         """The plain progress line of the transfer so far."""
         mib, seconds = 1 << 20, max(time.monotonic() - self.start, 1e-9)
-        text = (f"downloading {self.what}: {self.done / mib:.1f} of {self.total / mib:.1f} MiB "
-                f"({100 * self.done / self.total:.0f} %)")
+        text = (
+            f"downloading {self.what}: {self.done / mib:.1f} of {self.total / mib:.1f} MiB "
+            f"({100 * self.done / self.total:.0f} %)"
+        )
         return text + (f" {self.detail}" if self.detail else "") + f", {self.done / mib / seconds:.1f} MiB/s"
 
     def update(self, done_bytes: int, detail: str = "") -> None:

@@ -97,18 +97,27 @@ def judge(answers: Sequence[DialBack]) -> Reachability:
     answered = [a for a in answers if not a.error]
     if not answered:
         why = "; ".join(f"{a.checker[:12]}…: {a.error}" for a in answers) or "connected to no node to ask"
-        return Reachability("unknown", line=f"reachability unknown: no peer answered the dial-back check "
-                                             f"({why})")
-    verified = tuple(dict.fromkeys(f"/ip{6 if ':' in a.observed else 4}/{a.observed}/tcp/{port}"
-                                   for a in answered for port in a.reachable))
+        return Reachability("unknown", line=f"reachability unknown: no peer answered the dial-back check ({why})")
+    verified = tuple(
+        dict.fromkeys(
+            f"/ip{6 if ':' in a.observed else 4}/{a.observed}/tcp/{port}" for a in answered for port in a.reachable
+        )
+    )
     if verified:
-        return Reachability("reachable", verified, line=f"reachable: {len(answered)} peer(s) of the swarm dialed "
-                                                        f"this peer back at {', '.join(verified)}")
+        return Reachability(
+            "reachable",
+            verified,
+            line=f"reachable: {len(answered)} peer(s) of the swarm dialed this peer back at {', '.join(verified)}",
+        )
     seen = sorted({a.observed for a in answered if a.observed}) or ["(no direct connection)"]
-    return Reachability("unreachable", line=(
-        f"not reachable from outside: {len(answered)} peer(s) of the swarm could not dial this peer back at "
-        f"{', '.join(seen)} (NAT or firewall; forward the port and pass --announce, or keep going): "
-        "continuing in client mode, relayed through the initial peers"))
+    return Reachability(
+        "unreachable",
+        line=(
+            f"not reachable from outside: {len(answered)} peer(s) of the swarm could not dial this peer back at "
+            f"{', '.join(seen)} (NAT or firewall; forward the port and pass --announce, or keep going): "
+            "continuing in client mode, relayed through the initial peers"
+        ),
+    )
 
 
 def check(dht, initial_peers: Sequence[str]) -> Reachability:
@@ -122,13 +131,15 @@ def check(dht, initial_peers: Sequence[str]) -> Reachability:
         answers = ask_dialback(dht, checkers, ports)
     except Exception as exc:  # the DHT process failed to run the check at all
         logger.debug("dial-back check failed", exc_info=True)
-        answers = [DialBack(checker=c, observed="", reachable=(), error=f"{type(exc).__name__}: {exc}")
-                   for c in checkers]
+        answers = [
+            DialBack(checker=c, observed="", reachable=(), error=f"{type(exc).__name__}: {exc}") for c in checkers
+        ]
     return judge(answers)
 
 
-def dialable_maddrs(visible: Sequence[str], peer_id: str, *, verified: Sequence[str] = (),
-                    announce: Sequence[str] = ()) -> list[str]:
+def dialable_maddrs(
+    visible: Sequence[str], peer_id: str, *, verified: Sequence[str] = (), announce: Sequence[str] = ()
+) -> list[str]:
     """The full multiaddrs to print for others, best first (see the module docstring).
 
     Args:
@@ -148,8 +159,17 @@ def dialable_maddrs(visible: Sequence[str], peer_id: str, *, verified: Sequence[
     return (outside or ordered) + relayed
 
 
-def start_node(initial_peers: Sequence[str], *, host: str, port: int, announce: Sequence[str], identity_path: str,
-               client_mode: bool, restart: bool = False, timeout_s: float = 20.0):
+def start_node(
+    initial_peers: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    announce: Sequence[str],
+    identity_path: str,
+    client_mode: bool,
+    restart: bool = False,
+    timeout_s: float = 20.0,
+):
     """Start this peer's DHT node: as ``peer.net.dht_node.start_dht``, and in client mode with libp2p's
     auto relay through ``initial_peers`` (go-libp2p reserves a relay slot on them once it judges
     itself private, which client mode forces), so others can reach it through a bootstrap node.
@@ -160,13 +180,31 @@ def start_node(initial_peers: Sequence[str], *, host: str, port: int, announce: 
         BadPeerAddress, BootstrapUnreachable, NetworkError: as ``peer.net.dht_node.start_dht``.
     """
     if not client_mode or not initial_peers:
-        return dht_node.start_dht(initial_peers=initial_peers, host=host, port=port, announce=announce,
-                                   identity_path=identity_path, client_mode=client_mode, timeout_s=timeout_s)
+        return dht_node.start_dht(
+            initial_peers=initial_peers,
+            host=host,
+            port=port,
+            announce=announce,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            timeout_s=timeout_s,
+        )
     peers = swarm_dht.parse_initial_peers(initial_peers)
-    kwargs = dict(initial_peers=peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], client_mode=True, start=True,
-                  await_ready=True, wait_timeout=min(5.0, timeout_s), bootstrap_timeout=min(5.0, timeout_s),
-                  identity_path=identity_path, use_relay=True, use_auto_relay=True, force_reachability="private",
-                  trusted_relays=peers, check_if_identity_free=not restart)
+    kwargs = dict(
+        initial_peers=peers,
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        client_mode=True,
+        start=True,
+        await_ready=True,
+        wait_timeout=min(5.0, timeout_s),
+        bootstrap_timeout=min(5.0, timeout_s),
+        identity_path=identity_path,
+        use_relay=True,
+        use_auto_relay=True,
+        force_reachability="private",
+        trusted_relays=peers,
+        check_if_identity_free=not restart,
+    )
     if announce:
         kwargs["announce_maddrs"] = list(announce)
     try:
@@ -195,12 +233,19 @@ def reach_out(dht, cfg, reporter, *, identity_path: str) -> tuple[Any, Reachabil
     """
 
     def decided(verdict: Reachability, client_mode: bool) -> Reachability:
-        return replace(verdict, client_mode=client_mode, relays=tuple(cfg.initial_peers) if client_mode else (),
-                       announce=tuple(a for a in cfg.announce if "/p2p/" not in a))
+        return replace(
+            verdict,
+            client_mode=client_mode,
+            relays=tuple(cfg.initial_peers) if client_mode else (),
+            announce=tuple(a for a in cfg.announce if "/p2p/" not in a),
+        )
 
     if cfg.client_mode:
-        verdict = Reachability("unchecked", line="client mode: this peer dials out and accepts no connections"
-                                                 + ("; relayed through the initial peers" if cfg.initial_peers else ""))
+        verdict = Reachability(
+            "unchecked",
+            line="client mode: this peer dials out and accepts no connections"
+            + ("; relayed through the initial peers" if cfg.initial_peers else ""),
+        )
         reporter.emit("status", message=verdict.line, reachability=verdict.status, verified=[])
         return dht, decided(verdict, True)
     try:
@@ -216,8 +261,15 @@ def reach_out(dht, cfg, reporter, *, identity_path: str) -> tuple[Any, Reachabil
     if verdict.status != "unreachable":
         return dht, decided(verdict, False)
     dht.shutdown()
-    dht = start_node(cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
-                     identity_path=identity_path, client_mode=True, restart=True)
+    dht = start_node(
+        cfg.initial_peers,
+        host=cfg.host,
+        port=cfg.port,
+        announce=cfg.announce,
+        identity_path=identity_path,
+        client_mode=True,
+        restart=True,
+    )
     return dht, decided(verdict, True)
 
 
@@ -229,8 +281,7 @@ def relay_maddrs(dht, reach: Reachability) -> list[str]:
     Empty for a peer that is not in client mode or has no initial peer."""
     if not reach.relays:
         return []
-    return [f"{m}/p2p-circuit/p2p/{dht.peer_id}" for m in parse_initial_peers(reach.relays)
-            if "/p2p-circuit" not in m]
+    return [f"{m}/p2p-circuit/p2p/{dht.peer_id}" for m in parse_initial_peers(reach.relays) if "/p2p-circuit" not in m]
 
 
 def printable_maddrs(dht, reach: Reachability) -> list[str]:

@@ -24,9 +24,11 @@ def format_bytes(n: float) -> str:
 
 def round_line(e: Mapping[str, Any]) -> str:
     """``round 12 | loss 2.913 | 1,830 tok/s | group 4 | sync 2.4 s | sent 5.1 MiB | recv 5.1 MiB | peers 7``"""
-    line = (f"round {e['round']} | loss {e['train_loss']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
-            f"group {e['group_size']} | sync {e['sync_s']:.1f} s | sent {format_bytes(e['bytes_sent'])} | "
-            f"recv {format_bytes(e.get('bytes_received', 0))} | peers {e['peers']}")
+    line = (
+        f"round {e['round']} | loss {e['train_loss']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
+        f"group {e['group_size']} | sync {e['sync_s']:.1f} s | sent {format_bytes(e['bytes_sent'])} | "
+        f"recv {format_bytes(e.get('bytes_received', 0))} | peers {e['peers']}"
+    )
     if e.get("mfu") is not None:
         line += f" | MFU {100 * e['mfu']:.1f} %"
     if e.get("note"):
@@ -78,24 +80,36 @@ class Reporter:
         if kind == "round":
             return round_line(e)
         if kind == "started":
-            lines = [(f"locoswarm {e['version']} | peer {e['peer_id']} | device {device_text(e)} | run {e['run_id']} "
-                     f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})")]
+            lines = [
+                (
+                    f"locoswarm {e['version']} | peer {e['peer_id']} | device {device_text(e)} | run {e['run_id']} "
+                    f"({e['run_name']}, {e['parameters']:,} parameters, H={e['inner_steps']})"
+                )
+            ]
             lines += [f"  others can join with: peer join --initial-peers {a}" for a in e["maddrs"]]
             if not e["maddrs"]:  # client mode, no relay slot yet: others come in through the initial peers
                 lines.append("  others cannot dial this peer directly; they join through the swarm's bootstrap node")
-                lines += [f"  reachable through a relay once it grants a slot (about 3 minutes): {a}"
-                          for a in e.get("relayed_at") or []]
+                lines += [
+                    f"  reachable through a relay once it grants a slot (about 3 minutes): {a}"
+                    for a in e.get("relayed_at") or []
+                ]
             return "\n".join(lines)
         if kind == "eval":
             bpb = e.get("bpb")
-            return f"eval ({e['when']}) at round {e['round']}: validation loss {e['loss']:.4f} nats/token" + \
-                (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
+            return f"eval ({e['when']}) at round {e['round']}: validation loss {e['loss']:.4f} nats/token" + (
+                f" ({bpb:.3f} bits/byte)" if bpb is not None else ""
+            )
         if kind == "adopted_state":
-            why = {"behind": "behind the swarm", "diverged": "held another state than most peers",
-                   "raced ahead": "ran ahead of most peers alone"}.get(e.get("reason", ""), "")
+            why = {
+                "behind": "behind the swarm",
+                "diverged": "held another state than most peers",
+                "raced ahead": "ran ahead of most peers alone",
+            }.get(e.get("reason", ""), "")
             donors = sum(1 for n in (e.get("donors") or {}).values() if n)
-            return f"re-synced at round {e['round']} (inner step {e['inner_step']}{'; ' + why if why else ''}): " \
-                   f"downloaded φ and outer momentum from {donors} peer(s) in {e['seconds']:.1f} s"
+            return (
+                f"re-synced at round {e['round']} (inner step {e['inner_step']}{'; ' + why if why else ''}): "
+                f"downloaded φ and outer momentum from {donors} peer(s) in {e['seconds']:.1f} s"
+            )
         if kind == "resumed":
             return f"resumed from checkpoint {e['path']} at round {e['round']}, step {e['round_step']} of the round"
         if kind == "stopped":

@@ -51,9 +51,16 @@ def describe_runs(announced: dict[str, RunManifest], stats: RunStats) -> str:
     return "; ".join(parts)
 
 
-def choose_run(announced: dict[str, RunManifest], *, local: RunManifest | None,
-               local_flag: str = "--run/--preset", run_id: str | None = None, new_run: bool = False,
-               checkpoints: Set[str] = frozenset(), stats: RunStats = lambda run_id: None) -> str | None:
+def choose_run(
+    announced: dict[str, RunManifest],
+    *,
+    local: RunManifest | None,
+    local_flag: str = "--run/--preset",
+    run_id: str | None = None,
+    new_run: bool = False,
+    checkpoints: Set[str] = frozenset(),
+    stats: RunStats = lambda run_id: None,
+) -> str | None:
     """The id of the run this peer trains.
 
     Args:
@@ -84,21 +91,25 @@ def choose_run(announced: dict[str, RunManifest], *, local: RunManifest | None,
         if run_id is not None:
             if run_id == local.run_id or run_id in matches:
                 return run_id
-            raise RunChoiceNeeded(f"--run-id {run_id} and {local_flag} (run id {local.run_id}) name different runs;"
-                                  " give one of them")
+            raise RunChoiceNeeded(
+                f"--run-id {run_id} and {local_flag} (run id {local.run_id}) name different runs; give one of them"
+            )
         if len(matches) == 1:
             return matches[0]
         if len(matches) > 1:
             listing = describe_runs({rid: announced[rid] for rid in matches}, stats)
-            raise RunChoiceNeeded(f"the swarm trains {local_flag} as {len(matches)} runs of different owners: "
-                                  f"{listing}; choose one with --run-id RUN_ID")
+            raise RunChoiceNeeded(
+                f"the swarm trains {local_flag} as {len(matches)} runs of different owners: "
+                f"{listing}; choose one with --run-id RUN_ID"
+            )
         if not announced or new_run:
             return None
         others = describe_runs(announced, stats)
         ident = f" (run id {local.run_id})" if local.owner else ""  # an ownerless manifest has no run yet
         raise RunChoiceNeeded(
             f"{local_flag} is run {local.name!r}{ident}, but the swarm trains {others}: drop "
-            f"{local_flag} to join the swarm's run, or add --new-run to start {local.name!r} beside it")
+            f"{local_flag} to join the swarm's run, or add --new-run to start {local.name!r} beside it"
+        )
     if run_id is not None:
         return run_id
     if not announced:
@@ -109,5 +120,7 @@ def choose_run(announced: dict[str, RunManifest], *, local: RunManifest | None,
     if len(mine) == 1:
         return mine[0]
     held = f" (this peer holds checkpoints of {len(mine)} of them)" if mine else ""
-    raise RunChoiceNeeded(f"the swarm announces {len(announced)} runs{held}: {describe_runs(announced, stats)}; "
-                          "choose one with --run-id RUN_ID")
+    raise RunChoiceNeeded(
+        f"the swarm announces {len(announced)} runs{held}: {describe_runs(announced, stats)}; "
+        "choose one with --run-id RUN_ID"
+    )

@@ -74,8 +74,10 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
             break
         time.sleep(0.5)
     if run_id is not None and not found.get(run_id) and runs.get(run_id) == "?":
-        raise ManifestNotFound(f"the swarm has no run {run_id} (no announcement, no progress records); "
-                               "run `peer status` without --run-id to list the runs")
+        raise ManifestNotFound(
+            f"the swarm has no run {run_id} (no announcement, no progress records); "
+            "run `peer status` without --run-id to list the runs"
+        )
     out = []
     for rid, name in sorted(runs.items()):
         manifest = _manifest_or_none(dht, rid) if found.get(rid) else None
@@ -85,18 +87,35 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
         for item in found.get(rid, []):
             r = item.record
             verdict = None if manifest is None else liveness.judge(r, item.expiration, now, manifest)
-            peers.append({"peer_id": item.peer_id, "live": verdict is None or verdict.live,
-                          "age_s": None if verdict is None else verdict.age_s,
-                          "stale_after_s": None if verdict is None else verdict.stale_after_s,
-                          "round": r.round, "inner_step": r.inner_step,
-                          "train_loss": r.train_loss, "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s,
-                          "group_size": r.group_size, "bytes_sent": r.bytes_sent,
-                          "bytes_received": r.bytes_received, "expires_in_s": max(0.0, item.expiration - now),
-                          "device": None if item.peer_id not in devices else devices[item.peer_id].to_wire()})
+            peers.append(
+                {
+                    "peer_id": item.peer_id,
+                    "live": verdict is None or verdict.live,
+                    "age_s": None if verdict is None else verdict.age_s,
+                    "stale_after_s": None if verdict is None else verdict.stale_after_s,
+                    "round": r.round,
+                    "inner_step": r.inner_step,
+                    "train_loss": r.train_loss,
+                    "eval_loss": r.eval_loss,
+                    "tokens_per_s": r.tokens_per_s,
+                    "group_size": r.group_size,
+                    "bytes_sent": r.bytes_sent,
+                    "bytes_received": r.bytes_received,
+                    "expires_in_s": max(0.0, item.expiration - now),
+                    "device": None if item.peer_id not in devices else devices[item.peer_id].to_wire(),
+                }
+            )
         peers.sort(key=lambda p: (-p["round"], -p["inner_step"], p["peer_id"]))
         live = [p for p in peers if p["live"]]
-        out.append({"run_id": rid, "name": name, "live_peers": len(live),
-                    "tokens_per_s": sum(p["tokens_per_s"] for p in live), "peers": peers})
+        out.append(
+            {
+                "run_id": rid,
+                "name": name,
+                "live_peers": len(live),
+                "tokens_per_s": sum(p["tokens_per_s"] for p in live),
+                "peers": peers,
+            }
+        )
     return {"time": time.time(), "runs": out}
 
 
@@ -118,23 +137,46 @@ def print_status(status: dict[str, Any], console) -> None:
         gone = len(peers) - run["live_peers"]
         title = f"run {run['run_id']} ({run['name']}): {run['live_peers']} live peer(s)"
         table = Table(title=Text(title + (f", {gone} gone" if gone else "")))
-        columns: tuple[tuple[str, JustifyMethod], ...] = (("peer id", "left"), ("status", "left"), ("device", "left"), ("round", "right"),
-                                ("inner step", "right"), ("train loss", "right"), ("val loss", "right"),
-                                ("tok/s", "right"), ("group", "right"), ("sent", "right"), ("received", "right"),
-                                ("record age", "right"))
+        columns: tuple[tuple[str, JustifyMethod], ...] = (
+            ("peer id", "left"),
+            ("status", "left"),
+            ("device", "left"),
+            ("round", "right"),
+            ("inner step", "right"),
+            ("train loss", "right"),
+            ("val loss", "right"),
+            ("tok/s", "right"),
+            ("group", "right"),
+            ("sent", "right"),
+            ("received", "right"),
+            ("record age", "right"),
+        )
         for column, justify in columns:
             table.add_column(column, justify=justify)
         for p in peers:
-            table.add_row(Text(p["peer_id"]), "live" if p["live"] else "gone", Text(device_text(p["device"])),
-                          str(p["round"]), str(p["inner_step"]),
-                          f"{p['train_loss']:.3f}", "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
-                          f"{p['tokens_per_s']:,.0f}", str(p["group_size"]), format_bytes(p["bytes_sent"]),
-                          format_bytes(p["bytes_received"]), "-" if p["age_s"] is None else f"{p['age_s']:.0f} s")
+            table.add_row(
+                Text(p["peer_id"]),
+                "live" if p["live"] else "gone",
+                Text(device_text(p["device"])),
+                str(p["round"]),
+                str(p["inner_step"]),
+                f"{p['train_loss']:.3f}",
+                "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
+                f"{p['tokens_per_s']:,.0f}",
+                str(p["group_size"]),
+                format_bytes(p["bytes_sent"]),
+                format_bytes(p["bytes_received"]),
+                "-" if p["age_s"] is None else f"{p['age_s']:.0f} s",
+            )
         console.print(table)
         live = [p for p in peers if p["live"]]
         if live:
-            console.print(f"swarm: round {max(p['round'] for p in live)} | {run['tokens_per_s']:,.0f} tok/s "
-                          f"from {len(live)} live peer(s)", markup=False, highlight=False)
+            console.print(
+                f"swarm: round {max(p['round'] for p in live)} | {run['tokens_per_s']:,.0f} tok/s "
+                f"from {len(live)} live peer(s)",
+                markup=False,
+                highlight=False,
+            )
 
 
 def device_text(device: dict | None) -> str:

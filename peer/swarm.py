@@ -70,8 +70,10 @@ class SwarmConfig:
             raise ValueError(f"rounds = {self.rounds}: must be >= 1")
         stages = self.manifest.pipeline.stages
         if stages > 1 and self.num_peers < stages:
-            raise ValueError(f"num_peers = {self.num_peers}: run {self.manifest.run_id} has {stages} pipeline stages, "
-                             f"so at least {stages} peers (one per stage; {2 * stages} for two replicas each)")
+            raise ValueError(
+                f"num_peers = {self.num_peers}: run {self.manifest.run_id} has {stages} pipeline stages, "
+                f"so at least {stages} peers (one per stage; {2 * stages} for two replicas each)"
+            )
 
 
 class Swarm:
@@ -92,8 +94,9 @@ class Swarm:
         return child.start()
 
     def start_bootstrap(self, manifest_path: Path) -> list[str]:
-        child = self._start("bootstrap", bootstrap_argv(identity=self.workdir / "bootstrap.key", run=manifest_path),
-                            watched=False)
+        child = self._start(
+            "bootstrap", bootstrap_argv(identity=self.workdir / "bootstrap.key", run=manifest_path), watched=False
+        )
         try:
             ready = child.wait_event(lambda e: e.kind == "ready", self.cfg.bootstrap_timeout_s)
         except ChildExited as exc:
@@ -104,8 +107,9 @@ class Swarm:
             raise failed from None
         except ChildTimeout:
             self.failure = ("bootstrap", 1, f"did not start within {self.cfg.bootstrap_timeout_s:.0f} s")
-            raise NetworkError(f"the bootstrap node did not start within {self.cfg.bootstrap_timeout_s:.0f} s; "
-                               f"see {child.log_path}") from None
+            raise NetworkError(
+                f"the bootstrap node did not start within {self.cfg.bootstrap_timeout_s:.0f} s; see {child.log_path}"
+            ) from None
         return ready.addresses_on("127.0.0.1") or list(ready.maddrs)
 
     def start_peer(self, index: int, initial_peers: list[str], threads: int) -> None:
@@ -113,15 +117,27 @@ class Swarm:
         # a pipelined run: peers serve the stages in turn (peer 0 stage 0, peer 1 stage 1, ...) and
         # each waits for the peers of its own stage
         wait = len(range(index % stages, self.cfg.num_peers, stages))
-        extra = ["--max-rounds", str(self.cfg.rounds), "--threads", str(threads),
-                 "--eval-every", str(self.cfg.eval_every_rounds), "--wait-for-peers", str(wait),
-                 "--device", self.cfg.device]
+        extra = [
+            "--max-rounds",
+            str(self.cfg.rounds),
+            "--threads",
+            str(threads),
+            "--eval-every",
+            str(self.cfg.eval_every_rounds),
+            "--wait-for-peers",
+            str(wait),
+            "--device",
+            self.cfg.device,
+        ]
         if stages > 1:
             extra += ["--stage", str(index % stages)]
         if self.cfg.data_path is not None:  # this machine's corpus, given to its own processes only
             extra += ["--data", str(self.cfg.data_path)]
-        self._start(f"peer-{index}", peer_argv(data_dir=self.workdir / f"peer-{index}", initial_peers=initial_peers,
-                                               extra=extra), watched=True)
+        self._start(
+            f"peer-{index}",
+            peer_argv(data_dir=self.workdir / f"peer-{index}", initial_peers=initial_peers, extra=extra),
+            watched=True,
+        )
 
     def interrupt(self) -> None:
         for child in self.children.values():
@@ -201,8 +217,10 @@ def check_data_path(data_path: Path | None) -> None:
         ConfigError: ``data_path`` does not exist.
     """
     if data_path is not None and not Path(data_path).exists():
-        raise ConfigError(f"--data {str(data_path)!r}: no such file or directory; point --data at the corpus "
-                          "(a file or directory of text, .jsonl or .parquet) the local swarm should train on")
+        raise ConfigError(
+            f"--data {str(data_path)!r}: no such file or directory; point --data at the corpus "
+            "(a file or directory of text, .jsonl or .parquet) the local swarm should train on"
+        )
 
 
 def source_of(path: Path) -> str:
@@ -272,14 +290,21 @@ def run_swarm(cfg: SwarmConfig) -> int:
 
     console = Console(stderr=False, soft_wrap=True)
     check_data_path(cfg.data_path)  # a missing --data: one line, before anything starts
-    console.print(f"local swarm: reading the data of run {cfg.manifest.run_id} ({cfg.manifest.name})",
-                  markup=False, highlight=False)
+    console.print(
+        f"local swarm: reading the data of run {cfg.manifest.run_id} ({cfg.manifest.name})",
+        markup=False,
+        highlight=False,
+    )
     cfg, corpus = with_swarm_data(cfg)
     if cfg.data_path is not None:
-        console.print(f"local swarm: the peers train on {cfg.data_path} ({corpus.train_files:,} + "
-                      f"{corpus.validation_files:,} documents, {corpus.corpus_bytes:,} bytes; each peer gets --data); "
-                      f"the run is announced by content as run {cfg.manifest.run_id} "
-                      f"(data.corpus_sha256 = {corpus.corpus_sha256})", markup=False, highlight=False)
+        console.print(
+            f"local swarm: the peers train on {cfg.data_path} ({corpus.train_files:,} + "
+            f"{corpus.validation_files:,} documents, {corpus.corpus_bytes:,} bytes; each peer gets --data); "
+            f"the run is announced by content as run {cfg.manifest.run_id} "
+            f"(data.corpus_sha256 = {corpus.corpus_sha256})",
+            markup=False,
+            highlight=False,
+        )
     temporary = cfg.workdir is None
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -289,10 +314,13 @@ def run_swarm(cfg: SwarmConfig) -> int:
     swarm = Swarm(cfg, workdir)
     start, started_at = time.monotonic(), time.time() - 1.0
     interrupted = False
-    console.print(f"local swarm: run {cfg.manifest.run_id} ({cfg.manifest.name}), {cfg.num_peers} peer(s), "
-                  f"{cfg.rounds} round(s), H={cfg.manifest.sync.inner_steps}, {threads} thread(s) each; "
-                  f"logs in {workdir}" + (" (removed at the end unless --keep)" if temporary and not cfg.keep else ""),
-                  markup=False, highlight=False)
+    console.print(
+        f"local swarm: run {cfg.manifest.run_id} ({cfg.manifest.name}), {cfg.num_peers} peer(s), "
+        f"{cfg.rounds} round(s), H={cfg.manifest.sync.inner_steps}, {threads} thread(s) each; "
+        f"logs in {workdir}" + (" (removed at the end unless --keep)" if temporary and not cfg.keep else ""),
+        markup=False,
+        highlight=False,
+    )
     try:
         try:
             maddrs = swarm.start_bootstrap(manifest_path)
@@ -358,8 +386,12 @@ def _watch(swarm: Swarm, console) -> None:
                 if code != 0 and swarm.failure is None:
                     code, reason = shell_exit(code, error_line(child) or f"no error line; see {child.log_path}")
                     swarm.failure = (name, code, reason)
-                    console.print(f"{name} exited with code {code}: {reason}; stopping the others", style="red",
-                                  markup=False, highlight=False)
+                    console.print(
+                        f"{name} exited with code {code}: {reason}; stopping the others",
+                        style="red",
+                        markup=False,
+                        highlight=False,
+                    )
                     swarm.interrupt()
             continue
         kind = event.kind
@@ -367,11 +399,15 @@ def _watch(swarm: Swarm, console) -> None:
             console.print(f"{name} | {round_line(event)}", markup=False, highlight=False)
         elif kind == "eval":
             bpb = f" nats/token ({event['bpb']:.3f} bits/byte)" if event.get("bpb") is not None else ""
-            console.print(f"{name} | eval ({event['when']}) at round {event['round']}: "
-                          f"validation loss {event['loss']:.4f}{bpb}", markup=False, highlight=False)
+            console.print(
+                f"{name} | eval ({event['when']}) at round {event['round']}: validation loss {event['loss']:.4f}{bpb}",
+                markup=False,
+                highlight=False,
+            )
         elif kind == "adopted_state":
-            console.print(f"{name} | joined at round {event['round']} with the swarm's φ", markup=False,
-                          highlight=False)
+            console.print(
+                f"{name} | joined at round {event['round']} with the swarm's φ", markup=False, highlight=False
+            )
         elif kind == "warning":
             console.print(f"{name} | warning: {event['message']}", markup=False, highlight=False)
 
@@ -380,9 +416,11 @@ def final_state(events: list[Event]) -> tuple[str | None, int | None]:
     """(digest, round) of the state a peer ended on: the last ``state_digest`` its ``round``,
     ``adopted_state`` or ``resumed`` events carried up to its final evaluation of φ (or up to its
     last event, without one); (None, None) when none carried one."""
-    end = next((i for i in range(len(events) - 1, -1, -1)
-                if events[i].kind == "eval" and events[i].get("when") == "final"), len(events) - 1)
-    for event in reversed(events[:end + 1]):
+    end = next(
+        (i for i in range(len(events) - 1, -1, -1) if events[i].kind == "eval" and events[i].get("when") == "final"),
+        len(events) - 1,
+    )
+    for event in reversed(events[: end + 1]):
         if event.get("state_digest"):
             return str(event["state_digest"]), event.round
     return None, None
@@ -412,22 +450,24 @@ def build_summary(swarm: Swarm, cfg: SwarmConfig, wall_s: float) -> dict[str, An
             final.append(last_eval["loss"])
             if digest is not None:
                 final_digests.add(digest)
-        peers.append({
-            "name": name,
-            "peer_id": started.get("peer_id"),
-            "rounds_completed": stopped.get("rounds_completed", len(rounds)),
-            "max_group_size": stopped.get("max_group_size", max((e["group_size"] for e in rounds), default=0)),
-            "bytes_sent": stopped.get("bytes_sent", sum(e["bytes_sent"] for e in rounds)),
-            "bytes_received": stopped.get("bytes_received", sum(e.get("bytes_received", 0) for e in rounds)),
-            "group_sizes": [e["group_size"] for e in rounds],
-            "tokens_per_s": (sum(e["tokens_per_s"] for e in rounds) / len(rounds)) if rounds else 0.0,
-            "initial_eval_loss": first_eval["loss"] if first_eval else None,
-            "final_eval_loss": last_eval["loss"] if last_eval else None,
-            "final_state_digest": digest,
-            "final_state_round": digest_round,
-            # as a shell reports it (137 for SIGKILL), as the error line names it; None: still running
-            "exit_code": None if child.returncode is None else shell_exit(child.returncode, "")[0],
-        })
+        peers.append(
+            {
+                "name": name,
+                "peer_id": started.get("peer_id"),
+                "rounds_completed": stopped.get("rounds_completed", len(rounds)),
+                "max_group_size": stopped.get("max_group_size", max((e["group_size"] for e in rounds), default=0)),
+                "bytes_sent": stopped.get("bytes_sent", sum(e["bytes_sent"] for e in rounds)),
+                "bytes_received": stopped.get("bytes_received", sum(e.get("bytes_received", 0) for e in rounds)),
+                "group_sizes": [e["group_size"] for e in rounds],
+                "tokens_per_s": (sum(e["tokens_per_s"] for e in rounds) / len(rounds)) if rounds else 0.0,
+                "initial_eval_loss": first_eval["loss"] if first_eval else None,
+                "final_eval_loss": last_eval["loss"] if last_eval else None,
+                "final_state_digest": digest,
+                "final_state_round": digest_round,
+                # as a shell reports it (137 for SIGKILL), as the error line names it; None: still running
+                "exit_code": None if child.returncode is None else shell_exit(child.returncode, "")[0],
+            }
+        )
     return {
         "run_id": cfg.manifest.run_id,
         "run_name": cfg.manifest.name,
@@ -453,20 +493,32 @@ def _print_summary(console, summary: dict[str, Any]) -> None:
     for column in ("peer", "peer id", "rounds", "max group", "sent", "received", "tok/s", "final eval loss", "exit"):
         table.add_column(column)
     for p in summary["peers"]:
-        table.add_row(Text(p["name"]), Text((p["peer_id"] or "?")[:16] + "…"), str(p["rounds_completed"]),
-                      str(p["max_group_size"]), format_bytes(p["bytes_sent"]),
-                      format_bytes(p["bytes_received"]), f"{p['tokens_per_s']:,.0f}",
-                      "-" if p["final_eval_loss"] is None else f"{p['final_eval_loss']:.4f}", str(p["exit_code"]))
+        table.add_row(
+            Text(p["name"]),
+            Text((p["peer_id"] or "?")[:16] + "…"),
+            str(p["rounds_completed"]),
+            str(p["max_group_size"]),
+            format_bytes(p["bytes_sent"]),
+            format_bytes(p["bytes_received"]),
+            f"{p['tokens_per_s']:,.0f}",
+            "-" if p["final_eval_loss"] is None else f"{p['final_eval_loss']:.4f}",
+            str(p["exit_code"]),
+        )
     console.print(table)
     init, fin = summary["initial_eval_loss"], summary["final_eval_loss"]
     evaluated = summary.get("final_eval_loss_peers", 0)
     mean = f" (mean of {evaluated} peers)" if evaluated > 1 else ""
-    console.print(f"validation loss: {'-' if init is None else f'{init:.4f}'} → {'-' if fin is None else f'{fin:.4f}'}"
-                  f" nats/token{mean} | wall {summary['wall_seconds']:.0f} s", markup=False, highlight=False)
+    console.print(
+        f"validation loss: {'-' if init is None else f'{init:.4f}'} → {'-' if fin is None else f'{fin:.4f}'}"
+        f" nats/token{mean} | wall {summary['wall_seconds']:.0f} s",
+        markup=False,
+        highlight=False,
+    )
     line = final_phi_line(summary)
     if line is not None:
-        console.print(line, markup=False, highlight=False,
-                      style="yellow" if summary.get("final_states", 0) > 1 else None)
+        console.print(
+            line, markup=False, highlight=False, style="yellow" if summary.get("final_states", 0) > 1 else None
+        )
 
 
 def final_phi_line(summary: dict[str, Any]) -> str | None:
@@ -491,18 +543,22 @@ def final_phi_line(summary: dict[str, Any]) -> str | None:
     if states == 1:
         first = evaluated[0]
         every = "both" if len(evaluated) == 2 else f"all {len(evaluated)}"
-        head = (f"final φ: {every} peers on the same state ({state(first).removeprefix('state ')})"
-                if len(evaluated) == len(peers) else
-                f"final φ: the {len(evaluated)} peers that evaluated it on the same state "
-                f"({state(first).removeprefix('state ')})")
+        head = (
+            f"final φ: {every} peers on the same state ({state(first).removeprefix('state ')})"
+            if len(evaluated) == len(peers)
+            else f"final φ: the {len(evaluated)} peers that evaluated it on the same state "
+            f"({state(first).removeprefix('state ')})"
+        )
         return f"{head}: " + ", ".join(f"{p['name']} {loss(p)}" for p in peers)
     losses = [p["final_eval_loss"] for p in evaluated]
     spread = summary.get("final_eval_loss_spread")
     spread = max(losses) - min(losses) if spread is None else spread
     what = f"{states} different states" if states > 1 else "states this summary cannot compare (no digests)"
-    line = (f"final φ: the peers ended on {what}, validation loss {min(losses):.4f} to {max(losses):.4f} "
-            f"(spread {spread:.4f} nats/token; the loss above is their mean): "
-            + ", ".join(f"{p['name']} {loss(p)} ({state(p)})" for p in peers))
+    line = (
+        f"final φ: the peers ended on {what}, validation loss {min(losses):.4f} to {max(losses):.4f} "
+        f"(spread {spread:.4f} nats/token; the loss above is their mean): "
+        + ", ".join(f"{p['name']} {loss(p)} ({state(p)})" for p in peers)
+    )
     if summary.get("algorithm") == "noloco" and states > 1:
         line += "; expected with NoLoCo, which averages with one partner a round"
     return line

@@ -118,8 +118,10 @@ class NoReplica(NetworkError):
         self.stage = stage
         self.cooling = cooling
         why = f" ({cooling} cooling down after a failed call)" if cooling else ""
-        super().__init__(f"no live replica of pipeline stage {stage}{why}: the pipeline pauses "
-                         f"until a peer serving stage {stage} joins or recovers")
+        super().__init__(
+            f"no live replica of pipeline stage {stage}{why}: the pipeline pauses "
+            f"until a peer serving stage {stage} joins or recovers"
+        )
 
     def __reduce__(self) -> tuple[type[Self], tuple[int, int]]:
         return type(self), (self.stage, self.cooling)

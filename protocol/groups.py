@@ -38,11 +38,12 @@ def partition(peer_ids: Sequence[str], *, run_id: str, round_: int, group_size: 
     ids = sorted(set(peer_ids))
     seed = int.from_bytes(hashlib.sha256(f"{run_id}:{round_}".encode()).digest()[:8], "big")
     random.Random(seed).shuffle(ids)
-    return [ids[i:i + group_size] for i in range(0, len(ids), group_size)]
+    return [ids[i : i + group_size] for i in range(0, len(ids), group_size)]
 
 
-def plan_groups(peer_ids: Sequence[str], *, algorithm: str, run_id: str, round_: int,
-                group_size: int) -> list[list[str]]:
+def plan_groups(
+    peer_ids: Sequence[str], *, algorithm: str, run_id: str, round_: int, group_size: int
+) -> list[list[str]]:
     """The groups that average together in round ``round_``.
 
     Args:

@@ -91,8 +91,9 @@ def stale_after_s(record: ProgressRecord, manifest: RunManifest) -> float:
         record: the peer's latest record (its throughput sets the refresh interval).
         manifest: the run's manifest (sync deadlines, H, tokens per inner step).
     """
-    refresh = refresh_interval_s(record, inner_steps=manifest.sync.inner_steps,
-                                 batch_size_tokens=manifest.inner_optimizer.batch_size_tokens)
+    refresh = refresh_interval_s(
+        record, inner_steps=manifest.sync.inner_steps, batch_size_tokens=manifest.inner_optimizer.batch_size_tokens
+    )
     return worst_case_sync_s(manifest.sync) + 2.0 * refresh + CLOCK_GRACE_S
 
 

@@ -51,9 +51,25 @@ from protocol.specs import (
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
-    "CODECS", "PHI_CODECS", "RUN_ID_HEX_CHARS", "CompressionSpec", "DataSpec", "InnerOptimizerSpec", "ModelSpec",
-    "NoLoCoSpec", "OuterOptimizerSpec", "PipelineSpec", "RunManifest", "SignedManifest", "SyncSpec", "decode",
-    "dump_toml", "from_dict", "load_manifest", "open_announcement", "sign_manifest",
+    "CODECS",
+    "PHI_CODECS",
+    "RUN_ID_HEX_CHARS",
+    "CompressionSpec",
+    "DataSpec",
+    "InnerOptimizerSpec",
+    "ModelSpec",
+    "NoLoCoSpec",
+    "OuterOptimizerSpec",
+    "PipelineSpec",
+    "RunManifest",
+    "SignedManifest",
+    "SyncSpec",
+    "decode",
+    "dump_toml",
+    "from_dict",
+    "load_manifest",
+    "open_announcement",
+    "sign_manifest",
 ]
 
 RUN_ID_HEX_CHARS = 32
@@ -90,34 +106,65 @@ class RunManifest:
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
 
     def __post_init__(self) -> None:
-        check("run", "name", self.name,
-               isinstance(self.name, str) and 0 < len(self.name) <= 128 and self.name.isprintable(),
-               "a printable string of 1 to 128 characters")
+        check(
+            "run",
+            "name",
+            self.name,
+            isinstance(self.name, str) and 0 < len(self.name) <= 128 and self.name.isprintable(),
+            "a printable string of 1 to 128 characters",
+        )
         int_in("run", "protocol_version", self.protocol_version, 1, 2**31 - 1)
-        check("run", "owner", self.owner, isinstance(self.owner, str) and (not self.owner or is_owner_hex(self.owner)),
-              "empty or an Ed25519 public key as 64 lowercase hex characters")
+        check(
+            "run",
+            "owner",
+            self.owner,
+            isinstance(self.owner, str) and (not self.owner or is_owner_hex(self.owner)),
+            "empty or an Ed25519 public key as 64 lowercase hex characters",
+        )
         if self.protocol_version != PROTOCOL_VERSION:
             raise VersionMismatch(
                 f"run manifest speaks protocol version {self.protocol_version}, this client speaks "
                 f"{PROTOCOL_VERSION}: install the locoswarm release that matches the run"
             )
-        check("inner_optimizer", "batch_size_tokens", self.inner_optimizer.batch_size_tokens,
-               self.inner_optimizer.batch_size_tokens % self.data.seq_len_tokens == 0,
-               f"a multiple of data.seq_len_tokens = {self.data.seq_len_tokens}")
-        check("data", "seq_len_tokens", self.data.seq_len_tokens,
-               self.data.seq_len_tokens <= self.model.max_seq_len,
-               f"at most model.max_seq_len = {self.model.max_seq_len}")
+        check(
+            "inner_optimizer",
+            "batch_size_tokens",
+            self.inner_optimizer.batch_size_tokens,
+            self.inner_optimizer.batch_size_tokens % self.data.seq_len_tokens == 0,
+            f"a multiple of data.seq_len_tokens = {self.data.seq_len_tokens}",
+        )
+        check(
+            "data",
+            "seq_len_tokens",
+            self.data.seq_len_tokens,
+            self.data.seq_len_tokens <= self.model.max_seq_len,
+            f"at most model.max_seq_len = {self.model.max_seq_len}",
+        )
         if self.sync.algorithm == "noloco":
             self.noloco.check_stability()
         if self.sync.overlap == "streaming":
-            check("sync", "fragments", self.sync.fragments, self.sync.fragments <= self.model.num_layers,
-                  f"at most model.num_layers = {self.model.num_layers} with sync.overlap = 'streaming' "
-                  "(a fragment holds whole transformer blocks; 1 syncs the whole model as one fragment)")
-        check("inner_optimizer", "kind", self.inner_optimizer.kind,
-              self.inner_optimizer.kind == "adamw" or self.pipeline.stages == 1,
-              "'adamw' with pipeline.stages > 1 (a stage's inner step runs AdamW only)")
-        check("pipeline", "stages", self.pipeline.stages, self.pipeline.stages <= self.model.num_layers,
-              f"at most model.num_layers = {self.model.num_layers} (a stage holds whole transformer blocks)")
+            check(
+                "sync",
+                "fragments",
+                self.sync.fragments,
+                self.sync.fragments <= self.model.num_layers,
+                f"at most model.num_layers = {self.model.num_layers} with sync.overlap = 'streaming' "
+                "(a fragment holds whole transformer blocks; 1 syncs the whole model as one fragment)",
+            )
+        check(
+            "inner_optimizer",
+            "kind",
+            self.inner_optimizer.kind,
+            self.inner_optimizer.kind == "adamw" or self.pipeline.stages == 1,
+            "'adamw' with pipeline.stages > 1 (a stage's inner step runs AdamW only)",
+        )
+        check(
+            "pipeline",
+            "stages",
+            self.pipeline.stages,
+            self.pipeline.stages <= self.model.num_layers,
+            f"at most model.num_layers = {self.model.num_layers} (a stage holds whole transformer blocks)",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; ``owner`` is left out while empty, the streaming fields of ``sync`` and its
@@ -130,8 +177,10 @@ class RunManifest:
             del data["owner"]
         if self.pipeline == PipelineSpec():
             del data["pipeline"]
-        for section, default, names in (("sync", SyncSpec(), OMITTED_AT_DEFAULT_SYNC_FIELDS),
-                                        ("inner_optimizer", InnerOptimizerSpec(), OMITTED_AT_DEFAULT_INNER_FIELDS)):
+        for section, default, names in (
+            ("sync", SyncSpec(), OMITTED_AT_DEFAULT_SYNC_FIELDS),
+            ("inner_optimizer", InnerOptimizerSpec(), OMITTED_AT_DEFAULT_INNER_FIELDS),
+        ):
             for name in names:
                 if getattr(getattr(self, section), name) == getattr(default, name):
                     del data[section][name]
@@ -197,8 +246,10 @@ def from_dict(data: Any) -> RunManifest:
         raise ManifestError(f"a run manifest must be a table of sections, got {type(data).__name__}")
     top_fields = {"name", "protocol_version", "owner"}
     if "tokenizer" in data:
-        raise ManifestError("the [tokenizer] section is gone: the tokenizer is data.tokenizer ('bytes' or 'bpe', "
-                            "with data.vocab_size); move it into [data]")
+        raise ManifestError(
+            "the [tokenizer] section is gone: the tokenizer is data.tokenizer ('bytes' or 'bpe', "
+            "with data.vocab_size); move it into [data]"
+        )
     unknown = set(data) - top_fields - set(_SECTIONS)
     if unknown:
         raise ManifestError(
@@ -336,7 +387,8 @@ def sign_manifest(manifest: RunManifest, key: OwnerKey) -> SignedManifest:
         raise ManifestError(
             f"run {manifest.run_id} ({manifest.name}) is owned by {manifest.owner}, not by the owner key{where} "
             f"({key.public_hex}): pass --owner-key with the run owner's key file, or remove `owner` from the "
-            "manifest to start a new run of your own")
+            "manifest to start a new run of your own"
+        )
     return SignedManifest(manifest, key.sign_manifest(manifest.encode()))
 
 

@@ -20,8 +20,13 @@ MAX_PEER_ID_CHARS = 128
 """A libp2p peer id in base58 is 46-53 characters; a longer string is not one."""
 MAX_COUNT = 2**53
 """Byte counters: any larger value is a lie (and would lose precision as a float)."""
-_UPPER = {"round": MAX_ROUND, "inner_step": MAX_INNER_STEP, "group_size": MAX_GROUP_SIZE,
-          "bytes_sent": MAX_COUNT, "bytes_received": MAX_COUNT}
+_UPPER = {
+    "round": MAX_ROUND,
+    "inner_step": MAX_INNER_STEP,
+    "group_size": MAX_GROUP_SIZE,
+    "bytes_sent": MAX_COUNT,
+    "bytes_received": MAX_COUNT,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +73,19 @@ class ProgressRecord:
         """
         if not isinstance(value, dict):
             raise BadPayload(f"progress record must be a map, got {type(value).__name__}")
-        expected = {"round", "inner_step", "train_loss", "tokens_per_s", "group_size", "bytes_sent",
-                    "bytes_received", "eval_loss", "state_digest", "groupmates", "version"}
+        expected = {
+            "round",
+            "inner_step",
+            "train_loss",
+            "tokens_per_s",
+            "group_size",
+            "bytes_sent",
+            "bytes_received",
+            "eval_loss",
+            "state_digest",
+            "groupmates",
+            "version",
+        }
         if set(value) != expected:
             # keys may be anything msgpack carries (bytes among them): name them as text
             raise BadPayload(f"progress record has fields {sorted(map(repr, value))[:16]}, expected {sorted(expected)}")
@@ -86,15 +102,25 @@ class ProgressRecord:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise BadPayload(f"progress record field {name} = {v!r}: expected a finite number")
         digest = value["state_digest"]
-        if not isinstance(digest, str) or len(digest) not in (0, 32) or any(c not in "0123456789abcdef" for c in digest):
+        if (
+            not isinstance(digest, str)
+            or len(digest) not in (0, 32)
+            or any(c not in "0123456789abcdef" for c in digest)
+        ):
             raise BadPayload(f"progress record field state_digest = {digest!r}: expected 32 lowercase hex characters")
         mates = value["groupmates"]
         if not isinstance(mates, (list, tuple)) or len(mates) > MAX_GROUP_SIZE:
-            raise BadPayload(f"progress record field groupmates is a {type(mates).__name__} of "
-                             f"{len(mates) if isinstance(mates, (list, tuple)) else '?'} entries: expected a list "
-                             f"of at most {MAX_GROUP_SIZE} peer ids")
+            raise BadPayload(
+                f"progress record field groupmates is a {type(mates).__name__} of "
+                f"{len(mates) if isinstance(mates, (list, tuple)) else '?'} entries: expected a list "
+                f"of at most {MAX_GROUP_SIZE} peer ids"
+            )
         for mate in mates:
-            if not isinstance(mate, str) or not 0 < len(mate) <= MAX_PEER_ID_CHARS or not mate.isalnum() \
-                    or not mate.isascii():
+            if (
+                not isinstance(mate, str)
+                or not 0 < len(mate) <= MAX_PEER_ID_CHARS
+                or not mate.isalnum()
+                or not mate.isascii()
+            ):
                 raise BadPayload(f"progress record field groupmates holds {mate!r:.80}: expected a base58 peer id")
         return cls(**{**value, "groupmates": tuple(mates)})

@@ -64,6 +64,7 @@ _RSA_PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=paddin
 
 # ---------------------------------------------------------------- owner keys (Ed25519)
 
+
 @dataclass(frozen=True)
 class OwnerKey:
     """A run owner's Ed25519 key pair."""
@@ -97,11 +98,18 @@ def verify_manifest(owner_hex: str, payload: bytes, signature: bytes) -> bool:
 
     Never raises: a malformed owner or signature is simply not valid.
     """
-    if not (isinstance(owner_hex, str) and is_owner_hex(owner_hex) and isinstance(signature, bytes)
-            and isinstance(payload, bytes) and len(signature) == 64):
+    if not (
+        isinstance(owner_hex, str)
+        and is_owner_hex(owner_hex)
+        and isinstance(signature, bytes)
+        and isinstance(payload, bytes)
+        and len(signature) == 64
+    ):
         return False
     try:
-        ed25519.Ed25519PublicKey.from_public_bytes(bytes.fromhex(owner_hex)).verify(signature, manifest_message(payload))
+        ed25519.Ed25519PublicKey.from_public_bytes(bytes.fromhex(owner_hex)).verify(
+            signature, manifest_message(payload)
+        )
     except (InvalidSignature, ValueError):
         return False
     return True
@@ -130,11 +138,15 @@ def load_owner_key(path: str | Path, *, create: bool = True) -> OwnerKey:
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"owner key file {path} is not an unencrypted Ed25519 private key (PEM): {exc}; "
-                              "pass --owner-key with the run owner's key file") from exc
+            raise ConfigError(
+                f"owner key file {path} is not an unencrypted Ed25519 private key (PEM): {exc}; "
+                "pass --owner-key with the run owner's key file"
+            ) from exc
         if not isinstance(key, ed25519.Ed25519PrivateKey):
-            raise ConfigError(f"owner key file {path} holds a {type(key).__name__}, not an Ed25519 key; "
-                              "pass --owner-key with the run owner's key file")
+            raise ConfigError(
+                f"owner key file {path} holds a {type(key).__name__}, not an Ed25519 key; "
+                "pass --owner-key with the run owner's key file"
+            )
         mode = stat.S_IMODE(path.stat().st_mode)
         if mode & 0o077:
             logger.warning("owner key file %s has mode %o; others can read it (chmod 600)", path, mode)
@@ -156,8 +168,9 @@ def save_owner_key(key: OwnerKey, path: str | Path) -> OwnerKey:
         ConfigError: the directory cannot be created or the file cannot be written; nothing is left.
     """
     path = Path(path).expanduser()
-    pem = key.private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+    pem = key.private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,7 +242,7 @@ def _parse_libp2p_key(blob: bytes) -> tuple[int, bytes]:
             if at + length > len(blob):
                 raise ValueError("truncated length-delimited field")
             if field == 2:
-                data = blob[at:at + length]
+                data = blob[at : at + length]
             at += length
         elif wire in (1, 5):
             at += 8 if wire == 1 else 4
@@ -262,8 +275,16 @@ def peer_id_of(public_der: bytes) -> str:
 
 def record_message(key: str, subkey: str, expiration: float, body: bytes) -> bytes:
     """What a peer signs for ``body`` stored under DHT ``key``/``subkey`` until ``expiration``."""
-    return (_DOMAIN + b"record\0" + key.encode() + b"\0" + subkey.encode() + b"\0"
-            + struct.pack(">d", float(expiration)) + body)
+    return (
+        _DOMAIN
+        + b"record\0"
+        + key.encode()
+        + b"\0"
+        + subkey.encode()
+        + b"\0"
+        + struct.pack(">d", float(expiration))
+        + body
+    )
 
 
 class PeerSigner:
@@ -275,8 +296,9 @@ class PeerSigner:
 
     def __init__(self, private: rsa.RSAPrivateKey):
         self._private = private
-        self.public_der = private.public_key().public_bytes(serialization.Encoding.DER,
-                                                            serialization.PublicFormat.SubjectPublicKeyInfo)
+        self.public_der = private.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
         self.peer_id = peer_id_of(self.public_der)
 
     @classmethod
@@ -291,11 +313,14 @@ class PeerSigner:
             _, data = _parse_libp2p_key(path.read_bytes())
             private = serialization.load_der_private_key(data, password=None)
         except Exception as exc:  # protobuf and cryptography raise several unrelated types
-            raise ConfigError(f"identity file {path} is not a libp2p private key ({exc}); "
-                              "move it away to create a new identity") from exc
+            raise ConfigError(
+                f"identity file {path} is not a libp2p private key ({exc}); move it away to create a new identity"
+            ) from exc
         if not isinstance(private, rsa.RSAPrivateKey):
-            raise ConfigError(f"identity file {path} holds a {type(private).__name__}, not an RSA key; "
-                              "move it away to create a new identity")
+            raise ConfigError(
+                f"identity file {path} holds a {type(private).__name__}, not an RSA key; "
+                "move it away to create a new identity"
+            )
         return cls(private)
 
     def seal(self, key: str, expiration: float, value: Any) -> dict[str, bytes]:
@@ -308,8 +333,9 @@ class PeerSigner:
             ``{"b": body (msgpack of value), "k": public key (DER), "s": RSA-PSS signature}``.
         """
         body = msgpack.packb(value, use_bin_type=True)
-        signature = self._private.sign(record_message(key, self.peer_id, expiration, body), _RSA_PADDING,
-                                       hashes.SHA256())
+        signature = self._private.sign(
+            record_message(key, self.peer_id, expiration, body), _RSA_PADDING, hashes.SHA256()
+        )
         return {"b": body, "k": self.public_der, "s": signature}
 
 
@@ -330,8 +356,12 @@ def open_record(key: str, subkey: Any, expiration: float, value: Any) -> Any:
     if not isinstance(value, dict) or set(value) != {"b", "k", "s"}:
         raise BadSignature("not a signed record (expected a map of b, k, s)")
     body, public_der, signature = value["b"], value["k"], value["s"]
-    if not (isinstance(body, bytes) and len(body) <= MAX_BODY_BYTES and isinstance(signature, bytes)
-            and len(signature) <= MAX_SIGNATURE_BYTES):
+    if not (
+        isinstance(body, bytes)
+        and len(body) <= MAX_BODY_BYTES
+        and isinstance(signature, bytes)
+        and len(signature) <= MAX_SIGNATURE_BYTES
+    ):
         raise BadSignature("a signed record's body or signature is not bytes of the allowed size")
     if not isinstance(subkey, str) or peer_id_of(public_der) != subkey:
         raise BadSignature("the record is stored under another peer's id than its signer's")
@@ -353,6 +383,7 @@ def open_record(key: str, subkey: Any, expiration: float, value: Any) -> Any:
 
 # ---------------------------------------------------------------- what was rejected
 
+
 class Rejections:
     """Counts values ignored for a bad signature (by kind); logs each (kind, writer) once."""
 
@@ -372,8 +403,12 @@ class Rejections:
             if first:
                 self._logged.add((kind, writer))
         if first:
-            logger.warning("ignoring a %s value under %r: %s (further ones from it are counted, not logged)",
-                           kind, writer[:64], reason)
+            logger.warning(
+                "ignoring a %s value under %r: %s (further ones from it are counted, not logged)",
+                kind,
+                writer[:64],
+                reason,
+            )
 
     def total(self) -> int:
         with self._lock:

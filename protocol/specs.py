@@ -69,10 +69,20 @@ class ModelSpec:
         int_in(s, "intermediate_size", self.intermediate_size, 8, 65536)
         int_in(s, "max_seq_len", self.max_seq_len, 8, 1 << 20)
         int_in(s, "init_seed", self.init_seed, 0, 2**31 - 1)
-        check(s, "hidden_size", self.hidden_size, self.hidden_size % self.num_heads == 0,
-               f"a multiple of model.num_heads = {self.num_heads}")
-        check(s, "num_kv_heads", self.num_kv_heads, self.num_heads % self.num_kv_heads == 0,
-               f"a divisor of model.num_heads = {self.num_heads}")
+        check(
+            s,
+            "hidden_size",
+            self.hidden_size,
+            self.hidden_size % self.num_heads == 0,
+            f"a multiple of model.num_heads = {self.num_heads}",
+        )
+        check(
+            s,
+            "num_kv_heads",
+            self.num_kv_heads,
+            self.num_heads % self.num_kv_heads == 0,
+            f"a divisor of model.num_heads = {self.num_heads}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,22 +123,38 @@ class DataSpec:
         s = "data"
         one_of(s, "source", self.source, ("python-stdlib", "files", "jsonl", "parquet", "hf-dataset"))
         check(s, "path", self.path, isinstance(self.path, str), "a string")
-        check(s, "path", self.path, self.source == "python-stdlib" or bool(self.path) or bool(self.corpus_sha256),
-               f"a non-empty path when data.source = {self.source!r}, or empty with data.corpus_sha256 set "
-               "(a corpus named by content: each peer passes --data PATH)")
-        check(s, "text_field", self.text_field, isinstance(self.text_field, str) and bool(self.text_field),
-               "a non-empty string")
+        check(
+            s,
+            "path",
+            self.path,
+            self.source == "python-stdlib" or bool(self.path) or bool(self.corpus_sha256),
+            f"a non-empty path when data.source = {self.source!r}, or empty with data.corpus_sha256 set "
+            "(a corpus named by content: each peer passes --data PATH)",
+        )
+        check(
+            s,
+            "text_field",
+            self.text_field,
+            isinstance(self.text_field, str) and bool(self.text_field),
+            "a non-empty string",
+        )
         one_of(s, "tokenizer", self.tokenizer, ("bytes", "bpe"))
         if self.tokenizer == "bytes":
-            check(s, "vocab_size", self.vocab_size, self.vocab_size in (0, 259),
-                  "0 or 259 with data.tokenizer = 'bytes'")
+            check(
+                s, "vocab_size", self.vocab_size, self.vocab_size in (0, 259), "0 or 259 with data.tokenizer = 'bytes'"
+            )
         else:
             int_in(s, "vocab_size", self.vocab_size, 512, 1 << 20)
         for name in ("corpus_sha256", "tokenizer_sha256"):
             value = getattr(self, name)
-            check(s, name, value, isinstance(value, str) and (value == "" or (
-                len(value) == 64 and all(c in "0123456789abcdef" for c in value))),
-                "'' or 64 lowercase hex digits (a SHA-256, as `peer data prepare` prints it)")
+            check(
+                s,
+                name,
+                value,
+                isinstance(value, str)
+                and (value == "" or (len(value) == 64 and all(c in "0123456789abcdef" for c in value))),
+                "'' or 64 lowercase hex digits (a SHA-256, as `peer data prepare` prints it)",
+            )
         int_in(s, "corpus_bytes", self.corpus_bytes, 0, 1 << 50)
         int_in(s, "seq_len_tokens", self.seq_len_tokens, 8, 1 << 20)
         float_in(s, "validation_fraction", self.validation_fraction, 0.0, 0.5, lo_open=True)
@@ -245,8 +271,10 @@ class NoLoCoSpec:
         """
         a, b, g, n = self.momentum, self.lr, self.pull, self.group_size
         if not b > a:
-            raise ManifestError(f"noloco.lr (β) = {b} must exceed noloco.momentum (α) = {a}: the replicas' mean "
-                                "diverges otherwise (NoLoCo arXiv 2506.10911, App. A)")
+            raise ManifestError(
+                f"noloco.lr (β) = {b} must exceed noloco.momentum (α) = {a}: the replicas' mean "
+                "diverges otherwise (NoLoCo arXiv 2506.10911, App. A)"
+            )
         lo = a * math.sqrt(n / (2 * (n - 1)))
         hi = math.sqrt((2 + a * a) * n / (2 * (n - 1)))
         if not lo < g < hi:
@@ -337,10 +365,14 @@ class SyncSpec:
         one_of(s, "algorithm", self.algorithm, ("diloco", "noloco", "independent"))
         one_of(s, "overlap", self.overlap, OVERLAP_MODES)
         int_in(s, "overlap_from_round", self.overlap_from_round, 0, 10**9)
-        check(s, "overlap_from_round", self.overlap_from_round,
-              self.overlap_from_round == 0 or self.overlap in ("delayed", "eager"),
-              f"0 with sync.overlap = {self.overlap!r} (blocking rounds before overlap starts apply to "
-              "'delayed' and 'eager' only): set sync.overlap_from_round = 0, or sync.overlap to one of those")
+        check(
+            s,
+            "overlap_from_round",
+            self.overlap_from_round,
+            self.overlap_from_round == 0 or self.overlap in ("delayed", "eager"),
+            f"0 with sync.overlap = {self.overlap!r} (blocking rounds before overlap starts apply to "
+            "'delayed' and 'eager' only): set sync.overlap_from_round = 0, or sync.overlap to one of those",
+        )
         int_in(s, "inner_steps", self.inner_steps, 1, 10**6)
         int_in(s, "fragments", self.fragments, 1, 4096)
         int_in(s, "fragment_delay_steps", self.fragment_delay_steps, 0, 10**6)
@@ -349,23 +381,32 @@ class SyncSpec:
         if self.overlap == "streaming":
             # τ < H/P: a fragment's sync lands within its slot of the round (the next fragment's
             # sync starts about H/P steps later), as in the paper, where τ is a few steps
-            check(s, "fragment_delay_steps", self.fragment_delay_steps,
-                  self.fragment_delay_steps * self.fragments < self.inner_steps,
-                  f"an integer below sync.inner_steps / sync.fragments = {self.inner_steps} / {self.fragments} "
-                  "with sync.overlap = 'streaming'")
+            check(
+                s,
+                "fragment_delay_steps",
+                self.fragment_delay_steps,
+                self.fragment_delay_steps * self.fragments < self.inner_steps,
+                f"an integer below sync.inner_steps / sync.fragments = {self.inner_steps} / {self.fragments} "
+                "with sync.overlap = 'streaming'",
+            )
         int_in(s, "target_group_size", self.target_group_size, 2, 4096)
         float_in(s, "matchmaking_time_s", self.matchmaking_time_s, 0.0, 3600.0, lo_open=True)
         float_in(s, "allreduce_timeout_s", self.allreduce_timeout_s, 0.0, 86400.0, lo_open=True)
         float_in(s, "next_chunk_timeout_s", self.next_chunk_timeout_s, 0.0, 3600.0, lo_open=True)
-        check(s, "adaptive_deadlines", self.adaptive_deadlines, isinstance(self.adaptive_deadlines, bool),
-               "true or false")
-        for low, high in (("min_matchmaking_time_s", "matchmaking_time_s"),
-                          ("min_allreduce_timeout_s", "allreduce_timeout_s")):
+        check(
+            s, "adaptive_deadlines", self.adaptive_deadlines, isinstance(self.adaptive_deadlines, bool), "true or false"
+        )
+        for low, high in (
+            ("min_matchmaking_time_s", "matchmaking_time_s"),
+            ("min_allreduce_timeout_s", "allreduce_timeout_s"),
+        ):
             float_in(s, low, getattr(self, low), 0.0, 86400.0, lo_open=True)
             if getattr(self, low) > getattr(self, high):
-                raise ManifestError(f"manifest field sync.{low} = {getattr(self, low)!r} is above sync.{high} = "
-                                    f"{getattr(self, high)!r}: the adaptive deadline lies between them; lower "
-                                    f"{low} too, or raise {high}")
+                raise ManifestError(
+                    f"manifest field sync.{low} = {getattr(self, low)!r} is above sync.{high} = "
+                    f"{getattr(self, high)!r}: the adaptive deadline lies between them; lower "
+                    f"{low} too, or raise {high}"
+                )
 
 
 ROUTINGS = ("random", "fastest")

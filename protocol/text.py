@@ -44,5 +44,5 @@ def sanitize(text: str, *, max_chars: int | None = None) -> str:
     text = _ESCAPE_SEQUENCE.sub("", text).translate(_WHITESPACE_CONTROLS)
     text = "".join(c for c in text if not unicodedata.category(c).startswith("C"))
     if max_chars is not None and len(text) > max_chars:
-        text = text[:max(0, max_chars - 1)] + "…"
+        text = text[: max(0, max_chars - 1)] + "…"
     return text

@@ -66,8 +66,9 @@ def valid_addresses(peer_id: str, value: object) -> list[str]:
     return out
 
 
-def publish_addresses(dht, run_id: str, signer: PeerSigner, maddrs: Sequence[str],
-                      ttl_s: float = ADDRESSES_TTL_S) -> bool:
+def publish_addresses(
+    dht, run_id: str, signer: PeerSigner, maddrs: Sequence[str], ttl_s: float = ADDRESSES_TTL_S
+) -> bool:
     """Store this peer's multiaddrs under the run's addresses key, signed by ``signer`` under its
     peer id. Returns whether a node accepted them."""
     from hivemind.utils import get_dht_time
@@ -88,6 +89,7 @@ def read_addresses(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[st
     Raises:
         NetworkError: the DHT did not answer in time (peer/net/dht.py ``read_value``).
     """
-    found = read_signed(dht, addresses_key(run_id), "addresses", valid_addresses, max_ahead_s=ADDRESSES_TTL_S + 600,
-                        prefer=prefer)
+    found = read_signed(
+        dht, addresses_key(run_id), "addresses", valid_addresses, max_ahead_s=ADDRESSES_TTL_S + 600, prefer=prefer
+    )
     return {peer_id: addresses for peer_id, addresses, _ in found if addresses}

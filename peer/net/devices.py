@@ -64,9 +64,14 @@ class DeviceRecord:
         """The record of a ``started`` event's device fields (``Placement.event_fields``)."""
         device = str(fields["device"])
         kind = next((k for k in KINDS if device.startswith(k)), "cpu")
-        return cls(kind=kind, name=str(fields.get("device_name") or kind)[:MAX_NAME_CHARS],
-                   memory_gib=fields.get("device_memory_gib"), capability=fields.get("compute_capability"),
-                   precision=str(fields["precision"]), ranks=int(fields.get("ranks") or 1))
+        return cls(
+            kind=kind,
+            name=str(fields.get("device_name") or kind)[:MAX_NAME_CHARS],
+            memory_gib=fields.get("device_memory_gib"),
+            capability=fields.get("compute_capability"),
+            precision=str(fields["precision"]),
+            ranks=int(fields.get("ranks") or 1),
+        )
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,36 +91,61 @@ class DeviceRecord:
         expected = {"kind", "name", "memory_gib", "capability", "precision", "ranks"}
         if set(value) != expected:
             raise BadPayload(f"device record has fields {sorted(map(str, value))[:8]}, expected {sorted(expected)}")
-        kind, precision, memory, capability, ranks = (value["kind"], value["precision"], value["memory_gib"],
-                                                      value["capability"], value["ranks"])
+        kind, precision, memory, capability, ranks = (
+            value["kind"],
+            value["precision"],
+            value["memory_gib"],
+            value["capability"],
+            value["ranks"],
+        )
         if kind not in KINDS:
             raise BadPayload(f"device record kind {sanitize(repr(kind), max_chars=40)}: expected one of {KINDS}")
         if precision not in PRECISIONS:
-            raise BadPayload(f"device record precision {sanitize(repr(precision), max_chars=40)}: "
-                             f"expected one of {PRECISIONS}")
-        if memory is not None and (not isinstance(memory, (int, float)) or isinstance(memory, bool)
-                                   or not math.isfinite(memory) or not 0 < memory <= MAX_MEMORY_GIB):
-            raise BadPayload(f"device record memory_gib = {sanitize(repr(memory), max_chars=40)}: "
-                             f"expected a number in (0, {MAX_MEMORY_GIB:.0f}] or null")
-        if capability is not None and not (isinstance(capability, str) and len(capability) <= 7
-                                           and _is_capability(capability)):
-            raise BadPayload(f"device record capability {sanitize(repr(capability), max_chars=40)}: "
-                             "expected \"major.minor\" or null")
+            raise BadPayload(
+                f"device record precision {sanitize(repr(precision), max_chars=40)}: expected one of {PRECISIONS}"
+            )
+        if memory is not None and (
+            not isinstance(memory, (int, float))
+            or isinstance(memory, bool)
+            or not math.isfinite(memory)
+            or not 0 < memory <= MAX_MEMORY_GIB
+        ):
+            raise BadPayload(
+                f"device record memory_gib = {sanitize(repr(memory), max_chars=40)}: "
+                f"expected a number in (0, {MAX_MEMORY_GIB:.0f}] or null"
+            )
+        if capability is not None and not (
+            isinstance(capability, str) and len(capability) <= 7 and _is_capability(capability)
+        ):
+            raise BadPayload(
+                f'device record capability {sanitize(repr(capability), max_chars=40)}: expected "major.minor" or null'
+            )
         if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= MAX_RANKS:
-            raise BadPayload(f"device record ranks = {sanitize(repr(ranks), max_chars=40)}: "
-                             f"expected an integer in [1, {MAX_RANKS}]")
+            raise BadPayload(
+                f"device record ranks = {sanitize(repr(ranks), max_chars=40)}: expected an integer in [1, {MAX_RANKS}]"
+            )
         name = value["name"]
         if not isinstance(name, str):
             raise BadPayload(f"device record name must be a string, got {type(name).__name__}")
-        return cls(kind=kind, name=sanitize(name, max_chars=MAX_NAME_CHARS), memory_gib=memory,
-                   capability=capability, precision=precision, ranks=ranks)
+        return cls(
+            kind=kind,
+            name=sanitize(name, max_chars=MAX_NAME_CHARS),
+            memory_gib=memory,
+            capability=capability,
+            precision=precision,
+            ranks=ranks,
+        )
 
     def describe(self) -> str:
         """One short line for tables: ``cuda NVIDIA GeForce RTX 3060 11.8 GiB sm 8.6 bf16``, ``2×``
         in front when the peer trains on several devices."""
-        parts = [self.kind, self.name if self.name != self.kind else None,
-                 None if self.memory_gib is None else f"{self.memory_gib:.1f} GiB",
-                 None if self.capability is None else f"sm {self.capability}", self.precision]
+        parts = [
+            self.kind,
+            self.name if self.name != self.kind else None,
+            None if self.memory_gib is None else f"{self.memory_gib:.1f} GiB",
+            None if self.capability is None else f"sm {self.capability}",
+            self.precision,
+        ]
         text = " ".join(p for p in parts if p)
         return f"{self.ranks}× {text}" if self.ranks > 1 else text
 
@@ -148,8 +178,14 @@ def read_devices(dht, run_id: str, *, prefer: Collection[str] = ()) -> dict[str,
     Raises:
         NetworkError: the DHT did not answer in time (peer/net/dht.py ``read_value``).
     """
-    found = read_signed(dht, devices_key(run_id), "devices", lambda _, data: DeviceRecord.from_wire(data),
-                        max_ahead_s=DEVICES_TTL_S + 600, prefer=prefer)
+    found = read_signed(
+        dht,
+        devices_key(run_id),
+        "devices",
+        lambda _, data: DeviceRecord.from_wire(data),
+        max_ahead_s=DEVICES_TTL_S + 600,
+        prefer=prefer,
+    )
     return {peer_id: record for peer_id, record, _ in found}
 
 

@@ -87,8 +87,11 @@ def finish(future, what: str, timeout_s: float = CALL_TIMEOUT_S, dht=None):
             died = dht is not None and exited(dht)
             if died or time.monotonic() >= deadline:
                 future.cancel()
-                raise NetworkError(f"the DHT process died before finishing {what}" if died else
-                                   f"the DHT did not finish {what} within {timeout_s:g} s") from exc
+                raise NetworkError(
+                    f"the DHT process died before finishing {what}"
+                    if died
+                    else f"the DHT did not finish {what} within {timeout_s:g} s"
+                ) from exc
 
 
 def call_in_dht(dht, coro: Callable, what: str, timeout_s: float = CALL_TIMEOUT_S):
@@ -96,12 +99,20 @@ def call_in_dht(dht, coro: Callable, what: str, timeout_s: float = CALL_TIMEOUT_
     return finish(dht.run_coroutine(coro, return_future=True), what, timeout_s, dht)
 
 
-def store(dht, key: str, value, expiration: float, *, subkey: str | None = None,
-          timeout_s: float = CALL_TIMEOUT_S) -> bool:
+def store(
+    dht, key: str, value, expiration: float, *, subkey: str | None = None, timeout_s: float = CALL_TIMEOUT_S
+) -> bool:
     """``dht.store(...)`` that returns within ``timeout_s`` (:func:`finish`): whether a node
     accepted the value."""
-    return bool(finish(dht.store(key, value, expiration, subkey=subkey, return_future=True),
-                       f"a store under {key!r}", timeout_s, dht))
+    return bool(
+        finish(
+            dht.store(key, value, expiration, subkey=subkey, return_future=True),
+            f"a store under {key!r}",
+            timeout_s,
+            dht,
+        )
+    )
+
 
 MAX_EXPIRATION_AHEAD_S = 8 * 86400.0
 """A value expiring further ahead is ignored. The longest-lived honest value is a progress record
@@ -158,8 +169,12 @@ def visible_maddrs(dht, *, latest: bool = False, timeout_s: float = CALL_TIMEOUT
     Raises:
         NetworkError: no answer within ``timeout_s``.
     """
-    return [str(m) for m in call_in_dht(dht, functools.partial(_visible_maddrs, latest=latest),
-                                        "reading this node's addresses", timeout_s)]
+    return [
+        str(m)
+        for m in call_in_dht(
+            dht, functools.partial(_visible_maddrs, latest=latest), "reading this node's addresses", timeout_s
+        )
+    ]
 
 
 DAEMON_CALL_TIMEOUT_S = 10.0
@@ -173,8 +188,10 @@ async def _visible_maddrs(_dht, node, latest: bool):  # in the DHT process
         try:
             return await asyncio.wait_for(node.get_visible_maddrs(latest=True), DAEMON_CALL_TIMEOUT_S)
         except TimeoutError:
-            logger.warning("p2pd did not say this node's addresses within %.0f s; using the ones it said at the "
-                           "start", DAEMON_CALL_TIMEOUT_S)
+            logger.warning(
+                "p2pd did not say this node's addresses within %.0f s; using the ones it said at the start",
+                DAEMON_CALL_TIMEOUT_S,
+            )
     return await node.get_visible_maddrs(latest=False)  # no daemon call: the addresses identify last gave
 
 
@@ -190,8 +207,11 @@ def serve_stream(dht, protocol: str, handler) -> None:
         Whatever hivemind raises when the handler cannot be added (a DHT that is shutting down);
         ``NetworkError`` when the DHT process does not add it within :data:`CALL_TIMEOUT_S`.
     """
-    call_in_dht(dht, functools.partial(_add_stream_handler, protocol=protocol, handler=handler),
-                f"adding the {protocol} handler")
+    call_in_dht(
+        dht,
+        functools.partial(_add_stream_handler, protocol=protocol, handler=handler),
+        f"adding the {protocol} handler",
+    )
 
 
 def store_manifest(dht, signed: SignedManifest, ttl_s: float = MANIFEST_TTL_S) -> bool:
@@ -229,8 +249,12 @@ def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
         return None
     # a value with subkeys expires with its latest entry: :func:`entries` judges each entry instead
     if not isinstance(found.value, dict) and expiration > get_dht_time() + MAX_EXPIRATION_AHEAD_S:
-        logger.warning("ignoring the DHT value of %r: it expires %.0f s from now, more than %.0f s",
-                       key, expiration - get_dht_time(), MAX_EXPIRATION_AHEAD_S)
+        logger.warning(
+            "ignoring the DHT value of %r: it expires %.0f s from now, more than %.0f s",
+            key,
+            expiration - get_dht_time(),
+            MAX_EXPIRATION_AHEAD_S,
+        )
         return None
     return found
 
@@ -284,8 +308,13 @@ def _bound_to_subkey(subkey: str, value) -> bool:
         return False
 
 
-def select_entries(found: list[tuple[str, object, float]], *, prefer: Collection[str] = (),
-                   cap: int | None = None, kind: str | None = None) -> list[tuple[str, object, float]]:
+def select_entries(
+    found: list[tuple[str, object, float]],
+    *,
+    prefer: Collection[str] = (),
+    cap: int | None = None,
+    kind: str | None = None,
+) -> list[tuple[str, object, float]]:
     """At most ``cap`` (default :data:`MAX_RECORDS_READ`) of ``found`` (:func:`entries`), the
     ones a reader should verify and keep, in their original order.
 
@@ -313,8 +342,8 @@ def select_entries(found: list[tuple[str, object, float]], *, prefer: Collection
     preferred = sorted((e for e in bound if e[0] in prefer), key=lambda e: _rank(e[0]))
     others = sorted((e for e in bound if e[0] not in prefer), key=lambda e: _rank(e[0]))
     if len(preferred) > cap - min(len(others), cap // 2):
-        preferred = preferred[:cap - min(len(others), cap // 2)]
-    kept = preferred + others[:cap - len(preferred)]
+        preferred = preferred[: cap - min(len(others), cap // 2)]
+    kept = preferred + others[: cap - len(preferred)]
     position = {id(entry): i for i, entry in enumerate(found)}
     return sorted(kept, key=lambda e: position[id(e)])
 
@@ -348,8 +377,10 @@ def list_runs(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, str]:
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
     """
-    return {run_id: sanitize(signed.manifest.name, max_chars=MAX_RUN_NAME_CHARS)
-            for run_id, signed in list_announced(dht, timeout_s=timeout_s).items()}
+    return {
+        run_id: sanitize(signed.manifest.name, max_chars=MAX_RUN_NAME_CHARS)
+        for run_id, signed in list_announced(dht, timeout_s=timeout_s).items()
+    }
 
 
 _BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
@@ -363,14 +394,16 @@ def _is_run_id(text: str) -> bool:
     return 0 < len(text) <= 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def fetch_manifest(dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S,
-                   allow_data_path: bool = False) -> RunManifest:
+def fetch_manifest(
+    dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S, allow_data_path: bool = False
+) -> RunManifest:
     """Fetch and verify a run manifest from the DHT (:func:`fetch_signed` without the signature)."""
     return fetch_signed(dht, run_id, timeout_s=timeout_s, allow_data_path=allow_data_path).manifest
 
 
-def fetch_signed(dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S,
-                 allow_data_path: bool = False) -> SignedManifest:
+def fetch_signed(
+    dht, run_id: str | None = None, *, timeout_s: float = READ_TIMEOUT_S, allow_data_path: bool = False
+) -> SignedManifest:
     """Fetch a run's announcement from the DHT, signed by the owner its run id binds.
 
     A manifest from the network can never name a local path: one whose ``data.path`` is set is
@@ -413,7 +446,8 @@ def refuse_local_data_path(manifest: RunManifest) -> None:
         raise ManifestError(
             f"run {manifest.run_id} ({manifest.name}) reads data.source = {manifest.data.source!r} from "
             f"data.path = {sanitize(manifest.data.path, max_chars=200)!r}, a path this peer will not take from "
-            "the network: pass --run FILE.toml with the run's manifest and your own data location")
+            "the network: pass --run FILE.toml with the run's manifest and your own data location"
+        )
 
 
 def _fetch_signed(dht, run_id: str | None, timeout_s: float) -> SignedManifest:
@@ -422,13 +456,16 @@ def _fetch_signed(dht, run_id: str | None, timeout_s: float) -> SignedManifest:
         if not runs:
             raise ManifestNotFound("the swarm announces no run yet; retry in a few seconds or pass --run-id")
         if len(runs) > 1:
-            listing = ", ".join(f"{rid} ({sanitize(s.manifest.name, max_chars=MAX_RUN_NAME_CHARS)})"
-                                for rid, s in sorted(runs.items()))
+            listing = ", ".join(
+                f"{rid} ({sanitize(s.manifest.name, max_chars=MAX_RUN_NAME_CHARS)})" for rid, s in sorted(runs.items())
+            )
             raise ManifestNotFound(f"the swarm announces several runs: {listing}; choose one with --run-id")
         run_id = next(iter(runs))
     if run_id not in runs:
-        raise ManifestNotFound(f"no manifest signed by its owner for run id {run_id} in the DHT; check the id "
-                               "with `peer status` or ask the run's owner")
+        raise ManifestNotFound(
+            f"no manifest signed by its owner for run id {run_id} in the DHT; check the id "
+            "with `peer status` or ask the run's owner"
+        )
     return runs[run_id]
 
 
@@ -477,8 +514,7 @@ class ManifestAnnouncer(Periodic):
             logger.debug("no DHT node accepted the manifest announcement; retrying")
 
 
-def publish_progress(dht, run_id: str, signer: PeerSigner, record: ProgressRecord, ttl_s: float, *,
-                     wait: bool = True):
+def publish_progress(dht, run_id: str, signer: PeerSigner, record: ProgressRecord, ttl_s: float, *, wait: bool = True):
     """Store this peer's record, signed by ``signer`` under its peer id; with ``wait=False`` returns
     at once (the store finishes in the DHT process)."""
     from hivemind.utils import get_dht_time
@@ -497,9 +533,16 @@ class PeerProgress:
     expiration: float
 
 
-def read_signed(dht, key: str, kind: str, decode: Callable[[str, Any], Any], *, timeout_s: float = READ_TIMEOUT_S,
-                max_ahead_s: float = MAX_EXPIRATION_AHEAD_S,
-                prefer: Collection[str] = ()) -> list[tuple[str, Any, float]]:
+def read_signed(
+    dht,
+    key: str,
+    kind: str,
+    decode: Callable[[str, Any], Any],
+    *,
+    timeout_s: float = READ_TIMEOUT_S,
+    max_ahead_s: float = MAX_EXPIRATION_AHEAD_S,
+    prefer: Collection[str] = (),
+) -> list[tuple[str, Any, float]]:
     """The signed per-peer values under ``key`` (progress records, addresses, devices), checked.
 
     Entries whose subkey is not a peer id are counted in ``signing.REJECTED[kind]``; at most
@@ -532,8 +575,14 @@ def read_signed(dht, key: str, kind: str, decode: Callable[[str, Any], Any], *, 
     return out
 
 
-def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
-                  max_ttl_s: float = MAX_EXPIRATION_AHEAD_S, prefer: Collection[str] = ()) -> list[PeerProgress]:
+def read_progress(
+    dht,
+    run_id: str,
+    *,
+    timeout_s: float = READ_TIMEOUT_S,
+    max_ttl_s: float = MAX_EXPIRATION_AHEAD_S,
+    prefer: Collection[str] = (),
+) -> list[PeerProgress]:
     """Live peers' latest progress records, each signed by the peer whose id it is stored under.
 
     At most :data:`MAX_RECORDS_READ` records are verified and returned (:func:`select_entries`):
@@ -549,6 +598,15 @@ def read_progress(dht, run_id: str, *, timeout_s: float = READ_TIMEOUT_S,
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
     """
-    return [PeerProgress(peer_id=peer_id, record=record, expiration=expiration) for peer_id, record, expiration
-            in read_signed(dht, keys.progress_key(run_id), "progress", lambda _, data: ProgressRecord.from_wire(data),
-                           timeout_s=timeout_s, max_ahead_s=max_ttl_s, prefer=prefer)]
+    return [
+        PeerProgress(peer_id=peer_id, record=record, expiration=expiration)
+        for peer_id, record, expiration in read_signed(
+            dht,
+            keys.progress_key(run_id),
+            "progress",
+            lambda _, data: ProgressRecord.from_wire(data),
+            timeout_s=timeout_s,
+            max_ahead_s=max_ttl_s,
+            prefer=prefer,
+        )
+    ]

@@ -34,8 +34,9 @@ def ensure_identity(path: str | Path) -> Path:
         try:
             key = crypto_pb2.PrivateKey.FromString(path.read_bytes())
         except Exception as exc:
-            raise ConfigError(f"identity file {path} is not a libp2p private key ({exc}); "
-                              "move it away to create a new identity") from exc
+            raise ConfigError(
+                f"identity file {path} is not a libp2p private key ({exc}); move it away to create a new identity"
+            ) from exc
         if not key.data:
             raise ConfigError(f"identity file {path} is empty; delete it to create a new identity")
         mode = stat.S_IMODE(path.stat().st_mode)

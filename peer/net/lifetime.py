@@ -228,8 +228,8 @@ def proc_stat(pid: int) -> tuple[str, str, int] | None:
             text = f.read()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()
-    return text[text.index("(") + 1:text.rindex(")")], fields[0], int(fields[19])
+    fields = text[text.rindex(")") + 2 :].split()
+    return text[text.index("(") + 1 : text.rindex(")")], fields[0], int(fields[19])
 
 
 def children(pid: int) -> list[int]:
@@ -289,6 +289,7 @@ class HelperWatch:
         /proc shows it now; a None pid, or no /proc, adds nothing. Before :meth:`start`."""
         stat = None if pid is None else proc_stat(pid)
         if pid is not None and stat is not None:
+
             def probe() -> HelperDied | None:
                 now = proc_stat(pid)
                 if now is not None and now[2] == stat[2] and now[1] not in "ZX":

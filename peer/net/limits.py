@@ -33,8 +33,7 @@ class StreamSlots:
 
     def __init__(self, *, per_peer: int, total: int):
         if per_peer < 1 or total < per_peer:
-            raise ValueError(f"stream caps must satisfy 1 <= per_peer <= total, got per_peer={per_peer}, "
-                             f"total={total}")
+            raise ValueError(f"stream caps must satisfy 1 <= per_peer <= total, got per_peer={per_peer}, total={total}")
         self.per_peer, self.total = per_peer, total
         self._open: dict[Hashable, int] = {}
         self.refused = 0
@@ -82,11 +81,20 @@ class ServeBudget:
         ValueError: a capacity, period or floor out of the ranges above.
     """
 
-    def __init__(self, *, per_peer_states: float, total_states: float, period_s: float, min_state_bytes: int,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        *,
+        per_peer_states: float,
+        total_states: float,
+        period_s: float,
+        min_state_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not (0 < per_peer_states <= total_states) or period_s <= 0 or min_state_bytes < 1:
-            raise ValueError(f"bad serve budget: per_peer_states={per_peer_states}, total_states={total_states}, "
-                             f"period_s={period_s}, min_state_bytes={min_state_bytes}")
+            raise ValueError(
+                f"bad serve budget: per_peer_states={per_peer_states}, total_states={total_states}, "
+                f"period_s={period_s}, min_state_bytes={min_state_bytes}"
+            )
         self.per_peer_states, self.total_states = per_peer_states, total_states
         self.period_s, self.min_state_bytes, self.clock = period_s, min_state_bytes, clock
         self._levels: dict[Hashable, tuple[float, float]] = {}  # peer → (level, at); None → the shared bucket
@@ -113,6 +121,9 @@ class ServeBudget:
         self._levels[("peer", peer)] = (mine - cost, now)
         self._levels["total"] = (shared - cost, now)
         if len(self._levels) > 4096:  # forget the buckets that are full again (peers long gone)
-            self._levels = {k: v for k, v in self._levels.items()
-                            if k == "total" or self._level(k, self.per_peer_states, now) < self.per_peer_states}
+            self._levels = {
+                k: v
+                for k, v in self._levels.items()
+                if k == "total" or self._level(k, self.per_peer_states, now) < self.per_peer_states
+            }
         return True

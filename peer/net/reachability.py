@@ -78,8 +78,11 @@ def parse_request(payload: bytes) -> list[int]:
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadPayload(f"dial-back request is not msgpack: {exc}") from exc
     ports = data.get("ports") if isinstance(data, dict) else None
-    if (not isinstance(ports, list) or not 1 <= len(ports) <= MAX_PORTS
-            or not all(isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports)):
+    if (
+        not isinstance(ports, list)
+        or not 1 <= len(ports) <= MAX_PORTS
+        or not all(isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports)
+    ):
         raise BadPayload(f"dial-back request needs 1 to {MAX_PORTS} TCP ports, got {str(ports)[:80]}")
     return list(dict.fromkeys(ports))
 
@@ -96,8 +99,11 @@ def parse_answer(payload: bytes, checker: str) -> DialBack:
         raise BadPayload(f"dial-back answer is not msgpack: {exc}") from exc
     observed = data.get("observed") if isinstance(data, dict) else None
     ports = data.get("reachable") if isinstance(data, dict) else None
-    if not isinstance(observed, str) or not isinstance(ports, list) or not all(
-            isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports):
+    if (
+        not isinstance(observed, str)
+        or not isinstance(ports, list)
+        or not all(isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports)
+    ):
         raise BadPayload("dial-back answer is not {observed: str, reachable: [port, ...]}")
     if observed:
         try:
@@ -177,13 +183,14 @@ async def _ask_all(_dht, node, checkers: Sequence[str], ports: Sequence[int]) ->
         connected = list(checkers)
     else:
         connected = list(dict.fromkeys(p.peer_id.to_base58() for p in peers))
-    checkers = [c for c in checkers if c in connected] or connected[:max(1, len(checkers))]
+    checkers = [c for c in checkers if c in connected] or connected[: max(1, len(checkers))]
 
     async def ask(checker: str) -> DialBack:
         writer = None
         try:
             _, reader, writer = await asyncio.wait_for(
-                node.p2p.call_binary_stream_handler(PeerID.from_base58(checker), PROTOCOL), ASK_TIMEOUT_S)
+                node.p2p.call_binary_stream_handler(PeerID.from_base58(checker), PROTOCOL), ASK_TIMEOUT_S
+            )
             writer.write(framing.frame(encode_request(ports)))
             await writer.drain()
             payload = await framing.read_frame(reader, max_bytes=MAX_FRAME_BYTES, timeout=ASK_TIMEOUT_S)
@@ -209,5 +216,9 @@ def ask_dialback(dht, checkers: Sequence[str], ports: Sequence[int]) -> list[Dia
     """
     if not checkers or not ports:
         return []
-    return call_in_dht(dht, functools.partial(_ask_all, checkers=list(checkers), ports=list(ports)[:MAX_PORTS]),
-                       "the dial-back check", ASK_TIMEOUT_S + 30.0)
+    return call_in_dht(
+        dht,
+        functools.partial(_ask_all, checkers=list(checkers), ports=list(ports)[:MAX_PORTS]),
+        "the dial-back check",
+        ASK_TIMEOUT_S + 30.0,
+    )

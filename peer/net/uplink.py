@@ -173,12 +173,13 @@ async def _probe(_dht, node, checker: str, n: int) -> UplinkProbe:
     writer = None
     try:
         _, reader, writer = await asyncio.wait_for(
-            node.p2p.call_binary_stream_handler(PeerID.from_base58(checker), PROTOCOL), PROBE_TIMEOUT_S)
+            node.p2p.call_binary_stream_handler(PeerID.from_base58(checker), PROTOCOL), PROBE_TIMEOUT_S
+        )
         data = os.urandom(n)  # random: no link-level compression can flatter the figure
         start = time.perf_counter()
         writer.write(framing.frame(msgpack.packb({"bytes": n})))
         for offset in range(0, n, CHUNK_BYTES):
-            writer.write(framing.frame(data[offset:offset + CHUNK_BYTES]))
+            writer.write(framing.frame(data[offset : offset + CHUNK_BYTES]))
             await asyncio.wait_for(writer.drain(), PROBE_TIMEOUT_S)
         received = parse_answer(await framing.read_frame(reader, max_bytes=MAX_CONTROL_BYTES, timeout=PROBE_TIMEOUT_S))
         seconds = time.perf_counter() - start
@@ -192,8 +193,9 @@ async def _probe(_dht, node, checker: str, n: int) -> UplinkProbe:
             writer.close()
 
 
-def measure_uplink(dht, checkers: Sequence[str], *, sizes: Sequence[int] = (2**20, MAX_PROBE_BYTES),
-                   enough_s: float = 2.0) -> UplinkProbe:
+def measure_uplink(
+    dht, checkers: Sequence[str], *, sizes: Sequence[int] = (2**20, MAX_PROBE_BYTES), enough_s: float = 2.0
+) -> UplinkProbe:
     """Time probes of growing ``sizes`` to the first checker that takes them; stop at the first
     probe that lasted ``enough_s`` seconds (a longer probe would tell nothing new).
 
@@ -209,8 +211,12 @@ def measure_uplink(dht, checkers: Sequence[str], *, sizes: Sequence[int] = (2**2
     for checker in checkers:
         for n in sizes:
             try:
-                result = call_in_dht(dht, functools.partial(_probe, checker=checker, n=min(n, MAX_PROBE_BYTES)),
-                                     "an uplink probe", PROBE_TIMEOUT_S + 30.0)
+                result = call_in_dht(
+                    dht,
+                    functools.partial(_probe, checker=checker, n=min(n, MAX_PROBE_BYTES)),
+                    "an uplink probe",
+                    PROBE_TIMEOUT_S + 30.0,
+                )
             except NetworkError as exc:
                 result = UplinkProbe(checker=checker, bytes=0, seconds=0.0, error=str(exc))
             if result.error:

@@ -99,9 +99,13 @@ def stage_protocol(run_id: str, stage: int) -> str:
 
 def stage_limits(manifest: RunManifest, vocab_size: int) -> StageLimits:
     """What a stage call of ``manifest``'s run may carry (protocol/wire/pipeline.py)."""
-    return StageLimits(max_batch_sequences=manifest.batch_sequences, max_seq_len_tokens=manifest.data.seq_len_tokens,
-                       hidden_size=manifest.model.hidden_size, vocab_size=vocab_size,
-                       stages=manifest.pipeline.stages)
+    return StageLimits(
+        max_batch_sequences=manifest.batch_sequences,
+        max_seq_len_tokens=manifest.data.seq_len_tokens,
+        hidden_size=manifest.model.hidden_size,
+        vocab_size=vocab_size,
+        stages=manifest.pipeline.stages,
+    )
 
 
 class LoopThread:
@@ -163,10 +167,20 @@ class PipelineLink:
             pipeline pauses), and with None when it resumes.
     """
 
-    def __init__(self, p2p, loop: LoopThread, manifest: RunManifest, *, stage: int, vocab_size: int,
-                 next_replicas: Callable[[], Sequence[str]], own_replicas: Callable[[], Sequence[str]], peer_id: str,
-                 callers_rounds: Callable[[], Sequence[int]] = lambda: (),
-                 on_pause: Callable[[str | None], None] = lambda message: None):
+    def __init__(
+        self,
+        p2p,
+        loop: LoopThread,
+        manifest: RunManifest,
+        *,
+        stage: int,
+        vocab_size: int,
+        next_replicas: Callable[[], Sequence[str]],
+        own_replicas: Callable[[], Sequence[str]],
+        peer_id: str,
+        callers_rounds: Callable[[], Sequence[int]] = lambda: (),
+        on_pause: Callable[[str | None], None] = lambda message: None,
+    ):
         self.p2p, self.loop, self.m, self.stage = p2p, loop, manifest, stage
         self.S = manifest.pipeline.stages
         self.limits = stage_limits(manifest, vocab_size)
@@ -178,8 +192,11 @@ class PipelineLink:
         self._callers: tuple[float, int | None] = (-math.inf, None)
         self._replicas: tuple[float, list[str]] = (-math.inf, [])
         self._sender: tuple[float, int] = (-math.inf, 0)
-        self.router = Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=stage + 1,
-                             cooldown_s=COOLDOWN_S) if stage < self.S - 1 else None
+        self.router = (
+            Router(manifest.pipeline.routing, run_id=manifest.run_id, stage=stage + 1, cooldown_s=COOLDOWN_S)
+            if stage < self.S - 1
+            else None
+        )
         self.requests: queue.Queue[tuple[StageRequest, concurrent.futures.Future]] = queue.Queue()
         self.server: StageServer | None = None
         self.retries = 0
@@ -207,9 +224,15 @@ class PipelineLink:
             return await asyncio.wrap_future(future)
 
         async def start():
-            return await StageServer(self.p2p, stage_protocol(self.m.run_id, self.stage), handle, self.limits,
-                                     max_streams_per_peer=8, timeout_s=max(self.timeout_s, 60.0),
-                                     stage=self.stage).start()
+            return await StageServer(
+                self.p2p,
+                stage_protocol(self.m.run_id, self.stage),
+                handle,
+                self.limits,
+                max_streams_per_peer=8,
+                timeout_s=max(self.timeout_s, 60.0),
+                stage=self.stage,
+            ).start()
 
         try:
             self.server = self.loop.run(start(), timeout_s=30.0)
@@ -263,8 +286,9 @@ class PipelineLink:
             self._sender = (time.monotonic(), index)
         return index
 
-    def call_next(self, activations: torch.Tensor, targets: torch.Tensor, *, step: int, index: int,
-                  stop: threading.Event) -> StageReply:
+    def call_next(
+        self, activations: torch.Tensor, targets: torch.Tensor, *, step: int, index: int, stop: threading.Event
+    ) -> StageReply:
         """The next stage's answer for one micro-batch: retried on the replicas in the router's order,
         and, while none answers, again every :data:`PAUSE_RETRY_S` until one does or ``stop`` is set.
 
@@ -280,8 +304,13 @@ class PipelineLink:
         """
         assert self.router is not None, "the last stage calls no next stage"
         micro_batch = micro_batch_id(step, index)
-        request = StageRequest(request_id=random.getrandbits(63), micro_batch=micro_batch, stage=self.stage + 1,
-                               activations=activations, targets=targets)
+        request = StageRequest(
+            request_id=random.getrandbits(63),
+            micro_batch=micro_batch,
+            stage=self.stage + 1,
+            activations=activations,
+            targets=targets,
+        )
         while True:
             replicas = self._replica_list()
             try:
@@ -290,8 +319,10 @@ class PipelineLink:
                 # all cooling down after failed calls: a cooldown is a preference, try them again
                 order = random.sample(replicas, len(replicas))
             if not order:
-                self._pause(f"stage {self.stage + 1} has no live replica ({NoReplica(self.stage + 1)}): "
-                            "the pipeline pauses until one joins")
+                self._pause(
+                    f"stage {self.stage + 1} has no live replica ({NoReplica(self.stage + 1)}): "
+                    "the pipeline pauses until one joins"
+                )
                 self._replicas = (-math.inf, [])
                 if stop.wait(PAUSE_RETRY_S):
                     raise StageCallFailed(f"stopped while stage {self.stage + 1} had no live replica")
@@ -300,15 +331,22 @@ class PipelineLink:
             self.router.started(first)
             start = time.monotonic()
             try:
-                reply, served_by, failures = self.loop.run(call_with_retry(
-                    self.p2p, order, stage_protocol(self.m.run_id, self.stage + 1), request, self.limits,
-                    self.timeout_s, attempts=min(len(order), 3)))
+                reply, served_by, failures = self.loop.run(
+                    call_with_retry(
+                        self.p2p,
+                        order,
+                        stage_protocol(self.m.run_id, self.stage + 1),
+                        request,
+                        self.limits,
+                        self.timeout_s,
+                        attempts=min(len(order), 3),
+                    )
+                )
             except StageCallFailed as exc:
                 self.router.failed(first, "no answer")
                 for peer, reason in exc.failures[1:]:
                     self.router.failed(str(peer), reason)
-                self._pause(f"no replica of stage {self.stage + 1} answered: the pipeline pauses and retries "
-                            f"({exc})")
+                self._pause(f"no replica of stage {self.stage + 1} answered: the pipeline pauses and retries ({exc})")
                 self._replicas = (-math.inf, [])
                 if stop.wait(PAUSE_RETRY_S):
                     raise
@@ -323,8 +361,14 @@ class PipelineLink:
                     self.router.failed(str(peer), reason)
             if failures:
                 self.retries += 1
-                logger.info("micro-batch %d of step %d: %d replica(s) of stage %d failed, %s served it", index,
-                            step, len(failures), self.stage + 1, served_by)
+                logger.info(
+                    "micro-batch %d of step %d: %d replica(s) of stage %d failed, %s served it",
+                    index,
+                    step,
+                    len(failures),
+                    self.stage + 1,
+                    served_by,
+                )
             self._resume()
             self.last_served_by = str(served_by)
             return reply
@@ -339,8 +383,13 @@ class PipelineLink:
             return
         self.poisoned += 1
         self.router.failed(peer, reason)
-        logger.warning("stage %d replica %s answered with a reply this stage cannot step on (%s): skipped for "
-                       "%.0f s", self.stage + 1, peer, reason, COOLDOWN_S)
+        logger.warning(
+            "stage %d replica %s answered with a reply this stage cannot step on (%s): skipped for %.0f s",
+            self.stage + 1,
+            peer,
+            reason,
+            COOLDOWN_S,
+        )
 
     def _pause(self, message: str) -> None:
         if not self._paused:
@@ -377,8 +426,17 @@ class StageInnerLoop(InnerLoop):
         BadPayload: the gradient is not finite; θ unchanged by the step.
     """
 
-    def __init__(self, stage: PipelineStage, spec, sampler: BatchSampler, link: PipelineLink, *,
-                 stop: threading.Event, device: torch.device | None = None, micro_batch_sequences: int | None = None):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        spec,
+        sampler: BatchSampler,
+        link: PipelineLink,
+        *,
+        stop: threading.Event,
+        device: torch.device | None = None,
+        micro_batch_sequences: int | None = None,
+    ):
         super().__init__(stage, spec, sampler, device=device, micro_batch_sequences=micro_batch_sequences)
         self.stage, self.link, self.stop = stage, link, stop
         self.batch_sequences = sampler.batch_sequences
@@ -390,12 +448,27 @@ class StageInnerLoop(InnerLoop):
         self._caller_step: int | None = None
 
     @classmethod
-    def for_placement(cls, model: PipelineStage, spec, sampler: BatchSampler, placement=None, *,
-                      link: PipelineLink, stop: threading.Event) -> StageInnerLoop:
+    def for_placement(
+        cls,
+        model: PipelineStage,
+        spec,
+        sampler: BatchSampler,
+        placement=None,
+        *,
+        link: PipelineLink,
+        stop: threading.Event,
+    ) -> StageInnerLoop:
         """The loop on ``placement``'s device (one device; the CPU without a placement), with its
         micro-batch; the round loop's ``make_inner`` (peer/round/)."""
-        return cls(model, spec, sampler, link, stop=stop, device=placement.device if placement is not None else None,
-                   micro_batch_sequences=placement.micro_batch_sequences if placement is not None else None)
+        return cls(
+            model,
+            spec,
+            sampler,
+            link,
+            stop=stop,
+            device=placement.device if placement is not None else None,
+            micro_batch_sequences=placement.micro_batch_sequences if placement is not None else None,
+        )
 
     def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
         """One AdamW step of this stage at cumulative inner step ``inner_step`` (see the class);
@@ -412,8 +485,9 @@ class StageInnerLoop(InnerLoop):
             loss, tokens, rows, ends_round = self._serve_step(inner_step)
         if rows == 0:
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(loss=0.0, tokens=0, seconds=time.perf_counter() - start, micro_batch=0,
-                              ends_round=ends_round)
+            return StepResult(
+                loss=0.0, tokens=0, seconds=time.perf_counter() - start, micro_batch=0, ends_round=ends_round
+            )
         # clipped per stage (no stage sees the others' gradients); without clipping still checked
         clip = self.spec.grad_clip_norm if self.spec.grad_clip_norm > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
@@ -423,9 +497,13 @@ class StageInnerLoop(InnerLoop):
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(inner_step)
         self.optimizer.step()
-        return StepResult(loss=loss, tokens=tokens, seconds=time.perf_counter() - start,
-                          micro_batch=min(self.micro_batch_sequences or self.batch_sequences, self.batch_sequences),
-                          ends_round=ends_round)
+        return StepResult(
+            loss=loss,
+            tokens=tokens,
+            seconds=time.perf_counter() - start,
+            micro_batch=min(self.micro_batch_sequences or self.batch_sequences, self.batch_sequences),
+            ends_round=ends_round,
+        )
 
     def _drive(self, inner_step: int) -> tuple[float, int, int]:
         """Stage 0: the step's batch through the pipeline; returns (mean loss, tokens, rows)."""
@@ -440,9 +518,14 @@ class StageInnerLoop(InnerLoop):
             acts, ids = out.detach().to("cpu", self.link.wire).contiguous(), targets.to(torch.int32).contiguous()
             try:
                 reply, _ = self._backward_next(
-                    out, None, functools.partial(self.link.call_next, acts, ids, step=inner_step,
-                                                 index=sender * len(chunks) + m, stop=self.stop),
-                    weight=chunk.shape[0] / rows, what=f"micro-batch {m} of inner step {inner_step}")
+                    out,
+                    None,
+                    functools.partial(
+                        self.link.call_next, acts, ids, step=inner_step, index=sender * len(chunks) + m, stop=self.stop
+                    ),
+                    weight=chunk.shape[0] / rows,
+                    what=f"micro-batch {m} of inner step {inner_step}",
+                )
             except StageCallFailed:
                 if self.stop.is_set():
                     return 0.0, 0, 0  # stopped while paused: no step
@@ -509,8 +592,9 @@ class StageInnerLoop(InnerLoop):
             self._average_over(rows)
         return loss_sum / max(tokens, 1), tokens, rows, False
 
-    def _backward_next(self, out: torch.Tensor, x: torch.Tensor | None, call: Callable[[], StageReply], *,
-                       weight: float, what: str) -> tuple[StageReply, torch.Tensor | None]:
+    def _backward_next(
+        self, out: torch.Tensor, x: torch.Tensor | None, call: Callable[[], StageReply], *, weight: float, what: str
+    ) -> tuple[StageReply, torch.Tensor | None]:
         """Backward of ``out`` with the gradient the next stage answers (``call()``), times ``weight``,
         added to ``.grad``; returns the reply and the gradient w.r.t. ``x`` (None without ``x``).
 
@@ -530,8 +614,11 @@ class StageInnerLoop(InnerLoop):
         problem = ""
         for _ in range(MAX_POISONED_REPLIES):
             reply = call()
-            grads = list(torch.autograd.grad(out, inputs, reply.grad.to(self.device, out.dtype) * weight,
-                                             retain_graph=True, allow_unused=True))
+            grads = list(
+                torch.autograd.grad(
+                    out, inputs, reply.grad.to(self.device, out.dtype) * weight, retain_graph=True, allow_unused=True
+                )
+            )
             x_grad = grads.pop(0) if x is not None else None
             summed = [p.grad if g is None else g if p.grad is None else g.add_(p.grad) for p, g in zip(params, grads)]
             norm = torch.nn.utils.get_total_norm([g for g in summed if g is not None] or [torch.zeros(())])
@@ -545,8 +632,10 @@ class StageInnerLoop(InnerLoop):
                         p.grad = g
                 return reply, x_grad
             self.link.reject_last(f"{what}: {problem}")
-        raise BadPayload(f"stage {self.stage.index}: {MAX_POISONED_REPLIES} replies to {what} would make the step "
-                         f"non-finite (last: {problem})")
+        raise BadPayload(
+            f"stage {self.stage.index}: {MAX_POISONED_REPLIES} replies to {what} would make the step "
+            f"non-finite (last: {problem})"
+        )
 
     def _average_over(self, rows: int) -> None:
         """Turn ``.grad`` (each micro-batch's weighted by rows / batch_sequences) into the mean over ``rows``."""
@@ -575,9 +664,12 @@ class StageInnerLoop(InnerLoop):
             step, index = split_micro_batch_id(request.micro_batch)
             sent = out.detach().to("cpu", self.link.wire).contiguous()
             reply, x_grad = self._backward_next(
-                out, x, functools.partial(self.link.call_next, sent, request.targets, step=step, index=index,
-                                          stop=self.stop),
-                weight=share, what=f"micro-batch {request.micro_batch}")
+                out,
+                x,
+                functools.partial(self.link.call_next, sent, request.targets, step=step, index=index, stop=self.stop),
+                weight=share,
+                what=f"micro-batch {request.micro_batch}",
+            )
             value, n = reply.loss, reply.tokens
         assert x_grad is not None  # x requires grad and fed this stage's backward
         grad = (x_grad / share).to("cpu", acts.dtype).contiguous()
@@ -586,8 +678,9 @@ class StageInnerLoop(InnerLoop):
         return grad, value, n
 
 
-def pipeline_link(dht, loop: LoopThread, manifest: RunManifest, stage: int, vocab_size: int, swarm, signer,
-                  reporter) -> PipelineLink:
+def pipeline_link(
+    dht, loop: LoopThread, manifest: RunManifest, stage: int, vocab_size: int, swarm, signer, reporter
+) -> PipelineLink:
     """The link of a peer serving ``stage``: the DHT's libp2p daemon replicated into this process,
     this stage's replicas from ``swarm`` (its SwarmView) and the next stage's from their progress
     records; a pause or resume of the pipeline is reported on ``reporter``.
@@ -602,11 +695,25 @@ def pipeline_link(dht, loop: LoopThread, manifest: RunManifest, stage: int, voca
     S = manifest.pipeline.stages
     following = callers = None
     if stage > 0:
-        callers = swarm if stage == 0 else SwarmView(dht, run_id=stage_key(manifest.run_id, 0), signer=signer,
-                                                     record_ttl_s=swarm.record_ttl_s, max_sync_s=swarm.max_sync_s)
+        callers = (
+            swarm
+            if stage == 0
+            else SwarmView(
+                dht,
+                run_id=stage_key(manifest.run_id, 0),
+                signer=signer,
+                record_ttl_s=swarm.record_ttl_s,
+                max_sync_s=swarm.max_sync_s,
+            )
+        )
     if stage < S - 1:
-        following = SwarmView(dht, run_id=stage_key(manifest.run_id, stage + 1), signer=signer,
-                              record_ttl_s=swarm.record_ttl_s, max_sync_s=swarm.max_sync_s)
+        following = SwarmView(
+            dht,
+            run_id=stage_key(manifest.run_id, stage + 1),
+            signer=signer,
+            record_ttl_s=swarm.record_ttl_s,
+            max_sync_s=swarm.max_sync_s,
+        )
 
     def on_pause(message: str | None) -> None:
         if message is None:
@@ -614,8 +721,15 @@ def pipeline_link(dht, loop: LoopThread, manifest: RunManifest, stage: int, voca
         else:
             reporter.emit("warning", message=message)
 
-    return PipelineLink(p2p, loop, manifest, stage=stage, vocab_size=vocab_size,
-                        next_replicas=lambda: [r.peer_id for r in following.live()] if following is not None else [],
-                        own_replicas=lambda: [r.peer_id for r in swarm.live()], peer_id=swarm.peer_id,
-                        callers_rounds=lambda: [r.record.round for r in callers.live()] if callers is not None else [],
-                        on_pause=on_pause)
+    return PipelineLink(
+        p2p,
+        loop,
+        manifest,
+        stage=stage,
+        vocab_size=vocab_size,
+        next_replicas=lambda: [r.peer_id for r in following.live()] if following is not None else [],
+        own_replicas=lambda: [r.peer_id for r in swarm.live()],
+        peer_id=swarm.peer_id,
+        callers_rounds=lambda: [r.record.round for r in callers.live()] if callers is not None else [],
+        on_pause=on_pause,
+    )

@@ -56,8 +56,17 @@ class Router:
         ValueError: an unknown rule or an out-of-range number; the message names the value.
     """
 
-    def __init__(self, rule: str, *, run_id: str, stage: int, clock: Callable[[], float] = time.monotonic,
-                 cooldown_s: float = 30.0, default_seconds: float = 1.0, ema: float = 0.3):
+    def __init__(
+        self,
+        rule: str,
+        *,
+        run_id: str,
+        stage: int,
+        clock: Callable[[], float] = time.monotonic,
+        cooldown_s: float = 30.0,
+        default_seconds: float = 1.0,
+        ema: float = 0.3,
+    ):
         if rule not in ROUTINGS:
             raise ValueError(f"pipeline.routing = {rule!r}: expected one of {', '.join(map(repr, ROUTINGS))}")
         if not isinstance(stage, int) or stage < 0:
@@ -150,8 +159,7 @@ class Router:
         """Record a call to ``peer`` that failed (timeout, error): it is skipped for ``cooldown_s``."""
         self._release(peer)
         self._cooling_until[peer] = self._clock() + self._cooldown_s
-        logger.info("stage %d replica %s failed (%s): skipped for %.1f s", self.stage, peer, reason,
-                    self._cooldown_s)
+        logger.info("stage %d replica %s failed (%s): skipped for %.1f s", self.stage, peer, reason, self._cooldown_s)
 
     def _release(self, peer: str) -> None:
         count = self._in_flight.get(peer, 0)

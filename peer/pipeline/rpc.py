@@ -105,9 +105,18 @@ class StageServer:
             ``timeout_s`` not > 0.
     """
 
-    def __init__(self, p2p: P2P, protocol_name: str, handle: Handle, limits: StageLimits, *,
-                 max_streams_per_peer: int, timeout_s: float, max_streams_total: int = 64,
-                 stage: int | None = None):
+    def __init__(
+        self,
+        p2p: P2P,
+        protocol_name: str,
+        handle: Handle,
+        limits: StageLimits,
+        *,
+        max_streams_per_peer: int,
+        timeout_s: float,
+        max_streams_total: int = 64,
+        stage: int | None = None,
+    ):
         if not timeout_s > 0:
             raise ValueError(f"StageServer timeout_s must be > 0, got {timeout_s}")
         self.p2p, self.protocol_name, self.handle, self.limits = p2p, protocol_name, handle, limits
@@ -155,10 +164,19 @@ class StageServer:
     async def _on_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id
         if not self.slots.acquire(peer):
-            logger.warning("refused a stage stream from %s: %d of its streams (%d in all) open", peer,
-                           self.slots.per_peer, self.slots.open)
-            await self._error_and_close(reader, writer, encode_error(
-                0, f"refused: at most {self.slots.per_peer} streams per peer and {self.slots.total} in all"))
+            logger.warning(
+                "refused a stage stream from %s: %d of its streams (%d in all) open",
+                peer,
+                self.slots.per_peer,
+                self.slots.open,
+            )
+            await self._error_and_close(
+                reader,
+                writer,
+                encode_error(
+                    0, f"refused: at most {self.slots.per_peer} streams per peer and {self.slots.total} in all"
+                ),
+            )
             return
         task = asyncio.current_task()
         assert task is not None  # a stream handler runs in its own task
@@ -198,15 +216,22 @@ class StageServer:
             if caller_left:  # it sent bytes before its answer: the framing is lost
                 return
 
-    async def _refuse(self, peer: Hashable, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      request_id: int, exc: BadPayload) -> None:
+    async def _refuse(
+        self,
+        peer: Hashable,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request_id: int,
+        exc: BadPayload,
+    ) -> None:
         self.rejected += 1
         reason = sanitize(str(exc), max_chars=MAX_REASON_CHARS)
         logger.warning("rejected a stage request from %s: %s", peer, reason)
         await self._error_and_close(reader, writer, encode_error(request_id, f"bad request: {reason}"))
 
-    async def _error_and_close(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                               payload: bytes) -> None:
+    async def _error_and_close(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, payload: bytes
+    ) -> None:
         """Send a STAGE_ERROR, then drop what the caller still sends until it closes (at most
         ``LINGER_S``, at most ``MAX_LINGERING`` streams at once), then close. Closing a socket
         with unread data resets the stream, and p2pd may then drop the error before it is sent."""
@@ -224,8 +249,9 @@ class StageServer:
         finally:
             writer.close()
 
-    async def _answer(self, peer: Hashable, request: StageRequest, reader: asyncio.StreamReader
-                      ) -> tuple[bytes | None, bool]:
+    async def _answer(
+        self, peer: Hashable, request: StageRequest, reader: asyncio.StreamReader
+    ) -> tuple[bytes | None, bool]:
         """Run ``handle`` while watching the stream: (the answer's payload, whether the caller
         closed or sent anything meanwhile: the stream must then end after the answer); (None, True)
         when the caller did so before the work was done: the work is cancelled."""
@@ -241,8 +267,7 @@ class StageServer:
             await asyncio.gather(work, watch, return_exceptions=True)
         if work.cancelled():
             self.abandoned += 1
-            logger.info("the caller %s left before the answer to request %d; work cancelled", peer,
-                        request.request_id)
+            logger.info("the caller %s left before the answer to request %d; work cancelled", peer, request.request_id)
             return None, True
         caller_left = watch.done() and not watch.cancelled()
         try:
@@ -267,8 +292,9 @@ async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
         pass
 
 
-async def call_stage(p2p: P2P, peer_id: PeerRef, protocol_name: str, request: StageRequest, limits: StageLimits,
-                     timeout_s: float) -> StageReply:
+async def call_stage(
+    p2p: P2P, peer_id: PeerRef, protocol_name: str, request: StageRequest, limits: StageLimits, timeout_s: float
+) -> StageReply:
     """Send ``request`` to one replica of its stage and wait for the answer.
 
     Args:
@@ -294,9 +320,16 @@ async def call_stage(p2p: P2P, peer_id: PeerRef, protocol_name: str, request: St
     return await _exchange(p2p, peer_id, protocol_name, framed, request, limits, timeout_s)
 
 
-async def call_with_retry(p2p: P2P, replicas: Sequence[PeerRef], protocol_name: str, request: StageRequest,
-                          limits: StageLimits, timeout_s: float, *, attempts: int | None = None
-                          ) -> tuple[StageReply, PeerRef, list[tuple[PeerRef, str]]]:
+async def call_with_retry(
+    p2p: P2P,
+    replicas: Sequence[PeerRef],
+    protocol_name: str,
+    request: StageRequest,
+    limits: StageLimits,
+    timeout_s: float,
+    *,
+    attempts: int | None = None,
+) -> tuple[StageReply, PeerRef, list[tuple[PeerRef, str]]]:
     """Send ``request`` to the replicas in the given order until one answers.
 
     Each replica gets its own deadline of ``timeout_s``; the request is encoded once and sent
@@ -324,24 +357,40 @@ async def call_with_retry(p2p: P2P, replicas: Sequence[PeerRef], protocol_name: 
             reply = await _exchange(p2p, peer_id, protocol_name, framed, request, limits, timeout_s)
         except StageCallFailed as exc:
             failures.append((peer_id, exc.failures[0][1]))
-            logger.debug("stage %d replica %s failed request %d: %s", request.stage, peer_id, request.request_id,
-                         exc.failures[0][1])
+            logger.debug(
+                "stage %d replica %s failed request %d: %s",
+                request.stage,
+                peer_id,
+                request.request_id,
+                exc.failures[0][1],
+            )
             continue
         return reply, peer_id, failures
     tried = "; ".join(f"{sanitize(str(peer_id), max_chars=80)}: {reason}" for peer_id, reason in failures)
-    raise StageCallFailed(f"no replica of stage {request.stage} answered micro-batch {request.micro_batch} "
-                          f"(request {request.request_id}): {tried or 'no replica to call'}", failures)
+    raise StageCallFailed(
+        f"no replica of stage {request.stage} answered micro-batch {request.micro_batch} "
+        f"(request {request.request_id}): {tried or 'no replica to call'}",
+        failures,
+    )
 
 
-async def _exchange(p2p: P2P, peer_id: PeerRef, protocol_name: str, framed: bytes, request: StageRequest,
-                    limits: StageLimits, timeout_s: float) -> StageReply:
+async def _exchange(
+    p2p: P2P,
+    peer_id: PeerRef,
+    protocol_name: str,
+    framed: bytes,
+    request: StageRequest,
+    limits: StageLimits,
+    timeout_s: float,
+) -> StageReply:
     writer: asyncio.StreamWriter | None = None
     try:
         target = PeerID.from_base58(peer_id) if isinstance(peer_id, str) else peer_id
     except ValueError as exc:
         reason = f"not a peer id: {sanitize(str(exc), max_chars=MAX_REASON_CHARS)}"
-        raise StageCallFailed(f"stage {request.stage} replica {sanitize(str(peer_id), max_chars=80)}: {reason}",
-                              [(peer_id, reason)]) from exc
+        raise StageCallFailed(
+            f"stage {request.stage} replica {sanitize(str(peer_id), max_chars=80)}: {reason}", [(peer_id, reason)]
+        ) from exc
 
     async def exchange() -> StageReply | StageError:
         nonlocal writer
@@ -373,8 +422,9 @@ async def _exchange(p2p: P2P, peer_id: PeerRef, protocol_name: str, framed: byte
     finally:
         if writer is not None:
             writer.close()
-    raise StageCallFailed(f"stage {request.stage} replica {target} failed request {request.request_id}: {reason}",
-                          [(peer_id, reason)])
+    raise StageCallFailed(
+        f"stage {request.stage} replica {target} failed request {request.request_id}: {reason}", [(peer_id, reason)]
+    )
 
 
 def _close_abandoned_connection(exc: BaseException | None) -> None:

@@ -27,9 +27,15 @@ logger = logging.getLogger(__name__)
 # Parameter names inside one LlamaDecoderLayer, in its named_parameters() order (no biases: the
 # config leaves attention_bias and mlp_bias off). The tests check them against a built model.
 _BLOCK_PARAMETERS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
 )
 
 
@@ -50,8 +56,10 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
     if num_layers < 1:
         raise ValueError(f"num_layers = {num_layers}: must be at least 1")
     if not 1 <= stages <= num_layers:
-        raise ValueError(f"stages = {stages}: must be in [1, {num_layers}] (num_layers = {num_layers}; "
-                         "a stage holds at least one whole block)")
+        raise ValueError(
+            f"stages = {stages}: must be in [1, {num_layers}] (num_layers = {num_layers}; "
+            "a stage holds at least one whole block)"
+        )
     base, extra = divmod(num_layers, stages)
     bounds = [0]
     for k in range(stages):
@@ -151,14 +159,17 @@ class PipelineStage(torch.nn.Module):
             hidden = self.model.embed_tokens(x)
         else:
             if not x.is_floating_point() or x.dim() != 3 or x.shape[-1] != self.config.hidden_size:
-                raise ValueError(f"stage {self.index} takes float hidden states (batch, seq, "
-                                 f"{self.config.hidden_size}), got {x.dtype} {tuple(x.shape)}")
+                raise ValueError(
+                    f"stage {self.index} takes float hidden states (batch, seq, "
+                    f"{self.config.hidden_size}), got {x.dtype} {tuple(x.shape)}"
+                )
             hidden = x.to(self.model.layers[str(self.layers[0])].input_layernorm.weight.dtype)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # As LlamaModel.forward does: with SDPA and no padding this is None and the attention
         # kernel runs with is_causal=True; other attention implementations get an explicit mask.
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  cache=None, position_ids=positions)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+        )
         rope = self.model.rotary_emb(hidden, position_ids=positions)
         for block in self.model.layers.values():
             hidden = block(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rope)

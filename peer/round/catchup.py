@@ -33,9 +33,21 @@ live, before it trains from its own initial φ (s)."""
 class CatchUp:
     """Runs the re-sync rule after every round (and before the first) and adopts what it picks."""
 
-    def __init__(self, *, state: RoundState, schedule: SyncSchedule, history: SyncHistory, vouching: Vouching,
-                 swarm: RoundSwarm, transport: RoundTransport, inner: InnerLoop, config: TrainerConfig,
-                 reporter: Reporter, stop_event: threading.Event, publish: Callable[[], None]):
+    def __init__(
+        self,
+        *,
+        state: RoundState,
+        schedule: SyncSchedule,
+        history: SyncHistory,
+        vouching: Vouching,
+        swarm: RoundSwarm,
+        transport: RoundTransport,
+        inner: InnerLoop,
+        config: TrainerConfig,
+        reporter: Reporter,
+        stop_event: threading.Event,
+        publish: Callable[[], None],
+    ):
         self.state, self.schedule, self.history, self.vouching = state, schedule, history, vouching
         self.swarm, self.transport, self.inner, self.cfg = swarm, transport, inner, config
         self.reporter, self.stop_event, self.publish = reporter, stop_event, publish
@@ -80,10 +92,15 @@ class CatchUp:
         blocking = self.schedule.synced_blocking(round_)  # how the round just ended synced
         outsiders = blocking or h.last_failed
         reuse_s = 0.0 if blocking else RECORDS_REUSE_S
-        finishing = {r.peer_id for r in self.swarm.others(max_age_s=reuse_s)
-                     if r.record.round == round_ and ((outsiders and r.peer_id not in h.completed_with and
-                                                       r.record.inner_step - round_ * s.H >= closing) or
-                                                      r.peer_id in h.disagreed)}
+        finishing = {
+            r.peer_id
+            for r in self.swarm.others(max_age_s=reuse_s)
+            if r.record.round == round_
+            and (
+                (outsiders and r.peer_id not in h.completed_with and r.record.inner_step - round_ * s.H >= closing)
+                or r.peer_id in h.disagreed
+            )
+        }
         deadline = time.monotonic() + FINISHING_RECORD_WAIT_S
         while finishing and not self.stop_event.is_set() and time.monotonic() < deadline:
             still = sum(1 for r in self.swarm.others() if r.peer_id in finishing and r.record.round == round_)
@@ -112,8 +129,10 @@ class CatchUp:
             raise
         except Exception as exc:  # whatever a hostile donor's state makes the download raise: this peer goes on
             kind = "" if isinstance(exc, (BadPayload, SyncError)) else f"{type(exc).__name__}: "
-            self.reporter.emit("warning", message=f"state download of round {round_} failed, continuing from "
-                                                  f"round {s.pos.round}: {kind}{exc}")
+            self.reporter.emit(
+                "warning",
+                message=f"state download of round {round_} failed, continuing from round {s.pos.round}: {kind}{exc}",
+            )
             return False
         state = download.state
         try:
@@ -122,20 +141,31 @@ class CatchUp:
                 check_sanity(state, s.phi)
         except BadPayload as exc:
             self.vouching.refused.add(digest)
-            self.reporter.emit("warning", message=f"refused the state of round {round_} ({digest}) from "
-                                                  f"{', '.join(donors)}, continuing from round {s.pos.round}: {exc}")
+            self.reporter.emit(
+                "warning",
+                message=f"refused the state of round {round_} ({digest}) from "
+                f"{', '.join(donors)}, continuing from round {s.pos.round}: {exc}",
+            )
             return False
         reason = "behind" if state.round > s.pos.round else "diverged" if state.round == s.pos.round else "raced ahead"
         self.adopt(state)
         # Start where the swarm is inside this round (read again: it went on during the download), so
         # this peer reaches the sync with the others; the all-reduce weights its shorter round by the
         # tokens it actually processed.
-        s.pos.step = self.swarm.step_now(s.pos.round, inner_steps=s.H,
-                                         batch_size_tokens=s.m.inner_optimizer.batch_size_tokens)
-        self.reporter.emit("adopted_state", round=s.pos.round, inner_step=s.inner_step,
-                           seconds=time.monotonic() - start, reason=reason,
-                           state_digest=s.digest, donors=download.chunks_by_donor,
-                           failed_donors=download.failed, bytes=download.bytes_received)
+        s.pos.step = self.swarm.step_now(
+            s.pos.round, inner_steps=s.H, batch_size_tokens=s.m.inner_optimizer.batch_size_tokens
+        )
+        self.reporter.emit(
+            "adopted_state",
+            round=s.pos.round,
+            inner_step=s.inner_step,
+            seconds=time.monotonic() - start,
+            reason=reason,
+            state_digest=s.digest,
+            donors=download.chunks_by_donor,
+            failed_donors=download.failed,
+            bytes=download.bytes_received,
+        )
         self.publish()
         return True
 
@@ -155,17 +185,23 @@ class CatchUp:
             others = [r for r in others if not (r.record.round == s.pos.round + 1 and r.peer_id not in h.disagreed)]
         return s.outer.resync_target(
             [(r.peer_id, r.record.round, r.record.state_digest) for r in others],
-            round_=s.pos.round, digest=s.digest, completed_with=h.completed_with,
-            fresh=s.pos.round == 0 and s.pos.step == 0, vouchers=vouchers,
+            round_=s.pos.round,
+            digest=s.digest,
+            completed_with=h.completed_with,
+            fresh=s.pos.round == 0 and s.pos.step == 0,
+            vouchers=vouchers,
             groupmates={r.peer_id: r.record.groupmates for r in others},
-            defers=not self.cfg.serves_state)  # client mode: its state cannot be adopted, so it follows
+            defers=not self.cfg.serves_state,
+        )  # client mode: its state cannot be adopted, so it follows
 
     def about_to_sync(self, round_: int, donors: list[str]) -> bool:
         """Whether a donor of ``round_``'s state published a step in the last quarter of that round
         (records come four times a round, so this is the last one before its sync)."""
         closing = self.state.H - max(1, self.state.H // 4)
-        return any(r.peer_id in donors and r.record.round == round_ and
-                   r.record.inner_step - round_ * self.state.H >= closing for r in self.swarm.others())
+        return any(
+            r.peer_id in donors and r.record.round == round_ and r.record.inner_step - round_ * self.state.H >= closing
+            for r in self.swarm.others()
+        )
 
     def wait_until_past(self, round_: int, donors: list[str]) -> None:
         """Wait until most donors left ``round_`` (a hung one must not hold this peer), at most one

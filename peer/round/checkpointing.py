@@ -45,14 +45,27 @@ def checkpoint_due(last: float | None, now: float, every_s: float) -> bool:
 class Checkpointing:
     """Writes and restores this peer's checkpoint at ``config.checkpoint_path`` (None: never)."""
 
-    def __init__(self, *, state: RoundState, schedule: SyncSchedule, inner: InnerLoop, transport: RoundTransport,
-                 vouching: Vouching, config: TrainerConfig, reporter: Reporter):
+    def __init__(
+        self,
+        *,
+        state: RoundState,
+        schedule: SyncSchedule,
+        inner: InnerLoop,
+        transport: RoundTransport,
+        vouching: Vouching,
+        config: TrainerConfig,
+        reporter: Reporter,
+    ):
         self.state, self.schedule, self.inner, self.transport = state, schedule, inner, transport
         self.vouching, self.path, self.reporter = vouching, config.checkpoint_path, reporter
         # --checkpoint-every, else sized to what this peer's checkpoint holds (a pipeline stage: its own)
-        self.every_s = checkpoint_interval_s(config.checkpoint_every_s, checkpoint_bytes(
-            parameters=sum(p.numel() for p in state.params),
-            outer_state=sum(t.numel() for t in state.outer.state_tensors())))
+        self.every_s = checkpoint_interval_s(
+            config.checkpoint_every_s,
+            checkpoint_bytes(
+                parameters=sum(p.numel() for p in state.params),
+                outer_state=sum(t.numel() for t in state.outer.state_tensors()),
+            ),
+        )
         self.writer = CheckpointWriter()
         """Writes each round's checkpoint in the background."""
         self.last: float | None = None
@@ -98,16 +111,29 @@ class Checkpointing:
             if not s.sealed and snapshot.meta["round"] == s.pos.round:
                 # φ and the outer state change only with a new snapshot, or by a streaming landing
                 # (which seals what it changed): its private copies are theirs
-                phi, momentum = list(snapshot.tensors[:len(phi)]), list(snapshot.tensors[len(phi):])
+                phi, momentum = list(snapshot.tensors[: len(phi)]), list(snapshot.tensors[len(phi) :])
                 private = ("phi", "momentum")
-            file = encode_checkpoint(PeerState(
-                run_id=s.m.run_id, round=s.pos.round, inner_step=s.inner_step, round_step=s.pos.step,
-                round_tokens=s.pos.tokens, names=s.names, phi=phi, momentum=momentum,
-                theta=list(s.params) if defer else s.theta_on_host(),
-                adam_exp_avg=adam["exp_avg"] if adam else None, adam_exp_avg_sq=adam["exp_avg_sq"] if adam else None,
-                adam_step=adam["step"] if adam else 0,
-                residuals=residuals, data=self.inner.sampler.state(), vouchers=self.vouching.ledger.as_dict()),
-                private=private, live=("theta", "adam_exp_avg", "adam_exp_avg_sq") if defer else ())
+            file = encode_checkpoint(
+                PeerState(
+                    run_id=s.m.run_id,
+                    round=s.pos.round,
+                    inner_step=s.inner_step,
+                    round_step=s.pos.step,
+                    round_tokens=s.pos.tokens,
+                    names=s.names,
+                    phi=phi,
+                    momentum=momentum,
+                    theta=list(s.params) if defer else s.theta_on_host(),
+                    adam_exp_avg=adam["exp_avg"] if adam else None,
+                    adam_exp_avg_sq=adam["exp_avg_sq"] if adam else None,
+                    adam_step=adam["step"] if adam else 0,
+                    residuals=residuals,
+                    data=self.inner.sampler.state(),
+                    vouchers=self.vouching.ledger.as_dict(),
+                ),
+                private=private,
+                live=("theta", "adam_exp_avg", "adam_exp_avg_sq") if defer else (),
+            )
         if defer:
             copied, path = threading.Event(), self.path
 
@@ -163,18 +189,26 @@ class Checkpointing:
             for dst, src in zip([*s.live_tensors(), *s.params], [*state.phi, *state.momentum, *state.theta]):
                 dst.copy_(src)
         if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
-            self.inner.load_state_dict({"exp_avg": state.adam_exp_avg, "exp_avg_sq": state.adam_exp_avg_sq,
-                                        "step": state.adam_step})
+            self.inner.load_state_dict(
+                {"exp_avg": state.adam_exp_avg, "exp_avg_sq": state.adam_exp_avg_sq, "step": state.adam_step}
+            )
         s.pos.start_round(state.round, state.round_step)
         s.pos.tokens = state.round_tokens
         self.schedule.after_restore(state.round_step, state.round_tokens)
         if state.vouchers:
             self.vouching.ledger.load(state.vouchers)  # validated by load_checkpoint
-        residuals, problems = restore_extras(state, load_residuals=self.transport.load_error_feedback,
-                                             sampler=self.inner.sampler)
+        residuals, problems = restore_extras(
+            state, load_residuals=self.transport.load_error_feedback, sampler=self.inner.sampler
+        )
         for problem in problems:
             self.reporter.emit("warning", message=problem)
         s.take_snapshot()
-        self.reporter.emit("resumed", path=str(path), round=s.pos.round, round_step=s.pos.step,
-                           state_digest=s.digest, residuals=residuals,
-                           batches_drawn=self.inner.sampler.batches_drawn)
+        self.reporter.emit(
+            "resumed",
+            path=str(path),
+            round=s.pos.round,
+            round_step=s.pos.step,
+            state_digest=s.digest,
+            residuals=residuals,
+            batches_drawn=self.inner.sampler.batches_drawn,
+        )

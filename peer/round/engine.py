@@ -60,42 +60,93 @@ class Trainer:
     ``state_key`` is what its snapshots say they belong to (the run id, or a pipeline stage's key).
     """
 
-    def __init__(self, *, manifest: RunManifest, model: torch.nn.Module, corpus: Corpus, swarm: RoundSwarm,
-                 transport: RoundTransport, config: TrainerConfig, reporter: Reporter, stop_event: threading.Event,
-                 placement: Placement | None = None, make_inner: Callable[..., InnerLoop] | None = None,
-                 evaluates_phi: bool = True, state_key: str | None = None):
+    def __init__(
+        self,
+        *,
+        manifest: RunManifest,
+        model: torch.nn.Module,
+        corpus: Corpus,
+        swarm: RoundSwarm,
+        transport: RoundTransport,
+        config: TrainerConfig,
+        reporter: Reporter,
+        stop_event: threading.Event,
+        placement: Placement | None = None,
+        make_inner: Callable[..., InnerLoop] | None = None,
+        evaluates_phi: bool = True,
+        state_key: str | None = None,
+    ):
         self.m, self.swarm, self.transport, self.cfg = manifest, swarm, transport, config
         self.peer_id, self.reporter, self.stop_event, self.placement = swarm.peer_id, reporter, stop_event, placement
         self.device = placement.device if placement is not None else torch.device("cpu")
         self.H = manifest.sync.inner_steps
-        self.state = s = RoundState(manifest=manifest, model=model.to(self.device), device=self.device,
-                                    state_key=state_key or manifest.run_id)
-        sampler = BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens,
-                               batch_sequences=manifest.batch_sequences,
-                               seed=peer_seed(self.peer_id, manifest.model.init_seed))
+        self.state = s = RoundState(
+            manifest=manifest, model=model.to(self.device), device=self.device, state_key=state_key or manifest.run_id
+        )
+        sampler = BatchSampler(
+            corpus.train,
+            seq_len=manifest.data.seq_len_tokens,
+            batch_sequences=manifest.batch_sequences,
+            seed=peer_seed(self.peer_id, manifest.model.init_seed),
+        )
         # an InnerLoop on the placement's device; several devices: rank 0 of a data-parallel loop (ddp.py)
         self.inner = (make_inner or make_inner_loop)(s.model, manifest.inner_optimizer, sampler, placement)
         self.micro_batch = self.inner.micro_batch_sequences
         layers = getattr(s.model, "layers", None)  # a pipeline stage holds a range of the blocks
         self.flops_per_token = flops_per_token(
-            params=parameter_count(s.model), embedding_params=embedding_parameter_count(s.model),
+            params=parameter_count(s.model),
+            embedding_params=embedding_parameter_count(s.model),
             layers=len(layers) if isinstance(layers, range) else manifest.model.num_layers,
-            hidden=manifest.model.hidden_size, seq_len=manifest.data.seq_len_tokens)
+            hidden=manifest.model.hidden_size,
+            seq_len=manifest.data.seq_len_tokens,
+        )
         self.vouching = Vouching(min_round_s=self.H * MIN_INNER_STEP_S)
         """Its ledger of vouchers, the round clock and refused digests (peer/state/vouching.py)."""
         self.history = SyncHistory(self.peer_id, self.vouching)
         self.records = RecordReads(swarm)
-        self.sync = GroupSync(manifest=manifest, outer=s.outer, swarm=swarm, transport=transport,
-                              reporter=reporter, stop_event=stop_event)
-        self.schedule = make_schedule(manifest.sync.overlap, state=s, sync=self.sync, history=self.history,
-                                      records=self.records, reporter=reporter, stop_event=stop_event)
-        self.publisher = Publisher(state=s, swarm=swarm, history=self.history, corpus=corpus, reporter=reporter,
-                                   evaluates_phi=evaluates_phi, serves_state=config.serves_state)
-        self.catchup = CatchUp(state=s, schedule=self.schedule, history=self.history, vouching=self.vouching,
-                               swarm=swarm, transport=transport, inner=self.inner, config=config, reporter=reporter,
-                               stop_event=stop_event, publish=self.publisher.publish)
-        self.checkpoints = Checkpointing(state=s, schedule=self.schedule, inner=self.inner, transport=transport,
-                                         vouching=self.vouching, config=config, reporter=reporter)
+        self.sync = GroupSync(
+            manifest=manifest, outer=s.outer, swarm=swarm, transport=transport, reporter=reporter, stop_event=stop_event
+        )
+        self.schedule = make_schedule(
+            manifest.sync.overlap,
+            state=s,
+            sync=self.sync,
+            history=self.history,
+            records=self.records,
+            reporter=reporter,
+            stop_event=stop_event,
+        )
+        self.publisher = Publisher(
+            state=s,
+            swarm=swarm,
+            history=self.history,
+            corpus=corpus,
+            reporter=reporter,
+            evaluates_phi=evaluates_phi,
+            serves_state=config.serves_state,
+        )
+        self.catchup = CatchUp(
+            state=s,
+            schedule=self.schedule,
+            history=self.history,
+            vouching=self.vouching,
+            swarm=swarm,
+            transport=transport,
+            inner=self.inner,
+            config=config,
+            reporter=reporter,
+            stop_event=stop_event,
+            publish=self.publisher.publish,
+        )
+        self.checkpoints = Checkpointing(
+            state=s,
+            schedule=self.schedule,
+            inner=self.inner,
+            transport=transport,
+            vouching=self.vouching,
+            config=config,
+            reporter=reporter,
+        )
         self.summary = TrainSummary(peer_id=self.peer_id)
         s.take_snapshot()
 
@@ -169,8 +220,11 @@ class Trainer:
                 continue  # a pipelined step that stopped before any work (stop_event is set)
             s.pos.record(loss=result.loss, tokens=result.tokens, seconds=result.seconds)
             if self.micro_batch is not None and result.micro_batch < self.micro_batch:
-                self.reporter.emit("warning", message=f"out of {self.device} memory: micro-batch halved from "
-                                                      f"{self.micro_batch} to {result.micro_batch} sequences")
+                self.reporter.emit(
+                    "warning",
+                    message=f"out of {self.device} memory: micro-batch halved from "
+                    f"{self.micro_batch} to {result.micro_batch} sequences",
+                )
             self.micro_batch = result.micro_batch
             self.records.after_step(s.pos, schedule.records_needed_at())
             schedule.after_step(result.tokens)
@@ -184,11 +238,22 @@ class Trainer:
         """The finished round as its ``round`` event tells it; the position is already in the next round."""
         s, done = self.state, end.done
         peak = self.placement.peak_tflops if self.placement is not None else None
-        return RoundOutcome(round=s.pos.round, train_loss=done.train_loss, tokens_per_s=done.tokens_per_s,
-                            tokens=done.tokens, peers=len(end.live) or 1, start_digest=end.start_digest,
-                            state_digest=s.digest, planned_group=end.choice.members, sync=end.report,
-                            mfu=mfu(done.tokens_per_s, self.flops_per_token, peak), micro_batch=self.micro_batch,
-                            compute_s=done.compute_s, sync_wait_s=s.waited["sync"], resync_wait_s=s.waited["resync"])
+        return RoundOutcome(
+            round=s.pos.round,
+            train_loss=done.train_loss,
+            tokens_per_s=done.tokens_per_s,
+            tokens=done.tokens,
+            peers=len(end.live) or 1,
+            start_digest=end.start_digest,
+            state_digest=s.digest,
+            planned_group=end.choice.members,
+            sync=end.report,
+            mfu=mfu(done.tokens_per_s, self.flops_per_token, peak),
+            micro_batch=self.micro_batch,
+            compute_s=done.compute_s,
+            sync_wait_s=s.waited["sync"],
+            resync_wait_s=s.waited["resync"],
+        )
 
     def _after_round(self, outcome: RoundOutcome) -> None:
         """Count, publish and report the round; evaluate, checkpoint and export on their cadence."""
@@ -200,8 +265,13 @@ class Trainer:
         self.reporter.emit("round", **outcome.event_fields(self.peer_id))
         s.waited = dict.fromkeys(s.waited, 0.0)
         k = self.cfg.eval_every_rounds
-        if (k and self.publisher.evaluates_phi and s.pos.round % k == 0 and not self._done()
-                and self.publisher.evaluates(s.pos.round)):
+        if (
+            k
+            and self.publisher.evaluates_phi
+            and s.pos.round % k == 0
+            and not self._done()
+            and self.publisher.evaluates(s.pos.round)
+        ):
             self.publisher.eval_phi("periodic")
             self.publisher.keep_pace()
         if self.checkpoints.due(time.monotonic()):
@@ -215,11 +285,15 @@ class Trainer:
         want = self.cfg.wait_for_peers
         if want <= 1:
             return
-        seen = self.swarm.wait_for(want, timeout_s=self.cfg.wait_for_peers_timeout_s, stop=self.stop_event,
-                                   heartbeat=self.publisher.publish)
+        seen = self.swarm.wait_for(
+            want, timeout_s=self.cfg.wait_for_peers_timeout_s, stop=self.stop_event, heartbeat=self.publisher.publish
+        )
         if seen < want and not self.stop_event.is_set():
-            self.reporter.emit("warning", message=f"only {seen} of {want} peers appeared within "
-                                                  f"{self.cfg.wait_for_peers_timeout_s:.0f} s; starting anyway")
+            self.reporter.emit(
+                "warning",
+                message=f"only {seen} of {want} peers appeared within "
+                f"{self.cfg.wait_for_peers_timeout_s:.0f} s; starting anyway",
+            )
 
     # ---- what callers use ---------------------------------------------------------------
     @property
@@ -263,9 +337,13 @@ class Trainer:
             ConfigError: not even one sequence fits.
         """
         p = self.placement
-        if p is not None and self.device.type == "cuda" and p.micro_batch_sequences is None \
-                and p.memory_budget_gib is not None:
-            self.micro_batch = self.inner.fit_micro_batch(budget_bytes=p.memory_budget_gib * 1024 ** 3)
+        if (
+            p is not None
+            and self.device.type == "cuda"
+            and p.micro_batch_sequences is None
+            and p.memory_budget_gib is not None
+        ):
+            self.micro_batch = self.inner.fit_micro_batch(budget_bytes=p.memory_budget_gib * 1024**3)
         return self.micro_batch
 
     def save(self, *, background: bool = False) -> str | None:

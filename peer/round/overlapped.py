@@ -136,8 +136,15 @@ class OverlapSchedule(BackgroundSchedule):
         if delta is not None:
             payload = self._own(s.outer.payload(s.phi, delta), s.phi)
             try:
-                start = next_start(self.mode, s.outer, s.phi, delta, payload,
-                                   share=1.0 / max(1, choice.expected_size), eager=self.eager)
+                start = next_start(
+                    self.mode,
+                    s.outer,
+                    s.phi,
+                    delta,
+                    payload,
+                    share=1.0 / max(1, choice.expected_size),
+                    eager=self.eager,
+                )
             except BadPayload as exc:
                 problem = f"{exc}: round discarded"
             else:
@@ -154,13 +161,21 @@ class OverlapSchedule(BackgroundSchedule):
         s = self.state
         # the extra steps taken while waiting weigh up to the owners' cap of a round's tokens
         digest, weight = s.digest, float(min(max(done.tokens, 1), round_token_cap(s.m)))
-        own = (payload[:len(s.phi)], round_token_cap(s.m) / weight)  # bounds the landing's change of φ
+        own = (payload[: len(s.phi)], round_token_cap(s.m) / weight)  # bounds the landing's change of φ
         due_s = self.sync.groupmates_due_s(live, done.round, choice)
         budget_s = wait_budget_s(done, max(s.H, done.steps_done))  # with its extra steps
 
         def sync_and_prepare(dropped):
-            mean, report = self.sync.sync(payload, choice, digest, round_=done.round, weight=weight,
-                                          expected_wait_s=due_s, wait_budget_s=budget_s, dropped=dropped)
+            mean, report = self.sync.sync(
+                payload,
+                choice,
+                digest,
+                round_=done.round,
+                weight=weight,
+                expected_wait_s=due_s,
+                wait_budget_s=budget_s,
+                dropped=dropped,
+            )
             if not dropped() and not self.stop_event.is_set():
                 self.prepared = self._prepare_step(mean, lands_in=done.round + 2, own=own)
             return mean, report
@@ -168,8 +183,9 @@ class OverlapSchedule(BackgroundSchedule):
         self.background.start(sync_and_prepare, round_=done.round, start_digest=digest)
         self.own = own
 
-    def _prepare_step(self, mean: list[torch.Tensor], *, lands_in: int,
-                      own: tuple[list[torch.Tensor], float] | None = None) -> PreparedStep | None:
+    def _prepare_step(
+        self, mean: list[torch.Tensor], *, lands_in: int, own: tuple[list[torch.Tensor], float] | None = None
+    ) -> PreparedStep | None:
         """In the sync's background thread, once its mean arrived: the outer step applied to copies of
         the last snapshot's φ and outer state (``step_on_copies``), and the snapshot of the result
         (copy, finiteness check, hash) with the meta of round ``lands_in``, the round the landing
@@ -184,8 +200,9 @@ class OverlapSchedule(BackgroundSchedule):
             if own is not None:
                 check_step_bound(s.outer, base.tensors[:n], phi, own[0], old_state=base.tensors[n:], scale=own[1])
             meta = {"run_id": s.state_key, "round": lands_in, "inner_step": lands_in * s.H}
-            return PreparedStep(mean=mean, base=base.digest,
-                                snapshot=make_snapshot(meta, [*phi, *outer_state], owned=True))
+            return PreparedStep(
+                mean=mean, base=base.digest, snapshot=make_snapshot(meta, [*phi, *outer_state], owned=True)
+            )
         except (BadPayload, ValueError) as exc:
             logger.debug("outer step of round %d not prepared: %s", lands_in - 2, exc)
             return None
@@ -217,8 +234,7 @@ class OverlapSchedule(BackgroundSchedule):
         """A landing whose outer step was refused: warn, and mark its report failed (φ unchanged)."""
         self.reporter.emit("warning", message=f"{exc}: the landing sync's outer step skipped")
         self.history.last_failed = True
-        return dataclasses.replace(report, failed=True, agreeing=(), completed=(),
-                                   note=f"outer step skipped ({exc})")
+        return dataclasses.replace(report, failed=True, agreeing=(), completed=(), note=f"outer step skipped ({exc})")
 
     def _install(self, prepared: PreparedStep | None, mean: list[torch.Tensor]) -> bool:
         """Copy a prepared outer step into φ and the outer state (call under the lock, before the
@@ -226,8 +242,12 @@ class OverlapSchedule(BackgroundSchedule):
         very ``mean``, from the state this peer still holds (the last snapshot: an adoption since
         made another) and for the round the landing starts; else the caller applies ``mean``."""
         s = self.state
-        if (prepared is None or prepared.mean is not mean or prepared.base != s.snapshots[-1].digest
-                or prepared.snapshot.meta["round"] != s.pos.round + 1):
+        if (
+            prepared is None
+            or prepared.mean is not mean
+            or prepared.base != s.snapshots[-1].digest
+            or prepared.snapshot.meta["round"] != s.pos.round + 1
+        ):
             return False
         with torch.no_grad():
             for dst, src in zip(s.live_tensors(), prepared.snapshot.tensors, strict=True):

@@ -29,33 +29,59 @@ class Publisher:
         serves_state: False in client mode (nobody can dial it): its records offer no digest.
     """
 
-    def __init__(self, *, state: RoundState, swarm: RoundSwarm, history: SyncHistory, corpus: Corpus,
-                 reporter: Reporter, evaluates_phi: bool, serves_state: bool):
+    def __init__(
+        self,
+        *,
+        state: RoundState,
+        swarm: RoundSwarm,
+        history: SyncHistory,
+        corpus: Corpus,
+        reporter: Reporter,
+        evaluates_phi: bool,
+        serves_state: bool,
+    ):
         self.state, self.swarm, self.history, self.reporter = state, swarm, history, reporter
         self.peer_id, self.serves_state, self.evaluates_phi = swarm.peer_id, serves_state, evaluates_phi
         self.val_windows = validation_batch(corpus, state.m.data)
         self.tokenizer = corpus.tokenizer
         self.eval_model = copy.deepcopy(state.model) if evaluates_phi else None
-        self.last_round = RoundOutcome(round=0, train_loss=0.0, tokens_per_s=0.0, tokens=0, peers=1, start_digest="",
-                                       state_digest="", planned_group=None, sync=SyncReport())
+        self.last_round = RoundOutcome(
+            round=0,
+            train_loss=0.0,
+            tokens_per_s=0.0,
+            tokens=0,
+            peers=1,
+            start_digest="",
+            state_digest="",
+            planned_group=None,
+            sync=SyncReport(),
+        )
         """The last finished round (its figures go into every progress record until the next one)."""
         self.last_eval: tuple[int, float | None] = (-1, None)
         """(round, validation loss) of the last evaluation of φ."""
 
-    def publish(self, *, train_loss: float | None = None, tokens_per_s: float | None = None,
-                wait: bool = False) -> None:
+    def publish(
+        self, *, train_loss: float | None = None, tokens_per_s: float | None = None, wait: bool = False
+    ) -> None:
         """Store this peer's progress record: the last round's figures (or the given mid-round loss
         and throughput), and the validation loss while it is of the current round."""
         s, last, (eval_round, eval_loss) = self.state, self.last_round, self.last_eval
-        self.swarm.publish(ProgressRecord(
-            round=s.pos.round, inner_step=s.inner_step,
-            train_loss=last.train_loss if train_loss is None else train_loss,
-            tokens_per_s=last.tokens_per_s if tokens_per_s is None else tokens_per_s,
-            group_size=last.sync.group_size, bytes_sent=last.sync.bytes_sent, bytes_received=last.sync.bytes_received,
-            eval_loss=eval_loss if eval_round == s.pos.round else None,
-            # a peer nobody can dial (client mode) serves no state: it offers no digest to download
-            state_digest=s.digest if self.serves_state else "",
-            groupmates=self.history.groupmates), wait=wait)
+        self.swarm.publish(
+            ProgressRecord(
+                round=s.pos.round,
+                inner_step=s.inner_step,
+                train_loss=last.train_loss if train_loss is None else train_loss,
+                tokens_per_s=last.tokens_per_s if tokens_per_s is None else tokens_per_s,
+                group_size=last.sync.group_size,
+                bytes_sent=last.sync.bytes_sent,
+                bytes_received=last.sync.bytes_received,
+                eval_loss=eval_loss if eval_round == s.pos.round else None,
+                # a peer nobody can dial (client mode) serves no state: it offers no digest to download
+                state_digest=s.digest if self.serves_state else "",
+                groupmates=self.history.groupmates,
+            ),
+            wait=wait,
+        )
 
     def evaluates(self, round_: int) -> bool:
         """Whether this peer evaluates φ for the swarm at ``round_``: the live peer whose id hashes
@@ -78,8 +104,14 @@ class Publisher:
         loss = evaluate(self.eval_model, self.val_windows)
         self.last_eval = (s.pos.round, loss)
         self.publish()
-        self.reporter.emit("eval", when=when, round=s.pos.round, loss=loss, peer_id=self.peer_id,
-                           bpb=validation_bits_per_byte(loss, self.val_windows, self.tokenizer))
+        self.reporter.emit(
+            "eval",
+            when=when,
+            round=s.pos.round,
+            loss=loss,
+            peer_id=self.peer_id,
+            bpb=validation_bits_per_byte(loss, self.val_windows, self.tokenizer),
+        )
         return loss
 
     def keep_pace(self) -> None:
@@ -91,6 +123,7 @@ class Publisher:
         s = self.state
         now = self.swarm.step_now(s.pos.round, inner_steps=s.H, batch_size_tokens=s.m.inner_optimizer.batch_size_tokens)
         if now > s.pos.step:
-            logger.info("round %d: evaluated φ for the swarm; starting at inner step %d with the others",
-                        s.pos.round, now)
+            logger.info(
+                "round %d: evaluated φ for the swarm; starting at inner step %d with the others", s.pos.round, now
+            )
             s.pos.step = now

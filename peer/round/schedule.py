@@ -113,8 +113,16 @@ class ScheduleBase:
     """What every schedule holds: the round's state, the group sync, the sync history, the record
     reads; and the defaults of a schedule that syncs once at the round's end."""
 
-    def __init__(self, *, state: RoundState, sync: GroupSync, history: SyncHistory, records: RecordReads,
-                 reporter: Reporter, stop_event: threading.Event):
+    def __init__(
+        self,
+        *,
+        state: RoundState,
+        sync: GroupSync,
+        history: SyncHistory,
+        records: RecordReads,
+        reporter: Reporter,
+        stop_event: threading.Event,
+    ):
         self.state, self.sync, self.history, self.records = state, sync, history, records
         self.reporter, self.stop_event = reporter, stop_event
 

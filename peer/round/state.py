@@ -137,10 +137,14 @@ class RoundState:
                     dst.copy_(src)
             self.sealed = {}
         self.set_theta_to_phi()
-        problem = ("φ turned non-finite" if not math.isfinite(now)
-                   else "the outer state turned non-finite" if state is not None
-                   else f"φ exploded: its norm {now:.4g} is over {PHI_GROWTH_LIMIT:g}x the last snapshot's "
-                        f"{self._snapshot_norm[1]:.4g}")
+        problem = (
+            "φ turned non-finite"
+            if not math.isfinite(now)
+            else "the outer state turned non-finite"
+            if state is not None
+            else f"φ exploded: its norm {now:.4g} is over {PHI_GROWTH_LIMIT:g}x the last snapshot's "
+            f"{self._snapshot_norm[1]:.4g}"
+        )
         problem = f"{problem}; rolled back to the last good state (round {last.meta.get('round')})"
         logger.warning(problem)
         return problem

@@ -64,7 +64,11 @@ class FragmentSchedule(BackgroundSchedule):
         else:
             self.fragments = partition(s.names, spec.fragments)
             self.fragment_outer = fragment_outers(s.outer, s.m, self.fragments, s.shapes)
-            self.delay_steps, self.alpha, self.rule = spec.fragment_delay_steps, spec.fragment_alpha, spec.fragment_merge
+            self.delay_steps, self.alpha, self.rule = (
+                spec.fragment_delay_steps,
+                spec.fragment_alpha,
+                spec.fragment_merge,
+            )
             phi_from = s.outer.phi_from(len(s.phi))
             self.sync.fragments = spec.fragments  # each fragment's sync has a key and buffers of its own
             self.sync.fragment_payload = [payload_indices(f, phi_from=phi_from) for f in self.fragments]
@@ -124,8 +128,9 @@ class FragmentSchedule(BackgroundSchedule):
         pos = self.state.pos
         if self.choice is not None and self.choice[0] == pos.round:
             return self.state.H
-        return min((o for p, o in enumerate(self.offset) if o > pos.step and p not in self.synced),
-                   default=self.state.H)
+        return min(
+            (o for p, o in enumerate(self.offset) if o > pos.step and p not in self.synced), default=self.state.H
+        )
 
     def restart_round(self) -> None:
         self.state.set_theta_to_phi()
@@ -177,7 +182,7 @@ class FragmentSchedule(BackgroundSchedule):
         self.synced.add(p)
         index = self.fragments[p]
         phi_p = [s.phi[k] for k in index]
-        keep = self.rule == "shift"   # θ_p as it is now is kept for the landing: a copy
+        keep = self.rule == "shift"  # θ_p as it is now is kept for the landing: a copy
         theta_p = [s.params[k].detach().to("cpu", torch.float32, copy=keep) for k in index]
         try:
             delta = pseudo_gradient(phi_p, theta_p)
@@ -207,8 +212,17 @@ class FragmentSchedule(BackgroundSchedule):
         key = None if self.whole_model else p
 
         def sync_and_prepare(dropped):
-            mean, report = self.sync.sync(payload, choice, digest, round_=round_, weight=weight,
-                                          expected_wait_s=due_s, wait_budget_s=budget_s, fragment=key, dropped=dropped)
+            mean, report = self.sync.sync(
+                payload,
+                choice,
+                digest,
+                round_=round_,
+                weight=weight,
+                expected_wait_s=due_s,
+                wait_budget_s=budget_s,
+                fragment=key,
+                dropped=dropped,
+            )
             # the outer step is prepared off the training thread: not inline, where the landing is now
             if mean is not None and not self.inline and not dropped() and not self.stop_event.is_set():
                 prepared = self.prepare_fragment(p, base, mean)
@@ -225,8 +239,9 @@ class FragmentSchedule(BackgroundSchedule):
         self.flight = (p, s.inner_step, theta_p if keep else None)
         self.own = own
 
-    def prepare_fragment(self, p: int, base: tuple[torch.Tensor, ...], mean: list[torch.Tensor]
-                         ) -> PreparedFragment | None:
+    def prepare_fragment(
+        self, p: int, base: tuple[torch.Tensor, ...], mean: list[torch.Tensor]
+    ) -> PreparedFragment | None:
         """In the sync's background thread, once fragment p's mean arrived: its outer step on copies
         of ``base`` (``step_on_copies``, bit-identical to applying it), the results sealed for the
         round's snapshot (``seal_tensor``: the finiteness check and the chunks' hashes). None when
@@ -235,8 +250,10 @@ class FragmentSchedule(BackgroundSchedule):
         try:
             phi, outer_state = step_on_copies(self.fragment_outer[p], base[:k], base[k:], mean)
             shapes = self.state.state_shapes()
-            sealed = tuple(seal_tensor(t, index=i, shapes=shapes, owned=True)
-                           for i, t in zip(self.fragment_state(p), [*phi, *outer_state], strict=True))
+            sealed = tuple(
+                seal_tensor(t, index=i, shapes=shapes, owned=True)
+                for i, t in zip(self.fragment_state(p), [*phi, *outer_state], strict=True)
+            )
         except (BadPayload, ValueError) as exc:
             logger.debug("outer step of fragment %d not prepared: %s", p, exc)
             return None
@@ -281,8 +298,9 @@ class FragmentSchedule(BackgroundSchedule):
                         self.seal_fragment(p)
             except BadPayload as exc:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
-                report = dataclasses.replace(report, failed=True, agreeing=(), completed=(),
-                                             note=f"fragment {p}: outer step skipped ({exc})")
+                report = dataclasses.replace(
+                    report, failed=True, agreeing=(), completed=(), note=f"fragment {p}: outer step skipped ({exc})"
+                )
         s.await_theta_copy()
         land([s.params[k] for k in index], phi_p, alpha=self.alpha, rule=self.rule, at_sync=at_sync)
         self.landed.append(report)
@@ -294,8 +312,12 @@ class FragmentSchedule(BackgroundSchedule):
         (an adoption since replaced them); else the caller applies ``mean``."""
         s = self.state
         held = s.held(self.fragment_state(p))
-        if (prepared is None or prepared.mean is not mean or len(held) != len(prepared.base)
-                or any(a is not b for a, b in zip(held, prepared.base))):
+        if (
+            prepared is None
+            or prepared.mean is not mean
+            or len(held) != len(prepared.base)
+            or any(a is not b for a, b in zip(held, prepared.base))
+        ):
             return False
         live = s.live_tensors()
         with torch.no_grad():
@@ -304,8 +326,13 @@ class FragmentSchedule(BackgroundSchedule):
         s.sealed.update((sealed.index, sealed) for sealed in prepared.sealed)
         return True
 
-    def check_fragment_step(self, p: int, before: tuple[torch.Tensor, ...], after: list[torch.Tensor],
-                            own: tuple[list[torch.Tensor], float] | None) -> None:
+    def check_fragment_step(
+        self,
+        p: int,
+        before: tuple[torch.Tensor, ...],
+        after: list[torch.Tensor],
+        own: tuple[list[torch.Tensor], float] | None,
+    ) -> None:
         """Refuse fragment p's outer step (BadPayload) when its change of φ_p, from ``before`` (φ_p then
         the fragment's outer state, as this peer held them) to ``after`` (φ_p, at least), exceeds what
         an honest mean can make from this peer's own Δ_p (``own``: peer/train/outer.py
@@ -314,8 +341,9 @@ class FragmentSchedule(BackgroundSchedule):
             return
         k = len(self.fragments[p])
         what = "the round's outer step" if self.whole_model else f"fragment {p}'s outer step"
-        check_step_bound(self.fragment_outer[p], before[:k], after[:k], own[0], old_state=before[k:],
-                         scale=own[1], what=what)
+        check_step_bound(
+            self.fragment_outer[p], before[:k], after[:k], own[0], old_state=before[k:], scale=own[1], what=what
+        )
 
     def seal_fragment(self, p: int) -> None:
         """Seal fragment p's φ_p and outer state as they are now (a landing without a prepared step),
@@ -387,7 +415,11 @@ class FragmentSchedule(BackgroundSchedule):
         when the adopted state is of the round after it, else dropped."""
         bg = self.background
         if bg.in_flight:
-            if bg.round is not None and round_ == bg.round + 1 and (self.flight is None or self.offset[self.flight[0]] == 0):
+            if (
+                bg.round is not None
+                and round_ == bg.round + 1
+                and (self.flight is None or self.offset[self.flight[0]] == 0)
+            ):
                 self.adopted_in_flight = True
             else:
                 bg.drop("adopted the swarm's state")  # its mean belongs to a φ left behind

@@ -42,8 +42,16 @@ class GroupSync:
     """The group choice and the sync of one payload with that group (DiLoCo's all-reduce, or
     NoLoCo's exchange with partners), over ``transport``."""
 
-    def __init__(self, *, manifest: RunManifest, outer: OuterAlgorithm, swarm: RoundSwarm,
-                 transport: RoundTransport, reporter: Reporter, stop_event: threading.Event):
+    def __init__(
+        self,
+        *,
+        manifest: RunManifest,
+        outer: OuterAlgorithm,
+        swarm: RoundSwarm,
+        transport: RoundTransport,
+        reporter: Reporter,
+        stop_event: threading.Event,
+    ):
         self.m, self.outer, self.swarm, self.transport = manifest, outer, swarm, transport
         self.reporter, self.stop_event, self.peer_id = reporter, stop_event, swarm.peer_id
         self.fragments = 0
@@ -53,21 +61,39 @@ class GroupSync:
 
     def choose(self, round_: int, live: list) -> GroupChoice:
         """Whom this peer syncs with in ``round_``, from the live records (the outer algorithm's rule)."""
-        return self.outer.choose_group(self.peer_id, round_=round_, run_id=self.m.run_id,
-                                       live=[(r.peer_id, r.record.round) for r in live if r.peer_id != self.peer_id])
+        return self.outer.choose_group(
+            self.peer_id,
+            round_=round_,
+            run_id=self.m.run_id,
+            live=[(r.peer_id, r.record.round) for r in live if r.peer_id != self.peer_id],
+        )
 
     def groupmates_due_s(self, live: list, round_: int, choice: GroupChoice) -> float:
         """Seconds until the last groupmate expected at ``round_``'s sync gets there, predicted from
         ``live`` (progress records: step and throughput); the matchmaking window covers it."""
         if choice.expected_size <= 1:
             return 0.0
-        return self.swarm.seconds_to_finish(round_, live, inner_steps=self.m.sync.inner_steps,
-                                            batch_size_tokens=self.m.inner_optimizer.batch_size_tokens,
-                                            peers=set(choice.members) if choice.members else None)
+        return self.swarm.seconds_to_finish(
+            round_,
+            live,
+            inner_steps=self.m.sync.inner_steps,
+            batch_size_tokens=self.m.inner_optimizer.batch_size_tokens,
+            peers=set(choice.members) if choice.members else None,
+        )
 
-    def sync(self, payload: list[torch.Tensor], choice: GroupChoice, start_digest: str, *, round_: int,
-             weight: float, expected_wait_s: float = 0.0, wait_budget_s: float = 0.0, fragment: int | None = None,
-             dropped: Callable[[], bool] = lambda: False) -> tuple[list[torch.Tensor], SyncReport]:
+    def sync(
+        self,
+        payload: list[torch.Tensor],
+        choice: GroupChoice,
+        start_digest: str,
+        *,
+        round_: int,
+        weight: float,
+        expected_wait_s: float = 0.0,
+        wait_budget_s: float = 0.0,
+        fragment: int | None = None,
+        dropped: Callable[[], bool] = lambda: False,
+    ) -> tuple[list[torch.Tensor], SyncReport]:
         """The group's token-weighted mean payload, or this peer's own when there is no group or
         the sync fails (failed rounds are recorded, not fatal: DiLoCo paper Fig. 8).
 
@@ -92,29 +118,51 @@ class GroupSync:
             return payload, SyncReport(note=choice.note)
         # the ``sync`` event comes from the thread that syncs: a background sync's emit (a write to
         # stdout) is then not the inner loop's time
-        self.reporter.emit("sync", round=round_, expected_group_size=choice.expected_size, peer_id=self.peer_id,
-                           **({} if fragment is None else {"fragment": fragment}))
+        self.reporter.emit(
+            "sync",
+            round=round_,
+            expected_group_size=choice.expected_size,
+            peer_id=self.peer_id,
+            **({} if fragment is None else {"fragment": fragment}),
+        )
         start = time.monotonic()
+
         def should_stop() -> bool:
             return self.stop_event.is_set() or dropped()
 
         try:
             if fragment is None:
-                result = self.transport.average(payload, weight=weight, round_=round_,
-                                                expected_group_size=choice.expected_size, group_index=choice.index,
-                                                start_digest=start_digest, should_stop=should_stop,
-                                                expected_wait_s=expected_wait_s, wait_budget_s=wait_budget_s)
+                result = self.transport.average(
+                    payload,
+                    weight=weight,
+                    round_=round_,
+                    expected_group_size=choice.expected_size,
+                    group_index=choice.index,
+                    start_digest=start_digest,
+                    should_stop=should_stop,
+                    expected_wait_s=expected_wait_s,
+                    wait_budget_s=wait_budget_s,
+                )
             else:  # a fragment's tensors, with its own key and buffers
-                result = self.transport.average(payload, weight=weight, round_=round_,
-                                                expected_group_size=choice.expected_size, group_index=choice.index,
-                                                start_digest=start_digest, should_stop=should_stop,
-                                                expected_wait_s=expected_wait_s, wait_budget_s=wait_budget_s,
-                                                fragment=fragment, fragments=self.fragments,
-                                                tensors=self.fragment_payload[fragment])
+                result = self.transport.average(
+                    payload,
+                    weight=weight,
+                    round_=round_,
+                    expected_group_size=choice.expected_size,
+                    group_index=choice.index,
+                    start_digest=start_digest,
+                    should_stop=should_stop,
+                    expected_wait_s=expected_wait_s,
+                    wait_budget_s=wait_budget_s,
+                    fragment=fragment,
+                    fragments=self.fragments,
+                    tensors=self.fragment_payload[fragment],
+                )
             check_finite(result.mean, "the group's mean payload")
         except SyncError as exc:
-            return payload, self._failed(exc, round_, time.monotonic() - start, exc.bytes_sent, exc.bytes_received,
-                                         exc.deadline_s)
+            return payload, self._failed(
+                exc, round_, time.monotonic() - start, exc.bytes_sent, exc.bytes_received, exc.deadline_s
+            )
         except BadPayload as exc:
             return payload, self._failed(exc, round_, time.monotonic() - start, 0, 0, 0.0)
         # groupmates that started from this peer's state hold the same state after the round
@@ -123,23 +171,34 @@ class GroupSync:
         completed = [p for p in result.group if p != self.peer_id and p not in refused]
         note = ""
         if refused:
-            note = (f"refused the means of {result.refused_pieces} piece(s) from "
-                    f"{', '.join(sorted(refused))} (applied as zeros / own values)")
+            note = (
+                f"refused the means of {result.refused_pieces} piece(s) from "
+                f"{', '.join(sorted(refused))} (applied as zeros / own values)"
+            )
         if result.excluded or result.partial_pieces:
             agreeing = completed = []  # which groupmates completed is not known here
             partial = f"{result.partial_pieces} piece(s) averaged without a failed groupmate ({result.excluded} excluded here)"
             note = "; ".join(filter(None, [note, partial]))
-        return result.mean, SyncReport(group_size=result.group_size, group=tuple(result.group),
-                                       bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
-                                       sync_s=result.seconds, deadline_s=result.deadline_s, attempts=result.attempts,
-                                       note=note, agreeing=tuple(agreeing), completed=tuple(completed))
+        return result.mean, SyncReport(
+            group_size=result.group_size,
+            group=tuple(result.group),
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received,
+            sync_s=result.seconds,
+            deadline_s=result.deadline_s,
+            attempts=result.attempts,
+            note=note,
+            agreeing=tuple(agreeing),
+            completed=tuple(completed),
+        )
 
     @staticmethod
     def _failed(exc: Exception, round_: int, seconds: float, sent: int, received: int, deadline_s: float) -> SyncReport:
         note = f"no group: applied own step ({exc})"
         logger.info("round %d: %s", round_, note)
-        return SyncReport(bytes_sent=sent, bytes_received=received, sync_s=seconds, deadline_s=deadline_s,
-                          note=note, failed=True)
+        return SyncReport(
+            bytes_sent=sent, bytes_received=received, sync_s=seconds, deadline_s=deadline_s, note=note, failed=True
+        )
 
 
 class SyncHistory:

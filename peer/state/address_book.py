@@ -67,8 +67,11 @@ class AddressBook:
             if book.path.stat().st_size > MAX_FILE_BYTES:
                 raise ValueError(f"bigger than {MAX_FILE_BYTES} bytes")
             doc = json.loads(book.path.read_text(encoding="utf-8"))
-            if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or not isinstance(
-                    doc.get("addresses"), list):
+            if (
+                not isinstance(doc, dict)
+                or doc.get("version") != FORMAT_VERSION
+                or not isinstance(doc.get("addresses"), list)
+            ):
                 raise ValueError(f"not a version {FORMAT_VERSION} address book")
         except FileNotFoundError:
             return book
@@ -82,7 +85,12 @@ class AddressBook:
                     raise BadPeerAddress(f"entry {entry!r:.80} is not a map")
                 maddr, _ = swarm_addresses.check_peer_maddr(entry.get("maddr"))
                 seen = entry.get("seen")
-                if not isinstance(seen, (int, float)) or isinstance(seen, bool) or not seen >= 0 or seen == float("inf"):
+                if (
+                    not isinstance(seen, (int, float))
+                    or isinstance(seen, bool)
+                    or not seen >= 0
+                    or seen == float("inf")
+                ):
                     raise BadPeerAddress(f"entry {maddr} has seen = {seen!r}: expected a time in s since the epoch")
             except BadPeerAddress as exc:
                 book.skipped += 1
@@ -90,8 +98,9 @@ class AddressBook:
                 continue
             book._seen[maddr] = max(book._seen.get(maddr, 0.0), float(seen))
         if book.skipped:
-            logger.warning("address book %s: skipped %d bad entr%s", path, book.skipped,
-                           "y" if book.skipped == 1 else "ies")
+            logger.warning(
+                "address book %s: skipped %d bad entr%s", path, book.skipped, "y" if book.skipped == 1 else "ies"
+            )
         book._trim()
         return book
 
@@ -133,9 +142,12 @@ class AddressBook:
             OSError: the data dir is not writable; the previous file is intact.
         """
         with self._lock:
-            doc = {"version": FORMAT_VERSION,
-                   "addresses": [{"maddr": m, "seen": s}
-                                 for m, s in sorted(self._seen.items(), key=lambda kv: (-kv[1], kv[0]))]}
+            doc = {
+                "version": FORMAT_VERSION,
+                "addresses": [
+                    {"maddr": m, "seen": s} for m, s in sorted(self._seen.items(), key=lambda kv: (-kv[1], kv[0]))
+                ],
+            }
             self._dirty = False
         tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
         try:
@@ -183,8 +195,9 @@ def start_dht_remembering(start: Callable[[list[str]], object], initial_peers: S
         remembered = [m for m in book.addresses() if m not in given]
         if not given or not remembered:
             raise
-        logger.warning("none of the initial peers answered; trying %d remembered address(es) of peers seen before",
-                       len(remembered))
+        logger.warning(
+            "none of the initial peers answered; trying %d remembered address(es) of peers seen before", len(remembered)
+        )
         try:
             return start(remembered)
         except BootstrapUnreachable as again:
@@ -208,8 +221,9 @@ class AddressKeeper(swarm_dht.Periodic):
         publish: False for a client-mode peer (nobody can dial it): it only reads.
     """
 
-    def __init__(self, dht, book: AddressBook, *, run_id: str, signer: PeerSigner, period_s: float = 15.0,
-                 publish: bool = True):
+    def __init__(
+        self, dht, book: AddressBook, *, run_id: str, signer: PeerSigner, period_s: float = 15.0, publish: bool = True
+    ):
         super().__init__(period_s=period_s, name="address-keeper")
         self.dht, self.book, self.run_id, self.signer = dht, book, run_id, signer
         self.peer_id = signer.peer_id
@@ -217,8 +231,9 @@ class AddressKeeper(swarm_dht.Periodic):
 
     def refresh(self) -> None:
         """Publish this peer's visible multiaddrs (unless client mode), then remember every other peer's."""
-        if self.publish and not swarm_addresses.publish_addresses(self.dht, self.run_id, self.signer,
-                                                                  swarm_dht.visible_maddrs(self.dht)):
+        if self.publish and not swarm_addresses.publish_addresses(
+            self.dht, self.run_id, self.signer, swarm_dht.visible_maddrs(self.dht)
+        ):
             logger.debug("no DHT node accepted this peer's addresses; retrying in %.0f s", self.period_s)
         known = {m.rsplit("/p2p/", 1)[1] for m in self.book.addresses() if "/p2p/" in m}  # read first
         for peer_id, maddrs in swarm_addresses.read_addresses(self.dht, self.run_id, prefer=known).items():

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = "2"
 _OLDER_FORMATS = {
     "1": "it holds no data position and no error-feedback residuals: resuming φ, the outer state and "
-         "AdamW; this peer samples its shard from its seed again and its residuals start from zero",
+    "AdamW; this peer samples its shard from its seed again and its residuals start from zero",
 }
 """Formats that still load: what each lacks and what the peer does instead."""
 
@@ -83,8 +83,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).contiguous().clone()
 
 
-def encode_checkpoint(state: PeerState, *, private: Collection[str] = (),
-                      live: Collection[str] = ()) -> CheckpointFile:
+def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: Collection[str] = ()) -> CheckpointFile:
     """Copy ``state`` into the file's named tensors (fp32 CPU, contiguous) and string metadata.
     Milliseconds for a small model: a copy of each tensor, no I/O.
 
@@ -105,19 +104,27 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (),
     if bad is not None:
         k = bad if bad < len(state.phi) else bad - len(state.phi)
         what = f"{'φ' if bad < len(state.phi) else 'the outer state'} ({state.names[k] if k < len(state.names) else k})"
-        raise CheckpointError(f"refusing to write a checkpoint of round {state.round}: {what} holds NaN or inf; "
-                              "the previous checkpoint is kept")
-    groups = {"phi": state.phi, "momentum": state.momentum, "theta": state.theta,
-              "residual": state.residuals}
+        raise CheckpointError(
+            f"refusing to write a checkpoint of round {state.round}: {what} holds NaN or inf; "
+            "the previous checkpoint is kept"
+        )
+    groups = {"phi": state.phi, "momentum": state.momentum, "theta": state.theta, "residual": state.residuals}
     if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
         groups.update(adam_exp_avg=state.adam_exp_avg, adam_exp_avg_sq=state.adam_exp_avg_sq)
-    tensors = {f"{prefix}.{name}": (t if prefix in private else t.detach() if prefix in live else _host_copy(t))
-               for prefix, group in groups.items() if group is not None
-               for name, t in zip(state.names, group, strict=True)}
+    tensors = {
+        f"{prefix}.{name}": (t if prefix in private else t.detach() if prefix in live else _host_copy(t))
+        for prefix, group in groups.items()
+        if group is not None
+        for name, t in zip(state.names, group, strict=True)
+    }
     metadata = {
-        "format": FORMAT_VERSION, "run_id": state.run_id, "round": str(state.round),
-        "inner_step": str(state.inner_step), "round_step": str(state.round_step),
-        "round_tokens": str(state.round_tokens), "adam_step": str(state.adam_step),
+        "format": FORMAT_VERSION,
+        "run_id": state.run_id,
+        "round": str(state.round),
+        "inner_step": str(state.inner_step),
+        "round_step": str(state.round_step),
+        "round_tokens": str(state.round_tokens),
+        "adam_step": str(state.adam_step),
         "names": ",".join(state.names),
     }
     if state.vouchers is not None:
@@ -125,8 +132,9 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (),
     if state.data is not None:
         tensors["data.rng"] = state.data.rng.detach().to("cpu").contiguous().clone()
         metadata.update(data_seed=str(state.data.seed), batches_drawn=str(state.data.batches_drawn))
-    return CheckpointFile(tensors=tensors, metadata=metadata,
-                          live=frozenset(k for k in tensors if k.split(".", 1)[0] in live))
+    return CheckpointFile(
+        tensors=tensors, metadata=metadata, live=frozenset(k for k in tensors if k.split(".", 1)[0] in live)
+    )
 
 
 def copy_live(file: CheckpointFile) -> CheckpointFile:
@@ -135,8 +143,9 @@ def copy_live(file: CheckpointFile) -> CheckpointFile:
     unchanged; the other tensors and the metadata are shared, not copied."""
     if not file.live:
         return file
-    return CheckpointFile(tensors={k: _host_copy(t) if k in file.live else t for k, t in file.tensors.items()},
-                          metadata=file.metadata)
+    return CheckpointFile(
+        tensors={k: _host_copy(t) if k in file.live else t for k, t in file.tensors.items()}, metadata=file.metadata
+    )
 
 
 def write_checkpoint(path: Path, file: CheckpointFile) -> None:
@@ -148,8 +157,10 @@ def write_checkpoint(path: Path, file: CheckpointFile) -> None:
         ValueError: ``file`` still holds live tensors (:func:`copy_live`); nothing written.
     """
     if file.live:
-        raise ValueError(f"{len(file.live)} tensor(s) of this checkpoint are still the trainer's own "
-                         f"(e.g. {min(file.live)}): copy_live() them before writing")
+        raise ValueError(
+            f"{len(file.live)} tensor(s) of this checkpoint are still the trainer's own "
+            f"(e.g. {min(file.live)}): copy_live() them before writing"
+        )
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -265,8 +276,9 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
         raise CheckpointError(f"checkpoint {path} is unreadable ({exc}); move it away to start fresh") from exc
     version = metadata.get("format")
     if version != FORMAT_VERSION and version not in _OLDER_FORMATS:
-        raise CheckpointError(f"checkpoint {path} has format {version!r}, expected {FORMAT_VERSION} "
-                              f"(or {', '.join(_OLDER_FORMATS)})")
+        raise CheckpointError(
+            f"checkpoint {path} has format {version!r}, expected {FORMAT_VERSION} (or {', '.join(_OLDER_FORMATS)})"
+        )
     if metadata.get("run_id") != run_id:
         raise CheckpointError(f"checkpoint {path} belongs to run {metadata.get('run_id')}, not {run_id}")
     if metadata.get("names", "").split(",") != names:
@@ -279,8 +291,10 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
             if tensor is None:
                 raise CheckpointError(f"checkpoint {path} lacks tensor {prefix}.{name}")
             if tensor.shape != shape or not torch.isfinite(tensor).all():
-                raise CheckpointError(f"checkpoint {path} tensor {prefix}.{name} has shape {tuple(tensor.shape)} "
-                                      f"or non-finite values, expected finite {tuple(shape)}")
+                raise CheckpointError(
+                    f"checkpoint {path} tensor {prefix}.{name} has shape {tuple(tensor.shape)} "
+                    f"or non-finite values, expected finite {tuple(shape)}"
+                )
             found.append(tensor)
         return found
 
@@ -291,20 +305,34 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
     try:
         position = {k: int(metadata[k]) for k in ("round", "inner_step", "round_step", "round_tokens", "adam_step")}
         rng = tensors.get("data.rng")
-        data = None if rng is None else SamplerState(seed=int(metadata["data_seed"]),
-                                                      batches_drawn=int(metadata["batches_drawn"]), rng=rng)
+        data = (
+            None
+            if rng is None
+            else SamplerState(seed=int(metadata["data_seed"]), batches_drawn=int(metadata["batches_drawn"]), rng=rng)
+        )
         vouchers = _vouchers(metadata.get("vouchers"))
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed metadata ({exc})") from exc
     if rng is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
-        raise CheckpointError(f"checkpoint {path} tensor data.rng is {rng.dtype} {tuple(rng.shape)}, "
-                              f"expected 1-D uint8")
-    return PeerState(run_id=run_id, names=names, phi=group("phi"), momentum=group("momentum"),
-                     theta=group("theta"), adam_exp_avg=optional_group("adam_exp_avg"),
-                     adam_exp_avg_sq=optional_group("adam_exp_avg_sq"), residuals=optional_group("residual"),
-                     data=data, vouchers=vouchers, **position,
-                     upgrade_note=None if version == FORMAT_VERSION else
-                     f"checkpoint {path} is of format {version}: {_OLDER_FORMATS[version]}")
+        raise CheckpointError(
+            f"checkpoint {path} tensor data.rng is {rng.dtype} {tuple(rng.shape)}, expected 1-D uint8"
+        )
+    return PeerState(
+        run_id=run_id,
+        names=names,
+        phi=group("phi"),
+        momentum=group("momentum"),
+        theta=group("theta"),
+        adam_exp_avg=optional_group("adam_exp_avg"),
+        adam_exp_avg_sq=optional_group("adam_exp_avg_sq"),
+        residuals=optional_group("residual"),
+        data=data,
+        vouchers=vouchers,
+        **position,
+        upgrade_note=None
+        if version == FORMAT_VERSION
+        else f"checkpoint {path} is of format {version}: {_OLDER_FORMATS[version]}",
+    )
 
 
 def _vouchers(text: str | None) -> dict[str, int] | None:
@@ -316,8 +344,9 @@ def _vouchers(text: str | None) -> dict[str, int] | None:
     if text is None:
         return None
     value = json.loads(text)
-    if not isinstance(value, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
-                                              for k, v in value.items()):
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items()
+    ):
         raise ValueError("vouchers: expected a JSON object of peer id -> round >= 0")
     return value
 
@@ -328,12 +357,14 @@ def fetch_residuals(fetch: Callable[[], list[torch.Tensor] | None]) -> tuple[lis
     try:
         return fetch(), None
     except (OSError, HelperDied) as exc:  # TimeoutError included
-        return None, (f"this checkpoint lacks the error-feedback residuals: the averager process did not hand "
-                      f"them over ({exc!r})")
+        return None, (
+            f"this checkpoint lacks the error-feedback residuals: the averager process did not hand them over ({exc!r})"
+        )
 
 
-def restore_extras(state: PeerState, *, load_residuals: Callable[[list[torch.Tensor]], int],
-                   sampler: BatchSampler) -> tuple[int, list[str]]:
+def restore_extras(
+    state: PeerState, *, load_residuals: Callable[[list[torch.Tensor]], int], sampler: BatchSampler
+) -> tuple[int, list[str]]:
     """Give what a loaded checkpoint holds beyond the trainer's own tensors to its owners: the
     residuals to ``load_residuals`` (NetworkTransport's, into the averager process), the data
     position to ``sampler``.
@@ -364,8 +395,11 @@ def export_phi(directory: Path, *, names: list[str], phi: list[torch.Tensor], ru
     """
     path = Path(directory) / f"phi-round-{round_:06d}.safetensors"
     try:
-        save_file({n: t.detach().to("cpu", torch.float32).contiguous() for n, t in zip(names, phi, strict=True)},
-                  str(path), metadata={"run_id": run_id, "round": str(round_)})
+        save_file(
+            {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in zip(names, phi, strict=True)},
+            str(path),
+            metadata={"run_id": run_id, "round": str(round_)},
+        )
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}") from exc
     return path

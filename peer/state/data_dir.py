@@ -65,9 +65,11 @@ def hold_data_dir(data_dir: Path) -> Iterator[Path]:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         os.close(fd)
-        raise ConfigError(f"data dir {data_dir} is in use by another peer (pid {holder}): each peer needs its own "
-                          "--data-dir (its identity and checkpoints live there); stop the other one or give this "
-                          "one another directory") from None
+        raise ConfigError(
+            f"data dir {data_dir} is in use by another peer (pid {holder}): each peer needs its own "
+            "--data-dir (its identity and checkpoints live there); stop the other one or give this "
+            "one another directory"
+        ) from None
     except OSError as exc:
         os.close(fd)
         raise ConfigError(f"data dir {data_dir}: cannot lock {path} ({exc.strerror}); give a local --data-dir") from exc

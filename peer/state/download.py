@@ -72,8 +72,17 @@ class DownloadResult:
 class _Download:
     """Shared state of one download: the tensors being filled and what each donor did."""
 
-    def __init__(self, open_stream, *, digest: bytes, shapes: list[torch.Size], run_id: str, timeout: float,
-                 chunks: list[Piece], on_progress=None):
+    def __init__(
+        self,
+        open_stream,
+        *,
+        digest: bytes,
+        shapes: list[torch.Size],
+        run_id: str,
+        timeout: float,
+        chunks: list[Piece],
+        on_progress=None,
+    ):
         self.open_stream, self.digest, self.run_id, self.timeout = open_stream, digest, run_id, timeout
         self.on_progress = on_progress
         self.shapes, self.chunks = shapes, chunks
@@ -117,8 +126,12 @@ class _Download:
     def _report(self) -> None:
         if self.on_progress is not None:
             try:
-                self.on_progress(sum(self.received), len(self.chunks), sum(self.bytes_by_donor.values()),
-                                 sum(1 for n in self.chunks_by_donor.values() if n))
+                self.on_progress(
+                    sum(self.received),
+                    len(self.chunks),
+                    sum(self.bytes_by_donor.values()),
+                    sum(1 for n in self.chunks_by_donor.values() if n),
+                )
             except Exception:  # drawing progress must never fail a download
                 logger.debug("progress callback failed", exc_info=True)
 
@@ -151,9 +164,17 @@ class _Download:
         self.received[index] = True
 
 
-async def download_state(donors: Sequence[Hashable], open_stream, *, digest: bytes,
-                         shapes: Sequence[Sequence[int]], run_id: str, timeout: float,
-                         chunk_elements: int = CHUNK_ELEMENTS, on_progress=None) -> DownloadResult:
+async def download_state(
+    donors: Sequence[Hashable],
+    open_stream,
+    *,
+    digest: bytes,
+    shapes: Sequence[Sequence[int]],
+    run_id: str,
+    timeout: float,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    on_progress=None,
+) -> DownloadResult:
     """Download and verify the state named ``digest`` from ``donors``, spreading the chunks.
 
     Each pass deals the missing chunks to the live donors interleaved (chunk i of the missing
@@ -184,8 +205,15 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
     if len(digest) != frames.HASH_BYTES:
         raise ValueError(f"a state digest has {frames.HASH_BYTES} bytes, got {len(digest)}")
     sizes = [torch.Size(s) for s in shapes]
-    download = _Download(open_stream, digest=digest, shapes=sizes, run_id=run_id, timeout=timeout,
-                         chunks=plan_chunks(sizes, chunk_elements), on_progress=on_progress)
+    download = _Download(
+        open_stream,
+        digest=digest,
+        shapes=sizes,
+        run_id=run_id,
+        timeout=timeout,
+        chunks=plan_chunks(sizes, chunk_elements),
+        on_progress=on_progress,
+    )
     alive = list(dict.fromkeys(donors))
     while True:
         missing = [i for i, done in enumerate(download.received) if not done]
@@ -196,9 +224,11 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
             reasons = "; ".join(f"{d}: {r}" for d, r in download.failed.items()) or "no donors"
             raise StateDownloadFailed(
                 f"could not download state {digest.hex()} ({len(download.chunks) - len(missing)} of "
-                f"{len(download.chunks)} chunks verified): {reasons}", dict(download.failed))
+                f"{len(download.chunks)} chunks verified): {reasons}",
+                dict(download.failed),
+            )
         if missing:
-            shares = {d: missing[k::len(alive)] for k, d in enumerate(alive[:len(missing)])}
+            shares = {d: missing[k :: len(alive)] for k, d in enumerate(alive[: len(missing)])}
         else:  # a state without chunks: one donor for the meta
             shares = {alive[0]: []}
         tasks = [asyncio.create_task(download.fetch(d, share)) for d, share in shares.items()]
@@ -208,8 +238,13 @@ async def download_state(donors: Sequence[Hashable], open_stream, *, digest: byt
             for task in tasks:
                 task.cancel()
     assert download.meta is not None and all(download.received)
-    return DownloadResult(meta=download.meta, tensors=download.tensors, bytes_by_donor=download.bytes_by_donor,
-                          chunks_by_donor=download.chunks_by_donor, failed=download.failed)
+    return DownloadResult(
+        meta=download.meta,
+        tensors=download.tensors,
+        bytes_by_donor=download.bytes_by_donor,
+        chunks_by_donor=download.chunks_by_donor,
+        failed=download.failed,
+    )
 
 
 NORM_FACTOR = 10.0
@@ -221,8 +256,7 @@ implausible φ lies outside it. Within the bound the check proves nothing: it st
 takeovers, not a subtly poisoned φ."""
 
 
-def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], *,
-                 factor: float = NORM_FACTOR) -> None:
+def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], *, factor: float = NORM_FACTOR) -> None:
     """Check a downloaded state's values before it replaces this peer's (issue #17, item 3).
 
     Args:
@@ -242,8 +276,9 @@ def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], 
             raise BadPayload(f"downloaded state tensor {index} holds NaN or inf")
     norm, ref = _global_norm(state.phi), _global_norm(reference_phi)
     if ref > 0 and not ref / factor <= norm <= ref * factor:
-        raise BadPayload(f"downloaded φ has norm {norm:.4g}, this peer's has {ref:.4g}: outside a factor of "
-                         f"{factor:g} either way")
+        raise BadPayload(
+            f"downloaded φ has norm {norm:.4g}, this peer's has {ref:.4g}: outside a factor of {factor:g} either way"
+        )
 
 
 def check_agrees(state: DownloadedState, *, round_: int, inner_steps: int) -> None:
@@ -261,19 +296,21 @@ def check_agrees(state: DownloadedState, *, round_: int, inner_steps: int) -> No
         BadPayload: another round, or another inner step than ``round_·H``; nothing is changed.
     """
     if state.round != round_ or not 0 <= state.round <= frames.META_BOUNDS["round"]:
-        raise BadPayload(f"the state's meta claims round {state.round}, the records that publish it "
-                         f"round {round_}")
+        raise BadPayload(f"the state's meta claims round {state.round}, the records that publish it round {round_}")
     if state.inner_step != round_ * inner_steps:
-        raise BadPayload(f"the state's meta claims inner step {state.inner_step}, expected {round_ * inner_steps} "
-                         f"(the start of round {round_})")
+        raise BadPayload(
+            f"the state's meta claims inner step {state.inner_step}, expected {round_ * inner_steps} "
+            f"(the start of round {round_})"
+        )
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
-def validate_state(metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: str,
-                   shapes: Sequence[torch.Size]) -> DownloadedState:
+def validate_state(
+    metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: str, shapes: Sequence[torch.Size]
+) -> DownloadedState:
     """Check a downloaded state before any of it touches φ.
 
     Args:
@@ -295,17 +332,25 @@ def validate_state(metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: st
     for name in ("round", "inner_step"):
         value, bound = metadata.get(name), frames.META_BOUNDS[name]
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
-            raise BadPayload(f"downloaded state field {name} = {sanitize(repr(value), max_chars=40)}: "
-                             f"expected an integer in [0, {bound}]")
+            raise BadPayload(
+                f"downloaded state field {name} = {sanitize(repr(value), max_chars=40)}: "
+                f"expected an integer in [0, {bound}]"
+            )
     n = len(shapes)
     if len(tensors) != 2 * n:
         raise BadPayload(f"downloaded state has {len(tensors)} tensors, expected {2 * n} (φ and outer momentum)")
     for index, tensor in enumerate(tensors):
         shape = shapes[index % n]
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.shape != shape:
-            raise BadPayload(f"downloaded state tensor {index} is {getattr(tensor, 'dtype', type(tensor))} "
-                             f"{tuple(getattr(tensor, 'shape', ()))}, expected float32 {tuple(shape)}")
+            raise BadPayload(
+                f"downloaded state tensor {index} is {getattr(tensor, 'dtype', type(tensor))} "
+                f"{tuple(getattr(tensor, 'shape', ()))}, expected float32 {tuple(shape)}"
+            )
         if not torch.isfinite(tensor).all():
             raise BadPayload(f"downloaded state tensor {index} holds NaN or inf")
-    return DownloadedState(round=metadata["round"], inner_step=metadata["inner_step"],
-                           phi=[t.clone() for t in tensors[:n]], outer_state=[t.clone() for t in tensors[n:]])
+    return DownloadedState(
+        round=metadata["round"],
+        inner_step=metadata["inner_step"],
+        phi=[t.clone() for t in tensors[:n]],
+        outer_state=[t.clone() for t in tensors[n:]],
+    )

@@ -18,9 +18,14 @@ from protocol.wire.pieces import piece_view
 logger = logging.getLogger(__name__)
 
 
-async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      snapshot_for: Callable[[bytes], Awaitable[StateSnapshot | None]], *, timeout: float,
-                      admit: Callable[[int, int], bool] | None = None) -> int:
+async def serve_state(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    snapshot_for: Callable[[bytes], Awaitable[StateSnapshot | None]],
+    *,
+    timeout: float,
+    admit: Callable[[int, int], bool] | None = None,
+) -> int:
     """Answer one joiner's REQUEST on a fresh stream, then close it.
 
     Args:
@@ -63,12 +68,17 @@ async def serve_state(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             logger.info("state %s requested; not held here", digest.hex())
             send(frames.encode_missing())
         elif indices and indices[-1] >= len(snapshot.chunks):
-            logger.warning("rejected a state request for %s: chunk %d requested, the state has %d chunks",
-                           digest.hex(), indices[-1], len(snapshot.chunks))
+            logger.warning(
+                "rejected a state request for %s: chunk %d requested, the state has %d chunks",
+                digest.hex(),
+                indices[-1],
+                len(snapshot.chunks),
+            )
             return written
         elif admit is not None and not admit(_chunk_bytes(snapshot, indices), _chunk_bytes(snapshot)):
-            logger.warning("refused a state request for %s: %d chunks is over the joiner's budget",
-                           digest.hex(), len(indices))
+            logger.warning(
+                "refused a state request for %s: %d chunks is over the joiner's budget", digest.hex(), len(indices)
+            )
             return written
         else:
             send(frames.encode_meta(snapshot.meta, snapshot.chunk_hashes))

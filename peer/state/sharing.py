@@ -71,8 +71,12 @@ class StateSharing:
         self._snapshots: dict[bytes, StateSnapshot] = {}
         self._snapshots_fetched_at = 0.0
         self._state_slots = StreamSlots(per_peer=STATE_STREAMS_PER_PEER, total=STATE_STREAMS_TOTAL)
-        self._serve_budget = ServeBudget(per_peer_states=STATES_PER_PEER, total_states=STATES_TOTAL,
-                                         period_s=STATE_PERIOD_S, min_state_bytes=MIN_STATE_BYTES)
+        self._serve_budget = ServeBudget(
+            per_peer_states=STATES_PER_PEER,
+            total_states=STATES_TOTAL,
+            period_s=STATE_PERIOD_S,
+            min_state_bytes=MIN_STATE_BYTES,
+        )
 
     @property
     def state_protocol(self) -> str:
@@ -87,12 +91,17 @@ class StateSharing:
         # for the snapshots it serves (never for hivemind's own state download: state sharing is off).
         with self._state_lock:
             snapshots = self._state_provider() if self._state_provider is not None else []
-        metadata = {"snapshots": [{"meta": s.meta, "hashes": list(s.chunk_hashes), "digest": s.digest,
-                                   "tensors": len(s.tensors)} for s in snapshots]}
+        metadata = {
+            "snapshots": [
+                {"meta": s.meta, "hashes": list(s.chunk_hashes), "digest": s.digest, "tensors": len(s.tensors)}
+                for s in snapshots
+            ]
+        }
         return metadata, [t for s in snapshots for t in s.tensors], None
 
-    def download_state(self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str,
-                       timeout_s: float) -> DownloadResult:
+    def download_state(
+        self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str, timeout_s: float
+    ) -> DownloadResult:
         """Download the state named ``digest`` from ``donors`` (peer id strings) at once, in the
         averager process (peer/state/download.py). Blocks until done.
 
@@ -101,8 +110,16 @@ class StateSharing:
         """
         bound = self.download_bound_s(len(donors), timeout_s, 4 * sum(math.prod(shape) for shape in shapes))
         try:
-            return self._call_in_averager("_download_state", timeout=bound + 5, donors=list(donors), digest=digest,
-                                          shapes=list(shapes), run_id=run_id, timeout_s=timeout_s, bound_s=bound)
+            return self._call_in_averager(
+                "_download_state",
+                timeout=bound + 5,
+                donors=list(donors),
+                digest=digest,
+                shapes=list(shapes),
+                run_id=run_id,
+                timeout_s=timeout_s,
+                bound_s=bound,
+            )
         except TimeoutError:
             raise StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound:.0f} s", {}) from None
 
@@ -117,8 +134,9 @@ class StateSharing:
         from hivemind.p2p import PeerID
 
         async def open_stream(peer_id):
-            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id),
-                                                                           self.state_protocol)
+            _, reader, writer = await self._p2p.call_binary_stream_handler(
+                PeerID.from_base58(peer_id), self.state_protocol
+            )
             return reader, writer
 
         # a bar on the peer's stderr (this process shares it): a long download is no silent wait
@@ -126,19 +144,30 @@ class StateSharing:
         progress = TransferProgress("the swarm's state", total_bytes)
 
         def on_progress(chunks_done: int, chunks_total: int, bytes_read: int, donors_delivering: int) -> None:
-            progress.update(int(total_bytes * chunks_done / max(1, chunks_total)),
-                            detail=f"from {donors_delivering} peer(s)")
+            progress.update(
+                int(total_bytes * chunks_done / max(1, chunks_total)), detail=f"from {donors_delivering} peer(s)"
+            )
 
         try:
-            result = await asyncio.wait_for(download.download_state(
-                [d for d in donors if d != str(self.peer_id)], open_stream, digest=digest, shapes=shapes,
-                run_id=run_id, timeout=timeout_s, on_progress=on_progress), bound_s)
+            result = await asyncio.wait_for(
+                download.download_state(
+                    [d for d in donors if d != str(self.peer_id)],
+                    open_stream,
+                    digest=digest,
+                    shapes=shapes,
+                    run_id=run_id,
+                    timeout=timeout_s,
+                    on_progress=on_progress,
+                ),
+                bound_s,
+            )
             if not future.done():
                 future.set_result(result)
         except TimeoutError:
             if not future.done():
-                future.set_exception(StateDownloadFailed(
-                    f"state {digest.hex()} not downloaded within {bound_s:.0f} s", {}))
+                future.set_exception(
+                    StateDownloadFailed(f"state {digest.hex()} not downloaded within {bound_s:.0f} s", {})
+                )
         except Exception as exc:
             if not future.done():
                 future.set_exception(exc)
@@ -158,16 +187,21 @@ class StateSharing:
                 return None
             fresh, offset = {}, 0
             for item in metadata["snapshots"]:
-                own = tuple(tensors[offset:offset + item["tensors"]])
+                own = tuple(tensors[offset : offset + item["tensors"]])
                 offset += item["tensors"]
                 fresh[item["digest"]] = StateSnapshot(
-                    meta=item["meta"], tensors=own, chunks=tuple(plan_chunks([t.shape for t in own])),
-                    chunk_hashes=tuple(item["hashes"]), digest=item["digest"])
+                    meta=item["meta"],
+                    tensors=own,
+                    chunks=tuple(plan_chunks([t.shape for t in own])),
+                    chunk_hashes=tuple(item["hashes"]),
+                    digest=item["digest"],
+                )
             self._snapshots = fresh
         return self._snapshots.get(digest)
 
-    async def _handle_state_stream(self, stream_info, reader: asyncio.StreamReader,
-                                   writer: asyncio.StreamWriter) -> None:
+    async def _handle_state_stream(
+        self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """A joiner asks for chunks of a state snapshot (peer/state/serve.py); never raises.
 
         Bounded per joiner (its libp2p peer id) and in total: open streams (``STATE_STREAMS_*``)
@@ -175,13 +209,21 @@ class StateSharing:
         """
         peer = stream_info.peer_id
         if not self._state_slots.acquire(peer):
-            logger.warning("refused a state stream from %s: %d open from it, %d in all", peer,
-                           self._state_slots.per_peer, self._state_slots.open)
+            logger.warning(
+                "refused a state stream from %s: %d open from it, %d in all",
+                peer,
+                self._state_slots.per_peer,
+                self._state_slots.open,
+            )
             writer.close()
             return
         try:
-            await serve_state(reader, writer, self._snapshot_for, timeout=self.next_chunk_timeout or 5.0,
-                              admit=lambda request_bytes, state_bytes: self._serve_budget.take(
-                                  peer, request_bytes, state_bytes))
+            await serve_state(
+                reader,
+                writer,
+                self._snapshot_for,
+                timeout=self.next_chunk_timeout or 5.0,
+                admit=lambda request_bytes, state_bytes: self._serve_budget.take(peer, request_bytes, state_bytes),
+            )
         finally:
             self._state_slots.release(peer)

@@ -81,8 +81,9 @@ class StateSnapshot:
     """16 bytes; ``digest.hex()`` is what progress records publish."""
 
 
-def make_snapshot(meta: dict[str, Any], tensors: Sequence[torch.Tensor], *,
-                  chunk_elements: int = CHUNK_ELEMENTS, owned: bool = False) -> StateSnapshot:
+def make_snapshot(
+    meta: dict[str, Any], tensors: Sequence[torch.Tensor], *, chunk_elements: int = CHUNK_ELEMENTS, owned: bool = False
+) -> StateSnapshot:
     """Copy a state and hash it, so that it can be served while training goes on.
 
     Costs one copy of the state in memory and one blake2b pass over it (blake2b releases the GIL,
@@ -105,8 +106,9 @@ def make_snapshot(meta: dict[str, Any], tensors: Sequence[torch.Tensor], *,
     chunks = plan_chunks([t.shape for t in copies], chunk_elements)
     hashes = tuple(chunk_hash(chunk_view(copies[c.tensor], c)) for c in chunks)  # hashed in place
     meta = dict(meta)
-    return StateSnapshot(meta=meta, tensors=tuple(copies), chunks=tuple(chunks), chunk_hashes=hashes,
-                         digest=state_digest(meta, hashes))
+    return StateSnapshot(
+        meta=meta, tensors=tuple(copies), chunks=tuple(chunks), chunk_hashes=hashes, digest=state_digest(meta, hashes)
+    )
 
 
 def _private_copy(tensor: torch.Tensor, index: int, *, owned: bool) -> torch.Tensor:
@@ -136,8 +138,14 @@ class SealedTensor:
     """The hashes of its chunks, in chunk order."""
 
 
-def seal_tensor(tensor: torch.Tensor, *, index: int, shapes: Sequence[Sequence[int]], owned: bool = False,
-                chunk_elements: int = CHUNK_ELEMENTS) -> SealedTensor:
+def seal_tensor(
+    tensor: torch.Tensor,
+    *,
+    index: int,
+    shapes: Sequence[Sequence[int]],
+    owned: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> SealedTensor:
     """Copy (unless ``owned``), check and hash state tensor ``index`` as :func:`make_snapshot` would.
 
     Args:
@@ -150,9 +158,10 @@ def seal_tensor(tensor: torch.Tensor, *, index: int, shapes: Sequence[Sequence[i
         ValueError: ``index`` outside ``shapes``, another shape, not fp32, or NaN or inf in it.
     """
     if not 0 <= index < len(shapes) or tuple(tensor.shape) != tuple(shapes[index]):
-        raise ValueError(f"state tensor {index} of shape {tuple(tensor.shape)}: the state has "
-                         f"{len(shapes)} tensors" + (f", this one shaped {tuple(shapes[index])}"
-                                                     if 0 <= index < len(shapes) else ""))
+        raise ValueError(
+            f"state tensor {index} of shape {tuple(tensor.shape)}: the state has "
+            f"{len(shapes)} tensors" + (f", this one shaped {tuple(shapes[index])}" if 0 <= index < len(shapes) else "")
+        )
     copy = _private_copy(tensor, index, owned=owned)
     # a tensor's chunk rows follow from its own shape alone (plan_pieces), so it is planned alone
     chunks = plan_chunks([copy.shape], chunk_elements)
@@ -182,17 +191,26 @@ def make_snapshot_from(previous: StateSnapshot, meta: dict[str, Any], sealed: It
     tensors, by_index = list(previous.tensors), {}
     for s in sealed:
         if not 0 <= s.index < len(tensors) or s.tensor.shape != tensors[s.index].shape:
-            raise ValueError(f"sealed tensor {s.index} of shape {tuple(s.tensor.shape)} does not fit the state's "
-                             f"{len(tensors)} tensors")
+            raise ValueError(
+                f"sealed tensor {s.index} of shape {tuple(s.tensor.shape)} does not fit the state's "
+                f"{len(tensors)} tensors"
+            )
         tensors[s.index], by_index[s.index] = s.tensor, s.chunk_hashes
     hashes = list(previous.chunk_hashes)
     for index, new_hashes in by_index.items():
         at = [c.index for c in previous.chunks if c.tensor == index]
         if len(new_hashes) != len(at):
-            raise ValueError(f"sealed tensor {index} has {len(new_hashes)} chunk hashes, the state's chunks "
-                             "of it are not as many (sealed with another chunk size)")
+            raise ValueError(
+                f"sealed tensor {index} has {len(new_hashes)} chunk hashes, the state's chunks "
+                "of it are not as many (sealed with another chunk size)"
+            )
         for i, h in zip(at, new_hashes):
             hashes[i] = h
     meta = dict(meta)
-    return StateSnapshot(meta=meta, tensors=tuple(tensors), chunks=previous.chunks, chunk_hashes=tuple(hashes),
-                         digest=state_digest(meta, hashes))
+    return StateSnapshot(
+        meta=meta,
+        tensors=tuple(tensors),
+        chunks=previous.chunks,
+        chunk_hashes=tuple(hashes),
+        digest=state_digest(meta, hashes),
+    )

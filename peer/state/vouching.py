@@ -86,8 +86,13 @@ class Ledger:
         """
         items = list(first.items())
         for peer, round_ in items:
-            if not isinstance(peer, str) or not peer or isinstance(round_, bool) or not isinstance(round_, int) \
-                    or round_ < 0:
+            if (
+                not isinstance(peer, str)
+                or not peer
+                or isinstance(round_, bool)
+                or not isinstance(round_, int)
+                or round_ < 0
+            ):
                 raise ValueError(f"ledger entry {peer!r}: {round_!r}: expected a peer id and a round >= 0")
         for peer, round_ in items:
             self.record_group(round_, [peer])
@@ -177,8 +182,11 @@ class Vouching:
             the joiner's rule) when the ledger is empty or none of its vouchers is among the records
             (a restarted peer, or the swarm turned over while this peer was away).
         """
-        kept = [r for r in records
-                if r.record.state_digest not in self.refused and self.clock.admit(r.peer_id, r.record.round)]
+        kept = [
+            r
+            for r in records
+            if r.record.state_digest not in self.refused and self.clock.admit(r.peer_id, r.record.round)
+        ]
         vouchers: frozenset[str] | None = self.ledger.vouchers(round_) if len(self.ledger) else None
         if vouchers is not None and not vouchers & {r.peer_id for r in kept}:
             vouchers = None

@@ -81,8 +81,9 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
     options = []
     for name in ELEMENTWISE:
         # Codecs are equal when they encode alike: one per block size for blockwise formats, one in all for the rest.
-        for codec in dict.fromkeys(Codec(name, block_size=min(spec.block_size * f, BLOCK_RANGE[1]))
-                                   for f in BLOCK_FACTORS):
+        for codec in dict.fromkeys(
+            Codec(name, block_size=min(spec.block_size * f, BLOCK_RANGE[1])) for f in BLOCK_FACTORS
+        ):
             err = _round_trip_error(codec, x) if codec.lossy else 0.0
             options.append(_Option(codec, sent_bytes(codec, shape, group_size), err))
     if x.dim() >= 2 and x.numel():
@@ -96,8 +97,11 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
         while True:
             codec = Codec("lowrank", rank=rank)
             cost = sent_bytes(codec, shape, group_size)
-            if codec.resolve(shape) != codec.name or codec.for_mean(group_size).resolve(shape) != codec.name \
-                    or cost >= cheapest_dense:
+            if (
+                codec.resolve(shape) != codec.name
+                or codec.for_mean(group_size).resolve(shape) != codec.name
+                or cost >= cheapest_dense
+            ):
                 break
             err = _round_trip_error(codec, x)
             if err <= faithful:
@@ -124,8 +128,9 @@ def _pareto(options: list[_Option]) -> list[_Option]:
     return front
 
 
-def plan(tensors: Sequence[torch.Tensor], spec: CompressionSpec, *, uplink_bytes_per_s: float,
-         group_size: int) -> CodecPlan:
+def plan(
+    tensors: Sequence[torch.Tensor], spec: CompressionSpec, *, uplink_bytes_per_s: float, group_size: int
+) -> CodecPlan:
     """Pick one codec per tensor so that one sync fits ``spec.sync_time_budget_s`` at the uplink.
 
     Rate-distortion allocation: minimise Σ_tensors ‖x − x̂‖² subject to Σ bytes sent ≤ budget,
@@ -161,8 +166,10 @@ def plan(tensors: Sequence[torch.Tensor], spec: CompressionSpec, *, uplink_bytes
     result.bytes_per_sync = total
     result.over_budget = total > budget
     seconds = total / uplink_bytes_per_s
-    result.note = (f"adaptive plan: {total / 2**20:.2f} MiB per sync, {seconds:.2f} s at "
-                   f"{uplink_bytes_per_s * 8 / 1e6:.1f} Mbit/s, budget {spec.sync_time_budget_s:.2f} s")
+    result.note = (
+        f"adaptive plan: {total / 2**20:.2f} MiB per sync, {seconds:.2f} s at "
+        f"{uplink_bytes_per_s * 8 / 1e6:.1f} Mbit/s, budget {spec.sync_time_budget_s:.2f} s"
+    )
     if result.over_budget:
         result.note += ": OVER BUDGET, even the cheapest codec of every tensor does not fit"
         logger.warning("%s", result.note)

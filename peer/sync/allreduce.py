@@ -123,12 +123,21 @@ class GroupAllreduce:
             mean is replaced (zeros for Δ, own values for φ) and which check applies.
     """
 
-    def __init__(self, plan: GroupPlan, tensors: Sequence[torch.Tensor], *, weight: float,
-                 compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
-                 stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
-                 open_stream, next_chunk_timeout: float, executor: Executor | None = None,
-                 max_weight: float | None = None, ignored: frozenset[int] = frozenset(),
-                 phi_from: int | None = None):
+    def __init__(
+        self,
+        plan: GroupPlan,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float,
+        compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
+        stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
+        open_stream,
+        next_chunk_timeout: float,
+        executor: Executor | None = None,
+        max_weight: float | None = None,
+        ignored: frozenset[int] = frozenset(),
+        phi_from: int | None = None,
+    ):
         if max_weight is not None and not max_weight > 0:
             raise ValueError(f"max_weight = {max_weight!r}: expected a number of tokens > 0 or None")
         self.plan, self.tensors, self.weight = plan, list(tensors), float(weight)
@@ -144,15 +153,17 @@ class GroupAllreduce:
             self.pieces_by_owner.setdefault(p.owner, []).append(p)
         # owner state for my pieces: contributions[piece.index][sender] -> (weight, fp32 tensor)
         self._contrib: dict[int, list[tuple[float, torch.Tensor] | None]] = {
-            p.index: [None] * n for p in self.my_pieces}
+            p.index: [None] * n for p in self.my_pieces
+        }
         self._excluded: set[int] = set()
         for s in sorted(set(ignored) - {me}):
             self._excluded.add(s)
             self.stats.excluded[s] = "ignored: its contributions were clipped or dropped repeatedly"
         self._connected: set[int] = {me}
         self._changed = asyncio.Condition()
-        self._mean_frames: dict[int, asyncio.Future] = {p.index: asyncio.get_running_loop().create_future()
-                                                        for p in self.my_pieces}
+        self._mean_frames: dict[int, asyncio.Future] = {
+            p.index: asyncio.get_running_loop().create_future() for p in self.my_pieces
+        }
         self._mean_writers: set[asyncio.Task] = set()
         """Owner: the tasks writing this peer's MEAN frames back to each sender (:meth:`serve`)."""
         self.results: dict[int, torch.Tensor] = {}
@@ -184,8 +195,9 @@ class GroupAllreduce:
         shape = piece_shape(self.tensors[piece.tensor].shape, piece)
         value = codecs.decode(data, shape, seed=self.plan.seeds[piece.index])
         if tuple(value.shape) != shape or value.dtype != torch.float32:
-            raise BadPayload(f"piece {piece.index} decoded to {value.dtype} {tuple(value.shape)}, expected "
-                             f"float32 {shape}")
+            raise BadPayload(
+                f"piece {piece.index} decoded to {value.dtype} {tuple(value.shape)}, expected float32 {shape}"
+            )
         if not torch.isfinite(value).all():
             raise BadPayload(f"piece {piece.index} holds NaN or inf")
         return value
@@ -200,12 +212,18 @@ class GroupAllreduce:
         if sender not in self._excluded:
             self._excluded.add(sender)
             self.stats.excluded[sender] = reason
-            logger.warning("all-reduce %s: excluded groupmate %d (%s): %s", self.plan.group_id.hex()[:8],
-                           sender, self.plan.peer_ids[sender], reason)
+            logger.warning(
+                "all-reduce %s: excluded groupmate %d (%s): %s",
+                self.plan.group_id.hex()[:8],
+                sender,
+                self.plan.peer_ids[sender],
+                reason,
+            )
 
     # ---- owner side ---------------------------------------------------------------------
-    async def serve(self, stream_peer_id, hello_payload: bytes, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter) -> None:
+    async def serve(
+        self, stream_peer_id, hello_payload: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """Handle one sender's stream (its HELLO already read): read its pieces, write back the means."""
         n = len(self.plan.peer_ids)
         sender = None
@@ -297,8 +315,9 @@ class GroupAllreduce:
                     silent = time.monotonic() - last_change
                     if silent > self.timeout:
                         for s in waiting:
-                            self._exclude_locked(s, "never connected" if s not in self._connected
-                                                 else "sent nothing in time")
+                            self._exclude_locked(
+                                s, "never connected" if s not in self._connected else "sent nothing in time"
+                            )
                         continue
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=self.timeout - silent + 0.05)
@@ -323,9 +342,13 @@ class GroupAllreduce:
                 s = senders[position]
                 self.stats.clipped[s] = self.stats.clipped.get(s, 0) + 1
             if clipped:
-                logger.info("all-reduce %s: piece %d: clipped the contributions of groupmates %s to %.0fx the "
-                            "median norm", self.plan.group_id.hex()[:8], piece.index,
-                            [senders[p] for p in clipped], CLIP_MEDIAN_FACTOR)
+                logger.info(
+                    "all-reduce %s: piece %d: clipped the contributions of groupmates %s to %.0fx the median norm",
+                    self.plan.group_id.hex()[:8],
+                    piece.index,
+                    [senders[p] for p in clipped],
+                    CLIP_MEDIAN_FACTOR,
+                )
             self.results[piece.index] = value
             self._mean_frames[piece.index].set_result(payload)
             self._contrib[piece.index] = []  # free the contributions
@@ -339,9 +362,14 @@ class GroupAllreduce:
         capped = cap_weight(weight, self.max_weight)
         if capped != weight and sender not in self.stats.capped_weights:
             self.stats.capped_weights[sender] = weight
-            logger.warning("all-reduce %s: groupmate %d (%s) claims %.3g tokens, more than a round holds; "
-                           "weighted as %.0f", self.plan.group_id.hex()[:8], sender, self.plan.peer_ids[sender],
-                           weight, capped)
+            logger.warning(
+                "all-reduce %s: groupmate %d (%s) claims %.3g tokens, more than a round holds; weighted as %.0f",
+                self.plan.group_id.hex()[:8],
+                sender,
+                self.plan.peer_ids[sender],
+                weight,
+                capped,
+            )
         return capped
 
     def _mean_of(self, piece: Piece, parts, included: list[bool]) -> tuple[bytes, torch.Tensor, list[int]]:
@@ -386,9 +414,16 @@ class GroupAllreduce:
         if delta not in self._reference:  # once per kind (two executor threads may both compute it: the same value)
             split = len(self.tensors) if self.phi_from is None else self.phi_from
             self._reference[delta] = reference_rms(self.tensors[:split] if delta else self.tensors[split:])
-        problem = owner_mean_problem(value, mine, weight=self.weight, included=sum(included),
-                                     max_weight=self.max_weight, phi=not delta, included_self=me_in,
-                                     reference_rms=self._reference[delta])
+        problem = owner_mean_problem(
+            value,
+            mine,
+            weight=self.weight,
+            included=sum(included),
+            max_weight=self.max_weight,
+            phi=not delta,
+            included_self=me_in,
+            reference_rms=self._reference[delta],
+        )
         if problem is None:
             return value
         self.stats.refused_pieces += 1
@@ -396,9 +431,16 @@ class GroupAllreduce:
             self.stats.struck_owners.add(str(self.plan.peer_ids[owner]))
         if str(self.plan.peer_ids[owner]) not in self.stats.refused:
             self.stats.refused[str(self.plan.peer_ids[owner])] = str(problem)  # stats cross process pipes
-            logger.warning("all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; applying %s for "
-                           "its pieces that fail", self.plan.group_id.hex()[:8], piece.index, owner,
-                           self.plan.peer_ids[owner], problem, "zeros" if delta else "this peer's own values")
+            logger.warning(
+                "all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; applying %s for "
+                "its pieces that fail",
+                self.plan.group_id.hex()[:8],
+                piece.index,
+                owner,
+                self.plan.peer_ids[owner],
+                problem,
+                "zeros" if delta else "this peer's own values",
+            )
         return torch.zeros_like(value) if delta else mine
 
     async def _exchange_with(self, owner: int) -> None:
@@ -406,8 +448,12 @@ class GroupAllreduce:
         n = len(self.plan.peer_ids)
         reader, writer = await asyncio.wait_for(self.open_stream(self.plan.peer_ids[owner]), self.timeout)
         try:
-            self._write(writer, frames.encode_hello(group_id=self.plan.group_id, sender=self.plan.my_index,
-                                                  weight=self.weight, pieces=len(pieces)))
+            self._write(
+                writer,
+                frames.encode_hello(
+                    group_id=self.plan.group_id, sender=self.plan.my_index, weight=self.weight, pieces=len(pieces)
+                ),
+            )
 
             async def send() -> None:
                 for piece in pieces:
@@ -426,8 +472,7 @@ class GroupAllreduce:
                     included, data = frames.parse_mean(payload, expected_index=piece.index, group_size=n)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     self.stats.partial_pieces += not all(included)
-                    self.results[piece.index] = await self._off_loop(self._checked_mean, owner, piece, value,
-                                                                     included)
+                    self.results[piece.index] = await self._off_loop(self._checked_mean, owner, piece, value, included)
                 await send_task
             finally:
                 send_task.cancel()

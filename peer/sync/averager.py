@@ -118,17 +118,26 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
     next_chunk_timeout: float
     """Required here (DecentralizedAverager's may be None): checked in ``__init__``."""
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, compression: CompressionSpec,
-                 uplink_mbps: float = 50.0,
-                 phi_from: int | None = None, piece_elements: int | None = None,
-                 max_weight_tokens: float | None = None, **kwargs):
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        compression: CompressionSpec,
+        uplink_mbps: float = 50.0,
+        phi_from: int | None = None,
+        piece_elements: int | None = None,
+        max_weight_tokens: float | None = None,
+        **kwargs,
+    ):
         if kwargs.get("next_chunk_timeout") is None:
             raise ValueError("LocoAverager needs next_chunk_timeout: a silent groupmate must not stall a round")
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements, self.max_weight_tokens = piece_elements, max_weight_tokens
         self._init_state_sharing()
-        self._stream_limits = StreamLimits.for_matchmaking(kwargs.get("min_matchmaking_time", 5.0),
-                                                           kwargs.get("request_timeout") or 3.0)
+        self._stream_limits = StreamLimits.for_matchmaking(
+            kwargs.get("min_matchmaking_time", 5.0), kwargs.get("request_timeout") or 3.0
+        )
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
         self._strikes = Strikes()  # groupmates whose contributions this peer clipped or dropped repeatedly
@@ -195,9 +204,13 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
 
         if not weight > 0 or not scheduled_time < get_dht_time() + timeout:
             raise ValueError(f"weight {weight} must be > 0 and the scheduled time within the timeout {timeout} s")
-        step = StepControl(scheduled_time=scheduled_time, deadline=get_dht_time() + timeout, allow_retries=True,
-                           weight=float(weight), data_for_gather=self.serializer.dumps(
-                               [self.bandwidth, self.mode.value, self.serializer.dumps(gather)]))
+        step = StepControl(
+            scheduled_time=scheduled_time,
+            deadline=get_dht_time() + timeout,
+            allow_retries=True,
+            weight=float(weight),
+            data_for_gather=self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)]),
+        )
         taken = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=taken)))
         step.attach(*self._await(taken))
@@ -241,14 +254,15 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         """
         if len(group_bits) >= keys.ROUND_BITS:
             try:
-                protect_round(self.dht, self.prefix, int(group_bits[:keys.ROUND_BITS], 2))
+                protect_round(self.dht, self.prefix, int(group_bits[: keys.ROUND_BITS], 2))
             except Exception as exc:  # the DHT is shutting down: matchmaking will fail on its own
                 logger.debug("could not protect the matchmaking keys of %s: %r", group_bits, exc)
         future = super().set_group_bits(group_bits, wait=False)
         return self._await(future) if wait else future
 
-    def configure_round(self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float,
-                        tensors: Sequence[int] | None = None) -> None:
+    def configure_round(
+        self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float, tensors: Sequence[int] | None = None
+    ) -> None:
         """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
 
         Args:
@@ -269,8 +283,13 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             n = len(self._averaged_tensors)
             if not tensors or list(tensors) != sorted(set(tensors)) or not 0 <= tensors[0] <= tensors[-1] < n:
                 raise ValueError(f"tensors = {tensors}: need distinct ascending indices into the {n} payload buffers")
-        self._call_in_averager("_configure_round", size=target_group_size, matchmaking_s=matchmaking_s,
-                               allreduce_s=allreduce_s, tensors=tensors)
+        self._call_in_averager(
+            "_configure_round",
+            size=target_group_size,
+            matchmaking_s=matchmaking_s,
+            allreduce_s=allreduce_s,
+            tensors=tensors,
+        )
 
     def reset_error_feedback(self) -> None:
         """Forget the error-feedback residuals in the averager process (they belong to a φ this
@@ -307,8 +326,11 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 the residuals in the averager process are left unchanged.
             TimeoutError: the averager process did not answer within ``timeout`` seconds.
         """
-        return self._call_in_averager("_load_error_feedback", timeout=timeout,
-                                      residuals=[r.detach().to(torch.float32).contiguous() for r in residuals])
+        return self._call_in_averager(
+            "_load_error_feedback",
+            timeout=timeout,
+            residuals=[r.detach().to(torch.float32).contiguous() for r in residuals],
+        )
 
     async def _load_error_feedback(self, residuals, future) -> None:
         try:
@@ -319,8 +341,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         except ValueError as exc:
             future.set_exception(exc)
 
-    async def _configure_round(self, size: int, matchmaking_s: float, allreduce_s: float, future,
-                               tensors: tuple[int, ...] | None = None) -> None:
+    async def _configure_round(
+        self, size: int, matchmaking_s: float, allreduce_s: float, future, tensors: tuple[int, ...] | None = None
+    ) -> None:
         self._subset = tensors
         matchmaking = self._matchmaking
         matchmaking.target_group_size = size
@@ -370,8 +393,12 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             self._allreduce_slots = StreamSlots(per_peer=ALLREDUCE_STREAMS_PER_PEER, total=ALLREDUCE_STREAMS_TOTAL)
         peer = stream_info.peer_id
         if not self._allreduce_slots.acquire(peer):
-            logger.warning("refused an all-reduce stream from %s: %d open from it, %d in all", peer,
-                           ALLREDUCE_STREAMS_PER_PEER, self._allreduce_slots.open)
+            logger.warning(
+                "refused an all-reduce stream from %s: %d open from it, %d in all",
+                peer,
+                ALLREDUCE_STREAMS_PER_PEER,
+                self._allreduce_slots.open,
+            )
             writer.close()
             return
         try:
@@ -432,11 +459,21 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 tensors = [all_tensors[i] for i in index]
                 shapes = [t.shape for t in tensors]
                 phi_from = None if self.phi_from is None else sum(1 for i in index if i < self.phi_from)
-                plan = await asyncio.get_running_loop().run_in_executor(self._codec_executor(), lambda: make_group_plan(
-                    tensors, group_id=group_id, peer_ids=group_info.peer_ids,
-                    my_index=group_info.peer_ids.index(self.peer_id), owners=owners, round_=group_round,
-                    compression=self.compression, phi_from=phi_from, piece_elements=self.piece_elements,
-                    uplink_bytes_per_s=self._uplink_bytes_per_s))
+                plan = await asyncio.get_running_loop().run_in_executor(
+                    self._codec_executor(),
+                    lambda: make_group_plan(
+                        tensors,
+                        group_id=group_id,
+                        peer_ids=group_info.peer_ids,
+                        my_index=group_info.peer_ids.index(self.peer_id),
+                        owners=owners,
+                        round_=group_round,
+                        compression=self.compression,
+                        phi_from=phi_from,
+                        piece_elements=self.piece_elements,
+                        uplink_bytes_per_s=self._uplink_bytes_per_s,
+                    ),
+                )
                 ef = self._feedback([t.shape for t in all_tensors])
                 ef_lock = threading.Lock()
 
@@ -461,12 +498,19 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
 
                 round_ = group_round
                 ignored = self._strikes.ignored(round_)
-                session = GroupAllreduce(plan, tensors, weight=kwargs.get("weight") or 1.0, compensate=compensate,
-                                         stage=stage, open_stream=open_stream,
-                                         next_chunk_timeout=self.next_chunk_timeout, executor=self._codec_executor(),
-                                         max_weight=self.max_weight_tokens,
-                                         ignored=frozenset(i for i, p in enumerate(group_info.peer_ids)
-                                                           if p in ignored), phi_from=phi_from)
+                session = GroupAllreduce(
+                    plan,
+                    tensors,
+                    weight=kwargs.get("weight") or 1.0,
+                    compensate=compensate,
+                    stage=stage,
+                    open_stream=open_stream,
+                    next_chunk_timeout=self.next_chunk_timeout,
+                    executor=self._codec_executor(),
+                    max_weight=self.max_weight_tokens,
+                    ignored=frozenset(i for i, p in enumerate(group_info.peer_ids) if p in ignored),
+                    phi_from=phi_from,
+                )
                 if not future.done():
                     future.set_result(session)
                 # Our own deadline, a second before hivemind's: when it passes (a groupmate hangs with
@@ -478,8 +522,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     if ef is not None:
                         ef.rollback()
                     reason = exc if isinstance(exc, PartialAverage) else f"not done in {own_deadline:.0f} s"
-                    raise AllreduceIncomplete(f"all-reduce of group {group_id.hex()[:8]} incomplete, nothing "
-                                              f"applied: {reason}") from exc
+                    raise AllreduceIncomplete(
+                        f"all-reduce of group {group_id.hex()[:8]} incomplete, nothing applied: {reason}"
+                    ) from exc
                 session.apply()
                 if ef is not None:
                     ef.commit()
@@ -495,8 +540,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             return GroupOutcome(stats=self._stats_of(session), incomplete=str(exc))
         except Exception as exc:
             logger.debug("all-reduce failed", exc_info=True)
-            return GroupOutcome(stats=self._stats_of(session),
-                                incomplete=f"all-reduce failed: {type(exc).__name__}: {exc}")
+            return GroupOutcome(
+                stats=self._stats_of(session), incomplete=f"all-reduce failed: {type(exc).__name__}: {exc}"
+            )
         finally:
             if session is not None:
                 if round_ is not None:  # (set before the session)
@@ -514,9 +560,14 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         offenders = [session.plan.peer_ids[s] for s in set(session.stats.clipped) | session.stats.dropped]
         offenders += [p for p in session.plan.peer_ids if str(p) in session.stats.struck_owners and p not in offenders]
         for peer in self._strikes.record(round_, offenders):
-            logger.warning("ignoring groupmate %s for %d rounds: its contributions were clipped or dropped in %d of "
-                           "the last %d rounds", peer, self._strikes.ignore_rounds, self._strikes.strikes,
-                           self._strikes.window_rounds)
+            logger.warning(
+                "ignoring groupmate %s for %d rounds: its contributions were clipped or dropped in %d of "
+                "the last %d rounds",
+                peer,
+                self._strikes.ignore_rounds,
+                self._strikes.strikes,
+                self._strikes.window_rounds,
+            )
 
     @staticmethod
     def _stats_of(session: GroupAllreduce | None) -> AllreduceStats:

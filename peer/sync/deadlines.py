@@ -137,5 +137,8 @@ class DeadlinePolicy:
     def worst_case(self) -> Deadlines:
         """The deadlines at their upper bounds: what any sync can take at most."""
         s = self.sync
-        return Deadlines(matchmaking_s=s.matchmaking_time_s, matchmaking_deadline_s=3 * s.matchmaking_time_s,
-                         allreduce_s=s.allreduce_timeout_s)
+        return Deadlines(
+            matchmaking_s=s.matchmaking_time_s,
+            matchmaking_deadline_s=3 * s.matchmaking_time_s,
+            allreduce_s=s.allreduce_timeout_s,
+        )

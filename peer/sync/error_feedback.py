@@ -39,8 +39,10 @@ class ErrorFeedback:
         full = self.shapes[index]
         expected = full if rows is None else torch.empty(full, device="meta")[rows].shape
         if x.shape != expected:
-            raise ValueError(f"tensor {index}{'' if rows is None else f' rows {rows}'}: shape {tuple(x.shape)}, "
-                             f"expected {tuple(expected)}")
+            raise ValueError(
+                f"tensor {index}{'' if rows is None else f' rows {rows}'}: shape {tuple(x.shape)}, "
+                f"expected {tuple(expected)}"
+            )
         e = self._view(index, rows)
         return x.detach().float().clone() if e is None else x.detach().float() + e
 
@@ -88,7 +90,8 @@ class ErrorFeedback:
             raise ValueError(f"{len(residuals)} residual tensors, expected {len(self.shapes)}")
         for i, (r, shape) in enumerate(zip(residuals, self.shapes)):
             if r.shape != shape or not torch.isfinite(r).all():
-                raise ValueError(f"residual {i}: shape {tuple(r.shape)} or non-finite values, "
-                                 f"expected finite {tuple(shape)}")
+                raise ValueError(
+                    f"residual {i}: shape {tuple(r.shape)} or non-finite values, expected finite {tuple(shape)}"
+                )
         self._e = [r.detach().to(torch.float32).clone() for r in residuals]
         self._staged.clear()

@@ -88,8 +88,9 @@ class StreamLimits:
         return cls(stream_lifetime_s=3 * matchmaking_time_s + request_timeout_s + 60.0)
 
 
-async def read_protobuf(reader: asyncio.StreamReader, message_type: type[Message], *, max_bytes: int,
-                        timeout: float | None) -> tuple[Message | None, RPCError | None]:
+async def read_protobuf(
+    reader: asyncio.StreamReader, message_type: type[Message], *, max_bytes: int, timeout: float | None
+) -> tuple[Message | None, RPCError | None]:
     """Read one hivemind-framed message, refusing a declared length over ``max_bytes`` before
     reading (or allocating) its body.
 
@@ -103,6 +104,7 @@ async def read_protobuf(reader: asyncio.StreamReader, message_type: type[Message
         asyncio.TimeoutError: the message was not complete within ``timeout`` seconds.
         asyncio.IncompleteReadError: the stream closed mid-message.
     """
+
     async def read() -> tuple[Message | None, RPCError | None]:
         marker = await reader.readexactly(1)
         if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
@@ -138,31 +140,57 @@ class BoundedP2P(P2P):
         p2p.stream_slots = StreamSlots(per_peer=limits.per_peer, total=limits.total)
         return p2p
 
-    async def _add_protobuf_stream_handler(self, name: str, handler, input_protobuf_type: type[Message],
-                                           max_prefetch: int = 5, balanced: bool = False) -> None:
+    async def _add_protobuf_stream_handler(
+        self, name: str, handler, input_protobuf_type: type[Message], max_prefetch: int = 5, balanced: bool = False
+    ) -> None:
         async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer, limits = stream_info.peer_id, self.stream_limits
             if not self.stream_slots.acquire(peer):
-                logger.warning("refused a %s stream from %s: %d of this peer's and %d in all open", name, peer,
-                               self.stream_slots.per_peer, self.stream_slots.open)
+                logger.warning(
+                    "refused a %s stream from %s: %d of this peer's and %d in all open",
+                    name,
+                    peer,
+                    self.stream_slots.per_peer,
+                    self.stream_slots.open,
+                )
                 writer.close()
                 return
             try:
                 context = _context(name, self.peer_id, peer)
-                await asyncio.wait_for(self._serve_stream(handler, context, input_protobuf_type, reader, writer,
-                                                          prefetch=max(1, min(max_prefetch, limits.max_messages))),
-                                       limits.stream_lifetime_s)
+                await asyncio.wait_for(
+                    self._serve_stream(
+                        handler,
+                        context,
+                        input_protobuf_type,
+                        reader,
+                        writer,
+                        prefetch=max(1, min(max_prefetch, limits.max_messages)),
+                    ),
+                    limits.stream_lifetime_s,
+                )
             except (TimeoutError, BadPayload, asyncio.IncompleteReadError, OSError) as exc:
-                logger.warning("closed a %s stream from %s: %s", name, peer,
-                               "timed out" if isinstance(exc, asyncio.TimeoutError) else sanitize(str(exc)))
+                logger.warning(
+                    "closed a %s stream from %s: %s",
+                    name,
+                    peer,
+                    "timed out" if isinstance(exc, asyncio.TimeoutError) else sanitize(str(exc)),
+                )
             finally:
                 self.stream_slots.release(peer)
                 writer.close()
 
         await self.add_binary_stream_handler(name, handle, balanced=balanced)
 
-    async def _serve_stream(self, handler, context, input_type: type[Message], reader: asyncio.StreamReader,
-                            writer: asyncio.StreamWriter, *, prefetch: int) -> None:
+    async def _serve_stream(
+        self,
+        handler,
+        context,
+        input_type: type[Message],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        prefetch: int,
+    ) -> None:
         """hivemind's request/response loop with every read bounded: the requests feed ``handler``
         through a queue of ``prefetch``, its answers are written back as they come.
 
@@ -176,8 +204,9 @@ class BoundedP2P(P2P):
 
         async def read_requests() -> None:
             for _ in range(limits.max_messages):
-                request, _error = await read_protobuf(reader, input_type, max_bytes=limits.max_request_bytes,
-                                                      timeout=limits.message_timeout_s)
+                request, _error = await read_protobuf(
+                    reader, input_type, max_bytes=limits.max_request_bytes, timeout=limits.message_timeout_s
+                )
                 await requests.put(request)
                 if request is None:  # end of stream
                     return
@@ -230,13 +259,15 @@ class BoundedP2P(P2P):
             try:
                 while True:
                     try:
-                        response, error = await read_protobuf(reader, output_protobuf_type, max_bytes=max_bytes,
-                                                              timeout=None)
+                        response, error = await read_protobuf(
+                            reader, output_protobuf_type, max_bytes=max_bytes, timeout=None
+                        )
                     except asyncio.IncompleteReadError:  # the handler closed the stream: done
                         break
                     if error is not None:
-                        raise P2PHandlerError(f"Failed to call handler `{name}` at {peer_id}: "
-                                              f"{sanitize(error.message)}")
+                        raise P2PHandlerError(
+                            f"Failed to call handler `{name}` at {peer_id}: {sanitize(error.message)}"
+                        )
                     yield response
                 await writing
             finally:
@@ -273,13 +304,15 @@ class BoundedHandlers:
     def _p2p(self, p2p) -> None:
         self.__dict__["_p2p"] = BoundedP2P.adopt(p2p, self._stream_limits) if isinstance(p2p, P2P) else p2p
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Refused: hivemind's all-reduce is not this swarm's (see the class docstring)."""
         yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """Refused: state goes through peer/state/serve.py (see the class docstring)."""
         return
         yield  # an async generator that yields nothing

@@ -45,8 +45,7 @@ class RoundSwarm(Protocol):
     :class:`SwarmView`'s methods for what each one means."""
 
     @property
-    def peer_id(self) -> str:
-        ...
+    def peer_id(self) -> str: ...
 
     @property
     def max_sync_s(self) -> float:
@@ -54,33 +53,31 @@ class RoundSwarm(Protocol):
         ...
 
     @property
-    def record_ttl_s(self) -> float:
-        ...
+    def record_ttl_s(self) -> float: ...
 
-    def live(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
-        ...
+    def live(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]: ...
 
-    def others(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
-        ...
+    def others(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]: ...
 
-    def prefetch(self) -> bool:
-        ...
+    def prefetch(self) -> bool: ...
 
-    def publish(self, record: ProgressRecord, *, wait: bool = False) -> None:
-        ...
+    def publish(self, record: ProgressRecord, *, wait: bool = False) -> None: ...
 
-    def round_finished(self) -> None:
-        ...
+    def round_finished(self) -> None: ...
 
-    def wait_for(self, want: int, *, timeout_s: float, stop: threading.Event, heartbeat: Callable[[], None]) -> int:
-        ...
+    def wait_for(self, want: int, *, timeout_s: float, stop: threading.Event, heartbeat: Callable[[], None]) -> int: ...
 
-    def step_now(self, round_: int, *, inner_steps: int, batch_size_tokens: int) -> int:
-        ...
+    def step_now(self, round_: int, *, inner_steps: int, batch_size_tokens: int) -> int: ...
 
-    def seconds_to_finish(self, round_: int, records: Sequence[swarm_dht.PeerProgress], *, inner_steps: int,
-                          batch_size_tokens: int, peers: Collection[str] | None = None) -> float:
-        ...
+    def seconds_to_finish(
+        self,
+        round_: int,
+        records: Sequence[swarm_dht.PeerProgress],
+        *,
+        inner_steps: int,
+        batch_size_tokens: int,
+        peers: Collection[str] | None = None,
+    ) -> float: ...
 
 
 class SwarmView:
@@ -153,7 +150,8 @@ class SwarmView:
                 if start - self._read_at > max_age_s:
                     self._cond.wait_for(
                         lambda: self._prefetch_since is None or start - self._prefetch_since > max_age_s,
-                        timeout=swarm_dht.READ_TIMEOUT_S + 1.0)
+                        timeout=swarm_dht.READ_TIMEOUT_S + 1.0,
+                    )
                 if start - self._read_at <= max_age_s:
                     return self._alive(self._last_records)
         return self._alive(self._read())
@@ -165,8 +163,9 @@ class SwarmView:
             # no honest peer of this run stores a record for longer than record_ttl_s
             # under a flood of records (peer/net/dht.py MAX_RECORDS_READ), keep this peer and the peers last seen
             seen = {self.peer_id, *(r.peer_id for r in self._last_records)}
-            records = swarm_dht.read_progress(self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S,
-                                              prefer=seen)
+            records = swarm_dht.read_progress(
+                self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S, prefer=seen
+            )
         except Exception as exc:
             logger.debug("reading progress records failed: %r; using the last ones read", exc)
             return self._last_records
@@ -203,8 +202,7 @@ class SwarmView:
             steps.append(step)
         return max(0, min(inner_steps - 1, max(steps, default=0)))
 
-    def seconds_to_finish(self, round_: int, records, *, inner_steps: int, batch_size_tokens: int,
-                          peers=None) -> float:
+    def seconds_to_finish(self, round_: int, records, *, inner_steps: int, batch_size_tokens: int, peers=None) -> float:
         """How long until the slowest of ``records`` (other peers' live records, e.g. from
         :meth:`live`) at ``round_`` finishes that round's inner steps, in seconds: the steps its
         latest record leaves, less those its throughput did since it published the record (as

@@ -34,9 +34,19 @@ class GroupPlan:
     seeds: list[int]
 
 
-def make_group_plan(tensors: Sequence[torch.Tensor], *, group_id: bytes, peer_ids: Sequence, my_index: int,
-                    owners: Sequence[int], round_: int, compression: CompressionSpec, phi_from: int | None,
-                    piece_elements: int | None, uplink_bytes_per_s: float) -> GroupPlan:
+def make_group_plan(
+    tensors: Sequence[torch.Tensor],
+    *,
+    group_id: bytes,
+    peer_ids: Sequence,
+    my_index: int,
+    owners: Sequence[int],
+    round_: int,
+    compression: CompressionSpec,
+    phi_from: int | None,
+    piece_elements: int | None,
+    uplink_bytes_per_s: float,
+) -> GroupPlan:
     """Plan one group's all-reduce of ``tensors`` (this peer's payload, fp32).
 
     Args:
@@ -60,12 +70,23 @@ def make_group_plan(tensors: Sequence[torch.Tensor], *, group_id: bytes, peer_id
     n_delta = len(shapes) if phi_from is None else phi_from
     per_tensor = [None] * len(shapes)
     if compression.codec == "adaptive":
-        per_tensor[:n_delta] = adaptive_plan(list(tensors[:n_delta]), compression,
-                                             uplink_bytes_per_s=uplink_bytes_per_s, group_size=n)
-    piece_codecs = [per_tensor[p.tensor] or codecs.make_codec(compression, piece_shape(shapes[p.tensor], p),
-                                                              role="delta" if p.tensor < n_delta else "phi")
-                    for p in pieces]
-    return GroupPlan(group_id=group_id, peer_ids=tuple(peer_ids), my_index=my_index, pieces=pieces,
-                     codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
-                     max_piece_bytes=[codecs.max_encoded_bytes(piece_shape(shapes[p.tensor], p)) for p in pieces],
-                     seeds=[groups.codec_seed(round_, p.index) for p in pieces])
+        per_tensor[:n_delta] = adaptive_plan(
+            list(tensors[:n_delta]), compression, uplink_bytes_per_s=uplink_bytes_per_s, group_size=n
+        )
+    piece_codecs = [
+        per_tensor[p.tensor]
+        or codecs.make_codec(
+            compression, piece_shape(shapes[p.tensor], p), role="delta" if p.tensor < n_delta else "phi"
+        )
+        for p in pieces
+    ]
+    return GroupPlan(
+        group_id=group_id,
+        peer_ids=tuple(peer_ids),
+        my_index=my_index,
+        pieces=pieces,
+        codecs=piece_codecs,
+        mean_codecs=[c.for_mean(n) for c in piece_codecs],
+        max_piece_bytes=[codecs.max_encoded_bytes(piece_shape(shapes[p.tensor], p)) for p in pieces],
+        seeds=[groups.codec_seed(round_, p.index) for p in pieces],
+    )

@@ -71,8 +71,11 @@ def median_norm(norms: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def clip_to_median(parts: Sequence[tuple[float, torch.Tensor]], *, factor: float = CLIP_MEDIAN_FACTOR,
-                   ) -> tuple[list[tuple[float, torch.Tensor]], list[int]]:
+def clip_to_median(
+    parts: Sequence[tuple[float, torch.Tensor]],
+    *,
+    factor: float = CLIP_MEDIAN_FACTOR,
+) -> tuple[list[tuple[float, torch.Tensor]], list[int]]:
     """Clip each contribution's norm to ``factor`` × the lower median of the reference norms of
     ``parts`` (each norm scaled by the heaviest weight over its own: see the module docstring).
 
@@ -125,8 +128,13 @@ class Strikes:
         strikes, window_rounds, ignore_rounds: the rule's three numbers (defaults above).
     """
 
-    def __init__(self, *, strikes: int = STRIKES_TO_IGNORE, window_rounds: int = STRIKE_WINDOW_ROUNDS,
-                 ignore_rounds: int = IGNORE_ROUNDS):
+    def __init__(
+        self,
+        *,
+        strikes: int = STRIKES_TO_IGNORE,
+        window_rounds: int = STRIKE_WINDOW_ROUNDS,
+        ignore_rounds: int = IGNORE_ROUNDS,
+    ):
         if not 1 <= strikes <= window_rounds:
             raise ValueError(f"strikes = {strikes}: expected 1 <= strikes <= window_rounds = {window_rounds}")
         if ignore_rounds < 1:
@@ -256,10 +264,19 @@ def reference_rms(tensors) -> float:
     return math.sqrt(total / count)
 
 
-def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight: float, included: int,
-                       max_weight: float | None, phi: bool = False, included_self: bool = True,
-                       holds_delta: bool | None = None, share_check: bool | None = None,
-                       reference_rms: float | None = None) -> MeanRefusal | None:
+def owner_mean_problem(
+    mean: torch.Tensor,
+    contribution: torch.Tensor,
+    *,
+    weight: float,
+    included: int,
+    max_weight: float | None,
+    phi: bool = False,
+    included_self: bool = True,
+    holds_delta: bool | None = None,
+    share_check: bool | None = None,
+    reference_rms: float | None = None,
+) -> MeanRefusal | None:
     """Why a receiver refuses the mean of one piece that its owner sent, or None to accept it.
 
     Only the owner of a piece sees every contribution to it, so a lying owner could send any finite
@@ -323,28 +340,38 @@ def owner_mean_problem(mean: torch.Tensor, contribution: torch.Tensor, *, weight
     if floor > allowed:
         allowed = floor
     if allowed > 0 and not m_norm <= allowed:  # allowed 0: a zero x and no floor, nothing to compare with
-        basis = (f"{factor:g}x this peer's reference norm" if allowed > floor
-                 else f"the floor from this peer's payload RMS {reference_rms:.3g}")
-        return MeanRefusal(f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({basis}; a piece of "
-                           f"{contribution.numel()} values)", strike=True)
+        basis = (
+            f"{factor:g}x this peer's reference norm"
+            if allowed > floor
+            else f"the floor from this peer's payload RMS {reference_rms:.3g}"
+        )
+        return MeanRefusal(
+            f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({basis}; a piece of {contribution.numel()} values)",
+            strike=True,
+        )
     if small or not x_norm > 0:
         return None
     if phi:
         ratio, cosine = norm(mean) / x_norm, _cosine(mean, contribution)
         if not (ratio >= PHI_MEAN_MIN_RATIO and cosine >= PHI_MEAN_MIN_RATIO):
-            return MeanRefusal(f"its norm is {ratio:.3g}x this peer's φ's and its cosine with it {cosine:.3g}, "
-                               f"below {PHI_MEAN_MIN_RATIO:g}", strike=True)
+            return MeanRefusal(
+                f"its norm is {ratio:.3g}x this peer's φ's and its cosine with it {cosine:.3g}, "
+                f"below {PHI_MEAN_MIN_RATIO:g}",
+                strike=True,
+            )
         return None
     if share_check is None:
         share_check = OWNER_SHARE_CHECK
     share = share_floor(weight, included, max_weight) if included_self and share_check else None
     if share is not None:
         projection = float(torch.dot(mean.flatten().double(), contribution.flatten().double()))
-        needed = OWNER_SHARE_FACTOR * share * x_norm ** 2
+        needed = OWNER_SHARE_FACTOR * share * x_norm**2
         if not projection >= needed:
-            return MeanRefusal(f"it does not hold this peer's contribution: projection {projection:.4g} < "
-                               f"{needed:.4g} ({OWNER_SHARE_FACTOR:g} x its share floor {share:.3g} x |x|^2)",
-                               strike=False)
+            return MeanRefusal(
+                f"it does not hold this peer's contribution: projection {projection:.4g} < "
+                f"{needed:.4g} ({OWNER_SHARE_FACTOR:g} x its share floor {share:.3g} x |x|^2)",
+                strike=False,
+            )
     return None
 
 
@@ -366,5 +393,7 @@ def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor) -> s
     if not cosine >= PHI_MIN_COSINE:
         return f"its φ's cosine with this owner's is {cosine:.3g}, below {PHI_MIN_COSINE:g}"
     if not 1 / PHI_MAX_NORM_RATIO <= ratio <= PHI_MAX_NORM_RATIO:
-        return f"its φ's norm is {ratio:.3g}x this owner's, outside [{1 / PHI_MAX_NORM_RATIO:g}, {PHI_MAX_NORM_RATIO:g}]"
+        return (
+            f"its φ's norm is {ratio:.3g}x this owner's, outside [{1 / PHI_MAX_NORM_RATIO:g}, {PHI_MAX_NORM_RATIO:g}]"
+        )
     return None

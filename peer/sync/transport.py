@@ -95,11 +95,22 @@ class RoundTransport(Protocol):
         """Upper bound on any :meth:`average` call, s."""
         ...
 
-    def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
-                group_index: int | None = None, start_digest: str = "",
-                should_stop: Callable[[], bool] = ..., expected_wait_s: float = 0.0,
-                wait_budget_s: float = 0.0, fragment: int | None = None, fragments: int = 1,
-                tensors: Sequence[int] | None = None) -> SyncResult:
+    def average(
+        self,
+        payload: Sequence[torch.Tensor],
+        *,
+        weight: float,
+        round_: int,
+        expected_group_size: int,
+        group_index: int | None = None,
+        start_digest: str = "",
+        should_stop: Callable[[], bool] = ...,
+        expected_wait_s: float = 0.0,
+        wait_budget_s: float = 0.0,
+        fragment: int | None = None,
+        fragments: int = 1,
+        tensors: Sequence[int] | None = None,
+    ) -> SyncResult:
         """The token-weighted group mean of ``payload``; raises a SyncError (or HelperDied)."""
         ...
 
@@ -147,10 +158,21 @@ class NetworkTransport:
             (it is shut down; the DHT node stays the caller's to shut down).
     """
 
-    def __init__(self, dht, param_shapes: Sequence[torch.Size], payload_shapes: Sequence[torch.Size], run_id: str,
-                 sync: SyncSpec, *, compression: CompressionSpec | None = None, phi_from: int | None = None,
-                 client_mode: bool = False, piece_elements: int | None = None, uplink_mbps: float = 50.0,
-                 max_weight_tokens: float | None = None):
+    def __init__(
+        self,
+        dht,
+        param_shapes: Sequence[torch.Size],
+        payload_shapes: Sequence[torch.Size],
+        run_id: str,
+        sync: SyncSpec,
+        *,
+        compression: CompressionSpec | None = None,
+        phi_from: int | None = None,
+        client_mode: bool = False,
+        piece_elements: int | None = None,
+        uplink_mbps: float = 50.0,
+        max_weight_tokens: float | None = None,
+    ):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
@@ -185,8 +207,10 @@ class NetworkTransport:
             self.averager.run_in_background(await_ready=True, timeout=AVERAGER_START_TIMEOUT_S)
         except TimeoutError as exc:
             self.averager.shutdown()
-            raise NetworkError(f"the averager process did not get ready within {AVERAGER_START_TIMEOUT_S:.0f} s "
-                               "(its libp2p daemon could not attach to the DHT's); start the peer again") from exc
+            raise NetworkError(
+                f"the averager process did not get ready within {AVERAGER_START_TIMEOUT_S:.0f} s "
+                "(its libp2p daemon could not attach to the DHT's); start the peer again"
+            ) from exc
         finally:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, previous_sigint)
@@ -198,11 +222,22 @@ class NetworkTransport:
         the first attempt and the retry."""
         return (1 + self.RETRIES) * self.deadlines.worst_case().total_s
 
-    def average(self, payload: Sequence[torch.Tensor], *, weight: float, round_: int, expected_group_size: int,
-                group_index: int | None = None, start_digest: str = "",
-                should_stop: Callable[[], bool] = lambda: False, expected_wait_s: float = 0.0,
-                wait_budget_s: float = 0.0, fragment: int | None = None, fragments: int = 1,
-                tensors: Sequence[int] | None = None) -> SyncResult:
+    def average(
+        self,
+        payload: Sequence[torch.Tensor],
+        *,
+        weight: float,
+        round_: int,
+        expected_group_size: int,
+        group_index: int | None = None,
+        start_digest: str = "",
+        should_stop: Callable[[], bool] = lambda: False,
+        expected_wait_s: float = 0.0,
+        wait_budget_s: float = 0.0,
+        fragment: int | None = None,
+        fragments: int = 1,
+        tensors: Sequence[int] | None = None,
+    ) -> SyncResult:
         """Token-weighted group mean of ``payload`` over the peers at round ``round_``.
 
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
@@ -257,10 +292,19 @@ class NetworkTransport:
         sent = received = 0
         for attempt in range(1 + self.RETRIES):
             try:
-                result = self._attempt(round_=round_, group_index=group_index, attempt=attempt, weight=weight,
-                                       expected_group_size=expected_group_size, start_digest=start_digest,
-                                       should_stop=should_stop, d=d, fragment=fragment, fragments=fragments,
-                                       tensors=tensors)
+                result = self._attempt(
+                    round_=round_,
+                    group_index=group_index,
+                    attempt=attempt,
+                    weight=weight,
+                    expected_group_size=expected_group_size,
+                    start_digest=start_digest,
+                    should_stop=should_stop,
+                    d=d,
+                    fragment=fragment,
+                    fragments=fragments,
+                    tensors=tensors,
+                )
             except SyncError as exc:
                 sent, received = sent + exc.bytes_sent, received + exc.bytes_received
                 if isinstance(exc, AllreduceIncomplete) and attempt < self.RETRIES and not should_stop():
@@ -268,19 +312,35 @@ class NetworkTransport:
                     continue
                 exc.bytes_sent, exc.bytes_received, exc.deadline_s = sent, received, bound_s
                 raise
-            return dataclasses.replace(result, bytes_sent=sent + result.bytes_sent,
-                                       bytes_received=received + result.bytes_received,
-                                       seconds=time.monotonic() - start, deadline_s=bound_s, attempts=attempt + 1)
+            return dataclasses.replace(
+                result,
+                bytes_sent=sent + result.bytes_sent,
+                bytes_received=received + result.bytes_received,
+                seconds=time.monotonic() - start,
+                deadline_s=bound_s,
+                attempts=attempt + 1,
+            )
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     RETRIES = 1
     """How often a round whose all-reduce could not complete (a groupmate died in it) is retried,
     at once, with the groupmates that are left (they meet under the round's retry key)."""
 
-    def _attempt(self, *, round_: int, group_index: int | None, attempt: int, weight: float,
-                 expected_group_size: int, start_digest: str, should_stop: Callable[[], bool],
-                 d: Deadlines, fragment: int | None = None, fragments: int = 1,
-                 tensors: Sequence[int] | None = None) -> SyncResult:
+    def _attempt(
+        self,
+        *,
+        round_: int,
+        group_index: int | None,
+        attempt: int,
+        weight: float,
+        expected_group_size: int,
+        start_digest: str,
+        should_stop: Callable[[], bool],
+        d: Deadlines,
+        fragment: int | None = None,
+        fragments: int = 1,
+        tensors: Sequence[int] | None = None,
+    ) -> SyncResult:
         """One matchmaking + all-reduce of the payload already in the buffers (see :meth:`average`).
 
         Raises:
@@ -289,17 +349,25 @@ class NetworkTransport:
             AllreduceIncomplete: with this attempt's bytes; the round may be retried at once.
         """
         start = time.monotonic()
-        self.averager.set_group_bits(keys.round_group_bits(keys.sync_index(round_, fragment, fragments), group_index,
-                                                           attempt))
-        self.averager.configure_round(target_group_size=max(2, min(expected_group_size, self.sync.target_group_size)),
-                                      matchmaking_s=d.matchmaking_s, allreduce_s=d.allreduce_s, tensors=tensors)
+        self.averager.set_group_bits(
+            keys.round_group_bits(keys.sync_index(round_, fragment, fragments), group_index, attempt)
+        )
+        self.averager.configure_round(
+            target_group_size=max(2, min(expected_group_size, self.sync.target_group_size)),
+            matchmaking_s=d.matchmaking_s,
+            allreduce_s=d.allreduce_s,
+            tensors=tensors,
+        )
         arrived = time.time()
         gather = {"round": round_, "start_digest": start_digest}
         if fragment is not None:
             gather["fragment"] = fragment
-        control = self.averager.start_step(gather=gather, weight=float(weight),
-                                           scheduled_time=get_dht_time() + d.matchmaking_s,
-                                           timeout=d.matchmaking_deadline_s)
+        control = self.averager.start_step(
+            gather=gather,
+            weight=float(weight),
+            scheduled_time=get_dht_time() + d.matchmaking_s,
+            timeout=d.matchmaking_deadline_s,
+        )
         deadline = start + d.total_s
         outcome: GroupOutcome | None = None
         try:
@@ -315,8 +383,9 @@ class NetworkTransport:
                     self.averager.check_alive()
                     if time.monotonic() > deadline:
                         control.cancel()
-                        raise AllreduceFailed(f"round {round_} sync did not finish in its deadline of "
-                                              f"{d.total_s:.0f} s") from None
+                        raise AllreduceFailed(
+                            f"round {round_} sync did not finish in its deadline of {d.total_s:.0f} s"
+                        ) from None
         except (GroupNotFound, AllreduceFailed, HelperDied):
             raise
         except Exception as exc:
@@ -324,8 +393,10 @@ class NetworkTransport:
             if "could not find a group" in text:
                 if expected_group_size > 1:  # the groupmates expected came too late: widen the window
                     self.deadlines.observe_missed_group(d.matchmaking_s)
-                raise GroupNotFound(f"no group formed for round {round_}{' (retry)' if attempt else ''} within "
-                                    f"{d.matchmaking_deadline_s:.0f} s") from exc
+                raise GroupNotFound(
+                    f"no group formed for round {round_}{' (retry)' if attempt else ''} within "
+                    f"{d.matchmaking_deadline_s:.0f} s"
+                ) from exc
             raise AllreduceFailed(f"round {round_} all-reduce failed: {text}") from exc
         if outcome is None:
             if expected_group_size > 1:
@@ -333,21 +404,36 @@ class NetworkTransport:
             raise GroupNotFound(f"no group formed for round {round_}")
         stats = outcome.stats
         if outcome.incomplete is not None:
-            raise AllreduceIncomplete(f"round {round_}: {outcome.incomplete}", bytes_sent=stats.bytes_sent,
-                                      bytes_received=stats.bytes_received)
+            raise AllreduceIncomplete(
+                f"round {round_}: {outcome.incomplete}",
+                bytes_sent=stats.bytes_sent,
+                bytes_received=stats.bytes_received,
+            )
         gathered = outcome.gathered
         with self.averager.get_tensors() as buffers:
             mean = [buf.clone() for buf in (buffers if tensors is None else [buffers[i] for i in tensors])]
         if stats.started_at >= arrived:
             self.deadlines.observe(wait_s=stats.started_at - arrived, allreduce_s=stats.seconds)
-        return SyncResult(mean=mean, group=sorted(str(peer) for peer in gathered), group_size=len(gathered),
-                          bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
-                          seconds=time.monotonic() - start, deadline_s=d.total_s, excluded=len(stats.excluded),
-                          partial_pieces=stats.partial_pieces, allreduce_s=stats.seconds, send_s=stats.send_seconds,
-                          allreduce_started_at=stats.started_at, refused=tuple(sorted(stats.refused)),
-                          refused_pieces=stats.refused_pieces,
-                          start_digests={str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict)
-                                         else "" for peer, data in gathered.items()})
+        return SyncResult(
+            mean=mean,
+            group=sorted(str(peer) for peer in gathered),
+            group_size=len(gathered),
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            seconds=time.monotonic() - start,
+            deadline_s=d.total_s,
+            excluded=len(stats.excluded),
+            partial_pieces=stats.partial_pieces,
+            allreduce_s=stats.seconds,
+            send_s=stats.send_seconds,
+            allreduce_started_at=stats.started_at,
+            refused=tuple(sorted(stats.refused)),
+            refused_pieces=stats.refused_pieces,
+            start_digests={
+                str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict) else ""
+                for peer, data in gathered.items()
+            },
+        )
 
     def reset_error_feedback(self) -> None:
         """Drop this peer's error-feedback residuals (after it adopted another peer's state)."""
@@ -402,9 +488,12 @@ class NetworkTransport:
             raise BadPayload(f"state digest {digest_hex!r} is not hex") from exc
         result = self.averager.download_state(donors, digest, [*self.shapes, *self.shapes], self.run_id, timeout_s)
         state = validate_state(result.meta, result.tensors, run_id=self.run_id, shapes=self.shapes)
-        return StateDownload(state=state, chunks_by_donor={str(k): v for k, v in result.chunks_by_donor.items()},
-                             failed={str(k): v for k, v in result.failed.items()},
-                             bytes_received=sum(result.bytes_by_donor.values()))
+        return StateDownload(
+            state=state,
+            chunks_by_donor={str(k): v for k, v in result.chunks_by_donor.items()},
+            failed={str(k): v for k, v in result.failed.items()},
+            bytes_received=sum(result.bytes_by_donor.values()),
+        )
 
     def shutdown(self) -> None:
         self.averager.shutdown()

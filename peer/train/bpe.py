@@ -39,8 +39,13 @@ def train_bpe(texts: Iterator[str], vocab_size: int):
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
@@ -58,8 +63,10 @@ def from_json(text: str, *, vocab_size: int) -> Tokenizer:
     except Exception as exc:  # tokenizers raises its own untyped Exception
         raise ConfigError(f"cached tokenizer is not valid tokenizer.json ({exc}): delete it to retrain") from exc
     if hf.get_vocab_size() > vocab_size or [hf.token_to_id(s) for s in SPECIALS] != [0, 1, 2]:
-        raise ConfigError(f"cached tokenizer has {hf.get_vocab_size()} ids or other specials than {SPECIALS}, "
-                          f"data.vocab_size = {vocab_size}: delete it to retrain")
+        raise ConfigError(
+            f"cached tokenizer has {hf.get_vocab_size()} ids or other specials than {SPECIALS}, "
+            f"data.vocab_size = {vocab_size}: delete it to retrain"
+        )
     token_bytes = np.zeros(vocab_size, dtype=np.int64)
     for token, index in hf.get_vocab().items():
         # Every character of a byte-level token stands for exactly one byte.
@@ -69,13 +76,21 @@ def from_json(text: str, *, vocab_size: int) -> Tokenizer:
         texts = [doc.decode("utf-8", errors="replace") for doc in docs]
         return [np.asarray(e.ids, dtype=np.int64) for e in hf.encode_batch(texts, add_special_tokens=False)]
 
-    return Tokenizer(kind="bpe", vocab_size=vocab_size, bos_id=0, eos_id=1, pad_id=2,
-                     sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), encode_batch=encode_batch,
-                     token_bytes=token_bytes)
+    return Tokenizer(
+        kind="bpe",
+        vocab_size=vocab_size,
+        bos_id=0,
+        eos_id=1,
+        pad_id=2,
+        sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        encode_batch=encode_batch,
+        token_bytes=token_bytes,
+    )
 
 
-def load_or_train_bpe(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
-                      train_texts: Callable[[], Iterator[str]]) -> Tokenizer:
+def load_or_train_bpe(
+    spec: DataSpec, *, cache_dir: Path, corpus_sha256: str, train_texts: Callable[[], Iterator[str]]
+) -> Tokenizer:
     """The cached BPE of this corpus, or a new one trained on ``train_texts()`` and cached atomically."""
     path = cache_dir / cache_name(spec, corpus_sha256)
     if not path.exists():
@@ -85,8 +100,9 @@ def load_or_train_bpe(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
     return from_json(path.read_text(encoding="utf-8"), vocab_size=spec.vocab_size)
 
 
-def load_tokenizer(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
-                   train_texts: Callable[[], Iterator[str]]) -> Tokenizer:
+def load_tokenizer(
+    spec: DataSpec, *, cache_dir: Path, corpus_sha256: str, train_texts: Callable[[], Iterator[str]]
+) -> Tokenizer:
     """The run's tokenizer: byte-level, or the BPE of this corpus (from the cache, else trained and cached).
 
     Args:
@@ -100,8 +116,7 @@ def load_tokenizer(spec: DataSpec, *, cache_dir: Path, corpus_sha256: str,
     if spec.tokenizer == "bytes":
         tokenizer = byte_tokenizer()
     else:
-        tokenizer = load_or_train_bpe(spec, cache_dir=cache_dir, corpus_sha256=corpus_sha256,
-                                      train_texts=train_texts)
+        tokenizer = load_or_train_bpe(spec, cache_dir=cache_dir, corpus_sha256=corpus_sha256, train_texts=train_texts)
     if spec.tokenizer_sha256 and tokenizer.sha256 != spec.tokenizer_sha256:
         raise ConfigError(
             f"the {spec.tokenizer} tokenizer built here hashes to {tokenizer.sha256}, the run pins "

@@ -128,9 +128,18 @@ def load_token_cache(cache_dir: Path, key: str) -> tuple[CacheInfo, np.ndarray, 
     return info, mapped(train_path, info.train_tokens), mapped(val_path, info.validation_tokens)
 
 
-def write_token_cache(cache_dir: Path, key: str, documents: Iterable[Document], *,
-                      is_validation: Callable[[str], bool], encode_batch: Callable[[list[bytes]], list[np.ndarray]],
-                      eos_id: int, dtype: type, corpus: str, tokenizer: str) -> CacheInfo:
+def write_token_cache(
+    cache_dir: Path,
+    key: str,
+    documents: Iterable[Document],
+    *,
+    is_validation: Callable[[str], bool],
+    encode_batch: Callable[[list[bytes]], list[np.ndarray]],
+    eos_id: int,
+    dtype: type,
+    corpus: str,
+    tokenizer: str,
+) -> CacheInfo:
     """Tokenize ``documents`` in one streaming pass into the two split files, then record their info.
 
     Empty documents count as documents but add no tokens (not even EOS).
@@ -159,8 +168,14 @@ def write_token_cache(cache_dir: Path, key: str, documents: Iterable[Document], 
                 flush()
                 size = 0
         flush()
-    info = CacheInfo(corpus_sha256=corpus, tokenizer_sha256=tokenizer, dtype=np.dtype(dtype).name,
-                     train_tokens=tokens[0], validation_tokens=tokens[1],
-                     train_documents=docs[0], validation_documents=docs[1])
+    info = CacheInfo(
+        corpus_sha256=corpus,
+        tokenizer_sha256=tokenizer,
+        dtype=np.dtype(dtype).name,
+        train_tokens=tokens[0],
+        validation_tokens=tokens[1],
+        train_documents=docs[0],
+        validation_documents=docs[1],
+    )
     atomic_write(meta_path, lambda f: f.write(json.dumps(asdict(info), indent=1).encode()))
     return info

@@ -30,8 +30,18 @@ from protocol.errors import ConfigError
 from protocol.manifest import DataSpec
 
 __all__ = [
-    "BatchSampler", "Corpus", "SamplerState", "bits_per_byte", "is_validation", "list_files", "load_corpus",
-    "peer_seed", "stdlib_root", "validation_batch", "validation_bits_per_byte", "with_local_data",
+    "BatchSampler",
+    "Corpus",
+    "SamplerState",
+    "bits_per_byte",
+    "is_validation",
+    "list_files",
+    "load_corpus",
+    "peer_seed",
+    "stdlib_root",
+    "validation_batch",
+    "validation_bits_per_byte",
+    "with_local_data",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,8 +109,11 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
         )
 
     def train_texts():
-        return (d.data.decode("utf-8", errors="replace") for d in iter_documents(spec)
-                if not is_validation(d.name, fraction))
+        return (
+            d.data.decode("utf-8", errors="replace")
+            for d in iter_documents(spec)
+            if not is_validation(d.name, fraction)
+        )
 
     try:
         tokenizer = load_tokenizer(spec, cache_dir=cache_dir, corpus_sha256=corpus_hash, train_texts=train_texts)
@@ -108,13 +121,22 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
         cached = load_token_cache(cache_dir, key)
         if cached is None:
             logger.info("tokenizing the corpus (%s) into %s", describe(spec), cache_dir)
-            write_token_cache(cache_dir, key, iter_documents(spec), is_validation=lambda n: is_validation(n, fraction),
-                              encode_batch=tokenizer.encode_batch, eos_id=tokenizer.eos_id,
-                              dtype=tokenizer.token_dtype, corpus=corpus_hash, tokenizer=tokenizer.sha256)
+            write_token_cache(
+                cache_dir,
+                key,
+                iter_documents(spec),
+                is_validation=lambda n: is_validation(n, fraction),
+                encode_batch=tokenizer.encode_batch,
+                eos_id=tokenizer.eos_id,
+                dtype=tokenizer.token_dtype,
+                corpus=corpus_hash,
+                tokenizer=tokenizer.sha256,
+            )
             cached = load_token_cache(cache_dir, key)
     except OSError as exc:
-        raise ConfigError(f"cannot write the token cache in {str(cache_dir)!r} ({exc.strerror}): "
-                          "give the peer a writable --data-dir") from exc
+        raise ConfigError(
+            f"cannot write the token cache in {str(cache_dir)!r} ({exc.strerror}): give the peer a writable --data-dir"
+        ) from exc
     assert cached is not None, "a token cache just written must load"
     info, train, validation = cached
     need = spec.seq_len_tokens + 1
@@ -124,9 +146,16 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
                 f"the {name} split of the corpus ({describe(spec)}) has {len(stream)} tokens, fewer than one "
                 f"sequence of {need}: use more text or change data.validation_fraction"
             )
-    return Corpus(train=torch.from_numpy(train), validation=torch.from_numpy(validation),
-                  train_files=info.train_documents, validation_files=info.validation_documents,
-                  corpus_sha256=corpus_hash, corpus_bytes=size, tokenizer=tokenizer, skipped_files=len(skipped.paths))
+    return Corpus(
+        train=torch.from_numpy(train),
+        validation=torch.from_numpy(validation),
+        train_files=info.train_documents,
+        validation_files=info.validation_documents,
+        corpus_sha256=corpus_hash,
+        corpus_bytes=size,
+        tokenizer=tokenizer,
+        skipped_files=len(skipped.paths),
+    )
 
 
 def with_local_data(spec: DataSpec, data_path: Path | str | None, *, run: str) -> DataSpec:
@@ -148,16 +177,22 @@ def with_local_data(spec: DataSpec, data_path: Path | str | None, *, run: str) -
     """
     if data_path is None:
         if spec.source != "python-stdlib" and not spec.path:
-            raise ConfigError(f"{run} names its corpus by content only ({spec.source}, data.corpus_sha256 = "
-                              f"{spec.corpus_sha256}): pass --data PATH pointing at your copy of it")
+            raise ConfigError(
+                f"{run} names its corpus by content only ({spec.source}, data.corpus_sha256 = "
+                f"{spec.corpus_sha256}): pass --data PATH pointing at your copy of it"
+            )
         return spec
     if spec.source == "python-stdlib":
-        raise ConfigError(f"--data {str(data_path)!r}: {run} trains on the Python standard library, which every "
-                          "machine has; drop --data")
+        raise ConfigError(
+            f"--data {str(data_path)!r}: {run} trains on the Python standard library, which every "
+            "machine has; drop --data"
+        )
     if not spec.corpus_sha256:
-        raise ConfigError(f"--data {str(data_path)!r} cannot be checked: {run} pins no data.corpus_sha256; add the "
-                          "hash `peer data prepare` prints to the run's [data] section, or set data.path in your "
-                          "--run file")
+        raise ConfigError(
+            f"--data {str(data_path)!r} cannot be checked: {run} pins no data.corpus_sha256; add the "
+            "hash `peer data prepare` prints to the run's [data] section, or set data.path in your "
+            "--run file"
+        )
     return dataclasses.replace(spec, path=str(data_path))
 
 

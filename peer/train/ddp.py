@@ -125,9 +125,20 @@ class DistributedInnerLoop(InnerLoop):
         **kwargs: as for :class:`InnerLoop`; ``micro_batch_sequences`` counts per rank.
     """
 
-    def __init__(self, model: torch.nn.Module, spec: InnerOptimizerSpec, sampler, *, rank: int, world: int,
-                 comm_device: torch.device, processes: Sequence[BaseProcess] = (), store_dir: str | None = None,
-                 memory_budget_bytes: float | None = None, **kwargs):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: InnerOptimizerSpec,
+        sampler,
+        *,
+        rank: int,
+        world: int,
+        comm_device: torch.device,
+        processes: Sequence[BaseProcess] = (),
+        store_dir: str | None = None,
+        memory_budget_bytes: float | None = None,
+        **kwargs,
+    ):
         super().__init__(model, spec, sampler, **kwargs)
         self.rank, self.world, self.comm_device = rank, world, comm_device
         self._processes, self._store_dir = list(processes), store_dir
@@ -144,9 +155,19 @@ class DistributedInnerLoop(InnerLoop):
 
     # ---- rank 0: what the round loop calls -----------------------------------------------------
     @classmethod
-    def launch(cls, model: torch.nn.Module, spec: InnerOptimizerSpec, sampler, *, devices: Sequence[str],
-               precision: Precision = FP32, compile: bool = False, micro_batch_sequences: int | None = None,
-               max_memory_gib: float | None = None, activation_checkpointing: bool = False) -> DistributedInnerLoop:
+    def launch(
+        cls,
+        model: torch.nn.Module,
+        spec: InnerOptimizerSpec,
+        sampler,
+        *,
+        devices: Sequence[str],
+        precision: Precision = FP32,
+        compile: bool = False,
+        micro_batch_sequences: int | None = None,
+        max_memory_gib: float | None = None,
+        activation_checkpointing: bool = False,
+    ) -> DistributedInnerLoop:
         """Start ranks 1..N-1 on ``devices[1:]`` and return rank 0's loop on ``devices[0]`` (where
         ``model``, θ, already is). Call from the main thread, after the averager was forked.
 
@@ -159,14 +180,18 @@ class DistributedInnerLoop(InnerLoop):
         """
         world = len(devices)
         if spec.kind != "adamw":
-            raise ConfigError(f"--device {','.join(devices)}: a peer on several devices runs inner_optimizer.kind "
-                              f"= 'adamw' only, and this run's is {spec.kind!r}: join with one device")
+            raise ConfigError(
+                f"--device {','.join(devices)}: a peer on several devices runs inner_optimizer.kind "
+                f"= 'adamw' only, and this run's is {spec.kind!r}: join with one device"
+            )
         types = {torch.device(d).type for d in devices}
         if len(types) != 1 or types & {"mps"}:
             raise ConfigError(f"--device {','.join(devices)}: several devices must all be CUDA cards or all CPU")
         if sampler.batch_sequences < world:
-            raise ConfigError(f"--device {','.join(devices)}: the run's batch has {sampler.batch_sequences} "
-                              f"sequence(s), fewer than the {world} devices; list at most {sampler.batch_sequences}")
+            raise ConfigError(
+                f"--device {','.join(devices)}: the run's batch has {sampler.batch_sequences} "
+                f"sequence(s), fewer than the {world} devices; list at most {sampler.batch_sequences}"
+            )
         if dist.is_available() and dist.is_initialized():
             raise ConfigError("this process already belongs to a torch.distributed group; one peer per process")
         if getattr(model, "config", None) is None:
@@ -185,20 +210,38 @@ class DistributedInnerLoop(InnerLoop):
         processes, ready = [], []
         try:
             for rank in range(1, world):
-                setup = RankSetup(rank=rank, world=world, store_path=store, backend=backend, device=devices[rank],
-                                  model_class=type(model), model_config=getattr(model, "config", None), spec=spec,
-                                  precision=precision, compile=compile, micro_batch_sequences=micro_batch_sequences,
-                                  batch_sequences=sampler.batch_sequences, seq_len=sampler.seq_len, threads=threads,
-                                  max_memory_gib=max_memory_gib, activation_checkpointing=activation_checkpointing)
+                setup = RankSetup(
+                    rank=rank,
+                    world=world,
+                    store_path=store,
+                    backend=backend,
+                    device=devices[rank],
+                    model_class=type(model),
+                    model_config=getattr(model, "config", None),
+                    spec=spec,
+                    precision=precision,
+                    compile=compile,
+                    micro_batch_sequences=micro_batch_sequences,
+                    batch_sequences=sampler.batch_sequences,
+                    seq_len=sampler.seq_len,
+                    threads=threads,
+                    max_memory_gib=max_memory_gib,
+                    activation_checkpointing=activation_checkpointing,
+                )
                 event = ctx.Event()
                 process = _RankProcess(target=_serve, args=(setup, event), daemon=True, name=f"locoswarm-rank{rank}")
                 process.start()
                 processes.append(process)
                 ready.append(event)
             _wait_ready(processes, ready)
-            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=world,
-                                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                                    device_id=torch.device(devices[0]) if cuda else None)
+            dist.init_process_group(
+                backend,
+                init_method=f"file://{store}",
+                rank=0,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                device_id=torch.device(devices[0]) if cuda else None,
+            )
         except BaseException:
             for process in processes:
                 process.kill()
@@ -209,12 +252,24 @@ class DistributedInnerLoop(InnerLoop):
         budget = None
         if cuda:
             total = torch.cuda.get_device_properties(device).total_memory
-            budget = min(total, max_memory_gib * 1024 ** 3) if max_memory_gib else total
+            budget = min(total, max_memory_gib * 1024**3) if max_memory_gib else total
         logger.info("training on %d ranks (%s) over %s", world, ", ".join(devices), backend)
-        return cls(model, spec, sampler, rank=0, world=world, comm_device=device if cuda else torch.device("cpu"),
-                   processes=processes, store_dir=store_dir, memory_budget_bytes=budget, device=device,
-                   precision=precision, compile=compile, micro_batch_sequences=micro_batch_sequences,
-                   activation_checkpointing=activation_checkpointing)
+        return cls(
+            model,
+            spec,
+            sampler,
+            rank=0,
+            world=world,
+            comm_device=device if cuda else torch.device("cpu"),
+            processes=processes,
+            store_dir=store_dir,
+            memory_budget_bytes=budget,
+            device=device,
+            precision=precision,
+            compile=compile,
+            micro_batch_sequences=micro_batch_sequences,
+            activation_checkpointing=activation_checkpointing,
+        )
 
     def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
         """One AdamW step of the whole peer (:meth:`InnerLoop.step`), every rank on its share of the
@@ -369,7 +424,7 @@ class DistributedInnerLoop(InnerLoop):
             dist.all_reduce(flat)
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         total = loss.detach().reshape(1).to(self.comm_device, torch.float32)
         dist.all_reduce(total)
@@ -394,8 +449,7 @@ class DistributedInnerLoop(InnerLoop):
             super().load_state_dict(state)
         else:  # placeholders that rank 0's tensors overwrite below
             zeros = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-            super().load_state_dict({"exp_avg": zeros, "exp_avg_sq": [z.clone() for z in zeros],
-                                     "step": state["step"]})
+            super().load_state_dict({"exp_avg": zeros, "exp_avg_sq": [z.clone() for z in zeros], "step": state["step"]})
         if state is not None:
             for p in self.params:
                 dist.broadcast(self._adamw().state[p]["exp_avg"], src=0)
@@ -409,8 +463,10 @@ class DistributedInnerLoop(InnerLoop):
         smallest = torch.tensor([fits], dtype=torch.int64, device=self.comm_device)
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         if int(smallest) == 0:
-            raise ConfigError("the model does not fit one of this peer's devices even at one sequence per "
-                              "micro-batch; list fewer or larger cards, raise --max-memory, or train a smaller run")
+            raise ConfigError(
+                "the model does not fit one of this peer's devices even at one sequence per "
+                "micro-batch; list fewer or larger cards, raise --max-memory, or train a smaller run"
+            )
         self.micro_batch_sequences = int(smallest)
         return self.micro_batch_sequences
 
@@ -436,12 +492,15 @@ class DistributedInnerLoop(InnerLoop):
             self._broken = True
             if self.rank != 0:
                 raise
-            dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self._processes)
-                    if not p.is_alive()]
+            dead = [
+                f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self._processes) if not p.is_alive()
+            ]
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise RankFailed(f"{what} failed across this peer's {self.world} ranks "
-                             f"({'; '.join(dead) or 'all ranks alive'}): {first}; see the log above, "
-                             f"or run with one --device") from exc
+            raise RankFailed(
+                f"{what} failed across this peer's {self.world} ranks "
+                f"({'; '.join(dead) or 'all ranks alive'}): {first}; see the log above, "
+                f"or run with one --device"
+            ) from exc
         except BaseException:
             self._broken = True  # e.g. a second Ctrl-C inside a collective: the others are mid-sequence
             raise
@@ -456,16 +515,21 @@ def _wait_ready(processes: Sequence[BaseProcess], ready: list) -> None:
     for rank, (process, event) in enumerate(zip(processes, ready), start=1):
         while not event.wait(0.2):
             if not process.is_alive():
-                raise RankFailed(f"rank {rank} exited with code {process.exitcode} while starting; its error is "
-                                 f"in the log above (run with one --device to train without it)")
+                raise RankFailed(
+                    f"rank {rank} exited with code {process.exitcode} while starting; its error is "
+                    f"in the log above (run with one --device to train without it)"
+                )
             if time.monotonic() > deadline:
                 raise RankFailed(f"rank {rank} did not start within {START_TIMEOUT_S:.0f} s")
 
 
 def _serve(setup: RankSetup, ready) -> None:
     """Body of a rank process other than 0: build the replica, join the group, follow rank 0."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank{setup.rank} %(name)s: "
-                                                      "%(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s %(levelname)s rank{setup.rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     if setup.threads:
         torch.set_num_threads(setup.threads)
     device = torch.device(setup.device)
@@ -474,28 +538,42 @@ def _serve(setup: RankSetup, ready) -> None:
         torch.cuda.set_device(device)
         cap_memory(device, setup.max_memory_gib)
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = min(total, setup.max_memory_gib * 1024 ** 3) if setup.max_memory_gib else total
+        budget = min(total, setup.max_memory_gib * 1024**3) if setup.max_memory_gib else total
     register_attention()  # the config names locoswarm's attention, registered per process
     model = setup.model_class(setup.model_config).float().to(device)  # weights come from rank 0
     ready.set()
-    dist.init_process_group(setup.backend, init_method=f"file://{setup.store_path}", rank=setup.rank,
-                            world_size=setup.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                            device_id=device if device.type == "cuda" else None)  # NCCL binds its card
+    dist.init_process_group(
+        setup.backend,
+        init_method=f"file://{setup.store_path}",
+        rank=setup.rank,
+        world_size=setup.world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        device_id=device if device.type == "cuda" else None,
+    )  # NCCL binds its card
     try:
-        loop = DistributedInnerLoop(model, setup.spec, _BatchShape(setup.batch_sequences, setup.seq_len),
-                                    rank=setup.rank, world=setup.world,
-                                    comm_device=device if device.type == "cuda" else torch.device("cpu"),
-                                    memory_budget_bytes=budget, device=device, precision=setup.precision,
-                                    compile=setup.compile, micro_batch_sequences=setup.micro_batch_sequences,
-                                    activation_checkpointing=setup.activation_checkpointing)
+        loop = DistributedInnerLoop(
+            model,
+            setup.spec,
+            _BatchShape(setup.batch_sequences, setup.seq_len),
+            rank=setup.rank,
+            world=setup.world,
+            comm_device=device if device.type == "cuda" else torch.device("cpu"),
+            memory_budget_bytes=budget,
+            device=device,
+            precision=setup.precision,
+            compile=setup.compile,
+            micro_batch_sequences=setup.micro_batch_sequences,
+            activation_checkpointing=setup.activation_checkpointing,
+        )
         loop.serve()
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
 
-def make_inner_loop(model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler,
-                    placement: Any = None) -> InnerLoop:
+def make_inner_loop(
+    model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler, placement: Any = None
+) -> InnerLoop:
     """The inner loop a :class:`peer.train.device.Placement` asks for: an :class:`InnerLoop` on its
     device (on the CPU in fp32 without one), or, for several devices, rank 0 of a
     :class:`DistributedInnerLoop` with the other ranks started (``close()`` ends them).
@@ -505,10 +583,14 @@ def make_inner_loop(model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: B
     """
     if placement is None:
         return InnerLoop(model, spec, sampler)
-    settings = dict(precision=placement.precision, compile=placement.compile,
-                    micro_batch_sequences=placement.micro_batch_sequences,
-                    activation_checkpointing=getattr(placement, "activation_checkpointing", False))
+    settings = dict(
+        precision=placement.precision,
+        compile=placement.compile,
+        micro_batch_sequences=placement.micro_batch_sequences,
+        activation_checkpointing=getattr(placement, "activation_checkpointing", False),
+    )
     if len(placement.devices) > 1:
-        return DistributedInnerLoop.launch(model, spec, sampler, devices=placement.devices,
-                                           max_memory_gib=placement.max_memory_gib, **settings)
+        return DistributedInnerLoop.launch(
+            model, spec, sampler, devices=placement.devices, max_memory_gib=placement.max_memory_gib, **settings
+        )
     return InnerLoop(model, spec, sampler, device=placement.device, **settings)

@@ -22,11 +22,19 @@ from protocol.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 PEAK_TFLOPS = {
-    "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "A10": 125.0, "L4": 121.0, "T4": 65.0,
-    "RTX 4090": 165.0, "RTX 3090": 71.0, "RTX 3060": 51.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "A100": 312.0,
+    "A10": 125.0,
+    "L4": 121.0,
+    "T4": 65.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "RTX 3060": 51.0,
 }
 """Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, matched as the longest key found in
 the device name (ALGORITHMS.md §8; vendors' data sheets). ``--peak-tflops`` covers other cards."""
@@ -68,8 +76,9 @@ def resolve_devices(choice: str) -> list[torch.device]:
     devices = [resolve_device(part) for part in value.split(",")]
     types = {d.type for d in devices}
     if len(types) > 1 or "mps" in types:
-        raise ConfigError(f"--device {choice}: several devices must all be CUDA cards (cuda:0,cuda:1) or all "
-                          f"CPU (cpu,cpu, for tests)")
+        raise ConfigError(
+            f"--device {choice}: several devices must all be CUDA cards (cuda:0,cuda:1) or all CPU (cpu,cpu, for tests)"
+        )
     cards = [d for d in devices if d.type == "cuda"]
     if len(set(cards)) != len(cards):
         raise ConfigError(f"--device {choice}: a card is listed twice; list each cuda:N once")
@@ -97,8 +106,9 @@ def resolve_device(choice: str) -> torch.device:
         return torch.device("cpu")
     if value == "mps":
         if not _mps_available():
-            raise ConfigError("--device mps: this machine has no Apple GPU that PyTorch can use; "
-                              "use --device auto or --device cpu")
+            raise ConfigError(
+                "--device mps: this machine has no Apple GPU that PyTorch can use; use --device auto or --device cpu"
+            )
         return torch.device("mps")
     if value == "cuda" or value.startswith("cuda:"):
         index_text = value.partition(":")[2] or "0"
@@ -106,12 +116,16 @@ def resolve_device(choice: str) -> torch.device:
             raise ConfigError(f"--device {choice}: expected cuda or cuda:N with N a device index, e.g. cuda:0")
         if not torch.cuda.is_available():
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ConfigError(f"--device {choice}: no CUDA GPU is visible to PyTorch {torch.__version__} ({build}); "
-                              f"use --device cpu, or install a CUDA build of torch and check nvidia-smi")
+            raise ConfigError(
+                f"--device {choice}: no CUDA GPU is visible to PyTorch {torch.__version__} ({build}); "
+                f"use --device cpu, or install a CUDA build of torch and check nvidia-smi"
+            )
         count, index = torch.cuda.device_count(), int(index_text)
         if index >= count:
-            raise ConfigError(f"--device {choice}: this machine has {count} CUDA device(s) "
-                              f"(cuda:0 to cuda:{count - 1}); use one of them or --device auto")
+            raise ConfigError(
+                f"--device {choice}: this machine has {count} CUDA device(s) "
+                f"(cuda:0 to cuda:{count - 1}); use one of them or --device auto"
+            )
         return torch.device("cuda", index)
     raise ConfigError(f"--device {choice}: must be auto, cpu, cuda, cuda:N or mps")
 
@@ -125,8 +139,12 @@ def describe(device: torch.device) -> DeviceInfo:
     """Name, memory and compute capability of ``device`` (initialises CUDA on a CUDA device)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return DeviceInfo(device=str(device), name=props.name, memory_gib=props.total_memory / GIB,
-                          capability=(props.major, props.minor))
+        return DeviceInfo(
+            device=str(device),
+            name=props.name,
+            memory_gib=props.total_memory / GIB,
+            capability=(props.major, props.minor),
+        )
     if device.type == "mps":
         return DeviceInfo(device="mps", name="Apple GPU (MPS)", memory_gib=None, capability=None)
     return DeviceInfo(device="cpu", name=platform.machine() or "cpu", memory_gib=None, capability=None)
@@ -184,6 +202,7 @@ def probe_micro_batch(try_step: Callable[[int], float], *, upper: int, margin: f
         ConfigError: not even one sequence fits (a smaller model, a larger ``--max-memory`` or
             ``--device cpu``).
     """
+
     def fits(n: int) -> bool:
         try:
             return try_step(n) <= 1.0 - margin
@@ -197,8 +216,10 @@ def probe_micro_batch(try_step: Callable[[int], float], *, upper: int, margin: f
             try:
                 try_step(1)
             except torch.OutOfMemoryError:
-                raise ConfigError("the model does not fit this device even at one sequence per micro-batch; "
-                                  "raise --max-memory, train a smaller run, or use --device cpu") from None
+                raise ConfigError(
+                    "the model does not fit this device even at one sequence per micro-batch; "
+                    "raise --max-memory, train a smaller run, or use --device cpu"
+                ) from None
             return 1
         hi, n = n, n // 2
     lo = n
@@ -241,17 +262,29 @@ class Placement:
     def event_fields(self) -> dict:
         """The device part of the ``started`` event."""
         cap = self.info.capability
-        return dict(device=",".join(self.devices) or self.info.device, ranks=max(1, len(self.devices)),
-                    device_name=self.info.name,
-                    device_memory_gib=None if self.info.memory_gib is None else round(self.info.memory_gib, 2),
-                    compute_capability=None if cap is None else f"{cap[0]}.{cap[1]}",
-                    precision=self.precision.name, compile=self.compile, peak_tflops=self.peak_tflops,
-                    activation_checkpointing=self.activation_checkpointing)
+        return dict(
+            device=",".join(self.devices) or self.info.device,
+            ranks=max(1, len(self.devices)),
+            device_name=self.info.name,
+            device_memory_gib=None if self.info.memory_gib is None else round(self.info.memory_gib, 2),
+            compute_capability=None if cap is None else f"{cap[0]}.{cap[1]}",
+            precision=self.precision.name,
+            compile=self.compile,
+            peak_tflops=self.peak_tflops,
+            activation_checkpointing=self.activation_checkpointing,
+        )
 
 
-def place(device: str = "auto", *, precision: str = "auto", compile: bool | None = None,
-          micro_batch_sequences: int | None = None, max_memory_gib: float | None = None,
-          peak_tflops: float | None = None, activation_checkpointing: bool = False) -> tuple[Placement, list[str]]:
+def place(
+    device: str = "auto",
+    *,
+    precision: str = "auto",
+    compile: bool | None = None,
+    micro_batch_sequences: int | None = None,
+    max_memory_gib: float | None = None,
+    peak_tflops: float | None = None,
+    activation_checkpointing: bool = False,
+) -> tuple[Placement, list[str]]:
     """Resolve ``--device`` and the settings that follow from it; returns the placement and notes
     for the person (settings that cannot apply here). Initialises CUDA on a CUDA device: call it
     after the averager process was forked.
@@ -284,14 +317,22 @@ def place(device: str = "auto", *, precision: str = "auto", compile: bool | None
     if info.memory_gib is not None:
         budget = min(info.memory_gib, max_memory_gib) if max_memory_gib is not None else info.memory_gib
     devices = tuple(str(d) for d in torch_devices) if len(torch_devices) > 1 else ()
-    return Placement(info=info, precision=chosen, compile=info.type == "cuda" if compile is None else compile,
-                     micro_batch_sequences=micro_batch_sequences, peak_tflops=peak, memory_budget_gib=budget,
-                     devices=devices, max_memory_gib=max_memory_gib,
-                     activation_checkpointing=activation_checkpointing), notes
+    return Placement(
+        info=info,
+        precision=chosen,
+        compile=info.type == "cuda" if compile is None else compile,
+        micro_batch_sequences=micro_batch_sequences,
+        peak_tflops=peak,
+        memory_budget_gib=budget,
+        devices=devices,
+        max_memory_gib=max_memory_gib,
+        activation_checkpointing=activation_checkpointing,
+    ), notes
 
 
-def training_memory_bytes(*, params: int, layers: int, hidden: int, intermediate: int, vocab_size: int,
-                          micro_batch: int, seq_len: int) -> tuple[float, float]:
+def training_memory_bytes(
+    *, params: int, layers: int, hidden: int, intermediate: int, vocab_size: int, micro_batch: int, seq_len: int
+) -> tuple[float, float]:
     """Computed (not measured) device memory of one inner step under bf16 autocast with AdamW:
     ``(states, activations)`` in bytes.
 

@@ -27,8 +27,7 @@ from protocol.manifest import InnerOptimizerSpec
 logger = logging.getLogger(__name__)
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, decay_steps: int,
-          min_lr_ratio: float) -> float:
+def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, decay_steps: int, min_lr_ratio: float) -> float:
     """Inner learning rate at cumulative inner step ``step`` (0-based).
 
     Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio·lr`` at
@@ -147,20 +146,31 @@ class InnerLoop:
             slower. Needs a transformers model (ConfigError otherwise).
     """
 
-    def __init__(self, model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler, *,
-                 device: torch.device | None = None, precision: Precision = FP32,
-                 micro_batch_sequences: int | None = None, compile: bool = False,
-                 compile_backend: Any = "inductor", activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: InnerOptimizerSpec,
+        sampler: BatchSampler,
+        *,
+        device: torch.device | None = None,
+        precision: Precision = FP32,
+        micro_batch_sequences: int | None = None,
+        compile: bool = False,
+        compile_backend: Any = "inductor",
+        activation_checkpointing: bool = False,
+    ):
         self.model, self.spec, self.sampler = model, spec, sampler
         if activation_checkpointing:
             # transformers >= 5 names it activation checkpointing; older releases, gradient checkpointing
             # (a transformers model's methods; torch types an nn.Module's unknown attributes as Tensor | Module)
             if hasattr(model, "activation_checkpointing_enable"):
                 model.activation_checkpointing_enable(  # type: ignore[operator]
-                    activation_checkpointing_kwargs={"use_reentrant": False})
+                    activation_checkpointing_kwargs={"use_reentrant": False}
+                )
             elif hasattr(model, "gradient_checkpointing_enable"):
                 model.gradient_checkpointing_enable(  # type: ignore[operator]
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
             else:
                 raise ConfigError(f"--activation-checkpointing needs a transformers model, not {type(model).__name__}")
         self.activation_checkpointing = activation_checkpointing
@@ -177,20 +187,28 @@ class InnerLoop:
         Not with Muon, whose steps are checked on the host."""
         matrices = {id(p) for p in muon_matrices(model)} if spec.kind == "muon" else set()
         if spec.kind == "muon" and not matrices:
-            raise ConfigError(f"inner_optimizer.kind = 'muon' needs a model with transformer blocks; "
-                              f"{type(model).__name__} has none: use kind = 'adamw'")
+            raise ConfigError(
+                f"inner_optimizer.kind = 'muon' needs a model with transformer blocks; "
+                f"{type(model).__name__} has none: use kind = 'adamw'"
+            )
         adamw = torch.optim.AdamW(
-            [p for p in self.params if id(p) not in matrices], lr=spec.lr, betas=(spec.beta1, spec.beta2),
-            eps=spec.eps, weight_decay=spec.weight_decay, fused=True if self.fused else None,
+            [p for p in self.params if id(p) not in matrices],
+            lr=spec.lr,
+            betas=(spec.beta1, spec.beta2),
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            fused=True if self.fused else None,
         )
         self.optimizer: torch.optim.Optimizer | MuonAdamW = adamw
         if matrices:
             # match_rms_adamw scales Muon's orthogonalised update to AdamW's RMS, so lr and weight
             # decay mean what they mean for AdamW; lr_ratio scales it from there
-            muon = torch.optim.Muon([{"params": [p for p in self.params if id(p) in matrices],
-                                      "lr_ratio": spec.muon_lr_ratio}],
-                                    lr=spec.lr * spec.muon_lr_ratio, weight_decay=spec.weight_decay,
-                                    adjust_lr_fn="match_rms_adamw")
+            muon = torch.optim.Muon(
+                [{"params": [p for p in self.params if id(p) in matrices], "lr_ratio": spec.muon_lr_ratio}],
+                lr=spec.lr * spec.muon_lr_ratio,
+                weight_decay=spec.weight_decay,
+                adjust_lr_fn="match_rms_adamw",
+            )
             self.optimizer = MuonAdamW(adamw, muon)
         self.scaler = torch.amp.GradScaler(self.device.type) if precision.grad_scaler else None
         self._eager_loss = _Loss(model)
@@ -225,13 +243,16 @@ class InnerLoop:
         and its ``exp_avg_sq`` zeros (Muon keeps no second moment), so the checkpoint's layout is
         AdamW's whatever the kind."""
         adamw, muon = self._adamw().state, self._muon_state()
-        if not all((p in muon and "momentum_buffer" in muon[p]) or (p in adamw and "exp_avg" in adamw[p])
-                   for p in self.params):
+        if not all(
+            (p in muon and "momentum_buffer" in muon[p]) or (p in adamw and "exp_avg" in adamw[p]) for p in self.params
+        ):
             return None
         first = next(p for p in self.params if p in adamw)
-        return {"exp_avg": [muon[p]["momentum_buffer"] if p in muon else adamw[p]["exp_avg"] for p in self.params],
-                "exp_avg_sq": [torch.zeros_like(p) if p in muon else adamw[p]["exp_avg_sq"] for p in self.params],
-                "step": int(adamw[first]["step"])}
+        return {
+            "exp_avg": [muon[p]["momentum_buffer"] if p in muon else adamw[p]["exp_avg"] for p in self.params],
+            "exp_avg_sq": [torch.zeros_like(p) if p in muon else adamw[p]["exp_avg_sq"] for p in self.params],
+            "step": int(adamw[first]["step"]),
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore what :meth:`state_dict` returned (copies the tensors to θ's device); None leaves a
@@ -248,14 +269,22 @@ class InnerLoop:
                 continue
             # fused AdamW keeps its step count on the device
             step = torch.tensor(float(state["step"]), device=p.device if self.fused else "cpu")
-            adamw.state[p] = {"step": step,
-                              "exp_avg": m1.detach().to(p.device, torch.float32, copy=True),
-                              "exp_avg_sq": m2.detach().to(p.device, torch.float32, copy=True)}
+            adamw.state[p] = {
+                "step": step,
+                "exp_avg": m1.detach().to(p.device, torch.float32, copy=True),
+                "exp_avg_sq": m2.detach().to(p.device, torch.float32, copy=True),
+            }
 
     def lr(self, inner_step: int) -> float:
         s = self.spec
-        return lr_at(inner_step, lr=s.lr, warmup_steps=s.warmup_steps, schedule=s.schedule,
-                     decay_steps=s.decay_steps, min_lr_ratio=s.min_lr_ratio)
+        return lr_at(
+            inner_step,
+            lr=s.lr,
+            warmup_steps=s.warmup_steps,
+            schedule=s.schedule,
+            decay_steps=s.decay_steps,
+            min_lr_ratio=s.min_lr_ratio,
+        )
 
     def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
         """One AdamW step on a fresh batch at cumulative inner step ``inner_step``.
@@ -312,9 +341,12 @@ class InnerLoop:
         else:
             self.optimizer.step()
         tokens = batch.shape[0] * (batch.shape[1] - 1)
-        return StepResult(loss=float(loss), tokens=tokens, seconds=time.perf_counter() - start - held_s,
-                          micro_batch=min(self.micro_batch_sequences or self._share(batch).shape[0],
-                                          self._share(batch).shape[0]))
+        return StepResult(
+            loss=float(loss),
+            tokens=tokens,
+            seconds=time.perf_counter() - start - held_s,
+            micro_batch=min(self.micro_batch_sequences or self._share(batch).shape[0], self._share(batch).shape[0]),
+        )
 
     def hold_updates(self, until: threading.Event) -> None:
         """Make the next update of θ and AdamW's moments (the next :meth:`step`'s optimizer step,
@@ -332,8 +364,9 @@ class InnerLoop:
         self._hold = None
         return time.perf_counter() - start
 
-    def _step_unless_non_finite(self, loss: torch.Tensor, norm: torch.Tensor | None, inner_step: int, *,
-                                wait: bool = True) -> float:
+    def _step_unless_non_finite(
+        self, loss: torch.Tensor, norm: torch.Tensor | None, inner_step: int, *, wait: bool = True
+    ) -> float:
         """Fused AdamW's step, skipped on the device (parameters, moments and step count untouched)
         when the loss or the gradient norm is not finite; then the step's one host sync: the loss
         (``wait=False``: none, the step is kept for :meth:`settle` and NaN returned).
@@ -366,8 +399,12 @@ class InnerLoop:
         if not pending:
             return []
         # (loss, norm) per step, one sync; no clipping: no norm, 0 stands in
-        table = torch.stack([torch.stack([loss.float(), loss.new_zeros(()) if norm is None else norm.float()])
-                             for _, loss, norm in pending]).tolist()
+        table = torch.stack(
+            [
+                torch.stack([loss.float(), loss.new_zeros(()) if norm is None else norm.float()])
+                for _, loss, norm in pending
+            ]
+        ).tolist()
         for (inner_step, _, _), (value, norm_value) in zip(pending, table):
             if not math.isfinite(value) or not math.isfinite(norm_value):
                 self.optimizer.zero_grad(set_to_none=True)
@@ -441,17 +478,26 @@ class InnerLoop:
             torch.cuda.empty_cache()
         current = min(self.micro_batch_sequences or rows, rows)
         if current <= 1:
-            raise ConfigError(f"out of {self.device} memory at one sequence per micro-batch; raise --max-memory, "
-                              f"train a smaller run, or use --device cpu")
+            raise ConfigError(
+                f"out of {self.device} memory at one sequence per micro-batch; raise --max-memory, "
+                f"train a smaller run, or use --device cpu"
+            )
         self.micro_batch_sequences = current // 2
         self.oom_backoffs += 1
-        logger.warning("out of %s memory at %d sequences per micro-batch: redoing the step at %d",
-                       self.device, current, self.micro_batch_sequences)
+        logger.warning(
+            "out of %s memory at %d sequences per micro-batch: redoing the step at %d",
+            self.device,
+            current,
+            self.micro_batch_sequences,
+        )
 
     def _fall_back_to_eager(self, exc: Exception) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        logger.warning("torch.compile failed (%s: %s); training eagerly", type(exc).__name__,
-                       str(exc).splitlines()[0] if str(exc) else "")
+        logger.warning(
+            "torch.compile failed (%s: %s); training eagerly",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
         self._loss = self._eager_loss
         self._compile_unproven = False
 

@@ -100,7 +100,7 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_sequences: int
     total, count = 0.0, 0
     try:
         for start in range(0, windows.shape[0], batch_sequences):
-            chunk = windows[start:start + batch_sequences].to(device)
+            chunk = windows[start : start + batch_sequences].to(device)
             total += lm_loss(model, chunk).item() * chunk.shape[0]
             count += chunk.shape[0]
     finally:

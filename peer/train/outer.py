@@ -66,8 +66,9 @@ def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
     if not counted:
         return None
     if len({t.device for t in counted}) == 1:
-        total = torch.stack([t.sum(dtype=torch.float32) if t.is_floating_point() else t.sum().float()
-                             for t in counted]).sum()
+        total = torch.stack(
+            [t.sum(dtype=torch.float32) if t.is_floating_point() else t.sum().float() for t in counted]
+        ).sum()
         if bool(torch.isfinite(total)):
             return None
     return next((index for index, t in enumerate(tensors) if not all_finite(t)), None)
@@ -136,9 +137,18 @@ class OuterAlgorithm(Protocol):
         """Whom this peer syncs with at ``round_``; ``live``: (peer id, round) of the live peers."""
         ...
 
-    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
+    def resync_target(
+        self,
+        others: Others,
+        *,
+        round_: int,
+        digest: str,
+        completed_with: Sequence[str],
+        fresh: bool,
+        vouchers: Collection[str] | None,
+        groupmates: Groupmates | None = None,
+        defers: bool = False,
+    ) -> tuple[int, str, list[str]] | None:
         """(round, digest, donors) of the swarm state to adopt, or None (peer/train/resync.py).
 
         Only members vouched for count: ``vouchers`` (peers this peer completed an all-reduce with
@@ -160,8 +170,12 @@ class _DeltaPayload:
         return None
 
 
-def _commit(phi: Sequence[torch.Tensor], new_phi: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
-            new_momentum: Sequence[torch.Tensor]) -> None:
+def _commit(
+    phi: Sequence[torch.Tensor],
+    new_phi: Sequence[torch.Tensor],
+    momentum: Sequence[torch.Tensor],
+    new_momentum: Sequence[torch.Tensor],
+) -> None:
     """Copy an outer step computed out of place into ``phi`` and ``momentum``, only if every value
     is finite: a finite mean can still overflow fp32 (φ = 3e38 minus a mean of −3e38 is inf), and
     nothing a peer sends may leave a non-finite φ behind.
@@ -170,8 +184,9 @@ def _commit(phi: Sequence[torch.Tensor], new_phi: Sequence[torch.Tensor], moment
         BadPayload: a non-finite value; ``phi`` and ``momentum`` are left unchanged.
     """
     if first_non_finite([*new_phi, *new_momentum]) is not None:
-        raise BadPayload("the outer step would leave φ or the outer momentum non-finite (fp32 overflow); "
-                         "φ left unchanged")
+        raise BadPayload(
+            "the outer step would leave φ or the outer momentum non-finite (fp32 overflow); φ left unchanged"
+        )
     for dst, src in zip([*phi, *momentum], [*new_phi, *new_momentum]):
         dst.copy_(src)
 
@@ -214,17 +229,34 @@ class DiLoCo(_DeltaPayload):
         """Every live peer, whatever its round: one that is behind adopts the swarm's state and joins
         this round; one that is not there when matchmaking ends is left out. (A peer that synced
         only with peers near its round would race ahead alone when the others fall back.)"""
-        (everyone,) = plan_groups([me, *(peer for peer, _ in live)], algorithm=self.name, run_id=run_id,
-                                  round_=round_, group_size=2)
+        (everyone,) = plan_groups(
+            [me, *(peer for peer, _ in live)], algorithm=self.name, run_id=run_id, round_=round_, group_size=2
+        )
         if len(everyone) == 1:
             return GroupChoice(1, note="alone: no other live peer, applied own pseudo-gradient")
         return GroupChoice(len(everyone))
 
-    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
-        return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with,
-                                    vouchers=vouchers, groupmates=groupmates, defers=defers)
+    def resync_target(
+        self,
+        others: Others,
+        *,
+        round_: int,
+        digest: str,
+        completed_with: Sequence[str],
+        fresh: bool,
+        vouchers: Collection[str] | None,
+        groupmates: Groupmates | None = None,
+        defers: bool = False,
+    ) -> tuple[int, str, list[str]] | None:
+        return diloco_resync_target(
+            others,
+            round_=round_,
+            digest=digest,
+            completed_with=completed_with,
+            vouchers=vouchers,
+            groupmates=groupmates,
+            defers=defers,
+        )
 
     def apply(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> None:
         """One outer step, in place on ``phi`` and the momentum buffers.
@@ -254,15 +286,18 @@ class DiLoCo(_DeltaPayload):
         """
         return self._step(phi, mean_delta)[0]
 
-    def _step(self, phi: Sequence[torch.Tensor],
-              mean_delta: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _step(
+        self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(new φ, new momentum), computed out of place from a checked Δ̄."""
         _check_mean(phi, mean_delta, copies=1)
         lr, mu = self.spec.lr, self.spec.momentum
         with torch.no_grad():
             new_m = [m.mul(mu).add_(d) for d, m in zip(mean_delta, self.momentum)]
-            new_p = [p.sub(d.add(m, alpha=mu) if self.spec.nesterov else m, alpha=lr)
-                     for p, d, m in zip(phi, mean_delta, new_m)]
+            new_p = [
+                p.sub(d.add(m, alpha=mu) if self.spec.nesterov else m, alpha=lr)
+                for p, d, m in zip(phi, mean_delta, new_m)
+            ]
         return new_p, new_m
 
 
@@ -314,11 +349,21 @@ class NoLoCo:
             return GroupChoice(1, note="no partner this round: applied own step")
         return GroupChoice(len(members), index=index, members=tuple(members))
 
-    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
-        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates,
-                                    defers=defers)
+    def resync_target(
+        self,
+        others: Others,
+        *,
+        round_: int,
+        digest: str,
+        completed_with: Sequence[str],
+        fresh: bool,
+        vouchers: Collection[str] | None,
+        groupmates: Groupmates | None = None,
+        defers: bool = False,
+    ) -> tuple[int, str, list[str]] | None:
+        return noloco_resync_target(
+            others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates, defers=defers
+        )
 
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
         """One outer step in place on ``phi`` and δ.
@@ -335,8 +380,10 @@ class NoLoCo:
         n = len(phi)
         a, b, g = self.spec.momentum, self.spec.lr, self.spec.pull
         with torch.no_grad():
-            new_m = [m.mul(a).sub_(mean_d, alpha=b).add_(mean_p - p, alpha=g)
-                     for p, m, mean_d, mean_p in zip(phi, self.momentum, group_mean[:n], group_mean[n:])]
+            new_m = [
+                m.mul(a).sub_(mean_d, alpha=b).add_(mean_p - p, alpha=g)
+                for p, m, mean_d, mean_p in zip(phi, self.momentum, group_mean[:n], group_mean[n:])
+            ]
             _commit(phi, [p.add(m) for p, m in zip(phi, new_m)], self.momentum, new_m)
 
 
@@ -356,9 +403,18 @@ class Independent(_DeltaPayload):
     def choose_group(self, me: str, *, round_: int, live: Sequence[tuple[str, int]], run_id: str) -> GroupChoice:
         return GroupChoice(1, note="independent: no sync")
 
-    def resync_target(self, others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                      fresh: bool, vouchers: Collection[str] | None,
-                      groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
+    def resync_target(
+        self,
+        others: Others,
+        *,
+        round_: int,
+        digest: str,
+        completed_with: Sequence[str],
+        fresh: bool,
+        vouchers: Collection[str] | None,
+        groupmates: Groupmates | None = None,
+        defers: bool = False,
+    ) -> tuple[int, str, list[str]] | None:
         return None
 
     def apply(self, phi: Sequence[torch.Tensor], group_mean: Sequence[torch.Tensor]) -> None:
@@ -390,11 +446,12 @@ pair is at most (1 + 2) / 2 ‖φ‖ from either."""
 def _norm(tensors: Iterable[torch.Tensor]) -> float:
     """L2 norm of all of ``tensors`` together, in float64 (inf when any value is not finite)."""
     total = sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors)
-    return float("inf") if total != total else total ** 0.5
+    return float("inf") if total != total else total**0.5
 
 
-def step_limit(outer: OuterAlgorithm, *, delta_norm: float, phi_norm: float, state_norm: float,
-               scale: float = 1.0) -> float:
+def step_limit(
+    outer: OuterAlgorithm, *, delta_norm: float, phi_norm: float, state_norm: float, scale: float = 1.0
+) -> float:
     """The largest ‖φ_new − φ_old‖ an outer step of ``outer`` may make, from this peer's own numbers,
     :data:`STEP_BOUND_MARGIN` × the outer optimizer's own arithmetic with an honest mean:
 
@@ -425,8 +482,11 @@ def step_limit(outer: OuterAlgorithm, *, delta_norm: float, phi_norm: float, sta
     spec = getattr(outer, "spec", None)
     if isinstance(spec, OuterOptimizerSpec):
         lr, mu = spec.lr, spec.momentum
-        bound = lr * ((1 + mu) * mean_bound + mu * mu * state_norm) if spec.nesterov else \
-            lr * (mean_bound + mu * state_norm)
+        bound = (
+            lr * ((1 + mu) * mean_bound + mu * mu * state_norm)
+            if spec.nesterov
+            else lr * (mean_bound + mu * state_norm)
+        )
     elif isinstance(spec, NoLoCoSpec):
         bound = spec.momentum * state_norm + spec.lr * mean_bound + spec.pull * STEP_PULL_BOUND * phi_norm
     else:
@@ -435,9 +495,16 @@ def step_limit(outer: OuterAlgorithm, *, delta_norm: float, phi_norm: float, sta
     return bound if bound > 0 else phi_norm
 
 
-def check_step_bound(outer: OuterAlgorithm, old_phi: Sequence[torch.Tensor], new_phi: Sequence[torch.Tensor],
-                     own_delta: Sequence[torch.Tensor] | float, *, old_state: Sequence[torch.Tensor] = (),
-                     scale: float = 1.0, what: str = "the outer step") -> None:
+def check_step_bound(
+    outer: OuterAlgorithm,
+    old_phi: Sequence[torch.Tensor],
+    new_phi: Sequence[torch.Tensor],
+    own_delta: Sequence[torch.Tensor] | float,
+    *,
+    old_state: Sequence[torch.Tensor] = (),
+    scale: float = 1.0,
+    what: str = "the outer step",
+) -> None:
     """Refuse an outer step whose change of φ is more than :func:`step_limit` allows (issue #51: a
     lying owner's mean of 1e30 left every honest φ at 1e30, then NaN, for good).
 
@@ -457,16 +524,18 @@ def check_step_bound(outer: OuterAlgorithm, old_phi: Sequence[torch.Tensor], new
     with torch.no_grad():
         # one difference at a time: no second copy of φ
         change = _norm(n.detach() - o.detach() for n, o in zip(new_phi, old_phi, strict=True))
-    limit = step_limit(outer, delta_norm=delta_norm, phi_norm=_norm(old_phi), state_norm=_norm(old_state),
-                       scale=scale)
+    limit = step_limit(outer, delta_norm=delta_norm, phi_norm=_norm(old_phi), state_norm=_norm(old_state), scale=scale)
     if not change <= limit:
-        raise BadPayload(f"{what} would change φ by {change:.4g}, over its bound {limit:.4g} "
-                         f"({STEP_BOUND_MARGIN:g}x what an honest mean can, from this peer's own Δ of norm "
-                         f"{delta_norm:.4g}); refused, φ left unchanged")
+        raise BadPayload(
+            f"{what} would change φ by {change:.4g}, over its bound {limit:.4g} "
+            f"({STEP_BOUND_MARGIN:g}x what an honest mean can, from this peer's own Δ of norm "
+            f"{delta_norm:.4g}); refused, φ left unchanged"
+        )
 
 
-def step_on_copies(outer: OuterAlgorithm, phi: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
-                   mean: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def step_on_copies(
+    outer: OuterAlgorithm, phi: Sequence[torch.Tensor], state: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """What ``outer.apply(φ, mean)`` makes of φ and the outer state, computed on copies: ``phi``,
     ``state`` and ``outer``'s own state are left as they are, so this may run in another thread
     while the round loop uses ``outer`` (the outer step prepared while the next round trains,

@@ -78,8 +78,9 @@ def eager_mean(payload: Sequence[torch.Tensor], *, n_delta: int, share: float) -
     return [t * share if i < n_delta else t.clone() for i, t in enumerate(payload)]
 
 
-def preview_step(outer: OuterAlgorithm, phi: Sequence[torch.Tensor],
-                 mean: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def preview_step(
+    outer: OuterAlgorithm, phi: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     """What ``outer.apply(φ, mean)`` would make of φ, out of place (DiLoCo's ``preview``, else on copies):
     φ and the outer state are unchanged.
 
@@ -128,8 +129,9 @@ class EagerState:
         """Forget the offset and its momentum: the next round starts from φ plus one fresh step."""
         self.offset = self.momentum = self.last = None
 
-    def start(self, outer: DiLoCo, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], *,
-              share: float) -> list[torch.Tensor]:
+    def start(
+        self, outer: DiLoCo, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], *, share: float
+    ) -> list[torch.Tensor]:
         """x_i(t) = φ + o_i(t), after one outer step of (o_i, w_i) with e_i(t) (the eager update of
         Kale et al., its outer state split as in the class docstring).
 
@@ -165,9 +167,16 @@ def _per_worker_state(outer: OuterAlgorithm) -> TypeGuard[DiLoCo]:
     return isinstance(outer, DiLoCo) and outer.spec.momentum != 0.0
 
 
-def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],
-               payload: Sequence[torch.Tensor], *, share: float,
-               eager: EagerState | None = None) -> list[torch.Tensor]:
+def next_start(
+    mode: str,
+    outer: OuterAlgorithm,
+    phi: Sequence[torch.Tensor],
+    delta: Sequence[torch.Tensor],
+    payload: Sequence[torch.Tensor],
+    *,
+    share: float,
+    eager: EagerState | None = None,
+) -> list[torch.Tensor]:
     """ψ_{t+1}, where round t+1's inner steps start (call after φ took round t−1's mean).
 
     Implements the one-step delay of DiLoCoX (arXiv 2506.21263) for ``delayed`` and the eager
@@ -202,8 +211,9 @@ def next_start(mode: str, outer: OuterAlgorithm, phi: Sequence[torch.Tensor], de
             raise ValueError("eager with outer momentum needs this peer's EagerState (the paper's per-worker state)")
         return eager.start(outer, phi, delta, share=share)
     n_delta = outer.phi_from(len(phi))
-    start = preview_step(outer, phi, eager_mean(payload, n_delta=len(payload) if n_delta is None else n_delta,
-                                                share=share))
+    start = preview_step(
+        outer, phi, eager_mean(payload, n_delta=len(payload) if n_delta is None else n_delta, share=share)
+    )
     check_finite(start, "the eager start point")
     return start
 
@@ -221,4 +231,3 @@ def drain(outer: OuterAlgorithm, phi: Sequence[torch.Tensor], pending: Sequence[
         return False
     outer.apply(phi, pending)
     return True
-

@@ -69,8 +69,10 @@ def choose_precision(device_type: str, capability: tuple[int, int] | None, reque
         if requested == "auto":
             return BF16 if native_bf16 else FP16
         if requested == "bf16" and not native_bf16:
-            raise ConfigError(f"--precision bf16: this card (compute capability {capability[0]}.{capability[1]}) "
-                              f"has no bf16 support; use --precision fp16 (or auto, which picks it)")
+            raise ConfigError(
+                f"--precision bf16: this card (compute capability {capability[0]}.{capability[1]}) "
+                f"has no bf16 support; use --precision fp16 (or auto, which picks it)"
+            )
         return _BY_NAME[requested]
     if requested == "auto":
         return FP32

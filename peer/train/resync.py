@@ -52,19 +52,36 @@ def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset
     return frozenset(out)
 
 
-def resync_target(others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                  vouchers: Collection[str] | None, algorithm: str = "diloco", fresh: bool = False,
-                  groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
+def resync_target(
+    others: Others,
+    *,
+    round_: int,
+    digest: str,
+    completed_with: Sequence[str],
+    vouchers: Collection[str] | None,
+    algorithm: str = "diloco",
+    fresh: bool = False,
+    groupmates: Groupmates | None = None,
+    defers: bool = False,
+) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt under ``algorithm``'s rule, or None.
 
     The outer algorithms (peer/train/outer.py) call the rule of their own algorithm directly:
     :func:`diloco_resync_target` or :func:`noloco_resync_target`.
     """
     if algorithm == "noloco":
-        return noloco_resync_target(others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates,
-                                    defers=defers)
-    return diloco_resync_target(others, round_=round_, digest=digest, completed_with=completed_with,
-                                vouchers=vouchers, groupmates=groupmates, defers=defers)
+        return noloco_resync_target(
+            others, round_=round_, fresh=fresh, vouchers=vouchers, groupmates=groupmates, defers=defers
+        )
+    return diloco_resync_target(
+        others,
+        round_=round_,
+        digest=digest,
+        completed_with=completed_with,
+        vouchers=vouchers,
+        groupmates=groupmates,
+        defers=defers,
+    )
 
 
 def _classes(others: Others) -> dict[tuple[int, str], list[str]]:
@@ -75,8 +92,13 @@ def _classes(others: Others) -> dict[tuple[int, str], list[str]]:
     return classes
 
 
-def counted(others: Others, *, vouchers: Collection[str] | None, groupmates: Groupmates | None = None,
-            own: tuple[int, str] | None = None) -> dict[tuple[int, str], list[str]]:
+def counted(
+    others: Others,
+    *,
+    vouchers: Collection[str] | None,
+    groupmates: Groupmates | None = None,
+    own: tuple[int, str] | None = None,
+) -> dict[tuple[int, str], list[str]]:
     """The classes of ``others`` with only their members that count, sorted; classes left empty dropped.
 
     Args:
@@ -105,9 +127,16 @@ def counted(others: Others, *, vouchers: Collection[str] | None, groupmates: Gro
     return {c: members for c, members in kept.items() if members}
 
 
-def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_with: Sequence[str],
-                         vouchers: Collection[str] | None, groupmates: Groupmates | None = None,
-                         defers: bool = False) -> tuple[int, str, list[str]] | None:
+def diloco_resync_target(
+    others: Others,
+    *,
+    round_: int,
+    digest: str,
+    completed_with: Sequence[str],
+    vouchers: Collection[str] | None,
+    groupmates: Groupmates | None = None,
+    defers: bool = False,
+) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt, or None to keep this peer's own (DiLoCo).
 
     Args:
@@ -159,8 +188,15 @@ def diloco_resync_target(others: Others, *, round_: int, digest: str, completed_
     return r, d, donors
 
 
-def noloco_resync_target(others: Others, *, round_: int, fresh: bool, vouchers: Collection[str] | None,
-                         groupmates: Groupmates | None = None, defers: bool = False) -> tuple[int, str, list[str]] | None:
+def noloco_resync_target(
+    others: Others,
+    *,
+    round_: int,
+    fresh: bool,
+    vouchers: Collection[str] | None,
+    groupmates: Groupmates | None = None,
+    defers: bool = False,
+) -> tuple[int, str, list[str]] | None:
     """(round, digest, donors) of the state to adopt, or None (NoLoCo: replicas differ by design).
 
     Args:

@@ -58,8 +58,10 @@ class SkippedFiles:
         """One line for the log, e.g. ``skipped 2 binary or non-UTF-8 files of files at '/d' (a.txt: binary ...)``."""
         first = f"{self.paths[0]}: {self.reasons[0]}" if self.paths else ""
         more = f" and {len(self.paths) - 1} more" if len(self.paths) > 1 else ""
-        return (f"skipped {len(self.paths)} binary or non-UTF-8 file(s) of {describe(spec)} ({first}{more}); "
-                "they are not trained on")
+        return (
+            f"skipped {len(self.paths)} binary or non-UTF-8 file(s) of {describe(spec)} ({first}{more}); "
+            "they are not trained on"
+        )
 
 
 def stdlib_root() -> Path:
@@ -84,21 +86,28 @@ def list_files(spec: DataSpec) -> tuple[Path, list[Path]]:
         root = stdlib_root()
     else:
         if not spec.path:  # never the working directory: a run named by content is read from --data
-            raise ConfigError(f"data.path is empty for data.source = {spec.source!r}: pass --data PATH pointing at "
-                              "your copy of the run's corpus")
+            raise ConfigError(
+                f"data.path is empty for data.source = {spec.source!r}: pass --data PATH pointing at "
+                "your copy of the run's corpus"
+            )
         root = Path(spec.path).expanduser()
         if not root.exists():
-            raise ConfigError(f"data.path {str(root)!r} does not exist: point it at a {'/'.join(suffixes)} "
-                              "file or a directory of them")
+            raise ConfigError(
+                f"data.path {str(root)!r} does not exist: point it at a {'/'.join(suffixes)} "
+                "file or a directory of them"
+            )
     if root.is_file():
         return root.parent, [root]
     files = sorted(
-        p for p in root.rglob("*")
+        p
+        for p in root.rglob("*")
         if p.suffix in suffixes and p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts)
     )
     if not files:
-        raise ConfigError(f"no {', '.join(suffixes)} files under data.path {str(root)!r}: point data.path at a "
-                          f"directory that holds some, or set data.source to the kind of files it holds")
+        raise ConfigError(
+            f"no {', '.join(suffixes)} files under data.path {str(root)!r}: point data.path at a "
+            f"directory that holds some, or set data.source to the kind of files it holds"
+        )
     return root, files
 
 
@@ -117,8 +126,9 @@ def iter_documents(spec: DataSpec, skipped: SkippedFiles | None = None) -> Itera
         yield from _hf_documents(spec)
         return
     root, files = list_files(spec)
-    reader = {"python-stdlib": _stdlib_file, "files": _text_file, "jsonl": _jsonl_file,
-              "parquet": _parquet_file}[spec.source]
+    reader = {"python-stdlib": _stdlib_file, "files": _text_file, "jsonl": _jsonl_file, "parquet": _parquet_file}[
+        spec.source
+    ]
     for path in files:
         rel = path.relative_to(root).as_posix()
         try:
@@ -169,8 +179,10 @@ def _jsonl_file(path: Path, _rel: str, field: str) -> Iterator[Document]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{number} is not JSON ({exc.msg}): fix or drop that line") from exc
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
-            raise ConfigError(f"{path}:{number} has no string field {field!r}: set data.text_field to the key "
-                              "that holds the text, or fix that line")
+            raise ConfigError(
+                f"{path}:{number} has no string field {field!r}: set data.text_field to the key "
+                "that holds the text, or fix that line"
+            )
         if record[field]:
             yield _record(record[field])
 
@@ -182,16 +194,21 @@ def _parquet_file(path: Path, _rel: str, field: str) -> Iterator[Document]:
     try:
         handle = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
-        raise ConfigError(f"corpus file {str(path)!r} is not a readable parquet file ({exc}): "
-                          "remove it from data.path") from exc
+        raise ConfigError(
+            f"corpus file {str(path)!r} is not a readable parquet file ({exc}): remove it from data.path"
+        ) from exc
     columns = handle.schema_arrow.names
     if field not in columns:
-        raise ConfigError(f"parquet file {str(path)!r} has no column {field!r} (columns: {', '.join(columns)}): "
-                          "set data.text_field to the column that holds the text")
+        raise ConfigError(
+            f"parquet file {str(path)!r} has no column {field!r} (columns: {', '.join(columns)}): "
+            "set data.text_field to the column that holds the text"
+        )
     kind = handle.schema_arrow.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f"column {field!r} of parquet file {str(path)!r} holds {kind}, not strings: "
-                          "set data.text_field to the column that holds the text")
+        raise ConfigError(
+            f"column {field!r} of parquet file {str(path)!r} holds {kind}, not strings: "
+            "set data.text_field to the column that holds the text"
+        )
     for batch in handle.iter_batches(batch_size=_BATCH_ROWS, columns=[field]):
         for text in batch.column(0).to_pylist():
             if text:
@@ -200,34 +217,44 @@ def _parquet_file(path: Path, _rel: str, field: str) -> Iterator[Document]:
 
 def _hf_documents(spec: DataSpec) -> Iterator[Document]:
     if not spec.path:
-        raise ConfigError("data.path is empty for data.source = 'hf-dataset': pass --data PATH pointing at your "
-                          "copy of the run's dataset")
+        raise ConfigError(
+            "data.path is empty for data.source = 'hf-dataset': pass --data PATH pointing at your "
+            "copy of the run's dataset"
+        )
     path = Path(spec.path).expanduser()
     if not path.exists():
-        raise ConfigError(f"data.path {str(path)!r} does not exist: point it at a directory written by "
-                          "datasets' Dataset.save_to_disk")
+        raise ConfigError(
+            f"data.path {str(path)!r} does not exist: point it at a directory written by datasets' Dataset.save_to_disk"
+        )
     try:
         import datasets
     except ImportError as exc:
-        raise ConfigError("data.source = 'hf-dataset' needs the datasets library: "
-                          "pip install 'locoswarm[hf]'") from exc
+        raise ConfigError("data.source = 'hf-dataset' needs the datasets library: pip install 'locoswarm[hf]'") from exc
     try:
         dataset = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(f"data.path {str(path)!r} is not a dataset saved with save_to_disk ({exc}): for raw "
-                          "files use data.source = 'jsonl', 'parquet' or 'files'") from exc
+        raise ConfigError(
+            f"data.path {str(path)!r} is not a dataset saved with save_to_disk ({exc}): for raw "
+            "files use data.source = 'jsonl', 'parquet' or 'files'"
+        ) from exc
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
-            raise ConfigError(f"dataset {str(path)!r} has splits {sorted(dataset)} and no 'train': "
-                              "save the split to train on by itself")
+            raise ConfigError(
+                f"dataset {str(path)!r} has splits {sorted(dataset)} and no 'train': "
+                "save the split to train on by itself"
+            )
         dataset = dataset["train"]
     if spec.text_field not in dataset.column_names:
-        raise ConfigError(f"dataset {str(path)!r} has no column {spec.text_field!r} (columns: "
-                          f"{', '.join(dataset.column_names)}): set data.text_field to the column with the text")
+        raise ConfigError(
+            f"dataset {str(path)!r} has no column {spec.text_field!r} (columns: "
+            f"{', '.join(dataset.column_names)}): set data.text_field to the column with the text"
+        )
     for batch in dataset.select_columns([spec.text_field]).iter(batch_size=_BATCH_ROWS):
         for text in batch[spec.text_field]:
             if text is not None and not isinstance(text, str):
-                raise ConfigError(f"column {spec.text_field!r} of dataset {str(path)!r} holds "
-                                  f"{type(text).__name__}, not strings: set data.text_field to the text column")
+                raise ConfigError(
+                    f"column {spec.text_field!r} of dataset {str(path)!r} holds "
+                    f"{type(text).__name__}, not strings: set data.text_field to the text column"
+                )
             if text:
                 yield _record(text)

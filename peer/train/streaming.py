@@ -73,11 +73,15 @@ def partition(names: Sequence[str], fragments: int) -> list[list[int]]:
     if fragments < 1:
         raise ValueError(f"fragments = {fragments}: need at least 1")
     if not distinct:
-        raise ValueError(f"no parameter of {len(names)} names a transformer block ('layers.<index>.'): "
-                         "cannot split the model into fragments")
+        raise ValueError(
+            f"no parameter of {len(names)} names a transformer block ('layers.<index>.'): "
+            "cannot split the model into fragments"
+        )
     if fragments > len(distinct):
-        raise ValueError(f"fragments = {fragments}: the model has only {len(distinct)} transformer block(s); "
-                         "need 1 <= fragments <= blocks")
+        raise ValueError(
+            f"fragments = {fragments}: the model has only {len(distinct)} transformer block(s); "
+            "need 1 <= fragments <= blocks"
+        )
     rank = {b: i for i, b in enumerate(distinct)}  # block indices need not start at 0 or be dense
     out: list[list[int]] = [[] for _ in range(fragments)]
     current = 0
@@ -95,8 +99,10 @@ def sync_offset(fragment: int, *, inner_steps: int, fragments: int) -> int:
         ValueError: ``fragment`` outside [0, P), or H, P < 1.
     """
     if inner_steps < 1 or fragments < 1 or not 0 <= fragment < fragments:
-        raise ValueError(f"fragment = {fragment}, inner_steps = {inner_steps}, fragments = {fragments}: "
-                         "need 0 <= fragment < fragments and inner_steps, fragments >= 1")
+        raise ValueError(
+            f"fragment = {fragment}, inner_steps = {inner_steps}, fragments = {fragments}: "
+            "need 0 <= fragment < fragments and inner_steps, fragments >= 1"
+        )
     return fragment * inner_steps // fragments
 
 
@@ -111,8 +117,11 @@ def syncing_at(step: int, *, inner_steps: int, fragments: int) -> list[int]:
     """
     if step < 1:
         return []
-    return [p for p in range(fragments)
-            if step % inner_steps == sync_offset(p, inner_steps=inner_steps, fragments=fragments)]
+    return [
+        p
+        for p in range(fragments)
+        if step % inner_steps == sync_offset(p, inner_steps=inner_steps, fragments=fragments)
+    ]
 
 
 def landing_at(step: int, *, inner_steps: int, fragments: int, delay_steps: int) -> list[int]:
@@ -151,8 +160,9 @@ def merge(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], alpha: flo
                 t.mul_(alpha).add_(src, alpha=1.0 - alpha)
 
 
-def shift(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], at_sync: Sequence[torch.Tensor],
-          alpha: float) -> None:
+def shift(
+    theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], at_sync: Sequence[torch.Tensor], alpha: float
+) -> None:
     """θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync), in place on ``theta``: ``sync.fragment_merge = "shift"``.
 
     The mix of :func:`merge` taken of θ_p^sync, the fragment as it was when its sync started (what
@@ -174,8 +184,10 @@ def shift(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], at_sync: S
         raise ValueError(f"alpha = {alpha!r}: need 0 <= alpha <= 1")
     for t, p, s in zip(theta, phi, at_sync, strict=True):
         if not t.shape == p.shape == s.shape:
-            raise ValueError(f"θ of shape {tuple(t.shape)}, φ of shape {tuple(p.shape)} and θ at the sync of shape "
-                             f"{tuple(s.shape)}: need equal shapes")
+            raise ValueError(
+                f"θ of shape {tuple(t.shape)}, φ of shape {tuple(p.shape)} and θ at the sync of shape "
+                f"{tuple(s.shape)}: need equal shapes"
+            )
     if alpha == 1.0:
         return
     with torch.no_grad():
@@ -187,8 +199,14 @@ def shift(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], at_sync: S
             t.copy_(mixed)
 
 
-def land(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], *, alpha: float, rule: str,
-         at_sync: Sequence[torch.Tensor] | None) -> None:
+def land(
+    theta: Sequence[torch.Tensor],
+    phi: Sequence[torch.Tensor],
+    *,
+    alpha: float,
+    rule: str,
+    at_sync: Sequence[torch.Tensor] | None,
+) -> None:
     """A fragment's mean enters θ_p by the run's ``sync.fragment_merge`` ``rule``: 'mix'
     (:func:`merge`) or 'shift' (:func:`shift`, which needs ``at_sync``).
 
@@ -220,8 +238,9 @@ def payload_indices(fragment: Sequence[int], *, phi_from: int | None) -> list[in
     return list(fragment) if phi_from is None else [*fragment, *(phi_from + k for k in fragment)]
 
 
-def fragment_outers(outer: OuterAlgorithm, manifest: RunManifest, fragments: Sequence[Sequence[int]],
-                    shapes: Sequence[torch.Size]) -> list[OuterAlgorithm]:
+def fragment_outers(
+    outer: OuterAlgorithm, manifest: RunManifest, fragments: Sequence[Sequence[int]], shapes: Sequence[torch.Size]
+) -> list[OuterAlgorithm]:
     """One outer algorithm per fragment, each stepping its fragment's tensors with its slice of
     ``outer``'s state: the slice is ``outer``'s own state tensors (the same objects), so whatever
     reads or replaces ``outer.state_tensors()`` in place (snapshots, checkpoints, an adopted state)
@@ -238,8 +257,10 @@ def fragment_outers(outer: OuterAlgorithm, manifest: RunManifest, fragments: Seq
     """
     state = outer.state_tensors()
     if len(state) != len(shapes):
-        raise ValueError(f"the outer algorithm keeps {len(state)} state tensors for {len(shapes)} parameters: "
-                         "cannot slice it into fragments")
+        raise ValueError(
+            f"the outer algorithm keeps {len(state)} state tensors for {len(shapes)} parameters: "
+            "cannot slice it into fragments"
+        )
     out: list[OuterAlgorithm] = []
     for index in fragments:
         part = make_outer(manifest, [shapes[k] for k in index])

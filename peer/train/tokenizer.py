@@ -74,9 +74,16 @@ def byte_tokenizer() -> Tokenizer:
     """The byte-level tokenizer (vocabulary 259)."""
     token_bytes = np.zeros(VOCAB_SIZE, dtype=np.int64)
     token_bytes[:256] = 1
-    return Tokenizer(kind="bytes", vocab_size=VOCAB_SIZE, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-                     sha256=hashlib.sha256(_BYTES_DESCRIPTION).hexdigest(), encode_batch=_bytes_encode_batch,
-                     token_bytes=token_bytes)
+    return Tokenizer(
+        kind="bytes",
+        vocab_size=VOCAB_SIZE,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        sha256=hashlib.sha256(_BYTES_DESCRIPTION).hexdigest(),
+        encode_batch=_bytes_encode_batch,
+        token_bytes=token_bytes,
+    )
 
 
 def vocab_size(spec: DataSpec) -> int:

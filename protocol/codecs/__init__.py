@@ -59,7 +59,19 @@ from protocol.codecs.base import (
 from protocol.codecs.codec import FORMATS, NAMES, WIRE_IDS, Codec, decode, make_codec, max_encoded_bytes
 
 __all__ = [
-    "BLOCK_RANGE", "DENSE_FALLBACK", "ELEMENTWISE_FALLBACK", "FLUSH_BELOW", "FORMATS", "HEADER_MAX_BYTES",
-    "LOSSY_MAX", "NAMES", "SHIFT_RANGE", "TOPK_CHUNK", "WIRE_IDS", "Codec", "decode", "make_codec",
+    "BLOCK_RANGE",
+    "DENSE_FALLBACK",
+    "ELEMENTWISE_FALLBACK",
+    "FLUSH_BELOW",
+    "FORMATS",
+    "HEADER_MAX_BYTES",
+    "LOSSY_MAX",
+    "NAMES",
+    "SHIFT_RANGE",
+    "TOPK_CHUNK",
+    "WIRE_IDS",
+    "Codec",
+    "decode",
+    "make_codec",
     "max_encoded_bytes",
 ]

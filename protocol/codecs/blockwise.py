@@ -90,8 +90,9 @@ class IntBlock(Blockwise):
             return values
         codes = _unpack(mv, offset, n, self.bits, self.name)
         if (codes == 0).any():
-            raise BadPayload(f"{self.name}: code 0 (level {-levels - 1}) is never produced "
-                             f"(levels are -{levels}..{levels})")
+            raise BadPayload(
+                f"{self.name}: code 0 (level {-levels - 1}) is never produced (levels are -{levels}..{levels})"
+            )
         return (codes - levels - 1).float()
 
 
@@ -149,7 +150,7 @@ def _unpack(mv: memoryview, offset: int, n: int, bits: int, what: str) -> torch.
         codes = np.stack([raw & 15, raw >> 4], axis=1).reshape(-1)
     else:
         flat = np.unpackbits(raw, bitorder="little")
-        if flat[n * bits:].any():
+        if flat[n * bits :].any():
             raise BadPayload(f"{what}: padding bits after the last element are not 0")
         codes = np.packbits(flat[: n * bits].reshape(n, bits), axis=1, bitorder="little").reshape(-1)
     if bits == 4 and n % 2 and codes[n] != 0:

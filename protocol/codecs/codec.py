@@ -28,17 +28,20 @@ from protocol.manifest import CompressionSpec
 
 logger = logging.getLogger(__name__)
 
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    Exact("none", 0),
-    Half("fp16", 1, torch.float16),
-    Half("bf16", 2, torch.bfloat16),
-    IntBlock("int8", 3, bits=8),
-    IntBlock("int4", 4, bits=4),
-    FloatBlock("fp4", 5, bits=4, exponents=7),
-    TopK("topk", 6),
-    LowRank("lowrank", 7),
-    FloatBlock("fp3", 8, bits=3, exponents=3),
-)}
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Exact("none", 0),
+        Half("fp16", 1, torch.float16),
+        Half("bf16", 2, torch.bfloat16),
+        IntBlock("int8", 3, bits=8),
+        IntBlock("int4", 4, bits=4),
+        FloatBlock("fp4", 5, bits=4, exponents=7),
+        TopK("topk", 6),
+        LowRank("lowrank", 7),
+        FloatBlock("fp3", 8, bits=3, exponents=3),
+    )
+}
 """Every wire format by codec name, in wire-id order."""
 WIRE_IDS = {name: f.wire_id for name, f in FORMATS.items()}
 """First byte of every encoding."""
@@ -66,15 +69,18 @@ class Codec:
         multiplier: 1 for a peer's own Δ; the group size for the codec of a group mean.
     """
 
-    def __init__(self, name: str, *, block_size: int = 64, topk_fraction: float = 0.01, rank: int = 4,
-                 multiplier: int = 1):
+    def __init__(
+        self, name: str, *, block_size: int = 64, topk_fraction: float = 0.01, rank: int = 4, multiplier: int = 1
+    ):
         if name not in FORMATS:
             raise ValueError(f"codec {name!r} unknown: choose one of {sorted(WIRE_IDS)}")
         if not BLOCK_RANGE[0] <= block_size <= BLOCK_RANGE[1]:
             raise ValueError(f"block_size = {block_size} outside {list(BLOCK_RANGE)}")
         if not 0.0 < topk_fraction <= 1.0 or rank < 1 or multiplier < 1:
-            raise ValueError(f"topk_fraction = {topk_fraction}, rank = {rank}, multiplier = {multiplier}: "
-                             "need a fraction in (0, 1] and positive integers")
+            raise ValueError(
+                f"topk_fraction = {topk_fraction}, rank = {rank}, multiplier = {multiplier}: "
+                "need a fraction in (0, 1] and positive integers"
+            )
         self.name, self.lossy = name, FORMATS[name].lossy
         self.block_size, self.topk_fraction, self.rank, self.multiplier = block_size, topk_fraction, rank, multiplier
 
@@ -107,8 +113,13 @@ class Codec:
             raise ValueError(f"group_size = {group_size}: need at least 1")
         if not self.structured:
             return self
-        return Codec(self.name, block_size=self.block_size, topk_fraction=self.topk_fraction, rank=self.rank,
-                     multiplier=self.multiplier * group_size)
+        return Codec(
+            self.name,
+            block_size=self.block_size,
+            topk_fraction=self.topk_fraction,
+            rank=self.rank,
+            multiplier=self.multiplier * group_size,
+        )
 
     def resolve(self, shape: Sequence[int]) -> str:
         """The wire format this codec uses for a tensor of ``shape`` (its fallbacks applied)."""
@@ -142,8 +153,9 @@ class Codec:
             raise BadPayload(f"cannot encode a tensor of shape {tuple(x.shape)} that holds NaN or inf")
         fmt = self.resolve(tuple(x.shape))
         if FORMATS[fmt].lossy and x.numel() and float(x.abs().max()) >= LOSSY_MAX:
-            logger.warning("a tensor of shape %s has |x| >= 2^100: sending it as exact fp32, not %s",
-                           tuple(x.shape), fmt)
+            logger.warning(
+                "a tensor of shape %s has |x| >= 2^100: sending it as exact fp32, not %s", tuple(x.shape), fmt
+            )
             fmt = EXACT
         return FORMATS[fmt].encode(self, x, seed=seed)
 
@@ -175,8 +187,10 @@ def make_codec(spec: CompressionSpec, shape: torch.Size | tuple[int, ...], *, ro
         raise ValueError(f"role = {role!r}: choose 'delta' or 'phi'")
     name = spec.codec if role == "delta" else spec.phi_codec
     if name == "adaptive":
-        raise ValueError("compression.codec = 'adaptive' picks a codec per tensor each round: "
-                         "call peer.sync.adaptive.plan, not make_codec")
+        raise ValueError(
+            "compression.codec = 'adaptive' picks a codec per tensor each round: "
+            "call peer.sync.adaptive.plan, not make_codec"
+        )
     if name in FORMATS and FORMATS[name].structured and len(shape) < 2:
         name = ELEMENTWISE_FALLBACK
     return Codec(name, block_size=spec.block_size, topk_fraction=spec.topk_fraction, rank=spec.rank)
@@ -207,8 +221,9 @@ def decode(data: bytes | memoryview, shape: tuple[int, ...], *, seed: int) -> to
     if len(mv) < 1:
         raise BadPayload("codec payload is empty")
     if len(mv) > max_encoded_bytes(shape):
-        raise BadPayload(f"codec payload of {len(mv)} bytes exceeds the bound {max_encoded_bytes(shape)} "
-                         f"for shape {shape}")
+        raise BadPayload(
+            f"codec payload of {len(mv)} bytes exceeds the bound {max_encoded_bytes(shape)} for shape {shape}"
+        )
     name = NAMES.get(mv[0])
     if name is None:
         raise BadPayload(f"unknown codec wire id {mv[0]}: known {sorted(NAMES)}")

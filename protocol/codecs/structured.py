@@ -53,8 +53,12 @@ class TopK(Format):
         counts = torch.bincount(idx // TOPK_CHUNK, minlength=-(-n // TOPK_CHUNK))
         shift, values = to_half(flat[idx], torch.float16)
         offsets = (idx % TOPK_CHUNK).numpy().astype("<u2")
-        return (self.header.pack(self.wire_id, shift, k) + counts.numpy().astype("<u4").tobytes()
-                + offsets.tobytes() + values)
+        return (
+            self.header.pack(self.wire_id, shift, k)
+            + counts.numpy().astype("<u4").tobytes()
+            + offsets.tobytes()
+            + values
+        )
 
     def decode(self, mv: memoryview, shape: tuple[int, ...], n: int) -> torch.Tensor:
         _, shift, k = self.header.unpack_from(mv)
@@ -62,8 +66,9 @@ class TopK(Format):
             raise BadPayload(f"{self.name}: k = {k} exceeds the tensor's {n} elements")
         expect_length(self.name, mv, self._size(n, k))
         chunks = -(-n // TOPK_CHUNK)
-        counts = torch.from_numpy(np.frombuffer(mv, dtype="<u4", count=chunks, offset=self.header.size)
-                                  .astype(np.int64))
+        counts = torch.from_numpy(
+            np.frombuffer(mv, dtype="<u4", count=chunks, offset=self.header.size).astype(np.int64)
+        )
         if int(counts.sum()) != k:
             raise BadPayload(f"{self.name}: per-chunk counts sum to {int(counts.sum())}, header says k = {k}")
         offset = self.header.size + 4 * chunks

@@ -55,8 +55,10 @@ class Hello:
 
 
 def encode_hello(*, group_id: bytes, sender: int, weight: float, pieces: int) -> bytes:
-    body: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "group": group_id, "sender": sender, "weight": float(weight),
-                          "pieces": pieces}, use_bin_type=True)
+    body: bytes = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "group": group_id, "sender": sender, "weight": float(weight), "pieces": pieces},
+        use_bin_type=True,
+    )
     return bytes([HELLO]) + body
 
 
@@ -73,8 +75,9 @@ def parse_hello(payload: bytes, *, group_size: int) -> Hello:
     if len(payload) > MAX_HELLO_BYTES:
         raise BadPayload(f"HELLO of {len(payload)} bytes exceeds {MAX_HELLO_BYTES}")
     try:
-        body = msgpack.unpackb(payload[1:], raw=False, strict_map_key=True, max_bin_len=256, max_str_len=64,
-                               max_array_len=0, max_map_len=8)
+        body = msgpack.unpackb(
+            payload[1:], raw=False, strict_map_key=True, max_bin_len=256, max_str_len=64, max_array_len=0, max_map_len=8
+        )
     except Exception as exc:
         raise BadPayload(f"HELLO is not valid msgpack: {exc}") from exc
     if not isinstance(body, dict) or set(body) != {"v", "group", "sender", "weight", "pieces"}:
@@ -111,7 +114,7 @@ def parse_piece(payload: bytes, *, expected_index: int) -> memoryview:
     _, index = PIECE_HEADER.unpack_from(payload)
     if index != expected_index:
         raise BadPayload(f"PIECE {index} arrived where piece {expected_index} was due")
-    return memoryview(payload)[PIECE_HEADER.size:]
+    return memoryview(payload)[PIECE_HEADER.size :]
 
 
 def encode_mean(index: int, included: list[bool], data: bytes) -> bytes:
@@ -145,13 +148,13 @@ def parse_mean(payload: bytes, *, expected_index: int, group_size: int) -> tuple
     start, width = MEAN_HEADER.size, (n + 7) // 8
     if len(payload) < start + width:
         raise BadPayload("MEAN frame is shorter than its sender bitmap")
-    bitmap = payload[start:start + width]
+    bitmap = payload[start : start + width]
     included = [bool(bitmap[i // 8] >> (i % 8) & 1) for i in range(n)]
     if n % 8 and bitmap[-1] >> (n % 8):
         raise BadPayload("MEAN sender bitmap has bits beyond the group")
     if not any(included):
         raise BadPayload("MEAN includes no sender")
-    return included, memoryview(payload)[start + width:]
+    return included, memoryview(payload)[start + width :]
 
 
 def encode_abort(reason: str) -> bytes:
@@ -162,4 +165,4 @@ def parse_abort(payload: bytes) -> str:
     """The reason of an ABORT frame, stripped of control characters and escape sequences (protocol/text.py)."""
     if kind_of(payload, KIND_NAMES) != ABORT:
         raise BadPayload(f"expected ABORT, got {KIND_NAMES[payload[0]]}")
-    return sanitize(bytes(payload[1:1 + MAX_ABORT_BYTES]).decode("utf-8", "replace"))
+    return sanitize(bytes(payload[1 : 1 + MAX_ABORT_BYTES]).decode("utf-8", "replace"))

@@ -34,6 +34,7 @@ async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int, timeout: f
         asyncio.TimeoutError: nothing complete arrived in time.
         asyncio.IncompleteReadError: the stream closed mid-frame.
     """
+
     async def _read() -> bytes:
         (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
         if length == 0 or length > max_bytes:

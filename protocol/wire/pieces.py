@@ -30,8 +30,13 @@ class Piece:
     """Position in the group (not in the owner list)."""
 
 
-def plan_pieces(shapes: Sequence[torch.Size], owners: Sequence[int], *, piece_elements: int = PIECE_ELEMENTS,
-                split: Callable[[int], bool] = lambda index: True) -> list[Piece]:
+def plan_pieces(
+    shapes: Sequence[torch.Size],
+    owners: Sequence[int],
+    *,
+    piece_elements: int = PIECE_ELEMENTS,
+    split: Callable[[int], bool] = lambda index: True,
+) -> list[Piece]:
     """Cut tensors into row pieces and deal them to ``owners`` (group positions) in contiguous runs.
 
     Args:
@@ -70,7 +75,7 @@ def plan_pieces(shapes: Sequence[torch.Size], owners: Sequence[int], *, piece_el
 
 
 def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return tensor if tensor.dim() == 0 else tensor[piece.start:piece.stop]
+    return tensor if tensor.dim() == 0 else tensor[piece.start : piece.stop]
 
 
 def piece_shape(shape: Sequence[int], piece: Piece) -> tuple[int, ...]:

@@ -67,7 +67,9 @@ DTYPE_NAMES = {FP32: "fp32", BF16: "bf16"}
 DTYPE_BY_NAME = {DTYPE_NAMES[code]: dtype for code, dtype in DTYPES.items()}
 """``pipeline.activation_dtype`` → the torch dtype activations and gradients travel in."""
 _WIRE: dict[int, tuple[np.dtype[Any], npt.DTypeLike, int]] = {
-    FP32: (np.dtype("<f4"), np.float32, 4), BF16: (np.dtype("<i2"), np.int16, 2)}
+    FP32: (np.dtype("<f4"), np.float32, 4),
+    BF16: (np.dtype("<i2"), np.int16, 2),
+}
 """Dtype code → (little-endian numpy dtype of the raw values, native numpy dtype, bytes per value)."""
 _TARGETS = np.dtype("<i4")
 
@@ -187,8 +189,9 @@ def encode_request(request: StageRequest) -> bytes:
     if not 0 <= request.stage <= 0xFFFF:
         raise ValueError(f"stage {request.stage} is outside [0, 65535]")
     b, t, h = acts.shape
-    header = REQUEST_HEADER.pack(STAGE_REQUEST, PROTOCOL_VERSION, request.request_id, request.micro_batch,
-                                 request.stage, code, b, t, h)
+    header = REQUEST_HEADER.pack(
+        STAGE_REQUEST, PROTOCOL_VERSION, request.request_id, request.micro_batch, request.stage, code, b, t, h
+    )
     ids = targets.detach().cpu().to(torch.int32).contiguous().numpy().astype(_TARGETS, copy=False)
     return header + _tensor_bytes(acts, code) + ids.tobytes()
 
@@ -262,17 +265,26 @@ def parse_request(payload: bytes, limits: StageLimits, *, stage: int | None = No
     values_end = REQUEST_HEADER.size + b * t * h * _WIRE[code][2]
     expected = values_end + b * t * _TARGETS.itemsize
     if len(payload) != expected:
-        raise BadPayload(f"STAGE_REQUEST of {len(payload)} bytes; shape ({b}, {t}, {h}) {DTYPE_NAMES[code]} "
-                         f"with int32 targets needs exactly {expected}")
+        raise BadPayload(
+            f"STAGE_REQUEST of {len(payload)} bytes; shape ({b}, {t}, {h}) {DTYPE_NAMES[code]} "
+            f"with int32 targets needs exactly {expected}"
+        )
     activations = _tensor_at(payload, REQUEST_HEADER.size, code, (b, t, h), "STAGE_REQUEST activations")
     ids = np.frombuffer(payload, dtype=_TARGETS, count=b * t, offset=values_end).astype(np.int32)
     bad = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
     if bad.size:
         first = int(bad[0])
-        raise BadPayload(f"STAGE_REQUEST targets hold {int(ids[first])} at ({first // t}, {first % t}); "
-                         f"allowed [0, {limits.vocab_size})")
-    return StageRequest(request_id=request_id, micro_batch=micro_batch, stage=target, activations=activations,
-                        targets=torch.from_numpy(ids).reshape(b, t))
+        raise BadPayload(
+            f"STAGE_REQUEST targets hold {int(ids[first])} at ({first // t}, {first % t}); "
+            f"allowed [0, {limits.vocab_size})"
+        )
+    return StageRequest(
+        request_id=request_id,
+        micro_batch=micro_batch,
+        stage=target,
+        activations=activations,
+        targets=torch.from_numpy(ids).reshape(b, t),
+    )
 
 
 def parse_answer(payload: bytes, limits: StageLimits, *, request: StageRequest) -> StageReply | StageError:
@@ -301,12 +313,15 @@ def parse_answer(payload: bytes, limits: StageLimits, *, request: StageRequest) 
     _check_shape("STAGE_REPLY", code, b, t, h, limits)
     sent = (dtype_code(request.activations.dtype), *request.activations.shape)
     if (code, b, t, h) != sent:
-        raise BadPayload(f"STAGE_REPLY gradient is ({b}, {t}, {h}) {DTYPE_NAMES[code]}; the request sent "
-                         f"({sent[1]}, {sent[2]}, {sent[3]}) {DTYPE_NAMES[sent[0]]}")
+        raise BadPayload(
+            f"STAGE_REPLY gradient is ({b}, {t}, {h}) {DTYPE_NAMES[code]}; the request sent "
+            f"({sent[1]}, {sent[2]}, {sent[3]}) {DTYPE_NAMES[sent[0]]}"
+        )
     expected = REPLY_HEADER.size + b * t * h * _WIRE[code][2]
     if len(payload) != expected:
-        raise BadPayload(f"STAGE_REPLY of {len(payload)} bytes; shape ({b}, {t}, {h}) {DTYPE_NAMES[code]} "
-                         f"needs exactly {expected}")
+        raise BadPayload(
+            f"STAGE_REPLY of {len(payload)} bytes; shape ({b}, {t}, {h}) {DTYPE_NAMES[code]} needs exactly {expected}"
+        )
     if not math.isfinite(loss) or loss < 0:
         raise BadPayload(f"STAGE_REPLY loss {loss!r}; allowed a finite number >= 0")
     if tokens > b * t:
@@ -323,10 +338,11 @@ def parse_error(payload: bytes) -> StageError:
     """
     _expect(payload, STAGE_ERROR, ERROR_HEADER.size)
     if len(payload) > ERROR_HEADER.size + MAX_REASON_BYTES:
-        raise BadPayload(f"STAGE_ERROR reason of {len(payload) - ERROR_HEADER.size} bytes; "
-                         f"allowed at most {MAX_REASON_BYTES}")
+        raise BadPayload(
+            f"STAGE_ERROR reason of {len(payload) - ERROR_HEADER.size} bytes; allowed at most {MAX_REASON_BYTES}"
+        )
     _, request_id = ERROR_HEADER.unpack_from(payload)
-    reason = sanitize(bytes(payload[ERROR_HEADER.size:]).decode("utf-8", "replace"))
+    reason = sanitize(bytes(payload[ERROR_HEADER.size :]).decode("utf-8", "replace"))
     return StageError(request_id=request_id, reason=reason)
 
 

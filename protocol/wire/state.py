@@ -74,8 +74,10 @@ def meta_problem(meta: Any) -> str | None:
     for name in ("round", "inner_step"):
         value = meta[name]
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= META_BOUNDS[name]:
-            return f"state meta {name} = {sanitize(repr(value), max_chars=40)}: expected an integer in " \
-                   f"[0, {META_BOUNDS[name]}]"
+            return (
+                f"state meta {name} = {sanitize(repr(value), max_chars=40)}: expected an integer in "
+                f"[0, {META_BOUNDS[name]}]"
+            )
     return None
 
 
@@ -85,7 +87,8 @@ def _kind_name(payload: bytes) -> str:
 
 def encode_request(digest: bytes, indices: Sequence[int]) -> bytes:
     return REQUEST_HEADER.pack(REQUEST, PROTOCOL_VERSION, digest, len(indices)) + struct.pack(
-        f">{len(indices)}I", *indices)
+        f">{len(indices)}I", *indices
+    )
 
 
 def parse_request(payload: bytes) -> tuple[bytes, list[int]]:
@@ -134,19 +137,29 @@ def parse_meta(payload: bytes, *, chunks: int) -> tuple[dict[str, Any], list[byt
     _, meta_bytes = META_HEADER.unpack_from(payload)
     hashes_bytes = len(payload) - META_HEADER.size - meta_bytes
     if meta_bytes > MAX_META_BYTES or hashes_bytes != HASH_BYTES * chunks:
-        raise BadPayload(f"META carries {meta_bytes} bytes of meta and {hashes_bytes} bytes of hashes; "
-                         f"expected at most {MAX_META_BYTES} and {HASH_BYTES} per chunk of {chunks}")
-    body = payload[META_HEADER.size:META_HEADER.size + meta_bytes]
+        raise BadPayload(
+            f"META carries {meta_bytes} bytes of meta and {hashes_bytes} bytes of hashes; "
+            f"expected at most {MAX_META_BYTES} and {HASH_BYTES} per chunk of {chunks}"
+        )
+    body = payload[META_HEADER.size : META_HEADER.size + meta_bytes]
     try:
-        meta = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=256, max_bin_len=0,
-                               max_array_len=0, max_map_len=8, max_ext_len=0)
+        meta = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=256,
+            max_bin_len=0,
+            max_array_len=0,
+            max_map_len=8,
+            max_ext_len=0,
+        )
     except Exception as exc:
         raise BadPayload(f"META meta is not valid msgpack: {exc}") from exc
     problem = meta_problem(meta)
     if problem is not None:
         raise BadPayload(problem)
     start = META_HEADER.size + meta_bytes
-    return meta, [payload[i:i + HASH_BYTES] for i in range(start, len(payload), HASH_BYTES)]
+    return meta, [payload[i : i + HASH_BYTES] for i in range(start, len(payload), HASH_BYTES)]
 
 
 def encode_chunk(index: int, data: bytes) -> bytes:
@@ -168,6 +181,8 @@ def parse_chunk(payload: bytes, *, expected_index: int, shape: Sequence[int]) ->
         raise BadPayload(f"CHUNK {got} arrived where chunk {expected_index} was due")
     elements = math.prod(shape)
     if len(payload) != CHUNK_HEADER.size + 4 * elements:
-        raise BadPayload(f"CHUNK {expected_index} carries {len(payload) - CHUNK_HEADER.size} bytes, expected "
-                         f"{4 * elements} (float32 {shape})")
-    return memoryview(payload)[CHUNK_HEADER.size:]
+        raise BadPayload(
+            f"CHUNK {expected_index} carries {len(payload) - CHUNK_HEADER.size} bytes, expected "
+            f"{4 * elements} (float32 {shape})"
+        )
+    return memoryview(payload)[CHUNK_HEADER.size :]

@@ -29,8 +29,10 @@ from protocol.manifest import dump_toml
 from protocol.presets import tiny_run
 
 OK, WHY = netlab.available()
-pytestmark = [pytest.mark.skipif(not OK, reason=f"chaos test needs network namespaces: {WHY}"),
-              pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.skipif(not OK, reason=f"chaos test needs network namespaces: {WHY}"),
+    pytest.mark.timeout(600),
+]
 
 MAX_ALLREDUCE_S = 30.0
 
@@ -39,8 +41,13 @@ def manifest():
     # ~0.5 M parameters (2 MB per payload), rounds of ~3-4 s of inner steps and ~2 s of sync
     return tiny_run().replace(
         model=CHAOS_MODEL,
-        sync={"inner_steps": 30, "matchmaking_time_s": 3.0, "allreduce_timeout_s": MAX_ALLREDUCE_S,
-              "next_chunk_timeout_s": 5.0})
+        sync={
+            "inner_steps": 30,
+            "matchmaking_time_s": 3.0,
+            "allreduce_timeout_s": MAX_ALLREDUCE_S,
+            "next_chunk_timeout_s": 5.0,
+        },
+    )
 
 
 def after(member: Child, since_time: float, kind: str = "round") -> list[Event]:
@@ -50,8 +57,9 @@ def after(member: Child, since_time: float, kind: str = "round") -> list[Event]:
 def wait_in_sync(swarm: ChaosSwarm, name: str, timeout_s: float) -> Event:
     """Wait for a round that ``name`` completed together with a groupmate from the same state."""
     member = swarm.members[name]
-    return member.wait_event(lambda e: e.kind == "round" and len(e.get("agreeing", [])) > 1, timeout_s,
-                             since=len(member.events))
+    return member.wait_event(
+        lambda e: e.kind == "round" and len(e.get("agreeing", [])) > 1, timeout_s, since=len(member.events)
+    )
 
 
 def test_swarm_survives_every_fault(tmp_path: Path):
@@ -106,8 +114,9 @@ def test_swarm_survives_every_fault(tmp_path: Path):
         # (2) no sync outlived its deadline; every survivor kept finishing rounds
         for name, member in members.items():
             for e in member.of("round"):
-                assert e["sync_s"] <= e["deadline_s"] + 5.0, f"{name} round {e['round']}: sync {e['sync_s']:.1f} s " \
-                                                               f"past its deadline {e['deadline_s']:.1f} s"
+                assert e["sync_s"] <= e["deadline_s"] + 5.0, (
+                    f"{name} round {e['round']}: sync {e['sync_s']:.1f} s past its deadline {e['deadline_s']:.1f} s"
+                )
         # (3) peers that completed a round from the same state hold the same state after it
         assert swarm.disagreements() == []
         # (4) nothing non-finite: losses finite, and every state published has a digest

@@ -63,6 +63,7 @@ UPLINK_RATE = "200mbit"
 
 # ---- the swarm ----------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,11 +74,23 @@ class ComposeSwarm:
     def __init__(self, engine: Engine, port: int):
         self.engine, self.port = engine, port
         self.compose = shlex.split(os.environ.get("LOCOSWARM_COMPOSE", "docker-compose"))
-        self.env = dict(engine.env, LOCOSWARM_IMAGE=IMAGE, PRESET=os.environ.get("LOCOSWARM_COMPOSE_PRESET", "default"),
-                        EVAL_EVERY="1", PEERS=str(PEERS), LOG_FORMAT="json", MONITOR_PORT=str(port),
-                        UPLINK_RATE=UPLINK_RATE, THREADS="1")
-        self.files = ["-f", str(ROOT / "docker" / "docker-compose.yml"),
-                      "-f", str(ROOT / "docker" / "docker-compose.uplink.yml")]
+        self.env = dict(
+            engine.env,
+            LOCOSWARM_IMAGE=IMAGE,
+            PRESET=os.environ.get("LOCOSWARM_COMPOSE_PRESET", "default"),
+            EVAL_EVERY="1",
+            PEERS=str(PEERS),
+            LOG_FORMAT="json",
+            MONITOR_PORT=str(port),
+            UPLINK_RATE=UPLINK_RATE,
+            THREADS="1",
+        )
+        self.files = [
+            "-f",
+            str(ROOT / "docker" / "docker-compose.yml"),
+            "-f",
+            str(ROOT / "docker" / "docker-compose.uplink.yml"),
+        ]
         self.forward_rule: list[str] | None = None
 
     def __call__(self, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -123,8 +136,17 @@ class ComposeSwarm:
             return None
 
     def exited(self) -> list[str]:
-        out = self.engine("ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}",
-                          "--filter", "status=exited", "--format", "{{.Names}} {{.Status}}", capture=True)
+        out = self.engine(
+            "ps",
+            "-a",
+            "--filter",
+            f"label=com.docker.compose.project={PROJECT}",
+            "--filter",
+            "status=exited",
+            "--format",
+            "{{.Names}} {{.Status}}",
+            capture=True,
+        )
         return [line for line in out.stdout.splitlines() if line.strip()]
 
     def eval_losses(self) -> dict[str, list[tuple[int, float]]]:
@@ -155,21 +177,28 @@ def check_swarm(swarm: ComposeSwarm, timeout_s: float) -> dict:
         if len(counts) == PEERS and all(n >= ROUNDS_IN_FULL_GROUP for n in counts.values()):
             break
         if time.monotonic() - last_report > 15:
-            rounds = {p["peer_id"][-6:]: (p["round"], p["rounds_by_group_size"])
-                      for r in (snap or {}).get("runs", []) for p in r["peers"]}
+            rounds = {
+                p["peer_id"][-6:]: (p["round"], p["rounds_by_group_size"])
+                for r in (snap or {}).get("runs", [])
+                for p in r["peers"]
+            }
             log(f"waiting: peers (round, rounds by group size) = {rounds or 'none yet'}")
             last_report = time.monotonic()
         exited = swarm.exited()
         if exited:
             raise AssertionError(f"containers exited: {exited}; logs in {artifacts_dir() / 'compose-swarm.log'}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"not every peer completed {ROUNDS_IN_FULL_GROUP} rounds in a group of {PEERS} "
-                                 f"within {timeout_s:.0f} s; monitor says {counts}")
+            raise AssertionError(
+                f"not every peer completed {ROUNDS_IN_FULL_GROUP} rounds in a group of {PEERS} "
+                f"within {timeout_s:.0f} s; monitor says {counts}"
+            )
         time.sleep(2)
     (artifacts_dir() / "compose-monitor.json").write_text(json.dumps(snap, indent=1))
     [run_] = [r for r in snap["runs"] if r["live_peers"]]
-    log(f"monitor: {PEERS} live peers, rounds in a group of {PEERS}: {full_group_rounds(snap)}; "
-        f"run {run_['run_id']} ({run_['name']})")
+    log(
+        f"monitor: {PEERS} live peers, rounds in a group of {PEERS}: {full_group_rounds(snap)}; "
+        f"run {run_['run_id']} ({run_['name']})"
+    )
     assert run_["live_peers"] == PEERS, run_["live_peers"]
 
     # The validation loss fell: from the monitor's history where the peers publish it, and from
@@ -186,8 +215,10 @@ def check_swarm(swarm: ComposeSwarm, timeout_s: float) -> dict:
     pooled = sorted(point for points in losses.values() for point in points)
     first, last = pooled[0], pooled[-1]
     assert last[0] > first[0] and last[1] < first[1], pooled
-    log(f"swarm: validation loss {first[1]:.4f} (round {first[0]}) → {last[1]:.4f} (round {last[0]}), "
-        f"{len(pooled)} evaluations by {len(losses)} peers")
+    log(
+        f"swarm: validation loss {first[1]:.4f} (round {first[0]}) → {last[1]:.4f} (round {last[0]}), "
+        f"{len(pooled)} evaluations by {len(losses)} peers"
+    )
 
     # The uplink cap is in place in every peer, applied by the non-root entry point.
     for cid in swarm.containers("peer"):
@@ -199,8 +230,11 @@ def check_swarm(swarm: ComposeSwarm, timeout_s: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clean", action="store_true",
-                        help="Remove the data root (image cache, ~3 GB) at the end; the default when CI=true.")
+    parser.add_argument(
+        "--clean",
+        action="store_true",
+        help="Remove the data root (image cache, ~3 GB) at the end; the default when CI=true.",
+    )
     opts = parser.parse_args()
     opts.clean = opts.clean or os.environ.get("CI") == "true"
     start = time.monotonic()
@@ -234,8 +268,9 @@ def main() -> int:
             swarm.down()
         engine.stop()
         if opts.clean:
-            shutil.rmtree(data_root.parent if data_root.parent.name == "locoswarm-ci" else data_root,
-                          ignore_errors=True)
+            shutil.rmtree(
+                data_root.parent if data_root.parent.name == "locoswarm-ci" else data_root, ignore_errors=True
+            )
         log(f"artifacts in {artifacts_dir()}; total {time.monotonic() - start:.0f} s")
     log(f"PASSED in {time.monotonic() - start:.0f} s")
     return 0

@@ -31,11 +31,24 @@ def log(msg: str) -> None:
     print(f"[compose-swarm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(argv: list[str], *, env: dict | None = None, check: bool = True, capture: bool = False,
-        timeout: float | None = None, **kw) -> subprocess.CompletedProcess:
-    out = subprocess.run(argv, env=env, text=True, timeout=timeout,
-                         stdout=subprocess.PIPE if capture else None,
-                         stderr=subprocess.STDOUT if capture else None, **kw)
+def run(
+    argv: list[str],
+    *,
+    env: dict | None = None,
+    check: bool = True,
+    capture: bool = False,
+    timeout: float | None = None,
+    **kw,
+) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        argv,
+        env=env,
+        text=True,
+        timeout=timeout,
+        stdout=subprocess.PIPE if capture else None,
+        stderr=subprocess.STDOUT if capture else None,
+        **kw,
+    )
     if check and out.returncode != 0:
         tail = (out.stdout or "")[-3000:] if capture else ""
         raise RuntimeError(f"{' '.join(argv[:4])} … exited {out.returncode}\n{tail}")
@@ -52,10 +65,14 @@ def artifacts_dir() -> Path:
 
 # ---- the engine ---------------------------------------------------------------------------
 
+
 def ensure_packages() -> None:
-    missing = [p for p in DEBIAN_PACKAGES
-               if run(["dpkg-query", "-W", "-f=${Status}", p], check=False, capture=True).stdout.strip()
-               != "install ok installed"]
+    missing = [
+        p
+        for p in DEBIAN_PACKAGES
+        if run(["dpkg-query", "-W", "-f=${Status}", p], check=False, capture=True).stdout.strip()
+        != "install ok installed"
+    ]
     if not missing:
         return
     if shutil.which("apt-get") is None:
@@ -70,8 +87,15 @@ def ensure_packages() -> None:
         policy.write_text("#!/bin/sh\nexit 101\n")
         policy.chmod(0o755)
     try:
-        if run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], env=env, check=False,
-               capture=True).returncode != 0:
+        if (
+            run(
+                ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing],
+                env=env,
+                check=False,
+                capture=True,
+            ).returncode
+            != 0
+        ):
             run(["apt-get", "update", "-q"], env=env, capture=True)
             run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], env=env, capture=True)
     finally:
@@ -106,19 +130,31 @@ class Engine:
             except (ValueError, OSError):
                 pass
             pidfile.unlink(missing_ok=True)
-        argv = ["dockerd", f"--host=unix://{SOCKET}", f"--data-root={self.data_root}",
-                f"--exec-root={RUN_DIR / 'exec'}", f"--pidfile={pidfile}", "--iptables=false",
-                "--ip-forward=false", "--ip-masq=false", "--bridge=none", "--storage-driver=overlay2"]
+        argv = [
+            "dockerd",
+            f"--host=unix://{SOCKET}",
+            f"--data-root={self.data_root}",
+            f"--exec-root={RUN_DIR / 'exec'}",
+            f"--pidfile={pidfile}",
+            "--iptables=false",
+            "--ip-forward=false",
+            "--ip-masq=false",
+            "--bridge=none",
+            "--storage-driver=overlay2",
+        ]
         log(f"starting {' '.join(argv)}")
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace")[-1500:]
-                raise Skip(f"dockerd exited with code {self.proc.returncode}; a Docker engine cannot run "
-                           f"here. Its log ends:\n{tail}")
+                raise Skip(
+                    f"dockerd exited with code {self.proc.returncode}; a Docker engine cannot run "
+                    f"here. Its log ends:\n{tail}"
+                )
             if run([self.docker, "info"], env=self.env, check=False, capture=True).returncode == 0:
                 break
             time.sleep(0.5)
@@ -126,8 +162,11 @@ class Engine:
             raise Skip("dockerd did not answer within 60 s; a Docker engine cannot run here")
         # Can it run a container at all (cgroups, overlayfs, namespaces)? Checked with the first
         # image we have, below; here the daemon's own view.
-        info = run([self.docker, "info", "--format", "{{.ServerVersion}} {{.Driver}} {{.CgroupVersion}}"],
-                   env=self.env, capture=True).stdout.strip()
+        info = run(
+            [self.docker, "info", "--format", "{{.ServerVersion}} {{.Driver}} {{.CgroupVersion}}"],
+            env=self.env,
+            capture=True,
+        ).stdout.strip()
         log(f"dockerd up: version, storage driver, cgroup version = {info}")
 
     def stop(self) -> None:
@@ -140,8 +179,11 @@ class Engine:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         # dockerd leaves its namespace bind mount (exec-root/netns/default) behind.
-        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                  if line.split()[1].startswith(str(RUN_DIR) + "/")]
+        mounts = [
+            line.split()[1]
+            for line in Path("/proc/mounts").read_text().splitlines()
+            if line.split()[1].startswith(str(RUN_DIR) + "/")
+        ]
         for mount in reversed(mounts):
             run(["umount", mount], check=False)
         shutil.rmtree(RUN_DIR, ignore_errors=True)
@@ -152,6 +194,7 @@ class Engine:
 
 # ---- images -------------------------------------------------------------------------------
 
+
 def build_base_image(engine: Engine) -> None:
     """A Debian bookworm image with python3.11 (debootstrap + docker import): no registry needed."""
     if engine("image", "inspect", BASE_IMAGE, check=False, capture=True).returncode == 0:
@@ -160,12 +203,27 @@ def build_base_image(engine: Engine) -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="locoswarm-rootfs-") as rootfs:
         log("debootstrap bookworm (minbase + python3, venv, pip, ca-certificates, iproute2, libcap2-bin)")
-        run(["debootstrap", "--variant=minbase",
-             "--include=python3,python3-venv,python3-pip,ca-certificates,iproute2,libcap2-bin",
-             "bookworm", rootfs, "http://deb.debian.org/debian"], capture=True)
+        run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=python3,python3-venv,python3-pip,ca-certificates,iproute2,libcap2-bin",
+                "bookworm",
+                rootfs,
+                "http://deb.debian.org/debian",
+            ],
+            capture=True,
+        )
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-        engine("import", "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "-", BASE_IMAGE, stdin=tar.stdout, capture=True)
+        engine(
+            "import",
+            "--change",
+            "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "-",
+            BASE_IMAGE,
+            stdin=tar.stdout,
+            capture=True,
+        )
         tar.wait()
     log(f"base image {BASE_IMAGE} built in {time.monotonic() - start:.0f} s")
 
@@ -188,8 +246,9 @@ def local_torch_wheel() -> Path | None:
 def build_context(dest: Path) -> list[str]:
     """Copy the project's files (tracked and untracked-but-not-ignored) into ``dest``; fill
     docker/build-extra with what this machine's pip uses. Returns the extra build arguments."""
-    files = run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                capture=True).stdout.split("\0")
+    files = run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture=True
+    ).stdout.split("\0")
     for name in filter(None, files):
         src = ROOT / name
         if src.is_file() and not name.startswith("docker/build-extra/"):
@@ -219,15 +278,19 @@ def build_image(engine: Engine) -> None:
     with tempfile.TemporaryDirectory(prefix="locoswarm-context-") as ctx:
         args = build_context(Path(ctx))
         log(f"docker build -f docker/Dockerfile {' '.join(args)} -t {IMAGE}")
-        out = engine("build", "--network", "host", "-f", "docker/Dockerfile", *args, "-t", IMAGE, ctx,
-                     capture=True, check=False)
+        out = engine(
+            "build", "--network", "host", "-f", "docker/Dockerfile", *args, "-t", IMAGE, ctx, capture=True, check=False
+        )
         (artifacts_dir() / "compose-build.log").write_text(out.stdout)
         if out.returncode != 0:
             raise RuntimeError(f"image build failed:\n{out.stdout[-4000:]}")
     log(f"image {IMAGE} built in {time.monotonic() - start:.0f} s")
     uid = engine("run", "--rm", "--entrypoint", "id", IMAGE, "-u", capture=True).stdout.strip().splitlines()[-1]
     assert uid != "0", "the image must run as a non-root user"
-    cuda = engine("run", "--rm", IMAGE, "python", "-c", "import torch; print(torch.version.cuda)",
-                  capture=True).stdout.strip().splitlines()[-1]
+    cuda = (
+        engine("run", "--rm", IMAGE, "python", "-c", "import torch; print(torch.version.cuda)", capture=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert cuda == "None", f"the CPU image holds a CUDA build of torch (cuda {cuda})"
     log(f"image runs as uid {uid}; torch is the CPU build")

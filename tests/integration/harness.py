@@ -48,14 +48,22 @@ class Procs:
         return child.start()
 
     def bootstrap(self, manifest_path: Path) -> tuple[Child, str]:
-        proc = self.spawn("bootstrap", bootstrap_argv(identity=self.workdir / "bootstrap.key", run=manifest_path,
-                                                      extra=["--owner-key", str(self.owner_key)]))
+        proc = self.spawn(
+            "bootstrap",
+            bootstrap_argv(
+                identity=self.workdir / "bootstrap.key", run=manifest_path, extra=["--owner-key", str(self.owner_key)]
+            ),
+        )
         ready = proc.wait_event(lambda e: e.kind == "ready", 60)
         return proc, ready.addresses_on("127.0.0.1")[0]
 
     def peer(self, name: str, *args: str) -> Child:
-        return self.spawn(name, peer_argv(data_dir=self.workdir / name,
-                                          extra=["--threads", "1", "--owner-key", str(self.owner_key), *args]))
+        return self.spawn(
+            name,
+            peer_argv(
+                data_dir=self.workdir / name, extra=["--threads", "1", "--owner-key", str(self.owner_key), *args]
+            ),
+        )
 
     def cleanup(self) -> None:
         """SIGINT every child, give them 20 s to exit, then kill every process group."""

@@ -35,8 +35,15 @@ def test_a_volunteer_trains_on_their_own_copy_and_a_different_copy_is_refused(tm
     original = write_corpus(tmp_path / "owner" / "corpus")
     files = DataSpec(source="files", path=str(original), seq_len_tokens=32, validation_sequences=4)
     pinned = load_corpus(files, cache_dir=tmp_path / "cache").corpus_sha256
-    run = tiny_run().replace(data={"source": "files", "path": "", "corpus_sha256": pinned,
-                                   "validation_sequences": 4, "validation_fraction": 0.2})
+    run = tiny_run().replace(
+        data={
+            "source": "files",
+            "path": "",
+            "corpus_sha256": pinned,
+            "validation_sequences": 4,
+            "validation_fraction": 0.2,
+        }
+    )
     (tmp_path / "run.toml").write_text(dump_toml(run))
 
     mine = tmp_path / "volunteer" / "elsewhere" / "corpus"
@@ -54,21 +61,49 @@ def test_a_volunteer_trains_on_their_own_copy_and_a_different_copy_is_refused(tm
         return child.start()
 
     try:
-        boot = spawn("boot", [sys.executable, "-m", "bootstrap", "run", "--host", "127.0.0.1", "--port", "0",
-                              "--identity", str(tmp_path / "boot.key"), "--run", str(tmp_path / "run.toml"),
-                              "--log-format", "json"])
+        boot = spawn(
+            "boot",
+            [
+                sys.executable,
+                "-m",
+                "bootstrap",
+                "run",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--identity",
+                str(tmp_path / "boot.key"),
+                "--run",
+                str(tmp_path / "run.toml"),
+                "--log-format",
+                "json",
+            ],
+        )
         ready = boot.wait_event(lambda e: e.kind == "ready", 120)
         [addr] = ready.addresses_on("127.0.0.1")
-        good = spawn("good", peer_argv(data_dir=tmp_path / "good", initial_peers=[addr],
-                                       extra=["--threads", "1", "--host", "127.0.0.1", "--data", str(mine)]))
+        good = spawn(
+            "good",
+            peer_argv(
+                data_dir=tmp_path / "good",
+                initial_peers=[addr],
+                extra=["--threads", "1", "--host", "127.0.0.1", "--data", str(mine)],
+            ),
+        )
         started = good.wait_event(lambda e: e.kind == "started", 300)
         assert started["run_id"] == ready["run_id"]
         good.send(signal.SIGINT)
         good.wait(60)
         assert "skipped 1 binary or non-UTF-8 file(s)" in good.tail(200) and "scan.txt" in good.tail(200)
 
-        bad = spawn("bad", peer_argv(data_dir=tmp_path / "bad", initial_peers=[addr],
-                                     extra=["--threads", "1", "--host", "127.0.0.1", "--data", str(other)]))
+        bad = spawn(
+            "bad",
+            peer_argv(
+                data_dir=tmp_path / "bad",
+                initial_peers=[addr],
+                extra=["--threads", "1", "--host", "127.0.0.1", "--data", str(other)],
+            ),
+        )
         assert bad.wait(300) == 78
         [line] = [ln for ln in bad.tail(50).splitlines() if ln.startswith("error:")]
         assert pinned in line and str(other) in line and "--data" in line

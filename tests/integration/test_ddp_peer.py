@@ -46,8 +46,12 @@ def running(pid: int) -> bool:
 
 
 def peer(tmp_path: Path, name: str, *args: str) -> Child:
-    child = Child(name, peer_argv(data_dir=tmp_path / name, extra=["--preset", "tiny", "--eval-every", "0", *args]),
-                  log_path=tmp_path / f"{name}.log", cwd=tmp_path)
+    child = Child(
+        name,
+        peer_argv(data_dir=tmp_path / name, extra=["--preset", "tiny", "--eval-every", "0", *args]),
+        log_path=tmp_path / f"{name}.log",
+        cwd=tmp_path,
+    )
     return child.start()
 
 

@@ -16,8 +16,10 @@ def test_three_peers_train_two_rounds_with_identical_phi(procs, tmp_path, inner)
     manifest = make_manifest(inner_optimizer={"kind": inner})
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ["p0", "p1", "p2"]
-    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", "2", "--wait-for-peers", "3",
-                        "--export-phi-every", "1") for n in names]
+    peers = [
+        procs.peer(n, "--initial-peers", addr, "--max-rounds", "2", "--wait-for-peers", "3", "--export-phi-every", "1")
+        for n in names
+    ]
     for p in peers:
         assert p.wait(180) == 0, p.tail()
 
@@ -48,8 +50,9 @@ def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
     manifest = make_manifest(sync={"inner_steps": H, "matchmaking_time_s": 3.0})
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     # Train until stopped, so the test does not depend on how fast rounds are on this machine.
-    first = [procs.peer(n, "--initial-peers", addr, "--wait-for-peers", "2", "--export-phi-every", "1")
-             for n in ("p0", "p1")]
+    first = [
+        procs.peer(n, "--initial-peers", addr, "--wait-for-peers", "2", "--export-phi-every", "1") for n in ("p0", "p1")
+    ]
     first[0].wait_event(lambda e: e.get("event") == "round" and e["round"] >= 2, 240)
     joiner = procs.peer("late", "--initial-peers", addr, "--export-phi-every", "1")
 
@@ -61,8 +64,9 @@ def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
     # all-reduce with it in full (``agreeing``). A round can pass without one: a first peer that
     # missed the previous group applied its own Δ and is a round out of step until it re-syncs
     # (docs/architecture.md), and a round with an excluded piece vouches for no one.
-    joint = joiner.wait_event(lambda e: e.get("event") == "round" and e["group_size"] == 3
-                              and len(e["agreeing"]) >= 2, 240)
+    joint = joiner.wait_event(
+        lambda e: e.get("event") == "round" and e["group_size"] == 3 and len(e["agreeing"]) >= 2, 240
+    )
     for p in (joiner, *first):
         p.popen.send_signal(signal.SIGINT)
     for p in (joiner, *first):
@@ -72,7 +76,9 @@ def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
     # twice: the swarm can finish a round during the first download, and catch-up goes again.)
     swarm_initial = first[0].of("eval")[0]["loss"]
     assert joiner.of("eval")[0]["round"] in {e["round"] for e in joiner.of("adopted_state")}, (
-        joiner.of("eval")[0]["round"], [(e["round"], e.get("reason")) for e in joiner.of("adopted_state")])
+        joiner.of("eval")[0]["round"],
+        [(e["round"], e.get("reason")) for e in joiner.of("adopted_state")],
+    )
     assert joiner.of("eval")[0]["loss"] < swarm_initial - 0.5
     # It trained with the others: φ after that round is bit-identical with that of every groupmate
     # that agreed, and each of them recorded the same round from the same start φ.
@@ -94,8 +100,10 @@ def test_joiner_starts_from_the_swarms_phi_and_round(procs, tmp_path):
 def test_two_peers_sync_with_each_codec_to_identical_phi(procs, tmp_path, codec):
     manifest = make_manifest(compression={"codec": codec})
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
-    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", "2", "--wait-for-peers", "2",
-                        "--export-phi-every", "1") for n in ("p0", "p1")]
+    peers = [
+        procs.peer(n, "--initial-peers", addr, "--max-rounds", "2", "--wait-for-peers", "2", "--export-phi-every", "1")
+        for n in ("p0", "p1")
+    ]
     for p in peers:
         assert p.wait(180) == 0, p.tail()
     for p in peers:

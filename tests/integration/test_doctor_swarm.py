@@ -21,8 +21,12 @@ SOME_ID = "12D3KooWKypwB8ARFtvZsniHQMbzHYKNEM9Eaov1exVoCKYt5P8z"
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer", "doctor", "--preset", "tiny", "--device", "cpu",
-                           "--steps", "1", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "peer", "doctor", "--preset", "tiny", "--device", "cpu", "--steps", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def free_port() -> int:

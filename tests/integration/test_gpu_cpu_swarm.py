@@ -8,16 +8,32 @@ from safetensors.torch import load_file
 
 from tests.integration.harness import make_manifest, phi_file, write_manifest
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card: one peer trains on it")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card: one peer trains on it"),
+]
 
 
 def test_a_cuda_peer_and_a_cpu_peer_hold_identical_phi_after_each_round(procs, tmp_path):
     manifest = make_manifest()
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     devices = {"gpu": "cuda", "cpu": "cpu"}
-    peers = [procs.peer(name, "--initial-peers", addr, "--max-rounds", "3", "--wait-for-peers", "2",
-                        "--export-phi-every", "1", "--device", device) for name, device in devices.items()]
+    peers = [
+        procs.peer(
+            name,
+            "--initial-peers",
+            addr,
+            "--max-rounds",
+            "3",
+            "--wait-for-peers",
+            "2",
+            "--export-phi-every",
+            "1",
+            "--device",
+            device,
+        )
+        for name, device in devices.items()
+    ]
     for p in peers:
         assert p.wait(300) == 0, p.tail()
     started = {p.name: p.of("started")[0] for p in peers}

@@ -84,8 +84,17 @@ def test_missing_data_is_reported_before_any_network_work(tmp_path):
     # The initial peer does not exist: a peer that started its DHT first would exit 69 on it.
     path = write_manifest(tmp_path, make_manifest(data={"source": "files", "path": str(tmp_path / "no-such-corpus")}))
     address = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{SOME_PEER_ID}"
-    result = run_peer("join", "--run", str(path), "--initial-peers", address, "--data-dir", str(tmp_path / "peer"),
-                      "--log-format", "json")
+    result = run_peer(
+        "join",
+        "--run",
+        str(path),
+        "--initial-peers",
+        address,
+        "--data-dir",
+        str(tmp_path / "peer"),
+        "--log-format",
+        "json",
+    )
     assert result.returncode == 78, result.stderr
     assert "no-such-corpus" in result.stderr
     said = [json.loads(line)["message"] for line in result.stdout.splitlines()]
@@ -100,11 +109,19 @@ def test_peer_swarm_ends_with_the_failing_peers_code_and_reason_and_keeps_its_lo
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = dict(os.environ, PEER_JOIN_RUN_FILE=str(bad), TMPDIR=str(temp))
-    result = subprocess.run([sys.executable, "-m", "peer", "swarm", "--preset", "tiny", "--peers", "1", "--rounds", "1"],
-                            capture_output=True, text=True, timeout=180, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "peer", "swarm", "--preset", "tiny", "--peers", "1", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert result.returncode == 78, result.stdout + result.stderr
-    assert "error: peer-0 exited with code 78: " in result.stderr and "sync.inner_steps = 0" in result.stderr, \
+    assert "error: peer-0 exited with code 78: " in result.stderr and "sync.inner_steps = 0" in result.stderr, (
         result.stderr
-    kept = [line.removeprefix("logs kept in ") for line in result.stdout.splitlines() if line.startswith("logs kept in")]
+    )
+    kept = [
+        line.removeprefix("logs kept in ") for line in result.stdout.splitlines() if line.startswith("logs kept in")
+    ]
     assert len(kept) == 1 and Path(kept[0]).parent == temp, result.stdout
     assert "sync.inner_steps = 0" in (Path(kept[0]) / "peer-0.log").read_text()

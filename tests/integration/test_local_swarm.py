@@ -33,9 +33,24 @@ def test_peer_swarm_trains_and_leaves_no_process_and_no_file_behind(tmp_path):
     temp, summary_path = tmp_path / "tmp", tmp_path / "summary.json"
     temp.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "peer", "swarm", "--preset", "tiny", "--peers", "2", "--rounds", "3",
-         "--summary", str(summary_path)],
-        capture_output=True, text=True, timeout=240, env=dict(os.environ, TMPDIR=str(temp)),
+        [
+            sys.executable,
+            "-m",
+            "peer",
+            "swarm",
+            "--preset",
+            "tiny",
+            "--peers",
+            "2",
+            "--rounds",
+            "3",
+            "--summary",
+            str(summary_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, TMPDIR=str(temp)),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(summary_path.read_text())

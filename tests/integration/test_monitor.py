@@ -45,9 +45,18 @@ def chromium() -> str:
 def browser(url: str, *args: str, workdir: Path) -> str:
     """Run headless chromium on ``url``; returns stdout. ``--virtual-time-budget`` lets the page's
     script run (first render and one refresh) before the DOM is dumped or the screenshot taken."""
-    argv = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            "--no-first-run", f"--user-data-dir={workdir / 'chromium-profile'}", "--virtual-time-budget=3000",
-            *args, url]
+    argv = [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        f"--user-data-dir={workdir / 'chromium-profile'}",
+        "--virtual-time-budget=3000",
+        *args,
+        url,
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"chromium exited {out.returncode}: {out.stderr[-2000:]}"
     return out.stdout
@@ -98,16 +107,25 @@ def wait_snapshot(base: str, predicate, timeout_s: float) -> dict:
         if predicate(snap):
             return snap
         time.sleep(0.5)
-    brief = [{"run_id": r["run_id"], "peers": [{k: p[k] for k in ("peer_id", "live", "round", "group_size")}
-                                                for p in r["peers"]]} for r in snap.get("runs", [])]
+    brief = [
+        {
+            "run_id": r["run_id"],
+            "peers": [{k: p[k] for k in ("peer_id", "live", "round", "group_size")} for p in r["peers"]],
+        }
+        for r in snap.get("runs", [])
+    ]
     raise AssertionError(f"the monitor never showed the expected state; last snapshot: {json.dumps(brief)}")
 
 
 def test_monitor_shows_a_running_swarm(procs, tmp_path):
     manifest = make_manifest()
     run_file = write_manifest(tmp_path, manifest)
-    boot = procs.spawn("bootstrap", bootstrap_argv(identity=tmp_path / "bootstrap.key", run=run_file,
-                                                   extra=["--monitor-port", "0", "--monitor-poll", "0.5"]))
+    boot = procs.spawn(
+        "bootstrap",
+        bootstrap_argv(
+            identity=tmp_path / "bootstrap.key", run=run_file, extra=["--monitor-port", "0", "--monitor-poll", "0.5"]
+        ),
+    )
     ready = boot.wait_event(lambda e: e.kind == "ready", 60)
     addr = ready.addresses_on("127.0.0.1")[0]
     base = ready["monitor_url"]
@@ -115,8 +133,20 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
     status, body = get(base + "healthz")
     assert (status, body) in ((200, "ok\n"), (503, "starting\n"))
 
-    peers = [procs.peer(f"peer-{i}", "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--eval-every", "1",
-                        "--wait-for-peers", "3") for i in range(3)]
+    peers = [
+        procs.peer(
+            f"peer-{i}",
+            "--initial-peers",
+            addr,
+            "--max-rounds",
+            str(ROUNDS),
+            "--eval-every",
+            "1",
+            "--wait-for-peers",
+            "3",
+        )
+        for i in range(3)
+    ]
     started = [p.wait_event(lambda e: e.kind == "started", 120) for p in peers]
     ids = {e["peer_id"] for e in started}
     # the device each peer said it trains on, as the monitor's row shows it (peer/net/devices.py)
@@ -137,8 +167,11 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
         assert cells[2] in (devices[peer_id], "–"), cells  # the device column ("–" until its record is read)
         assert int(cells[3]) >= 1, cells  # the round column
     # the device records are read within a poll or two of a peer's first record
-    snap = wait_snapshot(base, lambda s: all(p.get("device") for r in s["runs"] if r["run_id"] == manifest.run_id
-                                             for p in r["peers"]), 60)
+    snap = wait_snapshot(
+        base,
+        lambda s: all(p.get("device") for r in s["runs"] if r["run_id"] == manifest.run_id for p in r["peers"]),
+        60,
+    )
     shown = {p["peer_id"]: p["device"] for r in snap["runs"] if r["run_id"] == manifest.run_id for p in r["peers"]}
     assert shown == devices, shown
     shot = artifacts_dir() / "monitor.png"
@@ -158,9 +191,14 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
     # φ is evaluated on the cadence (--eval-every 1) by one peer per round, not by all three.
     evaluators = Counter(e["round"] for p in peers for e in p.of("eval") if e["when"] == "periodic")
     assert evaluators and max(evaluators.values()) < 3, evaluators
-    done = wait_snapshot(base, lambda s: sorted(
-        p["round"] >= ROUNDS - 1 for r in s["runs"] if r["run_id"] == manifest.run_id for p in r["peers"])
-        == [True] * 3, 60)
+    done = wait_snapshot(
+        base,
+        lambda s: (
+            sorted(p["round"] >= ROUNDS - 1 for r in s["runs"] if r["run_id"] == manifest.run_id for p in r["peers"])
+            == [True] * 3
+        ),
+        60,
+    )
     run = next(r for r in done["runs"] if r["run_id"] == manifest.run_id)
     assert run["name"] == manifest.name and run["inner_steps"] == manifest.sync.inner_steps
     assert run["live_peers"] == 3 and run["max_round"] >= ROUNDS - 1
@@ -195,18 +233,23 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
 
     status, text = get(base + "metrics")
     assert status == 200
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     assert samples[("locoswarm_live_peers", (("run_id", manifest.run_id),))] == 3
     assert samples[("locoswarm_swarm_tokens_per_second", (("run_id", manifest.run_id),))] > 0
     for peer in run["peers"]:
         labels = (("peer_id", peer["peer_id"]), ("run_id", manifest.run_id))
         assert samples[("locoswarm_peer_round", labels)] == peer["round"]
         sync = peer["last_sync"]
-        assert sync == {"round": max(map(int, peer["group_by_round"])),
-                        "group_size": peer["group_by_round"][str(sync["round"])],
-                        "bytes_sent": events[peer["peer_id"]][sync["round"]]["bytes_sent"],
-                        "bytes_received": sync["bytes_received"]}
+        assert sync == {
+            "round": max(map(int, peer["group_by_round"])),
+            "group_size": peer["group_by_round"][str(sync["round"])],
+            "bytes_sent": events[peer["peer_id"]][sync["round"]]["bytes_sent"],
+            "bytes_received": sync["bytes_received"],
+        }
         assert samples[("locoswarm_peer_group_size", labels)] == sync["group_size"]
         assert samples[("locoswarm_peer_round_bytes_sent", labels)] == sync["bytes_sent"]
 
@@ -218,11 +261,27 @@ def test_monitor_command_serves_a_swarm_it_does_not_host(procs, tmp_path):
     _, addr = procs.bootstrap(run_file)
     peer = procs.peer("peer-0", "--initial-peers", addr, "--max-rounds", "2")
     peer_id = peer.wait_event(lambda e: e.kind == "started", 120)["peer_id"]
-    mon = procs.spawn("monitor", [sys.executable, "-m", "bootstrap", "monitor", "--initial-peers", addr, "--port", "0",
-                                  "--poll", "0.5", "--log-format", "json"])
+    mon = procs.spawn(
+        "monitor",
+        [
+            sys.executable,
+            "-m",
+            "bootstrap",
+            "monitor",
+            "--initial-peers",
+            addr,
+            "--port",
+            "0",
+            "--poll",
+            "0.5",
+            "--log-format",
+            "json",
+        ],
+    )
     base = mon.wait_event(lambda e: e.kind == "ready", 60)["monitor_url"]
-    snap = wait_snapshot(base, lambda s: any(p["peer_id"] == peer_id and p["round"] >= 1
-                                             for r in s["runs"] for p in r["peers"]), 120)
+    snap = wait_snapshot(
+        base, lambda s: any(p["peer_id"] == peer_id and p["round"] >= 1 for r in s["runs"] for p in r["peers"]), 120
+    )
     assert [r["run_id"] for r in snap["runs"]] == [manifest.run_id]
     status, page = get(base)
     assert status == 200 and "swarm monitor" in page

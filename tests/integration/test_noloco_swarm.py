@@ -24,8 +24,20 @@ def run_swarm(procs, workdir, algorithm: str):
     procs.workdir = workdir
     manifest = make_manifest(sync={"algorithm": algorithm, "inner_steps": 60})
     _, addr = procs.bootstrap(write_manifest(workdir, manifest))
-    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "4",
-                        "--export-phi-every", str(ROUNDS)) for n in NAMES]
+    peers = [
+        procs.peer(
+            n,
+            "--initial-peers",
+            addr,
+            "--max-rounds",
+            str(ROUNDS),
+            "--wait-for-peers",
+            "4",
+            "--export-phi-every",
+            str(ROUNDS),
+        )
+        for n in NAMES
+    ]
     for p in peers:
         assert p.wait(240) == 0, p.tail()
     phis = [load_file(str(phi_file(workdir, n, manifest.run_id, ROUNDS))) for n in NAMES]
@@ -44,14 +56,31 @@ def test_noloco_peers_exchange_with_one_partner_and_stay_closer_than_no_sync(pro
         assert len(rounds) == ROUNDS
         for e in rounds:
             # Exactly one partner, and only the payload's worth of bytes: no collective.
-            assert e["group_size"] == 2 and len(e["group"]) == 2 and me in e["group"], (e.get("note"), [
-                (q.name, q.of("started")[0]["peer_id"][-4:],
-                 [(x["round"], x["group_size"], [g[-4:] for g in x.get("planned_group") or []]) for x in q.of("round")])
-                for q in peers])
+            assert e["group_size"] == 2 and len(e["group"]) == 2 and me in e["group"], (
+                e.get("note"),
+                [
+                    (
+                        q.name,
+                        q.of("started")[0]["peer_id"][-4:],
+                        [
+                            (x["round"], x["group_size"], [g[-4:] for g in x.get("planned_group") or []])
+                            for x in q.of("round")
+                        ],
+                    )
+                    for q in peers
+                ],
+            )
             # (frames counted at the stream: the payload plus < 1 % of headers)
-            assert payload_bytes <= e["bytes_sent"] <= 1.01 * payload_bytes, (e["bytes_sent"], payload_bytes, e.get("note"))
-            assert payload_bytes <= e["bytes_received"] <= 1.01 * payload_bytes, (e["bytes_received"], payload_bytes,
-                                                                                e.get("note"))
+            assert payload_bytes <= e["bytes_sent"] <= 1.01 * payload_bytes, (
+                e["bytes_sent"],
+                payload_bytes,
+                e.get("note"),
+            )
+            assert payload_bytes <= e["bytes_received"] <= 1.01 * payload_bytes, (
+                e["bytes_received"],
+                payload_bytes,
+                e.get("note"),
+            )
             # honest partners drift apart (by ‖φ‖ when they have not met for rounds): no check may call it an attack
             assert "refused" not in (e.get("note") or ""), e["note"]
             partner = (set(e["group"]) - {me}).pop()

@@ -12,20 +12,28 @@ pytestmark = pytest.mark.integration
 ROUNDS = 3
 
 
-@pytest.mark.parametrize("overlap,codec,outer,from_round", [
-    ("delayed", "none", {}, 0),
-    # eager with outer momentum: each peer's own part of the paper's per-worker outer state in θ
-    ("eager", "int8", {"lr": 0.7, "momentum": 0.5, "nesterov": True}, 0),
-    # eager after a blocking first round (sync.overlap_from_round), with the shipped outer step
-    ("eager", "none", {}, 1),
-])
+@pytest.mark.parametrize(
+    "overlap,codec,outer,from_round",
+    [
+        ("delayed", "none", {}, 0),
+        # eager with outer momentum: each peer's own part of the paper's per-worker outer state in θ
+        ("eager", "int8", {"lr": 0.7, "momentum": 0.5, "nesterov": True}, 0),
+        # eager after a blocking first round (sync.overlap_from_round), with the shipped outer step
+        ("eager", "none", {}, 1),
+    ],
+)
 def test_two_peers_overlap_syncs_with_identical_phi(procs, tmp_path, overlap, codec, outer, from_round):
-    manifest = make_manifest(sync={"overlap": overlap, "overlap_from_round": from_round}, compression={"codec": codec},
-                             outer_optimizer=outer)
+    manifest = make_manifest(
+        sync={"overlap": overlap, "overlap_from_round": from_round}, compression={"codec": codec}, outer_optimizer=outer
+    )
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ("p0", "p1")
-    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
-                        "--export-phi-every", "1") for n in names]
+    peers = [
+        procs.peer(
+            n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2", "--export-phi-every", "1"
+        )
+        for n in names
+    ]
     for p in peers:
         assert p.wait(180) == 0, p.tail()
     run_id = peers[0].of("started")[0]["run_id"]  # the announced run's id (the run as the peers train it)
@@ -57,8 +65,20 @@ def test_two_noloco_peers_exchange_with_their_partner_in_the_background(procs, t
     manifest = make_manifest(sync={"algorithm": "noloco", "overlap": "eager"})
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ("p0", "p1")
-    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
-                        "--export-phi-every", str(ROUNDS)) for n in names]
+    peers = [
+        procs.peer(
+            n,
+            "--initial-peers",
+            addr,
+            "--max-rounds",
+            str(ROUNDS),
+            "--wait-for-peers",
+            "2",
+            "--export-phi-every",
+            str(ROUNDS),
+        )
+        for n in names
+    ]
     for p in peers:
         assert p.wait(180) == 0, p.tail()
     run_id = peers[0].of("started")[0]["run_id"]
@@ -71,31 +91,52 @@ def test_two_noloco_peers_exchange_with_their_partner_in_the_background(procs, t
         assert all(torch.isfinite(t).all() for t in phi.values())
 
 
-@pytest.mark.parametrize("algorithm,codec,merge,alpha,inner", [
-    ("diloco", "int8", "mix", 0.5, "adamw"), ("noloco", "none", "mix", 0.5, "adamw"),
-    ("diloco", "none", "shift", 0.5, "adamw"),
-    # Muon's momentum carried across the landings, with the merge measured best for it
-    ("diloco", "none", "shift", 0.0, "muon"),
-])
-def test_two_peers_stream_fragments_over_the_network_with_identical_phi(procs, tmp_path, algorithm, codec, merge,
-                                                                        alpha, inner):
+@pytest.mark.parametrize(
+    "algorithm,codec,merge,alpha,inner",
+    [
+        ("diloco", "int8", "mix", 0.5, "adamw"),
+        ("noloco", "none", "mix", 0.5, "adamw"),
+        ("diloco", "none", "shift", 0.5, "adamw"),
+        # Muon's momentum carried across the landings, with the merge measured best for it
+        ("diloco", "none", "shift", 0.0, "muon"),
+    ],
+)
+def test_two_peers_stream_fragments_over_the_network_with_identical_phi(
+    procs, tmp_path, algorithm, codec, merge, alpha, inner
+):
     """Streaming DiLoCo: each fragment's all-reduce carries only that fragment's tensors, under its
     own key, in the background (with a codec: its error feedback kept per tensor of the fragment;
     with ``fragment_merge = "shift"``: each mean landed relative to θ at its sync)."""
-    manifest = make_manifest(model={"num_layers": 2}, compression={"codec": codec}, inner_optimizer={"kind": inner},
-                             sync={"algorithm": algorithm, "overlap": "streaming", "inner_steps": 20, "fragments": 2,
-                                   "fragment_delay_steps": 2, "fragment_merge": merge, "fragment_alpha": alpha})
+    manifest = make_manifest(
+        model={"num_layers": 2},
+        compression={"codec": codec},
+        inner_optimizer={"kind": inner},
+        sync={
+            "algorithm": algorithm,
+            "overlap": "streaming",
+            "inner_steps": 20,
+            "fragments": 2,
+            "fragment_delay_steps": 2,
+            "fragment_merge": merge,
+            "fragment_alpha": alpha,
+        },
+    )
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     names = ("p0", "p1")
-    peers = [procs.peer(n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2",
-                        "--export-phi-every", "1") for n in names]
+    peers = [
+        procs.peer(
+            n, "--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "2", "--export-phi-every", "1"
+        )
+        for n in names
+    ]
     for p in peers:
         assert p.wait(240) == 0, p.tail()
     run_id = peers[0].of("started")[0]["run_id"]
     for p in peers:
         # fragment 1 mid-round and fragment 0 at each round's end, then fragment 1 once more at the end
         assert [(e["round"], e["fragment"]) for e in p.of("sync")] == [
-            (r, f) for r in range(ROUNDS) for f in (1, 0)] + [(ROUNDS, 1)]
+            (r, f) for r in range(ROUNDS) for f in (1, 0)
+        ] + [(ROUNDS, 1)]
         rounds = p.of("round")
         assert [e["group_size"] for e in rounds] == [2] * ROUNDS, [e.get("note") for e in rounds]
         assert p.of("eval")[-1]["loss"] < p.of("eval")[0]["loss"] - 0.3

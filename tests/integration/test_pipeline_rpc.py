@@ -35,7 +35,7 @@ def _p2pd_children() -> set[int]:
             continue
         with contextlib.suppress(OSError):
             stat = (entry / "stat").read_text()
-            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
             if name == "p2pd" and int(rest[1]) == os.getpid():
                 found.add(int(entry.name))
     return found
@@ -62,9 +62,13 @@ async def _daemons(n: int):
 
 def _request(request_id: int = 1, dtype=torch.bfloat16) -> StageRequest:
     g = torch.Generator().manual_seed(request_id)
-    return StageRequest(request_id=request_id, micro_batch=100 + request_id, stage=1,
-                        activations=torch.randn(2, 8, LIMITS.hidden_size, generator=g).to(dtype),
-                        targets=torch.randint(0, LIMITS.vocab_size, (2, 8), generator=g, dtype=torch.int32))
+    return StageRequest(
+        request_id=request_id,
+        micro_batch=100 + request_id,
+        stage=1,
+        activations=torch.randn(2, 8, LIMITS.hidden_size, generator=g).to(dtype),
+        targets=torch.randint(0, LIMITS.vocab_size, (2, 8), generator=g, dtype=torch.int32),
+    )
 
 
 async def _double(request: StageRequest):
@@ -118,8 +122,9 @@ def test_a_dead_and_a_silent_replica_each_cost_one_retry_then_the_next_answers()
             await dead.shutdown()
             async with _server(hung, silent) as hung_server, _server(good) as good_server:
                 request = _request(7)
-                reply, answered, failures = await call_with_retry(caller, [dead_id, hung.peer_id, good.peer_id],
-                                                                  PROTOCOL, request, LIMITS, timeout_s=1.0)
+                reply, answered, failures = await call_with_retry(
+                    caller, [dead_id, hung.peer_id, good.peer_id], PROTOCOL, request, LIMITS, timeout_s=1.0
+                )
                 assert answered == good.peer_id and reply.request_id == 7
                 assert torch.equal(reply.grad.view(torch.uint8), (request.activations * 2).view(torch.uint8))
                 assert [peer for peer, _ in failures] == [dead_id, hung.peer_id]

@@ -31,19 +31,36 @@ def test_pipelined_loss_falls_like_the_unpipelined_swarm_at_equal_tokens(procs, 
     rounds = 8
     finals = {}
     for stages in (2, 1):
-        manifest = make_manifest(sync={"inner_steps": 10, "matchmaking_time_s": 3.0},
-                                 model={"num_layers": 2}, pipeline={"stages": stages})
+        manifest = make_manifest(
+            sync={"inner_steps": 10, "matchmaking_time_s": 3.0}, model={"num_layers": 2}, pipeline={"stages": stages}
+        )
         run_dir = tmp_path / f"stages{stages}"
         run_dir.mkdir()
         boot, addr = procs.bootstrap(write_manifest(run_dir, manifest))
         if stages == 2:
             names = [("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1)]
-            peers = {n: procs.peer(f"{n}-{stages}", "--initial-peers", addr, "--stage", str(k), "--wait-for-peers",
-                                   "2", "--max-rounds", str(rounds)) for n, k in names}
+            peers = {
+                n: procs.peer(
+                    f"{n}-{stages}",
+                    "--initial-peers",
+                    addr,
+                    "--stage",
+                    str(k),
+                    "--wait-for-peers",
+                    "2",
+                    "--max-rounds",
+                    str(rounds),
+                )
+                for n, k in names
+            }
             readers = [peers["a0"], peers["b0"]]
         else:
-            peers = {n: procs.peer(f"{n}-{stages}", "--initial-peers", addr, "--wait-for-peers", "2",
-                                   "--max-rounds", str(rounds)) for n in ("a", "b")}
+            peers = {
+                n: procs.peer(
+                    f"{n}-{stages}", "--initial-peers", addr, "--wait-for-peers", "2", "--max-rounds", str(rounds)
+                )
+                for n in ("a", "b")
+            }
             readers = list(peers.values())
         for p in peers.values():  # every stage ends its last round with its callers and exits
             assert p.wait(240) == 0, p.tail()
@@ -65,8 +82,10 @@ def test_pipelined_loss_falls_like_the_unpipelined_swarm_at_equal_tokens(procs, 
 def test_two_stages_two_replicas_train_and_survive_a_killed_replica(procs, tmp_path):
     manifest = make_manifest(sync={"inner_steps": 10, "matchmaking_time_s": 3.0}, **PIPELINE)
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
-    peers = {name: procs.peer(name, "--initial-peers", addr, "--stage", str(stage), "--wait-for-peers", "2")
-             for name, stage in (("s0a", 0), ("s0b", 0), ("s1a", 1), ("s1b", 1))}
+    peers = {
+        name: procs.peer(name, "--initial-peers", addr, "--stage", str(stage), "--wait-for-peers", "2")
+        for name, stage in (("s0a", 0), ("s0b", 0), ("s1a", 1), ("s1b", 1))
+    }
     for name, p in peers.items():
         started = p.wait_event(lambda e: e.kind == "started", 120)
         assert started["stage"] == int(name[1])
@@ -74,8 +93,10 @@ def test_two_stages_two_replicas_train_and_survive_a_killed_replica(procs, tmp_p
     # stage's replicas sync among themselves (a group of 2 per stage)
     # (stage 1's rounds end just after stage 0's, and a replica that started later may sync its
     # first round alone: wait for a joint round rather than read the events at one moment)
-    joint = {name: peers[name].wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 240)
-             for name in ("s0a", "s1a")}
+    joint = {
+        name: peers[name].wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 240)
+        for name in ("s0a", "s1a")
+    }
     # each stage syncs its own half of the parameters (fp32 pseudo-gradients), not the whole model
     whole = 4 * spec_parameter_count(manifest.model, 259)
     for name, event in joint.items():

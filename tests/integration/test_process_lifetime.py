@@ -116,11 +116,15 @@ def test_a_second_peer_on_a_data_dir_in_use_is_refused_and_the_first_trains_on(p
     assert peer.popen.poll() is None
 
 
-@pytest.mark.parametrize("sig, group", [
-    (signal.SIGINT, True),    # Ctrl-C in a terminal: the whole foreground process group
-    (signal.SIGTERM, False),  # kill PID
-    (signal.SIGTERM, True),   # kill -TERM -PGID; a service manager's stop, which then waits
-], ids=["sigint-group", "sigterm-process", "sigterm-group"])
+@pytest.mark.parametrize(
+    "sig, group",
+    [
+        (signal.SIGINT, True),  # Ctrl-C in a terminal: the whole foreground process group
+        (signal.SIGTERM, False),  # kill PID
+        (signal.SIGTERM, True),  # kill -TERM -PGID; a service manager's stop, which then waits
+    ],
+    ids=["sigint-group", "sigterm-process", "sigterm-group"],
+)
 def test_a_stop_signal_checkpoints_and_exits_130_leaving_nothing(procs, tmp_path, bootstrap_addr, sig, group):
     peer, helpers = start_peer(procs, tmp_path, bootstrap_addr, f"{sig.name.lower()}-{'group' if group else 'proc'}")
     send(peer, sig, group=group)
@@ -154,8 +158,9 @@ def helper_of(pid: int, which: str) -> Proc:
     return found[0]
 
 
-@pytest.mark.parametrize("which, overlap", [("averager", "none"), ("averager", "delayed"), ("DHT", "none"),
-                                            ("p2pd", "none")])
+@pytest.mark.parametrize(
+    "which, overlap", [("averager", "none"), ("averager", "delayed"), ("DHT", "none"), ("p2pd", "none")]
+)
 def test_a_peer_whose_helper_dies_checkpoints_exits_75_and_resumes(procs, tmp_path, bootstrap_addr, which, overlap):
     """A helper process killed (as the kernel's OOM killer does) while the peer trains with a
     groupmate: the peer neither hangs in its next sync nor at its exit, nor trains on cut off. It
@@ -164,11 +169,13 @@ def test_a_peer_whose_helper_dies_checkpoints_exits_75_and_resumes(procs, tmp_pa
     name = f"{which.lower()}-{overlap}"
     manifest = make_manifest(name=f"tiny-helper-death-{name}", sync={"inner_steps": 20, "overlap": overlap})
     run_file = write_manifest(tmp_path, manifest)
-    a = procs.peer(f"dies-{name}", "--initial-peers", bootstrap_addr, "--run", str(run_file), "--new-run",
-                   "--wait-for-peers", "2")
+    a = procs.peer(
+        f"dies-{name}", "--initial-peers", bootstrap_addr, "--run", str(run_file), "--new-run", "--wait-for-peers", "2"
+    )
     a.wait_event(lambda e: e.kind == "started", 120)
-    b = procs.peer(f"mate-{name}", "--initial-peers", bootstrap_addr, "--run-id", manifest.run_id,
-                   "--wait-for-peers", "2")
+    b = procs.peer(
+        f"mate-{name}", "--initial-peers", bootstrap_addr, "--run-id", manifest.run_id, "--wait-for-peers", "2"
+    )
     a.wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 240)
     helpers = descendants(a.popen.pid)
     victim = helper_of(a.popen.pid, which)
@@ -245,8 +252,14 @@ os._exit(0)
 def test_a_helper_whose_parent_died_before_its_setup_ends_itself(tmp_path):
     pid_file, log = tmp_path / "helper.pid", tmp_path / "parent.log"
     with open(log, "wb") as out:  # a file, not a pipe: the helper inherits it and outlives the parent
-        code = subprocess.run([sys.executable, "-c", LATE_HELPER, str(pid_file)], stdin=subprocess.DEVNULL,
-                              stdout=out, stderr=out, timeout=120, cwd=PROJECT_ROOT).returncode
+        code = subprocess.run(
+            [sys.executable, "-c", LATE_HELPER, str(pid_file)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            timeout=120,
+            cwd=PROJECT_ROOT,
+        ).returncode
     assert code == 0, log.read_text()
     pid = int(pid_file.read_text())
     stat = proc_stat(pid)

@@ -31,17 +31,59 @@ def refuse_incoming_tcp(host: netlab.Host) -> None:
     bridge through its link's root end) goes to an htb class of 8 bit/s, so it waits minutes and
     each connection attempt times out. iptables is not installed on these machines; a SYN-ACK, the
     answer to this host's own connections, is not held back."""
+
     def tc(*args: str) -> None:
         subprocess.run(["tc", *args], check=True, capture_output=True)
 
     dev = host.veth_root
     tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
     tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
-    tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:2", "htb", "rate", "8bit", "ceil", "8bit",
-       "burst", "1", "cburst", "1")
+    tc(
+        "class",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "classid",
+        "1:2",
+        "htb",
+        "rate",
+        "8bit",
+        "ceil",
+        "8bit",
+        "burst",
+        "1",
+        "cburst",
+        "1",
+    )
     # IPv4 without options: the TCP flags byte is at offset 20 + 13; 0x02 = SYN alone
-    tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-       "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x02", "0xff", "at", "33", "flowid", "1:2")
+    tc(
+        "filter",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "protocol",
+        "ip",
+        "prio",
+        "1",
+        "u32",
+        "match",
+        "ip",
+        "protocol",
+        "6",
+        "0xff",
+        "match",
+        "u8",
+        "0x02",
+        "0xff",
+        "at",
+        "33",
+        "flowid",
+        "1:2",
+    )
     # htb lets a class's first packet through on credit: spend it on a SYN of our own
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -52,8 +94,10 @@ def refuse_incoming_tcp(host: netlab.Host) -> None:
 
 
 def can_connect(host: netlab.Host, address: str, port: int) -> bool:
-    code = ("import socket,sys\ns=socket.socket();s.settimeout(3)\n"
-            f"sys.exit(0 if s.connect_ex(({address!r},{port}))==0 else 1)")
+    code = (
+        "import socket,sys\ns=socket.socket();s.settimeout(3)\n"
+        f"sys.exit(0 if s.connect_ex(({address!r},{port}))==0 else 1)"
+    )
     return host.run(["python3", "-c", code]).wait(timeout=30) == 0
 
 
@@ -77,17 +121,43 @@ def test_default_peer_is_reachable_and_a_firewalled_one_falls_back(lab, tmp_path
     refuse_incoming_tcp(walled)
     children: list[Child] = []
     try:
-        bootstrap = start(lab, tmp_path, children, "boot", [
-            sys.executable, "-m", "bootstrap", "run", "--host", boot.address, "--port", str(BOOT_PORT),
-            "--identity", str(tmp_path / "boot.key"), "--preset", "tiny", "--log-format", "json"])
+        bootstrap = start(
+            lab,
+            tmp_path,
+            children,
+            "boot",
+            [
+                sys.executable,
+                "-m",
+                "bootstrap",
+                "run",
+                "--host",
+                boot.address,
+                "--port",
+                str(BOOT_PORT),
+                "--identity",
+                str(tmp_path / "boot.key"),
+                "--preset",
+                "tiny",
+                "--log-format",
+                "json",
+            ],
+        )
         ready = bootstrap.wait_event(lambda e: e.kind == "ready", 240)
         [boot_addr] = ready.addresses_on(boot.address)
         # the lab itself: the walled host cannot be dialed, the open one can, both dial out
         assert not can_connect(open_host, walled.address, 9) and can_connect(walled, boot.address, BOOT_PORT)
 
-        peers = {name: start(lab, tmp_path, children, name, peer_argv(
-            data_dir=tmp_path / name, initial_peers=[boot_addr], extra=["--threads", "1"]))
-            for name in ("open", "walled")}  # default --host: all interfaces
+        peers = {
+            name: start(
+                lab,
+                tmp_path,
+                children,
+                name,
+                peer_argv(data_dir=tmp_path / name, initial_peers=[boot_addr], extra=["--threads", "1"]),
+            )
+            for name in ("open", "walled")
+        }  # default --host: all interfaces
 
         def verdict(name: str):
             return peers[name].wait_event(lambda e: e.kind == "status" and "reachability" in e, 240)

@@ -34,8 +34,11 @@ def test_a_restarted_peer_rejoins_through_a_remembered_peer(procs, tmp_path):
     a.wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 180)
 
     book = tmp_path / "peer-a" / FILE_NAME
-    wait_until(lambda: set(b_started.maddrs) <= set(AddressBook.load(book).addresses()), 90,
-               f"peer-a remembers peer-b's addresses {b_started.maddrs} in {book}")
+    wait_until(
+        lambda: set(b_started.maddrs) <= set(AddressBook.load(book).addresses()),
+        90,
+        f"peer-a remembers peer-b's addresses {b_started.maddrs} in {book}",
+    )
     assert addr in AddressBook.load(book).addresses()  # the initial peer that answered, too
 
     boot.kill()  # the bootstrap node and its p2pd are gone for good

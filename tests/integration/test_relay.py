@@ -45,14 +45,31 @@ def test_a_walled_peer_is_reachable_through_the_bootstrap_relay(tmp_path: Path):
             return child.start()
 
         try:
-            bootstrap = start("boot", [sys.executable, "-m", "bootstrap", "run", "--host", boot.address, "--port",
-                                       str(BOOT_PORT), "--identity", str(tmp_path / "boot.key"), "--preset", "tiny",
-                                       "--log-format", "json"])
+            bootstrap = start(
+                "boot",
+                [
+                    sys.executable,
+                    "-m",
+                    "bootstrap",
+                    "run",
+                    "--host",
+                    boot.address,
+                    "--port",
+                    str(BOOT_PORT),
+                    "--identity",
+                    str(tmp_path / "boot.key"),
+                    "--preset",
+                    "tiny",
+                    "--log-format",
+                    "json",
+                ],
+            )
             [boot_addr] = bootstrap.wait_event(lambda e: e.kind == "ready", 240).addresses_on(boot.address)
             assert not can_connect(outsider, walled.address, 9)  # the lab: nobody dials the walled host
 
-            peer = start("walled", peer_argv(data_dir=tmp_path / "walled", initial_peers=[boot_addr],
-                                             extra=["--threads", "1"]))
+            peer = start(
+                "walled", peer_argv(data_dir=tmp_path / "walled", initial_peers=[boot_addr], extra=["--threads", "1"])
+            )
             reach = peer.wait_event(lambda e: e.kind == "status" and "reachability" in e, 240)
             assert reach["reachability"] == "unreachable", reach["message"]
             up = peer.wait_event(lambda e: e.kind == "started", 300)
@@ -61,9 +78,24 @@ def test_a_walled_peer_is_reachable_through_the_bootstrap_relay(tmp_path: Path):
             # the outsider reads the swarm through the walled peer alone, at the address it printed
             deadline, last = time.monotonic() + RELAY_WAIT_S, ""
             while time.monotonic() < deadline:
-                result = subprocess.run(["ip", "netns", "exec", outsider.netns, sys.executable, "-m", "peer",
-                                         "status", "--initial-peers", up["relayed_at"][0]],
-                                        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+                result = subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        outsider.netns,
+                        sys.executable,
+                        "-m",
+                        "peer",
+                        "status",
+                        "--initial-peers",
+                        up["relayed_at"][0],
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    cwd=str(tmp_path),
+                )
                 if result.returncode == 0:
                     break
                 last = (result.stdout + result.stderr).strip().splitlines()[-1:]

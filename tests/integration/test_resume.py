@@ -32,8 +32,9 @@ def test_residuals_travel_to_the_averager_process_and_back():
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     transport = None
     try:
-        transport = NetworkTransport(dht, shapes, shapes, manifest.run_id, manifest.sync,
-                                     compression=manifest.compression)
+        transport = NetworkTransport(
+            dht, shapes, shapes, manifest.run_id, manifest.sync, compression=manifest.compression
+        )
         assert transport.error_feedback_residuals() is None  # no sync yet: nothing to save
         saved = [torch.randn(3, 2), torch.randn(4)]
         assert transport.load_error_feedback(saved) == 2

@@ -26,7 +26,9 @@ def test_other_preset_is_refused_new_run_starts_it_and_a_plain_join_must_choose(
     refused = procs.peer("refused", "--initial-peers", addr, "--preset", "tiny")
     assert refused.wait(120) == code, refused.tail()
     line = stderr_error(refused)
-    assert "--preset tiny" in line and repr(tiny.name) in line and swarm_run.run_id in line and "--new-run" in line, line
+    assert "--preset tiny" in line and repr(tiny.name) in line and swarm_run.run_id in line and "--new-run" in line, (
+        line
+    )
     assert not refused.of("started")
 
     # With --new-run it starts the preset's run beside the swarm's.

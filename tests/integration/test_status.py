@@ -22,16 +22,19 @@ pytestmark = pytest.mark.integration
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="250")
-    return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "peer", *args], capture_output=True, text=True, env=env, timeout=timeout_s
+    )
 
 
 def test_status_lists_the_peers_without_training(procs, tmp_path):
     manifest = make_manifest()
     _, addr = procs.bootstrap(write_manifest(tmp_path, manifest))
     rounds = 2
-    peers = [procs.peer(f"peer-{i}", "--initial-peers", addr, "--max-rounds", str(rounds), "--wait-for-peers", "2")
-             for i in range(2)]
+    peers = [
+        procs.peer(f"peer-{i}", "--initial-peers", addr, "--max-rounds", str(rounds), "--wait-for-peers", "2")
+        for i in range(2)
+    ]
     ids = set()
     for p in peers:
         ids.add(p.wait_event(lambda e: e.kind == "started", 120)["peer_id"])
@@ -74,11 +77,22 @@ def test_a_killed_peer_is_shown_gone_within_one_round_deadline(procs, tmp_path):
     (protocol/liveness.py), and the swarm totals drop its throughput."""
     # Short sync deadlines, so that the bound (worst-case sync + 2 refresh intervals + 5 s) is
     # well under a minute while the record lives max(60 s, 3 worst-case syncs).
-    manifest = make_manifest(sync={"matchmaking_time_s": 2.0, "allreduce_timeout_s": 5.0,
-                                   "min_allreduce_timeout_s": 2.0, "next_chunk_timeout_s": 2.0})
-    boot = procs.spawn("bootstrap", bootstrap_argv(identity=tmp_path / "bootstrap.key",
-                                                   run=write_manifest(tmp_path, manifest),
-                                                   extra=["--monitor-port", "0", "--monitor-poll", "0.5"]))
+    manifest = make_manifest(
+        sync={
+            "matchmaking_time_s": 2.0,
+            "allreduce_timeout_s": 5.0,
+            "min_allreduce_timeout_s": 2.0,
+            "next_chunk_timeout_s": 2.0,
+        }
+    )
+    boot = procs.spawn(
+        "bootstrap",
+        bootstrap_argv(
+            identity=tmp_path / "bootstrap.key",
+            run=write_manifest(tmp_path, manifest),
+            extra=["--monitor-port", "0", "--monitor-poll", "0.5"],
+        ),
+    )
     ready = boot.wait_event(lambda e: e.kind == "ready", 60)
     addr, base = ready.addresses_on("127.0.0.1")[0], ready["monitor_url"]
     survivor, victim = [procs.peer(f"peer-{i}", "--initial-peers", addr, "--wait-for-peers", "2") for i in range(2)]

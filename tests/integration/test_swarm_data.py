@@ -28,18 +28,45 @@ def swarm(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env_cache = {"LOCOSWARM_CACHE_DIR": str(tmp_path / "cache")}
     import os
 
-    return subprocess.run([sys.executable, "-m", "peer", "swarm", "--peers", "2", "--rounds", "2", "--device", "cpu",
-                           "--eval-every", "0", *args], capture_output=True, text=True, timeout=800,
-                          env={**os.environ, **env_cache}, cwd=tmp_path)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer",
+            "swarm",
+            "--peers",
+            "2",
+            "--rounds",
+            "2",
+            "--device",
+            "cpu",
+            "--eval-every",
+            "0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        env={**os.environ, **env_cache},
+        cwd=tmp_path,
+    )
 
 
 def test_a_local_swarm_trains_on_a_corpus_of_this_machine(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
-    run = tiny_run().replace(data={"source": "files", "path": str(corpus), "validation_fraction": 0.2,
-                                   "validation_sequences": 4})
+    run = tiny_run().replace(
+        data={"source": "files", "path": str(corpus), "validation_fraction": 0.2, "validation_sequences": 4}
+    )
     (tmp_path / "run.toml").write_text(dump_toml(run))
-    result = swarm(tmp_path, "--run", str(tmp_path / "run.toml"), "--data", str(corpus),
-                   "--summary", str(tmp_path / "summary.json"))
+    result = swarm(
+        tmp_path,
+        "--run",
+        str(tmp_path / "run.toml"),
+        "--data",
+        str(corpus),
+        "--summary",
+        str(tmp_path / "summary.json"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"the peers train on {corpus}" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -23,16 +23,35 @@ async def _raw_store(dht, node, *, target, key: str, value: bytes, subkey, ttl_s
 class Attacker:
     def __init__(self, victim):
         self.victim = victim
-        self.dht = hivemind.DHT(initial_peers=[str(m) for m in victim.get_visible_maddrs()],
-                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        self.dht = hivemind.DHT(
+            initial_peers=[str(m) for m in victim.get_visible_maddrs()],
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            start=True,
+        )
 
-    def store_raw(self, key: str, value: bytes, *, subkey=None, ttl_s: float = 60.0, expiration: float | None = None,
-                  ) -> bool:
+    def store_raw(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        subkey=None,
+        ttl_s: float = 60.0,
+        expiration: float | None = None,
+    ) -> bool:
         """Ask the victim to store ``value`` (bytes as they travel) under ``key`` (and ``subkey``) until
         ``expiration`` (default: ``ttl_s`` from now). Returns whether the victim accepted it (its
         record validator may refuse)."""
-        ok = self.dht.run_coroutine(functools.partial(_raw_store, target=self.victim.peer_id, key=key, value=value,
-                                                      subkey=subkey, ttl_s=ttl_s, expiration=expiration))
+        ok = self.dht.run_coroutine(
+            functools.partial(
+                _raw_store,
+                target=self.victim.peer_id,
+                key=key,
+                value=value,
+                subkey=subkey,
+                ttl_s=ttl_s,
+                expiration=expiration,
+            )
+        )
         assert ok is not None and len(ok) == 1, ok  # the victim answered
         return ok[0]
 

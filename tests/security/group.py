@@ -20,8 +20,19 @@ from protocol.wire import allreduce as frames, framing
 from protocol.wire.pieces import piece_shape, plan_pieces
 
 
-async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=CompressionSpec(),
-                    piece_elements=64, timeout=1.0, ignored=frozenset(), liars=None, phi_from=None):
+async def run_group(
+    payloads,
+    weights,
+    *,
+    owners=None,
+    max_weight=None,
+    spec=CompressionSpec(),
+    piece_elements=64,
+    timeout=1.0,
+    ignored=frozenset(),
+    liars=None,
+    phi_from=None,
+):
     """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``; every
     owner leaves the groupmates ``ignored`` (indices) out of its means. An owner in ``liars``
     (index → ``forge(honest mean) -> tensor``) sends ``forge`` of each mean it computes instead;
@@ -44,6 +55,7 @@ async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=Com
                 hello = frames.parse_hello(payload, group_size=frames.MAX_GROUP_SIZE)
                 await asyncio.wait_for(ready[i].wait(), 5)
                 await sessions[i].serve(hello.sender, payload, reader, writer)
+
             return handle
 
         servers = [await asyncio.start_unix_server(handler(i), path=paths[i]) for i in owners]
@@ -56,14 +68,28 @@ async def run_group(payloads, weights, *, owners=None, max_weight=None, spec=Com
             return await asyncio.open_unix_connection(paths[peer_id])
 
         for i in range(n):
-            plan = GroupPlan(group_id=b"g" * 8, peer_ids=tuple(range(n)), my_index=i, pieces=pieces,
-                             codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
-                             max_piece_bytes=[codecs.max_encoded_bytes(s) for s in shapes_of_pieces],
-                             seeds=[p.index for p in pieces])
-            sessions[i] = GroupAllreduce(plan, [t.clone() for t in payloads[i]], weight=weights[i],
-                                         compensate=lambda piece, x: x, stage=lambda *a: None,
-                                         open_stream=open_stream, next_chunk_timeout=timeout,
-                                         max_weight=max_weight, ignored=ignored, phi_from=phi_from)
+            plan = GroupPlan(
+                group_id=b"g" * 8,
+                peer_ids=tuple(range(n)),
+                my_index=i,
+                pieces=pieces,
+                codecs=piece_codecs,
+                mean_codecs=[c.for_mean(n) for c in piece_codecs],
+                max_piece_bytes=[codecs.max_encoded_bytes(s) for s in shapes_of_pieces],
+                seeds=[p.index for p in pieces],
+            )
+            sessions[i] = GroupAllreduce(
+                plan,
+                [t.clone() for t in payloads[i]],
+                weight=weights[i],
+                compensate=lambda piece, x: x,
+                stage=lambda *a: None,
+                open_stream=open_stream,
+                next_chunk_timeout=timeout,
+                max_weight=max_weight,
+                ignored=ignored,
+                phi_from=phi_from,
+            )
             if liars and i in liars:
                 sessions[i]._mean_of = _lying(sessions[i], liars[i])
             ready[i].set()
@@ -87,4 +113,5 @@ def _lying(session, forge):
         _, value, clipped = honest(piece, parts, included)
         data, forged = session._roundtrip(piece, forge(value), session.plan.mean_codecs[piece.index])
         return frames.encode_mean(piece.index, included, data), forged, clipped
+
     return mean_of

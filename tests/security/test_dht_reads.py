@@ -61,8 +61,12 @@ def test_a_record_expiring_in_ten_years_is_ignored(swarm):
     peer, attacker = swarm
     run_id = "c" * 32
     _honest_record(peer, run_id)
-    assert attacker.store(keys.progress_key(run_id), dataclasses.replace(HONEST, round=9).to_wire(), subkey="fake",
-                          ttl_s=10 * 365 * 86400.0)
+    assert attacker.store(
+        keys.progress_key(run_id),
+        dataclasses.replace(HONEST, round=9).to_wire(),
+        subkey="fake",
+        ttl_s=10 * 365 * 86400.0,
+    )
     records = swarm_dht.read_progress(peer, run_id, timeout_s=20)
     assert [r.peer_id for r in records] == [peer.signer.peer_id]
 

@@ -74,11 +74,11 @@ def test_a_validly_signed_record_that_breaks_the_decoder_hides_no_other_record()
     run_id = "fuzzrun"
     key = keys.progress_key(run_id)
     honest, attacker = (PeerSigner(rsa.generate_private_key(public_exponent=65537, key_size=2048)) for _ in range(2))
-    record = ProgressRecord(round=3, inner_step=30, train_loss=3.0, tokens_per_s=100.0, group_size=2, bytes_sent=10,
-                            state_digest="a" * 32)
+    record = ProgressRecord(
+        round=3, inner_step=30, train_loss=3.0, tokens_per_s=100.0, group_size=2, bytes_sent=10, state_digest="a" * 32
+    )
     dht, expiration = FakeDHT(), 1.9e9
-    dht.store(key, honest.seal(key, expiration, record.to_wire()), expiration_time=expiration,
-              subkey=honest.peer_id)
+    dht.store(key, honest.seal(key, expiration, record.to_wire()), expiration_time=expiration, subkey=honest.peer_id)
     poisoned = {**record.to_wire(), b"x": 1}
     envelope = attacker.seal(key, expiration, poisoned)
     assert msgpack.unpackb(envelope["b"], raw=False, strict_map_key=True)[b"x"] == 1  # it survives the DHT's checks

@@ -52,13 +52,14 @@ def victim_and_attacker():
     try:
         dht = dht_node.start_dht()
         shapes = [torch.Size([STATE_ELEMENTS // 1024, 1024])]
-        transport = NetworkTransport(dht, shapes, shapes, "run-limits",
-                                     SyncSpec(matchmaking_time_s=2.0, next_chunk_timeout_s=5.0))
-        snapshot = make_snapshot({"run_id": "run-limits", "round": 3, "inner_step": 15},
-                                 [torch.randn(shapes[0])])
+        transport = NetworkTransport(
+            dht, shapes, shapes, "run-limits", SyncSpec(matchmaking_time_s=2.0, next_chunk_timeout_s=5.0)
+        )
+        snapshot = make_snapshot({"run_id": "run-limits", "round": 3, "inner_step": 15}, [torch.randn(shapes[0])])
         transport.share_state(lambda: [snapshot])
-        attacker = hivemind.DHT(initial_peers=[str(m) for m in dht.get_visible_maddrs()],
-                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        attacker = hivemind.DHT(
+            initial_peers=[str(m) for m in dht.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
+        )
         yield dht, transport, snapshot, attacker
     finally:
         for thing in (attacker, transport, dht):
@@ -84,8 +85,9 @@ async def _flood(_dht, node, *, victim: bytes, handler: str, declared: int, send
     return sent
 
 
-async def _request_state(_dht, node, *, victim: bytes, handler: str, digest: bytes, chunks: int,
-                         requests: int) -> tuple[int, int]:
+async def _request_state(
+    _dht, node, *, victim: bytes, handler: str, digest: bytes, chunks: int, requests: int
+) -> tuple[int, int]:
     """Send ``requests`` REQUESTs for every chunk, two at a time; return (bytes sent, bytes received)."""
     sent = received = 0
 
@@ -137,8 +139,11 @@ def test_a_huge_message_into_rpc_join_group_is_refused_before_it_is_read():
         averager = transport.averager
         handler = f"{averager.prefix}::LocoAverager.rpc_join_group"
         before = _peak_rss_mb(averager.pid)
-        body = attacker.run_coroutine(functools.partial(
-            _flood, victim=dht.peer_id.to_bytes(), handler=handler, declared=ATTACK_MIB << 20, send=ATTACK_MIB << 20))
+        body = attacker.run_coroutine(
+            functools.partial(
+                _flood, victim=dht.peer_id.to_bytes(), handler=handler, declared=ATTACK_MIB << 20, send=ATTACK_MIB << 20
+            )
+        )
         growth = _peak_rss_mb(averager.pid) - before
         print(f"\nrpc_join_group: {ATTACK_MIB} MiB declared, {body >> 20} MiB written; averager peak +{growth:.0f} MB")
         assert growth < max(64, ATTACK_MIB / 4), f"the averager grew by {growth:.0f} MB"
@@ -149,13 +154,22 @@ def test_state_requests_are_bounded_per_peer():
     with victim_and_attacker() as (dht, transport, snapshot, attacker):
         averager = transport.averager
         before = _peak_rss_mb(averager.pid)
-        sent, received = attacker.run_coroutine(functools.partial(
-            _request_state, victim=dht.peer_id.to_bytes(), handler=averager.state_protocol, digest=snapshot.digest,
-            chunks=len(snapshot.chunks), requests=20))
+        sent, received = attacker.run_coroutine(
+            functools.partial(
+                _request_state,
+                victim=dht.peer_id.to_bytes(),
+                handler=averager.state_protocol,
+                digest=snapshot.digest,
+                chunks=len(snapshot.chunks),
+                requests=20,
+            )
+        )
         growth = _peak_rss_mb(averager.pid) - before
         state_bytes = 4 * STATE_ELEMENTS
-        print(f"\n20 state requests: {sent} B sent, {received / 2**20:.1f} MiB served "
-              f"({received / sent:.0f}x); averager peak +{growth:.0f} MB")
+        print(
+            f"\n20 state requests: {sent} B sent, {received / 2**20:.1f} MiB served "
+            f"({received / sent:.0f}x); averager peak +{growth:.0f} MB"
+        )
         # one joiner gets at most a budget's worth (a 64 MiB floor) plus one state in flight
         assert received <= max(state_bytes, MIN_STATE_BYTES) + state_bytes + 65536, received
         assert received >= state_bytes  # an honest-looking first request is answered
@@ -166,16 +180,20 @@ def test_state_requests_are_bounded_per_peer():
 def test_silent_streams_over_the_per_peer_cap_are_closed_at_once(handler):
     with victim_and_attacker() as (dht, transport, _, attacker):
         averager = transport.averager
-        name, cap = {"state": (averager.state_protocol, STATE_STREAMS_PER_PEER),
-                     "rpc_join_group": (f"{averager.prefix}::LocoAverager.rpc_join_group", StreamLimits().per_peer),
-                     "allreduce": (averager.stream_protocol, ALLREDUCE_STREAMS_PER_PEER)}[handler]
+        name, cap = {
+            "state": (averager.state_protocol, STATE_STREAMS_PER_PEER),
+            "rpc_join_group": (f"{averager.prefix}::LocoAverager.rpc_join_group", StreamLimits().per_peer),
+            "allreduce": (averager.stream_protocol, ALLREDUCE_STREAMS_PER_PEER),
+        }[handler]
         streams = cap + 4
-        closed = attacker.run_coroutine(functools.partial(_hold, victim=dht.peer_id.to_bytes(), handler=name,
-                                                          streams=streams))
+        closed = attacker.run_coroutine(
+            functools.partial(_hold, victim=dht.peer_id.to_bytes(), handler=name, streams=streams)
+        )
         assert closed >= streams - cap
 
 
 # ---------------------------------------------------------------- in process: the limits themselves
+
 
 def _fed(data: bytes, *, eof: bool = True) -> asyncio.StreamReader:
     reader = asyncio.StreamReader()
@@ -196,7 +214,7 @@ def test_a_declared_length_over_the_cap_is_refused_before_its_body_is_awaited():
         reader = _fed(b"\x00" + declared.to_bytes(8, "big"), eof=False)
         return await read_protobuf(reader, averaging_pb2.JoinRequest, max_bytes=16384, timeout=None)
 
-    for declared in (16385, 1536 << 20, 2 ** 64 - 1):
+    for declared in (16385, 1536 << 20, 2**64 - 1):
         with pytest.raises(BadPayload, match=f"declares {declared} bytes"):
             asyncio.run(read(declared))
 
@@ -228,8 +246,11 @@ def test_a_malicious_leader_s_oversized_answer_ends_the_call_with_bad_payload():
 
         p2p.call_binary_stream_handler = open_stream
         answers = await p2p._iterate_protobuf_stream_handler(
-            "leader", "LocoAverager.rpc_join_group", as_aiter(averaging_pb2.JoinRequest()),
-            averaging_pb2.MessageFromLeader)
+            "leader",
+            "LocoAverager.rpc_join_group",
+            as_aiter(averaging_pb2.JoinRequest()),
+            averaging_pb2.MessageFromLeader,
+        )
         return [a async for a in answers]
 
     with pytest.raises(BadPayload, match="declares 1073741824 bytes"):
@@ -293,8 +314,9 @@ def test_stream_slots_cap_per_peer_and_in_total():
 
 def test_serve_budget_grants_one_state_per_period_per_peer_and_refills():
     now = [0.0]
-    budget = ServeBudget(per_peer_states=1.0, total_states=2.0, period_s=60.0, min_state_bytes=100,
-                         clock=lambda: now[0])
+    budget = ServeBudget(
+        per_peer_states=1.0, total_states=2.0, period_s=60.0, min_state_bytes=100, clock=lambda: now[0]
+    )
     assert budget.take("a", 1000, 1000)  # one full state
     assert not budget.take("a", 10, 1000)  # nothing left for this peer
     assert budget.take("b", 1000, 1000) and not budget.take("c", 10, 1000)  # nor for anyone: total spent

@@ -39,8 +39,9 @@ FORGES = {
     "sign-flipped x100": lambda m: -100 * m,
     "sign-flipped": lambda m: -m,
     "zeros": torch.zeros_like,
-    "noise of the mean's norm": lambda m: torch.randn(m.shape, generator=torch.Generator().manual_seed(1))
-    * m.norm() / m.numel() ** 0.5,
+    "noise of the mean's norm": lambda m: (
+        torch.randn(m.shape, generator=torch.Generator().manual_seed(1)) * m.norm() / m.numel() ** 0.5
+    ),
 }
 
 
@@ -48,19 +49,22 @@ FORGES = {
 def test_a_lying_owners_mean_is_never_applied(forge):
     n, liar = 5, 4
     payloads = _payloads(n, seed=11)
-    sessions, outcomes = asyncio.run(run_group(payloads, [ROUND_TOKENS] * n, max_weight=ROUND_TOKENS,
-                                               piece_elements=512, liars={liar: FORGES[forge]}))
+    sessions, outcomes = asyncio.run(
+        run_group(
+            payloads, [ROUND_TOKENS] * n, max_weight=ROUND_TOKENS, piece_elements=512, liars={liar: FORGES[forge]}
+        )
+    )
     honest = [s for s in sessions if s.plan.my_index != liar]
     assert not any(isinstance(o, BaseException) for o in outcomes[:liar]), outcomes
     mean = [sum(p[k] for p in payloads) / n for k in range(len(SHAPES))]
     for s in honest:
         assert list(s.stats.refused) == [str(liar)]
         for piece in s.plan.pieces:
-            got = s.tensors[piece.tensor][piece.start:piece.stop]
+            got = s.tensors[piece.tensor][piece.start : piece.stop]
             if piece.owner == liar:
                 assert torch.equal(got, torch.zeros_like(got))  # refused: this round moves nothing there
             else:
-                assert torch.allclose(got, mean[piece.tensor][piece.start:piece.stop], atol=1e-5)
+                assert torch.allclose(got, mean[piece.tensor][piece.start : piece.stop], atol=1e-5)
         for got, want in zip(s.tensors, honest[0].tensors):
             assert torch.equal(got, want)  # the honest peers still agree bit for bit
 
@@ -74,8 +78,9 @@ def test_a_noloco_partner_sending_phi_zero_moves_nothing(me):
     payloads = _payloads(2, seed=12, noise=0.02)
     partner = 1 - me
     payloads[partner][1] = torch.zeros(SHAPES[1])
-    sessions, outcomes = asyncio.run(run_group(payloads, [ROUND_TOKENS] * 2, max_weight=ROUND_TOKENS,
-                                               piece_elements=512, phi_from=1))
+    sessions, outcomes = asyncio.run(
+        run_group(payloads, [ROUND_TOKENS] * 2, max_weight=ROUND_TOKENS, piece_elements=512, phi_from=1)
+    )
     assert not isinstance(outcomes[me], BaseException), outcomes[me]
     mine = sessions[me]
     assert all(p.owner == 1 for p in mine.plan.pieces if p.tensor == 1)
@@ -85,4 +90,3 @@ def test_a_noloco_partner_sending_phi_zero_moves_nothing(me):
     else:
         assert list(mine.stats.refused) == [str(partner)]
     assert torch.allclose(mine.tensors[0], (payloads[0][0] + payloads[1][0]) / 2, atol=1e-6)  # Δ as usual
-

@@ -80,9 +80,11 @@ def _attack(attacker, key: str) -> list[bool]:
     """Store a plain value and junk entries under ``key``, expiring later than any declaration;
     what the victim accepted, in order."""
     far = get_dht_time() + 600
-    return [attacker.store(key, "no groups this round", expiration=far),
-            attacker.store(key, True, subkey=b"not a peer id", expiration=far),
-            attacker.store(key, "not a bool", subkey=attacker.dht.peer_id.to_bytes(), expiration=far)]
+    return [
+        attacker.store(key, "no groups this round", expiration=far),
+        attacker.store(key, True, subkey=b"not a peer id", expiration=far),
+        attacker.store(key, "not a bool", subkey=attacker.dht.peer_id.to_bytes(), expiration=far),
+    ]
 
 
 def test_without_protection_a_plain_value_hides_every_declaration(swarm):
@@ -151,6 +153,7 @@ def test_the_averager_protects_the_round_it_is_set_to(swarm, monkeypatch):
         return taken
 
     monkeypatch.setattr(DecentralizedAverager, "set_group_bits", set_group_bits)
+
     class Bare(LocoAverager):  # no process, nothing for hivemind's __del__ to stop
         def __del__(self):
             pass

@@ -36,8 +36,9 @@ from tests.security.fake_dht import FakeDHT
 pytestmark = pytest.mark.timeout(300)
 
 RUN = "cd" * 8
-RECORD = ProgressRecord(round=3, inner_step=30, train_loss=3.0, tokens_per_s=100.0, group_size=2, bytes_sent=10,
-                        state_digest="a" * 32)
+RECORD = ProgressRecord(
+    round=3, inner_step=30, train_loss=3.0, tokens_per_s=100.0, group_size=2, bytes_sent=10, state_digest="a" * 32
+)
 FAKE = dataclasses.replace(RECORD, round=99, state_digest="0" * 32)
 
 
@@ -90,6 +91,7 @@ def verified(monkeypatch):
         def open_record(*args, **kwargs):
             calls.append(args[1])
             return real(*args, **kwargs)
+
         monkeypatch.setattr(module, "open_record", open_record)
 
     counting(swarm_dht)

@@ -28,8 +28,15 @@ def test_a_joiner_refuses_a_data_path_named_by_the_network(tmp_path):
     dht = FakeDHT()
     attacker_run = _announce(dht, RunManifest(name="default", data=DataSpec(source="files", path=str(private))))
     # what `peer join` without --run does (peer/node.py: the run chosen from the swarm's index)
-    cfg = types.SimpleNamespace(new_run=None, manifest_wait_s=0.0, run_flag="--run/--preset", run_id=None,
-                                start_new_run=False, data_dir=tmp_path / "data", owner_key_path=None)
+    cfg = types.SimpleNamespace(
+        new_run=None,
+        manifest_wait_s=0.0,
+        run_flag="--run/--preset",
+        run_id=None,
+        start_new_run=False,
+        data_dir=tmp_path / "data",
+        owner_key_path=None,
+    )
     reporter = types.SimpleNamespace(emit=lambda *args, **fields: None)
     with pytest.raises(ManifestError) as info:
         node._find_run(dht, cfg, reporter)

@@ -55,8 +55,9 @@ def test_a_groupmate_claiming_1e30_tokens_no_longer_sets_phi():
     honest = _honest(3, seed=1)
     weights = [1000.0, 900.0, 1024.0]
     attacker = [torch.zeros(s) for s in SHAPES]  # it wants φ to stand still (or anywhere it likes)
-    sessions, outcomes = asyncio.run(run_group(honest + [attacker], weights + [1e30], owners=[0, 1, 2],
-                                               max_weight=ROUND_TOKENS))
+    sessions, outcomes = asyncio.run(
+        run_group(honest + [attacker], weights + [1e30], owners=[0, 1, 2], max_weight=ROUND_TOKENS)
+    )
     got = _honest_results(sessions, outcomes, 3)
     # the attacker weighs what a full round weighs, no more
     want = _weighted_mean(honest + [attacker], weights + [float(ROUND_TOKENS)])
@@ -72,8 +73,9 @@ def test_a_sign_flipped_x100_pseudo_gradient_is_clipped():
     weights = [1000.0] * 4
     honest_mean = _weighted_mean(honest, weights)
     attacker = [-100.0 * m for m in honest_mean]
-    sessions, outcomes = asyncio.run(run_group(honest + [attacker], weights + [1000.0], owners=[0, 1, 2, 3],
-                                               max_weight=ROUND_TOKENS))
+    sessions, outcomes = asyncio.run(
+        run_group(honest + [attacker], weights + [1000.0], owners=[0, 1, 2, 3], max_weight=ROUND_TOKENS)
+    )
     got = _flat(_honest_results(sessions, outcomes, 4))
     want = _flat(honest_mean)
     # still a step the honest peers' way, and no longer than theirs
@@ -88,8 +90,9 @@ def test_a_partner_of_two_is_bounded_by_the_smaller_norm():
     """NoLoCo's partner average runs through the same all-reduce, in groups of two."""
     [honest] = _honest(1, seed=3)
     attacker = [-100.0 * t for t in honest]
-    sessions, outcomes = asyncio.run(run_group([honest, attacker], [1000.0, 1000.0], owners=[0],
-                                               max_weight=ROUND_TOKENS))
+    sessions, outcomes = asyncio.run(
+        run_group([honest, attacker], [1000.0, 1000.0], owners=[0], max_weight=ROUND_TOKENS)
+    )
     got = _flat(_honest_results(sessions, outcomes, 1))
     # each contribution is at most CLIP_MEDIAN_FACTOR × the smaller norm: the mean at most half of (1 + factor)
     bound = (1 + CLIP_MEDIAN_FACTOR) / 2 * _flat(honest).norm()
@@ -101,8 +104,9 @@ def test_huge_finite_values_neither_crash_nor_poison():
     honest = _honest(3, seed=4)
     weights = [1000.0] * 3
     attacker = [torch.full(s, 3e38) for s in SHAPES]
-    sessions, outcomes = asyncio.run(run_group(honest + [attacker], weights + [1e30], owners=[0, 1, 2],
-                                               max_weight=ROUND_TOKENS))
+    sessions, outcomes = asyncio.run(
+        run_group(honest + [attacker], weights + [1e30], owners=[0, 1, 2], max_weight=ROUND_TOKENS)
+    )
     mean = _honest_results(sessions, outcomes, 3)
     assert all(torch.isfinite(t).all() for t in mean)
     biggest = max(float(t.abs().max()) for p in honest for t in p)
@@ -126,17 +130,25 @@ def test_a_groupmate_clipped_or_dropped_repeatedly_is_ignored_for_a_while(attack
     honest = _honest(3, seed=5)
     weights = [1000.0] * 3
     honest_mean = _weighted_mean(honest, weights)
-    attacker = ([-100.0 * m for m in honest_mean] if attack == "sign-flipped x100"
-                else [torch.full(s, 3e38) for s in SHAPES])
+    attacker = (
+        [-100.0 * m for m in honest_mean] if attack == "sign-flipped x100" else [torch.full(s, 3e38) for s in SHAPES]
+    )
     strikes = [Strikes(strikes=3, window_rounds=10, ignore_rounds=2) for _ in range(3)]  # one per honest peer
     ignored_at = []
     for round_ in range(6):
         ignored = [s.ignored(round_) for s in strikes]
         assert ignored[0] == ignored[1] == ignored[2]  # the same rule on the same evidence
         ignored_at.append(sorted(ignored[0]))
-        sessions, outcomes = asyncio.run(run_group(honest + [attacker], weights + [1000.0], owners=[0, 1, 2],
-                                                   max_weight=ROUND_TOKENS, ignored=frozenset(ignored[0]),
-                                                   timeout=10.0))  # a loaded machine is no groupmate failure
+        sessions, outcomes = asyncio.run(
+            run_group(
+                honest + [attacker],
+                weights + [1000.0],
+                owners=[0, 1, 2],
+                max_weight=ROUND_TOKENS,
+                ignored=frozenset(ignored[0]),
+                timeout=10.0,
+            )
+        )  # a loaded machine is no groupmate failure
         got = _honest_results(sessions, outcomes, 3)
         if ignored[0]:  # left out by every owner: the honest mean, exactly
             for g, w in zip(got, honest_mean):

@@ -25,8 +25,9 @@ from tests.security.fake_dht import FakeDHT
 
 pytestmark = pytest.mark.timeout(90)
 
-HONEST = ProgressRecord(round=3, inner_step=30, train_loss=3.0, tokens_per_s=100.0, group_size=2, bytes_sent=10,
-                        state_digest="a" * 32)
+HONEST = ProgressRecord(
+    round=3, inner_step=30, train_loss=3.0, tokens_per_s=100.0, group_size=2, bytes_sent=10, state_digest="a" * 32
+)
 FAKE = dataclasses.replace(HONEST, round=99, inner_step=990, state_digest="0" * 32)
 """What the attacker wants the swarm to believe: a state far ahead that everyone should adopt."""
 

@@ -31,8 +31,15 @@ DAY_S = 86400.0
 
 def _join(dht, tmp_path, *, run_id=None, local=None, new_run=False):
     """What `peer join --initial-peers ...` decides (peer/node.py), with no wait for announcements."""
-    cfg = types.SimpleNamespace(new_run=local, manifest_wait_s=0.0, run_flag="--preset tiny", run_id=run_id,
-                                start_new_run=new_run, data_dir=tmp_path / "data", owner_key_path=None)
+    cfg = types.SimpleNamespace(
+        new_run=local,
+        manifest_wait_s=0.0,
+        run_flag="--preset tiny",
+        run_id=run_id,
+        start_new_run=new_run,
+        data_dir=tmp_path / "data",
+        owner_key_path=None,
+    )
     reporter = types.SimpleNamespace(emit=lambda *args, **fields: None)
     return node._find_run(dht, cfg, reporter)
 
@@ -88,8 +95,11 @@ def test_a_reader_ignores_and_counts_what_a_careless_node_stored(tmp_path):
     assert REJECTED.counts["manifest"] - before == 3  # the name-only entry was overwritten by the second
     assert _join(dht, tmp_path) == HONEST
     # the real announcement overwritten by a forged one (a node without our validator): not replaced
-    dht.store(keys.RUNS_KEY, {"m": HONEST.manifest.with_owner(ATTACKER.public_hex).encode(), "s": HONEST.signature},
-              subkey=HONEST.run_id)
+    dht.store(
+        keys.RUNS_KEY,
+        {"m": HONEST.manifest.with_owner(ATTACKER.public_hex).encode(), "s": HONEST.signature},
+        subkey=HONEST.run_id,
+    )
     with pytest.raises(ManifestNotFound, match="signed by its owner"):
         swarm_dht.fetch_signed(dht, HONEST.run_id)
 

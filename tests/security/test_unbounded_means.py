@@ -42,19 +42,21 @@ HUGE = 1e30
 # ---- 1. the receiver's check -------------------------------------------------------------------
 def test_a_huge_mean_of_a_small_piece_is_refused_by_the_receiver_check():
     gen = torch.Generator().manual_seed(0)
-    own = 1e-3 * torch.randn(64, generator=gen)            # an RMSNorm gain's Δ: 64 values
+    own = 1e-3 * torch.randn(64, generator=gen)  # an RMSNorm gain's Δ: 64 values
     assert own.numel() < OWNER_CHECK_MIN_ELEMENTS
     honest = own + 1e-3 * torch.randn(64, generator=gen)
     rms = reference_rms([own, 1e-3 * torch.randn(4096, generator=gen)])
     assert owner_mean_problem(honest, own, weight=1.0, included=3, max_weight=1.0, reference_rms=rms) is None
-    refused = owner_mean_problem(torch.full_like(own, HUGE), own, weight=1.0, included=3, max_weight=1.0,
-                                 reference_rms=rms)
+    refused = owner_mean_problem(
+        torch.full_like(own, HUGE), own, weight=1.0, included=3, max_weight=1.0, reference_rms=rms
+    )
     assert refused is not None and refused.strike
     # a near-zero own piece: its honest mean (the others' values) passes under the floor, 1e30 does not
     zero = torch.zeros(64)
     assert owner_mean_problem(honest / 2, zero, weight=1.0, included=3, max_weight=1.0, reference_rms=rms) is None
-    assert owner_mean_problem(torch.full_like(zero, HUGE), zero, weight=1.0, included=3, max_weight=1.0,
-                              reference_rms=rms).strike
+    assert owner_mean_problem(
+        torch.full_like(zero, HUGE), zero, weight=1.0, included=3, max_weight=1.0, reference_rms=rms
+    ).strike
 
 
 def test_an_owner_of_small_pieces_sending_1e30_is_refused_through_the_allreduce():
@@ -65,19 +67,22 @@ def test_an_owner_of_small_pieces_sending_1e30_is_refused_through_the_allreduce(
     gen = torch.Generator().manual_seed(5)
     base = [1e-2 * torch.randn(s, generator=gen) for s in shapes]
     payloads = [[b + 1e-3 * torch.randn(s, generator=gen) for b, s in zip(base, shapes)] for _ in range(n)]
-    sessions, outcomes = asyncio.run(run_group(payloads, [1024] * n, max_weight=1024, piece_elements=64,
-                                               liars={liar: lambda m: torch.full_like(m, HUGE)}))
+    sessions, outcomes = asyncio.run(
+        run_group(
+            payloads, [1024] * n, max_weight=1024, piece_elements=64, liars={liar: lambda m: torch.full_like(m, HUGE)}
+        )
+    )
     assert not any(isinstance(o, BaseException) for o in outcomes[:liar]), outcomes
     assert any(p.owner == liar for p in sessions[0].plan.pieces)
     mean = [sum(p[k] for p in payloads) / n for k in range(len(shapes))]
     for s in sessions[:liar]:
         assert list(s.stats.refused) == [str(liar)] and str(liar) in s.stats.struck_owners
         for piece in s.plan.pieces:
-            got = s.tensors[piece.tensor][piece.start:piece.stop]
+            got = s.tensors[piece.tensor][piece.start : piece.stop]
             if piece.owner == liar:
                 assert torch.equal(got, torch.zeros_like(got))
             else:
-                assert torch.allclose(got, mean[piece.tensor][piece.start:piece.stop], atol=1e-6)
+                assert torch.allclose(got, mean[piece.tensor][piece.start : piece.stop], atol=1e-6)
     assert all(torch.equal(x, y) for x, y in zip(sessions[0].tensors, sessions[1].tensors))
 
 
@@ -118,19 +123,32 @@ class Events(Reporter):
 
 
 def _trainers(corpus, manifest, hub, *, rounds, checkpoints=None):
-    return [Trainer(manifest=manifest, model=build_model(manifest.model, corpus.tokenizer), corpus=corpus,
-                    swarm=InProcessSwarm(p, hub), transport=InProcessTransport(p, hub),
-                    config=TrainerConfig(max_rounds=rounds,
-                                         checkpoint_path=None if checkpoints is None else checkpoints / p / "c.st"),
-                    reporter=Events(), stop_event=threading.Event()) for p in ("a", "b")]
+    return [
+        Trainer(
+            manifest=manifest,
+            model=build_model(manifest.model, corpus.tokenizer),
+            corpus=corpus,
+            swarm=InProcessSwarm(p, hub),
+            transport=InProcessTransport(p, hub),
+            config=TrainerConfig(
+                max_rounds=rounds, checkpoint_path=None if checkpoints is None else checkpoints / p / "c.st"
+            ),
+            reporter=Events(),
+            stop_event=threading.Event(),
+        )
+        for p in ("a", "b")
+    ]
 
 
 _run = run_in_threads  # tests/unit/test_round_overlap.py: run the Trainers to their end, none raising
 
 
 def _small_tensor(trainer) -> int:
-    return next(i for i, (name, f) in enumerate(zip(trainer.names, trainer.phi))
-                if f.numel() < OWNER_CHECK_MIN_ELEMENTS and "norm" in name)
+    return next(
+        i
+        for i, (name, f) in enumerate(zip(trainer.names, trainer.phi))
+        if f.numel() < OWNER_CHECK_MIN_ELEMENTS and "norm" in name
+    )
 
 
 @pytest.mark.parametrize("overlap", ["none", "delayed", "streaming"])
@@ -155,8 +173,7 @@ def test_an_outer_step_with_a_huge_mean_is_refused_and_phi_is_unchanged(corpus, 
         landed = [e for e in t.reporter.of("round") if e.get("group_size", 0) > 1 or e.get("failed")]
         assert landed, t.reporter.of("round")
         t.save()
-        saved = load_checkpoint(tmp_path / t.peer_id / "c.st", run_id=manifest.run_id, names=t.names,
-                                shapes=t.shapes)
+        saved = load_checkpoint(tmp_path / t.peer_id / "c.st", run_id=manifest.run_id, names=t.names, shapes=t.shapes)
         assert all(torch.equal(x, y) for x, y in zip(saved.phi, phi0))
 
 
@@ -177,7 +194,7 @@ def test_an_exploded_phi_is_rolled_back_at_the_rounds_end(corpus, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(t.phi, phi0))
         assert all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))
         for snapshot in t.state.snapshots:
-            assert all(torch.equal(x, y) for x, y in zip(snapshot.tensors[:len(phi0)], phi0))
+            assert all(torch.equal(x, y) for x, y in zip(snapshot.tensors[: len(phi0)], phi0))
         assert any("rolled back" in e["message"] for e in t.reporter.of("warning"))
 
 
@@ -197,8 +214,17 @@ def test_a_checkpoint_refuses_a_non_finite_phi_and_keeps_the_previous_file(tmp_p
     names, shapes = ["w", "g"], [torch.Size([4, 4]), torch.Size([4])]
 
     def state(phi):
-        return PeerState(run_id="r", round=1, inner_step=8, round_step=0, round_tokens=0, names=names, phi=phi,
-                         momentum=[torch.zeros(s) for s in shapes], theta=[torch.zeros(s) for s in shapes])
+        return PeerState(
+            run_id="r",
+            round=1,
+            inner_step=8,
+            round_step=0,
+            round_tokens=0,
+            names=names,
+            phi=phi,
+            momentum=[torch.zeros(s) for s in shapes],
+            theta=[torch.zeros(s) for s in shapes],
+        )
 
     path = tmp_path / "c.safetensors"
     good = [torch.ones(s) for s in shapes]

@@ -63,15 +63,28 @@ def zero_state(trainer: Trainer, round_: int):
 
 def trainer(corpus, manifest, signer, dht, transport, *, peers: int = 1) -> Trainer:
     swarm = SwarmView(dht, run_id=manifest.run_id, signer=signer, record_ttl_s=120.0, max_sync_s=5.0)
-    return Trainer(manifest=manifest, model=build_model(manifest.model, corpus.tokenizer), corpus=corpus,
-                   swarm=swarm, transport=transport,
-                   config=TrainerConfig(max_rounds=ROUNDS, wait_for_peers=peers, wait_for_peers_timeout_s=60.0),
-                   reporter=Events(), stop_event=threading.Event())
+    return Trainer(
+        manifest=manifest,
+        model=build_model(manifest.model, corpus.tokenizer),
+        corpus=corpus,
+        swarm=swarm,
+        transport=transport,
+        config=TrainerConfig(max_rounds=ROUNDS, wait_for_peers=peers, wait_for_peers_timeout_s=60.0),
+        reporter=Events(),
+        stop_event=threading.Event(),
+    )
 
 
 def forged(round_: int, digest: str, H: int) -> ProgressRecord:
-    return ProgressRecord(round=round_, inner_step=round_ * H, train_loss=2.0, tokens_per_s=100.0, group_size=5,
-                          bytes_sent=1 << 20, state_digest=digest)
+    return ProgressRecord(
+        round=round_,
+        inner_step=round_ * H,
+        train_loss=2.0,
+        tokens_per_s=100.0,
+        group_size=5,
+        bytes_sent=1 << 20,
+        state_digest=digest,
+    )
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
@@ -79,10 +92,13 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
     peer, attacker = node
     manifest = tiny_run().replace(name=f"vouched-{algorithm}", sync={"algorithm": algorithm}, noloco={"group_size": 4})
     protect_run(peer, manifest.run_id)
-    group = Group(4)   # the honest peers stay up serving their states after their round loops
-    peers = {name: trainer(corpus, manifest, signers[name], peer,
-                           Transport(signers[name].peer_id, group, keeps_serving=True), peers=4)
-             for name in (*HONEST, "mallory")}
+    group = Group(4)  # the honest peers stay up serving their states after their round loops
+    peers = {
+        name: trainer(
+            corpus, manifest, signers[name], peer, Transport(signers[name].peer_id, group, keeps_serving=True), peers=4
+        )
+        for name in (*HONEST, "mallory")
+    }
     run_in_threads(list(peers.values()))
     honest = [peers[name] for name in HONEST]
     everyone = {t.peer_id for t in peers.values()}
@@ -99,8 +115,9 @@ def test_one_real_and_four_fresh_identities_cannot_make_the_swarm_adopt_their_st
     served, digest = zero_state(honest[0], ahead)
     for name in ("mallory", "fresh0", "fresh1", "fresh2", "fresh3"):
         group.serve(signers[name].peer_id, lambda: served._snapshots)
-        assert swarm_dht.publish_progress(attacker.dht, manifest.run_id, signers[name],
-                                          forged(ahead, digest, manifest.sync.inner_steps), ttl_s=120.0)
+        assert swarm_dht.publish_progress(
+            attacker.dht, manifest.run_id, signers[name], forged(ahead, digest, manifest.sync.inner_steps), ttl_s=120.0
+        )
 
     for t in honest:
         seen = [r for r in t.swarm.others() if r.record.state_digest == digest]
@@ -141,8 +158,9 @@ def test_a_zero_phi_is_refused_by_the_sanity_bound_even_from_the_only_class(corp
     served, digest = zero_state(joiner, 5)
     for name in ("mallory", "fresh0"):
         group.serve(signers[name].peer_id, lambda: served._snapshots)
-        assert swarm_dht.publish_progress(attacker.dht, manifest.run_id, signers[name],
-                                          forged(5, digest, manifest.sync.inner_steps), ttl_s=120.0)
+        assert swarm_dht.publish_progress(
+            attacker.dht, manifest.run_id, signers[name], forged(5, digest, manifest.sync.inner_steps), ttl_s=120.0
+        )
     phi0 = [f.clone() for f in joiner.phi]
     joiner.catchup.catch_up()
     assert downloads == [digest]  # downloaded once (verified against the digest), then not again
@@ -169,9 +187,16 @@ def test_a_round_jump_beyond_elapsed_time_is_ignored(corpus, algorithm):
     ignored and counted. Before: adopted (DiLoCo: as many peers and ahead; NoLoCo: two rounds ahead)."""
     manifest = tiny_run().replace(name=f"vouched-clock-{algorithm}", sync={"algorithm": algorithm})
     swarm = Scripted("victim")
-    t = Trainer(manifest=manifest, model=build_model(manifest.model, corpus.tokenizer), corpus=corpus, swarm=swarm,
-                transport=Transport("victim"), config=TrainerConfig(), reporter=Events(),
-                stop_event=threading.Event())
+    t = Trainer(
+        manifest=manifest,
+        model=build_model(manifest.model, corpus.tokenizer),
+        corpus=corpus,
+        swarm=swarm,
+        transport=Transport("victim"),
+        config=TrainerConfig(),
+        reporter=Events(),
+        stop_event=threading.Event(),
+    )
     t.vouching.ledger.record_group(2, ["mallory"])
     t.pos.start_round(5)
     t.state.take_snapshot()

@@ -29,5 +29,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def corpus():
     # Two stdlib files instead of the whole library: loading it takes seconds.
-    return Corpus(train=stdlib_stream("argparse.py"), validation=stdlib_stream("textwrap.py"),
-                  train_files=1, validation_files=1)
+    return Corpus(
+        train=stdlib_stream("argparse.py"), validation=stdlib_stream("textwrap.py"), train_files=1, validation_files=1
+    )

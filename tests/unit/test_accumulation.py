@@ -98,11 +98,11 @@ def test_fp16_with_a_gradient_scaler_trains_on_cpu():
 
 def test_fp16_overflow_skips_the_update_instead_of_failing():
     loop = InnerLoop(build_model(RUN.model), SPEC, Fixed(batch()), precision=FP16)
-    loop.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # scaled gradients overflow fp32
+    loop.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # scaled gradients overflow fp32
     before = [p.detach().clone() for p in loop.params]
     loop.step(0)
     assert all(torch.equal(p, q) for p, q in zip(loop.params, before))
-    assert loop.scaler.get_scale() < 2.0 ** 127
+    assert loop.scaler.get_scale() < 2.0**127
 
 
 def test_bf16_autocast_on_cpu_stays_close_to_fp32():

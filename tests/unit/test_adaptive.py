@@ -28,8 +28,9 @@ def _fp32_bytes(tensors, n):
 
 
 def _squared_errors(tensors, codecs):
-    return [float((t - decode(c.encode(t, seed=0), tuple(t.shape), seed=0)).pow(2).sum())
-            for t, c in zip(tensors, codecs)]
+    return [
+        float((t - decode(c.encode(t, seed=0), tuple(t.shape), seed=0)).pow(2).sum()) for t, c in zip(tensors, codecs)
+    ]
 
 
 @pytest.mark.parametrize("ratio", [4, 8, 9.5])

@@ -53,11 +53,11 @@ def test_bad_entries_are_skipped_and_counted(tmp_path):
     path = tmp_path / "peers.json"
     entries = [
         {"maddr": maddr(1), "seen": 10.0},
-        {"maddr": "/ip4/127.0.0.1/tcp/4000", "seen": 10.0},       # no /p2p/ id
-        {"maddr": "127.0.0.1:4000", "seen": 10.0},                 # not a multiaddr
-        {"maddr": maddr(2), "seen": "yesterday"},                  # bad time
-        {"maddr": maddr(3), "seen": float("nan")},                 # NaN is no time either
-        "/ip4/127.0.0.1/tcp/4000/p2p/" + peer_id(4),               # not a map
+        {"maddr": "/ip4/127.0.0.1/tcp/4000", "seen": 10.0},  # no /p2p/ id
+        {"maddr": "127.0.0.1:4000", "seen": 10.0},  # not a multiaddr
+        {"maddr": maddr(2), "seen": "yesterday"},  # bad time
+        {"maddr": maddr(3), "seen": float("nan")},  # NaN is no time either
+        "/ip4/127.0.0.1/tcp/4000/p2p/" + peer_id(4),  # not a map
         {"maddr": "/ip4/127.0.0.1/tcp/1/p2p/" + "Q" * 600, "seen": 1.0},  # too long
         {"maddr": maddr(5), "seen": 20},
     ]
@@ -67,8 +67,16 @@ def test_bad_entries_are_skipped_and_counted(tmp_path):
     assert book.addresses() == [maddr(5), maddr(1)]
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00", b'{"version": 2, "addresses": []}',
-                                     b'["/ip4/127.0.0.1/tcp/1"]', b'{"version": 1, "addresses": {}}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe\x00",
+        b'{"version": 2, "addresses": []}',
+        b'["/ip4/127.0.0.1/tcp/1"]',
+        b'{"version": 1, "addresses": {}}',
+    ],
+)
 def test_an_unreadable_book_starts_empty_and_is_replaced(tmp_path, content):
     path = tmp_path / "peers.json"
     path.write_bytes(content)
@@ -81,8 +89,15 @@ def test_an_unreadable_book_starts_empty_and_is_replaced(tmp_path, content):
 
 def test_an_oversized_file_is_not_read(tmp_path):
     path = tmp_path / "peers.json"
-    path.write_text(json.dumps({"version": 1, "addresses": [{"maddr": maddr(1), "seen": 1.0}],
-                                "padding": "x" * address_book.MAX_FILE_BYTES}))
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "addresses": [{"maddr": maddr(1), "seen": 1.0}],
+                "padding": "x" * address_book.MAX_FILE_BYTES,
+            }
+        )
+    )
     book = AddressBook.load(path)
     assert (book.skipped, book.addresses()) == (1, [])
 
@@ -196,8 +211,7 @@ def test_a_new_swarm_does_not_consult_the_book(tmp_path):
 
 def test_published_addresses_are_validated_per_peer():
     pid = peer_id(1)
-    value = [maddr(1), maddr(1), maddr(2), "/ip4/1.2.3.4/tcp/5", None, "x" * 600,
-             f"/ip4/10.0.0.1/tcp/31337/p2p/{pid}"]
+    value = [maddr(1), maddr(1), maddr(2), "/ip4/1.2.3.4/tcp/5", None, "x" * 600, f"/ip4/10.0.0.1/tcp/31337/p2p/{pid}"]
     assert addresses.valid_addresses(pid, value) == [maddr(1), f"/ip4/10.0.0.1/tcp/31337/p2p/{pid}"]
     assert addresses.valid_addresses(pid, {"a": 1}) == []
     many = [f"/ip4/127.0.0.1/tcp/{5000 + i}/p2p/{pid}" for i in range(20)]
@@ -226,8 +240,11 @@ class FakeDHT:
         return done(True, return_future)
 
     def get(self, key, latest=True, return_future=False):
-        found = (self.Item({k: self.Item(*v) for k, v in self.stored[key].items()}, time.time() + 60)
-                 if key in self.stored else None)
+        found = (
+            self.Item({k: self.Item(*v) for k, v in self.stored[key].items()}, time.time() + 60)
+            if key in self.stored
+            else None
+        )
         return done(found, return_future)
 
 
@@ -266,6 +283,5 @@ def test_the_keeper_publishes_this_peer_and_remembers_the_others(tmp_path):
     assert AddressBook.load(book.path).addresses() == [at(other, 4002)]
 
     client = FakeDHT([maddr(9)])
-    AddressKeeper(client, AddressBook(tmp_path / "client.json"), run_id=run_id, signer=other,
-                  publish=False).refresh()
+    AddressKeeper(client, AddressBook(tmp_path / "client.json"), run_id=run_id, signer=other, publish=False).refresh()
     assert client.stored == {}

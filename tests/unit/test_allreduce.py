@@ -48,8 +48,19 @@ class Peer:
         await self.session.serve(hello.sender, payload, reader, writer)
 
 
-async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None, dead_owner=None, timeout=1.0,
-                     piece_elements=64, max_weight=None, liar=None, phi_from=None):
+async def _run_group(
+    payloads,
+    weights,
+    spec=CompressionSpec(),
+    *,
+    corrupt=None,
+    dead_owner=None,
+    timeout=1.0,
+    piece_elements=64,
+    max_weight=None,
+    liar=None,
+    phi_from=None,
+):
     n = len(payloads)
     with tempfile.TemporaryDirectory() as tmp:
         peers = [Peer(i, Path(tmp)) for i in range(n)]
@@ -62,18 +73,31 @@ async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None,
         piece_codecs = [codecs.make_codec(spec, s) for s in shapes_of_pieces]
         sessions = []
         for i in range(n):
-            plan = GroupPlan(group_id=b"g" * 8, peer_ids=tuple(range(n)), my_index=i, pieces=pieces,
-                             codecs=piece_codecs, mean_codecs=[c.for_mean(n) for c in piece_codecs],
-                             max_piece_bytes=[codecs.max_encoded_bytes(s) for s in shapes_of_pieces],
-                             seeds=[p.index for p in pieces])
+            plan = GroupPlan(
+                group_id=b"g" * 8,
+                peer_ids=tuple(range(n)),
+                my_index=i,
+                pieces=pieces,
+                codecs=piece_codecs,
+                mean_codecs=[c.for_mean(n) for c in piece_codecs],
+                max_piece_bytes=[codecs.max_encoded_bytes(s) for s in shapes_of_pieces],
+                seeds=[p.index for p in pieces],
+            )
 
             async def open_stream(peer_id, _peers=peers):
                 return await asyncio.open_unix_connection(_peers[peer_id].path)
 
-            session = GroupAllreduce(plan, [t.clone() for t in payloads[i]], weight=weights[i],
-                                     compensate=lambda piece, x: x, stage=lambda *a: None,
-                                     open_stream=open_stream, next_chunk_timeout=timeout, max_weight=max_weight,
-                                     phi_from=phi_from)
+            session = GroupAllreduce(
+                plan,
+                [t.clone() for t in payloads[i]],
+                weight=weights[i],
+                compensate=lambda piece, x: x,
+                stage=lambda *a: None,
+                open_stream=open_stream,
+                next_chunk_timeout=timeout,
+                max_weight=max_weight,
+                phi_from=phi_from,
+            )
             if liar is not None and i == liar[0]:
                 session._mean_of = _lying(session, liar[1])
             if corrupt is not None and i == corrupt[0]:
@@ -82,6 +106,7 @@ async def _run_group(payloads, weights, spec=CompressionSpec(), *, corrupt=None,
                 def bad(piece, _original=original, _how=corrupt[1]):
                     payload = _original(piece)
                     return payload + b"\0\0\0\0" if _how == "long" else payload[:-4]
+
                 session._encode_contribution = bad
             peers[i].session = session
             peers[i].ready.set()
@@ -106,6 +131,7 @@ def _lying(session, forge):
         _, value, clipped = honest(piece, parts, included)
         data, forged = session._roundtrip(piece, forge(value), session.plan.mean_codecs[piece.index])
         return frames.encode_mean(piece.index, included, data), forged, clipped
+
     return mean_of
 
 
@@ -144,6 +170,7 @@ def test_the_stats_run_returns_count_the_means_still_being_written(n, monkeypatc
         if self.plan.my_index == 0:
             await asyncio.sleep(0.2)
         await original(self, writer)
+
     monkeypatch.setattr(GroupAllreduce, "_send_means", late)
     counted = {}
     run = GroupAllreduce.run
@@ -152,6 +179,7 @@ def test_the_stats_run_returns_count_the_means_still_being_written(n, monkeypatc
         stats = await run(self)
         counted[self.plan.my_index] = stats.bytes_sent  # what the transport reads, at this moment
         return stats
+
     monkeypatch.setattr(GroupAllreduce, "run", counting_run)
     gen = torch.Generator().manual_seed(n)
     payloads = [[1.0 + 0.3 * torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
@@ -177,8 +205,8 @@ def test_malformed_sender_is_excluded_and_others_agree(how):
     # pieces reduced by an honest owner average the honest peers only
     honest_mean = _expected(payloads, weights, [0, 1, 3])
     piece = next(p for p in sessions[0].plan.pieces if p.owner == 0)
-    got = sessions[0].tensors[piece.tensor][piece.start:piece.stop]
-    assert torch.allclose(got, honest_mean[piece.tensor][piece.start:piece.stop], atol=1e-6)
+    got = sessions[0].tensors[piece.tensor][piece.start : piece.stop]
+    assert torch.allclose(got, honest_mean[piece.tensor][piece.start : piece.stop], atol=1e-6)
 
 
 def test_dead_owner_means_nothing_is_applied():
@@ -233,10 +261,16 @@ def test_topk_owner_compresses_its_own_rows_so_the_mean_stays_exact():
     plan = sessions[0].plan
     for piece in plan.pieces:
         codec, seed = plan.codecs[piece.index], plan.seeds[piece.index]
-        decoded = [codecs.decode(codec.encode(p[piece.tensor][piece.start:piece.stop].contiguous(), seed=seed),
-                                 tuple(p[piece.tensor][piece.start:piece.stop].shape), seed=seed) for p in payloads]
+        decoded = [
+            codecs.decode(
+                codec.encode(p[piece.tensor][piece.start : piece.stop].contiguous(), seed=seed),
+                tuple(p[piece.tensor][piece.start : piece.stop].shape),
+                seed=seed,
+            )
+            for p in payloads
+        ]
         want = sum(decoded) / n  # the mean of what every peer's codec kept, the owner's included
-        got = sessions[0].tensors[piece.tensor][piece.start:piece.stop]
+        got = sessions[0].tensors[piece.tensor][piece.start : piece.stop]
         assert torch.allclose(got, want, atol=1e-2, rtol=1e-2), piece
 
 
@@ -249,10 +283,15 @@ def test_a_lying_owners_pieces_are_refused_by_every_honest_receiver(forge):
     gen = torch.Generator().manual_seed(3)
     common = [torch.randn(s, generator=gen) for s in LIE_SHAPES]  # Δs of one model: correlated
     payloads = [[c + 0.5 * torch.randn(c.shape, generator=gen) for c in common] for _ in range(n)]
-    forges = {"flip": lambda m: -m, "x100": lambda m: 100 * m, "zeros": torch.zeros_like,
-              "noise": lambda m: torch.randn(m.shape, generator=gen) * m.norm() / m.numel() ** 0.5}
-    sessions, outcomes = asyncio.run(_run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0,
-                                                liar=(liar, forges[forge])))
+    forges = {
+        "flip": lambda m: -m,
+        "x100": lambda m: 100 * m,
+        "zeros": torch.zeros_like,
+        "noise": lambda m: torch.randn(m.shape, generator=gen) * m.norm() / m.numel() ** 0.5,
+    }
+    sessions, outcomes = asyncio.run(
+        _run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0, liar=(liar, forges[forge]))
+    )
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
     honest = [s for s in sessions if s.plan.my_index != liar]
     expected = _expected(payloads, [100.0] * n, range(n))
@@ -261,11 +300,11 @@ def test_a_lying_owners_pieces_are_refused_by_every_honest_receiver(forge):
         # the averager strikes (toward ignoring) only for the norm check: x100 fails it, the others fail the share check
         assert s.stats.struck_owners == ({str(liar)} if forge == "x100" else set())
         for piece in s.plan.pieces:
-            got = s.tensors[piece.tensor][piece.start:piece.stop]
+            got = s.tensors[piece.tensor][piece.start : piece.stop]
             if piece.owner == liar:
                 assert torch.equal(got, torch.zeros_like(got))  # refused: zeros, the same on every receiver
             else:
-                assert torch.allclose(got, expected[piece.tensor][piece.start:piece.stop], atol=1e-5)
+                assert torch.allclose(got, expected[piece.tensor][piece.start : piece.stop], atol=1e-5)
         for got, first in zip(s.tensors, honest[0].tensors):
             assert torch.equal(got, first)  # the honest receivers still agree bit for bit
 
@@ -289,12 +328,15 @@ def test_a_refused_phi_piece_keeps_the_receivers_own_values():
     gen = torch.Generator().manual_seed(5)
     common = [torch.randn(s, generator=gen) for s in LIE_SHAPES]
     payloads = [[c + 0.1 * torch.randn(c.shape, generator=gen) for c in common] for _ in range(n)]
-    sessions, _ = asyncio.run(_run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0,
-                                         liar=(liar, lambda m: 1e3 * m), phi_from=1))  # tensor 1 is φ
+    sessions, _ = asyncio.run(
+        _run_group(
+            payloads, [100.0] * n, piece_elements=256, max_weight=100.0, liar=(liar, lambda m: 1e3 * m), phi_from=1
+        )
+    )  # tensor 1 is φ
     for s in (x for x in sessions if x.plan.my_index != liar):
         for piece in (p for p in s.plan.pieces if p.owner == liar):
-            got = s.tensors[piece.tensor][piece.start:piece.stop]
-            own = payloads[s.plan.my_index][piece.tensor][piece.start:piece.stop]
+            got = s.tensors[piece.tensor][piece.start : piece.stop]
+            own = payloads[s.plan.my_index][piece.tensor][piece.start : piece.stop]
             assert torch.equal(got, own if piece.tensor == 1 else torch.zeros_like(got))
 
 
@@ -305,8 +347,9 @@ def test_a_phi_contribution_far_from_the_owners_is_left_out():
     common = [torch.randn(s, generator=gen) for s in LIE_SHAPES]
     payloads = [[c + 0.05 * torch.randn(c.shape, generator=gen) for c in common] for _ in range(n)]
     payloads[attacker][1] = torch.zeros(LIE_SHAPES[1])
-    sessions, outcomes = asyncio.run(_run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0,
-                                                phi_from=1))
+    sessions, outcomes = asyncio.run(
+        _run_group(payloads, [100.0] * n, piece_elements=256, max_weight=100.0, phi_from=1)
+    )
     owners = {p.owner for p in sessions[0].plan.pieces if p.tensor == 1}
     assert owners - {attacker}  # an honest owner holds φ pieces
     for s in sessions:
@@ -315,4 +358,6 @@ def test_a_phi_contribution_far_from_the_owners_is_left_out():
     honest_phi = (payloads[1][1] + payloads[2][1]) / 2
     for s in sessions[1:]:
         for piece in (p for p in s.plan.pieces if p.tensor == 1 and p.owner != attacker):
-            assert torch.allclose(s.tensors[1][piece.start:piece.stop], honest_phi[piece.start:piece.stop], atol=1e-6)
+            assert torch.allclose(
+                s.tensors[1][piece.start : piece.stop], honest_phi[piece.start : piece.stop], atol=1e-6
+            )

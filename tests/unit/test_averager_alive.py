@@ -47,7 +47,9 @@ def shell():
 def test_check_alive_passes_while_the_process_runs_and_names_it_once_killed(shell):
     shell.check_alive()
     shell.kill()
-    with pytest.raises(HelperDied, match=rf"peer's averager process \(pid {shell._popen.pid}\) died with exit code -9 \(killed") as info:
+    with pytest.raises(
+        HelperDied, match=rf"peer's averager process \(pid {shell._popen.pid}\) died with exit code -9 \(killed"
+    ) as info:
         shell.check_alive()
     assert "run the peer again" in str(info.value) and info.value.exit_code == 75
 

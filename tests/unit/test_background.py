@@ -30,7 +30,7 @@ def test_a_dropped_sync_gives_up_so_the_next_one_runs_at_once():
     bg = BackgroundSync()
     saw_flag, safety = [], threading.Event()
 
-    def hopeless(dropped):   # waits for a group that never forms, polling its flag as the transport does
+    def hopeless(dropped):  # waits for a group that never forms, polling its flag as the transport does
         while not dropped() and not safety.wait(0.01):
             pass
         saw_flag.append(dropped())
@@ -41,7 +41,7 @@ def test_a_dropped_sync_gives_up_so_the_next_one_runs_at_once():
         bg.drop("adopted the swarm's state")
         assert not bg.in_flight
         bg.start(lambda dropped: (["mean of round 5"], SyncReport()), round_=5, start_digest="b")
-        mean, _, round_ = bg.result(timeout_s=30)   # queued behind the first: it returns only if that gave up
+        mean, _, round_ = bg.result(timeout_s=30)  # queued behind the first: it returns only if that gave up
         assert (mean, round_) == (["mean of round 5"], 5)
         assert saw_flag == [True]
     finally:
@@ -63,5 +63,5 @@ def test_shutdown_tells_the_running_sync_to_give_up():
 
     bg.start(waits, round_=2, start_digest="a")
     started.wait(30)
-    bg.shutdown(wait=True)   # returns only because the call saw its flag
+    bg.shutdown(wait=True)  # returns only because the call saw its flag
     assert seen == ["gave up"]

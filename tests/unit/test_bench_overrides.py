@@ -34,11 +34,21 @@ def test_invalid_value_names_the_field():
 
 def test_sweep_setting_parses_and_refuses_an_h_that_breaks_equal_tokens():
     from bench.sweep_outer import parse_setting
+
     assert parse_setting("heavy-ball:1.0:0.0:10", 25, 400) == {
-        "algorithm": "diloco", "nesterov": False, "lr": 1.0, "momentum": 0.0, "inner_steps": 10}
+        "algorithm": "diloco",
+        "nesterov": False,
+        "lr": 1.0,
+        "momentum": 0.0,
+        "inner_steps": 10,
+    }
     assert parse_setting("noloco:0.7:0.5", 25, 400)["pull"] == 0.7
-    for bad, why in [("heavy-ball:1.0:0.0:30", "must divide the 400"), ("heavy-ball:1.0:0.0:0", "H = 0"),
-                     ("adam:1:0", "want KIND"), ("nesterov:x:0.9", "are numbers")]:
+    for bad, why in [
+        ("heavy-ball:1.0:0.0:30", "must divide the 400"),
+        ("heavy-ball:1.0:0.0:0", "H = 0"),
+        ("adam:1:0", "want KIND"),
+        ("nesterov:x:0.9", "are numbers"),
+    ]:
         with pytest.raises(SystemExit, match=why):
             parse_setting(bad, 25, 400)
 
@@ -54,12 +64,15 @@ def test_every_compare_config_is_a_valid_manifest_with_a_whole_per_peer_batch(pa
         assert per_peer >= 1024, (path, n)  # issue #15: per-peer batches of at least 1,024 tokens
 
 
-@pytest.mark.parametrize("item,why", [
-    ("compression.codec=int8", r"'int8' is not a TOML value; a string needs quotes"),
-    ("fragments=2", "expected SECTION.FIELD=VALUE"),
-    ("sync.fragments", "expected SECTION.FIELD=VALUE"),
-    ("sync.fragments=", "expected SECTION.FIELD=VALUE"),
-])
+@pytest.mark.parametrize(
+    "item,why",
+    [
+        ("compression.codec=int8", r"'int8' is not a TOML value; a string needs quotes"),
+        ("fragments=2", "expected SECTION.FIELD=VALUE"),
+        ("sync.fragments", "expected SECTION.FIELD=VALUE"),
+        ("sync.fragments=", "expected SECTION.FIELD=VALUE"),
+    ],
+)
 def test_a_malformed_override_names_the_item_and_the_form(item, why):
     base, _ = load_config(CONFIG)
     with pytest.raises(ValueError, match=why) as error:
@@ -67,18 +80,34 @@ def test_a_malformed_override_names_the_item_and_the_form(item, why):
     assert repr(item) in str(error.value)
 
 
-@pytest.mark.parametrize("args, why", [
-    (["--global-batch", "1000", "--peers", "3"], "global_batch_tokens = 1000 is not divisible by 3 peers"),
-    (["--global-batch", "0"], "global_batch_tokens = 0 with 4 peers: both must be positive"),
-    (["--global-batch", "96", "--peers", "3"], "batch_size_tokens = 32 is invalid"),  # not whole sequences
-])
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--global-batch", "1000", "--peers", "3"], "global_batch_tokens = 1000 is not divisible by 3 peers"),
+        (["--global-batch", "0"], "global_batch_tokens = 0 with 4 peers: both must be positive"),
+        (["--global-batch", "96", "--peers", "3"], "batch_size_tokens = 32 is invalid"),  # not whole sequences
+    ],
+)
 def test_compare_refuses_a_global_batch_before_any_run_starts(args, why, tmp_path):
     import subprocess
     import sys
 
     script = CONFIG.with_name("compare.py")
-    result = subprocess.run([sys.executable, str(script), *args, "--no-plot", "--out-dir", str(tmp_path),
-                             "--results", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            *args,
+            "--no-plot",
+            "--out-dir",
+            str(tmp_path),
+            "--results",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert why in result.stderr and "give --global-batch" in result.stderr, result.stderr
     assert not any(tmp_path.iterdir())  # nothing written, nothing trained
@@ -86,7 +115,10 @@ def test_compare_refuses_a_global_batch_before_any_run_starts(args, why, tmp_pat
 
 # every bench script that trains on a config's corpus, with the flag that puts its results file in tmp_path
 CORPUS_SCRIPTS = [
-    ("compare.py", ["--rounds", "1", "--seeds", "0", "--no-plot", "--out-dir", "{tmp}/out", "--results", "{tmp}/r.json"]),
+    (
+        "compare.py",
+        ["--rounds", "1", "--seeds", "0", "--no-plot", "--out-dir", "{tmp}/out", "--results", "{tmp}/r.json"],
+    ),
     ("overlap.py", ["--rounds", "1", "--seeds", "0", "--out", "{tmp}/r.json"]),
     ("byzantine.py", ["--rounds", "1", "--seeds", "0", "--out", "{tmp}/r.json"]),
     ("pipeline.py", ["--rounds", "1", "--seeds", "0", "--out", "{tmp}/r.json"]),
@@ -108,8 +140,13 @@ def test_bench_script_without_its_corpus_says_so_in_one_line(tmp_path, script, f
     text = CONFIG.with_name("compare-gpu-proxy.toml").read_text(encoding="utf-8")
     config.write_text(text.replace('path = "bench/data/linux-doc"', f'path = "{missing.as_posix()}"'), encoding="utf-8")
     assert str(missing) in config.read_text(encoding="utf-8")
-    argv = [sys.executable, str(CONFIG.with_name(script)), "--config", str(config),
-            *(f.format(tmp=tmp_path) for f in flags)]
+    argv = [
+        sys.executable,
+        str(CONFIG.with_name(script)),
+        "--config",
+        str(config),
+        *(f.format(tmp=tmp_path) for f in flags),
+    ]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 78, result.stderr
     assert f"data.path {str(missing)!r} does not exist" in result.stderr, result.stderr

@@ -25,8 +25,9 @@ def test_plus_and_minus_inf_in_one_tensor_are_found():
         check_finite([t], "x")
 
 
-@pytest.mark.parametrize("values, dtype", [([3e38, 3e38, 1.0], torch.float32), ([6e4, 6e4], torch.float16),
-                                           ([-3e38, -3e38], torch.float32)])
+@pytest.mark.parametrize(
+    "values, dtype", [([3e38, 3e38, 1.0], torch.float32), ([6e4, 6e4], torch.float16), ([-3e38, -3e38], torch.float32)]
+)
 def test_finite_values_whose_sum_overflows_are_accepted(values, dtype):
     t = torch.tensor(values, dtype=dtype)
     assert not torch.isfinite(t.sum())  # the case the element-wise test decides

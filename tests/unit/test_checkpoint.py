@@ -23,10 +23,22 @@ def make_state(round_=3, fill=1.0, residuals=True):
     data = sampler()
     for _ in range(round_):
         data.next_batch()
-    return PeerState(run_id="r" * 32, round=round_, inner_step=round_ * 5 + 2, round_step=2, round_tokens=512,
-                     names=NAMES, phi=t, momentum=[x * 2 for x in t], theta=[x * 3 for x in t],
-                     adam_exp_avg=[x * 4 for x in t], adam_exp_avg_sq=[x * 5 for x in t], adam_step=17,
-                     residuals=[x * 6 for x in t] if residuals else None, data=data.state())
+    return PeerState(
+        run_id="r" * 32,
+        round=round_,
+        inner_step=round_ * 5 + 2,
+        round_step=2,
+        round_tokens=512,
+        names=NAMES,
+        phi=t,
+        momentum=[x * 2 for x in t],
+        theta=[x * 3 for x in t],
+        adam_exp_avg=[x * 4 for x in t],
+        adam_exp_avg_sq=[x * 5 for x in t],
+        adam_step=17,
+        residuals=[x * 6 for x in t] if residuals else None,
+        data=data.state(),
+    )
 
 
 def load(path):
@@ -38,8 +50,14 @@ def test_round_trip_drops_nothing(tmp_path):
     save_checkpoint(path, make_state())
     state = load(path)
     assert (state.round, state.inner_step, state.round_step, state.round_tokens, state.adam_step) == (3, 17, 2, 512, 17)
-    for group, factor in (("phi", 1), ("momentum", 2), ("theta", 3), ("adam_exp_avg", 4), ("adam_exp_avg_sq", 5),
-                          ("residuals", 6)):
+    for group, factor in (
+        ("phi", 1),
+        ("momentum", 2),
+        ("theta", 3),
+        ("adam_exp_avg", 4),
+        ("adam_exp_avg_sq", 5),
+        ("residuals", 6),
+    ):
         for tensor, shape in zip(getattr(state, group), SHAPES):
             assert torch.equal(tensor, torch.full(shape, float(factor))), group
     assert state.upgrade_note is None
@@ -81,19 +99,31 @@ def test_a_partial_or_malformed_group_is_refused(tmp_path):
 def test_a_format_1_checkpoint_resumes_what_it_holds_with_a_note(tmp_path):
     """Written as format 1 did (no residuals, no data position): it loads, and says what it lacked."""
     path = tmp_path / "c.safetensors"
-    tensors = {f"{group}.{name}": torch.full(shape, float(i))
-               for i, group in enumerate(("phi", "momentum", "theta", "adam_exp_avg", "adam_exp_avg_sq"))
-               for name, shape in zip(NAMES, SHAPES)}
-    save_file(tensors, str(path), metadata={
-        "format": "1", "run_id": "r" * 32, "round": "4", "inner_step": "20", "round_step": "0",
-        "round_tokens": "0", "adam_step": "20", "names": ",".join(NAMES)})
+    tensors = {
+        f"{group}.{name}": torch.full(shape, float(i))
+        for i, group in enumerate(("phi", "momentum", "theta", "adam_exp_avg", "adam_exp_avg_sq"))
+        for name, shape in zip(NAMES, SHAPES)
+    }
+    save_file(
+        tensors,
+        str(path),
+        metadata={
+            "format": "1",
+            "run_id": "r" * 32,
+            "round": "4",
+            "inner_step": "20",
+            "round_step": "0",
+            "round_tokens": "0",
+            "adam_step": "20",
+            "names": ",".join(NAMES),
+        },
+    )
     state = load(path)
     assert (state.round, state.adam_step) == (4, 20) and torch.equal(state.theta[1], torch.full((4,), 2.0))
     assert state.residuals is None and state.data is None
     assert "format 1" in state.upgrade_note and "no data position" in state.upgrade_note
     fresh = sampler()
-    taken, problems = restore_extras(state, load_residuals=lambda r: pytest.fail("no residuals to load"),
-                                     sampler=fresh)
+    taken, problems = restore_extras(state, load_residuals=lambda r: pytest.fail("no residuals to load"), sampler=fresh)
     assert taken == 0 and problems == [state.upgrade_note] and fresh.batches_drawn == 0
 
 
@@ -201,8 +231,9 @@ def test_kill_9_during_writes_never_leaves_a_torn_checkpoint(tmp_path):
     path = tmp_path / "c.safetensors"
     rng = random.Random(0)
     for trial in range(6):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER.format(root=root, path=str(path))],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER.format(root=root, path=str(path))], stdout=subprocess.PIPE, text=True
+        )
         for _ in range(1 + trial):  # let it finish a few writes, so a kill can land mid-write
             assert proc.stdout.readline(), "writer died"
         time_ms = rng.uniform(0, 40)
@@ -248,6 +279,7 @@ def test_the_ledger_of_vouchers_survives_a_restart(tmp_path):
     for bad in ('["x"]', '{"p": -1}', '{"p": "3"}', '{"p": true}', "{"):
         save_checkpoint(path, make_state())
         from safetensors import safe_open
+
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata())
             tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -267,11 +299,11 @@ def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the
     writer = CheckpointWriter()
     state = make_state(round_=1)
     file = encode_checkpoint(state)
-    state.phi[0].fill_(123.0)          # the encoded copy does not follow the live tensors
+    state.phi[0].fill_(123.0)  # the encoded copy does not follow the live tensors
     writer.submit(path, file)
     writer.submit(path, encode_checkpoint(make_state(round_=2)))
     writer.flush()
-    assert load(path).round == 2        # the newer write landed last
+    assert load(path).round == 2  # the newer write landed last
 
     def crash(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -279,13 +311,13 @@ def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the
     monkeypatch.setattr(ckpt.os, "replace", crash)
     writer.submit(path, encode_checkpoint(make_state(round_=3, fill=9.0)))
     with pytest.raises(CheckpointError, match="No space left on device; the previous one is intact"):
-        writer.flush()                  # the failure surfaces on the round loop's thread
+        writer.flush()  # the failure surfaces on the round loop's thread
     monkeypatch.undo()
     assert load(path).round == 2
-    writer.flush()                      # nothing pending: the failed write was reported once
+    writer.flush()  # nothing pending: the failed write was reported once
     exported = []
     writer.submit(path, encode_checkpoint(make_state(round_=4)))
-    writer.submit_call(lambda: exported.append(load(path).round))   # queued behind the write, in order
+    writer.submit_call(lambda: exported.append(load(path).round))  # queued behind the write, in order
     writer.flush()
     assert exported == [4]
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())

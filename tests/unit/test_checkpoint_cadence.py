@@ -36,18 +36,29 @@ def test_a_large_model_checkpoints_at_most_every_ten_minutes_by_default():
 @pytest.mark.parametrize("flag", [0.0, 30.0, 1200.0])
 @pytest.mark.parametrize("preset", ["tiny", "llama-125m"])
 def test_an_explicit_interval_wins_whatever_the_model(flag, preset):
-    assert checkpoint_interval_s(TrainerConfig(checkpoint_every_s=flag).checkpoint_every_s,
-                                 _checkpoint_bytes(preset)) == flag
+    assert (
+        checkpoint_interval_s(TrainerConfig(checkpoint_every_s=flag).checkpoint_every_s, _checkpoint_bytes(preset))
+        == flag
+    )
 
 
-@pytest.mark.parametrize(("parameters", "flag", "expected"), [
-    (919_424, None, 0.0), (125_077_824, None, 600.0), (125_077_824, 0.0, 0.0), (919_424, 60.0, 60.0)])
+@pytest.mark.parametrize(
+    ("parameters", "flag", "expected"),
+    [(919_424, None, 0.0), (125_077_824, None, 600.0), (125_077_824, 0.0, 0.0), (919_424, 60.0, 60.0)],
+)
 def test_the_round_loop_resolves_the_interval_from_its_own_tensors(parameters, flag, expected):
     """Checkpointing sizes the rule from the peer's θ and outer state (a pipeline stage: its own)."""
     tensor = SimpleNamespace(numel=lambda: parameters)
     state = SimpleNamespace(params=[tensor], outer=SimpleNamespace(state_tensors=lambda: [tensor]))
-    checkpoints = Checkpointing(state=state, schedule=None, inner=None, transport=None, vouching=None,
-                                config=TrainerConfig(checkpoint_every_s=flag), reporter=None)
+    checkpoints = Checkpointing(
+        state=state,
+        schedule=None,
+        inner=None,
+        transport=None,
+        vouching=None,
+        config=TrainerConfig(checkpoint_every_s=flag),
+        reporter=None,
+    )
     assert checkpoints.every_s == expected
 
 
@@ -66,7 +77,7 @@ def test_the_flag_defaults_to_sized_to_the_model_and_0_still_means_every_round(m
 
 
 def test_the_first_round_then_once_the_interval_has_passed():
-    assert checkpoint_due(None, 100.0, 600.0)          # the first round's end: a restart has something
+    assert checkpoint_due(None, 100.0, 600.0)  # the first round's end: a restart has something
     assert not checkpoint_due(100.0, 699.9, 600.0)
     assert checkpoint_due(100.0, 700.0, 600.0)
 

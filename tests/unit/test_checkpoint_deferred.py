@@ -57,8 +57,11 @@ def gate_the_copy(monkeypatch) -> tuple[threading.Event, threading.Event]:
 
 def state_of(t: Trainer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     adam = t.inner.state_dict()
-    return ([p.detach().clone() for p in t.params], [m.clone() for m in adam["exp_avg"]],
-            [v.clone() for v in adam["exp_avg_sq"]])
+    return (
+        [p.detach().clone() for p in t.params],
+        [m.clone() for m in adam["exp_avg"]],
+        [v.clone() for v in adam["exp_avg_sq"]],
+    )
 
 
 def test_the_next_update_waits_for_the_checkpoints_copy(corpus, tmp_path, monkeypatch):
@@ -125,8 +128,9 @@ def test_a_streaming_landing_waits_for_the_copy_too(corpus, tmp_path, monkeypatc
     from tests.unit.test_round_streaming import FragmentTransport, streaming
 
     path = tmp_path / "checkpoint.safetensors"
-    t = make_trainer(corpus, streaming(tau=1), "a", Records(), FragmentTransport("a", Group(1)), rounds=2,
-                     checkpoint=path)
+    t = make_trainer(
+        corpus, streaming(tau=1), "a", Records(), FragmentTransport("a", Group(1)), rounds=2, checkpoint=path
+    )
     for step in range(3):
         t.inner.step(step)
     t.schedule.start_fragment_sync(1, 0)
@@ -168,8 +172,17 @@ def test_a_busy_writer_means_a_copy_on_the_training_thread(corpus, tmp_path):
 
 def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tmp_path):
     theta = [torch.ones(3, 2), torch.zeros(4)]
-    state = PeerState(run_id="r", round=1, inner_step=4, round_step=0, round_tokens=0, names=["a", "b"],
-                      phi=[t.clone() for t in theta], momentum=[t.clone() for t in theta], theta=theta)
+    state = PeerState(
+        run_id="r",
+        round=1,
+        inner_step=4,
+        round_step=0,
+        round_tokens=0,
+        names=["a", "b"],
+        phi=[t.clone() for t in theta],
+        momentum=[t.clone() for t in theta],
+        theta=theta,
+    )
     file = encode_checkpoint(state, live=("theta",))
     assert file.live == {"theta.a", "theta.b"}
     assert file.tensors["theta.a"].data_ptr() == theta[0].data_ptr()  # referenced, not copied
@@ -182,7 +195,6 @@ def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tm
     assert torch.equal(copied.tensors["theta.a"], torch.ones(3, 2))
     assert copied.tensors["phi.a"] is file.tensors["phi.a"]  # copies already: shared
     write_checkpoint(tmp_path / "c.safetensors", copied)
-    saved = load_checkpoint(tmp_path / "c.safetensors", run_id="r", names=["a", "b"],
-                            shapes=[(3, 2), (4,)])
+    saved = load_checkpoint(tmp_path / "c.safetensors", run_id="r", names=["a", "b"], shapes=[(3, 2), (4,)])
     assert torch.equal(saved.theta[0], torch.ones(3, 2))
     assert copy_live(copied) is copied

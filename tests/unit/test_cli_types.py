@@ -22,12 +22,15 @@ def test_finite_float_range_keeps_bounds_and_values():
         kind.convert("0", None, None)
 
 
-@pytest.mark.parametrize("cli, argv", [
-    (peer_main, ["join", "--checkpoint-every"]),
-    (peer_main, ["join", "--uplink-mbps"]),
-    (peer_main, ["join", "--max-memory"]),
-    (bootstrap_main, ["run", "--monitor-poll"]),
-])
+@pytest.mark.parametrize(
+    "cli, argv",
+    [
+        (peer_main, ["join", "--checkpoint-every"]),
+        (peer_main, ["join", "--uplink-mbps"]),
+        (peer_main, ["join", "--max-memory"]),
+        (bootstrap_main, ["run", "--monitor-poll"]),
+    ],
+)
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_commands_refuse_a_non_finite_flag_with_a_usage_error(cli, argv, value):
     result = CliRunner().invoke(cli, [*argv, value])

@@ -93,8 +93,11 @@ def test_round_trip_within_stated_bound(name, kind):
 def test_row_slices_encode_on_their_own(name):
     # The all-reduce compresses row ranges of one tensor separately: each piece decodes alone.
     x = _data("normal", (40, 6, 5), seed=1)
-    codec = make_codec(CompressionSpec(codec=name, block_size=8, topk_fraction=0.05, rank=2), x.shape) \
-        if name != "fp3" else Codec("fp3", block_size=8)  # fp3: only adaptive plans choose it
+    codec = (
+        make_codec(CompressionSpec(codec=name, block_size=8, topk_fraction=0.05, rank=2), x.shape)
+        if name != "fp3"
+        else Codec("fp3", block_size=8)
+    )  # fp3: only adaptive plans choose it
     pieces = []
     for rows in (slice(0, 13), slice(13, 14), slice(14, 40)):
         piece = x[rows]

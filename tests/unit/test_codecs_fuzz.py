@@ -18,8 +18,13 @@ from protocol.errors import BadPayload
 CODECS = sorted(WIRE_IDS)
 DEEP = int(os.environ.get("LOCOSWARM_FUZZ_EXAMPLES", "0"))
 """Set to e.g. 5000 for a longer, randomized search; by default 150 fixed examples per test (< 30 s)."""
-FUZZ = settings(max_examples=DEEP or 150, deadline=2000, derandomize=not DEEP, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=DEEP or 150,
+    deadline=2000,
+    derandomize=not DEEP,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple).filter(lambda s: math.prod(s) <= 600)
 

@@ -21,8 +21,9 @@ def texts(n=60):
 
 
 def spec(path, source, **kw):
-    return DataSpec(source=source, path=str(path), seq_len_tokens=8, validation_sequences=4,
-                    validation_fraction=0.2, **kw)
+    return DataSpec(
+        source=source, path=str(path), seq_len_tokens=8, validation_sequences=4, validation_fraction=0.2, **kw
+    )
 
 
 def write_jsonl(path, records):
@@ -44,7 +45,10 @@ def stream_text(corpus):
     for stream in (corpus.train, corpus.validation):
         data = stream.to(torch.int64).numpy()
         assert data[-1] == 257
-        docs += [bytes(part[part != 257].astype(np.uint8)).decode() for part in np.split(data, np.flatnonzero(data == 257) + 1)[:-1]]
+        docs += [
+            bytes(part[part != 257].astype(np.uint8)).decode()
+            for part in np.split(data, np.flatnonzero(data == 257) + 1)[:-1]
+        ]
     return sorted(docs)
 
 
@@ -60,8 +64,12 @@ def test_every_source_yields_the_same_documents(tmp_path):
     datasets = pytest.importorskip("datasets")  # the optional [hf] extra
 
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "hf"))
-    sources = [spec(folder, "files"), spec(jsonl, "jsonl"), spec(parquet, "parquet", text_field="body"),
-               spec(tmp_path / "hf", "hf-dataset")]
+    sources = [
+        spec(folder, "files"),
+        spec(jsonl, "jsonl"),
+        spec(parquet, "parquet", text_field="body"),
+        spec(tmp_path / "hf", "hf-dataset"),
+    ]
     for s in sources:
         got = [d.data.decode() for d in iter_documents(s)]
         assert got == docs, s.source
@@ -78,25 +86,28 @@ def test_jsonl_and_parquet_folders_are_read_in_path_order(tmp_path):
     (tmp_path / "j").mkdir()
     (tmp_path / "p").mkdir()
     for k in (1, 0):  # written out of order
-        write_jsonl(tmp_path / "j" / f"part{k}.jsonl", [{"text": t} for t in docs[20 * k:20 * k + 20]])
-        write_parquet(tmp_path / "p" / f"part{k}.parquet", "text", docs[20 * k:20 * k + 20])
+        write_jsonl(tmp_path / "j" / f"part{k}.jsonl", [{"text": t} for t in docs[20 * k : 20 * k + 20]])
+        write_parquet(tmp_path / "p" / f"part{k}.parquet", "text", docs[20 * k : 20 * k + 20])
     for s in (spec(tmp_path / "j", "jsonl"), spec(tmp_path / "p", "parquet")):
         assert [d.data.decode() for d in iter_documents(s)] == docs
 
 
-@pytest.mark.parametrize("case, match", [
-    ("missing", "does not exist"),
-    ("empty", "no .txt, .md, .rst, .py files under data.path"),
-    # a source of nothing but binary or non-UTF-8 files: each is skipped, and then nothing is left
-    ("binary", r"holds no documents \(1 binary or non-UTF-8 file\(s\) skipped\)"),
-    ("latin1", r"holds no documents \(1 binary or non-UTF-8 file\(s\) skipped\)"),
-    ("jsonl-not-json", r"c.jsonl:2 is not JSON"),
-    ("jsonl-no-field", r"c.jsonl:1 has no string field 'text'"),
-    ("parquet-no-column", r"has no column 'text' \(columns: body, id\)"),
-    ("parquet-corrupt", "is not a readable parquet file"),
-    ("hf-not-saved", "is not a dataset saved with save_to_disk"),
-    ("hf-no-column", r"has no column 'text' \(columns: body\)"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing", "does not exist"),
+        ("empty", "no .txt, .md, .rst, .py files under data.path"),
+        # a source of nothing but binary or non-UTF-8 files: each is skipped, and then nothing is left
+        ("binary", r"holds no documents \(1 binary or non-UTF-8 file\(s\) skipped\)"),
+        ("latin1", r"holds no documents \(1 binary or non-UTF-8 file\(s\) skipped\)"),
+        ("jsonl-not-json", r"c.jsonl:2 is not JSON"),
+        ("jsonl-no-field", r"c.jsonl:1 has no string field 'text'"),
+        ("parquet-no-column", r"has no column 'text' \(columns: body, id\)"),
+        ("parquet-corrupt", "is not a readable parquet file"),
+        ("hf-not-saved", "is not a dataset saved with save_to_disk"),
+        ("hf-no-column", r"has no column 'text' \(columns: body\)"),
+    ],
+)
 def test_bad_input_is_one_clear_config_error(tmp_path, case, match):
     folder = tmp_path / "d"
     folder.mkdir()
@@ -147,8 +158,9 @@ def test_validation_split_is_by_document_hash_and_the_same_everywhere(tmp_path):
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": t} for t in reversed(docs)])  # another order
     s = spec(a, "jsonl")
     held_out = {d.data for d in iter_documents(s) if is_validation(d.name, s.validation_fraction)}
-    assert held_out == {d.data for d in iter_documents(spec(b, "jsonl"))
-                        if is_validation(d.name, s.validation_fraction)}
+    assert held_out == {
+        d.data for d in iter_documents(spec(b, "jsonl")) if is_validation(d.name, s.validation_fraction)
+    }
     assert 0.1 < len(held_out) / len(docs) < 0.3
     one = load_corpus(s, cache_dir=tmp_path / "peer1")
     two = load_corpus(s, cache_dir=tmp_path / "peer2")  # another machine: its own cache
@@ -182,8 +194,17 @@ def test_the_token_cache_is_reused_and_a_killed_write_leaves_nothing_valid(tmp_p
 
     monkeypatch.setattr(cache, "_CHUNK_BYTES", 64)
     with pytest.raises(KeyboardInterrupt):
-        cache.write_token_cache(killed, "tokens-x", iter_documents(s), is_validation=lambda n: False,
-                                encode_batch=encode_then_die, eos_id=257, dtype=np.uint16, corpus="c", tokenizer="t")
+        cache.write_token_cache(
+            killed,
+            "tokens-x",
+            iter_documents(s),
+            is_validation=lambda n: False,
+            encode_batch=encode_then_die,
+            eos_id=257,
+            dtype=np.uint16,
+            corpus="c",
+            tokenizer="t",
+        )
     assert list(killed.iterdir()) == []
     # A cache whose stream lost its tail (a torn copy) is not taken for valid: it is rebuilt.
     expected = first.train.clone()  # first maps the file that is now torn in place

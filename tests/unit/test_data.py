@@ -13,7 +13,9 @@ def test_tokenizer_round_trip():
     ids = tokenizer.encode(text)
     assert ids.dtype == torch.int64 and int(ids.max()) < 256
     assert tokenizer.decode(ids) == text
-    assert tokenizer.decode(torch.cat([torch.tensor([tokenizer.BOS_ID]), ids, torch.tensor([tokenizer.EOS_ID])])) == text
+    assert (
+        tokenizer.decode(torch.cat([torch.tensor([tokenizer.BOS_ID]), ids, torch.tensor([tokenizer.EOS_ID])])) == text
+    )
 
 
 def test_split_is_deterministic_and_disjoint():
@@ -35,10 +37,13 @@ def test_corpus_and_fixed_validation_subset():
     assert corpus.train.numel() > 1_000_000 and corpus.validation.numel() > 10_000
     # Byte tokens as ever: the first training file's bytes, then EOS.
     root, files = list_files(spec)
-    first = next(f for f in files if not is_validation(f.relative_to(root).as_posix(), spec.validation_fraction)
-                 and f.stat().st_size)
+    first = next(
+        f
+        for f in files
+        if not is_validation(f.relative_to(root).as_posix(), spec.validation_fraction) and f.stat().st_size
+    )
     raw = torch.tensor(list(first.read_bytes()) + [tokenizer.EOS_ID])
-    assert torch.equal(corpus.train[:raw.numel()].to(torch.int64), raw)
+    assert torch.equal(corpus.train[: raw.numel()].to(torch.int64), raw)
     assert corpus.tokenizer.vocab_size == tokenizer.VOCAB_SIZE and len(corpus.corpus_sha256) == 64
     a, b = validation_batch(corpus, spec), validation_batch(corpus, spec)
     assert a.shape == (8, 33) and torch.equal(a, b)

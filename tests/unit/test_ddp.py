@@ -41,8 +41,9 @@ def one_thread():
 
 
 def ranks(**kwargs) -> DistributedInnerLoop:
-    return DistributedInnerLoop.launch(build_model(RUN.model), SPEC, Fixed(*batches()), devices=["cpu", "cpu"],
-                                       **kwargs)
+    return DistributedInnerLoop.launch(
+        build_model(RUN.model), SPEC, Fixed(*batches()), devices=["cpu", "cpu"], **kwargs
+    )
 
 
 def theta(loop):
@@ -87,8 +88,7 @@ def test_what_the_round_loop_writes_reaches_every_rank(one_thread):
         for target in (loop, reference):
             target.step(0)
             target.step(1)
-            saved = {k: [t.clone() for t in v] if isinstance(v, list) else v
-                     for k, v in target.state_dict().items()}
+            saved = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in target.state_dict().items()}
             write_theta(target)
             target.reset_optimizer()
             target.step(2)

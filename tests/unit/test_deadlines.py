@@ -92,11 +92,11 @@ def test_the_window_covers_a_groupmate_predicted_to_arrive_within_the_bound():
 
 def test_a_background_sync_waits_its_budget_plus_the_manifests_bound():
     policy = DeadlinePolicy(SyncSpec(matchmaking_time_s=2.0, min_matchmaking_time_s=1.0))
-    assert policy.current(wait_budget_s=5.0).matchmaking_s == 5.0 + 2.0       # no history yet
+    assert policy.current(wait_budget_s=5.0).matchmaking_s == 5.0 + 2.0  # no history yet
     policy.observe(wait_s=0.0, allreduce_s=1.0)
-    assert policy.current(expected_wait_s=4.0).matchmaking_s == 2.0            # blocking: the bound
+    assert policy.current(expected_wait_s=4.0).matchmaking_s == 2.0  # blocking: the bound
     d = policy.current(expected_wait_s=4.0, wait_budget_s=10.0)
-    assert d.matchmaking_s == 12.0 and d.matchmaking_deadline_s == 36.0         # background: budget + bound
+    assert d.matchmaking_s == 12.0 and d.matchmaking_deadline_s == 36.0  # background: budget + bound
     assert policy.current(wait_budget_s=0.5).matchmaking_s == 2.5
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="wait_budget_s"):

@@ -83,10 +83,22 @@ def test_cap_memory_without_a_cap_does_nothing():
     assert cap_memory(torch.device("cpu"), None) is None
 
 
-@pytest.mark.parametrize("name,peak", [
-    ("NVIDIA GeForce RTX 3060", 51.0), ("NVIDIA GeForce RTX 4090", 165.0), ("NVIDIA GeForce RTX 3090", 71.0),
-    ("Tesla T4", 65.0), ("NVIDIA A10", 125.0), ("NVIDIA L4", 121.0), ("NVIDIA A100-SXM4-80GB", 312.0),
-    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0), ("Some Future Card", None)])
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA GeForce RTX 3060", 51.0),
+        ("NVIDIA GeForce RTX 4090", 165.0),
+        ("NVIDIA GeForce RTX 3090", 71.0),
+        ("Tesla T4", 65.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("Some Future Card", None),
+    ],
+)
 def test_peak_table(name, peak):
     assert peak_of(name) == peak
     assert peak_of(name, 42.0) == 42.0  # --peak-tflops wins
@@ -116,6 +128,7 @@ def card(capacity: float, limit: int):
         if n > limit:
             oom()
         return n / capacity
+
     return try_step, tried
 
 

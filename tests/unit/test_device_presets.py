@@ -15,8 +15,9 @@ def tokenizer(vocab):
     return types.SimpleNamespace(vocab_size=vocab, bos_id=vocab - 3, eos_id=vocab - 2, pad_id=vocab - 1)
 
 
-@pytest.mark.parametrize("name,low,high", [("llama-125m", 115e6, 135e6), ("llama-350m", 330e6, 370e6),
-                                           ("llama-1b", 0.95e9, 1.15e9)])
+@pytest.mark.parametrize(
+    "name,low,high", [("llama-125m", 115e6, 135e6), ("llama-350m", 330e6, 370e6), ("llama-1b", 0.95e9, 1.15e9)]
+)
 def test_presets_have_the_sizes_they_are_named_for(name, low, high):
     m = PRESETS[name]()
     assert m.name == name
@@ -45,8 +46,14 @@ def test_a_run_file_names_a_preset_by_its_sections(tmp_path):
 def test_memory_grows_with_the_micro_batch_and_states_are_20_bytes_a_parameter():
     m = PRESETS["llama-125m"]()
     n = spec_parameter_count(m.model, m.data.vocab_size)
-    kw = dict(params=n, layers=m.model.num_layers, hidden=m.model.hidden_size,
-              intermediate=m.model.intermediate_size, vocab_size=m.data.vocab_size, seq_len=m.data.seq_len_tokens)
+    kw = dict(
+        params=n,
+        layers=m.model.num_layers,
+        hidden=m.model.hidden_size,
+        intermediate=m.model.intermediate_size,
+        vocab_size=m.data.vocab_size,
+        seq_len=m.data.seq_len_tokens,
+    )
     states, one = training_memory_bytes(micro_batch=1, **kw)
     _, eight = training_memory_bytes(micro_batch=8, **kw)
     assert states == 20 * n and eight == 8 * one

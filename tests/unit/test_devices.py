@@ -19,8 +19,9 @@ from protocol.records import ProgressRecord
 from protocol.signing import REJECTED, PeerSigner
 from tests.security.fake_dht import FakeDHT
 
-RTX = DeviceRecord(kind="cuda", name="NVIDIA GeForce RTX 3060", memory_gib=11.76, capability="8.6",
-                   precision="bf16", ranks=1)
+RTX = DeviceRecord(
+    kind="cuda", name="NVIDIA GeForce RTX 3060", memory_gib=11.76, capability="8.6", precision="bf16", ranks=1
+)
 RUN = "4" * 32
 
 
@@ -31,22 +32,44 @@ def signers(tmp_path_factory):
 
 
 def test_the_record_of_a_started_event_describes_the_card():
-    fields = dict(device="cuda:0", ranks=1, device_name="NVIDIA GeForce RTX 3060", device_memory_gib=11.76,
-                  compute_capability="8.6", precision="bf16", compile=True, peak_tflops=101.0)
+    fields = dict(
+        device="cuda:0",
+        ranks=1,
+        device_name="NVIDIA GeForce RTX 3060",
+        device_memory_gib=11.76,
+        compute_capability="8.6",
+        precision="bf16",
+        compile=True,
+        peak_tflops=101.0,
+    )
     assert DeviceRecord.from_event(fields) == RTX
     assert RTX.describe() == "cuda NVIDIA GeForce RTX 3060 11.8 GiB sm 8.6 bf16"
     two = DeviceRecord.from_event(dict(fields, device="cuda:0,cuda:1", ranks=2))
     assert two.describe().startswith("2× cuda ")
-    cpu = DeviceRecord.from_event(dict(device="cpu", device_name="x86_64", device_memory_gib=None,
-                                       compute_capability=None, precision="fp32"))
+    cpu = DeviceRecord.from_event(
+        dict(device="cpu", device_name="x86_64", device_memory_gib=None, compute_capability=None, precision="fp32")
+    )
     assert cpu.describe() == "cpu x86_64 fp32"
     assert DeviceRecord.from_wire(RTX.to_wire()) == RTX
 
 
-@pytest.mark.parametrize("field, value", [
-    ("kind", "tpu"), ("precision", "fp8"), ("memory_gib", float("inf")), ("memory_gib", -1.0),
-    ("memory_gib", 1e9), ("memory_gib", True), ("capability", "8.6; rm -rf"), ("capability", 86),
-    ("ranks", 0), ("ranks", 10**6), ("ranks", 1.5), ("name", b"bytes")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kind", "tpu"),
+        ("precision", "fp8"),
+        ("memory_gib", float("inf")),
+        ("memory_gib", -1.0),
+        ("memory_gib", 1e9),
+        ("memory_gib", True),
+        ("capability", "8.6; rm -rf"),
+        ("capability", 86),
+        ("ranks", 0),
+        ("ranks", 10**6),
+        ("ranks", 1.5),
+        ("name", b"bytes"),
+    ],
+)
 def test_a_record_with_a_bad_field_is_refused_naming_it(field, value):
     with pytest.raises(BadPayload, match=field):
         DeviceRecord.from_wire(dict(RTX.to_wire(), **{field: value}))
@@ -76,8 +99,7 @@ def test_records_are_read_only_when_signed_by_the_peer_they_describe(signers):
     assert publish_device(dht, RUN, cpu, cpu_record)
     key, expiration = devices.devices_key(RUN), get_dht_time() + 60
     # the attacker's signature over a claim for the cpu peer's subkey: replaced, then ignored and counted
-    dht.store(key, evil.seal(key, expiration, dict(RTX.to_wire(), name="H100 x 8")), expiration,
-              subkey=cpu.peer_id)
+    dht.store(key, evil.seal(key, expiration, dict(RTX.to_wire(), name="H100 x 8")), expiration, subkey=cpu.peer_id)
     before = REJECTED.counts["devices"]
     assert read_devices(dht, RUN) == {gpu.peer_id: RTX}
     assert REJECTED.counts["devices"] == before + 1

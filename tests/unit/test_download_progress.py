@@ -17,9 +17,16 @@ def download_with_progress(handlers: dict, snapshot):
 
     async def main():
         async with swarm(handlers) as open_stream:
-            return await download_state(list(handlers), open_stream, digest=snapshot.digest, shapes=SHAPES, run_id=RUN,
-                                        timeout=TIMEOUT, chunk_elements=CHUNK,
-                                        on_progress=lambda *a: calls.append(a))
+            return await download_state(
+                list(handlers),
+                open_stream,
+                digest=snapshot.digest,
+                shapes=SHAPES,
+                run_id=RUN,
+                timeout=TIMEOUT,
+                chunk_elements=CHUNK,
+                on_progress=lambda *a: calls.append(a),
+            )
 
     return asyncio.run(main()), calls
 
@@ -43,8 +50,16 @@ def test_a_failing_donor_and_a_failing_callback_do_not_stop_the_download():
 
     async def main():
         async with swarm({"d0": dies_after_one_chunk(snapshot), "d1": honest(snapshot)}) as open_stream:
-            return await download_state(["d0", "d1"], open_stream, digest=snapshot.digest, shapes=SHAPES, run_id=RUN,
-                                        timeout=TIMEOUT, chunk_elements=CHUNK, on_progress=bad_callback)
+            return await download_state(
+                ["d0", "d1"],
+                open_stream,
+                digest=snapshot.digest,
+                shapes=SHAPES,
+                run_id=RUN,
+                timeout=TIMEOUT,
+                chunk_elements=CHUNK,
+                on_progress=bad_callback,
+            )
 
     result = asyncio.run(main())
     assert len(calls) == len(snapshot.chunks) and sum(result.chunks_by_donor.values()) == len(snapshot.chunks)

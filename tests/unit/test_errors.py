@@ -12,8 +12,11 @@ import pytest
 
 from protocol import errors
 
-ALL = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
-       if issubclass(cls, errors.LocoError) and cls.__module__ == errors.__name__]
+ALL = [
+    cls
+    for _, cls in inspect.getmembers(errors, inspect.isclass)
+    if issubclass(cls, errors.LocoError) and cls.__module__ == errors.__name__
+]
 SYNC = [cls for cls in ALL if issubclass(cls, errors.SyncError)]
 
 
@@ -33,8 +36,7 @@ def _drawn_tree() -> dict[str, str | None]:
 
 
 def test_every_error_is_drawn_in_the_tree_under_its_parent():
-    assert _drawn_tree() == {cls.__name__: None if cls is errors.LocoError else cls.__mro__[1].__name__
-                             for cls in ALL}
+    assert _drawn_tree() == {cls.__name__: None if cls is errors.LocoError else cls.__mro__[1].__name__ for cls in ALL}
 
 
 def test_the_incomplete_all_reduce_is_one_error():
@@ -62,9 +64,14 @@ def test_download_failure_survives_the_pipe_to_the_trainer():
 
 
 def test_exit_codes_are_kept():
-    assert (errors.ConfigError.exit_code, errors.ManifestError.exit_code, errors.BootstrapUnreachable.exit_code,
-            errors.BadPeerAddress.exit_code, errors.VersionMismatch.exit_code,
-            errors.ManifestNotFound.exit_code) == (78, 78, 69, 2, 78, 69)
+    assert (
+        errors.ConfigError.exit_code,
+        errors.ManifestError.exit_code,
+        errors.BootstrapUnreachable.exit_code,
+        errors.BadPeerAddress.exit_code,
+        errors.VersionMismatch.exit_code,
+        errors.ManifestNotFound.exit_code,
+    ) == (78, 78, 69, 2, 78, 69)
     assert errors.LocoError.exit_code == errors.SyncError.exit_code == errors.CheckpointError.exit_code == 1
 
 

@@ -62,8 +62,12 @@ def test_the_averager_pins_the_key_manager_hivemind_creates():
     assert averager._matchmaking is matchmaking
     pinned = matchmaking.group_key_manager
     assert isinstance(pinned, PinnedGroupKeyManager)
-    assert (pinned.prefix, pinned.group_bits, pinned.target_group_size, pinned.peer_id) == \
-        ("locoswarm_diloco_run", BITS, 4, PEERS[1])
+    assert (pinned.prefix, pinned.group_bits, pinned.target_group_size, pinned.peer_id) == (
+        "locoswarm_diloco_run",
+        BITS,
+        4,
+        PEERS[1],
+    )
     pinned.target_group_size = 2  # as LocoAverager.configure_round sets it for a smaller round
     asyncio.run(pinned.update_key_on_group_assembled(group_of_three()))
     assert pinned.group_bits == BITS

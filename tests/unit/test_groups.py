@@ -36,8 +36,9 @@ def test_plan_groups_per_algorithm():
     peers = ["c", "a", "b", "a"]
     assert plan_groups(peers, algorithm="diloco", run_id="r", round_=3, group_size=2) == [["a", "b", "c"]]
     assert plan_groups(peers, algorithm="independent", run_id="r", round_=3, group_size=2) == [["a"], ["b"], ["c"]]
-    assert plan_groups(peers, algorithm="noloco", run_id="r", round_=3, group_size=2) == \
-        partition(peers, run_id="r", round_=3, group_size=2)
+    assert plan_groups(peers, algorithm="noloco", run_id="r", round_=3, group_size=2) == partition(
+        peers, run_id="r", round_=3, group_size=2
+    )
 
 
 def test_plan_groups_names_an_unknown_algorithm():
@@ -66,8 +67,10 @@ def test_diloco_syncs_with_every_live_peer_whatever_its_round():
 def test_noloco_groups_only_peers_within_one_round_and_all_draw_the_same():
     outer = NoLoCo(SHAPES, NoLoCoSpec())
     live = {"me": 5, "p1": 5, "p2": 4, "p3": 6, "far": 9}
-    choices = {me: outer.choose_group(me, round_=5, live=[(p, r) for p, r in live.items() if p != me], run_id="r")
-               for me in ("me", "p1")}
+    choices = {
+        me: outer.choose_group(me, round_=5, live=[(p, r) for p, r in live.items() if p != me], run_id="r")
+        for me in ("me", "p1")
+    }
     mine = choices["me"]
     groups = plan_groups(["me", "p1", "p2", "p3"], algorithm="noloco", run_id="r", round_=5, group_size=2)
     assert mine.members == tuple(group_of("me", groups)[1]) and mine.index == group_of("me", groups)[0]
@@ -78,8 +81,12 @@ def test_noloco_groups_only_peers_within_one_round_and_all_draw_the_same():
 def test_independent_never_syncs_nor_adopts():
     outer = Independent(SHAPES)
     assert outer.choose_group("me", round_=0, live=[("p1", 0)], run_id="r").expected_size == 1
-    assert outer.resync_target([("p1", 9, "a" * 32)], round_=0, digest="b" * 32, completed_with=["me"],
-                               fresh=True, vouchers=None) is None
+    assert (
+        outer.resync_target(
+            [("p1", 9, "a" * 32)], round_=0, digest="b" * 32, completed_with=["me"], fresh=True, vouchers=None
+        )
+        is None
+    )
 
 
 def test_payload_shapes_and_phi_offset():

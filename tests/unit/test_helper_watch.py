@@ -41,15 +41,21 @@ def sleepers():
 def test_a_killed_helper_sets_the_stop_event_and_is_named(sleepers):
     dht, averager = sleepers(), sleepers()
     stop = threading.Event()
-    watch = HelperWatch(stop, "run the peer again", period_s=0.05).watch("peer's DHT", dht).watch(
-        "peer's averager", averager).start()
+    watch = (
+        HelperWatch(stop, "run the peer again", period_s=0.05)
+        .watch("peer's DHT", dht)
+        .watch("peer's averager", averager)
+        .start()
+    )
     try:
         assert not stop.wait(0.3) and watch.died is None  # both alive: nothing happens
         os.kill(averager.pid, signal.SIGKILL)
         assert stop.wait(30)
         assert isinstance(watch.died, HelperDied) and watch.died.exit_code == 75
-        assert str(watch.died) == (f"this peer's averager process (pid {averager.pid}) died with exit code -9 "
-                                   "(killed, most often for memory); run the peer again")
+        assert str(watch.died) == (
+            f"this peer's averager process (pid {averager.pid}) died with exit code -9 "
+            "(killed, most often for memory); run the peer again"
+        )
         assert watch.check() is not None  # asked again after the stop: the same answer
     finally:
         watch.stop()
@@ -71,8 +77,9 @@ def test_an_exit_that_was_not_a_kill_says_its_code_without_guessing(sleepers):
     helper.start()
     helper.join(30)
     died = helper_died("bootstrap node's DHT", helper, "run the bootstrap node again")
-    assert str(died) == (f"this bootstrap node's DHT process (pid {helper.pid}) died with exit code 3; "
-                         "run the bootstrap node again")
+    assert str(died) == (
+        f"this bootstrap node's DHT process (pid {helper.pid}) died with exit code 3; run the bootstrap node again"
+    )
     assert helper_died("DHT", sleepers(), "x") is None  # alive
     assert helper_died("DHT", mp.get_context("fork").Process(target=time.sleep), "x") is None  # never started
 
@@ -98,9 +105,12 @@ def test_a_process_started_by_a_helper_is_watched_by_pid_and_its_exit_stops_the_
         daemon.wait(30)
 
 
-SHARER = compile("def serve():\n    raise ConnectionResetError(104, 'Connection reset by peer')\n"
-                 "def serve_bug():\n    raise ValueError('a bug is still reported')\n",
-                 os.path.join("lib", "multiprocessing", "resource_sharer.py"), "exec")
+SHARER = compile(
+    "def serve():\n    raise ConnectionResetError(104, 'Connection reset by peer')\n"
+    "def serve_bug():\n    raise ValueError('a bug is still reported')\n",
+    os.path.join("lib", "multiprocessing", "resource_sharer.py"),
+    "exec",
+)
 
 
 def test_only_a_handshake_cut_in_the_resource_sharer_is_kept_off_stderr(monkeypatch):
@@ -131,11 +141,11 @@ def test_a_helper_that_dies_after_a_signal_asked_the_command_to_stop_is_no_failu
     stop = threading.Event()
     watch = HelperWatch(stop, "run the bootstrap node again", period_s=0.05).watch("bootstrap node's DHT", dht).start()
     try:
-        stop.set()                      # the signal, handled first
+        stop.set()  # the signal, handled first
         os.kill(dht.pid, signal.SIGKILL)
         dht.join(30)
-        assert watch.check() is not None     # seen dead ...
-        watch.raise_if_died()                # ... but not raised: it went with the stop asked for
+        assert watch.check() is not None  # seen dead ...
+        watch.raise_if_died()  # ... but not raised: it went with the stop asked for
         assert watch.died is None
         assert "stopping:" not in caplog.text
     finally:

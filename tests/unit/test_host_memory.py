@@ -38,8 +38,9 @@ def probe(env_value: str | None) -> tuple[str, float, float]:
     if env_value is not None:
         env[host_memory.ENV] = env_value
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=root, capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, cwd=root, capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
     grown, kept = map(float, out[1].split())
     return out[0], grown, kept
 
@@ -73,8 +74,10 @@ def test_unknown_setting_names_the_value_and_the_choices(monkeypatch):
 
 def test_other_c_libraries_are_left_alone(monkeypatch):
     monkeypatch.delenv(host_memory.ENV, raising=False)
-    with mock.patch.object(host_memory.platform, "libc_ver", return_value=("", "")), \
-            mock.patch.object(host_memory.ctypes, "CDLL") as cdll:
+    with (
+        mock.patch.object(host_memory.platform, "libc_ver", return_value=("", "")),
+        mock.patch.object(host_memory.ctypes, "CDLL") as cdll,
+    ):
         assert host_memory.tune_host_allocator() == "not glibc"
     cdll.assert_not_called()
 
@@ -87,5 +90,7 @@ def test_a_refused_value_is_reported(monkeypatch):
         cdll.return_value.mallopt.side_effect = [1, 0]
         assert host_memory.tune_host_allocator() == "mallopt refused"
     calls = cdll.return_value.mallopt.call_args_list
-    assert [c.args for c in calls] == [(host_memory.M_TRIM_THRESHOLD, host_memory.TRIM_THRESHOLD_BYTES),
-                                       (host_memory.M_MMAP_THRESHOLD, host_memory.MMAP_THRESHOLD_BYTES)]
+    assert [c.args for c in calls] == [
+        (host_memory.M_TRIM_THRESHOLD, host_memory.TRIM_THRESHOLD_BYTES),
+        (host_memory.M_MMAP_THRESHOLD, host_memory.MMAP_THRESHOLD_BYTES),
+    ]

@@ -248,9 +248,7 @@ def test_no_import_cycle_between_peer_folders():
 
 def test_sync_and_state_folders_are_one_way():
     edges, _ = import_graph()
-    directions = {
-        (_folder(a), _folder(b)) for a, targets in edges.items() for b in targets if _folder(a) != _folder(b)
-    }
+    directions = {(_folder(a), _folder(b)) for a, targets in edges.items() for b in targets if _folder(a) != _folder(b)}
     assert not {("peer.sync", "peer.state"), ("peer.state", "peer.sync")} <= directions
 
 

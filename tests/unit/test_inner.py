@@ -52,8 +52,9 @@ def test_inner_loop_state_dict_round_trips_adamw_and_continues_identically():
     state = a.state_dict()
     assert state["step"] == 3 and len(state["exp_avg"]) == len(a.params)
     b = loop(copy.deepcopy(a.model))
-    b.sampler = a.sampler = BatchSampler(stream, seq_len=m.data.seq_len_tokens, batch_sequences=m.batch_sequences,
-                                         seed=2)
+    b.sampler = a.sampler = BatchSampler(
+        stream, seq_len=m.data.seq_len_tokens, batch_sequences=m.batch_sequences, seed=2
+    )
     b.load_state_dict(state)
     assert b.state_dict()["exp_avg"][0] is not state["exp_avg"][0]  # copied, not shared
     batch = a.sampler.next_batch()

@@ -46,10 +46,19 @@ def test_steps_equal_torchs_muon_and_adamw_stepped_by_hand():
     loop = InnerLoop(model, s, Fixed(batch()))
     ref_matrices = {id(p) for p in muon_matrices(reference)}
     ref_params = list(reference.parameters())
-    adamw = torch.optim.AdamW([p for p in ref_params if id(p) not in ref_matrices], lr=s.lr,
-                              betas=(s.beta1, s.beta2), eps=s.eps, weight_decay=s.weight_decay)
-    muon = torch.optim.Muon([p for p in ref_params if id(p) in ref_matrices], lr=s.lr * s.muon_lr_ratio,
-                            weight_decay=s.weight_decay, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(
+        [p for p in ref_params if id(p) not in ref_matrices],
+        lr=s.lr,
+        betas=(s.beta1, s.beta2),
+        eps=s.eps,
+        weight_decay=s.weight_decay,
+    )
+    muon = torch.optim.Muon(
+        [p for p in ref_params if id(p) in ref_matrices],
+        lr=s.lr * s.muon_lr_ratio,
+        weight_decay=s.weight_decay,
+        adjust_lr_fn="match_rms_adamw",
+    )
     from peer.train.model import lm_loss
 
     for k in range(3):  # 3 steps: a gradient left over from a step (zero_grad missing Muon's) would show
@@ -98,7 +107,7 @@ def test_fp16_with_a_gradient_scaler_unscales_and_steps_both():
     losses = [loop.step(k).loss for k in range(8)]
     assert losses[-1] < losses[0]
     assert all(torch.isfinite(p).all() for p in loop.params)
-    loop.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # an overflow skips both updates
+    loop.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # an overflow skips both updates
     before = [p.detach().clone() for p in loop.params]
     loop.step(8)
     assert all(torch.equal(p, q) for p, q in zip(loop.params, before))

@@ -17,7 +17,7 @@ def test_each_fragment_sync_of_a_round_meets_under_its_own_key():
     from protocol.keys import sync_index
 
     keys = {round_group_bits(sync_index(r, f, 3)) for r in range(4) for f in range(3)}
-    assert len(keys) == 12                          # no two (round, fragment) syncs share a key
+    assert len(keys) == 12  # no two (round, fragment) syncs share a key
     assert sync_index(5) == 5 and sync_index(2, 1, 3) == 7
     with pytest.raises(ValueError, match="fragment = 3"):
         sync_index(0, 3, 3)

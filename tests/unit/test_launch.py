@@ -62,8 +62,9 @@ waits_for_the_network()
 
 
 def test_a_timeout_shows_where_the_child_waits(tmp_path):
-    c = Child("c", [sys.executable, "-c", STUCK], log_path=tmp_path / "c.log", cwd=tmp_path,
-              stack_signal=signal.SIGUSR1).start()
+    c = Child(
+        "c", [sys.executable, "-c", STUCK], log_path=tmp_path / "c.log", cwd=tmp_path, stack_signal=signal.SIGUSR1
+    ).start()
     deadline = time.monotonic() + 30
     while "ready" not in c.tail() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -93,8 +94,10 @@ def gone(pid: int) -> bool:
 
 
 def test_stop_all_kills_the_whole_process_group(tmp_path):
-    script = ("import json, subprocess, time; p = subprocess.Popen(['sleep', '60']); "
-              "print(json.dumps({'event': 'spawned', 'pid': p.pid}), flush=True); time.sleep(60)")
+    script = (
+        "import json, subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+        "print(json.dumps({'event': 'spawned', 'pid': p.pid}), flush=True); time.sleep(60)"
+    )
     c = Child("parent", [sys.executable, "-c", script], log_path=tmp_path / "p.log").start()
     grandchild = c.wait_event(lambda e: e.kind == "spawned", 30)["pid"]
     assert os.getpgid(c.popen.pid) == c.popen.pid == os.getpgid(grandchild)
@@ -114,8 +117,14 @@ def test_a_restart_numbers_its_events_and_spawn_can_wrap_the_command(tmp_path):
         calls.append(popen["start_new_session"])
         return subprocess.Popen(["env", "LAUNCH_TEST=1", *argv], **popen)
 
-    c = child(tmp_path, "0", "0", spawn=spawn, events_copy=tmp_path / "c.jsonl",
-              on_event=lambda ch, e: seen.append(None if e is None else e.kind))
+    c = child(
+        tmp_path,
+        "0",
+        "0",
+        spawn=spawn,
+        events_copy=tmp_path / "c.jsonl",
+        on_event=lambda ch, e: seen.append(None if e is None else e.kind),
+    )
     c.start().wait(30)
     c.join_output()
     c.start().wait(30)

@@ -25,8 +25,15 @@ FAST, SLOW = "QmVaPTddRyjLjMoZnYufWc5M5CjyGNPmFEpp5HtPKEqZFG", "QmTchctY2mrWtDte
 
 
 def record(tokens_per_s: float = 1000.0, round_: int = 3) -> ProgressRecord:
-    return ProgressRecord(round=round_, inner_step=round_ * 5, train_loss=2.5, tokens_per_s=tokens_per_s,
-                          group_size=2, bytes_sent=10, state_digest="ab" * 16)
+    return ProgressRecord(
+        round=round_,
+        inner_step=round_ * 5,
+        train_loss=2.5,
+        tokens_per_s=tokens_per_s,
+        group_size=2,
+        bytes_sent=10,
+        state_digest="ab" * 16,
+    )
 
 
 def stored(manifest, rec: ProgressRecord, age_s: float, now: float) -> float:
@@ -34,10 +41,21 @@ def stored(manifest, rec: ProgressRecord, age_s: float, now: float) -> float:
     return now - age_s + liveness.record_ttl_s(manifest)
 
 
-@pytest.mark.parametrize("manifest", [default_run(), tiny_run(),
-                                      tiny_run().replace(sync={"matchmaking_time_s": 0.5, "min_matchmaking_time_s": 0.5,
-                                                               "allreduce_timeout_s": 2.0,
-                                                               "min_allreduce_timeout_s": 1.0})])
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        default_run(),
+        tiny_run(),
+        tiny_run().replace(
+            sync={
+                "matchmaking_time_s": 0.5,
+                "min_matchmaking_time_s": 0.5,
+                "allreduce_timeout_s": 2.0,
+                "min_allreduce_timeout_s": 1.0,
+            }
+        ),
+    ],
+)
 def test_the_worst_case_sync_is_what_the_transport_allows(manifest):
     """The trainer's sync bound (two attempts at the deadlines' maxima) and the readers' are the same number."""
     transport_bound = (1 + NetworkTransport.RETRIES) * DeadlinePolicy(manifest.sync).worst_case().total_s
@@ -54,8 +72,9 @@ def test_default_run_numbers():
     assert liveness.stale_after_s(record(1024.0), m) == 160.0 + 2 * 10.0 + 5.0
     # A fast peer's refresh interval is floored; an unknown one is assumed.
     assert liveness.refresh_interval_s(record(1e9), inner_steps=20, batch_size_tokens=2048) == liveness.MIN_REFRESH_S
-    assert liveness.refresh_interval_s(record(0.0), inner_steps=20, batch_size_tokens=2048) == \
-        liveness.UNKNOWN_REFRESH_S
+    assert (
+        liveness.refresh_interval_s(record(0.0), inner_steps=20, batch_size_tokens=2048) == liveness.UNKNOWN_REFRESH_S
+    )
     # H < 4: a record after every step.
     assert liveness.refresh_interval_s(record(100.0), inner_steps=3, batch_size_tokens=1000) == 10.0
 
@@ -97,8 +116,12 @@ def test_the_monitor_counts_only_live_peers_in_the_totals():
     monitor = SwarmMonitor(dht=None)
     monitor._manifests[m.run_id] = m
     fresh, dead = record(1000.0), record(3000.0)
-    found = {m.run_id: [PeerProgress(FAST, fresh, stored(m, fresh, 1.0, now)),
-                        PeerProgress(SLOW, dead, stored(m, dead, liveness.stale_after_s(dead, m) + 5, now))]}
+    found = {
+        m.run_id: [
+            PeerProgress(FAST, fresh, stored(m, fresh, 1.0, now)),
+            PeerProgress(SLOW, dead, stored(m, dead, liveness.stale_after_s(dead, m) + 5, now)),
+        ]
+    }
     monitor.ingest({m.run_id: m.name}, found, now)
     [run] = monitor.snapshot()["runs"]
     by_id = {p["peer_id"]: p for p in run["peers"]}
@@ -117,8 +140,10 @@ def test_the_monitor_counts_only_live_peers_in_the_totals():
 def test_peer_status_shows_a_stale_peer_as_gone(monkeypatch):
     m, now = tiny_run(), time.time()
     fresh, dead = record(1000.0), record(3000.0)
-    items = [PeerProgress(FAST, fresh, stored(m, fresh, 1.0, now)),
-             PeerProgress(SLOW, dead, stored(m, dead, liveness.stale_after_s(dead, m) + 5, now))]
+    items = [
+        PeerProgress(FAST, fresh, stored(m, fresh, 1.0, now)),
+        PeerProgress(SLOW, dead, stored(m, dead, liveness.stale_after_s(dead, m) + 5, now)),
+    ]
     monkeypatch.setattr(swarm_dht, "list_runs", lambda dht: {m.run_id: m.name})
     monkeypatch.setattr(swarm_dht, "read_progress", lambda dht, run_id, **kw: items)
     monkeypatch.setattr(swarm_dht, "fetch_manifest", lambda dht, run_id: m)

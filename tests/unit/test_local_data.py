@@ -24,8 +24,9 @@ def write_corpus(folder, n=40):
 
 
 def spec(path="", **kw):
-    return DataSpec(source="files", path=str(path), seq_len_tokens=8, validation_sequences=4,
-                    validation_fraction=0.2, **kw)
+    return DataSpec(
+        source="files", path=str(path), seq_len_tokens=8, validation_sequences=4, validation_fraction=0.2, **kw
+    )
 
 
 def test_binary_and_non_utf8_files_are_skipped_and_counted(tmp_path, caplog):
@@ -71,8 +72,10 @@ def test_a_copy_of_another_size_is_refused_naming_both_sizes(tmp_path):
     run_data = spec("", corpus_sha256=corpus.corpus_sha256, corpus_bytes=corpus.corpus_bytes)
     copy = tmp_path / "volunteer" / "corpus"
     shutil.copytree(original, copy)
-    assert load_corpus(with_local_data(run_data, copy, run="run abc (web)"),
-                       cache_dir=tmp_path / "cache2").corpus_sha256 == corpus.corpus_sha256
+    assert (
+        load_corpus(with_local_data(run_data, copy, run="run abc (web)"), cache_dir=tmp_path / "cache2").corpus_sha256
+        == corpus.corpus_sha256
+    )
     victim = sorted(p for p in copy.rglob("*") if p.is_file())[0]
     victim.write_bytes(victim.read_bytes()[: len(victim.read_bytes()) // 2])  # an interrupted download
     with pytest.raises(ConfigError) as info:

@@ -42,7 +42,7 @@ def test_wrong_type_is_refused(tmp_path):
 
 def test_unknown_field_lists_allowed(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[sync]\ninner_stepz = 3\n')
+    path.write_text("[sync]\ninner_stepz = 3\n")
     with pytest.raises(ManifestError, match=r"inner_stepz.*\[sync\].*inner_steps"):
         load_manifest(path)
 

@@ -8,8 +8,9 @@ H = 10
 
 
 def record(round_: int, step: int = 0, group: int = 3) -> ProgressRecord:
-    return ProgressRecord(round=round_, inner_step=round_ * H + step, train_loss=1.0, tokens_per_s=1.0,
-                          group_size=group, bytes_sent=0)
+    return ProgressRecord(
+        round=round_, inner_step=round_ * H + step, train_loss=1.0, tokens_per_s=1.0, group_size=group, bytes_sent=0
+    )
 
 
 def test_rounds_missed_between_polls_are_counted_as_unseen():

@@ -19,8 +19,16 @@ from peer.reachability import Reachability
 from peer.state.data_dir import hold_data_dir
 from protocol.errors import ConfigError, HelperDied
 
-SHUTDOWN_ORDER = ["devices.stop", "inner.close", "swarm.close", "watch.stop", "transport.shutdown",
-                  "keeper.stop", "announcer.stop", "dht.shutdown"]
+SHUTDOWN_ORDER = [
+    "devices.stop",
+    "inner.close",
+    "swarm.close",
+    "watch.stop",
+    "transport.shutdown",
+    "keeper.stop",
+    "announcer.stop",
+    "dht.shutdown",
+]
 """Released after a full assembly, in this order (the reverse of acquisition; no pipeline stage)."""
 
 
@@ -78,14 +86,21 @@ def rig(tmp_path, monkeypatch):
     ``reach`` (what reach_out decides; ``restart``: it hands back a new DHT node)."""
     log: list[str] = []
     built: dict[str, object] = {}
-    r = SimpleNamespace(log=log, built=built, cfg=JoinConfig(data_dir=tmp_path / "data"),
-                        summary=TrainSummary(peer_id="p"), fail_at=None, reach=Reachability("unchecked"),
-                        restart=False)
+    r = SimpleNamespace(
+        log=log,
+        built=built,
+        cfg=JoinConfig(data_dir=tmp_path / "data"),
+        summary=TrainSummary(peer_id="p"),
+        fail_at=None,
+        reach=Reachability("unchecked"),
+        restart=False,
+    )
 
     def keep(name, cls):
         def make(*args, **kwargs):
             built[name] = cls(*args, **kwargs)
             return built[name]
+
         return make
 
     def start_dht(start, initial_peers, book):
@@ -118,17 +133,27 @@ def rig(tmp_path, monkeypatch):
 
     placement = SimpleNamespace(devices=["cpu"], event_fields=lambda: {"device": "cpu"})
     fakes = dict(
-        tune_host_allocator=lambda: None, with_local_data=lambda *a, **k: "data", describe=str,
-        load_corpus=lambda data, cache_dir: SimpleNamespace(tokenizer=None), start_dht_remembering=start_dht,
-        reachability=SimpleNamespace(reach_out=reach_out, start_node=None, printable_maddrs=lambda dht, reach: [],
-                                     relay_maddrs=lambda dht, reach: list(reach.relays)),
+        tune_host_allocator=lambda: None,
+        with_local_data=lambda *a, **k: "data",
+        describe=str,
+        load_corpus=lambda data, cache_dir: SimpleNamespace(tokenizer=None),
+        start_dht_remembering=start_dht,
+        reachability=SimpleNamespace(
+            reach_out=reach_out,
+            start_node=None,
+            printable_maddrs=lambda dht, reach: [],
+            relay_maddrs=lambda dht, reach: list(reach.relays),
+        ),
         protect_run=lambda dht, key: None,
         swarm_dht=SimpleNamespace(ManifestAnnouncer=keep("announcer", resource(log, "announcer"))),
-        AddressKeeper=keep("keeper", resource(log, "keeper")), build_model=lambda cfg, tok: torch.nn.Linear(2, 2),
+        AddressKeeper=keep("keeper", resource(log, "keeper")),
+        build_model=lambda cfg, tok: torch.nn.Linear(2, 2),
         NetworkTransport=keep("transport", resource(log, "transport", averager=None, max_sync_seconds=1.0)),
         lifetime=SimpleNamespace(HelperWatch=keep("watch", resource(log, "watch")), PEER_RESTART="run again"),
-        SwarmView=keep("swarm", resource(log, "swarm")), place=lambda device, **k: (placement, ["a note"]),
-        Trainer=Trainer, DeviceAnnouncer=keep("devices", resource(log, "devices")),
+        SwarmView=keep("swarm", resource(log, "swarm")),
+        place=lambda device, **k: (placement, ["a note"]),
+        Trainer=Trainer,
+        DeviceAnnouncer=keep("devices", resource(log, "devices")),
         DeviceRecord=SimpleNamespace(from_event=lambda fields: None),
     )
     for name, fake in fakes.items():

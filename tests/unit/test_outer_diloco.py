@@ -135,7 +135,7 @@ def test_preview_is_the_in_place_step_bit_for_bit_and_touches_nothing(nesterov):
     outer = DiLoCo(shapes, OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=nesterov))
     phi = [torch.randn(s) for s in shapes]
     for _ in range(3):
-        outer.apply(phi, [torch.randn(s) * 0.1 for s in shapes])   # momentum is not zero any more
+        outer.apply(phi, [torch.randn(s) * 0.1 for s in shapes])  # momentum is not zero any more
         mean = [torch.randn(s) * 0.1 for s in shapes]
         before = [t.clone() for t in (*phi, *outer.momentum)]
         preview = outer.preview(phi, mean)

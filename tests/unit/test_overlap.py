@@ -49,8 +49,11 @@ def test_overlap_from_round_is_validated_and_left_out_of_the_encoding_at_its_def
     assert later.run_id != from_dict({"sync": {"overlap": "delayed"}}).run_id
     assert from_dict(later.to_dict()) == later
     for mode in ("none", "streaming"):
-        with pytest.raises(ManifestError, match=rf"sync\.overlap_from_round = 8 .*0 with sync\.overlap = '{mode}'.*"
-                                                r"set sync\.overlap_from_round = 0"):
+        with pytest.raises(
+            ManifestError,
+            match=rf"sync\.overlap_from_round = 8 .*0 with sync\.overlap = '{mode}'.*"
+            r"set sync\.overlap_from_round = 0",
+        ):
             from_dict({"sync": {"overlap": mode, "overlap_from_round": 8}})
     for bad in (-1, 2.5, True):
         with pytest.raises(ManifestError, match=rf"sync\.overlap_from_round = {re.escape(repr(bad))} is invalid"):
@@ -71,14 +74,14 @@ def test_delayed_phi_is_the_blocking_phi_one_round_late():
     anchor, pending = [p.clone() for p in phi_d], None
     history_d = []
     for g in progress:
-        theta = [a - x for a, x in zip(anchor, g)]        # the round's inner steps
+        theta = [a - x for a, x in zip(anchor, g)]  # the round's inner steps
         delta = round_progress(anchor, theta)
         if pending is not None:
-            delayed.apply(phi_d, pending)                   # last round's mean lands
+            delayed.apply(phi_d, pending)  # last round's mean lands
         history_d.append([p.clone() for p in phi_d])
-        pending = delta                                     # identical peers: the mean is Δ
+        pending = delta  # identical peers: the mean is Δ
         anchor = next_start("delayed", delayed, phi_d, delta, delta, share=1.0)
-        for a, p, d in zip(anchor, phi_d, delta):          # θ ← φ_new + (θ − ψ_old)
+        for a, p, d in zip(anchor, phi_d, delta):  # θ ← φ_new + (θ − ψ_old)
             torch.testing.assert_close(a, p - d, rtol=0, atol=0)
     drain(delayed, phi_d, pending)
     history_d.append([p.clone() for p in phi_d])
@@ -115,8 +118,9 @@ class PaperWorker:
         self.x = [x - self.lr * d for x, d in zip(self.x, direction)]
 
 
-@pytest.mark.parametrize("lr,mu,nesterov", [(0.8, 0.0, False), (0.7, 0.9, True), (1.0, 0.5, False)],
-                         ids=["plain", "nesterov", "heavy-ball"])
+@pytest.mark.parametrize(
+    "lr,mu,nesterov", [(0.8, 0.0, False), (0.7, 0.9, True), (1.0, 0.5, False)], ids=["plain", "nesterov", "heavy-ball"]
+)
 def test_eager_matches_the_papers_per_worker_recursion(lr, mu, nesterov):
     """Eager (ALGORITHMS.md §3): x_i(t) = OuterOpt_i(x_i(t−1), Δ̂_i(t)) with
     Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1), each worker with its own outer state. Each
@@ -129,30 +133,33 @@ def test_eager_matches_the_papers_per_worker_recursion(lr, mu, nesterov):
     paper = [PaperWorker(phi, lr, mu, nesterov) for phi in phis]
     pending, last = None, None
     for t in range(rounds):
-        deltas = [[0.05 * x for x in rand(100 * t + i)] for i in range(M)]   # Δ_i(t)
+        deltas = [[0.05 * x for x in rand(100 * t + i)] for i in range(M)]  # Δ_i(t)
         mean = [sum(d[k] for d in deltas) / M for k in range(len(SHAPES))]
         if pending is not None:
             for outer, phi in zip(outers, phis):
-                outer.apply(phi, pending)                                       # the correction
+                outer.apply(phi, pending)  # the correction
         for i in range(M):
-            others = ([sum(last[j][k] for j in range(M) if j != i) / M for k in range(len(SHAPES))]
-                      if last is not None else [torch.zeros(s) for s in SHAPES])
+            others = (
+                [sum(last[j][k] for j in range(M) if j != i) / M for k in range(len(SHAPES))]
+                if last is not None
+                else [torch.zeros(s) for s in SHAPES]
+            )
             paper[i].step([deltas[i][k] / M + others[k] for k in range(len(SHAPES))])
             start = next_start("eager", outers[i], phis[i], deltas[i], deltas[i], share=1 / M, eager=states[i])
             for a, b in zip(start, paper[i].x):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         pending, last = mean, deltas
-        for phi, outer in zip(phis[1:], outers[1:]):   # φ only ever takes group means: bit-identical
+        for phi, outer in zip(phis[1:], outers[1:]):  # φ only ever takes group means: bit-identical
             for a, b in zip([*phi, *outer.momentum], [*phis[0], *outers[0].momentum]):
                 assert torch.equal(a, b)
-    if mu:   # the per-worker state matters: the closed form (one step of φ with Δ/M) is not the paper's
+    if mu:  # the per-worker state matters: the closed form (one step of φ with Δ/M) is not the paper's
         closed = preview_step(outers[0], phis[0], [d / M for d in deltas[0]])
         assert max((a - b).abs().max().item() for a, b in zip(closed, paper[0].x)) > 1e-3
 
 
 def test_eager_leaves_phi_and_momentum_alone_and_is_corrected_by_the_mean():
     outer, phi = nesterov(), rand(0)
-    outer.apply(phi, rand(1))            # some momentum
+    outer.apply(phi, rand(1))  # some momentum
     phi_before, m_before = [p.clone() for p in phi], [m.clone() for m in outer.momentum]
     mine, n, state = rand(2), 4, EagerState()
     with pytest.raises(ValueError, match="EagerState"):
@@ -163,7 +170,7 @@ def test_eager_leaves_phi_and_momentum_alone_and_is_corrected_by_the_mean():
     for m, b in zip(outer.momentum, m_before):
         assert torch.equal(m, b)
     lr, mu = 0.7, 0.9
-    for s, p, d in zip(start, phi, mine):   # a fresh worker: its offset's first Nesterov step on Δ/n
+    for s, p, d in zip(start, phi, mine):  # a fresh worker: its offset's first Nesterov step on Δ/n
         g = d / n
         torch.testing.assert_close(s, p - lr * (g + mu * g), rtol=1e-6, atol=1e-6)
     # the group mean arrives: φ takes the true mean, whatever the eager guess was
@@ -191,9 +198,9 @@ def test_noloco_eager_preview_has_no_pull_until_the_partner_phi_arrives():
     phi, d = rand(0), rand(1)
     payload = outer.payload(phi, d)
     stand_in = eager_mean(payload, n_delta=outer.phi_from(len(phi)), share=0.5)
-    assert all(torch.equal(a, b) for a, b in zip(stand_in[len(phi):], phi))   # mean φ = own φ
+    assert all(torch.equal(a, b) for a, b in zip(stand_in[len(phi) :], phi))  # mean φ = own φ
     start = preview_step(outer, phi, stand_in)
-    for s, p, x in zip(start, phi, d):   # δ = −β·Δ/2, φ + δ
+    for s, p, x in zip(start, phi, d):  # δ = −β·Δ/2, φ + δ
         torch.testing.assert_close(s, p - 0.7 * x / 2, rtol=1e-6, atol=1e-6)
     assert all(torch.equal(m, torch.zeros_like(m)) for m in outer.momentum)
 

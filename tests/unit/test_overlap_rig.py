@@ -6,8 +6,10 @@ from bench.overlap_rig import peer_figures, rig_manifest
 
 
 def rounds(times, compute, sync=1.0):
-    return [{"time": t, "compute_s": c, "sync_s": sync, "tokens": 100, "group_size": 4, "note": ""}
-            for t, c in zip(times, compute)]
+    return [
+        {"time": t, "compute_s": c, "sync_s": sync, "tokens": 100, "group_size": 4, "note": ""}
+        for t, c in zip(times, compute)
+    ]
 
 
 def test_utilization_leaves_out_the_warmup_rounds():
@@ -34,7 +36,7 @@ def test_streaming_rows_carry_p_tau_and_how_long_each_fragment_sync_overlapped()
     events = rounds([10, 14, 18], [3.0, 3.0, 3.0])
     for e, steps in zip(events, ([], [5, 7], [9])):
         e["overlap_steps"] = steps
-    assert peer_figures(events, warmup=1)["overlap_steps"] == [5, 7, 9]   # the warm-up round's are left out
+    assert peer_figures(events, warmup=1)["overlap_steps"] == [5, 7, 9]  # the warm-up round's are left out
 
 
 def test_a_streaming_row_names_its_p_when_it_is_not_the_rigs_two_and_carries_the_merge():
@@ -43,12 +45,25 @@ def test_a_streaming_row_names_its_p_when_it_is_not_the_rigs_two_and_carries_the
     m = rig_manifest("streaming", 40, fragments=1, fragment_delay=2, fragment_merge="shift", fragment_alpha=0.0)
     assert (m.sync.fragments, m.sync.fragment_merge, m.sync.fragment_alpha) == (1, "shift", 0.0)
     assert fragments_of({"overlap": "streaming", "streaming": {"fragments": 1}}) == 1
-    assert fragments_of({"overlap": "streaming"}) == 2                  # recorded before P was: the rig's 2
+    assert fragments_of({"overlap": "streaming"}) == 2  # recorded before P was: the rig's 2
     assert fragments_of({"overlap": "delayed"}) is None
-    row = {"overlap": "streaming", "peers": 4, "uplink_mbit": 100.0, "inner_steps": 30, "payload_mb": 1.97,
-           "compute_utilization": 0.99, "compute_utilization_min": 0.98, "round_s": 2.0, "compute_s_per_round": 1.98,
-           "sync_s": 1.2, "blocking_share": 0.6, "tokens_per_s": 1e4, "mean_group_size": 4.0,
-           "median_overlap_steps": 12, "fragments": 1}
+    row = {
+        "overlap": "streaming",
+        "peers": 4,
+        "uplink_mbit": 100.0,
+        "inner_steps": 30,
+        "payload_mb": 1.97,
+        "compute_utilization": 0.99,
+        "compute_utilization_min": 0.98,
+        "round_s": 2.0,
+        "compute_s_per_round": 1.98,
+        "sync_s": 1.2,
+        "blocking_share": 0.6,
+        "tokens_per_s": 1e4,
+        "mean_group_size": 4.0,
+        "median_overlap_steps": 12,
+        "fragments": 1,
+    }
     assert "| streaming, P = 1 (median 12 steps) |" in markdown([row])
     assert "| streaming (median 12 steps) |" in markdown([{**row, "fragments": 2}])
 
@@ -58,8 +73,8 @@ def test_a_wider_rig_model_has_a_larger_payload_and_the_same_blocks():
 
     wide = rig_manifest("delayed", 20, hidden_size=256)
     assert (wide.model.hidden_size, wide.model.intermediate_size, wide.model.num_layers) == (256, 768, 2)
-    assert rig_manifest("none", 20).model.hidden_size == 128          # lab/chaos.py's model by default
-    assert CHAOS_PAYLOAD_MB == pytest.approx(1.97, abs=0.01)          # 0.49 M fp32 parameters
+    assert rig_manifest("none", 20).model.hidden_size == 128  # lab/chaos.py's model by default
+    assert CHAOS_PAYLOAD_MB == pytest.approx(1.97, abs=0.01)  # 0.49 M fp32 parameters
     assert payload_mb(wide) == pytest.approx(7.35, abs=0.01)
     with pytest.raises(ValueError, match="hidden_size = 7"):
         rig_model(7)

@@ -40,9 +40,19 @@ def test_group_plan_is_the_same_on_every_groupmate_and_seeded_by_round():
 
     def plan_of(my_index, round_=5, spec=spec):
         tensors = [torch.randn(s, generator=gen) for s in shapes]  # another peer, other values
-        return make_group_plan(tensors, group_id=b"g", peer_ids=("a", "b", "c"), my_index=my_index, owners=[0, 2],
-                               round_=round_, compression=spec, phi_from=None, piece_elements=1000,
-                               uplink_bytes_per_s=1e6)
+        return make_group_plan(
+            tensors,
+            group_id=b"g",
+            peer_ids=("a", "b", "c"),
+            my_index=my_index,
+            owners=[0, 2],
+            round_=round_,
+            compression=spec,
+            phi_from=None,
+            piece_elements=1000,
+            uplink_bytes_per_s=1e6,
+        )
+
     first, second = plan_of(0), plan_of(1)
     assert first.pieces == second.pieces and first.max_piece_bytes == second.max_piece_bytes
     assert {p.owner for p in first.pieces} == {0, 2} and len(first.pieces) > 2

@@ -22,8 +22,12 @@ from protocol.presets import tiny_run
 from protocol.wire.pipeline import StageReply, StageRequest
 
 H = 4
-MANIFEST = tiny_run().replace(model={"num_layers": 2}, pipeline={"stages": 2, "activation_dtype": "fp32"},
-                              inner_optimizer={"grad_clip_norm": 0.0}, sync={"inner_steps": H})
+MANIFEST = tiny_run().replace(
+    model={"num_layers": 2},
+    pipeline={"stages": 2, "activation_dtype": "fp32"},
+    inner_optimizer={"grad_clip_norm": 0.0},
+    sync={"inner_steps": H},
+)
 
 
 class Link:
@@ -46,16 +50,18 @@ class Link:
         future: concurrent.futures.Future = concurrent.futures.Future()
         mb = micro_batch_id(step, index)
         self.calls.append(mb)
-        self.following.requests.put((StageRequest(request_id=1, micro_batch=mb, stage=1, activations=activations,
-                                                  targets=targets), future))
+        self.following.requests.put(
+            (StageRequest(request_id=1, micro_batch=mb, stage=1, activations=activations, targets=targets), future)
+        )
         grad, loss, tokens = future.result(30)
         return StageReply(request_id=1, grad=grad, loss=loss, tokens=tokens)
 
 
 def _sampler(seed: int = 3) -> BatchSampler:
     stream = torch.randint(0, 259, (20_000,), generator=torch.Generator().manual_seed(1))
-    return BatchSampler(stream, seq_len=MANIFEST.data.seq_len_tokens, batch_sequences=MANIFEST.batch_sequences,
-                        seed=seed)
+    return BatchSampler(
+        stream, seq_len=MANIFEST.data.seq_len_tokens, batch_sequences=MANIFEST.batch_sequences, seed=seed
+    )
 
 
 def _pipeline(micro_batch: int | None = None):
@@ -64,9 +70,17 @@ def _pipeline(micro_batch: int | None = None):
     stop = threading.Event()
     link1 = Link()
     link0 = Link(following=link1)
-    loops = [StageInnerLoop(PipelineStage(model, 2, 0), MANIFEST.inner_optimizer, _sampler(), link0, stop=stop,
-                            micro_batch_sequences=micro_batch),
-             StageInnerLoop(PipelineStage(model, 2, 1), MANIFEST.inner_optimizer, _sampler(), link1, stop=stop)]
+    loops = [
+        StageInnerLoop(
+            PipelineStage(model, 2, 0),
+            MANIFEST.inner_optimizer,
+            _sampler(),
+            link0,
+            stop=stop,
+            micro_batch_sequences=micro_batch,
+        ),
+        StageInnerLoop(PipelineStage(model, 2, 1), MANIFEST.inner_optimizer, _sampler(), link1, stop=stop),
+    ]
     return full, model, loops, stop
 
 
@@ -95,8 +109,7 @@ def test_a_step_through_two_stages_equals_one_step_of_the_unsplit_model(micro_ba
     # parameters after AdamW's first step agree to 1e-5 (its g/|g| amplifies rounding where |g| ~ eps)
     after = dict(full.named_parameters())
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, after[name].grad, rtol=0, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, after[name].grad, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(p, after[name], rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     chunks = -(-MANIFEST.batch_sequences // (micro_batch or MANIFEST.batch_sequences))
     assert [split_micro_batch_id(mb) for mb in first.link.calls] == [(0, i) for i in range(chunks)]
@@ -131,8 +144,17 @@ def test_a_call_with_no_live_replica_pauses_the_pipeline_and_says_so():
 
     said = []
     stop = threading.Event()
-    link = PipelineLink(None, None, MANIFEST, stage=0, vocab_size=259, next_replicas=lambda: [],
-                        own_replicas=lambda: ["me"], peer_id="me", on_pause=said.append)
+    link = PipelineLink(
+        None,
+        None,
+        MANIFEST,
+        stage=0,
+        vocab_size=259,
+        next_replicas=lambda: [],
+        own_replicas=lambda: ["me"],
+        peer_id="me",
+        on_pause=said.append,
+    )
     threading.Timer(1.5, stop.set).start()
     acts = torch.zeros(2, 4, MANIFEST.model.hidden_size)
     with pytest.raises(StageCallFailed, match=r"stopped while stage 1 had no live replica"):

@@ -14,8 +14,9 @@ from protocol.manifest import RunManifest, dump_toml, from_dict
 
 
 def test_pipeline_fields_validated_round_tripped_and_absent_at_defaults():
-    m = RunManifest().replace(pipeline={"stages": 2, "routing": "fastest", "activation_dtype": "fp32",
-                                        "call_timeout_s": 5.0})
+    m = RunManifest().replace(
+        pipeline={"stages": 2, "routing": "fastest", "activation_dtype": "fp32", "call_timeout_s": 5.0}
+    )
     assert from_dict(tomllib.loads(dump_toml(m))) == m
     assert (m.pipeline.stages, m.pipeline.routing, m.pipeline.activation_dtype) == (2, "fastest", "fp32")
     # at its defaults the section stays out of the encoding: run ids from before it are unchanged
@@ -46,10 +47,14 @@ def test_peer_join_refuses_pipeline_stages_with_overlap_before_any_network_work(
 
     monkeypatch.setattr(node, "start_dht_remembering", no_network)
     monkeypatch.setattr(node, "load_corpus", no_network)
-    cfg = JoinConfig(new_run=RunManifest().replace(pipeline={"stages": 2}, sync={"overlap": "eager"}),
-                     data_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"pipeline\.stages = 2 with sync\.overlap = 'eager'.*"
-                                          r"use sync\.overlap = 'none'") as error:
+    cfg = JoinConfig(
+        new_run=RunManifest().replace(pipeline={"stages": 2}, sync={"overlap": "eager"}), data_dir=tmp_path
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"pipeline\.stages = 2 with sync\.overlap = 'eager'.*"
+        r"use sync\.overlap = 'none'",
+    ) as error:
         node.join(cfg, Reporter("json"))
     assert error.value.exit_code == 78
 
@@ -61,10 +66,14 @@ def test_choose_stage_flag_checkpoint_and_fewest_replicas(monkeypatch, tmp_path:
 
     manifest = RunManifest().replace(pipeline={"stages": 3})
     signer = SimpleNamespace(peer_id="me")
-    records = {node.stage_key(manifest.run_id, 0): ["a", "b"], node.stage_key(manifest.run_id, 1): ["c", "me"],
-               node.stage_key(manifest.run_id, 2): ["d"]}
-    monkeypatch.setattr(node.swarm_dht, "read_progress", lambda dht, key: [SimpleNamespace(peer_id=p)
-                                                                           for p in records.get(key, [])])
+    records = {
+        node.stage_key(manifest.run_id, 0): ["a", "b"],
+        node.stage_key(manifest.run_id, 1): ["c", "me"],
+        node.stage_key(manifest.run_id, 2): ["d"],
+    }
+    monkeypatch.setattr(
+        node.swarm_dht, "read_progress", lambda dht, key: [SimpleNamespace(peer_id=p) for p in records.get(key, [])]
+    )
     cfg = JoinConfig(data_dir=tmp_path)
     # fewest live replicas, not counting this peer's own old record: stage 1 (1 other), ties to the lowest
     assert node.choose_stage(None, manifest, cfg, signer) == 1

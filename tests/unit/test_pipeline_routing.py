@@ -37,10 +37,10 @@ def test_random_rule_redraws_across_steps_and_seeds():
     r = router("random")
     per_step = {tuple(r.order(many, step=step, micro_batch=0)) for step in range(10)}
     assert len(per_step) > 5
-    assert r.order(many, step=0, micro_batch=0) != Router(
-        "random", run_id="other-run", stage=1).order(many, step=0, micro_batch=0)
-    assert routing_seed(run_id="run", stage=1, step=0, block=0) != routing_seed(run_id="run", stage=2, step=0,
-                                                                                block=0)
+    assert r.order(many, step=0, micro_batch=0) != Router("random", run_id="other-run", stage=1).order(
+        many, step=0, micro_batch=0
+    )
+    assert routing_seed(run_id="run", stage=1, step=0, block=0) != routing_seed(run_id="run", stage=2, step=0, block=0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 9, 10, 31])
@@ -131,20 +131,23 @@ def test_stage_to_serve_picks_the_fewest_replicas_lowest_index_on_ties():
     assert stage_to_serve({0: 0, 1: 5}, 2, requested=1) == 1
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: stage_to_serve({}, 0), "stages = 0"),
-    (lambda: stage_to_serve({3: 1}, 3), "stage 3 in live_replicas"),
-    (lambda: stage_to_serve({0: -1}, 2), r"live_replicas\[0\] = -1"),
-    (lambda: stage_to_serve({}, 2, requested=2), "requested stage = 2"),
-    (lambda: Router("round-robin", run_id="r", stage=0), "pipeline.routing = 'round-robin'"),
-    (lambda: Router("random", run_id="r", stage=-1), "stage = -1"),
-    (lambda: Router("random", run_id="r", stage=0, cooldown_s=-1.0), "cooldown_s = -1.0"),
-    (lambda: Router("fastest", run_id="r", stage=0, default_seconds=0.0), "default_seconds = 0.0"),
-    (lambda: Router("fastest", run_id="r", stage=0, ema=1.5), "ema = 1.5"),
-    (lambda: router("random").order(REPLICAS, step=-1, micro_batch=0), "step = -1"),
-    (lambda: router("random").order(REPLICAS, step=0, micro_batch=-2), "micro_batch = -2"),
-    (lambda: router("fastest").finished("peer-a", float("nan")), "seconds = nan"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: stage_to_serve({}, 0), "stages = 0"),
+        (lambda: stage_to_serve({3: 1}, 3), "stage 3 in live_replicas"),
+        (lambda: stage_to_serve({0: -1}, 2), r"live_replicas\[0\] = -1"),
+        (lambda: stage_to_serve({}, 2, requested=2), "requested stage = 2"),
+        (lambda: Router("round-robin", run_id="r", stage=0), "pipeline.routing = 'round-robin'"),
+        (lambda: Router("random", run_id="r", stage=-1), "stage = -1"),
+        (lambda: Router("random", run_id="r", stage=0, cooldown_s=-1.0), "cooldown_s = -1.0"),
+        (lambda: Router("fastest", run_id="r", stage=0, default_seconds=0.0), "default_seconds = 0.0"),
+        (lambda: Router("fastest", run_id="r", stage=0, ema=1.5), "ema = 1.5"),
+        (lambda: router("random").order(REPLICAS, step=-1, micro_batch=0), "step = -1"),
+        (lambda: router("random").order(REPLICAS, step=0, micro_batch=-2), "micro_batch = -2"),
+        (lambda: router("fastest").finished("peer-a", float("nan")), "seconds = nan"),
+    ],
+)
 def test_bad_inputs_raise_with_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -11,8 +11,11 @@ from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 
 def manifest(stages: int, algorithm: str = "diloco", routing: str = "random", dtype: str = "bf16"):
-    return tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm, "inner_steps": 10},
-                              pipeline={"stages": stages, "routing": routing, "activation_dtype": dtype})
+    return tiny_run().replace(
+        model={"num_layers": 2},
+        sync={"algorithm": algorithm, "inner_steps": 10},
+        pipeline={"stages": stages, "routing": routing, "activation_dtype": dtype},
+    )
 
 
 def test_one_stage_is_the_unpipelined_swarm(corpus):

@@ -42,8 +42,10 @@ def test_fp16_alone_needs_a_scaler_and_fp32_has_no_autocast():
     assert (BF16.autocast_dtype, FP16.autocast_dtype) == (torch.bfloat16, torch.float16)
 
 
-@pytest.mark.parametrize("device_type,capability,requested", [
-    ("cpu", None, "fp8"), ("cuda", (8, 0), "half"), ("xla", None, "auto"), ("cuda", None, "auto")])
+@pytest.mark.parametrize(
+    "device_type,capability,requested",
+    [("cpu", None, "fp8"), ("cuda", (8, 0), "half"), ("xla", None, "auto"), ("cuda", None, "auto")],
+)
 def test_bad_values_name_themselves(device_type, capability, requested):
     with pytest.raises(ConfigError) as info:
         choose_precision(device_type, capability, requested)

@@ -17,19 +17,39 @@ def test_position_indexes_the_lr_schedule_and_a_discarded_step_still_counts():
 
 
 def outcome(sync: SyncReport) -> RoundOutcome:
-    return RoundOutcome(round=7, train_loss=2.5, tokens_per_s=10.0, tokens=64, peers=3, start_digest="a" * 32,
-                        state_digest="b" * 32, planned_group=None, sync=sync)
+    return RoundOutcome(
+        round=7,
+        train_loss=2.5,
+        tokens_per_s=10.0,
+        tokens=64,
+        peers=3,
+        start_digest="a" * 32,
+        state_digest="b" * 32,
+        planned_group=None,
+        sync=sync,
+    )
 
 
 def test_summary_adds_up_rounds_and_counts_failed_syncs():
     summary = TrainSummary(peer_id="me")
-    summary.record(outcome(SyncReport(group_size=3, group=("me", "p1", "p2"), bytes_sent=10, bytes_received=20,
-                                      attempts=1, agreeing=("p1",))))
+    summary.record(
+        outcome(
+            SyncReport(
+                group_size=3, group=("me", "p1", "p2"), bytes_sent=10, bytes_received=20, attempts=1, agreeing=("p1",)
+            )
+        )
+    )
     summary.record(outcome(SyncReport(bytes_sent=5, failed=True, note="no group")))
     fields = summary.event_fields()
     assert "peer_id" not in fields
-    assert (fields["rounds_completed"], fields["max_group_size"], fields["bytes_sent"], fields["bytes_received"],
-            fields["failed_syncs"], fields["group_sizes"]) == (2, 3, 15, 20, 1, [3, 1])
+    assert (
+        fields["rounds_completed"],
+        fields["max_group_size"],
+        fields["bytes_sent"],
+        fields["bytes_received"],
+        fields["failed_syncs"],
+        fields["group_sizes"],
+    ) == (2, 3, 15, 20, 1, [3, 1])
 
 
 def test_round_event_names_this_peer_in_its_group_and_agreeing_set():
@@ -41,6 +61,16 @@ def test_round_event_names_this_peer_in_its_group_and_agreeing_set():
 
 def test_round_event_carries_the_rounds_compute_seconds():
     # bench/overlap_rig.py divides these by the wall time between round events (issue 18 item 4)
-    fields = RoundOutcome(round=1, train_loss=2.0, tokens_per_s=10.0, tokens=64, peers=1, start_digest="a" * 32,
-                          state_digest="b" * 32, planned_group=None, sync=SyncReport(), compute_s=6.4).event_fields("me")
+    fields = RoundOutcome(
+        round=1,
+        train_loss=2.0,
+        tokens_per_s=10.0,
+        tokens=64,
+        peers=1,
+        start_digest="a" * 32,
+        state_digest="b" * 32,
+        planned_group=None,
+        sync=SyncReport(),
+        compute_s=6.4,
+    ).event_fields("me")
     assert fields["compute_s"] == 6.4

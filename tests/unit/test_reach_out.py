@@ -51,8 +51,11 @@ def fakes(monkeypatch):
 
 
 def test_a_reachable_peer_keeps_its_node_and_offers_its_announced_addresses(fakes, tmp_path):
-    cfg = JoinConfig(data_dir=tmp_path, initial_peers=(BOOTSTRAP,),
-                     announce=("/ip4/203.0.113.7/tcp/31337", f"/ip4/203.0.113.8/tcp/1/p2p/{ID}"))
+    cfg = JoinConfig(
+        data_dir=tmp_path,
+        initial_peers=(BOOTSTRAP,),
+        announce=("/ip4/203.0.113.7/tcp/31337", f"/ip4/203.0.113.8/tcp/1/p2p/{ID}"),
+    )
     node = Node("first", fakes.log)
     dht, reach = reachability.reach_out(node, cfg, Events(), identity_path="id.key")
     assert dht is node and fakes.log == []
@@ -68,8 +71,10 @@ def test_an_unreachable_peer_restarts_relayed_and_the_config_stays_as_given(fake
     assert fakes.log == ["first.shutdown", "restart client_mode=True restart=True"] and dht.name == "relayed"
     assert reach.status == "unreachable" and reach.client_mode and reach.relays == (BOOTSTRAP,)
     assert not cfg.client_mode
-    assert ("status", {"message": "not reachable from outside", "reachability": "unreachable", "verified": []}) \
-        in reporter.events
+    assert (
+        "status",
+        {"message": "not reachable from outside", "reachability": "unreachable", "verified": []},
+    ) in reporter.events
     with pytest.raises(dataclasses.FrozenInstanceError):
         reach.client_mode = False
 
@@ -81,8 +86,9 @@ def test_client_mode_asked_for_is_not_checked(fakes, tmp_path):
     dht, reach = reachability.reach_out(node, cfg, Events(), identity_path="id.key")
     assert dht is node and fakes.log == []
     assert (reach.status, reach.client_mode, reach.relays) == ("unchecked", True, (BOOTSTRAP,))
-    dht, reach = reachability.reach_out(node, dataclasses.replace(cfg, initial_peers=()), Events(),
-                                        identity_path="id.key")
+    dht, reach = reachability.reach_out(
+        node, dataclasses.replace(cfg, initial_peers=()), Events(), identity_path="id.key"
+    )
     assert reach.client_mode and reach.relays == () and reachability.relay_maddrs(dht, reach) == []
 
 
@@ -92,8 +98,11 @@ def test_printed_addresses_follow_the_reachability(monkeypatch):
     dht = SimpleNamespace(peer_id="QmSelf")
     direct = Reachability("reachable", ("/ip4/203.0.113.7/tcp/4001",), announce=("/ip4/203.0.113.9/tcp/4001",))
     assert reachability.printable_maddrs(dht, direct) == [
-        "/ip4/203.0.113.7/tcp/4001/p2p/QmSelf", "/ip4/203.0.113.9/tcp/4001/p2p/QmSelf",
-        "/ip4/10.0.0.5/tcp/4001/p2p/QmSelf", f"{BOOTSTRAP}/p2p-circuit"]
+        "/ip4/203.0.113.7/tcp/4001/p2p/QmSelf",
+        "/ip4/203.0.113.9/tcp/4001/p2p/QmSelf",
+        "/ip4/10.0.0.5/tcp/4001/p2p/QmSelf",
+        f"{BOOTSTRAP}/p2p-circuit",
+    ]
     assert reachability.relay_maddrs(dht, direct) == []
     relayed = Reachability("unreachable", client_mode=True, relays=(BOOTSTRAP,))
     assert reachability.printable_maddrs(dht, relayed) == [f"{BOOTSTRAP}/p2p-circuit"]

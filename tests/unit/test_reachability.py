@@ -25,9 +25,15 @@ ID = "12D3KooWKypwB8ARFtvZsniHQMbzHYKNEM9Eaov1exVoCKYt5P8z"
 
 def test_request_round_trip_and_bad_requests():
     assert parse_request(encode_request([31337, 4001])) == [31337, 4001]
-    for bad in (msgpack.packb({"ports": []}), msgpack.packb({"ports": [0]}), msgpack.packb({"ports": [70000]}),
-                msgpack.packb({"ports": [True]}), msgpack.packb({"ports": list(range(1, MAX_PORTS + 2))}),
-                msgpack.packb([1, 2]), b"\xc1garbage"):
+    for bad in (
+        msgpack.packb({"ports": []}),
+        msgpack.packb({"ports": [0]}),
+        msgpack.packb({"ports": [70000]}),
+        msgpack.packb({"ports": [True]}),
+        msgpack.packb({"ports": list(range(1, MAX_PORTS + 2))}),
+        msgpack.packb([1, 2]),
+        b"\xc1garbage",
+    ):
         with pytest.raises(BadPayload):
             parse_request(bad)
 
@@ -35,8 +41,11 @@ def test_request_round_trip_and_bad_requests():
 def test_answer_parsing():
     answer = parse_answer(msgpack.packb({"observed": "203.0.113.7", "reachable": [31337]}), "Qm")
     assert answer == DialBack(checker="Qm", observed="203.0.113.7", reachable=(31337,))
-    for bad in (msgpack.packb({"observed": "not an ip", "reachable": []}),
-                msgpack.packb({"observed": 7, "reachable": []}), msgpack.packb({"observed": "", "reachable": ["x"]})):
+    for bad in (
+        msgpack.packb({"observed": "not an ip", "reachable": []}),
+        msgpack.packb({"observed": 7, "reachable": []}),
+        msgpack.packb({"observed": "", "reachable": ["x"]}),
+    ):
         with pytest.raises(BadPayload):
             parse_answer(bad, "Qm")
 
@@ -84,10 +93,13 @@ def test_verdict_from_the_answers():
 def test_printed_addresses_prefer_what_others_can_use():
     visible = [f"/ip4/127.0.0.1/tcp/4001/p2p/{ID}", f"/ip4/192.168.1.20/tcp/4001/p2p/{ID}"]
     assert dialable_maddrs(visible, ID) == [f"/ip4/192.168.1.20/tcp/4001/p2p/{ID}"]  # no loopback beside it
-    assert dialable_maddrs(visible, ID, verified=["/ip4/203.0.113.7/tcp/4001"],
-                           announce=["/dns4/me.example.org/tcp/4001"]) == [
-        f"/ip4/203.0.113.7/tcp/4001/p2p/{ID}", f"/dns4/me.example.org/tcp/4001/p2p/{ID}",
-        f"/ip4/192.168.1.20/tcp/4001/p2p/{ID}"]
+    assert dialable_maddrs(
+        visible, ID, verified=["/ip4/203.0.113.7/tcp/4001"], announce=["/dns4/me.example.org/tcp/4001"]
+    ) == [
+        f"/ip4/203.0.113.7/tcp/4001/p2p/{ID}",
+        f"/dns4/me.example.org/tcp/4001/p2p/{ID}",
+        f"/ip4/192.168.1.20/tcp/4001/p2p/{ID}",
+    ]
     only_loopback = [f"/ip4/127.0.0.1/tcp/4001/p2p/{ID}"]
     assert dialable_maddrs(only_loopback, ID) == only_loopback  # --host 127.0.0.1: that is all there is
     relay = f"/ip4/198.51.100.1/tcp/31337/p2p/QmBoot/p2p-circuit/p2p/{ID}"

@@ -81,14 +81,16 @@ def test_only_vouchers_count_for_a_peer_with_history():
     vouchers = {"p1", "p2", "p3"}
     assert resync_target(others, round_=4, digest=B, completed_with=["me", "p2", "p3"], vouchers=vouchers) is None
     # the same claim from vouchers is the swarm moving on
-    assert resync_target(others, round_=4, digest=B, completed_with=["me"],
-                         vouchers=vouchers | {f"fresh{i}" for i in range(4)}) == (5, A, ["fresh0", "fresh1", "fresh2",
-                                                                                        "fresh3", "p1"])
+    assert resync_target(
+        others, round_=4, digest=B, completed_with=["me"], vouchers=vouchers | {f"fresh{i}" for i in range(4)}
+    ) == (5, A, ["fresh0", "fresh1", "fresh2", "fresh3", "p1"])
 
 
 def test_a_peer_with_history_and_no_voucher_among_the_others_adopts_nothing():
-    assert resync_target([("p1", 9, A), ("p2", 9, A)], round_=3, digest=B, completed_with=["me"],
-                         vouchers=frozenset()) is None
+    assert (
+        resync_target([("p1", 9, A), ("p2", 9, A)], round_=3, digest=B, completed_with=["me"], vouchers=frozenset())
+        is None
+    )
 
 
 def test_a_joiner_follows_a_single_class_even_unattested():
@@ -98,12 +100,16 @@ def test_a_joiner_follows_a_single_class_even_unattested():
 def test_a_joiner_counts_only_mutually_attested_peers_between_several_classes():
     others = [("p1", 5, A), ("p2", 5, A), ("p3", 5, A), *((f"fake{i}", 6, C) for i in range(4))]
     mates = {"p1": ["p2", "p3"], "p2": ["p1", "p3"], "p3": ["p1", "p2"], "fake0": ["p1"]}  # p1 never names fake0
-    assert resync_target(others, round_=0, digest=B, completed_with=["me"], vouchers=None,
-                         groupmates=mates) == (5, A, ["p1", "p2", "p3"])
+    assert resync_target(others, round_=0, digest=B, completed_with=["me"], vouchers=None, groupmates=mates) == (
+        5,
+        A,
+        ["p1", "p2", "p3"],
+    )
     # identities of one owner can attest each other: the bigger such cluster wins a joiner (the stated limit)
     sybils = {f"fake{i}": [f"fake{j}" for j in range(4) if j != i] for i in range(4)}
-    assert resync_target(others, round_=0, digest=B, completed_with=["me"], vouchers=None,
-                         groupmates={**mates, **sybils})[:2] == (6, C)
+    assert resync_target(
+        others, round_=0, digest=B, completed_with=["me"], vouchers=None, groupmates={**mates, **sybils}
+    )[:2] == (6, C)
 
 
 def test_the_ledger_vouches_from_the_round_after_the_first_group():
@@ -117,8 +123,14 @@ def test_the_ledger_vouches_from_the_round_after_the_first_group():
 
 
 def test_attestation_needs_both_statements_at_most_a_round_apart():
-    statements = {"a": (4, ["b"]), "b": (5, ["a", "c"]), "c": (4, []), "d": (5, ["a"]), "e": (7, ["f"]),
-                  "f": (5, ["e"])}
+    statements = {
+        "a": (4, ["b"]),
+        "b": (5, ["a", "c"]),
+        "c": (4, []),
+        "d": (5, ["a"]),
+        "e": (7, ["f"]),
+        "f": (5, ["e"]),
+    }
     assert attested(statements) == {"a", "b"}  # c names no one, a does not name d, e and f are two rounds apart
     assert attested({"a": (4, ["a"])}) == frozenset()  # naming itself proves nothing
 
@@ -168,13 +180,23 @@ def test_a_peer_that_serves_no_state_follows_the_dialable_swarm_even_behind_it()
     # a class exactly one round behind: after a round this peer completed alone, it steps back to it
     assert diloco_resync_target([("open", 39, "b" * 32)], **kwargs, defers=True) == (39, "b" * 32, ["open"])
     # ... but after a round completed with groupmates, they have not published the new round yet
-    assert diloco_resync_target([("open", 39, "b" * 32)], **dict(kwargs, completed_with=("walled", "open")),
-                                defers=True) is None
+    assert (
+        diloco_resync_target([("open", 39, "b" * 32)], **dict(kwargs, completed_with=("walled", "open")), defers=True)
+        is None
+    )
     # the same state as its groupmates: nothing to adopt
     assert diloco_resync_target([("open", 40, "a" * 32)], **kwargs, defers=True) is None
     assert noloco_resync_target(others, round_=40, fresh=False, vouchers=None) is None
     assert noloco_resync_target(others, round_=40, fresh=False, vouchers=None, defers=True) == (3, "b" * 32, ["open"])
     # NoLoCo: with a counted peer at or ahead of its round, it does not go back
-    assert noloco_resync_target([*others, ("peer", 40, "c" * 32)], round_=40, fresh=False,
-                                vouchers={"open", "peer"}, defers=True) is None
-    assert noloco_resync_target(others, round_=40, fresh=False, vouchers={"open"}, defers=True) == (3, "b" * 32, ["open"])
+    assert (
+        noloco_resync_target(
+            [*others, ("peer", 40, "c" * 32)], round_=40, fresh=False, vouchers={"open", "peer"}, defers=True
+        )
+        is None
+    )
+    assert noloco_resync_target(others, round_=40, fresh=False, vouchers={"open"}, defers=True) == (
+        3,
+        "b" * 32,
+        ["open"],
+    )

@@ -19,9 +19,19 @@ H = 20
 
 
 def record(peer: str, round_: int, step: int) -> PeerProgress:
-    return PeerProgress(peer_id=peer, expiration=0.0,
-                        record=ProgressRecord(round=round_, inner_step=round_ * H + step, train_loss=1.0,
-                                              tokens_per_s=1.0, group_size=3, bytes_sent=0, state_digest="ab" * 16))
+    return PeerProgress(
+        peer_id=peer,
+        expiration=0.0,
+        record=ProgressRecord(
+            round=round_,
+            inner_step=round_ * H + step,
+            train_loss=1.0,
+            tokens_per_s=1.0,
+            group_size=3,
+            bytes_sent=0,
+            state_digest="ab" * 16,
+        ),
+    )
 
 
 class ScriptedSwarm:
@@ -46,13 +56,18 @@ class Schedule(types.SimpleNamespace):
         return False if self.background is None else BackgroundSchedule.holds_leaders_back(self)
 
 
-def trainer(swarm: ScriptedSwarm, stop: threading.Event | None = None, disagreed=(),
-            completed_with=("me",)) -> types.SimpleNamespace:
+def trainer(
+    swarm: ScriptedSwarm, stop: threading.Event | None = None, disagreed=(), completed_with=("me",)
+) -> types.SimpleNamespace:
     """A stand-in for :class:`CatchUp`'s attributes: its state, sync history and schedule."""
     history = types.SimpleNamespace(disagreed=set(disagreed), completed_with=tuple(completed_with), last_failed=False)
-    return types.SimpleNamespace(state=types.SimpleNamespace(H=H, waited={"sync": 0.0, "resync": 0.0}),
-                                 swarm=swarm, stop_event=stop or threading.Event(), history=history,
-                                 schedule=Schedule(background=None, from_round=0, history=history))
+    return types.SimpleNamespace(
+        state=types.SimpleNamespace(H=H, waited={"sync": 0.0, "resync": 0.0}),
+        swarm=swarm,
+        stop_event=stop or threading.Event(),
+        history=history,
+        schedule=Schedule(background=None, from_round=0, history=history),
+    )
 
 
 def test_donors_in_the_last_quarter_are_about_to_sync():
@@ -69,9 +84,11 @@ def test_donors_in_the_last_quarter_are_about_to_sync():
 
 def test_wait_ends_once_most_donors_published_the_next_round(monkeypatch):
     donors = ["a", "b", "c"]
-    swarm = ScriptedSwarm([record("a", 7, 15), record("b", 7, 15), record("c", 7, 15)],
-                          [record("a", 8, 0), record("b", 7, 15), record("c", 7, 15)],  # one moved on: wait on
-                          [record("a", 8, 0), record("b", 8, 0), record("c", 7, 15)])   # two of three: done
+    swarm = ScriptedSwarm(
+        [record("a", 7, 15), record("b", 7, 15), record("c", 7, 15)],
+        [record("a", 8, 0), record("b", 7, 15), record("c", 7, 15)],  # one moved on: wait on
+        [record("a", 8, 0), record("b", 8, 0), record("c", 7, 15)],
+    )  # two of three: done
     t = trainer(swarm)
     monkeypatch.setattr(t.stop_event, "wait", lambda seconds: None)
     CatchUp.wait_until_past(t, 7, donors)
@@ -98,10 +115,12 @@ def test_after_a_round_it_waits_for_peers_finishing_the_same_round(monkeypatch):
     # a and b were in the last quarter of round 7 and did not complete this peer's last sync from
     # its state (another group, or none); z is early in round 7 (slower): only a and b are waited
     # for, until most published 8
-    swarm = ScriptedSwarm([record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
-                          [record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
-                          [record("a", 8, 0), record("b", 7, 19), record("z", 7, 3)],
-                          [record("a", 8, 0), record("b", 8, 0), record("z", 7, 4)])
+    swarm = ScriptedSwarm(
+        [record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
+        [record("a", 7, 15), record("b", 7, 19), record("z", 7, 3)],
+        [record("a", 8, 0), record("b", 7, 19), record("z", 7, 3)],
+        [record("a", 8, 0), record("b", 8, 0), record("z", 7, 4)],
+    )
     t = at_round(trainer(swarm), 8)
     monkeypatch.setattr(t.stop_event, "wait", lambda seconds: None)
     CatchUp.wait_for_peers_finishing(t)
@@ -140,7 +159,7 @@ def test_with_overlap_peers_outside_the_last_group_are_waited_for_only_after_a_f
     # overlap), in the background from K = 7 on
     assert overlapping(failed=False, from_round=8) == 2
     assert overlapping(failed=False, from_round=7) == 1
-    swarm = ScriptedSwarm([record("c", 7, 3)], [record("c", 8, 0)])   # a disagreeing groupmate: always
+    swarm = ScriptedSwarm([record("c", 7, 3)], [record("c", 8, 0)])  # a disagreeing groupmate: always
     t = at_round(trainer(swarm, disagreed=("c",)), 8)
     t.schedule.background, t.stop_event.wait = types.SimpleNamespace(in_flight=True), (lambda seconds: None)
     CatchUp.wait_for_peers_finishing(t)
@@ -156,7 +175,7 @@ def test_groupmates_that_averaged_from_another_state_are_waited_for_wherever_the
     CatchUp.wait_for_peers_finishing(t)
     assert swarm.calls == 3
     alone = ScriptedSwarm([record("z", 7, 3)])
-    CatchUp.wait_for_peers_finishing(at_round(trainer(alone), 8))   # not a disagreeing groupmate
+    CatchUp.wait_for_peers_finishing(at_round(trainer(alone), 8))  # not a disagreeing groupmate
     assert alone.calls == 1
 
 
@@ -190,8 +209,15 @@ def test_the_evaluating_peer_starts_at_the_swarms_step():
             return self.now
 
     for now, before, after in ((6, 0, 6), (0, 0, 0), (3, 5, 5)):  # never moves back
-        t = at_round(types.SimpleNamespace(swarm=Swarm(now), state=types.SimpleNamespace(
-            H=H, m=types.SimpleNamespace(inner_optimizer=types.SimpleNamespace(batch_size_tokens=1024)))), 8)
+        t = at_round(
+            types.SimpleNamespace(
+                swarm=Swarm(now),
+                state=types.SimpleNamespace(
+                    H=H, m=types.SimpleNamespace(inner_optimizer=types.SimpleNamespace(batch_size_tokens=1024))
+                ),
+            ),
+            8,
+        )
         t.state.pos.step = before
         Publisher.keep_pace(t)
         assert t.state.pos.step == after
@@ -205,13 +231,25 @@ def test_an_owner_whose_means_were_refused_vouches_for_nothing():
 
     class Transport:
         def average(self, payload, **kwargs):
-            return SyncResult(mean=[t.clone() for t in payload], group=["a", "b", "c"], group_size=3, bytes_sent=1,
-                              bytes_received=1, seconds=0.1, refused=("c",), refused_pieces=2,
-                              start_digests={"a": "d", "b": "d", "c": "d"})
+            return SyncResult(
+                mean=[t.clone() for t in payload],
+                group=["a", "b", "c"],
+                group_size=3,
+                bytes_sent=1,
+                bytes_received=1,
+                seconds=0.1,
+                refused=("c",),
+                refused_pieces=2,
+                start_digests={"a": "d", "b": "d", "c": "d"},
+            )
 
     events = []
-    t = types.SimpleNamespace(transport=Transport(), stop_event=threading.Event(), peer_id="a",
-                              reporter=types.SimpleNamespace(emit=lambda event, **fields: events.append((event, fields))))
+    t = types.SimpleNamespace(
+        transport=Transport(),
+        stop_event=threading.Event(),
+        peer_id="a",
+        reporter=types.SimpleNamespace(emit=lambda event, **fields: events.append((event, fields))),
+    )
     _, report = GroupSync.sync(t, [torch.ones(3)], GroupChoice(expected_size=3), "d", round_=4, weight=1.0)
     assert events == [("sync", {"round": 4, "expected_group_size": 3, "peer_id": "a"})]  # the sync announced
     assert report.completed == ("b",) and set(report.agreeing) == {"a", "b"}
@@ -227,11 +265,11 @@ def joiner(swarm: ScriptedSwarm, reads: list[bool], round_: int = 0) -> types.Si
         found = reads.pop(0)
         t.reads.append(found)
         if found:
-            t.state.pos.round = 2   # it adopted the swarm's round
+            t.state.pos.round = 2  # it adopted the swarm's round
         return found
 
     t.wait_for_peers_finishing, t.catch_up_once = (lambda: None), catch_up_once
-    t.stop_event.wait = lambda seconds: time.sleep(0.01)   # a short stand-in for the 0.5 s between reads
+    t.stop_event.wait = lambda seconds: time.sleep(0.01)  # a short stand-in for the 0.5 s between reads
     return t
 
 
@@ -239,16 +277,18 @@ def test_a_fresh_peer_reads_again_while_the_records_ahead_attest_nothing_yet(mon
     ahead = [record("a", 2, 0), record("b", 1, 17)]
     t = joiner(ScriptedSwarm(ahead), [False, False, True, False])
     CatchUp.catch_up(t)
-    assert t.reads == [False, False, True, False]   # two empty reads, the adoption, nothing more
-    assert t.state.waited["resync"] >= 0.02   # its two waits are idle time its next round event reports
+    assert t.reads == [False, False, True, False]  # two empty reads, the adoption, nothing more
+    assert t.state.waited["resync"] >= 0.02  # its two waits are idle time its next round event reports
     # not fresh (resumed mid-run), or nobody ahead: one read, then it trains
-    for t in (joiner(ScriptedSwarm(ahead), [False, True], round_=1),
-              joiner(ScriptedSwarm([record("a", 0, 5)]), [False, True])):
+    for t in (
+        joiner(ScriptedSwarm(ahead), [False, True], round_=1),
+        joiner(ScriptedSwarm([record("a", 0, 5)]), [False, True]),
+    ):
         CatchUp.catch_up(t)
         assert t.reads == [False]
     import peer.round.catchup as round_module
 
-    monkeypatch.setattr(round_module, "JOINER_WAIT_S", 0.0)   # bounded: then it trains from its own φ
+    monkeypatch.setattr(round_module, "JOINER_WAIT_S", 0.0)  # bounded: then it trains from its own φ
     t = joiner(ScriptedSwarm(ahead), [False, True])
     CatchUp.catch_up(t)
     assert t.reads == [False]
@@ -265,7 +305,7 @@ def test_with_overlap_a_groupmate_one_round_ahead_is_adopted_only_when_this_peer
         t = at_round(trainer(ScriptedSwarm([record("b", 4, 0), record("c", 4, 0)]), disagreed=disagreed), 3)
         t.state.pos.step = 0
         t.vouching, t.state.outer = Vouching(min_round_s=0.02), make_outer(tiny_run(), [])
-        t.vouching.ledger.record_group(1, ["b", "c"])          # b and c completed a sync with it before
+        t.vouching.ledger.record_group(1, ["b", "c"])  # b and c completed a sync with it before
         t.schedule.background = types.SimpleNamespace(in_flight=True)
         t.history.last_failed, t.history.completed_with, t.peer_id = failed, ("a",), "a"
         t.state.digest, t.cfg = "cd" * 16, types.SimpleNamespace(serves_state=True)

@@ -41,12 +41,17 @@ class Events(Reporter):
         return [e for e in self.events if e["event"] == kind]
 
 
-def make_trainer(corpus, manifest, peer_id, records, transport, *, rounds, checkpoint=None, reporter=None,
-                 stop=None):
-    return Trainer(manifest=manifest, model=build_model(manifest.model, corpus.tokenizer), corpus=corpus,
-                   swarm=Swarm(peer_id, records), transport=transport,
-                   config=TrainerConfig(max_rounds=rounds, checkpoint_path=checkpoint),
-                   reporter=reporter or Events(), stop_event=stop or threading.Event())
+def make_trainer(corpus, manifest, peer_id, records, transport, *, rounds, checkpoint=None, reporter=None, stop=None):
+    return Trainer(
+        manifest=manifest,
+        model=build_model(manifest.model, corpus.tokenizer),
+        corpus=corpus,
+        swarm=Swarm(peer_id, records),
+        transport=transport,
+        config=TrainerConfig(max_rounds=rounds, checkpoint_path=checkpoint),
+        reporter=reporter or Events(),
+        stop_event=stop or threading.Event(),
+    )
 
 
 def run_in_threads(trainers):
@@ -100,14 +105,24 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
     previewed_in = calling_threads(monkeypatch, DiLoCo, "preview")
     manifest = tiny_run().replace(sync={"overlap": overlap})
     records, group = Records(), Group(2)
-    trainers = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=3,
-                             # a directory each, as real peers have: a write clears the directory's temporaries
-                             checkpoint=tmp_path / p / f"{p}.safetensors") for p in ("a", "b")]
+    trainers = [
+        make_trainer(
+            corpus,
+            manifest,
+            p,
+            records,
+            Transport(p, group),
+            rounds=3,
+            # a directory each, as real peers have: a write clears the directory's temporaries
+            checkpoint=tmp_path / p / f"{p}.safetensors",
+        )
+        for p in ("a", "b")
+    ]
     phi0 = [f.clone() for f in trainers[0].phi]
     run_in_threads(trainers)
     a, b = trainers
     for x, y in zip(a.phi, b.phi):
-        assert torch.isfinite(x).all() and torch.equal(x, y)   # bit-identical after the last sync landed
+        assert torch.isfinite(x).all() and torch.equal(x, y)  # bit-identical after the last sync landed
     assert any(not torch.equal(x, y) for x, y in zip(a.phi, phi0))
     for t in trainers:
         # every sync ran in the background thread, one per round, in order
@@ -123,8 +138,9 @@ def test_two_peers_overlap_their_syncs_and_hold_identical_phi(corpus, overlap, t
         assert [p.detach() for p in t.params] and all(torch.equal(p.detach(), f) for p, f in zip(t.params, t.phi))
         # the checkpoint's φ and outer state are the snapshot's copies of them: the live values
         t.save()  # as `peer join` does after run(): the last sync landed after round 3's checkpoint
-        saved = load_checkpoint(tmp_path / t.peer_id / f"{t.peer_id}.safetensors", run_id=manifest.run_id, names=t.names,
-                                shapes=t.shapes)
+        saved = load_checkpoint(
+            tmp_path / t.peer_id / f"{t.peer_id}.safetensors", run_id=manifest.run_id, names=t.names, shapes=t.shapes
+        )
         assert saved.round == 3 and all(torch.equal(x, y) for x, y in zip(saved.phi, t.phi))
         assert all(torch.equal(x, y) for x, y in zip(saved.momentum, t.outer.state_tensors()))
         assert any(bool(m.abs().sum() > 0) for m in saved.momentum)
@@ -177,23 +193,25 @@ def test_eager_with_outer_momentum_starts_each_peer_from_its_own_state_on_identi
     def recorded_start(self, outer, phi, delta, *, share):
         out = start(self, outer, phi, delta, share=share)
         starts.setdefault(id(self), []).append(
-            ([p.clone() for p in phi], [t.clone() for t in out], [o.clone() for o in self.offset]))
+            ([p.clone() for p in phi], [t.clone() for t in out], [o.clone() for o in self.offset])
+        )
         return out
 
     monkeypatch.setattr(EagerState, "start", recorded_start)
-    manifest = tiny_run().replace(sync={"overlap": "eager"},
-                                  outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    manifest = tiny_run().replace(
+        sync={"overlap": "eager"}, outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    )
     trainers = a, b = run_pair_with_identical_state(corpus, manifest, rounds=3)
     assert any(bool(m.abs().sum() > 0) for m in a.outer.state_tensors())
     runs = [starts[id(t.schedule.eager)] for t in trainers]
-    assert [len(r) for r in runs] == [3, 3]     # one eager start per round end, on the training thread
-    for (phi, out, offset) in runs[0] + runs[1]:
+    assert [len(r) for r in runs] == [3, 3]  # one eager start per round end, on the training thread
+    for phi, out, offset in runs[0] + runs[1]:
         for p, x, o in zip(phi, out, offset):
             assert torch.equal(x, p + o)
     # the same φ at round 2's end, different own offsets: each peer's own part of its outer state
     assert all(torch.equal(x, y) for x, y in zip(runs[0][1][0], runs[1][1][0]))
     assert any(not torch.equal(x, y) for x, y in zip(runs[0][1][2], runs[1][1][2]))
-    assert a.schedule.eager.offset is None and b.schedule.eager.offset is None   # training ended from φ: reset
+    assert a.schedule.eager.offset is None and b.schedule.eager.offset is None  # training ended from φ: reset
 
 
 def test_groupmate_dying_during_a_background_sync_applies_the_own_step(corpus):
@@ -206,13 +224,14 @@ def test_groupmate_dying_during_a_background_sync_applies_the_own_step(corpus):
         raise AllreduceFailed(f"round {round_} all-reduce failed: groupmate ghost stopped answering")
 
     reporter = Events()
-    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), Transport("a", fail=die), rounds=3,
-                     reporter=reporter)
+    t = make_trainer(
+        corpus, manifest, "a", Records(ghosts=("ghost",)), Transport("a", fail=die), rounds=3, reporter=reporter
+    )
     phi0 = [f.clone() for f in t.phi]
     t.run()
     rounds = reporter.of("round")
     assert [e["round"] for e in rounds] == [1, 2, 3]
-    assert len(t.transport.calls) == 3          # it kept trying its (expected) group every round
+    assert len(t.transport.calls) == 3  # it kept trying its (expected) group every round
     assert all(math.isfinite(e["train_loss"]) for e in rounds)
     assert all(torch.isfinite(f).all() for f in t.phi)
     assert any(not torch.equal(x, y) for x, y in zip(t.phi, phi0))  # the own steps were applied
@@ -225,7 +244,7 @@ def test_checkpoint_with_a_sync_in_flight_holds_the_last_applied_phi_and_a_resta
     stop = threading.Event()
     hung = threading.Event()
 
-    def hang(round_, should_stop):   # the groupmate never answers: the sync stays in flight
+    def hang(round_, should_stop):  # the groupmate never answers: the sync stays in flight
         hung.set()
         while not should_stop():
             time.sleep(0.02)
@@ -233,10 +252,19 @@ def test_checkpoint_with_a_sync_in_flight_holds_the_last_applied_phi_and_a_resta
 
     def stop_after_first_round(event, fields):
         if event == "round" and fields["round"] == 1:
-            stop.set()   # as a SIGINT during round 1's inner steps
+            stop.set()  # as a SIGINT during round 1's inner steps
 
-    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), Transport("a", fail=hang), rounds=5,
-                     checkpoint=path, reporter=Events(stop_after_first_round), stop=stop)
+    t = make_trainer(
+        corpus,
+        manifest,
+        "a",
+        Records(ghosts=("ghost",)),
+        Transport("a", fail=hang),
+        rounds=5,
+        checkpoint=path,
+        reporter=Events(stop_after_first_round),
+        stop=stop,
+    )
     phi0 = [f.clone() for f in t.phi]
     summary = t.run()
     assert summary.interrupted and hung.is_set()
@@ -252,15 +280,14 @@ def test_checkpoint_with_a_sync_in_flight_holds_the_last_applied_phi_and_a_resta
 
     # The restart: nothing in flight; it resumes at round 1 from φ_0 and θ, and trains alone.
     reporter = Events()
-    again = make_trainer(corpus, manifest, "a", Records(), Transport("a"), rounds=3, checkpoint=path,
-                         reporter=reporter)
+    again = make_trainer(corpus, manifest, "a", Records(), Transport("a"), rounds=3, checkpoint=path, reporter=reporter)
     resumed_phi = []
     reporter.on_event = lambda event, fields: event == "resumed" and resumed_phi.append([f.clone() for f in again.phi])
     again.run()
     assert reporter.of("resumed")[0]["round"] == 1
     assert all(torch.equal(a, b) for a, b in zip(resumed_phi[0], phi0))
     assert [e["round"] for e in reporter.of("round")] == [2, 3]
-    assert again.transport.calls == []          # alone: its own step, no sync
+    assert again.transport.calls == []  # alone: its own step, no sync
     assert all(torch.isfinite(f).all() for f in again.phi)
     assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
 
@@ -276,8 +303,9 @@ def check_averager_death(corpus, manifest, path, transport, resumed_transport, e
     error in the summary's ``fatal`` and no mean applied; its checkpoint holds that position and the training
     done, and a restart over ``resumed_transport`` resumes there and trains on."""
     reporter = Events()
-    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), transport, rounds=5, checkpoint=path,
-                     reporter=reporter)
+    t = make_trainer(
+        corpus, manifest, "a", Records(ghosts=("ghost",)), transport, rounds=5, checkpoint=path, reporter=reporter
+    )
     phi0 = [f.clone() for f in t.phi]
     summary = t.run()
     assert summary.interrupted and isinstance(summary.fatal, HelperDied) and t.stop_event.is_set()
@@ -290,8 +318,9 @@ def check_averager_death(corpus, manifest, path, transport, resumed_transport, e
     assert any(not torch.equal(a, b) for a, b in zip(saved.theta, phi0))  # the training done is kept
 
     reporter = Events()
-    again = make_trainer(corpus, manifest, "a", Records(), resumed_transport, rounds=expected[0] + 2, checkpoint=path,
-                         reporter=reporter)
+    again = make_trainer(
+        corpus, manifest, "a", Records(), resumed_transport, rounds=expected[0] + 2, checkpoint=path, reporter=reporter
+    )
     resumed = again.run()
     assert reporter.of("resumed")[0]["round"] == expected[0] and resumed.fatal is None
     assert [e["round"] for e in reporter.of("round")] == [expected[0] + 1, expected[0] + 2]
@@ -302,9 +331,14 @@ def test_an_averager_that_dies_stops_the_loop_and_leaves_a_checkpoint_to_resume_
     """The averager process dies during round 0's sync (blocking: the loop waits on it; delayed: in
     the background thread, seen at round 1's landing)."""
     manifest = tiny_run().replace(sync={"overlap": overlap})
-    check_averager_death(corpus, manifest, tmp_path / "checkpoint.safetensors",
-                         Transport("a", fail=die_with_the_averager), Transport("a"),
-                         expected=(0 if overlap == "none" else 1, manifest.sync.inner_steps))
+    check_averager_death(
+        corpus,
+        manifest,
+        tmp_path / "checkpoint.safetensors",
+        Transport("a", fail=die_with_the_averager),
+        Transport("a"),
+        expected=(0 if overlap == "none" else 1, manifest.sync.inner_steps),
+    )
 
 
 def slowed(trainer, seconds):
@@ -329,8 +363,7 @@ def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmate
     as a joiner's record reads (twice a second) assume, instead of a sixth of one."""
     manifest = tiny_run().replace(sync={"overlap": "delayed", "inner_steps": 30})
     records, group, trainers = Records(), Group(matchmaking_s=5.0), {}
-    first = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=10)
-             for p in ("a", "b")]
+    first = [make_trainer(corpus, manifest, p, records, Transport(p, group), rounds=10) for p in ("a", "b")]
     for t in first:
         slowed(t, groupmates_step_s)
     trainers.update({t.peer_id: t for t in first})
@@ -358,15 +391,22 @@ def test_a_peer_joining_while_a_sync_is_in_flight_gets_in_step(corpus, groupmate
     assert adopted and adopted[0]["round"] >= 2
     # in step after its second download: two rounds in a row with the whole group and no download
     # between (without keeping the sync in flight it would download every round, a mean behind)
-    history = "\n".join(f"{t.peer_id}: " + ", ".join(f"{e['event']} {e.get('round')} {e.get('group_size')} "
-                                                      f"{e.get('agreeing')} {e.get('note') or ''}"
-                                                      for e in t.reporter.events if e["event"] in ("round", "adopted_state"))
-                         for t in (*first, late))
-    kinds = [(e["event"], e.get("group_size")) for e in late.reporter.events if e["event"] in ("round", "adopted_state")]
+    history = "\n".join(
+        f"{t.peer_id}: "
+        + ", ".join(
+            f"{e['event']} {e.get('round')} {e.get('group_size')} {e.get('agreeing')} {e.get('note') or ''}"
+            for e in t.reporter.events
+            if e["event"] in ("round", "adopted_state")
+        )
+        for t in (*first, late)
+    )
+    kinds = [
+        (e["event"], e.get("group_size")) for e in late.reporter.events if e["event"] in ("round", "adopted_state")
+    ]
     assert any(a == b == ("round", 3) for a, b in zip(kinds, kinds[1:])), history
     assert any(e["group_size"] == 3 for e in late.reporter.of("round"))
     for t in first:
-        for x, y in zip(t.phi, late.phi):   # all finished round 10 together, the last mean landed
+        for x, y in zip(t.phi, late.phi):  # all finished round 10 together, the last mean landed
             assert torch.isfinite(x).all() and torch.equal(x, y), history
 
 
@@ -404,11 +444,11 @@ def test_the_wait_budget_is_the_inner_step_time_until_the_mean_is_needed():
     from peer.round.syncing import wait_budget_s
 
     done = RoundProgress()
-    assert wait_budget_s(done, 20) == 0.0   # nothing timed yet: never past the manifest's bound
+    assert wait_budget_s(done, 20) == 0.0  # nothing timed yet: never past the manifest's bound
     for _ in range(10):
         done.record(loss=1.0, tokens=256, seconds=0.2)
-    assert wait_budget_s(done, 20) == pytest.approx(20 * 0.2)   # delayed/eager: a round of H = 20
-    assert wait_budget_s(done, 5) == pytest.approx(5 * 0.2)     # streaming: H/P steps
+    assert wait_budget_s(done, 20) == pytest.approx(20 * 0.2)  # delayed/eager: a round of H = 20
+    assert wait_budget_s(done, 5) == pytest.approx(5 * 0.2)  # streaming: H/P steps
 
 
 def test_a_prepared_outer_step_is_installed_only_for_its_mean_state_and_round():
@@ -426,11 +466,18 @@ def test_a_prepared_outer_step_is_installed_only_for_its_mean_state_and_round():
 
     held, mean = snap(1.0, 4), [torch.ones(2)]
     phi, m = [torch.zeros(2)], torch.zeros(2)
-    t = types.SimpleNamespace(state=types.SimpleNamespace(phi=phi, live_tensors=lambda: [*phi, m], snapshots=[held],
-                                                          pos=types.SimpleNamespace(round=4)))
+    t = types.SimpleNamespace(
+        state=types.SimpleNamespace(
+            phi=phi, live_tensors=lambda: [*phi, m], snapshots=[held], pos=types.SimpleNamespace(round=4)
+        )
+    )
     ready = PreparedStep(mean=mean, base=held.digest, snapshot=snap(7.0, 5))
-    for wrong in (None, dataclasses.replace(ready, mean=[torch.ones(2)]), dataclasses.replace(ready, base=b"x" * 16),
-                  dataclasses.replace(ready, snapshot=snap(7.0, 6))):
+    for wrong in (
+        None,
+        dataclasses.replace(ready, mean=[torch.ones(2)]),
+        dataclasses.replace(ready, base=b"x" * 16),
+        dataclasses.replace(ready, snapshot=snap(7.0, 6)),
+    ):
         assert OverlapSchedule._install(t, wrong, mean) is False
         assert torch.equal(phi[0], torch.zeros(2)) and torch.equal(m, torch.zeros(2))
     assert OverlapSchedule._install(t, ready, mean) is True

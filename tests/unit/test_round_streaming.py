@@ -30,9 +30,17 @@ H = 10
 
 
 def streaming(fragments=2, tau=1, alpha=0.5, **sync):
-    return tiny_run().replace(model={"num_layers": 2},
-                              sync={"overlap": "streaming", "inner_steps": H, "fragments": fragments,
-                                    "fragment_delay_steps": tau, "fragment_alpha": alpha, **sync})
+    return tiny_run().replace(
+        model={"num_layers": 2},
+        sync={
+            "overlap": "streaming",
+            "inner_steps": H,
+            "fragments": fragments,
+            "fragment_delay_steps": tau,
+            "fragment_alpha": alpha,
+            **sync,
+        },
+    )
 
 
 FragmentTransport = Transport
@@ -60,9 +68,9 @@ def test_two_peers_stream_fragments_and_hold_identical_phi(corpus, algorithm):
         assert [(r, f) for r, f, *_ in calls] == [(0, 1), (0, 0), (1, 1), (1, 0), (2, 1), (2, 0), (3, 1)]
         for _, f, shapes, tensors, thread in calls:
             want = fragments[f] if algorithm == "diloco" else [*fragments[f], *(n + k for k in fragments[f])]
-            assert tensors == want                                        # its own tensors, nothing else
+            assert tensors == want  # its own tensors, nothing else
             assert shapes == [tuple(t.phi[k % n].shape) for k in want]
-            assert thread.startswith("locoswarm-sync")                    # in the background
+            assert thread.startswith("locoswarm-sync")  # in the background
         assert [(e["round"], e["fragment"]) for e in t.reporter.of("sync")] == [(r, f) for r, f, *_ in calls]
         rounds = t.reporter.of("round")
         assert [e["round"] for e in rounds] == [1, 2, 3]
@@ -80,9 +88,16 @@ def test_one_fragment_streams_a_one_block_model_its_mean_landing_tau_steps_into_
     sync starts at each round's end and its mean lands τ or more inner steps into the next round,
     shifted onto θ with α = 0 (θ ← θ + φ − θ^sync); the peers hold identical φ after every round."""
     tau = 3
-    manifest = tiny_run().replace(sync={"overlap": "streaming", "inner_steps": H, "fragments": 1,
-                                        "fragment_delay_steps": tau, "fragment_alpha": 0.0,
-                                        "fragment_merge": "shift"})
+    manifest = tiny_run().replace(
+        sync={
+            "overlap": "streaming",
+            "inner_steps": H,
+            "fragments": 1,
+            "fragment_delay_steps": tau,
+            "fragment_alpha": 0.0,
+            "fragment_merge": "shift",
+        }
+    )
     assert manifest.model.num_layers == 1
     records, group = Records(), Group(2)
     trainers = [make_trainer(corpus, manifest, p, records, FragmentTransport(p, group), rounds=3) for p in ("a", "b")]
@@ -93,7 +108,8 @@ def test_one_fragment_streams_a_one_block_model_its_mean_landing_tau_steps_into_
     for t in trainers:
         # one sync a round, at its end, of every tensor; the last one lands before the run ends
         assert [(r, f, tensors) for r, f, _, tensors, _ in t.transport.carried] == [
-            (r, 0, list(range(len(t.phi)))) for r in range(3)]
+            (r, 0, list(range(len(t.phi)))) for r in range(3)
+        ]
         rounds = t.reporter.of("round")
         landed = [s for e in rounds for s in e.get("overlap_steps", ())]
         assert len(landed) == 2 and all(tau <= s <= 2 * H for s in landed)  # rounds 0 and 1's, in rounds 1, 2
@@ -106,18 +122,23 @@ def test_one_fragment_without_delay_or_merge_is_diloco_without_overlap(corpus):
     """P = 1, τ = 0, α = 0: Streaming DiLoCo's rules reduce to DiLoCo's round (θ ← φ after each
     outer step), bit for bit, on the same data and peers."""
     results = []
-    for manifest in (streaming(fragments=1, tau=0, alpha=0.0),
-                     tiny_run().replace(model={"num_layers": 2}, sync={"inner_steps": H})):
+    for manifest in (
+        streaming(fragments=1, tau=0, alpha=0.0),
+        tiny_run().replace(model={"num_layers": 2}, sync={"inner_steps": H}),
+    ):
         records, group = Records(), Group(2)
-        trainers = [make_trainer(corpus, manifest, p, records, FragmentTransport(p, group), rounds=3)
-                    for p in ("a", "b")]
+        trainers = [
+            make_trainer(corpus, manifest, p, records, FragmentTransport(p, group), rounds=3) for p in ("a", "b")
+        ]
         run_in_threads(trainers)
         results.append(trainers[0])
     stream, plain = results
     assert [(r, f) for r, f, *_ in stream.transport.carried] == [(0, 0), (1, 0), (2, 0)]
     for x, y in zip(stream.phi, plain.phi):
         assert torch.equal(x, y)
-    assert [e["train_loss"] for e in stream.reporter.of("round")] == [e["train_loss"] for e in plain.reporter.of("round")]
+    assert [e["train_loss"] for e in stream.reporter.of("round")] == [
+        e["train_loss"] for e in plain.reporter.of("round")
+    ]
 
 
 def test_a_fragment_sync_in_flight_is_dropped_by_a_stop_and_the_checkpoint_holds_the_last_landed_phi(corpus, tmp_path):
@@ -125,19 +146,27 @@ def test_a_fragment_sync_in_flight_is_dropped_by_a_stop_and_the_checkpoint_holds
     path = tmp_path / "checkpoint.safetensors"
     stop, hung = threading.Event(), threading.Event()
 
-    def hang(round_, should_stop):   # the groupmate never answers: fragment 1's first sync stays in flight
+    def hang(round_, should_stop):  # the groupmate never answers: fragment 1's first sync stays in flight
         hung.set()
         while not should_stop():
             time.sleep(0.02)
         raise GroupNotFound(f"round {round_} sync cancelled by shutdown")
 
-    t = make_trainer(corpus, manifest, "a", Records(ghosts=("ghost",)), FragmentTransport("a", None, fail=hang),
-                     rounds=5, checkpoint=path, stop=stop)
+    t = make_trainer(
+        corpus,
+        manifest,
+        "a",
+        Records(ghosts=("ghost",)),
+        FragmentTransport("a", None, fail=hang),
+        rounds=5,
+        checkpoint=path,
+        stop=stop,
+    )
     phi0 = [f.clone() for f in t.phi]
     runner = threading.Thread(target=t.run)
     runner.start()
     assert hung.wait(60)
-    stop.set()                       # as a SIGINT while fragment 1's sync waits for its group
+    stop.set()  # as a SIGINT while fragment 1's sync waits for its group
     runner.join(60)
     assert not runner.is_alive() and t.summary.interrupted
     t.save()
@@ -147,11 +176,12 @@ def test_a_fragment_sync_in_flight_is_dropped_by_a_stop_and_the_checkpoint_holds
     assert any(not torch.equal(a, b) for a, b in zip(saved.theta, phi0))  # θ holds the steps trained
 
     # the restart resumes mid-round with nothing in flight, trains alone and lands its own steps
-    again = make_trainer(corpus, manifest, "a", Records(), FragmentTransport("a", None), rounds=2, checkpoint=path,
-                         reporter=Events())
+    again = make_trainer(
+        corpus, manifest, "a", Records(), FragmentTransport("a", None), rounds=2, checkpoint=path, reporter=Events()
+    )
     again.run()
     assert again.reporter.of("resumed")[0]["round"] == saved.round
-    assert again.transport.carried == []      # alone: no sync went to the network
+    assert again.transport.carried == []  # alone: no sync went to the network
     assert all(torch.isfinite(f).all() for f in again.phi)
     assert any(not torch.equal(a, b) for a, b in zip(again.phi, phi0))
 
@@ -160,9 +190,14 @@ def test_an_averager_that_dies_during_a_fragment_sync_stops_the_loop_at_its_land
     """The first fragment sync (fragment 1's, at step H/P) fails in its thread; its landing, τ steps
     later, finds the averager dead."""
     manifest = streaming(tau=2)
-    check_averager_death(corpus, manifest, tmp_path / "checkpoint.safetensors",
-                         FragmentTransport("a", None, fail=die_with_the_averager), FragmentTransport("a", None),
-                         expected=(0, H // 2 + 2))
+    check_averager_death(
+        corpus,
+        manifest,
+        tmp_path / "checkpoint.safetensors",
+        FragmentTransport("a", None, fail=die_with_the_averager),
+        FragmentTransport("a", None),
+        expected=(0, H // 2 + 2),
+    )
 
 
 def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_identical(corpus):
@@ -174,10 +209,11 @@ def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_ide
     records, group = Records(), Group(2)
 
     def slow(round_, should_stop):
-        time.sleep(0.5)   # a slow uplink: many inner steps of the tiny model
+        time.sleep(0.5)  # a slow uplink: many inner steps of the tiny model
 
-    trainers = [make_trainer(corpus, manifest, p, records, FragmentTransport(p, group, fail=slow), rounds=2)
-                for p in ("a", "b")]
+    trainers = [
+        make_trainer(corpus, manifest, p, records, FragmentTransport(p, group, fail=slow), rounds=2) for p in ("a", "b")
+    ]
     run_in_threads(trainers)
     a, b = trainers
     for x, y in zip(a.phi, b.phi):
@@ -187,14 +223,15 @@ def test_a_fragment_sync_slower_than_tau_lands_when_it_arrives_and_phi_stays_ide
         overlaps = [s for e in rounds for s in e["overlap_steps"]]
         # a landing forced at a round's end, its extra steps used up, may have had none
         assert overlaps and all(0 <= s <= 2 * H for s in overlaps)
-        assert max(overlaps) > H // 2      # it trained on past the next fragment's offset instead of waiting
+        assert max(overlaps) > H // 2  # it trained on past the next fragment's offset instead of waiting
         tokens_per_step = t.m.inner_optimizer.batch_size_tokens
         assert max(e["tokens"] for e in rounds) > H * tokens_per_step  # and past H while a sync was in flight
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
 def test_each_landing_is_prepared_by_the_syncs_thread_and_the_rounds_snapshot_is_the_one_made_afresh(
-        corpus, algorithm, monkeypatch):
+    corpus, algorithm, monkeypatch
+):
     """The sync's thread steps and seals each fragment (StreamingSchedule.prepare_fragment), the
     landing copies it in, and the round's end snapshots from the sealed tensors (make_snapshot_from):
     every such snapshot has the digest of one made from φ and the outer state afresh."""
@@ -224,13 +261,15 @@ def test_each_landing_is_prepared_by_the_syncs_thread_and_the_rounds_snapshot_is
     monkeypatch.setattr(StreamingSchedule, "install_fragment", spy_install)
     monkeypatch.setattr(RoundState, "take_snapshot", spy_take)
     records, group = Records(), Group(2)
-    trainers = [make_trainer(corpus, streaming(algorithm=algorithm), p, records, FragmentTransport(p, group),
-                             rounds=3) for p in ("a", "b")]
+    trainers = [
+        make_trainer(corpus, streaming(algorithm=algorithm), p, records, FragmentTransport(p, group), rounds=3)
+        for p in ("a", "b")
+    ]
     run_in_threads(trainers)
     a, b = trainers
     assert a.state_digest == b.state_digest and all(torch.equal(x, y) for x, y in zip(a.phi, b.phi))
-    assert len(derived) == 2 * 3 and all(derived)         # every round's end, on both peers
-    assert len(installed) == 2 * 7 and all(installed)     # every landing installed its prepared step
+    assert len(derived) == 2 * 3 and all(derived)  # every round's end, on both peers
+    assert len(installed) == 2 * 7 and all(installed)  # every landing installed its prepared step
     assert all(name.startswith("locoswarm-sync") for name in prepared_on)
 
 
@@ -246,6 +285,7 @@ def test_a_landing_without_a_prepared_step_applies_the_mean_and_seals_it_itself(
     runs, digests = {}, {True: [], False: []}
     take = RoundState.take_snapshot
     for prepared in (True, False):
+
         def spy_take(self, *, from_sealed=False, prepared=prepared):
             take(self, from_sealed=from_sealed)
             last = self.snapshots[-1]
@@ -256,19 +296,23 @@ def test_a_landing_without_a_prepared_step_applies_the_mean_and_seals_it_itself(
         if not prepared:
             monkeypatch.setattr(StreamingSchedule, "prepare_fragment", lambda self, p, base, mean: None)
         records, group = Records(), Group(2)
-        trainers = [make_trainer(corpus, streaming(tau=0), p, records, FragmentTransport(p, group), rounds=3)
-                    for p in ("a", "b")]
+        trainers = [
+            make_trainer(corpus, streaming(tau=0), p, records, FragmentTransport(p, group), rounds=3)
+            for p in ("a", "b")
+        ]
         run_in_threads(trainers)
         runs[prepared] = trainers
     for with_prep, without in zip(runs[True], runs[False]):
         assert all(torch.equal(x, y) for x, y in zip(with_prep.phi, without.phi))
     for with_prep, without in zip(runs[True], runs[False]):
-        assert ([d for s, d in digests[True] if s == id(with_prep.state)] ==
-                [d for s, d in digests[False] if s == id(without.state)])
+        assert [d for s, d in digests[True] if s == id(with_prep.state)] == [
+            d for s, d in digests[False] if s == id(without.state)
+        ]
 
 
 def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds_end_the_snapshots(
-        corpus, tmp_path, monkeypatch):
+    corpus, tmp_path, monkeypatch
+):
     """The checkpoint takes φ and the outer state from the round's snapshot only while no landing
     changed them since (Checkpointing.save): a save right after a mid-round landing holds the landed
     φ, and one right after the round's end holds the snapshot's, which is then the same φ."""
@@ -282,8 +326,13 @@ def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds
         path = tmp_path / self.peer_id / f"{self.peer_id}.safetensors"
         self.save()
         saved = load_checkpoint(path, run_id=self.m.run_id, names=self.names, shapes=self.shapes)
-        checked.append((when, all(torch.equal(a, b) for a, b in zip(saved.phi, self.phi)) and
-                        all(torch.equal(a, b) for a, b in zip(saved.momentum, self.outer.state_tensors()))))
+        checked.append(
+            (
+                when,
+                all(torch.equal(a, b) for a, b in zip(saved.phi, self.phi))
+                and all(torch.equal(a, b) for a, b in zip(saved.momentum, self.outer.state_tensors())),
+            )
+        )
 
     def land_then_save(self):
         land(self)
@@ -297,8 +346,18 @@ def test_a_checkpoint_after_a_landing_holds_the_landed_phi_and_one_at_the_rounds
     monkeypatch.setattr(StreamingSchedule, "land_fragment", land_then_save)
     monkeypatch.setattr(Trainer, "_after_round", after_then_save)
     records, group = Records(), Group(2)
-    trainers = [make_trainer(corpus, streaming(), p, records, FragmentTransport(p, group), rounds=2,
-                             checkpoint=tmp_path / p / f"{p}.safetensors") for p in ("a", "b")]  # a directory each, as peers have
+    trainers = [
+        make_trainer(
+            corpus,
+            streaming(),
+            p,
+            records,
+            FragmentTransport(p, group),
+            rounds=2,
+            checkpoint=tmp_path / p / f"{p}.safetensors",
+        )
+        for p in ("a", "b")
+    ]  # a directory each, as peers have
     trainer_of.update((id(t.schedule), t) for t in trainers)
     run_in_threads(trainers)
     assert {when for when, _ in checked} == {"landing", "round's end"}
@@ -316,17 +375,33 @@ def test_shift_lands_each_mean_relative_to_theta_at_its_sync_and_keeps_the_steps
     def spy_land(theta, phi, *, alpha, rule, at_sync):
         before = [t.detach().clone() for t in theta]
         real_land(theta, phi, alpha=alpha, rule=rule, at_sync=at_sync)
-        landings.append((rule, alpha, before, [p.clone() for p in phi],
-                         None if at_sync is None else [s.clone() for s in at_sync],
-                         [t.detach().clone() for t in theta]))
+        landings.append(
+            (
+                rule,
+                alpha,
+                before,
+                [p.clone() for p in phi],
+                None if at_sync is None else [s.clone() for s in at_sync],
+                [t.detach().clone() for t in theta],
+            )
+        )
 
     def slow(round_, should_stop):
         time.sleep(0.3)
 
     monkeypatch.setattr(round_module, "land", spy_land)
     records, group = Records(), Group(2)
-    trainers = [make_trainer(corpus, streaming(tau=1, fragment_merge="shift"), p, records,
-                             FragmentTransport(p, group, fail=slow), rounds=2) for p in ("a", "b")]
+    trainers = [
+        make_trainer(
+            corpus,
+            streaming(tau=1, fragment_merge="shift"),
+            p,
+            records,
+            FragmentTransport(p, group, fail=slow),
+            rounds=2,
+        )
+        for p in ("a", "b")
+    ]
     run_in_threads(trainers)
     a, b = trainers
     assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi)) and a.state_digest == b.state_digest
@@ -339,7 +414,7 @@ def test_shift_lands_each_mean_relative_to_theta_at_its_sync_and_keeps_the_steps
         for t0, p, s, t1 in zip(before, phi, at_sync, after, strict=True):
             torch.testing.assert_close(t1, t0 + 0.5 * (p - s))
         stepped += any(not torch.equal(t0, s) for t0, s in zip(before, at_sync))
-    assert stepped >= 4                # steps trained between the sync and its landing were kept
+    assert stepped >= 4  # steps trained between the sync and its landing were kept
     assert a.summary.final_eval_loss < a.summary.initial_eval_loss
 
 
@@ -352,24 +427,29 @@ def test_an_adopted_state_keeps_fragment_0s_sync_and_shifts_from_the_adopted_phi
 
     from peer.state.download import DownloadedState
 
-    t = make_trainer(corpus, streaming(tau=1, fragment_merge="shift"), "a", Records(), FragmentTransport("a", None),
-                     rounds=2)
+    t = make_trainer(
+        corpus, streaming(tau=1, fragment_merge="shift"), "a", Records(), FragmentTransport("a", None), rounds=2
+    )
     dropped = []
     t.schedule.background = SimpleNamespace(in_flight=True, round=0, drop=dropped.append)
     index = t.schedule.fragments[0]
     stale = [torch.full_like(t.phi[k], 7.0) for k in index]
     g = torch.Generator().manual_seed(3)
-    state = DownloadedState(round=1, inner_step=H, phi=[torch.randn(f.shape, generator=g) for f in t.phi],
-                            outer_state=[s.clone() for s in t.outer.state_tensors()])
+    state = DownloadedState(
+        round=1,
+        inner_step=H,
+        phi=[torch.randn(f.shape, generator=g) for f in t.phi],
+        outer_state=[s.clone() for s in t.outer.state_tensors()],
+    )
     t.schedule.flight = (0, H, stale)
     t.catchup.adopt(state)
     assert t.schedule.adopted_in_flight and not dropped
     p, started, at_sync = t.schedule.flight
     assert (p, started) == (0, H)
     assert all(torch.equal(s, state.phi[k]) for s, k in zip(at_sync, index, strict=True))
-    assert all(torch.equal(q.detach(), f) for q, f in zip(t.params, state.phi))   # θ restarted at the adopted φ
+    assert all(torch.equal(q.detach(), f) for q, f in zip(t.params, state.phi))  # θ restarted at the adopted φ
 
     t.schedule.adopted_in_flight = False
-    t.schedule.flight = (1, H // 2, stale)   # fragment 1's sync is part of round 1's state already: dropped
+    t.schedule.flight = (1, H // 2, stale)  # fragment 1's sync is part of round 1's state already: dropped
     t.catchup.adopt(state)
     assert dropped and t.schedule.flight is None and not t.schedule.adopted_in_flight

@@ -30,7 +30,6 @@ def share_check_on(monkeypatch):
     monkeypatch.setattr(screening_module, "OWNER_SHARE_CHECK", True)
 
 
-
 def test_weight_cap_is_h_times_batch_tokens():
     manifest = RunManifest().replace(sync={"inner_steps": 7})
     cap = round_token_cap(manifest)
@@ -107,8 +106,12 @@ def test_forged_means_are_refused_with_a_reason():
     mean = sum(xs) / 4
     x = xs[0]
     gen = torch.Generator().manual_seed(9)
-    for forged, words in ((-mean, "does not hold"), (100 * mean, "exceeds"), (torch.zeros_like(mean), "does not hold"),
-                          (torch.randn(mean.shape, generator=gen) * norm(mean) / mean.numel() ** 0.5, "does not hold")):
+    for forged, words in (
+        (-mean, "does not hold"),
+        (100 * mean, "exceeds"),
+        (torch.zeros_like(mean), "does not hold"),
+        (torch.randn(mean.shape, generator=gen) * norm(mean) / mean.numel() ** 0.5, "does not hold"),
+    ):
         problem = owner_mean_problem(forged, x, weight=100.0, included=4, max_weight=100.0)
         assert problem is not None and words in problem
         # only the norm check counts a strike: an honest owner can fail the share check under attack
@@ -124,7 +127,9 @@ def test_phi_pieces_may_drift_apart_but_not_toward_zero():
     gen = torch.Generator().manual_seed(2)
     phi = torch.randn(1024, generator=gen)
     # honest partners that had not met for rounds: as far apart as ‖φ‖ (cosine 0.5), same norm
-    partner = 0.5 * phi + 0.75 ** 0.5 * phi.norm() * torch.nn.functional.normalize(torch.randn(1024, generator=gen), dim=0)
+    partner = 0.5 * phi + 0.75**0.5 * phi.norm() * torch.nn.functional.normalize(
+        torch.randn(1024, generator=gen), dim=0
+    )
     assert phi_contribution_problem(partner, phi) is None
     assert owner_mean_problem((phi + partner) / 2, phi, weight=1.0, included=2, max_weight=1.0, phi=True) is None
     pulled = (phi + torch.zeros_like(phi)) / 2  # a partner that sends φ = 0
@@ -155,7 +160,10 @@ def test_small_pieces_and_zero_contributions_get_only_the_norm_bound():
     assert owner_mean_problem(-1e6 * small, small, weight=1.0, included=2, max_weight=1.0).strike
     zero = torch.zeros(OWNER_CHECK_MIN_ELEMENTS)
     assert owner_mean_problem(torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0) is None
-    assert owner_mean_problem(torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0,
-                              reference_rms=1.0) is None
-    assert owner_mean_problem(1e3 * torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0,
-                              reference_rms=1.0).strike
+    assert (
+        owner_mean_problem(torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0, reference_rms=1.0)
+        is None
+    )
+    assert owner_mean_problem(
+        1e3 * torch.ones_like(zero), zero, weight=1.0, included=2, max_weight=1.0, reference_rms=1.0
+    ).strike

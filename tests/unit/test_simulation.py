@@ -106,10 +106,12 @@ def test_bytes_sent_match_the_butterfly_formula(corpus):
     rounds, N = 2, 4
     sent = {}
     for algorithm in ("diloco", "noloco", "independent"):
-        sent[algorithm] = run_simulation(manifest(algorithm), corpus, peers=N, rounds=rounds,
-                                         eval_every_rounds=rounds).bytes_sent_per_peer
-    dp = run_simulation(manifest("diloco"), corpus, peers=N, rounds=rounds, data_parallel=True,
-                        eval_every_rounds=rounds)
+        sent[algorithm] = run_simulation(
+            manifest(algorithm), corpus, peers=N, rounds=rounds, eval_every_rounds=rounds
+        ).bytes_sent_per_peer
+    dp = run_simulation(
+        manifest("diloco"), corpus, peers=N, rounds=rounds, data_parallel=True, eval_every_rounds=rounds
+    )
     P, H = dp.parameters, dp.inner_steps
     assert sent["diloco"] == pytest.approx(rounds * 2 * (N - 1) / N * 4 * P)
     assert sent["noloco"] == pytest.approx(rounds * 2 * (2 - 1) / 2 * 4 * (2 * P))
@@ -159,8 +161,9 @@ def test_compressed_round_is_the_codec_mean_of_error_compensated_deltas(corpus):
     for i, p0 in enumerate(phi0):
         codec = make_codec(m.compression, p0.shape)
         deltas = [p0 - theta[i] for theta in thetas]
-        sent = [d if j == i % 3 else decode(codec.encode(d, seed=i), tuple(p0.shape), seed=i)
-                for j, d in enumerate(deltas)]
+        sent = [
+            d if j == i % 3 else decode(codec.encode(d, seed=i), tuple(p0.shape), seed=i) for j, d in enumerate(deltas)
+        ]
         mean = sum(sent) / 3
         mean = decode(codec.for_mean(3).encode(mean, seed=i), tuple(p0.shape), seed=i)
         torch.testing.assert_close(sim.phis[0][i], p0 - lr * (1 + mu) * mean, rtol=1e-5, atol=1e-6)
@@ -171,8 +174,12 @@ def test_compressed_round_is_the_codec_mean_of_error_compensated_deltas(corpus):
 
 def test_codec_bytes_replace_the_fp32_payload_sizes(corpus):
     rounds, N = 2, 4
-    results = {codec: run_simulation(compressed("diloco", codec=codec), corpus, peers=N, rounds=rounds,
-                                      eval_every_rounds=rounds) for codec in ("none", "fp16", "int8", "topk")}
+    results = {
+        codec: run_simulation(
+            compressed("diloco", codec=codec), corpus, peers=N, rounds=rounds, eval_every_rounds=rounds
+        )
+        for codec in ("none", "fp16", "int8", "topk")
+    }
     fp32 = results["none"].bytes_sent_per_peer
     assert fp32 == pytest.approx(rounds * 2 * (N - 1) / N * 4 * results["none"].parameters)
     assert results["fp16"].bytes_sent_per_peer == pytest.approx(fp32 / 2, rel=0.01)
@@ -186,8 +193,9 @@ def test_codec_bytes_replace_the_fp32_payload_sizes(corpus):
 def test_adaptive_sync_fits_its_budget(corpus):
     rounds, N = 2, 4
     m = compressed("diloco", codec="adaptive")
-    fp32_round = butterfly_bytes(run_simulation(m.replace(compression={"codec": "none"}), corpus, peers=N,
-                                                rounds=1).parameters, N)
+    fp32_round = butterfly_bytes(
+        run_simulation(m.replace(compression={"codec": "none"}), corpus, peers=N, rounds=1).parameters, N
+    )
     m = m.replace(compression={"sync_time_budget_s": fp32_round / 8 / 1e6})  # 8 Mbit/s = 1e6 bytes/s
     r = run_simulation(m, corpus, peers=N, rounds=rounds, eval_every_rounds=rounds, uplink_mbps=8.0)
     # Each peer's plan fits its own sends; the simulation's whole-tensor owners and the peers'
@@ -249,8 +257,9 @@ def test_an_adversary_is_refused_off_the_cpu_before_any_device_is_touched(corpus
     from lab.adversary import Adversary
 
     with pytest.raises(ValueError, match="'cuda'.*CPU only"):
-        Simulation(manifest("diloco"), corpus, peers=2, adversary=Adversary(peers=(1,), attack="sign-flip"),
-                   device="cuda")
+        Simulation(
+            manifest("diloco"), corpus, peers=2, adversary=Adversary(peers=(1,), attack="sign-flip"), device="cuda"
+        )
 
 
 def test_on_eval_sees_every_evaluation_as_it_is_made(corpus):

@@ -28,8 +28,9 @@ LIAR = PEERS - 1
 
 def plain_run(algorithm: str = "diloco"):
     # outer SGD lr 1, no momentum: φ moves by exactly −(group mean) in one round
-    return tiny_run().replace(sync={"algorithm": algorithm},
-                              outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+    return tiny_run().replace(
+        sync={"algorithm": algorithm}, outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    )
 
 
 def distance(a, b) -> float:
@@ -53,8 +54,13 @@ def test_honest_receivers_refuse_a_flipped_owner_mean_and_stay_identical(corpus)
     assert honest == list(range(PEERS - 1))
     # the liar owns tensors LIAR, LIAR + 4, ...; every honest receiver refuses each one large enough to
     # check, each round
-    pieces = len([i for i in range(LIAR, len(screened.phis[0]), PEERS)
-                  if screened.phis[0][i].numel() >= OWNER_CHECK_MIN_ELEMENTS])
+    pieces = len(
+        [
+            i
+            for i in range(LIAR, len(screened.phis[0]), PEERS)
+            if screened.phis[0][i].numel() >= OWNER_CHECK_MIN_ELEMENTS
+        ]
+    )
     assert screened.counts.refused == {LIAR: 2 * len(honest) * pieces}
     assert bare.counts.refused == {}
     for sim in (screened, bare):
@@ -86,13 +92,20 @@ def test_owner_scale_gets_through_the_norm_bound(corpus):
 
 def test_a_refused_phi_mean_is_replaced_by_the_receivers_own_phi(corpus):
     # NoLoCo sends Δ then φ; a refused Δ mean becomes zeros, a refused φ mean the receiver's own φ
-    sim = Simulation(plain_run("noloco"), corpus, peers=2, seed=0, adversary=Adversary(attack="owner-zeros", peers=(1,)))
+    sim = Simulation(
+        plain_run("noloco"), corpus, peers=2, seed=0, adversary=Adversary(attack="owner-zeros", peers=(1,))
+    )
     params = len(sim.shapes)
     assert sim.outers[0].phi_from(params) == params
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(s, generator=g) for s in sim.shapes]
-    own = [[*(0.01 * b + 0.001 * torch.randn(b.shape, generator=g) for b in base),
-            *(b + 0.01 * torch.randn(b.shape, generator=g) for b in base)] for _ in range(2)]
+    own = [
+        [
+            *(0.01 * b + 0.001 * torch.randn(b.shape, generator=g) for b in base),
+            *(b + 0.01 * torch.randn(b.shape, generator=g) for b in base),
+        ]
+        for _ in range(2)
+    ]
     weights = [sim.max_weight, sim.max_weight]
     mean = sim._group_mean([0, 1], own, weights)
     liars = range(1, 2 * params, 2)  # peer 1 owns the odd pieces

@@ -19,15 +19,23 @@ PEERS = 4
 
 def plain_run():
     # outer SGD lr 1, no momentum: φ moves by exactly −(group mean) in one round
-    return tiny_run().replace(sync={"algorithm": "diloco"}, outer_optimizer={"lr": 1.0, "momentum": 0.0,
-                                                                             "nesterov": False})
+    return tiny_run().replace(
+        sync={"algorithm": "diloco"}, outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    )
 
 
 def contributions(seed: int, attacker_scale: float) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     # one tensor per member: each member owns one (tensor i: member i mod n), as in the all-reduce
-    honest = [[torch.randn(6, 5, generator=g), torch.randn(7, generator=g), torch.randn(3, 4, generator=g),
-               torch.randn(9, generator=g)] for _ in range(PEERS - 1)]
+    honest = [
+        [
+            torch.randn(6, 5, generator=g),
+            torch.randn(7, generator=g),
+            torch.randn(3, 4, generator=g),
+            torch.randn(9, generator=g),
+        ]
+        for _ in range(PEERS - 1)
+    ]
     return [*honest, [attacker_scale * t for t in honest[0]]]
 
 

@@ -53,14 +53,17 @@ def test_snapshot_is_a_private_copy():
     assert not torch.equal(snapshot.tensors[0], tensors[0])
 
 
-@pytest.mark.parametrize("meta, tensors, match", [
-    ({**META, "extra": 1}, None, "fields"),
-    ({**META, "round": -1}, None, "round"),
-    ({**META, "inner_step": True}, None, "inner_step"),
-    ({**META, "run_id": 5}, None, "run_id"),
-    (META, [torch.zeros(2, dtype=torch.float64)], "float32"),
-    (META, [torch.tensor([1.0, float("inf")])], "NaN or inf"),
-])
+@pytest.mark.parametrize(
+    "meta, tensors, match",
+    [
+        ({**META, "extra": 1}, None, "fields"),
+        ({**META, "round": -1}, None, "round"),
+        ({**META, "inner_step": True}, None, "inner_step"),
+        ({**META, "run_id": 5}, None, "run_id"),
+        (META, [torch.zeros(2, dtype=torch.float64)], "float32"),
+        (META, [torch.tensor([1.0, float("inf")])], "NaN or inf"),
+    ],
+)
 def test_make_snapshot_rejects_what_no_joiner_could_accept(meta, tensors, match):
     with pytest.raises(ValueError, match=match):
         make_snapshot(meta, tensors if tensors is not None else _tensors(), chunk_elements=CHUNK)

@@ -53,16 +53,19 @@ def honest(snapshot: StateSnapshot, served: list | None = None, *, timeout: floa
         written = await serve_state(reader, writer, lookup, timeout=timeout)
         if served is not None:
             served.append(written)
+
     return handle
 
 
 def serves_regardless(snapshot: StateSnapshot):
     """Answers every digest with ``snapshot`` (a donor whose state moved on but who lies about it)."""
+
     async def lookup(digest):
         return snapshot
 
     async def handle(reader, writer):
         await serve_state(reader, writer, lookup, timeout=TIMEOUT)
+
     return handle
 
 
@@ -76,6 +79,7 @@ def dies_after_one_chunk(snapshot: StateSnapshot):
             await writer.drain()
         finally:
             writer.close()
+
     return handle
 
 
@@ -99,6 +103,7 @@ async def swarm(handlers: dict):
 
             async def open_stream(name):
                 return await asyncio.open_unix_connection(paths[name])
+
             yield open_stream
         finally:
             for server in servers:
@@ -108,8 +113,15 @@ async def swarm(handlers: dict):
 
 async def _download(handlers: dict, snapshot: StateSnapshot, *, timeout=TIMEOUT, digest=None, run_id=RUN):
     async with swarm(handlers) as open_stream:
-        result = await download_state(list(handlers), open_stream, digest=digest or snapshot.digest, shapes=SHAPES,
-                                      run_id=run_id, timeout=timeout, chunk_elements=CHUNK)
+        result = await download_state(
+            list(handlers),
+            open_stream,
+            digest=digest or snapshot.digest,
+            shapes=SHAPES,
+            run_id=run_id,
+            timeout=timeout,
+            chunk_elements=CHUNK,
+        )
         await asyncio.sleep(0.05)  # let the donors' handlers see the joiner close
         return result
 
@@ -137,15 +149,19 @@ def test_three_donors_share_the_load_bit_exact():
     # every byte a donor wrote was read: the counts agree on both ends
     assert sorted(served) == sorted(result.bytes_by_donor.values())
     meta_frame = len(framing.frame(encode_meta(snapshot.meta, snapshot.chunk_hashes)))
-    chunk_frames = sum(framing.LENGTH.size + 5 + 4 * t[c.start:c.stop].numel() if t.dim() else 13
-                       for c in snapshot.chunks for t in [snapshot.tensors[c.tensor]])
+    chunk_frames = sum(
+        framing.LENGTH.size + 5 + 4 * t[c.start : c.stop].numel() if t.dim() else 13
+        for c in snapshot.chunks
+        for t in [snapshot.tensors[c.tensor]]
+    )
     assert sum(served) == 3 * meta_frame + chunk_frames
 
 
 def test_donor_dying_mid_download_is_replaced_and_its_verified_chunk_kept():
     snapshot = _snapshot()
-    result = asyncio.run(_download({"d0": honest(snapshot), "dying": dies_after_one_chunk(snapshot),
-                                    "d2": honest(snapshot)}, snapshot))
+    result = asyncio.run(
+        _download({"d0": honest(snapshot), "dying": dies_after_one_chunk(snapshot), "d2": honest(snapshot)}, snapshot)
+    )
     _assert_exact(result, snapshot)
     assert set(result.failed) == {"dying"} and "stream closed" in result.failed["dying"]
     assert result.chunks_by_donor["dying"] == 1
@@ -153,8 +169,9 @@ def test_donor_dying_mid_download_is_replaced_and_its_verified_chunk_kept():
 
 def test_hanging_donor_is_dropped_after_the_timeout():
     snapshot = _snapshot()
-    result = asyncio.run(_download({"d0": honest(snapshot), "stuck": hangs, "d2": honest(snapshot)}, snapshot,
-                                   timeout=0.4))
+    result = asyncio.run(
+        _download({"d0": honest(snapshot), "stuck": hangs, "d2": honest(snapshot)}, snapshot, timeout=0.4)
+    )
     _assert_exact(result, snapshot)
     assert result.failed == {"stuck": "timed out"}  # dropped by its silence timeout, not waited for
     assert result.chunks_by_donor["stuck"] == 0
@@ -166,8 +183,11 @@ def test_corrupted_and_nan_donors_are_excluded_and_result_is_exact():
     # donor 1 (so it delivers one good chunk first) and the first chunk of donor 2
     flipped = _tampered(snapshot, 1 + 4, _flip_lowest_bit)
     nan = _tampered(snapshot, 2, lambda x: x.fill_(float("nan")))
-    result = asyncio.run(_download({"d0": honest(snapshot), "flipped": honest(flipped), "nan": honest(nan),
-                                    "d3": honest(snapshot)}, snapshot))
+    result = asyncio.run(
+        _download(
+            {"d0": honest(snapshot), "flipped": honest(flipped), "nan": honest(nan), "d3": honest(snapshot)}, snapshot
+        )
+    )
     _assert_exact(result, snapshot)
     assert set(result.failed) == {"flipped", "nan"}
     assert result.failed["flipped"] == "CHUNK 5 does not match its hash"
@@ -180,8 +200,13 @@ def test_state_with_consistent_hashes_but_nan_is_never_returned():
     tensors = [t.clone() for t in base.tensors]
     tensors[1][3] = float("nan")  # a donor whose own state went bad and still published its digest
     hashes = tuple(chunk_hash(chunk_bytes(tensors[c.tensor], c)) for c in base.chunks)
-    bad = StateSnapshot(meta=dict(META), tensors=tuple(tensors), chunks=base.chunks, chunk_hashes=hashes,
-                        digest=state_digest(META, hashes))
+    bad = StateSnapshot(
+        meta=dict(META),
+        tensors=tuple(tensors),
+        chunks=base.chunks,
+        chunk_hashes=hashes,
+        digest=state_digest(META, hashes),
+    )
     with pytest.raises(StateDownloadFailed, match="NaN or inf") as info:
         asyncio.run(_download({"d0": honest(bad), "d1": honest(bad)}, bad))
     assert set(info.value.failed) == {"d0", "d1"}
@@ -225,21 +250,33 @@ def test_state_without_chunks_still_delivers_its_meta():
 
     async def run():
         async with swarm({"d0": honest(snapshot), "d1": honest(snapshot)}) as open_stream:
-            return await download_state(["d0", "d1"], open_stream, digest=snapshot.digest, shapes=[[0, 3]],
-                                        run_id=RUN, timeout=TIMEOUT, chunk_elements=CHUNK)
+            return await download_state(
+                ["d0", "d1"],
+                open_stream,
+                digest=snapshot.digest,
+                shapes=[[0, 3]],
+                run_id=RUN,
+                timeout=TIMEOUT,
+                chunk_elements=CHUNK,
+            )
+
     result = asyncio.run(run())
     assert result.meta == META and result.tensors[0].shape == (0, 3) and result.failed == {}
 
 
 # ---- donor side: malformed requests ---------------------------------------------------------
-@pytest.mark.parametrize("raw, match", [
-    (framing.frame(REQUEST_HEADER.pack(16, PROTOCOL_VERSION + 1, b"x" * 16, 0)), "protocol version"),
-    (framing.frame(encode_request(b"x" * 16, [3, 2])), "strictly ascending"),
-    (framing.frame(encode_request(b"x" * 16, [1, 2])[:-4]), "announces 2 chunk indices"),
-    (framing.frame(b"\x01hello"), "expected REQUEST"),
-    (framing.LENGTH.pack(MAX_REQUEST_BYTES + 1), "at most"),
-    (None, "chunk 1000 requested"),  # the snapshot's digest, an index past its 26 chunks
-], ids=["version", "order", "truncated", "kind", "oversized", "index"])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (framing.frame(REQUEST_HEADER.pack(16, PROTOCOL_VERSION + 1, b"x" * 16, 0)), "protocol version"),
+        (framing.frame(encode_request(b"x" * 16, [3, 2])), "strictly ascending"),
+        (framing.frame(encode_request(b"x" * 16, [1, 2])[:-4]), "announces 2 chunk indices"),
+        (framing.frame(b"\x01hello"), "expected REQUEST"),
+        (framing.LENGTH.pack(MAX_REQUEST_BYTES + 1), "at most"),
+        (None, "chunk 1000 requested"),  # the snapshot's digest, an index past its 26 chunks
+    ],
+    ids=["version", "order", "truncated", "kind", "oversized", "index"],
+)
 def test_donor_rejects_malformed_requests_logs_and_closes(raw, match, caplog):
     snapshot = _snapshot()
     raw = raw if raw is not None else framing.frame(encode_request(snapshot.digest, [0, 1000]))
@@ -257,6 +294,7 @@ def test_donor_rejects_malformed_requests_logs_and_closes(raw, match, caplog):
                     break
                 await asyncio.sleep(0.01)
             return answer
+
     with caplog.at_level(logging.WARNING, logger="peer.state.serve"):
         answer = asyncio.run(run())
     assert answer == b"" and served == [0]
@@ -273,6 +311,7 @@ def test_donor_gives_up_on_a_silent_client():
             answer = await asyncio.wait_for(reader.read(), 2.0)
             writer.close()
             return answer
+
     assert asyncio.run(run()) == b""
 
 
@@ -290,16 +329,19 @@ def test_valid_state_passes():
     assert state.round == 4 and state.inner_step == 80 and len(state.phi) == 2
 
 
-@pytest.mark.parametrize("meta, tensors, match", [
-    ({**STATE_META, "run_id": "other"}, None, "run 'other'"),
-    ({**STATE_META, "round": -1}, None, "round"),
-    ({**STATE_META, "round": "7"}, None, "round"),
-    ("not a map", None, "map"),
-    (STATE_META, [torch.zeros(2, 2)], "tensors"),
-    (STATE_META, [torch.zeros(2, 3), torch.zeros(3)] * 2, "tensor 0"),
-    (STATE_META, [torch.zeros(2, 2, dtype=torch.float64), torch.zeros(3)] * 2, "float32"),
-    (STATE_META, [torch.full((2, 2), float("nan")), torch.zeros(3)] * 2, "NaN"),
-])
+@pytest.mark.parametrize(
+    "meta, tensors, match",
+    [
+        ({**STATE_META, "run_id": "other"}, None, "run 'other'"),
+        ({**STATE_META, "round": -1}, None, "round"),
+        ({**STATE_META, "round": "7"}, None, "round"),
+        ("not a map", None, "map"),
+        (STATE_META, [torch.zeros(2, 2)], "tensors"),
+        (STATE_META, [torch.zeros(2, 3), torch.zeros(3)] * 2, "tensor 0"),
+        (STATE_META, [torch.zeros(2, 2, dtype=torch.float64), torch.zeros(3)] * 2, "float32"),
+        (STATE_META, [torch.full((2, 2), float("nan")), torch.zeros(3)] * 2, "NaN"),
+    ],
+)
 def test_bad_state_is_rejected_with_reason(meta, tensors, match):
     with pytest.raises(BadPayload, match=match):
         validate_state(meta, tensors if tensors is not None else _state_tensors(), run_id="abc", shapes=PARAM_SHAPES)

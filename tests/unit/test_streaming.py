@@ -26,8 +26,9 @@ def identical(a, b) -> bool:
 
 
 def llama_names(layers: int) -> list[str]:
-    model = build_model(ModelSpec(hidden_size=16, num_layers=layers, num_heads=2, num_kv_heads=2,
-                                  intermediate_size=32, max_seq_len=16))
+    model = build_model(
+        ModelSpec(hidden_size=16, num_layers=layers, num_heads=2, num_kv_heads=2, intermediate_size=32, max_seq_len=16)
+    )
     return [name for name, _ in model.named_parameters()]
 
 
@@ -37,15 +38,15 @@ def test_partition_covers_every_parameter_once_strided_by_block(layers, fragment
     parts = partition(names, fragments)
     assert len(parts) == fragments and all(parts)
     flat = sorted(i for part in parts for i in part)
-    assert flat == list(range(len(names)))          # every parameter exactly once
+    assert flat == list(range(len(names)))  # every parameter exactly once
     where = {i: p for p, part in enumerate(parts) for i in part}
     for i, name in enumerate(names):
         block = block_of(name)
         if block is not None:
-            assert where[i] == block % fragments     # block ℓ → fragment ℓ mod P
+            assert where[i] == block % fragments  # block ℓ → fragment ℓ mod P
         elif "embed_tokens" in name:
             assert where[i] == 0
-        else:                                        # final norm, lm_head: the last block's fragment
+        else:  # final norm, lm_head: the last block's fragment
             assert name in ("model.norm.weight", "lm_head.weight")
             assert where[i] == (layers - 1) % fragments
 
@@ -65,8 +66,7 @@ def test_schedule_offsets_each_fragment_once_per_round():
     starts = {p: [s for s in range(0, 31) if p in syncing_at(s, inner_steps=H, fragments=P)] for p in range(P)}
     assert starts == {0: [10, 20, 30], 1: [2, 12, 22], 2: [5, 15, 25], 3: [7, 17, 27]}
     for s in range(0, 31):
-        assert landing_at(s, inner_steps=H, fragments=P, delay_steps=2) == syncing_at(s - 2, inner_steps=H,
-                                                                                      fragments=P)
+        assert landing_at(s, inner_steps=H, fragments=P, delay_steps=2) == syncing_at(s - 2, inner_steps=H, fragments=P)
         assert landing_at(s, inner_steps=H, fragments=P, delay_steps=0) == syncing_at(s, inner_steps=H, fragments=P)
     assert syncing_at(5, inner_steps=5, fragments=1) == [0] and syncing_at(3, inner_steps=5, fragments=1) == []
     with pytest.raises(ValueError, match="fragment = 4"):
@@ -102,10 +102,10 @@ def test_shift_keeps_the_steps_since_the_sync_and_is_merge_when_there_were_none(
     for alpha in (0.0, 0.25, 0.5):
         shifted = [t.clone() for t in now]
         shift(shifted, phi, at_sync, alpha)
-        for out, s, d, p in zip(shifted, at_sync, steps, phi):   # the mix of θ at the sync, plus the steps since
+        for out, s, d, p in zip(shifted, at_sync, steps, phi):  # the mix of θ at the sync, plus the steps since
             torch.testing.assert_close(out, alpha * s + (1 - alpha) * p + d)
         mixed = [t.clone() for t in now]
-        merge(mixed, phi, alpha)   # the paper's rule takes (1 − α) of those steps back out
+        merge(mixed, phi, alpha)  # the paper's rule takes (1 − α) of those steps back out
         for out, m, d in zip(shifted, mixed, steps):
             torch.testing.assert_close(out - m, (1 - alpha) * d)
         # no step since the sync (τ = 0): bit for bit the paper's rule
@@ -145,8 +145,11 @@ def test_fragment_merge_field_validated_and_absent_at_its_default():
 def test_the_simulation_shifts_by_the_mean_and_keeps_the_steps_since_the_sync(corpus):
     """τ = 0: 'shift' is 'mix' bit for bit (no step between a sync and its landing). τ = 1: the two
     differ in θ, and with 'shift' each landing moved θ_p by exactly (1 − α)·(φ_p − θ_p^sync)."""
-    runs = {(merge_rule, tau): Simulation(streaming(2, tau, 0.5, fragment_merge=merge_rule), corpus, peers=2, seed=0)
-            for merge_rule in ("mix", "shift") for tau in (0, 1)}
+    runs = {
+        (merge_rule, tau): Simulation(streaming(2, tau, 0.5, fragment_merge=merge_rule), corpus, peers=2, seed=0)
+        for merge_rule in ("mix", "shift")
+        for tau in (0, 1)
+    }
     for sim in runs.values():
         sim.run_round()
     for tau in (0, 1):
@@ -157,20 +160,22 @@ def test_the_simulation_shifts_by_the_mean_and_keeps_the_steps_since_the_sync(co
     # by hand: fragment 0 syncs at step 5 and lands at step 6, in round 2
     sim = runs["shift", 1]
     index = sim.fragments[0]
-    at_sync = [t.clone() for t in sim.at_sync[0][0]]            # peer 0's θ_p at step 5
-    sim.inners[0].step(sim.inner_step)   # round 2's first step, for peer 0 (by hand)
+    at_sync = [t.clone() for t in sim.at_sync[0][0]]  # peer 0's θ_p at step 5
+    sim.inners[0].step(sim.inner_step)  # round 2's first step, for peer 0 (by hand)
     stepped = [t.clone() for t in sim._theta(0, index)]
     assert not identical(stepped, at_sync)
     sim._fragment_land(0)
-    for out, phi_p, start, step in zip(sim._theta(0, index), [sim.phis[0][k] for k in index], at_sync, stepped,
-                                       strict=True):
+    for out, phi_p, start, step in zip(
+        sim._theta(0, index), [sim.phis[0][k] for k in index], at_sync, stepped, strict=True
+    ):
         torch.testing.assert_close(out, step + 0.5 * (phi_p - start))
     assert 0 not in sim.at_sync and 0 not in sim.in_flight
 
 
 def test_manifest_fields_validated_round_tripped_and_absent_at_defaults():
-    m = RunManifest().replace(sync={"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1,
-                                    "fragment_alpha": 1.0})
+    m = RunManifest().replace(
+        sync={"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1, "fragment_alpha": 1.0}
+    )
     assert from_dict(tomllib.loads(dump_toml(m))) == m
     assert (m.sync.fragments, m.sync.fragment_delay_steps, m.sync.fragment_alpha) == (2, 1, 1.0)
     # at their defaults the fields stay out of the encoding: run ids from before them are unchanged
@@ -192,22 +197,39 @@ def test_manifest_fields_validated_round_tripped_and_absent_at_defaults():
 
 
 def streaming(fragments: int, delay: int, alpha: float, layers: int = 2, **sync):
-    return tiny_run().replace(model={"num_layers": layers},
-                              sync={"overlap": "streaming", "fragments": fragments, "fragment_delay_steps": delay,
-                                    "fragment_alpha": alpha, **sync})
+    return tiny_run().replace(
+        model={"num_layers": layers},
+        sync={
+            "overlap": "streaming",
+            "fragments": fragments,
+            "fragment_delay_steps": delay,
+            "fragment_alpha": alpha,
+            **sync,
+        },
+    )
 
 
-@pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("noloco", "none"), ("diloco", "int8"),
-                                             ("noloco", "topk")])
+@pytest.mark.parametrize(
+    "algorithm,codec", [("diloco", "none"), ("noloco", "none"), ("diloco", "int8"), ("noloco", "topk")]
+)
 def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, codec):
     """P = 1, τ = 0, α = 0: one fragment, the whole model, synced and landed at the round's end,
     θ ← φ: the blocking round, bit for bit (NoLoCo: its payload's φ half, its random pairs; a
     lossy codec: its seeds and error feedback)."""
-    none = Simulation(tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm},
-                                         compression={"codec": codec}), corpus, peers=4, seed=0)
+    none = Simulation(
+        tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm}, compression={"codec": codec}),
+        corpus,
+        peers=4,
+        seed=0,
+    )
     # NoLoCo's pairs are drawn from the run id, which the overlap field changes: draw the blocking run's
-    stream = Simulation(streaming(1, 0, 0.0, algorithm=algorithm).replace(compression={"codec": codec}), corpus,
-                        peers=4, seed=0, groups_run_id=none.m.run_id)
+    stream = Simulation(
+        streaming(1, 0, 0.0, algorithm=algorithm).replace(compression={"codec": codec}),
+        corpus,
+        peers=4,
+        seed=0,
+        groups_run_id=none.m.run_id,
+    )
     for sim in (none, stream):
         for _ in range(3):
             sim.run_round()
@@ -216,7 +238,7 @@ def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, cod
         assert identical(a, b)
     assert identical(list(none.models[1].parameters()), list(stream.models[1].parameters()))
     assert stream.bytes_sent == none.bytes_sent and stream.tokens == none.tokens
-    if algorithm == "noloco":   # replicas differ by design: the pairs did not average everything
+    if algorithm == "noloco":  # replicas differ by design: the pairs did not average everything
         assert not identical(stream.phis[0], stream.phis[1]) or not identical(stream.phis[0], stream.phis[2])
 
 
@@ -227,7 +249,7 @@ def test_a_fragment_mean_lands_tau_steps_after_its_sync(corpus):
     first, second = sim.fragments
     sim.run_round()
     assert list(sim.in_flight) == [0] and sim.last_sync == [5, 2]
-    assert identical([sim.phis[0][k] for k in first], [phi0[k] for k in first])       # still in flight
+    assert identical([sim.phis[0][k] for k in first], [phi0[k] for k in first])  # still in flight
     assert not identical([sim.phis[0][k] for k in second], [phi0[k] for k in second])  # landed at step 3
     sim.run_round()
     assert not identical([sim.phis[0][k] for k in first], [phi0[k] for k in first])
@@ -266,7 +288,7 @@ def test_a_lossy_codec_streams_each_fragment_with_its_own_residuals(corpus):
     m = streaming(2, 1, 0.5).replace(compression={"codec": "int8"})
     sim = Simulation(m, corpus, peers=2, seed=0)
     first, second = sim.fragments
-    for k in range(sim.m.sync.inner_steps):   # up to fragment 1's sync at step H/P only
+    for k in range(sim.m.sync.inner_steps):  # up to fragment 1's sync at step H/P only
         for inner in sim.inners:
             inner.step(k)
         if k + 1 == sim.m.sync.inner_steps // 2:
@@ -289,12 +311,12 @@ def test_noloco_streams_fragments_with_its_pairs_in_the_simulation(corpus):
     result = run_simulation(m, corpus, peers=4, rounds=3, seed=1, eval_every_rounds=3)
     first, last = result.history[0], result.history[-1]
     assert math.isfinite(last.loss_bpb) and last.loss_bpb < first.loss_bpb - 0.2
-    assert last.sigma > 0.0   # replicas differ by design
+    assert last.sigma > 0.0  # replicas differ by design
     sim = Simulation(m, corpus, peers=4, seed=1)
     sim.run_round()
     sim.finish()
     assert not sim.in_flight and all(math.isfinite(float(t.sum())) for phi in sim.phis for t in phi)
-    assert not sim.counts.clipped and not sim.counts.dropped and not sim.counts.refused   # nothing honest refused
+    assert not sim.counts.clipped and not sim.counts.dropped and not sim.counts.refused  # nothing honest refused
 
 
 def test_peer_join_refuses_overlap_with_pipeline_stages_before_any_network_work(monkeypatch, tmp_path: Path):
@@ -319,26 +341,43 @@ def test_bench_merge_keeps_rows_not_measured_again_and_streaming_settings_apart(
         return {**r, "streaming": st} if st else r
 
     st = {"fragments": 2, "fragment_delay_steps": 1, "fragment_alpha": 0.5}
-    rows = quality([run("none", 0, 2.0), run("streaming", 0, 2.2, **st),
-                    run("streaming", 0, 2.4, **{**st, "fragment_alpha": 1.0})])
+    rows = quality(
+        [run("none", 0, 2.0), run("streaming", 0, 2.2, **st), run("streaming", 0, 2.4, **{**st, "fragment_alpha": 1.0})]
+    )
     assert [(r["overlap"], r.get("streaming", {}).get("fragment_alpha")) for r in rows] == [
-        ("none", None), ("streaming", 0.5), ("streaming", 1.0)]
+        ("none", None),
+        ("streaming", 0.5),
+        ("streaming", 1.0),
+    ]
     assert rows[1]["vs_none"] == pytest.approx(10.0) and rows[2]["vs_none"] == pytest.approx(20.0)
     assert [r["none_bpb"] for r in rows] == [2.0, 2.0, 2.0]
     old = quality([run("none", 0, 2.1), run("delayed", 0, 2.3)])
     out = merged(old, rows)
     assert [r["overlap"] for r in out] == ["none", "delayed", "streaming", "streaming"]
-    assert out[0]["final_bpb"] == 2.0              # the fresh none row replaced the old one
+    assert out[0]["final_bpb"] == 2.0  # the fresh none row replaced the old one
     # a row recorded before sync.fragment_merge existed ran 'mix': a fresh 'mix' row replaces it, 'shift' does not
-    fresh = quality([run("none", 0, 2.0), run("streaming", 0, 2.1, **st, fragment_merge="mix"),
-                     run("streaming", 0, 2.05, **st, fragment_merge="shift")])
+    fresh = quality(
+        [
+            run("none", 0, 2.0),
+            run("streaming", 0, 2.1, **st, fragment_merge="mix"),
+            run("streaming", 0, 2.05, **st, fragment_merge="shift"),
+        ]
+    )
     out = merged(rows, fresh)
     assert sorted((r["overlap"], r["final_bpb"]) for r in out) == [
-        ("none", 2.0), ("streaming", 2.05), ("streaming", 2.1), ("streaming", 2.4)]
+        ("none", 2.0),
+        ("streaming", 2.05),
+        ("streaming", 2.1),
+        ("streaming", 2.4),
+    ]
     # a kept row says which none its vs_none is against, when a later invocation's none differs
     out = merged(rows, quality([run("none", 0, 1.9), run("delayed", 0, 2.0)]))
     assert [(r["overlap"], r["none_bpb"]) for r in out] == [
-        ("none", 1.9), ("delayed", 1.9), ("streaming", 2.0), ("streaming", 2.0)]
+        ("none", 1.9),
+        ("delayed", 1.9),
+        ("streaming", 2.0),
+        ("streaming", 2.0),
+    ]
 
 
 def test_bench_overlap_refuses_a_mode_the_config_cannot_run_before_any_simulation(tmp_path: Path):
@@ -349,10 +388,26 @@ def test_bench_overlap_refuses_a_mode_the_config_cannot_run_before_any_simulatio
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "overlap.json"
-    done = subprocess.run([sys.executable, str(root / "bench" / "overlap.py"), "--config",
-                           str(root / "bench" / "compare-cpu-32k.toml"), "--modes", "none", "streaming",
-                           "--peers", "4", "--seeds", "0", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "overlap.py"),
+            "--config",
+            str(root / "bench" / "compare-cpu-32k.toml"),
+            "--modes",
+            "none",
+            "streaming",
+            "--peers",
+            "4",
+            "--seeds",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "sync.fragments = 4" in done.stderr and "--set sync.fragments=2" in done.stderr
     assert not out.exists()

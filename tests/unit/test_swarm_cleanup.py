@@ -22,7 +22,10 @@ def test_dead_sockets_go_live_and_older_ones_stay(tmp_path):
     (tmp_path / "hivemind-file.sock").write_text("not a socket")
     try:
         assert remove_stale_sockets(start, str(tmp_path / "hivemind-*.sock")) == 1
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["hivemind-file.sock", "hivemind-live.sock",
-                                                              "hivemind-old.sock"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "hivemind-file.sock",
+            "hivemind-live.sock",
+            "hivemind-old.sock",
+        ]
     finally:
         live.close()

@@ -47,8 +47,13 @@ def test_a_peer_killed_by_sigkill_is_named_with_exit_code_137():
 
 
 def test_a_peer_that_exits_with_an_error_keeps_its_code_and_line_and_only_the_first_failure_counts():
-    swarm = _swarm({"peer-0": _Child(78, "error: manifest field sync.inner_steps = 0 is invalid\n"),
-                    "peer-1": _Child(1), "peer-2": _Child(0)})
+    swarm = _swarm(
+        {
+            "peer-0": _Child(78, "error: manifest field sync.inner_steps = 0 is invalid\n"),
+            "peer-1": _Child(1),
+            "peer-2": _Child(0),
+        }
+    )
     _watch(swarm, Console(file=io.StringIO()))
     assert swarm.failure == ("peer-0", 78, "manifest field sync.inner_steps = 0 is invalid")
     assert swarm.interrupted == 1
@@ -60,12 +65,14 @@ def test_signal_names():
 
 def test_shell_exit_maps_a_signal_death_and_keeps_other_codes():
     from peer.swarm import shell_exit
+
     assert shell_exit(-15, "see log") == (143, "killed by SIGTERM; see log")
     assert shell_exit(78, "bad manifest") == (78, "bad manifest")
 
 
 def test_the_summary_gives_the_exit_code_the_error_line_gives():
     """The summary table and JSON say 137 for a peer killed by SIGKILL, as the error line does."""
+
     class Finished:
         events: list = []
 
@@ -78,7 +85,9 @@ def test_the_summary_gives_the_exit_code_the_error_line_gives():
         def last(self, _kind, **_match):
             return None
 
-    swarm = SimpleNamespace(children={"bootstrap": Finished(0), "peer-0": Finished(-9), "peer-1": Finished(130),
-                                      "peer-2": Finished(None)}, workdir="/tmp/w")
+    swarm = SimpleNamespace(
+        children={"bootstrap": Finished(0), "peer-0": Finished(-9), "peer-1": Finished(130), "peer-2": Finished(None)},
+        workdir="/tmp/w",
+    )
     summary = build_summary(swarm, SwarmConfig(), 1.0)
     assert [p["exit_code"] for p in summary["peers"]] == [137, 130, None]

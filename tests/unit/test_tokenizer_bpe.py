@@ -13,8 +13,10 @@ from peer.train.tokenizer import byte_tokenizer, vocab_size
 from protocol.errors import ConfigError, ManifestError
 from protocol.manifest import DataSpec, ModelSpec
 
-TEXTS = [f"def step_{i}(peers, rounds={i}):\n    return sum(p.delta for p in peers) / len(peers)  # ünï {i}\n"
-         for i in range(300)]
+TEXTS = [
+    f"def step_{i}(peers, rounds={i}):\n    return sum(p.delta for p in peers) / len(peers)  # ünï {i}\n"
+    for i in range(300)
+]
 
 
 @pytest.fixture
@@ -25,8 +27,16 @@ def corpus_file(tmp_path):
 
 
 def spec(path, **kw):
-    return DataSpec(source="jsonl", path=str(path), tokenizer="bpe", vocab_size=512, seq_len_tokens=8,
-                    validation_sequences=4, validation_fraction=0.1, **kw)
+    return DataSpec(
+        source="jsonl",
+        path=str(path),
+        tokenizer="bpe",
+        vocab_size=512,
+        seq_len_tokens=8,
+        validation_sequences=4,
+        validation_fraction=0.1,
+        **kw,
+    )
 
 
 def test_training_twice_gives_the_same_tokenizer_bytes(tmp_path, corpus_file):
@@ -64,8 +74,9 @@ def test_the_cached_tokenizer_is_reused_and_a_pinned_hash_is_enforced(tmp_path, 
 
 def test_the_model_vocabulary_follows_the_tokenizer(tmp_path, corpus_file):
     corpus = load_corpus(spec(corpus_file), cache_dir=tmp_path)
-    model_spec = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32,
-                           max_seq_len=16)
+    model_spec = ModelSpec(
+        hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32, max_seq_len=16
+    )
     model = build_model(model_spec, corpus.tokenizer)
     assert model.get_input_embeddings().weight.shape == (512, 16) == (vocab_size(spec(corpus_file)), 16)
     assert build_model(model_spec).get_input_embeddings().weight.shape[0] == 259
@@ -85,13 +96,16 @@ def test_bits_per_byte():
         bits_per_byte(1.0, 1, 0)
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"tokenizer": "bpe"}, "data.vocab_size = 0 is invalid"),
-    ({"tokenizer": "bytes", "vocab_size": 4096}, "data.vocab_size = 4096"),
-    ({"tokenizer": "wordpiece"}, "data.tokenizer = 'wordpiece'"),
-    ({"corpus_sha256": "abc"}, "data.corpus_sha256 = 'abc'"),
-    ({"source": "parquet"}, "data.path = '' is invalid"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"tokenizer": "bpe"}, "data.vocab_size = 0 is invalid"),
+        ({"tokenizer": "bytes", "vocab_size": 4096}, "data.vocab_size = 4096"),
+        ({"tokenizer": "wordpiece"}, "data.tokenizer = 'wordpiece'"),
+        ({"corpus_sha256": "abc"}, "data.corpus_sha256 = 'abc'"),
+        ({"source": "parquet"}, "data.path = '' is invalid"),
+    ],
+)
 def test_manifest_validation_of_the_data_section(fields, match):
     with pytest.raises(ManifestError, match=match):
         DataSpec(**fields)
@@ -105,21 +119,32 @@ def test_peer_data_prepare_prints_the_hashes_that_pin_the_run(tmp_path, corpus_f
     from peer.cli import main
 
     run = tmp_path / "run.toml"
-    run.write_text(f'[data]\nsource = "jsonl"\npath = "{corpus_file}"\ntokenizer = "bpe"\nvocab_size = 512\n'
-                   "seq_len_tokens = 8\nvalidation_fraction = 0.1\n")
-    result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
+    run.write_text(
+        f'[data]\nsource = "jsonl"\npath = "{corpus_file}"\ntokenizer = "bpe"\nvocab_size = 512\n'
+        "seq_len_tokens = 8\nvalidation_fraction = 0.1\n"
+    )
+    result = CliRunner().invoke(
+        main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")]
+    )
     assert result.exit_code == 0, result.output
     pins = tomllib.loads(result.output)["data"]
     assert set(pins) == {"corpus_sha256", "corpus_bytes", "tokenizer_sha256"}
-    assert pins["corpus_bytes"] == sum(len(json.loads(line)["text"].encode()) for line in
-                                       corpus_file.read_text().splitlines() if line.strip())
+    assert pins["corpus_bytes"] == sum(
+        len(json.loads(line)["text"].encode()) for line in corpus_file.read_text().splitlines() if line.strip()
+    )
     assert list((tmp_path / "dd" / "cache").glob("tokens-*.train.bin"))
-    pinned = run.read_text() + "".join(f'{k} = {json.dumps(v)}\n' for k, v in pins.items())
+    pinned = run.read_text() + "".join(f"{k} = {json.dumps(v)}\n" for k, v in pins.items())
     run.write_text(pinned)  # the pinned manifest loads against the same corpus
-    assert CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")]
-                              ).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
+        .exit_code
+        == 0
+    )
     corpus_file.write_text(json.dumps({"text": "another corpus " * 50}) + "\n" + corpus_file.read_text())
-    result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
+    result = CliRunner().invoke(
+        main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")]
+    )
     # another size: refused before the hashes are compared, both sizes named
     assert result.exit_code == 78 and f"{pins['corpus_bytes']:,} (data.corpus_bytes)" in result.output, result.output
     assert "another corpus" in result.output

@@ -79,8 +79,15 @@ def _incomplete(sent, received):
 
 
 def _complete(sent, received):
-    stats = AllreduceStats(bytes_sent=sent, bytes_received=received, excluded={2: "silent"}, partial_pieces=1,
-                           seconds=1.5, send_seconds=0.5, started_at=time.time())
+    stats = AllreduceStats(
+        bytes_sent=sent,
+        bytes_received=received,
+        excluded={2: "silent"},
+        partial_pieces=1,
+        seconds=1.5,
+        send_seconds=0.5,
+        started_at=time.time(),
+    )
     return GroupOutcome(gathered={"peerA": {"round": 3, "start_digest": "ab"}, "peerB": {"round": 3}}, stats=stats)
 
 

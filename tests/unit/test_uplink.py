@@ -11,9 +11,18 @@ from peer.net.uplink import MAX_CONCURRENT, MAX_PROBE_BYTES, PEER_BUDGET_BYTES, 
 from protocol.errors import BadPayload
 
 
-@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb([1]), msgpack.packb({"bytes": 0}),
-                                     msgpack.packb({"bytes": MAX_PROBE_BYTES + 1}), msgpack.packb({"bytes": True}),
-                                     msgpack.packb({"bytes": "8"}), msgpack.packb({"n": 5})])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",
+        msgpack.packb([1]),
+        msgpack.packb({"bytes": 0}),
+        msgpack.packb({"bytes": MAX_PROBE_BYTES + 1}),
+        msgpack.packb({"bytes": True}),
+        msgpack.packb({"bytes": "8"}),
+        msgpack.packb({"n": 5}),
+    ],
+)
 def test_a_bad_request_is_refused(payload):
     with pytest.raises(BadPayload):
         uplink.parse_request(payload)

@@ -23,14 +23,17 @@ def test_round_trips():
     assert frames.parse_abort(frames.encode_abort("owner gave up")) == "owner gave up"
 
 
-@pytest.mark.parametrize("payload, match", [
-    (frames.encode_hello(group_id=b"g", sender=4, weight=1.0, pieces=1), "sender index 4"),
-    (frames.encode_hello(group_id=b"g", sender=0, weight=float("nan"), pieces=1), "weight"),
-    (frames.encode_hello(group_id=b"g", sender=0, weight=-1.0, pieces=1), "weight"),
-    (GOOD_PIECE, "expected HELLO"),
-    (bytes([frames.HELLO]) + b"\xc1", "msgpack"),
-    (bytes([9]) + b"x", "unknown frame kind"),
-])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (frames.encode_hello(group_id=b"g", sender=4, weight=1.0, pieces=1), "sender index 4"),
+        (frames.encode_hello(group_id=b"g", sender=0, weight=float("nan"), pieces=1), "weight"),
+        (frames.encode_hello(group_id=b"g", sender=0, weight=-1.0, pieces=1), "weight"),
+        (GOOD_PIECE, "expected HELLO"),
+        (bytes([frames.HELLO]) + b"\xc1", "msgpack"),
+        (bytes([9]) + b"x", "unknown frame kind"),
+    ],
+)
 def test_bad_hello_is_named(payload, match):
     with pytest.raises(BadPayload, match=match):
         frames.parse_hello(payload, group_size=4)
@@ -48,13 +51,18 @@ def test_mean_checks_index_group_and_abort():
 
 
 @settings(max_examples=400, deadline=None)
-@given(payload=frame_mutations([GOOD_HELLO, GOOD_PIECE, GOOD_MEAN, frames.encode_abort("x")]),
-       group_size=st.integers(1, 64), index=st.integers(0, 10))
+@given(
+    payload=frame_mutations([GOOD_HELLO, GOOD_PIECE, GOOD_MEAN, frames.encode_abort("x")]),
+    group_size=st.integers(1, 64),
+    index=st.integers(0, 10),
+)
 def test_parsers_raise_only_bad_payload(payload, group_size, index):
-    for parse in (lambda: frames.parse_hello(payload, group_size=group_size),
-                  lambda: frames.parse_piece(payload, expected_index=index),
-                  lambda: frames.parse_mean(payload, expected_index=index, group_size=group_size),
-                  lambda: frames.parse_abort(payload)):
+    for parse in (
+        lambda: frames.parse_hello(payload, group_size=group_size),
+        lambda: frames.parse_piece(payload, expected_index=index),
+        lambda: frames.parse_mean(payload, expected_index=index, group_size=group_size),
+        lambda: frames.parse_abort(payload),
+    ):
         try:
             parse()
         except BadPayload:

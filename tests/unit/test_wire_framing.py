@@ -16,6 +16,7 @@ def _read(data: bytes, max_bytes: int) -> bytes:
         reader.feed_data(data)
         reader.feed_eof()
         return await framing.read_frame(reader, max_bytes=max_bytes, timeout=1.0)
+
     return asyncio.run(go())
 
 
@@ -42,7 +43,8 @@ def test_a_frame_on_the_wrong_stream_is_rejected_by_its_kind():
 
 def test_failures_are_described_in_words():
     assert framing.describe_failure(TimeoutError()) == "timed out"
-    assert framing.describe_failure(asyncio.IncompleteReadError(b"ab", 6)) == \
-        "stream closed after 2 of 6 bytes of a frame"
+    assert (
+        framing.describe_failure(asyncio.IncompleteReadError(b"ab", 6)) == "stream closed after 2 of 6 bytes of a frame"
+    )
     assert framing.describe_failure(BadPayload("CHUNK 3 holds NaN or inf")) == "CHUNK 3 holds NaN or inf"
     assert framing.describe_failure(ConnectionResetError("peer gone")) == "ConnectionResetError: peer gone"

@@ -37,11 +37,13 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 def _with_header(payload: bytes, header: struct.Struct, **fields) -> bytes:
     """``payload`` with some of its header's fields replaced, by position name."""
-    names = {frames.REQUEST_HEADER: ("kind", "version", "request_id", "micro_batch", "stage", "dtype", "b", "t", "h"),
-             frames.REPLY_HEADER: ("kind", "request_id", "dtype", "b", "t", "h", "loss", "tokens")}[header]
+    names = {
+        frames.REQUEST_HEADER: ("kind", "version", "request_id", "micro_batch", "stage", "dtype", "b", "t", "h"),
+        frames.REPLY_HEADER: ("kind", "request_id", "dtype", "b", "t", "h", "loss", "tokens"),
+    }[header]
     values = dict(zip(names, header.unpack_from(payload)))
     values.update(fields)
-    return header.pack(*values.values()) + payload[header.size:]
+    return header.pack(*values.values()) + payload[header.size :]
 
 
 GOOD_REQUEST = _request()
@@ -53,8 +55,9 @@ GOOD_REPLY_BYTES = frames.encode_reply(_reply(GOOD_REQUEST))
 def test_request_and_reply_round_trip_bit_exact(dtype):
     request = _request(dtype)
     # values that a lossy or endian-confused encoding would change: -0, subnormals, the extremes
-    special = torch.tensor([-0.0, torch.finfo(dtype).tiny / 4, torch.finfo(dtype).max, -torch.finfo(dtype).max],
-                           dtype=dtype)
+    special = torch.tensor(
+        [-0.0, torch.finfo(dtype).tiny / 4, torch.finfo(dtype).max, -torch.finfo(dtype).max], dtype=dtype
+    )
     request.activations[0, 0, :4] = special
     back = frames.parse_request(frames.encode_request(request), LIMITS, stage=2)
     assert (back.request_id, back.micro_batch, back.stage) == (7, 3, 2)
@@ -70,22 +73,33 @@ def test_request_and_reply_round_trip_bit_exact(dtype):
 
 
 def test_tensors_travel_as_little_endian_raw_values():
-    request = StageRequest(request_id=1, micro_batch=0, stage=1, activations=torch.full((1, 1, 16), 1.0),
-                           targets=torch.tensor([[258 % 50]], dtype=torch.int32))
+    request = StageRequest(
+        request_id=1,
+        micro_batch=0,
+        stage=1,
+        activations=torch.full((1, 1, 16), 1.0),
+        targets=torch.tensor([[258 % 50]], dtype=torch.int32),
+    )
     payload = frames.encode_request(request)
-    body = payload[frames.REQUEST_HEADER.size:]
+    body = payload[frames.REQUEST_HEADER.size :]
     assert body[:4] == struct.pack("<f", 1.0) and body[-4:] == struct.pack("<i", 8)
-    bf16 = frames.encode_request(StageRequest(request_id=1, micro_batch=0, stage=1,
-                                              activations=torch.full((1, 1, 16), 1.0, dtype=torch.bfloat16),
-                                              targets=torch.zeros(1, 1, dtype=torch.int32)))
-    assert bf16[frames.REQUEST_HEADER.size:][:2] == b"\x80\x3f"  # 1.0 = 0x3f80
+    bf16 = frames.encode_request(
+        StageRequest(
+            request_id=1,
+            micro_batch=0,
+            stage=1,
+            activations=torch.full((1, 1, 16), 1.0, dtype=torch.bfloat16),
+            targets=torch.zeros(1, 1, dtype=torch.int32),
+        )
+    )
+    assert bf16[frames.REQUEST_HEADER.size :][:2] == b"\x80\x3f"  # 1.0 = 0x3f80
 
 
 def test_parsed_tensors_own_their_memory():
     payload = bytearray(GOOD_REQUEST_BYTES)
     request = frames.parse_request(payload, LIMITS)
     before = request.activations.clone()
-    payload[frames.REQUEST_HEADER.size:] = bytes(len(payload) - frames.REQUEST_HEADER.size)
+    payload[frames.REQUEST_HEADER.size :] = bytes(len(payload) - frames.REQUEST_HEADER.size)
     assert torch.equal(_bits(request.activations), _bits(before))
 
 
@@ -101,31 +115,41 @@ def _bad_target(value: int) -> bytes:
     return frames.encode_request(request)
 
 
-@pytest.mark.parametrize("payload, match", [
-    (GOOD_REQUEST_BYTES[:-1], "needs exactly"),
-    (GOOD_REQUEST_BYTES + b"\0", "needs exactly"),
-    (GOOD_REQUEST_BYTES[:frames.REQUEST_HEADER.size - 1], "shorter than its 34-byte header"),
-    (b"", "unknown frame kind"),
-    (bytes([99]) + GOOD_REQUEST_BYTES[1:], "unknown frame kind 63"),
-    (GOOD_REPLY_BYTES, "expected STAGE_REQUEST, got STAGE_REPLY"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, version=PROTOCOL_VERSION + 1),
-     f"protocol version {PROTOCOL_VERSION + 1}, this peer speaks {PROTOCOL_VERSION}"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, dtype=7), r"dtype code 7; allowed 1 \(fp32\) or 2"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, dtype=0), "dtype code 0"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, stage=0), r"targets stage 0; allowed \[1, 4\)"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, stage=4), r"targets stage 4; allowed \[1, 4\)"),
-    # sizes far beyond the limits, declared in a small frame: refused by the limits, before allocation
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, b=0xFFFFFFFF),
-     r"batch B = 4294967295; allowed \[1, 4\]"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, b=0), r"batch B = 0; allowed \[1, 4\]"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, t=1 << 30), r"sequence length T = 1073741824; allowed"),
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, h=8), "hidden size H = 8; this run's is 16"),
-    # a consistent shape within the limits, but not the one the bytes hold
-    (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, b=4), "shape \\(4, 5, 16\\) bf16 .* needs exactly"),
-    (_nan_request(), r"activations hold nan at \(1, 3, 9\); allowed finite values only"),
-    (_bad_target(50), r"targets hold 50 at \(1, 2\); allowed \[0, 50\)"),
-    (_bad_target(-1), r"targets hold -1 at \(1, 2\); allowed \[0, 50\)"),
-])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (GOOD_REQUEST_BYTES[:-1], "needs exactly"),
+        (GOOD_REQUEST_BYTES + b"\0", "needs exactly"),
+        (GOOD_REQUEST_BYTES[: frames.REQUEST_HEADER.size - 1], "shorter than its 34-byte header"),
+        (b"", "unknown frame kind"),
+        (bytes([99]) + GOOD_REQUEST_BYTES[1:], "unknown frame kind 63"),
+        (GOOD_REPLY_BYTES, "expected STAGE_REQUEST, got STAGE_REPLY"),
+        (
+            _with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, version=PROTOCOL_VERSION + 1),
+            f"protocol version {PROTOCOL_VERSION + 1}, this peer speaks {PROTOCOL_VERSION}",
+        ),
+        (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, dtype=7), r"dtype code 7; allowed 1 \(fp32\) or 2"),
+        (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, dtype=0), "dtype code 0"),
+        (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, stage=0), r"targets stage 0; allowed \[1, 4\)"),
+        (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, stage=4), r"targets stage 4; allowed \[1, 4\)"),
+        # sizes far beyond the limits, declared in a small frame: refused by the limits, before allocation
+        (
+            _with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, b=0xFFFFFFFF),
+            r"batch B = 4294967295; allowed \[1, 4\]",
+        ),
+        (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, b=0), r"batch B = 0; allowed \[1, 4\]"),
+        (
+            _with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, t=1 << 30),
+            r"sequence length T = 1073741824; allowed",
+        ),
+        (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, h=8), "hidden size H = 8; this run's is 16"),
+        # a consistent shape within the limits, but not the one the bytes hold
+        (_with_header(GOOD_REQUEST_BYTES, frames.REQUEST_HEADER, b=4), "shape \\(4, 5, 16\\) bf16 .* needs exactly"),
+        (_nan_request(), r"activations hold nan at \(1, 3, 9\); allowed finite values only"),
+        (_bad_target(50), r"targets hold 50 at \(1, 2\); allowed \[0, 50\)"),
+        (_bad_target(-1), r"targets hold -1 at \(1, 2\); allowed \[0, 50\)"),
+    ],
+)
 def test_a_bad_request_is_named(payload, match):
     with pytest.raises(BadPayload, match=match):
         frames.parse_request(payload, LIMITS)
@@ -147,29 +171,39 @@ def _inf_reply() -> bytes:
     reply = _reply(GOOD_REQUEST)
     reply.grad[0, 1, 2] = float("-inf")
     # bypass the encoder's own check: a malicious callee sends what it likes
-    return frames.REPLY_HEADER.pack(frames.STAGE_REPLY, 7, frames.BF16, 2, 5, 16, 1.0, 10) + \
-        reply.grad.view(torch.int16).numpy().astype("<i2").tobytes()
+    return (
+        frames.REPLY_HEADER.pack(frames.STAGE_REPLY, 7, frames.BF16, 2, 5, 16, 1.0, 10)
+        + reply.grad.view(torch.int16).numpy().astype("<i2").tobytes()
+    )
 
 
-@pytest.mark.parametrize("payload, match", [
-    (GOOD_REPLY_BYTES[:-1], "needs exactly"),
-    (GOOD_REPLY_BYTES[:20], "shorter than its 30-byte header"),
-    (GOOD_REQUEST_BYTES, "expected STAGE_REPLY, got STAGE_REQUEST"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, request_id=8), "answers request 8, expected 7"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, dtype=frames.FP32),
-     r"gradient is \(2, 5, 16\) fp32; the request sent \(2, 5, 16\) bf16"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, t=4), r"gradient is \(2, 4, 16\) bf16"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, b=1 << 31), r"batch B = 2147483648; allowed \[1, 4\]"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, dtype=3), "dtype code 3"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, loss=float("nan")), "loss nan; allowed a finite number >= 0"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, loss=float("inf")), "loss inf"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, loss=-0.5), "loss -0.5"),
-    (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, tokens=11), "counts 11 tokens; allowed at most B·T = 10"),
-    (_inf_reply(), r"gradient hold -inf at \(0, 1, 2\)"),
-    (frames.ERROR_HEADER.pack(frames.STAGE_ERROR, 8) + b"x", "STAGE_ERROR answers request 8, expected 7"),
-    (frames.ERROR_HEADER.pack(frames.STAGE_ERROR, 7) + b"x" * 513, "reason of 513 bytes; allowed at most 512"),
-    (frames.ERROR_HEADER.pack(frames.STAGE_ERROR, 7)[:5], "shorter than its 9-byte header"),
-])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (GOOD_REPLY_BYTES[:-1], "needs exactly"),
+        (GOOD_REPLY_BYTES[:20], "shorter than its 30-byte header"),
+        (GOOD_REQUEST_BYTES, "expected STAGE_REPLY, got STAGE_REQUEST"),
+        (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, request_id=8), "answers request 8, expected 7"),
+        (
+            _with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, dtype=frames.FP32),
+            r"gradient is \(2, 5, 16\) fp32; the request sent \(2, 5, 16\) bf16",
+        ),
+        (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, t=4), r"gradient is \(2, 4, 16\) bf16"),
+        (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, b=1 << 31), r"batch B = 2147483648; allowed \[1, 4\]"),
+        (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, dtype=3), "dtype code 3"),
+        (
+            _with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, loss=float("nan")),
+            "loss nan; allowed a finite number >= 0",
+        ),
+        (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, loss=float("inf")), "loss inf"),
+        (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, loss=-0.5), "loss -0.5"),
+        (_with_header(GOOD_REPLY_BYTES, frames.REPLY_HEADER, tokens=11), "counts 11 tokens; allowed at most B·T = 10"),
+        (_inf_reply(), r"gradient hold -inf at \(0, 1, 2\)"),
+        (frames.ERROR_HEADER.pack(frames.STAGE_ERROR, 8) + b"x", "STAGE_ERROR answers request 8, expected 7"),
+        (frames.ERROR_HEADER.pack(frames.STAGE_ERROR, 7) + b"x" * 513, "reason of 513 bytes; allowed at most 512"),
+        (frames.ERROR_HEADER.pack(frames.STAGE_ERROR, 7)[:5], "shorter than its 9-byte header"),
+    ],
+)
 def test_a_bad_answer_is_named(payload, match):
     with pytest.raises(BadPayload, match=match):
         frames.parse_answer(payload, LIMITS, request=GOOD_REQUEST)
@@ -192,14 +226,23 @@ def test_error_reason_is_cut_at_512_bytes_on_a_character_boundary():
 def test_encoders_refuse_what_a_receiver_would_refuse():
     request = _request()
     with pytest.raises(ValueError, match="fp32 or bf16, not torch.float16"):
-        frames.encode_request(StageRequest(request_id=1, micro_batch=0, stage=1,
-                                           activations=request.activations.half(), targets=request.targets))
+        frames.encode_request(
+            StageRequest(
+                request_id=1, micro_batch=0, stage=1, activations=request.activations.half(), targets=request.targets
+            )
+        )
     with pytest.raises(ValueError, match="integer token ids"):
-        frames.encode_request(StageRequest(request_id=1, micro_batch=0, stage=1, activations=request.activations,
-                                           targets=request.targets.float()))
+        frames.encode_request(
+            StageRequest(
+                request_id=1, micro_batch=0, stage=1, activations=request.activations, targets=request.targets.float()
+            )
+        )
     with pytest.raises(ValueError, match="request_id -1 is not a u64"):
-        frames.encode_request(StageRequest(request_id=-1, micro_batch=0, stage=1, activations=request.activations,
-                                           targets=request.targets))
+        frames.encode_request(
+            StageRequest(
+                request_id=-1, micro_batch=0, stage=1, activations=request.activations, targets=request.targets
+            )
+        )
     for loss, match in ((float("nan"), "loss nan"), (-1.0, "loss -1.0"), (1e39, "overflows f32")):
         with pytest.raises(ValueError, match=match):
             frames.encode_reply(_reply(request, loss=loss))
@@ -220,12 +263,18 @@ def test_limits_are_validated():
 
 def test_max_frame_bytes_is_exactly_the_largest_frame_and_caps_the_reader():
     b, t, h = LIMITS.max_batch_sequences, LIMITS.max_seq_len_tokens, LIMITS.hidden_size
-    largest = StageRequest(request_id=1, micro_batch=1, stage=1, activations=torch.ones(b, t, h),
-                           targets=torch.zeros(b, t, dtype=torch.int32))
+    largest = StageRequest(
+        request_id=1,
+        micro_batch=1,
+        stage=1,
+        activations=torch.ones(b, t, h),
+        targets=torch.zeros(b, t, dtype=torch.int32),
+    )
     payload = frames.encode_request(largest)
     assert len(payload) == frames.max_request_bytes(LIMITS) == frames.max_frame_bytes(LIMITS)
-    assert len(frames.encode_reply(StageReply(request_id=1, grad=torch.ones(b, t, h), loss=1.0, tokens=1))) == \
-        frames.max_answer_bytes(LIMITS)
+    assert len(
+        frames.encode_reply(StageReply(request_id=1, grad=torch.ones(b, t, h), loss=1.0, tokens=1))
+    ) == frames.max_answer_bytes(LIMITS)
 
     async def read(data: bytes) -> bytes:
         reader = asyncio.StreamReader()
@@ -246,9 +295,9 @@ def _mutations(rng: random.Random, good: list[bytes]):
         how = rng.randrange(6)
         if how == 0:
             i = rng.randrange(len(seed))
-            yield seed[:i] + bytes([seed[i] ^ rng.randrange(1, 256)]) + seed[i + 1:]
+            yield seed[:i] + bytes([seed[i] ^ rng.randrange(1, 256)]) + seed[i + 1 :]
         elif how == 1:
-            yield seed[:rng.randrange(len(seed) + 1)]
+            yield seed[: rng.randrange(len(seed) + 1)]
         elif how == 2:
             yield seed + rng.randbytes(rng.randrange(1, 64))
         elif how == 3:
@@ -267,20 +316,28 @@ def _mutations(rng: random.Random, good: list[bytes]):
                 yield seed
                 continue
             i = rng.randrange(body_start, len(seed) - 4)
-            yield seed[:i] + rng.choice([b"\xff\xff\xff\xff", b"\x00\x00\x80\x7f", rng.randbytes(4)]) + seed[i + 4:]
+            yield seed[:i] + rng.choice([b"\xff\xff\xff\xff", b"\x00\x00\x80\x7f", rng.randbytes(4)]) + seed[i + 4 :]
 
 
 def test_fuzz_only_bad_payload_comes_out():
     rng = random.Random(19)
-    good = [GOOD_REQUEST_BYTES, GOOD_REPLY_BYTES, frames.encode_request(_request(torch.float32, b=1, t=1)),
-            frames.encode_reply(_reply(_request(torch.float32, b=1, t=1))), frames.encode_error(7, "no"),
-            frames.encode_request(_request(torch.float32)), frames.encode_reply(_reply(_request(torch.float32)))]
+    good = [
+        GOOD_REQUEST_BYTES,
+        GOOD_REPLY_BYTES,
+        frames.encode_request(_request(torch.float32, b=1, t=1)),
+        frames.encode_reply(_reply(_request(torch.float32, b=1, t=1))),
+        frames.encode_error(7, "no"),
+        frames.encode_request(_request(torch.float32)),
+        frames.encode_reply(_reply(_request(torch.float32))),
+    ]
     fp32_request = _request(torch.float32)
     outcomes = {"ok": 0, "bad": 0}
     for payload in _mutations(rng, good):
-        for parse in (lambda p: frames.parse_request(p, LIMITS),
-                      lambda p: frames.parse_answer(p, LIMITS, request=GOOD_REQUEST),
-                      lambda p: frames.parse_answer(p, LIMITS, request=fp32_request)):
+        for parse in (
+            lambda p: frames.parse_request(p, LIMITS),
+            lambda p: frames.parse_answer(p, LIMITS, request=GOOD_REQUEST),
+            lambda p: frames.parse_answer(p, LIMITS, request=fp32_request),
+        ):
             try:
                 parse(payload)
                 outcomes["ok"] += 1

@@ -27,26 +27,32 @@ def test_round_trips():
     assert frames.encode_meta(dict(reversed(list(META.items()))), HASHES) == GOOD_META
 
 
-@pytest.mark.parametrize("payload, match", [
-    (frames.REQUEST_HEADER.pack(frames.REQUEST, PROTOCOL_VERSION + 1, DIGEST, 0), "protocol version"),
-    (frames.encode_request(DIGEST, [3, 2]), "strictly ascending"),
-    (GOOD_REQUEST[:-4], "announces 3 chunk indices"),
-    (frames.encode_missing(), "expected REQUEST"),
-    (b"", r"expected REQUEST, got kind \(empty\)"),
-])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (frames.REQUEST_HEADER.pack(frames.REQUEST, PROTOCOL_VERSION + 1, DIGEST, 0), "protocol version"),
+        (frames.encode_request(DIGEST, [3, 2]), "strictly ascending"),
+        (GOOD_REQUEST[:-4], "announces 3 chunk indices"),
+        (frames.encode_missing(), "expected REQUEST"),
+        (b"", r"expected REQUEST, got kind \(empty\)"),
+    ],
+)
 def test_bad_request_is_named(payload, match):
     with pytest.raises(BadPayload, match=match):
         frames.parse_request(payload)
 
 
-@pytest.mark.parametrize("payload, match", [
-    (frames.encode_missing(), "MISSING: the donor does not hold this state"),
-    (GOOD_CHUNK, "expected META, got CHUNK"),
-    (GOOD_META + b"x", "bytes of hashes"),
-    (frames.encode_meta({**META, "extra": 1}, HASHES), "fields"),
-    (frames.encode_meta({**META, "round": -1}, HASHES), "round"),
-    (frames.META_HEADER.pack(frames.META, 1) + b"\xc1" + b"".join(HASHES), "not valid msgpack"),
-])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (frames.encode_missing(), "MISSING: the donor does not hold this state"),
+        (GOOD_CHUNK, "expected META, got CHUNK"),
+        (GOOD_META + b"x", "bytes of hashes"),
+        (frames.encode_meta({**META, "extra": 1}, HASHES), "fields"),
+        (frames.encode_meta({**META, "round": -1}, HASHES), "round"),
+        (frames.META_HEADER.pack(frames.META, 1) + b"\xc1" + b"".join(HASHES), "not valid msgpack"),
+    ],
+)
 def test_bad_meta_is_named(payload, match):
     with pytest.raises(BadPayload, match=match):
         frames.parse_meta(payload, chunks=3)
@@ -62,12 +68,17 @@ def test_chunk_checks_index_and_length():
 
 
 @settings(max_examples=400, deadline=None)
-@given(payload=frame_mutations([GOOD_REQUEST, GOOD_META, GOOD_CHUNK, frames.encode_missing()]),
-       chunks=st.integers(0, 8), index=st.integers(0, 10))
+@given(
+    payload=frame_mutations([GOOD_REQUEST, GOOD_META, GOOD_CHUNK, frames.encode_missing()]),
+    chunks=st.integers(0, 8),
+    index=st.integers(0, 10),
+)
 def test_parsers_raise_only_bad_payload(payload, chunks, index):
-    for parse in (lambda: frames.parse_request(payload),
-                  lambda: frames.parse_meta(payload, chunks=chunks),
-                  lambda: frames.parse_chunk(payload, expected_index=index, shape=(2, 3))):
+    for parse in (
+        lambda: frames.parse_request(payload),
+        lambda: frames.parse_meta(payload, chunks=chunks),
+        lambda: frames.parse_chunk(payload, expected_index=index, shape=(2, 3)),
+    ):
         try:
             parse()
         except BadPayload:
