@@ -19,8 +19,9 @@ from peer.net import dht as swarm_dht, lifetime
 from peer.net.devices import DeviceAnnouncer, DeviceRecord
 from peer.net.identity import ensure_identity
 from peer.net.validator import protect_run
-from peer.pipeline.peer import LoopThread, StageInnerLoop, pipeline_link, stage_key
+from peer.pipeline.peer import LoopThread, pipeline_link, stage_key
 from peer.pipeline.routing import stage_to_serve
+from peer.pipeline.stage_loop import StageInnerLoop
 from peer.pipeline.stages import build_stage
 from peer.progress import TrainSummary
 from peer.reporting import Reporter

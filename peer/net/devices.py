@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from peer.net import dht as swarm_dht
-from peer.net.dht import Periodic, read_signed
+from peer.net.dht import read_signed
+from peer.net.periodic import Periodic
 from protocol.errors import BadPayload
 from protocol.keys import devices_key
 from protocol.signing import PeerSigner

@@ -33,13 +33,13 @@ import functools
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from peer.net.lifetime import exited
+from peer.net.periodic import Periodic
 from protocol import keys
 from protocol.errors import BadPeerAddress, BadSignature, ManifestError, ManifestNotFound, NetworkError, ProtocolError
 from protocol.manifest import RunManifest, SignedManifest, open_announcement
@@ -467,39 +467,6 @@ def _fetch_signed(dht, run_id: str | None, timeout_s: float) -> SignedManifest:
             "with `peer status` or ask the run's owner"
         )
     return runs[run_id]
-
-
-class Periodic:
-    """Calls :meth:`tick` at once and then every ``period_s`` on a daemon thread until :meth:`stop`.
-
-    A tick that raises is logged at debug level and tried again next period: the DHT it talks to
-    may be starting or shutting down. Subclasses implement :meth:`tick`.
-    """
-
-    def __init__(self, *, period_s: float, name: str):
-        self.period_s = period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def tick(self) -> None:
-        raise NotImplementedError
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as exc:
-                logger.debug("%s failed: %r; retrying in %.0f s", self._thread.name, exc, self.period_s)
-            self._stop.wait(self.period_s)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread; waits up to ``timeout_s`` for a tick in progress."""
-        self._stop.set()
-        self._thread.join(timeout=timeout_s)
 
 
 class ManifestAnnouncer(Periodic):

@@ -24,10 +24,10 @@ from peer.pipeline.peer import (
     MAX_POISONED_REPLIES,
     LoopThread,
     PipelineLink,
-    StageInnerLoop,
     micro_batch_id,
     split_micro_batch_id,
 )
+from peer.pipeline.stage_loop import StageInnerLoop
 from peer.pipeline.stages import PipelineStage
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop

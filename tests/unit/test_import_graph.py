@@ -33,9 +33,9 @@ PACKAGES = ("peer", "protocol", "bootstrap")
 # commands from paying for it; `peer join` prints "loading torch and hivemind" before its import.
 FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("peer.cli", "peer.node"): "`peer join` only: torch and hivemind (the round loop, the averager)",
-    ("peer.cli", "peer.doctor"): "`peer doctor` only: torch (model, inner loop, device probe)",
-    ("peer.cli", "peer.status"): "`peer status` only: hivemind, through peer/net/dht_node.py (start_dht)",
-    ("peer.cli", "peer.train.data"): "`peer data prepare` only: torch (the token cache's tensors)",
+    ("peer.cli_tools", "peer.doctor"): "`peer doctor` only: torch (model, inner loop, device probe)",
+    ("peer.cli_tools", "peer.status"): "`peer status` only: hivemind, through peer/net/dht_node.py (start_dht)",
+    ("peer.cli_tools", "peer.train.data"): "`peer data prepare` only: torch (the token cache's tensors)",
     ("peer.cli", "peer.train.device"): "`peer swarm` only: torch (resolve_device checks --device once)",
     ("peer.swarm", "peer.train.data"): "`peer swarm` reads the data before starting peers: torch, which the "
     "launcher otherwise never needs",

@@ -13,7 +13,8 @@ import threading
 import pytest
 import torch
 
-from peer.pipeline.peer import StageInnerLoop, micro_batch_id, split_micro_batch_id, stage_key
+from peer.pipeline.peer import micro_batch_id, split_micro_batch_id, stage_key
+from peer.pipeline.stage_loop import StageInnerLoop
 from peer.pipeline.stages import PipelineStage
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop

@@ -1,0 +1,293 @@
+"""The `peer` commands that look rather than train: `peer status`, `peer doctor` and `peer data
+prepare` (registered on the `peer` group in peer/cli.py; the work is in peer/status.py,
+peer/doctor.py and peer/train/data.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from peer.cli_common import configure_logging, default_data_dir, resolve_run
+from peer.net.cli_types import FiniteFloatRange
+from peer.run_choice import checkpointed_runs
+from peer.train.cache import default_cache_dir
+from peer.train.sources import describe
+from protocol.errors import LocoError, exit_with
+from protocol.presets import PRESETS
+
+
+@click.command()
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    required=True,
+    metavar="MULTIADDR",
+    help="Address of any live node of the swarm (repeatable).",
+)
+@click.option("--run-id", default=None, help="Show only this run. Default: every run the swarm announces.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=FiniteFloatRange(0),
+    default=5.0,
+    show_default=True,
+    help="Seconds to keep looking while no progress record is found.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
+    """Print the swarm's live peers: rounds, losses, throughput, groups, bytes. Does not train.
+
+    Joins the DHT as a client (accepts no connections), reads the progress records, leaves.
+    Exits 69 when no initial peer answers: a quick check that a bootstrap node is reachable.
+
+    \b
+    Examples:
+      peer status --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmBootstrapId
+      peer status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/QmId --json | jq '.runs[0].peers[].round'
+    """
+    import json
+
+    from rich.console import Console
+
+    from peer.status import print_status, status as read_status
+
+    configure_logging(verbose)
+    try:
+        result = read_status(tuple(initial_peers), run_id, wait_s=wait_s)
+    except LocoError as exc:
+        exit_with(exc, verbose=verbose)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        print_status(result, Console(soft_wrap=True))
+
+
+@click.command()
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Run manifest (TOML) whose model to try.",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default=None,
+    help="Named run preset instead of --run. Neither: 'default'.",
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    metavar="auto|cpu|cuda|cuda:N|mps",
+    help="Device to check, as for peer join.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
+    default="auto",
+    show_default=True,
+    help="Precision to check, as for peer join.",
+)
+@click.option(
+    "--max-memory",
+    "max_memory",
+    type=FiniteFloatRange(0, min_open=True),
+    default=None,
+    metavar="GIB",
+    help="Cap on the GPU memory, in GiB, as for peer join.",
+)
+@click.option(
+    "--compile/--no-compile",
+    "compile_",
+    default=None,
+    help="torch.compile the model. [default: on for CUDA, off for CPU]",
+)
+@click.option(
+    "--peak-tflops",
+    type=FiniteFloatRange(0, min_open=True),
+    default=None,
+    help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU.",
+)
+@click.option(
+    "--activation-checkpointing",
+    "activation_checkpointing",
+    is_flag=True,
+    help="Check with activations recomputed in the backward, as peer join --activation-checkpointing.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(1, 100),
+    default=3,
+    show_default=True,
+    help="Timed inner steps (after one untimed warm-up step).",
+)
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    metavar="MULTIADDR",
+    help="Also check that one of these swarm nodes answers (repeatable), as peer join would dial them.",
+)
+@click.option("--run-id", default=None, help="With --initial-peers: the run to check when the swarm announces several.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="TCP port to check dialability on: the one peer join will listen on (0: any free port).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="With --initial-peers: peer join's data dir, whose checkpoints pick one of several runs as "
+    "peer join does. [default: the user data dir]/locoswarm/peer",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def doctor(
+    run_file,
+    preset,
+    device,
+    precision,
+    max_memory,
+    compile_,
+    peak_tflops,
+    activation_checkpointing,
+    steps,
+    initial_peers,
+    run_id,
+    port,
+    data_dir,
+    as_json,
+    verbose,
+) -> None:
+    """Check this machine before joining: device, memory, precision, the micro-batch that fits the
+    run's model, tokens/s over a few real inner steps, versions; with --initial-peers, whether the
+    swarm answers, whether it can dial this machine back on --port, the measured uplink, and the
+    model of the run the swarm announces (chosen as peer join chooses: --run/--preset, --run-id,
+    checkpoints in --data-dir), rather than the local --run/--preset or the default.
+
+    Exits 0 when this peer can contribute, 78 when it cannot, 69 when only the swarm did not
+    answer (each problem says what to do).
+
+    \b
+    Examples:
+      peer doctor                                # the default run on the best device
+      peer doctor --preset llama-125m --max-memory 10
+      peer doctor --run my_run.toml --device cuda:1 --json
+      peer doctor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+    """
+    import json
+
+    from peer.doctor import DoctorReport, check_swarm, diagnose, render
+
+    configure_logging(verbose)
+    try:
+        local = resolve_run(run_file, preset)
+    except LocoError as exc:
+        exit_with(exc, verbose=verbose)
+    manifest = local or PRESETS["default"]()
+    report = DoctorReport()
+    if initial_peers:  # first: the DHT forks before CUDA is touched
+        flag = f"--run {run_file}" if run_file is not None else f"--preset {preset}"
+        run = check_swarm(
+            report,
+            initial_peers,
+            port=port,
+            local=local,
+            local_flag=flag,
+            run_id=run_id,
+            checkpoints=checkpointed_runs(data_dir or default_data_dir()),
+        )
+        manifest = run or manifest
+    report = diagnose(
+        manifest,
+        device=device,
+        precision=precision,
+        compile=compile_,
+        max_memory_gib=max_memory,
+        peak_tflops=peak_tflops,
+        activation_checkpointing=activation_checkpointing,
+        steps=steps,
+        report=report,
+    )
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    **report.facts,
+                    "problems": [*report.network_problems, *report.problems],
+                    "can_contribute": report.can_contribute,
+                },
+                indent=2,
+            )
+        )
+    else:
+        for line in render(report):
+            click.echo(line)
+    sys.exit(report.exit_code)
+
+
+@click.group("data")
+def data_group() -> None:
+    """Prepare a run's corpus and tokenizer before training."""
+
+
+@data_group.command()
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Run manifest (TOML) whose [data] section to prepare.",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default=None,
+    help="Named run preset instead of --run. Neither: 'default'.",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Token cache directory. [default: $LOCOSWARM_CACHE_DIR, else the user cache dir]/locoswarm; "
+    "peers on this machine read the same one",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
+def prepare(run_file, preset, cache_dir, verbose) -> None:
+    """Tokenize a run's corpus into the token cache (training its BPE first if it uses one) and print the
+    corpus and tokenizer hashes, as TOML to pin in the manifest's [data] section.
+
+    A later `peer join` on this machine reuses the cache instead of tokenizing again (with
+    --cache-dir, set LOCOSWARM_CACHE_DIR to the same directory for it).
+
+    \b
+    Examples:
+      peer data prepare --run my_run.toml
+      peer data prepare --run my_run.toml --cache-dir /srv/locoswarm-cache
+    """
+    from peer.train.data import load_corpus
+
+    configure_logging(verbose)
+    try:
+        manifest = resolve_run(run_file, preset) or PRESETS["default"]()
+        cache_dir = cache_dir or default_cache_dir()
+        corpus = load_corpus(manifest.data, cache_dir=cache_dir)
+    except LocoError as exc:
+        exit_with(exc, verbose=verbose)
+    tok = corpus.tokenizer
+    click.echo(
+        f"# {describe(manifest.data)}: {corpus.train_files:,} training and {corpus.validation_files:,} "
+        f"validation documents, {corpus.train.numel():,} + {corpus.validation.numel():,} tokens "
+        f"({tok.kind} tokenizer, {tok.vocab_size:,} ids); cache in {cache_dir}"
+    )
+    click.echo(
+        f'[data]\ncorpus_sha256 = "{corpus.corpus_sha256}"\ncorpus_bytes = {corpus.corpus_bytes}\n'
+        f'tokenizer_sha256 = "{tok.sha256}"'
+    )
