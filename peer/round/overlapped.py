@@ -54,8 +54,6 @@ class OverlapSchedule(BackgroundSchedule):
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
         self.eager = EagerState()
         """Eager with outer momentum: this peer's own part of its outer state (never sent, not saved)."""
-        self.prepared: PreparedStep | None = None
-        """The outer step of the sync in flight, prepared by its thread."""
         self.own: tuple[list[torch.Tensor], float] | None = None
         """(this peer's own Δ, the cap on a weight over its weight) of the sync in flight: what its
         outer step's change of φ is bounded by (``check_step_bound``)."""
@@ -109,10 +107,9 @@ class OverlapSchedule(BackgroundSchedule):
             delta = progress
         except BadPayload as exc:
             problem = f"{exc}: round discarded"
-        mean, report = None, SyncReport(note="overlap: this round's sync lands at the end of the next")
+        mean, report, prepared = None, SyncReport(note="overlap: this round's sync lands at the end of the next"), None
         if self.background.in_flight:
-            mean, report = self.take_background()
-        prepared, self.prepared = self.prepared, None
+            mean, report, prepared = self.take_background()
         own, self.own = self.own, None
         refused = None
         with s.lock:
@@ -176,9 +173,9 @@ class OverlapSchedule(BackgroundSchedule):
                 wait_budget_s=budget_s,
                 dropped=dropped,
             )
-            if not dropped() and not self.stop_event.is_set():
-                self.prepared = self._prepare_step(mean, lands_in=done.round + 2, own=own)
-            return mean, report
+            if dropped() or self.stop_event.is_set():
+                return mean, report
+            return mean, report, self._prepare_step(mean, lands_in=done.round + 2, own=own)
 
         self.background.start(sync_and_prepare, round_=done.round, start_digest=digest)
         self.own = own
@@ -264,8 +261,7 @@ class OverlapSchedule(BackgroundSchedule):
             self.background.drop("stopping")
             return
         s = self.state
-        mean, report = self.take_background()
-        self.prepared = None  # applied here, once: nothing of the training thread overlaps it any more
+        mean, report, _ = self.take_background()  # applied here, once: its prepared step is not needed
         own, self.own = self.own, None
         refused = None
         with s.lock:

@@ -193,15 +193,16 @@ class BackgroundSchedule(ScheduleBase):
         """This peer adopted a state while the sync in flight ran, and kept that sync (its mean
         belongs to the adopted φ: :meth:`before_adopt`)."""
 
-    def take_background(self) -> tuple[list[torch.Tensor] | None, SyncReport]:
-        """The sync in flight's mean and report (waiting for it if needed); no mean when it failed
-        after this peer adopted another state (its own payload belongs to the φ it left)."""
+    def take_background(self) -> tuple[list[torch.Tensor] | None, SyncReport, Any]:
+        """The sync in flight's mean, report and what its thread prepared from the mean (waiting for
+        it if needed); no mean when it failed after this peer adopted another state (its own payload
+        belongs to the φ it left)."""
         start = time.monotonic()
-        mean, report, _ = self.background.result()
+        landed = self.background.take()
         self.state.waited["sync"] += time.monotonic() - start
-        self.history.last_failed = report.failed
+        self.history.last_failed = landed.report.failed
         adopted, self.adopted_in_flight = self.adopted_in_flight, False
-        return (None if adopted and report.failed else mean), report
+        return (None if adopted and landed.report.failed else landed.mean), landed.report, landed.prepared
 
     def extra_steps_left(self) -> bool:
         """Whether the round may still take a step past H while a sync is out (:data:`EXTRA_STEPS_FRACTION`)."""

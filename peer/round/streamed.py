@@ -87,8 +87,6 @@ class FragmentSchedule(BackgroundSchedule):
         self.flight: tuple[int, int, list[torch.Tensor] | None] | None = None
         """(fragment, cumulative inner step its sync started, θ_p then as fp32 host tensors with
         ``fragment_merge = "shift"``, else None) of the sync in flight."""
-        self.prepared: PreparedFragment | None = None
-        """The outer step of the fragment sync in flight, prepared by its thread."""
         self.own: tuple[list[torch.Tensor], float] | None = None
         """(this peer's own Δ_p, the cap on a weight over its weight) of the sync in flight: what its
         outer step's change of φ_p is bounded by (``check_step_bound``)."""
@@ -231,10 +229,9 @@ class FragmentSchedule(BackgroundSchedule):
                         self.check_fragment_step(p, base, [t.tensor for t in prepared.sealed], own)
                 except BadPayload:
                     prepared = None
-                self.prepared = prepared
+                return mean, report, prepared
             return mean, report
 
-        self.prepared = None
         self.background.start(sync_and_prepare, round_=round_, start_digest=digest)
         self.flight = (p, s.inner_step, theta_p if keep else None)
         self.own = own
@@ -268,7 +265,7 @@ class FragmentSchedule(BackgroundSchedule):
         finite leaves φ_p as it was. On a stop nothing is applied: the sync is dropped, and θ keeps
         the fragment's progress."""
         s = self.state
-        mean, report = self.take_background()
+        mean, report, prepared = self.take_background()
         assert self.flight is not None
         (p, started, at_sync), self.flight = self.flight, None
         if not self.inline:
@@ -279,7 +276,6 @@ class FragmentSchedule(BackgroundSchedule):
             return
         index = self.fragments[p]
         phi_p = [s.phi[k] for k in index]
-        prepared, self.prepared = self.prepared, None
         own, self.own = self.own, None
         if mean is not None:
             try:

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,10 +21,25 @@ from peer.progress import SyncReport
 
 logger = logging.getLogger(__name__)
 
-SyncCall = Callable[[Callable[[], bool]], "tuple[list[torch.Tensor], SyncReport]"]
-"""Runs one sync and returns (mean payload, or the peer's own payload when it failed; its report);
-it must not raise for a failed sync (failed rounds are recorded, not fatal). Its argument tells
-whether the sync was dropped: the call polls it while it waits and gives up (as on a stop)."""
+SyncCall = Callable[[Callable[[], bool]], "tuple[Any, ...]"]
+"""Runs one sync and returns (mean payload, or the peer's own payload when it failed; its report),
+optionally followed by what the call prepared from the mean in its thread (an outer step computed
+off the training thread: :meth:`BackgroundSync.take` hands it back); it must not raise for a failed
+sync (failed rounds are recorded, not fatal). Its argument tells whether the sync was dropped: the
+call polls it while it waits and gives up (as on a stop)."""
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A sync's result as the round loop takes it."""
+
+    mean: list[torch.Tensor]
+    """The group's mean payload, or this peer's own when the sync failed."""
+    report: SyncReport
+    round: int
+    """The round whose payload was averaged."""
+    prepared: Any = None
+    """What the call prepared from the mean in the sync's thread (None: nothing)."""
 
 
 @dataclass
@@ -81,11 +97,21 @@ class BackgroundSync:
             RuntimeError: nothing in flight.
             TimeoutError: not done within ``timeout_s``; it stays in flight.
         """
+        landed = self.take(timeout_s)
+        return landed.mean, landed.report, landed.round
+
+    def take(self, timeout_s: float | None = None) -> Landed:
+        """Wait for the sync in flight and return all it returned; nothing is then in flight.
+
+        Raises:
+            RuntimeError: nothing in flight.
+            TimeoutError: not done within ``timeout_s``; it stays in flight.
+        """
         if self._in_flight is None:
             raise RuntimeError("no sync in flight")
-        mean, report = self._in_flight.future.result(timeout=timeout_s)
+        mean, report, *prepared = self._in_flight.future.result(timeout=timeout_s)
         done, self._in_flight = self._in_flight, None
-        return mean, report, done.round
+        return Landed(mean, report, done.round, prepared[0] if prepared else None)
 
     def drop(self, why: str) -> None:
         """Forget the sync in flight (its result will never be applied): this peer adopted another
@@ -145,11 +171,21 @@ class InlineSync:
             RuntimeError: nothing started.
             HelperDied: what the call raises (nothing of it applied).
         """
+        landed = self.take(timeout_s)
+        return landed.mean, landed.report, landed.round
+
+    def take(self, timeout_s: float | None = None) -> Landed:
+        """Run the call now, on this thread, and return all it returned.
+
+        Raises:
+            RuntimeError: nothing started.
+            HelperDied: what the call raises (nothing of it applied).
+        """
         if self._call is None:
             raise RuntimeError("no sync started")
         (call, round_), self._call = self._call, None
-        mean, report = call(lambda: False)
-        return mean, report, round_
+        mean, report, *prepared = call(lambda: False)
+        return Landed(mean, report, round_, prepared[0] if prepared else None)
 
     def drop(self, why: str) -> None:
         """Forget a call not run yet."""
