@@ -8,7 +8,7 @@
 # The image has torch, transformers, tokenizers, safetensors, click, msgpack, rich, pyarrow,
 # prometheus-client, pytest and hypothesis (/work/.library/device/KINDS.md); it lacks hivemind and
 # its helpers (multihash needs blake3 and mmh3), cryptography and platformdirs, and its numpy (2.5) is one that hivemind
-# 1.1.12's quantization decoders break on (DESIGN.md), so numpy 2.3 travels too. Versions are this
+# 1.1.12's quantization decoders break on (docs/architecture.md), so numpy 2.3 travels too. Versions are this
 # venv's, so the device runs what CI tests. Three of hivemind's helpers are published as sources
 # only: they are built into wheels here (pure Python).
 set -euo pipefail

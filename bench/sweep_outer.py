@@ -76,7 +76,7 @@ def parse_setting(text: str, default_h: int, steps_per_peer: int) -> dict:
             f"bad setting {text!r}: H = {h} must divide the {steps_per_peer} inner steps per peer of "
             "the config (bench.rounds x sync.inner_steps), so that every run trains on the same tokens"
         )
-    if parts[0] == "noloco":  # β = γ = LR, α = MOMENTUM, heavy-ball (ALGORITHMS.md §2)
+    if parts[0] == "noloco":  # β = γ = LR, α = MOMENTUM, heavy-ball (docs/algorithms.md §2)
         return {"algorithm": "noloco", "lr": lr, "momentum": momentum, "pull": lr, "inner_steps": h}
     return {"algorithm": "diloco", "nesterov": parts[0] == "nesterov", "lr": lr, "momentum": momentum, "inner_steps": h}
 

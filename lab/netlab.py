@@ -9,7 +9,7 @@ Topology: a bridge in the root namespace with address ``SUBNET.1/24``; each host
 host's egress on its ``eth0``, its ingress on the bridge side), like a home line of that speed.
 Only the namespaces and addresses made here are ever targeted.
 
-Trap handled (DESIGN.md): once a Docker daemon has run, iptables' FORWARD policy is DROP and
+Trap handled (docs/architecture.md): once a Docker daemon has run, iptables' FORWARD policy is DROP and
 bridge netfilter is on, so bridged traffic silently vanishes; the lab inserts its own ACCEPT
 rule for its bridge and removes it on :meth:`NetLab.close`.
 """

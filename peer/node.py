@@ -402,7 +402,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
     stack.callback(swarm.close)  # a record still queued reaches the DHT before it shuts down
     checkpoint = stage_checkpoint(cfg, manifest, stage)
     trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not reach.client_mode)
-    # CUDA is first touched here, after the transport forked its averager (ALGORITHMS.md §8)
+    # CUDA is first touched here, after the transport forked its averager (docs/algorithms.md §8)
     d = cfg.device
     placement, notes = place(
         d.device,

@@ -238,7 +238,7 @@ class OuterOptimizerSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class NoLoCoSpec:
-    """NoLoCo's outer step (arXiv 2506.10911; ALGORITHMS.md §2), used when sync.algorithm = 'noloco'.
+    """NoLoCo's outer step (arXiv 2506.10911; docs/algorithms.md §2), used when sync.algorithm = 'noloco'.
 
     The default, α = 0 and β = γ = 1 (φ ← the group's mean θ, no momentum): from scratch at short
     H it beat the paper's α = 0.5, β = γ = 0.7 (docs/benchmarks.md "Outer optimizer sweep").
@@ -445,7 +445,7 @@ class PipelineSpec:
 
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "fp4", "topk", "lowrank", "adaptive")
-"""Codecs a run may choose for pseudo-gradients (protocol/codecs/; ALGORITHMS.md §3, §5)."""
+"""Codecs a run may choose for pseudo-gradients (protocol/codecs/; docs/algorithms.md §3, §5)."""
 PHI_CODECS = ("none", "fp16", "bf16", "int8")
 
 

@@ -1,6 +1,6 @@
 """Adaptive compression: per tensor, the codec that fits a sync into its time budget.
 
-The DiLoCoX idea (arXiv 2506.21263; ALGORITHMS.md §3): compress pseudo-gradients more where they
+The DiLoCoX idea (arXiv 2506.21263; docs/algorithms.md §3): compress pseudo-gradients more where they
 carry less information, as much as the link requires. :func:`plan` turns a byte budget
 (``sync_time_budget_s`` × the measured uplink) into one :class:`~protocol.codecs.Codec` per
 tensor by a rate-distortion allocation: each tensor's candidates (fp32, fp16, int8, int4, fp4

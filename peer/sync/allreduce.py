@@ -6,7 +6,7 @@ Why our own and not hivemind's ``AllReduceRunner``: the codecs (protocol/codecs/
 whole row-pieces of each tensor (low rank, top-k), every message must be validated against the
 run's parameter shapes before use, every byte is counted where it is written and read, and a
 groupmate that fails is excluded by a stated rule instead of leaving parts silently un-averaged
-(DESIGN.md, known traps).
+(docs/architecture.md, hivemind's traps).
 
 The algorithm, for a group of n peers ordered as hivemind's matchmaking returned them:
 

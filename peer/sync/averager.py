@@ -8,7 +8,7 @@ replaces: the all-reduce itself, so that
   error-feedback residuals kept here, committed only when a round completes;
 * every frame is validated (protocol/wire/) and every byte written and read is counted;
 * a groupmate that fails is excluded by a stated rule, and a round this peer could not complete
-  is never applied (hivemind 1.1.12 reports success with parts un-averaged; DESIGN.md).
+  is never applied (hivemind 1.1.12 reports success with parts un-averaged; docs/architecture.md).
 
 Each all-reduce hands its outcome back to the host process as the result of hivemind's step
 (:class:`GroupOutcome`): the group's gathered data, or why this peer applied nothing, and the

@@ -15,7 +15,7 @@ import torch
 class ErrorFeedback:
     """Per-peer compression residuals e, one fp32 buffer per tensor (zeros until first committed).
 
-    Error feedback (EF-SGD; SparseLoCo; ALGORITHMS.md §3): a peer sends C(Δ + e) and keeps
+    Error feedback (EF-SGD; SparseLoCo; docs/algorithms.md §3): a peer sends C(Δ + e) and keeps
     e ← (Δ + e) − C(Δ + e), so what compression drops in one round is sent in a later one and
     the running sum of decoded updates stays within one residual of the sum of Δ. Residuals are
     staged during a sync and made current by :meth:`commit` only once it succeeded;

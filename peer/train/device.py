@@ -2,7 +2,7 @@
 capability), its memory cap, the largest micro-batch that fits it, and its peak for MFU.
 
 The device is a per-peer fact, never part of the run manifest: CPU and GPU peers train in one
-swarm, and φ stays fp32 on the host whatever this module picks (ALGORITHMS.md §8).
+swarm, and φ stays fp32 on the host whatever this module picks (docs/algorithms.md §8).
 
 Only :func:`describe` and :func:`cap_memory` touch a CUDA context; :func:`resolve_device` asks only
 how many devices exist, so it may run before the averager process is forked.
@@ -37,7 +37,7 @@ PEAK_TFLOPS = {
     "RTX 3060": 51.0,
 }
 """Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, matched as the longest key found in
-the device name (ALGORITHMS.md §8; vendors' data sheets). ``--peak-tflops`` covers other cards."""
+the device name (docs/algorithms.md §8; vendors' data sheets). ``--peak-tflops`` covers other cards."""
 
 
 @dataclass(frozen=True)

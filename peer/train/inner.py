@@ -32,7 +32,7 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, decay_steps
 
     Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio·lr`` at
     ``decay_steps`` and constant after it ('cosine'), or constant ('constant'). Indexed by the
-    swarm's cumulative inner steps, so it never restarts on a sync or a join (ALGORITHMS.md §6.2).
+    swarm's cumulative inner steps, so it never restarts on a sync or a join (docs/algorithms.md §6.2).
     """
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps

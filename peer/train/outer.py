@@ -305,7 +305,7 @@ class NoLoCo:
     """NoLoCo's outer step: average with a small random group, heavy-ball momentum plus a pull.
 
     Implements NoLoCo (arXiv 2506.10911, Eqs. 1-3) in the form its reference code runs
-    (ALGORITHMS.md §2). The paper writes Δ as fast minus slow; locoswarm keeps one convention
+    (docs/algorithms.md §2). The paper writes Δ as fast minus slow; locoswarm keeps one convention
     end to end, Δ = φ − θ, so the paper's ``mean_G(Δ_j)`` is ``−mean_G(Δ_j)`` here::
 
         δ ← α·δ − β·mean_G(Δ_j) + γ·(mean_G(φ_j) − φ)

@@ -1,9 +1,9 @@
 """Overlapping a round's sync with the next round's inner steps: the update rules, pure tensor code.
 
 Shared by the round loop (peer/round/ with peer/sync/background.py) and the in-process
-simulation (lab/simulation.py), so the benchmark measures what the swarm runs. ALGORITHMS.md §3.
+simulation (lab/simulation.py), so the benchmark measures what the swarm runs. docs/algorithms.md §3.
 
-Notation as in ALGORITHMS.md: φ the outer parameters (identical on every peer that completed a
+Notation as in docs/algorithms.md: φ the outer parameters (identical on every peer that completed a
 round with the same group), θ the inner parameters, Δ a pseudo-gradient. With overlap a round no
 longer starts from φ, so each peer keeps its round's *anchor* ψ_t, the point round t started
 from, and its pseudo-gradient is the round's own progress ``Δ_t = ψ_t − θ_t`` (Δ = φ − θ when
@@ -20,7 +20,7 @@ from, and its pseudo-gradient is the round's own progress ``Δ_t = ψ_t − θ_t
      ``θ ← φ_new + (θ_t − ψ_t)``: the new φ plus this round's local progress, which is not in φ
      yet (it reaches φ through the group mean one round later, so nothing is counted twice);
    * ``eager`` (Kale et al., arXiv 2502.12996): ``ψ = x_i``, this worker's outer parameters
-     after its eager step with Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1) (ALGORITHMS.md
+     after its eager step with Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1) (docs/algorithms.md
      §3): this peer's fresh Δ at its share 1/n of the group mean stands in for its own part of
      round t's mean, and the others' Δ of round t−1 are already in φ through step 1. The paper
      keeps a per-worker outer state (x_i and its momentum) built on Δ̂_i; since the outer step is

@@ -1,5 +1,5 @@
 """Mixed precision chosen per card: which autocast dtype the inner loop runs under, and whether it
-needs a gradient scaler (ALGORITHMS.md §8).
+needs a gradient scaler (docs/algorithms.md §8).
 
 Master weights, gradients, AdamW state, φ and the outer step stay fp32 whatever is chosen here:
 autocast only changes the dtype of the forward's matrix products.

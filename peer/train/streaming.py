@@ -1,11 +1,11 @@
 """Streaming DiLoCo's rules, pure tensor code: fragments, their sync schedule and the merge.
 
-Implements Streaming DiLoCo (Douillard et al., arXiv 2501.18512; ALGORITHMS.md
+Implements Streaming DiLoCo (Douillard et al., arXiv 2501.18512; docs/algorithms.md
 §4) for ``sync.overlap = "streaming"``. The round loop (peer/round/, each fragment's sync in the
 background thread of peer/sync/background.py over a subset of the averager's buffers) and the
 in-process simulation (lab/simulation.py) call these same functions.
 
-Notation as in ALGORITHMS.md: φ the outer parameters, θ the inner ones, H inner steps per round.
+Notation as in docs/algorithms.md: φ the outer parameters, θ the inner ones, H inner steps per round.
 The model's parameters are split into P *fragments* (:func:`partition`, strided by transformer
 block as in the paper: block ℓ belongs to fragment ℓ mod P). Fragment p syncs every H inner steps
 at the offset t_p = ⌊p·H/P⌋ (:func:`sync_offset`): once ``s`` inner steps are done with

@@ -1,6 +1,6 @@
 """Codecs for pseudo-gradients: fp32 tensors to self-describing bytes and back (no networking).
 
-ALGORITHMS.md §5 lists what the field uses; this package implements each as a :class:`Codec`
+docs/algorithms.md §5 lists what the field uses; this package implements each as a :class:`Codec`
 made by :func:`make_codec` from the run's ``[compression]`` section. An encoding starts with a
 one-byte wire id, then the codec's parameters, then the data, so :func:`decode` needs only the
 bytes and the tensor's shape. Decoding validates everything before it allocates (exact length

@@ -13,7 +13,7 @@ NAMES = ["p0", "p1", "p2", "p3"]
 
 
 def spread(tensors_by_peer: list[dict[str, torch.Tensor]]) -> float:
-    """σ = sqrt(Σ_i ‖φ_i − φ̄‖² / (N·P)) (NoLoCo arXiv 2506.10911; ALGORITHMS.md §2)."""
+    """σ = sqrt(Σ_i ‖φ_i − φ̄‖² / (N·P)) (NoLoCo arXiv 2506.10911; docs/algorithms.md §2)."""
     keys = sorted(tensors_by_peer[0])
     flat = torch.stack([torch.cat([t[k].flatten() for k in keys]) for t in tensors_by_peer])
     return ((flat - flat.mean(0)).pow(2).sum() / flat.numel()).sqrt().item()

@@ -45,7 +45,7 @@ def test_noloco_step_matches_reference_over_rounds(gamma):
 
 
 def test_gamma_equal_beta_reduces_to_step_toward_mean_fast_weights():
-    # With γ = β: φ ← φ + α·δ_old + β·(mean θ − φ) (ALGORITHMS.md §2); first round δ_old = 0.
+    # With γ = β: φ ← φ + α·δ_old + β·(mean θ − φ) (docs/algorithms.md §2); first round δ_old = 0.
     phi, other_phi = [torch.zeros(3)], [torch.ones(3)]
     theta, other_theta = torch.full((3,), 0.5), torch.full((3,), 2.0)
     o = NoLoCo([torch.Size([3])], NoLoCoSpec(momentum=0.5, lr=0.7, pull=0.7))

@@ -122,7 +122,7 @@ class PaperWorker:
     "lr,mu,nesterov", [(0.8, 0.0, False), (0.7, 0.9, True), (1.0, 0.5, False)], ids=["plain", "nesterov", "heavy-ball"]
 )
 def test_eager_matches_the_papers_per_worker_recursion(lr, mu, nesterov):
-    """Eager (ALGORITHMS.md §3): x_i(t) = OuterOpt_i(x_i(t−1), Δ̂_i(t)) with
+    """Eager (docs/algorithms.md §3): x_i(t) = OuterOpt_i(x_i(t−1), Δ̂_i(t)) with
     Δ̂_i(t) = (1/M)·Δ_i(t) + (1/M)·Σ_{j≠i} Δ_j(t−1), each worker with its own outer state. Each
     round's start equals the paper's x_i, momentum or not, while φ and its momentum stay shared."""
     M, rounds = 3, 6
