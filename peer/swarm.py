@@ -38,6 +38,7 @@ from peer.reporting import format_bytes, round_line
 from peer.train.cache import default_cache_dir
 from protocol.errors import ChildExited, ChildTimeout, ConfigError, NetworkError
 from protocol.manifest import RunManifest, dump_toml
+from protocol.signing import OWNER_KEY_FILE, load_owner_key
 
 STOP_GRACE_S = 60.0
 """How long children get to checkpoint and exit after SIGINT before they are killed."""
@@ -290,24 +291,25 @@ def run_swarm(cfg: SwarmConfig) -> int:
 
     console = Console(stderr=False, soft_wrap=True)
     check_data_path(cfg.data_path)  # a missing --data: one line, before anything starts
-    console.print(
-        f"local swarm: reading the data of run {cfg.manifest.run_id} ({cfg.manifest.name})",
-        markup=False,
-        highlight=False,
-    )
+    console.print(f"local swarm: reading the data of run {cfg.manifest.name}", markup=False, highlight=False)
     cfg, corpus = with_swarm_data(cfg)
     if cfg.data_path is not None:
         console.print(
             f"local swarm: the peers train on {cfg.data_path} ({corpus.train_files:,} + "
             f"{corpus.validation_files:,} documents, {corpus.corpus_bytes:,} bytes; each peer gets --data); "
-            f"the run is announced by content as run {cfg.manifest.run_id} "
-            f"(data.corpus_sha256 = {corpus.corpus_sha256})",
+            f"the run names its corpus by content (data.corpus_sha256 = {corpus.corpus_sha256})",
             markup=False,
             highlight=False,
         )
     temporary = cfg.workdir is None
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="locoswarm-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    # The bootstrap node signs the run with the owner key beside its identity, and the run id binds the
+    # owner: made here first, so every line of this command names the id the peers, `peer status` and
+    # the monitor show.
+    if not cfg.manifest.owner:  # a run file naming another owner is refused by the bootstrap node, as before
+        owner = load_owner_key(workdir / OWNER_KEY_FILE)
+        cfg = dataclasses.replace(cfg, manifest=cfg.manifest.with_owner(owner.public_hex))
     manifest_path = workdir / "run.toml"
     manifest_path.write_text(dump_toml(cfg.manifest))
     threads = cfg.threads_per_peer or max(1, (os.cpu_count() or 1) // cfg.num_peers)
