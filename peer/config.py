@@ -132,6 +132,9 @@ class JoinConfig:
     data_path: Path | None = None
     """--data: this peer's copy of the run's corpus, checked against ``data.corpus_sha256``
     (peer/train/data.py ``with_local_data``); None: the run's own ``data.path``."""
+    data_cache_gb: float | None = None
+    """--data-cache-gb: most GB of shard files of a sharded run on disk (peer/shards/store.py); None:
+    ``peer.shards.corpus.DEFAULT_CACHE_GB``."""
     data_dir: Path
     client_mode: bool = False
     stage: int | None = None

@@ -17,23 +17,27 @@ from peer import reachability
 from peer.config import JoinConfig
 from peer.net import dht as swarm_dht, lifetime
 from peer.net.devices import DeviceAnnouncer, DeviceRecord
+from peer.net.home_run import bootstrap_ids, read_home_run
 from peer.net.identity import ensure_identity
 from peer.net.validator import protect_run
 from peer.pipeline.peer import LoopThread, pipeline_link, stage_key
 from peer.pipeline.routing import stage_to_serve
 from peer.pipeline.stage_loop import StageInnerLoop
 from peer.pipeline.stages import build_stage
-from peer.progress import TrainSummary
+from peer.progress import TrainSummary, Waiting
 from peer.reporting import Reporter
 from peer.round import Trainer
-from peer.run_choice import checkpointed_runs, choose_run
+from peer.run_choice import checkpointed_runs, choose_run, weigher
+from peer.shards.corpus import ShardedRun, load_data
+from peer.shards.share import ShardSharing
+from peer.shards.stream import ShardSampler
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.state.data_dir import hold_data_dir
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
 from peer.train.cache import default_cache_dir
-from peer.train.data import load_corpus, with_local_data
+from peer.train.data import with_local_data
 from peer.train.device import place, resolve_device
 from peer.train.host_memory import tune_host_allocator
 from peer.train.model import build_model, parameter_count
@@ -72,9 +76,9 @@ def _start_run(local: RunManifest, cfg: JoinConfig) -> SignedManifest:
     return sign_manifest(local, load_owner_key(_owner_key_path(cfg)))
 
 
-def _announced(dht) -> dict[str, SignedManifest]:
-    try:
-        return swarm_dht.list_announced(dht)
+def _announced(dht, only: str | None = None, prefer=()) -> dict[str, SignedManifest]:
+    try:  # with --run-id, that run's entry alone; else at most MAX_RUNS_READ, ``prefer`` first
+        return swarm_dht.list_announced(dht, only=only, prefer=prefer)
     except NetworkError as exc:
         logger.debug("reading the runs index failed: %s", exc)
         return {}
@@ -95,8 +99,13 @@ def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> SignedManifest:
     # a run this peer cannot sign (another owner's) is waited for like the run of a plain join
     can_start = local is not None and (not local.owner or _holds_owner_key(cfg, local.owner))
     deadline = time.monotonic() + (LOCAL_RUN_LOOK_S if can_start else cfg.manifest_wait_s)
+    from hivemind.utils import get_dht_time
+
+    # the run the bootstrap node dialed announces as its own, signed by it (peer/net/home_run.py)
+    home = None if cfg.run_id else read_home_run(dht, bootstrap_ids(cfg.initial_peers))
+    prefer = checkpointed_runs(cfg.data_dir) | ({home} if home else set())
     while True:
-        announced = _announced(dht)
+        announced = _announced(dht, cfg.run_id, prefer)
         if announced or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -118,6 +127,12 @@ def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> SignedManifest:
                 new_run=cfg.start_new_run,
                 checkpoints=checkpointed_runs(cfg.data_dir),
                 stats=stats,
+                home=home,
+                weight=weigher(
+                    {rid: s.manifest for rid, s in announced.items()},
+                    lambda rid: swarm_dht.read_progress(dht, rid),
+                    get_dht_time,
+                ),
             )
             if chosen in announced:
                 signed = announced[chosen]
@@ -140,7 +155,7 @@ def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> SignedManifest:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
-            announced = _announced(dht)
+            announced = _announced(dht, cfg.run_id, prefer)
 
 
 class StopOnSignal(lifetime.StopOnSignal):
@@ -217,6 +232,23 @@ def stage_checkpoint(cfg: JoinConfig, manifest: RunManifest, stage: int | None):
     return run_dir / "checkpoint.safetensors" if stage is None else run_dir / f"stage{stage}" / "checkpoint.safetensors"
 
 
+class _TimedStack(ExitStack):
+    """An ``ExitStack`` whose callbacks log, at debug level, how long each release took (``peer join
+    -v`` shows where a stop spends its time)."""
+
+    def callback(self, callback, /, *args, **kwds):
+        name = getattr(callback, "__qualname__", repr(callback))
+
+        def timed():
+            start = time.monotonic()
+            try:
+                callback(*args, **kwds)
+            finally:
+                logger.debug("released %s in %.2f s", name, time.monotonic() - start)
+
+        return super().callback(timed)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Peer:
     """What :func:`_assemble` built and :func:`join` trains with (everything else is on its stack)."""
@@ -257,7 +289,7 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
             the checkpoint was written first, as on a stop, and the ``stopped`` event emitted.
     """
     stop_event = stop_event or threading.Event()
-    with ExitStack() as stack:
+    with _TimedStack() as stack:
         peer = _assemble(stack, cfg, reporter, stop_event)
         reporter.emit(
             "status",
@@ -298,8 +330,18 @@ def _read_local_run(cfg: JoinConfig, reporter: Reporter):
     if local is not None:
         data = with_local_data(local.data, cfg.data_path, run=f"run {local.run_id} ({local.name})")
         reporter.emit("status", message=f"reading the data of run {local.run_id} ({local.name}): {describe(data)}")
-        corpus = load_corpus(data, cache_dir=default_cache_dir())
+        with Waiting("reading the run's data"):  # hashing it (and at first tokenizing) takes a while
+            corpus = _load_data(data, cfg)
     return local, corpus
+
+
+def _load_data(data, cfg: JoinConfig, peers=None):
+    """The run's corpus, or its shard list and validation shards (peer/shards/corpus.py), asking
+    ``peers`` (a PeerSource) too."""
+    cap = None if cfg.data_cache_gb is None else int(cfg.data_cache_gb * 1e9)
+    if data.source == "shards":
+        return load_data(data, cache_dir=default_cache_dir(), cache_bytes=cap, peers=peers)
+    return load_data(data, cache_dir=default_cache_dir())
 
 
 def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event) -> _Peer:
@@ -357,10 +399,22 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         )
     keeper = AddressKeeper(dht, book, run_id=manifest.run_id, signer=signer, publish=not reach.client_mode).start()
     stack.callback(keeper.stop)
+    # a sharded run: shards to and from the peers (peer/shards/share.py)
+    sharing: ShardSharing | None = None
+    live: list[SwarmView] = []
+    if manifest.data.source == "shards":
+        known = [a.rsplit("/p2p/", 1)[1] for a in cfg.initial_peers if "/p2p/" in a]
+        sharing = ShardSharing(dht, manifest.run_id, lambda: [*(p.peer_id for s in live for p in s.others()), *known])
+        stack.callback(sharing.close)
     if corpus is None or manifest.data != local.data:
         data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
         reporter.emit("status", message=f"reading the run's data: {describe(data)}")
-        corpus = load_corpus(data, cache_dir=default_cache_dir())
+        with Waiting("reading the run's data"):  # hashing it (and at first tokenizing) takes a while
+            corpus = _load_data(data, cfg, peers=[sharing.source] if sharing else None)
+    if sharing is not None and isinstance(corpus.make_sampler, ShardedRun):
+        sharing.serve(corpus.make_sampler)
+    reporter.emit("status", message="building the model and starting the averager")
+    setting_up = stack.enter_context(Waiting("building the model and starting the averager"))
     model = (
         build_model(manifest.model, corpus.tokenizer)
         if stage is None
@@ -400,6 +454,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         max_sync_s=transport.max_sync_seconds,
     ).start_background()
     stack.callback(swarm.close)  # a record still queued reaches the DHT before it shuts down
+    live.append(swarm)  # the peers a sharded run asks for shards: the live ones, then the initial ones
     checkpoint = stage_checkpoint(cfg, manifest, stage)
     trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not reach.client_mode)
     # CUDA is first touched here, after the transport forked its averager (docs/algorithms.md §8)
@@ -436,6 +491,8 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         evaluates_phi=stage is None,
         state_key=key,
     )
+    if corpus.make_sampler is not None:  # a sharded run: its loader thread (peer/shards/stream.py)
+        stack.callback(cast(ShardSampler, trainer.inner.sampler).close)
     stack.callback(trainer.inner.close)  # the other ranks of a peer on several devices (peer/train/ddp.py)
     if stage is not None:  # a stage after 0 registers its server at its first inner step
         blocks = cast(range, model.layers)  # a pipeline stage holds a range of the blocks (peer/pipeline/stages.py)
@@ -443,6 +500,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
             "status", message=f"pipeline stage {stage} of 0-{S - 1} (blocks {blocks.start}-{blocks.stop - 1})"
         )
     micro_batch = trainer.fit_micro_batch()
+    setting_up.close()
     device_fields = placement.event_fields()
     # what this peer trains on, for `peer status` and the monitor (signed, like its records)
     devices = DeviceAnnouncer(dht, manifest.run_id, signer, DeviceRecord.from_event(device_fields)).start()

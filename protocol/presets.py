@@ -1,8 +1,19 @@
-"""Named run presets, shared by the CLI, tests, docker and docs."""
+"""Named run presets, shared by the CLI, tests, docker and docs.
+
+Every preset pins its tokenizer: 'default' and 'tiny' use the byte-level one, defined by the code
+(identical everywhere); the llama-* presets pin by hash the 16,384-id BPE shipped with the package
+(peer/assets/tokenizers/stdlib-bpe-16384.json, trained once on a pinned list of standard-library
+files that its ``.provenance.json`` names with their hashes), so no peer trains or downloads one.
+Their corpus, the running interpreter's standard library, is not fixed across machines, so no
+corpus hash is pinned.
+"""
 
 from __future__ import annotations
 
 from protocol.manifest import RunManifest
+
+STDLIB_BPE_16384_SHA256 = "6c1f451d2698bf7c6469278642ca76b89917db03c23a8d6245ff67f23a5b607b"
+"""SHA-256 of peer/assets/tokenizers/stdlib-bpe-16384.json, the llama-* presets' tokenizer."""
 
 
 def default_run() -> RunManifest:
@@ -43,8 +54,8 @@ def _llama_run(
     lr: float,
     allreduce_timeout_s: float,
 ) -> RunManifest:
-    """A Llama-style run at a real size: 1,024-token sequences (rotary set for 2,048), a 16,384-id
-    byte-level BPE trained on the corpus, int8 pseudo-gradients, H = 100 inner steps."""
+    """A Llama-style run at a real size: 1,024-token sequences (rotary set for 2,048), the shipped
+    16,384-id byte-level BPE (pinned by hash), int8 pseudo-gradients, H = 100 inner steps."""
     seq = 1024
     return RunManifest(name=name).replace(
         model={
@@ -55,7 +66,13 @@ def _llama_run(
             "intermediate_size": intermediate,
             "max_seq_len": 2 * seq,
         },
-        data={"seq_len_tokens": seq, "tokenizer": "bpe", "vocab_size": 16384, "validation_sequences": 64},
+        data={
+            "seq_len_tokens": seq,
+            "tokenizer": "bpe",
+            "vocab_size": 16384,
+            "tokenizer_sha256": STDLIB_BPE_16384_SHA256,
+            "validation_sequences": 64,
+        },
         inner_optimizer={
             "lr": lr,
             "warmup_steps": 500,

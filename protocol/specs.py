@@ -8,6 +8,7 @@ sections into a :class:`~protocol.manifest.RunManifest` and gives it its encodin
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,9 @@ class DataSpec:
     source: str = "python-stdlib"
     """'python-stdlib': the running interpreter's standard library sources; 'files': a directory or file
     of .txt/.md/.rst/.py text; 'jsonl': a .jsonl file or directory of them; 'parquet': a .parquet file or
-    directory of them; 'hf-dataset': a Hugging Face dataset saved with ``save_to_disk`` (never downloaded)."""
+    directory of them; 'hf-dataset': a Hugging Face dataset saved with ``save_to_disk`` (never downloaded);
+    'shards': parquet or jsonl shards named by the hashed list ``shards_sha256``, each peer streaming its
+    own (peer/shards/) from ``path`` (a local directory), the peers, ``base_url`` and ``hub_repo``."""
     path: str = ""
     """The file or directory of every source but 'python-stdlib'. Empty when ``corpus_sha256`` names the
     corpus by content: each peer then reads its own copy (``peer join --data PATH``), checked against
@@ -100,8 +103,9 @@ class DataSpec:
     text_field: str = "text"
     """The JSON key or column holding each document's text ('jsonl', 'parquet', 'hf-dataset')."""
     tokenizer: str = "bytes"
-    """'bytes': UTF-8 bytes plus BOS/EOS/PAD (259 ids); 'bpe': a byte-level BPE trained locally on the
-    training split of this corpus."""
+    """'bytes': UTF-8 bytes plus BOS/EOS/PAD (259 ids); 'bpe': a byte-level BPE, the ``tokenizer.json``
+    (Hugging Face tokenizers format) whose SHA-256 is ``tokenizer_sha256``, loaded, never trained at join
+    (``peer data prepare --train-tokenizer N`` trains one on the operator's side)."""
     vocab_size: int = 0
     """Ids of the tokenizer, specials included, and rows of the model's embedding: 0 with 'bytes'
     (fixed at 259), e.g. 4096 with 'bpe'."""
@@ -111,23 +115,47 @@ class DataSpec:
     """When set, the corpus's size in UTF-8 bytes of its texts: a copy of another size is refused with its
     size named (an incomplete download says so before its hash is compared). ``peer data prepare`` prints it."""
     tokenizer_sha256: str = ""
-    """When set, peers whose tokenizer hashes otherwise refuse to train (``peer data prepare`` prints it)."""
+    """SHA-256 of the tokenizer (of the ``tokenizer.json`` bytes with 'bpe', which a 'bpe' run must set):
+    peers whose tokenizer hashes otherwise refuse to train (``peer data prepare`` prints it)."""
+    tokenizer_source: str = ""
+    """'bpe' only: where a peer gets the ``tokenizer.json`` when neither the package (peer/assets/) nor its
+    own tokenizer store holds it: a local file path, or ``hf://datasets/OWNER/NAME@COMMIT/FILE`` (a dataset
+    repository; ``hf://OWNER/NAME@COMMIT/FILE`` for a model repository) at a pinned commit (40 hex digits),
+    fetched from the Hub at ``$HF_ENDPOINT``. '' for none. Left out of the run id while ''."""
     seq_len_tokens: int = 128
     validation_fraction: float = 0.05
     """Share of documents (chosen by hash: of the relative path for files, of the text for records)
     held out for validation."""
     validation_sequences: int = 48
     """Size of the fixed validation subset every peer evaluates on."""
+    shards_sha256: str = ""
+    """'shards' only: SHA-256 of the run's shard list (``shards.json``, peer/shards/index.py: each
+    shard's name, size in bytes and SHA-256, canonical JSON), so every shard is bound to the run id;
+    ``peer data prepare`` writes the list and prints this hash."""
+    shard_count: int = 0
+    """'shards' only: shards in the list."""
+    shards_bytes: int = 0
+    """'shards' only: bytes of all shard files together."""
+    validation_shards: int = 1
+    """'shards' only: shards held out for validation (chosen by the hash of their names), which every
+    peer fetches and evaluates on; the rest are dealt to peers to train on."""
+    base_url: str = ""
+    """'shards' only: an HTTP(S) URL the shard files (and ``shards.json``) lie under, '' for none."""
+    hub_repo: str = ""
+    """'shards' only: a Hugging Face dataset repository ('owner/name') holding the shards, '' for none."""
+    hub_revision: str = ""
+    """'shards' only: the commit of ``hub_repo`` to read, 40 hex digits (a pinned revision, never a branch)."""
 
     def __post_init__(self) -> None:
         s = "data"
-        one_of(s, "source", self.source, ("python-stdlib", "files", "jsonl", "parquet", "hf-dataset"))
+        one_of(s, "source", self.source, DATA_SOURCES)
+        self._check_shards()
         check(s, "path", self.path, isinstance(self.path, str), "a string")
         check(
             s,
             "path",
             self.path,
-            self.source == "python-stdlib" or bool(self.path) or bool(self.corpus_sha256),
+            self.source in ("python-stdlib", "shards") or bool(self.path) or bool(self.corpus_sha256),
             f"a non-empty path when data.source = {self.source!r}, or empty with data.corpus_sha256 set "
             "(a corpus named by content: each peer passes --data PATH)",
         )
@@ -145,6 +173,16 @@ class DataSpec:
             )
         else:
             int_in(s, "vocab_size", self.vocab_size, 512, 1 << 20)
+        check(
+            s,
+            "tokenizer_source",
+            self.tokenizer_source,
+            isinstance(self.tokenizer_source, str)
+            and (self.tokenizer_source == "" or self.tokenizer == "bpe")
+            and (not self.tokenizer_source.startswith("hf://") or bool(HUB_FILE.fullmatch(self.tokenizer_source))),
+            "'' with data.tokenizer = 'bytes'; with 'bpe': '', a file path, or "
+            "'hf://datasets/OWNER/NAME@COMMIT/FILE' (COMMIT: 40 lowercase hex digits, a pinned revision)",
+        )
         for name in ("corpus_sha256", "tokenizer_sha256"):
             value = getattr(self, name)
             check(
@@ -159,6 +197,74 @@ class DataSpec:
         int_in(s, "seq_len_tokens", self.seq_len_tokens, 8, 1 << 20)
         float_in(s, "validation_fraction", self.validation_fraction, 0.0, 0.5, lo_open=True)
         int_in(s, "validation_sequences", self.validation_sequences, 1, 1 << 20)
+
+    def _check_shards(self) -> None:
+        s, hexdigits = "data", "0123456789abcdef"
+        for name in ("base_url", "hub_repo", "hub_revision"):
+            check(s, name, getattr(self, name), isinstance(getattr(self, name), str), "a string")
+        if self.source != "shards":
+            for name in SHARD_FIELDS:
+                check(
+                    s,
+                    name,
+                    getattr(self, name),
+                    getattr(self, name) == getattr(DataSpec, name),
+                    f"{getattr(DataSpec, name)!r} unless data.source = 'shards'",
+                )
+            return
+        check(
+            s,
+            "shards_sha256",
+            self.shards_sha256,
+            isinstance(self.shards_sha256, str)
+            and len(self.shards_sha256) == 64
+            and all(c in hexdigits for c in self.shards_sha256),
+            "64 lowercase hex digits with data.source = 'shards' (the hash `peer data prepare` prints)",
+        )
+        int_in(s, "shard_count", self.shard_count, 2, 1 << 24)
+        int_in(s, "shards_bytes", self.shards_bytes, 1, 1 << 60)
+        int_in(s, "validation_shards", self.validation_shards, 1, max(1, self.shard_count - 1))
+        check(
+            s,
+            "base_url",
+            self.base_url,
+            self.base_url == "" or self.base_url.startswith(("http://", "https://")),
+            "'' or an http:// or https:// URL",
+        )
+        check(s, "hub_repo", self.hub_repo, self.hub_repo == "" or self.hub_repo.count("/") == 1, "'' or 'owner/name'")
+        check(
+            s,
+            "hub_revision",
+            self.hub_revision,
+            (self.hub_revision == "") == (self.hub_repo == "")
+            and (
+                self.hub_revision == ""
+                or (len(self.hub_revision) == 40 and all(c in hexdigits for c in self.hub_revision))
+            ),
+            "a commit (40 lowercase hex digits) when data.hub_repo is set, '' otherwise",
+        )
+
+
+DATA_SOURCES = ("python-stdlib", "files", "jsonl", "parquet", "hf-dataset", "shards")
+"""What ``data.source`` may name; 'shards' is a corpus given as a hashed shard list (peer/shards/)."""
+SHARD_FIELDS = (
+    "shards_sha256",
+    "shard_count",
+    "shards_bytes",
+    "validation_shards",
+    "base_url",
+    "hub_repo",
+    "hub_revision",
+)
+"""The data fields only ``source = "shards"`` reads; left out of a manifest's encoding while at their
+defaults (protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""
+
+HUB_FILE = re.compile(r"hf://(?:(datasets)/)?([\w.-]+/[\w.-]+)@([0-9a-f]{40})/(\S+)")
+"""A file of a Hugging Face repository at a pinned commit, as ``data.tokenizer_source`` names it:
+groups (``'datasets'`` or None for a model repository, ``OWNER/NAME``, the commit, the file's path)."""
+OMITTED_AT_DEFAULT_TOKENIZER_FIELDS = ("tokenizer_source",)
+"""The data fields of the tokenizer left out of a manifest's encoding while at their defaults
+(protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""
 
 
 INNER_KINDS = ("adamw", "muon")
@@ -220,7 +326,7 @@ class OuterOptimizerSpec:
 
     The default is plain averaging (lr 1.0, no momentum: φ ← mean of the group's θ): from scratch
     at short H it beat the DiLoCo paper's Nesterov 0.7/0.9 (picked at H = 500 from a pretrained
-    start) and every other lr × momentum tried (docs/benchmarks.md "Outer optimizer sweep",
+    start) and every other lr × momentum tried (docs/notes/benchmarks-log.md "Outer optimizer sweep",
     bench/sweep_outer.py).
     """
 
@@ -241,7 +347,7 @@ class NoLoCoSpec:
     """NoLoCo's outer step (arXiv 2506.10911; docs/algorithms.md §2), used when sync.algorithm = 'noloco'.
 
     The default, α = 0 and β = γ = 1 (φ ← the group's mean θ, no momentum): from scratch at short
-    H it beat the paper's α = 0.5, β = γ = 0.7 (docs/benchmarks.md "Outer optimizer sweep").
+    H it beat the paper's α = 0.5, β = γ = 0.7 (docs/notes/benchmarks-log.md "Outer optimizer sweep").
     """
 
     momentum: float = 0.0
@@ -338,7 +444,7 @@ class SyncSpec:
     """K, 'delayed' and 'eager' only: rounds 0 to K − 1 of the run sync blocking (as 'none'), round K
     is the first whose sync overlaps the next round (its mean lands at the end of round K + 1). A
     round's index is the swarm's, so every peer switches at the same round, a joiner too. Overlap
-    costs the most loss early in a run, when φ moves the most per round (docs/benchmarks.md). 0:
+    costs the most loss early in a run, when φ moves the most per round (docs/notes/benchmarks-log.md). 0:
     overlap from the first round."""
     fragments: int = 4
     """P, streaming only: fragments of the model (fragment p holds transformer blocks p, p+P, ...);
@@ -357,7 +463,7 @@ class SyncSpec:
     trained while the sync was in flight back out. 'shift': θ_p ← θ_p + (1 − α)·(φ_p − θ_p^sync),
     θ_p^sync being θ_p when the sync started: the same mix of the state the sync was about, with
     the steps trained since kept in full (equal to 'mix' when none were). It cost less loss than
-    'mix' where a sync overlaps many steps (docs/benchmarks.md, issue #18); 'mix' stays the default
+    'mix' where a sync overlaps many steps (docs/notes/benchmarks-log.md, issue #18); 'mix' stays the default
     so that a manifest written before this field existed means what it meant."""
 
     def __post_init__(self) -> None:

@@ -1,39 +1,66 @@
-"""A byte-level BPE trained locally, with the ``tokenizers`` library, on a run's training split.
+"""A byte-level BPE named by the SHA-256 of its ``tokenizer.json``: found, fetched and checked, never
+trained at join.
 
-Training is deterministic (same corpus, same ``vocab_size``, same tokenizers version: the same
-tokenizer.json bytes), so peers that train their own copy get the tokenizer the run pins in
-``data.tokenizer_sha256``. The result is cached as ``tokenizer-<key>.json`` and reused.
+A 'bpe' run pins ``data.tokenizer_sha256``, the SHA-256 of the bytes of a ``tokenizer.json`` (the
+Hugging Face tokenizers format), so two peers tokenize alike whatever their ``tokenizers`` version.
+A peer looks for those bytes, in this order:
+
+1. the package's own tokenizers, ``peer/assets/tokenizers/*.json`` (the llama-* presets' is there,
+   so a preset needs no download to start);
+2. this machine's tokenizer store, ``<cache dir>/tokenizers/<sha256>.json``, filled by ``peer data
+   prepare --train-tokenizer`` and by every earlier fetch;
+3. ``data.tokenizer_source``: a file path, or a file of a Hugging Face repository at a pinned commit
+   (``hf://datasets/OWNER/NAME@COMMIT/FILE``), fetched with ``huggingface_hub.hf_hub_download`` from
+   ``$HF_ENDPOINT`` (default: the Hub).
+
+Bytes that hash otherwise are refused with both hashes named (:class:`ConfigError`, exit 78); a
+source that cannot be reached ends in one line (:class:`TokenizerUnavailable`, exit 69). Training
+(:func:`train_bpe`) runs only on the operator's side, once: ``peer data prepare --train-tokenizer N``.
 Specials come first: id 0 BOS, 1 EOS, 2 PAD; then the 256 byte symbols, then the merges.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from peer.train.cache import atomic_write
 from peer.train.tokenizer import Tokenizer, byte_tokenizer
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, NetworkError
 from protocol.manifest import DataSpec
+from protocol.specs import HUB_FILE
 
 logger = logging.getLogger(__name__)
 
 SPECIALS = ("<bos>", "<eos>", "<pad>")
-_FORMAT = "bpe-v1"
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizers"
+"""The tokenizers shipped with the package (package data): ``*.json``, each beside a
+``*.provenance.json`` that says what it was trained on."""
+MIN_FREQUENCY = 2
+"""A pair is merged only when it occurs at least this often in the training text."""
 
 
-def cache_name(spec: DataSpec, corpus_sha256: str) -> str:
-    """File name of the BPE for this corpus, vocabulary and split (the split decides the training text)."""
-    key = f"{_FORMAT}:{corpus_sha256}:{spec.vocab_size}:{spec.validation_fraction!r}"
-    return f"tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+class TokenizerUnavailable(NetworkError):
+    """``data.tokenizer_source`` could not be reached (no connection, a server error, not a Hub)."""
+
+    exit_code = 69  # sysexits EX_UNAVAILABLE, as BootstrapUnreachable
 
 
-def train_bpe(texts: Iterator[str], vocab_size: int):
-    """Train a byte-level BPE (a ``tokenizers.Tokenizer``) on ``texts``; deterministic for equal input."""
+def train_bpe(texts: Iterator[str], vocab_size: int) -> Any:
+    """Train a byte-level BPE on ``texts``; deterministic for equal input and ``tokenizers`` version.
+
+    Returns:
+        a ``tokenizers.Tokenizer`` of at most ``vocab_size`` ids (``.to_str()`` is its tokenizer.json).
+    """
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = HFTokenizer(models.BPE())
@@ -41,7 +68,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
+        min_frequency=MIN_FREQUENCY,
         special_tokens=list(SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -50,22 +77,61 @@ def train_bpe(texts: Iterator[str], vocab_size: int):
     return tokenizer
 
 
-def from_json(text: str, *, vocab_size: int) -> Tokenizer:
-    """A :class:`Tokenizer` from tokenizer.json text; its hash is the SHA-256 of that text's UTF-8 bytes.
+def train_for_run(spec: DataSpec, vocab_size: int, texts: Iterator[str], *, cache_dir: Path) -> tuple[DataSpec, Path]:
+    """Train the run's BPE on ``texts`` (its training split), on the operator's side, and keep it here.
+
+    Args:
+        spec: the run's ``[data]`` section.
+        vocab_size: ids of the new tokenizer, specials included.
+        texts: the documents to train on, in a fixed order (the result depends on it).
+        cache_dir: whose tokenizer store (``tokenizers/<sha256>.json``) receives the file.
+
+    Returns:
+        ``spec`` naming the new tokenizer (``tokenizer = 'bpe'``, ``vocab_size``, ``tokenizer_sha256``),
+        and the file's path in the store.
 
     Raises:
-        ConfigError: the JSON is not a tokenizer of this layout, or has more than ``vocab_size`` ids.
+        ConfigError: the store cannot be written (nothing partial is left).
+    """
+    logger.info("training a %d-id byte-level BPE on the training split", vocab_size)
+    data = train_bpe(texts, vocab_size).to_str().encode("utf-8")
+    try:
+        path = keep(cache_dir, data)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the tokenizer store in {str(cache_dir)!r} ({exc.strerror or exc}): give a writable --cache-dir"
+        ) from exc
+    sha256 = hashlib.sha256(data).hexdigest()
+    return dataclasses.replace(spec, tokenizer="bpe", vocab_size=vocab_size, tokenizer_sha256=sha256), path
+
+
+def from_json(data: bytes, *, vocab_size: int, origin: str = "the tokenizer") -> Tokenizer:
+    """A :class:`Tokenizer` from tokenizer.json bytes; its ``sha256`` is the SHA-256 of ``data``.
+
+    Args:
+        data: the file's bytes (UTF-8 JSON, Hugging Face tokenizers format).
+        vocab_size: the run's ``data.vocab_size``: rows of the model's embedding, at least the file's ids.
+        origin: how to name the file in errors (its path or source).
+
+    Raises:
+        ConfigError: not a tokenizer.json, specials other than :data:`SPECIALS` at ids 0-2, or more
+            ids than ``vocab_size``.
     """
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
-        hf = HFTokenizer.from_str(text)
-    except Exception as exc:  # tokenizers raises its own untyped Exception
-        raise ConfigError(f"cached tokenizer is not valid tokenizer.json ({exc}): delete it to retrain") from exc
-    if hf.get_vocab_size() > vocab_size or [hf.token_to_id(s) for s in SPECIALS] != [0, 1, 2]:
+        hf = HFTokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises its own untyped Exception; UnicodeDecodeError too
+        raise ConfigError(f"{origin} is not a tokenizer.json ({exc}): point data.tokenizer_source at one") from exc
+    if [hf.token_to_id(s) for s in SPECIALS] != [0, 1, 2]:
         raise ConfigError(
-            f"cached tokenizer has {hf.get_vocab_size()} ids or other specials than {SPECIALS}, "
-            f"data.vocab_size = {vocab_size}: delete it to retrain"
+            f"{origin} does not have the specials {SPECIALS} at ids 0, 1, 2: train it with "
+            "`peer data prepare --train-tokenizer N`"
+        )
+    if hf.get_vocab_size() > vocab_size:
+        raise ConfigError(
+            f"{origin} has {hf.get_vocab_size():,} ids, more than data.vocab_size = {vocab_size:,}: "
+            f"set data.vocab_size to at least {hf.get_vocab_size()}"
         )
     token_bytes = np.zeros(vocab_size, dtype=np.int64)
     for token, index in hf.get_vocab().items():
@@ -82,45 +148,178 @@ def from_json(text: str, *, vocab_size: int) -> Tokenizer:
         bos_id=0,
         eos_id=1,
         pad_id=2,
-        sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        sha256=hashlib.sha256(data).hexdigest(),
         encode_batch=encode_batch,
         token_bytes=token_bytes,
     )
 
 
-def load_or_train_bpe(
-    spec: DataSpec, *, cache_dir: Path, corpus_sha256: str, train_texts: Callable[[], Iterator[str]]
-) -> Tokenizer:
-    """The cached BPE of this corpus, or a new one trained on ``train_texts()`` and cached atomically."""
-    path = cache_dir / cache_name(spec, corpus_sha256)
-    if not path.exists():
-        logger.info("training a %d-id byte-level BPE on the training split (once per corpus)", spec.vocab_size)
-        text = train_bpe(train_texts(), spec.vocab_size).to_str()
-        atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-    return from_json(path.read_text(encoding="utf-8"), vocab_size=spec.vocab_size)
+@functools.cache
+def packaged_tokenizers() -> dict[str, Path]:
+    """The shipped tokenizer files by the SHA-256 of their bytes (hashed once per process)."""
+    return {
+        hashlib.sha256(path.read_bytes()).hexdigest(): path
+        for path in sorted(PACKAGED_DIR.glob("*.json"))
+        if not path.name.endswith(".provenance.json")
+    }
 
 
-def load_tokenizer(
-    spec: DataSpec, *, cache_dir: Path, corpus_sha256: str, train_texts: Callable[[], Iterator[str]]
-) -> Tokenizer:
-    """The run's tokenizer: byte-level, or the BPE of this corpus (from the cache, else trained and cached).
+def store_path(cache_dir: Path, sha256: str) -> Path:
+    """Where this machine keeps the tokenizer.json of hash ``sha256``: ``<cache_dir>/tokenizers/<sha256>.json``."""
+    return Path(cache_dir) / "tokenizers" / f"{sha256}.json"
 
-    Args:
-        cache_dir: where a trained BPE is kept (``tokenizer-*.json``) and found again.
-        corpus_sha256: the corpus's content hash; part of the cached BPE's name.
-        train_texts: starts a fresh pass over the training split's documents (only called to train).
+
+def keep(cache_dir: Path, data: bytes) -> Path:
+    """Put tokenizer.json bytes into this machine's store (atomically; an entry there whose bytes are
+    not its name's is replaced) and return their path there.
 
     Raises:
-        ConfigError: ``data.tokenizer_sha256`` is set and the tokenizer hashes otherwise.
+        OSError: the store cannot be written; nothing partial is left.
+    """
+    sha256 = hashlib.sha256(data).hexdigest()
+    path = store_path(cache_dir, sha256)
+    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: f.write(data))
+    return path
+
+
+def tokenizer_bytes(spec: DataSpec, *, cache_dir: Path) -> tuple[bytes, str]:
+    """The bytes of the tokenizer.json the run pins, and where they came from.
+
+    Looks in the package, then in this machine's store, then at ``data.tokenizer_source`` (what a
+    source delivers is kept in the store, so it is fetched once per machine).
+
+    Returns:
+        (the file's bytes, whose SHA-256 is ``spec.tokenizer_sha256``; a description of their origin).
+
+    Raises:
+        ConfigError: the run pins no hash; no source holds the file; the source's bytes hash otherwise
+            (both hashes named); the Hub has no such repository, commit or file.
+        TokenizerUnavailable: the source could not be reached.
+    """
+    want = spec.tokenizer_sha256
+    if not want:
+        raise ConfigError(
+            "data.tokenizer = 'bpe' needs data.tokenizer_sha256, the hash of the run's tokenizer.json: "
+            "train one with `peer data prepare --run RUN.toml --train-tokenizer N` and add the [data] lines it prints"
+        )
+    for path in (packaged_tokenizers().get(want), store_path(cache_dir, want)):
+        if path is not None and path.is_file():
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() == want:
+                return data, str(path)
+            logger.warning("%s does not hash to its name; fetching the tokenizer again", path)
+    source = spec.tokenizer_source
+    if not source:
+        raise ConfigError(
+            f"no tokenizer.json of SHA-256 {want} here (neither shipped with this package nor in "
+            f"{store_path(cache_dir, want).parent}) and the run names no data.tokenizer_source: set it to the "
+            "file's path or its hf://datasets/OWNER/NAME@COMMIT/FILE, or install the locoswarm release the run "
+            "was made with"
+        )
+    data = _fetch(source, cache_dir=cache_dir)
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise ConfigError(
+            f"the tokenizer at {source} hashes to {got}, the run pins data.tokenizer_sha256 = {want}: "
+            "point data.tokenizer_source at the run's tokenizer.json (`peer data prepare` prints its hash)"
+        )
+    try:
+        keep(cache_dir, data)
+    except OSError as exc:
+        logger.warning("could not keep the tokenizer in %s (%s); it is fetched again next time", cache_dir, exc)
+    return data, source
+
+
+def _fetch(source: str, *, cache_dir: Path) -> bytes:
+    """The bytes at ``data.tokenizer_source``: a local file, or a Hub file at a pinned commit."""
+    match = HUB_FILE.fullmatch(source)
+    if match is None:
+        try:
+            return Path(source).expanduser().read_bytes()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read the tokenizer at data.tokenizer_source = {source!r} ({exc.strerror or exc}): "
+                "point it at the run's tokenizer.json"
+            ) from exc
+    datasets, repo_id, revision, filename = match.groups()
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not when huggingface_hub was imported
+    where = endpoint or "the Hugging Face Hub"
+    logger.info("fetching the tokenizer %s from %s", source, where)
+    try:
+        with _quiet_hub_retries():
+            path = hf_hub_download(
+                repo_id,
+                filename,
+                repo_type="dataset" if datasets else "model",
+                revision=revision,
+                cache_dir=Path(cache_dir) / "hub",
+                endpoint=endpoint,
+            )
+        return Path(str(path)).read_bytes()
+    except LocalEntryNotFoundError as exc:  # no answer, and nothing cached: before EntryNotFoundError
+        raise TokenizerUnavailable(
+            f"cannot reach {where} for the tokenizer {source} (no connection, or not a Hub): check the "
+            "network or $HF_ENDPOINT, then start again"
+        ) from exc
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
+        raise ConfigError(
+            f"{where} has no {source} ({type(exc).__name__}): point data.tokenizer_source at the "
+            "repository, commit and file the run's tokenizer.json was uploaded to"
+        ) from exc
+    except OSError as exc:  # HfHubHTTPError (e.g. 5xx after retries), connection and file errors
+        raise TokenizerUnavailable(
+            f"cannot fetch the tokenizer {source} from {where} ({first_line(exc)}): try again later"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _quiet_hub_retries() -> Iterator[None]:
+    """Hide the Hub client's warnings (two lines per retry, for about 25 s when the Hub cannot be
+    reached) unless this module logs at DEBUG, so a failed fetch ends in the one error line."""
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    if not logger.isEnabledFor(logging.DEBUG):
+        hub_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first non-empty line (the Hub client's run over several)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def load_tokenizer(spec: DataSpec, *, cache_dir: Path) -> Tokenizer:
+    """The run's tokenizer: byte-level, or the BPE whose tokenizer.json ``data.tokenizer_sha256`` names
+    (found or fetched as :func:`tokenizer_bytes` says; nothing is trained here).
+
+    Args:
+        cache_dir: holds this machine's tokenizer store (``tokenizers/``) and the Hub client's cache (``hub/``).
+
+    Raises:
+        ConfigError: a 'bytes' run pins another hash than the byte tokenizer's, or see
+            :func:`tokenizer_bytes` and :func:`from_json`.
+        TokenizerUnavailable: ``data.tokenizer_source`` could not be reached.
     """
     if spec.tokenizer == "bytes":
         tokenizer = byte_tokenizer()
-    else:
-        tokenizer = load_or_train_bpe(spec, cache_dir=cache_dir, corpus_sha256=corpus_sha256, train_texts=train_texts)
-    if spec.tokenizer_sha256 and tokenizer.sha256 != spec.tokenizer_sha256:
-        raise ConfigError(
-            f"the {spec.tokenizer} tokenizer built here hashes to {tokenizer.sha256}, the run pins "
-            f"data.tokenizer_sha256 = {spec.tokenizer_sha256}: use the run's corpus and the tokenizers "
-            "version it was prepared with (`peer data prepare` prints both hashes)"
-        )
-    return tokenizer
+        if spec.tokenizer_sha256 and tokenizer.sha256 != spec.tokenizer_sha256:
+            raise ConfigError(
+                f"the bytes tokenizer hashes to {tokenizer.sha256}, the run pins data.tokenizer_sha256 = "
+                f"{spec.tokenizer_sha256}: install the locoswarm release the run was made with"
+            )
+        return tokenizer
+    data, origin = tokenizer_bytes(spec, cache_dir=cache_dir)
+    return from_json(data, vocab_size=spec.vocab_size, origin=f"the tokenizer from {origin}")

@@ -16,8 +16,10 @@ import dataclasses
 import hashlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,23 +71,28 @@ class Corpus:
     tokenizer: Tokenizer = field(default_factory=byte_tokenizer)
     skipped_files: int = 0
     """Binary or non-UTF-8 files of the source that were skipped (peer/train/sources.py), not trained on."""
+    make_sampler: Callable[..., Any] | None = None
+    """A sharded corpus (peer/shards/corpus.py): ``make_sampler(peer_id=..., run_key=..., seq_len=...,
+    batch_sequences=...)`` builds the peer's sampler of its own shards; ``train`` is then empty. None:
+    :class:`BatchSampler` over ``train``."""
 
 
 def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
     """Hash, tokenize (once, into the cache) and memory-map the corpus the data spec names.
 
     Reads the whole corpus once per call to hash it; the first call for a corpus and tokenizer also
-    tokenizes it, and trains the BPE
-    when ``data.tokenizer = 'bpe'`` (once per corpus and vocabulary).
+    tokenizes it. A BPE is loaded by its hash (peer/train/bpe.py), never trained here.
 
     Args:
-        cache_dir: where the token cache and a trained BPE live; default: the user cache dir.
+        cache_dir: where the token cache and the tokenizer store live; default: the user cache dir.
 
     Raises:
         ConfigError: bad input (see :func:`peer.train.sources.iter_documents`), a corpus or tokenizer hash
             other than the one the run pins, an unwritable cache dir, or a split too small to cut one
             sequence from.
     """
+    if spec.source == "shards":
+        raise ConfigError("a sharded corpus is read by peer/shards/corpus.py load_data, not load_corpus")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     fraction = spec.validation_fraction
     skipped = SkippedFiles()
@@ -108,15 +115,8 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
             "copy of it, the same files under the same relative paths (`peer data prepare` prints the local hash)"
         )
 
-    def train_texts():
-        return (
-            d.data.decode("utf-8", errors="replace")
-            for d in iter_documents(spec)
-            if not is_validation(d.name, fraction)
-        )
-
     try:
-        tokenizer = load_tokenizer(spec, cache_dir=cache_dir, corpus_sha256=corpus_hash, train_texts=train_texts)
+        tokenizer = load_tokenizer(spec, cache_dir=cache_dir)
         key = cache_key(corpus_hash, tokenizer.sha256, fraction)
         cached = load_token_cache(cache_dir, key)
         if cached is None:
@@ -175,6 +175,8 @@ def with_local_data(spec: DataSpec, data_path: Path | str | None, *, run: str) -
         ConfigError: ``--data`` for a python-stdlib run, ``--data`` for a run that pins no corpus hash
             (the copy could not be checked), or no ``--data`` for a run that names its corpus by hash only.
     """
+    if spec.source == "shards":  # a local directory of shards is one more source, each shard hash-checked
+        return spec if data_path is None else dataclasses.replace(spec, path=str(data_path))
     if data_path is None:
         if spec.source != "python-stdlib" and not spec.path:
             raise ConfigError(
@@ -230,7 +232,12 @@ class SamplerState:
     batches_drawn: int
     """Batches drawn since the seed."""
     rng: torch.Tensor
-    """The generator's state after those draws: 1-D uint8 (``torch.Generator.get_state``)."""
+    """The generator's state after those draws: 1-D uint8 (``torch.Generator.get_state``); for a
+    sharded corpus, the state the current shard's window order was drawn from."""
+    shard: int = -1
+    """Sharded corpus (peer/shards/stream.py): shards this peer consumed; -1: a :class:`BatchSampler`'s state."""
+    shard_offset: int = 0
+    """Sharded corpus: windows read from the current shard."""
 
 
 class BatchSampler:
@@ -272,6 +279,10 @@ class BatchSampler:
         """
         if state.seed != self.seed:
             raise ValueError(f"the data position is of seed {state.seed}, this peer samples with seed {self.seed}")
+        if state.shard >= 0:
+            raise ValueError(
+                f"the data position is in shard {state.shard} of a sharded corpus, this run reads a whole corpus"
+            )
         if state.batches_drawn < 0:
             raise ValueError(f"batches_drawn = {state.batches_drawn} is negative")
         generator = torch.Generator()

@@ -71,6 +71,13 @@ def stdlib_root() -> Path:
 
 def describe(spec: DataSpec) -> str:
     """The source and path for messages, e.g. ``jsonl at '/data/web.jsonl'``."""
+    if spec.source == "shards":
+        where = [f"directory {spec.path!r}"] if spec.path else []
+        where += [spec.base_url] if spec.base_url else []
+        where += [f"dataset {spec.hub_repo}@{spec.hub_revision[:12]}"] if spec.hub_repo else []
+        return (
+            f"{spec.shard_count:,} shards ({spec.shards_bytes / 1e6:,.1f} MB) from {', '.join(where + ['the peers'])}"
+        )
     path = str(stdlib_root()) if spec.source == "python-stdlib" else spec.path
     return f"{spec.source} at {path!r}"
 
@@ -258,3 +265,18 @@ def _hf_documents(spec: DataSpec) -> Iterator[Document]:
                 )
             if text:
                 yield _record(text)
+
+
+def shard_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
+    """The documents of one shard file (``.parquet`` or ``.jsonl``; peer/shards/), in file order.
+
+    Raises:
+        ConfigError: the file is not readable as its kind, or lacks ``text_field``.
+    """
+    if name.endswith(".parquet"):
+        yield from _parquet_file(path, name, text_field)
+    else:
+        try:
+            yield from _jsonl_file(path, name, text_field)
+        except NotText as exc:
+            raise ConfigError(f"shard {name} is {exc}: the run's shard list names a broken file") from exc

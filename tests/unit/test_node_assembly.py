@@ -134,9 +134,9 @@ def rig(tmp_path, monkeypatch):
     placement = SimpleNamespace(devices=["cpu"], event_fields=lambda: {"device": "cpu"})
     fakes = dict(
         tune_host_allocator=lambda: None,
-        with_local_data=lambda *a, **k: "data",
+        with_local_data=lambda *a, **k: SimpleNamespace(source="text"),
         describe=str,
-        load_corpus=lambda data, cache_dir: SimpleNamespace(tokenizer=None),
+        load_data=lambda data, **kwargs: SimpleNamespace(tokenizer=None, make_sampler=None),
         start_dht_remembering=start_dht,
         reachability=SimpleNamespace(
             reach_out=reach_out,

@@ -46,7 +46,7 @@ def test_peer_join_refuses_pipeline_stages_with_overlap_before_any_network_work(
         raise AssertionError("the DHT was started for a run the peer cannot train")
 
     monkeypatch.setattr(node, "start_dht_remembering", no_network)
-    monkeypatch.setattr(node, "load_corpus", no_network)
+    monkeypatch.setattr(node, "load_data", no_network)
     cfg = JoinConfig(
         new_run=RunManifest().replace(pipeline={"stages": 2}, sync={"overlap": "eager"}), data_dir=tmp_path
     )

@@ -326,7 +326,7 @@ def test_peer_join_refuses_overlap_with_pipeline_stages_before_any_network_work(
         raise AssertionError("the DHT was started for a run the peer cannot train")
 
     monkeypatch.setattr(node, "start_dht_remembering", no_network)
-    monkeypatch.setattr(node, "load_corpus", no_network)
+    monkeypatch.setattr(node, "load_data", no_network)
     cfg = JoinConfig(new_run=streaming(2, 1, 0.5).replace(pipeline={"stages": 2}), data_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"pipeline\.stages = 2 with sync\.overlap = 'streaming'.*'none'") as error:
         node.join(cfg, Reporter("json"))

@@ -1,4 +1,5 @@
-"""The locally trained byte-level BPE: determinism, caching, hash pinning, model vocabulary, bits per byte."""
+"""The byte-level BPE: trained once on the operator's side (deterministic), loaded by hash and never
+trained at join, the model's vocabulary, bits per byte, `peer data prepare --train-tokenizer`."""
 
 import json
 import math
@@ -39,11 +40,18 @@ def spec(path, **kw):
     )
 
 
+def pinned(tmp_path, corpus_file, cache="cache"):
+    """The run's data section naming a BPE trained on the training texts (kept in ``cache``'s store)."""
+    return bpe.train_for_run(spec(corpus_file), 512, iter(TEXTS), cache_dir=tmp_path / cache)
+
+
 def test_training_twice_gives_the_same_tokenizer_bytes(tmp_path, corpus_file):
-    a = load_corpus(spec(corpus_file), cache_dir=tmp_path / "a")
-    b = load_corpus(spec(corpus_file), cache_dir=tmp_path / "b")
-    (file_a,), (file_b,) = (tmp_path / "a").glob("tokenizer-*.json"), (tmp_path / "b").glob("tokenizer-*.json")
-    assert file_a.read_bytes() == file_b.read_bytes()
+    (spec_a, file_a), (spec_b, file_b) = pinned(tmp_path, corpus_file, "a"), pinned(tmp_path, corpus_file, "b")
+    assert file_a.read_bytes() == file_b.read_bytes() and spec_a == spec_b
+    assert file_a == tmp_path / "a" / "tokenizers" / f"{spec_a.tokenizer_sha256}.json"
+    a = load_corpus(spec_a, cache_dir=tmp_path / "a")
+    b = load_corpus(spec_b, cache_dir=tmp_path / "b")
+    assert a.tokenizer.sha256 == spec_a.tokenizer_sha256
     assert a.tokenizer.sha256 == b.tokenizer.sha256 and a.tokenizer.sha256 != byte_tokenizer().sha256
     assert torch.equal(a.train, b.train) and torch.equal(a.validation, b.validation)
     # Fewer tokens than bytes, every id inside the vocabulary, EOS (1) after every document.
@@ -56,24 +64,24 @@ def test_training_twice_gives_the_same_tokenizer_bytes(tmp_path, corpus_file):
     assert int(total) == sum(len(t.encode()) for t in TEXTS)
 
 
-def test_the_cached_tokenizer_is_reused_and_a_pinned_hash_is_enforced(tmp_path, corpus_file, monkeypatch):
-    first = load_corpus(spec(corpus_file), cache_dir=tmp_path)
+def test_a_peer_never_trains_and_needs_the_pinned_hash(tmp_path, corpus_file, monkeypatch):
+    run_data, _ = pinned(tmp_path, corpus_file)
 
     def boom(*args, **kwargs):
-        raise AssertionError("the tokenizer was retrained")
+        raise AssertionError("a tokenizer was trained at load")
 
     monkeypatch.setattr(bpe, "train_bpe", boom)
-    pinned = spec(corpus_file, tokenizer_sha256=first.tokenizer.sha256)
-    assert load_corpus(pinned, cache_dir=tmp_path).tokenizer.sha256 == first.tokenizer.sha256
+    assert load_corpus(run_data, cache_dir=tmp_path / "cache").tokenizer.sha256 == run_data.tokenizer_sha256
+    with pytest.raises(ConfigError, match="needs data.tokenizer_sha256.*--train-tokenizer N"):
+        load_corpus(spec(corpus_file), cache_dir=tmp_path / "cache")  # a BPE run that names none
     other = "0" * 64
-    with pytest.raises(ConfigError) as info:
-        load_corpus(spec(corpus_file, tokenizer_sha256=other), cache_dir=tmp_path)
-    assert first.tokenizer.sha256 in str(info.value) and other in str(info.value)
-    assert "use the run's corpus" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # held nowhere here, and no source to fetch it from
+        load_corpus(spec(corpus_file, tokenizer_sha256=other), cache_dir=tmp_path / "cache")
+    assert other in str(info.value) and "data.tokenizer_source" in str(info.value)
 
 
 def test_the_model_vocabulary_follows_the_tokenizer(tmp_path, corpus_file):
-    corpus = load_corpus(spec(corpus_file), cache_dir=tmp_path)
+    corpus = load_corpus(pinned(tmp_path, corpus_file)[0], cache_dir=tmp_path / "cache")
     model_spec = ModelSpec(
         hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32, max_seq_len=16
     )
@@ -104,6 +112,11 @@ def test_bits_per_byte():
         ({"tokenizer": "wordpiece"}, "data.tokenizer = 'wordpiece'"),
         ({"corpus_sha256": "abc"}, "data.corpus_sha256 = 'abc'"),
         ({"source": "parquet"}, "data.path = '' is invalid"),
+        ({"tokenizer_source": "/x/tokenizer.json"}, "data.tokenizer_source = '/x/tokenizer.json'"),
+        (
+            {"tokenizer": "bpe", "vocab_size": 512, "tokenizer_source": "hf://datasets/me/tok@main/tokenizer.json"},
+            "COMMIT: 40 lowercase hex digits",
+        ),
     ],
 )
 def test_manifest_validation_of_the_data_section(fields, match):
@@ -123,18 +136,23 @@ def test_peer_data_prepare_prints_the_hashes_that_pin_the_run(tmp_path, corpus_f
         f'[data]\nsource = "jsonl"\npath = "{corpus_file}"\ntokenizer = "bpe"\nvocab_size = 512\n'
         "seq_len_tokens = 8\nvalidation_fraction = 0.1\n"
     )
+    cache = tmp_path / "dd" / "cache"
+    result = CliRunner().invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(cache)])
+    assert result.exit_code == 78 and "--train-tokenizer" in result.output  # a BPE run names its tokenizer
     result = CliRunner().invoke(
-        main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")]
+        main, ["data", "prepare", "--run", str(run), "--cache-dir", str(cache), "--train-tokenizer", "600"]
     )
     assert result.exit_code == 0, result.output
     pins = tomllib.loads(result.output)["data"]
-    assert set(pins) == {"corpus_sha256", "corpus_bytes", "tokenizer_sha256"}
+    assert set(pins) == {"corpus_sha256", "corpus_bytes", "tokenizer_sha256", "tokenizer", "vocab_size"}
+    assert pins["vocab_size"] == 600 and (cache / "tokenizers" / f"{pins['tokenizer_sha256']}.json").is_file()
     assert pins["corpus_bytes"] == sum(
         len(json.loads(line)["text"].encode()) for line in corpus_file.read_text().splitlines() if line.strip()
     )
     assert list((tmp_path / "dd" / "cache").glob("tokens-*.train.bin"))
-    pinned = run.read_text() + "".join(f"{k} = {json.dumps(v)}\n" for k, v in pins.items())
-    run.write_text(pinned)  # the pinned manifest loads against the same corpus
+    lines = run.read_text().replace('tokenizer = "bpe"\nvocab_size = 512\n', "")
+    run.write_text(lines + "".join(f"{k} = {json.dumps(v)}\n" for k, v in pins.items()))
+    # the pinned manifest loads against the same corpus, its tokenizer from this machine's store
     assert (
         CliRunner()
         .invoke(main, ["data", "prepare", "--run", str(run), "--cache-dir", str(tmp_path / "dd" / "cache")])
