@@ -2,12 +2,17 @@
 
     python bench/overlap.py [--config bench/compare.toml] [--methods diloco noloco] \
         [--modes none delayed eager streaming] [--peers 4] [--seeds 0 1] [--rounds 16] [--jobs 2] \
-        [--threads 1] [--set sync.fragments=2] [--from-round K] [--merge]
+        [--threads 1] [--set sync.fragments=2] [--from-round K] [--merge] [--runner engine|simulation]
 
-Simulates N peers in one process (lab/simulation.py, the swarm's own outer and overlap code:
-peer/train/overlap.py) with bench/compare.py's run manifest and its fixed global batch, once per
-``sync.overlap`` mode, so every run sees the same tokens and (NoLoCo) draws the same groups, those
-of the run without overlap; the mode is the only difference. The
+Runs N peers in one process with bench/compare.py's run manifest and its fixed global batch, once
+per ``sync.overlap`` mode, so every run sees the same tokens; the mode is the only difference. The
+default runner is the round engine (lab/engine_sim.py: N real round loops, peer/round/, over the
+in-process hub, with the thread timing pinned to the lockstep by ``pinned_timing``, so where a mean
+lands does not depend on the machine's load and the figures are deterministic); DiLoCo only there
+(NoLoCo with overlap can get a peer more than a round ahead, which the lockstep cannot pin). With
+``--runner simulation`` (lab/simulation.py, the swarm's own outer and overlap code, held to the
+engine by tests/unit/test_engine_sim.py) NoLoCo runs too, every mode drawing the groups of the run
+without overlap. The
 final validation loss (bits per byte, after the last in-flight sync landed) is compared with
 overlap "none" at the same method, N and seeds. Writes ``bench/results/overlap.json``:
 ``{"results": [...], "quality": [{"overlap", "peers", "final_bpb", "vs_none", ...}]}``. "results"
@@ -19,7 +24,7 @@ delay τ, α and merge rule (``sync.fragments``, ``fragment_delay_steps``, ``fra
 ``fragment_merge``, set with ``--set``; the compare model has 2 blocks, so P ≤ 2 there), and rows
 of different settings are kept apart. ``--from-round K`` runs delayed and eager without overlap for
 the first K rounds (the manifest's ``sync.overlap_from_round``, as the swarm's peers run it; their
-rows are kept apart too). Prints a markdown table for docs/benchmarks.md.
+rows are kept apart too). Prints a markdown table (docs/results.md: bench/results_doc.py).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
+from lab.engine_sim import pinned_timing, run_engine_simulation
 from lab.simulation import run_simulation
 from peer.train.data import load_corpus
 from protocol.errors import ManifestError
@@ -74,6 +80,7 @@ def _one(
     rounds: int,
     threads: int,
     from_round: int = 0,
+    runner: str = "engine",
 ) -> dict:
     torch.set_num_threads(threads)
     blocking_rounds = from_round if mode != "none" else 0
@@ -86,10 +93,23 @@ def _one(
     groups = run_manifest(
         base.replace(sync={"fragment_merge": DEFAULT_MERGE}), method, "none", peers, seed, bench, rounds
     ).run_id
-    r = run_simulation(
-        m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds, groups_run_id=groups
-    )
+    if runner == "engine":  # DiLoCo: one group, nothing drawn from the run id
+        with pinned_timing():
+            r = run_engine_simulation(
+                m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds
+            )
+    else:
+        r = run_simulation(
+            m,
+            load_corpus(base.data),
+            peers=peers,
+            rounds=rounds,
+            seed=seed,
+            eval_every_rounds=rounds,
+            groups_run_id=groups,
+        )
     run = {
+        "runner": runner,
         "method": method,
         "overlap": mode,
         "peers": peers,
@@ -114,8 +134,9 @@ def _variant(row: dict) -> tuple:
 
 
 def row_key(row: dict) -> tuple:
-    """What a quality row (or run) measures: method, overlap, N and streaming's settings."""
-    return row["method"], row["overlap"], row["peers"], _variant(row)
+    """What a quality row (or run) measures: runner (rows from before the engine ran it: the
+    simulation), method, overlap, N and streaming's settings."""
+    return row.get("runner", "simulation"), row["method"], row["overlap"], row["peers"], _variant(row)
 
 
 def quality(runs: list[dict]) -> list[dict]:
@@ -136,6 +157,7 @@ def quality(runs: list[dict]) -> list[dict]:
                 none_bpb = statistics.fmean(none[r["seed"]] for r in paired) if paired else None
                 vs = 100 * (statistics.fmean(r["final_bpb"] for r in paired) / none_bpb - 1) if paired else None
                 row = {
+                    "runner": rs[0].get("runner", "simulation"),
                     "overlap": mode,
                     "peers": peers,
                     "final_bpb": final,
@@ -179,7 +201,8 @@ def markdown(rows: list[dict]) -> str:
             )
         if q.get("from_round"):
             mode += f" from round {q['from_round'] + 1} (none before)"
-        lines.append(f"| {q['method']} | {q['peers']} | {mode} | {q['final_bpb']:.4f} | {seeds} | {vs} |")
+        method = q["method"] + (" (simulation)" if q.get("runner", "simulation") == "simulation" else "")
+        lines.append(f"| {method} | {q['peers']} | {mode} | {q['final_bpb']:.4f} | {seeds} | {vs} |")
     return "\n".join(lines)
 
 
@@ -211,6 +234,12 @@ def main() -> None:
         "early in a run?)",
     )
     parser.add_argument(
+        "--runner",
+        choices=["engine", "simulation"],
+        default="engine",
+        help="the round engine (lab/engine_sim.py, DiLoCo) or the simulation (lab/simulation.py)",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep --out's quality rows and runs that this invocation does not measure again "
@@ -226,6 +255,11 @@ def main() -> None:
             "delayed and eager (streaming's fragments are set up at the start)"
         )
 
+    if args.runner == "engine" and "noloco" in args.methods:
+        parser.error(
+            "--methods noloco with --runner engine: NoLoCo with overlap can get a peer more than a round "
+            "ahead, which the engine's pinned timing cannot hold to the lockstep; use --runner simulation"
+        )
     base, bench = load_config(args.config)
     try:
         base = apply_overrides(base, args.set)
@@ -278,8 +312,9 @@ def main() -> None:
             "complete": len(runs) == len(work),
             "command": command,
             "commands": commands,
+            "runner": args.runner,
             "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
-            f"{args.jobs} simulation(s) at once, {args.threads} thread(s) each",
+            f"{args.jobs} run(s) at once, {args.threads} thread(s) each",
             "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
             "runs": all_runs,
             "wall_s_total": time.perf_counter() - start,
@@ -290,7 +325,7 @@ def main() -> None:
     with concurrent.futures.ProcessPoolExecutor(
         max(1, args.jobs), mp_context=multiprocessing.get_context("spawn")
     ) as pool:
-        futures = [pool.submit(_one, base, *w, bench, rounds, args.threads, args.from_round) for w in work]
+        futures = [pool.submit(_one, base, *w, bench, rounds, args.threads, args.from_round, args.runner) for w in work]
         runs: list[dict] = []
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())

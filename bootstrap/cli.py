@@ -11,16 +11,21 @@ import json
 import logging
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import click
 
 import protocol
-from bootstrap.monitor import MonitorConfig, run_monitor
 from peer.net.cli_types import FiniteFloatRange
-from peer.net.dht import quiet_hivemind_logs
-from peer.net.lifetime import HelperWatch, StopOnSignal, dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
+from peer.net.lifetime import (
+    HelperWatch,
+    StopOnSignal,
+    dump_stacks_on_sigusr1,
+    exit_process,
+    quiet_handshakes_cut_by_a_dead_helper,
+)
+from peer.progress import Waiting
 from protocol.errors import LocoError, exit_with
 from protocol.manifest import load_manifest, sign_manifest
 from protocol.presets import PRESETS
@@ -44,10 +49,17 @@ def main() -> None:
 def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
     if not verbose:
+        from peer.net.dht import quiet_hivemind_logs  # hivemind: imported once the first line is out
+
         quiet_hivemind_logs()
 
 
 EXIT_INTERRUPTED = 130
+
+
+def _still(log_format: str, what: str):
+    """In text mode, a line every 5 s (a spinner on a terminal) while ``what`` lasts (peer/progress.py)."""
+    return Waiting(what) if log_format == "text" else nullcontext()
 
 
 @contextmanager
@@ -64,8 +76,8 @@ def _until_signal(what: str):
         click.echo("interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     click.echo(f"{what} stopped", err=True)
-    if stop.is_set():
-        sys.exit(EXIT_INTERRUPTED)
+    if stop.is_set():  # everything is released: skip the interpreter's teardown (peer/net/lifetime.py)
+        exit_process(EXIT_INTERRUPTED)
 
 
 @main.command()
@@ -107,6 +119,15 @@ def _until_signal(what: str):
     help="Run manifest (TOML) to announce. Default: the 'default' preset.",
 )
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, help="Announce a named preset.")
+@click.option(
+    "--run-id",
+    default=None,
+    metavar="RUN_ID",
+    help="The run this node announces as its own (signed by its identity): a plain `peer join` that dials "
+    "it trains that run, whatever other runs strangers announce. With --run/--preset it must be their run "
+    "id; alone, the node serves a run its peers announce (e.g. one `peer swarm` or `peer join --new-run` "
+    "started) and announces no manifest. [default: the announced run's]",
+)
 @click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="Other nodes to link with.")
 @click.option(
     "--relay/--no-relay",
@@ -144,6 +165,7 @@ def run(
     owner_key,
     run_file,
     preset,
+    run_id,
     initial_peers,
     relay,
     monitor_port,
@@ -169,18 +191,33 @@ def run(
     Check from another machine that the node is reachable:
       peer status --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmThePrintedId
     """
-    from bootstrap.node import BootstrapConfig, serve
+    if log_format == "text":  # the first line, before hivemind's import (seconds on a busy machine)
+        click.echo(f"locoswarm {protocol.__version__} bootstrap node: loading hivemind")
+    with _still(log_format, "loading hivemind"):
+        from bootstrap.node import BootstrapConfig, serve
 
-    _configure_logging(verbose)
+        _configure_logging(verbose)
     with _until_signal("bootstrap node") as stop:
         try:
             if run_file is not None and preset is not None:
                 raise click.UsageError("give either --run FILE.toml or --preset NAME, not both")
-            draft = load_manifest(run_file) if run_file else PRESETS[preset or "default"]()
+            if run_id is not None and not (0 < len(run_id) <= 64 and all(c in "0123456789abcdef" for c in run_id)):
+                raise click.BadParameter(
+                    f"{run_id!r} is not a run id (lowercase hex, as `peer status` prints it)", param_hint="--run-id"
+                )
             identity = identity or default_identity()
-            owner = load_owner_key(owner_key or identity.with_name(OWNER_KEY_FILE))
-            signed = sign_manifest(draft, owner)  # ManifestError: the file names another owner
-            manifest = signed.manifest
+            owner = signed = manifest = None
+            if run_id is None or run_file is not None or preset is not None:
+                draft = load_manifest(run_file) if run_file else PRESETS[preset or "default"]()
+                owner = load_owner_key(owner_key or identity.with_name(OWNER_KEY_FILE))
+                signed = sign_manifest(draft, owner)  # ManifestError: the file names another owner
+                manifest = signed.manifest
+                if run_id is not None and run_id != signed.run_id:
+                    raise click.BadParameter(
+                        f"{run_id} is not the run id of the announced run ({signed.run_id}); drop --run-id, "
+                        "or drop --run/--preset to serve that run without announcing a manifest",
+                        param_hint="--run-id",
+                    )
             cfg = BootstrapConfig(
                 host=host,
                 port=port,
@@ -188,6 +225,7 @@ def run(
                 identity_path=identity,
                 initial_peers=tuple(initial_peers),
                 manifest=signed,
+                home_run_id=run_id,
                 relay=relay,
                 monitor_host=monitor_host,
                 monitor_port=monitor_port,
@@ -201,9 +239,9 @@ def run(
                             {
                                 "event": "ready",
                                 "maddrs": maddrs,
-                                "run_id": manifest.run_id,
-                                "run_name": manifest.name,
-                                "owner": manifest.owner,
+                                "run_id": manifest.run_id if manifest else run_id,
+                                "run_name": manifest.name if manifest else None,
+                                "owner": manifest.owner if manifest else None,
                                 "version": protocol.__version__,
                                 "relay": relay,
                                 "monitor_url": monitor_url,
@@ -211,11 +249,12 @@ def run(
                         )
                     )
                 else:
+                    what = f"{manifest.run_id} ({manifest.name})" if manifest else f"{run_id} (announced by its peers)"
                     click.echo(
-                        f"locoswarm {protocol.__version__} bootstrap node | run {manifest.run_id} "
-                        f"({manifest.name}) | relay {'on' if relay else 'off'}"
+                        f"locoswarm {protocol.__version__} bootstrap node | run {what} | relay {'on' if relay else 'off'}"
                     )
-                    click.echo(f"run owner {manifest.owner} (key {owner.path})")
+                    if manifest and owner:
+                        click.echo(f"run owner {manifest.owner} (key {owner.path})")
                     click.echo("peers join with:")
                     for maddr in maddrs:
                         click.echo(f"  peer join --initial-peers {maddr}")
@@ -226,6 +265,13 @@ def run(
                         )
                 sys.stdout.flush()
 
+            if log_format == "text":  # starting p2pd and the DHT takes seconds: say so first (no silent wait)
+                click.echo(
+                    f"locoswarm {protocol.__version__} bootstrap node: starting the DHT on "
+                    + (f"{host}:{port}" if port else f"{host}, any free port")
+                    + (f", linking with {len(initial_peers)} node(s)" if initial_peers else "")
+                )
+                sys.stdout.flush()
             serve(cfg, stop, on_ready)
         except LocoError as exc:
             exit_with(exc, verbose=verbose)
@@ -263,12 +309,19 @@ def monitor(initial_peers, host, port, poll, log_format, verbose) -> None:
       bootstrap monitor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmBootstrapId
       bootstrap monitor --initial-peers /dns4/boot.example.org/tcp/31337/p2p/QmId --host 0.0.0.0 --port 9100
     """
-    from peer.net import dht_node
+    if log_format == "text":  # no silent wait while hivemind loads, p2pd starts and dials the swarm
+        click.echo(
+            f"locoswarm {protocol.__version__} swarm monitor: connecting to {len(initial_peers)} node(s) of the swarm"
+        )
+    with _still(log_format, "loading hivemind"):
+        from bootstrap.monitor import MonitorConfig, run_monitor
+        from peer.net import dht_node
 
-    _configure_logging(verbose)
+        _configure_logging(verbose)
     with _until_signal("monitor") as stop:
         try:
-            dht = dht_node.start_dht(initial_peers=initial_peers, client_mode=True)
+            with _still(log_format, "connecting to the swarm"):
+                dht = dht_node.start_dht(initial_peers=initial_peers, client_mode=True)
             watch = HelperWatch(stop, "run the monitor again").watch_dht("monitor's", dht).start()
             try:
 

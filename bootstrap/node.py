@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bootstrap.monitor import MonitorConfig, MonitorServer, SwarmMonitor
 from peer.net import dht as swarm_dht, dht_node
+from peer.net.home_run import HomeRunAnnouncer
 from peer.net.identity import ensure_identity
 from peer.net.lifetime import HelperWatch
 from peer.net.reachability import serve_dialback
@@ -18,6 +19,7 @@ from peer.net.uplink import serve_uplink
 from peer.net.validator import protect_run
 from protocol.errors import BootstrapUnreachable, NetworkError
 from protocol.manifest import SignedManifest
+from protocol.signing import PeerSigner
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +33,12 @@ class BootstrapConfig:
     identity_path: Path
     initial_peers: tuple[str, ...] = ()
     """Other bootstrap nodes or peers to link with (optional)."""
-    manifest: SignedManifest
-    """The run to announce, signed by its owner (protocol/manifest.py ``sign_manifest``)."""
+    manifest: SignedManifest | None
+    """The run to announce, signed by its owner (protocol/manifest.py ``sign_manifest``); None: the
+    node announces no manifest and serves ``home_run_id``, a run its peers announce."""
+    home_run_id: str | None = None
+    """The run this node announces as its own, signed by its identity (peer/net/home_run.py): a plain
+    ``peer join`` that dials it trains that run. None: ``manifest``'s."""
     relay: bool = True
     """Serve as a libp2p circuit relay (v2) so peers behind NAT can be reached through this node."""
     monitor_host: str = "127.0.0.1"
@@ -48,6 +54,10 @@ class BootstrapConfig:
             raise ValueError(f"monitor_port = {self.monitor_port}: must be in [0, 65535]")
         if not self.monitor_poll_s > 0:
             raise ValueError(f"monitor_poll_s = {self.monitor_poll_s}: must be > 0")
+        if self.manifest is None and self.home_run_id is None:
+            raise ValueError("a bootstrap node needs a manifest to announce or a home run id")
+        if self.manifest is not None and self.home_run_id not in (None, self.manifest.run_id):
+            raise ValueError(f"home_run_id = {self.home_run_id}: the manifest's run id is {self.manifest.run_id}")
 
 
 def start_relay_dht(
@@ -120,19 +130,24 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     )
     serve_dialback(dht)  # joiners ask whether the swarm can dial them (peer/net/reachability.py)
     serve_uplink(dht)  # and `peer doctor` measures its uplink against it (peer/net/uplink.py)
-    announcer = swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
-    run = cfg.manifest.manifest
+    announcer = None if cfg.manifest is None else swarm_dht.ManifestAnnouncer(dht, cfg.manifest)
+    run_id = cfg.manifest.run_id if cfg.manifest is not None else cfg.home_run_id
+    assert run_id is not None  # BootstrapConfig checks it
+    run_name = cfg.manifest.manifest.name if cfg.manifest is not None else run_id
+    home = HomeRunAnnouncer(dht, PeerSigner.from_identity(identity), run_id)
     monitor = server = None
     # its DHT process killed (for memory, most often), the node is no node: stop, and exit 75
     watch = HelperWatch(stop, "run the bootstrap node again").watch_dht("bootstrap node's", dht).start()
     try:
-        protect_run(dht, run.run_id)
-        announcer.start()
+        protect_run(dht, run_id)
+        home.start()
+        if announcer is not None:
+            announcer.start()
         if cfg.monitor_port is not None:
             monitor = SwarmMonitor(
-                dht, MonitorConfig(poll_interval_s=cfg.monitor_poll_s), run_ids={run.run_id: run.name}
+                dht, MonitorConfig(poll_interval_s=cfg.monitor_poll_s), run_ids={run_id: run_name}
             ).start()
-            server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=run.name).start()
+            server = MonitorServer(monitor, cfg.monitor_host, cfg.monitor_port, title=run_name).start()
         on_ready(swarm_dht.visible_maddrs(dht), server.url if server else None)
         stop.wait()
         watch.raise_if_died()
@@ -142,5 +157,7 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
             server.stop()
         if monitor is not None:
             monitor.stop()
-        announcer.stop()
+        if announcer is not None:
+            announcer.stop()
+        home.stop()
         dht.shutdown()

@@ -1,7 +1,12 @@
-"""Malicious peers for the in-process simulation (lab/simulation.py; issue 17, bench/byzantine.py).
+"""Malicious peers for the round engine (lab/engine_sim.py) and the in-process simulation
+(lab/simulation.py); issues 17 and 51, bench/byzantine.py.
 
-An :class:`Adversary` names which simulated peers lie and how. Gradient attacks replace what a
-malicious peer sends into its group's mean, and the token weight it claims for it:
+An :class:`Adversary` names which simulated peers lie and how. On the engine its
+:meth:`Adversary.hooks` (:class:`EngineAdversary`, peer/sync/inprocess_means.py ``GroupHooks``) act
+inside the in-process hub, which deals and screens the group's pieces as the network does: what a
+malicious peer contributes, the mean it sends each receiver of a piece it owns, the progress records
+it publishes and the states it serves. Gradient attacks replace what a malicious peer sends into
+its group's mean, and the token weight it claims for it:
 
 * ``sign-flip``: −100 × its honest payload (an honest-looking direction, reversed and amplified);
 * ``huge``: ±3e38 in every entry (finite fp32, next to the largest value), random signs;
@@ -21,7 +26,26 @@ sends its groupmates a forged mean instead of the one it computed (:meth:`Advers
 * ``owner-zeros``: all zeros;
 * ``owner-noise``: Gaussian noise scaled to the honest mean's norm;
 * ``owner-scale``: 2.5 × the honest mean (inside the receivers' norm bound of 3 × their own
-  contribution's reference norm: it measures what gets through).
+  contribution's reference norm: it measures what gets through);
+* ``owner-huge-small``: means of 1e30 for the pieces under 256 values it owns (RMSNorm gains),
+  the others honest (issue #51: from round 4 every honest φ held 1e30, then NaN);
+* ``owner-equivocate``: each receiver gets the honest mean with one value (a different one per
+  receiver) moved by 1e-5: every mean passes the receivers' checks but no two honest peers hold
+  the same φ afterwards.
+
+Attacks that act on both sides:
+
+* ``subclip-flip``: contributes −2.5 × its honest payload (under the owners' 3× median clip) and,
+  as an owner, sends −2.5 × the honest mean (inside the receivers' 3× bound);
+* ``cosine``: contributes, tensor by tensor, a vector of its honest one's norm at cosine 0.3 with
+  it, and as an owner sends means at cosine 0.72 with the honest ones (just above NoLoCo's
+  ``PHI_MIN_COSINE`` 0.2 and ``PHI_MEAN_MIN_RATIO`` 0.7); NoLoCo: its φ tensors only (issue #51's
+  attack), DiLoCo: its Δ;
+* ``tie-break``: ``owner-equivocate``'s means, which split the honest peers into classes of one,
+  and records of its current round naming a state it serves: −φ of its own state, ground (one
+  value of the outer state or φ nudged) until its digest has :data:`GRIND_BITS` leading zero
+  bits, so the re-sync rule's tie-break (equal count, smaller digest) prefers it; every malicious
+  identity publishes the same one.
 
 The lying owner and the other malicious peers apply the honest mean themselves (they keep an honest
 model, so their next contributions stay honest-looking); the honest receivers check each forged
@@ -29,8 +53,9 @@ mean with peer/sync/screening.py's ``owner_mean_problem`` (lab/simulation.py).
 
 ``fake-progress`` leaves the payload honest and lies in the progress records instead: every round
 each malicious peer, and ``fresh_identities`` more identities that never joined a group, publish a
-record claiming the next round and the digest of an all-zero state (lab/simulation.py decides
-with the round loop's own re-sync rule whether honest peers adopt it).
+record claiming the next round and the digest of an all-zero state, which they serve (on the
+engine the honest round loops decide with their own re-sync rule and checks whether to adopt it;
+lab/simulation.py re-tells that rule).
 
 The malicious peers train like honest ones (they need an honest Δ to forge from). Under a
 gradient attack or fake progress they compute their pieces' means honestly as owners; only the
@@ -39,21 +64,55 @@ owner attacks lie as owners.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import threading
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from peer.state.download import DownloadedState, check_sanity
 from peer.state.snapshot import make_snapshot
 from protocol.errors import BadPayload
+from protocol.records import ProgressRecord
+from protocol.wire.pieces import Piece
 
 logger = logging.getLogger(__name__)
 
 GRADIENT_ATTACKS = ("sign-flip", "huge", "noise", "zeros")
-OWNER_ATTACKS = ("owner-flip", "owner-flip-x100", "owner-zeros", "owner-noise", "owner-scale")
-ATTACKS = (*GRADIENT_ATTACKS, *OWNER_ATTACKS, "fake-progress")
+OWNER_ATTACKS = (
+    "owner-flip",
+    "owner-flip-x100",
+    "owner-zeros",
+    "owner-noise",
+    "owner-scale",
+    "owner-huge-small",
+    "owner-equivocate",
+)
+BOTH_SIDES = ("subclip-flip", "cosine")
+"""Attacks that forge both the contribution and, as an owner, the means."""
+RECORD_ATTACKS = ("fake-progress", "tie-break")
+ATTACKS = (*GRADIENT_ATTACKS, *OWNER_ATTACKS, *BOTH_SIDES, *RECORD_ATTACKS)
+ENGINE_ONLY = ("owner-equivocate", "tie-break")
+"""Per-receiver means: the simulation hands every receiver one mean, only the engine's hub can."""
+SUBCLIP_FACTOR = -2.5
+"""``subclip-flip``: under the owners' clip (3 × the median norm) and the receivers' bound (3 ×)."""
+CONTRIBUTION_COSINE = 0.3
+"""``cosine``: a contribution's cosine with the honest one (NoLoCo's owners leave out φ under 0.2)."""
+MEAN_COSINE = 0.72
+"""``cosine``: a forged mean's cosine with the honest mean (receivers refuse φ means under 0.7)."""
+EQUIVOCATION_STEP = 1e-5
+"""``owner-equivocate``: how far the one value a receiver's mean differs in moves."""
+HUGE_MEAN = 1e30
+SMALL_PIECE = 256
+"""``owner-huge-small``: pieces under this many values (peer/sync/screening.py ``OWNER_CHECK_MIN_ELEMENTS``)."""
+GRIND_BITS = 8
+"""``tie-break``: leading zero bits of the forged state's digest (issue #51 used 12; 8 beats an honest
+digest with probability 255/256 at 1/16 of the grinding)."""
 HUGE_VALUE = 3e38
 """Just under fp32's largest finite value (3.4028e38)."""
 SIGN_FLIP_FACTOR = -100.0
@@ -91,11 +150,15 @@ class Adversary:
 
     @property
     def forges_payload(self) -> bool:
-        return self.attack in GRADIENT_ATTACKS
+        return self.attack in GRADIENT_ATTACKS or self.attack in BOTH_SIDES
 
     @property
     def lies_as_owner(self) -> bool:
-        return self.attack in OWNER_ATTACKS
+        return self.attack in OWNER_ATTACKS or self.attack in BOTH_SIDES or self.attack == "tie-break"
+
+    def hooks(self, *, run_id: str, inner_steps: int, noloco: bool) -> EngineAdversary:
+        """This adversary's hooks for an in-process hub of the round engine (lab/engine_sim.py)."""
+        return EngineAdversary(self, run_id=run_id, inner_steps=inner_steps, noloco=noloco)
 
     def claimed_weight(self, peer: int, honest_tokens: float) -> float:
         """The token weight ``peer`` claims for its contribution."""
@@ -122,6 +185,10 @@ class Adversary:
             return out
         if self.attack == "zeros":
             return [torch.zeros(t.shape, dtype=torch.float32) for t in payload]
+        if self.attack == "subclip-flip":
+            return [SUBCLIP_FACTOR * t.float() for t in payload]
+        if self.attack == "cosine":
+            return [at_cosine(t.float(), CONTRIBUTION_COSINE, generator) for t in payload]
         return list(payload)
 
     def forge_mean(self, mean: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -140,11 +207,153 @@ class Adversary:
             return noise * scale
         if self.attack == "owner-scale":
             return OWNER_SCALE_FACTOR * mean
+        if self.attack == "owner-huge-small":
+            return torch.full(mean.shape, HUGE_MEAN) if mean.numel() < SMALL_PIECE else mean
+        if self.attack == "subclip-flip":
+            return SUBCLIP_FACTOR * mean
+        if self.attack == "cosine":
+            return at_cosine(mean, MEAN_COSINE, generator)
         return mean
 
     def fake_identities(self) -> list[str]:
         """Peer ids that publish the fake progress record: the malicious peers and the fresh ones."""
         return [f"sim-peer-{i}" for i in self.peers] + [f"sim-sybil-{k}" for k in range(self.fresh_identities)]
+
+
+def at_cosine(x: torch.Tensor, cosine: float, generator: torch.Generator) -> torch.Tensor:
+    """A tensor of ``x``'s shape and L2 norm whose cosine with ``x`` is ``cosine`` (a random direction
+    orthogonal to ``x`` mixed in; fp32); ``x`` itself when it is zero or has one value."""
+    flat = x.flatten().double()
+    size = float(flat.norm())
+    if not size > 0 or flat.numel() < 2:
+        return x.clone()
+    unit = flat / size
+    r = torch.randn(flat.shape, generator=generator, dtype=torch.float64)
+    r -= torch.dot(r, unit) * unit
+    r *= size / max(float(r.norm()), 1e-300)
+    return (cosine * flat + math.sqrt(1 - cosine**2) * r).to(torch.float32).reshape(x.shape)
+
+
+def _seeded(*parts: object) -> torch.Generator:
+    """A generator seeded from ``parts`` (stable across processes and thread orders)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
+
+
+class EngineAdversary:
+    """An :class:`Adversary` acting inside an in-process hub (peer/sync/inprocess_means.py
+    ``GroupHooks``; lab/engine_sim.py passes it to the hub). Thread-safe: contributions come from
+    every peer's sync thread, records from every round loop.
+
+    Random draws (noise, directions) are seeded by the peer, its count of syncs and the piece, so a
+    run does not depend on the order its threads come in.
+
+    Args:
+        adversary: who lies and how.
+        run_id: the run's id (the forged states' meta).
+        inner_steps: the run's H (a forged state's inner step is round × H).
+        noloco: the payload is Δ then φ (``cosine`` forges the φ part only).
+    """
+
+    def __init__(self, adversary: Adversary, *, run_id: str, inner_steps: int, noloco: bool = False):
+        self.adversary, self.run_id, self.H, self.noloco = adversary, run_id, inner_steps, noloco
+        self.malicious = {f"sim-peer-{i}" for i in adversary.peers}
+        self.identities = set(adversary.fake_identities())
+        self.forged_digests: set[str] = set()
+        """Digests of every state the adversary published (``fake-progress``, ``tie-break``)."""
+        self.forged_means = 0
+        """Means forged so far (owner attacks), for the bench's detail."""
+        self._lock = threading.Lock()
+        self._syncs: dict[str, int] = {}
+        self._states: dict[int, Any] = {}  # round -> the forged snapshot published for it
+
+    # ---- the group -----------------------------------------------------------------------
+    def contribution(
+        self, peer_id: str, payload: list[torch.Tensor], weight: float, phi_from: int | None
+    ) -> tuple[list[torch.Tensor], float]:
+        a = self.adversary
+        if peer_id not in self.malicious or not a.forges_payload:
+            return payload, weight
+        with self._lock:
+            count = self._syncs[peer_id] = self._syncs.get(peer_id, 0) + 1
+        generator = _seeded(peer_id, count)
+        if a.attack == "cosine" and phi_from is not None:  # NoLoCo: only its φ is sent off
+            forged = payload[:phi_from] + a.forge(payload[phi_from:], generator)
+        else:
+            forged = a.forge(payload, generator)
+        return forged, a.claimed_tokens
+
+    def owner_mean(self, owner: str, receiver: str, piece: Piece, mean: torch.Tensor, phi: bool) -> torch.Tensor:
+        a = self.adversary
+        if owner not in self.malicious or receiver in self.malicious or not a.lies_as_owner:
+            return mean  # the other malicious peers keep an honest model: their next forgeries look honest
+        if a.attack == "cosine" and self.noloco and not phi:
+            return mean
+        with self._lock:
+            self.forged_means += 1
+            count = self.forged_means
+        if a.attack in ("owner-equivocate", "tie-break"):
+            forged = mean.clone()
+            flat = forged.view(-1)
+            flat[zlib.crc32(receiver.encode()) % flat.numel()] += EQUIVOCATION_STEP
+            return forged
+        return a.forge_mean(mean, _seeded(owner, receiver, piece.index, count))
+
+    # ---- records and served states ----------------------------------------------------------
+    def records(self, peer_id: str, record: ProgressRecord, hub: Any) -> list[tuple[str, ProgressRecord]]:
+        a = self.adversary
+        if peer_id not in self.malicious or a.attack not in RECORD_ATTACKS:
+            return [(peer_id, record)]
+        with hub.lock:
+            provider = hub.providers.get(peer_id)
+        own = list(provider()) if provider is not None else []
+        if not own:
+            return [(peer_id, record)]
+        if a.attack == "fake-progress":
+            round_ = record.round + 1
+            snapshot = self._forged(round_, own[-1], zeros=True)
+            inner_step = round_ * self.H
+            names = sorted(self.identities)
+        else:  # tie-break: a state of its current round, published under its own ids only
+            latest = own[-1]
+            if latest.meta.get("round") != record.round:
+                return [(peer_id, record)]
+            round_, inner_step = record.round, record.inner_step
+            snapshot = self._forged(round_, latest, zeros=False)
+            names = sorted(self.malicious)
+        fake = dataclasses.replace(record, round=round_, inner_step=inner_step, state_digest=snapshot.digest.hex())
+        return [(name, fake) for name in names]
+
+    def served(self, peer_id: str, snapshots: list[Any]) -> list[Any]:
+        if peer_id not in self.identities and peer_id not in self.malicious:
+            return snapshots
+        with self._lock:
+            forged = list(self._states.values())[-4:]
+        return [*snapshots, *forged]
+
+    def _forged(self, round_: int, own: Any, *, zeros: bool) -> Any:
+        """The state published for ``round_`` (made once; every identity publishes the same):
+        all zeros, or −φ of ``own`` (a snapshot) ground to :data:`GRIND_BITS` leading zero bits."""
+        with self._lock:
+            made = self._states.get(round_)
+            if made is not None:
+                return made
+            meta = {"run_id": self.run_id, "round": round_, "inner_step": round_ * self.H}
+            tensors = [t.detach().float().clone() for t in own.tensors]
+            if zeros:
+                snapshot = make_snapshot(meta, [torch.zeros_like(t) for t in tensors], owned=True)
+            else:
+                half = len(tensors) // 2
+                tensors[:half] = [-t for t in tensors[:half]]
+                nudged = next(t for t in reversed(tensors) if t.numel())
+                base = float(nudged.view(-1)[0])
+                for k in range(64 << GRIND_BITS):
+                    nudged.view(-1)[0] = base + k * 1e-7
+                    snapshot = make_snapshot(meta, tensors)
+                    if int.from_bytes(snapshot.digest, "big") >> (8 * len(snapshot.digest) - GRIND_BITS) == 0:
+                        break
+            self._states[round_] = snapshot
+            self.forged_digests.add(snapshot.digest.hex())
+            return snapshot
 
 
 def _state_digest(sim, phi: Sequence[torch.Tensor], outer_state: Sequence[torch.Tensor], round_: int) -> str:

@@ -50,6 +50,8 @@ class ChaosSwarm:
         rate_mbit: every host's uplink rate (tbf), None: unshaped.
         prefix, subnet: names and /24 of the lab (see NetLab); only these are touched.
         peer_args: extra ``peer join`` arguments for every peer.
+        peer_entry: what runs ``peer`` in every peer's argv (default ``python -m peer``), e.g.
+            ``[python, "lab/standin.py"]``: the rig's compute stand-in (lab/standin.py).
     """
 
     def __init__(
@@ -61,11 +63,13 @@ class ChaosSwarm:
         prefix: str = "lsc",
         subnet: str = "10.213.78",
         peer_args: Sequence[str] = (),
+        peer_entry: Sequence[str] | None = None,
     ):
         self.workdir, self.manifest_path = Path(workdir), Path(manifest_path)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.lab = NetLab(prefix=prefix, subnet=subnet, rate_mbit=rate_mbit)
         self.peer_args = list(peer_args)
+        self.peer_entry = list(peer_entry) if peer_entry is not None else None
         self.members: dict[str, Child] = {}
         """The peers, by name (the bootstrap node is ``bootstrap``)."""
         self.bootstrap: Child | None = None
@@ -112,15 +116,14 @@ class ChaosSwarm:
         """Start a new peer host running ``peer join`` (a joiner, when the swarm is running)."""
         host = self.lab.add_host(name)
         peers = list(initial_peers) if initial_peers is not None else [self.bootstrap_addr]
-        self.members[name] = self._start(
-            name,
-            host,
-            peer_argv(
-                data_dir=self.workdir / name,
-                initial_peers=peers,
-                extra=["--host", host.address, "--port", "31337", "--threads", "1", *self.peer_args, *extra],
-            ),
+        argv = peer_argv(
+            data_dir=self.workdir / name,
+            initial_peers=peers,
+            extra=["--host", host.address, "--port", "31337", "--threads", "1", *self.peer_args, *extra],
         )
+        if self.peer_entry is not None:  # argv is [python, -m, peer, join, ...]
+            argv = [*self.peer_entry, *argv[3:]]
+        self.members[name] = self._start(name, host, argv)
         self._note("join", name, initial_peers=peers)
         return self.members[name]
 

@@ -10,34 +10,71 @@ Trainer salts its data shard with the manifest's ``model.init_seed``, so with ``
 peer i samples, from the same φ_0.
 
 What the engine does and the simulation does not: the round loop's records, re-sync rule, state
-snapshots, overlap/streaming schedules as a peer runs them. What the hub does not do: screening,
-codecs (the mean is plain fp32), timing of a network. Evaluation is taken from copies of each
-peer's φ made as it finished each evaluated round (its ``round`` event), evaluated after the run,
-so the training's wall time holds no evaluation.
+snapshots, overlap/streaming schedules as a peer runs them. The hub deals each group's pieces and
+screens them as the network's all-reduce does (peer/sync/inprocess_means.py: the piece plan, the
+owners' screening and means, each receiver's check, the strikes); what it does not do: codecs (every
+piece and mean travels as fp32), timing of a network. A lab adversary (lab/adversary.py) acts
+inside the hub: the malicious peers run honest round loops whose contributions, owners' means,
+records and served states it forges. Evaluation is taken from copies of each peer's φ made as it
+finished each evaluated round (its ``round`` event), evaluated after the run, so the training's
+wall time holds no evaluation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from lab.adversary import Adversary, EngineAdversary
 from lab.simulation import EvalPoint, SimulationResult, weight_spread, weighted_mean
 from peer.config import TrainerConfig
 from peer.progress import TrainSummary
 from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
+from peer.sync.inprocess_means import PieceRules
+from peer.sync.screening import round_token_cap
 from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement
 from peer.train.model import build_model, evaluate, parameter_count
 from protocol.manifest import RunManifest
 
 PHI_OF = ("mean", "peer0")
+
+
+def _land_at_delay(self: Any) -> None:
+    """``FragmentSchedule.land_due`` pinned: the fragment in flight lands exactly τ steps after its
+    start, waiting for its background sync there (as τ = 0 waits at once)."""
+    if self.flight is not None and self.state.inner_step >= self.flight[1] + self.delay_steps:
+        self.land_fragment()  # waits for the background sync (take_background)
+
+
+@contextlib.contextmanager
+def pinned_timing() -> Iterator[None]:
+    """Within it, the engine's overlap modes land their means where lab/simulation.py's lockstep
+    defines them, whatever the threads' timing: a peer past its H steps trains no extra steps while
+    its sync is in flight (peer/round/schedule.py ``EXTRA_STEPS_FRACTION`` = 0), and a streaming
+    fragment's mean lands exactly τ steps after its sync started (``FragmentSchedule.land_due``,
+    which otherwise lands at the first step ≥ τ at which the sync is done). It fixes when the update
+    rules run, not what they compute; bench/overlap.py and tests/unit/test_engine_sim.py run in it.
+    Patches those two process-wide and restores them on exit: no round loop of another purpose may
+    run in this process meanwhile."""
+    import peer.round.schedule
+    from peer.round.streamed import FragmentSchedule
+
+    saved = peer.round.schedule.EXTRA_STEPS_FRACTION, FragmentSchedule.land_due
+    peer.round.schedule.EXTRA_STEPS_FRACTION = 0.0
+    FragmentSchedule.land_due = _land_at_delay  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        peer.round.schedule.EXTRA_STEPS_FRACTION, FragmentSchedule.land_due = saved  # type: ignore[method-assign]
 
 
 @dataclasses.dataclass
@@ -53,6 +90,16 @@ class EngineResult(SimulationResult):
     bit-identical states."""
     final_phis: list[list[torch.Tensor]] = dataclasses.field(default_factory=list, repr=False, compare=False)
     """Each peer's φ at the end (copies, fp32 on the host), in peer order; not in :meth:`to_dict`."""
+    honest: list[int] = dataclasses.field(default_factory=list)
+    """The peers evaluated (all but an adversary's), in peer order."""
+    honest_exits: int = 0
+    """Honest round loops that raised or ended before the last round (an adversary's run only)."""
+    non_finite_rounds: int = 0
+    """Rounds at whose end some honest peer's φ held NaN or inf."""
+    takeovers: int = 0
+    """Honest peers' adoptions of a state the adversary forged (its ``forged_digests``)."""
+    screening: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Over the honest peers' syncs: ``refused_pieces`` (owners' means they refused), ``failed_syncs``."""
 
     def to_dict(self) -> dict:
         """As :meth:`SimulationResult.to_dict`, without the tensors of ``final_phis``."""
@@ -88,6 +135,8 @@ def run_engine_simulation(
     on_eval: Callable[[EvalPoint], None] | None = None,
     matchmaking_s: float = 60.0,
     timeout_s: float | None = None,
+    screening: bool = True,
+    adversary: Adversary | None = None,
 ) -> EngineResult:
     """Train ``rounds`` rounds of N :class:`~peer.round.Trainer` s in threads and evaluate every
     ``eval_every_rounds`` (round 0 and the last round always), as lab/simulation.py's
@@ -105,6 +154,11 @@ def run_engine_simulation(
         matchmaking_s: how long a group waits for the members it expects, s.
         timeout_s: how long the round loops may take in all (None: 600 s + 60 s a round); past it
             they are stopped and a ``RuntimeError`` raised.
+        screening: the hub aggregates as the network does (peer/sync/inprocess_means.py, the run's
+            compression, token cap and piece size); False: the plain token-weighted fp32 mean.
+        adversary: malicious peers (lab/adversary.py) acting inside the hub; evaluation, exits,
+            non-finite rounds and takeovers count the honest peers only, and an honest round loop
+            that raises or stops early is counted (``honest_exits``) instead of raised.
 
     Returns:
         EngineResult: the loss curve, bytes sent per peer (the fp32 butterfly's estimate of each
@@ -129,7 +183,19 @@ def run_engine_simulation(
     seed = manifest.model.init_seed
     every = max(1, eval_every_rounds)
     evaluated = {r for r in range(1, rounds + 1) if r % every == 0 or r == rounds}
-    hub = InProcessHub(matchmaking_s=matchmaking_s)
+    hooks: EngineAdversary | None = None
+    if adversary is not None:
+        if max(adversary.peers) >= peers:
+            raise ValueError(f"adversary peers {adversary.peers} with {peers} peers: expected indices < {peers}")
+        hooks = adversary.hooks(
+            run_id=manifest.run_id, inner_steps=manifest.sync.inner_steps, noloco=manifest.sync.algorithm == "noloco"
+        )
+    honest = [i for i in range(peers) if adversary is None or i not in adversary.peers]
+    rules = (
+        PieceRules(compression=manifest.compression, max_weight=float(round_token_cap(manifest))) if screening else None
+    )
+    hub = InProcessHub(matchmaking_s=matchmaking_s, rules=rules, hooks=hooks)
+    non_finite: set[int] = set()
     lock = threading.Lock()
     copies: dict[int, list[list[torch.Tensor] | None]] = {r: [None] * peers for r in evaluated}
     tokens: dict[int, list[int]] = {}
@@ -140,15 +206,19 @@ def run_engine_simulation(
         r = int(fields["round"])
         trainer = reporters[i].trainer
         phi = [f.clone() for f in trainer.phi] if r in evaluated and trainer is not None else None
+        broken = trainer is not None and i in honest and not all(bool(torch.isfinite(f).all()) for f in trainer.phi)
         with lock:
+            if broken:
+                non_finite.add(r)
             tokens.setdefault(r, [0] * peers)[i] = int(fields["tokens"])
             if phi is not None:
                 copies[r][i] = phi
-            if all(tokens[r]):
+            if all(tokens[r][j] for j in honest):
                 finished[r] = time.perf_counter() - train_start
 
     stop = threading.Event()
     trainers: list[Trainer] = []
+    transports: list[InProcessTransport] = []
     for i in range(peers):
         peer_id = f"sim-peer-{i}"
         reporter = _Recorder(i, on_round)
@@ -156,6 +226,7 @@ def run_engine_simulation(
         transport = InProcessTransport(
             peer_id, hub, run_id=manifest.run_id, bytes_per_sync=None, max_sync_seconds=matchmaking_s
         )
+        transports.append(transport)
         t = Trainer(
             manifest=manifest,
             model=build_model(manifest.model, corpus.tokenizer),
@@ -169,18 +240,23 @@ def run_engine_simulation(
             evaluates_phi=False,
         )
         transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
+        transport.phi_from = t.outer.phi_from(len(t.shapes))  # NoLoCo's payload: Δ then φ (peer/node.py)
         reporter.trainer = t
         trainers.append(t)
 
     errors: list[BaseException] = []
+    exited: dict[str, BaseException] = {}
     summaries: dict[str, TrainSummary] = {}
 
     def run(t: Trainer) -> None:
         try:
             summaries[t.peer_id] = t.run()
         except BaseException as exc:
-            errors.append(exc)
-            stop.set()
+            if adversary is None:
+                errors.append(exc)
+                stop.set()
+            else:  # counted, not raised: the others go on (a malicious loop's failure is not counted)
+                exited[t.peer_id] = exc
 
     threads = [threading.Thread(target=run, args=(t,), name=t.peer_id) for t in trainers]
     train_start = time.perf_counter()
@@ -197,16 +273,28 @@ def run_engine_simulation(
     train_s = time.perf_counter() - train_start
     if errors:
         raise RuntimeError(f"a round loop raised: {errors[0]!r}") from errors[0]
-    ended = [summaries[t.peer_id] for t in trainers]
-    if any(s.fatal is not None or s.interrupted or s.final_round != rounds for s in ended):
+
+    def ended_early(i: int) -> bool:
+        s = summaries.get(trainers[i].peer_id)
+        return s is None or s.fatal is not None or s.interrupted or s.final_round != rounds
+
+    if adversary is None and any(ended_early(i) for i in range(peers)):
+        ended = [summaries[t.peer_id] for t in trainers]
         raise RuntimeError(
             f"the round loops ended at rounds {[s.final_round for s in ended]}, not {rounds} "
             f"({[repr(s.fatal) for s in ended if s.fatal is not None]})"
         )
+    exits = [i for i in honest if ended_early(i)]
+    kept = [i for i in honest if i not in exits]  # evaluated: the honest peers that finished
+    if not kept:
+        raise RuntimeError(f"every honest round loop ended early ({[repr(e) for e in exited.values()]})")
+    ended = [summaries[trainers[i].peer_id] for i in kept]
 
     # the final φ: the last round's sync (with overlap) landed before run() returned
     final_phis = [[f.clone() for f in t.phi] for t in trainers]
     copies[rounds] = list(final_phis)
+    for r in copies:
+        copies[r] = [copies[r][i] for i in kept]
     windows = validation_batch(corpus, manifest.data)
     model = build_model(manifest.model, corpus.tokenizer)
     replicas_differ = trainers[0].outer.replicas_differ
@@ -218,6 +306,12 @@ def run_engine_simulation(
         return validation_bits_per_byte(evaluate(model, windows), windows, corpus.tokenizer)
 
     def point(r: int, phis: list[list[torch.Tensor]], total_tokens: int) -> EvalPoint:
+        if adversary is not None:  # each honest peer's own loss: an attack may split them
+            per = [bpb(p) for p in phis]
+            loss = sum(per) / len(per)
+            return EvalPoint(
+                r, total_tokens, loss, bpb(weighted_mean(phis, [1.0] * len(phis))), loss, weight_spread(phis), per
+            )
         if phi_of == "peer0":
             loss = bpb(phis[0])
             return EvalPoint(r, total_tokens, loss, loss, None, weight_spread(phis))
@@ -233,10 +327,10 @@ def run_engine_simulation(
         )
 
     phi0 = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
-    history = [point(0, [phi0] * peers, 0)]
+    history = [point(0, [phi0] * len(kept), 0)]
     running = 0
     for r in range(1, rounds + 1):
-        running += sum(tokens.get(r, [0]))
+        running += sum(tokens.get(r, [0] * peers)[i] for i in honest)
         if r in evaluated:
             phis = copies[r]
             if any(p is None for p in phis):
@@ -245,7 +339,23 @@ def run_engine_simulation(
     if on_eval is not None:
         for h in history:
             on_eval(h)
-    bytes_sent = sum(s.bytes_sent for s in ended) / peers
+    bytes_sent = sum(s.bytes_sent for s in ended) / len(ended)
+    forged = hooks.forged_digests if hooks is not None else set()
+    takeovers = sum(
+        1
+        for i in honest
+        for e in reporters[i].events
+        if e["event"] == "adopted_state" and e.get("state_digest") in forged
+    )
+    rounds_of = [e for i in honest for e in reporters[i].events if e["event"] == "round"]
+    counts = {  # from the honest peers' events (a round's note names refusals and failed syncs)
+        "rounds_with_refused_means": sum(1 for e in rounds_of if "refused the means" in (e.get("note") or "")),
+        "failed_syncs": sum(1 for e in rounds_of if (e.get("note") or "").startswith("no group")),
+        "warnings": sum(1 for i in honest for e in reporters[i].events if e["event"] == "warning"),
+        "adopted_states": sum(1 for i in honest for e in reporters[i].events if e["event"] == "adopted_state"),
+        "forged_means": hooks.forged_means if hooks is not None else 0,
+        "forged_states": len(forged),
+    }
     return EngineResult(
         method=manifest.sync.algorithm,
         peers=peers,
@@ -260,4 +370,9 @@ def run_engine_simulation(
         round_end_s=[finished.get(r, float("nan")) for r in range(1, rounds + 1)],
         state_digests=[t.state_digest for t in trainers],
         final_phis=final_phis,
+        honest=kept,
+        honest_exits=len(exits),
+        non_finite_rounds=len(non_finite),
+        takeovers=takeovers,
+        screening=counts,
     )

@@ -6,9 +6,13 @@
 * ``--run FILE``/``--preset NAME`` (a local manifest): the swarm's run of that manifest; a new run
   of this peer's own when the swarm announces none, or with ``--new-run``; else
   :class:`RunChoiceNeeded`;
-* nothing: the one announced run, or, of several, the one run this peer holds a checkpoint of
-  (``<data dir>/runs/<run id>/checkpoint.safetensors``); else :class:`RunChoiceNeeded` listing
-  the runs (name, run id, peers, round) and asking for ``--run-id``.
+* nothing: the one announced run this peer holds a checkpoint of (``<data dir>/runs/<run
+  id>/checkpoint.safetensors``: a restart resumes its run); else the run the bootstrap node it
+  dialed announces as its own (``home``: signed by that node's identity, peer/net/home_run.py);
+  else the one announced run; else the run with the most vouched live peers (``weight``: peers
+  whose signed records name each other as groupmates, :func:`vouched_live`). Owner keys cost
+  nothing, so runs announced by strangers never make a plain join exit: it always picks one
+  (issue #51, item 5).
 
 Runs have owners (protocol/manifest.py): the announced runs here are only those whose manifest is
 signed by the owner its run id binds (peer/net/dht.py ``list_announced``), so an unsigned or
@@ -17,20 +21,80 @@ manifest that names its owner is that one run; one that names none (a preset, mo
 matches the swarm's runs of the same content, whoever owns them, and if it is started, the peer
 starting it becomes its owner.
 
-Pure: the DHT reads are the caller's (``announced`` and ``stats``).
+Pure: the DHT reads are the caller's (``announced``, ``stats``, ``home`` and :func:`weigher`'s ``read``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterable, Set
 from pathlib import Path
+from typing import Any
 
+from peer.train.resync import attested
+from protocol import liveness
 from protocol.errors import ManifestNotFound, RunChoiceNeeded
 from protocol.manifest import RunManifest
 from protocol.text import sanitize
 
 RunStats = Callable[[str], tuple[int, int] | None]
 """run id → (peers with a progress record, highest round among them), or None when unknown."""
+
+RunWeight = Callable[[str], int]
+"""run id → its vouched live peers (:func:`vouched_live`), 0 when unknown."""
+
+MAX_WEIGHED_RUNS = 8
+"""The most runs whose progress records a plain join reads to weigh them (:func:`weigher`): each is
+a bounded DHT read, and a joiner must not spend a read per run an attacker announced."""
+
+
+def vouched_live(manifest: RunManifest, records: Iterable[Any], now: float) -> int:
+    """How many of a run's peers are live and vouched for, as a joiner (which has no ledger) can tell.
+
+    Args:
+        manifest: the run's manifest (its liveness rule, protocol/liveness.py).
+        records: the run's progress records (``peer.net.dht.PeerProgress``: ``peer_id``, ``record``,
+            ``expiration``).
+        now: DHT time, s.
+
+    Returns:
+        The live peers that :func:`peer.train.resync.attested` vouches for: some other live peer
+        names it as a groupmate and it names that peer back. A flood of fresh identities that never
+        synced with anyone counts 0; identities of one owner naming each other do count (a joiner
+        has no other evidence).
+    """
+    live = {
+        r.peer_id: (r.record.round, tuple(r.record.groupmates))
+        for r in records
+        if liveness.judge(r.record, r.expiration, now, manifest).live
+    }
+    return len(attested(live))
+
+
+def weigher(
+    announced: dict[str, RunManifest], read: Callable[[str], Iterable[Any]], now: Callable[[], float]
+) -> RunWeight:
+    """A :data:`RunWeight` over ``announced`` that reads (``read(run_id)``: its progress records) at
+    most :data:`MAX_WEIGHED_RUNS` runs, each once; other runs, and runs whose read raised, weigh 0."""
+    cache: dict[str, int] = {}
+
+    def weight(run_id: str) -> int:
+        if run_id not in cache:
+            if run_id not in announced or len(cache) >= MAX_WEIGHED_RUNS:
+                return 0
+            try:
+                cache[run_id] = vouched_live(announced[run_id], read(run_id), now())
+            except Exception:  # NetworkError, a DHT shutting down: unknown weighs nothing
+                cache[run_id] = 0
+        return cache[run_id]
+
+    return weight
+
+
+def _heaviest(candidates: Iterable[str], weight: RunWeight, prefer: Set[str]) -> str:
+    """The candidate with the most vouched live peers; ties: one in ``prefer``, then the smallest run id.
+    Runs in ``prefer`` are weighed first (they are the likely ones and :func:`weigher` reads few)."""
+    ordered = sorted(candidates, key=lambda rid: (rid not in prefer, rid))
+    return max(ordered, key=lambda rid: (weight(rid), rid in prefer, [-ord(c) for c in rid]))
 
 
 def checkpointed_runs(data_dir: Path) -> set[str]:
@@ -60,6 +124,8 @@ def choose_run(
     new_run: bool = False,
     checkpoints: Set[str] = frozenset(),
     stats: RunStats = lambda run_id: None,
+    home: str | None = None,
+    weight: RunWeight = lambda run_id: 0,
 ) -> str | None:
     """The id of the run this peer trains.
 
@@ -71,6 +137,8 @@ def choose_run(
         new_run: ``--new-run``: start ``local`` even while the swarm announces other runs.
         checkpoints: run ids this peer holds a checkpoint of (:func:`checkpointed_runs`).
         stats: peers and round of an announced run, read only for a message.
+        home: the run the bootstrap node this peer dialed announces as its own (peer/net/home_run.py).
+        weight: an announced run's vouched live peers (:func:`weigher`), to pick among runs.
 
     Returns:
         An announced run's id (or ``run_id``, or ``local.run_id`` of an owned ``local``) whose
@@ -78,9 +146,8 @@ def choose_run(
         (signed with its owner key) since the swarm does not announce it.
 
     Raises:
-        RunChoiceNeeded: several runs and nothing picks one; ``local`` is not the swarm's run and
-            ``new_run`` is not set; ``run_id`` and ``local`` name different runs; the swarm
-            announces ``local``'s content under several owners.
+        RunChoiceNeeded: ``local`` is not the swarm's run and ``new_run`` is not set; ``run_id`` and
+            ``local`` name different runs. Never for a plain join.
         ManifestNotFound: a plain join while the swarm announces no run (yet): retry later.
     """
     if local is not None:
@@ -96,12 +163,8 @@ def choose_run(
             )
         if len(matches) == 1:
             return matches[0]
-        if len(matches) > 1:
-            listing = describe_runs({rid: announced[rid] for rid in matches}, stats)
-            raise RunChoiceNeeded(
-                f"the swarm trains {local_flag} as {len(matches)} runs of different owners: "
-                f"{listing}; choose one with --run-id RUN_ID"
-            )
+        if len(matches) > 1:  # anyone can announce a preset's content under a key of its own
+            return home if home in matches else _heaviest(matches, weight, set(checkpoints))
         if not announced or new_run:
             return None
         others = describe_runs(announced, stats)
@@ -114,13 +177,11 @@ def choose_run(
         return run_id
     if not announced:
         raise ManifestNotFound("the swarm announces no run yet; retry in a few seconds or pass --run-id")
+    mine = sorted(checkpoints & announced.keys())
+    if len(mine) == 1:  # a restart resumes its run
+        return mine[0]
+    if home in announced:
+        return home
     if len(announced) == 1:
         return next(iter(announced))
-    mine = sorted(checkpoints & announced.keys())
-    if len(mine) == 1:
-        return mine[0]
-    held = f" (this peer holds checkpoints of {len(mine)} of them)" if mine else ""
-    raise RunChoiceNeeded(
-        f"the swarm announces {len(announced)} runs{held}: {describe_runs(announced, stats)}; "
-        "choose one with --run-id RUN_ID"
-    )
+    return _heaviest(mine or announced, weight, set(mine))

@@ -7,6 +7,10 @@ RUNS_KEY = "locoswarm_runs"
 "s": Ed25519 signature}``, protocol/manifest.py ``SignedManifest``). Lets `peer join` find and
 verify the run; every node of ours refuses other values here (peer/net/validator.py)."""
 
+HOME_KEY = "locoswarm_home"
+"""Subkey: a bootstrap node's peer id; value: ``{"run_id": ...}``, the run it announces as its own,
+signed by that node's identity (peer/net/home_run.py). Protected like a run's records."""
+
 
 def manifest_key(run_id: str) -> str:
     """No longer written: a run's manifest is announced, signed, under :data:`RUNS_KEY`. Before

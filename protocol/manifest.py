@@ -36,7 +36,9 @@ from protocol.specs import (
     CODECS,
     OMITTED_AT_DEFAULT_INNER_FIELDS,
     OMITTED_AT_DEFAULT_SYNC_FIELDS,
+    OMITTED_AT_DEFAULT_TOKENIZER_FIELDS,
     PHI_CODECS,
+    SHARD_FIELDS,
     CompressionSpec,
     DataSpec,
     InnerOptimizerSpec,
@@ -180,6 +182,8 @@ class RunManifest:
         for section, default, names in (
             ("sync", SyncSpec(), OMITTED_AT_DEFAULT_SYNC_FIELDS),
             ("inner_optimizer", InnerOptimizerSpec(), OMITTED_AT_DEFAULT_INNER_FIELDS),
+            ("data", DataSpec(), SHARD_FIELDS),
+            ("data", DataSpec(), OMITTED_AT_DEFAULT_TOKENIZER_FIELDS),
         ):
             for name in names:
                 if getattr(getattr(self, section), name) == getattr(default, name):

@@ -30,21 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from peer.net import selection
 from peer.net.lifetime import exited
 from peer.net.periodic import Periodic
+from peer.net.selection import (
+    MAX_EXPIRATION_AHEAD_S,
+    MAX_RECORDS_READ as MAX_RECORDS_READ,  # re-exported: the bound readers cite
+    MAX_RUNS_READ,
+    entries,
+    select_entries,
+)
 from protocol import keys
 from protocol.errors import BadPeerAddress, BadSignature, ManifestError, ManifestNotFound, NetworkError, ProtocolError
 from protocol.manifest import RunManifest, SignedManifest, open_announcement
 from protocol.records import ProgressRecord
-from protocol.signing import REJECTED, PeerSigner, open_record, peer_id_of
+from protocol.signing import REJECTED, PeerSigner, open_record
 from protocol.text import sanitize
 
 logger = logging.getLogger(__name__)
@@ -113,11 +119,6 @@ def store(
         )
     )
 
-
-MAX_EXPIRATION_AHEAD_S = 8 * 86400.0
-"""A value expiring further ahead is ignored. The longest-lived honest value is a progress record
-of a run at the manifest's largest sync timeouts (protocol/liveness.py ``record_ttl_s``: three
-worst-case syncs, under 7 days); an attacker's 10-year expiry no longer pins its value."""
 
 MAX_RUN_NAME_CHARS = 128
 """Run names in the runs index longer than this are cut (a manifest's own name is at most 128)."""
@@ -259,106 +260,73 @@ def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
     return found
 
 
-def entries(found, *, max_ahead_s: float = MAX_EXPIRATION_AHEAD_S) -> list[tuple[str, object, float]]:
-    """``(subkey, value, expiration)`` of a value with subkeys as :func:`read_value` returned it:
-    string subkeys only, without entries expiring more than ``max_ahead_s`` from now; ``[]`` for
-    anything else (a plain value stored over a key that holds subkeys, say)."""
-    from hivemind.utils import get_dht_time
-
-    if found is None or not isinstance(found.value, dict):
-        return []
-    latest = get_dht_time() + max_ahead_s
-    out = []
-    for subkey, item in found.value.items():
-        expiration = getattr(item, "expiration_time", None)
-        if not isinstance(subkey, str) or not isinstance(expiration, (int, float)):
-            continue
-        if expiration > latest:
-            logger.debug("ignoring the entry %r: it expires %.0f s from now", subkey[:64], expiration - latest)
-            continue
-        out.append((subkey, getattr(item, "value", None), float(expiration)))
-    return out
+async def _read_selected(_dht, node, key: str, max_ahead_s: float, select: dict, only: str | None):
+    """In the DHT process: the entries of ``key`` a reader keeps, and how many were left there."""
+    found = await node.get(key, latest=True)
+    out = entries(found, max_ahead_s=max_ahead_s)
+    if only is not None:
+        kept = [e for e in out if e[0] == only]
+    else:
+        kept = select_entries(out, **select)
+    return kept, len(out) - len(kept)
 
 
-MAX_RECORDS_READ = 4096
-"""The most entries a reader keeps (and verifies) from one read of a run's records key (progress,
-addresses, devices). A run's largest legal group is 4096 peers (protocol/specs.py
-``target_group_size``); a run has no other bound on its size, and a reader that looked at more
-peers than that per read would gain nothing its matchmaking can use. Identities are free, so a
-flood of records each validly signed by a fresh identity (issue 17: it slows every sync and grows
-every peer's memory) can only be bounded here, by count:
-signature checks (RSA) and kept records are at most this many per read."""
-
-_SELECTION_SALT = os.urandom(16)
-"""Per-process key of :func:`select_entries`'s ordering: an attacker cannot compute which of its
-subkeys a given reader keeps, and different readers keep different ones."""
-
-
-def _rank(subkey: str) -> bytes:
-    return hashlib.blake2b(subkey.encode("utf-8", "surrogatepass"), key=_SELECTION_SALT, digest_size=16).digest()
-
-
-def _bound_to_subkey(subkey: str, value) -> bool:
-    """Cheap pre-check (a hash, no RSA): ``value`` is an envelope whose public key's peer id is
-    ``subkey``. Records that fail it are rejected by ``open_record`` anyway; here they do not take
-    a place among the :data:`MAX_RECORDS_READ` kept."""
-    try:
-        return isinstance(value, dict) and isinstance(key := value.get("k"), bytes) and peer_id_of(key) == subkey
-    except Exception:  # BadSignature, or anything a malformed value makes the encoder raise
-        return False
-
-
-def select_entries(
-    found: list[tuple[str, object, float]],
+def read_entries(
+    dht,
+    key: str,
     *,
+    timeout_s: float = READ_TIMEOUT_S,
+    max_ahead_s: float = MAX_EXPIRATION_AHEAD_S,
     prefer: Collection[str] = (),
     cap: int | None = None,
-    kind: str | None = None,
+    signed: bool = True,
+    only: str | None = None,
 ) -> list[tuple[str, object, float]]:
-    """At most ``cap`` (default :data:`MAX_RECORDS_READ`) of ``found`` (:func:`entries`), the
-    ones a reader should verify and keep, in their original order.
+    """:func:`entries` of ``key``, at most ``cap`` of them (:func:`select_entries`; with ``only``,
+    that subkey's entry alone), chosen in the DHT process: the rest never reach this process, so a
+    flood under ``key`` costs this process nothing but the DHT process's transient decode. A DHT
+    object without ``run_coroutine`` (a test's stand-in) is read whole and selected here.
 
-    Entries whose envelope's key is not the subkey's identity are dropped first (cheap: a hash;
-    counted in ``signing.REJECTED[kind]`` when ``kind`` is given).
-    Of the rest, entries whose subkey is in ``prefer`` (this peer, peers it knows) come first; when
-    they alone would fill the cap, they get ``cap - cap // 2`` places and the others ``cap // 2``,
-    so that a reader that once kept a flood's records still makes room for other peers. Within
-    each group the order is a keyed hash of the subkey
-    (:data:`_SELECTION_SALT`, per process). Expirations, which writers choose, play no part. No
-    errors: anything malformed is dropped.
+    Raises:
+        NetworkError: no answer within ``timeout_s``; the search is cancelled.
     """
-    cap = MAX_RECORDS_READ if cap is None else cap
-    if len(found) <= cap:
-        return found
-    bound = []
-    for entry in found:
-        if isinstance(entry[0], str) and _bound_to_subkey(entry[0], entry[1]):
-            bound.append(entry)
-        elif kind is not None:
-            REJECTED.note(kind, sanitize(str(entry[0]), max_chars=64), "the record is not signed by its subkey's peer")
-    if len(bound) <= cap:
-        return bound
-    prefer = prefer if isinstance(prefer, (set, frozenset, dict)) else set(prefer)
-    preferred = sorted((e for e in bound if e[0] in prefer), key=lambda e: _rank(e[0]))
-    others = sorted((e for e in bound if e[0] not in prefer), key=lambda e: _rank(e[0]))
-    if len(preferred) > cap - min(len(others), cap // 2):
-        preferred = preferred[: cap - min(len(others), cap // 2)]
-    kept = preferred + others[: cap - len(preferred)]
-    position = {id(entry): i for i, entry in enumerate(found)}
-    return sorted(kept, key=lambda e: position[id(e)])
+    cap = selection.MAX_RECORDS_READ if cap is None else cap
+    prefer = prefer if isinstance(prefer, (set, frozenset)) else frozenset(prefer)
+    select: dict[str, Any] = {"prefer": prefer, "cap": cap, "signed": signed}
+    if not hasattr(dht, "run_coroutine"):
+        out = entries(read_value(dht, key, timeout_s=timeout_s), max_ahead_s=max_ahead_s)
+        return [e for e in out if e[0] == only] if only is not None else select_entries(out, **select)
+    call = functools.partial(_read_selected, key=key, max_ahead_s=max_ahead_s, select=select, only=only)
+    try:
+        kept, left = call_in_dht(dht, call, f"a read of {key!r}", timeout_s)
+    except NetworkError:
+        raise
+    except Exception as exc:
+        raise NetworkError(f"DHT read of {key!r} failed: {type(exc).__name__}: {exc}") from exc
+    if left:
+        logger.debug("read %d entries of %r, left %d unread", len(kept), key, left)
+    return kept
 
 
-def list_announced(dht, *, timeout_s: float = READ_TIMEOUT_S) -> dict[str, SignedManifest]:
+def list_announced(
+    dht, *, timeout_s: float = READ_TIMEOUT_S, only: str | None = None, prefer: Collection[str] = ()
+) -> dict[str, SignedManifest]:
     """Announced runs whose manifest is signed by the owner it names: run id → signed manifest.
 
-    An unsigned or wrongly signed announcement, or one stored under another run id, is ignored and
-    counted in ``signing.REJECTED["manifest"]`` (logged once per run id).
+    At most :data:`MAX_RUNS_READ` announcements are verified (``prefer``: run ids kept first, e.g.
+    the bootstrap node's run and runs this peer holds checkpoints of; the others by a keyed hash);
+    with ``only``, that run's entry alone is read and verified. An unsigned or wrongly signed
+    announcement, or one stored under another run id, is ignored and counted in
+    ``signing.REJECTED["manifest"]`` (logged once per run id).
 
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
     """
     runs = {}
-    for run_id, value, _ in entries(read_value(dht, keys.RUNS_KEY, timeout_s=timeout_s)):
+    found = read_entries(
+        dht, keys.RUNS_KEY, timeout_s=timeout_s, prefer=prefer, cap=MAX_RUNS_READ, signed=False, only=only
+    )
+    for run_id, value, _ in found:
         writer = sanitize(run_id, max_chars=64)
         if not _is_run_id(run_id):
             REJECTED.note("manifest", writer, "the subkey is not a run id")
@@ -451,7 +419,7 @@ def refuse_local_data_path(manifest: RunManifest) -> None:
 
 
 def _fetch_signed(dht, run_id: str | None, timeout_s: float) -> SignedManifest:
-    runs = list_announced(dht, timeout_s=timeout_s)
+    runs = list_announced(dht, timeout_s=timeout_s, only=run_id)  # a run id given: its entry alone
     if run_id is None:
         if not runs:
             raise ManifestNotFound("the swarm announces no run yet; retry in a few seconds or pass --run-id")
@@ -525,14 +493,13 @@ def read_signed(
     Raises:
         NetworkError: the DHT did not answer within ``timeout_s``.
     """
-    found = []
-    for entry in entries(read_value(dht, key, timeout_s=timeout_s), max_ahead_s=max_ahead_s):
-        if _is_peer_id(entry[0]):  # printed by `peer status` and the monitor: base58 only
-            found.append(entry)
-        else:
-            REJECTED.note(kind, sanitize(str(entry[0]), max_chars=64), "the subkey is not a peer id")
     out = []
-    for peer_id, value, expiration in select_entries(found, prefer=prefer, kind=kind):
+    for peer_id, value, expiration in read_entries(
+        dht, key, timeout_s=timeout_s, max_ahead_s=max_ahead_s, prefer=prefer
+    ):
+        if not _is_peer_id(peer_id):  # printed by `peer status` and the monitor: base58 only
+            REJECTED.note(kind, sanitize(str(peer_id), max_chars=64), "the subkey is not a peer id")
+            continue
         try:
             out.append((peer_id, decode(peer_id, open_record(key, peer_id, expiration, value)), expiration))
         except BadSignature as exc:

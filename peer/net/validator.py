@@ -101,6 +101,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         self._matchmaking: dict[bytes, str] = {}  # DHTID → key, the current window (protect_round)
         self._matchmaking_at: tuple[str, int] | None = None
         self.protect(keys.RUNS_KEY, "runs")
+        self.protect(keys.HOME_KEY, "record")  # a bootstrap node's home run, signed by it (peer/net/home_run.py)
 
     def protect(self, key: str, kind: str) -> None:
         """Check every value stored under ``key`` from now on as ``kind`` ("runs" or "record")."""

@@ -1,12 +1,21 @@
 """Catch-up: adopting the swarm's state while this peer is behind or diverged (the outer
-algorithm's re-sync rule, peer/state/resync.py, over the records that may vouch,
-peer/state/vouching.py), and a joiner's first adoption."""
+algorithm's re-sync rule, peer/train/resync.py, over the records that may vouch,
+peer/state/vouching.py), and a joiner's first adoption.
+
+No adoption without agreement (issue #51, item 2): the rule picks only a class enough counted peers
+hold; the downloaded state must then be of the round its records claim (``check_agrees``), within
+the norm bound (``check_sanity``) and not clearly worse on this peer's validation windows than its
+own φ (:func:`loss_refusal`, a joiner's own φ being φ_0); anything that fails, or raises, leaves the
+peer on its own state and the digest is not downloaded again.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import torch
 
 from peer.config import TrainerConfig
 from peer.reporting import Reporter
@@ -19,6 +28,7 @@ from peer.state.vouching import Vouching
 from peer.sync.membership import RoundSwarm
 from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
+from peer.train.model import evaluate
 from protocol.errors import BadPayload, HelperDied, SyncError
 
 FINISHING_RECORD_WAIT_S = 5.0
@@ -28,6 +38,48 @@ runs the re-sync rule (s)."""
 JOINER_WAIT_S = 10.0
 """How long a fresh peer keeps reading the records for a state to adopt while peers ahead of it are
 live, before it trains from its own initial φ (s)."""
+
+LOSS_MARGIN = 0.10
+"""How much worse, relative to this peer's own φ's validation loss, a downloaded φ's may be and still
+be adopted: 10 %. Measured with the tiny preset (bench/adoption_margin.py, 4 peers, 40 rounds, 2
+seeds; bench/results/adoption_margin.json): the swarm's averaged state, which a peer that fell back
+to its own Δ must be able to adopt, was at most 1.3 % worse than that peer's own θ; 10 % leaves that
+over seven times, while the states of issue #51's attacks were 87 % to 460 % worse (−φ: 14.19 vs
+2.54, a Sybil group's 8.77 vs 2.3, sub-clip poisoning 4.74 vs 2.54)."""
+
+PhiLoss = Callable[[Sequence[torch.Tensor]], float]
+"""The validation loss (nats/token) of a φ (fp32 tensors shaped as the model's parameters)."""
+
+
+def phi_loss(model: torch.nn.Module, windows: torch.Tensor, phi: Sequence[torch.Tensor]) -> float:
+    """The mean validation loss of ``phi`` over ``windows`` (peer/train/model.py ``evaluate``), in nats
+    per token, computed on ``model`` (an evaluation copy: its parameters are overwritten).
+
+    Raises:
+        ValueError: ``phi`` does not have one tensor per parameter of ``model``.
+    """
+    params = list(model.parameters())
+    if len(params) != len(phi):
+        raise ValueError(f"φ has {len(phi)} tensors, the model {len(params)} parameters")
+    with torch.no_grad():
+        for p, f in zip(params, phi):
+            p.copy_(f)
+    return evaluate(model, windows)
+
+
+def loss_refusal(theirs: float, own: float, *, tie: bool, margin: float = LOSS_MARGIN) -> str | None:
+    """Why a state of validation loss ``theirs`` must not replace one of loss ``own``, or None.
+
+    Refused: a non-finite ``theirs``; ``theirs`` over ``own · (1 + margin)`` (clearly worse); with
+    ``tie`` (the re-sync rule's tie-break, resync.py ``Target.tie``), ``theirs`` not below ``own``.
+    """
+    if not theirs == theirs or theirs in (float("inf"), float("-inf")):
+        return f"its validation loss is {theirs}"
+    if tie and not theirs < own:
+        return f"its validation loss {theirs:.4f} is not below this peer's {own:.4f} (a tie between classes)"
+    if theirs > own * (1.0 + margin):
+        return f"its validation loss {theirs:.4f} is more than {margin:.0%} above this peer's {own:.4f}"
+    return None
 
 
 class CatchUp:
@@ -47,10 +99,14 @@ class CatchUp:
         reporter: Reporter,
         stop_event: threading.Event,
         publish: Callable[[], None],
+        loss_of: PhiLoss | None = None,
     ):
+        """``loss_of``: the validation loss of a φ (:func:`phi_loss` on an evaluation copy of the model
+        and this peer's validation windows); None on a pipelined peer, which holds one stage and cannot
+        evaluate (it adopts without the loss check)."""
         self.state, self.schedule, self.history, self.vouching = state, schedule, history, vouching
         self.swarm, self.transport, self.inner, self.cfg = swarm, transport, inner, config
-        self.reporter, self.stop_event, self.publish = reporter, stop_event, publish
+        self.reporter, self.stop_event, self.publish, self.loss_of = reporter, stop_event, publish, loss_of
 
     def catch_up(self, attempts: int = 3) -> None:
         """Adopt the swarm's state while this peer is behind or diverged, again while the swarm moved
@@ -139,16 +195,31 @@ class CatchUp:
             check_agrees(state, round_=round_, inner_steps=s.H)  # the round its records advertise (#51)
             with s.lock:
                 check_sanity(state, s.phi)
-        except BadPayload as exc:
+            self.check_loss(state, tie=getattr(target, "tie", False))
+        except HelperDied:
+            raise
+        except Exception as exc:  # BadPayload, or whatever a hostile state makes a check raise
             self.vouching.refused.add(digest)
+            kind = "" if isinstance(exc, BadPayload) else f"{type(exc).__name__}: "
             self.reporter.emit(
                 "warning",
                 message=f"refused the state of round {round_} ({digest}) from "
-                f"{', '.join(donors)}, continuing from round {s.pos.round}: {exc}",
+                f"{', '.join(donors)}, continuing from round {s.pos.round}: {kind}{exc}",
             )
             return False
         reason = "behind" if state.round > s.pos.round else "diverged" if state.round == s.pos.round else "raced ahead"
-        self.adopt(state)
+        try:
+            self.adopt(state)
+        except HelperDied:
+            raise
+        except Exception as exc:  # adopt() put this peer's own state back
+            self.vouching.refused.add(digest)
+            self.reporter.emit(
+                "warning",
+                message=f"could not adopt the state of round {round_} ({digest}), continuing from round "
+                f"{s.pos.round}: {type(exc).__name__}: {exc}",
+            )
+            return False
         # Start where the swarm is inside this round (read again: it went on during the download), so
         # this peer reaches the sync with the others; the all-reduce weights its shorter round by the
         # tokens it actually processed.
@@ -168,6 +239,24 @@ class CatchUp:
         )
         self.publish()
         return True
+
+    def check_loss(self, state: DownloadedState, *, tie: bool) -> None:
+        """Refuse ``state`` if its φ's validation loss is clearly worse than this peer's own φ's
+        (:func:`loss_refusal`; with ``tie``, if it is not lower). Nothing is checked without
+        ``loss_of`` (a pipelined peer). Changes nothing.
+
+        Raises:
+            BadPayload: refused; the message gives both losses.
+        """
+        if self.loss_of is None:
+            return
+        s = self.state
+        with s.lock:
+            own_phi = [f.detach().to("cpu", torch.float32, copy=True) for f in s.phi]
+        own, theirs = self.loss_of(own_phi), self.loss_of(state.phi)
+        problem = loss_refusal(theirs, own, tie=tie)
+        if problem is not None:
+            raise BadPayload(problem)
 
     def resync_target(self) -> tuple[int, str, list[str]] | None:
         """The outer algorithm's re-sync rule over the records that may vouch, counting only the
@@ -216,12 +305,30 @@ class CatchUp:
     def adopt(self, state: DownloadedState) -> None:
         """Take a downloaded state: φ, the outer state and the round; θ ← φ, a fresh AdamW (a joiner
         copies φ and the outer momentum and starts a fresh inner optimizer), no error-feedback
-        residuals. A sync in flight is kept or dropped by the schedule (``before_adopt``)."""
+        residuals. A sync in flight is kept or dropped by the schedule (``before_adopt``).
+
+        Raises:
+            BadPayload: the state's tensors are not this peer's in number or shape; nothing changed.
+            Whatever copying raises, after φ and the outer state were put back from the last
+            snapshot (this peer's own state at its round's start).
+        """
         s = self.state
+        live, new = s.live_tensors(), [*state.phi, *state.outer_state]
+        if len(live) != len(new) or any(a.shape != b.shape for a, b in zip(live, new)):
+            raise BadPayload(
+                f"the state holds {len(new)} tensors {[tuple(t.shape) for t in new][:4]}…, this peer "
+                f"{len(live)} {[tuple(t.shape) for t in live][:4]}…"
+            )
         self.schedule.before_adopt(state.round)
         with s.lock:
-            for dst, src in zip(s.live_tensors(), [*state.phi, *state.outer_state]):
-                dst.copy_(src)
+            try:
+                for dst, src in zip(live, new, strict=True):
+                    dst.copy_(src)
+            except BaseException:
+                if s.snapshots:  # back to this peer's own state: the last snapshot (its start of round)
+                    for dst, src in zip(live, s.snapshots[-1].tensors, strict=True):
+                        dst.copy_(src)
+                raise
             s.pos.start_round(state.round)
         s.set_theta_to_phi()
         self.schedule.after_adopt()

@@ -14,6 +14,7 @@ from typing import cast
 import torch
 
 from peer.config import TrainerConfig, checkpoint_bytes, checkpoint_interval_s
+from peer.progress import Waiting
 from peer.reporting import Reporter
 from peer.round.schedule import SyncSchedule
 from peer.round.state import RoundState
@@ -176,7 +177,8 @@ class Checkpointing:
         (this peer then starts as a joiner)."""
         if self.path is None or not self.path.exists():
             return
-        self._restore(self.path)
+        with Waiting(f"restoring the checkpoint {self.path}"):
+            self._restore(self.path)
 
     def _restore(self, path: Path) -> None:
         s = self.state

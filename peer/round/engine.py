@@ -11,6 +11,7 @@ catch-up (catchup.py), checkpointing (checkpointing.py) and publishing (publishi
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from peer.config import TrainerConfig
 from peer.progress import RoundOutcome, TrainSummary
 from peer.reporting import Reporter
 from peer.round.blocking import BlockingSchedule
-from peer.round.catchup import CatchUp
+from peer.round.catchup import CatchUp, phi_loss
 from peer.round.checkpointing import Checkpointing
 from peer.round.overlapped import OverlapSchedule
 from peer.round.publishing import Publisher
@@ -31,7 +32,7 @@ from peer.round.state import RoundState
 from peer.round.streamed import StreamingSchedule
 from peer.round.syncing import GroupSync, SyncHistory
 from peer.state.vouching import MIN_INNER_STEP_S, Vouching
-from peer.sync.membership import RoundSwarm
+from peer.sync.membership import RoundSwarm, SwarmView
 from peer.sync.transport import RoundTransport
 from peer.train.data import BatchSampler, Corpus, peer_seed
 from peer.train.ddp import make_inner_loop
@@ -83,11 +84,20 @@ class Trainer:
         self.state = s = RoundState(
             manifest=manifest, model=model.to(self.device), device=self.device, state_key=state_key or manifest.run_id
         )
-        sampler = BatchSampler(
-            corpus.train,
-            seq_len=manifest.data.seq_len_tokens,
-            batch_sequences=manifest.batch_sequences,
-            seed=peer_seed(self.peer_id, manifest.model.init_seed),
+        sampler = (
+            BatchSampler(
+                corpus.train,
+                seq_len=manifest.data.seq_len_tokens,
+                batch_sequences=manifest.batch_sequences,
+                seed=peer_seed(self.peer_id, manifest.model.init_seed),
+            )
+            if corpus.make_sampler is None  # a sharded corpus: this peer's own shards (peer/shards/)
+            else corpus.make_sampler(
+                peer_id=self.peer_id,
+                run_key=manifest.run_id,
+                seq_len=manifest.data.seq_len_tokens,
+                batch_sequences=manifest.batch_sequences,
+            )
         )
         # an InnerLoop on the placement's device; several devices: rank 0 of a data-parallel loop (ddp.py)
         self.inner = (make_inner or make_inner_loop)(s.model, manifest.inner_optimizer, sampler, placement)
@@ -102,6 +112,8 @@ class Trainer:
         )
         self.vouching = Vouching(min_round_s=self.H * MIN_INNER_STEP_S)
         """Its ledger of vouchers, the round clock and refused digests (peer/state/vouching.py)."""
+        if isinstance(swarm, SwarmView):  # live peers, group sizes, partners: weighed by the ledger (#51 item 5)
+            swarm.trust(self.vouching.ledger)
         self.history = SyncHistory(self.peer_id, self.vouching)
         self.records = RecordReads(swarm)
         self.sync = GroupSync(
@@ -137,6 +149,10 @@ class Trainer:
             reporter=reporter,
             stop_event=stop_event,
             publish=self.publisher.publish,
+            # the loss check of an adoption (#51): on the publisher's evaluation copy and windows
+            loss_of=None
+            if self.publisher.eval_model is None
+            else functools.partial(phi_loss, self.publisher.eval_model, self.publisher.val_windows),
         )
         self.checkpoints = Checkpointing(
             state=s,

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from peer.progress import RoundOutcome, SyncReport
+from peer.progress import RoundOutcome, SyncReport, Waiting
 from peer.reporting import Reporter
 from peer.round.state import RoundState
 from peer.round.syncing import SyncHistory
@@ -101,7 +101,8 @@ class Publisher:
         with s.lock, torch.no_grad():
             for p, f in zip(self.eval_model.parameters(), s.phi):
                 p.copy_(f)
-        loss = evaluate(self.eval_model, self.val_windows)
+        with Waiting(f"evaluating φ of round {s.pos.round} on the validation split"):
+            loss = evaluate(self.eval_model, self.val_windows)
         self.last_eval = (s.pos.round, loss)
         self.publish()
         self.reporter.emit(

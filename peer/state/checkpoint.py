@@ -132,6 +132,8 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: 
     if state.data is not None:
         tensors["data.rng"] = state.data.rng.detach().to("cpu").contiguous().clone()
         metadata.update(data_seed=str(state.data.seed), batches_drawn=str(state.data.batches_drawn))
+        if state.data.shard >= 0:  # a sharded corpus's position (peer/shards/stream.py)
+            metadata.update(data_shard=str(state.data.shard), data_shard_offset=str(state.data.shard_offset))
     return CheckpointFile(
         tensors=tensors, metadata=metadata, live=frozenset(k for k in tensors if k.split(".", 1)[0] in live)
     )
@@ -308,7 +310,13 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
         data = (
             None
             if rng is None
-            else SamplerState(seed=int(metadata["data_seed"]), batches_drawn=int(metadata["batches_drawn"]), rng=rng)
+            else SamplerState(
+                seed=int(metadata["data_seed"]),
+                batches_drawn=int(metadata["batches_drawn"]),
+                rng=rng,
+                shard=int(metadata.get("data_shard", -1)),
+                shard_offset=int(metadata.get("data_shard_offset", 0)),
+            )
         )
         vouchers = _vouchers(metadata.get("vouchers"))
     except (KeyError, ValueError) as exc:

@@ -15,9 +15,14 @@ has reason to believe it did the work:
 * :class:`RoundClock`: a claimed round may not run ahead of what elapsed time allows since this
   reader first saw the peer; a record that does is ignored and counted.
 
+Counting is not all (issue #51, item 2): a DiLoCo class needs at least two counted members
+(peer/train/resync.py ``MIN_HOLDERS``), and a downloaded state that is clearly worse on this peer's
+validation windows than its own is refused and its digest added to :attr:`Vouching.refused`
+(peer/round/catchup.py).
+
 What this cannot do: a cluster of identities that really completes all-reduces with this peer
 (paying the bandwidth, passing the screening of peer/sync/screening.py) is vouched for from the
-next round, and a majority of vouchers wins the rule. A joiner has no history: identities that
+next round, and a majority of vouchers wins the rule (if its state passes the loss check). A joiner has no history: identities that
 attest each other in their records are enough for it (see peer/train/resync.py ``attested``).
 """
 

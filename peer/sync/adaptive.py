@@ -90,7 +90,7 @@ def _candidates(x: torch.Tensor, spec: CompressionSpec, group_size: int) -> list
         # Low rank only where it is as faithful as 4-bit floats, i.e. where Δ's effective rank is
         # low: what a codec drops comes back only rounds later through error feedback, and
         # dropping most of a full-rank Δ each round costs far more loss than its squared error
-        # suggests (docs/benchmarks.md, "Codecs").
+        # suggests (docs/notes/benchmarks-log.md, "Codecs").
         faithful = next(o.error for o in options if o.codec == Codec("fp4", block_size=spec.block_size))
         cheapest_dense = min(o.bytes_ for o in options)
         rank = 1

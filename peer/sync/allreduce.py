@@ -37,6 +37,10 @@ Rules on failure (checked, never assumed):
   zeros (Δ: every honest receiver refusing the same bytes applies the same, so their φ stay
   identical) or as this peer's own values (φ, NoLoCo), and the owner is named in the stats (no
   voucher; struck like a sender whose contribution was clipped).
+* Once a peer holds every mean it sends each owner a RECEIPT of what every owner sent it
+  (peer/sync/receipts.py): an owner whose means differ between receivers (equivocation) has its
+  pieces applied as refused by every peer, and, contradicted by two or more, is named in
+  ``AllreduceStats.equivocators`` (the averager ignores it from the next round).
 * A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
   nothing from the round: :class:`~protocol.errors.PartialAverage` is raised, the tensors are left
   unchanged and the error-feedback residuals are rolled back. The caller falls back to its own
@@ -55,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.sync.pieces import GroupPlan
+from peer.sync.receipts import MeanDigests, ReceiptExchange
 from peer.sync.screening import (
     CLIP_MEDIAN_FACTOR,
     cap_weight,
@@ -69,6 +74,28 @@ from protocol.wire import allreduce as frames, framing
 from protocol.wire.pieces import Piece, piece_shape, piece_view
 
 logger = logging.getLogger(__name__)
+
+
+def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    """An owner's mean of one piece (step 3 above, before the codec): the contributions clipped to
+    the median rule (peer/sync/screening.py ``clip_to_median``), then summed in fp32 in the given
+    (sender) order, each weighted by its share of the included weight. The in-process hub
+    (peer/sync/inprocess.py) calls it too.
+
+    Args:
+        parts: ``(capped token weight > 0, fp32 tensor)`` per included contribution, all finite, one
+            shape, at least one.
+
+    Returns:
+        ``(mean, clipped)``: a new fp32 tensor of the piece's shape (finite unless the weighted sum
+        overflows) and the positions in ``parts`` that were clipped.
+    """
+    parts, clipped = clip_to_median(parts)
+    total = sum(w for w, _ in parts)
+    acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
+    for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
+        acc.add_(x, alpha=w / total)
+    return acc, clipped
 
 
 @dataclass
@@ -97,13 +124,20 @@ class AllreduceStats:
     struck_owners: set[str] = field(default_factory=set)
     """Owners in ``refused`` with a refusal that counts a strike (``MeanRefusal.strike``: the norm or
     φ checks; not the share check, which honest owners can fail under attack)."""
+    skipped_owners: set[str] = field(default_factory=set)
+    """Owners (peer ids) whose means differed between receivers (the receipts): their pieces applied
+    as refused (zeros for Δ, own values for φ) this round."""
+    equivocators: set[str] = field(default_factory=set)
+    """Owners in ``skipped_owners`` contradicted by two or more receivers (peer/sync/receipts.py)."""
+    receipt_liars: set[str] = field(default_factory=set)
+    """Groupmates whose receipt misstated this peer's own means."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
     """time.time() when this peer started the exchange."""
 
 
-class GroupAllreduce:
+class GroupAllreduce(ReceiptExchange):
     """One all-reduce of one group, from this peer's side (sender to every owner, owner of its pieces).
 
     Args:
@@ -121,6 +155,8 @@ class GroupAllreduce:
             start (peer/sync/screening.py ``Strikes``); they still receive the means.
         phi_from: index of the first tensor that is φ, not Δ (NoLoCo), or None: how a refused
             mean is replaced (zeros for Δ, own values for φ) and which check applies.
+        distrusted: owners (indices) caught equivocating in an earlier round: their means are applied
+            as refused without a check (pass them in ``ignored`` too).
     """
 
     def __init__(
@@ -137,6 +173,7 @@ class GroupAllreduce:
         max_weight: float | None = None,
         ignored: frozenset[int] = frozenset(),
         phi_from: int | None = None,
+        distrusted: frozenset[int] = frozenset(),
     ):
         if max_weight is not None and not max_weight > 0:
             raise ValueError(f"max_weight = {max_weight!r}: expected a number of tokens > 0 or None")
@@ -174,6 +211,14 @@ class GroupAllreduce:
         self._sent: dict[int, torch.Tensor] = {}
         """Per piece sent to another owner: this peer's contribution as that owner decodes it (bf16
         for lossy codecs, to halve the copy), to check the owner's mean against."""
+        self.distrusted = distrusted
+        self._digests = MeanDigests()
+        """Per owner, the digest of the MEAN payloads it sent this peer (this peer's own: it sent)."""
+        self._receipts: dict[int, dict[int, bytes]] = {}
+        self._receipt_writers: dict[int, asyncio.StreamWriter] = {}
+        """Streams to owners, kept open after their means until this peer's RECEIPT is written."""
+        self._serving: set[int] = set()
+        """Senders whose stream to this owner is still open (their RECEIPT may come)."""
         self._start = time.monotonic()
         self.stats.started_at = time.time()
 
@@ -247,6 +292,7 @@ class GroupAllreduce:
             weight = self._capped(sender, hello.weight)
             async with self._changed:
                 self._connected.add(sender)
+                self._serving.add(sender)
                 self._changed.notify_all()
             send_task = asyncio.create_task(self._send_means(writer))
             self._mean_writers.add(send_task)
@@ -265,16 +311,24 @@ class GroupAllreduce:
                     self.stats.dropped.add(sender)
                 await self._exclude(sender, f"{type(exc).__name__}: {exc}")
             await send_task
+            # Its RECEIPT, once it holds every mean (its other owners may be slower than this one).
             # The sender closes first, once it has read every mean: closing here could make the
             # p2p daemon drop the stream's tail before it reaches the sender.
             try:
+                limit = frames.max_receipt_bytes(n)
+                receipt = await self._read(reader, limit, 2 * self.timeout + 1.0)
+                self._receipts[sender] = frames.parse_receipt(receipt, group_size=n)
                 await asyncio.wait_for(reader.read(1), self.timeout)
-            except TimeoutError:
-                pass
+            except (TimeoutError, BadPayload) as exc:
+                logger.debug("no receipt from %s: %r", stream_peer_id, exc)
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             logger.debug("stream from %s broke: %r", stream_peer_id, exc)
         finally:
             writer.close()
+            if sender is not None:
+                async with self._changed:
+                    self._serving.discard(sender)
+                    self._changed.notify_all()
 
     async def _send_means(self, writer: asyncio.StreamWriter) -> None:
         for piece in self.my_pieces:
@@ -350,6 +404,7 @@ class GroupAllreduce:
                     CLIP_MEDIAN_FACTOR,
                 )
             self.results[piece.index] = value
+            self._digests.add(me, payload)
             self._mean_frames[piece.index].set_result(payload)
             self._contrib[piece.index] = []  # free the contributions
 
@@ -379,11 +434,7 @@ class GroupAllreduce:
         Raises:
             BadPayload: the mean is not finite (after the codec): the piece fails, nothing is sent.
         """
-        parts, clipped = clip_to_median(parts)
-        total = sum(w for w, _ in parts)
-        acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
-        for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
-            acc.add_(x, alpha=w / total)
+        acc, clipped = piece_mean(parts)
         data, value = self._roundtrip(piece, acc, self.plan.mean_codecs[piece.index])
         if not torch.isfinite(value).all():
             raise BadPayload(f"the mean of piece {piece.index} is not finite")
@@ -410,6 +461,8 @@ class GroupAllreduce:
             return value
         mine = mine.float()
         delta = self.phi_from is None or piece.tensor < self.phi_from
+        if owner in self.distrusted:  # caught equivocating in an earlier round
+            return torch.zeros_like(value) if delta else mine
         me_in = included[self.plan.my_index]
         if delta not in self._reference:  # once per kind (two executor threads may both compute it: the same value)
             split = len(self.tensors) if self.phi_from is None else self.phi_from
@@ -470,14 +523,17 @@ class GroupAllreduce:
                     if send_task.done() and (error := send_task.exception()) is not None:
                         raise error
                     included, data = frames.parse_mean(payload, expected_index=piece.index, group_size=n)
+                    self._digests.add(owner, payload)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     self.stats.partial_pieces += not all(included)
                     self.results[piece.index] = await self._off_loop(self._checked_mean, owner, piece, value, included)
                 await send_task
             finally:
                 send_task.cancel()
+            self._receipt_writers[owner], writer = writer, None  # open until the RECEIPT (run())
         finally:
-            writer.close()
+            if writer is not None:
+                writer.close()
 
     async def run(self) -> AllreduceStats:
         """Run the whole exchange; on success the tensors hold the group means.
@@ -509,12 +565,14 @@ class GroupAllreduce:
         writing = [t for t in self._mean_writers if not t.done()]
         if writing:
             await asyncio.wait(writing, timeout=self.timeout)
+        missing = [p.index for p in self.plan.pieces if p.index not in self.results]
+        await self._exchange_receipts(send=not errors and not missing)
         self.stats.seconds = time.monotonic() - self._start
         if errors:
             raise PartialAverage("; ".join(errors))
-        missing = [p.index for p in self.plan.pieces if p.index not in self.results]
         if missing:
             raise PartialAverage(f"no mean for pieces {missing[:8]}")
+        self._judge_receipts()
         return self.stats
 
     def apply(self) -> None:
@@ -527,3 +585,6 @@ class GroupAllreduce:
         for fut in self._mean_frames.values():
             if not fut.done():
                 fut.set_result(None)
+        for writer in self._receipt_writers.values():
+            writer.close()
+        self._receipt_writers.clear()

@@ -47,6 +47,7 @@ from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.pieces import make_group_plan
+from peer.sync.receipts import distrust
 from peer.sync.screening import Strikes
 from protocol import keys
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
@@ -141,6 +142,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
         self._strikes = Strikes()  # groupmates whose contributions this peer clipped or dropped repeatedly
+        self._distrust = Strikes()  # groupmates caught equivocating: contributions left out, means refused
         self._allreduce_slots: StreamSlots | None = None
         self._error_feedback = None
         self._subset: tuple[int, ...] | None = None  # the buffers the next sync averages (None: all)
@@ -497,7 +499,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     return reader, writer
 
                 round_ = group_round
-                ignored = self._strikes.ignored(round_)
+                ignored = self._strikes.ignored(round_) | (distrusted := self._distrust.ignored(round_))
                 session = GroupAllreduce(
                     plan,
                     tensors,
@@ -510,6 +512,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     max_weight=self.max_weight_tokens,
                     ignored=frozenset(i for i, p in enumerate(group_info.peer_ids) if p in ignored),
                     phi_from=phi_from,
+                    distrusted=frozenset(i for i, p in enumerate(group_info.peer_ids) if p in distrusted),
                 )
                 if not future.done():
                     future.set_result(session)
@@ -559,6 +562,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         (``MeanRefusal.strike``: not the share check, which an honest owner can fail under attack)."""
         offenders = [session.plan.peer_ids[s] for s in set(session.stats.clipped) | session.stats.dropped]
         offenders += [p for p in session.plan.peer_ids if str(p) in session.stats.struck_owners and p not in offenders]
+        distrust(session.stats, session.plan.peer_ids, round_, strikes=self._strikes, distrusted=self._distrust)
         for peer in self._strikes.record(round_, offenders):
             logger.warning(
                 "ignoring groupmate %s for %d rounds: its contributions were clipped or dropped in %d of "

@@ -6,8 +6,13 @@ the same two roles (:class:`~peer.sync.transport.RoundTransport`,
 
 - the swarm's progress records, a DHT in a dict (:class:`InProcessSwarm` reads and writes them;
   records never expire, so :meth:`InProcessSwarm.step_now` extrapolates nothing);
-- each sync's group: the token-weighted mean of its members' payloads in fp32, every member
-  getting the same tensors (as the all-reduce gives everyone the same bytes). A group is keyed as
+- each sync's group: by default the token-weighted mean of its members' payloads in fp32, every
+  member getting the same tensors (as the all-reduce gives everyone the same bytes); with
+  :class:`PieceRules` the group's pieces are dealt and aggregated as the network's all-reduce does
+  (peer/sync/inprocess_means.py :func:`screened_means`: peer/sync/pieces.py's plan, each owner's screening and mean with
+  peer/sync/allreduce.py ``piece_mean``, each receiver's ``owner_mean_problem``, the strikes), and
+  :class:`GroupHooks` let a lab adversary forge contributions, owners' means, records and served
+  states (lab/adversary.py). A group is keyed as
   the network keys matchmaking (the round or streaming fragment, protocol/keys.py ``sync_index``,
   and a NoLoCo group's index); it closes when the expected members joined or when the matchmaking
   window passed since its first member came (a member alone then finds no group), and a peer
@@ -17,13 +22,14 @@ the same two roles (:class:`~peer.sync.transport.RoundTransport`,
   as a network download is checked: digest, run id, shapes, finiteness).
 
 The unit tests run real :class:`peer.round.Trainer` s in threads over it, and lab/engine_sim.py a
-whole simulated swarm. Nothing here is screened, compressed or timed like the network's
-all-reduce: bytes are the fp32 butterfly's estimate (:func:`butterfly_bytes`), or what the
-constructor says.
+whole simulated swarm. Nothing here is compressed (the plan's codecs are chosen but every piece
+and mean travels as fp32) or timed like the network's all-reduce: bytes are the fp32 butterfly's
+estimate (:func:`butterfly_bytes`), or what the constructor says.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import time
@@ -35,10 +41,12 @@ import torch
 from peer.net.dht import PeerProgress
 from peer.state.download import StateDownload, validate_state
 from peer.state.snapshot import make_snapshot
+from peer.sync.inprocess_means import GroupHooks, MemberOutcome, PieceRules, screened_means
 from peer.sync.membership import SwarmView
+from peer.sync.screening import Strikes
 from peer.sync.transport import SyncResult
 from protocol import keys
-from protocol.errors import BadPayload, GroupNotFound, StateDownloadFailed
+from protocol.errors import BadPayload, GroupNotFound, PartialAverage, StateDownloadFailed
 from protocol.records import ProgressRecord
 
 StateProvider = Callable[[], Sequence[Any]]
@@ -59,10 +67,24 @@ class InProcessHub:
             None: once the size the members expected joined.
         matchmaking_s: how long after its first member came a group stays open, s.
         ghosts: peer ids with a record at round 0 that never sync (a groupmate that is gone).
+        rules: aggregate each group as the network's all-reduce does (:func:`screened_means`);
+            None: the plain token-weighted fp32 mean, the same tensors for every member.
+        hooks: a lab adversary's forgeries (:class:`GroupHooks`); None: everyone honest.
     """
 
-    def __init__(self, members: int | None = None, *, matchmaking_s: float = 60.0, ghosts: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        members: int | None = None,
+        *,
+        matchmaking_s: float = 60.0,
+        ghosts: tuple[str, ...] = (),
+        rules: PieceRules | None = None,
+        hooks: GroupHooks | None = None,
+    ):
         self.members, self.matchmaking_s = members, matchmaking_s
+        self.rules, self.hooks = rules, hooks
+        self.strikes: dict[str, Strikes] = {}
+        """Per peer id, the groupmates it ignores (with ``rules``; each networked peer keeps its own)."""
         self.lock = threading.Lock()
         """Guards :attr:`records` and :attr:`providers`."""
         self.records: dict[str, ProgressRecord] = {
@@ -76,8 +98,11 @@ class InProcessHub:
 
     # ---- records ----
     def publish(self, peer_id: str, record: ProgressRecord) -> None:
+        """Store ``peer_id``'s record (with hooks: the records they say it publishes instead)."""
+        published = [(peer_id, record)] if self.hooks is None else self.hooks.records(peer_id, record, self)
         with self.lock:
-            self.records[peer_id] = record
+            for p, r in published:
+                self.records[p] = r
 
     def read(self) -> list[PeerProgress]:
         """Every record, as the DHT returns them (never expiring)."""
@@ -94,14 +119,41 @@ class InProcessHub:
                 self.providers[peer_id] = provider
 
     def provider(self, peer_id: str) -> StateProvider | None:
+        """What ``peer_id`` serves (with hooks: their ``served``, for any peer id), or None."""
         with self.lock:
-            return self.providers.get(peer_id)
+            provider = self.providers.get(peer_id)
+        hooks = self.hooks
+        if hooks is None:
+            return provider
+        return lambda: hooks.served(peer_id, list(provider()) if provider is not None else [])
 
     # ---- groups ----
     def _close(self, entry: dict[str, Any]) -> None:
-        total = sum(w for _, w, _ in entry["in"].values())
-        ordered = [entry["in"][p] for p in sorted(entry["in"])]
-        entry["mean"] = [sum(x[k] * (w / total) for x, w, _ in ordered) for k in range(len(ordered[0][0]))]
+        """Aggregate the group (hold :attr:`cond`): ``entry["mean"]`` the plain mean, or with
+        :attr:`rules` ``entry["outcomes"]`` each member's :class:`MemberOutcome` (the members in an
+        order drawn from the group's key, as matchmaking orders a group: who owns which pieces)."""
+        if self.rules is None:
+            ids = sorted(entry["in"])
+        else:  # matchmaking's order, which no member chooses: a draw from the group's key
+            ids = sorted(entry["in"], key=lambda p: hashlib.blake2b(repr((entry["key"], p)).encode()).digest())
+        ordered = [entry["in"][p] for p in ids]
+        if self.rules is None:
+            total = sum(w for _, w, _ in ordered)
+            entry["mean"] = [sum(x[k] * (w / total) for x, w, _ in ordered) for k in range(len(ordered[0][0]))]
+        else:
+            outcomes = screened_means(
+                ids,
+                [x for x, _, _ in ordered],
+                [w for _, w, _ in ordered],
+                round_=entry["round"],
+                key=entry["key"],
+                rules=self.rules,
+                phi_from=entry["phi_from"],
+                strikes=self.strikes,
+                hooks=self.hooks,
+            )
+            entry["outcomes"] = dict(zip(ids, outcomes, strict=True))
+            entry["mean"] = []  # closed
         self.cond.notify_all()
 
     def average(
@@ -113,22 +165,39 @@ class InProcessHub:
         start_digest: str,
         should_stop: Callable[[], bool],
         expected: int = 2,
+        *,
+        round_: int = 0,
+        phi_from: int | None = None,
+        outcome: list[MemberOutcome] | None = None,
     ) -> tuple[list[torch.Tensor], dict[str, str]]:
-        """Join group ``key`` with ``payload`` (fp32 copies are taken) and wait for its mean.
+        """Join group ``key`` with ``payload`` (fp32 copies are taken; hooks may forge them and the
+        claimed ``weight``) and wait for its mean.
+
+        Args:
+            round_, phi_from: the sync's round (strikes, the plan) and the first φ tensor of the
+                payload (NoLoCo), read with :attr:`rules`.
+            outcome: with :attr:`rules`, this member's :class:`MemberOutcome` is appended to it.
 
         Returns:
-            (the group's token-weighted mean, fp32 tensors of this caller's own; each member's
-            start digest by peer id).
+            (what this member applies: the group's token-weighted mean, fp32 tensors of this
+            caller's own; each member's start digest by peer id).
 
         Raises:
             GroupNotFound: the group closed before this peer came, this peer was alone when its
                 window passed, or ``should_stop`` turned True while waiting.
+            PartialAverage: with :attr:`rules`, some piece's mean did not reach this member valid.
         """
+        x = [t.detach().to(torch.float32, copy=True) for t in payload]
+        if self.hooks is not None:
+            x, weight = self.hooks.contribution(peer_id, x, weight, phi_from)
         with self.cond:
-            entry = self.groups.setdefault(key, {"in": {}, "mean": None, "first": time.monotonic()})
+            entry = self.groups.setdefault(
+                key,
+                {"in": {}, "mean": None, "first": time.monotonic(), "key": key, "round": round_, "phi_from": phi_from},
+            )
             if entry["mean"] is not None:
                 raise GroupNotFound(f"no group formed for sync {key}")
-            entry["in"][peer_id] = ([t.detach().to(torch.float32, copy=True) for t in payload], weight, start_digest)
+            entry["in"][peer_id] = (x, weight, start_digest)
             if len(entry["in"]) >= (self.members or expected):
                 self._close(entry)
             while entry["mean"] is None:
@@ -140,7 +209,15 @@ class InProcessHub:
                         raise GroupNotFound(f"no groupmate came for sync {key} within {self.matchmaking_s} s")
                     self._close(entry)
                 self.cond.wait(0.05)
-            return [t.clone() for t in entry["mean"]], {p: d for p, (_, _, d) in entry["in"].items()}
+            digests = {p: d for p, (_, _, d) in entry["in"].items()}
+            if "outcomes" not in entry:
+                return [t.clone() for t in entry["mean"]], digests
+            mine: MemberOutcome = entry["outcomes"][peer_id]
+            if outcome is not None:
+                outcome.append(mine)
+            if mine.mean is None:
+                raise PartialAverage(f"all-reduce of sync {key} incomplete, nothing applied: {mine.error}")
+            return [t.clone() for t in mine.mean], digests
 
 
 class InProcessSwarm:
@@ -232,6 +309,8 @@ class InProcessTransport:
         max_sync_seconds: the bound on one :meth:`average` call the round loop is told.
         bytes_per_sync: (sent, received) reported for each sync; None: the fp32 butterfly
             all-reduce's estimate for the group's size.
+        phi_from: index of the first payload tensor that is φ, not Δ (NoLoCo:
+            ``OuterAlgorithm.phi_from``), or None; read by a hub with :class:`PieceRules`.
     """
 
     def __init__(
@@ -245,8 +324,10 @@ class InProcessTransport:
         keeps_serving: bool = False,
         max_sync_seconds: float = 5.0,
         bytes_per_sync: tuple[int, int] | None = (1, 1),
+        phi_from: int | None = None,
     ):
         self.peer_id, self.hub, self.fail = peer_id, hub if hub is not None else InProcessHub(), fail
+        self.phi_from = phi_from
         self.shapes, self.run_id, self.keeps_serving = shapes, run_id, keeps_serving
         self.max_sync_seconds, self.bytes_per_sync = max_sync_seconds, bytes_per_sync
         self.calls: list[tuple[int, str]] = []
@@ -279,13 +360,29 @@ class InProcessTransport:
         if self.fail is not None:
             self.fail(round_, should_stop)
         key = (keys.sync_index(round_, fragment, fragments), group_index)
-        mean, digests = self.hub.average(
-            self.peer_id, payload, weight, key, start_digest, should_stop, expected_group_size
-        )
-        if self.bytes_per_sync is not None:
-            sent, received = self.bytes_per_sync
-        else:
-            sent = received = butterfly_bytes(sum(t.numel() for t in payload), len(digests))
+        # a fragment's payload holds a subset of the tensors: φ starts after its Δ ones (as the averager counts)
+        phi_from = self.phi_from
+        if phi_from is not None and tensors is not None:
+            phi_from = sum(1 for i in tensors if i < phi_from)
+        outcome: list[MemberOutcome] = []
+        try:
+            mean, digests = self.hub.average(
+                self.peer_id,
+                payload,
+                weight,
+                key,
+                start_digest,
+                should_stop,
+                expected_group_size,
+                round_=round_,
+                phi_from=phi_from,
+                outcome=outcome,
+            )
+        except PartialAverage as exc:
+            exc.bytes_sent = exc.bytes_received = self._bytes(payload, expected_group_size)[0]
+            raise
+        mine = outcome[0] if outcome else MemberOutcome(mean=None)
+        sent, received = self._bytes(payload, len(digests))
         return SyncResult(
             mean=mean,
             group=sorted(digests),
@@ -294,7 +391,17 @@ class InProcessTransport:
             bytes_received=received,
             seconds=time.monotonic() - start,
             start_digests=digests,
+            excluded=mine.excluded,
+            partial_pieces=mine.partial_pieces,
+            refused=tuple(sorted(mine.refused)),
+            refused_pieces=mine.refused_pieces,
         )
+
+    def _bytes(self, payload: Sequence[torch.Tensor], group_size: int) -> tuple[int, int]:
+        if self.bytes_per_sync is not None:
+            return self.bytes_per_sync
+        sent = butterfly_bytes(sum(t.numel() for t in payload), group_size)
+        return sent, sent
 
     def share_state(self, provider: StateProvider | None) -> None:
         if provider is None and self.keeps_serving:

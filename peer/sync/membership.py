@@ -8,15 +8,23 @@ the swarm holds (for the re-sync rule) and whether a start barrier is met.
 With :meth:`SwarmView.start_background` a daemon thread signs and stores this peer's records and
 reads the swarm's ahead of time (:meth:`SwarmView.prefetch`), so neither is the inner loop's
 time: an RSA signature per record and a DHT read per round (issue #18).
+
+Identities cost weight (issue #51, item 5): anyone can sign records with fresh identities, and
+20,000 of them once made every round's expected group 4,096 peers that never came. A view given a
+ledger (:meth:`SwarmView.trust`: the peers this peer completed an all-reduce with,
+peer/state/vouching.py) counts as live only its trusted peers (:func:`weigh`: the ledger's peers
+and, transitively, the groupmates their signed records name) plus a bounded number of newcomers.
+So group sizing, NoLoCo partners and the start barrier come from peers that did the work.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from hivemind.utils import get_dht_time
@@ -30,6 +38,65 @@ logger = logging.getLogger(__name__)
 CLOCK_SLACK_S = 600.0
 """How far ahead of this peer's clock another peer's clock may run before its records, which
 expire ``record_ttl_s`` after it published them by its clock, are ignored as implausible."""
+
+
+MAX_NEWCOMERS = 16
+"""The most peers outside this peer's trust (:func:`weigh`) it counts as live at once."""
+
+
+def _newcomer_rank(run_id: str, peer_id: str) -> bytes:
+    """The same order on every reader of ``run_id`` (so joiners that admit newcomers admit the same)."""
+    return hashlib.sha256(f"{run_id}/{peer_id}".encode("utf-8", "surrogatepass")).digest()
+
+
+def trusted_ids(records: Sequence[swarm_dht.PeerProgress], *, me: str, ledger: Collection[str]) -> set[str]:
+    """``me``, the ``ledger``'s peers and, transitively, every peer a trusted peer's record in
+    ``records`` names among its groupmates (whether or not its own record is in ``records``)."""
+    by_id = {r.peer_id: r for r in records}
+    trusted = {me, *ledger}
+    frontier = list(trusted)
+    while frontier:
+        record = by_id.get(frontier.pop())
+        for mate in () if record is None else record.record.groupmates:
+            if mate not in trusted:
+                trusted.add(mate)
+                frontier.append(mate)
+    return trusted
+
+
+def weigh(
+    records: Sequence[swarm_dht.PeerProgress],
+    *,
+    me: str,
+    ledger: Collection[str],
+    run_id: str,
+    max_newcomers: int = MAX_NEWCOMERS,
+) -> list[swarm_dht.PeerProgress]:
+    """The records of ``records`` that carry weight, in their order.
+
+    *Trusted*: this peer's own, those of ``ledger`` (peers it completed an all-reduce with), and,
+    transitively, of every peer a trusted record names among its ``groupmates`` (a signed statement
+    that the named peer completed that peer's last sync with it, bytes both ways; an identity that
+    never synced with a trusted peer is named by none). *Newcomers*: the rest. All newcomers count
+    while there are at most ``max_newcomers``; more (a flood of fresh identities, or a wave of
+    joiners larger than the bound) count none when something is trusted besides this peer, since a
+    newcomer that never comes costs its NoLoCo partners their round and DiLoCo's group its early
+    start; with nothing trusted (a joiner, a swarm's first round) the ``max_newcomers`` first by a
+    hash of (run id, peer id), the same for every reader, count.
+
+    Returns:
+        A sublist of ``records``; no errors.
+    """
+    by_id = {r.peer_id: r for r in records}
+    trusted = trusted_ids(records, me=me, ledger=ledger) & ({me} | by_id.keys())
+    newcomers = [p for p in by_id if p not in trusted]
+    if len(newcomers) > max_newcomers:
+        if len(trusted) > 1:
+            newcomers = []
+        else:
+            newcomers = sorted(newcomers, key=lambda p: _newcomer_rank(run_id, p))[:max_newcomers]
+    kept = trusted | set(newcomers)
+    return [r for r in records if r.peer_id in kept]
 
 
 def _record_step(r, round_: int, inner_steps: int, now: float, record_ttl_s: float) -> tuple[int, float]:
@@ -113,6 +180,13 @@ class SwarmView:
         """``time.monotonic()`` when the background read in progress was asked for; None: none is."""
         self._worker: threading.Thread | None = None
         self._closing = False
+        self._ledger: Callable[[], Iterable[str]] | None = None
+        """Peers this peer completed an all-reduce with (:meth:`trust`); None: every record counts."""
+
+    def trust(self, ledger) -> None:
+        """Weigh the records read from now on (:func:`weigh`) by ``ledger``
+        (``peer.state.vouching.Ledger``: the peers this peer completed an all-reduce with)."""
+        self._ledger = lambda: ledger.as_dict().keys()
 
     def round_finished(self) -> None:
         """Time the round that just ended (the staleness threshold follows the swarm's pace)."""
@@ -161,11 +235,20 @@ class SwarmView:
         start = time.monotonic()
         try:
             # no honest peer of this run stores a record for longer than record_ttl_s
-            # under a flood of records (peer/net/dht.py MAX_RECORDS_READ), keep this peer and the peers last seen
-            seen = {self.peer_id, *(r.peer_id for r in self._last_records)}
-            records = swarm_dht.read_progress(
-                self.dht, self.run_id, max_ttl_s=self.record_ttl_s + CLOCK_SLACK_S, prefer=seen
-            )
+            # under a flood of records (peer/net/dht.py MAX_RECORDS_READ), keep this peer and the peers last
+            # seen; with a ledger, the peers last seen that carried weight (a flood's never do)
+            max_ttl_s = self.record_ttl_s + CLOCK_SLACK_S
+            if self._ledger is None:
+                seen = {self.peer_id, *(r.peer_id for r in self._last_records)}
+                records = swarm_dht.read_progress(self.dht, self.run_id, max_ttl_s=max_ttl_s, prefer=seen)
+            else:
+                ledger = set(self._ledger())
+                seen = trusted_ids(self._last_records, me=self.peer_id, ledger=ledger)
+                records = swarm_dht.read_progress(self.dht, self.run_id, max_ttl_s=max_ttl_s, prefer=seen)
+                named = trusted_ids(records, me=self.peer_id, ledger=ledger)
+                if len(records) >= swarm_dht.MAX_RECORDS_READ and not named <= seen | {r.peer_id for r in records}:
+                    # a capped read that missed peers trusted ones name: once more, with them first
+                    records = swarm_dht.read_progress(self.dht, self.run_id, max_ttl_s=max_ttl_s, prefer=seen | named)
         except Exception as exc:
             logger.debug("reading progress records failed: %r; using the last ones read", exc)
             return self._last_records
@@ -179,7 +262,10 @@ class SwarmView:
     def _alive(self, records: list[swarm_dht.PeerProgress]) -> list[swarm_dht.PeerProgress]:
         # published at expiration - ttl (every peer of the run uses the same ttl)
         oldest = get_dht_time() + self.record_ttl_s - self.stale_after_s()
-        return [r for r in records if r.peer_id == self.peer_id or r.expiration >= oldest]
+        alive = [r for r in records if r.peer_id == self.peer_id or r.expiration >= oldest]
+        if self._ledger is None:
+            return alive
+        return weigh(alive, me=self.peer_id, ledger=set(self._ledger()), run_id=self.run_id)
 
     def others(self, max_age_s: float = 0.0) -> list[swarm_dht.PeerProgress]:
         """:meth:`live` without this peer's own record."""

@@ -112,6 +112,10 @@ STRIKE_WINDOW_ROUNDS = 10
 IGNORE_ROUNDS = 20
 """How many rounds an ignored groupmate stays ignored: its contributions are left out of the means
 this peer computes (it still receives them, like every groupmate)."""
+EQUIVOCATOR_IGNORE_ROUNDS = 1_000_000
+"""How many rounds a groupmate caught equivocating (peer/sync/receipts.py) is ignored, its means
+applied as refused: for the rest of this process's run. Honest owners send every receiver the same
+bytes; no honest fault produces two means of one piece."""
 
 
 class Strikes:
@@ -159,6 +163,12 @@ class Strikes:
                 self._struck[peer] = set()
                 newly.append(peer)
         return newly
+
+    def ignore(self, peer, round_: int, rounds: int | None = None) -> None:
+        """Ignore ``peer`` from the round after ``round_`` for ``rounds`` rounds (None: this rule's
+        ``ignore_rounds``), at once, without strikes (a groupmate caught equivocating, issue #51)."""
+        until = round_ + 1 + (self.ignore_rounds if rounds is None else rounds)
+        self._until[peer] = max(until, self._until.get(peer, until))
 
     def is_ignored(self, peer, round_: int) -> bool:
         """Whether ``peer``'s contributions are left out at ``round_``."""

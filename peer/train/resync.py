@@ -13,6 +13,15 @@ signed records of their groupmates attest (mutual statements, rounds at most one
 member when the others form one class only (a swarm that never grouped, e.g. a lone peer, can be
 joined).
 Classes without a counted member are ignored.
+
+No adoption without agreement (issue #51, item 2): under DiLoCo a class is adopted only when at
+least :data:`MIN_HOLDERS` counted peers hold it (fewer only when fewer counted peers are live at
+all: a swarm of two), so one identity, however many digests it grinds, never makes a class of its
+own that others follow; a tie between equal classes is a :class:`Target` with ``tie`` set, which
+the catch-up (peer/round/catchup.py) adopts only when the state's validation loss is lower than
+the peer's own. Every adoption is also refused when the state's loss is clearly worse (the
+catch-up's loss check), which is all NoLoCo has: its replicas differ by design, so its classes have
+one member each.
 """
 
 from __future__ import annotations
@@ -21,6 +30,26 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 Others = Iterable[tuple[str, int, str]]
 Groupmates = Mapping[str, Collection[str]]
+
+MIN_HOLDERS = 2
+"""Counted peers that must hold a state (same round and digest) for a DiLoCo peer to adopt it, when
+at least that many counted peers are live (issue #51, item 2)."""
+
+
+class Target(tuple[int, str, list[str]]):
+    """(round, digest, donors) of the state a rule picked, a plain 3-tuple to compare and unpack.
+
+    Attributes:
+        tie: the class is no bigger than this peer's own and at its round (DiLoCo's tie-break):
+            adopt it only if its validation loss is lower than this peer's own.
+    """
+
+    tie: bool
+
+    def __new__(cls, round_: int, digest: str, donors: list[str], *, tie: bool = False) -> Target:
+        self = super().__new__(cls, (round_, digest, donors))
+        self.tie = tie
+        return self
 
 
 def attested(statements: Mapping[str, tuple[int, Collection[str]]]) -> frozenset[str]:
@@ -63,7 +92,7 @@ def resync_target(
     fresh: bool = False,
     groupmates: Groupmates | None = None,
     defers: bool = False,
-) -> tuple[int, str, list[str]] | None:
+) -> Target | None:
     """(round, digest, donors) of the state to adopt under ``algorithm``'s rule, or None.
 
     The outer algorithms (peer/train/outer.py) call the rule of their own algorithm directly:
@@ -136,7 +165,7 @@ def diloco_resync_target(
     vouchers: Collection[str] | None,
     groupmates: Groupmates | None = None,
     defers: bool = False,
-) -> tuple[int, str, list[str]] | None:
+) -> Target | None:
     """(round, digest, donors) of the state to adopt, or None to keep this peer's own (DiLoCo).
 
     Args:
@@ -155,11 +184,14 @@ def diloco_resync_target(
 
     The rule. Only counted members of a class count (:func:`counted`). This peer's own class
     counts itself, ``completed_with`` and the counted peers publishing its (round, digest). It
-    adopts the biggest other class (then the highest round, then the smallest digest) that is
+    adopts the biggest other class (then the highest round, then the smallest digest) that has at
+    least :data:`MIN_HOLDERS` counted members (or as many as there are counted peers, if fewer) and is
 
     * at its round or ahead and bigger than its own; or as big and ahead (it fell behind or
       missed a round); or as big, at its round, with the smaller digest (a tie between peers that
-      diverged, e.g. by falling back to their own Δ: all settle on one state);
+      diverged, e.g. by falling back to their own Δ: the :class:`Target` has ``tie`` set, and the
+      catch-up takes it only if its validation loss is lower, so a digest ground to be small wins
+      nothing);
     * two or more rounds behind and bigger (this peer raced ahead alone, e.g. while partitioned:
       the majority wins; the inner lr schedule follows the adopted φ's history).
 
@@ -168,6 +200,8 @@ def diloco_resync_target(
     donors are the counted members of the adopted class.
     """
     classes = counted(others, vouchers=vouchers, groupmates=groupmates, own=(round_, digest))
+    population = len({p for members in classes.values() for p in members})
+    required = min(MIN_HOLDERS, max(1, population))
     own = set(classes.pop((round_, digest), [])) | set(completed_with)
     own_count = 0 if defers else max(1, len(own))
     # A deferring peer that completed its last round alone is a round ahead of a class one round
@@ -175,6 +209,8 @@ def diloco_resync_target(
     alone = len(set(completed_with)) <= 1
 
     def eligible(r: int, d: str, count: int) -> bool:
+        if count < required:
+            return False
         if r >= round_:
             return count > own_count or (count == own_count and (r > round_ or d < digest))
         if defers and alone and r == round_ - 1:
@@ -185,7 +221,7 @@ def diloco_resync_target(
     if not candidates:
         return None
     (r, d), donors = min(candidates, key=lambda kv: (-len(kv[1]), -kv[0][0], kv[0][1]))
-    return r, d, donors
+    return Target(r, d, donors, tie=r == round_ and len(donors) <= own_count)
 
 
 def noloco_resync_target(
@@ -196,7 +232,7 @@ def noloco_resync_target(
     vouchers: Collection[str] | None,
     groupmates: Groupmates | None = None,
     defers: bool = False,
-) -> tuple[int, str, list[str]] | None:
+) -> Target | None:
     """(round, digest, donors) of the state to adopt, or None (NoLoCo: replicas differ by design).
 
     Args:
@@ -226,8 +262,8 @@ def noloco_resync_target(
         if not behind:
             return None
         r, d, _ = behind[(len(behind) - 1) // 2]
-        return r, d, classes[(r, d)]
+        return Target(r, d, classes[(r, d)])
     if not far or ahead < level:
         return None
     r, d, _ = far[(len(far) - 1) // 2]
-    return r, d, classes[(r, d)]
+    return Target(r, d, classes[(r, d)])

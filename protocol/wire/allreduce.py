@@ -5,6 +5,7 @@ pieces. On that stream::
 
     sender → owner:  HELLO, then one PIECE per piece the owner reduces, in piece order
     owner → sender:  one MEAN per piece, in piece order, or one ABORT
+    sender → owner:  one RECEIPT once the sender holds every mean of the group (issue #51, item 3)
 
 Every frame is ``u32 big-endian length`` + ``payload``; the payload starts with one kind byte.
 
@@ -15,6 +16,8 @@ PIECE  kind 2, u32 piece index, then one codec encoding (protocol/codecs/)
 MEAN   kind 3, u32 piece index, u16 group size n, ceil(n/8) bytes of bitmap: which senders the
        mean includes (bit i = sender i), then one codec encoding of the weighted fp32 mean
 ABORT  kind 4, then a UTF-8 reason of at most 1 KiB (read stripped of control characters)
+RECEIPT kind 5, u16 count, then count × (u16 owner index, 16-byte BLAKE2b digest of the MEAN
+       frame payloads that owner sent this sender, in piece order; the sender's own: those it sent)
 ====== ===================================================================================
 
 The parsers here check everything that is not codec data before anything is allocated or
@@ -36,8 +39,11 @@ from protocol.text import sanitize
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire.framing import kind_of
 
-HELLO, PIECE, MEAN, ABORT = 1, 2, 3, 4
-KIND_NAMES = {HELLO: "HELLO", PIECE: "PIECE", MEAN: "MEAN", ABORT: "ABORT"}
+HELLO, PIECE, MEAN, ABORT, RECEIPT = 1, 2, 3, 4, 5
+KIND_NAMES = {HELLO: "HELLO", PIECE: "PIECE", MEAN: "MEAN", ABORT: "ABORT", RECEIPT: "RECEIPT"}
+RECEIPT_HEADER = struct.Struct(">BH")
+RECEIPT_ENTRY = struct.Struct(">H16s")
+RECEIPT_DIGEST_BYTES = 16
 PIECE_HEADER = struct.Struct(">BI")
 MEAN_HEADER = struct.Struct(">BIH")
 MAX_HELLO_BYTES = 1024
@@ -166,3 +172,38 @@ def parse_abort(payload: bytes) -> str:
     if kind_of(payload, KIND_NAMES) != ABORT:
         raise BadPayload(f"expected ABORT, got {KIND_NAMES[payload[0]]}")
     return sanitize(bytes(payload[1 : 1 + MAX_ABORT_BYTES]).decode("utf-8", "replace"))
+
+
+def max_receipt_bytes(group_size: int) -> int:
+    """The longest RECEIPT of a group of ``group_size``: one entry per groupmate."""
+    return RECEIPT_HEADER.size + group_size * RECEIPT_ENTRY.size
+
+
+def encode_receipt(digests: dict[int, bytes]) -> bytes:
+    """A RECEIPT of ``digests`` (owner index → 16-byte digest of the MEAN payloads it sent)."""
+    return RECEIPT_HEADER.pack(RECEIPT, len(digests)) + b"".join(
+        RECEIPT_ENTRY.pack(owner, digest) for owner, digest in sorted(digests.items())
+    )
+
+
+def parse_receipt(payload: bytes, *, group_size: int) -> dict[int, bytes]:
+    """Owner index → digest of a RECEIPT frame.
+
+    Raises:
+        BadPayload: not a RECEIPT, a count above ``group_size`` or a length other than the count's,
+            an owner index outside the group or named twice.
+    """
+    if kind_of(payload, KIND_NAMES) != RECEIPT:
+        raise BadPayload(f"expected RECEIPT, got {KIND_NAMES[payload[0]]}")
+    if len(payload) < RECEIPT_HEADER.size:
+        raise BadPayload(f"RECEIPT frame of {len(payload)} bytes is shorter than its header")
+    _, count = RECEIPT_HEADER.unpack_from(payload)
+    if count > group_size or len(payload) != RECEIPT_HEADER.size + count * RECEIPT_ENTRY.size:
+        raise BadPayload(f"RECEIPT of {count} entries in {len(payload)} bytes, group of {group_size}")
+    out: dict[int, bytes] = {}
+    for k in range(count):
+        owner, digest = RECEIPT_ENTRY.unpack_from(payload, RECEIPT_HEADER.size + k * RECEIPT_ENTRY.size)
+        if owner >= group_size or owner in out:
+            raise BadPayload(f"RECEIPT names owner {owner} (group of {group_size}, or twice)")
+        out[owner] = digest
+    return out

@@ -79,3 +79,74 @@ def victim_and_attacker(identity=None):
             attacker.shutdown()
         if peer is not None:
             peer.shutdown()
+
+
+def sybil_signers(count: int, *, primes: int | None = None) -> list:
+    """``count`` distinct RSA identities (``protocol.signing.PeerSigner``), made the way an attacker
+    makes them cheaply: a few RSA keys' primes, every pair of them one 1024-bit key (a distinct
+    modulus, so a distinct peer id). 20,000 identities take a few seconds; one real key each would
+    take ~40 ms apiece."""
+    import itertools
+
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from protocol.signing import PeerSigner
+
+    pool: list[int] = []
+    while len(pool) < (primes or 2 + int((2 * count) ** 0.5)):
+        numbers = rsa.generate_private_key(public_exponent=65537, key_size=1024).private_numbers()
+        pool += [numbers.p, numbers.q]
+    out = []
+    for p, q in itertools.islice(itertools.combinations(pool, 2), count):
+        e, phi = 65537, (p - 1) * (q - 1)
+        d = pow(e, -1, phi)
+        private = rsa.RSAPrivateNumbers(
+            p,
+            q,
+            d,
+            rsa.rsa_crt_dmp1(d, p),
+            rsa.rsa_crt_dmq1(d, q),
+            rsa.rsa_crt_iqmp(p, q),
+            rsa.RSAPublicNumbers(e, p * q),
+        ).private_key(unsafe_skip_rsa_key_validation=True)
+        out.append(PeerSigner(private))
+    if len(out) < count:
+        raise ValueError(f"{len(pool)} primes make {len(out)} identities, fewer than {count}")
+    return out
+
+
+async def _store_many(_dht, node, *, key: str, values: list, subkeys: list, expirations: list, chunk: int):
+    stored = 0
+    for i in range(0, len(values), chunk):
+        result = await node.store_many(
+            [key] * len(values[i : i + chunk]),
+            values[i : i + chunk],
+            expirations[i : i + chunk],
+            subkeys=subkeys[i : i + chunk],
+        )
+        stored += sum(bool(ok) for ok in result.values()) if isinstance(result, dict) else 0
+    return stored
+
+
+def flood_records(dht, key: str, signers, record_wire: dict, *, ttl_s: float = 600.0, chunk: int = 25) -> int:
+    """Store, from ``dht`` (the attacker's node), one record per signer under ``key``, each validly
+    signed by its own identity (the envelope of ``protocol.signing.PeerSigner.seal``), ``chunk`` per
+    call into the DHT process (hivemind's pipe to it refuses messages of megabytes). Returns how many
+    chunks some node accepted."""
+    from hivemind.utils import get_dht_time
+
+    expiration = get_dht_time() + ttl_s
+    stored = 0
+    for i in range(0, len(signers), chunk):
+        part = signers[i : i + chunk]
+        stored += dht.run_coroutine(
+            functools.partial(
+                _store_many,
+                key=key,
+                values=[signer.seal(key, expiration, record_wire) for signer in part],
+                subkeys=[s.peer_id for s in part],
+                expirations=[expiration] * len(part),
+                chunk=chunk,
+            )
+        )
+    return stored

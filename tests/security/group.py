@@ -32,11 +32,15 @@ async def run_group(
     ignored=frozenset(),
     liars=None,
     phi_from=None,
+    distrusted=frozenset(),
+    sending=None,
 ):
     """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``; every
     owner leaves the groupmates ``ignored`` (indices) out of its means. An owner in ``liars``
     (index → ``forge(honest mean) -> tensor``) sends ``forge`` of each mean it computes instead;
-    ``phi_from``: tensors from that index on are NoLoCo's φ.
+    ``phi_from``: tensors from that index on are NoLoCo's φ; ``distrusted``: owners whose means every
+    peer applies as refused; ``sending``: index → ``make(session)`` returning that owner's
+    ``_send_means(writer)`` (an equivocator's).
 
     Returns:
         (sessions, outcomes): every session (tensors hold the means where its run succeeded)
@@ -89,7 +93,10 @@ async def run_group(
                 max_weight=max_weight,
                 ignored=ignored,
                 phi_from=phi_from,
+                distrusted=distrusted,
             )
+            if sending and i in sending:  # an owner that equivocates: its MEAN frames per stream
+                sessions[i]._send_means = sending[i](sessions[i])
             if liars and i in liars:
                 sessions[i]._mean_of = _lying(sessions[i], liars[i])
             ready[i].set()

@@ -11,14 +11,16 @@ from __future__ import annotations
 import types
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from peer import node
 from peer.net import dht as swarm_dht
+from peer.net.home_run import HomeRunAnnouncer
 from protocol import keys
-from protocol.errors import ManifestNotFound, RunChoiceNeeded
+from protocol.errors import ManifestNotFound
 from protocol.manifest import RunManifest, sign_manifest
 from protocol.presets import PRESETS
-from protocol.signing import REJECTED, OwnerKey
+from protocol.signing import REJECTED, OwnerKey, PeerSigner
 from tests.security.dht_attacker import victim_and_attacker
 from tests.security.fake_dht import FakeDHT
 
@@ -29,9 +31,10 @@ HONEST = sign_manifest(PRESETS["tiny"](), OWNER)
 DAY_S = 86400.0
 
 
-def _join(dht, tmp_path, *, run_id=None, local=None, new_run=False):
+def _join(dht, tmp_path, *, run_id=None, local=None, new_run=False, initial_peers=()):
     """What `peer join --initial-peers ...` decides (peer/node.py), with no wait for announcements."""
     cfg = types.SimpleNamespace(
+        initial_peers=initial_peers,
         new_run=local,
         manifest_wait_s=0.0,
         run_flag="--preset tiny",
@@ -112,9 +115,11 @@ def test_a_joiner_follows_the_run_id_it_was_given_not_the_newest_announcement(tm
     assert copy.run_id != HONEST.run_id and copy.manifest.same_content(HONEST.manifest)
     swarm_dht.store_manifest(dht, copy, ttl_s=3000.0)
     assert _join(dht, tmp_path, run_id=HONEST.run_id) == HONEST
-    # a plain join or a --preset join must choose between two owners: neither is taken silently
-    with pytest.raises(RunChoiceNeeded, match="--run-id"):
-        _join(dht, tmp_path)
-    with pytest.raises(RunChoiceNeeded, match="different owners"):
-        _join(dht, tmp_path, local=PRESETS["tiny"]())
+    # a plain join or a --preset join never exits for a stranger's copy (issue #51 item 5): it takes the
+    # run the bootstrap node it dialed announces as its own, signed by that node (tests/security/test_sybil_runs.py)
+    bootstrap = PeerSigner(rsa.generate_private_key(public_exponent=65537, key_size=1024))
+    HomeRunAnnouncer(dht, bootstrap, HONEST.run_id).tick()
+    dialed = (f"/ip4/127.0.0.1/tcp/1/p2p/{bootstrap.peer_id}",)
+    assert _join(dht, tmp_path, initial_peers=dialed) == HONEST
+    assert _join(dht, tmp_path, local=PRESETS["tiny"](), initial_peers=dialed) == HONEST
     assert _join(dht, tmp_path, local=PRESETS["tiny"](), run_id=HONEST.run_id) == HONEST

@@ -233,7 +233,19 @@ class FakeDHT:
         return self.maddrs
 
     def run_coroutine(self, coro, return_future=False):
-        return done(asyncio.run(coro(self, self)), return_future)
+        return done(asyncio.run(coro(self, FakeDHT.Node(self))), return_future)
+
+    class Node:
+        """The DHT process's node, as ``run_coroutine`` hands it over: awaitable reads."""
+
+        def __init__(self, dht: "FakeDHT"):
+            self.dht = dht
+
+        async def get_visible_maddrs(self, latest=False):
+            return self.dht.maddrs
+
+        async def get(self, key, latest=True):
+            return self.dht.get(key, latest=latest)
 
     def store(self, key, value, expiration, subkey, return_future=False):
         self.stored.setdefault(key, {})[subkey] = (value, expiration)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lab.engine_sim import run_engine_simulation
+from lab.engine_sim import pinned_timing, run_engine_simulation
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
@@ -57,29 +57,6 @@ takes peers within one round) while theirs still pairs them with it; whether tha
 on the round's draws and the threads' timing, which the simulation's lockstep does not model."""
 
 
-def _pin_thread_timing(monkeypatch) -> None:
-    """Make the engine's overlap modes land their means where lab/simulation.py defines them.
-
-    The simulation tells an overlap round in lockstep, with no clock; the engine leaves two things
-    to the timing of its threads: (1) with delayed/eager/streaming a peer past its H steps trains
-    extra steps while its sync in flight has not landed (``EXTRA_STEPS_FRACTION``); (2) with
-    streaming a fragment's mean lands at the first step ≥ τ after its start at which the background
-    sync is done (``FragmentSchedule.land_due``), the simulation's after exactly τ steps. Pinned: no
-    extra steps, and the landing waits for the sync at exactly τ steps, as τ = 0 waits at once. This
-    fixes when the update rules run, not what they compute.
-    """
-    import peer.round.schedule
-    from peer.round.streamed import FragmentSchedule
-
-    monkeypatch.setattr(peer.round.schedule, "EXTRA_STEPS_FRACTION", 0.0)
-
-    def land_due(self) -> None:
-        if self.flight is not None and self.state.inner_step >= self.flight[1] + self.delay_steps:
-            self.land_fragment()  # waits for the background sync (take_background)
-
-    monkeypatch.setattr(FragmentSchedule, "land_due", land_due)
-
-
 def _relative_differences(a: list[list], b: list[list]) -> tuple[float, float]:
     """Over the peers (φ of peer i in ``a`` against ``b``): the largest max |Δφ| / ‖φ‖ and the largest
     ‖Δφ‖ / ‖φ‖ (‖·‖ the 2-norm over all of a peer's tensors)."""
@@ -99,13 +76,14 @@ def test_the_engine_and_the_simulation_train_the_same_curve(corpus, monkeypatch,
     run, so the simulation's figures stay held to the code a peer runs. Same seed, data shards and
     φ_0: each peer's φ after 3 rounds and the losses round by round.
 
-    The engine's thread timing is pinned to the simulation's lockstep (:func:`_pin_thread_timing`:
-    no extra steps past H while a sync is out, a streaming fragment landing exactly τ steps after
-    its start): it decides when a mean lands, not the update rule held to here."""
+    The engine's thread timing is pinned to the simulation's lockstep (lab/engine_sim.py
+    ``pinned_timing``: no extra steps past H while a sync is out, a streaming fragment landing
+    exactly τ steps after its start): it decides when a mean lands, not the update rule held to
+    here. The hub deals and screens the pieces as the network does, the simulation sums whole
+    tensors: nothing is clipped or refused among honest peers, so only the summation order differs."""
     import lab.simulation
     from lab.simulation import run_simulation
 
-    _pin_thread_timing(monkeypatch)
     manifest = tiny_run().replace(**SYNC_MODES[mode])
     sims: list[lab.simulation.Simulation] = []
 
@@ -116,7 +94,8 @@ def test_the_engine_and_the_simulation_train_the_same_curve(corpus, monkeypatch,
 
     monkeypatch.setattr(lab.simulation, "Simulation", Kept)
     seed = manifest.model.init_seed
-    engine = run_engine_simulation(manifest, corpus, peers=3, rounds=3, seed=seed, timeout_s=240.0)
+    with pinned_timing():
+        engine = run_engine_simulation(manifest, corpus, peers=3, rounds=3, seed=seed, timeout_s=240.0)
     simulated = run_simulation(manifest, corpus, peers=3, rounds=3, seed=seed)
     assert len(sims) == 1 and len(engine.final_phis) == 3
     # not bit for bit: the hub and the simulation round the group mean differently (a few ulp),

@@ -41,6 +41,8 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     "launcher otherwise never needs",
     ("bootstrap.cli", "bootstrap.node"): "`bootstrap run` only: hivemind, through the record validator",
     ("bootstrap.cli", "peer.net.dht_node"): "`bootstrap monitor` only: hivemind, through the record validator",
+    ("bootstrap.cli", "bootstrap.monitor"): "`bootstrap monitor` only: hivemind, imported after its first line",
+    ("bootstrap.cli", "peer.net.dht"): "`bootstrap run`/`monitor`: hivemind, imported after their first line",
 }
 
 FORBIDDEN_IN_PROTOCOL = ("hivemind", "click")

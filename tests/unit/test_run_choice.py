@@ -23,22 +23,22 @@ def test_plain_join_takes_the_one_announced_run():
     assert choose_run({A: FIRST}, local=None) == A
 
 
-def test_plain_join_with_several_runs_lists_them_and_asks_for_run_id():
-    with pytest.raises(RunChoiceNeeded) as info:
-        choose_run({A: FIRST, B: SECOND}, local=None, stats=stats)
-    text = str(info.value)
-    assert "2 runs" in text and "--run-id" in text
-    assert f"'first' (run id {A}, 3 peer(s), round 12)" in text and f"'second' (run id {B}, 1 peer(s), round 4)" in text
-    assert info.value.exit_code == 64
+def test_plain_join_with_several_runs_takes_the_bootstrap_nodes_run_else_the_most_vouched():
+    # issue #51 item 5: strangers' runs never make a plain join exit
+    assert choose_run({A: FIRST, B: SECOND}, local=None, home=B, weight={A: 5}.get) == B
+    assert choose_run({A: FIRST, B: SECOND}, local=None, weight=lambda rid: {A: 1, B: 3}[rid]) == B
+    assert choose_run({A: FIRST, B: SECOND}, local=None, home="c" * 64, weight=lambda rid: {A: 2, B: 1}[rid]) == A
+    assert choose_run({A: FIRST, B: SECOND}, local=None) == A  # nothing tells them apart: the smallest run id
 
 
 def test_plain_join_picks_the_run_its_checkpoint_belongs_to():
     assert choose_run({A: FIRST, B: SECOND}, local=None, checkpoints={B, "c" * 64}) == B
 
 
-def test_checkpoints_of_several_announced_runs_do_not_choose():
-    with pytest.raises(RunChoiceNeeded, match="checkpoints of 2 of them"):
-        choose_run({A: FIRST, B: SECOND}, local=None, checkpoints={A, B})
+def test_checkpoints_of_several_announced_runs_choose_the_most_vouched_of_them():
+    c = "c" * 64
+    announced = {A: FIRST, B: SECOND, c: FIRST}
+    assert choose_run(announced, local=None, checkpoints={A, B}, weight=lambda rid: {A: 1, B: 2, c: 9}[rid]) == B
 
 
 def test_run_id_wins_and_no_run_announced_is_retryable():
@@ -57,14 +57,12 @@ def test_local_run_joins_the_swarms_run_of_its_content_or_starts_when_none():
         choose_run({TINY_OWNED.run_id: TINY_OWNED}, local=TINY.with_owner(OTHER))
 
 
-def test_local_content_announced_by_two_owners_must_be_chosen():
+def test_local_content_announced_by_two_owners_takes_the_bootstrap_nodes_or_the_most_vouched():
     theirs = TINY.with_owner(OTHER)
     announced = {TINY_OWNED.run_id: TINY_OWNED, theirs.run_id: theirs}
-    with pytest.raises(RunChoiceNeeded) as info:
-        choose_run(announced, local=TINY, local_flag="--preset tiny")
-    text = str(info.value)
-    assert "--preset tiny" in text and "different owners" in text and "--run-id" in text
-    assert TINY_OWNED.run_id in text and theirs.run_id in text
+    assert choose_run(announced, local=TINY, home=TINY_OWNED.run_id) == TINY_OWNED.run_id
+    weights = {TINY_OWNED.run_id: 0, theirs.run_id: 2}
+    assert choose_run(announced, local=TINY, local_flag="--preset tiny", weight=weights.get) == theirs.run_id
     assert choose_run(announced, local=TINY, run_id=theirs.run_id) == theirs.run_id
 
 

@@ -1,0 +1,213 @@
+"""A group's all-reduce as the network computes it, in one process (the in-process hub's rules).
+
+:func:`screened_means` deals a group's pieces with peer/sync/pieces.py's plan and aggregates them
+with the network's own functions (peer/sync/allreduce.py ``piece_mean``, peer/sync/screening.py's
+screening, receivers' check and strikes); :class:`GroupHooks` are where a lab adversary
+(lab/adversary.py) forges what a malicious peer sends. peer/sync/inprocess.py's hub calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from peer.sync.allreduce import piece_mean
+from peer.sync.pieces import make_group_plan
+from peer.sync.screening import (
+    Strikes,
+    cap_weight,
+    owner_mean_problem,
+    phi_contribution_problem,
+    reference_rms,
+)
+from protocol.manifest import CompressionSpec
+from protocol.records import ProgressRecord
+from protocol.wire.pieces import Piece, piece_view
+
+
+@dataclass(frozen=True)
+class PieceRules:
+    """How an :class:`InProcessHub` aggregates a group as the network's all-reduce does (the run's
+    settings a NetworkTransport is built with, peer/node.py).
+
+    Args:
+        compression: the run's codecs; they decide only whether tensors are cut into row pieces
+            (low rank and adaptive keep them whole): pieces and means travel as fp32 here.
+        piece_elements: target piece size (None: protocol/wire/pieces.py ``PIECE_ELEMENTS``).
+        max_weight: the token cap on one contribution (peer/sync/screening.py ``round_token_cap``);
+            None: no cap.
+    """
+
+    compression: CompressionSpec = field(default_factory=CompressionSpec)
+    piece_elements: int | None = None
+    max_weight: float | None = None
+
+
+class GroupHooks(Protocol):
+    """What a lab adversary (lab/adversary.py) may change in an :class:`InProcessHub`; every hook
+    returns its input unchanged for an honest peer."""
+
+    def contribution(
+        self, peer_id: str, payload: list[torch.Tensor], weight: float, phi_from: int | None
+    ) -> tuple[list[torch.Tensor], float]:
+        """What ``peer_id`` sends into its group instead of ``payload`` (fp32 copies, Δ then φ from
+        ``phi_from``) and the token weight it claims instead of ``weight``."""
+        ...
+
+    def owner_mean(self, owner: str, receiver: str, piece: Piece, mean: torch.Tensor, phi: bool) -> torch.Tensor:
+        """The mean of ``piece`` that ``owner`` sends ``receiver`` instead of ``mean`` (the fp32 mean it
+        computed; ``phi``: a piece of φ, NoLoCo)."""
+        ...
+
+    def records(self, peer_id: str, record: ProgressRecord, hub: Any) -> list[tuple[str, ProgressRecord]]:
+        """The (peer id, record) pairs published when ``peer_id`` publishes ``record``."""
+        ...
+
+    def served(self, peer_id: str, snapshots: list[Any]) -> list[Any]:
+        """The snapshots ``peer_id`` serves instead of ``snapshots`` (its round loop's; empty for an
+        identity without a round loop)."""
+        ...
+
+
+@dataclass
+class MemberOutcome:
+    """One member's side of a group aggregated by :func:`screened_means`."""
+
+    mean: list[torch.Tensor] | None
+    """What it applies (fp32, the payload's shapes), or None: some piece's mean did not reach it valid."""
+    error: str = ""
+    """Why ``mean`` is None."""
+    excluded: int = 0
+    """Senders it, as an owner, left out of its means (ignored, non-finite, φ far off)."""
+    partial_pieces: int = 0
+    """Pieces it owns or received whose mean left out a sender."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Owners whose mean of some piece it refused (``owner_mean_problem``), with the first reason."""
+    refused_pieces: int = 0
+
+
+def screened_means(
+    ids: Sequence[str],
+    payloads: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    *,
+    round_: int,
+    key: Hashable,
+    rules: PieceRules,
+    phi_from: int | None,
+    strikes: dict[str, Strikes],
+    hooks: GroupHooks | None = None,
+) -> list[MemberOutcome]:
+    """A group's all-reduce as peer/sync/allreduce.py computes it, in one process.
+
+    The plan is peer/sync/pieces.py ``make_group_plan`` over ``ids`` (every member an owner, pieces
+    dealt in contiguous runs). For each piece its owner, as ``GroupAllreduce._reduce_my_pieces``:
+    leaves out the senders its ``strikes`` ignore at ``round_`` and, for the rest of the group, a
+    sender whose contribution holds NaN or inf or (a φ piece of NoLoCo) fails
+    ``phi_contribution_problem`` against its own; caps the claimed weights (``cap_weight``) and
+    takes ``piece_mean`` (clip to the median, fp32 sum in member order). A mean that is not finite
+    fails the piece for everyone. The owner applies its own mean; every other member receives the
+    mean the owner sends it (``hooks.owner_mean``: a lying owner may forge it, per receiver) and
+    checks it as ``GroupAllreduce._checked_mean`` does (``owner_mean_problem`` against its own
+    contribution, with its claimed weight, the count included, the cap, the φ checks and the
+    floor from its payload's ``reference_rms``): a refused Δ piece is applied as zeros, a refused
+    φ piece as its own values; a received mean that is not finite fails that member's sync (its
+    decode check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
+    senders it clipped or dropped as an owner and the owners it refused with a strike, as
+    ``LocoAverager._strike`` does.
+
+    Args:
+        ids: the members in group order; ``payloads[i]`` (fp32, Δ then φ from ``phi_from``) and
+            ``weights[i]`` (claimed tokens) are member i's, as sent.
+        key: the group's key (its plan's group id is derived from it).
+        strikes: per member id, its strikes (created when missing); updated in place.
+
+    Returns:
+        One :class:`MemberOutcome` per member, in ``ids`` order.
+    """
+    n = len(ids)
+    plan = make_group_plan(
+        payloads[0],
+        group_id=repr(key).encode(),
+        peer_ids=list(ids),
+        my_index=0,
+        owners=list(range(n)),
+        round_=round_,
+        compression=rules.compression,
+        phi_from=phi_from,
+        piece_elements=rules.piece_elements,
+        uplink_bytes_per_s=1e9,
+    )
+    book = [strikes.setdefault(p, Strikes()) for p in ids]
+    ignored = [{ids.index(p) for p in book[o].ignored(round_) if p in ids} - {o} for o in range(n)]
+    excluded: list[set[int]] = [set(x) for x in ignored]
+    offenders: list[set[int]] = [set() for _ in range(n)]
+    struck: list[set[int]] = [set() for _ in range(n)]
+    out = [MemberOutcome(mean=[torch.zeros(t.shape, dtype=torch.float32) for t in payloads[0]]) for _ in range(n)]
+    split = len(payloads[0]) if phi_from is None else phi_from
+    references = [
+        {True: reference_rms(p[:split]), False: reference_rms(p[split:])} for p in payloads
+    ]  # the floor of each receiver's norm bound, Δ and φ apart
+    failed = ""
+    for piece in plan.pieces:
+        o, delta = piece.owner, phi_from is None or piece.tensor < phi_from
+        views = [piece_view(p[piece.tensor], piece).float() for p in payloads]
+        for s_ in range(n):
+            if s_ not in excluded[o] and not torch.isfinite(views[s_]).all():
+                excluded[o].add(s_)  # a sender's BadPayload (a strike), or the owner's own piece
+                if s_ != o:
+                    offenders[o].add(s_)
+        if not delta and o not in excluded[o]:
+            for s_ in range(n):
+                if s_ != o and s_ not in excluded[o] and phi_contribution_problem(views[s_], views[o]) is not None:
+                    excluded[o].add(s_)
+                    offenders[o].add(s_)
+        included = [s_ not in excluded[o] for s_ in range(n)]
+        senders = [s_ for s_ in range(n) if included[s_]]
+        if not senders:
+            failed = failed or f"piece {piece.index}: no contribution to average"
+            continue
+        parts = [(cap_weight(float(weights[s_]), rules.max_weight), views[s_]) for s_ in senders]
+        mean, clipped = piece_mean(parts)
+        offenders[o].update(senders[c] for c in clipped)
+        if not torch.isfinite(mean).all():
+            failed = failed or f"the mean of piece {piece.index} is not finite"
+            continue
+        partial = not all(included)
+        for r in range(n):
+            target = piece_view(out[r].mean[piece.tensor], piece)  # type: ignore[index]
+            out[r].partial_pieces += partial
+            if r == o:
+                target.copy_(mean)
+                continue
+            sent = hooks.owner_mean(ids[o], ids[r], piece, mean, not delta) if hooks is not None else mean
+            if not torch.isfinite(sent).all():
+                out[r].error = out[r].error or f"owner {ids[o]}: piece {piece.index} holds NaN or inf"
+                continue
+            problem = owner_mean_problem(
+                sent,
+                views[r],
+                weight=float(weights[r]),
+                included=len(senders),
+                max_weight=rules.max_weight,
+                phi=not delta,
+                included_self=included[r],
+                reference_rms=references[r][delta],
+            )
+            if problem is None:
+                target.copy_(sent)
+                continue
+            out[r].refused_pieces += 1
+            out[r].refused.setdefault(ids[o], str(problem))
+            if problem.strike:
+                struck[r].add(o)
+            target.copy_(torch.zeros_like(sent) if delta else views[r])
+    for m in range(n):
+        out[m].excluded = len(excluded[m])
+        book[m].record(round_, [ids[x] for x in sorted(offenders[m] | struck[m])])
+        if failed or out[m].error:
+            out[m].mean, out[m].error = None, failed or out[m].error
+    return out

@@ -1,0 +1,183 @@
+"""Equivocation caught (issue #51, item 3): receivers compare what each owner sent them.
+
+An owner of pieces sends its MEAN frames to every groupmate; nothing in a single receiver's view
+shows that it sent other bytes to another one (a mean 1e-5 off in one value passes every check of
+peer/sync/screening.py, and splits the honest φ into one-member classes). So once a peer holds every
+mean of the group, it sends each owner it exchanged with a RECEIPT (protocol/wire/allreduce.py): per
+owner, a 16-byte BLAKE2b digest of the MEAN payloads it got from that owner, in piece order (its
+own pieces: the payloads it sent). Every peer then holds, per owner, its own digest and one from
+each groupmate whose receipt it read, over the same authenticated streams the means came on.
+
+The verdict (:func:`verdict`), the same on every honest peer that read the same receipts:
+
+* an owner whose digests are not all equal has its pieces **skipped** this round (applied as zeros
+  for Δ, as this peer's own values for φ, as a refused mean is), by every peer, the owner itself
+  included, so the honest peers still hold one φ;
+* it is an **equivocator** when at least :data:`MIN_DISSENT` reporters disagree with the most
+  common digest: a single differing receipt may be a lying receiver, so it costs the round's
+  pieces but nobody's standing; the averager then ignores the equivocator (its contributions left
+  out, its means replaced) from the next round (peer/sync/averager.py);
+* a groupmate whose receipt misstates this peer's own means is a **liar** (this peer knows what it
+  sent): this peer ignores its contributions.
+
+What this cannot do: receipts are not signed, so two colluding receivers that both misstate an
+honest owner's means make it an equivocator; one receiver that sends different receipts to
+different peers makes them skip different pieces (a split the re-sync rule then settles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peer.sync.screening import EQUIVOCATOR_IGNORE_ROUNDS, Strikes
+from protocol.wire import allreduce as frames
+from protocol.wire.pieces import piece_view
+
+logger = logging.getLogger(__name__)
+
+DIGEST_BYTES = 16
+MIN_DISSENT = 2
+"""Reporters that must disagree with an owner's most common digest for it to count as an equivocator."""
+
+
+class MeanDigests:
+    """Running digests of the MEAN payloads each owner sent (or, for this peer, it sent), in piece order."""
+
+    def __init__(self) -> None:
+        self._hashes: dict[int, hashlib.blake2b] = {}
+
+    def add(self, owner: int, payload: bytes) -> None:
+        """Fold one MEAN frame payload of ``owner`` into its digest (call in piece order)."""
+        h = self._hashes.get(owner)
+        if h is None:
+            h = self._hashes[owner] = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        h.update(payload)
+
+    def digests(self) -> dict[int, bytes]:
+        """Owner index → 16-byte digest of what it sent so far."""
+        return {owner: h.digest() for owner, h in self._hashes.items()}
+
+
+@dataclass
+class Verdict:
+    """What the receipts of one all-reduce say (indices in the group)."""
+
+    skipped: set[int] = field(default_factory=set)
+    """Owners whose pieces are applied as refused this round (their digests differ)."""
+    equivocators: set[int] = field(default_factory=set)
+    """Owners that at least :data:`MIN_DISSENT` reporters contradict: ignored from the next round."""
+    liars: set[int] = field(default_factory=set)
+    """Groupmates whose receipt misstates this peer's own means."""
+
+
+def verdict(me: int, mine: Mapping[int, bytes], receipts: Mapping[int, Mapping[int, bytes]]) -> Verdict:
+    """Compare this peer's digests with its groupmates' receipts.
+
+    Args:
+        me: this peer's index.
+        mine: owner index → digest of the means this peer got from it (its own: the ones it sent).
+        receipts: sender index → its receipt (owner index → digest), for every receipt read.
+
+    Returns:
+        The :class:`Verdict`; owners this peer holds no digest of are not judged.
+    """
+    out = Verdict()
+    for owner, own_digest in mine.items():
+        reports = [own_digest] + [r[owner] for s, r in receipts.items() if s != me and owner in r]
+        counts = Counter(reports)
+        if len(counts) == 1:
+            continue
+        out.skipped.add(owner)
+        if owner == me:
+            out.liars.update(s for s, r in receipts.items() if s != me and r.get(owner, own_digest) != own_digest)
+        elif len(reports) - counts.most_common(1)[0][1] >= MIN_DISSENT:
+            out.equivocators.add(owner)
+    return out
+
+
+def distrust(stats: Any, peer_ids: Any, round_: int, *, strikes: Strikes, distrusted: Strikes) -> None:
+    """After an all-reduce of ``round_``: ignore its equivocators (``stats.equivocators``, peer ids as
+    ``str``) from the next round on, their means refused (:data:`EQUIVOCATOR_IGNORE_ROUNDS`, in
+    ``distrusted``), and the groupmates whose receipt misstated this peer's means
+    (``stats.receipt_liars``) for ``strikes.ignore_rounds`` (their contributions left out)."""
+    for peer in peer_ids:
+        if str(peer) in stats.equivocators:
+            distrusted.ignore(peer, round_, EQUIVOCATOR_IGNORE_ROUNDS)
+            logger.warning("ignoring groupmate %s from now on: it sent different means to different groupmates", peer)
+        elif str(peer) in stats.receipt_liars:
+            strikes.ignore(peer, round_)
+            logger.warning("ignoring groupmate %s: its receipt misstated this peer's means", peer)
+
+
+class ReceiptExchange:
+    """The receipts half of :class:`peer.sync.allreduce.GroupAllreduce` (its state: ``_digests``,
+    ``_receipts``, ``_receipt_writers``, ``_serving``, ``_changed``, ``plan``, ``tensors``, ``results``,
+    ``stats``, ``timeout``, ``phi_from``, ``_write``)."""
+
+    _digests: MeanDigests
+    _receipts: dict[int, dict[int, bytes]]
+    _receipt_writers: dict[int, asyncio.StreamWriter]
+    _serving: set[int]
+    _changed: asyncio.Condition
+    plan: Any
+    tensors: list[torch.Tensor]
+    results: dict[int, torch.Tensor]
+    stats: Any
+    timeout: float
+    phi_from: int | None
+
+    def _write(self, writer: asyncio.StreamWriter, payload: bytes) -> None:
+        raise NotImplementedError
+
+    async def _exchange_receipts(self, *, send: bool) -> None:
+        """Write this peer's RECEIPT to every owner it exchanged with (when it holds every mean) and
+        close those streams; then wait, at most one next-chunk timeout, for the senders' receipts."""
+        receipt = frames.encode_receipt(self._digests.digests())
+        for writer in self._receipt_writers.values():
+            try:
+                if send:
+                    self._write(writer, receipt)
+                    await asyncio.wait_for(writer.drain(), self.timeout)
+            except (TimeoutError, ConnectionError) as exc:
+                logger.debug("could not send a receipt: %r", exc)
+            finally:
+                writer.close()
+        self._receipt_writers.clear()
+        deadline = time.monotonic() + self.timeout
+        async with self._changed:
+            while self._serving and (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    break
+
+    def _judge_receipts(self) -> None:
+        """Apply the receipts' verdict (peer/sync/receipts.py): the pieces of owners whose means
+        differ between receivers become refused ones; equivocators and liars go into the stats."""
+        found = verdict(self.plan.my_index, self._digests.digests(), self._receipts)
+        ids = self.plan.peer_ids
+        self.stats.equivocators = {str(ids[o]) for o in found.equivocators}
+        self.stats.receipt_liars = {str(ids[s]) for s in found.liars}
+        self.stats.skipped_owners = {str(ids[o]) for o in found.skipped}
+        for piece in self.plan.pieces:
+            if piece.owner in found.skipped:
+                delta = self.phi_from is None or piece.tensor < self.phi_from
+                own = piece_view(self.tensors[piece.tensor], piece)
+                self.results[piece.index] = torch.zeros_like(own) if delta else own.clone()
+        if found.skipped:
+            logger.warning(
+                "all-reduce %s: owners %s sent different means to different groupmates; their pieces "
+                "are applied as refused this round (equivocators: %s)",
+                self.plan.group_id.hex()[:8],
+                sorted(self.stats.skipped_owners),
+                sorted(self.stats.equivocators) or "none",
+            )
