@@ -17,7 +17,7 @@
 #      lr4-adamw: the scale as the 2026-11-27 run had it (16,384-token step, H = 15, 60 rounds),
 #        inner lr 4e-3 where that run had 2e-3 (DiLoCo +20.1 % behind data-parallel): on its CPU
 #        proxy (bench/compare-gpu-proxy.toml) DiLoCo at twice data-parallel's inner lr took the gap
-#        from +9 % to +4.4 % (BPE) and +0.2 % (bytes) (docs/benchmarks.md, "A CPU proxy of the GPU
+#        from +9 % to +4.4 % (BPE) and +0.2 % (bytes) (docs/notes/benchmarks-log.md, "A CPU proxy of the GPU
 #        scale"); data-parallel at 4e-3 says whether 2e-3 was its best;
 #      b32k-muon: inner_optimizer.kind = "muon", set as the CPU scale that met its target (`cpu-32k`:
 #        8,192 tokens per peer and step, H = 10, inner lr 3e-3): a 32,768-token global step, 60
@@ -26,11 +26,20 @@
 #      copied to $OUT/compare-gpu-<job>.progress.jsonl after the stage, so runs the budget cuts short
 #      still give the gaps at equal tokens up to their last evaluation.
 #   4. If 150 s are left: bench/gpu.py on llama-350m and llama-1b ($OUT/gpu_large.json).
+#   5. Only with --rig (instead of 1-4: `device run: command "bash bench/device_session.sh --rig"`,
+#      carry [".devcarry"]; needs root for network namespaces): #54 item 6, bench/rig125m.py's one
+#      row with the real inner step on the card (2 llama-125m peers sharing it, 1 Gbit/s, delayed,
+#      int8, H = 50, 3 rounds; its nosync run first), then the same row with lab/standin.py at the
+#      tokens/s the card gave each peer without sync ($OUT/rig125m-card.json, rig125m-standin.json):
+#      the two utilizations should agree if the stand-in's figure holds.
 # Everything a stage prints goes to $OUT/session.log. At most 8 files come back: this writes 7.
 set -u
 cd "$(dirname "$0")/.."
-DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
+DRY=0 RIG=0
+for arg in "$@"; do
+    [ "$arg" = "--dry-run" ] && DRY=1
+    [ "$arg" = "--rig" ] && RIG=1
+done
 : "${OUT:?set OUT to the folder for results (the device tool sets it)}"
 mkdir -p "$OUT"
 LOG=$OUT/session.log
@@ -80,6 +89,22 @@ else
     CMP=(--config bench/compare-gpu.toml --device cuda --jobs 4 --peers 4)
     B32K=(--global-batch 32768 --set sync.inner_steps=10)
     LARGE=(--presets llama-350m,llama-1b)
+fi
+if [ "$RIG" = 1 ]; then  # stage 5 only (#54 item 6)
+    if [ "$DRY" = 1 ]; then RIG_ARGS=(--preset chaos --inner-steps 20); DEV=cpu
+    else RIG_ARGS=(--preset llama-125m --inner-steps 50 --max-memory 60); DEV=cuda; fi
+    RIG_ARGS+=(--peers 2 --rates 1000 --codecs int8 --rounds 3 --warmup 1 --catch-up-rates --timeout 400)
+    stage "5a bench/rig125m.py, real inner step on $DEV" $(( $(left) * 3 / 5 )) \
+        "$PY" bench/rig125m.py "${RIG_ARGS[@]}" --modes nosync delayed --device "$DEV" --out "$OUT/rig125m-card.json"
+    # the stand-in at what the card gave each peer with no sync (the nosync run's tokens/s per peer)
+    RATE=$("$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))["runs"][0]
+print(r["tokens_per_s"] / r["peers"])' "$OUT/rig125m-card.detail.json" 2>>"$LOG")
+    if [ -n "$RATE" ]; then
+        stage "5b bench/rig125m.py, stand-in at $RATE tokens/s" $(( $(left) - 10 )) \
+            "$PY" bench/rig125m.py "${RIG_ARGS[@]}" --modes delayed --tokens-per-s "$RATE" --out "$OUT/rig125m-standin.json"
+    fi
+    say "done; $(left) s of the budget left"
+    exit 0
 fi
 ADAMW_ARGS=("${CMP[@]}" --set inner_optimizer.lr=0.004)
 MUON_ARGS=("${CMP[@]}" "${B32K[@]}" --set inner_optimizer.lr=0.003 --set 'inner_optimizer.kind="muon"')

@@ -1,10 +1,10 @@
-"""Benchmark: compute utilization with and without overlapping each sync (issue #18 item 4).
+"""Benchmark: utilization with and without overlapping each sync (issues #18 item 4, #54 item 2).
 
     sudo nice -n 5 .venv/bin/python bench/overlap_rig.py [--peers 4 8] [--rates 100 20]
-        [--modes none delayed eager streaming] [--rounds 8] [--warmup 2] [--inner-steps 150]
+        [--modes nosync none delayed eager streaming] [--rounds 8] [--warmup 2] [--inner-steps 150]
         [--fragments 2] [--fragment-delay TAU] [--fragment-merge mix|shift] [--fragment-alpha 0.5]
         [--hidden-size 128] [--checkpoint-every SECONDS]
-        [--host-allocator tuned|system]
+        [--host-allocator tuned|system] [--standin-step-s SECONDS]
 
 For each (peers, uplink, overlap mode): a bootstrap node and N real peers (``peer join``), each
 in its own network namespace behind a tbf uplink of the given rate (lab/chaos.py), train the run
@@ -14,14 +14,21 @@ round, the seconds its inner steps took (``compute_s``), the sync's wall time (`
 matchmaking plus all-reduce; with overlap, the sync that landed, which ran in the background) and
 when the round ended.
 
-* ``compute_utilization`` of a peer: Σ ``compute_s`` of its rounds after the first ``--warmup`` ÷
-  the wall time from the event ending round ``--warmup`` to the event ending the last round (start-up,
-  the first matchmaking and the last in-flight sync's drain are left out). The row gives the mean
-  over peers (the detail file has each peer's).
+* ``utilization`` of a swarm (issue #54): its tokens/s ÷ the same peers' tokens/s with the sync
+  replaced by nothing, the ``nosync`` mode's run of this invocation (or of an earlier one kept with
+  ``--keep``) at the same peers, H, width, allocator and stand-in: one round of ``--rounds`` × H
+  steps whose only sync comes after them, its tokens ÷ its steps' seconds. A peer's tokens/s: the
+  tokens of its rounds after the first ``--warmup`` ÷ the wall time from the event ending round
+  ``--warmup`` to the event ending the last round (start-up, the first matchmaking and the last
+  in-flight sync's drain are left out). None without a ``nosync`` run. The earlier ratio, Σ
+  ``compute_s`` ÷ wall time, is gone: a sync slowing the steps on shared cores raised it (the
+  steps' own seconds grew with the wall time) while the swarm trained no more tokens.
 * idle seconds per round, means over peers: ``sync_wait`` (the training thread waited for a sync's
   mean: blocking, the whole sync; with overlap, what a background sync still had to do),
   ``resync_wait`` (the re-sync rule's catch-up after a round: waiting for finishing groupmates'
   records, downloads), ``other`` (the rest: records, snapshots, checkpoint encoding, the outer step).
+* ``--standin-step-s S``: every peer runs lab/standin.py's compute stand-in (its inner step a
+  wait of S seconds without CPU, as on a card; bench/rig125m.py) instead of the real inner step.
 * ``round_s``: that wall time ÷ the rounds in it, mean over peers. ``sync_s``: mean over peers and
   rounds. ``blocking_share`` (detail, table): mean ``sync_s`` ÷ mean ``compute_s``: the issue asks
   for a payload whose blocking sync takes at least a third of a round's compute.
@@ -31,12 +38,11 @@ widens it, the feed-forward at 3× the width: 256 gives 1.84 M parameters, a 7.3
 rounds about 4× as long at the same sync ÷ compute), 256 tokens per inner step, ``--inner-steps``
 H, DiLoCo with the default outer step. Every peer's torch uses one
 thread (``--threads 1``); on a machine with fewer cores than peers they share the cores, which
-makes ``compute_s`` longer than on an idle core: the utilization is of the peer's own wall time,
-and ``tokens_per_s`` (detail) says what it trained.
+makes ``compute_s`` longer than on an idle core, the ``nosync`` reference's steps included.
 
 Writes the issue's ``results`` rows into bench/results/overlap.json (its ``quality`` rows, from
 bench/overlap.py, are kept), every peer's figures to bench/results/overlap_rig.detail.json (beside ``--out``), and
-prints a markdown table for docs/benchmarks.md. Needs root (network namespaces, tc).
+prints a markdown table (docs/results.md: bench/results_doc.py). Needs root (network namespaces, tc).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
+from lab.standin import StandInConfig  # noqa: E402
 from peer.train.host_memory import ENV as HOST_ALLOCATOR_ENV  # noqa: E402
 from peer.train.model import spec_parameter_count  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
@@ -62,6 +69,8 @@ from protocol.presets import tiny_run  # noqa: E402
 from protocol.specs import FRAGMENT_MERGES, OVERLAP_MODES  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "overlap.json"
+NOSYNC = "nosync"
+"""The reference mode: the same peers with the sync replaced by nothing (see the docstring)."""
 
 
 CHAOS_HIDDEN = CHAOS_MODEL["hidden_size"]
@@ -132,7 +141,6 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
         "rounds": len(measured),
         "wall_s": wall,
         "compute_s": compute,
-        "compute_utilization": compute / wall,
         "round_s": wall / len(measured),
         "sync_s": statistics.fmean(e["sync_s"] for e in measured),
         "compute_s_per_round": compute / len(measured),
@@ -167,13 +175,29 @@ def run_one(
     host_allocator: str = "tuned",
     fragment_merge: str = "mix",
     fragment_alpha: float = 0.5,
+    standin_step_s: float | None = None,
 ) -> dict:
     """One swarm on the rig until every peer stopped at ``rounds``; its figures. ``host_allocator``
-    goes to every peer as ``LOCOSWARM_HOST_ALLOCATOR`` (peer/train/host_memory.py)."""
+    goes to every peer as ``LOCOSWARM_HOST_ALLOCATOR`` (peer/train/host_memory.py). Mode ``nosync``:
+    one blocking round of ``rounds`` × ``inner_steps`` steps; its figures are its tokens ÷ its
+    steps' seconds. ``standin_step_s``: the peers run lab/standin.py's stand-in of that step time."""
     os.environ[HOST_ALLOCATOR_ENV] = host_allocator  # the peers' processes inherit it
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run.toml"
-    manifest = rig_manifest(mode, inner_steps, fragments, fragment_delay, hidden_size, fragment_merge, fragment_alpha)
+    nosync = mode == NOSYNC
+    manifest = rig_manifest(
+        "none" if nosync else mode,
+        inner_steps * rounds if nosync else inner_steps,
+        fragments,
+        fragment_delay,
+        hidden_size,
+        fragment_merge,
+        fragment_alpha,
+    )
+    entry = None
+    if standin_step_s is not None:
+        os.environ.update(StandInConfig(step_s=standin_step_s).to_env())
+        entry = [sys.executable, str(ROOT / "lab" / "standin.py")]
     run.write_text(dump_toml(manifest))
     started = time.time()
     with ChaosSwarm(
@@ -184,7 +208,7 @@ def run_one(
         subnet="10.213.83",
         peer_args=[
             "--max-rounds",
-            str(rounds),
+            str(1 if nosync else rounds),
             "--eval-every",
             "0",
             "--wait-for-peers",
@@ -194,6 +218,7 @@ def run_one(
             "--checkpoint-every",
             f"{checkpoint_every_s:g}",
         ],
+        peer_entry=entry,
     ) as swarm:
         swarm.start_bootstrap()
         for i in range(peers):
@@ -207,7 +232,13 @@ def run_one(
     failed = {n: c for n, c in codes.items() if c != 0}
     if failed:
         raise RuntimeError(f"peers exited with {failed}: see {workdir}/<peer>.log")
-    per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
+    if nosync:
+        per_peer = {
+            name: {"tokens_per_s": ev[0]["tokens"] / ev[0]["compute_s"], "compute_s": ev[0]["compute_s"]}
+            for name, ev in events.items()
+        }
+    else:
+        per_peer = {name: peer_figures(ev, warmup) for name, ev in events.items()}
     out = {
         "overlap": mode,
         "peers": peers,
@@ -217,6 +248,7 @@ def run_one(
         "payload_mb": payload_mb(manifest),
         "checkpoint_every_s": checkpoint_every_s,
         "host_allocator": host_allocator,
+        "standin_step_s": standin_step_s,
         "per_peer": per_peer,
         "adoptions": adoptions,
         "wall_s_total": time.time() - started,
@@ -244,9 +276,29 @@ def fragments_of(run: dict) -> int | None:
     return run.get("streaming", {}).get("fragments", 2) if run["overlap"] == "streaming" else None
 
 
-def row(run: dict) -> dict:
-    """The issue's ``results`` row of one swarm (means over its peers)."""
+def reference_key(run: dict) -> tuple:
+    """What a ``nosync`` reference must share with a run: peers, H, width, allocator, stand-in."""
+    return (
+        run["peers"],
+        run["inner_steps"],
+        run.get("hidden_size", CHAOS_HIDDEN),
+        run.get("host_allocator", "system"),
+        run.get("standin_step_s"),
+    )
+
+
+def reference_tokens_per_s(run: dict, runs: list[dict]) -> float | None:
+    """The swarm tokens/s of the latest ``nosync`` run in ``runs`` with ``run``'s
+    :func:`reference_key`; None if there is none."""
+    found = [r for r in runs if r["overlap"] == NOSYNC and reference_key(r) == reference_key(run)]
+    return sum(p["tokens_per_s"] for p in found[-1]["per_peer"].values()) if found else None
+
+
+def row(run: dict, reference: float | None = None) -> dict:
+    """The issue's ``results`` row of one swarm (means over its peers); ``utilization`` its swarm
+    tokens/s ÷ ``reference`` (the ``nosync`` run's swarm tokens/s; None: no such run)."""
     per = list(run["per_peer"].values())
+    tokens_per_s = sum(p["tokens_per_s"] for p in per)
     compute = statistics.fmean(p["compute_s_per_round"] for p in per)
     sync = statistics.fmean(p["sync_s"] for p in per)
     return {
@@ -259,17 +311,18 @@ def row(run: dict) -> dict:
         "checkpoint_every_s": run.get("checkpoint_every_s", 0.0),
         # runs from before peer/train/host_memory.py existed ran with glibc's own thresholds
         "host_allocator": run.get("host_allocator", "system"),
-        "compute_utilization": statistics.fmean(p["compute_utilization"] for p in per),
+        "standin_step_s": run.get("standin_step_s"),
+        "utilization": tokens_per_s / reference if reference else None,
+        "reference_tokens_per_s": reference,
         "round_s": statistics.fmean(p["round_s"] for p in per),
         "sync_s": sync,
-        "compute_utilization_min": min(p["compute_utilization"] for p in per),
         "compute_s_per_round": compute,
         "blocking_share": sync / compute,
         **{
             k: statistics.fmean(p.get(k, 0.0) for p in per)
             for k in ("sync_wait_s_per_round", "resync_wait_s_per_round", "other_s_per_round")
         },
-        "tokens_per_s": sum(p["tokens_per_s"] for p in per),
+        "tokens_per_s": tokens_per_s,
         "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
         "median_overlap_steps": (
             statistics.median(s for p in per for s in p.get("overlap_steps", ()))
@@ -282,7 +335,7 @@ def row(run: dict) -> dict:
 def markdown(rows: list[dict]) -> str:
     lines = [
         (
-            "| payload MB | peers | uplink Mbit/s | H | overlap | compute utilization (mean / min peer) | round s | compute s | "
+            "| payload MB | peers | uplink Mbit/s | H | overlap | utilization (vs no sync) | round s | compute s | "
             "sync s | sync ÷ compute | idle s per round: sync wait / re-sync / other | swarm tokens/s | mean group |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -297,10 +350,12 @@ def markdown(rows: list[dict]) -> str:
             mode += ", tuned host allocator"
         if r.get("median_overlap_steps") is not None:  # streaming: how many steps a fragment's sync overlapped
             mode += f" (median {r['median_overlap_steps']:g} steps)"
+        if r.get("standin_step_s"):
+            mode += f", stand-in step {r['standin_step_s']:g} s"
+        utilization = "—" if r.get("utilization") is None else f"{100 * r['utilization']:.1f} %"
         lines.append(
             f"| {r.get('payload_mb', CHAOS_PAYLOAD_MB):.1f} | {r['peers']} | {r['uplink_mbit']:g} | {r['inner_steps']} | {mode} | "
-            f"{100 * r['compute_utilization']:.1f} % / "
-            f"{100 * r['compute_utilization_min']:.1f} % | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
+            f"{utilization} | {r['round_s']:.2f} | {r['compute_s_per_round']:.2f} | "
             f"{r['sync_s']:.2f} | {r['blocking_share']:.2f} | "
             f"{r.get('sync_wait_s_per_round', 0.0):.2f} / {r.get('resync_wait_s_per_round', 0.0):.2f} / "
             f"{r.get('other_s_per_round', 0.0):.2f} | {r['tokens_per_s']:.0f} | "
@@ -313,7 +368,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--rates", type=float, nargs="+", default=[100.0, 20.0], help="uplinks, Mbit/s")
-    parser.add_argument("--modes", nargs="+", default=["none", "delayed", "eager"], choices=list(OVERLAP_MODES))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=[NOSYNC, "none", "delayed", "eager"],
+        choices=[NOSYNC, *OVERLAP_MODES],
+        help=f"{NOSYNC}: the reference, the same peers with the sync replaced by nothing (run it first)",
+    )
+    parser.add_argument(
+        "--standin-step-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="run every peer with lab/standin.py's compute stand-in of this step time (a card's step)",
+    )
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="rounds left out at the start")
     parser.add_argument("--inner-steps", type=int, default=150, help="H")
@@ -375,6 +443,7 @@ def main() -> None:
                 args.checkpoint_every,
                 args.host_allocator,
                 args.fragments if m == "streaming" else None,
+                args.standin_step_s,
             )
             for n in args.peers
             for r in args.rates
@@ -392,6 +461,7 @@ def main() -> None:
                 run.get("checkpoint_every_s", 0.0),
                 run.get("host_allocator", "system"),
                 fragments_of(run),
+                run.get("standin_step_s"),
             )
             not in planned
         ]
@@ -407,6 +477,8 @@ def main() -> None:
     for peers in args.peers:
         for rate in args.rates:
             for mode in args.modes:
+                if mode == NOSYNC and rate != args.rates[0]:
+                    continue  # no sync, no link: once per peer count
                 run = run_one(
                     workdir / f"n{peers}-r{rate:g}-{mode}",
                     peers=peers,
@@ -419,18 +491,25 @@ def main() -> None:
                     hidden_size=args.hidden_size,
                     checkpoint_every_s=args.checkpoint_every,
                     host_allocator=args.host_allocator,
+                    standin_step_s=args.standin_step_s,
                     **streaming,
                 )
                 run["command"] = " ".join(["python", *sys.argv])
                 runs.append(run)
-                r = row(run)
-                rows = [row(x) for x in earlier] + [row(x) for x in runs]
-                print(
-                    f"N={peers} {rate:g} Mbit/s {mode}: utilization {100 * r['compute_utilization']:.1f} %, "
-                    f"round {r['round_s']:.2f} s, compute {r['compute_s_per_round']:.2f} s, sync {r['sync_s']:.2f} s "
-                    f"({run['wall_s_total']:.0f} s)",
-                    flush=True,
-                )
+                every = earlier + runs
+                rows = [row(x, reference_tokens_per_s(x, every)) for x in every if x["overlap"] != NOSYNC]
+                if mode == NOSYNC:
+                    tokens_per_s = sum(p["tokens_per_s"] for p in run["per_peer"].values())
+                    print(f"N={peers} {NOSYNC}: {tokens_per_s:.0f} tokens/s ({run['wall_s_total']:.0f} s)", flush=True)
+                else:
+                    r = rows[-1]
+                    utilization = "—" if r["utilization"] is None else f"{100 * r['utilization']:.1f} %"
+                    print(
+                        f"N={peers} {rate:g} Mbit/s {mode}: utilization {utilization}, {r['tokens_per_s']:.0f} "
+                        f"tokens/s, round {r['round_s']:.2f} s, compute {r['compute_s_per_round']:.2f} s, "
+                        f"sync {r['sync_s']:.2f} s ({run['wall_s_total']:.0f} s)",
+                        flush=True,
+                    )
                 device = (
                     f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores shared by every peer), "
                     f"network namespaces with tbf uplinks"
@@ -444,13 +523,15 @@ def main() -> None:
                             "overlap",
                             "peers",
                             "uplink_mbit",
-                            "compute_utilization",
+                            "utilization",
+                            "tokens_per_s",
                             "round_s",
                             "sync_s",
                             "inner_steps",
                             "payload_mb",
                             "checkpoint_every_s",
                             "host_allocator",
+                            "standin_step_s",
                         )
                     }
                     for x in rows
@@ -469,7 +550,10 @@ def main() -> None:
                             "definitions": __doc__,
                             "manifest (this invocation's H)": {
                                 m: rig_manifest(
-                                    m, args.inner_steps, hidden_size=args.hidden_size, **streaming
+                                    "none" if m == NOSYNC else m,
+                                    args.inner_steps * (args.rounds if m == NOSYNC else 1),
+                                    hidden_size=args.hidden_size,
+                                    **streaming,
                                 ).to_dict()
                                 for m in args.modes
                             },

@@ -16,7 +16,7 @@ def test_utilization_leaves_out_the_warmup_rounds():
     # round events at t = 10 (end of the warm-up round), 14, 18, 22: 3 rounds of 3 s compute in 12 s
     f = peer_figures(rounds([10, 14, 18, 22], [9.0, 3.0, 3.0, 3.0]), warmup=1)
     assert f["rounds"] == 3 and f["wall_s"] == 12
-    assert f["compute_utilization"] == pytest.approx(0.75)
+    assert f["compute_s"] == pytest.approx(9.0) and "compute_utilization" not in f  # the old ratio is gone
     assert f["round_s"] == pytest.approx(4.0) and f["tokens_per_s"] == pytest.approx(300 / 12)
 
 
@@ -53,8 +53,7 @@ def test_a_streaming_row_names_its_p_when_it_is_not_the_rigs_two_and_carries_the
         "uplink_mbit": 100.0,
         "inner_steps": 30,
         "payload_mb": 1.97,
-        "compute_utilization": 0.99,
-        "compute_utilization_min": 0.98,
+        "utilization": 0.99,
         "round_s": 2.0,
         "compute_s_per_round": 1.98,
         "sync_s": 1.2,
@@ -78,3 +77,30 @@ def test_a_wider_rig_model_has_a_larger_payload_and_the_same_blocks():
     assert payload_mb(wide) == pytest.approx(7.35, abs=0.01)
     with pytest.raises(ValueError, match="hidden_size = 7"):
         rig_model(7)
+
+
+def test_utilization_is_tokens_per_second_against_the_same_peers_without_sync():
+    from bench.overlap_rig import markdown, reference_tokens_per_s, row
+
+    def run(mode, tokens_per_s, **kw):
+        per = {"tokens_per_s": tokens_per_s}
+        if mode != "nosync":
+            per.update(compute_s_per_round=3.0, round_s=4.0, sync_s=1.0, group_sizes=[2])
+        return {
+            "overlap": mode,
+            "peers": 2,
+            "uplink_mbit": 100.0,
+            "inner_steps": 30,
+            "per_peer": {"a": per, "b": per},
+            **kw,
+        }
+
+    # slower steps under the sync lower the swarm's tokens/s, hence the utilization: they cannot raise it
+    delayed, reference = run("delayed", 400.0), run("nosync", 500.0)
+    assert reference_tokens_per_s(delayed, [reference, delayed]) == 1000.0
+    assert row(delayed, 1000.0)["utilization"] == pytest.approx(0.8)
+    # a reference of other peers, another H or a stand-in run is not this run's
+    assert reference_tokens_per_s(delayed, [{**reference, "peers": 4}, {**reference, "inner_steps": 60}]) is None
+    assert reference_tokens_per_s(delayed, [{**reference, "standin_step_s": 0.1}]) is None
+    unmeasured = row(delayed)
+    assert unmeasured["utilization"] is None and "| — |" in markdown([unmeasured])

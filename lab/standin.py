@@ -1,0 +1,252 @@
+"""A compute stand-in for the rig: a peer whose inner step waits as if blocked on a card (issue #54).
+
+The benchmark rig (bench/rig125m.py, bench/overlap_rig.py ``--standin``) starts its peers as
+``python lab/standin.py join ...`` instead of ``python -m peer join ...``. This module replaces the
+round engine's inner loop by :class:`StandInLoop` and then runs the product's own ``peer`` CLI:
+everything else (the DHT, matchmaking, the outer step, codecs, error feedback, the all-reduce or
+NoLoCo exchange, catch-up, checkpoints, records) is the product's code in a real peer process.
+
+:class:`StandInLoop` holds the real φ, θ and Δ of the run's model (θ is the product's model, φ and
+the outer state the product's round state) and AdamW's two moments, but its step draws the batch,
+then waits ``step_s`` seconds without using the CPU (``threading.Event.wait``: the training thread of
+a GPU host is blocked on the card for a step) and changes a slice of θ deterministically.
+
+The seam: the peer's process imports the product unchanged and this module rebinds
+``peer.round.engine.make_inner_loop`` (the one factory through which the round engine builds its
+inner loop) before the CLI runs. Nothing in the product reads a stand-in option, so it is in no help
+text and no user can turn it on; the rig's processes are the only ones started through this file.
+Its one input is the environment the rig sets, read in :meth:`StandInConfig.from_env`:
+
+* ``LOCOSWARM_STANDIN_STEP_S``: seconds per inner step; or
+* ``LOCOSWARM_STANDIN_TOKENS_PER_S``: a card's tokens/s (bench/results/gpu.json, e.g. llama-125m on
+  an H200: 383,782); the step time is the run's batch tokens ÷ this.
+
+At its first inner step the stand-in writes one JSON event line, ``standin_first_step`` (``time``:
+Unix seconds; ``inner_step``), to the peer's stdout, beside the peer's own events: the rig times a
+joiner's catch-up from ``peer join`` to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # run as a file by the rig: the repository's packages
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import peer.round.engine as engine
+from peer.cli import main as peer_main
+from peer.train.data import BatchSampler
+from peer.train.inner import InnerLoop, StepResult
+from protocol.errors import ConfigError
+from protocol.manifest import InnerOptimizerSpec
+
+STEP_ENV = "LOCOSWARM_STANDIN_STEP_S"
+RATE_ENV = "LOCOSWARM_STANDIN_TOKENS_PER_S"
+CHUNKS = 64
+"""θ is changed a 1/CHUNKS slice per step (each tensor's k-th contiguous slice at step k mod CHUNKS),
+so a round of H ≥ 64 steps changes every element while a step's CPU work stays small."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandInConfig:
+    """How long a stand-in step takes: ``step_s`` seconds, or the run's batch tokens ÷
+    ``tokens_per_s`` (exactly one of them is set).
+
+    Raises:
+        ValueError: neither or both set, or one not a positive finite number.
+    """
+
+    step_s: float | None = None
+    """Seconds per inner step."""
+    tokens_per_s: float | None = None
+    """A card's inner-loop throughput, tokens/s."""
+
+    def __post_init__(self) -> None:
+        if (self.step_s is None) == (self.tokens_per_s is None):
+            raise ValueError(f"set exactly one of step_s ({self.step_s}) and tokens_per_s ({self.tokens_per_s})")
+        for name in ("step_s", "tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} = {value}: must be a positive number")
+
+    def step_seconds(self, batch_tokens: int) -> float:
+        """Seconds per step of a batch of ``batch_tokens`` tokens."""
+        return self.step_s if self.step_s is not None else batch_tokens / float(self.tokens_per_s or 1.0)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that :meth:`from_env` reads back."""
+        return {STEP_ENV: repr(self.step_s)} if self.step_s is not None else {RATE_ENV: repr(self.tokens_per_s)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> StandInConfig:
+        """The configuration the rig put into ``env`` (``LOCOSWARM_STANDIN_STEP_S`` or
+        ``LOCOSWARM_STANDIN_TOKENS_PER_S``).
+
+        Raises:
+            ConfigError: neither or both set, or a value that is not a positive number (named).
+        """
+        values: dict[str, float] = {}
+        for key, field in ((STEP_ENV, "step_s"), (RATE_ENV, "tokens_per_s")):
+            if env.get(key):
+                try:
+                    values[field] = float(env[key])
+                except ValueError:
+                    raise ConfigError(f"{key} = {env[key]!r}: not a number; give seconds or tokens/s") from None
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}: set {STEP_ENV} or {RATE_ENV} (one of them) to a positive number") from None
+
+
+class StandInLoop(InnerLoop):
+    """The inner-loop interface of :class:`peer.train.inner.InnerLoop` with forward and backward
+    replaced by a wait: what the round engine, catch-up and checkpointing call (``step``,
+    ``settle``, ``hold_updates``, ``state_dict`` / ``load_state_dict``, ``reset_optimizer``,
+    ``sampler``, ``micro_batch_sequences``, ``close``) behaves as the real loop's.
+
+    A step: the next batch is drawn from ``sampler`` (the data position advances as in training),
+    the thread waits ``step_s`` seconds on an event nobody sets (no CPU used), waits for
+    :meth:`hold_updates`' event like a real step's optimizer step, then changes θ's slice
+    ``inner_step mod CHUNKS`` of every tensor in place: ``θ ← θ·(1 − lr·0.01) + lr·b``, lr from
+    the run's schedule at ``inner_step`` and ``b`` a per-peer constant of the sampler's seed
+    (``1e-3·(1 + seed mod 7)``), so Δ differs between peers as it does in training. AdamW's
+    moments (fp32, shaped like θ, zeros) are allocated at the first step as AdamW does, and its step
+    count kept, so a checkpoint holds what a real one holds. The loss reported is not a loss: a
+    deterministic stand-in value, ``1 + 1 / (1 + inner_step / 100)`` nats per token.
+
+    Args:
+        model: θ, fp32, on ``device`` (the host here).
+        spec: the run's inner optimizer (learning-rate schedule, AdamW's hyper-parameters).
+        sampler: this peer's batches, int64 (batch_sequences, seq_len + 1).
+        step_s: seconds each step waits (> 0).
+        device: where θ lives (default: the model's device).
+        on_first_step: called with the inner step once, after the first step's wait.
+
+    Raises:
+        ValueError: ``step_s`` not a positive number.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: InnerOptimizerSpec,
+        sampler: BatchSampler,
+        *,
+        step_s: float,
+        device: torch.device | None = None,
+        on_first_step: Callable[[int], None] | None = None,
+    ):
+        if not (math.isfinite(step_s) and step_s > 0):
+            raise ValueError(f"step_s = {step_s}: must be a positive number of seconds")
+        super().__init__(model, spec, sampler, device=device)
+        self.step_s = step_s
+        self.steps_taken = 0
+        self._card = threading.Event()
+        """Never set: a step waits on it for ``step_s``, as the training thread waits on a card."""
+        self._on_first_step = on_first_step
+        self.bias = 1e-3 * (1 + sampler.seed % 7)
+
+    def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
+        """One stand-in step at cumulative inner step ``inner_step`` (see the class); ``wait`` is
+        accepted for the interface (nothing is left pending). Returns the batch's tokens and the
+        step's wall seconds (the wait for :meth:`hold_updates` left out)."""
+        start = time.perf_counter()
+        batch = self._next_batch(inner_step)
+        self._card.wait(self.step_s)
+        held_s = self._wait_for_hold()
+        lr = self.lr(inner_step)
+        with torch.no_grad():
+            k = inner_step % CHUNKS
+            for p in self.params:
+                flat = p.data.view(-1)
+                lo, hi = k * flat.numel() // CHUNKS, (k + 1) * flat.numel() // CHUNKS
+                flat[lo:hi].mul_(1.0 - lr * 0.01).add_(lr * self.bias)
+        self._count_step()
+        self.steps_taken += 1
+        if self.steps_taken == 1 and self._on_first_step is not None:
+            self._on_first_step(inner_step)
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        return StepResult(
+            loss=1.0 + 1.0 / (1.0 + inner_step / 100.0),
+            tokens=tokens,
+            seconds=time.perf_counter() - start - held_s,
+            micro_batch=batch.shape[0],
+        )
+
+    def _count_step(self) -> None:
+        """AdamW's per-parameter state as its first step leaves it (zero moments), then its step count."""
+        adamw = self._adamw()
+        for p in self.params:
+            state = adamw.state[p]
+            if "exp_avg" not in state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+
+    def settle(self) -> list[float]:
+        """Nothing is ever pending: an empty list."""
+        return []
+
+    def fit_micro_batch(self, *, budget_bytes: float, margin: float = 0.1) -> int:
+        """No card to fit: the whole batch per micro-batch (the batch's sequences)."""
+        self.micro_batch_sequences = self.rows_per_step
+        return self.micro_batch_sequences
+
+
+def first_step_event(inner_step: int, *, fd: int = 1) -> None:
+    """Write the ``standin_first_step`` event as one JSON line to ``fd`` (one ``write``, so it does
+    not interleave with the peer's own lines)."""
+    line = json.dumps({"event": "standin_first_step", "time": time.time(), "inner_step": inner_step}) + "\n"
+    os.write(fd, line.encode())
+
+
+def factory(config: StandInConfig, on_first_step: Callable[[int], None] | None = None) -> Callable[..., InnerLoop]:
+    """A replacement for :func:`peer.train.ddp.make_inner_loop` (same arguments) that builds a
+    :class:`StandInLoop` whose step time is ``config``'s for the run's batch."""
+
+    def make(model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler, placement: Any = None):
+        tokens = sampler.batch_sequences * sampler.seq_len
+        device = placement.device if placement is not None else None
+        return StandInLoop(
+            model, spec, sampler, step_s=config.step_seconds(tokens), device=device, on_first_step=on_first_step
+        )
+
+    return make
+
+
+def install(config: StandInConfig, on_first_step: Callable[[int], None] | None = first_step_event) -> None:
+    """Make the round engine build :class:`StandInLoop` in this process.
+
+    Raises:
+        RuntimeError: peer/round/engine.py no longer builds its inner loop through
+            ``make_inner_loop`` (this seam must follow it).
+    """
+    if not callable(getattr(engine, "make_inner_loop", None)):
+        raise RuntimeError("peer/round/engine.py has no make_inner_loop to replace: update lab/standin.py's seam")
+    engine.make_inner_loop = factory(config, on_first_step)
+
+
+def main() -> None:
+    """``python lab/standin.py join ...``: the product's ``peer`` CLI with the stand-in installed;
+    exit 78 with one line when the stand-in's environment is bad."""
+    try:
+        config = StandInConfig.from_env(os.environ)
+    except ConfigError as exc:
+        print(f"lab/standin.py: {exc}", file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code) from None
+    install(config)
+    peer_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""bench/rig125m.py's arithmetic: utilization against no sync, the link floor, bytes per token and a
+joiner's catch-up against its floor, from round events (issue #54)."""
+
+import pytest
+
+from bench.rig125m import (
+    batch_tokens,
+    catch_up_row,
+    gpu_tokens_per_s,
+    nosync_tokens_per_s,
+    rig_manifest,
+    swarm_figures,
+)
+
+
+def rounds(times, compute, sent):
+    return [
+        {"time": t, "compute_s": c, "sync_s": 1.0, "tokens": 1000, "group_size": 2, "bytes_sent": b}
+        for t, c, b in zip(times, compute, sent)
+    ]
+
+
+def test_figures_of_a_swarm_leave_out_the_warmup_round():
+    run = {
+        "events": {
+            "a": {"round": rounds([10, 14, 18], [3, 3, 3], [9e9, 1e6, 3e6])},
+            "b": {"round": rounds([10, 15, 20], [3, 3, 3], [9e9, 1e6, 3e6])},
+        },
+        "pss_bytes": {"a": 2**30, "b": 3 * 2**30},
+    }
+    f = swarm_figures(run, warmup=1, rate=8.0)  # 8 Mbit/s: 1 MB a second
+    assert f["tokens_per_s"] == pytest.approx(2000 / 8 + 2000 / 10)
+    assert f["floor_s"] == pytest.approx(2.0)  # 2 MB a round at 1 MB/s; the warm-up round's 9 GB left out
+    assert f["bytes_per_token"] == pytest.approx(8e6 / 4000)
+    assert f["rss_mib"] == pytest.approx(2048)
+
+
+def test_the_nosync_reference_is_tokens_over_the_steps_seconds():
+    run = {"events": {"a": {"round": rounds([100], [50.0], [0])}, "b": {"round": rounds([100], [40.0], [0])}}}
+    assert nosync_tokens_per_s(run) == pytest.approx(1000 / 50 + 1000 / 40)
+
+
+def test_catch_up_against_the_donors_summed_uplinks():
+    run = {
+        "joined_at": 100.0,
+        "events": {
+            "joiner": {
+                "adopted_state": [{"bytes": 375_000_000, "donors": {"x": 4, "y": 4, "z": 4}, "seconds": 3.0}],
+                "standin_first_step": [{"time": 112.5, "inner_step": 700}],
+                "round": [],
+            }
+        },
+    }
+    row = catch_up_row(run, rate=1000.0)
+    assert row["donors"] == 3 and row["state_bytes"] == 375_000_000
+    assert row["seconds"] == pytest.approx(12.5)
+    assert row["floor_s"] == pytest.approx(1.0)  # 3 Gbit over 3 × 1 Gbit/s
+    run["events"]["joiner"]["standin_first_step"] = []
+    with pytest.raises(RuntimeError, match="joiner"):
+        catch_up_row(run, rate=1000.0)
+
+
+def test_manifests_and_step_time_of_the_125m_preset():
+    m = rig_manifest("llama-125m", "delayed", "fp32", 700, 3)
+    assert (m.sync.overlap, m.sync.inner_steps, m.compression.codec) == ("delayed", 700, "none")
+    ref = rig_manifest("llama-125m", "nosync", "int8", 700, 3)
+    assert (ref.sync.overlap, ref.sync.inner_steps) == ("none", 2100)  # one round, its sync after all steps
+    assert batch_tokens(m) == 65536
+    assert gpu_tokens_per_s("llama-125m") == pytest.approx(383781.8)
+    with pytest.raises(ValueError, match="'nope'"):
+        rig_manifest("nope", "delayed", "fp32", 10, 3)
