@@ -11,7 +11,7 @@ bench/compare.py's (fixed global batch, split over the R replicas of stage 0). T
 pipeline: ``unpipelined_bpb``) and of R peers (its width, on the same shards and batches:
 ``unpipelined_r_peers_bpb``). Writes ``bench/results/pipeline.json``: ``{"results": [{"stages",
 "replicas_per_stage", "routing", "tokens_per_s", "activation_bytes_per_token", "final_bpb",
-"unpipelined_bpb", ...}]}`` with seed means, and prints a markdown table for docs/benchmarks.md.
+"unpipelined_bpb", ...}]}`` with seed means, and prints a markdown table (docs/results.md: bench/results_doc.py).
 
 Not measured here: throughput across real peers (bench/pipeline_rig.py measures it on the
 network-namespace rig; its rows, ``"measured": "rig"``, are kept in the same file).

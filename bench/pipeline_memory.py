@@ -19,7 +19,7 @@ of ``peer join --max-memory`` (a CUDA cap). Three phases, each a bootstrap node 
 
 The model: Llama-style, ``--hidden``/``--layers`` (heads of 64), byte tokenizer, 64-token
 sequences, 4 sequences per step, DiLoCo with the shipped outer step. Writes
-bench/results/pipeline_memory.json and prints a markdown table for docs/benchmarks.md. Needs root
+bench/results/pipeline_memory.json and prints a markdown table (docs/results.md: bench/results_doc.py). Needs root
 (cgroups).
 """
 

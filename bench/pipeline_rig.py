@@ -24,7 +24,7 @@ from a micro-batch of the run's shape: libp2p's own framing (yamux, noise) is no
 
 Writes the rig rows (``"measured": "rig"``) into bench/results/pipeline.json's ``results`` (the
 simulation's rows from bench/pipeline.py are kept), every run's figures to
-bench/results/pipeline_rig.detail.json, and prints a markdown table for docs/benchmarks.md. Needs
+bench/results/pipeline_rig.detail.json, and prints a markdown table (docs/results.md: bench/results_doc.py). Needs
 root (network namespaces, tc).
 """
 

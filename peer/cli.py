@@ -21,7 +21,7 @@ from peer.cli_common import ALGORITHMS, configure_logging, default_data_dir, res
 from peer.cli_tools import data_group, doctor, status
 from peer.config import DeviceConfig, JoinConfig, TrainerConfig
 from peer.net.cli_types import FiniteFloatRange
-from peer.net.lifetime import dump_stacks_on_sigusr1, quiet_handshakes_cut_by_a_dead_helper
+from peer.net.lifetime import dump_stacks_on_sigusr1, exit_process, quiet_handshakes_cut_by_a_dead_helper
 from peer.reporting import Reporter
 from peer.swarm import SwarmConfig, check_data_path, run_swarm
 from protocol.errors import LocoError, exit_with
@@ -103,7 +103,13 @@ def main() -> None:
     default=None,
     metavar="PATH",
     help="Your copy of the run's corpus (file or directory), checked against the run's "
-    "data.corpus_sha256 before training.",
+    "data.corpus_sha256 before training; for a sharded run, a directory of its shards (each hash-checked).",
+)
+@click.option(
+    "--data-cache-gb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="A sharded run: most GB of shard files kept on disk (consumed shards are evicted). [default: 20]",
 )
 @click.option(
     "--data-dir",
@@ -237,6 +243,7 @@ def join(
     port,
     announce,
     data_path,
+    data_cache_gb,
     data_dir,
     max_rounds,
     eval_every,
@@ -300,6 +307,7 @@ def join(
             port=port,
             announce=tuple(announce),
             data_path=data_path,
+            data_cache_gb=data_cache_gb,
             data_dir=data_dir or default_data_dir(),
             client_mode=client_mode,
             stage=stage,
@@ -330,7 +338,7 @@ def join(
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
-    sys.exit(code)
+    exit_process(code)  # everything is released: skip the interpreter's seconds-long teardown
 
 
 @main.command()

@@ -12,8 +12,10 @@ import click
 from peer.cli_common import configure_logging, default_data_dir, resolve_run
 from peer.net.cli_types import FiniteFloatRange
 from peer.run_choice import checkpointed_runs
+from peer.shards.prepare import prepare_shards
+from peer.train.bpe import train_for_run
 from peer.train.cache import default_cache_dir
-from peer.train.sources import describe
+from peer.train.sources import describe, iter_documents
 from protocol.errors import LocoError, exit_with
 from protocol.presets import PRESETS
 
@@ -259,8 +261,40 @@ def data_group() -> None:
     help="Token cache directory. [default: $LOCOSWARM_CACHE_DIR, else the user cache dir]/locoswarm; "
     "peers on this machine read the same one",
 )
+@click.option(
+    "--shards",
+    "shards_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="A directory of .parquet/.jsonl shard files: hash each, write DIR/shards.json and print the "
+    "[data] section of a sharded run (with --hub-repo: where shards.json goes).",
+)
+@click.option("--base-url", default="", help="With --shards: the HTTP(S) URL the shards will be served under.")
+@click.option("--hub-repo", default="", help="A Hugging Face dataset repository (owner/name) to list the shards of.")
+@click.option("--hub-revision", default="", help="With --hub-repo: the commit to pin (40 hex digits).")
+@click.option("--validation-shards", type=click.IntRange(min=1), default=1, show_default=True, help="Shards held out.")
+@click.option(
+    "--train-tokenizer",
+    "train_tokenizer",
+    type=click.IntRange(512, 1 << 20),
+    default=None,
+    metavar="N",
+    help="First train an N-id byte-level BPE on the corpus's training split (once, here: peers never train "
+    "one), keep its tokenizer.json in the cache's tokenizers/ store, and print the [data] lines naming it by hash.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
-def prepare(run_file, preset, cache_dir, verbose) -> None:
+def prepare(
+    run_file,
+    preset,
+    cache_dir,
+    shards_dir,
+    base_url,
+    hub_repo,
+    hub_revision,
+    validation_shards,
+    train_tokenizer,
+    verbose,
+) -> None:
     """Tokenize a run's corpus into the token cache (training its BPE first if it uses one) and print the
     corpus and tokenizer hashes, as TOML to pin in the manifest's [data] section.
 
@@ -271,14 +305,31 @@ def prepare(run_file, preset, cache_dir, verbose) -> None:
     Examples:
       peer data prepare --run my_run.toml
       peer data prepare --run my_run.toml --cache-dir /srv/locoswarm-cache
+      peer data prepare --run my_run.toml --train-tokenizer 16384   # a BPE for the run, named by hash
+      peer data prepare --shards /srv/corpus --base-url https://cdn.example.org/corpus
+      peer data prepare --hub-repo me/web-shards --hub-revision 0123...   # list a dataset repository
     """
-    from peer.train.data import load_corpus
+    from peer.train.data import is_validation, load_corpus
 
     configure_logging(verbose)
+    if shards_dir is not None or hub_repo:
+        try:
+            lines = prepare_shards(shards_dir, base_url, hub_repo, hub_revision, validation_shards)
+        except LocoError as exc:
+            exit_with(exc, verbose=verbose)
+        click.echo("\n".join(lines))
+        return
     try:
         manifest = resolve_run(run_file, preset) or PRESETS["default"]()
         cache_dir = cache_dir or default_cache_dir()
-        corpus = load_corpus(manifest.data, cache_dir=cache_dir)
+        data, trained = manifest.data, None
+        if train_tokenizer is not None:
+            held_out = data.validation_fraction
+            texts = (
+                d.data.decode("utf-8", "replace") for d in iter_documents(data) if not is_validation(d.name, held_out)
+            )
+            data, trained = train_for_run(data, train_tokenizer, texts, cache_dir=cache_dir)
+        corpus = load_corpus(data, cache_dir=cache_dir)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
     tok = corpus.tokenizer
@@ -291,3 +342,8 @@ def prepare(run_file, preset, cache_dir, verbose) -> None:
         f'[data]\ncorpus_sha256 = "{corpus.corpus_sha256}"\ncorpus_bytes = {corpus.corpus_bytes}\n'
         f'tokenizer_sha256 = "{tok.sha256}"'
     )
+    if trained is not None:
+        click.echo(
+            f'tokenizer = "bpe"\nvocab_size = {tok.vocab_size}\n# the tokenizer.json: {trained}; publish it and add '
+            'tokenizer_source = "hf://datasets/OWNER/NAME@COMMIT/tokenizer.json" (or a path peers can read)'
+        )

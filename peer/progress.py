@@ -11,6 +11,7 @@ as it goes.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
@@ -287,3 +288,66 @@ class TransferProgress:
             self._bar.stop()
         else:
             print(self.line(), file=self.stream, flush=True)
+
+
+class Waiting:
+    """Says, while a long step runs, that it still runs: a rich spinner with the seconds elapsed on a
+    terminal, else a plain line on ``stream`` every ``every_s`` seconds, e.g. ``still reading the
+    run's data (10 s)``; nothing when the step ends before the first one is due. A context manager;
+    the line that names the step is the caller's (printed before it enters).
+
+    Args:
+        what: the step, for the line (``reading the run's data``).
+        stream: where to draw (stderr by default: stdout carries a peer's events).
+        every_s: seconds between two plain lines (> 0).
+    """
+
+    def __init__(self, what: str, *, stream: TextIO | None = None, every_s: float = 5.0):
+        if not every_s > 0:
+            raise ValueError(f"every_s = {every_s}: must be > 0")
+        self.what, self.every_s = what, every_s
+        self.stream = stream or sys.stderr
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._status: Any = None
+        self.lines = 0
+        """Plain lines printed so far."""
+
+    def __enter__(self) -> Waiting:
+        from rich.console import Console
+
+        self.start = time.monotonic()
+        console = Console(file=self.stream, stderr=self.stream is sys.stderr)
+        if console.is_terminal:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._status = Progress(
+                SpinnerColumn(), TextColumn(self.what), TimeElapsedColumn(), console=console, transient=True
+            )
+            self._status.add_task(self.what, total=None)
+            self._status.start()
+        else:
+            self._thread = threading.Thread(target=self._tick, name="waiting", daemon=True)
+            self._thread.start()
+        return self
+
+    def _tick(self) -> None:
+        while not self._done.wait(self.every_s):
+            elapsed = time.monotonic() - self.start
+            try:
+                print(f"still {self.what} ({elapsed:.0f} s)", file=self.stream, flush=True)
+            except (OSError, ValueError):  # the stream closed under a process on its way out
+                return
+            self.lines += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop saying it (the step ended); idempotent: a caller may end it before its ``with`` does."""
+        self._done.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._status is not None:
+            self._status.stop()
+            self._status = None

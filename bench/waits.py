@@ -1,0 +1,214 @@
+"""Stopwatch on the lines real processes print where a person waits (issue #53 item 4).
+
+Starts, on this machine, with text output as a person sees it:
+
+1. ``bootstrap run`` (default run, a fresh identity): seconds to its first line, to its address
+   line, and the longest silence between two lines;
+2. ``bootstrap monitor`` against it: seconds to its first line and to the page's address;
+3. ``peer join`` against it (a fresh data dir): seconds to each line up to its first round, the
+   longest silence, then SIGINT: seconds from the "stopped" line to the process's exit;
+4. ``peer join`` again on the same data dir (a restart): seconds to its first round, the longest
+   silence, and any warning line.
+
+Prints a table and writes bench/results/waits.json: ``bootstrap_first_line_s``,
+``bootstrap_ready_s``, ``monitor_first_line_s``, ``monitor_ready_s``, ``join_first_line_s``,
+``join_started_s``, ``join_first_round_s``, ``join_longest_silence_s``, ``sigint_stopped_to_exit_s``,
+``restart_first_round_s``, ``restart_longest_silence_s``, ``restart_warnings`` (lists of lines),
+``device``.
+
+    nice .venv/bin/python bench/waits.py [--fresh-cache] [--second-peer] [--out bench/results/waits.json]
+
+``--second-peer`` keeps a second peer training while the first stops and restarts (the restart then
+catches up with a swarm). ``--fresh-cache`` points LOCOSWARM_CACHE_DIR at an empty directory, as on a fresh clone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Watched:
+    """A process whose stdout and stderr lines are stamped with seconds since its start."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+        self.name = name
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        self.lines: list[tuple[float, str, str]] = []
+        self.q: queue.Queue[tuple[float, str, str]] = queue.Queue()
+        for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr)):
+            threading.Thread(target=self._read, args=(name, stream), daemon=True).start()
+
+    def _read(self, name, stream) -> None:
+        for line in stream:
+            item = (time.monotonic() - self.t0, name, line.rstrip("\n"))
+            self.lines.append(item)
+            self.q.put(item)
+            print(f"  {self.name:9} {item[0]:7.2f} s [{name}] {item[2][:150]}", flush=True)
+
+    def wait_for(self, pattern: str, timeout_s: float = 300.0) -> float:
+        """Seconds since start at which a line matching ``pattern`` appeared (waits for it)."""
+        rx = re.compile(pattern)
+        for t, _, line in list(self.lines):
+            if rx.search(line):
+                return t
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                t, _, line = self.q.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if rx.search(line):
+                return t
+        raise SystemExit(f"no line matching {pattern!r} within {timeout_s} s")
+
+    def first_line_s(self) -> float:
+        return self.lines[0][0]
+
+    def longest_silence(self, until_s: float) -> tuple[float, str]:
+        """The longest gap between two lines (from the start) up to ``until_s``, and the line before it."""
+        best, before, last = 0.0, "(start)", 0.0
+        prev_line = "(start)"
+        for t, _, line in self.lines:
+            if t > until_s:
+                break
+            if t - last > best:
+                best, before = t - last, prev_line
+            last, prev_line = t, line
+        return best, before
+
+    def sigint_and_time_exit(self) -> float:
+        """SIGINT to the process; seconds from its "stopped" line to its exit."""
+        self.proc.send_signal(signal.SIGINT)
+        t_stop = self.wait_for(r"^stopped after", 120)
+        self.proc.wait(120)
+        return time.monotonic() - self.t0 - t_stop
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fresh-cache", action="store_true")
+    ap.add_argument("--second-peer", action="store_true", help="a second peer trains while the first restarts")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "waits.json")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout's SIGTERM still stops the children
+    bin_dir = Path(sys.executable).parent
+    tmp = Path(tempfile.mkdtemp(prefix="waits-"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    if args.fresh_cache:
+        env["LOCOSWARM_CACHE_DIR"] = str(tmp / "cache")
+    r: dict = {"device": f"{os.cpu_count()}-core CPU, no GPU"}
+    procs: list[Watched] = []
+    try:
+        print("bootstrap run")
+        boot = Watched(
+            "bootstrap",
+            [str(bin_dir / "bootstrap"), "run", "--host", "127.0.0.1", "--port", "0", "--identity", str(tmp / "b.key")],
+            env,
+        )
+        procs.append(boot)
+        r["bootstrap_ready_s"] = boot.wait_for(r"peer join --initial-peers /ip4/127\.0\.0\.1/")
+        r["bootstrap_first_line_s"] = boot.first_line_s()
+        maddr = next(
+            line.split()[-1] for _, _, line in boot.lines if "peer join --initial-peers /ip4/127.0.0.1/" in line
+        )
+        print("bootstrap monitor")
+        mon = Watched("monitor", [str(bin_dir / "bootstrap"), "monitor", "--initial-peers", maddr, "--port", "0"], env)
+        procs.append(mon)
+        r["monitor_ready_s"] = mon.wait_for(r"swarm monitor: http")
+        r["monitor_first_line_s"] = mon.first_line_s()
+        mon.stop()
+        join_argv = [
+            str(bin_dir / "peer"),
+            "join",
+            "--initial-peers",
+            maddr,
+            "--host",
+            "127.0.0.1",
+            "--data-dir",
+            str(tmp / "peer"),
+        ]
+        print("peer join")
+        peer = Watched("peer-a", join_argv, env)
+        procs.append(peer)
+        r["join_first_round_s"] = peer.wait_for(r"^round \d+ \|", 600)
+        r["join_first_line_s"] = peer.first_line_s()
+        r["join_started_s"] = peer.wait_for(r"^locoswarm .* \| peer ")
+        r["join_longest_silence_s"], r["join_longest_silence_after"] = peer.longest_silence(r["join_first_round_s"])
+        r["second_peer"] = args.second_peer
+        if args.second_peer:
+            print("second peer (stays up: the restarted peer rejoins a training swarm)")
+            other = Watched("peer-b", [*join_argv[:-1], str(tmp / "peer-b")], env)
+            procs.append(other)
+            other.wait_for(r"^round \d+ \|", 600)
+            n = len(peer.lines)
+            while not any(re.match(r"^round \d+ \|", line) for _, _, line in peer.lines[n:]):
+                time.sleep(0.5)  # peer-a's next round, with peer-b live (grouped or not: on a loaded machine)
+        r["sigint_stopped_to_exit_s"] = peer.sigint_and_time_exit()
+        r["sigint_exit_code"] = peer.proc.returncode
+        print("peer join again (restart, same data dir)")
+        again = Watched("peer-a(2)", join_argv, env)
+        procs.append(again)
+        r["restart_first_round_s"] = again.wait_for(r"^round \d+ \|", 600)
+        r["restart_longest_silence_s"], r["restart_longest_silence_after"] = again.longest_silence(
+            r["restart_first_round_s"]
+        )
+        r["restart_first_round_line"] = next(line for t, _, line in again.lines if re.match(r"^round \d+ \|", line))
+        r["restart_warnings"] = [
+            line for t, _, line in again.lines if "warning" in line.lower() and t <= r["restart_first_round_s"] + 1
+        ]
+        r["restart_sigint_stopped_to_exit_s"] = again.sigint_and_time_exit()
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    rows = [
+        ("bootstrap run: first line", r["bootstrap_first_line_s"]),
+        ("bootstrap run: address line", r["bootstrap_ready_s"]),
+        ("bootstrap monitor: first line", r["monitor_first_line_s"]),
+        ("bootstrap monitor: page address", r["monitor_ready_s"]),
+        ("peer join: first line", r["join_first_line_s"]),
+        ("peer join: start line", r["join_started_s"]),
+        ("peer join: first round", r["join_first_round_s"]),
+        ("peer join: longest silence", r["join_longest_silence_s"]),
+        ("Ctrl-C: 'stopped' to exit", r["sigint_stopped_to_exit_s"]),
+        ("restart: first round", r["restart_first_round_s"]),
+        ("restart: longest silence", r["restart_longest_silence_s"]),
+        ("restart Ctrl-C: 'stopped' to exit", r["restart_sigint_stopped_to_exit_s"]),
+    ]
+    print("\n| what | seconds |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value:.1f} |")
+    print(f"restart warnings: {r['restart_warnings'] or 'none'}")
+    print(f"restart's first round: {r['restart_first_round_line']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(r, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""bench/results_doc.py: docs/results.md from bench/results/*.json (issue #53 item 2)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from bench.results_doc import REGISTRY, generic, markdown_table, render
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_each_registry_entry_has_a_result_file_that_parses_and_tables(name):
+    entry = REGISTRY[name]
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    for extra in entry.extra:
+        json.loads((RESULTS / extra).read_text())
+    for table in entry.tables:
+        rows = table.rows(data)
+        assert rows, f"{name}: table {table.caption or table.columns[0]} has no rows"
+        lines = markdown_table(rows, table.columns, name)
+        assert len(lines) == len(rows) + 2
+
+
+def test_the_script_renders_every_current_result_with_its_plots(tmp_path):
+    doc = tmp_path / "docs"
+    text = render(RESULTS, doc / "img", doc)
+    for name, entry in REGISTRY.items():
+        assert f"## {entry.title}" in text
+        assert f"`bench/results/{name}.json`" in text
+    # every result file is named: by its entry, as an entry's extra, or in "Other results"
+    for path in RESULTS.glob("*.json"):
+        assert path.name in text
+    images = [line[line.index("](") + 2 : -1] for line in text.splitlines() if line.startswith("![")]
+    assert images and all((doc / image).stat().st_size > 0 for image in images)
+
+
+def test_a_result_without_an_entry_is_listed_not_dropped(tmp_path):
+    (tmp_path / "gpu.json").write_text((RESULTS / "gpu.json").read_text())
+    (tmp_path / "brand_new.json").write_text(json.dumps({"device": "a toaster", "results": [{"a": 1, "b": 2.5}]}))
+    text = render(tmp_path, tmp_path / "img", tmp_path)
+    assert "## The inner loop on a GPU" in text
+    assert "### brand_new" in text and "a toaster" in text and "| 1 | 2.5 |" in text
+
+
+def test_a_table_column_no_row_has_is_an_error_naming_file_and_key():
+    with pytest.raises(KeyError, match="x.json.*'missing'"):
+        markdown_table([{"a": 1}], [("a", "A"), ("missing", "M")], "x.json")
+
+
+def test_a_flat_record_without_rows_gets_a_figure_table():
+    lines = generic("flat", {"loss": 1.25, "peers": 8})
+    assert "| loss | 1.25 |" in lines and "| peers | 8 |" in lines
+
+
+PATH_IN_DOCS = re.compile(r"(?<![\w/.-])((?:peer|protocol|bootstrap|lab|bench|tests|docs|docker)/[\w./-]*\w)")
+MADE_AT_RUN_TIME = {"tests/artifacts"}
+
+
+def test_every_repository_path_the_readme_and_docs_name_exists():
+    """README.md and docs/*.md (not the dated notes) name only files that are in the repository."""
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for path in set(PATH_IN_DOCS.findall(doc.read_text())):
+            module = path.rsplit(".", 1)[0] + ".py"  # peer/net/cli_types.FiniteFloatRange names a class
+            if path not in MADE_AT_RUN_TIME and not (ROOT / path).exists() and not (ROOT / module).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing

@@ -1,0 +1,71 @@
+"""peer/progress.py ``Waiting`` (no silent wait: a line while a long step runs) and
+peer/net/lifetime.py ``exit_process`` (a stopped command exits at once, its exit handlers run)."""
+
+import io
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from peer.progress import Waiting
+
+
+def test_a_long_step_prints_still_lines_naming_it_until_it_ends():
+    stream = io.StringIO()  # not a terminal: plain lines
+    with Waiting("reading the run's data", stream=stream, every_s=0.01) as waiting:
+        deadline = time.monotonic() + 30  # hang guard only
+        while waiting.lines < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    printed = stream.getvalue().splitlines()
+    assert len(printed) == waiting.lines >= 2
+    assert all(line.startswith("still reading the run's data (") and line.endswith(" s)") for line in printed)
+    after = stream.getvalue()
+    time.sleep(0.05)  # the ticker stopped with the step: nothing more comes
+    assert stream.getvalue() == after
+
+
+def test_a_short_step_prints_nothing():
+    stream = io.StringIO()
+    with Waiting("evaluating φ", stream=stream, every_s=3600):
+        pass
+    assert stream.getvalue() == ""
+
+
+def test_the_ticker_thread_ends_with_the_step_even_on_an_exception():
+    stream = io.StringIO()
+    with pytest.raises(RuntimeError), Waiting("x", stream=stream, every_s=3600):
+        raise RuntimeError("boom")
+    assert not any(t.name == "waiting" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_bad_interval_is_refused_naming_it():
+    with pytest.raises(ValueError, match="every_s = 0"):
+        Waiting("x", every_s=0)
+
+
+def test_exit_process_runs_exit_handlers_flushes_and_exits_with_the_code(tmp_path):
+    marker = tmp_path / "atexit-ran"
+    code = (
+        "import atexit, sys\n"
+        "from peer.net.lifetime import exit_process\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))\n"
+        "print('last line', end='')\n"  # unflushed: exit_process flushes it
+        "sys.stderr.write('err line')\n"
+        "exit_process(130)\n"
+        "print('never')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130, result.stderr
+    assert result.stdout == "last line" and "err line" in result.stderr
+    assert marker.read_text() == "yes"
+
+
+def test_exit_process_inside_a_runner_raises_system_exit_instead():
+    # pytest's capture replaced the streams: the process is not the command's alone
+    from peer.net.lifetime import exit_process
+
+    with pytest.raises(SystemExit) as exc:
+        exit_process(3)
+    assert exc.value.code == 3
