@@ -69,3 +69,20 @@ def test_every_repository_path_the_readme_and_docs_name_exists():
             if path not in MADE_AT_RUN_TIME and not (ROOT / path).exists() and not (ROOT / module).exists():
                 missing.append(f"{doc.name}: {path}")
     assert not missing, missing
+
+
+def test_a_results_note_is_printed_under_its_tables(tmp_path):
+    (tmp_path / "overlap_p1.json").write_text((RESULTS / "overlap_p1.json").read_text())
+    text = render(tmp_path, tmp_path / "img", tmp_path)
+    section = text[text.index("## Streaming with one fragment") :]
+    assert "Note: utilization (issue #54)" in section
+
+
+def test_no_result_file_carries_the_old_utilization_ratio():
+    """The old ratio (inner steps' seconds over round wall time) rose when a sync slowed the steps
+    (issue #54): result rows carry ``utilization`` (swarm tokens/s over no-sync tokens/s) or null."""
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        rows = data.get("results") if isinstance(data, dict) else None
+        for row in rows if isinstance(rows, list) else []:
+            assert not (isinstance(row, dict) and "compute_utilization" in row), path.name

@@ -1,0 +1,517 @@
+"""What docs/results.md says about each result file in bench/results/: :data:`REGISTRY`, keyed by the
+file's name without ``.json``. Adding a benchmark is an entry here and a rerun of bench/results_doc.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.results_tables import (  # noqa: E402
+    Entry,
+    Table,
+    adoption_rows,
+    codec_rows,
+    eager_outer_rows,
+    flat,
+    from_round_rows,
+    gpu_fit_rows,
+    key,
+    plot_curves,
+    plot_utilization,
+    round_end_rows,
+    sweep_best,
+)
+
+COMPARE_COLUMNS = [
+    ("method", "method"),
+    ("peers", "peers"),
+    ("seeds", "seeds"),
+    ("final_bpb", "final bits/byte"),
+    ("vs_data_parallel_pct", "vs data-parallel (%)"),
+    ("outer", "outer optimizer"),
+]
+COMPARE_MEASURES = (
+    "Validation bits per byte at equal tokens of DiLoCo, NoLoCo and independent peers against "
+    "data-parallel training on the same tokens (in-process simulation: the swarm's own outer "
+    "algorithms, group plan and codecs; lower is better)."
+)
+OVERLAP_QUALITY = Table(
+    key("quality"),
+    [
+        ("overlap", "overlap"),
+        ("method", "method"),
+        ("peers", "peers"),
+        ("final_bpb", "final bits/byte"),
+        ("vs_none", "vs blocking (%)"),
+        ("tokens_per_run", "tokens"),
+    ],
+    "validation loss at equal tokens",
+)
+OVERLAP_VARIANTS = {
+    "overlap_alpha": "streaming's mixing weight α",
+    "overlap_codec_fp4": "overlap with the fp4 codec",
+    "overlap_codec_int8": "overlap with the int8 codec",
+    "overlap_cpu32k": "the cpu-32k scale",
+    "overlap_cpu32k_from8": "the cpu-32k scale, overlap from round 8",
+    "overlap_cpu32k_muon": "the cpu-32k scale with Muon",
+    "overlap_cpu32k_p1": "the cpu-32k scale, one streaming fragment",
+    "overlap_cpu32k_rounds160": "the cpu-32k scale, 160 rounds",
+    "overlap_cpu32k_shift": "the cpu-32k scale, the 'shift' merge",
+    "overlap_muon": "with Muon",
+    "overlap_rounds192": "192 rounds",
+    "overlap_rounds384": "384 rounds",
+    "overlap_rounds48": "48 rounds",
+    "overlap_rounds96": "96 rounds",
+    "overlap_rounds96_from1": "96 rounds, overlap from round 1",
+    "overlap_shift": "the 'shift' merge",
+}
+
+REGISTRY: dict[str, Entry] = {
+    "gpu": Entry(
+        "The inner loop on a GPU",
+        "Tokens/s, model FLOPs utilisation and peak memory of a peer's inner loop per preset, and its "
+        "speed as a share of a bare PyTorch loop on the same model, batches and precision.",
+        "python bench/gpu.py --presets llama-125m,default",
+        [
+            Table(
+                key("results"),
+                [
+                    ("preset", "preset"),
+                    ("params", "parameters"),
+                    ("precision", "precision"),
+                    ("micro_batch", "micro-batch"),
+                    ("tokens_per_s", "tokens/s"),
+                    ("mfu", "MFU"),
+                    ("peak_memory_gib", "peak GiB"),
+                    ("inner_vs_bare", "vs bare loop"),
+                ],
+            )
+        ],
+    ),
+    "gpu_fit": Entry(
+        "Which preset fits an 8, 12 or 24 GiB card (computed)",
+        "The largest micro-batch (sequences of 1,024 tokens) per preset and card, from the peer's own "
+        "memory estimate (peer/train/device.py training_memory_bytes) within the start-up probe's 90 %; "
+        "with --activation-checkpointing in brackets. Computed, not measured; the check rows set it "
+        "against the measured H200 figure.",
+        "python bench/gpu_fit.py",
+        [
+            Table(
+                gpu_fit_rows,
+                [
+                    ("preset", "preset"),
+                    ("params", "parameters"),
+                    ("states_gib", "states GiB"),
+                    ("activations_gib_per_seq", "GiB per sequence"),
+                    ("8 GiB", "8 GiB"),
+                    ("12 GiB", "12 GiB"),
+                    ("24 GiB", "24 GiB"),
+                ],
+            ),
+            Table(
+                key("check"),
+                [
+                    ("preset", "preset"),
+                    ("micro_batch", "micro-batch"),
+                    ("measured_gib", "measured GiB"),
+                    ("computed_gib", "computed GiB"),
+                    ("device", "device"),
+                ],
+                "the estimate against the measured peak",
+            ),
+        ],
+        device="none (computed)",
+    ),
+    "compare-cpu": Entry(
+        "DiLoCo and NoLoCo against data-parallel: CPU scale",
+        COMPARE_MEASURES,
+        "python bench/compare.py --jobs 2 --threads 1",
+        [Table(key("results"), COMPARE_COLUMNS)],
+    ),
+    "compare-cpu-muon": Entry(
+        "DiLoCo and NoLoCo against data-parallel: CPU scale, Muon inner optimizer",
+        COMPARE_MEASURES,
+        "python bench/compare.py --jobs 2 --threads 1 --set 'inner_optimizer.kind=\"muon\"'",
+        [Table(key("results"), COMPARE_COLUMNS)],
+    ),
+    "compare-cpu-32k": Entry(
+        "DiLoCo and NoLoCo against data-parallel: cpu-32k scale (8,192 tokens per peer)",
+        COMPARE_MEASURES,
+        "python bench/compare.py --config bench/compare-cpu-32k.toml --jobs 2 --threads 1",
+        [Table(key("results"), COMPARE_COLUMNS)],
+    ),
+    "compare-cpu-32k-muon": Entry(
+        "DiLoCo and NoLoCo against data-parallel: cpu-32k scale, Muon",
+        COMPARE_MEASURES,
+        "python bench/compare.py --config bench/compare-cpu-32k.toml --jobs 2 --threads 1 "
+        "--set 'inner_optimizer.kind=\"muon\"'",
+        [Table(key("results"), COMPARE_COLUMNS)],
+    ),
+    "compare-cpu-32k-engine": Entry(
+        "cpu-32k rows on the round engine a peer runs",
+        "The same comparison with DiLoCo, NoLoCo and independent rows run on N round loops over the "
+        "in-process hub (lab/engine_sim.py), the code a peer runs.",
+        "python bench/compare.py --config bench/compare-cpu-32k.toml --jobs 2 --threads 1",
+        [Table(key("results"), [*COMPARE_COLUMNS, ("source", "ran on")])],
+    ),
+    "compare-cpu-32k-bpe2048": Entry(
+        "cpu-32k scale with a 2,048-id BPE",
+        COMPARE_MEASURES,
+        "python bench/compare.py --config bench/compare-cpu-32k.toml --methods data-parallel diloco --peers 4 "
+        "--set data.vocab_size=2048",
+        [Table(key("results"), COMPARE_COLUMNS)],
+    ),
+    "compare-gpu": Entry(
+        "DiLoCo and NoLoCo against data-parallel: GPU scale (partial)",
+        COMPARE_MEASURES,
+        "python bench/compare.py --config bench/compare-gpu.toml --device cuda --jobs 16 --no-compile",
+        [Table(key("results"), COMPARE_COLUMNS)],
+    ),
+    "compare-gpu-proxy": Entry(
+        "A CPU proxy of the GPU scale",
+        "Validation bits per byte over training of data-parallel and DiLoCo rows at the GPU scale's "
+        "shape ratios, shrunk to run on a CPU, with BPE and byte tokenizers (the plot: each method's best "
+        "row among the longest runs of committed code, seed means).",
+        "python bench/compare.py --config bench/compare-gpu-proxy.toml --jobs 1 --threads 1 --no-plot --peers 4 --seeds 0 1",
+        [
+            Table(
+                key("results"),
+                [
+                    ("label", "row"),
+                    ("tokenizer", "tokenizer"),
+                    ("method", "method"),
+                    ("peers", "peers"),
+                    ("final_bpb", "final bits/byte"),
+                    ("finished", "finished"),
+                ],
+            )
+        ],
+        plot=plot_curves,
+    ),
+    "sweep-outer": Entry(
+        "Outer optimizer sweep: the defaults",
+        "Validation bits per byte at equal tokens of every outer lr × momentum (DiLoCo) and α, β, γ "
+        "(NoLoCo) tried; the table shows the best setting per method and peer count.",
+        "python bench/sweep_outer.py --peers 4 --seeds 0 1 --jobs 2",
+        [
+            Table(
+                sweep_best,
+                [
+                    ("method", "method"),
+                    ("peers", "peers"),
+                    ("outer", "best outer setting"),
+                    ("inner_lr", "inner lr"),
+                    ("global_batch_tokens", "global batch (tokens)"),
+                    ("final_bpb", "final bits/byte"),
+                    ("vs_data_parallel_pct", "vs data-parallel (%)"),
+                ],
+            )
+        ],
+    ),
+    "codecs": Entry(
+        "Codecs: ratio, error and speed",
+        "Bytes, compression ratio, relative error and encode/decode speed of every pseudo-gradient codec, "
+        "on random tensors of the default run's shapes and on a real pseudo-gradient.",
+        "python bench/codecs.py --threads 1 --repeats 5",
+        [
+            Table(
+                codec_rows,
+                [
+                    ("input", "input"),
+                    ("codec", "codec"),
+                    ("bytes", "bytes"),
+                    ("ratio", "ratio"),
+                    ("rel_error", "relative error"),
+                    ("encode_mb_s", "encode MB/s"),
+                    ("decode_mb_s", "decode MB/s"),
+                ],
+            )
+        ],
+    ),
+    "soak": Entry(
+        "Churn soak: 8 peers under a random fault every ~30 s",
+        "Loss at equal tokens of a swarm under kill -9, SIGSTOP, link cuts, joins and the bootstrap node "
+        "killed, against the same swarm without faults; hangs, NaNs, bad checkpoints and orphan processes.",
+        "sudo .venv/bin/python bench/soak.py --peers 8 --rate 50 --minutes 30 --fault-every 30",
+        [Table(flat, [("key", "figure"), ("value", "value")])],
+        device="2-core CPU, network namespaces with 50 Mbit/s tbf links",
+        extra=("soak.detail.json",),
+    ),
+    "fuzz": Entry(
+        "Fuzzing every decoder and handler of what another peer sends",
+        "Messages tried, crashes, hangs, memory growth and refusals per decoder and handler.",
+        "python bench/fuzz.py",
+        [
+            Table(
+                key("results"),
+                [
+                    ("target", "target"),
+                    ("messages", "messages"),
+                    ("crashes", "crashes"),
+                    ("hangs", "hangs"),
+                    ("memory_growth_mb", "memory growth MB"),
+                    ("refused", "refused"),
+                ],
+            )
+        ],
+        device="2-core CPU (x86_64)",
+    ),
+    "byzantine": Entry(
+        "Byzantine peers",
+        "Change in validation loss and takeovers when malicious peers run each attack, against a clean swarm.",
+        "python bench/byzantine.py --seeds 0 1 --attack-seeds 0 1 --jobs 2",
+        [
+            Table(
+                key("results"),
+                [
+                    ("attack", "attack"),
+                    ("malicious", "malicious"),
+                    ("peers", "peers"),
+                    ("loss_change", "loss change"),
+                    ("takeovers", "takeovers"),
+                ],
+            )
+        ],
+        extra=("byzantine.detail.json",),
+    ),
+    "overlap": Entry(
+        "Overlapping each sync with the next round",
+        "Utilization (the swarm's tokens/s over the same peers' tokens/s with no sync, measured in the same "
+        "rig invocation), round and sync time of each overlap mode on the network-namespace rig, and "
+        "validation loss at equal tokens against blocking sync (in-process simulation). Rows from before "
+        "the no-sync reference keep utilization empty and their swarm tokens/s.",
+        "python bench/overlap.py --methods diloco --peers 4 --seeds 0 1 --rounds 8 --jobs 2; "
+        "sudo .venv/bin/python bench/overlap_rig.py --peers 8 --rates 100 --inner-steps 40 "
+        "--modes none delayed eager streaming",
+        [
+            Table(
+                key("results"),
+                [
+                    ("overlap", "overlap"),
+                    ("peers", "peers"),
+                    ("uplink_mbit", "uplink Mbit/s"),
+                    ("inner_steps", "H"),
+                    ("host_allocator", "allocator"),
+                    ("checkpoint_every_s", "checkpoint every s"),
+                    ("utilization", "utilization vs no sync"),
+                    ("tokens_per_s", "swarm tokens/s"),
+                    ("round_s", "round s"),
+                    ("sync_s", "sync s"),
+                ],
+                "utilization on the rig",
+            ),
+            OVERLAP_QUALITY,
+        ],
+        plot=plot_utilization,
+        extra=("overlap_rig.detail.json",),
+    ),
+    "overlap_p1": Entry(
+        "Streaming with one fragment",
+        "Streaming DiLoCo with the whole model as one fragment: swarm tokens/s on the rig and loss at equal "
+        "tokens. These rig rows predate the no-sync reference (issue #54), so their utilization is empty; "
+        "the old ratio (inner steps' seconds over round wall time) rose when a sync slowed the steps and "
+        "was dropped.",
+        "python bench/overlap.py --methods diloco --peers 4 --seeds 0 1 --rounds 8 --jobs 2 --modes none streaming",
+        [
+            Table(
+                key("results"),
+                [
+                    ("overlap", "overlap"),
+                    ("peers", "peers"),
+                    ("uplink_mbit", "uplink Mbit/s"),
+                    ("inner_steps", "H"),
+                    ("payload_mb", "payload MB"),
+                    ("utilization", "utilization vs no sync"),
+                    ("tokens_per_s", "swarm tokens/s"),
+                    ("round_s", "round s"),
+                ],
+                "the rig",
+            ),
+            OVERLAP_QUALITY,
+        ],
+        extra=("overlap_p1_rig.detail.json",),
+    ),
+    **{
+        name: Entry(
+            f"Overlap at equal tokens: {what}",
+            "Validation loss at equal tokens of each overlap mode against blocking sync (in-process simulation).",
+            "python bench/overlap.py --methods diloco --peers 4 --seeds 0 1 --jobs 2",
+            [OVERLAP_QUALITY],
+            note=False,  # their note says the rig's utilization was not measured: no column here shows it
+        )
+        for name, what in OVERLAP_VARIANTS.items()
+    },
+    "overlap_eager_outer": Entry(
+        "Eager overlap with outer momentum",
+        "Validation loss at equal tokens of eager overlap against blocking sync, per outer optimizer setting.",
+        "python bench/overlap.py --methods diloco --peers 4 --seeds 0 1 --rounds 8 --jobs 2 --modes none eager "
+        "--set outer_optimizer.lr=LR --set outer_optimizer.momentum=M --set outer_optimizer.nesterov=true",
+        [Table(eager_outer_rows, [("outer", "outer optimizer"), *OVERLAP_QUALITY.columns])],
+        device="CPU (x86_64, 2 cores), torch 2.13.0+cpu",
+    ),
+    "overlap_from_round": Entry(
+        "Overlap from round K",
+        "Validation loss at equal tokens when rounds 0..K−1 sync blocking and overlap starts at round K.",
+        "python bench/overlap.py --methods diloco --peers 4 --seeds 0 1 --rounds 24 --jobs 2 "
+        "--modes none delayed eager --from-round 8",
+        [Table(from_round_rows, [*OVERLAP_QUALITY.columns, ("command", "command")])],
+    ),
+    "round_end": Entry(
+        "The round's end on the training thread",
+        "Median milliseconds of each step of a round's end, with glibc's own allocator thresholds and with "
+        "the ones a peer sets (LOCOSWARM_HOST_ALLOCATOR).",
+        "python bench/round_end.py",
+        [
+            Table(
+                round_end_rows,
+                [("host_allocator", "allocator"), ("part", "part"), ("median_ms", "median ms")],
+            )
+        ],
+        device="2-core CPU, 1 thread",
+    ),
+    "pipeline": Entry(
+        "Pipeline stages against the unpipelined swarm",
+        "Throughput and validation loss of S stages × R replicas against the unpipelined swarm.",
+        "python bench/pipeline.py --methods diloco noloco",
+        [
+            Table(
+                key("results"),
+                [
+                    ("measured", "measured"),
+                    ("stages", "stages"),
+                    ("replicas_per_stage", "replicas"),
+                    ("routing", "routing"),
+                    ("method", "method"),
+                    ("tokens_per_s", "tokens/s"),
+                    ("final_bpb", "final bits/byte"),
+                    ("vs_unpipelined", "vs unpipelined (%)"),
+                ],
+            )
+        ],
+        extra=("pipeline_rig.detail.json",),
+    ),
+    "pipeline_memory": Entry(
+        "A model that does not fit one peer trains across stages",
+        "Peak memory of the whole model and of each stage under a memory cap.",
+        "sudo .venv/bin/python bench/pipeline_memory.py",
+        [Table(flat, [("key", "figure"), ("value", "value")])],
+    ),
+    "adoption_margin": Entry(
+        "How much worse an honest state looks: the adoption margin",
+        "Per round, how much worse the swarm's state (the peers' mean) looks on a peer's validation windows "
+        "than the peer's own θ, relative to the own loss: the gap an honest peer must accept when it adopts "
+        "the swarm's state after a failed sync. The largest gap sets peer/round/catchup.py's LOSS_MARGIN "
+        "(0.10); a poisoned or negated state is many times worse. Tiny preset, in one process.",
+        "python bench/adoption_margin.py --peers 4 --rounds 40 --seeds 2",
+        [
+            Table(flat, [("key", "figure"), ("value", "value")]),
+            Table(
+                adoption_rows,
+                [("seed", "seed"), ("round", "round"), ("swarm", "swarm loss"), ("worst_rel_gap", "worst gap")],
+                "every tenth round",
+            ),
+        ],
+        device="2-core CPU, no GPU",
+    ),
+    "sybil": Entry(
+        "A flood of free identities (Sybil records)",
+        "Real peers of the tiny preset train while a stock hivemind node stores thousands of progress records "
+        "under the run's key, each validly signed by a fresh identity and claiming the current round: the "
+        "share of rounds after the flood that still averaged with another peer, and the memory the flood "
+        "cost each peer (vouched membership and the bounded DHT read, peer/net/selection.py).",
+        "python bench/sybil.py --records 2000 --peers 3 --warmup 3 --rounds 6",
+        [
+            Table(
+                key("rows"),
+                [
+                    ("algorithm", "algorithm"),
+                    ("records", "records flooded"),
+                    ("grouped_rounds_frac", "rounds grouped"),
+                    ("rss_growth_mib", "memory growth MiB"),
+                    ("flood_store_s", "flood stored in s"),
+                ],
+            )
+        ],
+        device="2-core CPU, no GPU; real DHT nodes on 127.0.0.1",
+    ),
+    "data_stream": Entry(
+        "A sharded corpus streamed over HTTP: small against large",
+        "What a peer does between reading the run and its first inner step on a sharded corpus served by a "
+        "real HTTP server on 127.0.0.1 (the CDN path): seconds to the first step, peak memory, the shard "
+        "store's most bytes on disk, the loader's tokens/s (download, sha256, tokenize) and the inner loop's. "
+        "The 100× larger corpus reached its first step no later and took about the same memory and disk "
+        "(the shard store is capped; shards are fetched as they are needed).",
+        "python bench/data_stream.py --corpora 50e6:5,5e9:500",
+        [
+            Table(
+                key("corpora"),
+                [
+                    ("bytes", "corpus bytes"),
+                    ("shards", "shards"),
+                    ("time_to_first_step_s", "to first step s"),
+                    ("peak_rss_mib", "peak RSS MiB"),
+                    ("disk_mib", "disk MiB"),
+                    ("loader_tokens_per_s", "loader tokens/s"),
+                    ("inner_tokens_per_s", "inner tokens/s"),
+                ],
+            )
+        ],
+        device="2-core CPU, no GPU",
+    ),
+    "waits": Entry(
+        "Where a person waits",
+        "Seconds to each line real processes print while a person waits: bootstrap node and monitor start, "
+        'a peer\'s first line, start line and first round, its longest silence, Ctrl-C from "stopped" to '
+        "exit, and a restart on the same data dir to its first round.",
+        "python bench/waits.py",
+        [Table(flat, [("key", "figure"), ("value", "value")])],
+    ),
+    "rig125m": Entry(
+        "A GPU host's swarm on the rig, with a compute stand-in",
+        "Real peer processes in network namespaces behind tbf uplinks, each inner step replaced by a stand-in "
+        "that holds the preset's real φ, θ and Δ and waits the card's step time (lab/standin.py): "
+        "utilization (swarm tokens/s over the same peers' tokens/s with no sync, same invocation), sync "
+        "seconds against the uplink's floor, bytes per token and memory per peer; and a joiner's catch-up "
+        "from 3 donors. The chaos preset's rows; the llama-125m rows are prepared for a lent card "
+        "(bench/device_session.sh, stage 5a) and not measured yet.",
+        "sudo .venv/bin/python bench/rig125m.py --preset chaos --peers 4 --rates 100 --modes nosync none delayed "
+        "streaming --codecs fp32 int8 --rounds 3 --warmup 1 --inner-steps 40 --step-s 0.05 --catch-up-rates 100 "
+        "--donors 3",
+        [
+            Table(
+                key("results"),
+                [
+                    ("preset", "preset"),
+                    ("peers", "peers"),
+                    ("uplink_mbit", "uplink Mbit/s"),
+                    ("codec", "codec"),
+                    ("overlap", "overlap"),
+                    ("utilization", "utilization vs no sync"),
+                    ("sync_s", "sync s"),
+                    ("floor_s", "link floor s"),
+                    ("bytes_per_token", "bytes/token"),
+                    ("rss_mib", "MiB per peer"),
+                ],
+            ),
+            Table(
+                key("catch_up"),
+                [
+                    ("uplink_mbit", "uplink Mbit/s"),
+                    ("donors", "donors"),
+                    ("state_bytes", "state bytes"),
+                    ("seconds", "to first step s"),
+                    ("floor_s", "link floor s"),
+                ],
+                "a joiner's catch-up",
+            ),
+        ],
+        device="2-core CPU shared by every peer, a compute stand-in of 0.05 s per step, network namespaces "
+        "with tbf uplinks",
+        extra=("rig125m.detail.json",),
+    ),
+}
