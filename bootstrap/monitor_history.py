@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.net.traffic import describe_caps
 from protocol.records import ProgressRecord
 
 
@@ -90,6 +91,7 @@ class PeerHistory:
             "peer_id": self.peer_id,
             "live": self.live,
             "device": self.device,
+            "caps": describe_caps(r.caps) or None,
             "first_seen": self.first_seen,
             "last_seen": self.last_seen,
             "last_change": self.last_change,

@@ -149,7 +149,8 @@ function renderRun(run, now, t0) {
   const table = el("table", {class: "peers"});
   const head = el("tr", {});
   for (const h of ["peer", "status", "device", "round", "inner step", "train loss", "val loss", "tok/s", "last group",
-                   "sent", "received", "rounds by group size", "last record"]) head.append(el("th", {}, h));
+                   "sent", "received", "caps (use/cap)", "rounds by group size", "last record"])
+    head.append(el("th", {}, h));
   table.append(el("thead", {}, head));
   const body = el("tbody", {});
   for (const p of run.peers) {
@@ -162,7 +163,7 @@ function renderRun(run, now, t0) {
       el("td", {}, p.round), el("td", {}, p.inner_step), el("td", {}, fmt(p.train_loss, 3)),
       el("td", {}, fmt(p.eval_loss, 4)), el("td", {}, Math.round(p.tokens_per_s).toLocaleString()),
       el("td", {}, sync(p).group_size), el("td", {}, bytes(sync(p).bytes_sent)),
-      el("td", {}, bytes(sync(p).bytes_received)),
+      el("td", {}, bytes(sync(p).bytes_received)), el("td", {class: "caps"}, p.caps || "–"),
       el("td", {}, groups), el("td", {}, ago(p.published_at === null ? p.last_seen : p.published_at, now))));
   }
   table.append(body);

@@ -20,6 +20,7 @@ import click
 from peer.cli_common import ALGORITHMS, configure_logging, default_data_dir, resolve_run
 from peer.cli_tools import data_group, doctor, status
 from peer.config import DeviceConfig, JoinConfig, TrainerConfig
+from peer.net import pacing
 from peer.net.cli_types import FiniteFloatRange
 from peer.net.lifetime import dump_stacks_on_sigusr1, exit_process, quiet_handshakes_cut_by_a_dead_helper
 from peer.reporting import Reporter
@@ -173,6 +174,23 @@ def main() -> None:
     help="This peer's uplink in Mbit/s, assumed until its first sync measures it (adaptive codec budget).",
 )
 @click.option(
+    "--max-upload-mbit",
+    type=FiniteFloatRange(0, 1e6, min_open=True),
+    default=None,
+    metavar="MBIT",
+    help="Cap on what this peer sends, in Mbit/s on the wire, over any few seconds (all-reduce, "
+    "state and shard serving share it), e.g. 5 on a shared line. Default: no cap.",
+)
+@click.option(
+    "--max-gb-per-day",
+    type=FiniteFloatRange(0, 1e6, min_open=True),
+    default=None,
+    metavar="GB",
+    help="Budget of GB (10^9 bytes) sent plus received over any 24 h, kept in DATA_DIR/traffic.json "
+    "across restarts: past the budget's pro-rata share the peer sits out syncs (it keeps training). "
+    "Default: no budget.",
+)
+@click.option(
     "--device",
     default="auto",
     show_default=True,
@@ -220,8 +238,9 @@ def main() -> None:
     "--activation-checkpointing",
     "activation_checkpointing",
     is_flag=True,
-    help="Recompute activations in the backward instead of keeping them: a larger micro-batch "
-    "fits (llama-350m/1b on a 12 GiB card) for about a third more compute per step.",
+    help="Recompute activations in the backward instead of keeping them: a larger micro-batch fits "
+    "(computed: llama-350m fits an 8 GiB card only with it; llama-1b needs a 24 GiB card either way) "
+    "for about a third more compute per step.",
 )
 @click.option(
     "--log-format",
@@ -254,6 +273,8 @@ def join(
     client_mode,
     stage,
     uplink_mbps,
+    max_upload_mbit,
+    max_gb_per_day,
     device,
     precision,
     micro_batch,
@@ -269,7 +290,7 @@ def join(
     \b
     Examples:
       peer join                                  # start a new swarm on the default run
-      peer join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
+      peer join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm...
       peer join --run my_run.toml --max-rounds 50
       peer join --initial-peers ADDR --run-id 3f2a...   # the swarm announces several runs
       peer join --initial-peers ADDR --preset tiny --new-run   # a second run beside the swarm's
@@ -277,12 +298,13 @@ def join(
       peer join --device cuda:0,cuda:1           # both GPUs of this box, one peer of the swarm
       peer join --initial-peers ADDR --data ~/corpus   # the run names its corpus by hash; here is my copy
       peer join --port 31337 --announce /ip4/203.0.113.7/tcp/31337   # behind a forwarded port
+      peer join --initial-peers ADDR --max-upload-mbit 5 --max-gb-per-day 2   # a metered line
     """
     import threading
 
-    configure_logging(verbose)
     reporter = Reporter(log_format)
     reporter.emit("status", message="peer join: loading torch and hivemind")
+    configure_logging(verbose)  # after the first line: it imports hivemind (seconds)
     from peer.node import StopOnSignal, join as run_join
 
     try:
@@ -312,6 +334,8 @@ def join(
             client_mode=client_mode,
             stage=stage,
             uplink_mbps=uplink_mbps,
+            max_upload_mbit=max_upload_mbit,
+            max_gb_per_day=max_gb_per_day,
             threads=threads,
             trainer=TrainerConfig(
                 max_rounds=max_rounds,
@@ -330,6 +354,8 @@ def join(
                 activation_checkpointing=activation_checkpointing,
             ),
         )
+        if max_upload_mbit is not None or max_gb_per_day is not None:
+            pacing.install(max_upload_mbit)  # before the DHT and averager processes fork: they share it
         stop = threading.Event()
         with StopOnSignal(stop):
             code, _ = run_join(cfg, reporter, stop)

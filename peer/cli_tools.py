@@ -182,7 +182,7 @@ def doctor(
       peer doctor                                # the default run on the best device
       peer doctor --preset llama-125m --max-memory 10
       peer doctor --run my_run.toml --device cuda:1 --json
-      peer doctor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+      peer doctor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
     """
     import json
 

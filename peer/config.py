@@ -143,6 +143,12 @@ class JoinConfig:
     uplink_mbps: float = 50.0
     """This peer's uplink in Mbit/s as assumed until its first sync measured it (the adaptive
     codec's byte budget). A per-peer fact: never part of the run manifest or its id."""
+    max_upload_mbit: float | None = None
+    """--max-upload-mbit: cap on what this peer sends, Mbit/s on the wire over any few seconds
+    (peer/net/pacing.py); None: no cap."""
+    max_gb_per_day: float | None = None
+    """--max-gb-per-day: budget of GB (10⁹ bytes) sent plus received over any 24 h
+    (peer/net/traffic.py); None: no budget."""
     threads: int | None = None
     manifest_wait_s: float = 20.0
     """How long to wait for the swarm to announce a run before giving up."""
@@ -154,5 +160,9 @@ class JoinConfig:
             raise ValueError(f"port = {self.port}: must be in [0, 65535]")
         if not 0 < self.uplink_mbps <= 1e6:
             raise ValueError(f"uplink_mbps = {self.uplink_mbps}: must be in (0, 1e6] Mbit/s")
+        for name, unit in (("max_upload_mbit", "Mbit/s"), ("max_gb_per_day", "GB")):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} = {value}: must be a finite number > 0 {unit} (or None: no cap)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads = {self.threads}: must be >= 1")

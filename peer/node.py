@@ -15,7 +15,7 @@ import torch
 import protocol
 from peer import reachability
 from peer.config import JoinConfig
-from peer.net import dht as swarm_dht, lifetime
+from peer.net import dht as swarm_dht, lifetime, traffic
 from peer.net.devices import DeviceAnnouncer, DeviceRecord
 from peer.net.home_run import bootstrap_ids, read_home_run
 from peer.net.identity import ensure_identity
@@ -482,7 +482,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         model=model,
         corpus=corpus,
         swarm=swarm,
-        transport=transport,
+        transport=traffic.budgeted(transport, cfg.data_dir, cfg.max_gb_per_day),  # --max-gb-per-day
         config=trainer_cfg,
         reporter=reporter,
         stop_event=stop_event,

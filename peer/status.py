@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from peer.net import dht as swarm_dht, dht_node
 from peer.net.devices import DeviceRecord, read_devices
+from peer.net.traffic import describe_caps
 from peer.reporting import format_bytes
 from protocol import liveness
 from protocol.errors import LocoError, ManifestNotFound
@@ -54,7 +55,8 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
         ``{"time": s, "runs": [{"run_id", "name", "live_peers", "tokens_per_s" (live peers' sum),
         "peers": [{"peer_id", "live", "age_s", "stale_after_s", "round", "inner_step",
         "train_loss", "eval_loss", "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
-        "expires_in_s"}]}]}``, peers sorted by round (highest first). ``age_s`` is how long ago
+        "expires_in_s", "device", "caps"}]}]}`` (``caps``: a peer's use against its own caps,
+        protocol/records.py, or null), peers sorted by round (highest first). ``age_s`` is how long ago
         the record was published and ``stale_after_s`` the bound it is held against
         (protocol/liveness.py); both are null when the run's manifest cannot be read, and then
         every peer with an unexpired record counts as live.
@@ -103,6 +105,7 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
                     "bytes_received": r.bytes_received,
                     "expires_in_s": max(0.0, item.expiration - now),
                     "device": None if item.peer_id not in devices else devices[item.peer_id].to_wire(),
+                    "caps": r.caps,
                 }
             )
         peers.sort(key=lambda p: (-p["round"], -p["inner_step"], p["peer_id"]))
@@ -151,9 +154,13 @@ def print_status(status: dict[str, Any], console) -> None:
             ("received", "right"),
             ("record age", "right"),
         )
+        capped = any(p.get("caps") for p in peers)  # the caps column only where a peer has caps
+        if capped:
+            columns += (("caps (use/cap)", "left"),)
         for column, justify in columns:
             table.add_column(column, justify=justify)
         for p in peers:
+            caps_cell = (Text(describe_caps(p.get("caps")) or "-"),) if capped else ()
             table.add_row(
                 Text(p["peer_id"]),
                 "live" if p["live"] else "gone",
@@ -167,6 +174,7 @@ def print_status(status: dict[str, Any], console) -> None:
                 format_bytes(p["bytes_sent"]),
                 format_bytes(p["bytes_received"]),
                 "-" if p["age_s"] is None else f"{p['age_s']:.0f} s",
+                *caps_cell,
             )
         console.print(table)
         live = [p for p in peers if p["live"]]

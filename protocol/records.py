@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from protocol.errors import BadPayload
+from protocol.text import sanitize
 from protocol.version import PROTOCOL_VERSION
 
 MAX_ROUND = 2**31 - 1
@@ -20,6 +21,14 @@ MAX_PEER_ID_CHARS = 128
 """A libp2p peer id in base58 is 46-53 characters; a longer string is not one."""
 MAX_COUNT = 2**53
 """Byte counters: any larger value is a lie (and would lose precision as a float)."""
+CAPS_FIELDS = {
+    "upload_cap_mbit": 1e6,
+    "upload_mbit": 1e6,
+    "day_gb": 1e9,
+    "day_cap_gb": 1e6,
+    "rounds_sat_out": float(MAX_ROUND),
+}
+"""A record's ``caps``: field → largest believable value; each is a finite number ≥ 0 or null."""
 _UPPER = {
     "round": MAX_ROUND,
     "inner_step": MAX_INNER_STEP,
@@ -56,10 +65,15 @@ class ProgressRecord:
     alone, a failed or partial one, or an adopted state. Mutual statements (a round apart at most)
     are what a joiner counts as peers that did the work (peer/state/vouching.py)."""
     version: int = PROTOCOL_VERSION
+    caps: dict[str, float] | None = None
+    """A peer with its own caps (``peer join --max-upload-mbit``/``--max-gb-per-day``): its use against
+    them, keys of :data:`CAPS_FIELDS` (Mbit/s, GB, rounds); None, and absent from the wire, without caps."""
 
     def to_wire(self) -> dict[str, Any]:
         wire = asdict(self)
         wire["groupmates"] = list(self.groupmates)  # msgpack has no tuple: the signed body holds a list
+        if self.caps is None:
+            del wire["caps"]  # the record of a peer without caps is what it was before caps existed
         return wire
 
     @classmethod
@@ -86,9 +100,10 @@ class ProgressRecord:
             "groupmates",
             "version",
         }
-        if set(value) != expected:
+        if set(value) - {"caps"} != expected:
             # keys may be anything msgpack carries (bytes among them): name them as text
             raise BadPayload(f"progress record has fields {sorted(map(repr, value))[:16]}, expected {sorted(expected)}")
+        caps = _caps_from_wire(value.get("caps"))
         if value["version"] != PROTOCOL_VERSION:
             raise BadPayload(f"progress record version {value['version']!r}, expected {PROTOCOL_VERSION}")
         for name, upper in _UPPER.items():
@@ -123,4 +138,26 @@ class ProgressRecord:
                 or not mate.isascii()
             ):
                 raise BadPayload(f"progress record field groupmates holds {mate!r:.80}: expected a base58 peer id")
-        return cls(**{**value, "groupmates": tuple(mates)})
+        return cls(**{**value, "groupmates": tuple(mates), "caps": caps})
+
+
+def _caps_from_wire(caps: Any) -> dict[str, float] | None:
+    """A record's ``caps`` checked: absent/None, or a map of :data:`CAPS_FIELDS` (each a finite number in
+    [0, bound] or null; nulls dropped). Raises BadPayload otherwise."""
+    if caps is None:
+        return None
+    if not isinstance(caps, dict) or not set(caps) <= set(CAPS_FIELDS):
+        raise BadPayload(
+            f"progress record field caps = {sanitize(repr(caps), max_chars=120)}: expected a map of {sorted(CAPS_FIELDS)}"
+        )
+    checked = {}
+    for name, v in caps.items():
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= CAPS_FIELDS[name]:
+            raise BadPayload(
+                f"progress record field caps.{name} = {sanitize(repr(v), max_chars=40)}: "
+                f"expected a number in [0, {CAPS_FIELDS[name]:g}]"
+            )
+        checked[name] = float(v)
+    return checked

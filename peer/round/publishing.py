@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from peer.net import traffic
 from peer.progress import RoundOutcome, SyncReport, Waiting
 from peer.reporting import Reporter
 from peer.round.state import RoundState
@@ -79,6 +80,7 @@ class Publisher:
                 # a peer nobody can dial (client mode) serves no state: it offers no digest to download
                 state_digest=s.digest if self.serves_state else "",
                 groupmates=self.history.groupmates,
+                caps=traffic.caps_report(),  # --max-upload-mbit / --max-gb-per-day: use against them
             ),
             wait=wait,
         )

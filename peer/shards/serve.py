@@ -22,6 +22,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+from peer.net import pacing
 from peer.shards.index import INDEX_NAME, SUFFIXES, ShardIndex
 from peer.shards.store import ShardStore
 from protocol.errors import BadPayload
@@ -87,7 +88,9 @@ async def serve_shard(
     """Answer one REQUEST, then close the stream. Returns the file bytes sent.
 
     Never raises for what the asker does (a malformed request, silence, disconnect): it logs and closes.
+    The file's bytes go out within the peer's upload cap (peer/net/pacing.py).
     """
+    writer = pacing.paced(writer)
     sent = 0
     try:
         try:

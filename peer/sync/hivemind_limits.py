@@ -33,6 +33,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import averaging_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from peer.net import pacing
 from peer.net.limits import StreamSlots
 from protocol.errors import BadPayload
 from protocol.text import sanitize
@@ -139,6 +140,19 @@ class BoundedP2P(P2P):
         p2p.stream_limits = limits
         p2p.stream_slots = StreamSlots(per_peer=limits.per_peer, total=limits.total)
         return p2p
+
+    async def add_binary_stream_handler(self, name: str, handler, balanced: bool = False) -> None:
+        """hivemind's, with every accepted stream paced and counted (peer/net/pacing.py)."""
+
+        async def paced_handler(stream_info, reader, writer):
+            return await handler(stream_info, pacing.counted(reader), pacing.paced(writer))
+
+        await super().add_binary_stream_handler(name, paced_handler, balanced=balanced)
+
+    async def call_binary_stream_handler(self, peer_id, handler_name: str):
+        """hivemind's, with the opened stream paced and counted (peer/net/pacing.py)."""
+        info, reader, writer = await super().call_binary_stream_handler(peer_id, handler_name)
+        return info, pacing.counted(reader), pacing.paced(writer)
 
     async def _add_protobuf_stream_handler(
         self, name: str, handler, input_protobuf_type: type[Message], max_prefetch: int = 5, balanced: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -144,11 +145,14 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
             "1",
             "--wait-for-peers",
             "3",
+            # peer-0 is a volunteer with its own caps (issue #53 item 10): its row shows its use against them
+            *(["--max-upload-mbit", "50", "--max-gb-per-day", "5"] if i == 0 else []),
         )
         for i in range(3)
     ]
     started = [p.wait_event(lambda e: e.kind == "started", 120) for p in peers]
     ids = {e["peer_id"] for e in started}
+    capped_id = started[0]["peer_id"]
     # the device each peer said it trains on, as the monitor's row shows it (peer/net/devices.py)
     devices = {e["peer_id"]: f"cpu {e['device_name']} {e['precision']}" for e in started}
 
@@ -166,6 +170,11 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
         assert cells[1] == "live", cells
         assert cells[2] in (devices[peer_id], "–"), cells  # the device column ("–" until its record is read)
         assert int(cells[3]) >= 1, cells  # the round column
+        # the caps column: "upload 0.4/50 Mbit/s, today 0.00/5 GB" for the capped peer, "–" for the others
+        if peer_id == capped_id:
+            assert re.fullmatch(r"upload \d+\.\d/50 Mbit/s, today \d+\.\d\d/5 GB", cells[11]), cells
+        else:
+            assert cells[11] == "–", cells
     # the device records are read within a poll or two of a peer's first record
     snap = wait_snapshot(
         base,
