@@ -514,4 +514,27 @@ REGISTRY: dict[str, Entry] = {
         "with tbf uplinks",
         extra=("rig125m.detail.json",),
     ),
+    "caps": Entry(
+        "A volunteer's caps",
+        "Real peers in network namespaces, one with a cap: --max-upload-mbit (its link's send rate over its "
+        "syncs against the cap) or --max-gb-per-day (sent plus received bytes in its ledger against the day's "
+        "pro-rata share, and how many syncs it sat out); loss change is the peers' mean final validation loss "
+        "minus the uncapped run's at equal tokens (the repeated uncapped run shows the run-to-run noise).",
+        "sudo .venv/bin/python bench/caps.py --peers 3 --rounds 12 --cap-mbit 5 --gb-per-day 0.8",
+        [
+            Table(
+                key("rows"),
+                [
+                    ("cap", "cap"),
+                    ("peers", "peers"),
+                    ("sent_mib", "sent MiB"),
+                    ("limit_mib", "limit MiB"),
+                    ("within_cap", "within cap"),
+                    ("rounds_sat_out", "rounds sat out"),
+                    ("loss_change", "loss change"),
+                ],
+            )
+        ],
+        device="2-core CPU, no GPU; network namespaces on one machine",
+    ),
 }
