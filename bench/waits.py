@@ -12,9 +12,14 @@ Starts, on this machine, with text output as a person sees it:
 
 Prints a table and writes bench/results/waits.json: ``bootstrap_first_line_s``,
 ``bootstrap_ready_s``, ``monitor_first_line_s``, ``monitor_ready_s``, ``join_first_line_s``,
-``join_started_s``, ``join_first_round_s``, ``join_longest_silence_s``, ``sigint_stopped_to_exit_s``,
-``restart_first_round_s``, ``restart_longest_silence_s``, ``restart_warnings`` (lists of lines),
-``device``.
+``join_read_data_s`` (hashing, at first tokenizing, the corpus), ``join_started_s``,
+``join_first_step_s`` (its line of the initial evaluation, after which the first inner step starts),
+``join_first_round_s``, ``join_longest_silence_s``, ``sigint_stopped_to_exit_s``,
+``restart_first_line_s``, ``restart_read_data_s``, ``restart_started_s``, ``restart_first_step_s``
+(issue #53's "a restart trains its first round within 15 s": its first inner step),
+``restart_first_round_s``, ``restart_longest_silence_s``, ``restart_warnings`` (its warning, error and
+traceback lines up to its first round; with ``--second-peer`` also ``restart_other_peer_warnings``, the
+other peer's meanwhile), ``device``.
 
     nice .venv/bin/python bench/waits.py [--fresh-cache] [--second-peer] [--out bench/results/waits.json]
 
@@ -38,6 +43,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FIRST_STEP = r"^eval \(initial\) at round \d+"
+"""The line after which a peer's first inner step starts (its evaluation of φ at its start comes last)."""
+READING_DATA = r"^reading the (data of run|run's data)"
+WARNING = re.compile(r"warn|error|traceback", re.IGNORECASE)
 
 
 class Watched:
@@ -81,6 +90,13 @@ class Watched:
 
     def first_line_s(self) -> float:
         return self.lines[0][0]
+
+    def step_s(self, pattern: str) -> float:
+        """Seconds from the first line matching ``pattern`` to the line after it (how long that step took)."""
+        rx = re.compile(pattern)
+        i = next(k for k, (_, _, line) in enumerate(self.lines) if rx.search(line))
+        after = next(t for t, _, line in self.lines[i + 1 :] if not line.startswith("still "))  # not its ticker
+        return after - self.lines[i][0]
 
     def longest_silence(self, until_s: float) -> tuple[float, str]:
         """The longest gap between two lines (from the start) up to ``until_s``, and the line before it."""
@@ -160,6 +176,8 @@ def main() -> None:
         r["join_first_round_s"] = peer.wait_for(r"^round \d+ \|", 600)
         r["join_first_line_s"] = peer.first_line_s()
         r["join_started_s"] = peer.wait_for(r"^locoswarm .* \| peer ")
+        r["join_first_step_s"] = peer.wait_for(FIRST_STEP)
+        r["join_read_data_s"] = peer.step_s(READING_DATA)
         r["join_longest_silence_s"], r["join_longest_silence_after"] = peer.longest_silence(r["join_first_round_s"])
         r["second_peer"] = args.second_peer
         if args.second_peer:
@@ -176,13 +194,23 @@ def main() -> None:
         again = Watched("peer-a(2)", join_argv, env)
         procs.append(again)
         r["restart_first_round_s"] = again.wait_for(r"^round \d+ \|", 600)
+        r["restart_first_line_s"] = again.first_line_s()
+        r["restart_started_s"] = again.wait_for(r"^locoswarm .* \| peer ")
+        r["restart_first_step_s"] = again.wait_for(FIRST_STEP)
+        r["restart_read_data_s"] = again.step_s(READING_DATA)
         r["restart_longest_silence_s"], r["restart_longest_silence_after"] = again.longest_silence(
             r["restart_first_round_s"]
         )
         r["restart_first_round_line"] = next(line for t, _, line in again.lines if re.match(r"^round \d+ \|", line))
+        # every warning, error or traceback line up to its first round (the Ctrl-C after it is not counted)
         r["restart_warnings"] = [
-            line for t, _, line in again.lines if "warning" in line.lower() and t <= r["restart_first_round_s"] + 1
+            line for t, _, line in again.lines if WARNING.search(line) and t <= r["restart_first_round_s"]
         ]
+        if args.second_peer:  # what the peer that stayed up said meanwhile (a stale donor, say)
+            since, until = again.t0 - other.t0, again.t0 - other.t0 + r["restart_first_round_s"]
+            r["restart_other_peer_warnings"] = [
+                line for t, _, line in other.lines if WARNING.search(line) and since <= t <= until
+            ]
         r["restart_sigint_stopped_to_exit_s"] = again.sigint_and_time_exit()
     finally:
         for p in reversed(procs):
@@ -194,9 +222,15 @@ def main() -> None:
         ("bootstrap monitor: page address", r["monitor_ready_s"]),
         ("peer join: first line", r["join_first_line_s"]),
         ("peer join: start line", r["join_started_s"]),
+        ("peer join: reading the data (hash, tokens)", r["join_read_data_s"]),
+        ("peer join: first inner step starts", r["join_first_step_s"]),
         ("peer join: first round", r["join_first_round_s"]),
         ("peer join: longest silence", r["join_longest_silence_s"]),
         ("Ctrl-C: 'stopped' to exit", r["sigint_stopped_to_exit_s"]),
+        ("restart: first line", r["restart_first_line_s"]),
+        ("restart: reading the data (hash, tokens)", r["restart_read_data_s"]),
+        ("restart: start line", r["restart_started_s"]),
+        ("restart: first inner step starts", r["restart_first_step_s"]),
         ("restart: first round", r["restart_first_round_s"]),
         ("restart: longest silence", r["restart_longest_silence_s"]),
         ("restart Ctrl-C: 'stopped' to exit", r["restart_sigint_stopped_to_exit_s"]),
@@ -205,6 +239,8 @@ def main() -> None:
     for name, value in rows:
         print(f"| {name} | {value:.1f} |")
     print(f"restart warnings: {r['restart_warnings'] or 'none'}")
+    if args.second_peer:
+        print(f"the other peer's warnings meanwhile: {r['restart_other_peer_warnings'] or 'none'}")
     print(f"restart's first round: {r['restart_first_round_line']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2) + "\n")

@@ -5,12 +5,12 @@ which forwards exactly one SIGINT to each child: they finish their step and chec
 with the launcher (PR_SET_PDEATHSIG). Whatever is still alive at the end is killed by process
 group, which takes the children's DHT, averager and p2pd processes with it: no orphans.
 
-The run's data is read once here before any process starts (a bad path fails in seconds, and the
-peers find the token cache filled). A corpus on this machine (``--data PATH``, or the run file's
-``data.path``) never travels: the bootstrap node announces the run with its corpus named by content
-(``data.path = ""``, ``data.corpus_sha256`` of the copy read here) and each peer, a process of this
-launcher on this machine, is told the path (``peer join --data PATH``). A peer joining over the
-network from elsewhere passes its own copy the same way; a remote ``data.path`` stays refused. When a peer fails, the others are stopped and the launcher
+The run's data is read once here before any process starts (peer/swarm_data.py: a bad path fails in
+seconds, and the peers find the token cache, or a sharded run's list and validation shards, filled). A
+corpus on this machine (``--data PATH``, or the run file's ``data.path``: a corpus, or a directory of
+shards) never travels: the bootstrap node announces the run with its corpus named by content
+(``data.path = ""``) and each peer, a process of this launcher on this machine, is told the path
+(``peer join --data PATH``); a remote ``data.path`` stays refused. When a peer fails, the others are stopped and the launcher
 exits with that peer's exit code and prints its one-line reason. A temporary working directory
 (no ``--workdir``) is removed at the end unless ``keep`` is set or a peer failed (its logs stay,
 and the launcher says where).
@@ -35,8 +35,16 @@ from typing import Any
 from peer.events import Event
 from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
 from peer.reporting import format_bytes, round_line
-from peer.train.cache import default_cache_dir
-from protocol.errors import ChildExited, ChildTimeout, ConfigError, NetworkError
+from peer.swarm_data import (  # noqa: F401 (check_data, source_of, ...: callers import them from here)
+    check_data,
+    check_data_path,
+    shard_list_in,
+    source_of,
+    with_sharded_data,
+    with_swarm_data,
+)
+from peer.train.sources import describe
+from protocol.errors import ChildExited, ChildTimeout, NetworkError
 from protocol.manifest import RunManifest, dump_toml
 from protocol.signing import OWNER_KEY_FILE, load_owner_key
 
@@ -197,88 +205,6 @@ def remove_stale_sockets(since: float, pattern: str = HIVEMIND_SOCKETS) -> int:
     return removed
 
 
-def check_data(manifest: RunManifest):
-    """Read (and cache the tokens of) the run's data, as every peer will, before any process starts.
-
-    Returns:
-        The corpus (peer/train/data.py ``Corpus``).
-
-    Raises:
-        ConfigError: the data is missing or is not what the run pins (peer/train/data.py).
-    """
-    from peer.train.data import load_corpus
-
-    return load_corpus(manifest.data, cache_dir=default_cache_dir())
-
-
-def check_data_path(data_path: Path | None) -> None:
-    """Refuse a ``--data`` path that does not exist, with one line naming it, before anything starts.
-
-    Raises:
-        ConfigError: ``data_path`` does not exist.
-    """
-    if data_path is not None and not Path(data_path).exists():
-        raise ConfigError(
-            f"--data {str(data_path)!r}: no such file or directory; point --data at the corpus "
-            "(a file or directory of text, .jsonl or .parquet) the local swarm should train on"
-        )
-
-
-def source_of(path: Path) -> str:
-    """The ``data.source`` a corpus at ``path`` is read as when the run names none (python-stdlib):
-    'jsonl' or 'parquet' for such a file or a directory holding only such files, else 'files'."""
-    for kind in ("jsonl", "parquet"):
-        if path.is_file() and path.suffix == f".{kind}":
-            return kind
-        if path.is_dir():
-            names = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
-            if names and all(p.suffix == f".{kind}" for p in names):
-                return kind
-    return "files"
-
-
-def with_swarm_data(cfg: SwarmConfig) -> tuple[SwarmConfig, Any]:
-    """Read the run's corpus here, once, and say how the swarm trains on it.
-
-    A corpus on this machine (``cfg.data_path``, else the run's ``data.path``) is announced by content:
-    the returned config's manifest has ``data.path = ""`` and (unless the run pins them already) the
-    copy's ``corpus_sha256`` and ``corpus_bytes``, and its ``data_path`` is the absolute path each local peer gets as ``--data``.
-    A run without a path (python-stdlib) is returned as it is. With ``--data`` and a python-stdlib run
-    (a preset), the corpus replaces the standard library (``data.source`` from :func:`source_of`).
-
-    Returns:
-        ``(cfg, corpus)``: the config to run, the corpus read.
-
-    Raises:
-        ConfigError: ``--data`` does not exist; the run names its corpus by content and no ``--data``
-            was given; the corpus is unreadable or not the one the run pins.
-    """
-    from peer.train.data import with_local_data
-
-    manifest = cfg.manifest
-    check_data_path(cfg.data_path)
-    run = f"run {manifest.run_id} ({manifest.name})"
-    data = manifest.data
-    if cfg.data_path is not None:
-        path = Path(cfg.data_path).expanduser().resolve()
-        source = source_of(path) if data.source == "python-stdlib" else data.source
-        data = dataclasses.replace(data, source=source, path=str(path))
-    else:
-        data = with_local_data(data, None, run=run)  # a run named by content needs --data
-        if data.path:
-            path = Path(data.path).expanduser().resolve()
-            check_data_path(path)
-            data = dataclasses.replace(data, path=str(path))
-    corpus = check_data(manifest.replace(data=dataclasses.asdict(data)))
-    if not data.path:  # python-stdlib: every peer reads its own, nothing to pass
-        return cfg, corpus
-    pinned = {"path": "", "source": data.source}
-    if not manifest.data.corpus_sha256:  # a run file that pins its corpus keeps its run id
-        pinned.update(corpus_sha256=corpus.corpus_sha256, corpus_bytes=corpus.corpus_bytes)
-    announced = manifest.replace(data=pinned)
-    return dataclasses.replace(cfg, manifest=announced, data_path=Path(data.path)), corpus
-
-
 def run_swarm(cfg: SwarmConfig) -> int:
     """Run the local swarm to completion; print progress and a summary. Returns the exit code:
     0, 130 when interrupted, or the exit code of the first peer that failed.
@@ -293,7 +219,16 @@ def run_swarm(cfg: SwarmConfig) -> int:
     check_data_path(cfg.data_path)  # a missing --data: one line, before anything starts
     console.print(f"local swarm: reading the data of run {cfg.manifest.name}", markup=False, highlight=False)
     cfg, corpus = with_swarm_data(cfg)
-    if cfg.data_path is not None:
+    if cfg.manifest.data.source == "shards":
+        console.print(
+            f"local swarm: the peers stream the {corpus.train_files:,} training shard(s) of "
+            f"{describe(dataclasses.replace(cfg.manifest.data, path=str(cfg.data_path or '')))}, each peer its "
+            f"own ({corpus.validation_files:,} validation shard(s) shared); the run names its shards by "
+            f"content (data.shards_sha256 = {cfg.manifest.data.shards_sha256})",
+            markup=False,
+            highlight=False,
+        )
+    elif cfg.data_path is not None:
         console.print(
             f"local swarm: the peers train on {cfg.data_path} ({corpus.train_files:,} + "
             f"{corpus.validation_files:,} documents, {corpus.corpus_bytes:,} bytes; each peer gets --data); "

@@ -69,7 +69,8 @@ def quiet_handshakes_cut_by_a_dead_helper() -> None:
     handshake with ``ConnectionResetError``; the thread survives it, but hands it to
     ``sys.excepthook``, which would print a traceback under the one line saying which helper died
     (:class:`HelperWatch`). That error from that code only is logged at debug level; everything
-    else goes to the hook installed before."""
+    else goes to the hook installed before. Also demotes asyncio's traceback for a libp2p stream
+    cut before its header (:class:`_StreamCutBeforeItsHeader`)."""
     previous = sys.excepthook
     if getattr(previous, "_quiets_handshakes", False):
         return
@@ -87,6 +88,34 @@ def quiet_handshakes_cut_by_a_dead_helper() -> None:
 
     hook._quiets_handshakes = True  # type: ignore[attr-defined]  # a marker on the function
     sys.excepthook = hook
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _StreamCutBeforeItsHeader) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_StreamCutBeforeItsHeader())
+
+
+class _StreamCutBeforeItsHeader(logging.Filter):
+    """p2pd opens a unix-socket connection to a stream handler of this process for each incoming
+    libp2p stream; when the remote end resets it first (a peer that still dialed this peer's
+    previous process, after a restart), p2pd closes it before the stream's header and hivemind's
+    handler raises ``IncompleteReadError``, which asyncio logs at ERROR with a traceback. Nothing
+    is lost (the remote retries or moves on): that record, and only that one, goes to debug.
+    Helper processes forked afterwards inherit the filter."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not (
+            type(exc).__name__ == "IncompleteReadError"
+            and str(record.msg).startswith("Unhandled exception in client_connected_cb")
+        ):
+            return True
+        tb, frames = exc.__traceback__ if exc is not None else None, []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        if not any("p2p_daemon_bindings" in f for f in frames):
+            return True
+        logger.debug("a libp2p stream was cut before its header reached this process: %r", exc)
+        return False
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

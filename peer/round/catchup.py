@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from peer.config import TrainerConfig
+from peer.progress import Waiting
 from peer.reporting import Reporter
 from peer.round.records import RECORDS_REUSE_S
 from peer.round.schedule import SyncSchedule
@@ -29,7 +30,7 @@ from peer.sync.membership import RoundSwarm
 from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
 from peer.train.model import evaluate
-from protocol.errors import BadPayload, HelperDied, SyncError
+from protocol.errors import BadPayload, HelperDied, StateDownloadFailed, SyncError
 
 FINISHING_RECORD_WAIT_S = 5.0
 """How long a peer waits, after a round, for the records of peers finishing the same round before it
@@ -107,6 +108,9 @@ class CatchUp:
         self.state, self.schedule, self.history, self.vouching = state, schedule, history, vouching
         self.swarm, self.transport, self.inner, self.cfg = swarm, transport, inner, config
         self.reporter, self.stop_event, self.publish, self.loss_of = reporter, stop_event, publish, loss_of
+        self.failed_downloads = 0
+        """State downloads that failed in a row: the first for want of donors is a ``status`` line, the
+        next ones (and any other failure) a ``warning``."""
 
     def catch_up(self, attempts: int = 3) -> None:
         """Adopt the swarm's state while this peer is behind or diverged, again while the swarm moved
@@ -116,18 +120,27 @@ class CatchUp:
         ahead reads the records again twice a second, up to :data:`JOINER_WAIT_S`, before it trains
         from its own initial φ: the joiner's rule counts only states the records attest, and right
         after a round a groupmate's record can still be the last round's, so the first read may
-        attest nothing."""
+        attest nothing. That wait is said in one ``status`` line when it starts."""
         s, started = self.state, time.monotonic()
         try:
             self.wait_for_peers_finishing()
-            deadline, adopted = time.monotonic() + JOINER_WAIT_S, 0
+            deadline, adopted, said = time.monotonic() + JOINER_WAIT_S, 0, False
             while adopted < attempts and not self.stop_event.is_set():
                 if self.catch_up_once():
                     adopted += 1
                     continue
                 fresh = s.pos.round == 0 and s.pos.step == 0
-                if not (fresh and any(r.record.round > 0 for r in self.swarm.others())) or time.monotonic() >= deadline:
+                ahead = sum(1 for r in self.swarm.others() if r.record.round > 0) if fresh else 0
+                if not ahead or time.monotonic() >= deadline:
                     return
+                if not said:
+                    said = True
+                    self.reporter.emit(
+                        "status",
+                        message=f"no state to adopt yet from the {ahead} peer(s) ahead: reading their records "
+                        f"again for up to {max(0.0, deadline - time.monotonic()):.0f} s, then training from the "
+                        "initial φ if none attests one",
+                    )
                 self.stop_event.wait(0.5)
         finally:
             s.waited["resync"] += time.monotonic() - started
@@ -167,7 +180,8 @@ class CatchUp:
     def catch_up_once(self) -> bool:
         """Download φ, outer state and round from every peer publishing the target digest at once
         (peer/state/download.py), checked against the digest, and start at the swarm's current inner
-        step. A failed or refused download is reported and leaves this peer's state unchanged."""
+        step. A failed or refused download is reported and leaves this peer's state unchanged (the first
+        download in a row that fails for want of donors as a ``status`` line, :attr:`failed_downloads`)."""
         s = self.state
         target = self.resync_target()
         if target is not None and self.about_to_sync(target[0], target[2]):
@@ -179,17 +193,30 @@ class CatchUp:
             return False
         round_, digest, donors = target
         start = time.monotonic()
+        # the transfer draws its own progress (peer/state/sharing.py); this line says what it is for
+        self.reporter.emit(
+            "status",
+            message=f"downloading the state of round {round_} ({digest[:16]}…) from {len(donors)} peer(s); "
+            f"this peer is at round {s.pos.round}",
+        )
         try:
             download = self.transport.download_state(donors, digest, self.cfg.state_download_timeout_s)
         except HelperDied:
             raise
         except Exception as exc:  # whatever a hostile donor's state makes the download raise: this peer goes on
             kind = "" if isinstance(exc, (BadPayload, SyncError)) else f"{type(exc).__name__}: "
+            self.failed_downloads += 1
+            # donors that left or stopped answering (a restarted peer's stale record, most often) are
+            # the swarm's ordinary churn: a warning only when it happens again in a row
+            churn = isinstance(exc, StateDownloadFailed) and self.failed_downloads == 1
             self.reporter.emit(
-                "warning",
-                message=f"state download of round {round_} failed, continuing from round {s.pos.round}: {kind}{exc}",
+                "status" if churn else "warning",
+                message=f"state download of round {round_} failed"
+                + (f" {self.failed_downloads} times in a row" if self.failed_downloads > 1 else "")
+                + f", continuing from round {s.pos.round}: {kind}{exc}",
             )
             return False
+        self.failed_downloads = 0
         state = download.state
         try:
             check_agrees(state, round_=round_, inner_steps=s.H)  # the round its records advertise (#51)
@@ -253,7 +280,8 @@ class CatchUp:
         s = self.state
         with s.lock:
             own_phi = [f.detach().to("cpu", torch.float32, copy=True) for f in s.phi]
-        own, theirs = self.loss_of(own_phi), self.loss_of(state.phi)
+        with Waiting(f"comparing the validation loss of the downloaded state of round {state.round} with this peer's"):
+            own, theirs = self.loss_of(own_phi), self.loss_of(state.phi)
         problem = loss_refusal(theirs, own, tie=tie)
         if problem is not None:
             raise BadPayload(problem)
@@ -294,13 +322,19 @@ class CatchUp:
 
     def wait_until_past(self, round_: int, donors: list[str]) -> None:
         """Wait until most donors left ``round_`` (a hung one must not hold this peer), at most one
-        sync's bound, polling the DHT twice a second; a stop ends the wait."""
+        sync's bound, polling the DHT twice a second; a stop ends the wait. A wait over 5 s says what
+        it waits for (:class:`~peer.progress.Waiting`)."""
         deadline = time.monotonic() + self.swarm.max_sync_s
-        while not self.stop_event.is_set() and time.monotonic() < deadline:
-            still = sum(1 for r in self.swarm.others() if r.peer_id in donors and r.record.round == round_)
-            if 2 * still < len(donors):
-                return
-            self.stop_event.wait(0.5)
+        what = (
+            f"waiting for {len(donors)} peer(s) to finish the sync of round {round_} "
+            f"(up to {self.swarm.max_sync_s:.0f} s), to download the state they hold after it"
+        )
+        with Waiting(what):
+            while not self.stop_event.is_set() and time.monotonic() < deadline:
+                still = sum(1 for r in self.swarm.others() if r.peer_id in donors and r.record.round == round_)
+                if 2 * still < len(donors):
+                    return
+                self.stop_event.wait(0.5)
 
     def adopt(self, state: DownloadedState) -> None:
         """Take a downloaded state: φ, the outer state and the round; θ ← φ, a fresh AdamW (a joiner

@@ -4,7 +4,9 @@
 hashes them into the corpus's identity (checked against ``data.corpus_sha256`` when the run pins
 it), gets the tokenizer (peer/train/tokenizer.py, peer/train/bpe.py), and memory-maps the token
 streams of the two splits from the on-disk cache, tokenizing into it on a first load
-(peer/train/cache.py). A document is held out for validation by a hash of its name (the relative
+(peer/train/cache.py). The corpus's hash is kept in the same cache, keyed by the source's
+fingerprint (each file's relative path, size and modification time, :func:`source_fingerprint`), so a
+restart reads no text at all; a file that changed is read and hashed again. A document is held out for validation by a hash of its name (the relative
 path of a file, the text hash of a record), so the split is the same on every machine. Each
 document's tokens are followed by EOS. The default (python-stdlib, bytes) gives the same streams
 as ever: the standard library's ``.py`` files in path order, byte by byte.
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import math
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +30,14 @@ import numpy as np
 import torch
 
 from peer.train.bpe import load_tokenizer
-from peer.train.cache import cache_key, corpus_sha256, default_cache_dir, load_token_cache, write_token_cache
+from peer.train.cache import (
+    atomic_write,
+    cache_key,
+    corpus_sha256,
+    default_cache_dir,
+    load_token_cache,
+    write_token_cache,
+)
 from peer.train.sources import SkippedFiles, describe, iter_documents, list_files, stdlib_root
 from peer.train.tokenizer import Tokenizer, byte_tokenizer
 from protocol.errors import ConfigError
@@ -36,10 +48,12 @@ __all__ = [
     "Corpus",
     "SamplerState",
     "bits_per_byte",
+    "hash_corpus",
     "is_validation",
     "list_files",
     "load_corpus",
     "peer_seed",
+    "source_fingerprint",
     "stdlib_root",
     "validation_batch",
     "validation_bits_per_byte",
@@ -80,8 +94,8 @@ class Corpus:
 def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
     """Hash, tokenize (once, into the cache) and memory-map the corpus the data spec names.
 
-    Reads the whole corpus once per call to hash it; the first call for a corpus and tokenizer also
-    tokenizes it. A BPE is loaded by its hash (peer/train/bpe.py), never trained here.
+    Reads the whole corpus to hash it unless the cache holds its hash under the same fingerprint
+    (:func:`hash_corpus`); the first call for a corpus and tokenizer also tokenizes it. A BPE is loaded by its hash (peer/train/bpe.py), never trained here.
 
     Args:
         cache_dir: where the token cache and the tokenizer store live; default: the user cache dir.
@@ -96,7 +110,7 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     fraction = spec.validation_fraction
     skipped = SkippedFiles()
-    corpus_hash, documents, size = corpus_sha256(iter_documents(spec, skipped))
+    corpus_hash, documents, size = hash_corpus(spec, cache_dir, skipped)
     if skipped.paths:
         logger.warning("%s", skipped.summary(spec))
     if documents == 0:
@@ -156,6 +170,84 @@ def load_corpus(spec: DataSpec, *, cache_dir: Path | None = None) -> Corpus:
         tokenizer=tokenizer,
         skipped_files=len(skipped.paths),
     )
+
+
+HASH_CACHE_FORMAT = "corpus-hash-v1"
+RACY_MTIME_S = 2.0
+"""A file modified less than this long before its fingerprint was taken may change again within
+the file system's timestamp granularity without its modification time moving: a hash read from such
+files is not cached (the next start hashes again, as git treats a "racily clean" entry)."""
+
+
+def source_fingerprint(spec: DataSpec) -> tuple[str, float]:
+    """SHA-256 (hex) over what the corpus is read from: the source kind, the text field, the root
+    directory and, for each file in corpus order, its relative path, size in bytes and modification
+    time (ns); and the newest of those modification times (s since the epoch). Stats the files,
+    reads none of them.
+
+    Raises:
+        ConfigError: the path is missing, or holds no file of the source's kind (as reading it would).
+    """
+    if spec.source == "hf-dataset":
+        root = Path(spec.path).expanduser()
+        if not spec.path or not root.exists():
+            next(iter_documents(spec), None)  # raises the reader's ConfigError, which says what to do
+            raise ConfigError(f"data.path {spec.path!r} does not exist")
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        root = root if root.is_dir() else root.parent
+    else:
+        root, files = list_files(spec)
+    digest = hashlib.sha256(f"{HASH_CACHE_FORMAT}\0{spec.source}\0{spec.text_field}\0{root}".encode())
+    newest = 0
+    for path in files:
+        st = path.stat()
+        digest.update(f"\0{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        newest = max(newest, st.st_mtime_ns)
+    return digest.hexdigest(), newest / 1e9
+
+
+def hash_corpus(spec: DataSpec, cache_dir: Path, skipped: SkippedFiles) -> tuple[str, int, int]:
+    """The corpus's SHA-256 (peer/train/cache.py ``corpus_sha256``), its documents and its bytes of
+    text: from ``<cache_dir>/corpus-<fingerprint>.json`` when the source's files are as they were
+    when it was written (same paths, sizes and modification times, :func:`source_fingerprint`), else
+    read and hashed, and recorded there (unless a file changed in the last :data:`RACY_MTIME_S`, or
+    while it was read). ``skipped`` gets the binary or non-UTF-8 files either way.
+
+    Raises:
+        ConfigError: as :func:`peer.train.sources.iter_documents`. An unwritable or unreadable cache
+            only costs the read: it is logged at debug level.
+    """
+    fingerprint, newest = source_fingerprint(spec)
+    entry = cache_dir / f"corpus-{fingerprint[:32]}.json"
+    try:
+        held = json.loads(entry.read_text(encoding="utf-8"))
+        if held["format"] == HASH_CACHE_FORMAT and held["fingerprint"] == fingerprint:
+            skipped.paths[:] = [str(p) for p in held["skipped"]]
+            skipped.reasons[:] = [str(r) for r in held["skipped_reasons"]]
+            return str(held["corpus_sha256"]), int(held["documents"]), int(held["bytes"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.debug("ignoring the corpus hash cached in %s: %s", entry, exc)
+    taken = time.time()
+    corpus_hash, documents, size = corpus_sha256(iter_documents(spec, skipped))
+    if taken - newest < RACY_MTIME_S or source_fingerprint(spec)[0] != fingerprint:
+        return corpus_hash, documents, size
+    record = {
+        "format": HASH_CACHE_FORMAT,
+        "fingerprint": fingerprint,
+        "corpus_sha256": corpus_hash,
+        "documents": documents,
+        "bytes": size,
+        "skipped": skipped.paths,
+        "skipped_reasons": skipped.reasons,
+    }
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        atomic_write(entry, lambda f: f.write(json.dumps(record).encode("utf-8")))
+    except OSError as exc:
+        logger.debug("could not cache the corpus hash in %s: %s", entry, exc)
+    return corpus_hash, documents, size
 
 
 def with_local_data(spec: DataSpec, data_path: Path | str | None, *, run: str) -> DataSpec:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -82,6 +83,15 @@ def describe(spec: DataSpec) -> str:
     return f"{spec.source} at {path!r}"
 
 
+def _walk(root: Path) -> Iterator[Path]:
+    """Every file under ``root`` outside the skipped directories, which are never entered (an
+    interpreter's site-packages may hold 50,000 files); symlinked directories are not followed."""
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        for name in names:
+            yield Path(folder) / name
+
+
 def list_files(spec: DataSpec) -> tuple[Path, list[Path]]:
     """Root directory and the sorted files of a file-based source (all but hf-dataset).
 
@@ -105,11 +115,7 @@ def list_files(spec: DataSpec) -> tuple[Path, list[Path]]:
             )
     if root.is_file():
         return root.parent, [root]
-    files = sorted(
-        p
-        for p in root.rglob("*")
-        if p.suffix in suffixes and p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts)
-    )
+    files = sorted(p for p in _walk(root) if p.suffix in suffixes and p.is_file())
     if not files:
         raise ConfigError(
             f"no {', '.join(suffixes)} files under data.path {str(root)!r}: point data.path at a "

@@ -37,8 +37,10 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("peer.cli_tools", "peer.status"): "`peer status` only: hivemind, through peer/net/dht_node.py (start_dht)",
     ("peer.cli_tools", "peer.train.data"): "`peer data prepare` only: torch (the token cache's tensors)",
     ("peer.cli", "peer.train.device"): "`peer swarm` only: torch (resolve_device checks --device once)",
-    ("peer.swarm", "peer.train.data"): "`peer swarm` reads the data before starting peers: torch, which the "
-    "launcher otherwise never needs",
+    ("peer.swarm_data", "peer.train.data"): "`peer swarm` reads the data before starting peers: torch, which "
+    "the launcher otherwise never needs",
+    ("peer.swarm_data", "peer.shards.corpus"): "`peer swarm` on a sharded run reads its list and validation "
+    "shards before starting peers: torch",
     ("bootstrap.cli", "bootstrap.node"): "`bootstrap run` only: hivemind, through the record validator",
     ("bootstrap.cli", "peer.net.dht_node"): "`bootstrap monitor` only: hivemind, through the record validator",
     ("bootstrap.cli", "bootstrap.monitor"): "`bootstrap monitor` only: hivemind, imported after its first line",

@@ -259,7 +259,8 @@ def test_an_owner_whose_means_were_refused_vouches_for_nothing():
 def joiner(swarm: ScriptedSwarm, reads: list[bool], round_: int = 0) -> types.SimpleNamespace:
     """A peer at ``round_`` whose successive state reads find a state to adopt or not (``reads``)."""
     t = at_round(trainer(swarm), round_)
-    t.reads = []
+    t.reads, t.said = [], []
+    t.reporter = types.SimpleNamespace(emit=lambda event, **fields: t.said.append((event, fields)))
 
     def catch_up_once():
         found = reads.pop(0)
@@ -279,6 +280,8 @@ def test_a_fresh_peer_reads_again_while_the_records_ahead_attest_nothing_yet(mon
     CatchUp.catch_up(t)
     assert t.reads == [False, False, True, False]  # two empty reads, the adoption, nothing more
     assert t.state.waited["resync"] >= 0.02  # its two waits are idle time its next round event reports
+    assert [e for e, _ in t.said] == ["status"]  # said once, with what it waits for
+    assert t.said[0][1]["message"].startswith("no state to adopt yet from the 2 peer(s) ahead")
     # not fresh (resumed mid-run), or nobody ahead: one read, then it trains
     for t in (
         joiner(ScriptedSwarm(ahead), [False, True], round_=1),

@@ -69,3 +69,36 @@ def test_exit_process_inside_a_runner_raises_system_exit_instead():
     with pytest.raises(SystemExit) as exc:
         exit_process(3)
     assert exc.value.code == 3
+
+
+def test_catching_up_says_what_it_waits_for_when_donors_are_still_in_their_sync(monkeypatch):
+    import types
+
+    import peer.round.catchup as catchup
+
+    said: list[tuple[str, str]] = []
+
+    class Recorded(Waiting):  # the real ticker, every step it names recorded
+        def __enter__(self):
+            said.append(("enter", self.what))
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            said.append(("exit", self.what))
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(catchup, "Waiting", Recorded)
+    in_round_7 = [types.SimpleNamespace(peer_id="a", record=types.SimpleNamespace(round=7))]
+    polls = []
+
+    def others(**_):
+        polls.append(1)
+        return in_round_7 if len(polls) < 3 else []  # the donor leaves round 7 at the third poll
+
+    t = types.SimpleNamespace(
+        swarm=types.SimpleNamespace(max_sync_s=300.0, others=others),
+        stop_event=types.SimpleNamespace(is_set=lambda: False, wait=lambda s: None),
+    )
+    catchup.CatchUp.wait_until_past(t, 7, ["a"])
+    what = "waiting for 1 peer(s) to finish the sync of round 7 (up to 300 s), to download the state they hold after it"
+    assert said == [("enter", what), ("exit", what)] and len(polls) == 3
