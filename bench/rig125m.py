@@ -28,9 +28,14 @@ Per (peers, uplink, codec, mode), ``results`` rows (means over peers, over the r
 * ``bytes_per_token``: bytes all peers sent ÷ tokens they trained, over the measured rounds.
 * ``rss_mib``: peak proportional set size (PSS: shared pages split between their processes) of all
   processes in a peer's namespace (the peer, its averager, p2pd), sampled every 2 s; mean over
-  peers, MiB. θ and AdamW's moments sit in host memory here; on a GPU host they are on the card.
+  peers, MiB. θ sits in host memory here (on a GPU host it is on the card); the stand-in holds no
+  gradients, activations or AdamW moments and evaluates φ without a forward pass (lab/standin.py).
 
-``catch_up`` rows (``--catch-up-rates``): ``--donors`` peers train; once all ended round 1 a joiner
+``--layers N`` cuts the preset to N decoder blocks (rows named ``<preset>-L<N>``) for a host whose
+memory does not hold the full model's peers; give ``--step-s`` scaled to the cut model (e.g. the
+full model's step × its parameter share) so that bytes per second of compute stay the full model's.
+
+``catch_up`` rows (``--catch-up-rates``; ``preset`` as the results'): ``--donors`` peers train; once all ended round 1 a joiner
 starts ``peer join``; ``seconds`` from its start to its first inner step (its stand-in's
 ``standin_first_step`` event), ``state_bytes`` the state it downloaded (its ``adopted_state``
 event), ``floor_s`` = state bytes ÷ the donors' summed uplinks (the joiner's downlink is not
@@ -68,27 +73,42 @@ CODECS = {"fp32": "none", "int8": "int8", "fp16": "fp16", "bf16": "bf16", "int4"
 NOSYNC = "nosync"
 
 
-def base_manifest(preset: str) -> RunManifest:
+def base_manifest(preset: str, layers: int | None = None) -> RunManifest:
     """``chaos``: lab/chaos.py's 0.49 M-parameter model on the tiny run (byte-level, 256-token
-    batches); any other name: protocol/presets.py's preset.
+    batches); any other name: protocol/presets.py's preset. ``layers``: the preset cut to that many
+    decoder blocks (width, vocabulary, batch and step time unchanged), for a host whose memory
+    does not hold the full model's peers.
 
     Raises:
-        ValueError: an unknown preset (named, with the known ones).
+        ValueError: an unknown preset (named, with the known ones), or ``layers`` < 1.
     """
     if preset == "chaos":
-        return tiny_run().replace(name="rig-chaos", model=CHAOS_MODEL)
-    if preset not in PRESETS:
+        base = tiny_run().replace(name="rig-chaos", model=CHAOS_MODEL)
+    elif preset not in PRESETS:
         raise ValueError(f"preset {preset!r}: choose chaos or one of {', '.join(PRESETS)}")
-    return PRESETS[preset]()
+    else:
+        base = PRESETS[preset]()
+    if layers is None:
+        return base
+    if layers < 1:
+        raise ValueError(f"layers = {layers}: give at least 1 decoder block")
+    return base.replace(model={"num_layers": layers})
 
 
-def rig_manifest(preset: str, mode: str, codec: str, inner_steps: int, rounds: int) -> RunManifest:
+def preset_label(preset: str, layers: int | None) -> str:
+    """The rows' ``preset``: the preset's name, with ``-L<layers>`` when cut to fewer blocks."""
+    return preset if layers is None else f"{preset}-L{layers}"
+
+
+def rig_manifest(
+    preset: str, mode: str, codec: str, inner_steps: int, rounds: int, layers: int | None = None
+) -> RunManifest:
     """The preset's run with ``sync.overlap = mode``, H = ``inner_steps`` and ``codec`` (streaming:
     the preset's fragments, at most one per block); mode ``nosync``: blocking, with one round of
     ``rounds × inner_steps`` steps (its only sync after them)."""
     overlap = "none" if mode == NOSYNC else mode
     h = inner_steps * rounds if mode == NOSYNC else inner_steps
-    base = base_manifest(preset)
+    base = base_manifest(preset, layers)
     sync: dict = {"inner_steps": h, "overlap": overlap}
     if overlap == "streaming":  # at most one fragment per block (the chaos model has 2)
         sync["fragments"] = min(base.sync.fragments, base.model.num_layers)
@@ -270,6 +290,9 @@ def catch_up_row(run: dict, *, rate: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-125m", help="a protocol/presets.py preset, or chaos")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="cut the preset to this many decoder blocks (rows: <preset>-L<n>)"
+    )
     parser.add_argument("--peers", type=int, nargs="*", default=[4, 8], help="none: only the catch-up rows")
     parser.add_argument("--rates", type=float, nargs="+", default=[100.0, 1000.0], help="uplinks, Mbit/s")
     parser.add_argument("--modes", nargs="+", default=[NOSYNC, *OVERLAP_MODES], choices=[NOSYNC, *OVERLAP_MODES])
@@ -296,7 +319,7 @@ def main() -> None:
     workdir = prepare_rig_bench(parser, args, "locoswarm-rig125m-")
     standin: StandInConfig | None = None
     try:
-        base = base_manifest(args.preset)
+        base = base_manifest(args.preset, args.layers)
         if args.device is None:
             standin = (
                 StandInConfig(step_s=args.step_s)
@@ -339,7 +362,7 @@ def main() -> None:
     for peers in args.peers:
         reference, how = (peers * ideal_per_peer if ideal_per_peer else 0.0), "ideal"
         if NOSYNC in args.modes:  # the same peers with the sync replaced by nothing: no link, no codec in it
-            m = rig_manifest(args.preset, NOSYNC, args.codecs[0], args.inner_steps, args.rounds)
+            m = rig_manifest(args.preset, NOSYNC, args.codecs[0], args.inner_steps, args.rounds, args.layers)
             run = run_swarm(
                 workdir / f"n{peers}-{NOSYNC}",
                 m,
@@ -368,7 +391,7 @@ def main() -> None:
         for rate in args.rates:
             for codec in args.codecs:
                 for mode in modes:
-                    m = rig_manifest(args.preset, mode, codec, args.inner_steps, args.rounds)
+                    m = rig_manifest(args.preset, mode, codec, args.inner_steps, args.rounds, args.layers)
                     run = run_swarm(
                         workdir / f"n{peers}-r{rate:g}-{codec}-{mode}",
                         m,
@@ -381,7 +404,7 @@ def main() -> None:
                     )
                     f = swarm_figures(run, args.warmup, rate)
                     row = {
-                        "preset": args.preset,
+                        "preset": preset_label(args.preset, args.layers),
                         "peers": peers,
                         "uplink_mbit": rate,
                         "overlap": mode,
@@ -411,7 +434,9 @@ def main() -> None:
                         flush=True,
                     )
     for rate in args.catch_up_rates:
-        m = rig_manifest(args.preset, "delayed" if "delayed" in modes else "none", args.codecs[-1], args.inner_steps, 1)
+        m = rig_manifest(
+            args.preset, "delayed" if "delayed" in modes else "none", args.codecs[-1], args.inner_steps, 1, args.layers
+        )
         run = run_swarm(
             workdir / f"catch-up-r{rate:g}",
             m,
@@ -424,7 +449,12 @@ def main() -> None:
             joiner_after_round=1,
         )
         c = catch_up_row(run, rate=rate)
-        record["catch_up"].append({k: c[k] for k in ("uplink_mbit", "donors", "state_bytes", "seconds", "floor_s")})
+        record["catch_up"].append(
+            {
+                "preset": preset_label(args.preset, args.layers),
+                **{k: c[k] for k in ("uplink_mbit", "donors", "state_bytes", "seconds", "floor_s")},
+            }
+        )
         detail["runs"].append({"catch_up": c, "wall_s_total": run["wall_s_total"]})
         save()
         print(
@@ -451,12 +481,12 @@ def markdown(record: dict) -> str:
     if record["catch_up"]:
         lines += [
             "",
-            "| uplink Mbit/s | donors | state MB | seconds to first step | floor s |",
-            "|---|---|---|---|---|",
+            "| preset | uplink Mbit/s | donors | state MB | seconds to first step | floor s |",
+            "|---|---|---|---|---|---|",
         ]
         for c in record["catch_up"]:
             lines.append(
-                f"| {c['uplink_mbit']:g} | {c['donors']} | {c['state_bytes'] / 1e6:.1f} | {c['seconds']:.1f} | "
+                f"| {c.get('preset', '')} | {c['uplink_mbit']:g} | {c['donors']} | {c['state_bytes'] / 1e6:.1f} | {c['seconds']:.1f} | "
                 f"{c['floor_s']:.1f} |"
             )
     return "\n".join(lines)

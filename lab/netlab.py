@@ -22,6 +22,7 @@ import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -166,8 +167,12 @@ class NetLab:
         _ip("link", "set", host.veth_root, "up")
 
     def close(self) -> None:
-        """Kill every process started in the lab and remove its namespaces, links and rules."""
+        """Kill every process started in the lab and remove its namespaces, links and rules, and the
+        torch shared-memory segments (``/dev/shm/torch_<pid>_*``) its killed processes left."""
+        killed: set[str] = set()
         for host in self.hosts.values():
+            killed.update(_ip("netns", "pids", host.netns, check=False).stdout.split())
+            killed.update(str(proc.pid) for proc in host.procs)
             for proc in host.procs:
                 if proc.poll() is None:
                     try:
@@ -183,6 +188,7 @@ class NetLab:
             _ip("link", "del", host.veth_root, check=False)
             _ip("netns", "del", host.netns, check=False)
         self.hosts.clear()
+        _remove_shared_memory(killed)
         _ip("link", "del", self.bridge, check=False)
         if self._iptables_rule is not None:
             subprocess.run(["iptables", "-D", *self._iptables_rule], capture_output=True)
@@ -193,3 +199,13 @@ class NetLab:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _remove_shared_memory(pids: set[str], shm: Path = Path("/dev/shm")) -> None:
+    """Remove the torch shared-memory files (``torch_<pid>_*``) of ``pids`` that are no longer
+    running: a process killed with SIGKILL cannot unlink its own, and they hold memory until removed."""
+    for pid in pids:
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for leftover in shm.glob(f"torch_{pid}_*"):
+            leftover.unlink(missing_ok=True)

@@ -7,9 +7,18 @@ everything else (the DHT, matchmaking, the outer step, codecs, error feedback, t
 NoLoCo exchange, catch-up, checkpoints, records) is the product's code in a real peer process.
 
 :class:`StandInLoop` holds the real φ, θ and Δ of the run's model (θ is the product's model, φ and
-the outer state the product's round state) and AdamW's two moments, but its step draws the batch,
-then waits ``step_s`` seconds without using the CPU (``threading.Event.wait``: the training thread of
-a GPU host is blocked on the card for a step) and changes a slice of θ deterministically.
+the outer state the product's round state); its step draws the batch, then waits ``step_s``
+seconds without using the CPU (``threading.Event.wait``: the training thread of a GPU host is
+blocked on the card for a step) and changes a slice of θ deterministically. What only a forward or
+backward pass needs is not held: no gradients, no activations, no AdamW moments (on a GPU host they
+sit on the card, not in the host's memory the rig measures).
+
+The evaluation of φ is card work too (a forward pass over the validation windows: on 2 host cores
+at 125M parameters it takes minutes and gigabytes of activations). :func:`install` therefore also
+replaces the product's ``evaluate`` where the round engine calls it (peer/round/publishing.py's
+evaluation of φ and peer/round/catchup.py's loss check of a downloaded state) by
+:func:`standin_evaluate`, and the evaluation copy of the model by one on the ``meta`` device
+(:func:`meta_copy`: shapes, no storage).
 
 The seam: the peer's process imports the product unchanged and this module rebinds
 ``peer.round.engine.make_inner_loop`` (the one factory through which the round engine builds its
@@ -28,6 +37,7 @@ joiner's catch-up from ``peer join`` to it.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -37,6 +47,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 if __name__ == "__main__":  # run as a file by the rig: the repository's packages
@@ -44,7 +55,9 @@ if __name__ == "__main__":  # run as a file by the rig: the repository's package
 
 import torch
 
+import peer.round.catchup as catchup
 import peer.round.engine as engine
+import peer.round.publishing as publishing
 from peer.cli import main as peer_main
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop, StepResult
@@ -56,6 +69,12 @@ RATE_ENV = "LOCOSWARM_STANDIN_TOKENS_PER_S"
 CHUNKS = 64
 """θ is changed a 1/CHUNKS slice per step (each tensor's k-th contiguous slice at step k mod CHUNKS),
 so a round of H ≥ 64 steps changes every element while a step's CPU work stays small."""
+EVAL_LOSS = 2.0
+"""What :func:`standin_evaluate` reports for any φ, nats per token: the stand-in trains nothing, so
+there is no loss to measure; every φ ties (a downloaded state passes the loss check unless the
+re-sync rule asks it to be strictly lower)."""
+FORWARD_SHARE = 1.0 / 3.0
+"""A forward pass's share of a training step's time (forward + backward ≈ 3 forwards)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,10 +139,12 @@ class StandInLoop(InnerLoop):
     :meth:`hold_updates`' event like a real step's optimizer step, then changes θ's slice
     ``inner_step mod CHUNKS`` of every tensor in place: ``θ ← θ·(1 − lr·0.01) + lr·b``, lr from
     the run's schedule at ``inner_step`` and ``b`` a per-peer constant of the sampler's seed
-    (``1e-3·(1 + seed mod 7)``), so Δ differs between peers as it does in training. AdamW's
-    moments (fp32, shaped like θ, zeros) are allocated at the first step as AdamW does, and its step
-    count kept, so a checkpoint holds what a real one holds. The loss reported is not a loss: a
-    deterministic stand-in value, ``1 + 1 / (1 + inner_step / 100)`` nats per token.
+    (``1e-3·(1 + seed mod 7)``), so Δ differs between peers as it does in training. No gradient is
+    made and AdamW's moments are never allocated (the sync needs neither): :meth:`state_dict` is
+    None, the inner optimizer's state of a real loop before its first step, so a checkpoint holds
+    no moments and a restore leaves a fresh optimizer; :attr:`adam_step` counts the steps. The loss
+    reported is not a loss: a deterministic stand-in value, ``1 + 1 / (1 + inner_step / 100)`` nats
+    per token.
 
     Args:
         model: θ, fp32, on ``device`` (the host here).
@@ -156,6 +177,8 @@ class StandInLoop(InnerLoop):
         """Never set: a step waits on it for ``step_s``, as the training thread waits on a card."""
         self._on_first_step = on_first_step
         self.bias = 1e-3 * (1 + sampler.seed % 7)
+        self.adam_step = 0
+        """Steps since the optimizer was last fresh (what AdamW's ``step`` would count)."""
 
     def step(self, inner_step: int, *, wait: bool = True) -> StepResult:
         """One stand-in step at cumulative inner step ``inner_step`` (see the class); ``wait`` is
@@ -185,13 +208,20 @@ class StandInLoop(InnerLoop):
         )
 
     def _count_step(self) -> None:
-        """AdamW's per-parameter state as its first step leaves it (zero moments), then its step count."""
-        adamw = self._adamw()
-        for p in self.params:
-            state = adamw.state[p]
-            if "exp_avg" not in state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            state["step"] += 1
+        self.adam_step += 1
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """None: the stand-in holds no AdamW moments (a real loop's state before its first step)."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Keep ``state``'s step count (None: a fresh optimizer); its moments are not held."""
+        self.adam_step = int(state["step"]) if state is not None else 0
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimizer: the step count back to 0."""
+        super().reset_optimizer()
+        self.adam_step = 0
 
     def settle(self) -> list[float]:
         """Nothing is ever pending: an empty list."""
@@ -210,30 +240,88 @@ def first_step_event(inner_step: int, *, fd: int = 1) -> None:
     os.write(fd, line.encode())
 
 
-def factory(config: StandInConfig, on_first_step: Callable[[int], None] | None = None) -> Callable[..., InnerLoop]:
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on the ``meta`` device (shapes and
+    dtypes, no storage): the evaluation copy a stand-in peer keeps, which nothing computes with."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            torch.nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+        )
+    return copy.deepcopy(model, memo)
+
+
+def standin_evaluate(tokens_per_s: Callable[[], float]) -> Callable[..., float]:
+    """A replacement for :func:`peer.train.model.evaluate` (same arguments): it waits a forward
+    pass's time on the card, ``windows``' tokens × :data:`FORWARD_SHARE` ÷ ``tokens_per_s()``
+    seconds, without using the CPU, and returns :data:`EVAL_LOSS` (nats per token)."""
+    card = threading.Event()
+
+    def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_sequences: int = 16) -> float:
+        tokens = windows.shape[0] * max(1, windows.shape[1] - 1)
+        card.wait(tokens * FORWARD_SHARE / tokens_per_s())
+        return EVAL_LOSS
+
+    return evaluate
+
+
+def factory(
+    config: StandInConfig,
+    on_first_step: Callable[[int], None] | None = None,
+    on_built: Callable[[StandInLoop, int], None] | None = None,
+) -> Callable[..., InnerLoop]:
     """A replacement for :func:`peer.train.ddp.make_inner_loop` (same arguments) that builds a
-    :class:`StandInLoop` whose step time is ``config``'s for the run's batch."""
+    :class:`StandInLoop` whose step time is ``config``'s for the run's batch; ``on_built`` is
+    called with the loop and its batch tokens."""
 
     def make(model: torch.nn.Module, spec: InnerOptimizerSpec, sampler: BatchSampler, placement: Any = None):
         tokens = sampler.batch_sequences * sampler.seq_len
         device = placement.device if placement is not None else None
-        return StandInLoop(
+        loop = StandInLoop(
             model, spec, sampler, step_s=config.step_seconds(tokens), device=device, on_first_step=on_first_step
         )
+        if on_built is not None:
+            on_built(loop, tokens)
+        return loop
 
     return make
 
 
 def install(config: StandInConfig, on_first_step: Callable[[int], None] | None = first_step_event) -> None:
-    """Make the round engine build :class:`StandInLoop` in this process.
+    """Make the round engine build :class:`StandInLoop` in this process, evaluate φ with
+    :func:`standin_evaluate` (at the card's tokens/s: ``config``'s, or the batch's tokens ÷ the step
+    time) and keep its evaluation copy of the model on the ``meta`` device (:func:`meta_copy`).
 
     Raises:
         RuntimeError: peer/round/engine.py no longer builds its inner loop through
-            ``make_inner_loop`` (this seam must follow it).
+            ``make_inner_loop``, or peer/round/publishing.py / catchup.py no longer evaluate through
+            ``evaluate`` and copy the model through ``copy.deepcopy`` (these seams must follow them).
     """
     if not callable(getattr(engine, "make_inner_loop", None)):
         raise RuntimeError("peer/round/engine.py has no make_inner_loop to replace: update lab/standin.py's seam")
-    engine.make_inner_loop = factory(config, on_first_step)
+    for module in (publishing, catchup):
+        if not callable(getattr(module, "evaluate", None)):
+            raise RuntimeError(f"{module.__name__} has no evaluate to replace: update lab/standin.py's seam")
+    if getattr(publishing, "copy", None) is not copy:
+        raise RuntimeError(
+            "peer/round/publishing.py no longer copies the model with copy.deepcopy: update lab/standin.py"
+        )
+    rate: list[float] = [config.tokens_per_s or 0.0]
+
+    def built(loop: StandInLoop, batch_tokens: int) -> None:
+        rate[0] = config.tokens_per_s or batch_tokens / loop.step_s
+
+    def card_rate() -> float:
+        if not rate[0]:
+            raise RuntimeError("the stand-in evaluated before its inner loop was built: no step time to scale")
+        return rate[0]
+
+    engine.make_inner_loop = factory(config, on_first_step, built)
+    evaluate = standin_evaluate(card_rate)
+    publishing.evaluate = evaluate
+    catchup.evaluate = evaluate
+    publishing.copy = SimpleNamespace(deepcopy=meta_copy)  # type: ignore[assignment]
 
 
 def main() -> None:

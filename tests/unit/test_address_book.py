@@ -238,7 +238,7 @@ class FakeDHT:
     class Node:
         """The DHT process's node, as ``run_coroutine`` hands it over: awaitable reads."""
 
-        def __init__(self, dht: "FakeDHT"):
+        def __init__(self, dht: FakeDHT):
             self.dht = dht
 
         async def get_visible_maddrs(self, latest=False):

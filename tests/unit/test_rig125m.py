@@ -1,6 +1,8 @@
 """bench/rig125m.py's arithmetic: utilization against no sync, the link floor, bytes per token and a
 joiner's catch-up against its floor, from round events (issue #54)."""
 
+import os
+
 import pytest
 
 from bench.rig125m import (
@@ -8,6 +10,7 @@ from bench.rig125m import (
     catch_up_row,
     gpu_tokens_per_s,
     nosync_tokens_per_s,
+    preset_label,
     rig_manifest,
     swarm_figures,
 )
@@ -69,3 +72,31 @@ def test_manifests_and_step_time_of_the_125m_preset():
     assert gpu_tokens_per_s("llama-125m") == pytest.approx(383781.8)
     with pytest.raises(ValueError, match="'nope'"):
         rig_manifest("nope", "delayed", "fp32", 10, 3)
+
+
+def test_a_preset_cut_to_fewer_blocks_keeps_its_width_batch_and_vocabulary():
+    full, cut = (
+        rig_manifest("llama-125m", "delayed", "int8", 100, 3),
+        rig_manifest("llama-125m", "delayed", "int8", 100, 3, 2),
+    )
+    assert (full.model.num_layers, cut.model.num_layers) == (30, 2)
+    assert cut.model.hidden_size == full.model.hidden_size and cut.data == full.data
+    assert batch_tokens(cut) == batch_tokens(full)
+    assert preset_label("llama-125m", 2) == "llama-125m-L2" and preset_label("llama-125m", None) == "llama-125m"
+    with pytest.raises(ValueError, match="layers = 0"):
+        rig_manifest("llama-125m", "delayed", "int8", 100, 3, 0)
+
+
+def test_the_lab_removes_the_shared_memory_of_its_killed_peers_only(tmp_path):
+    import subprocess
+
+    from lab.netlab import _remove_shared_memory
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = os.getpid()
+    for pid in (dead.pid, alive):
+        (tmp_path / f"torch_{pid}_123_0").write_bytes(b"x")
+    (tmp_path / "torch_999999999_1_0").write_bytes(b"x")  # not one of the lab's
+    _remove_shared_memory({str(dead.pid), str(alive)}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"torch_{alive}_123_0", "torch_999999999_1_0"])

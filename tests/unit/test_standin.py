@@ -9,11 +9,28 @@ import time
 import pytest
 import torch
 
-from lab.standin import CHUNKS, StandInConfig, StandInLoop, factory, first_step_event, install
+from lab.standin import (
+    CHUNKS,
+    EVAL_LOSS,
+    StandInConfig,
+    StandInLoop,
+    factory,
+    first_step_event,
+    install,
+    meta_copy,
+    standin_evaluate,
+)
+from peer.config import TrainerConfig
+from peer.reporting import Reporter
+from peer.round import Trainer
+from peer.state.checkpoint import load_checkpoint
+from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop
+from peer.train.model import build_model
 from protocol.errors import ConfigError
 from protocol.presets import llama_125m_run, tiny_run
+from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 SPEC = tiny_run().inner_optimizer
 
@@ -69,22 +86,40 @@ def test_a_step_changes_only_its_slice_of_each_tensor():
         assert changed.min() >= 2 * n // CHUNKS and changed.max() < 3 * n // CHUNKS
 
 
-def test_optimizer_state_round_trips_like_the_real_loops():
+def test_no_gradients_and_no_adamw_moments_are_held():
     inner = loop()
-    assert inner.state_dict() is None  # before the first step, as AdamW
-    inner.step(0)
-    inner.step(1)
-    state = inner.state_dict()
-    assert state is not None and state["step"] == 2
-    assert [m.shape for m in state["exp_avg"]] == [p.shape for p in inner.params]
+    for step in range(3):
+        inner.step(step)
+    assert all(p.grad is None for p in inner.params)
+    assert len(inner.optimizer.state) == 0  # AdamW never allocated its moments
+    assert inner.adam_step == 3
+    assert inner.state_dict() is None  # a checkpoint holds no moments, as a real loop's before a step
     restored = loop()
-    restored.load_state_dict(state)
-    assert restored.state_dict()["step"] == 2
-    restored.step(2)
-    assert restored.state_dict()["step"] == 3
+    restored.load_state_dict({"step": 7, "exp_avg": [], "exp_avg_sq": []})
+    assert restored.adam_step == 7
     restored.reset_optimizer()
-    assert restored.state_dict() is None
+    assert restored.adam_step == 0 and restored.state_dict() is None
     assert inner.settle() == []
+
+
+def test_the_evaluation_copy_holds_no_storage():
+    m = model()
+    copied = meta_copy(m)
+    assert all(p.device.type == "meta" for p in [*copied.parameters(), *copied.buffers()])
+    assert [p.shape for p in copied.parameters()] == [p.shape for p in m.parameters()]
+    assert all(p.device.type == "cpu" for p in m.parameters())  # the original is untouched
+    with torch.no_grad():
+        for p, q in zip(copied.parameters(), m.parameters()):
+            p.copy_(q)  # what the publisher and the loss check do to it
+
+
+def test_the_stand_in_evaluation_waits_a_forward_pass_without_cpu():
+    evaluate = standin_evaluate(lambda: 3000.0)
+    windows = torch.zeros(4, 501, dtype=torch.int64)  # 2000 tokens: 2000 / 3 / 3000 s
+    cpu, wall = time.thread_time(), time.perf_counter()
+    assert evaluate(meta_copy(model()), windows) == EVAL_LOSS
+    assert time.thread_time() - cpu < 0.1
+    assert time.perf_counter() - wall >= 2000 / 3 / 3000 * 0.9
 
 
 def test_a_held_step_waits_for_the_copy_before_changing_theta():
@@ -147,10 +182,96 @@ def test_the_environment_round_trips_and_bad_values_are_named():
         loop(step_s=0)
 
 
+def restore_seams(monkeypatch):
+    """Undo :func:`install`'s rebinding of the product's seams after the test."""
+    import peer.round.catchup as catchup
+    import peer.round.engine as engine
+    import peer.round.publishing as publishing
+
+    monkeypatch.setattr(engine, "make_inner_loop", engine.make_inner_loop)
+    monkeypatch.setattr(catchup, "evaluate", catchup.evaluate)
+    monkeypatch.setattr(publishing, "evaluate", publishing.evaluate)
+    monkeypatch.setattr(publishing, "copy", publishing.copy)
+
+
 def test_install_replaces_the_engines_inner_loop_factory(monkeypatch):
     import peer.round.engine as engine
+    import peer.round.publishing as publishing
 
-    monkeypatch.setattr(engine, "make_inner_loop", engine.make_inner_loop)  # restored after the test
+    restore_seams(monkeypatch)
     install(StandInConfig(step_s=0.01), on_first_step=None)
     built = engine.make_inner_loop(model(), SPEC, sampler(), None)
     assert isinstance(built, StandInLoop) and built.step_s == 0.01
+    assert publishing.evaluate(model(), torch.zeros(2, 9, dtype=torch.int64)) == EVAL_LOSS
+    assert next(publishing.copy.deepcopy(model()).parameters()).device.type == "meta"
+
+
+class Events(Reporter):
+    def __init__(self):
+        super().__init__()
+        self.events: list[dict] = []
+
+    def emit(self, event, **fields):
+        self.events.append({"event": event, **fields})
+
+    def of(self, kind):
+        return [e for e in self.events if e["event"] == kind]
+
+
+def test_stand_in_peers_run_the_products_round(monkeypatch, tmp_path, corpus):
+    """Two stand-in peers through the product's round engine (Trainer) over the in-memory
+    transport: they average, their φ ends equal, moved by the outer step from its start, their
+    checkpoints load and hold no AdamW moments, and φ was evaluated by the stand-in."""
+    restore_seams(monkeypatch)
+    firsts: list[int] = []
+    install(StandInConfig(step_s=0.002), on_first_step=firsts.append)
+    manifest = tiny_run().replace(sync={"inner_steps": 4})
+    records, group = InProcessHub(), InProcessHub(2)
+    trainers, reporters = [], []
+    for name in ("a", "b"):
+        reporters.append(Events())
+        trainers.append(
+            Trainer(
+                manifest=manifest,
+                model=build_model(manifest.model, corpus.tokenizer),
+                corpus=corpus,
+                swarm=InProcessSwarm(name, records),
+                transport=InProcessTransport(name, group),
+                config=TrainerConfig(max_rounds=2, checkpoint_path=tmp_path / f"{name}.ckpt"),
+                reporter=reporters[-1],
+                stop_event=threading.Event(),
+            )
+        )
+    start = [f.clone() for f in trainers[0].state.phi]
+    errors: list[BaseException] = []
+
+    def run(t):
+        try:
+            t.run()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    assert all(isinstance(t.inner, StandInLoop) for t in trainers)
+    assert sorted(firsts) == [0, 0]
+    a, b = (t.state.phi for t in trainers)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # one group: the same mean
+    assert not all(torch.equal(x, y) for x, y in zip(a, start))  # the outer step moved φ
+    for r in reporters:
+        rounds = r.of("round")
+        assert [e["round"] for e in rounds] == [1, 2]
+        assert all(e["group_size"] == 2 and e["bytes_sent"] > 0 for e in rounds)
+        assert all(e["loss"] == EVAL_LOSS for e in r.of("eval"))
+    for t, name in zip(trainers, ("a", "b")):
+        assert t.publisher.eval_model is not None
+        assert next(t.publisher.eval_model.parameters()).device.type == "meta"
+        saved = load_checkpoint(
+            tmp_path / f"{name}.ckpt", run_id=manifest.run_id, names=t.state.names, shapes=t.state.shapes
+        )
+        assert saved.round == 2 and saved.adam_exp_avg is None
+        assert all(torch.equal(x, y) for x, y in zip(saved.phi, t.state.phi))
