@@ -225,6 +225,15 @@ own Δ is not positive: half of an honest pair's mean is the receiver's own Δ, 
 gain, which the norm bound alone let through, is caught; a scalar's sign says too little."""
 
 
+DELTA_DIRECTION_CHECK = False
+"""Whether receivers run the direction check of :data:`DELTA_MEAN_SCALE` and
+:data:`PAIR_SIGN_MIN_ELEMENTS` (check 2 of :func:`owner_mean_problem`). Off: between real peers
+(streaming fragments, int8 with error feedback, pairs on different shards) honest owners' means
+fell under the floor on some receivers, which then applied their own Δ there and left the group's
+φ split (tests/integration/test_overlap_swarm.py). bench/byzantine.py and the security tests turn
+it on to measure what it buys."""
+
+
 def delta_mean_floor(included: int) -> float:
     """The least cosine with, and norm relative to, a receiver's own Δ piece that an owner's mean of
     ``included`` contributions must have: :data:`DELTA_MEAN_SCALE` / sqrt(included)."""
@@ -399,7 +408,7 @@ def owner_mean_problem(
     if not x_norm > 0:
         return None
     pair = included + (not included_self) <= 2 and contribution.numel() >= PAIR_SIGN_MIN_ELEMENTS
-    if not phi and (pair or not small):
+    if not phi and DELTA_DIRECTION_CHECK and (pair or not small):
         # a mean said to leave this receiver out is held to the bound of one that includes it: a
         # lying owner gains nothing by the claim, an honest one that left it out costs it its own Δ
         cosine, least = _cosine(mean, contribution), delta_mean_floor(included + (not included_self))

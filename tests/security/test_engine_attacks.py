@@ -15,6 +15,16 @@ from lab.engine_sim import EngineResult, run_engine_simulation
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
+
+@pytest.fixture(autouse=True)
+def direction_check(monkeypatch):
+    """The receivers' direction check (off by default, peer/sync/screening.py DELTA_DIRECTION_CHECK) on:
+    these tests hold the defences it adds."""
+    import peer.sync.screening
+
+    monkeypatch.setattr(peer.sync.screening, "DELTA_DIRECTION_CHECK", True)
+
+
 PEERS, ROUNDS = 4, 2
 
 

@@ -19,6 +19,16 @@ from protocol.presets import tiny_run
 from protocol.wire.pieces import Piece
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
+
+@pytest.fixture(autouse=True)
+def direction_check(monkeypatch):
+    """The receivers' direction check (off by default, peer/sync/screening.py DELTA_DIRECTION_CHECK) on:
+    these tests hold the defences it adds."""
+    import peer.sync.screening
+
+    monkeypatch.setattr(peer.sync.screening, "DELTA_DIRECTION_CHECK", True)
+
+
 N, TOKENS = 8, 1024.0
 SHAPES = [torch.Size([64, 64]), torch.Size([32, 64]), torch.Size([256])]  # each piece >= 256 values
 
