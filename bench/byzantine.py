@@ -79,15 +79,11 @@ def _train(
     screening: bool,
     threads: int,
     matchmaking_s: float,
-    direction_check: bool = False,
 ) -> dict:
     """One engine run; the malicious peers are the last ``malicious`` of :data:`PEERS` (who owns which
     piece is drawn per group, as matchmaking orders a group)."""
     torch.set_num_threads(threads)
     logging.getLogger("peer").setLevel(logging.ERROR)
-    import peer.sync.screening
-
-    peer.sync.screening.DELTA_DIRECTION_CHECK = direction_check  # this worker process's receivers
     m = manifest_for(base, algorithm, PEERS, seed, bench["global_batch_tokens"], rounds)
     adversary = None
     if attack is not None:
@@ -229,12 +225,6 @@ def main() -> None:
         metavar="SECTION.FIELD=VALUE",
         help="override a manifest field (TOML value)",
     )
-    parser.add_argument(
-        "--direction-check",
-        action="store_true",
-        help="turn on the receivers' direction check of owners' Δ means (peer/sync/screening.py "
-        "DELTA_DIRECTION_CHECK, off in the product)",
-    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--resume",
@@ -317,7 +307,6 @@ def main() -> None:
                     "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores, shared), torch "
                     f"{torch.__version__}, {args.jobs} run(s) at once, {args.threads} thread(s) each",
                     "rounds": args.rounds,
-                    "direction_check": args.direction_check,
                     "config": config,
                     "runs": runs,
                     "wall_s_total": time.perf_counter() - start,
@@ -333,14 +322,7 @@ def main() -> None:
     ) as pool:
         futures = [
             pool.submit(
-                _train,
-                base,
-                bench,
-                rounds=args.rounds,
-                threads=args.threads,
-                matchmaking_s=args.matchmaking_s,
-                direction_check=args.direction_check,
-                **w,
+                _train, base, bench, rounds=args.rounds, threads=args.threads, matchmaking_s=args.matchmaking_s, **w
             )
             for w in todo
         ]

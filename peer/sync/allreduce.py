@@ -33,11 +33,10 @@ Rules on failure (checked, never assumed):
 * A receiver checks every mean an owner sends against its own contribution to that piece
   (peer/sync/screening.py ``owner_mean_problem``: norm within 3x its own reference norm, 30x for
   pieces under 256 values, never below a floor of 3x a piece of this peer's typical values; for
-  Δ pieces of any size, direction and a lower norm bound; for large φ pieces, norm ratio and
-  direction). A mean that fails is *refused*: the piece is applied as this peer's own contribution
-  (its own Δ, or its own φ for NoLoCo: the piece moves as this peer alone would, so the receivers
-  that refused it no longer hold one φ there), and the owner is named in the stats (no voucher;
-  struck like a sender whose contribution was clipped, except for the direction check).
+  large φ pieces, norm ratio and direction). A mean that fails is *refused*: the piece is applied as
+  zeros (Δ: every honest receiver refusing the same bytes applies the same, so their φ stay
+  identical) or as this peer's own values (φ, NoLoCo), and the owner is named in the stats (no
+  voucher; struck like a sender whose contribution was clipped).
 * Once a peer holds every mean it sends each owner a RECEIPT of what every owner sent it
   (peer/sync/receipts.py): an owner whose means differ between receivers (equivocation) has its
   pieces applied as refused by every peer, and, contradicted by two or more, is named in
@@ -61,7 +60,6 @@ import torch
 
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
-from peer.sync.robust import clip_around_own, robust_mean
 from peer.sync.screening import (
     CLIP_MEDIAN_FACTOR,
     cap_weight,
@@ -78,29 +76,26 @@ from protocol.wire.pieces import Piece, piece_shape, piece_view
 logger = logging.getLogger(__name__)
 
 
-def piece_mean(parts: Sequence[tuple[float, torch.Tensor]], own: int | None = None) -> tuple[torch.Tensor, list[int]]:
+def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
     """An owner's mean of one piece (step 3 above, before the codec): the contributions clipped to
-    the median rule (peer/sync/screening.py ``clip_to_median``), then aggregated robustly
-    (peer/sync/robust.py ``robust_mean``: CenteredClip, arXiv 2012.10333, which gives the plain
-    token-weighted mean, summed in fp32 in sender order, when no contribution is out of line). The
-    in-process hub (peer/sync/inprocess.py) calls it too.
+    the median rule (peer/sync/screening.py ``clip_to_median``), then summed in fp32 in the given
+    (sender) order, each weighted by its share of the included weight. The in-process hub
+    (peer/sync/inprocess.py) calls it too.
 
     Args:
         parts: ``(capped token weight > 0, fp32 tensor)`` per included contribution, all finite, one
             shape, at least one.
-        own: the position in ``parts`` of the owner's own contribution to a Δ piece (None: not
-            included, or a φ piece): with fewer than 3 parts the others are clipped around it
-            (peer/sync/robust.py ``clip_around_own``).
 
     Returns:
         ``(mean, clipped)``: a new fp32 tensor of the piece's shape (finite unless the weighted sum
         overflows) and the positions in ``parts`` that were clipped.
     """
     parts, clipped = clip_to_median(parts)
-    if own is not None and len(parts) < 3:  # no majority (a NoLoCo pair): centre on the owner's own
-        parts, _ = clip_around_own(parts, own)
-    mean, _ = robust_mean(parts)  # its clipping is no strike: it touches honest outliers too
-    return mean, clipped
+    total = sum(w for w, _ in parts)
+    acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
+    for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
+        acc.add_(x, alpha=w / total)
+    return acc, clipped
 
 
 @dataclass
@@ -439,10 +434,7 @@ class GroupAllreduce(ReceiptExchange):
         Raises:
             BadPayload: the mean is not finite (after the codec): the piece fails, nothing is sent.
         """
-        delta = self.phi_from is None or piece.tensor < self.phi_from
-        me = self.plan.my_index
-        own = sum(included[:me]) if delta and included[me] else None  # this owner's position in parts
-        acc, clipped = piece_mean(parts, own)
+        acc, clipped = piece_mean(parts)
         data, value = self._roundtrip(piece, acc, self.plan.mean_codecs[piece.index])
         if not torch.isfinite(value).all():
             raise BadPayload(f"the mean of piece {piece.index} is not finite")
@@ -463,15 +455,14 @@ class GroupAllreduce(ReceiptExchange):
 
     def _checked_mean(self, owner: int, piece: Piece, value: torch.Tensor, included: list[bool]) -> torch.Tensor:
         """``value`` (the owner's decoded mean of ``piece``) if :func:`owner_mean_problem` accepts it
-        against this peer's contribution, else its replacement: this peer's own contribution (its
-        own Δ, or its own φ for NoLoCo), so a lying owner's piece moves as this peer alone would."""
+        against this peer's contribution, else its replacement (zeros for Δ, own values for φ)."""
         mine = self._sent.pop(piece.index, None)
         if mine is None:
             return value
         mine = mine.float()
         delta = self.phi_from is None or piece.tensor < self.phi_from
         if owner in self.distrusted:  # caught equivocating in an earlier round
-            return mine
+            return torch.zeros_like(value) if delta else mine
         me_in = included[self.plan.my_index]
         if delta not in self._reference:  # once per kind (two executor threads may both compute it: the same value)
             split = len(self.tensors) if self.phi_from is None else self.phi_from
@@ -501,9 +492,9 @@ class GroupAllreduce(ReceiptExchange):
                 owner,
                 self.plan.peer_ids[owner],
                 problem,
-                "this peer's own Δ" if delta else "this peer's own values",
+                "zeros" if delta else "this peer's own values",
             )
-        return mine
+        return torch.zeros_like(value) if delta else mine
 
     async def _exchange_with(self, owner: int) -> None:
         pieces = self.pieces_by_owner[owner]

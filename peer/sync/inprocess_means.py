@@ -113,8 +113,8 @@ def screened_means(
     mean the owner sends it (``hooks.owner_mean``: a lying owner may forge it, per receiver) and
     checks it as ``GroupAllreduce._checked_mean`` does (``owner_mean_problem`` against its own
     contribution, with its claimed weight, the count included, the cap, the φ checks and the
-    floor from its payload's ``reference_rms``): a refused piece is applied as its own
-    contribution (Δ or φ); a received mean that is not finite fails that member's sync (its
+    floor from its payload's ``reference_rms``): a refused Δ piece is applied as zeros, a refused
+    φ piece as its own values; a received mean that is not finite fails that member's sync (its
     decode check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
     senders it clipped or dropped as an owner and the owners it refused with a strike, as
     ``LocoAverager._strike`` does.
@@ -171,7 +171,7 @@ def screened_means(
             failed = failed or f"piece {piece.index}: no contribution to average"
             continue
         parts = [(cap_weight(float(weights[s_]), rules.max_weight), views[s_]) for s_ in senders]
-        mean, clipped = piece_mean(parts, senders.index(o) if delta and o in senders else None)
+        mean, clipped = piece_mean(parts)
         offenders[o].update(senders[c] for c in clipped)
         if not torch.isfinite(mean).all():
             failed = failed or f"the mean of piece {piece.index} is not finite"
@@ -204,7 +204,7 @@ def screened_means(
             out[r].refused.setdefault(ids[o], str(problem))
             if problem.strike:
                 struck[r].add(o)
-            target.copy_(views[r])  # refused: this member's own contribution (Δ or φ)
+            target.copy_(torch.zeros_like(sent) if delta else views[r])
     for m in range(n):
         out[m].excluded = len(excluded[m])
         book[m].record(round_, [ids[x] for x in sorted(offenders[m] | struck[m])])

@@ -2,7 +2,7 @@
 
 Only the owner of a piece sees every contribution to it, so it could send any finite mean back.
 Receivers check each mean against their own contribution (peer/sync/screening.py
-``owner_mean_problem``) and apply a refused piece as their own contribution (Δ or φ).
+``owner_mean_problem``) and apply a refused Δ piece as zeros, a refused φ piece as their own φ.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import peer.sync.screening as screening_module
-from peer.sync.allreduce import piece_mean
 from tests.security.group import run_group
 
 
@@ -57,17 +56,17 @@ def test_a_lying_owners_mean_is_never_applied(forge):
     )
     honest = [s for s in sessions if s.plan.my_index != liar]
     assert not any(isinstance(o, BaseException) for o in outcomes[:liar]), outcomes
+    mean = [sum(p[k] for p in payloads) / n for k in range(len(SHAPES))]
     for s in honest:
         assert list(s.stats.refused) == [str(liar)]
         for piece in s.plan.pieces:
             got = s.tensors[piece.tensor][piece.start : piece.stop]
-            if piece.owner == liar:  # refused: this peer's own Δ there (peer/sync/allreduce.py)
-                assert torch.equal(got, payloads[s.plan.my_index][piece.tensor][piece.start : piece.stop])
-            else:  # the owner's robust mean (peer/sync/allreduce.py piece_mean) of the contributions
-                want, _ = piece_mean([(1.0, p[piece.tensor][piece.start : piece.stop]) for p in payloads])
-                assert torch.allclose(got, want, atol=1e-5)
-                # the honest peers still agree bit for bit on the honest owners' pieces
-                assert torch.equal(got, honest[0].tensors[piece.tensor][piece.start : piece.stop])
+            if piece.owner == liar:
+                assert torch.equal(got, torch.zeros_like(got))  # refused: this round moves nothing there
+            else:
+                assert torch.allclose(got, mean[piece.tensor][piece.start : piece.stop], atol=1e-5)
+        for got, want in zip(s.tensors, honest[0].tensors):
+            assert torch.equal(got, want)  # the honest peers still agree bit for bit
 
 
 @pytest.mark.parametrize("me", [0, 1])
