@@ -36,6 +36,7 @@ def test_a_joiner_refuses_a_data_path_named_by_the_network(tmp_path):
         start_new_run=False,
         data_dir=tmp_path / "data",
         owner_key_path=None,
+        initial_peers=[],
     )
     reporter = types.SimpleNamespace(emit=lambda *args, **fields: None)
     with pytest.raises(ManifestError) as info:
