@@ -127,6 +127,22 @@ class Watched:
                 self.proc.wait()
 
 
+def startup_figures(prefix: str, peer: Watched) -> dict:
+    """Seconds from a peer's start to its first round, first line, start line, first inner step and
+    data read, and its longest silence before the first round, keyed ``<prefix>_...``."""
+    first_round = peer.wait_for(r"^round \d+ \|", 600)
+    silence, after = peer.longest_silence(first_round)
+    return {
+        f"{prefix}_first_round_s": first_round,
+        f"{prefix}_first_line_s": peer.first_line_s(),
+        f"{prefix}_started_s": peer.wait_for(r"^locoswarm .* \| peer "),
+        f"{prefix}_first_step_s": peer.wait_for(FIRST_STEP),
+        f"{prefix}_read_data_s": peer.step_s(READING_DATA),
+        f"{prefix}_longest_silence_s": silence,
+        f"{prefix}_longest_silence_after": after,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fresh-cache", action="store_true")
@@ -173,12 +189,7 @@ def main() -> None:
         print("peer join")
         peer = Watched("peer-a", join_argv, env)
         procs.append(peer)
-        r["join_first_round_s"] = peer.wait_for(r"^round \d+ \|", 600)
-        r["join_first_line_s"] = peer.first_line_s()
-        r["join_started_s"] = peer.wait_for(r"^locoswarm .* \| peer ")
-        r["join_first_step_s"] = peer.wait_for(FIRST_STEP)
-        r["join_read_data_s"] = peer.step_s(READING_DATA)
-        r["join_longest_silence_s"], r["join_longest_silence_after"] = peer.longest_silence(r["join_first_round_s"])
+        r.update(startup_figures("join", peer))
         r["second_peer"] = args.second_peer
         if args.second_peer:
             print("second peer (stays up: the restarted peer rejoins a training swarm)")
@@ -193,14 +204,7 @@ def main() -> None:
         print("peer join again (restart, same data dir)")
         again = Watched("peer-a(2)", join_argv, env)
         procs.append(again)
-        r["restart_first_round_s"] = again.wait_for(r"^round \d+ \|", 600)
-        r["restart_first_line_s"] = again.first_line_s()
-        r["restart_started_s"] = again.wait_for(r"^locoswarm .* \| peer ")
-        r["restart_first_step_s"] = again.wait_for(FIRST_STEP)
-        r["restart_read_data_s"] = again.step_s(READING_DATA)
-        r["restart_longest_silence_s"], r["restart_longest_silence_after"] = again.longest_silence(
-            r["restart_first_round_s"]
-        )
+        r.update(startup_figures("restart", again))
         r["restart_first_round_line"] = next(line for t, _, line in again.lines if re.match(r"^round \d+ \|", line))
         # every warning, error or traceback line up to its first round (the Ctrl-C after it is not counted)
         r["restart_warnings"] = [
