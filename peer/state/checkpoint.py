@@ -6,16 +6,18 @@ Format 2 holds, as named tensors: φ, the outer state, θ and the AdamW moments 
 (``data.rng``, uint8); as string metadata: the position (round, cumulative inner step, steps and
 tokens done in the current round), AdamW's step, the sampler's seed and batches drawn. Nothing is
 pickled. A format 1 file (before residuals and data position) still loads, with a note of what
-it lacked. The file is written to a temporary file in the same directory, fsynced, then renamed
+it lacked. The file is written in a private directory beside it, fsynced, then renamed
 over the old one, so a crash at any moment leaves either the old or the new checkpoint, never a
 torn file.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,24 +166,41 @@ def write_checkpoint(path: Path, file: CheckpointFile) -> None:
             f"(e.g. {min(file.live)}): copy_live() them before writing"
         )
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(path)
-        save_file(file.tensors, str(tmp), metadata=file.metadata)
-        with open(tmp, "rb") as f:
+        _remove_stale_temporaries(path.parent)
+        _save_atomically(path, file.tensors, file.metadata)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror}; the previous one is intact") from exc
+
+
+def _save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file to ``path`` through a private directory beside it
+    (``.NAME.tmpPID``: safetensors' own ``.tmpXXXXXX`` file lies inside it, out of reach of any
+    other writer in the directory), fsync it, rename it over ``path`` and fsync the directory.
+
+    Raises:
+        OSError: the file cannot be written; ``path`` is untouched and the private directory gone.
+    """
+    private = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    staged = private / path.name
+    try:
+        shutil.rmtree(private, ignore_errors=True)
+        private.mkdir()
+        try:
+            save_file(tensors, str(staged), metadata=metadata)
+        except SafetensorError as exc:
+            raise OSError(errno.EIO, str(exc)) from exc
+        with open(staged, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(staged, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror}; the previous one is intact") from exc
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def save_checkpoint(path: Path, state: PeerState) -> None:
@@ -247,16 +266,40 @@ class CheckpointWriter:
             self._pending.pop(0).result()
 
 
-def _remove_stale_temporaries(path: Path) -> None:
-    """Delete what writes killed midway left beside ``path``: our ``.NAME.tmpPID`` files and the
-    ``.tmpXXXXXX`` files safetensors writes before renaming. The directory belongs to this peer
-    and run; the checkpoint itself is never touched."""
-    for leftover in path.parent.iterdir():
-        if leftover.name.startswith((f".{path.name}.tmp", ".tmp")) and leftover.is_file():
-            try:
+def _remove_stale_temporaries(directory: Path) -> None:
+    """Delete what writes killed midway left in ``directory``: the private ``.NAME.tmpPID``
+    directories (and files, from older versions) of processes no longer alive, and the bare
+    ``.tmpXXXXXX`` files older versions let safetensors write beside the checkpoint. A live
+    process's write under way (another peer of the same process included) is never touched; the
+    checkpoint itself never is."""
+    for leftover in directory.iterdir():
+        name = leftover.name
+        if not name.startswith("."):
+            continue
+        head, sep, pid = name.rpartition(".tmp")
+        if sep and head and pid.isdigit():
+            if _alive(int(pid)):
+                continue
+        elif not (name.startswith(".tmp") and leftover.is_file()):
+            continue  # no write of this version leaves a bare .tmpXXXXXX: an older version's leftover
+        try:
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
                 leftover.unlink()
-            except OSError:
-                pass
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id exists (ours counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[torch.Size]) -> PeerState:
@@ -403,11 +446,11 @@ def export_phi(directory: Path, *, names: list[str], phi: list[torch.Tensor], ru
     """
     path = Path(directory) / f"phi-round-{round_:06d}.safetensors"
     try:
-        save_file(
+        _save_atomically(
+            path,
             {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in zip(names, phi, strict=True)},
-            str(path),
-            metadata={"run_id": run_id, "round": str(round_)},
+            {"run_id": run_id, "round": str(round_)},
         )
-    except (OSError, SafetensorError) as exc:
+    except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}") from exc
     return path
