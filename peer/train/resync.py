@@ -17,9 +17,10 @@ Classes without a counted member are ignored.
 No adoption without agreement (issue #51, item 2): under DiLoCo a class is adopted only when at
 least :data:`MIN_HOLDERS` counted peers hold it (fewer only when fewer counted peers are live at
 all: a swarm of two), so one identity, however many digests it grinds, never makes a class of its
-own that others follow; a tie between equal classes is a :class:`Target` with ``tie`` set, which
-the catch-up (peer/round/catchup.py) adopts only when the state's validation loss is lower than
-the peer's own. Every adoption is also refused when the state's loss is clearly worse (the
+own that others follow ahead of or behind it; a tie between equal classes at the peer's round (in
+a split swarm, where no class has that many, a tie between single holders too) is a
+:class:`Target` with ``tie`` set, which the catch-up (peer/round/catchup.py) adopts only when the
+state's validation loss is lower than the peer's own: a digest ground to be small wins nothing. Every adoption is also refused when the state's loss is clearly worse (the
 catch-up's loss check), which is all NoLoCo has: its replicas differ by design, so its classes have
 one member each.
 """
@@ -193,7 +194,11 @@ def diloco_resync_target(
       catch-up takes it only if its validation loss is lower, so a digest ground to be small wins
       nothing);
     * two or more rounds behind and bigger (this peer raced ahead alone, e.g. while partitioned:
-      the majority wins; the inner lr schedule follows the adopted φ's history).
+      the majority wins; the inner lr schedule follows the adopted φ's history);
+    * in a split swarm (no class, this peer's own included, has that many counted members, as
+      after a round in which every peer fell back to its own Δ), a single holder at its round with
+      the smaller digest: a tie, taken only at a lower validation loss, so diverged honest peers
+      settle on one state again (and a peer behind them can then follow the class they form).
 
     Classes exactly one round behind are ignored: those are peers that have not yet published the
     round they just finished. It never follows a lone peer that raced ahead of a bigger class. The
@@ -208,7 +213,16 @@ def diloco_resync_target(
     # behind, not waiting for it to publish: nobody can catch up with it, so it steps back.
     alone = len(set(completed_with)) <= 1
 
+    # A split swarm: no class, this peer's own included, holds ``required`` counted members (e.g.
+    # every peer fell back to its own Δ in a round without a group). Then a tie between single
+    # holders at this round is still considered, and taken only at a lower validation loss (the
+    # catch-up's check), so honest peers that diverged settle on one state again; a single holder
+    # ahead of or behind this peer is never followed.
+    split = max([own_count, *(len(m) for m in classes.values())]) < required
+
     def eligible(r: int, d: str, count: int) -> bool:
+        if split and r == round_ and count == own_count == 1:
+            return d < digest
         if count < required:
             return False
         if r >= round_:

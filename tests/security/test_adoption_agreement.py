@@ -204,15 +204,25 @@ def test_the_tie_break_takeover_no_longer_works(corpus, manifest, trained):
         record("h1", ROUND, h1, t.H),
         record("h2", ROUND, h2, t.H),
     ]
-    assert t.catchup.resync_target() is None  # a class of one is not enough with three counted peers
-    # a swarm of two (the victim and mallory): the tie is considered, but −φ is not better: refused
-    t.swarm.records = [record("mallory", ROUND, evil, t.H)]
+    # a split swarm (every class a single holder): the smallest digest is considered only as a tie,
+    # which needs a lower validation loss: −φ is not better, refused
     target = t.catchup.resync_target()
     assert target is not None and target[1] == evil and target.tie
-    t.catchup.catch_up()
+    t.catchup.catch_up(attempts=1)
     assert not t.reporter.of("adopted_state") and same(t, mine)
     (warning,) = t.reporter.of("warning")
     assert "tie" in warning["message"]
+    # refused once, never considered again (a swarm of two: the victim and mallory)
+    t.swarm.records = [record("mallory", ROUND, evil, t.H)]
+    assert t.catchup.resync_target() is None
+    # h1 and h2 agree (a class of two): mallory's single state is no longer even considered
+    t.swarm.records = [
+        record("mallory", ROUND, evil, t.H),
+        record("h1", ROUND, h1, t.H),
+        record("h2", ROUND, h1, t.H),
+    ]
+    target = t.catchup.resync_target()
+    assert target is not None and target[1] == h1 and not target.tie
 
 
 def test_a_tie_goes_to_the_state_with_the_lower_loss(corpus, manifest, trained):

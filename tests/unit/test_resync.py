@@ -35,6 +35,23 @@ def test_a_tie_between_diverged_peers_goes_to_the_smaller_digest():
     assert resync_target([("p1", 4, B)], round_=4, digest=A, completed_with=["me"], vouchers=EVERYONE) is None
 
 
+def test_a_split_swarm_settles_by_ties_between_single_holders_and_never_follows_one_ahead():
+    """Every peer fell back to its own Δ (a round without a group): no class has two holders. A
+    single holder at this round with a smaller digest is a tie (taken at a lower loss only); a
+    single holder ahead is not followed; once two agree, the class of two is followed."""
+    split = [("p1", 8, A), ("p2", 8, C)]
+    target = resync_target(split, round_=8, digest=B, completed_with=["me"], vouchers=EVERYONE)
+    assert target == (8, A, ["p1"]) and target.tie
+    assert resync_target(split, round_=8, digest="0" * 32, completed_with=["me"], vouchers=EVERYONE) is None
+    behind = resync_target(split, round_=6, digest=B, completed_with=["me"], vouchers=EVERYONE)
+    assert behind is None  # two single holders ahead: neither is followed
+    healed = [("p1", 8, A), ("p2", 8, A)]
+    target = resync_target(healed, round_=6, digest=B, completed_with=["me"], vouchers=EVERYONE)
+    assert target == (8, A, ["p1", "p2"]) and not target.tie
+    # this peer agrees with a groupmate: no longer split, single holders are not considered
+    assert resync_target(split, round_=8, digest=B, completed_with=["me", "p3"], vouchers=EVERYONE) is None
+
+
 def test_peers_one_round_behind_are_ignored():
     others = [("p1", 3, A), ("p2", 3, A), ("p3", 3, A)]
     assert resync_target(others, round_=4, digest=B, completed_with=["me"], vouchers=EVERYONE) is None
