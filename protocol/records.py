@@ -27,6 +27,7 @@ CAPS_FIELDS = {
     "day_gb": 1e9,
     "day_cap_gb": 1e6,
     "rounds_sat_out": float(MAX_ROUND),
+    "stronger_syncs": float(MAX_ROUND),
 }
 """A record's ``caps``: field → largest believable value; each is a finite number ≥ 0 or null."""
 _UPPER = {

@@ -15,12 +15,12 @@ budget × the part of the day the ledger covers, at least an hour's):
 * ``used ≥ allowance``: sit out, except every :data:`MAX_ROUNDS_SAT_OUT` + 1-th round, which syncs
   so that φ does not drift from the swarm for longer, while ``used`` is under :data:`STALE_SYNC_MARGIN`
   × allowance (so that those syncs do not spend the rest of the day's budget in its first hours);
-* else sync; from :data:`STRONGER_AT` × the allowance on, ``decide`` says ``stronger``. That step is
-  decided (``BudgetedTransport.last_decision``) but not applied in this version: each piece's codec is
-  planned in the averager process from the run's compression (peer/sync/pieces.py), and a per-peer
-  override must reach it through peer/sync/averager.py. The wire would take it (encodings are
-  self-describing, an owner bounds only their size). In an ``adaptive`` run the upload cap moves the
-  codec already: its byte budget is the uplink measured at the last sync, which the pacer bounds.
+* else sync; from :data:`STRONGER_AT` × the allowance on, with a stronger codec: this peer's
+  contributions and the means it owns go out with peer/sync/pieces.py ``stronger_compression``
+  (fp32 and 16-bit runs send int8, int8 runs int4; the wire takes it, encodings being
+  self-describing and an owner bounding only their size; other codecs have no stronger one and
+  the peer goes on to sit out). In an ``adaptive`` run the upload cap moves the codec already: its
+  byte budget is the uplink measured at the last sync, which the pacer bounds.
 
 A sync sat out raises :class:`~protocol.errors.GroupNotFound` from :meth:`BudgetedTransport.average`:
 the round engine treats it as a round with no group (it applies this peer's own Δ and keeps training,
@@ -161,6 +161,8 @@ class BudgetedTransport:
         self.rounds_sat_out = 0
         """Syncs sat out in a row, so far."""
         self.total_sat_out = 0
+        self.total_stronger = 0
+        """Syncs sent with the stronger codec (peer/sync/pieces.py ``stronger_compression``)."""
         self.last_decision = "sync"
         self.last_sync_bytes = 0
         """Bytes sent and received during the last sync this peer took part in: what the next would
@@ -213,9 +215,19 @@ class BudgetedTransport:
             )
         self.rounds_sat_out = 0
         before = sum(self.ledger.used())
+        stronger = self.last_decision == "stronger"
+        if stronger:
+            self.total_stronger += 1
+            if self.total_stronger == 1:
+                logger.info(
+                    "past %.0f%% of today's share of --max-gb-per-day: sending with a stronger codec where the run has one",
+                    100 * STRONGER_AT,
+                )
+        self._transport.stronger_codec = stronger  # read by the averager's plan for this sync
         try:
             return self._transport.average(payload, **kwargs)
         finally:
+            self._transport.stronger_codec = False
             self.account()
             self.last_sync_bytes = max(0, sum(self.ledger.used()) - before)
 
@@ -255,7 +267,8 @@ def budgeted(transport, data_dir: Path, max_gb_per_day: float | None):
 def caps_report() -> dict[str, float] | None:
     """This peer's use against its caps, for its progress record (protocol/records.py ``caps``):
     ``upload_mbit`` (stream bytes while sending, :meth:`Pacer.recent_rate`) and ``upload_cap_mbit``
-    with an upload cap; ``day_gb``, ``day_cap_gb``, ``rounds_sat_out`` with a day's budget. None
+    with an upload cap; ``day_gb``, ``day_cap_gb``, ``rounds_sat_out``, ``stronger_syncs`` with a
+    day's budget. None
     without caps."""
     cap, budget, pacer = pacing.upload_cap_mbit(), _BUDGET, pacing.current()
     if cap is None and budget is None:
@@ -267,7 +280,12 @@ def caps_report() -> dict[str, float] | None:
         report["upload_cap_mbit"] = cap
     if budget is not None:
         use = budget.usage()
-        report.update(day_gb=use["used_gb"], day_cap_gb=use["budget_gb"], rounds_sat_out=float(budget.total_sat_out))
+        report.update(
+            day_gb=use["used_gb"],
+            day_cap_gb=use["budget_gb"],
+            rounds_sat_out=float(budget.total_sat_out),
+            stronger_syncs=float(budget.total_stronger),
+        )
     return report
 
 
@@ -281,6 +299,8 @@ def describe_caps(caps: dict[str, float] | None) -> str:
         parts.append(f"upload {caps.get('upload_mbit', 0.0):.1f}/{caps['upload_cap_mbit']:g} Mbit/s")
     if "day_cap_gb" in caps:
         parts.append(f"today {caps.get('day_gb', 0.0):.2f}/{caps['day_cap_gb']:g} GB")
+        if caps.get("stronger_syncs"):
+            parts.append(f"{caps['stronger_syncs']:.0f} syncs with a stronger codec")
         if caps.get("rounds_sat_out"):
             parts.append(f"{caps['rounds_sat_out']:.0f} rounds sat out")
     return ", ".join(parts)

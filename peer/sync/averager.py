@@ -14,10 +14,6 @@ Each all-reduce hands its outcome back to the host process as the result of hive
 (:class:`GroupOutcome`): the group's gathered data, or why this peer applied nothing, and the
 exchange's counters. The state transfer for joiners is the mixin peer/state/sharing.py.
 
-Everything that must run inside hivemind's forked averager process (the all-reduce
-session, error feedback, its calls from the host) is one class; the state transfer already lives
-apart (peer/state/sharing.py).
-
 The class name is part of the wire protocol: hivemind derives RPC handler names from it.
 """
 
@@ -46,7 +42,7 @@ from peer.sync.allreduce import AllreduceStats, GroupAllreduce
 from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
-from peer.sync.pieces import make_group_plan
+from peer.sync.pieces import make_group_plan, stronger_compression
 from peer.sync.receipts import distrust
 from peer.sync.screening import Strikes
 from protocol import keys
@@ -62,9 +58,8 @@ ALLREDUCE_STREAMS_PER_PEER = 4
 """All-reduce streams one groupmate may hold open to this peer at once: one per session, and a
 sync retried or overlapping the next round's (peer/train/overlap.py) has at most a few at once."""
 ALLREDUCE_STREAMS_TOTAL = 1024
-"""All-reduce streams all peers may hold open to this peer at once: every groupmate of a group of
-up to a thousand peers; each holds at most a 1 KiB HELLO and asyncio's 128 KiB read buffer
-before its session takes it (~130 MiB in all at worst)."""
+"""All-reduce streams all peers may hold open to this peer at once (a group of up to a thousand;
+each holds at most a 1 KiB HELLO and a 128 KiB read buffer before its session takes it)."""
 ALIVE_POLL_S = 0.5
 """How often a wait on the averager process checks that the process is still alive, s."""
 SHUTDOWN_DRAIN_S = 3.0
@@ -146,6 +141,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         self._allreduce_slots: StreamSlots | None = None
         self._error_feedback = None
         self._subset: tuple[int, ...] | None = None  # the buffers the next sync averages (None: all)
+        self._round_compression = compression  # the next sync's: the run's, or stronger_compression's
         self._uplink_bytes_per_s = uplink_mbps * 1e6 / 8
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -153,14 +149,10 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
     def stream_protocol(self) -> str:
         return f"{self.prefix}.LocoAllreduce.v{PROTOCOL_VERSION}"
 
-    # ---- the host's waits on the averager process -----------------------------------------
-    # hivemind waits on its process without a bound (an MPFuture nobody resolves once the process
-    # is gone, a lock it may die holding): every wait here is in slices, checking in between that
-    # the process is alive, so a peer whose averager was killed (out of memory) stops instead of
-    # hanging in a sync, a checkpoint or its exit.
+    # ---- the host's waits on the averager process: in slices that check the process is alive ----
+    # (hivemind's are unbounded), so a peer whose averager was killed stops instead of hanging
     def check_alive(self) -> None:
-        """Raise :class:`HelperDied` when the averager process has exited; in the host process only
-        (the averager process itself, and a process that never started it, pass)."""
+        """Raise :class:`HelperDied` when the averager process has exited (in the host process only)."""
         died = helper_died("peer's averager", self, PEER_RESTART)
         if died is not None:
             raise died
@@ -220,8 +212,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         return step
 
     def shutdown(self) -> None:
-        """hivemind's shutdown; for a process that already died, only the host's helper thread is
-        stopped (hivemind would log an error with a traceback)."""
+        """hivemind's shutdown; for a process that already died, only the host's helper thread stops."""
         if exited(self):
             self._inner_pipe.send(("_SHUTDOWN", None))
             return
@@ -263,7 +254,13 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         return self._await(future) if wait else future
 
     def configure_round(
-        self, *, target_group_size: int, matchmaking_s: float, allreduce_s: float, tensors: Sequence[int] | None = None
+        self,
+        *,
+        target_group_size: int,
+        matchmaking_s: float,
+        allreduce_s: float,
+        tensors: Sequence[int] | None = None,
+        stronger: bool = False,
     ) -> None:
         """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
 
@@ -275,6 +272,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 fragment: its Δ tensors, then with NoLoCo its φ tensors); the other buffers are
                 neither sent nor changed, and their error-feedback residuals stay as they are.
                 None: every buffer.
+            stronger: this peer sends its contributions and means with the next stronger codec
+                (peer/sync/pieces.py ``stronger_compression``; a volunteer's traffic budget).
 
         Raises:
             ValueError: an index out of range, repeated or out of order (ascending keeps a
@@ -291,6 +290,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             matchmaking_s=matchmaking_s,
             allreduce_s=allreduce_s,
             tensors=tensors,
+            stronger=stronger,
         )
 
     def reset_error_feedback(self) -> None:
@@ -344,9 +344,10 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             future.set_exception(exc)
 
     async def _configure_round(
-        self, size: int, matchmaking_s: float, allreduce_s: float, future, tensors: tuple[int, ...] | None = None
+        self, size: int, matchmaking_s: float, allreduce_s: float, future, tensors=None, stronger: bool = False
     ) -> None:
         self._subset = tensors
+        self._round_compression = stronger_compression(self.compression) if stronger else self.compression
         matchmaking = self._matchmaking
         matchmaking.target_group_size = size
         matchmaking.group_key_manager.target_group_size = size
@@ -470,7 +471,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                         my_index=group_info.peer_ids.index(self.peer_id),
                         owners=owners,
                         round_=group_round,
-                        compression=self.compression,
+                        compression=self._round_compression,
                         phi_from=phi_from,
                         piece_elements=self.piece_elements,
                         uplink_bytes_per_s=self._uplink_bytes_per_s,
@@ -578,9 +579,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         return session.stats if session is not None else AllreduceStats()
 
     def _codec_executor(self):
-        """One long-lived thread for codec work in this (forked) process. torch initialises its
-        intra-op thread pool once per new thread, and in a forked child that has failed
-        intermittently ("Invalid thread pool!"); one thread reused for every round does it once."""
+        """One long-lived thread for codec work in this (forked) process: torch's per-thread pool
+        start has failed intermittently in a forked child ("Invalid thread pool!")."""
         if getattr(self, "_executor", None) is None:
             from concurrent.futures import ThreadPoolExecutor
 

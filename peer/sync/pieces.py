@@ -2,12 +2,15 @@
 
 Every groupmate derives the same plan from the payload's shapes, the group and the round, so
 both ends of a stream agree on what each frame carries without sending it (peer/sync/allreduce.py).
+Only the codec a peer encodes with may be its own (:func:`stronger_compression`): encodings are
+self-describing, and a receiver bounds only their size.
 The pieces are cut by protocol/wire/pieces.py ``plan_pieces``, as the state transfer's chunks are
 (peer/state/snapshot.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +20,20 @@ from peer.sync.adaptive import plan as adaptive_plan
 from protocol import codecs, groups
 from protocol.manifest import CompressionSpec
 from protocol.wire.pieces import PIECE_ELEMENTS, Piece, piece_shape, plan_pieces
+
+STRONGER_CODEC = {"none": "int8", "fp16": "int8", "bf16": "int8", "int8": "int4"}
+"""The codec a peer over its share of ``--max-gb-per-day`` sends with instead of the run's (about half
+the bytes or fewer; the same pieces, so its groupmates' plans still match). The run's other codecs
+have no stronger one here: 4-bit codecs, top-k and low-rank already send few bytes, and the adaptive
+codec fits its own budget."""
+
+
+def stronger_compression(compression: CompressionSpec) -> CompressionSpec:
+    """``compression`` with the Δ codec replaced by :data:`STRONGER_CODEC`'s (φ's untouched), or
+    ``compression`` itself where there is none. Error feedback, where the run keeps it, carries the
+    larger error into the next round as it does the run's codec's."""
+    codec = STRONGER_CODEC.get(compression.codec)
+    return compression if codec is None else dataclasses.replace(compression, codec=codec)
 
 
 @dataclass(frozen=True)

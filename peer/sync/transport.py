@@ -158,6 +158,10 @@ class NetworkTransport:
             (it is shut down; the DHT node stays the caller's to shut down).
     """
 
+    stronger_codec: bool = False
+    """Whether the next syncs send with peer/sync/pieces.py ``stronger_compression`` (set by the
+    traffic budget, peer/net/traffic.py, for the syncs it decides so)."""
+
     def __init__(
         self,
         dht,
@@ -357,6 +361,7 @@ class NetworkTransport:
             matchmaking_s=d.matchmaking_s,
             allreduce_s=d.allreduce_s,
             tensors=tensors,
+            stronger=self.stronger_codec,
         )
         arrived = time.time()
         gather = {"round": round_, "start_digest": start_digest}

@@ -11,7 +11,7 @@ import torch
 
 import peer.sync.screening as screening_module
 from peer.sync.allreduce import GroupAllreduce
-from peer.sync.pieces import GroupPlan
+from peer.sync.pieces import GroupPlan, stronger_compression
 from protocol import codecs
 from protocol.errors import PartialAverage
 from protocol.manifest import CompressionSpec
@@ -70,9 +70,10 @@ async def _run_group(
         shapes = [t.shape for t in payloads[0]]
         pieces = plan_pieces(shapes, owners=list(range(n)), piece_elements=piece_elements)
         shapes_of_pieces = [piece_shape(shapes[p.tensor], p) for p in pieces]
-        piece_codecs = [codecs.make_codec(spec, s) for s in shapes_of_pieces]
         sessions = []
         for i in range(n):
+            own_spec = spec[i] if isinstance(spec, list) else spec  # a peer's own codec (traffic budget)
+            piece_codecs = [codecs.make_codec(own_spec, s) for s in shapes_of_pieces]
             plan = GroupPlan(
                 group_id=b"g" * 8,
                 peer_ids=tuple(range(n)),
@@ -248,6 +249,36 @@ def test_every_codec_gives_identical_means(codec):
     if codec in ("fp16", "bf16", "int8"):  # dense codecs: close to the exact mean
         for got, want in zip(sessions[0].tensors, expected):
             assert torch.allclose(got, want, atol=0.05, rtol=0.02)
+
+
+def test_a_peer_sending_with_the_stronger_codec_still_gives_every_peer_the_same_mean():
+    """A peer past half its share of --max-gb-per-day sends its contributions and owned means with
+    the next stronger codec (int8 run: int4): the encodings describe themselves, the group
+    completes, every peer holds the same bits, and that peer sent fewer bytes."""
+    n = 3
+    gen = torch.Generator().manual_seed(7)
+    payloads = [[1.0 + 0.3 * torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
+    run = CompressionSpec(codec="int8")
+    assert stronger_compression(run).codec == "int4"
+    sessions, outcomes = asyncio.run(_run_group(payloads, [1.0, 1.0, 1.0], [stronger_compression(run), run, run]))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    expected = _expected(payloads, [1.0, 1.0, 1.0], range(n))
+    for s in sessions:
+        for got, first, want in zip(s.tensors, sessions[0].tensors, expected):
+            assert torch.equal(got, first)
+            assert torch.allclose(got, want, atol=0.25)  # int4: a/14 on its contribution and on its means
+    assert outcomes[0].bytes_sent < 0.8 * outcomes[1].bytes_sent
+
+
+def test_stronger_compression_steps_one_codec_and_keeps_the_rest():
+    assert stronger_compression(CompressionSpec()).codec == "int8"
+    assert stronger_compression(CompressionSpec(codec="bf16")).codec == "int8"
+    kept = CompressionSpec(codec="fp4", phi_codec="fp16", block_size=32)
+    assert stronger_compression(kept) is kept  # no stronger one: the peer sits out instead
+    phi = stronger_compression(CompressionSpec(codec="int8", phi_codec="fp16", block_size=32))
+    assert (phi.codec, phi.phi_codec, phi.block_size) == ("int4", "fp16", 32)
+    adaptive = CompressionSpec(codec="adaptive")
+    assert stronger_compression(adaptive) is adaptive
 
 
 def test_topk_owner_compresses_its_own_rows_so_the_mean_stays_exact():

@@ -78,9 +78,12 @@ class FakeTransport:
         self.pacer, self.bytes_per_sync = pacer, bytes_per_sync
         self.syncs = 0
         self.max_sync_seconds = 12.0
+        self.stronger_codec = False
+        self.stronger_syncs = 0
 
     def average(self, payload, **kwargs):
         self.syncs += 1
+        self.stronger_syncs += self.stronger_codec
         self.pacer.reserve(self.bytes_per_sync)
         self.pacer.received(self.bytes_per_sync)
         return "mean"
@@ -163,3 +166,20 @@ def test_a_download_that_would_cross_the_line_waits(tmp_path) -> None:
     with pytest.raises(StateDownloadFailed):  # 0.8 + 0.4 would cross 1.05 GB
         t.download_state(["peer"], "ab", 1.0)
     assert sum(ledger.used()) == 800_000_000
+
+
+def test_past_half_the_share_syncs_go_out_with_the_stronger_codec(tmp_path) -> None:
+    clock = FakeClock()
+    pacer = Pacer(None)
+    inner = FakeTransport(pacer, bytes_per_sync=0)
+    ledger = TrafficLedger(tmp_path / "t.json", clock=clock)
+    t = BudgetedTransport(inner, ledger, budget_bytes=24e9, pacer=pacer)  # 1 GB the first hour
+    t.average([])
+    assert inner.stronger_syncs == 0 and t.total_stronger == 0
+    ledger.record(int(0.6e9), 0)  # past half of the hour's share
+    t.average([])
+    assert inner.stronger_syncs == 1 and t.total_stronger == 1 and t.last_decision == "stronger"
+    assert inner.stronger_codec is False  # only for that sync
+    clock.now += 3 * 3600  # 3 GB allowed by now: back under half
+    t.average([])
+    assert inner.stronger_syncs == 1
