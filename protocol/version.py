@@ -4,6 +4,9 @@
    signed by their peer (issue #17); version-1 peers cannot read either.
 3: progress records carry ``groupmates``, the signed statement of who completed the last sync
    with the peer (issue #17, item 3); version-2 peers refuse the extra field.
+4: the all-reduce ends with RECEIPT frames (issue #51, item 3), progress records may carry ``caps``
+   (issue #53, item 10), bootstrap nodes sign a home run, peers serve shards and tokenizers over
+   their own stream protocols (issue #52); version-3 peers abort on a RECEIPT and refuse ``caps``.
 """
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
