@@ -36,6 +36,7 @@ from peer.state.data_dir import hold_data_dir
 from peer.sync.membership import SwarmView
 from peer.sync.screening import round_token_cap
 from peer.sync.transport import NetworkTransport
+from peer.train.bpe import is_held, prefetch
 from peer.train.cache import default_cache_dir
 from peer.train.data import with_local_data
 from peer.train.device import place, resolve_device
@@ -312,7 +313,9 @@ def _read_local_run(cfg: JoinConfig, reporter: Reporter):
     this process: the device is resolved, torch's threads and the host allocator set.
 
     Returns:
-        ``(local, corpus)``, both None for a plain join.
+        ``(local, corpus)``, both None for a plain join; the corpus None too when there are initial
+        peers and the run's tokenizer is held nowhere here (read after the DHT starts, the run's
+        peers asked for the tokenizer first).
 
     Raises:
         ConfigError: the local run sets pipeline stages with sync.overlap; the device is missing.
@@ -327,6 +330,9 @@ def _read_local_run(cfg: JoinConfig, reporter: Reporter):
     tune_host_allocator()
     local = cfg.new_run if cfg.new_run is not None or cfg.initial_peers else RunManifest()
     corpus = None
+    if local is not None and cfg.initial_peers and not is_held(local.data, cache_dir=default_cache_dir()):
+        reporter.emit("status", message="the run's tokenizer is not on this machine: asking the peers once connected")
+        return local, None  # read once the DHT is up (_assemble), the peers asked for the tokenizer first
     if local is not None:
         data = with_local_data(local.data, cfg.data_path, run=f"run {local.run_id} ({local.name})")
         reporter.emit("status", message=f"reading the data of run {local.run_id} ({local.name}): {describe(data)}")
@@ -399,17 +405,25 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         )
     keeper = AddressKeeper(dht, book, run_id=manifest.run_id, signer=signer, publish=not reach.client_mode).start()
     stack.callback(keeper.stop)
-    # a sharded run: shards to and from the peers (peer/shards/share.py)
+    # a sharded run, or one with a BPE: shards and the tokenizer to and from the peers (peer/shards/share.py)
     sharing: ShardSharing | None = None
     live: list[SwarmView] = []
-    if manifest.data.source == "shards":
+    if manifest.data.source == "shards" or manifest.data.tokenizer == "bpe":
         known = [a.rsplit("/p2p/", 1)[1] for a in cfg.initial_peers if "/p2p/" in a]
-        sharing = ShardSharing(dht, manifest.run_id, lambda: [*(p.peer_id for s in live for p in s.others()), *known])
+        sharing = ShardSharing(
+            dht,
+            manifest.run_id,
+            lambda: [*(p.peer_id for s in live for p in s.others()), *known],
+            tokenizer_sha256=manifest.data.tokenizer_sha256,
+            cache_dir=default_cache_dir(),
+        )
         stack.callback(sharing.close)
     if corpus is None or manifest.data != local.data:
         data = with_local_data(manifest.data, cfg.data_path, run=f"run {manifest.run_id} ({manifest.name})")
         reporter.emit("status", message=f"reading the run's data: {describe(data)}")
         with Waiting("reading the run's data"):  # hashing it (and at first tokenizing) takes a while
+            if sharing is not None:  # a tokenizer held nowhere here: the peers first (peer/train/bpe.py)
+                prefetch(data, cache_dir=default_cache_dir(), peers=sharing.fetch_tokenizer)
             corpus = _load_data(data, cfg, peers=[sharing.source] if sharing else None)
     if sharing is not None and isinstance(corpus.make_sampler, ShardedRun):
         sharing.serve(corpus.make_sampler)

@@ -11,14 +11,21 @@ One stream per file (framing: protocol/wire/framing.py)::
 
 The asker closes after the last byte. A holder answers from its shard store (by hash) or its local
 directory of the corpus (by name, ``peer join --data``); an asker resumes a cut file with ``offset``.
+
+The run's tokenizer travels the same way (peer/train/bpe.py): a REQUEST naming
+:data:`TOKENIZER_NAME` is answered by hash only, from the tokenizers the holder serves (the package's
+and its store's, the run's hash alone: peer/shards/share.py), never from a directory by name; the
+asker takes at most :data:`MAX_TOKENIZER_BYTES` and checks the hash before it keeps anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import struct
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +45,10 @@ _HEAD = struct.Struct(">B32sQ")
 MAX_NAME_BYTES = 1024
 DATA_BYTES = 1 << 20
 TIMEOUT_S = 30.0
+TOKENIZER_NAME = "tokenizer.json"
+"""The name a REQUEST for a tokenizer.json gives (with the file's SHA-256)."""
+MAX_TOKENIZER_BYTES = 64 << 20
+"""Most bytes a peer takes as a tokenizer.json (one of a 16k-id BPE is about 1 MB)."""
 
 
 def protocol_name(prefix: str) -> str:
@@ -62,12 +73,24 @@ def parse_request(payload: bytes) -> tuple[str, int, str]:
         name = payload[_HEAD.size :].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadPayload("shard REQUEST name is not UTF-8") from exc
+    if name == TOKENIZER_NAME:
+        return digest.hex(), offset, name
     if not (name.endswith(SUFFIXES) or name == INDEX_NAME) or ".." in name.split("/") or name.startswith("/"):
         raise BadPayload(f"shard REQUEST names {name[:80]!r}, not a shard file")
     return digest.hex(), offset, name
 
 
-def _local_file(store: ShardStore, local_dir: Path | None, sha256: str, name: str) -> Path | None:
+def _local_file(
+    store: ShardStore | None,
+    local_dir: Path | None,
+    sha256: str,
+    name: str,
+    tokenizers: Callable[[str], Path | None] | None,
+) -> Path | None:
+    if name == TOKENIZER_NAME:  # by hash only
+        return tokenizers(sha256) if tokenizers is not None else None
+    if store is None:
+        return None
     held = store.holds(sha256)
     if held is not None:
         return held
@@ -80,12 +103,18 @@ def _local_file(store: ShardStore, local_dir: Path | None, sha256: str, name: st
 async def serve_shard(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    store: ShardStore,
+    store: ShardStore | None,
     local_dir: Path | None,
     *,
+    tokenizers: Callable[[str], Path | None] | None = None,
     timeout: float = TIMEOUT_S,
 ) -> int:
     """Answer one REQUEST, then close the stream. Returns the file bytes sent.
+
+    Args:
+        store, local_dir: the shards served (None: no shard is held, every shard REQUEST is MISSING).
+        tokenizers: ``tokenizers(sha256)``: the tokenizer.json file served for that hash, or None
+            (not held); None: no tokenizer is served.
 
     Never raises for what the asker does (a malformed request, silence, disconnect): it logs and closes.
     The file's bytes go out within the peer's upload cap (peer/net/pacing.py).
@@ -100,7 +129,7 @@ async def serve_shard(
         except (TimeoutError, BadPayload, asyncio.IncompleteReadError) as exc:
             logger.info("rejected a shard request: %s", framing.describe_failure(exc))
             return 0
-        path = _local_file(store, local_dir, sha256, name)
+        path = _local_file(store, local_dir, sha256, name, tokenizers)
         if path is None:
             writer.write(framing.frame(bytes([MISSING])))
         else:
@@ -158,7 +187,7 @@ async def fetch_shard(
             raise BadPayload(f"expected SIZE, got kind {head[0]}")
         (size,) = struct.unpack(">Q", head[1:])
         if size > max_size or have > size:
-            raise BadPayload(f"the holder says {size:,} bytes, the list allows {max_size:,}")
+            raise BadPayload(f"the holder says {size:,} bytes, the asker allows {max_size:,}")
         with part.open("ab") as out:
             while have < size:
                 frame = await framing.read_frame(reader, max_bytes=1 + min(DATA_BYTES, size - have), timeout=timeout)
@@ -174,8 +203,8 @@ async def fetch_shard(
 
 
 class PeerSource:
-    """The swarm's peers as a shard source (fetch.py's Source): each peer ``peers()`` names is asked
-    in turn until one holds the file.
+    """The swarm's peers as a shard source (fetch.py's Source), and of the run's tokenizer
+    (:meth:`fetch_tokenizer`): each peer ``peers()`` names is asked in turn until one holds the file.
 
     Args:
         run: ``run(coro, timeout_s)`` runs a coroutine on the loop of ``open_stream`` and returns its result.
@@ -202,15 +231,55 @@ class PeerSource:
             raise FileNotFoundError(f"{name} is not in the run's list")
         reasons = []
         for peer in self._peers()[: self.max_peers]:
-
-            async def ask(peer: str = peer) -> bool:
-                reader, writer = await asyncio.wait_for(self._open(peer), TIMEOUT_S)
-                return await fetch_shard(reader, writer, sha256=sha256, name=name, part=part, max_size=size)
-
             try:
-                if self._run(ask(), TIMEOUT_S * 4):
+                if self._ask(peer, sha256, name, part, size):
                     return
                 reasons.append(f"{peer[:12]}…: not held")
             except Exception as exc:  # whatever the transport raises: try the next peer
                 reasons.append(f"{peer[:12]}…: {sanitize(framing.describe_failure(exc), max_chars=160)}")
         raise FileNotFoundError("; ".join(reasons) or "no peer known yet")
+
+    def fetch_tokenizer(self, sha256: str) -> bytes:
+        """The bytes of the tokenizer.json whose SHA-256 is ``sha256`` from the first peer that holds
+        them (peer/train/bpe.py ``AskPeers``): each of at most :attr:`max_peers` peers is asked in
+        turn, at most :data:`MAX_TOKENIZER_BYTES` taken from one, through a scratch file removed after.
+
+        A peer that sends other bytes is refused with a warning naming both hashes, and the next
+        peer asked.
+
+        Raises:
+            FileNotFoundError: no peer gave those bytes; names each peer's answer (not held, an
+                error, wrong bytes with their hash).
+        """
+        reasons = []
+        with tempfile.TemporaryDirectory(prefix="locoswarm-tokenizer-") as scratch:
+            part = Path(scratch) / TOKENIZER_NAME
+            for peer in list(dict.fromkeys(self._peers()))[: self.max_peers]:
+                part.unlink(missing_ok=True)
+                try:
+                    if not self._ask(peer, sha256, TOKENIZER_NAME, part, MAX_TOKENIZER_BYTES):
+                        reasons.append(f"{peer[:12]}…: not held")
+                        continue
+                except Exception as exc:  # whatever the transport raises: try the next peer
+                    reasons.append(f"{peer[:12]}…: {sanitize(framing.describe_failure(exc), max_chars=160)}")
+                    continue
+                data = part.read_bytes()
+                got = hashlib.sha256(data).hexdigest()
+                if got == sha256:
+                    return data
+                logger.warning(
+                    "refused the tokenizer from peer %s: it hashes to %s, the run pins data.tokenizer_sha256 = %s; "
+                    "asking the next peer",
+                    peer,
+                    got,
+                    sha256,
+                )
+                reasons.append(f"{peer[:12]}…: wrong bytes (sha256 {got})")
+        raise FileNotFoundError("; ".join(reasons) or "no peer known yet")
+
+    def _ask(self, peer: str, sha256: str, name: str, part: Path, max_size: int) -> bool:
+        async def ask() -> bool:
+            reader, writer = await asyncio.wait_for(self._open(peer), TIMEOUT_S)
+            return await fetch_shard(reader, writer, sha256=sha256, name=name, part=part, max_size=max_size)
+
+        return self._run(ask(), TIMEOUT_S * 4)

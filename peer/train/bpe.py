@@ -9,12 +9,19 @@ A peer looks for those bytes, in this order:
    so a preset needs no download to start);
 2. this machine's tokenizer store, ``<cache dir>/tokenizers/<sha256>.json``, filled by ``peer data
    prepare --train-tokenizer`` and by every earlier fetch;
-3. ``data.tokenizer_source``: a file path, or a file of a Hugging Face repository at a pinned commit
+3. the run's other peers, when the caller can ask them (``peers``: ``peer join`` once its DHT node
+   is up, over the shard protocol, peer/shards/serve.py): every peer of the run holds the bytes it
+   built its model from, and the hash makes their origin irrelevant, so they come before the source
+   (as shards come from peers before a CDN) and a run needs no source once one peer holds the file;
+4. ``data.tokenizer_source``: a file path, or a file of a Hugging Face repository at a pinned commit
    (``hf://datasets/OWNER/NAME@COMMIT/FILE``), fetched with ``huggingface_hub.hf_hub_download`` from
    ``$HF_ENDPOINT`` (default: the Hub).
 
-Bytes that hash otherwise are refused with both hashes named (:class:`ConfigError`, exit 78); a
-source that cannot be reached ends in one line (:class:`TokenizerUnavailable`, exit 69). Training
+What a peer or the source delivers is kept in the store. Bytes that hash otherwise are refused with
+both hashes named: from the source with :class:`ConfigError` (exit 78); from a peer with a warning,
+the next peer then asked. No place holding the bytes ends in one line naming what was tried: a run
+without a source and no peer asked, :class:`ConfigError` (exit 78); the peers asked in vain or a
+source that cannot be reached, :class:`TokenizerUnavailable` (exit 69). Training
 (:func:`train_bpe`) runs only on the operator's side, once: ``peer data prepare --train-tokenizer N``.
 Specials come first: id 0 BOS, 1 EOS, 2 PAD; then the 256 byte symbols, then the merges.
 """
@@ -27,7 +34,7 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +56,14 @@ MIN_FREQUENCY = 2
 """A pair is merged only when it occurs at least this often in the training text."""
 
 
+AskPeers = Callable[[str], bytes]
+"""``peers(sha256)``: the bytes of the tokenizer.json of that SHA-256 from the run's other peers
+(peer/shards/serve.py ``PeerSource.fetch_tokenizer``); raises OSError naming each peer's failure."""
+
+
 class TokenizerUnavailable(NetworkError):
-    """``data.tokenizer_source`` could not be reached (no connection, a server error, not a Hub)."""
+    """``data.tokenizer_source`` could not be reached (no connection, a server error, not a Hub), or
+    the run's peers were asked and none gave the tokenizer while the run names no source."""
 
     exit_code = 69  # sysexits EX_UNAVAILABLE, as BootstrapUnreachable
 
@@ -184,19 +197,61 @@ def keep(cache_dir: Path, data: bytes) -> Path:
     return path
 
 
-def tokenizer_bytes(spec: DataSpec, *, cache_dir: Path) -> tuple[bytes, str]:
+def held_path(sha256: str, cache_dir: Path) -> Path | None:
+    """The file on this machine (the package's, else the store's) whose bytes hash to ``sha256``, or
+    None. A store entry that hashes otherwise is logged and not returned (a fetch replaces it)."""
+    held = _held(sha256, cache_dir)
+    return None if held is None else held[1]
+
+
+def _held(sha256: str, cache_dir: Path) -> tuple[bytes, Path] | None:
+    for path in (packaged_tokenizers().get(sha256), store_path(cache_dir, sha256)):
+        if path is not None and path.is_file():
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() == sha256:
+                return data, path
+            logger.warning("%s does not hash to its name; fetching the tokenizer again", path)
+    return None
+
+
+def is_held(spec: DataSpec, *, cache_dir: Path) -> bool:
+    """Whether the run's tokenizer needs nothing fetched: 'bytes', a 'bpe' pinning no hash (refused
+    by :func:`tokenizer_bytes` wherever it looks), or one the package or this machine's store holds."""
+    return (
+        spec.tokenizer != "bpe" or not spec.tokenizer_sha256 or held_path(spec.tokenizer_sha256, cache_dir) is not None
+    )
+
+
+def prefetch(spec: DataSpec, *, cache_dir: Path, peers: AskPeers) -> None:
+    """Get a 'bpe' run's tokenizer into this machine's store, asking ``peers`` before
+    ``data.tokenizer_source``, so that a later :func:`load_tokenizer` without peers (the data
+    loaders') finds it there; nothing is asked for when :func:`is_held`.
+
+    Raises:
+        What :func:`tokenizer_bytes` raises.
+    """
+    if not is_held(spec, cache_dir=cache_dir):
+        tokenizer_bytes(spec, cache_dir=cache_dir, peers=peers)
+
+
+def tokenizer_bytes(spec: DataSpec, *, cache_dir: Path, peers: AskPeers | None = None) -> tuple[bytes, str]:
     """The bytes of the tokenizer.json the run pins, and where they came from.
 
-    Looks in the package, then in this machine's store, then at ``data.tokenizer_source`` (what a
-    source delivers is kept in the store, so it is fetched once per machine).
+    Looks in the package, then in this machine's store, then asks ``peers`` (when given), then
+    ``data.tokenizer_source`` (what the peers or the source deliver is kept in the store, so it is
+    fetched once per machine).
+
+    Args:
+        peers: asks the run's other peers (:data:`AskPeers`); None: they are not asked.
 
     Returns:
         (the file's bytes, whose SHA-256 is ``spec.tokenizer_sha256``; a description of their origin).
 
     Raises:
-        ConfigError: the run pins no hash; no source holds the file; the source's bytes hash otherwise
-            (both hashes named); the Hub has no such repository, commit or file.
-        TokenizerUnavailable: the source could not be reached.
+        ConfigError: the run pins no hash; no peer asked and no source; the source's bytes hash
+            otherwise (both hashes named); the Hub has no such repository, commit or file.
+        TokenizerUnavailable: the source could not be reached, or the peers were asked, none gave
+            the file and the run names no source (each peer's answer named).
     """
     want = spec.tokenizer_sha256
     if not want:
@@ -204,32 +259,57 @@ def tokenizer_bytes(spec: DataSpec, *, cache_dir: Path) -> tuple[bytes, str]:
             "data.tokenizer = 'bpe' needs data.tokenizer_sha256, the hash of the run's tokenizer.json: "
             "train one with `peer data prepare --run RUN.toml --train-tokenizer N` and add the [data] lines it prints"
         )
-    for path in (packaged_tokenizers().get(want), store_path(cache_dir, want)):
-        if path is not None and path.is_file():
-            data = path.read_bytes()
-            if hashlib.sha256(data).hexdigest() == want:
-                return data, str(path)
-            logger.warning("%s does not hash to its name; fetching the tokenizer again", path)
+    held = _held(want, cache_dir)
+    if held is not None:
+        return held[0], str(held[1])
+    here = f"neither shipped with this package nor in {store_path(cache_dir, want).parent}"
+    asked = ""
+    if peers is not None:
+        try:
+            data = peers(want)
+        except OSError as exc:
+            asked = str(exc) or type(exc).__name__
+            logger.info("no peer gave the tokenizer %s (%s)", want, exc)
+        else:
+            got = hashlib.sha256(data).hexdigest()
+            if got == want:
+                _keep_quietly(cache_dir, data)
+                return data, "the run's peers"
+            asked = f"bytes hashing to {got}"
     source = spec.tokenizer_source
+    if not source and asked:
+        raise TokenizerUnavailable(
+            f"no tokenizer.json of SHA-256 {want} here ({here}) nor from the run's peers ({asked}), and the run "
+            "names no data.tokenizer_source: start again once a peer of the run that holds it is up, or set "
+            "data.tokenizer_source to the file's path or its hf://datasets/OWNER/NAME@COMMIT/FILE"
+        )
     if not source:
         raise ConfigError(
-            f"no tokenizer.json of SHA-256 {want} here (neither shipped with this package nor in "
-            f"{store_path(cache_dir, want).parent}) and the run names no data.tokenizer_source: set it to the "
-            "file's path or its hf://datasets/OWNER/NAME@COMMIT/FILE, or install the locoswarm release the run "
-            "was made with"
+            f"no tokenizer.json of SHA-256 {want} here ({here}) and the run names no data.tokenizer_source: set it "
+            "to the file's path or its hf://datasets/OWNER/NAME@COMMIT/FILE, or install the locoswarm release the "
+            "run was made with"
         )
-    data = _fetch(source, cache_dir=cache_dir)
+    try:
+        data = _fetch(source, cache_dir=cache_dir)
+    except TokenizerUnavailable as exc:
+        if not asked:
+            raise
+        raise TokenizerUnavailable(f"{exc} (the run's peers, asked first: {asked})") from exc
     got = hashlib.sha256(data).hexdigest()
     if got != want:
         raise ConfigError(
             f"the tokenizer at {source} hashes to {got}, the run pins data.tokenizer_sha256 = {want}: "
             "point data.tokenizer_source at the run's tokenizer.json (`peer data prepare` prints its hash)"
         )
+    _keep_quietly(cache_dir, data)
+    return data, source
+
+
+def _keep_quietly(cache_dir: Path, data: bytes) -> None:
     try:
         keep(cache_dir, data)
     except OSError as exc:
         logger.warning("could not keep the tokenizer in %s (%s); it is fetched again next time", cache_dir, exc)
-    return data, source
 
 
 def _fetch(source: str, *, cache_dir: Path) -> bytes:
@@ -301,17 +381,19 @@ def first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
-def load_tokenizer(spec: DataSpec, *, cache_dir: Path) -> Tokenizer:
+def load_tokenizer(spec: DataSpec, *, cache_dir: Path, peers: AskPeers | None = None) -> Tokenizer:
     """The run's tokenizer: byte-level, or the BPE whose tokenizer.json ``data.tokenizer_sha256`` names
     (found or fetched as :func:`tokenizer_bytes` says; nothing is trained here).
 
     Args:
         cache_dir: holds this machine's tokenizer store (``tokenizers/``) and the Hub client's cache (``hub/``).
+        peers: asks the run's other peers for the file (:data:`AskPeers`); None: they are not asked.
 
     Raises:
         ConfigError: a 'bytes' run pins another hash than the byte tokenizer's, or see
             :func:`tokenizer_bytes` and :func:`from_json`.
-        TokenizerUnavailable: ``data.tokenizer_source`` could not be reached.
+        TokenizerUnavailable: ``data.tokenizer_source`` could not be reached, or no peer asked gave
+            the file and the run names no source.
     """
     if spec.tokenizer == "bytes":
         tokenizer = byte_tokenizer()
@@ -321,5 +403,5 @@ def load_tokenizer(spec: DataSpec, *, cache_dir: Path) -> Tokenizer:
                 f"{spec.tokenizer_sha256}: install the locoswarm release the run was made with"
             )
         return tokenizer
-    data, origin = tokenizer_bytes(spec, cache_dir=cache_dir)
+    data, origin = tokenizer_bytes(spec, cache_dir=cache_dir, peers=peers)
     return from_json(data, vocab_size=spec.vocab_size, origin=f"the tokenizer from {origin}")
