@@ -60,6 +60,7 @@ import torch
 
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
+from peer.sync.robust import centered_clip
 from peer.sync.screening import (
     CLIP_MEDIAN_FACTOR,
     cap_weight,
@@ -78,9 +79,11 @@ logger = logging.getLogger(__name__)
 
 def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
     """An owner's mean of one piece (step 3 above, before the codec): the contributions clipped to
-    the median rule (peer/sync/screening.py ``clip_to_median``), then summed in fp32 in the given
-    (sender) order, each weighted by its share of the included weight. The in-process hub
-    (peer/sync/inprocess.py) calls it too.
+    the median rule (peer/sync/screening.py ``clip_to_median``), then CenteredClip
+    (peer/sync/robust.py ``centered_clip``, arXiv 2012.10333 Eq. 2: the plain token-weighted mean,
+    summed in fp32 in sender order, when no contribution is out of line or fewer than 4 are
+    included). Only the owner computes it and every receiver gets its bytes, so receivers stay
+    bit-identical whatever it clips. The in-process hub (peer/sync/inprocess.py) calls it too.
 
     Args:
         parts: ``(capped token weight > 0, fp32 tensor)`` per included contribution, all finite, one
@@ -88,14 +91,12 @@ def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tenso
 
     Returns:
         ``(mean, clipped)``: a new fp32 tensor of the piece's shape (finite unless the weighted sum
-        overflows) and the positions in ``parts`` that were clipped.
+        overflows) and the positions in ``parts`` the median rule clipped (a strike each; what
+        CenteredClip clips is not struck: it may clip an honest outlier, e.g. a fresh joiner's Δ).
     """
     parts, clipped = clip_to_median(parts)
-    total = sum(w for w, _ in parts)
-    acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
-    for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
-        acc.add_(x, alpha=w / total)
-    return acc, clipped
+    mean, _ = centered_clip(parts)
+    return mean, clipped
 
 
 @dataclass

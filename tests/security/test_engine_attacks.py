@@ -33,13 +33,15 @@ def warm_autograd():
     torch.nn.Linear(2, 2)(torch.ones(1, 2)).sum().backward()
 
 
-def _held(result: EngineResult, honest: int) -> None:
+def _held(result: EngineResult, honest: int, *, trains: bool = True) -> None:
     """What every attack leaves true: each honest loop finished, no honest φ ever non-finite, every
-    honest peer's final φ finite and its loss below φ_0's."""
+    honest peer's final φ finite and (``trains``) its loss below φ_0's."""
     assert result.honest_exits == 0 and len(result.honest) == honest
     assert result.non_finite_rounds == 0
     for i in result.honest:
         assert all(bool(torch.isfinite(f).all()) for f in result.final_phis[i])
+    if not trains:
+        return
     final, first = result.history[-1], result.history[0]
     assert final.per_peer_bpb is not None and len(final.per_peer_bpb) == honest
     assert all(math.isfinite(x) and x < first.loss_bpb for x in final.per_peer_bpb), (final, first)
@@ -64,9 +66,15 @@ def test_an_owners_means_of_1e30_on_small_pieces_are_refused(corpus):
 
 
 def test_a_sub_clip_sign_flip_with_flipped_owner_means_leaves_every_honest_phi_finite(corpus):
-    """−2.5× contributions (under the 3× clip) and −2.5× owner means (inside the 3× bound) get
-    through the screening by design; what holds is that no honest loop fails or turns non-finite."""
-    _held(_run(corpus, "subclip-flip"), PEERS - 1)
+    """−2.5× contributions (under the 3× clip) and −2.5× owner means (inside the 3× bound): the
+    owners' CenteredClip takes the contributions out, the flipped means of the attacker's own pieces
+    get through (the receivers bound a mean's norm, not its direction: issue #51 item 4 is open
+    there), and at 1 of 4 they undo the honest pieces' progress. What holds: no honest loop fails or
+    turns non-finite, and the honest peers keep one φ."""
+    result = _run(corpus, "subclip-flip")
+    _held(result, PEERS - 1, trains=False)
+    honest = [result.final_phis[i] for i in result.honest]
+    assert all(torch.equal(x, y) for phi in honest[1:] for x, y in zip(phi, honest[0], strict=True))
 
 
 def test_noloco_phi_at_cosine_0_3_and_owner_means_at_0_72_leave_every_honest_phi_finite(corpus):

@@ -59,11 +59,12 @@ def test_a_groupmate_claiming_1e30_tokens_no_longer_sets_phi():
         run_group(honest + [attacker], weights + [1e30], owners=[0, 1, 2], max_weight=ROUND_TOKENS)
     )
     got = _honest_results(sessions, outcomes, 3)
-    # the attacker weighs what a full round weighs, no more
-    want = _weighted_mean(honest + [attacker], weights + [float(ROUND_TOKENS)])
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    assert _flat(got).norm() > 0.5 * _flat(_weighted_mean(honest, weights)).norm()
+    # the attacker weighs what a full round weighs, no more; CenteredClip (peer/sync/robust.py) then
+    # pulls the mean further toward the honest one than that capped weighted mean lies
+    capped = _flat(_weighted_mean(honest + [attacker], weights + [float(ROUND_TOKENS)]))
+    honest_mean = _flat(_weighted_mean(honest, weights))
+    assert (_flat(got) - honest_mean).norm() <= (capped - honest_mean).norm() * (1 + 1e-5)
+    assert _flat(got).norm() > 0.5 * honest_mean.norm()
     for outcome in outcomes[:3]:
         assert outcome.capped_weights == {3: 1e30}
 
@@ -171,3 +172,20 @@ def test_strikes_count_rounds_in_a_window_and_expire():
     assert strikes.ignored(15) == {"p"} and strikes.ignored(16) == set()
     with pytest.raises(ValueError, match="strikes"):
         Strikes(strikes=5, window_rounds=4)
+
+
+def test_a_sub_clip_sign_flip_is_taken_out_by_the_owners_centered_clip():
+    """−2.5× the honest mean passes the median-norm clip (3×); CenteredClip (peer/sync/robust.py)
+    bounds its pull by the honest spread: the group's step stays near the honest mean, where the
+    plain mean of 4 honest and 1 flipped contribution would shrink it to about a quarter."""
+    honest = _honest(4, seed=3)
+    weights = [1000.0] * 4
+    honest_mean = _weighted_mean(honest, weights)
+    attacker = [-2.5 * m for m in honest_mean]
+    sessions, outcomes = asyncio.run(
+        run_group(honest + [attacker], weights + [1000.0], owners=[0, 1, 2, 3], max_weight=ROUND_TOKENS)
+    )
+    got, want = _flat(_honest_results(sessions, outcomes, 4)), _flat(honest_mean)
+    plain = _flat(_weighted_mean(honest + [attacker], weights + [1000.0]))
+    assert (got - want).norm() < 0.5 * (plain - want).norm()
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.9

@@ -1,0 +1,129 @@
+"""Robust aggregation of one piece's contributions: the owner's mean (peer/sync/allreduce.py
+``piece_mean``; issue #51, item 4).
+
+An owner of a piece (peer/sync/allreduce.py) averages every groupmate's contribution to it. A
+weighted mean lets one contribution move the result anywhere its norm allows; the median-norm clip
+(peer/sync/screening.py ``clip_to_median``) bounds that norm, but a clipped contribution still
+pulls the mean by ``3 × median norm × its weight share`` in any direction, e.g. straight against the
+honest pseudo-gradients, whose norm is of that same size. :func:`centered_clip` bounds the pull by
+the *spread* of the honest contributions instead of their size: CenteredClip (Karimireddy, He,
+Jaggi, "Learning from History for Byzantine Robust Optimization", ICML 2021, arXiv 2012.10333,
+Eq. 2; the aggregator of BTARD, Gorbunov et al. 2021, arXiv 2106.11257)::
+
+    v ← v + Σ_i w_i (x_i − v) · min(1, τ / ‖x_i − v‖) / Σ_i w_i        (L iterations)
+
+started at the coordinate-wise median of the contributions, with τ a multiple of the median
+distance of the contributions to that start. A contribution within τ of the centre counts fully,
+one further away counts as if it were at distance τ: a fraction ``f`` of the weight moves the
+result by at most about ``τ · f / (1 − f)``.
+
+Determinism: every operation runs on the CPU in a fixed order over the contributions in sender
+order (float64 norms, fp32 sums), so an owner gives the same bits for the same inputs; only the
+owner computes a piece's mean and every groupmate receives its bytes, so groupmates still hold
+bit-identical φ whatever it clips. When no contribution is out of line (every distance within τ),
+:func:`centered_clip` returns the plain weighted mean, summed as ``piece_mean`` always summed it
+(fp32, sender order): a clean round gives the same bits as before.
+
+What it does not bound: the means a lying *owner* sends (the receivers' checks,
+peer/sync/screening.py ``owner_mean_problem``, bound their norm only), and groups under
+:data:`CENTERED_CLIP_MIN_PARTS` (NoLoCo's pairs), which have no majority to centre on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+CENTERED_CLIP_TAU_FACTOR = 2.0
+"""τ of :func:`centered_clip` as a multiple of the (lower) median distance of the contributions to
+the coordinate-wise median: honest contributions of one run lie at similar distances from the
+centre (their spread is sampling noise), so 2× leaves them whole and bounds anything further out."""
+CENTERED_CLIP_ITERATIONS = 3
+"""L of :func:`centered_clip`: iterations from the coordinate-wise median (Karimireddy et al. use 1
+to 3 when the start is already near the honest mean, as the median is)."""
+CENTERED_CLIP_MIN_PARTS = 4
+"""Fewer contributions get the plain mean from :func:`centered_clip`: of 3, the median distance is
+one honest contribution's own, and the next one often lies past 2x it (the tiny preset's 3 peers,
+tests/unit/test_engine_sim.py); one bad contribution of 3 is beyond a quarter of the group anyway."""
+CENTERED_CLIP_MIN_ELEMENTS = 16
+"""Pieces under this many values get the plain mean from :func:`centered_clip`: the distances of a
+few values scatter too much for their median to tell an honest contribution from a bad one (the
+median-norm clip still bounds each of them); every parameter tensor of the presets is larger."""
+
+
+def weighted_sum(parts: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """``Σ_i (w_i / Σ w) x_i`` summed in fp32 in the given order (a new tensor of the parts' shape).
+
+    Args:
+        parts: ``(weight > 0, fp32 tensor)``, one shape, at least one.
+    """
+    total = sum(w for w, _ in parts)
+    acc = torch.zeros_like(parts[0][1], dtype=torch.float32)
+    for w, x in parts:  # fixed sender order: the sum is the same wherever it is computed
+        acc.add_(x, alpha=w / total)
+    return acc
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ in float64 (fp32 inputs of any finite size: no overflow)."""
+    return float(torch.linalg.vector_norm(a.double() - b.double()))
+
+
+def coordinate_median(parts: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """The coordinate-wise lower median of the contributions (weights ignored): fp32, their shape."""
+    stacked = torch.stack([x.float() for _, x in parts])
+    return stacked.median(dim=0).values  # the lower median: one of the inputs' values, deterministic
+
+
+def centered_clip(
+    parts: Sequence[tuple[float, torch.Tensor]],
+    *,
+    tau_factor: float = CENTERED_CLIP_TAU_FACTOR,
+    iterations: int = CENTERED_CLIP_ITERATIONS,
+) -> tuple[torch.Tensor, list[int]]:
+    """CenteredClip (arXiv 2012.10333, Eq. 2) of weighted contributions, from their coordinate-wise
+    median, with ``τ = tau_factor ×`` the lower median distance of the contributions to it.
+
+    Args:
+        parts: ``(weight > 0, fp32 tensor)`` per contribution, all finite, one shape, at least one.
+        tau_factor: τ over the median distance (> 0).
+        iterations: L (≥ 1).
+
+    Returns:
+        ``(mean, clipped)``: a new fp32 tensor of the parts' shape and the positions in ``parts``
+        whose distance to the centre exceeded τ at some iteration. With none clipped, ``mean`` is
+        :func:`weighted_sum` of ``parts`` (the plain mean, the same bits). Fewer than
+        :data:`CENTERED_CLIP_MIN_PARTS` parts, a piece under :data:`CENTERED_CLIP_MIN_ELEMENTS` values or a median distance of 0 (most
+        contributions equal) give the plain mean: no majority to centre on.
+
+    Raises:
+        ValueError: ``tau_factor`` ≤ 0 or ``iterations`` < 1.
+    """
+    if not tau_factor > 0 or iterations < 1:
+        raise ValueError(f"tau_factor = {tau_factor}, iterations = {iterations}: expected > 0 and >= 1")
+    plain = weighted_sum(parts)
+    if len(parts) < CENTERED_CLIP_MIN_PARTS or parts[0][1].numel() < CENTERED_CLIP_MIN_ELEMENTS:
+        return plain, []
+    centre = coordinate_median(parts)
+    distances = [_distance(x, centre) for _, x in parts]
+    tau = tau_factor * sorted(distances)[(len(distances) - 1) // 2]
+    if not tau > 0 or not math.isfinite(tau):
+        return plain, []
+    if all(d <= tau for d in distances):
+        return plain, []  # nothing out of line: one iteration from the centre gives the plain mean
+    total = sum(w for w, _ in parts)
+    clipped: set[int] = set()
+    v = centre.double()
+    for _ in range(iterations):
+        step = torch.zeros_like(v)
+        for i, (w, x) in enumerate(parts):
+            diff = x.double() - v
+            d = float(torch.linalg.vector_norm(diff))
+            scale = 1.0 if d <= tau else tau / d
+            if scale < 1.0:
+                clipped.add(i)
+            step.add_(diff, alpha=(w / total) * scale)
+        v = v + step
+    return v.float(), sorted(clipped)

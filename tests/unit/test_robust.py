@@ -1,0 +1,86 @@
+"""peer/sync/robust.py: CenteredClip on synthetic contributions (issue #51, item 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from peer.sync.robust import CENTERED_CLIP_MIN_ELEMENTS, CENTERED_CLIP_MIN_PARTS, centered_clip, weighted_sum
+from peer.sync.screening import clip_to_median
+
+
+def _honest(n: int, size: int, seed: int, spread: float = 0.3) -> list[torch.Tensor]:
+    """Pseudo-gradients of one model from one φ: a common direction plus per-peer noise."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(size, generator=gen)
+    return [common + spread * torch.randn(size, generator=gen) for _ in range(n)]
+
+
+def test_centered_clip_is_the_plain_weighted_mean_when_nothing_is_out_of_line():
+    xs = _honest(8, 4096, seed=0, spread=0.05)
+    parts = [(float(100 + i), x) for i, x in enumerate(xs)]
+    mean, clipped = centered_clip(parts)
+    assert clipped == []
+    assert torch.equal(mean, weighted_sum(parts))  # the same bits as the plain mean
+
+
+def test_centered_clip_clips_only_the_outlier_and_bounds_its_pull():
+    xs = _honest(8, 4096, seed=1)
+    honest_mean = weighted_sum([(1.0, x) for x in xs[:7]])
+    bad = -3.0 * xs[7]  # a flipped contribution at 3x the norm: what the median-norm clip lets through
+    mean, clipped = centered_clip([(1.0, x) for x in [*xs[:7], bad]])
+    assert 7 in clipped
+    plain = weighted_sum([(1.0, x) for x in [*xs[:7], bad]])
+    err, plain_err = float((mean - honest_mean).norm()), float((plain - honest_mean).norm())
+    assert err < 0.25 * plain_err, (err, plain_err)
+    assert err < 0.1 * float(honest_mean.norm())
+
+
+def test_centered_clip_leaves_tiny_pieces_and_groups_under_4_to_the_plain_mean():
+    small = [(1.0, torch.tensor([1.0, 2.0 + k / 10])) for k in range(4)] + [(1.0, torch.tensor([-50.0, 9.0]))]
+    assert small[0][1].numel() < CENTERED_CLIP_MIN_ELEMENTS and len(small) >= CENTERED_CLIP_MIN_PARTS
+    assert torch.equal(centered_clip(small)[0], weighted_sum(small))
+    three = [(1.0, x) for x in _honest(2, 64, seed=2)] + [(1.0, torch.full((64,), 100.0))]
+    assert torch.equal(centered_clip(three)[0], weighted_sum(three))
+
+
+def test_centered_clip_refuses_bad_settings():
+    parts = [(1.0, x) for x in _honest(4, 64, seed=3)]
+    with pytest.raises(ValueError, match="tau_factor"):
+        centered_clip(parts, tau_factor=0.0)
+    with pytest.raises(ValueError, match="iterations"):
+        centered_clip(parts, iterations=0)
+
+
+contributions = st.integers(min_value=0, max_value=10_000)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=contributions, attackers=st.sampled_from([1, 2]), scale=st.sampled_from([-100.0, -3.0, 0.0, 3.0]))
+def test_centered_clip_bounds_one_or_two_attackers_of_eight(seed, attackers, scale):
+    """Whatever 1 or 2 of 8 send (a multiple of an honest contribution, zeros, or noise of 3x the
+    honest norm once ``scale`` is 3), after the median-norm clip the result stays within a fraction of
+    the honest spread of the honest mean, where the plain mean moves by up to 3x its norm × their share."""
+    xs = _honest(8, 1024, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    bad = [scale * torch.randn(1024, generator=gen) if scale == 3.0 else scale * xs[7 - k] for k in range(attackers)]
+    sent = [*xs[: 8 - attackers], *bad]
+    clipped_parts, _ = clip_to_median([(1.0, x) for x in sent])
+    honest_mean = weighted_sum([(1.0, x) for x in xs[: 8 - attackers]])
+    spread = sorted(float((x - honest_mean).norm()) for x in xs[: 8 - attackers])[(8 - attackers) // 2]
+    mean, _ = centered_clip(clipped_parts)
+    assert torch.isfinite(mean).all()
+    # each attacker pulls at most about τ (2x the median distance) times its weight share
+    assert float((mean - honest_mean).norm()) <= 2.0 * spread * attackers / (8 - attackers) + 0.25 * spread
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=contributions)
+def test_centered_clip_is_deterministic(seed):
+    xs = _honest(8, 300, seed=seed, spread=1.0)
+    xs[3] = -10 * xs[3]
+    parts = [(float(50 + 7 * i), x) for i, x in enumerate(xs)]
+    a, clipped = centered_clip(parts)
+    b, _ = centered_clip([(w, x.clone()) for w, x in parts])
+    assert torch.equal(a, b) and 3 in clipped
