@@ -13,13 +13,14 @@ Starts, on this machine, with text output as a person sees it:
 Prints a table and writes bench/results/waits.json: ``bootstrap_first_line_s``,
 ``bootstrap_ready_s``, ``monitor_first_line_s``, ``monitor_ready_s``, ``join_first_line_s``,
 ``join_read_data_s`` (hashing, at first tokenizing, the corpus), ``join_started_s``,
-``join_first_step_s`` (its line of the initial evaluation, after which the first inner step starts),
+``join_first_step_s`` (its line saying where it trains from, right before its first inner step),
 ``join_first_round_s``, ``join_longest_silence_s``, ``sigint_stopped_to_exit_s``,
 ``restart_first_line_s``, ``restart_read_data_s``, ``restart_started_s``, ``restart_first_step_s``
 (issue #53's "a restart trains its first round within 15 s": its first inner step),
 ``restart_first_round_s``, ``restart_longest_silence_s``, ``restart_warnings`` (its warning, error and
 traceback lines up to its first round; with ``--second-peer`` also ``restart_other_peer_warnings``, the
-other peer's meanwhile), ``device``.
+other peer's meanwhile), ``device``, ``load_average_start`` and ``load_average_end`` (the machine's
+1-minute load average: other jobs slow a niced bench's peers down, their rounds most).
 
     nice .venv/bin/python bench/waits.py [--fresh-cache] [--second-peer] [--out bench/results/waits.json]
 
@@ -43,8 +44,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIRST_STEP = r"^eval \(initial\) at round \d+"
-"""The line after which a peer's first inner step starts (its evaluation of φ at its start comes last)."""
+FIRST_STEP = r"^(training from round \d+, inner step \d+ of \d+|eval \(initial\) at round \d+)"
+"""The line after which a peer's first inner step starts: the one saying where it trains from (on a
+CPU its initial evaluation of φ then runs alongside); before that line existed, its initial evaluation's."""
 READING_DATA = r"^reading the (data of run|run's data)"
 WARNING = re.compile(r"warn|error|traceback", re.IGNORECASE)
 
@@ -155,7 +157,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     if args.fresh_cache:
         env["LOCOSWARM_CACHE_DIR"] = str(tmp / "cache")
-    r: dict = {"device": f"{os.cpu_count()}-core CPU, no GPU"}
+    r: dict = {"device": f"{os.cpu_count()}-core CPU, no GPU", "load_average_start": os.getloadavg()[0]}
     procs: list[Watched] = []
     try:
         print("bootstrap run")
@@ -246,6 +248,8 @@ def main() -> None:
     if args.second_peer:
         print(f"the other peer's warnings meanwhile: {r['restart_other_peer_warnings'] or 'none'}")
     print(f"restart's first round: {r['restart_first_round_line']}")
+    r["load_average_end"] = os.getloadavg()[0]  # other jobs on the machine: the figures' context
+    print(f"load average (1 min): {r['load_average_start']:.2f} at the start, {r['load_average_end']:.2f} at the end")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2) + "\n")
 

@@ -302,7 +302,8 @@ def join(
     """
     import threading
 
-    reporter = Reporter(log_format)
+    # on a terminal, a round's inner steps also draw one transient line (peer/reporting.py)
+    reporter = Reporter(log_format, live_steps=True)
     reporter.emit("status", message="peer join: loading torch and hivemind")
     configure_logging(verbose)  # after the first line: it imports hivemind (seconds)
     from peer.node import StopOnSignal, join as run_join

@@ -57,11 +57,21 @@ def device_text(e: dict[str, Any]) -> str:
 
 
 class Reporter:
-    """Emits events as JSON lines (``fmt='json'``) or human-readable lines (``fmt='text'``)."""
+    """Emits events as JSON lines (``fmt='json'``) or human-readable lines (``fmt='text'``).
 
-    def __init__(self, fmt: str = "text", stream: TextIO | None = None):
+    With ``live_steps`` (``peer join``), text mode and a terminal on ``stream``, a round's inner steps
+    also draw one transient line (:meth:`step`: step k/H, loss, tok/s) between the lines, cleared by
+    :meth:`end_steps`; otherwise (a pipe, a log file, JSON) nothing more than one line per round.
+    """
+
+    _steps: Any = None
+    """The rich Progress drawing the inner steps while it is live (None: not drawn)."""
+    _live_steps = False
+
+    def __init__(self, fmt: str = "text", stream: TextIO | None = None, *, live_steps: bool = False):
         self.fmt, self.stream = fmt, stream or sys.stdout
         self._lock = threading.Lock()  # the round loop and its sync thread both emit: whole lines
+        self._live_steps = live_steps and fmt == "text" and _is_terminal(self.stream)
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"event": event, "time": time.time(), **fields}
@@ -72,7 +82,34 @@ class Reporter:
             if text is None:
                 return
         with self._lock:
-            print(text, file=self.stream, flush=True)
+            if self._steps is not None:  # above the live line, which is drawn again below it
+                self._steps.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+            else:
+                print(text, file=self.stream, flush=True)
+
+    def step(self, *, round_: int, step: int, steps: int, loss: float, tokens_per_s: float) -> None:
+        """Draw the inner step just done (``step`` of ``steps`` in the round after ``round_``; its
+        training loss in nats per token; the round's tokens per second so far) on the live line,
+        started at the first one. Nothing unless live steps are on (see the class)."""
+        if not self._live_steps:
+            return
+        with self._lock:
+            if self._steps is None:
+                self._steps = _start_steps(self.stream)
+                if self._steps is None:  # another live display holds the terminal: not drawn
+                    return
+                self._steps.add_task("", total=steps, loss=loss, tps=tokens_per_s, round=round_ + 1)
+            task = self._steps.task_ids[0]
+            self._steps.update(
+                task, completed=step, total=max(steps, step), loss=loss, tps=tokens_per_s, round=round_ + 1
+            )
+
+    def end_steps(self) -> None:
+        """Clear the live line of the inner steps (the round's inner phase ended); idempotent."""
+        with self._lock:
+            if self._steps is not None:
+                self._steps.stop()
+                self._steps = None
 
     @staticmethod
     def _text(e: dict[str, Any]) -> str | None:
@@ -119,3 +156,35 @@ class Reporter:
         if kind == "status":  # what the peer is doing before its first round (no silent waits)
             return str(e["message"])
         return None
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is an interactive terminal (as rich decides it: ``isatty``, ``TERM`` etc.)."""
+    from rich.console import Console
+
+    return Console(file=stream).is_terminal
+
+
+def _start_steps(stream: TextIO) -> Any:
+    """A started transient rich Progress on ``stream`` for the inner steps, None when another live
+    display (a ``Waiting`` spinner) holds the terminal."""
+    from rich.console import Console
+    from rich.errors import LiveError
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("round {task.fields[round]}: inner step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]:.3f} | {task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+        console=Console(file=stream),
+        transient=True,
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )
+    try:
+        progress.start()
+    except LiveError:
+        return None
+    return progress

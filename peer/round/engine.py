@@ -11,7 +11,6 @@ catch-up (catchup.py), checkpointing (checkpointing.py) and publishing (publishi
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from peer.config import TrainerConfig
 from peer.progress import RoundOutcome, TrainSummary
 from peer.reporting import Reporter
 from peer.round.blocking import BlockingSchedule
-from peer.round.catchup import CatchUp, phi_loss
+from peer.round.catchup import CatchUp
 from peer.round.checkpointing import Checkpointing
 from peer.round.overlapped import OverlapSchedule
 from peer.round.publishing import Publisher
@@ -150,9 +149,7 @@ class Trainer:
             stop_event=stop_event,
             publish=self.publisher.publish,
             # the loss check of an adoption (#51): on the publisher's evaluation copy and windows
-            loss_of=None
-            if self.publisher.eval_model is None
-            else functools.partial(phi_loss, self.publisher.eval_model, self.publisher.val_windows),
+            loss_of=None if self.publisher.eval_model is None else self.publisher.phi_loss,
         )
         self.checkpoints = Checkpointing(
             state=s,
@@ -170,8 +167,10 @@ class Trainer:
     def run(self) -> TrainSummary:
         """Train until ``max_rounds`` or until ``stop_event`` is set; return the summary.
 
-        On a stop the current inner step finishes and the summary has ``interrupted=True``; the
-        caller writes the checkpoint (:meth:`save`). When this peer's averager process dies
+        φ is evaluated as training starts, on the host alongside the first inner steps
+        (:meth:`_start_initial_eval`). On a stop the current inner step finishes (and that
+        evaluation, when still running) and the summary has ``interrupted=True``; the caller writes
+        the checkpoint (:meth:`save`). When this peer's averager process dies
         (:class:`~protocol.errors.HelperDied`) the loop stops the same way and the summary's
         ``fatal`` holds the error, for the caller to raise after it wrote the checkpoint.
 
@@ -184,10 +183,12 @@ class Trainer:
         self.transport.share_state(lambda: list(self.state.snapshots))
         self.publisher.publish()
         self._wait_for_peers()
-        self.summary.initial_eval_loss = self.publisher.eval_phi("initial")
+        self._start_initial_eval()
         try:
             while not self._done() and not self.stop_event.is_set():
                 self._inner_phase()
+                self.reporter.end_steps()
+                self._finish_initial_eval(wait=True)  # reported before the round ends, as before
                 if self.stop_event.is_set():
                     break
                 self._after_round(self._outcome(self.schedule.end_round()))
@@ -199,7 +200,9 @@ class Trainer:
             # sync in flight dropped); the caller writes the checkpoint, then raises ``fatal``
             self.summary.fatal = exc
             self.stop_event.set()
+            self._finish_initial_eval(wait=True)
         finally:
+            self.reporter.end_steps()
             self.schedule.close()
             self.checkpoints.flush()
         self.summary.interrupted = self.stop_event.is_set()
@@ -209,6 +212,30 @@ class Trainer:
         self.publisher.publish(wait=True)  # the last record must reach the DHT before it shuts down
         self.transport.share_state(None)
         return self.summary
+
+    def _start_initial_eval(self) -> None:
+        """Evaluate φ as this peer starts training from it. On the host it runs alongside the first
+        inner steps (:meth:`Publisher.eval_phi_alongside`; issue #53 item 4: a restart trains at
+        once), reported after the step it finished in and at the latest before the round ends; on
+        an accelerator before them (its activations would take memory the micro-batch was fitted
+        to). Says, in one ``status`` line, where training starts."""
+        s = self.state
+        alongside = self.publisher.evaluates_phi and self.device.type == "cpu"
+        if alongside:
+            self.publisher.eval_phi_alongside("initial")
+        else:
+            self.summary.initial_eval_loss = self.publisher.eval_phi("initial")
+        self.reporter.emit(
+            "status",
+            message=f"training from round {s.pos.round}, inner step {s.pos.step} of {self.H}"
+            + ("; evaluating φ of that round alongside" if alongside else ""),
+        )
+
+    def _finish_initial_eval(self, *, wait: bool) -> None:
+        """Report the initial evaluation running alongside once done (``wait``: wait for it)."""
+        loss = self.publisher.finish_eval(wait=wait)
+        if loss is not None:
+            self.summary.initial_eval_loss = loss
 
     def _done(self) -> bool:
         return self.cfg.max_rounds is not None and self.state.pos.round >= self.cfg.max_rounds
@@ -235,6 +262,10 @@ class Trainer:
                     return
                 continue  # a pipelined step that stopped before any work (stop_event is set)
             s.pos.record(loss=result.loss, tokens=result.tokens, seconds=result.seconds)
+            self.reporter.step(
+                round_=s.pos.round, step=s.pos.step, steps=self.H, loss=result.loss, tokens_per_s=s.pos.tokens_per_s
+            )
+            self._finish_initial_eval(wait=False)
             if self.micro_batch is not None and result.micro_batch < self.micro_batch:
                 self.reporter.emit(
                     "warning",

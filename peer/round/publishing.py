@@ -5,12 +5,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
 from peer.net import traffic
 from peer.progress import RoundOutcome, SyncReport, Waiting
 from peer.reporting import Reporter
+from peer.round.catchup import phi_loss
 from peer.round.state import RoundState
 from peer.round.syncing import SyncHistory
 from peer.sync.membership import RoundSwarm
@@ -60,6 +64,9 @@ class Publisher:
         """The last finished round (its figures go into every progress record until the next one)."""
         self.last_eval: tuple[int, float | None] = (-1, None)
         """(round, validation loss) of the last evaluation of φ."""
+        self._alongside: tuple[str, int, Future[float]] | None = None
+        """The evaluation :meth:`eval_phi_alongside` started and :meth:`finish_eval` has not reported:
+        (``when``, round of its φ, its result to come)."""
 
     def publish(
         self, *, train_loss: float | None = None, tokens_per_s: float | None = None, wait: bool = False
@@ -96,26 +103,89 @@ class Publisher:
     def eval_phi(self, when: str) -> float | None:
         """Validation loss of φ (not of this peer's θ), in nats per token; emits an ``eval`` event
         with it and in bits per UTF-8 byte (``bpb``: compares across tokenizers). None, and no event,
-        on a pipelined peer (``evaluates_phi`` False)."""
+        on a pipelined peer (``evaluates_phi`` False). An evaluation still running alongside
+        (:meth:`eval_phi_alongside`) is waited for and reported first."""
         if self.eval_model is None:
             return None
+        self.finish_eval()
+        round_ = self._load_phi(self.eval_model)
+        with Waiting(f"evaluating φ of round {round_} on the validation split"):
+            loss = evaluate(self.eval_model, self.val_windows)
+        self._report(when, round_, loss)
+        return loss
+
+    def eval_phi_alongside(self, when: str) -> None:
+        """Start evaluating φ as it is now in a background thread, on the evaluation copy, while the
+        caller trains (issue #53 item 4: a restart trains at once, its evaluation alongside); the
+        caller reports it with :meth:`finish_eval` (the ``eval`` event, the record's loss and the
+        round are those of the φ copied now). Nothing on a pipelined peer. For a host device only:
+        on an accelerator its activations would take memory the micro-batch was fitted to."""
+        if self.eval_model is None:
+            return
+        self.finish_eval()
+        model, windows = self.eval_model, self.val_windows
+        round_ = self._load_phi(model)
+        result: Future[float] = Future()
+
+        def evaluate_phi() -> None:
+            try:
+                result.set_result(evaluate(model, windows))
+            except BaseException as exc:  # raised on the caller's thread by finish_eval
+                result.set_exception(exc)
+
+        threading.Thread(target=evaluate_phi, name="locoswarm-eval", daemon=True).start()
+        self._alongside = (when, round_, result)
+
+    def finish_eval(self, *, wait: bool = True) -> float | None:
+        """Report the evaluation :meth:`eval_phi_alongside` started (as :meth:`eval_phi` reports
+        its own) once it is done, waiting for it with ``wait``; returns its loss in nats per token,
+        None when there is none or (without ``wait``) it still runs. Call from the round loop's
+        thread.
+
+        Raises:
+            What the evaluation raised (it is then no longer pending).
+        """
+        if self._alongside is None or not (wait or self._alongside[2].done()):
+            return None
+        when, round_, result = self._alongside
+        self._alongside = None
+        loss = result.result()
+        self._report(when, round_, loss)
+        return loss
+
+    def phi_loss(self, phi: Sequence[torch.Tensor]) -> float:
+        """The validation loss of ``phi`` on the evaluation copy (peer/round/catchup.py
+        :func:`~peer.round.catchup.phi_loss`: an adoption's loss check), after any evaluation
+        alongside is done and reported (the copy is that evaluation's until then).
+
+        Raises:
+            ValueError: no evaluation copy (a pipelined peer), or ``phi`` does not fit the model.
+        """
+        if self.eval_model is None:
+            raise ValueError("a pipelined peer has no evaluation copy of the model")
+        self.finish_eval()
+        return phi_loss(self.eval_model, self.val_windows, phi)
+
+    def _load_phi(self, model: torch.nn.Module) -> int:
+        """Copy φ into ``model`` (the evaluation copy) under the state's lock; the round φ is of."""
         s = self.state
         with s.lock, torch.no_grad():
-            for p, f in zip(self.eval_model.parameters(), s.phi):
+            for p, f in zip(model.parameters(), s.phi):
                 p.copy_(f)
-        with Waiting(f"evaluating φ of round {s.pos.round} on the validation split"):
-            loss = evaluate(self.eval_model, self.val_windows)
-        self.last_eval = (s.pos.round, loss)
+            return s.pos.round
+
+    def _report(self, when: str, round_: int, loss: float) -> None:
+        """Keep an evaluation of φ of ``round_`` for the records, publish, emit its ``eval`` event."""
+        self.last_eval = (round_, loss)
         self.publish()
         self.reporter.emit(
             "eval",
             when=when,
-            round=s.pos.round,
+            round=round_,
             loss=loss,
             peer_id=self.peer_id,
             bpb=validation_bits_per_byte(loss, self.val_windows, self.tokenizer),
         )
-        return loss
 
     def keep_pace(self) -> None:
         """After evaluating φ for the swarm, start this round at the inner step the swarm reached

@@ -329,19 +329,34 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
     if metadata.get("names", "").split(",") != names:
         raise CheckpointError(f"checkpoint {path} was written for a different model; move it away to start fresh")
 
+    def refuse(key: str, tensor: torch.Tensor, shape: torch.Size) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {path} tensor {key} has shape {tuple(tensor.shape)} "
+            f"or non-finite values, expected finite {tuple(shape)}"
+        )
+
+    checked: list[tuple[str, torch.Tensor, torch.Size]] = []
+    """Every tensor a group took, for one finiteness test of them all (:func:`finite_or_refuse`)."""
+
     def group(prefix: str) -> list[torch.Tensor]:
         found = []
         for name, shape in zip(names, shapes):
-            tensor = tensors.get(f"{prefix}.{name}")
+            key = f"{prefix}.{name}"
+            tensor = tensors.get(key)
             if tensor is None:
-                raise CheckpointError(f"checkpoint {path} lacks tensor {prefix}.{name}")
-            if tensor.shape != shape or not torch.isfinite(tensor).all():
-                raise CheckpointError(
-                    f"checkpoint {path} tensor {prefix}.{name} has shape {tuple(tensor.shape)} "
-                    f"or non-finite values, expected finite {tuple(shape)}"
-                )
+                raise CheckpointError(f"checkpoint {path} lacks tensor {key}")
+            if tensor.shape != shape:
+                raise refuse(key, tensor, shape)
+            checked.append((key, tensor, shape))
             found.append(tensor)
         return found
+
+    def finite_or_refuse() -> None:
+        # one reduction per tensor and one host read for them all (peer/train/outer.py), not a
+        # boolean copy of each: the first read of a file's pages, most of a restart's restore time
+        bad = first_non_finite([t for _, t, _ in checked])
+        if bad is not None:
+            raise refuse(*checked[bad])
 
     def optional_group(prefix: str) -> list[torch.Tensor] | None:
         """None when the checkpoint holds none of ``prefix``'s tensors."""
@@ -368,15 +383,19 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
         raise CheckpointError(
             f"checkpoint {path} tensor data.rng is {rng.dtype} {tuple(rng.shape)}, expected 1-D uint8"
         )
+    phi, momentum, theta = group("phi"), group("momentum"), group("theta")
+    adam_exp_avg, adam_exp_avg_sq = optional_group("adam_exp_avg"), optional_group("adam_exp_avg_sq")
+    residuals = optional_group("residual")
+    finite_or_refuse()
     return PeerState(
         run_id=run_id,
         names=names,
-        phi=group("phi"),
-        momentum=group("momentum"),
-        theta=group("theta"),
-        adam_exp_avg=optional_group("adam_exp_avg"),
-        adam_exp_avg_sq=optional_group("adam_exp_avg_sq"),
-        residuals=optional_group("residual"),
+        phi=phi,
+        momentum=momentum,
+        theta=theta,
+        adam_exp_avg=adam_exp_avg,
+        adam_exp_avg_sq=adam_exp_avg_sq,
+        residuals=residuals,
         data=data,
         vouchers=vouchers,
         **position,
