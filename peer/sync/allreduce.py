@@ -4,9 +4,8 @@ pieces on hivemind's libp2p streams (frames: protocol/wire/allreduce.py; plan: p
 
 Why our own and not hivemind's ``AllReduceRunner``: the codecs (protocol/codecs/) must see
 whole row-pieces of each tensor (low rank, top-k), every message must be validated against the
-run's parameter shapes before use, every byte is counted where it is written and read, and a
-groupmate that fails is excluded by a stated rule instead of leaving parts silently un-averaged
-(docs/architecture.md, hivemind's traps).
+run's shapes before use, every byte is counted, and a groupmate that fails is excluded by a stated
+rule instead of leaving parts silently un-averaged (docs/architecture.md, hivemind's traps).
 
 The algorithm, for a group of n peers ordered as hivemind's matchmaking returned them:
 
@@ -33,14 +32,14 @@ Rules on failure (checked, never assumed):
 * A receiver checks every mean an owner sends against its own contribution to that piece
   (peer/sync/screening.py ``owner_mean_problem``: norm within 3x its own reference norm, 30x for
   pieces under 256 values, never below a floor of 3x a piece of this peer's typical values; for
-  large φ pieces, norm ratio and direction). A mean that fails is *refused*: the piece is applied as
-  zeros (Δ: every honest receiver refusing the same bytes applies the same, so their φ stay
-  identical) or as this peer's own values (φ, NoLoCo), and the owner is named in the stats (no
-  voucher; struck like a sender whose contribution was clipped).
+  large pieces, direction; for large φ pieces, norm ratio). A refused φ mean (NoLoCo) is applied
+  as this peer's own values; a refused Δ mean is a vote in this peer's RECEIPT, and the owner is
+  named in the stats (no voucher; struck like a clipped sender where the norm failed).
 * Once a peer holds every mean it sends each owner a RECEIPT of what every owner sent it
-  (peer/sync/receipts.py): an owner whose means differ between receivers (equivocation) has its
-  pieces applied as refused by every peer, and, contradicted by two or more, is named in
-  ``AllreduceStats.equivocators`` (the averager ignores it from the next round).
+  (peer/sync/receipts.py): an owner refused by half of the reports, or whose means differ
+  between receivers (equivocation), has its pieces applied as refused (Δ: zeros) by every peer;
+  contradicted by two or more, it is named in ``AllreduceStats.equivocators`` (the averager
+  ignores it from the next round).
 * A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
   nothing from the round: :class:`~protocol.errors.PartialAverage` is raised, the tensors are left
   unchanged and the error-feedback residuals are rolled back. The caller falls back to its own
@@ -456,14 +455,23 @@ class GroupAllreduce(ReceiptExchange):
 
     def _checked_mean(self, owner: int, piece: Piece, value: torch.Tensor, included: list[bool]) -> torch.Tensor:
         """``value`` (the owner's decoded mean of ``piece``) if :func:`owner_mean_problem` accepts it
-        against this peer's contribution, else its replacement (zeros for Δ, own values for φ)."""
+        against this peer's contribution. A refused Δ mean is reported in this peer's RECEIPT and
+        ``value`` kept until the receipts' verdict (peer/sync/receipts.py: half of the reports
+        refusing skip the owner's pieces for everyone; a peer in client mode reads only its own);
+        a refused φ mean (NoLoCo, whose replicas may differ) is replaced by this peer's own values."""
         mine = self._sent.pop(piece.index, None)
         if mine is None:
             return value
         mine = mine.float()
         delta = self.phi_from is None or piece.tensor < self.phi_from
+        # a Δ refusal is a vote, decided by the receipts (φ replicas may differ: NoLoCo's φ refusals
+        # stay this peer's own); a peer reading no receipts (client mode) decides by its own vote alone
+        votes = delta
+        kept = value if votes else mine
         if owner in self.distrusted:  # caught equivocating in an earlier round
-            return torch.zeros_like(value) if delta else mine
+            if delta:
+                self._digests.refuse(owner)
+            return kept
         me_in = included[self.plan.my_index]
         if delta not in self._reference:  # once per kind (two executor threads may both compute it: the same value)
             split = len(self.tensors) if self.phi_from is None else self.phi_from
@@ -480,22 +488,23 @@ class GroupAllreduce(ReceiptExchange):
         )
         if problem is None:
             return value
+        if delta:
+            self._digests.refuse(owner)
         self.stats.refused_pieces += 1
         if problem.strike:
             self.stats.struck_owners.add(str(self.plan.peer_ids[owner]))
         if str(self.plan.peer_ids[owner]) not in self.stats.refused:
             self.stats.refused[str(self.plan.peer_ids[owner])] = str(problem)  # stats cross process pipes
             logger.warning(
-                "all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; applying %s for "
-                "its pieces that fail",
+                "all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; %s",
                 self.plan.group_id.hex()[:8],
                 piece.index,
                 owner,
                 self.plan.peer_ids[owner],
                 problem,
-                "zeros" if delta else "this peer's own values",
+                "the group's receipts decide" if votes else "applying its replacement",
             )
-        return torch.zeros_like(value) if delta else mine
+        return kept
 
     async def _exchange_with(self, owner: int) -> None:
         pieces = self.pieces_by_owner[owner]

@@ -42,7 +42,7 @@ from peer.sync.allreduce import AllreduceStats, GroupAllreduce
 from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
-from peer.sync.pieces import make_group_plan, stronger_compression
+from peer.sync.pieces import make_group_plan, stronger_compression, trusted_owners
 from peer.sync.receipts import distrust
 from peer.sync.screening import Strikes
 from protocol import keys
@@ -60,11 +60,9 @@ sync retried or overlapping the next round's (peer/train/overlap.py) has at most
 ALLREDUCE_STREAMS_TOTAL = 1024
 """All-reduce streams all peers may hold open to this peer at once (a group of up to a thousand;
 each holds at most a 1 KiB HELLO and a 128 KiB read buffer before its session takes it)."""
-ALIVE_POLL_S = 0.5
-"""How often a wait on the averager process checks that the process is still alive, s."""
+ALIVE_POLL_S = 0.5  # how often a wait on the averager process checks that it is alive, s
 SHUTDOWN_DRAIN_S = 3.0
-"""The longest a leaving peer waits for groupmates to finish reading the means it owes them (at most
-half of hivemind's shutdown grace, after which the averager process is terminated)."""
+"""The longest a leaving peer waits for groupmates to read the means it owes them, s."""
 
 
 @dataclass(frozen=True)
@@ -452,6 +450,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             owners = [i for i, mode in enumerate(modes) if mode != AveragingMode.CLIENT]
             if not owners:
                 raise AllreduceIncomplete("every groupmate is in client mode: nobody can reduce")
+            distrust = [d.get("distrust") if isinstance(d, dict) else None for d in user_gathered.values()]
+            owners = trusted_owners(owners, [str(p) for p in group_info.peer_ids], distrust)
             fragments = {(d or {}).get("fragment") if isinstance(d, dict) else None for d in user_gathered.values()}
             if len(fragments) != 1:
                 raise AllreduceIncomplete(f"groupmates sync different fragments {sorted(map(str, fragments))}")

@@ -43,6 +43,7 @@ from peer.state.download import StateDownload, validate_state
 from peer.state.snapshot import make_snapshot
 from peer.sync.inprocess_means import GroupHooks, MemberOutcome, PieceRules, screened_means
 from peer.sync.membership import SwarmView
+from peer.sync.pieces import Suspects
 from peer.sync.screening import Strikes
 from peer.sync.transport import SyncResult
 from protocol import keys
@@ -84,6 +85,7 @@ class InProcessHub:
         self.members, self.matchmaking_s = members, matchmaking_s
         self.rules, self.hooks = rules, hooks
         self.strikes: dict[str, Strikes] = {}
+        self.suspects: dict[str, Suspects] = {}
         """Per peer id, the groupmates it ignores (with ``rules``; each networked peer keeps its own)."""
         self.lock = threading.Lock()
         """Guards :attr:`records` and :attr:`providers`."""
@@ -151,6 +153,7 @@ class InProcessHub:
                 phi_from=entry["phi_from"],
                 strikes=self.strikes,
                 hooks=self.hooks,
+                suspects=self.suspects,
             )
             entry["outcomes"] = dict(zip(ids, outcomes, strict=True))
             entry["mean"] = []  # closed

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from peer.sync.allreduce import piece_mean
-from peer.sync.pieces import make_group_plan
+from peer.sync.pieces import Suspects, make_group_plan, trusted_owners
 from peer.sync.screening import (
     Strikes,
     cap_weight,
@@ -100,6 +100,7 @@ def screened_means(
     phi_from: int | None,
     strikes: dict[str, Strikes],
     hooks: GroupHooks | None = None,
+    suspects: dict[str, Suspects] | None = None,
 ) -> list[MemberOutcome]:
     """A group's all-reduce as peer/sync/allreduce.py computes it, in one process.
 
@@ -113,8 +114,10 @@ def screened_means(
     mean the owner sends it (``hooks.owner_mean``: a lying owner may forge it, per receiver) and
     checks it as ``GroupAllreduce._checked_mean`` does (``owner_mean_problem`` against its own
     contribution, with its claimed weight, the count included, the cap, the φ checks and the
-    floor from its payload's ``reference_rms``): a refused Δ piece is applied as zeros, a refused
-    φ piece as its own values; a received mean that is not finite fails that member's sync (its
+    floor from its payload's ``reference_rms``); a refused φ piece is applied as the member's own
+    values, a refused Δ piece is a vote, as in the receipts (peer/sync/receipts.py ``verdict``): an
+    owner refused by at least half of the group's n reports has its pieces applied by every member
+    as refused (Δ: zeros, φ: the member's own values), any other's means as received; a received mean that is not finite fails that member's sync (its
     decode check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
     senders it clipped or dropped as an owner and the owners it refused with a strike, as
     ``LocoAverager._strike`` does.
@@ -124,17 +127,22 @@ def screened_means(
             ``weights[i]`` (claimed tokens) are member i's, as sent.
         key: the group's key (its plan's group id is derived from it).
         strikes: per member id, its strikes (created when missing); updated in place.
+        suspects: per member id, the owners it names in its gathered ``distrust`` list (created
+            when missing; updated in place): the owners the votes skipped, which own no piece while
+            half of the group names them (peer/sync/pieces.py ``trusted_owners``), as in the network.
 
     Returns:
         One :class:`MemberOutcome` per member, in ``ids`` order.
     """
     n = len(ids)
+    suspects = {} if suspects is None else suspects
+    named = [suspects.setdefault(m, Suspects()).named(round_) for m in ids]
     plan = make_group_plan(
         payloads[0],
         group_id=repr(key).encode(),
         peer_ids=list(ids),
         my_index=0,
-        owners=list(range(n)),
+        owners=trusted_owners(range(n), ids, named),
         round_=round_,
         compression=rules.compression,
         phi_from=phi_from,
@@ -146,6 +154,7 @@ def screened_means(
     excluded: list[set[int]] = [set(x) for x in ignored]
     offenders: list[set[int]] = [set() for _ in range(n)]
     struck: list[set[int]] = [set() for _ in range(n)]
+    refusers: list[set[int]] = [set() for _ in range(n)]  # per owner: the members that refused a mean of it
     out = [MemberOutcome(mean=[torch.zeros(t.shape, dtype=torch.float32) for t in payloads[0]]) for _ in range(n)]
     split = len(payloads[0]) if phi_from is None else phi_from
     references = [
@@ -187,6 +196,7 @@ def screened_means(
             if not torch.isfinite(sent).all():
                 out[r].error = out[r].error or f"owner {ids[o]}: piece {piece.index} holds NaN or inf"
                 continue
+            target.copy_(sent)  # the receipts' verdict below may replace it
             problem = owner_mean_problem(
                 sent,
                 views[r],
@@ -198,13 +208,30 @@ def screened_means(
                 reference_rms=references[r][delta],
             )
             if problem is None:
-                target.copy_(sent)
                 continue
+            if delta:
+                refusers[o].add(r)
+            else:  # φ (NoLoCo): this member's own values at once, as GroupAllreduce._checked_mean
+                target.copy_(views[r])
             out[r].refused_pieces += 1
             out[r].refused.setdefault(ids[o], str(problem))
             if problem.strike:
                 struck[r].add(o)
-            target.copy_(torch.zeros_like(sent) if delta else views[r])
+    # the receipts' verdict (peer/sync/receipts.py): an owner refused by half of the group's reports
+    # (its own an acceptance) is skipped by every member, the others' means are applied by all
+    skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n}
+    for member in ids:
+        suspects[member].add([ids[o] for o in skipped], round_)
+    for piece in plan.pieces:
+        if piece.owner not in skipped:
+            continue
+        delta = phi_from is None or piece.tensor < phi_from
+        for r in range(n):
+            if (held := out[r].mean) is not None:
+                target = piece_view(held[piece.tensor], piece)
+                target.copy_(
+                    torch.zeros_like(target) if delta else piece_view(payloads[r][piece.tensor], piece).float()
+                )
     for m in range(n):
         out[m].excluded = len(excluded[m])
         book[m].record(round_, [ids[x] for x in sorted(offenders[m] | struck[m])])

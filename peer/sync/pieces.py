@@ -36,6 +36,52 @@ def stronger_compression(compression: CompressionSpec) -> CompressionSpec:
     return compression if codec is None else dataclasses.replace(compression, codec=codec)
 
 
+SUSPECT_ROUNDS = 100
+"""Rounds a peer names an owner in its gathered ``distrust`` list after the group's receipts skipped
+that owner's pieces (refused by half the reports, or an equivocator): while half the group names
+it, it owns no piece (:func:`trusted_owners`), so a lying owner costs one round's pieces and then
+only its own contribution, which the owners' CenteredClip bounds. An honest owner named by mistake
+loses nothing but its share of the reduction work."""
+MAX_DISTRUST = 64
+"""Peer ids read from one groupmate's gathered ``distrust`` list (the rest is ignored)."""
+
+
+class Suspects:
+    """The owners this peer's groups' receipts skipped, each named for :data:`SUSPECT_ROUNDS` rounds
+    (peer ids as ``str``; at most :data:`MAX_DISTRUST`, the latest kept)."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, int] = {}
+
+    def add(self, peers, round_: int) -> None:
+        """Name ``peers`` (peer ids) from ``round_`` on."""
+        for peer in peers:
+            self._until.pop(str(peer), None)
+            self._until[str(peer)] = round_ + SUSPECT_ROUNDS
+        while len(self._until) > MAX_DISTRUST:
+            self._until.pop(next(iter(self._until)))
+
+    def named(self, round_: int) -> list[str]:
+        """The peers named at ``round_``, sorted."""
+        self._until = {p: r for p, r in self._until.items() if r > round_}
+        return sorted(self._until)
+
+
+def trusted_owners(owners: Sequence[int], peer_ids: Sequence[str], distrust: Sequence[object]) -> list[int]:
+    """``owners`` without those that at least half of the group name in their gathered ``distrust``
+    lists (``distrust[i]``: groupmate i's, anything a peer sent; not a list of str, or past
+    :data:`MAX_DISTRUST` entries, counts for nothing); every groupmate computes the same list from
+    the same gathered data. All of them named: ``owners`` unchanged (someone must reduce)."""
+    n = len(peer_ids)
+    named: dict[str, int] = {}
+    for listed in distrust:
+        if isinstance(listed, list | tuple):
+            for peer in {x for x in listed[:MAX_DISTRUST] if isinstance(x, str)}:
+                named[peer] = named.get(peer, 0) + 1
+    kept = [i for i in owners if 2 * named.get(str(peer_ids[i]), 0) < n]
+    return kept or list(owners)
+
+
 @dataclass(frozen=True)
 class GroupPlan:
     """Everything both sides of a stream must agree on for one group."""

@@ -8,11 +8,16 @@ owner, a 16-byte BLAKE2b digest of the MEAN payloads it got from that owner, in 
 own pieces: the payloads it sent). Every peer then holds, per owner, its own digest and one from
 each groupmate whose receipt it read, over the same authenticated streams the means came on.
 
+A receiver that refused one of an owner's means (peer/sync/screening.py ``owner_mean_problem``)
+reports :data:`REFUSED` for that owner instead of a digest: its refusal is a vote, not a decision.
+
 The verdict (:func:`verdict`), the same on every honest peer that read the same receipts:
 
-* an owner whose digests are not all equal has its pieces **skipped** this round (applied as zeros
-  for Δ, as this peer's own values for φ, as a refused mean is), by every peer, the owner itself
-  included, so the honest peers still hold one φ;
+* an owner whose pieces at least half of the reports refuse (its own report, an acceptance,
+  counted), or whose digests are not all equal, has its pieces **skipped** this round (applied as
+  zeros for Δ, as this peer's own values for φ), by every peer, the owner itself included, so the
+  honest peers still hold one φ; an owner refused by fewer has its means applied by every peer,
+  the receivers that refused them included (one receiver, honest or not, decides nothing alone);
 * it is an **equivocator** when at least :data:`MIN_DISSENT` reporters disagree with the most
   common digest: a single differing receipt may be a lying receiver, so it costs the round's
   pieces but nobody's standing; the averager then ignores the equivocator (its contributions left
@@ -22,7 +27,8 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
 
 What this cannot do: receipts are not signed, so two colluding receivers that both misstate an
 honest owner's means make it an equivocator; one receiver that sends different receipts to
-different peers makes them skip different pieces (a split the re-sync rule then settles).
+different peers makes them skip different pieces (a split the re-sync rule then settles); a peer
+in client mode owns no piece and reads no receipt, so it applies its own refusals alone.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ from protocol.wire.pieces import piece_view
 logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16
+REFUSED = bytes(DIGEST_BYTES)
+"""What a receipt reports for an owner one of whose means its sender refused (no BLAKE2b digest is
+all zeros in practice)."""
 MIN_DISSENT = 2
 """Reporters that must disagree with an owner's most common digest for it to count as an equivocator."""
 
@@ -54,6 +63,11 @@ class MeanDigests:
 
     def __init__(self) -> None:
         self._hashes: dict[int, hashlib.blake2b] = {}
+        self._refused: set[int] = set()
+
+    def refuse(self, owner: int) -> None:
+        """Report :data:`REFUSED` for ``owner``: this peer refused one of its means."""
+        self._refused.add(owner)
 
     def add(self, owner: int, payload: bytes) -> None:
         """Fold one MEAN frame payload of ``owner`` into its digest (call in piece order)."""
@@ -63,8 +77,8 @@ class MeanDigests:
         h.update(payload)
 
     def digests(self) -> dict[int, bytes]:
-        """Owner index → 16-byte digest of what it sent so far."""
-        return {owner: h.digest() for owner, h in self._hashes.items()}
+        """Owner index → 16-byte digest of what it sent so far (:data:`REFUSED` for a refused one)."""
+        return {owner: REFUSED if owner in self._refused else h.digest() for owner, h in self._hashes.items()}
 
 
 @dataclass
@@ -72,7 +86,10 @@ class Verdict:
     """What the receipts of one all-reduce say (indices in the group)."""
 
     skipped: set[int] = field(default_factory=set)
-    """Owners whose pieces are applied as refused this round (their digests differ)."""
+    """Owners whose pieces are applied as refused this round (refused by half the reports, or their
+    digests differ)."""
+    refused: set[int] = field(default_factory=set)
+    """Owners skipped because at least half of the reports refused their means."""
     equivocators: set[int] = field(default_factory=set)
     """Owners that at least :data:`MIN_DISSENT` reporters contradict: ignored from the next round."""
     liars: set[int] = field(default_factory=set)
@@ -93,13 +110,19 @@ def verdict(me: int, mine: Mapping[int, bytes], receipts: Mapping[int, Mapping[i
     out = Verdict()
     for owner, own_digest in mine.items():
         reports = [own_digest] + [r[owner] for s, r in receipts.items() if s != me and owner in r]
-        counts = Counter(reports)
-        if len(counts) == 1:
+        if 2 * sum(d == REFUSED for d in reports) >= len(reports):
+            out.skipped.add(owner)
+            out.refused.add(owner)
+        digests = [d for d in reports if d != REFUSED]
+        counts = Counter(digests)
+        if len(counts) <= 1:
             continue
         out.skipped.add(owner)
         if owner == me:
-            out.liars.update(s for s, r in receipts.items() if s != me and r.get(owner, own_digest) != own_digest)
-        elif len(reports) - counts.most_common(1)[0][1] >= MIN_DISSENT:
+            out.liars.update(
+                s for s, r in receipts.items() if s != me and r.get(owner, own_digest) not in (own_digest, REFUSED)
+            )
+        elif len(digests) - counts.most_common(1)[0][1] >= MIN_DISSENT:
             out.equivocators.add(owner)
     return out
 
@@ -173,11 +196,18 @@ class ReceiptExchange:
                 delta = self.phi_from is None or piece.tensor < self.phi_from
                 own = piece_view(self.tensors[piece.tensor], piece)
                 self.results[piece.index] = torch.zeros_like(own) if delta else own.clone()
-        if found.skipped:
+        if found.skipped - found.refused:
             logger.warning(
                 "all-reduce %s: owners %s sent different means to different groupmates; their pieces "
                 "are applied as refused this round (equivocators: %s)",
                 self.plan.group_id.hex()[:8],
-                sorted(self.stats.skipped_owners),
+                sorted(str(ids[o]) for o in found.skipped - found.refused),
                 sorted(self.stats.equivocators) or "none",
+            )
+        if found.refused:
+            logger.warning(
+                "all-reduce %s: half of the group or more refused the means of owners %s; their pieces "
+                "are applied as refused this round",
+                self.plan.group_id.hex()[:8],
+                sorted(str(ids[o]) for o in found.refused),
             )

@@ -214,6 +214,19 @@ negative projection on some receivers' own Δ, so receivers refused honest piece
 and they kept downloading state; honest pseudo-gradients of a churning swarm are not reliably
 positively correlated. With it off, a lying owner is caught only by the norm bound (a flipped,
 zeroed or noisy mean of honest size gets through). Tests turn it on to test the check itself."""
+DELTA_MIN_COSINE = 0.0
+"""A receiver refuses an owner's mean m of a Δ piece (of at least :data:`OWNER_CHECK_MIN_ELEMENTS`
+values, one the owner says it included this receiver in) whose cosine with its own contribution x
+is below this (check 4 of :func:`owner_mean_problem`): a flipped or replaced mean points away from
+every honest x, an honest one holds x with its share. A single receiver's refusal decides nothing:
+it goes into its RECEIPT, and an owner's pieces are skipped only when at least half of the group's
+reports refuse them (peer/sync/receipts.py), so one honest receiver whose Δ an honest mean points
+away from (a churning swarm's) costs nobody a piece, and the honest peers keep one φ."""
+DIRECTION_MIN_SIZE = 0.5
+"""Check 4 of :func:`owner_mean_problem` judges a piece only where this receiver's own Δ is of at least
+this fraction of its typical size (its payload's RMS per value × sqrt(the piece's values)): where
+its own Δ is near zero (embedding rows its shard never saw), the others' Δ decide the mean's
+direction and an honest mean may point anywhere relative to it."""
 PHI_MIN_COSINE = 0.2
 """An owner leaves out a partner's φ contribution (NoLoCo) whose cosine with its own φ is below this:
 φ = 0, another model and a flipped φ have about 0 or below. Honest replicas share their start and
@@ -309,7 +322,11 @@ def owner_mean_problem(
        receiver);
     3. for φ pieces (NoLoCo, which averages φ itself), ``‖m‖ / ‖x‖`` and ``cos(m, x)`` at least
        :data:`PHI_MEAN_MIN_RATIO`: an honest pair's mean lies between two φ that point the same
-       way, a mean pulled toward 0, a flipped φ or another model does not.
+       way, a mean pulled toward 0, a flipped φ or another model does not;
+    4. for Δ pieces that the owner says include this receiver, where x is of at least
+       :data:`DIRECTION_MIN_SIZE` of its typical size, ``cos(m, x) ≥`` :data:`DELTA_MIN_COSINE`:
+       a flipped or replaced mean (issue #51's owner attacks) points away from x (the group's
+       receipts then decide by majority, peer/sync/receipts.py).
 
     Honest means stay below check 1's bound with room to spare.
 
@@ -330,8 +347,8 @@ def owner_mean_problem(
 
     Returns:
         None, or a :class:`MeanRefusal`: a one-line reason naming the measured and allowed values,
-        with ``strike`` True for checks 1 and 3, False for check 2. Checks 2 and 3 need a piece
-        of at least :data:`OWNER_CHECK_MIN_ELEMENTS` values and a non-zero contribution.
+        with ``strike`` True for checks 1 and 3, False for checks 2 and 4. Checks 2 to 4 need a
+        piece of at least :data:`OWNER_CHECK_MIN_ELEMENTS` values and a non-zero contribution.
     """
     if holds_delta is not None:
         phi = not holds_delta
@@ -382,6 +399,11 @@ def owner_mean_problem(
                 f"{needed:.4g} ({OWNER_SHARE_FACTOR:g} x its share floor {share:.3g} x |x|^2)",
                 strike=False,
             )
+    typical = reference_rms is None or x_norm >= DIRECTION_MIN_SIZE * reference_rms * math.sqrt(contribution.numel())
+    if included_self and typical and not (cosine := _cosine(mean, contribution)) >= DELTA_MIN_COSINE:
+        return MeanRefusal(
+            f"it points away from this peer's Δ (cosine {cosine:.3g}, below {DELTA_MIN_COSINE:g})", strike=False
+        )
     return None
 
 

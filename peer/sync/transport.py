@@ -26,6 +26,7 @@ from hivemind.utils import get_dht_time
 from peer.state.download import StateDownload, validate_state
 from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
+from peer.sync.pieces import Suspects
 from protocol import keys
 from protocol.errors import (
     AllreduceFailed,
@@ -158,6 +159,9 @@ class NetworkTransport:
             (it is shut down; the DHT node stays the caller's to shut down).
     """
 
+    suspects: Suspects = Suspects()
+    """Owners the group's receipts skipped, named in this peer's gathered ``distrust`` list
+    (peer/sync/pieces.py ``trusted_owners``); replaced per instance in ``__init__``."""
     stronger_codec: bool = False
     """Whether the next syncs send with peer/sync/pieces.py ``stronger_compression`` (set by the
     traffic budget, peer/net/traffic.py, for the syncs it decides so)."""
@@ -178,6 +182,7 @@ class NetworkTransport:
         max_weight_tokens: float | None = None,
     ):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
+        self.suspects = Suspects()
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
         # it; keep the caller's handler so Ctrl-C still stops the peer cleanly.
@@ -364,7 +369,7 @@ class NetworkTransport:
             stronger=self.stronger_codec,
         )
         arrived = time.time()
-        gather = {"round": round_, "start_digest": start_digest}
+        gather = {"round": round_, "start_digest": start_digest, "distrust": self.suspects.named(round_)}
         if fragment is not None:
             gather["fragment"] = fragment
         control = self.averager.start_step(
@@ -415,6 +420,7 @@ class NetworkTransport:
                 bytes_received=stats.bytes_received,
             )
         gathered = outcome.gathered
+        self.suspects.add(stats.skipped_owners, round_)
         with self.averager.get_tensors() as buffers:
             mean = [buf.clone() for buf in (buffers if tensors is None else [buffers[i] for i in tensors])]
         if stats.started_at >= arrived:

@@ -77,6 +77,18 @@ def test_a_sub_clip_sign_flip_with_flipped_owner_means_leaves_every_honest_phi_f
     assert all(torch.equal(x, y) for phi in honest[1:] for x, y in zip(phi, honest[0], strict=True))
 
 
+def test_a_flipping_owner_costs_one_rounds_pieces_then_owns_nothing(corpus):
+    """As an owner the attacker sends −(the mean): every honest receiver's direction check refuses
+    it, their receipts' votes skip its pieces for every peer in that round, and from the next round
+    half the group names it in its gathered distrust list, so it owns no piece: its forged means
+    reach receivers in the first round only, and the honest peers train on with one φ."""
+    result = _run(corpus, "owner-flip", malicious=(1,))
+    _held(result, PEERS - 1)
+    assert result.screening["rounds_with_refused_means"] == PEERS - 1  # the first round, each honest peer
+    honest = [result.final_phis[i] for i in result.honest]
+    assert all(torch.equal(x, y) for phi in honest[1:] for x, y in zip(phi, honest[0], strict=True))
+
+
 def test_noloco_phi_at_cosine_0_3_and_owner_means_at_0_72_leave_every_honest_phi_finite(corpus):
     """NoLoCo: φ sent at cosine 0.3 (over the owners' 0.2 floor) and φ means at cosine 0.72 (over the
     receivers' 0.7): inside both bounds; no honest loop fails, none turns non-finite."""

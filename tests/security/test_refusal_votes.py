@@ -1,0 +1,120 @@
+"""Issue #51, item 4 (the owner half): a receiver's refusal of an owner's Δ mean is a vote in its
+RECEIPT (peer/sync/receipts.py). Real :class:`GroupAllreduce` sessions over unix sockets
+(tests/security/group.py): a lying owner whose flipped means every honest receiver refuses has its
+pieces skipped by every peer, the honest peers bit-identical; one receiver refusing an honest
+owner's means alone (a false alarm, or a malicious receiver) skips nothing, and every peer, that
+receiver included, applies the same means."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import peer.sync.allreduce as allreduce_module
+from peer.sync.pieces import MAX_DISTRUST, SUSPECT_ROUNDS, Suspects, trusted_owners
+from peer.sync.receipts import REFUSED, verdict
+from peer.sync.screening import MeanRefusal, owner_mean_problem
+from tests.security.group import run_group
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = [torch.Size([64, 32]), torch.Size([1024])]
+N, LIAR = 5, 4
+
+
+def payloads(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randn(s, generator=gen) for s in SHAPES]
+    return [[b + 0.3 * torch.randn(s, generator=gen) for b, s in zip(base, SHAPES)] for _ in range(N)]
+
+
+def honest_mean(ps):
+    return [sum(p[k] for p in ps) / len(ps) for k in range(len(SHAPES))]
+
+
+def test_the_verdict_counts_refusals_as_votes():
+    a, b = b"a" * 16, b"b" * 16
+    # owner 4 refused by receivers 0 (this peer), 1 and 2 of 5 reports: skipped, nobody an equivocator
+    v = verdict(0, {4: REFUSED}, {1: {4: REFUSED}, 2: {4: REFUSED}, 3: {4: a}, 4: {4: a}})
+    assert v.skipped == {4} and v.refused == {4} and not v.equivocators and not v.liars
+    # refused by one of five: applied by all
+    v = verdict(0, {4: a}, {1: {4: REFUSED}, 2: {4: a}, 3: {4: a}, 4: {4: a}})
+    assert not v.skipped and not v.equivocators
+    # this peer's own means refused by one receiver: a vote, not a misstatement
+    v = verdict(0, {0: a}, {1: {0: REFUSED}, 2: {0: a}, 3: {0: a}})
+    assert not v.skipped and not v.liars
+    # a pair: the one receiver's refusal is half of the reports
+    v = verdict(0, {0: a}, {1: {0: REFUSED}})
+    assert v.skipped == {0}
+    # refusals and a misstated digest: still told apart
+    v = verdict(0, {4: a}, {1: {4: REFUSED}, 2: {4: b}, 3: {4: b}, 4: {4: a}})
+    assert v.skipped == {4} and v.equivocators == {4}
+
+
+def test_flipped_owner_means_are_skipped_by_every_peer():
+    ps = payloads(31)
+    sessions, outcomes = asyncio.run(
+        run_group(ps, [1024] * N, piece_elements=512, max_weight=1024, liars={LIAR: lambda m: -m})
+    )
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    mean = honest_mean(ps)
+    honest = sessions[:LIAR]
+    for s in honest:
+        assert s.stats.skipped_owners == {str(LIAR)}
+        for piece in s.plan.pieces:
+            got = s.tensors[piece.tensor][piece.start : piece.stop]
+            if piece.owner == LIAR:
+                assert torch.equal(got, torch.zeros_like(got))  # skipped: this round moves nothing there
+            else:
+                assert torch.allclose(got, mean[piece.tensor][piece.start : piece.stop], atol=1e-5)
+        for got, want in zip(s.tensors, honest[0].tensors):
+            assert torch.equal(got, want)
+
+
+def test_one_receiver_refusing_alone_skips_nothing(monkeypatch):
+    """Receiver 0 refuses every Δ mean (what a false alarm, or a malicious receiver, looks like):
+    its votes are one of five, so every peer applies every mean, receiver 0 included."""
+    refusing = set()
+
+    def problem(mean, contribution, **kw):
+        if id(contribution) in refusing:
+            return MeanRefusal("refused for the test", strike=False)
+        return owner_mean_problem(mean, contribution, **kw)
+
+    monkeypatch.setattr(allreduce_module, "owner_mean_problem", problem)
+    original = allreduce_module.GroupAllreduce._checked_mean
+
+    def checked(self, owner, piece, value, included):
+        if self.plan.my_index == 0:
+            mine = self._sent.get(piece.index)
+            if mine is not None:
+                self._sent[piece.index] = mine = mine.float()
+                refusing.add(id(mine))
+        return original(self, owner, piece, value, included)
+
+    monkeypatch.setattr(allreduce_module.GroupAllreduce, "_checked_mean", checked)
+    ps = payloads(32)
+    sessions, outcomes = asyncio.run(run_group(ps, [1024] * N, piece_elements=512, max_weight=1024))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert sessions[0].stats.refused_pieces > 0  # it did refuse
+    mean = honest_mean(ps)
+    for s in sessions:
+        assert not s.stats.skipped_owners
+        for got, want, first in zip(s.tensors, mean, sessions[1].tensors):
+            assert torch.allclose(got, want, atol=1e-5) and torch.equal(got, first)
+
+
+def test_an_owner_half_the_group_names_owns_nothing():
+    ids = ["a", "b", "c", "d"]
+    assert trusted_owners(range(4), ids, [["d"], ["d"], [], []]) == [0, 1, 2]  # 2 of 4 name d
+    assert trusted_owners(range(4), ids, [["d"], [], [], []]) == [0, 1, 2, 3]  # one voice is not enough
+    assert trusted_owners(range(4), ids, [["a", "b", "c", "d"]] * 4) == [0, 1, 2, 3]  # someone must reduce
+    junk = ["x" * 10, 5, None, {"d": 1}, ["d"] * 1000, "d"]
+    assert trusted_owners(range(4), ids, [junk[4], junk[5], junk[3], junk[1]]) == [0, 1, 2, 3]
+    suspects = Suspects()
+    suspects.add(["d"], 10)
+    assert suspects.named(10) == ["d"] and suspects.named(10 + SUSPECT_ROUNDS) == []
+    suspects.add([f"p{i}" for i in range(MAX_DISTRUST + 5)], 0)
+    assert len(suspects.named(0)) == MAX_DISTRUST and "p0" not in suspects.named(0)
