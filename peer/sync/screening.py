@@ -217,8 +217,8 @@ zeroed or noisy mean of honest size gets through). Tests turn it on to test the 
 DELTA_MIN_COSINE = 0.0
 """A receiver refuses an owner's mean m of a Δ piece (of at least :data:`OWNER_CHECK_MIN_ELEMENTS`
 values, one the owner says it included this receiver in) whose cosine with its own contribution x
-is below this (check 4 of :func:`owner_mean_problem`): a flipped or replaced mean points away from
-every honest x, an honest one holds x with its share. A single receiver's refusal decides nothing:
+is not above this (check 4 of :func:`owner_mean_problem`): a flipped, zeroed or replaced mean
+points away from (or across) every honest x, an honest one holds x with its share. A single receiver's refusal decides nothing:
 it goes into its RECEIPT, and an owner's pieces are skipped only when at least half of the group's
 reports refuse them (peer/sync/receipts.py), so one honest receiver whose Δ an honest mean points
 away from (a churning swarm's) costs nobody a piece, and the honest peers keep one φ."""
@@ -324,7 +324,7 @@ def owner_mean_problem(
        :data:`PHI_MEAN_MIN_RATIO`: an honest pair's mean lies between two φ that point the same
        way, a mean pulled toward 0, a flipped φ or another model does not;
     4. for Δ pieces that the owner says include this receiver, where x is of at least
-       :data:`DIRECTION_MIN_SIZE` of its typical size, ``cos(m, x) ≥`` :data:`DELTA_MIN_COSINE`:
+       :data:`DIRECTION_MIN_SIZE` of its typical size, ``cos(m, x) >`` :data:`DELTA_MIN_COSINE`:
        a flipped or replaced mean (issue #51's owner attacks) points away from x (the group's
        receipts then decide by majority, peer/sync/receipts.py).
 
@@ -400,9 +400,9 @@ def owner_mean_problem(
                 strike=False,
             )
     typical = reference_rms is None or x_norm >= DIRECTION_MIN_SIZE * reference_rms * math.sqrt(contribution.numel())
-    if included_self and typical and not (cosine := _cosine(mean, contribution)) >= DELTA_MIN_COSINE:
+    if included_self and typical and not (cosine := _cosine(mean, contribution)) > DELTA_MIN_COSINE:
         return MeanRefusal(
-            f"it points away from this peer's Δ (cosine {cosine:.3g}, below {DELTA_MIN_COSINE:g})", strike=False
+            f"it points away from this peer's Δ (cosine {cosine:.3g}, not above {DELTA_MIN_COSINE:g})", strike=False
         )
     return None
 
