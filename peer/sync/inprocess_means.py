@@ -117,7 +117,8 @@ def screened_means(
     floor from its payload's ``reference_rms``); a refused φ piece is applied as the member's own
     values, a refused Δ piece is a vote, as in the receipts (peer/sync/receipts.py ``verdict``): an
     owner refused by at least half of the group's n reports has its pieces applied by every member
-    as refused (Δ: zeros, φ: the member's own values), any other's means as received; a received mean that is not finite fails that member's sync (its
+    as refused (Δ: zeros, φ: the member's own values), as is an owner whose receivers got different
+    means of a piece (their receipts' digests would differ), any other's means as received; a received mean that is not finite fails that member's sync (its
     decode check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
     senders it clipped or dropped as an owner and the owners it refused with a strike, as
     ``LocoAverager._strike`` does.
@@ -155,6 +156,8 @@ def screened_means(
     offenders: list[set[int]] = [set() for _ in range(n)]
     struck: list[set[int]] = [set() for _ in range(n)]
     refusers: list[set[int]] = [set() for _ in range(n)]  # per owner: the members that refused a mean of it
+    equivocal: set[int] = set()  # owners whose receivers got different means of a piece
+    firsts: dict[int, torch.Tensor] = {}  # per piece: the mean its first receiver got
     out = [MemberOutcome(mean=[torch.zeros(t.shape, dtype=torch.float32) for t in payloads[0]]) for _ in range(n)]
     split = len(payloads[0]) if phi_from is None else phi_from
     references = [
@@ -197,6 +200,9 @@ def screened_means(
                 out[r].error = out[r].error or f"owner {ids[o]}: piece {piece.index} holds NaN or inf"
                 continue
             target.copy_(sent)  # the receipts' verdict below may replace it
+            first = firsts.setdefault(piece.index, sent)
+            if first is not sent and not torch.equal(first, sent):
+                equivocal.add(o)  # receivers got different means: their receipts' digests differ
             problem = owner_mean_problem(
                 sent,
                 views[r],
@@ -219,7 +225,7 @@ def screened_means(
                 struck[r].add(o)
     # the receipts' verdict (peer/sync/receipts.py): an owner refused by half of the group's reports
     # (its own an acceptance) is skipped by every member, the others' means are applied by all
-    skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n}
+    skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n} | equivocal
     for member in ids:
         suspects[member].add([ids[o] for o in skipped], round_)
     for piece in plan.pieces:
