@@ -13,8 +13,9 @@ budget × the part of the day the ledger covers, at least an hour's):
 
 * ``used ≥ budget``: sit out (the hard cap);
 * ``used ≥ allowance``: sit out, except every :data:`MAX_ROUNDS_SAT_OUT` + 1-th round, which syncs
-  so that φ does not drift from the swarm for longer, while ``used`` is under :data:`STALE_SYNC_MARGIN`
-  × allowance (so that those syncs do not spend the rest of the day's budget in its first hours);
+  (with the stronger codec) so that φ does not drift from the swarm for longer, while ``used`` is
+  under :data:`STALE_SYNC_MARGIN` × allowance (so that those syncs do not spend the rest of the
+  day's budget in its first hours);
 * else sync; from :data:`STRONGER_AT` × the allowance on, with a stronger codec: this peer's
   contributions and the means it owns go out with peer/sync/pieces.py ``stronger_compression``
   (fp32 and 16-bit runs send int8, int8 runs int4; the wire takes it, encodings being
@@ -135,9 +136,9 @@ def decide(*, used: float, budget: float, covered_s: float, rounds_sat_out: int)
     if used >= budget:
         return "sit_out"
     allowance = allowance_bytes(budget, covered_s)
-    if used >= allowance:
+    if used >= allowance:  # past the share: the syncs kept against staleness go out stronger too
         stale = rounds_sat_out >= MAX_ROUNDS_SAT_OUT
-        return "sync" if stale and used < STALE_SYNC_MARGIN * allowance else "sit_out"
+        return "stronger" if stale and used < STALE_SYNC_MARGIN * allowance else "sit_out"
     return "stronger" if used >= STRONGER_AT * allowance else "sync"
 
 

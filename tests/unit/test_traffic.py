@@ -66,8 +66,8 @@ def test_policy_steps_from_sync_to_stronger_to_sitting_out() -> None:
     assert decide(used=1e9, budget=budget, covered_s=covered, rounds_sat_out=0) == "sync"
     assert decide(used=7e9, budget=budget, covered_s=covered, rounds_sat_out=0) == "stronger"
     assert decide(used=12.3e9, budget=budget, covered_s=covered, rounds_sat_out=0) == "sit_out"
-    # over the allowance, every MAX_ROUNDS_SAT_OUT + 1-th round still syncs ...
-    assert decide(used=12.3e9, budget=budget, covered_s=covered, rounds_sat_out=MAX_ROUNDS_SAT_OUT) == "sync"
+    # over the allowance, every MAX_ROUNDS_SAT_OUT + 1-th round still syncs (stronger) ...
+    assert decide(used=12.3e9, budget=budget, covered_s=covered, rounds_sat_out=MAX_ROUNDS_SAT_OUT) == "stronger"
     # ... unless that takes the day past the pro-rata line by the margin, and never past the budget
     assert decide(used=16e9, budget=budget, covered_s=covered, rounds_sat_out=MAX_ROUNDS_SAT_OUT) == "sit_out"
     assert decide(used=25e9, budget=budget, covered_s=DAY_S, rounds_sat_out=MAX_ROUNDS_SAT_OUT) == "sit_out"
