@@ -165,9 +165,10 @@ class BudgetedTransport:
         self.total_stronger = 0
         """Syncs sent with the stronger codec (peer/sync/pieces.py ``stronger_compression``)."""
         self.last_decision = "sync"
-        self.last_sync_bytes = 0
-        """Bytes sent and received during the last sync this peer took part in: what the next would
-        cost, counted against the allowance before it starts (so a sync does not overshoot it)."""
+        self.most_sync_bytes = 0
+        """The most bytes sent and received during one sync so far: what the next may cost, counted
+        against the allowance before it starts (so a sync does not overshoot it; the most, since a
+        sync with the stronger codec costs less than one with the run's)."""
         self.last_download_bytes = 0
         """The most bytes a state download took so far (the state's size), counted the same way."""
 
@@ -197,7 +198,7 @@ class BudgetedTransport:
     def _decision(self) -> str:
         self.account()
         self.last_decision = decide(
-            used=sum(self.ledger.used()) + self.last_sync_bytes,  # as it would stand after this sync
+            used=sum(self.ledger.used()) + self.most_sync_bytes,  # as it would stand after this sync
             budget=self.budget,
             covered_s=self.ledger.covered_s(),
             rounds_sat_out=self.rounds_sat_out,
@@ -230,7 +231,7 @@ class BudgetedTransport:
         finally:
             self._transport.stronger_codec = False
             self.account()
-            self.last_sync_bytes = max(0, sum(self.ledger.used()) - before)
+            self.most_sync_bytes = max(self.most_sync_bytes, sum(self.ledger.used()) - before)
 
     def download_state(self, donors, digest_hex: str, timeout_s: float):
         """The wrapped transport's, refused (StateDownloadFailed) where a sync kept for staleness would
