@@ -4,8 +4,7 @@ pieces on hivemind's libp2p streams (frames: protocol/wire/allreduce.py; plan: p
 
 Why our own and not hivemind's ``AllReduceRunner``: the codecs (protocol/codecs/) must see
 whole row-pieces of each tensor (low rank, top-k), every message must be validated against the
-run's shapes before use, every byte is counted, and a groupmate that fails is excluded by a stated
-rule instead of leaving parts silently un-averaged (docs/architecture.md, hivemind's traps).
+run's shapes before use, every byte is counted, and a failing groupmate is excluded by a stated rule.
 
 The algorithm, for a group of n peers ordered as hivemind's matchmaking returned them:
 
@@ -495,7 +494,8 @@ class GroupAllreduce(ReceiptExchange):
             self.stats.struck_owners.add(str(self.plan.peer_ids[owner]))
         if str(self.plan.peer_ids[owner]) not in self.stats.refused:
             self.stats.refused[str(self.plan.peer_ids[owner])] = str(problem)  # stats cross process pipes
-            logger.warning(
+            # a vote alone decides nothing: a warning only for a strike (the receipts warn of a skip)
+            (logger.warning if problem.strike or not votes else logger.info)(
                 "all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; %s",
                 self.plan.group_id.hex()[:8],
                 piece.index,
