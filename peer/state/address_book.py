@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from peer.net import addresses as swarm_addresses, dht as swarm_dht
+from peer.net.rejoin import reconnect
 from protocol.errors import BadPeerAddress, BootstrapUnreachable
 from protocol.signing import PeerSigner
 
@@ -236,9 +237,15 @@ class AddressKeeper(swarm_dht.Periodic):
         ):
             logger.debug("no DHT node accepted this peer's addresses; retrying in %.0f s", self.period_s)
         known = {m.rsplit("/p2p/", 1)[1] for m in self.book.addresses() if "/p2p/" in m}  # read first
+        others = 0
         for peer_id, maddrs in swarm_addresses.read_addresses(self.dht, self.run_id, prefer=known).items():
             if peer_id != self.peer_id:
+                others += 1
                 self.book.add(maddrs, exclude_peer=self.peer_id)
         self.book.save_if_changed()
+        if not others and known - {self.peer_id}:  # no other peer's addresses readable: the swarm is lost
+            answered = reconnect(self.dht, self.book.addresses())
+            if answered:
+                logger.info("found the swarm again: %d remembered peer(s) answered", answered)
 
     tick = refresh
