@@ -229,6 +229,10 @@ class AddressKeeper(swarm_dht.Periodic):
         self.dht, self.book, self.run_id, self.signer = dht, book, run_id, signer
         self.peer_id = signer.peer_id
         self.publish = publish
+        self.seen: set[str] = set()
+        """Other peers' multiaddrs read in this process's life: where it looks for the swarm again
+        after losing it (peer/net/rejoin.py); never the address book's older entries, so a peer
+        started on its own DHT stays on it."""
 
     def refresh(self) -> None:
         """Publish this peer's visible multiaddrs (unless client mode), then remember every other peer's."""
@@ -242,10 +246,11 @@ class AddressKeeper(swarm_dht.Periodic):
             if peer_id != self.peer_id:
                 others += 1
                 self.book.add(maddrs, exclude_peer=self.peer_id)
+                self.seen.update(maddrs)
         self.book.save_if_changed()
-        if not others and known - {self.peer_id}:  # no other peer's addresses readable: the swarm is lost
-            answered = reconnect(self.dht, self.book.addresses())
+        if not others and self.seen:  # the peers read earlier in this run are unreadable: the swarm is lost
+            answered = reconnect(self.dht, sorted(self.seen))
             if answered:
-                logger.info("found the swarm again: %d remembered peer(s) answered", answered)
+                logger.info("found the swarm again: %d peer(s) seen earlier answered", answered)
 
     tick = refresh
