@@ -214,9 +214,10 @@ class GroupMeans:
         :func:`~peer.sync.screening.owner_mean_problem` (its claimed weight, the count of
         contributions the owner included and whether its own was among them, the run's cap; φ
         pieces of NoLoCo get the norm and direction checks instead of the share check), as
-        peer/sync/allreduce.py does. A refused Δ mean is applied as zeros (every honest
-        receiver that refuses it applies the same thing), a refused φ mean as the member's own
-        payload ``own[j][i]``; each refusal is counted against the owner, and one by a check that
+        peer/sync/allreduce.py does. A refused Δ mean is a vote: an owner refused by half of the
+        group has its Δ pieces applied as zeros by every member (the receipts' verdict,
+        peer/sync/receipts.py), any other's means as sent; a refused φ mean is applied as the
+        member's own payload ``own[j][i]``; each refusal is counted against the owner, and one by a check that
         counts a strike (``MeanRefusal.strike``) is recorded in the member's :class:`Strikes`, as
         the networked averager does, so repeated ones make it ignore that peer's contributions.
         Refusals are per receiver: under a gradient attack strong enough that an honest owner's
@@ -229,6 +230,7 @@ class GroupMeans:
         # k parameters' payload: k Δ tensors, then (NoLoCo) k φ tensors; phi_from(k) is k or None
         phi_from = self.outers[0].phi_from(len(sent) // 2)
         out = []
+        refusers: dict[int, set[int]] = {}  # per owner: the members that refused one of its Δ means
         for member, j in enumerate(group):
             if j not in self.honest:
                 out.append(list(honest))
@@ -275,12 +277,20 @@ class GroupMeans:
                     owner,
                     reason,
                 )
-                mine.append(
-                    torch.zeros(m.shape, dtype=torch.float32)
-                    if holds_delta
-                    else own[member][i].detach().float().clone()
-                )
+                if holds_delta:  # a vote: the group's majority decides below (peer/sync/receipts.py)
+                    refusers.setdefault(owner, set()).add(j)
+                    mine.append(m)
+                else:
+                    mine.append(own[member][i].detach().float().clone())
             out.append(mine)
+        # the receipts' verdict: an owner whose Δ means half of the group's reports refuse (its own an
+        # acceptance) has its Δ pieces applied as zeros by every member
+        for i in range(len(sent) if phi_from is None else phi_from):
+            owner = group[i % n]
+            if 2 * len(refusers.get(owner, ())) >= n:
+                for member, j in enumerate(group):
+                    if j in self.honest:  # malicious members apply the honest means, as above
+                        out[member][i] = torch.zeros(sent[i].shape, dtype=torch.float32)
         return out
 
     def _compressed_mean(

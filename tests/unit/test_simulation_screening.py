@@ -101,10 +101,11 @@ def test_a_sign_flipping_peer_moves_the_honest_phi_by_little_only_when_screened(
     if screening:  # the attacker weighs a quarter and is clipped to 3x the median: at most ~2x the clean step
         assert max(moved) < 2.5 * honest_step
         assert set(sim.counts.clipped) == {PEERS - 1}
-        # the receivers' share check is off by default (OWNER_SHARE_CHECK): no honest mean is refused and
-        # the honest φ stay identical; after the three rounds that get the attacker ignored, no honest
-        # peer ignores another honest one
-        assert sim.counts.refused == {}
+        # the receivers' share check is off by default (OWNER_SHARE_CHECK): no honest owner's mean is
+        # refused (the attacker's own piece, its mean pulled by its flipped contribution, may be: the
+        # direction check) and the honest φ stay identical; after the three rounds that get the
+        # attacker ignored, no honest peer ignores another honest one
+        assert set(sim.counts.refused) <= {PEERS - 1}
         assert all(torch.equal(a, b) for j in range(1, PEERS - 1) for a, b in zip(sim.phis[0], sim.phis[j]))
         sim.run_round()
         sim.run_round()
