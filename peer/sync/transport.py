@@ -159,9 +159,6 @@ class NetworkTransport:
             (it is shut down; the DHT node stays the caller's to shut down).
     """
 
-    suspects: Suspects = Suspects()
-    """Owners the group's receipts skipped, named in this peer's gathered ``distrust`` list
-    (peer/sync/pieces.py ``trusted_owners``); replaced per instance in ``__init__``."""
     stronger_codec: bool = False
     """Whether the next syncs send with peer/sync/pieces.py ``stronger_compression`` (set by the
     traffic budget, peer/net/traffic.py, for the syncs it decides so)."""
@@ -183,6 +180,8 @@ class NetworkTransport:
     ):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self.suspects = Suspects()
+        """Owners the group's receipts skipped, named in this peer's gathered ``distrust`` list
+        (peer/sync/pieces.py ``trusted_owners``)."""
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
         # it; keep the caller's handler so Ctrl-C still stops the peer cleanly.

@@ -6,6 +6,7 @@ import sysconfig
 import pytest
 import torch
 
+from peer.reporting import Reporter
 from peer.train.data import Corpus
 
 
@@ -32,3 +33,22 @@ def corpus():
     return Corpus(
         train=stdlib_stream("argparse.py"), validation=stdlib_stream("textwrap.py"), train_files=1, validation_files=1
     )
+
+
+class Events(Reporter):
+    """A Reporter that keeps every event (``{"event": kind, **fields}``) instead of printing it."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[dict] = []
+
+    def emit(self, event, **fields):
+        self.events.append({"event": event, **fields})
+
+    def of(self, kind):
+        return [e for e in self.events if e["event"] == kind]
+
+    def index(self, kind, **match):
+        return next(
+            i for i, e in enumerate(self.events) if e["event"] == kind and all(e.get(k) == v for k, v in match.items())
+        )

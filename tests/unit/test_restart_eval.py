@@ -11,31 +11,13 @@ import pytest
 import torch
 
 from peer.config import TrainerConfig
-from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.round.catchup import phi_loss
 from peer.state.checkpoint import load_checkpoint
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.presets import tiny_run
-from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
-
-
-class Events(Reporter):
-    def __init__(self):
-        super().__init__()
-        self.events: list[dict] = []
-
-    def emit(self, event, **fields):
-        self.events.append({"event": event, **fields})
-
-    def of(self, kind):
-        return [e for e in self.events if e["event"] == kind]
-
-    def index(self, kind, **match):
-        return next(
-            i for i, e in enumerate(self.events) if e["event"] == kind and all(e.get(k) == v for k, v in match.items())
-        )
+from tests.unit.sim_fixtures import Events, corpus, one_thread  # noqa: F401 (fixtures)
 
 
 def trainer(corpus, manifest, *, rounds, checkpoint, reporter, stop=None):

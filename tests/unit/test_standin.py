@@ -21,7 +21,6 @@ from lab.standin import (
     standin_evaluate,
 )
 from peer.config import TrainerConfig
-from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
@@ -30,7 +29,7 @@ from peer.train.inner import InnerLoop
 from peer.train.model import build_model
 from protocol.errors import ConfigError
 from protocol.presets import llama_125m_run, tiny_run
-from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
+from tests.unit.sim_fixtures import Events, corpus, one_thread  # noqa: F401 (fixtures)
 
 SPEC = tiny_run().inner_optimizer
 
@@ -204,18 +203,6 @@ def test_install_replaces_the_engines_inner_loop_factory(monkeypatch):
     assert isinstance(built, StandInLoop) and built.step_s == 0.01
     assert publishing.evaluate(model(), torch.zeros(2, 9, dtype=torch.int64)) == EVAL_LOSS
     assert next(publishing.copy.deepcopy(model()).parameters()).device.type == "meta"
-
-
-class Events(Reporter):
-    def __init__(self):
-        super().__init__()
-        self.events: list[dict] = []
-
-    def emit(self, event, **fields):
-        self.events.append({"event": event, **fields})
-
-    def of(self, kind):
-        return [e for e in self.events if e["event"] == kind]
 
 
 def test_stand_in_peers_run_the_products_round(monkeypatch, tmp_path, corpus):

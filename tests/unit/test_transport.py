@@ -11,6 +11,7 @@ import torch
 from peer.sync.allreduce import AllreduceStats
 from peer.sync.averager import GroupOutcome
 from peer.sync.deadlines import DeadlinePolicy
+from peer.sync.pieces import Suspects
 from peer.sync.transport import NetworkTransport
 from protocol.errors import AllreduceIncomplete, GroupNotFound, HelperDied, NetworkError, SyncError
 from protocol.manifest import SyncSpec
@@ -71,6 +72,7 @@ def _transport(outcomes) -> NetworkTransport:
     transport.shapes, transport.run_id, transport.sync = SHAPES, "run0", SyncSpec()
     transport.deadlines = DeadlinePolicy(transport.sync)
     transport.averager = ScriptedAverager(outcomes)
+    transport.suspects = Suspects()
     return transport
 
 
