@@ -100,6 +100,28 @@ def get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+def consistent_metrics(base: str, run_id: str, timeout_s: float) -> tuple[dict, str]:
+    """The run's JSON and the /metrics text read while the monitor's view of the run did not change
+    (the same snapshot before and after the metrics were read)."""
+
+    def view(snap: dict) -> dict:
+        return next(r for r in snap["runs"] if r["run_id"] == run_id)
+
+    def records(run: dict) -> list:  # what the metrics are made of (``last_seen`` moves on every poll)
+        return [(p["peer_id"], p["live"], p["round"], p["published_at"], p["last_sync"]) for p in run["peers"]]
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = view(json.loads(get(base + "api/swarm")[1]))
+        status, text = get(base + "metrics")
+        assert status == 200, (status, text)
+        after = view(json.loads(get(base + "api/swarm")[1]))
+        if records(before) == records(after):
+            return after, text
+        assert time.monotonic() < deadline, "the monitor's view of the run kept changing"
+        time.sleep(0.5)
+
+
 def wait_snapshot(base: str, predicate, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     snap: dict = {}
@@ -240,8 +262,9 @@ def test_monitor_shows_a_running_swarm(procs, tmp_path):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    status, text = get(base + "metrics")
-    assert status == 200
+    # The metrics and the JSON are two reads of a monitor that keeps polling (a peer's last record can
+    # arrive after `done`): compare them only as read between two snapshots that agree.
+    run, text = consistent_metrics(base, manifest.run_id, 60)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
