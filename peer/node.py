@@ -429,27 +429,39 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         sharing.serve(corpus.make_sampler)
     reporter.emit("status", message="building the model and starting the averager")
     setting_up = stack.enter_context(Waiting("building the model and starting the averager"))
-    model = (
-        build_model(manifest.model, corpus.tokenizer)
-        if stage is None
-        else build_stage(manifest.model, S, stage, corpus.tokenizer)
-    )
-    shapes = [p.shape for p in model.parameters()]
-    outer = make_outer(manifest, shapes)
+
+    def make_model() -> torch.nn.Module:
+        if stage is None:
+            return build_model(manifest.model, corpus.tokenizer)
+        return build_stage(manifest.model, S, stage, corpus.tokenizer)
+
+    # The averager's process is forked before the model and the round state exist: a child forked
+    # after them would keep its own copy of every page of θ, φ and the outer state the peer later
+    # writes (copy-on-write), a few copies of the model for nothing. Shapes come from a model on the
+    # meta device (no storage); ``fork_lean`` keeps the garbage collectors off the pages parent and
+    # child share (peer/net/lifetime.py).
+    with torch.device("meta"):
+        skeleton = make_model()
+        shapes = [p.shape for p in skeleton.parameters()]
+        outer = make_outer(manifest, shapes)
+        payload_shapes, phi_from = outer.payload_shapes(shapes), outer.phi_from(len(shapes))
+    del skeleton, outer
     # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
-    transport = NetworkTransport(
-        dht,
-        shapes,
-        outer.payload_shapes(shapes),
-        key,
-        manifest.sync,
-        compression=manifest.compression,
-        phi_from=outer.phi_from(len(shapes)),
-        client_mode=reach.client_mode,
-        uplink_mbps=cfg.uplink_mbps,
-        max_weight_tokens=round_token_cap(manifest),
-    )
+    with lifetime.fork_lean():
+        transport = NetworkTransport(
+            dht,
+            shapes,
+            payload_shapes,
+            key,
+            manifest.sync,
+            compression=manifest.compression,
+            phi_from=phi_from,
+            client_mode=reach.client_mode,
+            uplink_mbps=cfg.uplink_mbps,
+            max_weight_tokens=round_token_cap(manifest),
+        )
     stack.callback(transport.shutdown)  # the averager first drains the means its groupmates still read
+    model = make_model()
     # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75
     watch = (
         lifetime.HelperWatch(stop_event, lifetime.PEER_RESTART)

@@ -192,6 +192,7 @@ class OverlapSchedule(BackgroundSchedule):
         (immutable, appended atomically by the round loop)."""
         s = self.state
         base, n = s.snapshots[-1], len(s.phi)
+        s.release_older_snapshot()  # before the step's copies are made
         try:
             phi, outer_state = step_on_copies(s.outer, base.tensors[:n], base.tensors[n:], mean)
             if own is not None:

@@ -245,6 +245,7 @@ class FragmentSchedule(BackgroundSchedule):
         the mean is malformed or the step not finite: the landing applies it itself."""
         k = len(self.fragments[p])
         try:
+            self.state.release_older_snapshot()  # before the step's copies are made
             phi, outer_state = step_on_copies(self.fragment_outer[p], base[:k], base[k:], mean)
             shapes = self.state.state_shapes()
             sealed = tuple(
@@ -282,6 +283,7 @@ class FragmentSchedule(BackgroundSchedule):
                 with s.lock:
                     if not self.install_fragment(prepared, p, mean):  # a prepared step was checked in its thread
                         before = s.held(self.fragment_state(p))
+                        s.release_older_snapshot()  # before the outer step's and the seal's copies
                         self.fragment_outer[p].apply(phi_p, mean)
                         try:
                             self.check_fragment_step(p, before, phi_p, own)

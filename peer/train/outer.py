@@ -270,8 +270,21 @@ class DiLoCo(_DeltaPayload):
                 leave φ or the momentum non-finite (a finite Δ̄ can still overflow fp32); φ and the
                 momentum are left unchanged.
         """
-        new_p, new_m = self._step(phi, mean_delta)
-        _commit(phi, new_p, self.momentum, new_m)
+        # Two passes over one tensor at a time, not the whole step out of place: the first only checks
+        # that every value will be finite, the second computes again (the same operations, the same
+        # bits) and commits. A model-sized pair of temporaries (new φ, new momentum) would double
+        # what the step holds at a round's end; the second pass costs a few elementwise operations.
+        _check_mean(phi, mean_delta, copies=1)
+        for p, d, m in zip(phi, mean_delta, self.momentum):
+            new_p, new_m = self._step_one(p, d, m)
+            if not (all_finite(new_p) and all_finite(new_m)):
+                raise BadPayload(
+                    "the outer step would leave φ or the outer momentum non-finite (fp32 overflow); φ left unchanged"
+                )
+        for p, d, m in zip(phi, mean_delta, self.momentum):
+            new_p, new_m = self._step_one(p, d, m)
+            p.copy_(new_p)
+            m.copy_(new_m)
 
     def preview(self, phi: Sequence[torch.Tensor], mean_delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The φ that :meth:`apply` would leave, out of place: ``phi`` and the momentum are only
@@ -291,13 +304,16 @@ class DiLoCo(_DeltaPayload):
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(new φ, new momentum), computed out of place from a checked Δ̄."""
         _check_mean(phi, mean_delta, copies=1)
+        pairs = [self._step_one(p, d, m) for p, d, m in zip(phi, mean_delta, self.momentum)]
+        return [p for p, _ in pairs], [m for _, m in pairs]
+
+    def _step_one(self, p: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new φ, new momentum) of one tensor, out of place: m' = μ·m + Δ̄, φ' = φ − lr·(Δ̄ + μ·m')
+        (Nesterov) or φ − lr·m'."""
         lr, mu = self.spec.lr, self.spec.momentum
         with torch.no_grad():
-            new_m = [m.mul(mu).add_(d) for d, m in zip(mean_delta, self.momentum)]
-            new_p = [
-                p.sub(d.add(m, alpha=mu) if self.spec.nesterov else m, alpha=lr)
-                for p, d, m in zip(phi, mean_delta, new_m)
-            ]
+            new_m = m.mul(mu).add_(d)
+            new_p = p.sub(d.add(new_m, alpha=mu) if self.spec.nesterov else new_m, alpha=lr)
         return new_p, new_m
 
 

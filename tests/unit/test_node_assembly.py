@@ -7,6 +7,7 @@ data directory's lock, the identity, the owner key and the run's signature are t
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -149,7 +150,11 @@ def rig(tmp_path, monkeypatch):
         AddressKeeper=keep("keeper", resource(log, "keeper")),
         build_model=lambda cfg, tok: torch.nn.Linear(2, 2),
         NetworkTransport=keep("transport", resource(log, "transport", averager=None, max_sync_seconds=1.0)),
-        lifetime=SimpleNamespace(HelperWatch=keep("watch", resource(log, "watch")), PEER_RESTART="run again"),
+        lifetime=SimpleNamespace(
+            HelperWatch=keep("watch", resource(log, "watch")),
+            PEER_RESTART="run again",
+            fork_lean=contextlib.nullcontext,
+        ),
         SwarmView=keep("swarm", resource(log, "swarm")),
         place=lambda device, **k: (placement, ["a note"]),
         Trainer=Trainer,
