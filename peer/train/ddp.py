@@ -479,11 +479,17 @@ class DistributedInnerLoop(InnerLoop):
         dist.all_gather(everyone, mine)
         return [bytes(t.cpu().tolist()).hex() for t in everyone]
 
+    def _dead_ranks(self) -> list[str]:
+        return [f"rank {i} exited with code {q.exitcode}" for i, q in enumerate(self._processes, 1) if not q.is_alive()]
+
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:
         """Rank 0: a failed collective (a dead rank) becomes RankFailed and marks the group broken."""
         if self._closed:
             raise RankFailed(f"{what}: this peer's ranks were already stopped")
+        if dead := self._dead_ranks():  # gloo may miss a dead rank on a send (and wait out its timeout)
+            self._broken = True
+            raise RankFailed(f"{what}: {'; '.join(dead)}; see the log above, or run with one --device")
         try:
             yield
         except LocoError:
@@ -492,9 +498,7 @@ class DistributedInnerLoop(InnerLoop):
             self._broken = True
             if self.rank != 0:
                 raise
-            dead = [
-                f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self._processes) if not p.is_alive()
-            ]
+            dead = self._dead_ranks()
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise RankFailed(
                 f"{what} failed across this peer's {self.world} ranks "
