@@ -438,7 +438,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
     # The averager's process is forked before the model and the round state exist: a child forked
     # after them would keep its own copy of every page of θ, φ and the outer state the peer later
     # writes (copy-on-write), a few copies of the model for nothing. Shapes come from a model on the
-    # meta device (no storage); ``fork_lean`` keeps the garbage collectors off the pages parent and
+    # meta device (no storage); ``freeze_for_fork`` keeps the garbage collectors off the pages parent and
     # child share (peer/net/lifetime.py).
     with torch.device("meta"):
         skeleton = make_model()
@@ -447,19 +447,19 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         payload_shapes, phi_from = outer.payload_shapes(shapes), outer.phi_from(len(shapes))
     del skeleton, outer
     # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
-    with lifetime.fork_lean():
-        transport = NetworkTransport(
-            dht,
-            shapes,
-            payload_shapes,
-            key,
-            manifest.sync,
-            compression=manifest.compression,
-            phi_from=phi_from,
-            client_mode=reach.client_mode,
-            uplink_mbps=cfg.uplink_mbps,
-            max_weight_tokens=round_token_cap(manifest),
-        )
+    lifetime.freeze_for_fork()
+    transport = NetworkTransport(
+        dht,
+        shapes,
+        payload_shapes,
+        key,
+        manifest.sync,
+        compression=manifest.compression,
+        phi_from=phi_from,
+        client_mode=reach.client_mode,
+        uplink_mbps=cfg.uplink_mbps,
+        max_weight_tokens=round_token_cap(manifest),
+    )
     stack.callback(transport.shutdown)  # the averager first drains the means its groupmates still read
     model = make_model()
     # a helper killed (for memory, most often) stops the peer as a signal would, then exits 75

@@ -27,7 +27,6 @@ averager must be started from a thread that outlives it (the main thread, in our
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import faulthandler
 import functools
@@ -38,7 +37,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from protocol.errors import HelperDied
@@ -173,19 +171,17 @@ def bind_subprocesses_to_this_process() -> None:
     asyncio.subprocess.create_subprocess_exec = asyncio.create_subprocess_exec = spawn_bound
 
 
-@contextlib.contextmanager
-def fork_lean() -> Iterator[None]:
-    """Around the start of a helper process forked from a process that already holds much (hivemind's
-    averager): after a collection, every Python object of the parent moves to the garbage
-    collector's permanent generation (``gc.freeze``) before the fork and stays there, so neither the
-    child's collections nor the parent's ever walk them again. A walk writes to each object's header,
-    and on a page shared after the fork that write makes a private copy of the page (in the child,
-    or in the parent, leaving the child the only holder of the old one).
-    Objects frozen so are still freed by reference counting; only a reference cycle among them is
-    never collected (Python's ``gc.freeze`` documentation: freeze right before ``fork``)."""
+def freeze_for_fork() -> None:
+    """Call right before forking a helper process from a process that already holds much (hivemind's
+    averager): after a collection, every Python object of this process moves to the garbage
+    collector's permanent generation (``gc.freeze``) and stays there, so neither the child's
+    collections nor this process's ever walk them again. A walk writes to each object's header, and
+    on a page shared after the fork that write makes a private copy of the page (in the child, or in
+    the parent, leaving the child the only holder of the old one). Objects frozen so are still freed
+    by reference counting; only a reference cycle among them is never collected (Python's
+    ``gc.freeze`` documentation: freeze right before ``fork``)."""
     gc.collect()
     gc.freeze()
-    yield
 
 
 class HelperProcess:

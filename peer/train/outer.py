@@ -170,6 +170,10 @@ class _DeltaPayload:
         return None
 
 
+NON_FINITE_STEP = "the outer step would leave φ or the outer momentum non-finite (fp32 overflow); φ left unchanged"
+"""BadPayload's message when an outer step computed from a finite mean would not be finite."""
+
+
 def _commit(
     phi: Sequence[torch.Tensor],
     new_phi: Sequence[torch.Tensor],
@@ -184,9 +188,7 @@ def _commit(
         BadPayload: a non-finite value; ``phi`` and ``momentum`` are left unchanged.
     """
     if first_non_finite([*new_phi, *new_momentum]) is not None:
-        raise BadPayload(
-            "the outer step would leave φ or the outer momentum non-finite (fp32 overflow); φ left unchanged"
-        )
+        raise BadPayload(NON_FINITE_STEP)
     for dst, src in zip([*phi, *momentum], [*new_phi, *new_momentum]):
         dst.copy_(src)
 
@@ -278,9 +280,7 @@ class DiLoCo(_DeltaPayload):
         for p, d, m in zip(phi, mean_delta, self.momentum):
             new_p, new_m = self._step_one(p, d, m)
             if not (all_finite(new_p) and all_finite(new_m)):
-                raise BadPayload(
-                    "the outer step would leave φ or the outer momentum non-finite (fp32 overflow); φ left unchanged"
-                )
+                raise BadPayload(NON_FINITE_STEP)
         for p, d, m in zip(phi, mean_delta, self.momentum):
             new_p, new_m = self._step_one(p, d, m)
             p.copy_(new_p)

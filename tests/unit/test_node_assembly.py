@@ -7,7 +7,6 @@ data directory's lock, the identity, the owner key and the run's signature are t
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -153,7 +152,7 @@ def rig(tmp_path, monkeypatch):
         lifetime=SimpleNamespace(
             HelperWatch=keep("watch", resource(log, "watch")),
             PEER_RESTART="run again",
-            fork_lean=contextlib.nullcontext,
+            freeze_for_fork=lambda: None,
         ),
         SwarmView=keep("swarm", resource(log, "swarm")),
         place=lambda device, **k: (placement, ["a note"]),
