@@ -28,7 +28,8 @@ from lab.adversary import Adversary
 from lab.sim_results import ScreeningCounts
 from peer.sync.adaptive import plan
 from peer.sync.error_feedback import ErrorFeedback
-from peer.sync.screening import Strikes, cap_weight, clip_to_median, owner_mean_problem, reference_rms, round_token_cap
+from peer.sync.pairs import is_pair, keeps_own, partner_problem, receiver_problem
+from peer.sync.screening import Strikes, cap_weight, clip_to_median, reference_rms, round_token_cap
 from peer.train.outer import OuterAlgorithm
 from protocol.codecs import Codec, make_codec
 from protocol.groups import codec_seed, plan_groups
@@ -119,7 +120,9 @@ class GroupMeans:
         Tensor i stands for a piece owned by member ``group[i mod n]`` (as in
         :meth:`_compressed_mean`). Its owner, as peer/sync/allreduce.py does: leaves out the members
         its :class:`~peer.sync.screening.Strikes` ignore this round (never itself) and, for the rest
-        of the round, every member whose contribution is not finite; caps each claimed weight at
+        of the round, every member whose contribution is not finite or (NoLoCo, with ``screening``)
+        whose φ fails peer/sync/pairs.py ``partner_problem``, and in a NoLoCo pair, for this tensor
+        only, a partner's Δ that fails it; caps each claimed weight at
         the run's tokens per round (:func:`~peer.sync.screening.round_token_cap`); clips the norms
         to the median rule (:func:`~peer.sync.screening.clip_to_median`); sums in fp32 in member
         order, each weighted by its share of the included weight (``GroupAllreduce._mean_of``).
@@ -144,9 +147,15 @@ class GroupMeans:
         mean: list[torch.Tensor] = []
         failed = False
         self._included = []
+        phi_from = self.outers[0].phi_from(len(contributions[0]) // 2)
+        split = len(contributions[0]) if phi_from is None else phi_from
+        rms = {  # per member, its own payload's RMS per value, Δ (True) and φ (False) apart
+            j: {True: reference_rms(c[:split]), False: reference_rms(c[split:])} for j, c in zip(group, contributions)
+        }
         for i in range(len(contributions[0])):
             owner = group[i % n]
             parts, senders = [], []
+            delta = phi_from is None or i < phi_from
             for j, contribution, weight in zip(group, contributions, weights):
                 if j in excluded[owner]:
                     continue
@@ -157,6 +166,22 @@ class GroupMeans:
                         offenders[owner].add(j)
                         self.counts.dropped[j] = self.counts.dropped.get(j, 0) + 1
                     continue
+                own = contributions[group.index(owner)][i].detach().float()
+                if self.screening and phi_from is not None and j != owner and bool(torch.isfinite(own).all()):
+                    # NoLoCo (peer/sync/pairs.py): a φ far off is left out for the round, a pair's Δ for this piece
+                    scale = cap_weight(weights[group.index(owner)], self.max_weight) / cap_weight(
+                        weight, self.max_weight
+                    )
+                    found = partner_problem(
+                        x, own, phi=not delta, pair=is_pair(phi_from, n), scale=scale, reference_rms=rms[owner][delta]
+                    )
+                    if found is not None:
+                        if not delta:
+                            excluded[owner].add(j)
+                        if found[1]:
+                            offenders[owner].add(j)
+                            self.counts.dropped[j] = self.counts.dropped.get(j, 0) + 1
+                        continue
                 parts.append((cap_weight(weight, self.max_weight), x))
                 senders.append(j)
             if self.screening and parts:
@@ -211,10 +236,11 @@ class GroupMeans:
 
         Every honest member j checks the mean ``sent[i]`` of each piece it does not own against its
         own contribution ``contributions[j][i]`` (as the owner decoded it) with
-        :func:`~peer.sync.screening.owner_mean_problem` (its claimed weight, the count of
+        peer/sync/pairs.py ``receiver_problem`` (its claimed weight, the count of
         contributions the owner included and whether its own was among them, the run's cap; φ
-        pieces of NoLoCo get the norm and direction checks instead of the share check), as
-        peer/sync/allreduce.py does. A refused Δ mean is a vote: an owner refused by half of the
+        pieces of NoLoCo get the norm and direction checks instead of the share check; in a NoLoCo
+        pair the owner's contribution the mean implies is checked too, and a refused piece is
+        applied as the member's own), as peer/sync/allreduce.py does. A refused Δ mean is a vote: an owner refused by half of the
         group has its Δ pieces applied as zeros by every member (the receipts' verdict,
         peer/sync/receipts.py), any other's means as sent; a refused φ mean is applied as the
         member's own payload ``own[j][i]``; each refusal is counted against the owner, and one by a check that
@@ -238,7 +264,7 @@ class GroupMeans:
             if not self.screening:
                 out.append(list(sent))
                 continue
-            mine = []
+            mine, caught = [], set()
             split = len(sent) if phi_from is None else phi_from
             # the floor of the norm bound: this member's own payload's RMS per value, Δ and φ apart
             rms = {
@@ -251,7 +277,7 @@ class GroupMeans:
                 reason = (
                     None
                     if owner == j
-                    else owner_mean_problem(
+                    else receiver_problem(
                         m,
                         contributions[member][i].detach().float(),
                         weight=weights[member],
@@ -260,6 +286,7 @@ class GroupMeans:
                         phi=not holds_delta,
                         included_self=j in self._included[i],
                         reference_rms=rms[holds_delta],
+                        pair=is_pair(phi_from, n),
                     )
                 )
                 if reason is None:
@@ -277,11 +304,16 @@ class GroupMeans:
                     owner,
                     reason,
                 )
-                if holds_delta:  # a vote: the group's majority decides below (peer/sync/receipts.py)
+                if not keeps_own(not holds_delta, is_pair(phi_from, n)):  # a vote: the majority decides below
                     refusers.setdefault(owner, set()).add(j)
                     mine.append(m)
                 else:
                     mine.append(own[member][i].detach().float().clone())
+                    caught.add(owner)  # a pair's owner refused on one piece is trusted on none
+            if keeps_own(False, is_pair(phi_from, n)):  # (peer/sync/receipts.py _judge_receipts)
+                mine = [
+                    own[member][i].detach().float().clone() if group[i % n] in caught else t for i, t in enumerate(mine)
+                ]
             out.append(mine)
         # the receipts' verdict: an owner whose Δ means half of the group's reports refuse (its own an
         # acceptance) has its Δ pieces applied as zeros by every member

@@ -13,13 +13,11 @@ The algorithm, for a group of n peers ordered as hivemind's matchmaking returned
    equal size. Every peer derives the same plan from the shapes and the group.
 2. Every peer sends each piece, encoded with its codec after adding its error-feedback residual,
    to the piece's owner (its own pieces stay local, uncompressed). Encoding is self-describing.
-3. An owner screens each piece's contributions (peer/sync/screening.py: claimed tokens capped at
-   the run's tokens per round, norms clipped to a multiple of the piece's median norm), sums
-   them in fp32, in sender order, weighted by tokens, divides by the included weight, encodes
-   that mean with the codec's ``for_mean`` and decodes it again itself, so the owner and every
-   receiver hold bit-identical means. A mean that is not finite is never sent: the piece fails.
-4. Every peer writes the means into its tensors. φ of all peers that complete a round together
-   is therefore identical, bit for bit.
+3. An owner screens each piece's contributions (peer/sync/screening.py: claimed tokens capped,
+   norms clipped to a multiple of the median norm; NoLoCo: peer/sync/pairs.py), takes their
+   token-weighted fp32 mean in sender order, encodes it with the codec's ``for_mean`` and decodes
+   it itself, so owner and receivers hold bit-identical means. A non-finite mean is never sent.
+4. Every peer writes the means into its tensors: DiLoCo's φ, bit-identical within the group.
 
 Rules on failure (checked, never assumed):
 
@@ -29,11 +27,10 @@ Rules on failure (checked, never assumed):
   weights, and each MEAN frame names the senders it includes. Every receiver gets the same bytes,
   so φ stays identical among the peers that complete.
 * A receiver checks every mean an owner sends against its own contribution to that piece
-  (peer/sync/screening.py ``owner_mean_problem``: norm within 3x its own reference norm, 30x for
-  pieces under 256 values, never below a floor of 3x a piece of this peer's typical values; for
-  large pieces, direction; for large φ pieces, norm ratio). A refused φ mean (NoLoCo) is applied
-  as this peer's own values; a refused Δ mean is a vote in this peer's RECEIPT, and the owner is
-  named in the stats (no voucher; struck like a clipped sender where the norm failed).
+  (peer/sync/screening.py ``owner_mean_problem``: norm bounds, direction, φ closeness; in a NoLoCo
+  pair also the owner's contribution the mean implies, peer/sync/pairs.py). A refused φ mean, or
+  any of a pair, is applied as this peer's own values; a refused Δ mean is a vote in this peer's
+  RECEIPT; the owner is named in the stats (no voucher; struck where the norm failed).
 * Once a peer holds every mean it sends each owner a RECEIPT of what every owner sent it
   (peer/sync/receipts.py): an owner refused by half of the reports, or whose means differ
   between receivers (equivocation), has its pieces applied as refused (Δ: zeros) by every peer;
@@ -56,17 +53,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peer.sync.pairs import is_pair, keeps_own, partner_problem, receiver_problem
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
 from peer.sync.robust import centered_clip
-from peer.sync.screening import (
-    CLIP_MEDIAN_FACTOR,
-    cap_weight,
-    clip_to_median,
-    owner_mean_problem,
-    phi_contribution_problem,
-    reference_rms,
-)
+from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median, reference_rms
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.wire import allreduce as frames, framing
@@ -153,7 +144,7 @@ class GroupAllreduce(ReceiptExchange):
         ignored: groupmates (indices) whose contributions this owner leaves out of its means from the
             start (peer/sync/screening.py ``Strikes``); they still receive the means.
         phi_from: index of the first tensor that is φ, not Δ (NoLoCo), or None: how a refused
-            mean is replaced (zeros for Δ, own values for φ) and which check applies.
+            mean is replaced (zeros for Δ, own values for φ and in a pair) and which checks apply.
         distrusted: owners (indices) caught equivocating in an earlier round: their means are applied
             as refused without a check (pass them in ``ignored`` too).
     """
@@ -203,7 +194,7 @@ class GroupAllreduce(ReceiptExchange):
         self._mean_writers: set[asyncio.Task] = set()
         """Owner: the tasks writing this peer's MEAN frames back to each sender (:meth:`serve`)."""
         self.results: dict[int, torch.Tensor] = {}
-        self.phi_from = phi_from
+        self.phi_from, self.pair = phi_from, is_pair(phi_from, n)
         self._reference: dict[bool, float] = {}
         """This peer's own payload's RMS per value, of its Δ tensors (True) and φ tensors (False): the
         unit of the floor of the receiver's norm bound (``owner_mean_problem``'s ``reference_rms``)."""
@@ -377,16 +368,22 @@ class GroupAllreduce(ReceiptExchange):
                         last_change = time.monotonic()
                     except TimeoutError:
                         pass
-            if self.phi_from is not None and piece.tensor >= self.phi_from and slots[me] is not None:
-                # NoLoCo's φ: a contribution far from this owner's own φ is left out (and struck)
-                for s in range(n):
-                    theirs, ours = slots[s], slots[me]
-                    if s != me and s not in self._excluded and theirs is not None and ours is not None:
-                        problem = phi_contribution_problem(theirs[1], ours[1])
-                        if problem is not None:
-                            self.stats.dropped.add(s)
-                            await self._exclude(s, f"piece {piece.index}: {problem}")
-            included = [s not in self._excluded and slots[s] is not None for s in range(n)]
+            left_out: set[int] = set()  # NoLoCo (peer/sync/pairs.py): a φ far off, a pair's Δ pointing away
+            if self.phi_from is not None and (ours := slots[me]) is not None:
+                phi = piece.tensor >= self.phi_from
+                others = [(s, x) for s, x in enumerate(slots) if s != me and s not in self._excluded and x is not None]
+                for s, (w, theirs) in others:
+                    found = partner_problem(
+                        theirs, ours[1], phi=phi, pair=self.pair, scale=ours[0] / w, reference_rms=self._rms(not phi)
+                    )
+                    if found is not None and found[1]:
+                        self.stats.dropped.add(s)  # struck
+                    if found is not None and phi:
+                        await self._exclude(s, f"piece {piece.index}: {found[0]}")
+                    elif found is not None:  # a Δ: left out of this piece only
+                        left_out.add(s)
+                        logger.info("all-reduce: piece %d: left out groupmate %d: %s", piece.index, s, found[0])
+            included = [s not in self._excluded and s not in left_out and slots[s] is not None for s in range(n)]
             parts = [slots[s] for s in range(n) if included[s]]
             self.stats.partial_pieces += not all(included)
             senders = [s for s in range(n) if included[s]]
@@ -410,6 +407,14 @@ class GroupAllreduce(ReceiptExchange):
     def _roundtrip(self, piece: Piece, x: torch.Tensor, codec=None) -> tuple[bytes, torch.Tensor]:
         codec = self.plan.codecs[piece.index] if codec is None else codec
         return codec.roundtrip(x, seed=self.plan.seeds[piece.index])
+
+    def _rms(self, delta: bool) -> float:
+        """This peer's own payload's RMS per value, of its Δ (True) or φ (False) tensors, computed once
+        per kind (two executor threads may both compute it: the same value)."""
+        if delta not in self._reference:
+            split = len(self.tensors) if self.phi_from is None else self.phi_from
+            self._reference[delta] = reference_rms(self.tensors[:split] if delta else self.tensors[split:])
+        return self._reference[delta]
 
     def _capped(self, sender: int, weight: float) -> float:
         """``weight`` cut to :attr:`max_weight`; a cut is logged and counted once per sender."""
@@ -453,41 +458,35 @@ class GroupAllreduce(ReceiptExchange):
         return frames.encode_piece(piece.index, data)
 
     def _checked_mean(self, owner: int, piece: Piece, value: torch.Tensor, included: list[bool]) -> torch.Tensor:
-        """``value`` (the owner's decoded mean of ``piece``) if :func:`owner_mean_problem` accepts it
-        against this peer's contribution. A refused Δ mean is reported in this peer's RECEIPT and
-        ``value`` kept until the receipts' verdict (peer/sync/receipts.py: half of the reports
-        refusing skip the owner's pieces for everyone; a peer in client mode reads only its own);
-        a refused φ mean (NoLoCo, whose replicas may differ) is replaced by this peer's own values."""
+        """``value`` (the owner's decoded mean of ``piece``) if peer/sync/pairs.py ``receiver_problem``
+        accepts it against this peer's contribution. A refused Δ mean is reported in this peer's RECEIPT,
+        ``value`` kept until the receipts' verdict (peer/sync/receipts.py: half of the reports refusing
+        skip the owner's pieces for everyone; a peer in client mode reads only its own); a refused φ
+        mean (NoLoCo, whose replicas may differ) or any of a pair is replaced by this peer's own values."""
         mine = self._sent.pop(piece.index, None)
         if mine is None:
             return value
-        mine = mine.float()
-        delta = self.phi_from is None or piece.tensor < self.phi_from
-        # a Δ refusal is a vote, decided by the receipts (φ replicas may differ: NoLoCo's φ refusals
-        # stay this peer's own); a peer reading no receipts (client mode) decides by its own vote alone
-        votes = delta
+        mine, delta = mine.float(), self.phi_from is None or piece.tensor < self.phi_from
+        votes = not keeps_own(not delta, self.pair)  # else: this peer's own values at once, no vote
         kept = value if votes else mine
         if owner in self.distrusted:  # caught equivocating in an earlier round
-            if delta:
+            if votes:
                 self._digests.refuse(owner)
             return kept
-        me_in = included[self.plan.my_index]
-        if delta not in self._reference:  # once per kind (two executor threads may both compute it: the same value)
-            split = len(self.tensors) if self.phi_from is None else self.phi_from
-            self._reference[delta] = reference_rms(self.tensors[:split] if delta else self.tensors[split:])
-        problem = owner_mean_problem(
+        problem = receiver_problem(
             value,
             mine,
             weight=self.weight,
             included=sum(included),
             max_weight=self.max_weight,
             phi=not delta,
-            included_self=me_in,
-            reference_rms=self._reference[delta],
+            included_self=included[self.plan.my_index],
+            reference_rms=self._rms(delta),
+            pair=self.pair,
         )
         if problem is None:
             return value
-        if delta:
+        if votes:
             self._digests.refuse(owner)
         self.stats.refused_pieces += 1
         if problem.strike:

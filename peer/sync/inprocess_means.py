@@ -15,14 +15,9 @@ from typing import Any, Protocol
 import torch
 
 from peer.sync.allreduce import piece_mean
+from peer.sync.pairs import is_pair, keeps_own, partner_problem, receiver_problem
 from peer.sync.pieces import Suspects, make_group_plan, trusted_owners
-from peer.sync.screening import (
-    Strikes,
-    cap_weight,
-    owner_mean_problem,
-    phi_contribution_problem,
-    reference_rms,
-)
+from peer.sync.screening import Strikes, cap_weight, reference_rms
 from protocol.manifest import CompressionSpec
 from protocol.records import ProgressRecord
 from protocol.wire.pieces import Piece, piece_view
@@ -108,18 +103,21 @@ def screened_means(
     dealt in contiguous runs). For each piece its owner, as ``GroupAllreduce._reduce_my_pieces``:
     leaves out the senders its ``strikes`` ignore at ``round_`` and, for the rest of the group, a
     sender whose contribution holds NaN or inf or (a φ piece of NoLoCo) fails
-    ``phi_contribution_problem`` against its own; caps the claimed weights (``cap_weight``) and
+    peer/sync/pairs.py ``partner_problem`` against its own, and in a NoLoCo pair, for this piece
+    only, a partner's Δ that fails it; caps the claimed weights (``cap_weight``) and
     takes ``piece_mean`` (clip to the median, fp32 sum in member order). A mean that is not finite
     fails the piece for everyone. The owner applies its own mean; every other member receives the
     mean the owner sends it (``hooks.owner_mean``: a lying owner may forge it, per receiver) and
-    checks it as ``GroupAllreduce._checked_mean`` does (``owner_mean_problem`` against its own
-    contribution, with its claimed weight, the count included, the cap, the φ checks and the
-    floor from its payload's ``reference_rms``); a refused φ piece is applied as the member's own
-    values, a refused Δ piece is a vote, as in the receipts (peer/sync/receipts.py ``verdict``): an
-    owner refused by at least half of the group's n reports has its pieces applied by every member
-    as refused (Δ: zeros, φ: the member's own values), as is an owner whose receivers got different
-    means of a piece (their receipts' digests would differ), any other's means as received; a received mean that is not finite fails that member's sync (its
-    decode check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
+    checks it as ``GroupAllreduce._checked_mean`` does (``receiver_problem`` against its own
+    contribution, with its claimed weight, the count included, the cap, the φ checks, the
+    floor from its payload's ``reference_rms`` and in a pair the owner's contribution the mean
+    implies); a refused φ piece, or any of a pair, is applied as the member's own values, a
+    refused Δ piece of a larger group is a vote, as in the receipts (peer/sync/receipts.py
+    ``verdict``): an owner refused by at least half of the group's n reports has its pieces applied
+    by every member as refused (Δ: zeros, φ: the member's own values), as is an owner whose
+    receivers got different means of a piece (their receipts' digests would differ), any other's
+    means as received; a received mean that is not finite fails that member's sync (its decode
+    check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
     senders it clipped or dropped as an owner and the owners it refused with a strike, as
     ``LocoAverager._strike`` does.
 
@@ -135,7 +133,7 @@ def screened_means(
     Returns:
         One :class:`MemberOutcome` per member, in ``ids`` order.
     """
-    n = len(ids)
+    n, pair = len(ids), is_pair(phi_from, len(ids))
     suspects = {} if suspects is None else suspects
     named = [suspects.setdefault(m, Suspects()).named(round_) for m in ids]
     plan = make_group_plan(
@@ -172,12 +170,19 @@ def screened_means(
                 excluded[o].add(s_)  # a sender's BadPayload (a strike), or the owner's own piece
                 if s_ != o:
                     offenders[o].add(s_)
-        if not delta and o not in excluded[o]:
-            for s_ in range(n):
-                if s_ != o and s_ not in excluded[o] and phi_contribution_problem(views[s_], views[o]) is not None:
-                    excluded[o].add(s_)
-                    offenders[o].add(s_)
-        included = [s_ not in excluded[o] for s_ in range(n)]
+        left_out: set[int] = set()  # a pair's Δ contributions its owner leaves out of this piece only
+        if phi_from is not None and o not in excluded[o]:
+            for s_ in [s_ for s_ in range(n) if s_ != o and s_ not in excluded[o]]:
+                w_o, w_s = (cap_weight(float(weights[m]), rules.max_weight) for m in (o, s_))
+                scale = w_o / w_s
+                found = partner_problem(
+                    views[s_], views[o], phi=not delta, pair=pair, scale=scale, reference_rms=references[o][delta]
+                )
+                if found is not None:
+                    (left_out if delta else excluded[o]).add(s_)
+                    if found[1]:
+                        offenders[o].add(s_)
+        included = [s_ not in excluded[o] and s_ not in left_out for s_ in range(n)]
         senders = [s_ for s_ in range(n) if included[s_]]
         if not senders:
             failed = failed or f"piece {piece.index}: no contribution to average"
@@ -203,7 +208,7 @@ def screened_means(
             first = firsts.setdefault(piece.index, sent)
             if first is not sent and not torch.equal(first, sent):
                 equivocal.add(o)  # receivers got different means: their receipts' digests differ
-            problem = owner_mean_problem(
+            problem = receiver_problem(
                 sent,
                 views[r],
                 weight=float(weights[r]),
@@ -212,12 +217,13 @@ def screened_means(
                 phi=not delta,
                 included_self=included[r],
                 reference_rms=references[r][delta],
+                pair=pair,
             )
             if problem is None:
                 continue
-            if delta:
+            if not keeps_own(not delta, pair):
                 refusers[o].add(r)
-            else:  # φ (NoLoCo): this member's own values at once, as GroupAllreduce._checked_mean
+            else:  # φ (NoLoCo) or a pair: this member's own values at once, as GroupAllreduce._checked_mean
                 target.copy_(views[r])
             out[r].refused_pieces += 1
             out[r].refused.setdefault(ids[o], str(problem))
@@ -228,16 +234,16 @@ def screened_means(
     skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n} | equivocal
     for member in ids:
         suspects[member].add([ids[o] for o in skipped], round_)
+    own_values = keeps_own(False, pair)  # a pair: every replacement is the member's own values
     for piece in plan.pieces:
-        if piece.owner not in skipped:
-            continue
         delta = phi_from is None or piece.tensor < phi_from
         for r in range(n):
-            if (held := out[r].mean) is not None:
+            # a pair's owner refused on one piece is trusted on none (as GroupAllreduce._judge_receipts)
+            caught = own_values and ids[piece.owner] in out[r].refused
+            if (held := out[r].mean) is not None and (piece.owner in skipped or caught):
                 target = piece_view(held[piece.tensor], piece)
-                target.copy_(
-                    torch.zeros_like(target) if delta else piece_view(payloads[r][piece.tensor], piece).float()
-                )
+                own = piece_view(payloads[r][piece.tensor], piece).float()
+                target.copy_(torch.zeros_like(target) if delta and not own_values else own)
     for m in range(n):
         out[m].excluded = len(excluded[m])
         book[m].record(round_, [ids[x] for x in sorted(offenders[m] | struck[m])])

@@ -18,6 +18,7 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
   zeros for Δ, as this peer's own values for φ), by every peer, the owner itself included, so the
   honest peers still hold one φ; an owner refused by fewer has its means applied by every peer,
   the receivers that refused them included (one receiver, honest or not, decides nothing alone);
+  in a NoLoCo pair refusals are no votes (each receiver applies its own values, peer/sync/pairs.py);
 * it is an **equivocator** when at least :data:`MIN_DISSENT` reporters disagree with the most
   common digest: a single differing receipt may be a lying receiver, so it costs the round's
   pieces but nobody's standing; the averager then ignores the equivocator (its contributions left
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 
+from peer.sync.pairs import is_pair, keeps_own
 from peer.sync.screening import EQUIVOCATOR_IGNORE_ROUNDS, Strikes
 from protocol.wire import allreduce as frames
 from protocol.wire.pieces import piece_view
@@ -96,13 +98,18 @@ class Verdict:
     """Groupmates whose receipt misstates this peer's own means."""
 
 
-def verdict(me: int, mine: Mapping[int, bytes], receipts: Mapping[int, Mapping[int, bytes]]) -> Verdict:
+def verdict(
+    me: int, mine: Mapping[int, bytes], receipts: Mapping[int, Mapping[int, bytes]], *, votes: bool = True
+) -> Verdict:
     """Compare this peer's digests with its groupmates' receipts.
 
     Args:
         me: this peer's index.
         mine: owner index → digest of the means this peer got from it (its own: the ones it sent).
         receipts: sender index → its receipt (owner index → digest), for every receipt read.
+        votes: whether :data:`REFUSED` reports count as votes; False in a NoLoCo pair, whose
+            receivers apply a refused mean as their own values alone (peer/sync/pairs.py): there a
+            partner's REFUSED would let it skip every piece its honest owner reduced.
 
     Returns:
         The :class:`Verdict`; owners this peer holds no digest of are not judged.
@@ -110,7 +117,7 @@ def verdict(me: int, mine: Mapping[int, bytes], receipts: Mapping[int, Mapping[i
     out = Verdict()
     for owner, own_digest in mine.items():
         reports = [own_digest] + [r[owner] for s, r in receipts.items() if s != me and owner in r]
-        if 2 * sum(d == REFUSED for d in reports) >= len(reports):
+        if votes and 2 * sum(d == REFUSED for d in reports) >= len(reports):
             out.skipped.add(owner)
             out.refused.add(owner)
         digests = [d for d in reports if d != REFUSED]
@@ -185,17 +192,22 @@ class ReceiptExchange:
 
     def _judge_receipts(self) -> None:
         """Apply the receipts' verdict (peer/sync/receipts.py): the pieces of owners whose means
-        differ between receivers become refused ones; equivocators and liars go into the stats."""
-        found = verdict(self.plan.my_index, self._digests.digests(), self._receipts)
+        differ between receivers become refused ones, and in a NoLoCo pair every piece of an owner
+        this peer refused one of (its own values); equivocators and liars go into the stats."""
+        votes = not keeps_own(False, is_pair(self.phi_from, len(self.plan.peer_ids)))  # a pair's are no votes
+        found = verdict(self.plan.my_index, self._digests.digests(), self._receipts, votes=votes)
         ids = self.plan.peer_ids
         self.stats.equivocators = {str(ids[o]) for o in found.equivocators}
         self.stats.receipt_liars = {str(ids[s]) for s in found.liars}
         self.stats.skipped_owners = {str(ids[o]) for o in found.skipped}
+        # a pair's owner this peer refused on one piece is trusted on none (peer/sync/pairs.py): its
+        # small pieces go unjudged, and an owner of Δ pieces only is refused without a strike
+        caught = set() if votes else {o for o in range(len(ids)) if str(ids[o]) in self.stats.refused}
         for piece in self.plan.pieces:
-            if piece.owner in found.skipped:
+            if piece.owner in found.skipped or piece.owner in caught:
                 delta = self.phi_from is None or piece.tensor < self.phi_from
                 own = piece_view(self.tensors[piece.tensor], piece)
-                self.results[piece.index] = torch.zeros_like(own) if delta else own.clone()
+                self.results[piece.index] = torch.zeros_like(own) if delta and votes else own.clone()
         if found.skipped - found.refused:
             logger.warning(
                 "all-reduce %s: owners %s sent different means to different groupmates; their pieces "

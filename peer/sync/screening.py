@@ -299,6 +299,7 @@ def owner_mean_problem(
     holds_delta: bool | None = None,
     share_check: bool | None = None,
     reference_rms: float | None = None,
+    direction: bool = True,
 ) -> MeanRefusal | None:
     """Why a receiver refuses the mean of one piece that its owner sent, or None to accept it.
 
@@ -322,11 +323,15 @@ def owner_mean_problem(
        receiver);
     3. for φ pieces (NoLoCo, which averages φ itself), ``‖m‖ / ‖x‖`` and ``cos(m, x)`` at least
        :data:`PHI_MEAN_MIN_RATIO`: an honest pair's mean lies between two φ that point the same
-       way, a mean pulled toward 0, a flipped φ or another model does not;
+       way, a mean pulled toward 0, a flipped φ or another model does not; also on pieces under
+       :data:`OWNER_CHECK_MIN_ELEMENTS` values where x is of at least :data:`DIRECTION_MIN_SIZE`
+       of its typical size (RMSNorm gains, whose φ start at 1 in every replica);
     4. for Δ pieces that the owner says include this receiver, where x is of at least
        :data:`DIRECTION_MIN_SIZE` of its typical size, ``cos(m, x) >`` :data:`DELTA_MIN_COSINE`:
        a flipped or replaced mean (issue #51's owner attacks) points away from x (the group's
-       receipts then decide by majority, peer/sync/receipts.py).
+       receipts then decide by majority, peer/sync/receipts.py). Not with ``direction`` False
+       (a NoLoCo pair, where one honest partner's Δ of a piece can outweigh x and point across
+       it: peer/sync/pairs.py judges the partner's contribution the mean implies instead).
 
     Honest means stay below check 1's bound with room to spare.
 
@@ -348,7 +353,8 @@ def owner_mean_problem(
     Returns:
         None, or a :class:`MeanRefusal`: a one-line reason naming the measured and allowed values,
         with ``strike`` True for checks 1 and 3, False for checks 2 and 4. Checks 2 to 4 need a
-        piece of at least :data:`OWNER_CHECK_MIN_ELEMENTS` values and a non-zero contribution.
+        non-zero contribution and (but check 3 of a typical one) a piece of at least
+        :data:`OWNER_CHECK_MIN_ELEMENTS` values.
     """
     if holds_delta is not None:
         phi = not holds_delta
@@ -376,7 +382,10 @@ def owner_mean_problem(
             f"its norm {m_norm:.4g} exceeds {allowed:.4g} ({basis}; a piece of {contribution.numel()} values)",
             strike=True,
         )
-    if small or not x_norm > 0:
+    if not x_norm > 0:
+        return None
+    typical = reference_rms is None or x_norm >= DIRECTION_MIN_SIZE * reference_rms * math.sqrt(contribution.numel())
+    if small and not (phi and reference_rms is not None and typical):  # a small φ piece of typical size: check 3
         return None
     if phi:
         ratio, cosine = norm(mean) / x_norm, _cosine(mean, contribution)
@@ -399,27 +408,33 @@ def owner_mean_problem(
                 f"{needed:.4g} ({OWNER_SHARE_FACTOR:g} x its share floor {share:.3g} x |x|^2)",
                 strike=False,
             )
-    typical = reference_rms is None or x_norm >= DIRECTION_MIN_SIZE * reference_rms * math.sqrt(contribution.numel())
-    if included_self and typical and not (cosine := _cosine(mean, contribution)) > DELTA_MIN_COSINE:
+    if direction and included_self and typical and not (cosine := _cosine(mean, contribution)) > DELTA_MIN_COSINE:
         return MeanRefusal(
             f"it points away from this peer's Δ (cosine {cosine:.3g}, not above {DELTA_MIN_COSINE:g})", strike=False
         )
     return None
 
 
-def phi_contribution_problem(contribution: torch.Tensor, own: torch.Tensor) -> str | None:
+def phi_contribution_problem(
+    contribution: torch.Tensor, own: torch.Tensor, *, reference_rms: float | None = None
+) -> str | None:
     """Why an owner leaves a groupmate's φ contribution (NoLoCo) out of its mean, or None.
 
     NoLoCo averages φ itself, so a partner that sends φ = 0 (or another model) pulls the owner's mean
     halfway there, inside every norm bound. A contribution whose cosine with the owner's own φ
     (fp32, same shape) is below :data:`PHI_MIN_COSINE`, or whose norm is over
-    :data:`PHI_MAX_NORM_RATIO` times (or under its inverse) the own φ's, is left out. Pieces under
-    :data:`OWNER_CHECK_MIN_ELEMENTS` values and a zero own φ are not judged.
+    :data:`PHI_MAX_NORM_RATIO` times (or under its inverse) the own φ's, is left out. A zero own φ
+    is not judged, nor a piece under :data:`OWNER_CHECK_MIN_ELEMENTS` values unless the own φ there
+    is of at least :data:`DIRECTION_MIN_SIZE` of its typical size (``reference_rms``: the own φ
+    payload's RMS per value; None: not judged): RMSNorm gains start at 1 in every replica, so their
+    φ stay at cosine near 1, where a flipped or zeroed gain breaks the model.
     """
-    if own.numel() < OWNER_CHECK_MIN_ELEMENTS:
-        return None
     own_norm = norm(own)
     if not own_norm > 0 or not math.isfinite(own_norm):
+        return None
+    if own.numel() < OWNER_CHECK_MIN_ELEMENTS and (
+        reference_rms is None or own_norm < DIRECTION_MIN_SIZE * reference_rms * math.sqrt(own.numel())
+    ):
         return None
     cosine, ratio = _cosine(contribution, own), norm(contribution) / own_norm
     if not cosine >= PHI_MIN_COSINE:

@@ -89,4 +89,10 @@ def test_a_noloco_partner_sending_phi_zero_moves_nothing(me):
         assert partner in mine.stats.dropped
     else:
         assert list(mine.stats.refused) == [str(partner)]
-    assert torch.allclose(mine.tensors[0], (payloads[0][0] + payloads[1][0]) / 2, atol=1e-6)  # Δ as usual
+    mean_delta = (payloads[0][0] + payloads[1][0]) / 2
+    for piece in (p for p in mine.plan.pieces if p.tensor == 0):
+        rows = slice(piece.start, piece.stop)
+        # Δ as usual, but from an owner this peer refused (me = 0): a pair's owner refused on one
+        # piece is trusted on none (peer/sync/pairs.py), its pieces are this peer's own values
+        want = payloads[me][0][rows] if piece.owner == partner and me == 0 else mean_delta[rows]
+        assert torch.allclose(mine.tensors[0][rows], want, atol=1e-6)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import peer.sync.allreduce as allreduce_module
+import peer.sync.pairs as pairs_module
 from peer.sync.pieces import MAX_DISTRUST, SUSPECT_ROUNDS, Suspects, trusted_owners
 from peer.sync.receipts import REFUSED, verdict
 from peer.sync.screening import MeanRefusal, owner_mean_problem
@@ -83,7 +84,7 @@ def test_one_receiver_refusing_alone_skips_nothing(monkeypatch):
             return MeanRefusal("refused for the test", strike=False)
         return owner_mean_problem(mean, contribution, **kw)
 
-    monkeypatch.setattr(allreduce_module, "owner_mean_problem", problem)
+    monkeypatch.setattr(pairs_module, "owner_mean_problem", problem)  # receivers check through pairs.py
     original = allreduce_module.GroupAllreduce._checked_mean
 
     def checked(self, owner, piece, value, included):

@@ -91,7 +91,7 @@ def test_owner_scale_gets_through_the_norm_bound(corpus):
 
 
 def test_a_refused_phi_mean_is_replaced_by_the_receivers_own_phi(corpus):
-    # NoLoCo sends Δ then φ; a refused Δ mean becomes zeros, a refused φ mean the receiver's own φ
+    # NoLoCo sends Δ then φ; in a pair a refused mean, Δ or φ, becomes the receiver's own values
     sim = Simulation(
         plain_run("noloco"), corpus, peers=2, seed=0, adversary=Adversary(attack="owner-zeros", peers=(1,))
     )
@@ -118,20 +118,14 @@ def test_a_refused_phi_mean_is_replaced_by_the_receivers_own_phi(corpus):
             assert all(not forged[i].any() for i in liars)  # owner-zeros
         sim.counts.refused.clear()
         got = sim._receive([0, 1], mean, forged, own, weights, own)
-        # zeros pass the norm bound every piece gets and fail only the checks of pieces large enough
-        # for direction and share; 100x the mean fails the norm bound, whatever the piece's size
-        refused = checked if not forged[1].any() else list(liars)
-        # a refused Δ mean is a vote, and in a pair one vote is half the reports: every Δ piece of
-        # the owner is then applied as zeros (peer/sync/receipts.py), small ones included
-        skipped = any(i < params for i in refused)
+        # zeros pass the norm bound every piece gets and fail the checks of pieces large enough for
+        # direction (or φ of typical size); 100x the mean fails the norm bound, whatever the size.
+        # A pair's receiver applies a refused piece as its own values, and an owner it refused on
+        # one piece is trusted on none (peer/sync/pairs.py): every piece of the liar, its own values
         for i in range(2 * params):
             if i % 2 == 0:  # peer 0's own pieces
                 assert got[0][i] is forged[i]
-            elif i < params and skipped:  # the owner's Δ pieces: zeros
-                assert not got[0][i].any()
-            elif i not in refused:  # zeros on φ pieces too small to judge
-                assert got[0][i] is forged[i]
-            else:  # a refused φ mean: its own φ instead
+            else:
                 assert torch.equal(got[0][i], own[0][i])
         assert all(a is b for a, b in zip(got[1], mean))  # the liar applies the honest means
-        assert sim.counts.refused == {1: len(refused)}
+        assert set(sim.counts.refused) == {1} and sim.counts.refused[1] >= len(checked)

@@ -1,0 +1,245 @@
+"""Screening inside a pair: NoLoCo's groups of two (arXiv 2506.10911; issue #51, item 4).
+
+NoLoCo averages with a small random group, usually two peers. A pair has no majority: CenteredClip
+(peer/sync/robust.py) needs four contributions, the median-norm clip of two bounds a contribution
+by the smaller one only, and a receiver's check of a mean against its own contribution
+(peer/sync/screening.py ``owner_mean_problem``) is loose, since its own contribution is half of
+that mean. But a pair's receiver knows all but one term of its owner's mean: its own contribution
+``x`` and weight, so it can take the owner's contribution out of the mean it receives,
+:func:`partner_contribution`::
+
+    c = (W·m − w_x·x) / w_c        (W = w_x + w_c)
+
+and judge ``c`` as an owner judges a partner's contribution (:func:`partner_problem`):
+
+* φ pieces (NoLoCo averages φ itself): ``phi_contribution_problem``, also on pieces under
+  ``OWNER_CHECK_MIN_ELEMENTS`` values where this peer's own φ is of typical size (RMSNorm gains:
+  an owner that flips or zeroes them broke every model it paired with);
+* Δ pieces where this peer's own Δ is of typical size (``DIRECTION_MIN_SIZE``, as the receivers'
+  direction check): cosine with its own Δ above :data:`PAIR_DELTA_MIN_COSINE` and reference norm
+  (scaled to a full round) within :data:`PAIR_DELTA_NORM_FACTOR` of its own, both ways.
+
+An honest owner of a pair applies the same Δ checks to its partner's contribution before it
+averages (sign-flipped, zeroed, shrunk, noise), one piece at a time. A refused piece in a pair
+(:func:`keeps_own`) is applied as this peer's own values, Δ and φ: for that piece the round is a
+step alone, as NoLoCo takes when no partner is found; not a vote, since a pair's receipts hold
+one other report, the owner's (and a partner's REFUSED report skips nothing). An owner refused on
+one piece is trusted on none that round (peer/sync/receipts.py ``_judge_receipts``): pieces under
+``OWNER_CHECK_MIN_ELEMENTS`` values get no Δ check, and an owner of only Δ pieces that flipped
+them would otherwise still flip the RMSNorm gains' Δ (tiny preset: one honest loss above φ_0's). Honest replicas of one run differ (NoLoCo keeps no common φ) but
+share their start and keep averaging: their φ stay close and their Δ of the same steps point the
+same way, so honest pairs pass (tests/security/test_pair_screening.py; bench/byzantine.py).
+
+The receiver does not know the partner's claimed weight: it assumes the cap (``max_weight``,
+what a partner that trained a full round claims). A partner that trained less makes the
+reconstructed ``c`` a convex mix of its true contribution and ``x``, which is closer to ``x`` in
+norm and direction: an honest mean is never refused for the assumption. A lying owner can make
+any ``c`` that passes appear, so what it can still send is ``m = s·x + (1 − s)·c`` with ``c``
+within the checks: at least this peer's own share of its Δ, moved by a partner of its size
+pointing its way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from peer.sync.screening import (
+    DIRECTION_MIN_SIZE,
+    OWNER_CHECK_MIN_ELEMENTS,
+    MeanRefusal,
+    _cosine,
+    norm,
+    owner_mean_problem,
+    phi_contribution_problem,
+)
+
+PAIR_DELTA_MIN_COSINE = -0.8
+"""A pair's Δ contribution (an owner's partner's, or the one a receiver reconstructs from its owner's
+mean) is refused when its cosine with this peer's own Δ is not above this, where that own Δ is of
+typical size: a Δ pointing nearly opposite. Only that: one piece's Δ of two honest replicas is a
+noisy direction. In bench/compare.toml's NoLoCo runs on the round engine (8 peers, H = 10) honest
+partners' cosines were 0.10 to 0.99, but between two real peers streaming fragments of a 2-block
+model (tests/integration/test_overlap_swarm.py, H = 20) they were -0.52 to 1.0 (69 pieces), so a
+threshold of 0 refused honest partners and split their φ. A flipped Δ of an honest partner is caught
+here only where the honest cosine was above 0.8; the φ checks and the receivers' check of the mean
+itself (``owner_mean_problem``) do the rest (bench/byzantine.py)."""
+PAIR_DELTA_NORM_FACTOR = 10.0
+"""A pair's Δ contribution whose reference norm (its norm scaled to a full round) is over this
+multiple, or under its inverse, of this peer's own is refused: a zeroed or nearly zeroed Δ (which
+would halve this peer's step) or one an order of magnitude too large. Honest partners' per-piece
+norms were 0.31 to 3.2 times each other's in the streaming run above (so the owners' 3x median clip
+is no bound for a pair); the mean itself stays within the receivers' 3x bound."""
+PAIR_REFUSED_AS_OWN = True
+"""Whether a pair's receiver applies a refused Δ mean as its own Δ (a step alone for that piece) rather
+than as a vote in the receipts, which in a pair skips the owner's pieces as zeros for both (a lost
+round of training there, for the honest peer too). bench/byzantine.py, NoLoCo, 1 and 2 attackers of 8:
+own values cost the honest peers +0.04 to +0.74 % against the votes' +1.5 to +4.8 % (sign-flip, noise,
+zeros, owner and subclip attacks; 1 seed, 3 rounds)."""
+RECONSTRUCTION_SLACK = 1.05
+"""How much further than :data:`PAIR_DELTA_NORM_FACTOR` a receiver's reconstructed Δ may lie: the
+mean's fp32 sum and a lossy mean codec add their error twice to ``2m − x``."""
+
+
+def is_pair(phi_from: int | None, group_size: int) -> bool:
+    """Whether a group is a NoLoCo pair (``phi_from`` set, two members): the checks of this module
+    apply, and a refused piece is applied as this peer's own values (:func:`keeps_own`)."""
+    return phi_from is not None and group_size == 2
+
+
+def keeps_own(phi: bool, pair: bool) -> bool:
+    """Whether a refused mean is replaced by this receiver's own values at once, not voted on in the
+    receipts (peer/sync/receipts.py): φ pieces (NoLoCo's replicas differ) and, with
+    :data:`PAIR_REFUSED_AS_OWN`, every piece of a pair."""
+    return phi or (pair and PAIR_REFUSED_AS_OWN)
+
+
+def partner_contribution(
+    mean: torch.Tensor,
+    own: torch.Tensor,
+    *,
+    weight: float,
+    included: int,
+    included_self: bool,
+    max_weight: float | None,
+) -> torch.Tensor:
+    """The owner's contribution to a pair's ``mean`` of one piece, as this receiver can take it out.
+
+    Args:
+        mean, own: the owner's decoded mean and this receiver's contribution (as the owner decoded
+            it), fp32, one shape.
+        weight: this receiver's claimed tokens; capped at ``max_weight`` as the owner caps it.
+        included, included_self: what the owner's MEAN frame says it averaged.
+        max_weight: the run's cap, assumed to be the partner's weight; None: the same as this
+            receiver's.
+
+    Returns:
+        fp32 ``(W·m − w_x·x) / w_c``, or ``mean`` itself when the owner says it averaged one
+        contribution (its own, or this receiver's, which an honest ``mean`` then equals).
+    """
+    if not included_self or included < 2:
+        return mean
+    w_x = weight if max_weight is None else min(weight, max_weight)
+    w_c = w_x if max_weight is None else max_weight
+    if not (w_x > 0 and w_c > 0):
+        return mean
+    return ((mean.double() * (w_x + w_c) - own.double() * w_x) / w_c).float()
+
+
+def delta_partner_problem(
+    contribution: torch.Tensor,
+    own: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    reference_rms: float | None = None,
+    slack: float = 1.0,
+) -> tuple[str, bool] | None:
+    """Why a pair's Δ ``contribution`` is refused against this peer's own Δ ``own``, or None.
+
+    Judged only on pieces of at least ``OWNER_CHECK_MIN_ELEMENTS`` values where ``own`` is of at
+    least ``DIRECTION_MIN_SIZE`` of its typical size (``reference_rms`` per value; None: always).
+
+    Args:
+        contribution, own: fp32, one shape.
+        scale: the contribution's reference norm over its norm divided by the own's (the weights'
+            ratio ``w_own / w_contribution`` for :func:`partner_contribution` s or claimed weights).
+        slack: the norm factor's allowance (:data:`RECONSTRUCTION_SLACK` for a reconstructed one).
+
+    Returns:
+        None, or (one-line reason, whether it counts a strike: a contribution over the norm bound,
+        which the median clip would have struck).
+    """
+    if own.numel() < OWNER_CHECK_MIN_ELEMENTS:
+        return None
+    x_norm, c_norm = norm(own), norm(contribution) * scale
+    if not (x_norm > 0 and math.isfinite(x_norm)):
+        return None
+    if reference_rms is not None and x_norm < DIRECTION_MIN_SIZE * reference_rms * math.sqrt(own.numel()):
+        return None  # its own Δ near zero here: the partner's decides the direction
+    factor = PAIR_DELTA_NORM_FACTOR * slack
+    if not c_norm <= factor * x_norm:
+        return f"its Δ's reference norm is {c_norm / x_norm:.3g}x this peer's, over {factor:.3g}", True
+    if not c_norm * factor >= x_norm:
+        return f"its Δ's reference norm is {c_norm / x_norm:.3g}x this peer's, under 1/{factor:.3g}", False
+    if not (cosine := _cosine(contribution, own)) > PAIR_DELTA_MIN_COSINE:
+        return f"its Δ's cosine with this peer's is {cosine:.3g}, not above {PAIR_DELTA_MIN_COSINE:g}", False
+    return None
+
+
+def partner_problem(
+    contribution: torch.Tensor,
+    own: torch.Tensor,
+    *,
+    phi: bool,
+    pair: bool,
+    scale: float = 1.0,
+    reference_rms: float | None = None,
+) -> tuple[str, bool] | None:
+    """Why an owner of a NoLoCo piece leaves a groupmate's contribution out of its mean, or None.
+
+    φ pieces (any NoLoCo group): ``phi_contribution_problem``, small pieces of typical size
+    included; Δ pieces of a pair: :func:`delta_partner_problem`. ``scale``: the owner's weight over
+    the groupmate's (capped claims); ``reference_rms``: the owner's own payload's RMS per value, of
+    the piece's kind.
+
+    Returns:
+        None, or (one-line reason, whether the groupmate is struck and left out for the rest of the
+        round: φ far off; a Δ is left out of this piece only, struck when over the norm bound).
+    """
+    if phi:
+        problem = phi_contribution_problem(contribution, own, reference_rms=reference_rms)
+        return None if problem is None else (problem, True)
+    if not pair:
+        return None
+    return delta_partner_problem(contribution, own, scale=scale, reference_rms=reference_rms)
+
+
+def receiver_problem(
+    mean: torch.Tensor,
+    own: torch.Tensor,
+    *,
+    weight: float,
+    included: int,
+    max_weight: float | None,
+    phi: bool,
+    included_self: bool,
+    reference_rms: float | None,
+    pair: bool,
+) -> MeanRefusal | None:
+    """Why a receiver refuses an owner's mean of one piece, or None: ``owner_mean_problem``, then in
+    a pair (:func:`is_pair`) the owner's contribution it implies (:func:`partner_contribution`)
+    judged as an owner judges a partner's (:func:`partner_problem`). Arguments as
+    ``owner_mean_problem``'s (``reference_rms`` of the piece's kind).
+
+    Returns:
+        None or a :class:`~peer.sync.screening.MeanRefusal`; a pair's refusal counts a strike for φ
+        and for a Δ over the norm bound.
+    """
+    problem = owner_mean_problem(
+        mean,
+        own,
+        weight=weight,
+        included=included,
+        max_weight=max_weight,
+        phi=phi,
+        included_self=included_self,
+        reference_rms=reference_rms,
+        direction=not pair,  # a pair: the implied contribution's direction below, not the mean's
+    )
+    if problem is not None or not pair:
+        return problem
+    c = partner_contribution(
+        mean, own, weight=weight, included=included, included_self=included_self, max_weight=max_weight
+    )
+    if not bool(torch.isfinite(c).all()):
+        return MeanRefusal("the partner's contribution it implies is not finite", strike=True)
+    if phi:
+        found = partner_problem(c, own, phi=True, pair=True, reference_rms=reference_rms)
+    else:
+        # c's weight is assumed the cap: its reference norm is its norm; this peer's is scaled up
+        scale = min(weight, max_weight) / max_weight if max_weight is not None and weight > 0 else 1.0
+        found = delta_partner_problem(c, own, scale=scale, reference_rms=reference_rms, slack=RECONSTRUCTION_SLACK)
+    if found is None:
+        return None
+    return MeanRefusal(f"the partner's contribution it implies fails: {found[0]}", strike=found[1])
