@@ -31,12 +31,12 @@ markdown table for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import logging
 import math
 import multiprocessing
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -205,6 +205,15 @@ def markdown(rows: list[dict], detail: list[dict], overhead: float | None) -> st
     return "\n".join(lines)
 
 
+def _train_task(task: tuple[RunManifest, dict, dict]) -> dict:
+    base, bench, kwargs = task
+    return _train(base, bench, **kwargs)
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path(__file__).with_name("compare.toml"))
@@ -317,18 +326,17 @@ def main() -> None:
         )
         return rows, detail, overhead
 
-    with concurrent.futures.ProcessPoolExecutor(
-        max(1, args.jobs), mp_context=multiprocessing.get_context("spawn")
-    ) as pool:
-        futures = [
-            pool.submit(
-                _train, base, bench, rounds=args.rounds, threads=args.threads, matchmaking_s=args.matchmaking_s, **w
-            )
+    # a pool whose workers end with this process: SIGTERM (`timeout`, kill) raises here and the
+    # finally terminates them (a ProcessPoolExecutor's spawned workers outlived a killed parent)
+    signal.signal(signal.SIGTERM, _stop)
+    pool = multiprocessing.get_context("spawn").Pool(max(1, args.jobs))
+    try:
+        tasks = [
+            (base, bench, dict(rounds=args.rounds, threads=args.threads, matchmaking_s=args.matchmaking_s, **w))
             for w in todo
         ]
-        for f in concurrent.futures.as_completed(futures):
-            runs.append(f.result())
-            r = runs[-1]
+        for r in pool.imap_unordered(_train_task, tasks):
+            runs.append(r)
             print(
                 f"{r['attack']} {r['algorithm']} ({r['malicious']} malicious, screening "
                 f"{'on' if r['screening'] else 'off'}) seed {r['seed']}: {r['final_bpb']:.4f} bpb, "
@@ -337,6 +345,10 @@ def main() -> None:
                 flush=True,
             )
             write()
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
     rows, detail, overhead = write()
     print()
     print(markdown(rows, detail, overhead))
