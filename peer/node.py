@@ -448,6 +448,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
     del skeleton, outer
     # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
     lifetime.freeze_for_fork()
+    checkpoint = stage_checkpoint(cfg, manifest, stage)
     transport = NetworkTransport(
         dht,
         shapes,
@@ -459,6 +460,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         client_mode=reach.client_mode,
         uplink_mbps=cfg.uplink_mbps,
         max_weight_tokens=round_token_cap(manifest),
+        memory_dir=checkpoint.parent,  # whom it leaves out, kept beside the checkpoint across restarts
     )
     stack.callback(transport.shutdown)  # the averager first drains the means its groupmates still read
     model = make_model()
@@ -481,7 +483,6 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
     ).start_background()
     stack.callback(swarm.close)  # a record still queued reaches the DHT before it shuts down
     live.append(swarm)  # the peers a sharded run asks for shards: the live ones, then the initial ones
-    checkpoint = stage_checkpoint(cfg, manifest, stage)
     trainer_cfg = dataclasses.replace(cfg.trainer, checkpoint_path=checkpoint, serves_state=not reach.client_mode)
     # CUDA is first touched here, after the transport forked its averager (docs/algorithms.md §8)
     d = cfg.device

@@ -44,7 +44,7 @@ from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.pieces import make_group_plan, stronger_compression, trusted_owners
 from peer.sync.receipts import distrust
-from peer.sync.screening import Strikes
+from peer.sync.suspicion_store import GroupmateMemory
 from protocol import keys
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
 from protocol.manifest import CompressionSpec
@@ -106,6 +106,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             ``sync.inner_steps × inner_optimizer.batch_size_tokens``
             (:func:`peer.sync.screening.round_token_cap`); a groupmate claiming more is weighted
             with this. None: no cap.
+        memory: keeps whom this peer leaves out across restarts (peer/sync/suspicion_store.py); None: not.
         **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
 
@@ -122,6 +123,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         phi_from: int | None = None,
         piece_elements: int | None = None,
         max_weight_tokens: float | None = None,
+        memory: GroupmateMemory | None = None,
         **kwargs,
     ):
         if kwargs.get("next_chunk_timeout") is None:
@@ -134,8 +136,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         )
         # set in the averager process
         self._sessions: dict[bytes, asyncio.Future] = {}
-        self._strikes = Strikes()  # groupmates whose contributions this peer clipped or dropped repeatedly
-        self._distrust = Strikes()  # groupmates caught equivocating: contributions left out, means refused
+        self._memory = memory or GroupmateMemory(None)
+        self._strikes, self._distrust = self._memory.recall()  # clipped/dropped repeatedly; caught equivocating
         self._allreduce_slots: StreamSlots | None = None
         self._error_feedback = None
         self._subset: tuple[int, ...] | None = None  # the buffers the next sync averages (None: all)
@@ -541,11 +543,12 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         # (for a round the group already ran) and fails the step on anything else. So no error of
         # ours crosses into hivemind here, and AllreduceIncomplete needs no hivemind base class.
         except AllreduceIncomplete as exc:
-            return GroupOutcome(stats=self._stats_of(session), incomplete=str(exc))
+            return GroupOutcome(stats=session.stats if session else AllreduceStats(), incomplete=str(exc))
         except Exception as exc:
             logger.debug("all-reduce failed", exc_info=True)
             return GroupOutcome(
-                stats=self._stats_of(session), incomplete=f"all-reduce failed: {type(exc).__name__}: {exc}"
+                stats=session.stats if session else AllreduceStats(),
+                incomplete=f"all-reduce failed: {type(exc).__name__}: {exc}",
             )
         finally:
             if session is not None:
@@ -573,10 +576,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 self._strikes.strikes,
                 self._strikes.window_rounds,
             )
-
-    @staticmethod
-    def _stats_of(session: GroupAllreduce | None) -> AllreduceStats:
-        return session.stats if session is not None else AllreduceStats()
+        self._memory.save(self._strikes, self._distrust)
 
     def _codec_executor(self):
         """One long-lived thread for codec work in this (forked) process: torch's per-thread pool

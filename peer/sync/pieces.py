@@ -66,6 +66,11 @@ class Suspects:
         self._until = {p: r for p, r in self._until.items() if r > round_}
         return sorted(self._until)
 
+    def named_until(self) -> dict[str, int]:
+        """Each peer named → the first round it is no longer named, oldest first (a copy, kept across
+        restarts by peer/sync/suspicion_store.py)."""
+        return dict(self._until)
+
 
 def trusted_owners(owners: Sequence[int], peer_ids: Sequence[str], distrust: Sequence[object]) -> list[int]:
     """``owners`` without those that at least half of the group name in their gathered ``distrust``

@@ -114,8 +114,8 @@ IGNORE_ROUNDS = 20
 this peer computes (it still receives them, like every groupmate)."""
 EQUIVOCATOR_IGNORE_ROUNDS = 1_000_000
 """How many rounds a groupmate caught equivocating (peer/sync/receipts.py) is ignored, its means
-applied as refused: for the rest of this process's run. Honest owners send every receiver the same
-bytes; no honest fault produces two means of one piece."""
+applied as refused: for the rest of the run, restarts included (peer/sync/suspicion_store.py). Honest
+owners send every receiver the same bytes; no honest fault produces two means of one piece."""
 
 
 class Strikes:
@@ -179,6 +179,11 @@ class Strikes:
         for peer in [p for p, until in self._until.items() if until <= round_]:
             del self._until[peer]
         return set(self._until)
+
+    def ignored_until(self) -> dict:
+        """Each peer ignored now or later → the first round it is no longer ignored (a copy, kept
+        across restarts by peer/sync/suspicion_store.py)."""
+        return dict(self._until)
 
 
 OWNER_NORM_FACTOR = CLIP_MEDIAN_FACTOR

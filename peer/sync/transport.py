@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -27,6 +28,7 @@ from peer.state.download import StateDownload, validate_state
 from peer.sync.averager import GroupOutcome, LocoAverager
 from peer.sync.deadlines import DeadlinePolicy, Deadlines
 from peer.sync.pieces import Suspects
+from peer.sync.suspicion_store import GROUPMATES_FILE, SUSPECTS_FILE, GroupmateMemory, SuspectMemory
 from protocol import keys
 from protocol.errors import (
     AllreduceFailed,
@@ -153,6 +155,9 @@ class NetworkTransport:
         uplink_mbps: this peer's assumed uplink, Mbit/s, until the first sync measured it.
         max_weight_tokens: the most tokens a groupmate's contribution may weigh, the run's
             ``H × batch_size_tokens`` (:func:`peer.sync.screening.round_token_cap`); None: no cap.
+        memory_dir: where this peer keeps the groupmates it leaves out or names across restarts, its
+            run directory (peer/sync/suspicion_store.py; read here, written after rounds that change
+            it); None: nowhere.
 
     Raises:
         NetworkError: the averager process was not ready within :data:`AVERAGER_START_TIMEOUT_S`
@@ -177,11 +182,14 @@ class NetworkTransport:
         piece_elements: int | None = None,
         uplink_mbps: float = 50.0,
         max_weight_tokens: float | None = None,
+        memory_dir: Path | None = None,
     ):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self.suspects = Suspects()
         """Owners the group's receipts skipped, named in this peer's gathered ``distrust`` list
         (peer/sync/pieces.py ``trusted_owners``)."""
+        self._suspect_memory = SuspectMemory(None if memory_dir is None else memory_dir / SUSPECTS_FILE)
+        self._suspect_memory.restore(self.suspects)
         self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in payload_shapes]
         # hivemind's run_in_background sets SIGINT to SIG_IGN in *this* process and never restores
         # it; keep the caller's handler so Ctrl-C still stops the peer cleanly.
@@ -194,6 +202,7 @@ class NetworkTransport:
             phi_from=phi_from,
             piece_elements=piece_elements,
             max_weight_tokens=max_weight_tokens,
+            memory=GroupmateMemory(None if memory_dir is None else memory_dir / GROUPMATES_FILE),
             prefix=keys.averager_prefix(run_id, sync.algorithm),
             initial_group_bits=keys.round_group_bits(0),
             target_group_size=sync.target_group_size,
@@ -420,6 +429,7 @@ class NetworkTransport:
             )
         gathered = outcome.gathered
         self.suspects.add(stats.skipped_owners, round_)
+        self._suspect_memory.save(self.suspects)
         with self.averager.get_tensors() as buffers:
             mean = [buf.clone() for buf in (buffers if tensors is None else [buffers[i] for i in tensors])]
         if stats.started_at >= arrived:

@@ -2,13 +2,16 @@
 the averager process) and its data position included; a peer that adopts the swarm's state drops
 its residuals. Real peer processes on loopback."""
 
+import json
 import signal
 
 import hivemind
 import pytest
 import torch
+from hivemind.p2p import PeerID
 from safetensors import safe_open
 
+from peer.sync.suspicion_store import GROUPMATES_FILE, SUSPECTS_FILE
 from peer.sync.transport import NetworkTransport
 from tests.integration.harness import make_manifest, write_manifest
 
@@ -24,17 +27,23 @@ def residuals_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("residual.")}
 
 
-def test_residuals_travel_to_the_averager_process_and_back():
+def test_residuals_travel_to_the_averager_process_and_back(tmp_path):
     """NetworkTransport sets and fetches the residuals in the averager process (a real one);
-    a reset (what an adoption does) leaves none to checkpoint."""
+    a reset (what an adoption does) leaves none to checkpoint. The groupmates a peer left out or
+    named before its restart, kept in its run directory, are recalled by the new one."""
     manifest = make_manifest(compression={"codec": "int8"})
     shapes = [torch.Size([3, 2]), torch.Size([4])]
+    liar = PeerID(bytes([0x12, 0x20]) + bytes(range(32)))
+    (tmp_path / GROUPMATES_FILE).write_text(json.dumps({"version": 1, "equivocators": {str(liar): 1_000_009}}))
+    (tmp_path / SUSPECTS_FILE).write_text(json.dumps({"version": 1, "suspects": {str(liar): 108}}))
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     transport = None
     try:
         transport = NetworkTransport(
-            dht, shapes, shapes, manifest.run_id, manifest.sync, compression=manifest.compression
+            dht, shapes, shapes, manifest.run_id, manifest.sync, compression=manifest.compression, memory_dir=tmp_path
         )
+        assert transport.suspects.named(9) == [str(liar)]
+        assert transport.averager._distrust.ignored(9) == {liar}  # the state its process was forked with
         assert transport.error_feedback_residuals() is None  # no sync yet: nothing to save
         saved = [torch.randn(3, 2), torch.randn(4)]
         assert transport.load_error_feedback(saved) == 2

@@ -20,6 +20,7 @@ import torch
 from peer.sync.averager import LocoAverager
 from peer.sync.receipts import verdict
 from peer.sync.screening import Strikes
+from peer.sync.suspicion_store import GROUPMATES_FILE, GroupmateMemory
 from protocol.wire import allreduce as frames
 from tests.security.group import run_group
 
@@ -104,7 +105,7 @@ def test_the_equivocator_is_ignored_from_the_next_round():
     # round r: caught; the averager's rule (LocoAverager._strike) marks it for every later round
     sessions, _ = asyncio.run(run_group(payloads(23), [1024] * N, piece_elements=512, sending={LIAR: equivocating(1)}))
     honest = sessions[0]
-    averager = types.SimpleNamespace(_strikes=Strikes(), _distrust=Strikes())
+    averager = types.SimpleNamespace(_strikes=Strikes(), _distrust=Strikes(), _memory=GroupmateMemory(None))
     LocoAverager._strike(averager, honest, 7)
     assert all(averager._distrust.ignored(r) == {LIAR} for r in (8, 100, 10_000))
     assert not averager._strikes.ignored(8)  # no honest groupmate is ignored
@@ -144,3 +145,16 @@ def test_a_receipt_is_bounded_and_checked():
     for bad, group in ((payload, 3), (payload[:-1], 4), (frames.encode_receipt({1: b"z" * 16}) + b"!", 4)):
         with pytest.raises(frames.BadPayload):
             frames.parse_receipt(bad, group_size=group)
+
+
+def test_the_equivocator_is_still_ignored_after_a_restart(tmp_path):
+    """The averager keeps whom it ignores in the run directory (peer/sync/suspicion_store.py): a
+    restarted peer's new averager, which recalls it as ``LocoAverager.__init__`` does, still ignores
+    the equivocator, and the honest groupmates still are not."""
+    sessions, _ = asyncio.run(run_group(payloads(25), [1024] * N, piece_elements=512, sending={LIAR: equivocating(1)}))
+    path = tmp_path / GROUPMATES_FILE
+    averager = types.SimpleNamespace(_strikes=Strikes(), _distrust=Strikes(), _memory=GroupmateMemory(path, key=int))
+    LocoAverager._strike(averager, sessions[0], 7)
+    strikes, distrust = GroupmateMemory(path, key=int).recall()  # the restarted peer's averager
+    assert all(distrust.ignored(r) == {LIAR} for r in (8, 100, 10_000))
+    assert not strikes.ignored(8)

@@ -11,7 +11,8 @@ import torch
 from peer.sync.allreduce import AllreduceStats
 from peer.sync.averager import GroupOutcome
 from peer.sync.deadlines import DeadlinePolicy
-from peer.sync.pieces import Suspects
+from peer.sync.pieces import SUSPECT_ROUNDS, Suspects
+from peer.sync.suspicion_store import GROUPMATES_FILE, SUSPECTS_FILE, SuspectMemory
 from peer.sync.transport import NetworkTransport
 from protocol.errors import AllreduceIncomplete, GroupNotFound, HelperDied, NetworkError, SyncError
 from protocol.manifest import SyncSpec
@@ -67,12 +68,13 @@ class ScriptedAverager:
         return _Control(outcome)
 
 
-def _transport(outcomes) -> NetworkTransport:
+def _transport(outcomes, memory_dir=None) -> NetworkTransport:
     transport = NetworkTransport.__new__(NetworkTransport)  # no hivemind: the averager is scripted
     transport.shapes, transport.run_id, transport.sync = SHAPES, "run0", SyncSpec()
     transport.deadlines = DeadlinePolicy(transport.sync)
     transport.averager = ScriptedAverager(outcomes)
     transport.suspects = Suspects()
+    transport._suspect_memory = SuspectMemory(None if memory_dir is None else memory_dir / SUSPECTS_FILE)
     return transport
 
 
@@ -159,3 +161,28 @@ def test_an_averager_that_never_gets_ready_is_an_error_not_a_hang(monkeypatch):
     with pytest.raises(NetworkError, match="did not get ready within 120 s"):
         NetworkTransport(object(), SHAPES, SHAPES, "run", SyncSpec())
     assert NeverReady.shut  # its process is not left behind
+
+
+def test_the_owners_it_names_are_named_again_after_a_restart(tmp_path, monkeypatch):
+    """Owners the receipts skipped stay in this peer's gathered ``distrust`` list across a restart on
+    the same run directory (peer/sync/suspicion_store.py), until their rounds run out."""
+    import peer.sync.transport as transport_module
+
+    outcome = _complete(100, 200)
+    outcome.stats.skipped_owners = {"QmEquivocator"}
+    transport = _transport([outcome], memory_dir=tmp_path)
+    _average(transport)
+    assert transport.suspects.named(4) == ["QmEquivocator"]
+
+    class Started:  # the averager process of the restarted peer
+        def __init__(self, *args, **kwargs):
+            Started.memory = kwargs["memory"]
+
+        def run_in_background(self, await_ready=True, timeout=None):
+            pass
+
+    monkeypatch.setattr(transport_module, "LocoAverager", Started)
+    restarted = NetworkTransport(object(), SHAPES, SHAPES, "run0", SyncSpec(), memory_dir=tmp_path)
+    assert restarted.suspects.named(3 + SUSPECT_ROUNDS - 1) == ["QmEquivocator"]
+    assert restarted.suspects.named(3 + SUSPECT_ROUNDS) == []
+    assert Started.memory.file.path == tmp_path / GROUPMATES_FILE  # the averager's own file, beside it
