@@ -425,8 +425,9 @@ REGISTRY: dict[str, Entry] = {
         "Real peers of the tiny preset train while a stock hivemind node stores thousands of progress records "
         "under the run's key, each validly signed by a fresh identity and claiming the current round: the "
         "share of rounds after the flood that still averaged with another peer, and the memory the flood "
-        "cost each peer (vouched membership and the bounded DHT read, peer/net/selection.py).",
-        "python bench/sybil.py --records 2000 --peers 3 --warmup 3 --rounds 6",
+        "cost each peer (vouched membership and the bounded DHT read, peer/net/selection.py; the bounded "
+        "per-key storage of each node, peer/net/dht_storage.py).",
+        "python bench/sybil.py --records 20000 --peers 4 --warmup 3 --rounds 6",
         [
             Table(
                 key("rows"),

@@ -4,20 +4,22 @@ signed by a fresh identity, on real DHT nodes on 127.0.0.1.
 Per algorithm (DiLoCo, NoLoCo): a bootstrap node (``bootstrap run``) and ``--peers`` honest ``peer
 join`` processes of the tiny preset train; once every peer finished ``--warmup`` rounds (its ledger
 holds its groupmates), a stock hivemind node joined to the bootstrap stores ``--records`` records
-under the run's progress key, each signed by an identity of its own (cheap keys from a pool of primes,
-tests/security/dht_attacker.py) and claiming the peers' current round; the peers train ``--rounds``
+under the run's progress key on the nodes nearest to it (as hivemind's ``store`` does, without a lookup
+per request), each signed by an identity of its own (cheap keys from a pool of primes,
+tests/security/dht_attacker.py) and claiming the peers' current round or one of the next; the peers train ``--rounds``
 more. Measured per peer, then averaged over the peers:
 
 * ``grouped_rounds_frac``: of the rounds a peer finished after the flood was stored, the share whose
   sync averaged with at least one other peer (``round`` event: ``group_size`` > 1);
-* ``rss_growth_mib``: the resident memory of the peer's whole process group (main process, DHT
-  process, averager, p2pd), from just before the flood to the end, MiB; the largest over the peers.
+* ``rss_growth_mib``: the resident memory of the peer's whole process tree (main process, DHT
+  process, averager, p2pd), from just before the flood to its peak after, MiB; the largest over the
+  peers.
 
 The row with ``records`` = 0 is the same peers' rounds before the flood, and their memory growth over
-the warm-up's second half. Writes bench/results/sybil.json: ``{"rows": [{"records", "algorithm",
-"grouped_rounds_frac", "rss_growth_mib"}], "setup": {...}}``.
+the warm-up's second half. Writes bench/results/sybil.json: ``{"command", "rows": [{"records",
+"algorithm", "grouped_rounds_frac", "rss_growth_mib"}], "setup": {...}}``.
 
-    nice .venv/bin/python bench/sybil.py --records 5000 --peers 3 --rounds 8
+    nice .venv/bin/python bench/sybil.py --records 20000 --peers 4 --warmup 3 --rounds 6
 """
 
 from __future__ import annotations
@@ -42,21 +44,40 @@ from protocol.records import ProgressRecord  # noqa: E402
 from protocol.signing import OwnerKey, save_owner_key  # noqa: E402
 
 
-def group_rss_mib(pgid: int) -> float:
-    """Resident memory of every process in process group ``pgid``, MiB (Linux /proc)."""
-    total = 0
+def group_rss_detail(pgid: int) -> dict[str, float]:
+    """Resident memory, MiB, by ``"name pid"``, of each process in process group ``pgid`` and of
+    their descendants in other groups (p2pd runs in a session of its own) (Linux /proc)."""
+    procs = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) != pgid:  # pgrp
-                continue
-            total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss, pages
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20  # rss, pages
+            procs[int(entry)] = (int(fields[1]), int(fields[2]), name, rss)  # ppid, pgrp
         except (OSError, ValueError, IndexError):
             continue
-    return total / 2**20
+    members = {pid for pid, (_, pgrp, _, _) in procs.items() if pgrp == pgid}
+    grown = True
+    while grown:
+        more = {pid for pid, (ppid, _, _, _) in procs.items() if ppid in members and pid not in members}
+        members |= more
+        grown = bool(more)
+    return {f"{procs[pid][2]} {pid}": procs[pid][3] for pid in members}
+
+
+def group_rss_mib(pgid: int) -> float:
+    """Resident memory of every process in process group ``pgid``, MiB (Linux /proc)."""
+    return sum(group_rss_detail(pgid).values())
+
+
+def _show_rss(label: str, children) -> None:
+    for c in children:
+        if c.popen.poll() is None:
+            detail = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(group_rss_detail(c.popen.pid).items()))
+            print(f"  {label} {c.name} RSS MiB: {detail}", file=sys.stderr, flush=True)
 
 
 def run_one(algorithm: str, *, records: int, peers: int, warmup: int, rounds: int, workdir: Path) -> list[dict]:
@@ -112,6 +133,7 @@ def run_one(algorithm: str, *, records: int, peers: int, warmup: int, rounds: in
         for child in honest:
             child.wait_event(lambda e: e.kind == "round" and e["round"] >= warmup, 600)
         rss_before = [group_rss_mib(c.popen.pid) for c in honest]
+        _show_rss("before the flood", [*honest, boot])
         start_round = max(e["round"] for c in honest for e in c.of("round"))
         import hivemind
 
@@ -136,6 +158,7 @@ def run_one(algorithm: str, *, records: int, peers: int, warmup: int, rounds: in
             print(f"  {len(part)} records claiming round {claim} stored", file=sys.stderr, flush=True)
         flood_s = time.monotonic() - started
         print(f"{algorithm}: {records} records stored in {flood_s:.0f} s", file=sys.stderr, flush=True)
+        _show_rss("flood stored", [*honest, boot])
         flood_round = max(e["round"] for c in honest for e in c.of("round"))  # rounds after it: under the flood
         peak = list(rss_before)
         deadline = time.monotonic() + 900
@@ -148,6 +171,7 @@ def run_one(algorithm: str, *, records: int, peers: int, warmup: int, rounds: in
             if any(c.popen.poll() is not None for c in honest):
                 raise RuntimeError("an honest peer exited: " + ", ".join(c.tail(5) for c in honest))
             time.sleep(1.0)
+        _show_rss("after the flood", [*honest, boot])
 
         def frac(lo: int, hi: int) -> float:
             per_peer = []
@@ -183,8 +207,8 @@ def run_one(algorithm: str, *, records: int, peers: int, warmup: int, rounds: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--records", type=int, default=5000)
-    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--records", type=int, default=20000)
+    parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--algorithms", nargs="+", default=["diloco", "noloco"])
@@ -214,7 +238,13 @@ def main() -> None:
         "device": "2-core CPU, no GPU",
         "nodes": "real DHT nodes on 127.0.0.1",
     }
-    args.out.write_text(json.dumps({"rows": rows, "setup": setup}, indent=2) + "\n")
+    command = (
+        f"python bench/sybil.py --records {args.records} --peers {args.peers} --warmup {args.warmup} "
+        f"--rounds {args.rounds}"
+    )
+    if args.algorithms != ["diloco", "noloco"]:
+        command += " --algorithms " + " ".join(args.algorithms)
+    args.out.write_text(json.dumps({"command": command, "rows": rows, "setup": setup}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

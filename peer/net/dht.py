@@ -11,6 +11,9 @@ Anyone can write to the DHT, so every read peers act on is bounded and screened:
   as None, which every reader here rejects like any other invalid value;
 * a value whose expiration lies further ahead than any honest writer sets
   (:data:`MAX_EXPIRATION_AHEAD_S`) is ignored;
+* a node of ours stores and caches at most ``MAX_ENTRIES_STORED`` entries per key, the ones its reads
+  prefer first, and a read merges a bounded number (peer/net/dht_storage.py), so a flood of validly
+  signed records costs each node and each read a bounded amount;
 * what remains is validated (manifests by hash and schema, records by schema and bounds, strings
   stripped of control characters: protocol/text.py) before use;
 * what peers act on is signed (protocol/signing.py): a run is announced in the runs index as its
@@ -36,7 +39,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from peer.net import selection
+from peer.net import dht_storage, selection
 from peer.net.lifetime import exited
 from peer.net.periodic import Periodic
 from peer.net.selection import (
@@ -261,7 +264,10 @@ def read_value(dht, key: str, *, timeout_s: float = READ_TIMEOUT_S):
 
 
 async def _read_selected(_dht, node, key: str, max_ahead_s: float, select: dict, only: str | None):
-    """In the DHT process: the entries of ``key`` a reader keeps, and how many were left there."""
+    """In the DHT process: the entries of ``key`` a reader keeps, and how many were left there. The
+    node's storage learns what this reader prefers, and keeps those entries first (peer/net/dht_storage.py)."""
+    if select["prefer"]:
+        dht_storage.prefer(node, key, select["prefer"])
     found = await node.get(key, latest=True)
     out = entries(found, max_ahead_s=max_ahead_s)
     if only is not None:

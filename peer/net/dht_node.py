@@ -1,5 +1,6 @@
 """Start a DHT node of ours: hivemind's DHT as a helper process that dies with its parent, whose
-node refuses unsigned records under protected keys (peer/net/validator.py).
+node refuses unsigned records under protected keys (peer/net/validator.py) and keeps at most
+``dht_storage.MAX_ENTRIES_STORED`` entries per key (peer/net/dht_storage.py).
 
 Importing it imports hivemind (the validator subclasses hivemind's). Everything done with a
 started node (bounded calls, reads and writes of DHT values, its addresses, stream handlers) and
@@ -13,6 +14,7 @@ import functools
 import logging
 from collections.abc import Sequence
 
+from peer.net import dht_storage
 from peer.net.dht import parse_initial_peers
 from peer.net.lifetime import HelperProcess, bind_subprocesses_to_this_process
 from peer.net.validator import SwarmRecordValidator
@@ -33,6 +35,7 @@ def _helper_dht_class():
         def run(self) -> None:  # in the DHT process
             bind_subprocesses_to_this_process()  # p2pd dies with this process
             _decode_found_values_one_by_one()
+            dht_storage.install()  # at most MAX_ENTRIES_STORED entries per key, stored or cached
             super().run()
 
         async def _shutdown(self) -> None:

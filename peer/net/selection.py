@@ -68,6 +68,20 @@ def _rank(subkey: str) -> bytes:
     return hashlib.blake2b(subkey.encode("utf-8", "surrogatepass"), key=_SELECTION_SALT, digest_size=16).digest()
 
 
+def rank_of(subkey) -> bytes:
+    """The keyed-hash rank of any subkey (a str as :func:`select_entries` ranks it; bytes and other
+    msgpack values by their msgpack encoding), 16 bytes: lower ranks are kept first."""
+    if isinstance(subkey, str):
+        return _rank(subkey)
+    import msgpack
+
+    try:
+        data = msgpack.packb(subkey)
+    except Exception:  # not msgpack-encodable: ranks last
+        return b"\xff" * 16
+    return hashlib.blake2b(b"\x00" + data, key=_SELECTION_SALT, digest_size=16).digest()
+
+
 def _bound_to_subkey(subkey: str, value) -> bool:
     """Cheap pre-check (a hash, no RSA): ``value`` is an envelope whose public key's peer id is
     ``subkey``. Records that fail it are rejected by ``open_record`` anyway; here they do not take

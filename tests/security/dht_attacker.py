@@ -4,6 +4,7 @@ refuse; :meth:`Attacker.store_raw` says whether it did."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 
@@ -128,25 +129,55 @@ async def _store_many(_dht, node, *, key: str, values: list, subkeys: list, expi
     return stored
 
 
-def flood_records(dht, key: str, signers, record_wire: dict, *, ttl_s: float = 600.0, chunk: int = 25) -> int:
+async def _store_direct(_dht, node, *, key: str, values: list, subkeys: list, expiration: float, targets: int):
+    """In the attacker's DHT process: store ``values`` under ``key`` on the ``targets`` nodes nearest
+    to it, one request per node, without a lookup per request (hivemind's ``store_many`` looks the
+    key up first, and each lookup's answers carry every record stored so far)."""
+    key_id = DHTID.generate(source=key)
+    nearest = list(node.protocol.routing_table.get_nearest_neighbors(key_id, targets, exclude=node.node_id))
+    results = await asyncio.gather(
+        *(
+            node.protocol.call_store(
+                peer_id, [key_id] * len(values), values, [expiration] * len(values), subkeys=list(subkeys)
+            )
+            for _, peer_id in nearest
+        )
+    )
+    return sum(1 for ok in results if ok is not None and any(ok))
+
+
+async def _learn_nodes(_dht, node, *, key: str) -> int:
+    """In the attacker's DHT process: look ``key`` up once, which fills the routing table with the
+    nodes nearest to it; returns how many nodes it knows."""
+    await node.find_nearest_nodes([DHTID.generate(source=key)])
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def flood_records(
+    dht, key: str, signers, record_wire: dict, *, ttl_s: float = 600.0, chunk: int = 25, targets: int = 5
+) -> int:
     """Store, from ``dht`` (the attacker's node), one record per signer under ``key``, each validly
-    signed by its own identity (the envelope of ``protocol.signing.PeerSigner.seal``), ``chunk`` per
-    call into the DHT process (hivemind's pipe to it refuses messages of megabytes). Returns how many
-    chunks some node accepted."""
+    signed by its own identity (the envelope of ``protocol.signing.PeerSigner.seal``), on the
+    ``targets`` nodes nearest to ``key`` (hivemind's ``num_replicas``, what its ``store`` reaches),
+    ``chunk`` records per request (hivemind's pipe to the DHT process refuses messages of
+    megabytes). The key is looked up once, not per request: hivemind's ``store_many`` looks it up
+    each time, and each lookup's answers carry every record stored so far, so a flood of 20,000
+    through it is quadratic. Returns how many requests some node accepted (at least one record)."""
     from hivemind.utils import get_dht_time
 
+    dht.run_coroutine(functools.partial(_learn_nodes, key=key))
     expiration = get_dht_time() + ttl_s
     stored = 0
     for i in range(0, len(signers), chunk):
         part = signers[i : i + chunk]
         stored += dht.run_coroutine(
             functools.partial(
-                _store_many,
+                _store_direct,
                 key=key,
-                values=[signer.seal(key, expiration, record_wire) for signer in part],
+                values=[MSGPackSerializer.dumps(signer.seal(key, expiration, record_wire)) for signer in part],
                 subkeys=[s.peer_id for s in part],
-                expirations=[expiration] * len(part),
-                chunk=chunk,
+                expiration=expiration,
+                targets=targets,
             )
         )
     return stored

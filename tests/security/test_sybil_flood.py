@@ -4,7 +4,8 @@ every later round "no group formed" (expected group 4,096) and cost each peer ~5
 Real DHT nodes on 127.0.0.1: an honest node as ``peer join`` starts it (with its record validator)
 and a stock hivemind node that floods the run's progress key with records, each validly signed by
 an identity of its own (tests/security/dht_attacker.py ``sybil_signers``: cheap keys from a pool of
-primes). A read keeps at most ``MAX_RECORDS_READ`` of them, chosen in the DHT process with this
+primes). The honest node keeps at most ``dht_storage.MAX_ENTRIES_STORED`` of them, its vouched
+peers' first; a read keeps at most ``MAX_RECORDS_READ``, chosen in the DHT process with this
 peer's vouched peers first; the view of the swarm a peer acts on (``SwarmView.live``: group sizes,
 NoLoCo partners, the start barrier) counts its trusted peers and a bounded number of newcomers.
 """
@@ -12,11 +13,14 @@ NoLoCo partners, the start barrier) counts its trusted peers and a bounded numbe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 
-from peer.net import dht as swarm_dht, selection
+from peer.net import dht as swarm_dht, dht_storage, selection
 from peer.state.vouching import Ledger
 from peer.sync.membership import MAX_NEWCOMERS, SwarmView, weigh
 from peer.train.outer import make_outer
@@ -53,11 +57,37 @@ def flooded(identities):
         for signer in honest:
             mates = tuple(s.peer_id for s in honest if s is not signer)
             swarm_dht.publish_progress(peer, RUN, signer, dataclasses.replace(RECORD, groupmates=mates), 600.0)
+        # as the peer's membership does each round: a read preferring this peer and its vouched peers
+        assert len(swarm_dht.read_progress(peer, RUN, prefer={s.peer_id for s in honest})) == 4
         assert flood_records(attacker.dht, key, sybils, RECORD.to_wire()) > 0
         deadline = time.monotonic() + 60
-        while len(swarm_dht.read_entries(peer, key, cap=10**6)) < 4 + FLOOD and time.monotonic() < deadline:
+        while len(swarm_dht.read_entries(peer, key, cap=10**6)) < STORED and time.monotonic() < deadline:
             time.sleep(0.5)
         yield peer, attacker
+
+
+STORED = dht_storage.MAX_ENTRIES_STORED
+"""What the honest node keeps of the 4 + FLOOD records (peer/net/dht_storage.py)."""
+
+
+async def _held(_dht, node, key: str) -> tuple[int, int]:  # in the DHT process
+    key_id = DHTID.generate(source=key)
+    return tuple(
+        len(found.value) if found is not None and isinstance(found.value, DictionaryDHTValue) else 0
+        for found in (node.protocol.storage.get(key_id), node.protocol.cache.get(key_id))
+    )
+
+
+def test_the_node_keeps_at_most_the_bound_per_key_its_vouched_peers_included(flooded, identities):
+    peer, _ = flooded
+    me, friends, _ = identities
+    assert FLOOD > STORED
+    key = keys.progress_key(RUN)
+    found = swarm_dht.read_entries(peer, key, cap=10**6)
+    assert len(found) == STORED  # not 4 + FLOOD: the rest were refused or displaced
+    assert {me.peer_id, *(f.peer_id for f in friends)} <= {subkey for subkey, _, _ in found}
+    stored, cached = peer.run_coroutine(functools.partial(_held, key=key))
+    assert stored == STORED and cached <= STORED
 
 
 @pytest.fixture()
@@ -77,7 +107,7 @@ def verified(monkeypatch):
 def test_the_flood_is_stored_and_a_read_keeps_at_most_the_cap(flooded, identities, verified):
     peer, _ = flooded
     me, friends, sybils = identities
-    assert len(swarm_dht.read_entries(peer, keys.progress_key(RUN), cap=10**6)) == 4 + FLOOD  # all there
+    assert len(swarm_dht.read_entries(peer, keys.progress_key(RUN), cap=10**6)) == STORED
     assert selection.MAX_RECORDS_READ <= 500  # "a few hundred"
     found = swarm_dht.read_progress(peer, RUN, prefer={me.peer_id, *(f.peer_id for f in friends)})
     assert len(found) == selection.MAX_RECORDS_READ
