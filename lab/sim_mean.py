@@ -149,8 +149,11 @@ class GroupMeans:
         self._included = []
         phi_from = self.outers[0].phi_from(len(contributions[0]) // 2)
         split = len(contributions[0]) if phi_from is None else phi_from
+        partners = self.screening and phi_from is not None  # NoLoCo: owners judge their partners (pairs.py)
         rms = {  # per member, its own payload's RMS per value, Δ (True) and φ (False) apart
-            j: {True: reference_rms(c[:split]), False: reference_rms(c[split:])} for j, c in zip(group, contributions)
+            j: {True: reference_rms(c[:split]), False: reference_rms(c[split:])}
+            for j, c in zip(group, contributions)
+            if partners
         }
         for i in range(len(contributions[0])):
             owner = group[i % n]
@@ -166,8 +169,8 @@ class GroupMeans:
                         offenders[owner].add(j)
                         self.counts.dropped[j] = self.counts.dropped.get(j, 0) + 1
                     continue
-                own = contributions[group.index(owner)][i].detach().float()
-                if self.screening and phi_from is not None and j != owner and bool(torch.isfinite(own).all()):
+                own = contributions[group.index(owner)][i].detach().float() if partners and j != owner else None
+                if own is not None and bool(torch.isfinite(own).all()):
                     # NoLoCo (peer/sync/pairs.py): a φ far off is left out for the round, a pair's Δ for this piece
                     scale = cap_weight(weights[group.index(owner)], self.max_weight) / cap_weight(
                         weight, self.max_weight
@@ -310,7 +313,7 @@ class GroupMeans:
                 else:
                     mine.append(own[member][i].detach().float().clone())
                     caught.add(owner)  # a pair's owner refused on one piece is trusted on none
-            if keeps_own(False, is_pair(phi_from, n)):  # (peer/sync/receipts.py _judge_receipts)
+            if is_pair(phi_from, n):  # an owner refused on one piece is trusted on none (receipts.py _judge_receipts)
                 mine = [
                     own[member][i].detach().float().clone() if group[i % n] in caught else t for i, t in enumerate(mine)
                 ]

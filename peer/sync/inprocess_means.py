@@ -234,16 +234,15 @@ def screened_means(
     skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n} | equivocal
     for member in ids:
         suspects[member].add([ids[o] for o in skipped], round_)
-    own_values = keeps_own(False, pair)  # a pair: every replacement is the member's own values
     for piece in plan.pieces:
         delta = phi_from is None or piece.tensor < phi_from
         for r in range(n):
             # a pair's owner refused on one piece is trusted on none (as GroupAllreduce._judge_receipts)
-            caught = own_values and ids[piece.owner] in out[r].refused
+            caught = pair and ids[piece.owner] in out[r].refused
             if (held := out[r].mean) is not None and (piece.owner in skipped or caught):
                 target = piece_view(held[piece.tensor], piece)
                 own = piece_view(payloads[r][piece.tensor], piece).float()
-                target.copy_(torch.zeros_like(target) if delta and not own_values else own)
+                target.copy_(torch.zeros_like(target) if delta and not pair else own)
     for m in range(n):
         out[m].excluded = len(excluded[m])
         book[m].record(round_, [ids[x] for x in sorted(offenders[m] | struck[m])])

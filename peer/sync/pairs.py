@@ -71,12 +71,6 @@ multiple, or under its inverse, of this peer's own is refused: a zeroed or nearl
 would halve this peer's step) or one an order of magnitude too large. Honest partners' per-piece
 norms were 0.31 to 3.2 times each other's in the streaming run above (so the owners' 3x median clip
 is no bound for a pair); the mean itself stays within the receivers' 3x bound."""
-PAIR_REFUSED_AS_OWN = True
-"""Whether a pair's receiver applies a refused Δ mean as its own Δ (a step alone for that piece) rather
-than as a vote in the receipts, which in a pair skips the owner's pieces as zeros for both (a lost
-round of training there, for the honest peer too). bench/byzantine.py, NoLoCo, 1 and 2 attackers of 8:
-own values cost the honest peers +0.04 to +0.74 % against the votes' +1.5 to +4.8 % (sign-flip, noise,
-zeros, owner and subclip attacks; 1 seed, 3 rounds)."""
 RECONSTRUCTION_SLACK = 1.05
 """How much further than :data:`PAIR_DELTA_NORM_FACTOR` a receiver's reconstructed Δ may lie: the
 mean's fp32 sum and a lossy mean codec add their error twice to ``2m − x``."""
@@ -90,9 +84,10 @@ def is_pair(phi_from: int | None, group_size: int) -> bool:
 
 def keeps_own(phi: bool, pair: bool) -> bool:
     """Whether a refused mean is replaced by this receiver's own values at once, not voted on in the
-    receipts (peer/sync/receipts.py): φ pieces (NoLoCo's replicas differ) and, with
-    :data:`PAIR_REFUSED_AS_OWN`, every piece of a pair."""
-    return phi or (pair and PAIR_REFUSED_AS_OWN)
+    receipts (peer/sync/receipts.py): φ pieces (NoLoCo's replicas differ) and every piece of a pair,
+    whose vote of two would skip the owner's pieces as zeros for both (a lost round for the honest
+    peer too)."""
+    return phi or pair
 
 
 def partner_contribution(

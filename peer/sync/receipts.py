@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from peer.sync.pairs import is_pair, keeps_own
+from peer.sync.pairs import is_pair
 from peer.sync.screening import EQUIVOCATOR_IGNORE_ROUNDS, Strikes
 from protocol.wire import allreduce as frames
 from protocol.wire.pieces import piece_view
@@ -194,7 +194,7 @@ class ReceiptExchange:
         """Apply the receipts' verdict (peer/sync/receipts.py): the pieces of owners whose means
         differ between receivers become refused ones, and in a NoLoCo pair every piece of an owner
         this peer refused one of (its own values); equivocators and liars go into the stats."""
-        votes = not keeps_own(False, is_pair(self.phi_from, len(self.plan.peer_ids)))  # a pair's are no votes
+        votes = not is_pair(self.phi_from, len(self.plan.peer_ids))  # a pair's refusals are no votes
         found = verdict(self.plan.my_index, self._digests.digests(), self._receipts, votes=votes)
         ids = self.plan.peer_ids
         self.stats.equivocators = {str(ids[o]) for o in found.equivocators}

@@ -137,6 +137,21 @@ def test_an_honest_pair_is_never_refused(weights):
             assert torch.allclose(got, want, atol=1e-6)
 
 
+def _receiver_of_a_pair(mean, mine, *, weight: float, phi: bool, reference_rms: float):
+    """``receiver_problem`` of an honest pair's receiver whose contribution the owner included."""
+    return receiver_problem(
+        mean,
+        mine,
+        weight=weight,
+        included=2,
+        max_weight=TOKENS,
+        phi=phi,
+        included_self=True,
+        reference_rms=reference_rms,
+        pair=True,
+    )
+
+
 def test_the_pair_checks_pass_many_honest_pairs():
     """The checks alone, on 200 honest pairs at cosines 0.15 to 0.95 and weights a quarter to a full
     round: no owner leaves out a partner's piece, no receiver refuses an honest mean."""
@@ -152,17 +167,7 @@ def test_the_pair_checks_pass_many_honest_pairs():
                 found = partner_problem(theirs[k], mine[k], phi=phi, pair=True, scale=w_me / w_them, reference_rms=rms)
                 assert found is None, (trial, cosine, w, k, found)
                 mean = (w_me * mine[k] + w_them * theirs[k]) / (w_me + w_them)
-                problem = receiver_problem(
-                    mean,
-                    mine[k],
-                    weight=w_me,
-                    included=2,
-                    max_weight=TOKENS,
-                    phi=phi,
-                    included_self=True,
-                    reference_rms=rms,
-                    pair=True,
-                )
+                problem = _receiver_of_a_pair(mean, mine[k], weight=w_me, phi=phi, reference_rms=rms)
                 assert problem is None, (trial, cosine, w, k, problem)
 
 
@@ -174,23 +179,12 @@ def test_honest_partners_apart_as_measured_between_real_peers_pass():
     x, noise = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
     noise -= (noise @ x) / (x @ x) * x  # orthogonal to x, same norm as x
     noise *= x.norm() / noise.norm()
-    rms = float(x.pow(2).mean().sqrt())
     for cosine, ratio in [(-0.55, 1.0), (-0.3, 0.31), (0.0, 3.2), (0.2, 1 / 3.2), (-0.5, 3.0)]:
         c = ratio * (cosine * x + math.sqrt(1 - cosine**2) * noise)
         for mine, theirs in [(x, c), (c, x)]:
-            own_rms = float(mine.pow(2).mean().sqrt()) if mine is c else rms
-            assert partner_problem(theirs, mine, phi=False, pair=True, reference_rms=own_rms) is None, (cosine, ratio)
-            problem = receiver_problem(
-                (mine + theirs) / 2,
-                mine,
-                weight=TOKENS,
-                included=2,
-                max_weight=TOKENS,
-                phi=False,
-                included_self=True,
-                reference_rms=own_rms,
-                pair=True,
-            )
+            rms = float(mine.pow(2).mean().sqrt())
+            assert partner_problem(theirs, mine, phi=False, pair=True, reference_rms=rms) is None, (cosine, ratio)
+            problem = _receiver_of_a_pair((mine + theirs) / 2, mine, weight=TOKENS, phi=False, reference_rms=rms)
             assert problem is None, (cosine, ratio, problem)
 
 
