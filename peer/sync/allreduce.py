@@ -33,7 +33,8 @@ Rules on failure (checked, never assumed):
   RECEIPT; the owner is named in the stats (no voucher; struck where the norm failed).
 * Once a peer holds every mean it sends each owner a RECEIPT of what every owner sent it
   (peer/sync/receipts.py): an owner refused by half of the reports, or whose means differ
-  between receivers (equivocation), has its pieces applied as refused (Δ: zeros) by every peer;
+  between receivers (equivocation), has its pieces applied as refused by every peer (Δ: zeros,
+  each peer's own Δ there staged as its error-feedback residual, sent again next round);
   contradicted by two or more, it is named in ``AllreduceStats.equivocators`` (the averager
   ignores it from the next round).
 * A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
@@ -134,8 +135,8 @@ class GroupAllreduce(ReceiptExchange):
         plan: the group, pieces and codecs.
         tensors: this peer's payload, fp32, shapes as planned; overwritten with the means on success.
         weight: tokens behind this peer's contribution (> 0).
-        compensate / stage: error feedback hooks: ``compensate(piece, x) -> x + e`` and
-            ``stage(piece, compensated, decoded)``; the caller commits or rolls back.
+        compensate / stage: error feedback (peer/sync/error_feedback.py ``SyncFeedback``), the
+            caller commits or rolls back: ``compensate(piece, x) -> x + e``; ``stage(piece, x, decoded)``.
         open_stream: ``await open_stream(peer_id) -> (reader, writer)`` to an owner.
         next_chunk_timeout: seconds a silent sender or owner is waited for.
         executor: runs encode/decode off the event loop (torch releases the GIL).
@@ -156,7 +157,7 @@ class GroupAllreduce(ReceiptExchange):
         *,
         weight: float,
         compensate: Callable[[Piece, torch.Tensor], torch.Tensor],
-        stage: Callable[[Piece, torch.Tensor, torch.Tensor], None],
+        stage: Callable[[Piece, torch.Tensor, torch.Tensor | None], None],
         open_stream,
         next_chunk_timeout: float,
         executor: Executor | None = None,

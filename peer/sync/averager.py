@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from peer.net.limits import StreamSlots
 from peer.net.validator import protect_round
 from peer.state.sharing import StateSharing
 from peer.sync.allreduce import AllreduceStats, GroupAllreduce
-from peer.sync.error_feedback import ErrorFeedback
+from peer.sync.error_feedback import ErrorFeedback, SyncFeedback, keeps_residuals
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.pieces import make_group_plan, stronger_compression, trusted_owners
@@ -50,7 +49,6 @@ from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
 from protocol.manifest import CompressionSpec
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire import allreduce as frames, framing
-from protocol.wire.pieces import Piece
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +74,6 @@ class GroupOutcome:
     """This peer's counters of the exchange, also when it did not complete."""
     incomplete: str | None = None
     """Why this peer applied nothing from the round (tensors and residuals unchanged), or None."""
-
-
-def keeps_residuals(compression: CompressionSpec) -> bool:
-    """Whether a run with ``compression`` keeps error-feedback residuals (a lossy codec with
-    ``error_feedback`` on); otherwise the averager never holds any."""
-    return compression.error_feedback and compression.codec != "none"
 
 
 class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing, DecentralizedAverager):
@@ -139,7 +131,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         self._memory = memory or GroupmateMemory(None)
         self._strikes, self._distrust = self._memory.recall()  # clipped/dropped repeatedly; caught equivocating
         self._allreduce_slots: StreamSlots | None = None
-        self._error_feedback = None
+        self._error_feedback: ErrorFeedback | None = None
         self._subset: tuple[int, ...] | None = None  # the buffers the next sync averages (None: all)
         self._round_compression = compression  # the next sync's: the run's, or stronger_compression's
         self._uplink_bytes_per_s = uplink_mbps * 1e6 / 8
@@ -304,8 +296,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
 
     def error_feedback_residuals(self, timeout: float = 30.0) -> list[torch.Tensor] | None:
         """Copies of the committed error-feedback residuals in the averager process (fp32, one per
-        Δ tensor), or None when there are none (lossless codec, feedback off, no sync since the
-        start or the last reset). Call between syncs; a running sync's staged residuals are excluded.
+        Δ tensor), or None when there are none (lossless codec or feedback off: a skipped piece's
+        carried Δ is not checkpointed; no sync since the start or the last reset). Call between syncs; a running sync's staged residuals are excluded.
 
         Raises:
             TimeoutError: the averager process did not answer within ``timeout`` seconds.
@@ -336,10 +328,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
 
     async def _load_error_feedback(self, residuals, future) -> None:
         try:
-            ef = self._feedback([t.shape for t in self._averaged_tensors])
-            if ef is not None:
-                ef.load_residuals(residuals)
-            future.set_result(0 if ef is None else len(residuals))
+            if keeps_residuals(self.compression):  # else its checkpoints hold none
+                self._feedback([t.shape for t in self._averaged_tensors]).load_residuals(residuals)
+            future.set_result(len(residuals) if keeps_residuals(self.compression) else 0)
         except ValueError as exc:
             future.set_exception(exc)
 
@@ -480,22 +471,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     ),
                 )
                 ef = self._feedback([t.shape for t in all_tensors])
-                ef_lock = threading.Lock()
-
-                def has_feedback(piece: Piece) -> bool:
-                    return ef is not None and (phi_from is None or piece.tensor < phi_from)
-
-                def compensate(piece: Piece, x: torch.Tensor) -> torch.Tensor:
-                    if not has_feedback(piece):
-                        return x
-                    with ef_lock:
-                        return ef.compensate(index[piece.tensor], x, rows=self._rows(piece, shapes))
-
-                def stage(piece: Piece, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
-                    if not has_feedback(piece):
-                        return
-                    with ef_lock:
-                        ef.stage(index[piece.tensor], compensated, decoded, rows=self._rows(piece, shapes))
+                hooks = SyncFeedback(ef, index, shapes, phi_from, feeds=keeps_residuals(self.compression))
 
                 async def open_stream(peer_id):
                     _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, self.stream_protocol)
@@ -507,8 +483,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     plan,
                     tensors,
                     weight=kwargs.get("weight") or 1.0,
-                    compensate=compensate,
-                    stage=stage,
+                    compensate=hooks.compensate,
+                    stage=hooks.stage,
                     open_stream=open_stream,
                     next_chunk_timeout=self.next_chunk_timeout,
                     executor=self._codec_executor(),
@@ -525,15 +501,13 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 try:
                     stats = await asyncio.wait_for(session.run(), own_deadline)
                 except (TimeoutError, PartialAverage) as exc:
-                    if ef is not None:
-                        ef.rollback()
+                    ef.rollback()
                     reason = exc if isinstance(exc, PartialAverage) else f"not done in {own_deadline:.0f} s"
                     raise AllreduceIncomplete(
                         f"all-reduce of group {group_id.hex()[:8]} incomplete, nothing applied: {reason}"
                     ) from exc
                 session.apply()
-                if ef is not None:
-                    ef.commit()
+                ef.commit()
             if stats.send_seconds > 0 and stats.bytes_sent > 0:
                 self._uplink_bytes_per_s = stats.bytes_sent / stats.send_seconds
             self.last_updated = get_dht_time()
@@ -587,14 +561,10 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loco-codec")
         return self._executor
 
-    def _feedback(self, shapes):
-        if not keeps_residuals(self.compression):
-            return None
+    def _feedback(self, shapes) -> ErrorFeedback:
+        """This peer's residuals (created on first use): the codec's error where it keeps one
+        (:func:`keeps_residuals`), and with any codec the Δ of pieces the receipts skipped."""
         if self._error_feedback is None:
             n_delta = len(shapes) if self.phi_from is None else self.phi_from
             self._error_feedback = ErrorFeedback(list(shapes[:n_delta]))
         return self._error_feedback
-
-    @staticmethod
-    def _rows(piece: Piece, shapes) -> slice | None:
-        return None if len(shapes[piece.tensor]) == 0 else slice(piece.start, piece.stop)

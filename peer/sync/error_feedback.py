@@ -1,15 +1,28 @@
-"""Error feedback: the compression residuals a peer carries from one sync to the next.
+"""Error feedback: what a peer's Δ sent in one sync lost, carried into its next contribution.
 
 Part of the peer's sync state, not of the wire: the codecs (:mod:`protocol.codecs`) only encode
 and decode; what they dropped is kept here, staged while a sync runs and made current only once
-it succeeded.
+it succeeded. The same residuals carry a piece's whole Δ when the group's receipts skipped that
+piece (peer/sync/receipts.py: its owner lied), with any codec: every peer then re-sends its own Δ
+of that piece in its next contribution, instead of losing the round's work there.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
+
+from protocol.manifest import CompressionSpec
+from protocol.wire.pieces import Piece
+
+
+def keeps_residuals(compression: CompressionSpec) -> bool:
+    """Whether a run with ``compression`` carries its codec's error (a lossy codec with
+    ``error_feedback`` on); otherwise residuals hold only the Δ of pieces the receipts skipped,
+    and checkpoints hold none."""
+    return compression.error_feedback and compression.codec != "none"
 
 
 class ErrorFeedback:
@@ -29,6 +42,10 @@ class ErrorFeedback:
         self.shapes = [torch.Size(s) for s in shapes]
         self._e: list[torch.Tensor | None] = [None] * len(self.shapes)
         self._staged: list[tuple[int, slice | None, torch.Tensor]] = []
+
+    def holds(self, index: int) -> bool:
+        """Whether tensor ``index`` has a committed residual buffer (until then its residual is zero)."""
+        return self._e[index] is not None
 
     def _view(self, index: int, rows: slice | None) -> torch.Tensor | None:
         e = self._e[index]
@@ -95,3 +112,61 @@ class ErrorFeedback:
                 )
         self._e = [r.detach().to(torch.float32).clone() for r in residuals]
         self._staged.clear()
+
+
+class SyncFeedback:
+    """One sync's error-feedback hooks, :class:`peer.sync.allreduce.GroupAllreduce`'s ``compensate``
+    and ``stage``, over a peer's :class:`ErrorFeedback` (thread-safe: encoders run in an executor).
+
+    Args:
+        ef: the peer's residuals, one per Δ tensor of its whole payload.
+        index: per tensor of the sync's plan, its number in the whole payload (a fragment sync
+            plans a subset of the tensors).
+        shapes: the planned tensors' shapes.
+        phi_from: the first planned tensor that is φ (NoLoCo; φ carries nothing), or None.
+        feeds: carry the codec's error (:func:`keeps_residuals`); when False, a piece's residual is
+            only ever the Δ the receipts skipped, spent (set to zero) by the next sync that sends it.
+    """
+
+    def __init__(
+        self,
+        ef: ErrorFeedback,
+        index: Sequence[int],
+        shapes: Sequence[torch.Size],
+        phi_from: int | None,
+        *,
+        feeds: bool,
+    ):
+        self.ef, self.index, self.shapes, self.phi_from, self.feeds = ef, list(index), list(shapes), phi_from, feeds
+        self._lock = threading.Lock()
+
+    def _target(self, piece: Piece) -> tuple[int, slice | None] | None:
+        """(residual number, dim-0 rows) of a Δ piece; None for a φ piece."""
+        if self.phi_from is not None and piece.tensor >= self.phi_from:
+            return None
+        rows = None if len(self.shapes[piece.tensor]) == 0 else slice(piece.start, piece.stop)
+        return self.index[piece.tensor], rows
+
+    def compensate(self, piece: Piece, x: torch.Tensor) -> torch.Tensor:
+        """``x + e`` for the piece (a new fp32 tensor), or ``x`` itself where nothing is carried."""
+        target = self._target(piece)
+        if target is None or not (self.feeds or self.ef.holds(target[0])):
+            return x
+        with self._lock:
+            return self.ef.compensate(target[0], x, rows=target[1])
+
+    def stage(self, piece: Piece, compensated: torch.Tensor, decoded: torch.Tensor | None) -> None:
+        """Stage the piece's residual: ``compensated − decoded`` (with :attr:`feeds`; else zero), or
+        all of ``compensated`` when ``decoded`` is None (the receipts skipped the piece: none of it
+        was applied)."""
+        target = self._target(piece)
+        if target is None:
+            return
+        if decoded is None:
+            decoded = torch.zeros_like(compensated)
+        elif not self.feeds:
+            if not self.ef.holds(target[0]):
+                return  # a zero residual where none is held
+            decoded = compensated
+        with self._lock:
+            self.ef.stage(target[0], compensated, decoded, rows=target[1])

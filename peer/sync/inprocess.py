@@ -49,6 +49,7 @@ from peer.sync.transport import SyncResult
 from protocol import keys
 from protocol.errors import BadPayload, GroupNotFound, PartialAverage, StateDownloadFailed
 from protocol.records import ProgressRecord
+from protocol.wire.pieces import piece_view
 
 StateProvider = Callable[[], Sequence[Any]]
 """What a peer serves: a callable returning its state snapshots (peer/state/snapshot.py), newest last."""
@@ -336,6 +337,9 @@ class InProcessTransport:
         self.calls: list[tuple[int, str]] = []
         self.budgets: list[float] = []
         self.carried: list[tuple[int, int | None, list[tuple[int, ...]], list[int], str]] = []
+        self._residuals: dict[int, torch.Tensor] = {}
+        """Per payload tensor (whole-payload numbering), the Δ of pieces the receipts skipped, added
+        to its next contribution (as the network's error-feedback residuals carry it)."""
 
     def average(
         self,
@@ -368,6 +372,9 @@ class InProcessTransport:
         if phi_from is not None and tensors is not None:
             phi_from = sum(1 for i in tensors if i < phi_from)
         outcome: list[MemberOutcome] = []
+        numbers = list(tensors) if tensors is not None else list(range(len(payload)))
+        if self._residuals:
+            payload = [t.float() + self._residuals[i] if i in self._residuals else t for t, i in zip(payload, numbers)]
         try:
             mean, digests = self.hub.average(
                 self.peer_id,
@@ -385,6 +392,7 @@ class InProcessTransport:
             exc.bytes_sent = exc.bytes_received = self._bytes(payload, expected_group_size)[0]
             raise
         mine = outcome[0] if outcome else MemberOutcome(mean=None)
+        self._carry(mine.carried, numbers, [t.shape for t in payload])
         sent, received = self._bytes(payload, len(digests))
         return SyncResult(
             mean=mean,
@@ -399,6 +407,19 @@ class InProcessTransport:
             refused=tuple(sorted(mine.refused)),
             refused_pieces=mine.refused_pieces,
         )
+
+    def _carry(
+        self, carried: Sequence[tuple[Any, torch.Tensor]], numbers: Sequence[int], shapes: Sequence[torch.Size]
+    ) -> None:
+        """After a completed sync of tensors ``numbers``: their residuals are spent, replaced by the
+        skipped pieces' contributions (``MemberOutcome.carried``)."""
+        for i in numbers:
+            self._residuals.pop(i, None)
+        for piece, value in carried:
+            i = numbers[piece.tensor]
+            if i not in self._residuals:
+                self._residuals[i] = torch.zeros(shapes[piece.tensor], dtype=torch.float32)
+            piece_view(self._residuals[i], piece).copy_(value)
 
     def _bytes(self, payload: Sequence[torch.Tensor], group_size: int) -> tuple[int, int]:
         if self.bytes_per_sync is not None:
@@ -444,7 +465,7 @@ class InProcessTransport:
         raise StateDownloadFailed(f"no donor of {list(donors)} serves state {digest_hex}", failed=failed)
 
     def reset_error_feedback(self) -> None:
-        pass
+        self._residuals.clear()
 
     def error_feedback_residuals(self) -> list[torch.Tensor] | None:
         return None

@@ -82,6 +82,9 @@ class MemberOutcome:
     refused: dict[str, str] = field(default_factory=dict)
     """Owners whose mean of some piece it refused (``owner_mean_problem``), with the first reason."""
     refused_pieces: int = 0
+    carried: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
+    """The Δ pieces the receipts skipped, each with this member's contribution to it (fp32): what it
+    adds to its next contribution (peer/sync/error_feedback.py, as the network's residuals carry it)."""
 
 
 def screened_means(
@@ -114,7 +117,8 @@ def screened_means(
     implies); a refused φ piece, or any of a pair, is applied as the member's own values, a
     refused Δ piece of a larger group is a vote, as in the receipts (peer/sync/receipts.py
     ``verdict``): an owner refused by at least half of the group's n reports has its pieces applied
-    by every member as refused (Δ: zeros, φ: the member's own values), as is an owner whose
+    by every member as refused (Δ: zeros, each member's contribution there in its ``carried``; φ:
+    the member's own values), as is an owner whose
     receivers got different means of a piece (their receipts' digests would differ), any other's
     means as received; a received mean that is not finite fails that member's sync (its decode
     check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
@@ -243,6 +247,8 @@ def screened_means(
                 target = piece_view(held[piece.tensor], piece)
                 own = piece_view(payloads[r][piece.tensor], piece).float()
                 target.copy_(torch.zeros_like(target) if delta and not pair else own)
+                if delta and not pair:
+                    out[r].carried.append((piece, own.clone()))
     for m in range(n):
         out[m].excluded = len(excluded[m])
         book[m].record(round_, [ids[x] for x in sorted(offenders[m] | struck[m])])

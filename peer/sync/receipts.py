@@ -16,7 +16,9 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
 * an owner whose pieces at least half of the reports refuse (its own report, an acceptance,
   counted), or whose digests are not all equal, has its pieces **skipped** this round (applied as
   zeros for Δ, as this peer's own values for φ), by every peer, the owner itself included, so the
-  honest peers still hold one φ; an owner refused by fewer has its means applied by every peer,
+  honest peers still hold one φ, and each peer carries its own Δ of those pieces into its next
+  contribution (peer/sync/error_feedback.py), so the round's work there is delayed, not lost;
+  an owner refused by fewer has its means applied by every peer,
   the receivers that refused them included (one receiver, honest or not, decides nothing alone);
   in a NoLoCo pair refusals are no votes (each receiver applies its own values, peer/sync/pairs.py);
 * it is an **equivocator** when at least :data:`MIN_DISSENT` reporters disagree with the most
@@ -39,7 +41,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,7 +153,7 @@ def distrust(stats: Any, peer_ids: Any, round_: int, *, strikes: Strikes, distru
 class ReceiptExchange:
     """The receipts half of :class:`peer.sync.allreduce.GroupAllreduce` (its state: ``_digests``,
     ``_receipts``, ``_receipt_writers``, ``_serving``, ``_changed``, ``plan``, ``tensors``, ``results``,
-    ``stats``, ``timeout``, ``phi_from``, ``_write``)."""
+    ``stats``, ``timeout``, ``phi_from``, ``compensate``, ``stage``, ``_write``)."""
 
     _digests: MeanDigests
     _receipts: dict[int, dict[int, bytes]]
@@ -164,6 +166,8 @@ class ReceiptExchange:
     stats: Any
     timeout: float
     phi_from: int | None
+    compensate: Callable[[Any, torch.Tensor], torch.Tensor]
+    stage: Callable[[Any, torch.Tensor, torch.Tensor | None], None]
 
     def _write(self, writer: asyncio.StreamWriter, payload: bytes) -> None:
         raise NotImplementedError
@@ -192,8 +196,9 @@ class ReceiptExchange:
 
     def _judge_receipts(self) -> None:
         """Apply the receipts' verdict (peer/sync/receipts.py): the pieces of owners whose means
-        differ between receivers become refused ones, and in a NoLoCo pair every piece of an owner
-        this peer refused one of (its own values); equivocators and liars go into the stats."""
+        differ between receivers become refused ones (a Δ piece's contribution staged whole as its
+        residual), and in a NoLoCo pair every piece of an owner this peer refused one of (its own
+        values); equivocators and liars go into the stats."""
         votes = not is_pair(self.phi_from, len(self.plan.peer_ids))  # a pair's refusals are no votes
         found = verdict(self.plan.my_index, self._digests.digests(), self._receipts, votes=votes)
         ids = self.plan.peer_ids
@@ -208,6 +213,8 @@ class ReceiptExchange:
                 delta = self.phi_from is None or piece.tensor < self.phi_from
                 own = piece_view(self.tensors[piece.tensor], piece)
                 self.results[piece.index] = torch.zeros_like(own) if delta and votes else own.clone()
+                if delta and votes:  # this peer's Δ there goes out again next sync (error feedback)
+                    self.stage(piece, self.compensate(piece, own.float()), None)
         if found.skipped - found.refused:
             logger.warning(
                 "all-reduce %s: owners %s sent different means to different groupmates; their pieces "

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from peer.sync.allreduce import GroupAllreduce
+from peer.sync.error_feedback import SyncFeedback, keeps_residuals
 from peer.sync.pieces import GroupPlan
 from protocol import codecs
 from protocol.manifest import CompressionSpec
@@ -34,13 +35,16 @@ async def run_group(
     phi_from=None,
     distrusted=frozenset(),
     sending=None,
+    feedback=None,
 ):
     """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``; every
     owner leaves the groupmates ``ignored`` (indices) out of its means. An owner in ``liars``
     (index → ``forge(honest mean) -> tensor``) sends ``forge`` of each mean it computes instead;
     ``phi_from``: tensors from that index on are NoLoCo's φ; ``distrusted``: owners whose means every
     peer applies as refused; ``sending``: index → ``make(session)`` returning that owner's
-    ``_send_means(writer)`` (an equivocator's).
+    ``_send_means(writer)`` (an equivocator's); ``feedback``: per peer its
+    :class:`~peer.sync.error_feedback.ErrorFeedback` (the run's hooks, as the averager wires them;
+    committed where the run succeeded, else rolled back), or None: no error feedback.
 
     Returns:
         (sessions, outcomes): every session (tensors hold the means where its run succeeded)
@@ -82,12 +86,15 @@ async def run_group(
                 max_piece_bytes=[codecs.max_encoded_bytes(s) for s in shapes_of_pieces],
                 seeds=[p.index for p in pieces],
             )
+            hooks = None
+            if feedback is not None:
+                hooks = SyncFeedback(feedback[i], range(len(shapes)), shapes, phi_from, feeds=keeps_residuals(spec))
             sessions[i] = GroupAllreduce(
                 plan,
                 [t.clone() for t in payloads[i]],
                 weight=weights[i],
-                compensate=lambda piece, x: x,
-                stage=lambda *a: None,
+                compensate=hooks.compensate if hooks else lambda piece, x: x,
+                stage=hooks.stage if hooks else lambda *a: None,
                 open_stream=open_stream,
                 next_chunk_timeout=timeout,
                 max_weight=max_weight,
@@ -102,9 +109,11 @@ async def run_group(
             ready[i].set()
         try:
             outcomes = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
-            for s, outcome in zip(sessions, outcomes):
+            for i, (s, outcome) in enumerate(zip(sessions, outcomes)):
                 if not isinstance(outcome, BaseException):
                     s.apply()
+                if feedback is not None:
+                    (feedback[i].rollback if isinstance(outcome, BaseException) else feedback[i].commit)()
                 s.close()
         finally:
             for server in servers:

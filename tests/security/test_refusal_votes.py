@@ -14,9 +14,11 @@ import torch
 
 import peer.sync.allreduce as allreduce_module
 import peer.sync.pairs as pairs_module
+from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.pieces import MAX_DISTRUST, SUSPECT_ROUNDS, Suspects, trusted_owners
 from peer.sync.receipts import REFUSED, verdict
 from peer.sync.screening import MeanRefusal, owner_mean_problem
+from protocol.manifest import CompressionSpec
 from tests.security.group import run_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,6 +74,50 @@ def test_flipped_owner_means_are_skipped_by_every_peer():
                 assert torch.allclose(got, mean[piece.tensor][piece.start : piece.stop], atol=1e-5)
         for got, want in zip(s.tensors, honest[0].tensors):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_skipped_piece_is_carried_into_the_next_round(codec):
+    """The liar's pieces, skipped, move nothing this round; each honest peer stages its own Δ there
+    as its residual (with a lossless codec too), so its next contribution sends it again: the next
+    round's mean there is the mean of both rounds' Δ, and the carry is spent."""
+    spec = CompressionSpec(codec=codec)
+    ps = payloads(41)
+    feedback = [ErrorFeedback(SHAPES) for _ in range(N)]
+    options = dict(piece_elements=512, max_weight=1024, spec=spec)
+    first, outcomes = asyncio.run(run_group(ps, [1024] * N, liars={LIAR: lambda m: -m}, feedback=feedback, **options))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    skipped = [p for p in first[0].plan.pieces if p.owner == LIAR]
+    assert skipped
+    for i, s in enumerate(first[:LIAR]):
+        assert s.stats.skipped_owners == {str(LIAR)}
+        residuals = feedback[i].residuals()
+        assert residuals is not None
+        for piece in s.plan.pieces:
+            rows = slice(piece.start, piece.stop)
+            carried, own = residuals[piece.tensor][rows], ps[i][piece.tensor][rows]
+            if piece.owner == LIAR:
+                assert torch.equal(carried, own)  # all of it, none having been applied
+            elif codec == "none":
+                assert not carried.any()  # a lossless codec carries nothing else
+            elif piece.owner != i:  # int8: what the codec dropped (an owner's own pieces stay exact)
+                assert 0 < carried.norm() < 0.05 * own.norm()
+    # the next round, the honest peers only: the liar's old pieces average both rounds' Δ
+    nxt = payloads(42)[:LIAR]
+    second, outcomes = asyncio.run(run_group(nxt, [1024] * LIAR, feedback=feedback[:LIAR], **options))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    both = honest_mean([[a + b for a, b in zip(p, q)] for p, q in zip(nxt, ps)])
+    alone = honest_mean(nxt)
+    tol = 1e-5 if codec == "none" else 0.05
+    for t in range(len(SHAPES)):
+        want = alone[t].clone()
+        for piece in skipped:
+            if piece.tensor == t:
+                want[piece.start : piece.stop] = both[t][piece.start : piece.stop]
+        assert torch.allclose(second[0].tensors[t], want, atol=tol), t
+        assert not torch.allclose(alone[t], want, atol=tol) or not any(p.tensor == t for p in skipped)
+    if codec == "none":
+        assert all(not r.any() for f in feedback[:LIAR] for r in f.residuals())  # the carry is spent
 
 
 def test_one_receiver_refusing_alone_skips_nothing(monkeypatch):

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from peer.sync.error_feedback import ErrorFeedback
+from peer.sync.error_feedback import ErrorFeedback, SyncFeedback
 from protocol.codecs import Codec, decode
+from protocol.wire.pieces import Piece
 
 
 def _feedback_gap(name: str, rounds: int, use_feedback: bool) -> tuple[float, float, float]:
@@ -86,3 +87,39 @@ def test_load_residuals_refuses_what_does_not_fit_and_keeps_the_old_ones():
     with pytest.raises(ValueError, match="non-finite"):
         ef.load_residuals([torch.full((2, 2), float("nan"))])
     assert torch.equal(ef.residuals()[0], torch.ones(2, 2))
+
+
+def _piece(tensor: int, start: int, stop: int) -> Piece:
+    return Piece(index=0, tensor=tensor, start=start, stop=stop, owner=0)
+
+
+def test_sync_feedback_without_a_lossy_codec_carries_only_skipped_pieces():
+    shapes = [torch.Size([4, 2]), torch.Size([3])]
+    ef = ErrorFeedback(shapes[:1])  # tensor 1 is φ (NoLoCo): no residual
+    hooks = SyncFeedback(ef, [0, 1], shapes, phi_from=1, feeds=False)
+    x = torch.ones(2, 2)
+    assert hooks.compensate(_piece(0, 0, 2), x) is x  # nothing held: no copy
+    hooks.stage(_piece(0, 0, 2), x, x)
+    ef.commit()
+    assert not ef.holds(0)  # a zero residual allocates nothing
+    hooks.stage(_piece(0, 2, 4), 2 * x, None)  # skipped: carried whole
+    hooks.stage(_piece(1, 0, 3), torch.ones(3), None)  # φ: never carried
+    ef.commit()
+    assert torch.equal(ef.residuals()[0], torch.tensor([[0.0, 0], [0, 0], [2, 2], [2, 2]]))
+    sent = hooks.compensate(_piece(0, 2, 4), x)
+    assert torch.equal(sent, 3 * x)
+    hooks.stage(_piece(0, 2, 4), sent, sent)  # sent and applied: spent, not the codec's error
+    ef.commit()
+    assert not ef.residuals()[0].any()
+
+
+def test_sync_feedback_with_a_lossy_codec_stages_the_codecs_error():
+    ef = ErrorFeedback([torch.Size([4])])
+    hooks = SyncFeedback(ef, [0], [torch.Size([4])], phi_from=None, feeds=True)
+    x = torch.tensor([1.0, 2.0])
+    compensated = hooks.compensate(_piece(0, 0, 2), x)
+    assert compensated is not x and torch.equal(compensated, x)
+    hooks.stage(_piece(0, 0, 2), compensated, torch.tensor([1.0, 1.5]))
+    hooks.stage(_piece(0, 2, 4), x, None)
+    ef.commit()
+    assert torch.equal(ef.residuals()[0], torch.tensor([0.0, 0.5, 1.0, 2.0]))

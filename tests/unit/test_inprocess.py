@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from peer.state.snapshot import make_snapshot
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport, butterfly_bytes
+from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport, PieceRules, butterfly_bytes
 from peer.sync.membership import RoundSwarm, SwarmView
 from peer.sync.transport import NetworkTransport, RoundTransport
 from protocol.errors import BadPayload, GroupNotFound, StateDownloadFailed
@@ -135,6 +135,57 @@ def test_a_fixed_group_size_and_a_failing_transport():
 
     with pytest.raises(GroupNotFound, match="scripted"):
         InProcessTransport("b", hub, fail=fail).average([torch.ones(2)], weight=1.0, round_=1, expected_group_size=1)
+
+
+class _FlippingOwner:
+    """GroupHooks of a liar that sends every mean it owns sign-flipped; records each contribution."""
+
+    def __init__(self, liar: str):
+        self.liar, self.sent = liar, {}
+
+    def contribution(self, peer_id, payload, weight, phi_from):
+        self.sent.setdefault(peer_id, []).append([t.clone() for t in payload])
+        return payload, weight
+
+    def owner_mean(self, owner, receiver, piece, mean, phi):
+        return -mean if owner == self.liar else mean
+
+    def records(self, peer_id, record, hub):
+        return [(peer_id, record)]
+
+    def served(self, peer_id, snapshots):
+        return snapshots
+
+
+def test_a_skipped_piece_is_carried_into_the_next_contribution():
+    """As the network's receipts and error feedback do: the pieces of an owner the group refuses
+    move nothing that round, and each member adds its contribution there to its next one, once."""
+    ids, shapes = ["a", "b", "c", "d"], [torch.Size([64, 32]), torch.Size([1024])]
+    hooks = _FlippingOwner("d")
+    hub = InProcessHub(rules=PieceRules(piece_elements=512), hooks=hooks)
+    transports = [InProcessTransport(p, hub) for p in ids]
+    gen = torch.Generator().manual_seed(5)
+    rounds = [[[torch.randn(s, generator=gen) for s in shapes] for _ in ids] for _ in range(3)]
+    results: dict[int, dict[str, object]] = {}
+    for r, payloads in enumerate(rounds):
+        results[r] = {}
+
+        def one(t, p, r=r):
+            results[r][t.peer_id] = t.average(p, weight=1.0, round_=r, expected_group_size=len(ids))
+
+        threads = [threading.Thread(target=one, args=args) for args in zip(transports, payloads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    for m, member in enumerate(ids[:3]):
+        assert any((results[0][member].mean[k] == 0).any() for k in range(2))  # the liar's pieces
+        for k in range(2):
+            extra = hooks.sent[member][1][k] - rounds[1][m][k]  # round 1's contribution minus its Δ
+            held = rounds[0][m][k] * (results[0][member].mean[k] == 0)  # round 0's Δ where it moved nothing
+            torch.testing.assert_close(extra, held)
+            torch.testing.assert_close(hooks.sent[member][2][k], rounds[2][m][k])  # carried once
+        assert not transports[m]._residuals
 
 
 def _snapshot(value: float, run_id: str = "run", round_: int = 2):
