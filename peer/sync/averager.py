@@ -297,7 +297,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
     def error_feedback_residuals(self, timeout: float = 30.0) -> list[torch.Tensor] | None:
         """Copies of the committed error-feedback residuals in the averager process (fp32, one per
         Δ tensor), or None when there are none (lossless codec or feedback off: a skipped piece's
-        carried Δ is not checkpointed; no sync since the start or the last reset). Call between syncs; a running sync's staged residuals are excluded.
+        carried Δ is not checkpointed; no sync since the start or the last reset). Call between
+        syncs; a running sync's staged residuals are excluded.
 
         Raises:
             TimeoutError: the averager process did not answer within ``timeout`` seconds.
