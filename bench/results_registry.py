@@ -264,7 +264,7 @@ REGISTRY: dict[str, Entry] = {
     "byzantine": Entry(
         "Byzantine peers",
         "Change in validation loss and takeovers when malicious peers run each attack, against a clean swarm.",
-        "python bench/byzantine.py --rounds 3 --set sync.inner_steps=10 --seeds 0 --malicious 1 2 --jobs 2 "
+        "python bench/byzantine.py --rounds 3 --set sync.inner_steps=10 --seeds 0 1 --malicious 1 2 --jobs 2 "
         "--matchmaking-s 30",
         [
             Table(
