@@ -192,7 +192,13 @@ def run_engine_simulation(
         )
     honest = [i for i in range(peers) if adversary is None or i not in adversary.peers]
     rules = (
-        PieceRules(compression=manifest.compression, max_weight=float(round_token_cap(manifest))) if screening else None
+        PieceRules(
+            compression=manifest.compression,
+            max_weight=float(round_token_cap(manifest)),
+            whole_delta=manifest.sync.overlap == "none",
+        )
+        if screening
+        else None
     )
     hub = InProcessHub(matchmaking_s=matchmaking_s, rules=rules, hooks=hooks)
     non_finite: set[int] = set()

@@ -1,4 +1,3 @@
-# GroupAllreduce's owner and sender halves share one session's state, counters and stream helpers.
 """locoswarm's group all-reduce: a butterfly reduce-scatter plus all-gather of codec-compressed
 pieces on hivemind's libp2p streams (frames: protocol/wire/allreduce.py; plan: pieces.py).
 
@@ -26,11 +25,10 @@ Rules on failure (checked, never assumed):
   *excluded* by that owner: the owner's remaining means average the other senders only, with their
   weights, and each MEAN frame names the senders it includes. Every receiver gets the same bytes,
   so φ stays identical among the peers that complete.
-* A receiver checks every mean an owner sends against its own contribution to that piece
-  (peer/sync/screening.py ``owner_mean_problem``: norm bounds, direction, φ closeness; in a NoLoCo
-  pair also the owner's contribution the mean implies, peer/sync/pairs.py). A refused φ mean, or
-  any of a pair, is applied as this peer's own values; a refused Δ mean is a vote in this peer's
-  RECEIPT; the owner is named in the stats (no voucher; struck where the norm failed).
+* A receiver checks every mean against its own contribution (screening.py ``owner_mean_problem``;
+  a NoLoCo pair: the owner's contribution it implies, its whole Δ's direction at the receipts,
+  pairs.py). A refused φ mean, or any of a pair, is applied as this peer's own values; a refused Δ
+  mean is a vote in its RECEIPT; the owner is named in the stats (struck where the norm failed).
 * Once a peer holds every mean it sends each owner a RECEIPT of what every owner sent it
   (peer/sync/receipts.py): an owner refused by half of the reports, or whose means differ
   between receivers (equivocation), has its pieces applied as refused by every peer (Δ: zeros,
@@ -54,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.sync.pairs import is_pair, keeps_own, partner_problem, receiver_problem
+from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
 from peer.sync.robust import centered_clip
@@ -148,6 +146,7 @@ class GroupAllreduce(ReceiptExchange):
             mean is replaced (zeros for Δ, own values for φ and in a pair) and which checks apply.
         distrusted: owners (indices) caught equivocating in an earlier round: their means are applied
             as refused without a check (pass them in ``ignored`` too).
+        whole_delta: a pair's receiver judges its owner's whole Δ (pairs.py ``PairTally``): blocking syncs.
     """
 
     def __init__(
@@ -165,6 +164,7 @@ class GroupAllreduce(ReceiptExchange):
         ignored: frozenset[int] = frozenset(),
         phi_from: int | None = None,
         distrusted: frozenset[int] = frozenset(),
+        whole_delta: bool = True,
     ):
         if max_weight is not None and not max_weight > 0:
             raise ValueError(f"max_weight = {max_weight!r}: expected a number of tokens > 0 or None")
@@ -173,8 +173,7 @@ class GroupAllreduce(ReceiptExchange):
         self.compensate, self.stage, self.open_stream = compensate, stage, open_stream
         self.timeout, self.executor = next_chunk_timeout, executor
         self.stats = AllreduceStats()
-        n = len(plan.peer_ids)
-        me = plan.my_index
+        n, me = len(plan.peer_ids), plan.my_index
         self.my_pieces = [p for p in plan.pieces if p.owner == me]
         self.pieces_by_owner: dict[int, list[Piece]] = {}
         for p in plan.pieces:
@@ -195,7 +194,8 @@ class GroupAllreduce(ReceiptExchange):
         self._mean_writers: set[asyncio.Task] = set()
         """Owner: the tasks writing this peer's MEAN frames back to each sender (:meth:`serve`)."""
         self.results: dict[int, torch.Tensor] = {}
-        self.phi_from, self.pair = phi_from, is_pair(phi_from, n)
+        self.phi_from, self.pair, self.whole_delta = phi_from, is_pair(phi_from, n), whole_delta
+        self._tallies: dict[int, PairTally] = {}  # a pair's receiver: per owner, its whole Δ so far
         self._reference: dict[bool, float] = {}
         """This peer's own payload's RMS per value, of its Δ tensors (True) and φ tensors (False): the
         unit of the floor of the receiver's norm bound (``owner_mean_problem``'s ``reference_rms``)."""
@@ -276,11 +276,10 @@ class GroupAllreduce(ReceiptExchange):
             except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError) as exc:
                 self._write(writer, frames.encode_abort(f"rejected: {exc!r}"))
                 await writer.drain()
-                if sender is not None:
-                    await self._exclude(sender, repr(exc))
                 return
             sender = hello.sender
             weight = self._capped(sender, hello.weight)
+            self._tallies.setdefault(sender, PairTally()).partner_weight = weight  # a pair's receiver judges with it
             async with self._changed:
                 self._connected.add(sender)
                 self._serving.add(sender)
@@ -484,6 +483,7 @@ class GroupAllreduce(ReceiptExchange):
             included_self=included[self.plan.my_index],
             reference_rms=self._rms(delta),
             pair=self.pair,
+            tally=self._tallies.setdefault(owner, PairTally()) if self.pair and delta else None,
         )
         if problem is None:
             return value

@@ -99,6 +99,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             (:func:`peer.sync.screening.round_token_cap`); a groupmate claiming more is weighted
             with this. None: no cap.
         memory: keeps whom this peer leaves out across restarts (peer/sync/suspicion_store.py); None: not.
+        whole_delta: in a NoLoCo pair, the receiver judges its owner's whole Δ (peer/sync/pairs.py
+            ``PairTally``): True where a Δ is one round's training alone (``sync.overlap = "none"``).
         **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
 
@@ -116,12 +118,14 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         piece_elements: int | None = None,
         max_weight_tokens: float | None = None,
         memory: GroupmateMemory | None = None,
+        whole_delta: bool = True,
         **kwargs,
     ):
         if kwargs.get("next_chunk_timeout") is None:
             raise ValueError("LocoAverager needs next_chunk_timeout: a silent groupmate must not stall a round")
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements, self.max_weight_tokens = piece_elements, max_weight_tokens
+        self.whole_delta = whole_delta  # GroupAllreduce's: a pair judges its owner's whole Δ
         self._init_state_sharing()
         self._stream_limits = StreamLimits.for_matchmaking(
             kwargs.get("min_matchmaking_time", 5.0), kwargs.get("request_timeout") or 3.0
@@ -493,6 +497,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     ignored=frozenset(i for i, p in enumerate(group_info.peer_ids) if p in ignored),
                     phi_from=phi_from,
                     distrusted=frozenset(i for i, p in enumerate(group_info.peer_ids) if p in distrusted),
+                    whole_delta=self.whole_delta,
                 )
                 if not future.done():
                     future.set_result(session)

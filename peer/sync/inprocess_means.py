@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from peer.sync.allreduce import piece_mean
-from peer.sync.pairs import is_pair, keeps_own, partner_problem, receiver_problem
+from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem
 from peer.sync.pieces import Suspects, make_group_plan, trusted_owners
 from peer.sync.screening import Strikes, cap_weight, reference_rms
 from protocol.manifest import CompressionSpec
@@ -34,11 +34,14 @@ class PieceRules:
         piece_elements: target piece size (None: protocol/wire/pieces.py ``PIECE_ELEMENTS``).
         max_weight: the token cap on one contribution (peer/sync/screening.py ``round_token_cap``);
             None: no cap.
+        whole_delta: whether a pair's receiver judges its owner's whole Δ (peer/sync/pairs.py
+            ``PairTally``), as a NetworkTransport does in a blocking sync (``sync.overlap = "none"``).
     """
 
     compression: CompressionSpec = field(default_factory=CompressionSpec)
     piece_elements: int | None = None
     max_weight: float | None = None
+    whole_delta: bool = True
 
 
 class GroupHooks(Protocol):
@@ -114,7 +117,7 @@ def screened_means(
     checks it as ``GroupAllreduce._checked_mean`` does (``receiver_problem`` against its own
     contribution, with its claimed weight, the count included, the cap, the φ checks, the
     floor from its payload's ``reference_rms`` and in a pair the owner's contribution the mean
-    implies); a refused φ piece, or any of a pair, is applied as the member's own values, a
+    implies, its whole Δ judged once every mean is in, ``PairTally``); a refused φ piece, or any of a pair, is applied as the member's own values, a
     refused Δ piece of a larger group is a vote, as in the receipts (peer/sync/receipts.py
     ``verdict``): an owner refused by at least half of the group's n reports has its pieces applied
     by every member as refused (Δ: zeros, each member's contribution there in its ``carried``; φ:
@@ -158,6 +161,7 @@ def screened_means(
     offenders: list[set[int]] = [set() for _ in range(n)]
     struck: list[set[int]] = [set() for _ in range(n)]
     refusers: list[set[int]] = [set() for _ in range(n)]  # per owner: the members that refused a mean of it
+    tallies: dict[tuple[int, int], PairTally] = {}  # a pair: per (receiver, owner), the owner's whole Δ
     equivocal: set[int] = set()  # owners whose receivers got different means of a piece
     firsts: dict[int, torch.Tensor] = {}  # per piece: the mean its first receiver got
     out = [MemberOutcome(mean=[torch.zeros(t.shape, dtype=torch.float32) for t in payloads[0]]) for _ in range(n)]
@@ -222,6 +226,7 @@ def screened_means(
                 included_self=included[r],
                 reference_rms=references[r][delta],
                 pair=pair,
+                tally=tallies.setdefault((r, o), PairTally()) if pair and delta else None,
             )
             if problem is None:
                 continue
@@ -232,6 +237,13 @@ def screened_means(
             out[r].refused_pieces += 1
             out[r].refused.setdefault(ids[o], str(problem))
             if problem.strike:
+                struck[r].add(o)
+    for (r, o), tally in tallies.items() if rules.whole_delta else ():  # a pair's whole Δ, at the receipts
+        w_r, w_o = (cap_weight(float(weights[m]), rules.max_weight) for m in (r, o))
+        if (found := tally.problem(w_r, w_o)) is not None and ids[o] not in out[r].refused:
+            out[r].refused[ids[o]] = f"the partner's contribution it implies fails: {found[0]}"
+            out[r].refused_pieces += tally.pieces
+            if found[1]:
                 struck[r].add(o)
     # the receipts' verdict (peer/sync/receipts.py): an owner refused by half of the group's reports
     # (its own an acceptance) is skipped by every member, the others' means are applied by all

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from peer.sync.pairs import is_pair
-from peer.sync.screening import EQUIVOCATOR_IGNORE_ROUNDS, Strikes
+from peer.sync.pairs import PairTally, is_pair
+from peer.sync.screening import EQUIVOCATOR_IGNORE_ROUNDS, Strikes, cap_weight
 from protocol.wire import allreduce as frames
 from protocol.wire.pieces import piece_view
 
@@ -156,6 +156,10 @@ class ReceiptExchange:
     ``stats``, ``timeout``, ``phi_from``, ``compensate``, ``stage``, ``_write``)."""
 
     _digests: MeanDigests
+    _tallies: dict[int, PairTally]
+    weight: float
+    max_weight: float | None
+    whole_delta: bool
     _receipts: dict[int, dict[int, bytes]]
     _receipt_writers: dict[int, asyncio.StreamWriter]
     _serving: set[int]
@@ -205,6 +209,26 @@ class ReceiptExchange:
         self.stats.equivocators = {str(ids[o]) for o in found.equivocators}
         self.stats.receipt_liars = {str(ids[s]) for s in found.liars}
         self.stats.skipped_owners = {str(ids[o]) for o in found.skipped}
+        if not votes and self.whole_delta:  # a pair: the whole Δ its owner implies (pairs.py PairTally)
+            weight = cap_weight(self.weight, self.max_weight)
+            for owner, tally in self._tallies.items():
+                partner = tally.partner_weight or self.max_weight or weight
+                logger.debug(
+                    "all-reduce: owner %d's whole Δ (cosine, norm ratio): %s", owner, tally.measure(weight, partner)
+                )
+                if (problem := tally.problem(weight, partner)) is None or str(ids[owner]) in self.stats.refused:
+                    continue
+                self.stats.refused[str(ids[owner])] = f"the partner's contribution it implies fails: {problem[0]}"
+                self.stats.refused_pieces += tally.pieces
+                if problem[1]:
+                    self.stats.struck_owners.add(str(ids[owner]))
+                logger.warning(
+                    "all-reduce %s: refused the Δ of owner %d (%s): %s; applying this peer's own values",
+                    self.plan.group_id.hex()[:8],
+                    owner,
+                    ids[owner],
+                    problem[0],
+                )
         # a pair's owner this peer refused on one piece is trusted on none (peer/sync/pairs.py): its
         # small pieces go unjudged, and an owner of Δ pieces only is refused without a strike
         caught = set() if votes else {o for o in range(len(ids)) if str(ids[o]) in self.stats.refused}

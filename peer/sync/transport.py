@@ -202,6 +202,8 @@ class NetworkTransport:
             phi_from=phi_from,
             piece_elements=piece_elements,
             max_weight_tokens=max_weight_tokens,
+            # an overlapped sync's Δ holds what the last landing's merge left: no whole-Δ judgement
+            whole_delta=sync.overlap == "none",
             memory=GroupmateMemory(None if memory_dir is None else memory_dir / GROUPMATES_FILE),
             prefix=keys.averager_prefix(run_id, sync.algorithm),
             initial_group_bits=keys.round_group_bits(0),

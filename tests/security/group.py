@@ -36,6 +36,8 @@ async def run_group(
     distrusted=frozenset(),
     sending=None,
     feedback=None,
+    whole_delta=True,
+    mean_of=None,
 ):
     """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``; every
     owner leaves the groupmates ``ignored`` (indices) out of its means. An owner in ``liars``
@@ -44,7 +46,9 @@ async def run_group(
     peer applies as refused; ``sending``: index → ``make(session)`` returning that owner's
     ``_send_means(writer)`` (an equivocator's); ``feedback``: per peer its
     :class:`~peer.sync.error_feedback.ErrorFeedback` (the run's hooks, as the averager wires them;
-    committed where the run succeeded, else rolled back), or None: no error feedback.
+    committed where the run succeeded, else rolled back), or None: no error feedback;
+    ``whole_delta``: every session's (a blocking sync's True); ``mean_of``: index → ``make(session)``
+    returning that owner's ``_mean_of(piece, parts, included)`` (a liar that forges per piece).
 
     Returns:
         (sessions, outcomes): every session (tensors hold the means where its run succeeded)
@@ -101,11 +105,14 @@ async def run_group(
                 ignored=ignored,
                 phi_from=phi_from,
                 distrusted=distrusted,
+                whole_delta=whole_delta,
             )
             if sending and i in sending:  # an owner that equivocates: its MEAN frames per stream
                 sessions[i]._send_means = sending[i](sessions[i])
             if liars and i in liars:
                 sessions[i]._mean_of = _lying(sessions[i], liars[i])
+            if mean_of and i in mean_of:
+                sessions[i]._mean_of = mean_of[i](sessions[i])
             ready[i].set()
         try:
             outcomes = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)

@@ -16,9 +16,10 @@ import torch
 
 from lab.adversary import Adversary
 from lab.engine_sim import run_engine_simulation
-from peer.sync.pairs import partner_problem, receiver_problem
+from peer.sync.pairs import PairTally, partner_problem, receiver_problem
 from peer.sync.screening import reference_rms
 from protocol.presets import tiny_run
+from protocol.wire import allreduce as frames
 from protocol.wire.pieces import plan_pieces
 from tests.security.group import run_group
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
@@ -62,6 +63,7 @@ FORGES = {
     "flipped under the clip (-2.5x)": lambda m: -2.5 * m,
     "zeros": torch.zeros_like,
     "shrunk to a tenth": lambda m: 0.1 * m,
+    "inflated (1.9x)": lambda m: 1.9 * m,  # implies a partner Δ about 2.5x this peer's, its way
 }
 
 
@@ -186,6 +188,108 @@ def test_honest_partners_apart_as_measured_between_real_peers_pass():
             assert partner_problem(theirs, mine, phi=False, pair=True, reference_rms=rms) is None, (cosine, ratio)
             problem = _receiver_of_a_pair((mine + theirs) / 2, mine, weight=TOKENS, phi=False, reference_rms=rms)
             assert problem is None, (cosine, ratio, problem)
+
+
+def _tally(x: torch.Tensor, c: torch.Tensor, *, w_x: float, w_c: float, pieces: int = 4) -> PairTally:
+    """What a pair's receiver folds in from honest means of ``c`` (its partner's Δ, weight ``w_c``)
+    and its own ``x`` (weight ``w_x``), cut into ``pieces`` pieces."""
+    tally = PairTally()
+    for xs, cs in zip(x.chunk(pieces), c.chunk(pieces)):
+        tally.add((w_x * xs + w_c * cs) / (w_x + w_c), xs, implied=True)
+    return tally
+
+
+def _apart(x: torch.Tensor, cosine: float, ratio: float, seed: int = 0) -> torch.Tensor:
+    """A vector at ``cosine`` to ``x`` with ``ratio`` times its norm."""
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+    noise -= (noise @ x) / (x @ x) * x
+    noise *= x.norm() / noise.norm()
+    return ratio * (cosine * x + math.sqrt(1 - cosine**2) * noise)
+
+
+@pytest.mark.parametrize(
+    "cosine,ratio,w_x,w_c",
+    [
+        (0.56, 0.65, TOKENS, TOKENS),  # the ends measured between real blocking NoLoCo peers
+        (0.93, 1.12, TOKENS, TOKENS),
+        (-0.2, 1.6, TOKENS, TOKENS),  # further than measured
+        (0.3, 4.0, TOKENS // 4, TOKENS),  # this peer joined a quarter into the round
+        (0.3, 0.25, TOKENS, TOKENS // 4),  # its partner did
+        (-0.95, 1.0, 1, TOKENS),  # this peer trained nothing since its last sync: no direction
+    ],
+)
+def test_the_whole_delta_check_passes_honest_partners(cosine, ratio, w_x, w_c):
+    """A pair's receiver judges its owner's whole Δ with the partner's claimed weight: honest
+    partners as far apart as measured (and further) pass, whatever their weights."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    tally = _tally(x, _apart(x, cosine, ratio), w_x=w_x, w_c=w_c)
+    measured = tally.measure(w_x, w_c)
+    assert measured is not None and measured[0] == pytest.approx(cosine, abs=1e-4)
+    assert measured[1] == pytest.approx(ratio, rel=1e-4)
+    assert tally.problem(w_x, w_c) is None
+
+
+@pytest.mark.parametrize(
+    "cosine,ratio,strike",
+    [(-0.5, 1.0, False), (-0.93, 1.9, False), (0.9, 2.8, True), (0.9, 0.3, False), (1.0, 0.0, False)],
+)
+def test_the_whole_delta_check_refuses_a_flipped_inflated_or_shrunk_partner(cosine, ratio, strike):
+    """Whole Δ pointing away (subclip-flip's owners implied -0.93 to -0.44), inflated along this
+    peer's own (about 2.8x) or shrunk to nothing: refused, a strike only over the norm bound."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    found = _tally(x, _apart(x, cosine, ratio), w_x=TOKENS, w_c=TOKENS).problem(TOKENS, TOKENS)
+    assert found is not None and found[1] == strike, found
+
+
+def test_a_direct_mean_is_judged_as_the_partners_own_delta():
+    """Pieces whose mean holds only the owner's Δ (it left this peer's out) count as that Δ itself."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(3))
+    tally = PairTally()
+    tally.add(-x, x, implied=False)
+    assert tally.measure(TOKENS, TOKENS) == pytest.approx((-1.0, 1.0))
+    assert tally.problem(TOKENS, TOKENS) is not None
+
+
+def test_a_pairs_owner_flipping_its_whole_delta_under_every_piece_check_is_refused():
+    """The Δ owner sends means implying its partner's Δ at cosine -0.5 with the receiver's on every
+    piece (each piece's norm in bounds, so no piece alone is refused): the receiver refuses the whole
+    Δ at the receipts and applies its own values on every piece of that owner; with
+    ``whole_delta=False`` (an overlapped sync) it applies the means."""
+    payloads = honest_pair(6, cosine=0.9)
+    x = [t.clone() for t in payloads[1][:PHI_FROM]]
+    implied = [_apart(t.flatten(), -0.5, 1.0, seed=k).view(t.shape) for k, t in enumerate(x)]
+    forged = {k: (x[k] + implied[k]) / 2 for k in range(PHI_FROM)}
+
+    def forge_of(session):
+        honest = session._mean_of
+
+        def mean_of(piece, parts, included):
+            _, value, clipped = honest(piece, parts, included)
+            if piece.tensor < PHI_FROM:
+                value = forged[piece.tensor][piece.start : piece.stop].clone()
+            data, value = session._roundtrip(piece, value, session.plan.mean_codecs[piece.index])
+            return frames.encode_mean(piece.index, included, data), value, clipped
+
+        return mean_of
+
+    for whole in (True, False):
+        sessions, outcomes = asyncio.run(
+            run_group(
+                payloads,
+                [TOKENS] * 2,
+                max_weight=TOKENS,
+                piece_elements=PIECE_ELEMENTS,
+                phi_from=PHI_FROM,
+                whole_delta=whole,
+                mean_of={0: forge_of},
+            )
+        )
+        assert not isinstance(outcomes[1], BaseException), outcomes[1]
+        me = sessions[1]
+        assert list(me.stats.refused) == ([str(0)] if whole else [])
+        for k in range(PHI_FROM):
+            want = x[k] if whole else forged[k]
+            assert torch.allclose(me.tensors[k], want, atol=1e-6), (whole, k)
 
 
 def _engine(corpus, attack: str | None):
