@@ -7,6 +7,8 @@
 4: the all-reduce ends with RECEIPT frames (issue #51, item 3), progress records may carry ``caps``
    (issue #53, item 10), bootstrap nodes sign a home run, peers serve shards and tokenizers over
    their own stream protocols (issue #52); version-3 peers abort on a RECEIPT and refuse ``caps``.
+5: a RECEIPT entry carries the sender's alignment with the owner's Δ means (issue #51, item 4);
+   version-4 peers cannot parse it.
 """
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5

@@ -196,16 +196,14 @@ class GroupAllreduce(ReceiptExchange):
         self.results: dict[int, torch.Tensor] = {}
         self.phi_from, self.pair, self.whole_delta = phi_from, is_pair(phi_from, n), whole_delta
         self._tallies: dict[int, PairTally] = {}  # a pair's receiver: per owner, its whole Δ so far
-        self._reference: dict[bool, float] = {}
-        """This peer's own payload's RMS per value, of its Δ tensors (True) and φ tensors (False): the
-        unit of the floor of the receiver's norm bound (``owner_mean_problem``'s ``reference_rms``)."""
+        self._reference: dict[bool, float] = {}  # :meth:`_rms`, the unit of the receivers' norm floor
         self._sent: dict[int, torch.Tensor] = {}
         """Per piece sent to another owner: this peer's contribution as that owner decodes it (bf16
         for lossy codecs, to halve the copy), to check the owner's mean against."""
         self.distrusted = distrusted
         self._digests = MeanDigests()
         """Per owner, the digest of the MEAN payloads it sent this peer (this peer's own: it sent)."""
-        self._receipts: dict[int, dict[int, bytes]] = {}
+        self._receipts: dict[int, frames.Receipt] = {}
         self._receipt_writers: dict[int, asyncio.StreamWriter] = {}
         """Streams to owners, kept open after their means until this peer's RECEIPT is written."""
         self._serving: set[int] = set()
@@ -468,6 +466,8 @@ class GroupAllreduce(ReceiptExchange):
             return value
         mine, delta = mine.float(), self.phi_from is None or piece.tensor < self.phi_from
         votes = not keeps_own(not delta, self.pair)  # else: this peer's own values at once, no vote
+        if votes:  # a Δ piece of a group: its alignment is reported (peer/sync/receipts.py)
+            self._digests.align(owner, mine, value)
         kept = value if votes else mine
         if owner in self.distrusted:  # caught equivocating in an earlier round
             if votes:

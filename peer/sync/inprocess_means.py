@@ -17,6 +17,7 @@ import torch
 from peer.sync.allreduce import piece_mean
 from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem
 from peer.sync.pieces import Suspects, make_group_plan, trusted_owners
+from peer.sync.receipts import MeanDigests, misaligned
 from peer.sync.screening import Strikes, cap_weight, reference_rms
 from protocol.manifest import CompressionSpec
 from protocol.records import ProgressRecord
@@ -123,7 +124,8 @@ def screened_means(
     by every member as refused (Δ: zeros, each member's contribution there in its ``carried``; φ:
     the member's own values), as is an owner whose
     receivers got different means of a piece (their receipts' digests would differ), any other's
-    means as received; a received mean that is not finite fails that member's sync (its decode
+    means as received (an owner whose Δ means its receivers' alignments find out of line, receipts.py
+    ``misaligned``, skipped too); a received mean that is not finite fails that member's sync (its decode
     check). Afterwards each member's :class:`~peer.sync.screening.Strikes` records the
     senders it clipped or dropped as an owner and the owners it refused with a strike, as
     ``LocoAverager._strike`` does.
@@ -164,6 +166,7 @@ def screened_means(
     tallies: dict[tuple[int, int], PairTally] = {}  # a pair: per (receiver, owner), the owner's whole Δ
     equivocal: set[int] = set()  # owners whose receivers got different means of a piece
     firsts: dict[int, torch.Tensor] = {}  # per piece: the mean its first receiver got
+    digests = [MeanDigests() for _ in range(n)]  # each member's alignments with each owner
     out = [MemberOutcome(mean=[torch.zeros(t.shape, dtype=torch.float32) for t in payloads[0]]) for _ in range(n)]
     split = len(payloads[0]) if phi_from is None else phi_from
     references = [
@@ -213,6 +216,8 @@ def screened_means(
                 out[r].error = out[r].error or f"owner {ids[o]}: piece {piece.index} holds NaN or inf"
                 continue
             target.copy_(sent)  # the receipts' verdict below may replace it
+            if delta and not pair:  # the alignment r reports on o in its receipt
+                digests[r].align(o, views[r], sent)
             first = firsts.setdefault(piece.index, sent)
             if first is not sent and not torch.equal(first, sent):
                 equivocal.add(o)  # receivers got different means: their receipts' digests differ
@@ -248,6 +253,8 @@ def screened_means(
     # the receipts' verdict (peer/sync/receipts.py): an owner refused by half of the group's reports
     # (its own an acceptance) is skipped by every member, the others' means are applied by all
     skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n} | equivocal
+    if not pair:
+        skipped |= misaligned({r: digests[r].alignments() for r in range(n)}, owners={p.owner for p in plan.pieces})
     for member in ids:
         suspects[member].add([ids[o] for o in skipped], round_)
     for piece in plan.pieces:

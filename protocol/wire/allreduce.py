@@ -17,7 +17,8 @@ MEAN   kind 3, u32 piece index, u16 group size n, ceil(n/8) bytes of bitmap: whi
        mean includes (bit i = sender i), then one codec encoding of the weighted fp32 mean
 ABORT  kind 4, then a UTF-8 reason of at most 1 KiB (read stripped of control characters)
 RECEIPT kind 5, u16 count, then count × (u16 owner index, 16-byte BLAKE2b digest of the MEAN
-       frame payloads that owner sent this sender, in piece order; the sender's own: those it sent)
+       frame payloads that owner sent this sender, in piece order, the sender's own: those it sent;
+       f32 the sender's alignment with that owner's Δ means, NaN for none: peer/sync/receipts.py)
 ====== ===================================================================================
 
 The parsers here check everything that is not codec data before anything is allocated or
@@ -42,7 +43,7 @@ from protocol.wire.framing import kind_of
 HELLO, PIECE, MEAN, ABORT, RECEIPT = 1, 2, 3, 4, 5
 KIND_NAMES = {HELLO: "HELLO", PIECE: "PIECE", MEAN: "MEAN", ABORT: "ABORT", RECEIPT: "RECEIPT"}
 RECEIPT_HEADER = struct.Struct(">BH")
-RECEIPT_ENTRY = struct.Struct(">H16s")
+RECEIPT_ENTRY = struct.Struct(">H16sf")
 RECEIPT_DIGEST_BYTES = 16
 PIECE_HEADER = struct.Struct(">BI")
 MEAN_HEADER = struct.Struct(">BIH")
@@ -179,15 +180,32 @@ def max_receipt_bytes(group_size: int) -> int:
     return RECEIPT_HEADER.size + group_size * RECEIPT_ENTRY.size
 
 
-def encode_receipt(digests: dict[int, bytes]) -> bytes:
-    """A RECEIPT of ``digests`` (owner index → 16-byte digest of the MEAN payloads it sent)."""
+@dataclass(frozen=True)
+class Receipt:
+    """One RECEIPT, parsed."""
+
+    digests: dict[int, bytes]
+    """Owner index → digest of the MEAN payloads that owner sent the receipt's sender."""
+    alignments: dict[int, float]
+    """Owner index → the sender's alignment with that owner's Δ means (finite values only)."""
+
+
+def encode_receipt(digests: dict[int, bytes], alignments: dict[int, float] | None = None) -> bytes:
+    """A RECEIPT of ``digests`` (owner index → 16-byte digest of the MEAN payloads it sent) and
+    ``alignments`` (owner index → float; absent, non-finite or beyond float32: sent as NaN)."""
+    alignments = alignments or {}
+
+    def f32(owner: int) -> float:
+        value = alignments.get(owner, math.nan)
+        return value if math.isfinite(value) and abs(value) < 3.0e38 else math.nan
+
     return RECEIPT_HEADER.pack(RECEIPT, len(digests)) + b"".join(
-        RECEIPT_ENTRY.pack(owner, digest) for owner, digest in sorted(digests.items())
+        RECEIPT_ENTRY.pack(owner, digest, f32(owner)) for owner, digest in sorted(digests.items())
     )
 
 
-def parse_receipt(payload: bytes, *, group_size: int) -> dict[int, bytes]:
-    """Owner index → digest of a RECEIPT frame.
+def parse_receipt(payload: bytes, *, group_size: int) -> Receipt:
+    """A RECEIPT frame's digests and finite alignments by owner index.
 
     Raises:
         BadPayload: not a RECEIPT, a count above ``group_size`` or a length other than the count's,
@@ -200,10 +218,12 @@ def parse_receipt(payload: bytes, *, group_size: int) -> dict[int, bytes]:
     _, count = RECEIPT_HEADER.unpack_from(payload)
     if count > group_size or len(payload) != RECEIPT_HEADER.size + count * RECEIPT_ENTRY.size:
         raise BadPayload(f"RECEIPT of {count} entries in {len(payload)} bytes, group of {group_size}")
-    out: dict[int, bytes] = {}
+    out = Receipt({}, {})
     for k in range(count):
-        owner, digest = RECEIPT_ENTRY.unpack_from(payload, RECEIPT_HEADER.size + k * RECEIPT_ENTRY.size)
-        if owner >= group_size or owner in out:
+        owner, digest, alignment = RECEIPT_ENTRY.unpack_from(payload, RECEIPT_HEADER.size + k * RECEIPT_ENTRY.size)
+        if owner >= group_size or owner in out.digests:
             raise BadPayload(f"RECEIPT names owner {owner} (group of {group_size}, or twice)")
-        out[owner] = digest
+        out.digests[owner] = digest
+        if math.isfinite(alignment):
+            out.alignments[owner] = alignment
     return out

@@ -140,7 +140,7 @@ def test_the_verdict():
 
 def test_a_receipt_is_bounded_and_checked():
     payload = frames.encode_receipt({0: b"x" * 16, 3: b"y" * 16})
-    assert frames.parse_receipt(payload, group_size=4) == {0: b"x" * 16, 3: b"y" * 16}
+    assert frames.parse_receipt(payload, group_size=4) == frames.Receipt({0: b"x" * 16, 3: b"y" * 16}, {})
     assert len(payload) <= frames.max_receipt_bytes(4)
     for bad, group in ((payload, 3), (payload[:-1], 4), (frames.encode_receipt({1: b"z" * 16}) + b"!", 4)):
         with pytest.raises(frames.BadPayload):
