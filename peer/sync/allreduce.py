@@ -52,39 +52,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem
+from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem, whole_partner_problem
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
-from peer.sync.robust import centered_clip
-from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, clip_to_median, reference_rms
+from peer.sync.robust import piece_mean
+from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, reference_rms
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.wire import allreduce as frames, framing
 from protocol.wire.pieces import Piece, piece_shape, piece_view
 
 logger = logging.getLogger(__name__)
-
-
-def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
-    """An owner's mean of one piece (step 3 above, before the codec): the contributions clipped to
-    the median rule (peer/sync/screening.py ``clip_to_median``), then CenteredClip
-    (peer/sync/robust.py ``centered_clip``, arXiv 2012.10333 Eq. 2: the plain token-weighted mean,
-    summed in fp32 in sender order, when no contribution is out of line or fewer than 4 are
-    included). Only the owner computes it and every receiver gets its bytes, so receivers stay
-    bit-identical whatever it clips. The in-process hub (peer/sync/inprocess.py) calls it too.
-
-    Args:
-        parts: ``(capped token weight > 0, fp32 tensor)`` per included contribution, all finite, one
-            shape, at least one.
-
-    Returns:
-        ``(mean, clipped)``: a new fp32 tensor of the piece's shape (finite unless the weighted sum
-        overflows) and the positions in ``parts`` the median rule clipped (a strike each; what
-        CenteredClip clips is not struck: it may clip an honest outlier, e.g. a fresh joiner's Δ).
-    """
-    parts, clipped = clip_to_median(parts)
-    mean, _ = centered_clip(parts)
-    return mean, clipped
 
 
 @dataclass
@@ -346,27 +324,15 @@ class GroupAllreduce(ReceiptExchange):
                 self._contrib[piece.index][me] = (self._capped(me, self.weight), own)
             else:  # never average a non-finite value, not even our own
                 await self._exclude(me, f"own piece {piece.index} holds NaN or inf")
+        whole = self.pair and self.whole_delta  # a pair's owner judges its partner's whole Δ first
+        for piece in self.my_pieces if whole else ():
+            await self._wait_for(piece)
+        away = self._partners_away() if whole else set()
         for piece in self.my_pieces:
             slots = self._contrib[piece.index]
-            last_change = time.monotonic()
-            async with self._changed:
-                while True:
-                    waiting = [s for s in range(n) if s not in self._excluded and slots[s] is None]
-                    if not waiting:
-                        break
-                    silent = time.monotonic() - last_change
-                    if silent > self.timeout:
-                        for s in waiting:
-                            self._exclude_locked(
-                                s, "never connected" if s not in self._connected else "sent nothing in time"
-                            )
-                        continue
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), timeout=self.timeout - silent + 0.05)
-                        last_change = time.monotonic()
-                    except TimeoutError:
-                        pass
-            left_out: set[int] = set()  # NoLoCo (peer/sync/pairs.py): a φ far off, a pair's Δ pointing away
+            await self._wait_for(piece)
+            # NoLoCo (peer/sync/pairs.py): a φ far off, a pair's Δ pointing away (this piece or whole)
+            left_out: set[int] = set() if self.phi_from is None or piece.tensor >= self.phi_from else set(away)
             if self.phi_from is not None and (ours := slots[me]) is not None:
                 phi = piece.tensor >= self.phi_from
                 others = [(s, x) for s, x in enumerate(slots) if s != me and s not in self._excluded and x is not None]
@@ -401,6 +367,39 @@ class GroupAllreduce(ReceiptExchange):
             self._digests.add(me, payload)
             self._mean_frames[piece.index].set_result(payload)
             self._contrib[piece.index] = []  # free the contributions
+
+    async def _wait_for(self, piece: Piece) -> None:
+        """Owner: wait for every contribution to ``piece``; one silent for a next-chunk timeout is excluded."""
+        slots, n, last_change = self._contrib[piece.index], len(self.plan.peer_ids), time.monotonic()
+        async with self._changed:
+            while waiting := [s for s in range(n) if s not in self._excluded and slots[s] is None]:
+                silent = time.monotonic() - last_change
+                if silent > self.timeout:
+                    for s in waiting:
+                        self._exclude_locked(
+                            s, "never connected" if s not in self._connected else "sent nothing in time"
+                        )
+                    continue
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=self.timeout - silent + 0.05)
+                    last_change = time.monotonic()
+                except TimeoutError:
+                    pass
+
+    def _partners_away(self) -> set[int]:
+        """Owner of a pair's pieces, every contribution in: the partners whose whole Δ fails pairs.py
+        ``whole_partner_problem`` (left out of every Δ piece; struck over the norm bound)."""
+        me, away = self.plan.my_index, set()
+        delta = [p.index for p in self.my_pieces if self.phi_from is not None and p.tensor < self.phi_from]
+        for s in sorted(set(range(len(self.plan.peer_ids))) - {me} - self._excluded):
+            got = [(c, x) for i in delta if (c := self._contrib[i][s]) is not None and (x := self._contrib[i][me])]
+            if got and len(got) == len(delta):
+                theirs, ours = [c[1] for c, _ in got], [x[1] for _, x in got]
+                if found := whole_partner_problem(theirs, ours, weight=got[0][1][0], partner_weight=got[0][0][0]):
+                    away.add(s)
+                    self.stats.dropped.update({s} if found[1] else ())
+                    logger.warning("all-reduce: left groupmate %d's Δ out of every piece: %s", s, found[0])
+        return away
 
     def _roundtrip(self, piece: Piece, x: torch.Tensor, codec=None) -> tuple[bytes, torch.Tensor]:
         codec = self.plan.codecs[piece.index] if codec is None else codec

@@ -10,7 +10,7 @@ the same two roles (:class:`~peer.sync.transport.RoundTransport`,
   member getting the same tensors (as the all-reduce gives everyone the same bytes); with
   :class:`PieceRules` the group's pieces are dealt and aggregated as the network's all-reduce does
   (peer/sync/inprocess_means.py :func:`screened_means`: peer/sync/pieces.py's plan, each owner's screening and mean with
-  peer/sync/allreduce.py ``piece_mean``, each receiver's ``owner_mean_problem``, the strikes), and
+  peer/sync/robust.py ``piece_mean``, each receiver's ``owner_mean_problem``, the strikes), and
   :class:`GroupHooks` let a lab adversary forge contributions, owners' means, records and served
   states (lab/adversary.py). A group is keyed as
   the network keys matchmaking (the round or streaming fragment, protocol/keys.py ``sync_index``,

@@ -1,7 +1,7 @@
 """A group's all-reduce as the network computes it, in one process (the in-process hub's rules).
 
 :func:`screened_means` deals a group's pieces with peer/sync/pieces.py's plan and aggregates them
-with the network's own functions (peer/sync/allreduce.py ``piece_mean``, peer/sync/screening.py's
+with the network's own functions (peer/sync/robust.py ``piece_mean``, peer/sync/screening.py's
 screening, receivers' check and strikes); :class:`GroupHooks` are where a lab adversary
 (lab/adversary.py) forges what a malicious peer sends. peer/sync/inprocess.py's hub calls them.
 """
@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 import torch
 
-from peer.sync.allreduce import piece_mean
-from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem
+from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem, whole_partner_problem
 from peer.sync.pieces import Suspects, make_group_plan, trusted_owners
 from peer.sync.receipts import MeanDigests, misaligned
+from peer.sync.robust import piece_mean
 from peer.sync.screening import Strikes, cap_weight, reference_rms
 from protocol.manifest import CompressionSpec
 from protocol.records import ProgressRecord
@@ -173,6 +173,19 @@ def screened_means(
         {True: reference_rms(p[:split]), False: reference_rms(p[split:])} for p in payloads
     ]  # the floor of each receiver's norm bound, Δ and φ apart
     failed = ""
+    away: list[set[int]] = [set() for _ in range(n)]  # a pair's owner: partners left out of every Δ piece
+    for o in range(n) if pair and rules.whole_delta else ():
+        mine = [p for p in plan.pieces if p.owner == o and p.tensor < split]
+        ours = [piece_view(payloads[o][p.tensor], p).float() for p in mine]
+        for s_ in [s_ for s_ in range(n) if s_ != o and s_ not in excluded[o]]:
+            theirs = [piece_view(payloads[s_][p.tensor], p).float() for p in mine]
+            if not mine or not all(bool(torch.isfinite(t).all()) for t in theirs + ours):
+                continue  # a non-finite contribution is excluded below
+            w_o, w_s = (cap_weight(float(weights[m]), rules.max_weight) for m in (o, s_))
+            if (found := whole_partner_problem(theirs, ours, weight=w_o, partner_weight=w_s)) is not None:
+                away[o].add(s_)
+                if found[1]:
+                    offenders[o].add(s_)
     for piece in plan.pieces:
         o, delta = piece.owner, phi_from is None or piece.tensor < phi_from
         views = [piece_view(p[piece.tensor], piece).float() for p in payloads]
@@ -181,7 +194,7 @@ def screened_means(
                 excluded[o].add(s_)  # a sender's BadPayload (a strike), or the owner's own piece
                 if s_ != o:
                     offenders[o].add(s_)
-        left_out: set[int] = set()  # a pair's Δ contributions its owner leaves out of this piece only
+        left_out = set(away[o]) if delta else set()  # a pair's Δ its owner leaves out (this piece or whole)
         if phi_from is not None and o not in excluded[o]:
             for s_ in [s_ for s_ in range(n) if s_ != o and s_ not in excluded[o]]:
                 w_o, w_s = (cap_weight(float(weights[m]), rules.max_weight) for m in (o, s_))

@@ -51,6 +51,7 @@ pointing its way.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,11 @@ over all those pieces together, has a cosine with this peer's own Δ there not a
 two real peers in blocking NoLoCo (tests/integration/test_noloco_swarm.py) the honest whole-Δ
 cosines were 0.56 to 0.93; on the round engine 0.85 to 0.95; a sign flip under the clip
 (bench/byzantine.py ``subclip-flip``) gave -0.93 to -0.44."""
+PAIR_OWNER_MIN_COSINE = 0.2
+"""An owner of a pair's Δ pieces leaves its partner's Δ out of all of them when the partner's whole
+Δ has a cosine with its own not above this (:func:`whole_partner_problem`): higher than a
+receiver's :data:`PAIR_WHOLE_MIN_COSINE`, since the owner's refusal splits nothing (both apply its
+means; the partner's round of work there is lost), and it catches noise (``noise``: cosine about 0)."""
 PAIR_WHOLE_NORM_FACTOR = 2.0
 """... and when that whole contribution's norm is over this multiple of this peer's own there, or
 under its inverse (:func:`ratio_problem`). Honest ratios: 0.65 to 1.12 between real blocking
@@ -153,8 +159,10 @@ class PairTally:
             return 0.0, 0.0
         return cx / math.sqrt(cc * xx), math.sqrt(cc / xx)
 
-    def problem(self, weight: float, partner_weight: float) -> tuple[str, bool] | None:
-        """Why the owner's whole Δ is refused (:data:`PAIR_WHOLE_MIN_COSINE`,
+    def problem(
+        self, weight: float, partner_weight: float, *, min_cosine: float = PAIR_WHOLE_MIN_COSINE
+    ) -> tuple[str, bool] | None:
+        """Why the owner's whole Δ is refused (cosine not above ``min_cosine``, norm off by over
         :data:`PAIR_WHOLE_NORM_FACTOR`), or None; (one-line reason, whether it counts a strike:
         over the norm bound)."""
         if (found := self.measure(weight, partner_weight)) is None:
@@ -163,9 +171,24 @@ class PairTally:
         scale = weight / partner_weight
         if (problem := ratio_problem(ratio, scale, PAIR_WHOLE_NORM_FACTOR, "its whole Δ's")) is not None:
             return problem
-        if judges_direction(scale) and not cosine > PAIR_WHOLE_MIN_COSINE:
-            return f"its whole Δ's cosine with this peer's is {cosine:.3g}, not above {PAIR_WHOLE_MIN_COSINE:g}", False
+        if judges_direction(scale) and not cosine > min_cosine:
+            return f"its whole Δ's cosine with this peer's is {cosine:.3g}, not above {min_cosine:g}", False
         return None
+
+
+def whole_partner_problem(
+    theirs: Sequence[torch.Tensor], ours: Sequence[torch.Tensor], *, weight: float, partner_weight: float
+) -> tuple[str, bool] | None:
+    """Why the owner of a pair's Δ pieces leaves its partner's contribution out of every one of them,
+    or None: the partner's whole Δ (``theirs``, fp32, one tensor per piece, as decoded) against the
+    owner's own (``ours``, same shapes), judged as :class:`PairTally` judges with
+    :data:`PAIR_OWNER_MIN_COSINE`; weights are capped claims in tokens. A blocking sync's owner
+    judges this before it reduces any piece (peer/sync/allreduce.py ``_reduce_my_pieces``); nothing
+    splits, both peers apply its means."""
+    tally = PairTally()
+    for c, x in zip(theirs, ours):
+        tally.add(c, x, implied=False)
+    return tally.problem(weight, partner_weight, min_cosine=PAIR_OWNER_MIN_COSINE)
 
 
 def is_pair(phi_from: int | None, group_size: int) -> bool:

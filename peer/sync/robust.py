@@ -1,5 +1,5 @@
-"""Robust aggregation of one piece's contributions: the owner's mean (peer/sync/allreduce.py
-``piece_mean``; issue #51, item 4).
+"""Robust aggregation of one piece's contributions: the owner's mean (:func:`piece_mean`, as
+peer/sync/allreduce.py and the in-process hub take it; issue #51, item 4).
 
 An owner of a piece (peer/sync/allreduce.py) averages every groupmate's contribution to it. A
 weighted mean lets one contribution move the result anywhere its norm allows; the median-norm clip
@@ -21,7 +21,7 @@ Determinism: every operation runs on the CPU in a fixed order over the contribut
 order (float64 norms, fp32 sums), so an owner gives the same bits for the same inputs; only the
 owner computes a piece's mean and every groupmate receives its bytes, so groupmates still hold
 bit-identical φ whatever it clips. When no contribution is out of line (every distance within τ),
-:func:`centered_clip` returns the plain weighted mean, summed as ``piece_mean`` always summed it
+:func:`centered_clip` returns the plain weighted mean, summed as :func:`piece_mean` always summed it
 (fp32, sender order): a clean round gives the same bits as before.
 
 What it does not bound: the means a lying *owner* sends (the receivers' checks,
@@ -35,6 +35,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+
+from peer.sync.screening import clip_to_median
 
 CENTERED_CLIP_TAU_FACTOR = 2.0
 """τ of :func:`centered_clip` as a multiple of the (lower) median distance of the contributions to
@@ -127,3 +129,25 @@ def centered_clip(
             step.add_(diff, alpha=(w / total) * scale)
         v = v + step
     return v.float(), sorted(clipped)
+
+
+def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    """An owner's mean of one piece (peer/sync/allreduce.py, step 3, before the codec): the contributions clipped to
+    the median rule (peer/sync/screening.py ``clip_to_median``), then CenteredClip
+    (:func:`centered_clip`, arXiv 2012.10333 Eq. 2: the plain token-weighted mean,
+    summed in fp32 in sender order, when no contribution is out of line or fewer than 4 are
+    included). Only the owner computes it and every receiver gets its bytes, so receivers stay
+    bit-identical whatever it clips. The in-process hub (peer/sync/inprocess.py) calls it too.
+
+    Args:
+        parts: ``(capped token weight > 0, fp32 tensor)`` per included contribution, all finite, one
+            shape, at least one.
+
+    Returns:
+        ``(mean, clipped)``: a new fp32 tensor of the piece's shape (finite unless the weighted sum
+        overflows) and the positions in ``parts`` the median rule clipped (a strike each; what
+        CenteredClip clips is not struck: it may clip an honest outlier, e.g. a fresh joiner's Δ).
+    """
+    parts, clipped = clip_to_median(parts)
+    mean, _ = centered_clip(parts)
+    return mean, clipped

@@ -16,7 +16,7 @@ import torch
 
 from lab.adversary import Adversary
 from lab.engine_sim import run_engine_simulation
-from peer.sync.pairs import PairTally, partner_problem, receiver_problem
+from peer.sync.pairs import PairTally, partner_problem, receiver_problem, whole_partner_problem
 from peer.sync.screening import reference_rms
 from protocol.presets import tiny_run
 from protocol.wire import allreduce as frames
@@ -290,6 +290,34 @@ def test_a_pairs_owner_flipping_its_whole_delta_under_every_piece_check_is_refus
         for k in range(PHI_FROM):
             want = x[k] if whole else forged[k]
             assert torch.allclose(me.tensors[k], want, atol=1e-6), (whole, k)
+
+
+@pytest.mark.parametrize("cosine,ratio", [(0.56, 0.65), (0.93, 1.12), (0.3, 1.5)])
+def test_an_owner_keeps_an_honest_partners_whole_delta(cosine, ratio):
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(4))
+    theirs = list(_apart(x, cosine, ratio).chunk(4))
+    assert whole_partner_problem(theirs, list(x.chunk(4)), weight=TOKENS, partner_weight=TOKENS) is None
+
+
+def test_a_pairs_honest_owner_leaves_a_noise_partner_out_of_every_delta_piece():
+    """The partner sends noise of its Δ's norm as its Δ (bench/byzantine.py ``noise``: each piece
+    passes the owner's per-piece checks, cosine about 0): the honest owner of the Δ pieces judges the
+    whole Δ before it reduces and leaves it out of every Δ piece; both peers apply the owner's means,
+    so their φ stay one; the partner's φ is still averaged."""
+    payloads = honest_pair(7, cosine=0.9)
+    gen = torch.Generator().manual_seed(8)
+    for k in range(PHI_FROM):
+        noise = torch.randn(payloads[1][k].shape, generator=gen)
+        payloads[1][k] = noise * payloads[1][k].norm() / noise.norm()
+    sessions, outcomes = asyncio.run(
+        run_group(payloads, [TOKENS] * 2, max_weight=TOKENS, piece_elements=PIECE_ELEMENTS, phi_from=PHI_FROM)
+    )
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    for session in sessions:
+        for k in range(PHI_FROM):
+            assert torch.equal(session.tensors[k], payloads[0][k]), k
+        assert torch.allclose(session.tensors[2], (payloads[0][2] + payloads[1][2]) / 2, atol=1e-6)
+    assert sessions[0].stats.partial_pieces == len([p for p in sessions[0].plan.pieces if p.tensor < PHI_FROM])
 
 
 def _engine(corpus, attack: str | None):
