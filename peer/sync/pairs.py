@@ -86,17 +86,17 @@ RECONSTRUCTION_SLACK = 1.05
 """How much further than :data:`PAIR_DELTA_NORM_FACTOR` a receiver's reconstructed Δ may lie: the
 mean's fp32 sum and a lossy mean codec add their error twice to ``2m − x``."""
 
-PAIR_WHOLE_MIN_COSINE = -0.3
-"""A pair's receiver refuses every Δ piece of its owner when the owner's contribution it implies,
-over all those pieces together, has a cosine with this peer's own Δ there not above this. Between
+PAIR_WHOLE_MIN_COSINE = 0.2
+"""A pair's Δ is refused whole when its cosine with this peer's own whole Δ is not above this: by
+a receiver, every Δ piece of its owner (the owner's contribution its means imply, :class:`PairTally`);
+by an owner, its partner's contribution to every Δ piece (:func:`whole_partner_problem`). Between
 two real peers in blocking NoLoCo (tests/integration/test_noloco_swarm.py) the honest whole-Δ
-cosines were 0.56 to 0.93; on the round engine 0.85 to 0.95; a sign flip under the clip
-(bench/byzantine.py ``subclip-flip``) gave -0.93 to -0.44."""
-PAIR_OWNER_MIN_COSINE = 0.2
-"""An owner of a pair's Δ pieces leaves its partner's Δ out of all of them when the partner's whole
-Δ has a cosine with its own not above this (:func:`whole_partner_problem`): higher than a
-receiver's :data:`PAIR_WHOLE_MIN_COSINE`, since the owner's refusal splits nothing (both apply its
-means; the partner's round of work there is lost), and it catches noise (``noise``: cosine about 0)."""
+cosines were 0.56 to 0.93, on the round engine 0.85 to 0.95; a sign flip under the clip
+(bench/byzantine.py ``subclip-flip``) gave -0.93 to -0.44 and noise (``noise``) about 0. Both sides
+use one threshold: an owner that left this peer's Δ out sends its own Δ alone as the mean, which
+the receiver must then judge as strictly (with a lower receiver threshold, a noise attacker that
+left its partner out got its noise applied whole). A receiver's refusal splits the pair's φ (each
+steps alone, as NoLoCo does without a partner); an owner's does not."""
 PAIR_WHOLE_NORM_FACTOR = 2.0
 """... and when that whole contribution's norm is over this multiple of this peer's own there, or
 under its inverse (:func:`ratio_problem`). Honest ratios: 0.65 to 1.12 between real blocking
@@ -159,20 +159,18 @@ class PairTally:
             return 0.0, 0.0
         return cx / math.sqrt(cc * xx), math.sqrt(cc / xx)
 
-    def problem(
-        self, weight: float, partner_weight: float, *, min_cosine: float = PAIR_WHOLE_MIN_COSINE
-    ) -> tuple[str, bool] | None:
-        """Why the owner's whole Δ is refused (cosine not above ``min_cosine``, norm off by over
-        :data:`PAIR_WHOLE_NORM_FACTOR`), or None; (one-line reason, whether it counts a strike:
-        over the norm bound)."""
+    def problem(self, weight: float, partner_weight: float) -> tuple[str, bool] | None:
+        """Why the owner's whole Δ is refused (cosine not above :data:`PAIR_WHOLE_MIN_COSINE`, norm
+        off by over :data:`PAIR_WHOLE_NORM_FACTOR`), or None; (one-line reason, whether it counts a
+        strike: over the norm bound)."""
         if (found := self.measure(weight, partner_weight)) is None:
             return None
         cosine, ratio = found
         scale = weight / partner_weight
         if (problem := ratio_problem(ratio, scale, PAIR_WHOLE_NORM_FACTOR, "its whole Δ's")) is not None:
             return problem
-        if judges_direction(scale) and not cosine > min_cosine:
-            return f"its whole Δ's cosine with this peer's is {cosine:.3g}, not above {min_cosine:g}", False
+        if judges_direction(scale) and not cosine > PAIR_WHOLE_MIN_COSINE:
+            return f"its whole Δ's cosine with this peer's is {cosine:.3g}, not above {PAIR_WHOLE_MIN_COSINE:g}", False
         return None
 
 
@@ -181,14 +179,13 @@ def whole_partner_problem(
 ) -> tuple[str, bool] | None:
     """Why the owner of a pair's Δ pieces leaves its partner's contribution out of every one of them,
     or None: the partner's whole Δ (``theirs``, fp32, one tensor per piece, as decoded) against the
-    owner's own (``ours``, same shapes), judged as :class:`PairTally` judges with
-    :data:`PAIR_OWNER_MIN_COSINE`; weights are capped claims in tokens. A blocking sync's owner
-    judges this before it reduces any piece (peer/sync/allreduce.py ``_reduce_my_pieces``); nothing
-    splits, both peers apply its means."""
+    owner's own (``ours``, same shapes), judged as :class:`PairTally` judges a receiver's; weights
+    are capped claims in tokens. A blocking sync's owner judges this before it reduces any piece
+    (peer/sync/allreduce.py ``_reduce_my_pieces``); nothing splits, both peers apply its means."""
     tally = PairTally()
     for c, x in zip(theirs, ours):
         tally.add(c, x, implied=False)
-    return tally.problem(weight, partner_weight, min_cosine=PAIR_OWNER_MIN_COSINE)
+    return tally.problem(weight, partner_weight)
 
 
 def is_pair(phi_from: int | None, group_size: int) -> bool:
