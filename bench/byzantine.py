@@ -19,8 +19,8 @@ state the attacker forged plus the honest peers whose final φ is not finite or 
 :data:`TAKEOVER_LOSS_FACTOR` × the clean run's; ``non_finite_rounds`` the rounds at whose end an
 honest φ was not finite; ``honest_exits`` the honest round loops that raised or stopped early.
 ``clean_overhead`` is (clean, screened − clean, plain mean) / clean plain mean, averaged over
-algorithms and seeds. ``sybil`` stays empty: the record floods on real DHT nodes are measured
-elsewhere. ``--attacks bogus-announcement`` also runs bench/byzantine_announce.py (real DHT nodes
+algorithms and seeds. ``sybil`` holds the rows of bench/results/sybil.json (bench/sybil.py: the
+record floods on real DHT nodes, a run of its own), copied with the issue's keys. ``--attacks bogus-announcement`` also runs bench/byzantine_announce.py (real DHT nodes
 on 127.0.0.1); a joiner's run choice has no loss, so those results go to the detail file only.
 
 Writes ``bench/results/byzantine.json`` with the issue's keys only, and
@@ -130,6 +130,19 @@ def _takeovers(run: dict, clean_bpb: float) -> int:
 
 def _key(run: dict) -> tuple:
     return (run["attack"] or "none", run["algorithm"], run["malicious"], run["seed"], run["screening"])
+
+
+SYBIL_KEYS = ("records", "algorithm", "grouped_rounds_frac", "rss_growth_mib")
+
+
+def sybil_rows(path: Path) -> tuple[list[dict], dict]:
+    """The record floods on real DHT nodes as bench/sybil.py measured them (its rows, with the
+    issue's keys) and where they came from; no rows where it has not been run."""
+    if not path.exists():
+        return [], {"measured": f"not yet: {path.name} is written by bench/sybil.py"}
+    data = json.loads(path.read_text())
+    rows = [{k: row[k] for k in SYBIL_KEYS} for row in data["rows"]]
+    return rows, {"from": path.name, "command": data.get("command"), "setup": data.get("setup")}
 
 
 def summarize(runs: list[dict]) -> tuple[list[dict], float | None, list[dict]]:
@@ -294,8 +307,10 @@ def main() -> None:
 
     def write() -> tuple[list[dict], list[dict], float | None]:
         rows, overhead, detail = summarize(runs)
+        sybil, sybil_source = sybil_rows(args.out.parent / "sybil.json")
         args.out.write_text(
-            json.dumps({"source": "engine", "results": rows, "sybil": [], "clean_overhead": overhead}, indent=1) + "\n"
+            json.dumps({"source": "engine", "results": rows, "sybil": sybil, "clean_overhead": overhead}, indent=1)
+            + "\n"
         )
         detail_path.write_text(
             json.dumps(
@@ -303,7 +318,7 @@ def main() -> None:
                     "source": "engine",
                     "results": detail,
                     "clean_overhead": overhead,
-                    "sybil": "not measured here: the record floods on real DHT nodes belong to the Sybil benchmark",
+                    "sybil": sybil_source,
                     "announcements": announcements,
                     "units": {
                         "loss_change": "fraction: (attacked - clean) / clean, final val bits per byte, mean over "
