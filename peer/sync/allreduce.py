@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, receiver_problem, whole_partner_problem
+from peer.sync.pairs import PairOwner, PairTally, is_pair, keeps_own, partner_problem, receiver_problem
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
 from peer.sync.robust import piece_mean
@@ -104,7 +104,7 @@ class AllreduceStats:
     """time.time() when this peer started the exchange."""
 
 
-class GroupAllreduce(ReceiptExchange):
+class GroupAllreduce(ReceiptExchange, PairOwner):
     """One all-reduce of one group, from this peer's side (sender to every owner, owner of its pieces).
 
     Args:
@@ -324,7 +324,7 @@ class GroupAllreduce(ReceiptExchange):
                 self._contrib[piece.index][me] = (self._capped(me, self.weight), own)
             else:  # never average a non-finite value, not even our own
                 await self._exclude(me, f"own piece {piece.index} holds NaN or inf")
-        whole = self.pair and self.whole_delta  # a pair's owner judges its partner's whole Δ first
+        whole = self._whole(self.my_pieces)
         for piece in self.my_pieces if whole else ():
             await self._wait_for(piece)
         away = self._partners_away() if whole else set()
@@ -385,21 +385,6 @@ class GroupAllreduce(ReceiptExchange):
                     last_change = time.monotonic()
                 except TimeoutError:
                     pass
-
-    def _partners_away(self) -> set[int]:
-        """Owner of a pair's pieces, every contribution in: the partners whose whole Δ fails pairs.py
-        ``whole_partner_problem`` (left out of every Δ piece; struck over the norm bound)."""
-        me, away = self.plan.my_index, set()
-        delta = [p.index for p in self.my_pieces if self.phi_from is not None and p.tensor < self.phi_from]
-        for s in sorted(set(range(len(self.plan.peer_ids))) - {me} - self._excluded):
-            got = [(c, x) for i in delta if (c := self._contrib[i][s]) is not None and (x := self._contrib[i][me])]
-            if got and len(got) == len(delta):
-                theirs, ours = [c[1] for c, _ in got], [x[1] for _, x in got]
-                if found := whole_partner_problem(theirs, ours, weight=got[0][1][0], partner_weight=got[0][0][0]):
-                    away.add(s)
-                    self.stats.dropped.update({s} if found[1] else ())
-                    logger.warning("all-reduce: left groupmate %d's Δ out of every piece: %s", s, found[0])
-        return away
 
     def _roundtrip(self, piece: Piece, x: torch.Tensor, codec=None) -> tuple[bytes, torch.Tensor]:
         codec = self.plan.codecs[piece.index] if codec is None else codec
@@ -526,6 +511,8 @@ class GroupAllreduce(ReceiptExchange):
 
             send_task = asyncio.create_task(send())
             try:
+                if self._whole(pieces):  # its owner reduces once every piece is in: no mean before
+                    await send_task
                 for piece in pieces:
                     limit = frames.MEAN_HEADER.size + (n + 7) // 8 + self.plan.max_piece_bytes[piece.index]
                     payload = await self._read(reader, limit, 2 * self.timeout + 1.0)

@@ -50,9 +50,11 @@ pointing its way.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -65,6 +67,8 @@ from peer.sync.screening import (
     owner_mean_problem,
     phi_contribution_problem,
 )
+
+logger = logging.getLogger(__name__)
 
 PAIR_DELTA_MIN_COSINE = -0.8
 """An owner leaves its pair partner's Δ out of a piece when its cosine with the owner's own Δ there
@@ -372,3 +376,37 @@ def receiver_problem(
     if found is None:
         return None
     return MeanRefusal(f"the partner's contribution it implies fails: {found[0]}", strike=found[1])
+
+
+class PairOwner:
+    """The owner's whole-Δ judgement of :class:`peer.sync.allreduce.GroupAllreduce` in a pair (its
+    state: ``_contrib``, ``_excluded``, ``my_pieces``, ``plan``, ``stats``, ``pair``, ``whole_delta``,
+    ``phi_from``)."""
+
+    _contrib: dict[int, list[tuple[float, torch.Tensor] | None]]
+    _excluded: set[int]
+    my_pieces: list[Any]
+    plan: Any
+    stats: Any
+    pair: bool
+    whole_delta: bool
+    phi_from: int | None
+
+    def _whole(self, pieces: list[Any]) -> bool:
+        """Whether a pair's owner of ``pieces`` judges its partner's whole Δ before it reduces any."""
+        return self.pair and self.whole_delta and any(p.tensor < (self.phi_from or 0) for p in pieces)
+
+    def _partners_away(self) -> set[int]:
+        """Owner of a pair's pieces, every contribution in: the partners whose whole Δ fails
+        :func:`whole_partner_problem` (left out of every Δ piece; struck over the norm bound)."""
+        me, away = self.plan.my_index, set()
+        delta = [p.index for p in self.my_pieces if self.phi_from is not None and p.tensor < self.phi_from]
+        for s in sorted(set(range(len(self.plan.peer_ids))) - {me} - self._excluded):
+            got = [(c, x) for i in delta if (c := self._contrib[i][s]) is not None and (x := self._contrib[i][me])]
+            if got and len(got) == len(delta):
+                theirs, ours = [c[1] for c, _ in got], [x[1] for _, x in got]
+                if found := whole_partner_problem(theirs, ours, weight=got[0][1][0], partner_weight=got[0][0][0]):
+                    away.add(s)
+                    self.stats.dropped.update({s} if found[1] else ())
+                    logger.warning("all-reduce: left groupmate %d's Δ out of every piece: %s", s, found[0])
+        return away
