@@ -255,7 +255,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
                 return
             sender = hello.sender
             weight = self._capped(sender, hello.weight)
-            self._tallies.setdefault(sender, PairTally()).partner_weight = weight  # a pair's receiver judges with it
+            if self.pair:  # its receiver judges the owner's whole Δ with this weight
+                self._tallies.setdefault(sender, PairTally()).partner_weight = weight
             async with self._changed:
                 self._connected.add(sender)
                 self._serving.add(sender)

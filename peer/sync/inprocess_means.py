@@ -177,9 +177,9 @@ def screened_means(
     for o in range(n) if pair and rules.whole_delta else ():
         mine = [p for p in plan.pieces if p.owner == o and p.tensor < split]
         ours = [piece_view(payloads[o][p.tensor], p).float() for p in mine]
-        for s_ in [s_ for s_ in range(n) if s_ != o and s_ not in excluded[o]]:
+        for s_ in [s_ for s_ in range(n) if s_ != o and s_ not in excluded[o]] if mine else ():
             theirs = [piece_view(payloads[s_][p.tensor], p).float() for p in mine]
-            if not mine or not all(bool(torch.isfinite(t).all()) for t in theirs + ours):
+            if not all(bool(torch.isfinite(t).all()) for t in theirs + ours):
                 continue  # a non-finite contribution is excluded below
             w_o, w_s = (cap_weight(float(weights[m]), rules.max_weight) for m in (o, s_))
             if (found := whole_partner_problem(theirs, ours, weight=w_o, partner_weight=w_s)) is not None:

@@ -131,7 +131,8 @@ class PairTally:
     xx: float = 0.0
     direct: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """``(‖m‖², ⟨m, x⟩, ‖x‖²)`` over pieces whose mean is the owner's contribution itself (it
-    averaged one contribution: :func:`partner_contribution` returns ``m``)."""
+    averaged one contribution: :func:`partner_contribution` returns ``m``); the fields above cover
+    the others."""
     pieces: int = 0
     partner_weight: float | None = None
     """The owner's claimed tokens (capped), from its HELLO as a sender to this peer; None: unseen."""
@@ -141,10 +142,12 @@ class PairTally:
         this peer's contribution (the owner included it and averaged two)."""
         m, x = mean.double(), own.double()
         sums = (float((m * m).sum()), float((m * x).sum()), float((x * x).sum()))
+        held = (self.mm, self.mx, self.xx) if implied else self.direct
+        total = (held[0] + sums[0], held[1] + sums[1], held[2] + sums[2])
         if implied:
-            self.mm, self.mx, self.xx = self.mm + sums[0], self.mx + sums[1], self.xx + sums[2]
+            self.mm, self.mx, self.xx = total
         else:
-            self.direct = (self.direct[0] + sums[0], self.direct[1] + sums[1], self.direct[2] + sums[2])
+            self.direct = total
         self.pieces += 1
 
     def measure(self, weight: float, partner_weight: float) -> tuple[float, float] | None:

@@ -288,9 +288,6 @@ class ReceiptExchange:
             weight = cap_weight(self.weight, self.max_weight)
             for owner, tally in self._tallies.items():
                 partner = tally.partner_weight or self.max_weight or weight
-                logger.debug(
-                    "all-reduce: owner %d's whole Δ (cosine, norm ratio): %s", owner, tally.measure(weight, partner)
-                )
                 if (problem := tally.problem(weight, partner)) is None or str(ids[owner]) in self.stats.refused:
                     continue
                 self.stats.refused[str(ids[owner])] = f"the partner's contribution it implies fails: {problem[0]}"
