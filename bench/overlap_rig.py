@@ -143,6 +143,9 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
         "compute_s": compute,
         "round_s": wall / len(measured),
         "sync_s": statistics.fmean(e["sync_s"] for e in measured),
+        # of sync_s, the all-reduce itself and this peer's sending (round events since 2026-12-04)
+        "allreduce_s": statistics.fmean(e.get("allreduce_s", 0.0) for e in measured),
+        "send_s": statistics.fmean(e.get("send_s", 0.0) for e in measured),
         "compute_s_per_round": compute / len(measured),
         # where the rest of the wall time went, per round (round events' sync_wait_s, resync_wait_s)
         "sync_wait_s_per_round": statistics.fmean(e.get("sync_wait_s", 0.0) for e in measured),

@@ -27,7 +27,7 @@ Per (peers, uplink, codec, mode), ``results`` rows (means over peers, over the r
   (``bytes_sent``, mean) ÷ its uplink, the least time the link allows for them.
 * ``bytes_per_token``: bytes all peers sent ÷ tokens they trained, over the measured rounds.
 * ``rss_mib``: peak proportional set size (PSS: shared pages split between their processes) of all
-  processes in a peer's namespace (the peer, its averager, p2pd), sampled every 2 s; mean over
+  processes in a peer's namespace (the peer, its averager, p2pd), sampled every 5 s; mean over
   peers, MiB. θ sits in host memory here (on a GPU host it is on the card); the stand-in holds no
   gradients, activations or AdamW moments and evaluates φ without a forward pass (lab/standin.py).
 
@@ -133,9 +133,10 @@ def gpu_tokens_per_s(preset: str) -> float:
 
 
 class PssSampler:
-    """Peak PSS per named host (all processes of its namespace), sampled every ``every_s`` s."""
+    """Peak PSS per named host (all processes of its namespace), sampled every ``every_s`` s by a
+    thread at nice 19."""
 
-    def __init__(self, swarm: ChaosSwarm, every_s: float = 2.0):
+    def __init__(self, swarm: ChaosSwarm, every_s: float = 5.0):
         self.swarm, self.every_s = swarm, every_s
         self.peak: dict[str, int] = {}
         self._stop = threading.Event()
@@ -150,6 +151,10 @@ class PssSampler:
         self._thread.join()
 
     def _run(self) -> None:
+        # reading smaps_rollup walks a process's page tables: this thread yields to the peers'
+        # (niceness is per thread on Linux), whose CPU time is what the rig measures
+        if hasattr(os, "nice"):
+            os.nice(19)
         while not self._stop.wait(self.every_s):
             for name in list(self.swarm.members):
                 host = self.swarm.hosts.get(name)
@@ -251,6 +256,8 @@ def swarm_figures(run: dict, warmup: int, rate: float) -> dict:
     return {
         "tokens_per_s": sum(p["tokens_per_s"] for p in per),
         "sync_s": statistics.fmean(p["sync_s"] for p in per),
+        "allreduce_s": statistics.fmean(p["allreduce_s"] for p in per),
+        "send_s": statistics.fmean(p["send_s"] for p in per),
         "floor_s": statistics.fmean(floor),
         "bytes_per_token": sent / tokens,
         "rss_mib": statistics.fmean(run["pss_bytes"].get(n, 0) for n in run["events"]) / 2**20,

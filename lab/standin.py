@@ -18,7 +18,9 @@ at 125M parameters it takes minutes and gigabytes of activations). :func:`instal
 replaces the product's ``evaluate`` where the round engine calls it (peer/round/publishing.py's
 evaluation of φ and peer/round/catchup.py's loss check of a downloaded state) by
 :func:`standin_evaluate`, and the evaluation copy of the model by one on the ``meta`` device
-(:func:`meta_copy`: shapes, no storage).
+(:func:`meta_copy`: shapes, no storage). And it gives the peer's sync work the priority a peer
+training on a card gives it (peer/net/lifetime.py ``lower_background_priority``: the averager, the
+DHT process with p2pd, the background sync and checkpoint threads at nice 5).
 
 The seam: the peer's process imports the product unchanged and this module rebinds
 ``peer.round.engine.make_inner_loop`` (the one factory through which the round engine builds its
@@ -59,6 +61,7 @@ import peer.round.catchup as catchup
 import peer.round.engine as engine
 import peer.round.publishing as publishing
 from peer.cli import main as peer_main
+from peer.net import lifetime
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop, StepResult
 from protocol.errors import ConfigError
@@ -73,6 +76,15 @@ EVAL_LOSS = 2.0
 """What :func:`standin_evaluate` reports for any φ, nats per token: the stand-in trains nothing, so
 there is no loss to measure; every φ ties (a downloaded state passes the loss check unless the
 re-sync rule asks it to be strictly lower)."""
+STEP_SIZE = 1e-3
+"""The per-element change a step adds to its slice of θ, times the learning rate (before the spread)."""
+SPREAD = 0.4
+"""How far a peer's step size strays from :data:`STEP_SIZE` per (tensor, slice): a factor in
+[1 − SPREAD, 1 + SPREAD] from the peer's seed. Honest peers' Δ then have about the same norm and
+point about the same way (as a round of training on different batches does: screening compares
+norms and directions, peer/sync/screening.py), without being equal. A piece of the all-reduce
+may hold a single slice, so the factor's range bounds how far two honest peers' piece norms differ
+(here at most 1.4 / 0.6 = 2.3×, under the screening's clip at 3× the median)."""
 FORWARD_SHARE = 1.0 / 3.0
 """A forward pass's share of a training step's time (forward + backward ≈ 3 forwards)."""
 
@@ -134,13 +146,17 @@ class StandInLoop(InnerLoop):
     ``settle``, ``hold_updates``, ``state_dict`` / ``load_state_dict``, ``reset_optimizer``,
     ``sampler``, ``micro_batch_sequences``, ``close``) behaves as the real loop's.
 
-    A step: the next batch is drawn from ``sampler`` (the data position advances as in training),
-    the thread waits ``step_s`` seconds on an event nobody sets (no CPU used), waits for
-    :meth:`hold_updates`' event like a real step's optimizer step, then changes θ's slice
-    ``inner_step mod CHUNKS`` of every tensor in place: ``θ ← θ·(1 − lr·0.01) + lr·b``, lr from
-    the run's schedule at ``inner_step`` and ``b`` a per-peer constant of the sampler's seed
-    (``1e-3·(1 + seed mod 7)``), so Δ differs between peers as it does in training. No gradient is
-    made and AdamW's moments are never allocated (the sync needs neither): :meth:`state_dict` is
+    A step takes ``step_s`` seconds from its start (a wait for :meth:`hold_updates`' event left
+    out, like a real step's optimizer step waits for it): the next batch is drawn from ``sampler``
+    (the data position advances as in training), the step waits for that event, changes θ's slice
+    ``inner_step mod CHUNKS`` of every tensor in place: ``θ ← θ + lr·b``, lr from
+    the run's schedule at ``inner_step`` and ``b`` = :data:`STEP_SIZE` × a factor within
+    ±:data:`SPREAD` of 1 that follows the sampler's seed, the tensor and the slice
+    (:meth:`step_size`), and waits on an event nobody sets (no CPU used) for what is left of
+    ``step_s``: the host's own work of the step runs while the card computes, as a GPU host's
+    launches overlap the card's work. Δ differs between peers as it does in training, with about
+    the same norm and direction (a stand-in whose peers' Δ norms differed severalfold would be
+    screened as an attack by the honest peers' own checks). No gradient is made and AdamW's moments are never allocated (the sync needs neither): :meth:`state_dict` is
     None, the inner optimizer's state of a real loop before its first step, so a checkpoint holds
     no moments and a restore leaves a fresh optimizer; :attr:`adam_step` counts the steps. The loss
     reported is not a loss: a deterministic stand-in value, ``1 + 1 / (1 + inner_step / 100)`` nats
@@ -150,7 +166,7 @@ class StandInLoop(InnerLoop):
         model: θ, fp32, on ``device`` (the host here).
         spec: the run's inner optimizer (learning-rate schedule, AdamW's hyper-parameters).
         sampler: this peer's batches, int64 (batch_sequences, seq_len + 1).
-        step_s: seconds each step waits (> 0).
+        step_s: seconds each step takes (> 0).
         device: where θ lives (default: the model's device).
         on_first_step: called with the inner step once, after the first step's wait.
 
@@ -176,7 +192,9 @@ class StandInLoop(InnerLoop):
         self._card = threading.Event()
         """Never set: a step waits on it for ``step_s``, as the training thread waits on a card."""
         self._on_first_step = on_first_step
-        self.bias = 1e-3 * (1 + sampler.seed % 7)
+        draw = torch.Generator().manual_seed(int(sampler.seed))
+        self._factors = (1.0 + SPREAD * (2 * torch.rand(len(self.params), CHUNKS, generator=draw) - 1)).tolist()
+        """:meth:`step_size`'s factor per (tensor, slice): uniform in [1 − SPREAD, 1 + SPREAD]."""
         self.adam_step = 0
         """Steps since the optimizer was last fresh (what AdamW's ``step`` would count)."""
 
@@ -186,15 +204,17 @@ class StandInLoop(InnerLoop):
         step's wall seconds (the wait for :meth:`hold_updates` left out)."""
         start = time.perf_counter()
         batch = self._next_batch(inner_step)
-        self._card.wait(self.step_s)
         held_s = self._wait_for_hold()
         lr = self.lr(inner_step)
         with torch.no_grad():
             k = inner_step % CHUNKS
-            for p in self.params:
+            for i, p in enumerate(self.params):
                 flat = p.data.view(-1)
                 lo, hi = k * flat.numel() // CHUNKS, (k + 1) * flat.numel() // CHUNKS
-                flat[lo:hi].mul_(1.0 - lr * 0.01).add_(lr * self.bias)
+                flat[lo:hi].add_(lr * self.step_size(i, k))
+        left = self.step_s - (time.perf_counter() - start - held_s)
+        if left > 0:  # the card's time: the host's work of the step above ran while it computed
+            self._card.wait(left)
         self._count_step()
         self.steps_taken += 1
         if self.steps_taken == 1 and self._on_first_step is not None:
@@ -206,6 +226,11 @@ class StandInLoop(InnerLoop):
             seconds=time.perf_counter() - start - held_s,
             micro_batch=batch.shape[0],
         )
+
+    def step_size(self, tensor: int, chunk: int) -> float:
+        """``b`` of the step's change to slice ``chunk`` of tensor ``tensor`` (see the class): a
+        deterministic function of this peer's seed, the tensor and the slice."""
+        return STEP_SIZE * self._factors[tensor][chunk]
 
     def _count_step(self) -> None:
         self.adam_step += 1
@@ -317,6 +342,7 @@ def install(config: StandInConfig, on_first_step: Callable[[int], None] | None =
             raise RuntimeError("the stand-in evaluated before its inner loop was built: no step time to scale")
         return rate[0]
 
+    lifetime.lower_background_priority()  # as on a host whose inner step runs on a card (peer/node.py)
     engine.make_inner_loop = factory(config, on_first_step, built)
     evaluate = standin_evaluate(card_rate)
     publishing.evaluate = evaluate

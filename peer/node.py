@@ -323,7 +323,9 @@ def _read_local_run(cfg: JoinConfig, reporter: Reporter):
     """
     if cfg.new_run is not None:
         refuse_unimplemented(cfg.new_run)
-    resolve_device(cfg.device.device)  # a device this machine lacks fails now, before the DHT starts
+    device = resolve_device(cfg.device.device)  # a device this machine lacks fails now, before the DHT starts
+    if device.type != "cpu":  # the sync runs beside a card's training thread: it goes second
+        lifetime.lower_background_priority()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     # before the transport forks its averager, which inherits the thresholds

@@ -86,6 +86,11 @@ class SyncReport:
     bytes_received: int = 0
     sync_s: float = 0.0
     """Wall time of matchmaking plus all-reduce, s."""
+    allreduce_s: float = 0.0
+    """Of ``sync_s``, the all-reduce's (or pair exchange's) own seconds, from the group's start to
+    the last mean read; the rest is the wait for the group and the hand-over between processes."""
+    send_s: float = 0.0
+    """Of ``allreduce_s``, the seconds from this peer's first byte sent to its last piece written."""
     deadline_s: float = 0.0
     """The bound the sync ran under, retry included, s."""
     attempts: int = 0
@@ -122,6 +127,8 @@ def combine_sync_reports(reports: list[SyncReport]) -> SyncReport:
         bytes_sent=sum(r.bytes_sent for r in reports),
         bytes_received=sum(r.bytes_received for r in reports),
         sync_s=sum(r.sync_s for r in reports),
+        allreduce_s=sum(r.allreduce_s for r in reports),
+        send_s=sum(r.send_s for r in reports),
         deadline_s=max(r.deadline_s for r in reports),
         attempts=sum(r.attempts for r in reports),
         note="; ".join(r.note for r in reports if r.note),
@@ -169,6 +176,8 @@ class RoundOutcome:
             tokens_per_s=self.tokens_per_s,
             group_size=s.group_size,
             sync_s=s.sync_s,
+            allreduce_s=s.allreduce_s,
+            send_s=s.send_s,
             bytes_sent=s.bytes_sent,
             bytes_received=s.bytes_received,
             peers=self.peers,

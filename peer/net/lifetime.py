@@ -184,11 +184,53 @@ def freeze_for_fork() -> None:
     gc.freeze()
 
 
+BACKGROUND_NICE = 5
+"""The niceness a peer training on an accelerator gives its sync work (:func:`yield_to_training`):
+under Linux's scheduler a thread at nice 5 gets about a third of a core against one at 0, so a
+training thread that wakes to feed the card (load the next batch, launch its kernels) is not left
+waiting behind the averager's codecs, p2pd's streams or the background sync's copies; the sync
+still gets every core the training thread leaves idle, which on such a host is most of them."""
+
+_background_nice = 0
+"""The niceness :func:`yield_to_training` sets (0: none); :func:`lower_background_priority` sets it."""
+
+
+def lower_background_priority(nice: int = BACKGROUND_NICE) -> None:
+    """From now on, the helper processes this process forks (the DHT process, with p2pd, and the
+    averager) and the background threads that call :func:`yield_to_training` run at niceness
+    ``nice``: call it before they start. For a peer whose inner step runs on an accelerator; a peer
+    training on the CPU keeps its sync at the training's priority (its inner step takes every core,
+    and a niced sync would miss its deadlines).
+
+    Raises:
+        ValueError: ``nice`` outside 0..19.
+    """
+    global _background_nice
+    if not 0 <= nice <= 19:
+        raise ValueError(f"nice = {nice}: give a niceness from 0 to 19")
+    _background_nice = nice
+
+
+def yield_to_training() -> None:
+    """Lower the calling thread's CPU priority to the niceness :func:`lower_background_priority`
+    set (Linux: niceness is per thread, and threads and processes it starts afterwards inherit it);
+    a no-op when none was set, when the thread is already that nice, or where the OS refuses."""
+    if _background_nice <= 0 or not hasattr(os, "nice"):
+        return
+    try:
+        current = os.nice(0)
+        if current < _background_nice:
+            os.nice(_background_nice - current)
+    except OSError:
+        logger.debug("could not lower this thread's priority to nice %d", _background_nice)
+
+
 class HelperProcess:
     """Mixin for a ``multiprocessing.Process`` subclass whose process serves its parent only
     (hivemind's DHT and averager): it dies with the parent and leaves signals to the parent.
 
-    In the child, before the subclass's ``run``: SIGINT and SIGTERM are ignored (a terminal's or a
+    In the child, before the subclass's ``run``: the priority :func:`yield_to_training` gives (a peer
+    training on an accelerator), SIGINT and SIGTERM are ignored (a terminal's or a
     service manager's signal to the whole group is the parent's to act on; the parent stops the
     helper through its shutdown), and SIGKILL arrives when the parent dies. The parent's Python
     signal handlers, inherited through the fork, are replaced, so they never run here.
@@ -203,6 +245,7 @@ class HelperProcess:
         parent = mp.parent_process()
         assert parent is not None and parent.pid is not None  # run() runs in the child
         die_with_parent(parent.pid, signal.SIGKILL)
+        yield_to_training()  # with an accelerator: the training thread goes first (BACKGROUND_NICE)
         super().run()  # type: ignore[misc]  # the multiprocessing Process this is mixed into
 
     def terminate(self) -> None:

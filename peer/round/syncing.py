@@ -185,6 +185,8 @@ class GroupSync:
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             sync_s=result.seconds,
+            allreduce_s=result.allreduce_s,
+            send_s=result.send_s,
             deadline_s=result.deadline_s,
             attempts=result.attempts,
             note=note,

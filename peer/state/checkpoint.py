@@ -224,7 +224,11 @@ class CheckpointWriter:
     def __init__(self) -> None:
         import concurrent.futures
 
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="locoswarm-checkpoint")
+        from peer.net.lifetime import yield_to_training
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="locoswarm-checkpoint", initializer=yield_to_training
+        )
         self._pending: list = []
 
     def submit(self, path: Path, file: CheckpointFile) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from peer.net import lifetime
 from peer.progress import SyncReport
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ class BackgroundSync:
     """
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="locoswarm-sync")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="locoswarm-sync", initializer=lifetime.yield_to_training
+        )
         self._in_flight: _InFlight | None = None
 
     @property

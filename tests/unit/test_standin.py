@@ -74,6 +74,21 @@ def test_theta_changes_deterministically_and_differs_between_peers():
     assert not all(torch.equal(x, y) for x, y in zip(after, start))
 
 
+def test_peers_deltas_have_about_the_same_norm_and_direction():
+    # an honest stand-in swarm must not look like an attack to the peers' screening (norms, cosines)
+    start = theta(loop(seed=1))
+    deltas = []
+    for seed in range(1, 9):
+        inner = loop(seed=seed)
+        for step in range(CHUNKS):
+            inner.step(step)
+        deltas.append(torch.cat([(a - b).view(-1) for a, b in zip(start, theta(inner))]))
+    norms = torch.stack([d.norm() for d in deltas])
+    assert norms.max() / norms.min() < 1.3
+    cosines = [torch.nn.functional.cosine_similarity(deltas[0], d, dim=0).item() for d in deltas[1:]]
+    assert min(cosines) > 0.5 and max(cosines) < 0.99  # alike, not equal (honest whole-Δ cosines: 0.5 to 0.95)
+
+
 def test_a_step_changes_only_its_slice_of_each_tensor():
     inner = loop()
     before = theta(inner)
