@@ -85,14 +85,20 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).contiguous().clone()
 
 
+def _own_copy(t: torch.Tensor) -> bool:
+    """Whether a tensor the caller calls private can be written as it is (fp32, contiguous, host)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
 def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: Collection[str] = ()) -> CheckpointFile:
     """Copy ``state`` into the file's named tensors (fp32 CPU, contiguous) and string metadata.
     Milliseconds for a small model: a copy of each tensor, no I/O.
 
     Args:
-        private: the groups of ``state`` (``"phi"``, ``"momentum"``) whose tensors are copies that
-            nothing changes any more (a state snapshot's, peer/state/snapshot.py): taken as they
-            are (contiguous fp32 CPU), not copied again.
+        private: the groups of ``state`` (``"phi"``, ``"momentum"``, ``"residual"``) whose tensors
+            are copies that nothing changes any more (a state snapshot's, peer/state/snapshot.py;
+            the residuals the averager process handed over): taken as they are when contiguous fp32
+            CPU tensors, not copied again (any other is copied).
         live: the groups (``"theta"``, ``"adam_exp_avg"``, ``"adam_exp_avg_sq"``) referenced as
             they are, not copied: the caller has :func:`copy_live` copy them (in the writer's
             thread) and keeps them unchanged until it did. :func:`write_checkpoint` refuses a file
@@ -114,7 +120,7 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: 
     if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
         groups.update(adam_exp_avg=state.adam_exp_avg, adam_exp_avg_sq=state.adam_exp_avg_sq)
     tensors = {
-        f"{prefix}.{name}": (t if prefix in private else t.detach() if prefix in live else _host_copy(t))
+        f"{prefix}.{name}": (t if prefix in private and _own_copy(t) else t.detach() if prefix in live else _host_copy(t))
         for prefix, group in groups.items()
         if group is not None
         for name, t in zip(state.names, group, strict=True)

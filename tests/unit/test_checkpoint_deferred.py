@@ -198,3 +198,27 @@ def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tm
     saved = load_checkpoint(tmp_path / "c.safetensors", run_id="r", names=["a", "b"], shapes=[(3, 2), (4,)])
     assert torch.equal(saved.theta[0], torch.ones(3, 2))
     assert copy_live(copied) is copied
+
+
+def test_private_tensors_are_written_as_they_are_unless_they_are_not_plain_host_fp32(tmp_path):
+    theta = [torch.ones(3, 2), torch.zeros(4)]
+    residuals = [torch.full((3, 2), 0.5), torch.full((8,), 0.25)[::2]]  # the second: not contiguous
+    state = PeerState(
+        run_id="r",
+        round=1,
+        inner_step=4,
+        round_step=0,
+        round_tokens=0,
+        names=["a", "b"],
+        phi=[t.clone() for t in theta],
+        momentum=[t.clone() for t in theta],
+        theta=theta,
+        residuals=residuals,
+    )
+    file = encode_checkpoint(state, private=("residual",))
+    assert file.tensors["residual.a"] is residuals[0]  # the averager's copy: no second one
+    assert file.tensors["residual.b"].data_ptr() != residuals[1].data_ptr()  # copied: made contiguous
+    assert file.tensors["phi.a"].data_ptr() != state.phi[0].data_ptr()  # not private: copied
+    write_checkpoint(tmp_path / "c.safetensors", file)
+    saved = load_checkpoint(tmp_path / "c.safetensors", run_id="r", names=["a", "b"], shapes=[(3, 2), (4,)])
+    assert saved.residuals is not None and torch.equal(saved.residuals[1], torch.full((4,), 0.25))
