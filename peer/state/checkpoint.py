@@ -120,7 +120,9 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: 
     if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
         groups.update(adam_exp_avg=state.adam_exp_avg, adam_exp_avg_sq=state.adam_exp_avg_sq)
     tensors = {
-        f"{prefix}.{name}": (t if prefix in private and _own_copy(t) else t.detach() if prefix in live else _host_copy(t))
+        f"{prefix}.{name}": (
+            t if prefix in private and _own_copy(t) else t.detach() if prefix in live else _host_copy(t)
+        )
         for prefix, group in groups.items()
         if group is not None
         for name, t in zip(state.names, group, strict=True)
