@@ -75,3 +75,23 @@ class Procs:
 
 def phi_file(workdir: Path, peer: str, run_id: str, round_: int) -> Path:
     return workdir / peer / "runs" / run_id / f"phi-round-{round_:06d}.safetensors"
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (its helpers: DHT, p2pd, averager), while they run."""
+    from peer.net.lifetime import children
+
+    found = [pid]
+    for child in children(pid):
+        found += process_tree(child)
+    return found
+
+
+def shared_memory_files(pids: list[int]) -> list[str]:
+    """Files in /dev/shm that torch's shared memory made for tensors of any of ``pids``
+    (``torch_<pid>_...``: its file_system strategy's names); none where there is no /dev/shm."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    prefixes = tuple(f"torch_{pid}_" for pid in pids)
+    return sorted(f.name for f in shm.iterdir() if f.name.startswith(prefixes))

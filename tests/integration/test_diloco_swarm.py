@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.harness import make_manifest, phi_file, write_manifest
+from tests.integration.harness import make_manifest, phi_file, process_tree, shared_memory_files, write_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -104,8 +104,15 @@ def test_two_peers_sync_with_each_codec_to_identical_phi(procs, tmp_path, codec)
         procs.peer(n, "--initial-peers", addr, "--max-rounds", "2", "--wait-for-peers", "2", "--export-phi-every", "1")
         for n in ("p0", "p1")
     ]
+    pids = []
+    for p in peers:
+        p.wait_event(lambda e: e.kind == "round", 180)  # its helpers run
+        pids += process_tree(p.popen.pid)
     for p in peers:
         assert p.wait(180) == 0, p.tail()
+    # the tensors the peers' processes passed each other (buffers, the checkpoints' residuals) left
+    # no shared memory behind: the averager is killed at shutdown, whatever it still held
+    assert shared_memory_files(pids) == []
     for p in peers:
         rounds = p.of("round")
         assert [e["group_size"] for e in rounds] == [2, 2], [e.get("note") for e in rounds]

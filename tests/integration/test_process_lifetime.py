@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from peer.net.lifetime import children, proc_stat
-from tests.integration.harness import PROJECT_ROOT, Procs, make_manifest, write_manifest
+from tests.integration.harness import PROJECT_ROOT, Procs, make_manifest, shared_memory_files, write_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -95,9 +95,12 @@ def start_peer(procs: Procs, tmp_path: Path, bootstrap_addr: str, name: str):
 
 def test_kill_9_takes_the_helpers_along_and_a_restart_works_at_once(procs, tmp_path, bootstrap_addr):
     peer, helpers = start_peer(procs, tmp_path, bootstrap_addr, "killed")
+    pids = [peer.popen.pid, *(pid for pid, _, _ in helpers)]
     peer.send(signal.SIGKILL)
     assert peer.wait(30) == -signal.SIGKILL
     assert wait_until_gone(helpers, 30) == [], "helpers outlived the killed peer"
+    # nor does its tensors' shared memory (RAM until a reboot, were it left in /dev/shm)
+    assert shared_memory_files(pids) == [], "the killed peer left shared memory in /dev/shm"
 
     # Same data dir, so the same identity: refused while the old p2pd still held it.
     since = len(peer.events)
