@@ -124,7 +124,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             mean is replaced (zeros for Δ, own values for φ and in a pair) and which checks apply.
         distrusted: owners (indices) caught equivocating in an earlier round: their means are applied
             as refused without a check (pass them in ``ignored`` too).
-        whole_delta: a pair's receiver judges its owner's whole Δ (pairs.py ``PairTally``): blocking syncs.
+        whole_delta: a blocking sync's Δ: a pair's receiver judges its owner's whole Δ (pairs.py
+            ``PairTally``), a group's receipts the owners' alignments (receipts.py ``misaligned``).
     """
 
     def __init__(

@@ -100,7 +100,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             with this. None: no cap.
         memory: keeps whom this peer leaves out across restarts (peer/sync/suspicion_store.py); None: not.
         whole_delta: in a NoLoCo pair, the receiver judges its owner's whole Δ (peer/sync/pairs.py
-            ``PairTally``): True where a Δ is one round's training alone (``sync.overlap = "none"``).
+            ``PairTally``), and in a group the receipts judge the owners' alignments
+            (peer/sync/receipts.py): True where a Δ is one round's training alone
+            (``sync.overlap = "none"``).
         **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
 

@@ -36,7 +36,9 @@ class PieceRules:
         max_weight: the token cap on one contribution (peer/sync/screening.py ``round_token_cap``);
             None: no cap.
         whole_delta: whether a pair's receiver judges its owner's whole Δ (peer/sync/pairs.py
-            ``PairTally``), as a NetworkTransport does in a blocking sync (``sync.overlap = "none"``).
+            ``PairTally``) and a group's receipts judge the owners' alignments
+            (peer/sync/receipts.py ``misaligned``), as a NetworkTransport does in a blocking sync
+            (``sync.overlap = "none"``).
     """
 
     compression: CompressionSpec = field(default_factory=CompressionSpec)
@@ -266,7 +268,7 @@ def screened_means(
     # the receipts' verdict (peer/sync/receipts.py): an owner refused by half of the group's reports
     # (its own an acceptance) is skipped by every member, the others' means are applied by all
     skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n} | equivocal
-    if not pair:
+    if not pair and rules.whole_delta:  # a blocking sync's Δ (receipts.py: alignments)
         skipped |= misaligned({r: digests[r].alignments() for r in range(n)}, owners={p.owner for p in plan.pieces})
     for member in ids:
         suspects[member].add([ids[o] for o in skipped], round_)
