@@ -244,16 +244,29 @@ def run_swarm(
 
 def swarm_figures(run: dict, warmup: int, rate: float) -> dict:
     """The ``results`` figures of one run but its utilization: swarm tokens/s, sync and floor
-    seconds, bytes per token, PSS (see the module's docstring)."""
-    per, sent, tokens, floor = [], 0, 0, []
-    for ev in run["events"].values():
+    seconds, bytes per token, PSS (see the module's docstring). A peer with fewer than ``warmup`` + 2
+    round events (one that fell out of its group and downloaded the swarm's state, so its rounds
+    restarted) is listed in ``unmeasured`` and adds no tokens: the swarm's tokens/s, and so the
+    utilization, count only what the measured peers trained.
+
+    Raises:
+        ValueError: no peer has enough round events.
+    """
+    per, sent, tokens, floor, unmeasured = [], 0, 0, [], []
+    for name, ev in run["events"].items():
         rounds = ev["round"]
+        if len(rounds) < warmup + 2:
+            unmeasured.append(name)
+            continue
         per.append(peer_figures(rounds, warmup))
         measured = rounds[max(warmup, 1) :]
         sent += sum(e["bytes_sent"] for e in measured)
         tokens += sum(e["tokens"] for e in measured)
         floor.append(statistics.fmean(e["bytes_sent"] for e in measured) * 8 / (rate * 1e6))
+    if not per:
+        raise ValueError(f"no peer has {warmup + 2} round events or more: nothing to measure")
     return {
+        "unmeasured": unmeasured,
         "tokens_per_s": sum(p["tokens_per_s"] for p in per),
         "sync_s": statistics.fmean(p["sync_s"] for p in per),
         "allreduce_s": statistics.fmean(p["allreduce_s"] for p in per),
@@ -434,6 +447,8 @@ def main() -> None:
                         }
                     )
                     save()
+                    if f["unmeasured"]:
+                        print(f"  not measured (too few rounds; they add no tokens): {', '.join(f['unmeasured'])}")
                     print(
                         f"N={peers} {rate:g} Mbit/s {codec} {mode}: utilization {100 * row['utilization']:.1f} % "
                         f"({how} reference), sync {row['sync_s']:.2f} s vs floor {row['floor_s']:.2f} s, "

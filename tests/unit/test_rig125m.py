@@ -38,6 +38,22 @@ def test_figures_of_a_swarm_leave_out_the_warmup_round():
     assert f["rss_mib"] == pytest.approx(2048)
 
 
+def test_a_peer_with_too_few_rounds_adds_nothing_and_is_named():
+    run = {
+        "events": {
+            "a": {"round": rounds([10, 14, 18], [3, 3, 3], [9e9, 1e6, 3e6])},
+            "late": {"round": rounds([10, 30], [3, 3], [9e9, 1e6])},  # downloaded the state: rounds restarted
+        },
+        "pss_bytes": {"a": 2**30, "late": 3 * 2**30},
+    }
+    f = swarm_figures(run, warmup=1, rate=8.0)
+    assert f["unmeasured"] == ["late"]
+    assert f["tokens_per_s"] == pytest.approx(2000 / 8)  # only a's
+    assert f["rss_mib"] == pytest.approx(2048)  # every peer's memory still counts
+    with pytest.raises(ValueError, match="nothing to measure"):
+        swarm_figures({"events": {"late": run["events"]["late"]}, "pss_bytes": {}}, warmup=1, rate=8.0)
+
+
 def test_the_nosync_reference_is_tokens_over_the_steps_seconds():
     run = {"events": {"a": {"round": rounds([100], [50.0], [0])}, "b": {"round": rounds([100], [40.0], [0])}}}
     assert nosync_tokens_per_s(run) == pytest.approx(1000 / 50 + 1000 / 40)
