@@ -156,7 +156,8 @@ class StandInLoop(InnerLoop):
     ``step_s``: the host's own work of the step runs while the card computes, as a GPU host's
     launches overlap the card's work. Δ differs between peers as it does in training, with about
     the same norm and direction (a stand-in whose peers' Δ norms differed severalfold would be
-    screened as an attack by the honest peers' own checks). No gradient is made and AdamW's moments are never allocated (the sync needs neither): :meth:`state_dict` is
+    screened as an attack by the honest peers' own checks). No gradient is made and AdamW's
+    moments are never allocated (the sync needs neither): :meth:`state_dict` is
     None, the inner optimizer's state of a real loop before its first step, so a checkpoint holds
     no moments and a restore leaves a fresh optimizer; :attr:`adam_step` counts the steps. The loss
     reported is not a loss: a deterministic stand-in value, ``1 + 1 / (1 + inner_step / 100)`` nats
