@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from peer.net.lifetime import yield_to_training
 from peer.train.data import BatchSampler, SamplerState
 from peer.train.outer import first_non_finite
 from protocol.errors import CheckpointError, HelperDied
@@ -231,8 +232,6 @@ class CheckpointWriter:
 
     def __init__(self) -> None:
         import concurrent.futures
-
-        from peer.net.lifetime import yield_to_training
 
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="locoswarm-checkpoint", initializer=yield_to_training
