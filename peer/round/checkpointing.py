@@ -106,16 +106,14 @@ class Checkpointing:
         residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
         if problem:
             self.reporter.emit("warning", message=problem)
-        # the residuals are the averager process's copies, handed over for this file: written as they are
-        own = cast(tuple[str, ...], ("residual",) if residuals is not None else ())
         with s.lock:
-            phi, momentum, private = s.phi, s.outer.state_tensors(), own
+            phi, momentum, private = s.phi, s.outer.state_tensors(), cast(tuple[str, ...], ())
             snapshot = s.snapshots[-1]
             if not s.sealed and snapshot.meta["round"] == s.pos.round:
                 # φ and the outer state change only with a new snapshot, or by a streaming landing
                 # (which seals what it changed): its private copies are theirs
                 phi, momentum = list(snapshot.tensors[: len(phi)]), list(snapshot.tensors[len(phi) :])
-                private = ("phi", "momentum", *own)
+                private = ("phi", "momentum")
             file = encode_checkpoint(
                 PeerState(
                     run_id=s.m.run_id,
