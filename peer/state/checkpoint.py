@@ -96,10 +96,9 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: 
     Milliseconds for a small model: a copy of each tensor, no I/O.
 
     Args:
-        private: the groups of ``state`` (``"phi"``, ``"momentum"``, ``"residual"``) whose tensors
-            are copies that nothing changes any more (a state snapshot's, peer/state/snapshot.py;
-            the residuals the averager process handed over): taken as they are when contiguous fp32
-            CPU tensors, not copied again (any other is copied).
+        private: the groups of ``state`` (e.g. ``"phi"``, ``"momentum"``) whose tensors are copies
+            that nothing changes any more (a state snapshot's, peer/state/snapshot.py): taken as
+            they are when contiguous fp32 CPU tensors, not copied again (any other is copied).
         live: the groups (``"theta"``, ``"adam_exp_avg"``, ``"adam_exp_avg_sq"``) referenced as
             they are, not copied: the caller has :func:`copy_live` copy them (in the writer's
             thread) and keeps them unchanged until it did. :func:`write_checkpoint` refuses a file

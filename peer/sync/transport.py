@@ -463,8 +463,7 @@ class NetworkTransport:
 
     def error_feedback_residuals(self) -> list[torch.Tensor] | None:
         """This peer's committed error-feedback residuals, fetched from the averager process for a
-        checkpoint: one fp32 tensor per Δ tensor (shaped like its parameter), copies nothing else
-        holds (the checkpoint writes them without copying them again), or None when it keeps
+        checkpoint: one fp32 tensor per Δ tensor (shaped like its parameter), or None when it keeps
         none (lossless codec, feedback off, no completed sync since the start or the last reset).
         Call at a round boundary, when no sync is running.
 

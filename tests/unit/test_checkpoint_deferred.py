@@ -170,9 +170,9 @@ def test_a_busy_writer_means_a_copy_on_the_training_thread(corpus, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
 
 
-def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tmp_path):
-    theta = [torch.ones(3, 2), torch.zeros(4)]
-    state = PeerState(
+def small_state(theta: list[torch.Tensor], **extra) -> PeerState:
+    """A two-tensor peer state at round 1 whose φ and momentum are copies of ``theta``."""
+    return PeerState(
         run_id="r",
         round=1,
         inner_step=4,
@@ -182,7 +182,13 @@ def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tm
         phi=[t.clone() for t in theta],
         momentum=[t.clone() for t in theta],
         theta=theta,
+        **extra,
     )
+
+
+def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tmp_path):
+    theta = [torch.ones(3, 2), torch.zeros(4)]
+    state = small_state(theta)
     file = encode_checkpoint(state, live=("theta",))
     assert file.live == {"theta.a", "theta.b"}
     assert file.tensors["theta.a"].data_ptr() == theta[0].data_ptr()  # referenced, not copied
@@ -201,20 +207,8 @@ def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tm
 
 
 def test_private_tensors_are_written_as_they_are_unless_they_are_not_plain_host_fp32(tmp_path):
-    theta = [torch.ones(3, 2), torch.zeros(4)]
     residuals = [torch.full((3, 2), 0.5), torch.full((8,), 0.25)[::2]]  # the second: not contiguous
-    state = PeerState(
-        run_id="r",
-        round=1,
-        inner_step=4,
-        round_step=0,
-        round_tokens=0,
-        names=["a", "b"],
-        phi=[t.clone() for t in theta],
-        momentum=[t.clone() for t in theta],
-        theta=theta,
-        residuals=residuals,
-    )
+    state = small_state([torch.ones(3, 2), torch.zeros(4)], residuals=residuals)
     file = encode_checkpoint(state, private=("residual",))
     assert file.tensors["residual.a"] is residuals[0]  # the averager's copy: no second one
     assert file.tensors["residual.b"].data_ptr() != residuals[1].data_ptr()  # copied: made contiguous
