@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -96,17 +97,24 @@ class RoundState:
     def state_shapes(self) -> list[torch.Size]:
         return [*self.shapes, *(t.shape for t in self.outer.state_tensors())]
 
-    def take_snapshot(self, *, from_sealed: bool = False) -> None:
+    def take_snapshot(
+        self, *, from_sealed: bool = False, verified: tuple[Sequence[torch.Tensor], Sequence[bytes]] | None = None
+    ) -> None:
         """Snapshot φ, outer state and position at a round boundary (peer/state/snapshot.py).
 
         ``from_sealed`` (streaming's round end, where φ and the outer state changed since the last
         snapshot only by the landings of fragments, each sealed): the last snapshot with the sealed
-        tensors in place (``make_snapshot_from``: the same snapshot as one made afresh); else one
-        made afresh."""
+        tensors in place (``make_snapshot_from``: the same snapshot as one made afresh).
+        ``verified`` (an adopted download): (tensors equal to φ and the outer state now, private
+        contiguous fp32 CPU tensors nothing changes, and their chunks' verified hashes): the snapshot
+        takes both as its own, neither copied nor hashed again. Else one made afresh (a copy and a
+        hashing pass)."""
         with self.lock:
             meta = {"run_id": self.state_key, "round": self.pos.round, "inner_step": self.pos.round * self.H}
             if from_sealed:
                 snapshot = make_snapshot_from(self.snapshots[-1], meta, self.sealed.values())
+            elif verified is not None:
+                snapshot = make_snapshot(meta, verified[0], owned=True, chunk_hashes=verified[1])
             else:
                 snapshot = make_snapshot(meta, self.live_tensors())
             self.sealed = {}

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from peer.state.snapshot import CHUNK_ELEMENTS, chunk_hash, plan_chunks, state_digest
+from peer.train.outer import first_non_finite
 from protocol.errors import BadPayload, StateDownloadFailed
 from protocol.text import sanitize
 from protocol.wire import framing, state as frames
@@ -41,6 +42,10 @@ class DownloadedState:
     inner_step: int
     phi: list[torch.Tensor]
     outer_state: list[torch.Tensor]
+    chunk_hashes: tuple[bytes, ...] | None = None
+    """The verified hashes of the state's chunks (peer/state/snapshot.py ``plan_chunks`` of φ then
+    the outer state), as the digest binds them; None when not known. With them a snapshot of this
+    state needs no second hashing pass (:meth:`peer.round.state.RoundState.take_snapshot`)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class DownloadResult:
     """{"run_id", "round", "inner_step"}, verified against the digest."""
     tensors: list[torch.Tensor]
     """fp32 CPU tensors shaped as requested, every chunk hash-verified and finite."""
+    chunk_hashes: tuple[bytes, ...] = ()
+    """The chunks' hashes that the digest binds (16 bytes each, in chunk order), each chunk checked against its own."""
     bytes_by_donor: dict[Hashable, int] = field(default_factory=dict)
     """Frame bytes read from each donor contacted (length prefixes included)."""
     chunks_by_donor: dict[Hashable, int] = field(default_factory=dict)
@@ -90,6 +97,7 @@ class _Download:
         self.tensors = [torch.empty(s, dtype=torch.float32) for s in shapes]
         self.received = [False] * len(chunks)
         self.meta: dict[str, Any] | None = None
+        self.hashes: tuple[bytes, ...] = ()
         self.bytes_by_donor: dict[Hashable, int] = {}
         self.chunks_by_donor: dict[Hashable, int] = {}
         self.failed: dict[Hashable, str] = {}
@@ -147,8 +155,8 @@ class _Download:
             raise BadPayload(f"META hashes to digest {digest.hex()}, expected {self.digest.hex()}")
         if meta["run_id"] != self.run_id:
             raise BadPayload(f"state belongs to run {meta['run_id']!r}, expected {self.run_id}")
-        if self.meta is None:
-            self.meta = meta
+        if self.meta is None:  # one digest binds one meta and one list of hashes: every donor's are these
+            self.meta, self.hashes = meta, tuple(hashes)
         return hashes
 
     def _accept_chunk(self, payload: bytes, index: int, hashes: list[bytes]) -> None:
@@ -241,6 +249,7 @@ async def download_state(
     return DownloadResult(
         meta=download.meta,
         tensors=download.tensors,
+        chunk_hashes=download.hashes,
         bytes_by_donor=download.bytes_by_donor,
         chunks_by_donor=download.chunks_by_donor,
         failed=download.failed,
@@ -271,9 +280,9 @@ def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], 
     """
     if not factor >= 1.0:
         raise ValueError(f"factor = {factor!r}: expected >= 1")
-    for index, tensor in enumerate([*state.phi, *state.outer_state]):
-        if not torch.isfinite(tensor).all():
-            raise BadPayload(f"downloaded state tensor {index} holds NaN or inf")
+    bad = first_non_finite([*state.phi, *state.outer_state])
+    if bad is not None:
+        raise BadPayload(f"downloaded state tensor {bad} holds NaN or inf")
     norm, ref = _global_norm(state.phi), _global_norm(reference_phi)
     if ref > 0 and not ref / factor <= norm <= ref * factor:
         raise BadPayload(
@@ -305,11 +314,17 @@ def check_agrees(state: DownloadedState, *, round_: int, inner_steps: int) -> No
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+    """L2 norm of ``tensors`` together, accumulated in float64 without a float64 copy of any of them."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
 
 
 def validate_state(
-    metadata: Any, tensors: Sequence[torch.Tensor], *, run_id: str, shapes: Sequence[torch.Size]
+    metadata: Any,
+    tensors: Sequence[torch.Tensor],
+    *,
+    run_id: str,
+    shapes: Sequence[torch.Size],
+    chunk_hashes: Sequence[bytes] = (),
 ) -> DownloadedState:
     """Check a downloaded state before any of it touches φ.
 
@@ -317,9 +332,12 @@ def validate_state(
         metadata: {"run_id", "round", "inner_step"} (more fields are ignored).
         tensors: φ then the outer optimizer's state, one fp32 tensor per shape each.
         shapes: the run's parameter shapes.
+        chunk_hashes: the hashes the download verified the chunks against (``DownloadResult``),
+            passed on; empty: not known.
 
     Returns:
-        A DownloadedState holding copies of ``tensors``.
+        A DownloadedState holding private copies of ``tensors`` (the averager's process hands them
+        over in shared memory, one file descriptor each) and ``chunk_hashes``.
 
     Raises:
         BadPayload: names the first field or tensor that is wrong (a round or inner step outside
@@ -346,11 +364,13 @@ def validate_state(
                 f"downloaded state tensor {index} is {getattr(tensor, 'dtype', type(tensor))} "
                 f"{tuple(getattr(tensor, 'shape', ()))}, expected float32 {tuple(shape)}"
             )
-        if not torch.isfinite(tensor).all():
-            raise BadPayload(f"downloaded state tensor {index} holds NaN or inf")
+    bad = first_non_finite(tensors)
+    if bad is not None:
+        raise BadPayload(f"downloaded state tensor {bad} holds NaN or inf")
     return DownloadedState(
         round=metadata["round"],
         inner_step=metadata["inner_step"],
         phi=[t.clone() for t in tensors[:n]],
         outer_state=[t.clone() for t in tensors[n:]],
+        chunk_hashes=tuple(chunk_hashes) or None,
     )

@@ -82,29 +82,45 @@ class StateSnapshot:
 
 
 def make_snapshot(
-    meta: dict[str, Any], tensors: Sequence[torch.Tensor], *, chunk_elements: int = CHUNK_ELEMENTS, owned: bool = False
+    meta: dict[str, Any],
+    tensors: Sequence[torch.Tensor],
+    *,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    owned: bool = False,
+    chunk_hashes: Sequence[bytes] | None = None,
 ) -> StateSnapshot:
     """Copy a state and hash it, so that it can be served while training goes on.
 
     Costs one copy of the state in memory and one blake2b pass over it (blake2b releases the GIL,
-    so it may run in an executor).
+    so it may run in an executor); with ``owned`` no copy, with ``chunk_hashes`` no hashing.
 
     Args:
         meta: {"run_id": str, "round": int >= 0, "inner_step": int >= 0}, nothing else.
         tensors: fp32 tensors of any device and layout, all finite.
         owned: ``tensors`` are contiguous CPU tensors that nothing else holds or changes (made for
             this snapshot): they become its own without a copy.
+        chunk_hashes: the hashes of exactly these tensors' chunks, in chunk order, as a verified
+            download checked them (peer/state/download.py): taken as they are, not recomputed.
 
     Raises:
         ValueError: a meta field is missing, extra or of the wrong type, a tensor is not fp32,
-            or holds NaN or inf (a joiner would reject every chunk of it).
+            or holds NaN or inf (a joiner would reject every chunk of it), or ``chunk_hashes`` are
+            not one 16-byte hash per chunk.
     """
     problem = meta_problem(meta)
     if problem is not None:
         raise ValueError(problem)
     copies = [_private_copy(tensor, index, owned=owned) for index, tensor in enumerate(tensors)]
     chunks = plan_chunks([t.shape for t in copies], chunk_elements)
-    hashes = tuple(chunk_hash(chunk_view(copies[c.tensor], c)) for c in chunks)  # hashed in place
+    if chunk_hashes is not None:
+        hashes = tuple(chunk_hashes)
+        if len(hashes) != len(chunks) or any(len(h) != HASH_BYTES for h in hashes):
+            raise ValueError(
+                f"{len(hashes)} chunk hashes given for a state of {len(chunks)} chunks "
+                f"(each {HASH_BYTES} bytes); pass None to hash the tensors"
+            )
+    else:
+        hashes = tuple(chunk_hash(chunk_view(copies[c.tensor], c)) for c in chunks)  # hashed in place
     meta = dict(meta)
     return StateSnapshot(
         meta=meta, tensors=tuple(copies), chunks=tuple(chunks), chunk_hashes=hashes, digest=state_digest(meta, hashes)

@@ -450,11 +450,14 @@ class InProcessTransport:
                 if snap.digest.hex() != digest_hex:
                     continue
                 tensors = [t.clone() for t in snap.tensors]
-                if make_snapshot(snap.meta, tensors).digest.hex() != digest_hex:
+                received = make_snapshot(snap.meta, tensors)
+                if received.digest.hex() != digest_hex:
                     raise BadPayload(f"the state {donor} served does not hash to {digest_hex}")
                 shapes = self.shapes if self.shapes is not None else [t.shape for t in tensors[: len(tensors) // 2]]
                 run_id = self.run_id if self.run_id is not None else snap.meta.get("run_id")
-                state = validate_state(snap.meta, tensors, run_id=run_id, shapes=shapes)
+                state = validate_state(
+                    snap.meta, tensors, run_id=run_id, shapes=shapes, chunk_hashes=received.chunk_hashes
+                )
                 return StateDownload(
                     state=state,
                     chunks_by_donor={donor: 1},

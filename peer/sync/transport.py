@@ -509,7 +509,9 @@ class NetworkTransport:
         except ValueError as exc:
             raise BadPayload(f"state digest {digest_hex!r} is not hex") from exc
         result = self.averager.download_state(donors, digest, [*self.shapes, *self.shapes], self.run_id, timeout_s)
-        state = validate_state(result.meta, result.tensors, run_id=self.run_id, shapes=self.shapes)
+        state = validate_state(
+            result.meta, result.tensors, run_id=self.run_id, shapes=self.shapes, chunk_hashes=result.chunk_hashes
+        )
         return StateDownload(
             state=state,
             chunks_by_donor={str(k): v for k, v in result.chunks_by_donor.items()},

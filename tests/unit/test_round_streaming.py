@@ -453,3 +453,31 @@ def test_an_adopted_state_keeps_fragment_0s_sync_and_shifts_from_the_adopted_phi
     t.schedule.flight = (1, H // 2, stale)  # fragment 1's sync is part of round 1's state already: dropped
     t.catchup.adopt(state)
     assert dropped and t.schedule.flight is None and not t.schedule.adopted_in_flight
+
+
+def test_an_adopted_download_becomes_the_snapshot_without_a_copy_or_a_second_hashing(corpus):
+    """The state's tensors and the hashes its download verified are the snapshot's own: the digest
+    is the one hashing the live state afresh gives; a state without hashes is copied and hashed."""
+    import dataclasses
+
+    from peer.state.download import DownloadedState
+    from peer.state.snapshot import make_snapshot
+
+    t = make_trainer(corpus, streaming(tau=1), "a", Records(), FragmentTransport("a", None), rounds=2)
+    g = torch.Generator().manual_seed(5)
+    phi = [torch.randn(f.shape, generator=g) for f in t.phi]
+    outer = [torch.randn(s.shape, generator=g) for s in t.outer.state_tensors()]
+    meta = {"run_id": t.state.state_key, "round": 1, "inner_step": H}
+    hashes = make_snapshot(meta, [*phi, *outer]).chunk_hashes
+    state = DownloadedState(round=1, inner_step=H, phi=phi, outer_state=outer, chunk_hashes=hashes)
+    t.catchup.adopt(state)
+    snap = t.state.snapshots[-1]
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(snap.tensors, [*phi, *outer], strict=True))
+    assert snap.digest == make_snapshot(meta, t.state.live_tensors()).digest
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(t.state.live_tensors(), snap.tensors))  # φ is its own
+
+    plain = dataclasses.replace(state, round=2, inner_step=2 * H, chunk_hashes=None)
+    t.catchup.adopt(plain)
+    snap = t.state.snapshots[-1]
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(snap.tensors, [*phi, *outer]))
+    assert snap.digest == make_snapshot({**meta, "round": 2, "inner_step": 2 * H}, [*phi, *outer]).digest

@@ -107,3 +107,17 @@ def test_sealing_refuses_what_a_snapshot_refuses_and_tensors_that_do_not_fit():
         make_snapshot_from(before, META, [coarse])  # hashed with another chunk size
     with pytest.raises(ValueError, match="round"):
         make_snapshot_from(before, {**META, "round": -1}, [])
+
+
+def test_a_snapshot_given_its_verified_hashes_is_the_one_hashed_afresh():
+    """A verified download's hashes make the same snapshot without a hashing pass; hashes that do
+    not fit the state's chunks are refused."""
+    tensors = _tensors()
+    hashed = make_snapshot(META, tensors, chunk_elements=CHUNK)
+    given = make_snapshot(META, tensors, chunk_elements=CHUNK, owned=True, chunk_hashes=list(hashed.chunk_hashes))
+    assert given.digest == hashed.digest and given.chunk_hashes == hashed.chunk_hashes
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(given.tensors, tensors))  # owned: not copied
+    with pytest.raises(ValueError, match="chunk hashes given"):
+        make_snapshot(META, tensors, chunk_elements=CHUNK, chunk_hashes=hashed.chunk_hashes[:-1])
+    with pytest.raises(ValueError, match="chunk hashes given"):
+        make_snapshot(META, tensors, chunk_elements=CHUNK, chunk_hashes=[b"x"] * len(hashed.chunk_hashes))

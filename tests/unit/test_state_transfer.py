@@ -142,6 +142,7 @@ def test_three_donors_share_the_load_bit_exact():
     names = ["d0", "d1", "d2"]
     result = asyncio.run(_download({n: honest(snapshot, served) for n in names}, snapshot))
     _assert_exact(result, snapshot)
+    assert result.chunk_hashes == snapshot.chunk_hashes  # what the digest binds, for the joiner's own snapshot
     assert result.failed == {}
     assert set(result.chunks_by_donor) == set(names) and all(c > 0 for c in result.chunks_by_donor.values())
     assert max(result.chunks_by_donor.values()) - min(result.chunks_by_donor.values()) <= 1
@@ -327,6 +328,15 @@ def _state_tensors():
 def test_valid_state_passes():
     state = validate_state(STATE_META, _state_tensors(), run_id="abc", shapes=PARAM_SHAPES)
     assert state.round == 4 and state.inner_step == 80 and len(state.phi) == 2
+    assert state.chunk_hashes is None  # none given: a snapshot of it hashes it
+
+
+def test_a_valid_state_holds_private_copies_and_the_hashes_it_was_verified_with():
+    tensors, hashes = _state_tensors(), [bytes([i]) * 16 for i in range(4)]
+    state = validate_state(STATE_META, tensors, run_id="abc", shapes=PARAM_SHAPES, chunk_hashes=hashes)
+    assert state.chunk_hashes == tuple(hashes)
+    held = [*state.phi, *state.outer_state]
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(held, tensors, strict=True))
 
 
 @pytest.mark.parametrize(
