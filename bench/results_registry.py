@@ -480,14 +480,14 @@ REGISTRY: dict[str, Entry] = {
         "that holds the preset's real φ, θ and Δ and waits the card's step time (lab/standin.py): "
         "utilization (swarm tokens/s over the same peers' tokens/s with no sync, same invocation), sync "
         "seconds against the uplink's floor, bytes per token and memory per peer; and a joiner's catch-up "
-        "from 3 donors. Three invocations (rig125m.detail.json lists each with its command): the chaos preset "
+        "from 3 donors. Several invocations (rig125m.detail.json lists each with its command): the chaos preset "
         "(0.49 M parameters), and llama-125m cut to 2 of its blocks (26.0 M parameters, the H200's step time "
-        "scaled by the parameter share) with 4 and with 8 peers; the full llama-125m's rows wait for a host "
+        "scaled by the parameter share, H = 1700: rounds of 60 s) with 4 and with 8 peers; the full llama-125m's rows wait for a host "
         "with the memory (bench/device_session.sh, stage 5a, on a lent card).",
         "sudo .venv/bin/python bench/rig125m.py --preset chaos --peers 4 --rates 100 --modes nosync none delayed "
         "streaming --codecs fp32 int8 --rounds 3 --warmup 1 --inner-steps 40 --step-s 0.05 --catch-up-rates 100 "
         "--donors 3; sudo .venv/bin/python bench/rig125m.py --preset llama-125m --layers 2 --codecs int8 --rounds 3 "
-        "--warmup 1 --inner-steps 600 --step-s 0.0354 --peers 4 --rates 100 1000 --modes nosync none delayed "
+        "--warmup 1 --inner-steps 1700 --step-s 0.0354 --peers 4 --rates 100 1000 --modes nosync none delayed "
         "streaming --catch-up-rates 1000 100 --donors 3; the same with --peers 8 --rates 100 --catch-up-rates",
         [
             Table(
