@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -106,8 +105,9 @@ class Checkpointing:
         residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
         if problem:
             self.reporter.emit("warning", message=problem)
+        private: tuple[str, ...] = ()
         with s.lock:
-            phi, momentum, private = s.phi, s.outer.state_tensors(), cast(tuple[str, ...], ())
+            phi, momentum = s.phi, s.outer.state_tensors()
             snapshot = s.snapshots[-1]
             if not s.sealed and snapshot.meta["round"] == s.pos.round:
                 # φ and the outer state change only with a new snapshot, or by a streaming landing

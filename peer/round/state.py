@@ -22,7 +22,7 @@ import torch
 
 from peer.progress import RoundProgress
 from peer.state.snapshot import SealedTensor, StateSnapshot, make_snapshot, make_snapshot_from
-from peer.train.outer import OuterAlgorithm, first_non_finite, make_outer
+from peer.train.outer import OuterAlgorithm, first_non_finite, global_norm, make_outer
 from protocol.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
@@ -33,12 +33,6 @@ exploded and rolled back (:meth:`RoundState.guard_phi`). 10: the factor within w
 φ must lie of this peer's own (peer/state/download.py ``NORM_FACTOR``); an honest round moves φ by
 its outer step, a small fraction of ‖φ‖, and each step is already bounded by this peer's own Δ
 (peer/train/outer.py ``check_step_bound``), so only a φ that went wrong past every check gets here."""
-
-
-def _phi_norm(tensors) -> float:
-    """L2 norm of ``tensors`` together, float64 (fp32 values square without overflow); NaN or inf
-    when a value is not finite."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
 
 
 class RoundState:
@@ -143,9 +137,9 @@ class RoundState:
             return None
         last, n = self.snapshots[-1], len(self.phi)
         if self._snapshot_norm is None or self._snapshot_norm[0] != last.digest:
-            self._snapshot_norm = (last.digest, _phi_norm(last.tensors[:n]))
+            self._snapshot_norm = (last.digest, global_norm(last.tensors[:n]))
         with self.lock:
-            now = _phi_norm(self.phi)
+            now = global_norm(self.phi)
             state = first_non_finite(self.outer.state_tensors())
             limit = PHI_GROWTH_LIMIT * self._snapshot_norm[1]
             if math.isfinite(now) and state is None and (now <= limit or not limit > 0):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from peer.state.snapshot import CHUNK_ELEMENTS, chunk_hash, plan_chunks, state_digest
-from peer.train.outer import first_non_finite
+from peer.train.outer import first_non_finite, global_norm
 from protocol.errors import BadPayload, StateDownloadFailed
 from protocol.text import sanitize
 from protocol.wire import framing, state as frames
@@ -283,7 +283,7 @@ def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], 
     bad = first_non_finite([*state.phi, *state.outer_state])
     if bad is not None:
         raise BadPayload(f"downloaded state tensor {bad} holds NaN or inf")
-    norm, ref = _global_norm(state.phi), _global_norm(reference_phi)
+    norm, ref = global_norm(state.phi), global_norm(reference_phi)
     if ref > 0 and not ref / factor <= norm <= ref * factor:
         raise BadPayload(
             f"downloaded φ has norm {norm:.4g}, this peer's has {ref:.4g}: outside a factor of {factor:g} either way"
@@ -313,18 +313,13 @@ def check_agrees(state: DownloadedState, *, round_: int, inner_steps: int) -> No
         )
 
 
-def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
-    """L2 norm of ``tensors`` together, accumulated in float64 without a float64 copy of any of them."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
-
-
 def validate_state(
     metadata: Any,
     tensors: Sequence[torch.Tensor],
     *,
     run_id: str,
     shapes: Sequence[torch.Size],
-    chunk_hashes: Sequence[bytes] = (),
+    chunk_hashes: Sequence[bytes] | None = None,
 ) -> DownloadedState:
     """Check a downloaded state before any of it touches φ.
 
@@ -333,7 +328,7 @@ def validate_state(
         tensors: φ then the outer optimizer's state, one fp32 tensor per shape each.
         shapes: the run's parameter shapes.
         chunk_hashes: the hashes the download verified the chunks against (``DownloadResult``),
-            passed on; empty: not known.
+            passed on; None: not known.
 
     Returns:
         A DownloadedState holding private copies of ``tensors`` (the averager's process hands them
@@ -372,5 +367,5 @@ def validate_state(
         inner_step=metadata["inner_step"],
         phi=[t.clone() for t in tensors[:n]],
         outer_state=[t.clone() for t in tensors[n:]],
-        chunk_hashes=tuple(chunk_hashes) or None,
+        chunk_hashes=None if chunk_hashes is None else tuple(chunk_hashes),
     )

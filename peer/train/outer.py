@@ -9,6 +9,7 @@ benchmarks measure is the code the swarm runs.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -459,10 +460,16 @@ out a partner's φ whose norm is over :data:`HONEST_PHI_RATIO` (2) times their o
 pair is at most (1 + 2) / 2 ‖φ‖ from either."""
 
 
+def global_norm(tensors: Iterable[torch.Tensor]) -> float:
+    """L2 norm of all of ``tensors`` together (any float dtype, one device each), accumulated in
+    float64 without a float64 copy of any of them; NaN or inf when a value is not finite."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors))
+
+
 def _norm(tensors: Iterable[torch.Tensor]) -> float:
-    """L2 norm of all of ``tensors`` together, in float64 (inf when any value is not finite)."""
-    total = sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors)
-    return float("inf") if total != total else total**0.5
+    """:func:`global_norm`, inf when any value is not finite."""
+    total = global_norm(tensors)
+    return float("inf") if total != total else total
 
 
 def step_limit(
