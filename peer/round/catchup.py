@@ -7,6 +7,12 @@ hold; the downloaded state must then be of the round its records claim (``check_
 the norm bound (``check_sanity``) and not clearly worse on this peer's validation windows than its
 own φ (:func:`loss_refusal`, a joiner's own φ being φ_0); anything that fails, or raises, leaves the
 peer on its own state and the digest is not downloaded again.
+
+A peer nobody can dial (client mode) that raced ahead alone steps back to the swarm behind it (the
+re-sync rule's ``defers``): nobody can adopt its state, so its own φ, better by every round it trained
+alone, is not what the swarm's is held against; the run's initial φ is (a state worse than no
+training is still refused). Held against its own φ, it would refuse the swarm's state for good and
+the two would never average again.
 """
 
 from __future__ import annotations
@@ -101,13 +107,17 @@ class CatchUp:
         stop_event: threading.Event,
         publish: Callable[[], None],
         loss_of: PhiLoss | None = None,
+        initial_loss: Callable[[], float] | None = None,
     ):
         """``loss_of``: the validation loss of a φ (:func:`phi_loss` on an evaluation copy of the model
         and this peer's validation windows); None on a pipelined peer, which holds one stage and cannot
-        evaluate (it adopts without the loss check)."""
+        evaluate (it adopts without the loss check). ``initial_loss``: the validation loss of the run's
+        initial φ (the reference of a client-mode peer stepping back, :meth:`check_loss`); None: its
+        own φ's is used then too."""
         self.state, self.schedule, self.history, self.vouching = state, schedule, history, vouching
         self.swarm, self.transport, self.inner, self.cfg = swarm, transport, inner, config
         self.reporter, self.stop_event, self.publish, self.loss_of = reporter, stop_event, publish, loss_of
+        self.initial_loss = initial_loss
         self.failed_downloads = 0
         """State downloads that failed in a row: the first for want of donors is a ``status`` line, the
         next ones (and any other failure) a ``warning``."""
@@ -269,8 +279,10 @@ class CatchUp:
 
     def check_loss(self, state: DownloadedState, *, tie: bool) -> None:
         """Refuse ``state`` if its φ's validation loss is clearly worse than this peer's own φ's
-        (:func:`loss_refusal`; with ``tie``, if it is not lower). Nothing is checked without
-        ``loss_of`` (a pipelined peer). Changes nothing.
+        (:func:`loss_refusal`; with ``tie``, if it is not lower). A client-mode peer (it serves no
+        state) taking a state of an earlier round than its own (it raced ahead alone; the re-sync
+        rule's ``defers``) holds it against the run's initial φ instead (``initial_loss``), as a
+        joiner does. Nothing is checked without ``loss_of`` (a pipelined peer). Changes nothing.
 
         Raises:
             BadPayload: refused; the message gives both losses.
@@ -278,13 +290,19 @@ class CatchUp:
         if self.loss_of is None:
             return
         s = self.state
-        with s.lock:
-            own_phi = [f.detach().to("cpu", torch.float32, copy=True) for f in s.phi]
+        steps_back = not self.cfg.serves_state and state.round < s.pos.round
+        initial = self.initial_loss if steps_back else None
         with Waiting(f"comparing the validation loss of the downloaded state of round {state.round} with this peer's"):
-            own, theirs = self.loss_of(own_phi), self.loss_of(state.phi)
-        problem = loss_refusal(theirs, own, tie=tie)
+            if initial is not None:
+                own, whose = initial(), "the run's initial φ's"
+            else:
+                with s.lock:
+                    own_phi = [f.detach().to("cpu", torch.float32, copy=True) for f in s.phi]
+                own, whose = self.loss_of(own_phi), "this peer's"
+            theirs = self.loss_of(state.phi)
+        problem = loss_refusal(theirs, own, tie=tie and initial is None)
         if problem is not None:
-            raise BadPayload(problem)
+            raise BadPayload(problem.replace("this peer's", whose))
 
     def resync_target(self) -> tuple[int, str, list[str]] | None:
         """The outer algorithm's re-sync rule over the records that may vouch, counting only the

@@ -150,6 +150,7 @@ class Trainer:
             publish=self.publisher.publish,
             # the loss check of an adoption (#51): on the publisher's evaluation copy and windows
             loss_of=None if self.publisher.eval_model is None else self.publisher.phi_loss,
+            initial_loss=None if self.publisher.eval_model is None else self.publisher.initial_phi_loss,
         )
         self.checkpoints = Checkpointing(
             state=s,

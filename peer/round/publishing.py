@@ -19,7 +19,7 @@ from peer.round.state import RoundState
 from peer.round.syncing import SyncHistory
 from peer.sync.membership import RoundSwarm
 from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
-from peer.train.model import evaluate
+from peer.train.model import build_model, evaluate
 from protocol.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class Publisher:
         self._alongside: tuple[str, int, Future[float]] | None = None
         """The evaluation :meth:`eval_phi_alongside` started and :meth:`finish_eval` has not reported:
         (``when``, round of its φ, its result to come)."""
+        self._initial_loss: float | None = None
 
     def publish(
         self, *, train_loss: float | None = None, tokens_per_s: float | None = None, wait: bool = False
@@ -165,6 +166,18 @@ class Publisher:
             raise ValueError("a pipelined peer has no evaluation copy of the model")
         self.finish_eval()
         return phi_loss(self.eval_model, self.val_windows, phi)
+
+    def initial_phi_loss(self) -> float:
+        """The validation loss of the run's initial φ (φ_0: the model every peer builds from the run's
+        ``init_seed``), in nats per token; built and evaluated once, on the host, then remembered.
+
+        Raises:
+            ValueError: no evaluation copy (a pipelined peer).
+        """
+        if self._initial_loss is None:
+            phi_0 = [p.detach() for p in build_model(self.state.m.model, self.tokenizer).parameters()]
+            self._initial_loss = self.phi_loss(phi_0)
+        return self._initial_loss
 
     def _load_phi(self, model: torch.nn.Module) -> int:
         """Copy φ into ``model`` (the evaluation copy) under the state's lock; the round φ is of."""

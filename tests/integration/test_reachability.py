@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,47 +115,35 @@ def start(lab: netlab.NetLab, workdir: Path, children: list[Child], name: str, a
     return child.start()
 
 
-def test_default_peer_is_reachable_and_a_firewalled_one_falls_back(lab, tmp_path: Path):
-    import sys
+def start_bootstrap(lab: netlab.NetLab, workdir: Path, children: list[Child], boot: netlab.Host):
+    """The bootstrap node of a tiny run on ``boot``; its ``ready`` event and its lab address."""
+    argv = [sys.executable, "-m", "bootstrap", "run", "--host", boot.address, "--port", str(BOOT_PORT)]
+    argv += ["--identity", str(workdir / "boot.key"), "--preset", "tiny", "--log-format", "json"]
+    ready = start(lab, workdir, children, "boot", argv).wait_event(lambda e: e.kind == "ready", 240)
+    [boot_addr] = ready.addresses_on(boot.address)
+    return ready, boot_addr
 
+
+def joiner(lab: netlab.NetLab, workdir: Path, children: list[Child], boot_addr: str):
+    def join(name: str) -> Child:  # default --host: all interfaces
+        argv = peer_argv(data_dir=workdir / name, initial_peers=[boot_addr], extra=["--threads", "1"])
+        return start(lab, workdir, children, name, argv)
+
+    return join
+
+
+def test_default_peer_is_reachable_and_a_firewalled_one_falls_back(lab, tmp_path: Path):
     boot, open_host, walled = lab.add_host("boot"), lab.add_host("open"), lab.add_host("walled")
     refuse_incoming_tcp(walled)
     children: list[Child] = []
     try:
-        bootstrap = start(
-            lab,
-            tmp_path,
-            children,
-            "boot",
-            [
-                sys.executable,
-                "-m",
-                "bootstrap",
-                "run",
-                "--host",
-                boot.address,
-                "--port",
-                str(BOOT_PORT),
-                "--identity",
-                str(tmp_path / "boot.key"),
-                "--preset",
-                "tiny",
-                "--log-format",
-                "json",
-            ],
-        )
-        ready = bootstrap.wait_event(lambda e: e.kind == "ready", 240)
-        [boot_addr] = ready.addresses_on(boot.address)
+        ready, boot_addr = start_bootstrap(lab, tmp_path, children, boot)
         # the lab itself: the walled host cannot be dialed, the open one can, both dial out
         assert not can_connect(open_host, walled.address, 9) and can_connect(walled, boot.address, BOOT_PORT)
 
-        def join(name: str) -> Child:  # default --host: all interfaces
-            argv = peer_argv(data_dir=tmp_path / name, initial_peers=[boot_addr], extra=["--threads", "1"])
-            return start(lab, tmp_path, children, name, argv)
-
-        # The walled peer joins the run the open peer trains: started together, it could be the first
-        # to train, alone, rounds ahead of the open peer, whose state it then refuses (a worse loss)
-        # while its own cannot be downloaded (client mode) - another case than the one tested here.
+        join = joiner(lab, tmp_path, children, boot_addr)
+        # The walled peer joins the run the open peer trains (started together, it could be the first
+        # to train, alone, rounds ahead of the open peer: the case of the next test).
         peers = {"open": join("open")}
 
         def verdict(name: str):
@@ -185,6 +174,31 @@ def test_default_peer_is_reachable_and_a_firewalled_one_falls_back(lab, tmp_path
         # (nobody could download it), and follows the open peer's state whenever they diverge
         together = peers["walled"].wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 300)
         assert together["round"] >= 1
+    finally:
+        for child in children:
+            child.send(signal.SIGINT)
+        stop_all(children, 20.0)
+
+
+def test_a_firewalled_peer_that_trained_alone_first_joins_the_swarm_behind_it(lab, tmp_path: Path):
+    """The firewalled peer is the first to train: alone, rounds ahead of the open peer that comes
+    later, which cannot download its state (client mode serves none). It steps back to the open
+    peer's state (its loss held against the run's initial φ, not its own better trained one) and
+    the two average from then on."""
+    boot, _, walled = lab.add_host("boot"), lab.add_host("open"), lab.add_host("walled")
+    refuse_incoming_tcp(walled)
+    children: list[Child] = []
+    try:
+        _, boot_addr = start_bootstrap(lab, tmp_path, children, boot)
+        join = joiner(lab, tmp_path, children, boot_addr)
+        walled_peer = join("walled")
+        alone = walled_peer.wait_event(lambda e: e.kind == "round" and e["round"] >= 3, 300)
+        assert alone["group_size"] == 1
+        join("open")
+        stepped = walled_peer.wait_event(lambda e: e.kind == "adopted_state", 300)
+        assert stepped["reason"] == "raced ahead", stepped
+        together = walled_peer.wait_event(lambda e: e.kind == "round" and e["group_size"] == 2, 300)
+        assert together["round"] >= stepped["round"]
     finally:
         for child in children:
             child.send(signal.SIGINT)

@@ -11,7 +11,9 @@ steps), so the validation losses the loss check compares are those of real state
 * the tie-break takeover of the issue (a one-member class with a ground, smaller digest) works no
   more: in a swarm of three its class is too small; in a swarm of two the tie needs a lower loss;
 * a joiner picks the class with the most attested members, not the most records, and refuses a
-  state worse than its own φ_0.
+  state worse than its own φ_0;
+* a client-mode peer that raced ahead alone steps back to the swarm's less trained state (held
+  against φ_0, not its own φ), but not to a state worse than φ_0.
 """
 
 from __future__ import annotations
@@ -79,14 +81,14 @@ def trained(corpus, manifest):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def victim(corpus, manifest, hub, phi=None, *, peer_id="victim", round_=ROUND) -> Trainer:
+def victim(corpus, manifest, hub, phi=None, *, peer_id="victim", round_=ROUND, serves=True) -> Trainer:
     t = Trainer(
         manifest=manifest,
         model=build_model(manifest.model, corpus.tokenizer),
         corpus=corpus,
         swarm=Scripted(peer_id),
         transport=InProcessTransport(peer_id, hub),
-        config=TrainerConfig(),
+        config=TrainerConfig(serves_state=serves),
         reporter=Events(),
         stop_event=threading.Event(),
     )
@@ -268,6 +270,41 @@ def test_a_joiner_prefers_the_most_attested_class_and_checks_its_loss(corpus, ma
     (adopted,) = joiner.reporter.of("adopted_state")
     assert joiner.state_digest == honest and set(adopted["donors"]) <= {"h0", "h1"}
     assert not same(joiner, phi0)
+
+
+@pytest.mark.parametrize("behind", ["less-trained", "negated"])
+def test_a_client_mode_peer_that_raced_ahead_alone_steps_back(corpus, manifest, trained, behind):
+    """A peer nobody can dial trained rounds alone (its state cannot be downloaded); the swarm behind
+    it holds a less trained state. Held against its own φ that state is clearly worse, and before,
+    the peer refused it every round and never averaged with the swarm again; held against φ_0 it is
+    taken. A state worse than φ_0 (−φ) is still refused."""
+    hub = InProcessHub()
+    t = victim(corpus, manifest, hub, trained, serves=False)
+    t.vouching.ledger.record_group(1, ["h1", "h2"])
+    phi0 = [p.detach().clone() for p in build_model(manifest.model, corpus.tokenizer).parameters()]
+    theirs = phi0 if behind == "less-trained" else [-f for f in trained]
+    windows = validation_batch(corpus, manifest.data)
+    model = build_model(manifest.model, corpus.tokenizer)
+    assert phi_loss(model, windows, theirs) > phi_loss(model, windows, trained) * (1 + LOSS_MARGIN)
+    digest = serve(hub, t, ["h1", "h2"], theirs, ROUND - 2, salt=1e-6)
+    t.swarm.records = [record(p, ROUND - 2, digest, t.H) for p in ("h1", "h2")]
+    mine = [f.clone() for f in t.phi]
+    t.catchup.catch_up(attempts=1)
+    if behind == "less-trained":
+        (adopted,) = t.reporter.of("adopted_state")
+        assert adopted["reason"] == "raced ahead" and t.pos.round == ROUND - 2 and t.state_digest == digest
+        assert not t.reporter.of("warning")
+    else:
+        assert not t.reporter.of("adopted_state") and t.pos.round == ROUND and same(t, mine)
+        (warning,) = t.reporter.of("warning")
+        assert "the run's initial φ's" in warning["message"] and digest in warning["message"]
+    # a peer that can be dialed still holds a state behind it against its own φ: refused, it keeps
+    # its own (the swarm can download it, and their losses draw closer as training goes on)
+    served = victim(corpus, manifest, hub, trained, peer_id="open")
+    served.vouching.ledger.record_group(1, ["h1", "h2"])
+    served.swarm.records = list(t.swarm.records)
+    served.catchup.catch_up(attempts=1)
+    assert served.pos.round == ROUND and same(served, trained)
 
 
 def test_loss_refusal():
