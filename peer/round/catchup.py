@@ -356,38 +356,36 @@ class CatchUp:
 
     def adopt(self, state: DownloadedState) -> None:
         """Take a downloaded state: φ, the outer state and the round; θ ← φ, a fresh AdamW (a joiner
-        copies φ and the outer momentum and starts a fresh inner optimizer), no error-feedback
-        residuals. A sync in flight is kept or dropped by the schedule (``before_adopt``).
+        takes φ and the outer momentum and starts a fresh inner optimizer), no error-feedback
+        residuals. A sync in flight is kept or dropped by the schedule (``before_adopt``). The
+        downloaded tensors become the live state (``RoundState.install``: the download's private
+        copies, not copied again; one that is not a contiguous fp32 host tensor is copied first).
 
         Raises:
-            BadPayload: the state's tensors are not this peer's in number or shape; nothing changed.
-            Whatever copying raises, after φ and the outer state were put back from the last
-            snapshot (this peer's own state at its round's start).
+            BadPayload: the state's tensors are not this peer's in number, shape or dtype; nothing
+                changed.
+            Whatever copying raises; nothing changed.
         """
         s = self.state
         live, new = s.live_tensors(), [*state.phi, *state.outer_state]
-        if len(live) != len(new) or any(a.shape != b.shape for a, b in zip(live, new)):
+        if len(live) != len(new) or any(a.shape != b.shape or b.dtype != torch.float32 for a, b in zip(live, new)):
             raise BadPayload(
-                f"the state holds {len(new)} tensors {[tuple(t.shape) for t in new][:4]}…, this peer "
-                f"{len(live)} {[tuple(t.shape) for t in live][:4]}…"
+                f"the state holds {len(new)} tensors {[(tuple(t.shape), t.dtype) for t in new][:4]}…, this "
+                f"peer {len(live)} fp32 {[tuple(t.shape) for t in live][:4]}…"
             )
+        plain = all(t.device.type == "cpu" and t.is_contiguous() for t in new)
+        if not plain:
+            new = [t.detach().to("cpu", torch.float32).contiguous().clone() for t in new]
         self.schedule.before_adopt(state.round)
         with s.lock:
-            try:
-                for dst, src in zip(live, new, strict=True):
-                    dst.copy_(src)
-            except BaseException:
-                if s.snapshots:  # back to this peer's own state: the last snapshot (its start of round)
-                    for dst, src in zip(live, s.snapshots[-1].tensors, strict=True):
-                        dst.copy_(src)
-                raise
+            s.install_all(new)
             s.pos.start_round(state.round)
         s.set_theta_to_phi()
         self.schedule.after_adopt()
         self.inner.reset_optimizer()
         self.transport.reset_error_feedback()  # residuals of a φ this peer no longer holds
         self.history.forget()
-        if state.chunk_hashes is not None:  # its download hashed every chunk
-            s.take_snapshot(verified=([*state.phi, *state.outer_state], state.chunk_hashes))
+        if state.chunk_hashes is not None and plain:  # its download hashed every chunk of these tensors
+            s.take_snapshot(verified=(new, state.chunk_hashes))
         else:
             s.take_snapshot()

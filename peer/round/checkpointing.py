@@ -105,15 +105,10 @@ class Checkpointing:
         residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
         if problem:
             self.reporter.emit("warning", message=problem)
-        private: tuple[str, ...] = ()
+        # φ and the outer state are never written in place, only rebound (peer/round/state.py): the
+        # tensors held now are written as they are, not copied
         with s.lock:
-            phi, momentum = s.phi, s.outer.state_tensors()
-            snapshot = s.snapshots[-1]
-            if not s.sealed and snapshot.meta["round"] == s.pos.round:
-                # φ and the outer state change only with a new snapshot, or by a streaming landing
-                # (which seals what it changed): its private copies are theirs
-                phi, momentum = list(snapshot.tensors[: len(phi)]), list(snapshot.tensors[len(phi) :])
-                private = ("phi", "momentum")
+            phi, momentum = list(s.phi), list(s.outer.state_tensors())
             file = encode_checkpoint(
                 PeerState(
                     run_id=s.m.run_id,
@@ -132,7 +127,7 @@ class Checkpointing:
                     data=self.inner.sampler.state(),
                     vouchers=self.vouching.ledger.as_dict(),
                 ),
-                private=private,
+                private=("phi", "momentum"),
                 live=("theta", "adam_exp_avg", "adam_exp_avg_sq") if defer else (),
             )
         if defer:
@@ -161,7 +156,7 @@ class Checkpointing:
             return
         s = self.state
         with s.lock:
-            phi = [t.clone() for t in s.phi]
+            phi = list(s.phi)  # never written in place: no copy needed
         directory, names, run_id = self.path.parent, s.names, s.m.run_id
         self.writer.submit_call(lambda: export_phi(directory, names=names, phi=phi, run_id=run_id, round_=round_))
 
@@ -187,8 +182,10 @@ class Checkpointing:
         except CheckpointError as exc:
             self.reporter.emit("warning", message=f"{exc}; starting without it")
             return
+        with s.lock:  # φ and the outer state are rebound, never written (peer/round/state.py)
+            s.install_all([t.detach().to("cpu", torch.float32).contiguous() for t in [*state.phi, *state.momentum]])
         with torch.no_grad():
-            for dst, src in zip([*s.live_tensors(), *s.params], [*state.phi, *state.momentum, *state.theta]):
+            for dst, src in zip(s.params, state.theta):
                 dst.copy_(src)
         if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
             self.inner.load_state_dict(

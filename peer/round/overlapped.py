@@ -131,7 +131,7 @@ class OverlapSchedule(BackgroundSchedule):
             s.take_snapshot()
         start = s.phi
         if delta is not None:
-            payload = self._own(s.outer.payload(s.phi, delta), s.phi)
+            payload = s.outer.payload(s.phi, delta)  # φ's tensors: never written in place
             try:
                 start = next_start(
                     self.mode,
@@ -206,27 +206,20 @@ class OverlapSchedule(BackgroundSchedule):
             return None
 
     def _apply_checked(self, mean: list[torch.Tensor], own: tuple[list[torch.Tensor], float] | None) -> None:
-        """Apply ``mean`` to φ and the outer state (call under the lock), refusing a step whose change of
-        φ exceeds what an honest mean can make from this peer's own Δ (``check_step_bound``): then φ
-        and the outer state are put back to the last snapshot's (what this peer held: φ changes only
-        at a landing or an adoption, each followed by a snapshot).
+        """Apply ``mean`` to φ and the outer state (call under the lock): the step on copies
+        (``step_on_copies``), installed (``RoundState.install``) unless its change of φ exceeds what
+        an honest mean can make from this peer's own Δ (``check_step_bound``).
 
         Raises:
             BadPayload: the step was refused (malformed or non-finite mean, a non-finite result, or
                 over its bound); φ and the outer state are as they were.
         """
         s = self.state
-        n, before = len(s.phi), s.snapshots[-1].tensors
-        s.outer.apply(s.phi, mean)
-        if own is None:
-            return
-        try:
-            check_step_bound(s.outer, before[:n], s.phi, own[0], old_state=before[n:], scale=own[1])
-        except BadPayload:
-            with torch.no_grad():
-                for dst, src in zip(s.live_tensors(), before, strict=True):
-                    dst.copy_(src)
-            raise
+        n, before = len(s.phi), s.live_tensors()
+        phi, outer_state = step_on_copies(s.outer, before[:n], before[n:], mean)
+        if own is not None:
+            check_step_bound(s.outer, before[:n], phi, own[0], old_state=before[n:], scale=own[1])
+        s.install_all([*phi, *outer_state])
 
     def _refused(self, exc: BadPayload, report: SyncReport) -> SyncReport:
         """A landing whose outer step was refused: warn, and mark its report failed (φ unchanged)."""
@@ -235,8 +228,9 @@ class OverlapSchedule(BackgroundSchedule):
         return dataclasses.replace(report, failed=True, agreeing=(), completed=(), note=f"outer step skipped ({exc})")
 
     def _install(self, prepared: PreparedStep | None, mean: list[torch.Tensor]) -> bool:
-        """Copy a prepared outer step into φ and the outer state (call under the lock, before the
-        position moves to the next round); whether it was installed. Only a step prepared from this
+        """Install a prepared outer step's snapshot as φ and the outer state (call under the lock,
+        before the position moves to the next round; ``RoundState.install``: rebound, not copied);
+        whether it was installed. Only a step prepared from this
         very ``mean``, from the state this peer still holds (the last snapshot: an adoption since
         made another) and for the round the landing starts; else the caller applies ``mean``."""
         s = self.state
@@ -247,9 +241,7 @@ class OverlapSchedule(BackgroundSchedule):
             or prepared.snapshot.meta["round"] != s.pos.round + 1
         ):
             return False
-        with torch.no_grad():
-            for dst, src in zip(s.live_tensors(), prepared.snapshot.tensors, strict=True):
-                dst.copy_(src)
+        s.install_all(prepared.snapshot.tensors)
         return True
 
     def finish(self) -> None:

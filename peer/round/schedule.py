@@ -171,12 +171,6 @@ class ScheduleBase:
         live = self.records.for_round(self.state.pos.round)
         return live, self.sync.choose(self.state.pos.round, live)
 
-    @staticmethod
-    def _own(payload: list[torch.Tensor], phi: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The payload a background sync reads: NoLoCo's payload holds φ itself, so those tensors are
-        copied (φ may move under a sync that is later dropped)."""
-        return [t.clone() if any(t is p for p in phi) else t for t in payload]
-
 
 class BackgroundSchedule(ScheduleBase):
     """A schedule whose syncs run in a background thread while the next inner steps train (one sync

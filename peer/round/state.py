@@ -6,8 +6,16 @@ overlapped.py, streamed.py), catch-up and adoption (catchup.py), checkpointing (
 and progress publishing (publishing.py).
 
 θ (and AdamW, gradients) live on the placement's device; φ and the outer state stay fp32 on the
-host (pinned when the device is CUDA), so Δ = φ − θ is formed in fp32 on the host and peers that
-complete a round together hold bit-identical φ whatever device they trained on.
+host (pinned when the device is CUDA, until the first outer step replaces them), so Δ = φ − θ is
+formed in fp32 on the host and peers that complete a round together hold bit-identical φ whatever
+device they trained on.
+
+φ and the outer state are never written in place: an outer step, a landing, an adoption, a restore
+or a roll-back makes new tensors and :meth:`RoundState.install` rebinds the live state to them. So
+the last snapshot holds the very tensors of the live state, not a copy (one copy of φ and the outer
+state fewer per peer, and no copy at a landing), and whatever holds a tensor of φ, a payload in
+flight or a prepared step's base, holds a value that does not change under it. Read φ from
+:attr:`RoundState.phi` when it is used, not from a tensor kept across a landing.
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ class RoundState:
         self.sealed: dict[int, SealedTensor] = {}
         self.copying: threading.Event | None = None
         """Set once a checkpoint writer's thread copied θ and the moments (peer/round/checkpointing.py)."""
+        self.views: list[tuple[list[torch.Tensor], list[int]]] = []
+        """Other lists that hold live state tensors, with the state index of each entry (a fragment's
+        outer state, peer/train/streaming.py ``fragment_outers``): :meth:`install` rebinds them too."""
         self.waited = {"sync": 0.0, "resync": 0.0}
         self._snapshot_norm: tuple[bytes, float] | None = None
         """(digest of a snapshot, its φ's norm): :meth:`guard_phi` measures each snapshot's φ once."""
@@ -91,18 +102,52 @@ class RoundState:
     def state_shapes(self) -> list[torch.Size]:
         return [*self.shapes, *(t.shape for t in self.outer.state_tensors())]
 
+    def install(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Make the live state at state ``indices`` (φ, then the outer state) be ``tensors``:
+        rebound, not copied (see the module), in :attr:`phi`, the outer algorithm's state list and
+        every registered view. Call under :attr:`lock` where another thread may read.
+
+        Args:
+            tensors: contiguous fp32 host tensors shaped as the state's, which nothing writes from
+                now on (a snapshot may hold them).
+
+        Raises:
+            ValueError: an index outside the state or a tensor of another shape or dtype; nothing
+                was rebound.
+        """
+        n, momentum, shapes = len(self.phi), self.outer.state_tensors(), self.state_shapes()
+        pairs = list(zip(indices, tensors, strict=True))
+        for i, t in pairs:
+            if not 0 <= i < len(shapes) or t.shape != shapes[i] or t.dtype != torch.float32:
+                raise ValueError(
+                    f"state tensor {i}: {tuple(t.shape)} {t.dtype} does not fit a state of {len(shapes)} fp32 "
+                    "tensors shaped as this peer's"
+                )
+        for i, t in pairs:
+            if i < n:
+                self.phi[i] = t
+            else:
+                momentum[i - n] = t
+        for view, of in self.views:
+            for j, i in enumerate(of):
+                view[j] = self.phi[i] if i < n else momentum[i - n]
+
+    def install_all(self, tensors: Sequence[torch.Tensor]) -> None:
+        """:meth:`install` at every state index: ``tensors`` are φ then the whole outer state."""
+        self.install(range(len(tensors)), tensors)
+
     def take_snapshot(
         self, *, from_sealed: bool = False, verified: tuple[Sequence[torch.Tensor], Sequence[bytes]] | None = None
     ) -> None:
-        """Snapshot φ, outer state and position at a round boundary (peer/state/snapshot.py).
+        """Snapshot φ, outer state and position at a round boundary (peer/state/snapshot.py); the
+        snapshot holds the live tensors themselves (never written in place: see the module).
 
         ``from_sealed`` (streaming's round end, where φ and the outer state changed since the last
         snapshot only by the landings of fragments, each sealed): the last snapshot with the sealed
         tensors in place (``make_snapshot_from``: the same snapshot as one made afresh).
-        ``verified`` (an adopted download): (tensors equal to φ and the outer state now, private
-        contiguous fp32 CPU tensors nothing changes, and their chunks' verified hashes): the snapshot
-        takes both as its own, neither copied nor hashed again. Else one made afresh (a copy and a
-        hashing pass)."""
+        ``verified`` (an adopted download): (the tensors installed as φ and the outer state, and their
+        chunks' verified hashes): not hashed again. Else the live tensors hashed (a hashing pass; a
+        copy only of a tensor that is not contiguous on the host)."""
         with self.lock:
             meta = {"run_id": self.state_key, "round": self.pos.round, "inner_step": self.pos.round * self.H}
             if from_sealed:
@@ -110,7 +155,8 @@ class RoundState:
             elif verified is not None:
                 snapshot = make_snapshot(meta, verified[0], owned=True, chunk_hashes=verified[1])
             else:
-                snapshot = make_snapshot(meta, self.live_tensors())
+                snapshot = make_snapshot(meta, self.live_tensors(), owned=True)
+            self.install_all(snapshot.tensors)  # the same tensors, unless one had to be copied
             self.sealed = {}
         self.snapshots.append(snapshot)
 
@@ -126,7 +172,7 @@ class RoundState:
     def guard_phi(self) -> str | None:
         """At a round's end, before its snapshot: a φ or outer state that turned non-finite, or a φ
         whose norm is over :data:`PHI_GROWTH_LIMIT` × the last snapshot's (exploded), is rolled back
-        to the last snapshot (immutable: the last good state), and the landings sealed since are
+        to the last snapshot (immutable: the last good state, installed again), and the landings sealed since are
         dropped, so the round's snapshot, what joiners download and what a checkpoint writes never
         hold it. θ, which a landing may have set from that φ, restarts from the restored φ.
 
@@ -144,9 +190,7 @@ class RoundState:
             limit = PHI_GROWTH_LIMIT * self._snapshot_norm[1]
             if math.isfinite(now) and state is None and (now <= limit or not limit > 0):
                 return None
-            with torch.no_grad():
-                for dst, src in zip(self.live_tensors(), last.tensors, strict=True):
-                    dst.copy_(src)
+            self.install_all(last.tensors)
             self.sealed = {}
         self.set_theta_to_phi()
         problem = (

@@ -69,7 +69,10 @@ class FragmentSchedule(BackgroundSchedule):
                 spec.fragment_alpha,
                 spec.fragment_merge,
             )
-            phi_from = s.outer.phi_from(len(s.phi))
+            n = len(s.phi)
+            for part, index in zip(self.fragment_outer, self.fragments, strict=True):
+                s.views.append((part.momentum, [n + k for k in index]))  # rebound with the live state
+            phi_from = s.outer.phi_from(n)
             self.sync.fragments = spec.fragments  # each fragment's sync has a key and buffers of its own
             self.sync.fragment_payload = [payload_indices(f, phi_from=phi_from) for f in self.fragments]
         P = len(self.fragments)
@@ -193,9 +196,8 @@ class FragmentSchedule(BackgroundSchedule):
             s.await_theta_copy()
             land([s.params[k] for k in index], phi_p, alpha=0.0, rule="mix", at_sync=None)
             return
+        # NoLoCo's payload holds φ_p itself: a background sync may read it, as φ is never written in place
         payload = self.fragment_outer[p].payload(phi_p, delta)
-        if not self.inline:  # a background sync reads a copy of φ_p, which may move under a dropped one
-            payload = self._own(payload, phi_p)
         choice, live = self.round_choice(round_)
         # a postponed start and the steps past H make a fragment's steps more than a round's: its claim
         # is capped where its groupmates cap it (the owners' cap of a round's tokens)
@@ -243,18 +245,45 @@ class FragmentSchedule(BackgroundSchedule):
         of ``base`` (``step_on_copies``, bit-identical to applying it), the results sealed for the
         round's snapshot (``seal_tensor``: the finiteness check and the chunks' hashes). None when
         the mean is malformed or the step not finite: the landing applies it itself."""
-        k = len(self.fragments[p])
         try:
             self.state.release_older_snapshot()  # before the step's copies are made
-            phi, outer_state = step_on_copies(self.fragment_outer[p], base[:k], base[k:], mean)
-            shapes = self.state.state_shapes()
-            sealed = tuple(
-                seal_tensor(t, index=i, shapes=shapes, owned=True)
-                for i, t in zip(self.fragment_state(p), [*phi, *outer_state], strict=True)
-            )
+            return self._stepped(p, base, mean)
         except (BadPayload, ValueError) as exc:
             logger.debug("outer step of fragment %d not prepared: %s", p, exc)
             return None
+
+    def step_fragment(
+        self, p: int, mean: list[torch.Tensor], own: tuple[list[torch.Tensor], float] | None
+    ) -> PreparedFragment:
+        """Fragment p's outer step from what this peer holds now, on the training thread (no step
+        was prepared for this mean), checked against its bound (:meth:`check_fragment_step`); the
+        caller installs it. Nothing of the live state changes here.
+
+        Raises:
+            BadPayload: a malformed or non-finite mean, a non-finite result, or over its bound.
+        """
+        base = self.state.held(self.fragment_state(p))
+        try:
+            prepared = self._stepped(p, base, mean)
+        except ValueError as exc:  # a non-finite result, refused by the seal's check
+            raise BadPayload(f"the outer step of fragment {p} is not finite: {exc}") from None
+        self.check_fragment_step(p, base, [t.tensor for t in prepared.sealed], own)
+        return prepared
+
+    def _stepped(self, p: int, base: tuple[torch.Tensor, ...], mean: list[torch.Tensor]) -> PreparedFragment:
+        """Fragment p's outer step on copies of ``base``, sealed (new tensors: the seal copies nothing).
+
+        Raises:
+            BadPayload: a malformed or non-finite mean, or a non-finite step (``step_on_copies``).
+            ValueError: a non-finite result (``seal_tensor``).
+        """
+        k = len(self.fragments[p])
+        phi, outer_state = step_on_copies(self.fragment_outer[p], base[:k], base[k:], mean)
+        shapes = self.state.state_shapes()
+        sealed = tuple(
+            seal_tensor(t, index=i, shapes=shapes, owned=True)
+            for i, t in zip(self.fragment_state(p), [*phi, *outer_state], strict=True)
+        )
         return PreparedFragment(mean=mean, base=base, sealed=sealed)
 
     def land_fragment(self) -> None:
@@ -276,38 +305,30 @@ class FragmentSchedule(BackgroundSchedule):
             # an inline one ran to its end on this thread (a cancelled one applies this peer's own payload)
             return
         index = self.fragments[p]
-        phi_p = [s.phi[k] for k in index]
         own, self.own = self.own, None
         if mean is not None:
             try:
                 with s.lock:
                     if not self.install_fragment(prepared, p, mean):  # a prepared step was checked in its thread
-                        before = s.held(self.fragment_state(p))
-                        s.release_older_snapshot()  # before the outer step's and the seal's copies
-                        self.fragment_outer[p].apply(phi_p, mean)
-                        try:
-                            self.check_fragment_step(p, before, phi_p, own)
-                        except BadPayload:  # φ_p and its outer state back to what this peer held
-                            live = s.live_tensors()
-                            with torch.no_grad():
-                                for i, t in zip(self.fragment_state(p), before, strict=True):
-                                    live[i].copy_(t)
-                            raise
-                        self.seal_fragment(p)
+                        s.release_older_snapshot()  # before the outer step's new tensors are made
+                        prepared = self.step_fragment(p, mean, own)
+                        self.install_fragment(prepared, p, mean)
             except BadPayload as exc:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
                 report = dataclasses.replace(
                     report, failed=True, agreeing=(), completed=(), note=f"fragment {p}: outer step skipped ({exc})"
                 )
         s.await_theta_copy()
+        phi_p = [s.phi[k] for k in index]  # as installed now
         land([s.params[k] for k in index], phi_p, alpha=self.alpha, rule=self.rule, at_sync=at_sync)
         self.landed.append(report)
 
     def install_fragment(self, prepared: PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
-        """Copy a prepared fragment step into φ_p and the fragment's outer state (call under the lock)
-        and keep its sealed tensors for the round's snapshot; whether it was installed. Only a step
-        prepared from this very ``mean`` and from fragment p's tensors as this peer still holds them
-        (an adoption since replaced them); else the caller applies ``mean``."""
+        """Install a prepared fragment step as φ_p and the fragment's outer state (call under the
+        lock; ``RoundState.install``: rebound, not copied) and keep its sealed tensors for the round's
+        snapshot; whether it was installed. Only a step prepared from this very ``mean`` and from
+        fragment p's tensors as this peer still holds them (an adoption since replaced them); else
+        the caller applies ``mean``."""
         s = self.state
         held = s.held(self.fragment_state(p))
         if (
@@ -317,10 +338,7 @@ class FragmentSchedule(BackgroundSchedule):
             or any(a is not b for a, b in zip(held, prepared.base))
         ):
             return False
-        live = s.live_tensors()
-        with torch.no_grad():
-            for sealed in prepared.sealed:
-                live[sealed.index].copy_(sealed.tensor)
+        s.install([sealed.index for sealed in prepared.sealed], [sealed.tensor for sealed in prepared.sealed])
         s.sealed.update((sealed.index, sealed) for sealed in prepared.sealed)
         return True
 
@@ -342,13 +360,6 @@ class FragmentSchedule(BackgroundSchedule):
         check_step_bound(
             self.fragment_outer[p], before[:k], after[:k], own[0], old_state=before[k:], scale=own[1], what=what
         )
-
-    def seal_fragment(self, p: int) -> None:
-        """Seal fragment p's φ_p and outer state as they are now (a landing without a prepared step),
-        for the round's snapshot and the next prepared step's base."""
-        s = self.state
-        live, shapes = s.live_tensors(), s.state_shapes()
-        s.sealed.update((i, seal_tensor(live[i], index=i, shapes=shapes)) for i in self.fragment_state(p))
 
     # ---- the round's end ----------------------------------------------------------------
     def end_round(self) -> RoundEnd:

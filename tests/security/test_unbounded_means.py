@@ -201,8 +201,10 @@ def test_an_exploded_phi_is_rolled_back_at_the_rounds_end(corpus, monkeypatch):
 def test_a_non_finite_phi_is_rolled_back_to_the_last_snapshot(corpus):
     t = _trainers(corpus, tiny_run(), InProcessHub(2), rounds=1)[0]
     phi0 = [f.clone() for f in t.phi]
-    t.phi[0][0] = float("nan")
-    t.outer.state_tensors()[1].fill_(float("inf"))
+    bad_phi = t.phi[0].clone()
+    bad_phi.view(-1)[0] = float("nan")
+    n = len(t.phi)
+    t.state.install([0, n + 1], [bad_phi, torch.full_like(t.outer.state_tensors()[1], float("inf"))])
     t.schedule.guard_phi()
     assert all(torch.equal(x, y) for x, y in zip(t.phi, phi0))
     assert all(bool(torch.isfinite(m).all()) for m in t.outer.state_tensors())

@@ -465,11 +465,13 @@ def test_a_prepared_outer_step_is_installed_only_for_its_mean_state_and_round():
         return make_snapshot({"run_id": "r", "round": round_, "inner_step": 0}, [torch.full((2,), value)] * 2)
 
     held, mean = snap(1.0, 4), [torch.ones(2)]
-    phi, m = [torch.zeros(2)], torch.zeros(2)
+    live = [torch.zeros(2), torch.zeros(2)]  # φ, then the outer state
+
+    def install_all(tensors):
+        live[:] = list(tensors)
+
     t = types.SimpleNamespace(
-        state=types.SimpleNamespace(
-            phi=phi, live_tensors=lambda: [*phi, m], snapshots=[held], pos=types.SimpleNamespace(round=4)
-        )
+        state=types.SimpleNamespace(install_all=install_all, snapshots=[held], pos=types.SimpleNamespace(round=4))
     )
     ready = PreparedStep(mean=mean, base=held.digest, snapshot=snap(7.0, 5))
     for wrong in (
@@ -479,6 +481,7 @@ def test_a_prepared_outer_step_is_installed_only_for_its_mean_state_and_round():
         dataclasses.replace(ready, snapshot=snap(7.0, 6)),
     ):
         assert OverlapSchedule._install(t, wrong, mean) is False
-        assert torch.equal(phi[0], torch.zeros(2)) and torch.equal(m, torch.zeros(2))
+        assert torch.equal(live[0], torch.zeros(2)) and torch.equal(live[1], torch.zeros(2))
     assert OverlapSchedule._install(t, ready, mean) is True
-    assert torch.equal(phi[0], torch.full((2,), 7.0)) and torch.equal(m, torch.full((2,), 7.0))
+    # installed as they are: the live state is the prepared snapshot's own tensors, not copies
+    assert all(a is b for a, b in zip(live, ready.snapshot.tensors, strict=True))

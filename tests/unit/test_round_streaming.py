@@ -456,8 +456,9 @@ def test_an_adopted_state_keeps_fragment_0s_sync_and_shifts_from_the_adopted_phi
 
 
 def test_an_adopted_download_becomes_the_snapshot_without_a_copy_or_a_second_hashing(corpus):
-    """The state's tensors and the hashes its download verified are the snapshot's own: the digest
-    is the one hashing the live state afresh gives; a state without hashes is copied and hashed."""
+    """The state's tensors and the hashes its download verified are the snapshot's own and the live
+    state's (φ is never written in place, so the snapshot needs no copy of it): the digest is the one
+    hashing the live state afresh gives; a state without hashes is hashed, still not copied."""
     import dataclasses
 
     from peer.state.download import DownloadedState
@@ -474,10 +475,11 @@ def test_an_adopted_download_becomes_the_snapshot_without_a_copy_or_a_second_has
     snap = t.state.snapshots[-1]
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(snap.tensors, [*phi, *outer], strict=True))
     assert snap.digest == make_snapshot(meta, t.state.live_tensors()).digest
-    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(t.state.live_tensors(), snap.tensors))  # φ is its own
+    assert all(a is b for a, b in zip(t.state.live_tensors(), snap.tensors, strict=True))
 
     plain = dataclasses.replace(state, round=2, inner_step=2 * H, chunk_hashes=None)
     t.catchup.adopt(plain)
     snap = t.state.snapshots[-1]
-    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(snap.tensors, [*phi, *outer]))
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(snap.tensors, [*phi, *outer], strict=True))
+    assert all(a is b for a, b in zip(t.state.live_tensors(), snap.tensors, strict=True))
     assert snap.digest == make_snapshot({**meta, "round": 2, "inner_step": 2 * H}, [*phi, *outer]).digest

@@ -1,0 +1,84 @@
+"""φ and the outer state are never written in place (peer/round/state.py): every outer step, landing,
+adoption and roll-back installs new tensors, so the last snapshot holds the live tensors themselves.
+
+Two real Trainers (the tiny preset) train and sync through the in-process hub under every sync
+schedule and both outer algorithms. After every snapshot a check re-hashes every snapshot still held:
+a tensor written in place after it was hashed would change its digest (a joiner would refuse the
+chunks it downloads), and the live state must be the last snapshot's own tensors, not a copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import pytest
+import torch
+
+from peer.config import TrainerConfig
+from peer.round import Trainer
+from peer.round.state import RoundState
+from peer.state.snapshot import make_snapshot
+from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
+from peer.train.model import build_model
+from protocol.presets import tiny_run
+from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
+from tests.unit.test_round_overlap import Events, run_in_threads
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def manifest_for(overlap: str, algorithm: str):
+    m = tiny_run().replace(name=f"live-{overlap}-{algorithm}", sync={"algorithm": algorithm})
+    if overlap == "streaming":  # the tiny preset's single block: one fragment, landing a step late
+        return m.replace(sync={"overlap": overlap, "fragments": 1, "fragment_delay_steps": 1})
+    return m.replace(sync={"overlap": overlap}) if overlap != "none" else m
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco"])
+@pytest.mark.parametrize("overlap", ["none", "delayed", "eager", "streaming"])
+def test_snapshots_hold_the_live_state_and_never_change(corpus, tmp_path, overlap, algorithm):
+    problems: list[str] = []
+    checks = [0]
+
+    class Checked(deque):
+        """The snapshots of one peer: each append (a round's snapshot, taken or prepared) checks."""
+
+        state: RoundState
+
+        def append(self, snapshot) -> None:
+            super().append(snapshot)
+            checks[0] += 1
+            if not all(a is b for a, b in zip(self.state.live_tensors(), snapshot.tensors, strict=True)):
+                problems.append(f"round {snapshot.meta['round']}: the live state is not the snapshot's tensors")
+            for held in list(self):
+                if make_snapshot(dict(held.meta), held.tensors).digest != held.digest:
+                    problems.append(f"the snapshot of round {held.meta['round']} changed after it was hashed")
+
+    manifest = manifest_for(overlap, algorithm)
+    hub = InProcessHub(2)
+    trainers = [
+        Trainer(
+            manifest=manifest,
+            model=build_model(manifest.model, corpus.tokenizer),
+            corpus=corpus,
+            swarm=InProcessSwarm(p, hub),
+            transport=InProcessTransport(p, hub),
+            config=TrainerConfig(max_rounds=4, checkpoint_path=tmp_path / p / "c.st"),
+            reporter=Events(),
+            stop_event=threading.Event(),
+        )
+        for p in ("a", "b")
+    ]
+    for t in trainers:
+        snapshots = Checked(t.state.snapshots, maxlen=2)
+        snapshots.state = t.state
+        t.state.snapshots = snapshots
+    phi0 = [f.clone() for f in trainers[0].phi]
+    run_in_threads(trainers)
+    assert not problems, problems
+    assert checks[0] >= 2 * 4  # a snapshot per round and peer at least
+    for t in trainers:
+        synced = [e for e in t.reporter.of("round") if e.get("group_size", 0) > 1]
+        assert synced, t.reporter.of("round")  # the outer steps this checks did happen
+        assert not all(torch.equal(x, y) for x, y in zip(t.phi, phi0))
