@@ -9,21 +9,18 @@ chunks it downloads), and the live state must be the last snapshot's own tensors
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 
 import pytest
 import torch
 
-from peer.config import TrainerConfig
-from peer.round import Trainer
 from peer.round.state import RoundState
 from peer.state.snapshot import make_snapshot
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
-from peer.train.model import build_model
+from peer.sync.inprocess import InProcessHub
 from protocol.presets import tiny_run
+from tests.security.test_unbounded_means import _trainers
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
-from tests.unit.test_round_overlap import Events, run_in_threads
+from tests.unit.test_round_overlap import run_in_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,20 +53,7 @@ def test_snapshots_hold_the_live_state_and_never_change(corpus, tmp_path, overla
                     problems.append(f"the snapshot of round {held.meta['round']} changed after it was hashed")
 
     manifest = manifest_for(overlap, algorithm)
-    hub = InProcessHub(2)
-    trainers = [
-        Trainer(
-            manifest=manifest,
-            model=build_model(manifest.model, corpus.tokenizer),
-            corpus=corpus,
-            swarm=InProcessSwarm(p, hub),
-            transport=InProcessTransport(p, hub),
-            config=TrainerConfig(max_rounds=4, checkpoint_path=tmp_path / p / "c.st"),
-            reporter=Events(),
-            stop_event=threading.Event(),
-        )
-        for p in ("a", "b")
-    ]
+    trainers = _trainers(corpus, manifest, InProcessHub(2), rounds=4, checkpoints=tmp_path)
     for t in trainers:
         snapshots = Checked(t.state.snapshots, maxlen=2)
         snapshots.state = t.state
