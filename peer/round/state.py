@@ -53,9 +53,9 @@ class RoundState:
         pos: the position in the run (round, inner step of the round, the round's counters).
         lock: guards φ, the outer state and the position against the thread serving joiners.
         snapshots: states at the start of this and the last round, served to joiners (newest last);
-            the older one goes once the next state is being copied (:meth:`release_older_snapshot`).
+            the older one goes once the next state is being made (:meth:`release_older_snapshot`).
         sealed: streaming: by state index (φ, then the outer state), the tensors that fragments'
-            landings changed since the last snapshot, sealed (copied, checked, hashed); the round's
+            landings changed since the last snapshot, sealed (checked, hashed); the round's
             end snapshots from them (:meth:`take_snapshot` with ``from_sealed``).
         waited: seconds the training thread waited since the last ``round`` event, for a sync's
             mean (``"sync"``) and in the re-sync rule's catch-up (``"resync"``).
@@ -161,9 +161,9 @@ class RoundState:
         self.snapshots.append(snapshot)
 
     def release_older_snapshot(self) -> None:
-        """Before the next state is copied (a landing's sealed tensors, a prepared snapshot): the
-        snapshot before the last one is no longer served, so its copies of φ and the outer state are
-        freed before new ones are made; a peer then holds two states' copies at most, not three.
+        """Before the next state is made (a landing's sealed tensors, a prepared snapshot): the
+        snapshot before the last one is no longer served, so its φ and outer state are freed before
+        new ones are made; a peer then holds two states at most, not three.
         The last snapshot, what this peer publishes, stays. Safe from the sync's thread (a deque's
         ``popleft`` is atomic; only entries before the last one are dropped)."""
         while len(self.snapshots) > 1:

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class PreparedFragment:
     """A fragment's outer step computed in the sync's thread as soon as its mean arrived, with its
-    result sealed for the round's snapshot; the landing copies it into φ_p and the fragment's outer
+    result sealed for the round's snapshot; the landing installs it as φ_p and the fragment's outer
     state instead of computing it then."""
 
     mean: list[torch.Tensor]
@@ -42,7 +42,7 @@ class PreparedFragment:
     """The immutable tensors it stepped from (φ_p, then the fragment's outer state): installed only
     while they are still what this peer holds (``RoundState.held``)."""
     sealed: tuple[SealedTensor, ...]
-    """φ_p and the fragment's outer state after the step, copied, checked and hashed."""
+    """φ_p and the fragment's outer state after the step (new tensors), checked and hashed."""
 
 
 class FragmentSchedule(BackgroundSchedule):
