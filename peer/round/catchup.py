@@ -296,8 +296,8 @@ class CatchUp:
             if initial is not None:
                 own, whose = initial(), "the run's initial φ's"
             else:
-                with s.lock:
-                    own_phi = [f.detach().to("cpu", torch.float32, copy=True) for f in s.phi]
+                with s.lock:  # φ's tensors are never written in place (peer/round/state.py): no copy
+                    own_phi = list(s.phi)
                 own, whose = self.loss_of(own_phi), "this peer's"
             theirs = self.loss_of(state.phi)
         problem = loss_refusal(theirs, own, tie=tie and initial is None)
