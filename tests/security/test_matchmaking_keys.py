@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import warnings
 
 import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
@@ -41,18 +40,16 @@ def _key(round_: int, group_index=None, attempt: int = 0) -> str:
 
 
 def _run(coroutine):
-    """Run ``coroutine`` in this thread's event loop, the one hivemind's MPFutures use (asyncio.run
-    would drop that loop unclosed; conftest.py closes it after the module)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            loop = asyncio.get_event_loop()
-        except RuntimeError:  # an earlier module's loop was closed and unset (conftest.py)
-            loop = None
-    if loop is None or loop.is_closed():
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-    return loop.run_until_complete(coroutine)
+    """Run ``coroutine`` to completion on a fresh event loop in a worker thread.
+
+    Not on this thread's loop: hivemind's ``MPFuture`` remembers the loop current where it was made
+    (``Attacker.store_raw``'s futures take this thread's) and, when its result comes while that loop
+    is idle, runs it briefly from hivemind's background thread (``loop.run_until_complete``); a
+    ``run_until_complete`` here at that moment fails with "This event loop is already running". The
+    futures made inside ``coroutine`` take the worker's running loop, closed when it returns.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def _declare(dht, key: str, expiration: float) -> None:
