@@ -87,8 +87,16 @@ class StateSharing:
             self._state_provider = provider
 
     def get_current_state(self):
-        # Runs in the host process, in hivemind's background thread, when the averager process asks
-        # for the snapshots it serves (never for hivemind's own state download: state sharing is off).
+        """The snapshots to serve, for the averager process: (metadata, their tensors, None).
+
+        Runs in the host process, in hivemind's background thread, when the averager process asks
+        for the snapshots it serves (never for hivemind's own state download: state sharing is off).
+        The tensors are copies: hivemind's pipe pickles them with torch's reductions, which move a
+        tensor's storage into shared memory in place (its old memory freed), and a snapshot's tensors
+        are the live φ and outer state (peer/round/state.py), which the training, sync and checkpoint
+        threads read meanwhile; moved under them, they would read freed memory. The copies exist only
+        while this peer serves a snapshot the averager process has not cached (at most once a second).
+        """
         with self._state_lock:
             snapshots = self._state_provider() if self._state_provider is not None else []
         metadata = {
@@ -97,7 +105,7 @@ class StateSharing:
                 for s in snapshots
             ]
         }
-        return metadata, [t for s in snapshots for t in s.tensors], None
+        return metadata, [t.clone() for s in snapshots for t in s.tensors], None
 
     def download_state(
         self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str, timeout_s: float

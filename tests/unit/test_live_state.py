@@ -66,3 +66,30 @@ def test_snapshots_hold_the_live_state_and_never_change(corpus, tmp_path, overla
         synced = [e for e in t.reporter.of("round") if e.get("group_size", 0) > 1]
         assert synced, t.reporter.of("round")  # the outer steps this checks did happen
         assert not all(torch.equal(x, y) for x, y in zip(t.phi, phi0))
+
+
+def test_the_state_served_is_a_copy_so_pickling_it_leaves_the_live_tensors_where_they_are():
+    """hivemind's pipe pickles the tensors the averager process serves with torch's reductions, which
+    move a storage into shared memory in place and free its old memory; a snapshot's tensors are the
+    live φ and outer state, read meanwhile by the training, sync and checkpoint threads (a read of the
+    freed memory is a segmentation fault). What the host hands the pipe must be copies."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 (registers torch's reductions, as hivemind's pipe has them)
+
+    from peer.state.sharing import StateSharing
+
+    live = [torch.randn(64, 8), torch.randn(300)]
+    snapshot = make_snapshot({"run_id": "ab" * 8, "round": 3, "inner_step": 30}, live, owned=True)
+    where = [t.data_ptr() for t in live]
+    assert [t.data_ptr() for t in snapshot.tensors] == where  # the snapshot holds the live tensors' memory
+    sharing = StateSharing()
+    sharing._init_state_sharing()
+    sharing.set_state_provider(lambda: [snapshot])
+    metadata, served, _ = sharing.get_current_state()
+    assert metadata["snapshots"][0]["digest"] == snapshot.digest
+    ForkingPickler(io.BytesIO()).dump(served)
+    assert all(t.is_shared() for t in served)  # the copies moved, as hivemind's pipe moves them
+    assert [t.data_ptr() for t in live] == where and not any(t.is_shared() for t in live)
+    assert all(torch.equal(a, b) for a, b in zip(served, live))
