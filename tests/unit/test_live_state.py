@@ -76,7 +76,7 @@ def test_the_state_served_is_a_copy_so_pickling_it_leaves_the_live_tensors_where
     import io
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401 (registers torch's reductions, as hivemind's pipe has them)
+    import torch.multiprocessing  # registers torch's reductions, as hivemind's pipe has them
 
     from peer.state.sharing import StateSharing
 
