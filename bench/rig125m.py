@@ -28,7 +28,8 @@ Per (peers, uplink, codec, mode), ``results`` rows (means over peers, over the r
 * ``bytes_per_token``: bytes all peers sent ÷ tokens they trained, over the measured rounds.
 * ``rss_mib``: peak proportional set size (PSS: shared pages split between their processes) of all
   processes in a peer's namespace (the peer, its averager, p2pd), sampled every 5 s; mean over
-  peers, MiB. θ sits in host memory here (on a GPU host it is on the card); the stand-in holds no
+  peers, MiB. The detail file also has ``rss_by_kind_mib``: each kind of process's own peak (the
+  peer's process; the helpers it forked, its averager and DHT node; the libp2p daemons). θ sits in host memory here (on a GPU host it is on the card); the stand-in holds no
   gradients, activations or AdamW moments and evaluates φ without a forward pass (lab/standin.py).
 
 ``--layers N`` cuts the preset to N decoder blocks (rows named ``<preset>-L<N>``) for a host whose
@@ -133,12 +134,14 @@ def gpu_tokens_per_s(preset: str) -> float:
 
 
 class PssSampler:
-    """Peak PSS per named host (all processes of its namespace), sampled every ``every_s`` s by a
-    thread at nice 19."""
+    """Peak PSS per named host (all processes of its namespace), and per kind of process there
+    (:func:`namespace_pss`), sampled every ``every_s`` s by a thread at nice 19. The kinds' peaks
+    are each their own maximum, so they need not add up to the host's."""
 
     def __init__(self, swarm: ChaosSwarm, every_s: float = 5.0):
         self.swarm, self.every_s = swarm, every_s
         self.peak: dict[str, int] = {}
+        self.peak_by_kind: dict[str, dict[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="pss")
 
@@ -158,23 +161,48 @@ class PssSampler:
         while not self._stop.wait(self.every_s):
             for name in list(self.swarm.members):
                 host = self.swarm.hosts.get(name)
-                if host is not None:
-                    self.peak[name] = max(self.peak.get(name, 0), namespace_pss(host.netns))
+                if host is None:
+                    continue
+                kinds = namespace_pss(host.netns)
+                self.peak[name] = max(self.peak.get(name, 0), sum(kinds.values()))
+                peaks = self.peak_by_kind.setdefault(name, {})
+                for kind, size in kinds.items():
+                    peaks[kind] = max(peaks.get(kind, 0), size)
 
 
-def namespace_pss(netns: str) -> int:
-    """Summed PSS of the processes in ``netns``, bytes (0 for processes gone meanwhile)."""
+def namespace_pss(netns: str) -> dict[str, int]:
+    """PSS of the processes in ``netns`` by kind, bytes (processes gone meanwhile left out):
+    ``peer`` (the peer's own process, where training and the outer step run), ``helpers`` (the
+    processes it forked: its averager and its DHT node), ``p2pd`` (the libp2p daemons), ``other``."""
     pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
-    total = 0
+    kinds: dict[str, int] = {}
     for pid in pids:
         try:
+            pss = 0
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
+                    pss = int(line.split()[1]) * 1024
                     break
-        except (OSError, ValueError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent_cmdline = Path(f"/proc/{parent}/cmdline").read_bytes() if parent in pids else b""
+        except (OSError, ValueError, IndexError):
             continue
-    return total
+        kind = process_kind(cmdline, parent_cmdline)
+        kinds[kind] = kinds.get(kind, 0) + pss
+    return kinds
+
+
+def process_kind(cmdline: bytes, parent_cmdline: bytes) -> str:
+    """The kind of a process (:func:`namespace_pss`) from its ``/proc/<pid>/cmdline`` and its
+    parent's (empty when the parent is outside the namespace): a Python process forked from one with
+    the same command line is a helper (hivemind forks, it does not exec)."""
+    program = cmdline.split(b"\0", 1)[0]
+    if b"p2pd" in program:
+        return "p2pd"
+    if b"python" not in program:
+        return "other"
+    return "helpers" if parent_cmdline == cmdline else "peer"
 
 
 def run_swarm(
@@ -237,6 +265,7 @@ def run_swarm(
     return {
         "events": events,
         "pss_bytes": pss.peak,
+        "pss_by_kind_bytes": pss.peak_by_kind,
         "joined_at": joined_at,
         "wall_s_total": time.time() - started,
     }
@@ -274,6 +303,11 @@ def swarm_figures(run: dict, warmup: int, rate: float) -> dict:
         "floor_s": statistics.fmean(floor),
         "bytes_per_token": sent / tokens,
         "rss_mib": statistics.fmean(run["pss_bytes"].get(n, 0) for n in run["events"]) / 2**20,
+        "rss_by_kind_mib": {  # mean over the peers of each kind's own peak
+            kind: statistics.fmean(run.get("pss_by_kind_bytes", {}).get(n, {}).get(kind, 0) for n in run["events"])
+            / 2**20
+            for kind in ("peer", "helpers", "p2pd")
+        },
         "round_s": statistics.fmean(p["round_s"] for p in per),
         "compute_s_per_round": statistics.fmean(p["compute_s_per_round"] for p in per),
         "per_peer": per,
@@ -452,7 +486,9 @@ def main() -> None:
                     print(
                         f"N={peers} {rate:g} Mbit/s {codec} {mode}: utilization {100 * row['utilization']:.1f} % "
                         f"({how} reference), sync {row['sync_s']:.2f} s vs floor {row['floor_s']:.2f} s, "
-                        f"{row['bytes_per_token']:.1f} B/token, {row['rss_mib']:.0f} MiB ({run['wall_s_total']:.0f} s)",
+                        f"{row['bytes_per_token']:.1f} B/token, {row['rss_mib']:.0f} MiB (of which at their own peaks: "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in f["rss_by_kind_mib"].items())
+                        + f") ({run['wall_s_total']:.0f} s)",
                         flush=True,
                     )
     for rate in args.catch_up_rates:

@@ -11,6 +11,7 @@ from bench.rig125m import (
     gpu_tokens_per_s,
     nosync_tokens_per_s,
     preset_label,
+    process_kind,
     rig_manifest,
     swarm_figures,
 )
@@ -30,8 +31,10 @@ def test_figures_of_a_swarm_leave_out_the_warmup_round():
             "b": {"round": rounds([10, 15, 20], [3, 3, 3], [9e9, 1e6, 3e6])},
         },
         "pss_bytes": {"a": 2**30, "b": 3 * 2**30},
+        "pss_by_kind_bytes": {"a": {"peer": 2**29, "helpers": 2**28}, "b": {"peer": 3 * 2**29, "p2pd": 2**20}},
     }
     f = swarm_figures(run, warmup=1, rate=8.0)  # 8 Mbit/s: 1 MB a second
+    assert f["rss_by_kind_mib"] == pytest.approx({"peer": 1024, "helpers": 128, "p2pd": 0.5})  # a kind missing: 0
     assert f["tokens_per_s"] == pytest.approx(2000 / 8 + 2000 / 10)
     assert f["floor_s"] == pytest.approx(2.0)  # 2 MB a round at 1 MB/s; the warm-up round's 9 GB left out
     assert f["bytes_per_token"] == pytest.approx(8e6 / 4000)
@@ -116,3 +119,13 @@ def test_the_lab_removes_the_shared_memory_of_its_killed_peers_only(tmp_path):
     (tmp_path / "torch_999999999_1_0").write_bytes(b"x")  # not one of the lab's
     _remove_shared_memory({str(dead.pid), str(alive)}, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"torch_{alive}_123_0", "torch_999999999_1_0"])
+
+
+def test_the_kinds_of_a_peers_processes():
+    """The peer's own process, the helpers it forked (same command line: hivemind forks), its libp2p daemon."""
+    peer = b"/venv/bin/python\0lab/standin.py\0join\0--data-dir\0/tmp/p0\0"
+    assert process_kind(peer, b"") == "peer"  # its parent (ip netns exec's caller) is outside the namespace
+    assert process_kind(peer, b"/usr/bin/bash\0-c\0x\0") == "peer"
+    assert process_kind(peer, peer) == "helpers"
+    assert process_kind(b"/venv/lib/python3.11/site-packages/hivemind/hivemind_cli/p2pd\0-listen=x\0", peer) == "p2pd"
+    assert process_kind(b"/usr/bin/sleep\0" + b"1\0", b"") == "other"
