@@ -67,6 +67,7 @@ class StateSharing:
         """Call in ``__init__`` before the averager process forks."""
         self._state_provider: StateProvider | None = None
         self._state_lock = threading.Lock()
+        self._served: dict[bytes, tuple[torch.Tensor, ...]] = {}  # host process: copies handed over, by digest
         # set in the averager process
         self._snapshots: dict[bytes, StateSnapshot] = {}
         self._snapshots_fetched_at = 0.0
@@ -94,18 +95,22 @@ class StateSharing:
         The tensors are copies: hivemind's pipe pickles them with torch's reductions, which move a
         tensor's storage into shared memory in place (its old memory freed), and a snapshot's tensors
         are the live φ and outer state (peer/round/state.py), which the training, sync and checkpoint
-        threads read meanwhile; moved under them, they would read freed memory. The copies exist only
-        while this peer serves a snapshot the averager process has not cached (at most once a second).
+        threads read meanwhile; moved under them, they would read freed memory. Each snapshot is copied
+        once: its copies are kept (by digest, while it is still served) and handed over again as they
+        are, already in shared memory (the averager process maps the same pages), so a joiner asking
+        again and again costs no copy.
         """
         with self._state_lock:
             snapshots = self._state_provider() if self._state_provider is not None else []
+            served = {s.digest: self._served.get(s.digest) or tuple(t.clone() for t in s.tensors) for s in snapshots}
+            self._served = served
         metadata = {
             "snapshots": [
                 {"meta": s.meta, "hashes": list(s.chunk_hashes), "digest": s.digest, "tensors": len(s.tensors)}
                 for s in snapshots
             ]
         }
-        return metadata, [t.clone() for s in snapshots for t in s.tensors], None
+        return metadata, [t for s in snapshots for t in served[s.digest]], None
 
     def download_state(
         self, donors: Sequence[str], digest: bytes, shapes: Sequence[torch.Size], run_id: str, timeout_s: float

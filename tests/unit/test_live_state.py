@@ -93,3 +93,12 @@ def test_the_state_served_is_a_copy_so_pickling_it_leaves_the_live_tensors_where
     assert all(t.is_shared() for t in served)  # the copies moved, as hivemind's pipe moves them
     assert [t.data_ptr() for t in live] == where and not any(t.is_shared() for t in live)
     assert all(torch.equal(a, b) for a, b in zip(served, live))
+    # asked again (a joiner, or many): the same copies, already shared, no new copy
+    _, again, _ = sharing.get_current_state()
+    assert all(a is b for a, b in zip(again, served))
+    # the next snapshot (new tensors installed): copied once in turn, the old copies let go
+    nxt = make_snapshot({"run_id": "ab" * 8, "round": 4, "inner_step": 40}, [t + 1 for t in live], owned=True)
+    sharing.set_state_provider(lambda: [nxt])
+    _, fresh, _ = sharing.get_current_state()
+    assert [t.data_ptr() for t in fresh] != [t.data_ptr() for t in nxt.tensors]
+    assert list(sharing._served) == [nxt.digest]
