@@ -29,8 +29,9 @@ Per (peers, uplink, codec, mode), ``results`` rows (means over peers, over the r
 * ``rss_mib``: peak proportional set size (PSS: shared pages split between their processes) of all
   processes in a peer's namespace (the peer, its averager, p2pd), sampled every 5 s; mean over
   peers, MiB. The detail file also has ``rss_by_kind_mib``: each kind of process's own peak (the
-  peer's process; the helpers it forked, its averager and DHT node; the libp2p daemons). θ sits in host memory here (on a GPU host it is on the card); the stand-in holds no
-  gradients, activations or AdamW moments and evaluates φ without a forward pass (lab/standin.py).
+  peer's process; the helpers it forked, its averager and DHT node; the libp2p daemons). θ sits in
+  host memory here (on a GPU host it is on the card); the stand-in holds no gradients, activations
+  or AdamW moments and evaluates φ without a forward pass (lab/standin.py).
 
 ``--layers N`` cuts the preset to N decoder blocks (rows named ``<preset>-L<N>``) for a host whose
 memory does not hold the full model's peers; give ``--step-s`` scaled to the cut model (e.g. the
