@@ -17,7 +17,7 @@ import torch
 
 from peer.progress import SyncReport
 from peer.round.blocking import BlockingSchedule
-from peer.round.schedule import BackgroundSchedule, RoundEnd
+from peer.round.schedule import BackgroundSchedule, OwnDelta, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.screening import round_token_cap
@@ -54,9 +54,10 @@ class OverlapSchedule(BackgroundSchedule):
         """ψ, where this round's inner steps started, when not φ (peer/train/overlap.py)."""
         self.eager = EagerState()
         """Eager with outer momentum: this peer's own part of its outer state (never sent, not saved)."""
-        self.own: tuple[list[torch.Tensor], float] | None = None
-        """(this peer's own Δ, the cap on a weight over its weight) of the sync in flight: what its
-        outer step's change of φ is bounded by (``check_step_bound``)."""
+        self.own: OwnDelta | None = None
+        """This peer's own Δ of the sync in flight, as its norm once the mean is there, and the cap on
+        a weight over its weight: what its outer step's change of φ is bounded by
+        (``check_step_bound``)."""
 
     def synced_blocking(self, round_: int) -> bool:
         """Rounds before K sync blocking; round K lands no earlier sync and starts its own in the
@@ -158,7 +159,7 @@ class OverlapSchedule(BackgroundSchedule):
         s = self.state
         # the extra steps taken while waiting weigh up to the owners' cap of a round's tokens
         digest, weight = s.digest, float(min(max(done.tokens, 1), round_token_cap(s.m)))
-        own = (payload[: len(s.phi)], round_token_cap(s.m) / weight)  # bounds the landing's change of φ
+        own = OwnDelta(payload[: len(s.phi)], round_token_cap(s.m) / weight)  # bounds the landing's change of φ
         due_s = self.sync.groupmates_due_s(live, done.round, choice)
         budget_s = wait_budget_s(done, max(s.H, done.steps_done))  # with its extra steps
 
@@ -173,6 +174,7 @@ class OverlapSchedule(BackgroundSchedule):
                 wait_budget_s=budget_s,
                 dropped=dropped,
             )
+            own.settle()  # Δ's norm; its tensors go with the payload (a failed sync's mean keeps them)
             if dropped() or self.stop_event.is_set():
                 return mean, report
             return mean, report, self._prepare_step(mean, lands_in=done.round + 2, own=own)
@@ -181,7 +183,7 @@ class OverlapSchedule(BackgroundSchedule):
         self.own = own
 
     def _prepare_step(
-        self, mean: list[torch.Tensor], *, lands_in: int, own: tuple[list[torch.Tensor], float] | None = None
+        self, mean: list[torch.Tensor], *, lands_in: int, own: OwnDelta | None = None
     ) -> PreparedStep | None:
         """In the sync's background thread, once its mean arrived: the outer step applied to copies of
         the last snapshot's φ and outer state (``step_on_copies``), and the snapshot of the result
@@ -196,7 +198,9 @@ class OverlapSchedule(BackgroundSchedule):
         try:
             phi, outer_state = step_on_copies(s.outer, base.tensors[:n], base.tensors[n:], mean)
             if own is not None:
-                check_step_bound(s.outer, base.tensors[:n], phi, own[0], old_state=base.tensors[n:], scale=own[1])
+                check_step_bound(
+                    s.outer, base.tensors[:n], phi, own.settle(), old_state=base.tensors[n:], scale=own.scale
+                )
             meta = {"run_id": s.state_key, "round": lands_in, "inner_step": lands_in * s.H}
             return PreparedStep(
                 mean=mean, base=base.digest, snapshot=make_snapshot(meta, [*phi, *outer_state], owned=True)
@@ -205,7 +209,7 @@ class OverlapSchedule(BackgroundSchedule):
             logger.debug("outer step of round %d not prepared: %s", lands_in - 2, exc)
             return None
 
-    def _apply_checked(self, mean: list[torch.Tensor], own: tuple[list[torch.Tensor], float] | None) -> None:
+    def _apply_checked(self, mean: list[torch.Tensor], own: OwnDelta | None) -> None:
         """Apply ``mean`` to φ and the outer state (call under the lock): the step on copies
         (``step_on_copies``), installed (``RoundState.install``) unless its change of φ exceeds what
         an honest mean can make from this peer's own Δ (``check_step_bound``).
@@ -218,7 +222,7 @@ class OverlapSchedule(BackgroundSchedule):
         n, before = len(s.phi), s.live_tensors()
         phi, outer_state = step_on_copies(s.outer, before[:n], before[n:], mean)
         if own is not None:
-            check_step_bound(s.outer, before[:n], phi, own[0], old_state=before[n:], scale=own[1])
+            check_step_bound(s.outer, before[:n], phi, own.settle(), old_state=before[n:], scale=own.scale)
         s.install_all([*phi, *outer_state])
 
     def _refused(self, exc: BadPayload, report: SyncReport) -> SyncReport:

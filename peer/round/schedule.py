@@ -29,13 +29,43 @@ from peer.round.records import RecordReads
 from peer.round.state import RoundState
 from peer.round.syncing import GroupSync, SyncHistory
 from peer.sync.background import BackgroundSync, InlineSync
-from peer.train.outer import GroupChoice
+from peer.train.outer import GroupChoice, global_norm
 
 EXTRA_STEPS_FRACTION = 1.0
 """With ``delayed``, ``eager`` or ``streaming``, a round past its H inner steps whose sync in flight
 has not landed yet takes more inner steps instead of waiting, up to this fraction of H: a peer
 faster than its groupmates otherwise idles at every landing until the slowest one's contribution
 is there. 1.0: at most 2·H steps a round."""
+
+
+class OwnDelta:
+    """This peer's own Δ of a sync in flight, kept only as far as its landing needs it: the norm that
+    bounds the outer step's change of φ (peer/train/outer.py ``check_step_bound``) and the cap on a
+    weight over this peer's weight in the sync.
+
+    :meth:`settle` takes the norm and lets go of the tensors; the sync's call does it as soon as
+    the group's mean is there (a failed sync's mean is the payload itself, which the sync keeps), so
+    no landing holds a copy of Δ beside the mean and the outer step's new tensors.
+
+    Args:
+        delta: fp32 host tensors, this peer's Δ (its payload's Δ part) of the tensors synced.
+        scale: the run's cap on a weight over this peer's weight (≥ 1).
+    """
+
+    def __init__(self, delta: list[torch.Tensor], scale: float):
+        self._delta: list[torch.Tensor] | None = list(delta)
+        self._norm: float | None = None
+        self.scale = scale
+
+    def settle(self) -> float:
+        """‖Δ‖ (L2 over every tensor, accumulated in float64; inf when a value is not finite),
+        computed once; the tensors are dropped here. Safe to call from the sync's thread before the
+        landing takes its result (the landing reads it only after that)."""
+        if self._norm is None:
+            assert self._delta is not None
+            total = global_norm(self._delta)
+            self._norm, self._delta = (total if total == total else float("inf")), None
+        return self._norm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,18 @@ from typing import Any
 import torch
 
 from peer.progress import SyncReport, combine_sync_reports
-from peer.round.schedule import BackgroundSchedule, RoundEnd
+from peer.round.schedule import BackgroundSchedule, OwnDelta, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import SealedTensor, seal_tensor
 from peer.sync.screening import round_token_cap
-from peer.train.outer import GroupChoice, check_finite, check_step_bound, pseudo_gradient, step_on_copies
+from peer.train.outer import (
+    GroupChoice,
+    check_finite,
+    check_step_bound,
+    pseudo_gradient,
+    step_consuming_mean,
+    step_on_copies,
+)
 from peer.train.streaming import fragment_outers, land, partition, payload_indices, sync_offset
 from protocol.errors import BadPayload
 
@@ -90,9 +97,10 @@ class FragmentSchedule(BackgroundSchedule):
         self.flight: tuple[int, int, list[torch.Tensor] | None] | None = None
         """(fragment, cumulative inner step its sync started, θ_p then as fp32 host tensors with
         ``fragment_merge = "shift"``, else None) of the sync in flight."""
-        self.own: tuple[list[torch.Tensor], float] | None = None
-        """(this peer's own Δ_p, the cap on a weight over its weight) of the sync in flight: what its
-        outer step's change of φ_p is bounded by (``check_step_bound``)."""
+        self.own: OwnDelta | None = None
+        """This peer's own Δ_p of the sync in flight, as its norm once the mean is there, and the cap
+        on a weight over its weight: what its outer step's change of φ_p is bounded by
+        (``check_step_bound``)."""
 
     def synced_blocking(self, round_: int) -> bool:
         """Whether a round's mean is applied before the next round starts (no delay)."""
@@ -202,7 +210,8 @@ class FragmentSchedule(BackgroundSchedule):
         # a postponed start and the steps past H make a fragment's steps more than a round's: its claim
         # is capped where its groupmates cap it (the owners' cap of a round's tokens)
         weight = float(min(max(self.tokens[p], 1), round_token_cap(s.m)))
-        own = (delta, round_token_cap(s.m) / weight)  # bounds the landing's change of φ_p
+        own = OwnDelta(delta, round_token_cap(s.m) / weight)  # bounds the landing's change of φ_p
+        del delta  # the payload and ``own`` hold it until the mean is there
         self.tokens[p] = 0
         digest = s.digest
         due_s = self.sync.groupmates_due_s(live, round_, choice) if self.offset[p] == 0 else 0.0
@@ -223,6 +232,7 @@ class FragmentSchedule(BackgroundSchedule):
                 fragment=key,
                 dropped=dropped,
             )
+            own.settle()  # Δ_p's norm; its tensors go with the payload (a failed sync's mean keeps them)
             # the outer step is prepared off the training thread: not inline, where the landing is now
             if mean is not None and not self.inline and not dropped() and not self.stop_event.is_set():
                 prepared = self.prepare_fragment(p, base, mean)
@@ -253,32 +263,41 @@ class FragmentSchedule(BackgroundSchedule):
             return None
 
     def step_fragment(
-        self, p: int, mean: list[torch.Tensor], own: tuple[list[torch.Tensor], float] | None
+        self, p: int, mean: list[torch.Tensor], own: OwnDelta | None, *, consume: bool = False
     ) -> PreparedFragment:
         """Fragment p's outer step from what this peer holds now, on the training thread (no step
         was prepared for this mean), checked against its bound (:meth:`check_fragment_step`); the
         caller installs it. Nothing of the live state changes here.
+
+        Args:
+            consume: ``mean`` is this landing's alone (the blocking schedule's): the step may keep its
+                new outer state in the mean's tensors (``step_consuming_mean``), which are then
+                neither the mean nor to be used again, whatever the outcome.
 
         Raises:
             BadPayload: a malformed or non-finite mean, a non-finite result, or over its bound.
         """
         base = self.state.held(self.fragment_state(p))
         try:
-            prepared = self._stepped(p, base, mean)
+            prepared = self._stepped(p, base, mean, consume=consume)
         except ValueError as exc:  # a non-finite result, refused by the seal's check
             raise BadPayload(f"the outer step of fragment {p} is not finite: {exc}") from None
         self.check_fragment_step(p, base, [t.tensor for t in prepared.sealed], own)
         return prepared
 
-    def _stepped(self, p: int, base: tuple[torch.Tensor, ...], mean: list[torch.Tensor]) -> PreparedFragment:
-        """Fragment p's outer step on copies of ``base``, sealed (new tensors: the seal copies nothing).
+    def _stepped(
+        self, p: int, base: tuple[torch.Tensor, ...], mean: list[torch.Tensor], *, consume: bool = False
+    ) -> PreparedFragment:
+        """Fragment p's outer step on copies of ``base``, sealed (new tensors: the seal copies nothing);
+        with ``consume``, its new outer state written into ``mean``'s tensors (``step_consuming_mean``).
 
         Raises:
             BadPayload: a malformed or non-finite mean, or a non-finite step (``step_on_copies``).
             ValueError: a non-finite result (``seal_tensor``).
         """
         k = len(self.fragments[p])
-        phi, outer_state = step_on_copies(self.fragment_outer[p], base[:k], base[k:], mean)
+        step = step_consuming_mean if consume else step_on_copies
+        phi, outer_state = step(self.fragment_outer[p], base[:k], base[k:], mean)
         shapes = self.state.state_shapes()
         sealed = tuple(
             seal_tensor(t, index=i, shapes=shapes, owned=True)
@@ -311,7 +330,9 @@ class FragmentSchedule(BackgroundSchedule):
                 with s.lock:
                     if not self.install_fragment(prepared, p, mean):  # a prepared step was checked in its thread
                         s.release_older_snapshot()  # before the outer step's new tensors are made
-                        prepared = self.step_fragment(p, mean, own)
+                        # inline: the mean is this landing's alone (a copy out of the shared buffers, or
+                        # the failed sync's own payload), so the step keeps its new outer state in it
+                        prepared = self.step_fragment(p, mean, own, consume=self.inline)
                         self.install_fragment(prepared, p, mean)
             except BadPayload as exc:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
@@ -347,7 +368,7 @@ class FragmentSchedule(BackgroundSchedule):
         p: int,
         before: tuple[torch.Tensor, ...],
         after: list[torch.Tensor],
-        own: tuple[list[torch.Tensor], float] | None,
+        own: OwnDelta | None,
     ) -> None:
         """Refuse fragment p's outer step (BadPayload) when its change of φ_p, from ``before`` (φ_p then
         the fragment's outer state, as this peer held them) to ``after`` (φ_p, at least), exceeds what
@@ -358,7 +379,13 @@ class FragmentSchedule(BackgroundSchedule):
         k = len(self.fragments[p])
         what = "the round's outer step" if self.whole_model else f"fragment {p}'s outer step"
         check_step_bound(
-            self.fragment_outer[p], before[:k], after[:k], own[0], old_state=before[k:], scale=own[1], what=what
+            self.fragment_outer[p],
+            before[:k],
+            after[:k],
+            own.settle(),
+            old_state=before[k:],
+            scale=own.scale,
+            what=what,
         )
 
     # ---- the round's end ----------------------------------------------------------------

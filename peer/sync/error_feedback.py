@@ -41,7 +41,8 @@ class ErrorFeedback:
     def __init__(self, shapes: Sequence[Sequence[int]]):
         self.shapes = [torch.Size(s) for s in shapes]
         self._e: list[torch.Tensor | None] = [None] * len(self.shapes)
-        self._staged: list[tuple[int, slice | None, torch.Tensor]] = []
+        self._staged: list[tuple[int, slice | None, torch.Tensor | None]] = []
+        """(tensor, dim-0 rows, residual) per staged piece; None: a zero residual (nothing lost)."""
 
     def holds(self, index: int) -> bool:
         """Whether tensor ``index`` has a committed residual buffer (until then its residual is zero)."""
@@ -64,14 +65,23 @@ class ErrorFeedback:
         return x.detach().float().clone() if e is None else x.detach().float() + e
 
     def stage(self, index: int, compensated: torch.Tensor, decoded: torch.Tensor, rows: slice | None = None) -> None:
-        """Stage ``e[index][rows] = compensated − decoded``; current residuals are unchanged until commit."""
+        """Stage ``e[index][rows] = compensated − decoded``; current residuals are unchanged until commit.
+        ``decoded is compensated`` (sent exactly: an exact codec, or an owner's own rows) stages a zero
+        residual without a tensor of zeros, so a sync holds staged residuals only for what its codec
+        dropped."""
+        if decoded is compensated:
+            self._staged.append((index, rows, None))
+            return
         self._staged.append((index, rows, compensated.detach().float() - decoded.detach().float()))
 
     def commit(self) -> None:
         """Make the staged residuals current (the sync succeeded)."""
         for index, rows, residual in self._staged:
+            if residual is None and self._e[index] is None:
+                continue  # a zero residual where none is held yet
             buf = self._buffer(index)
-            (buf if rows is None else buf[rows]).copy_(residual)
+            target = buf if rows is None else buf[rows]
+            target.zero_() if residual is None else target.copy_(residual)
         self._staged.clear()
 
     def rollback(self) -> None:

@@ -583,6 +583,43 @@ def step_on_copies(
     return new_phi, list(shadow.state_tensors())
 
 
+def step_consuming_mean(
+    outer: OuterAlgorithm, phi: Sequence[torch.Tensor], state: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`step_on_copies` for a mean nobody else holds: DiLoCo's new momentum is written into
+    ``mean``'s own tensors, one tensor at a time, so the step makes one model-sized set of new
+    tensors (the new φ) instead of three (the copies of φ and the momentum, and the mean beside
+    them). The same operations as :meth:`DiLoCo.apply`, so the result is bit-identical to
+    :func:`step_on_copies`. Other algorithms (NoLoCo's mean holds φ's mean, which its step reads
+    after its momentum; independent keeps no state) take :func:`step_on_copies`, and ``mean`` is
+    left as it is.
+
+    Args:
+        outer: the run's outer algorithm (its spec is read; its state is not).
+        phi: fp32 φ on the host. state: fp32 momentum shaped like φ (``outer.state_tensors()``).
+        mean: the group's mean Δ̄, fp32 contiguous host tensors shaped like φ, owned by the caller;
+            not to be read again as the mean, whatever the outcome.
+
+    Returns:
+        (new φ, new momentum): new fp32 host tensors, and ``mean``'s tensors holding the momentum.
+
+    Raises:
+        BadPayload: a malformed or non-finite mean, or a non-finite result; ``phi`` and ``state`` are
+            unchanged, ``mean``'s tensors may hold part of a momentum that is not kept.
+    """
+    if not isinstance(outer, DiLoCo) or not all(d.is_contiguous() and d.dtype == torch.float32 for d in mean):
+        return step_on_copies(outer, phi, state, mean)
+    _check_mean(phi, mean, copies=1)
+    new_phi = []
+    for p, d, m in zip(phi, mean, state, strict=True):
+        new_p, new_m = outer._step_one(p.detach().float(), d, m.detach().float())
+        if not (all_finite(new_p) and all_finite(new_m)):
+            raise BadPayload(NON_FINITE_STEP)
+        d.copy_(new_m)  # Δ̄ of this tensor is read for the last time in _step_one
+        new_phi.append(new_p.contiguous())
+    return new_phi, list(mean)
+
+
 def make_outer(manifest: RunManifest, shapes: Sequence[torch.Size]) -> DiLoCo | NoLoCo | Independent:
     """The outer algorithm the run's manifest names (``sync.algorithm``)."""
     if manifest.sync.algorithm == "noloco":

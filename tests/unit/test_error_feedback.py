@@ -123,3 +123,25 @@ def test_sync_feedback_with_a_lossy_codec_stages_the_codecs_error():
     hooks.stage(_piece(0, 2, 4), x, None)
     ef.commit()
     assert torch.equal(ef.residuals()[0], torch.tensor([0.0, 0.5, 1.0, 2.0]))
+
+
+def test_a_piece_sent_exactly_stages_no_tensor_and_commits_a_zero_residual():
+    """``stage(c, c)`` (an exact codec, an owner's own rows) holds no tensor of zeros while the sync
+    runs; its commit zeroes those rows of a residual already held and creates none where none is."""
+    ef = ErrorFeedback([(4, 2), (3,)])
+    x = torch.ones(4, 2)
+    ef.stage(0, x + 0.5, x)  # rows lost 0.5 each
+    ef.commit()
+    assert torch.equal(ef.state_tensors()[0], torch.full((4, 2), 0.5))
+    exact = torch.randn(2, 2)
+    ef.stage(0, exact, exact, rows=slice(0, 2))
+    ef.stage(1, torch.ones(3), torch.ones(3))  # equal values, not the same tensor: staged as a tensor
+    assert ef._staged[0][2] is None and ef._staged[1][2] is not None
+    ef.commit()
+    assert torch.equal(ef.state_tensors()[0][:2], torch.zeros(2, 2))
+    assert torch.equal(ef.state_tensors()[0][2:], torch.full((2, 2), 0.5))
+    fresh = ErrorFeedback([(3,)])
+    y = torch.ones(3)
+    fresh.stage(0, y, y)
+    fresh.commit()
+    assert not fresh.holds(0) and fresh.residuals() is None

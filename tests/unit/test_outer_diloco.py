@@ -146,3 +146,55 @@ def test_preview_is_the_in_place_step_bit_for_bit_and_touches_nothing(nesterov):
         outer.preview(phi, [torch.full(s, float("nan")) for s in shapes])
     with pytest.raises(BadPayload, match="shape"):
         outer.preview(phi, [torch.zeros(2), torch.zeros(7)])
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "diloco-heavy-ball", "noloco", "independent"])
+def test_the_step_consuming_the_mean_is_the_step_on_copies_bit_for_bit(algorithm):
+    """``step_consuming_mean`` (the blocking landing's step) gives the φ and outer state that
+    ``step_on_copies`` gives, bit for bit, over rounds whose momentum builds up; DiLoCo's new
+    momentum is the mean's own tensors (no model-sized copy beside them), φ and the state it read
+    are unchanged; other algorithms leave the mean as it was."""
+    from peer.train.outer import make_outer, step_consuming_mean, step_on_copies
+    from protocol.presets import default_run
+
+    torch.manual_seed(2)
+    name = algorithm.removesuffix("-heavy-ball")
+    run = default_run().replace(sync={"algorithm": name})
+    if algorithm.endswith("heavy-ball"):
+        run = run.replace(outer_optimizer={"nesterov": False})
+    shapes = [torch.Size([5, 3]), torch.Size([7])]
+    outer = make_outer(run, shapes)
+    phi = [torch.randn(s) for s in shapes]
+    state = [t.clone() for t in outer.state_tensors()]
+    copies = 2 if name == "noloco" else 1
+    for _ in range(3):
+        mean = [torch.randn(s) * 0.1 for _ in range(copies) for s in shapes]
+        kept = [t.clone() for t in mean]
+        inputs = [t.clone() for t in (*phi, *state)]
+        expected_phi, expected_state = step_on_copies(outer, phi, state, [t.clone() for t in mean])
+        new_phi, new_state = step_consuming_mean(outer, phi, state, mean)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (*phi, *state)))
+        for got, want in zip([*new_phi, *new_state], [*expected_phi, *expected_state], strict=True):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        if name == "diloco":
+            assert all(m is d for m, d in zip(new_state, mean))
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(mean, kept))
+        phi, state = new_phi, new_state
+
+
+def test_the_step_consuming_the_mean_refuses_what_the_step_on_copies_refuses():
+    """A mean with NaN, of the wrong shape, or one that overflows fp32 in the step is refused
+    (BadPayload) and leaves φ and the momentum as they were."""
+    from peer.train.outer import step_consuming_mean
+
+    outer = DiLoCo([torch.Size([3])], OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=True))
+    phi, state = [torch.ones(3)], [torch.full((3,), 0.5)]
+    for bad, match in [
+        ([torch.tensor([0.0, float("nan"), 1.0])], "NaN or inf"),
+        ([torch.ones(4)], "shape"),
+        ([torch.full((3,), -3e38)], "non-finite"),
+    ]:
+        with pytest.raises(BadPayload, match=match):
+            step_consuming_mean(outer, phi, state, bad)
+        assert torch.equal(phi[0], torch.ones(3)) and torch.equal(state[0], torch.full((3,), 0.5))

@@ -483,3 +483,53 @@ def test_an_adopted_download_becomes_the_snapshot_without_a_copy_or_a_second_has
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(snap.tensors, [*phi, *outer], strict=True))
     assert all(a is b for a, b in zip(t.state.live_tensors(), snap.tensors, strict=True))
     assert snap.digest == make_snapshot({**meta, "round": 2, "inner_step": 2 * H}, [*phi, *outer]).digest
+
+
+def test_own_delta_keeps_only_its_norm_once_settled():
+    """A sync's own Δ is held as its tensors only until the mean is there: ``settle`` gives the
+    norm ``check_step_bound`` takes (inf when a value is not finite) and lets go of the tensors."""
+    import gc
+    import weakref
+
+    from peer.round.schedule import OwnDelta
+    from peer.train.outer import global_norm
+
+    delta = [torch.randn(4, 3), torch.randn(5)]
+    expected = global_norm(delta)
+    gone = weakref.ref(delta[0])
+    own = OwnDelta(delta, 2.0)
+    del delta
+    assert own.settle() == expected and own.scale == 2.0
+    gc.collect()
+    assert gone() is None
+    assert own.settle() == expected
+    assert OwnDelta([torch.tensor([1.0, float("nan")])], 1.0).settle() == float("inf")
+
+
+def test_a_blocking_landing_keeps_its_new_outer_momentum_in_the_means_own_tensors(corpus):
+    """The blocking schedule's landing makes one model-sized set of new tensors, the new φ: the
+    group's mean (the transport's own copy) becomes the new outer momentum, and both peers still
+    hold identical φ and momentum, finite, that moved."""
+
+    class Recording(FragmentTransport):
+        def average(self, payload, **kwargs):
+            result = super().average(payload, **kwargs)
+            self.means.append(result.mean)
+            return result
+
+    manifest = tiny_run().replace(model={"num_layers": 2}, sync={"overlap": "none", "inner_steps": H})
+    records, group = Records(), Group(2)
+    transports = [Recording(p, group) for p in ("a", "b")]
+    for transport in transports:
+        transport.means = []
+    trainers = [make_trainer(corpus, manifest, p, records, t, rounds=2) for p, t in zip(("a", "b"), transports)]
+    run_in_threads(trainers)
+    (a, b), n = trainers, len(trainers[0].phi)
+    for trainer, transport in zip(trainers, transports):
+        momentum = trainer.state.live_tensors()[n:]
+        assert len(transport.means) == 2
+        # the same memory: the snapshot holds the tensors it seals as they are (a detached alias)
+        assert [m.data_ptr() for m in momentum] == [d.data_ptr() for d in transport.means[-1]]
+    for x, y in zip(a.state.live_tensors(), b.state.live_tensors(), strict=True):
+        assert torch.isfinite(x).all() and torch.equal(x, y)
+    assert any(bool(m.abs().sum() > 0) for m in a.state.live_tensors()[n:])
