@@ -271,8 +271,9 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
                     data = frames.parse_piece(payload, expected_index=piece.index)
                     value = await self._off_loop(self._decode_checked, data, piece)
                     async with self._changed:
-                        if sender not in self._excluded:
-                            self._contrib[piece.index][sender] = (weight, value)
+                        slots = self._contrib[piece.index]  # empty once reduced or released: too late
+                        if sender not in self._excluded and slots:
+                            slots[sender] = (weight, value)
                         self._changed.notify_all()
             except (TimeoutError, BadPayload, asyncio.IncompleteReadError, ConnectionError) as exc:
                 if isinstance(exc, BadPayload) and sender not in self._excluded:
@@ -577,6 +578,16 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         """Write the means into the tensors (after :meth:`run` succeeded)."""
         for piece in self.plan.pieces:
             piece_view(self.tensors[piece.tensor], piece).copy_(self.results[piece.index])
+
+    def release(self) -> None:
+        """Drop what the exchange held of the model (the decoded means, the contributions to this
+        owner's pieces, this peer's own as sent) once it is over, applied or not: the session object
+        outlives its exchange (the averager keeps it a while for late streams of its group), its
+        model-sized tensors need not."""
+        self.results.clear()
+        self._sent.clear()
+        for index in self._contrib:
+            self._contrib[index] = []
 
     def close(self) -> None:
         """Release senders still waiting for means (after a failure)."""

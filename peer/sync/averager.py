@@ -537,6 +537,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 if round_ is not None:  # (set before the session)
                     self._strike(session, round_)
                 session.close()
+                session.release()  # its model-sized tensors, now: the session object is kept a while
             if not future.done():
                 future.cancel()
             loop = asyncio.get_running_loop()

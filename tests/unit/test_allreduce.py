@@ -392,3 +392,21 @@ def test_a_phi_contribution_far_from_the_owners_is_left_out():
             assert torch.allclose(
                 s.tensors[1][piece.start : piece.stop], honest_phi[piece.start : piece.stop], atol=1e-6
             )
+
+
+def test_a_finished_session_released_holds_no_tensor_of_the_model():
+    """Once a session is over (applied, closed) ``release`` drops its decoded means, its own
+    contributions as sent and the contributions to its pieces: the averager keeps the session
+    object a while for its group's late streams, not its model-sized tensors. The applied means
+    stay in the payload tensors."""
+    gen = torch.Generator().manual_seed(3)
+    payloads = [[1.0 + 0.3 * torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
+    sessions, outcomes = asyncio.run(_run_group(payloads, [100.0, 137.0], CompressionSpec(codec="int8")))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    applied = [[t.clone() for t in s.tensors] for s in sessions]
+    assert all(s.results for s in sessions)  # held until released
+    for s, tensors in zip(sessions, applied):
+        s.release()
+        assert not s.results and not s._sent
+        assert all(slots == [] for slots in s._contrib.values())
+        assert all(torch.equal(a, b) for a, b in zip(s.tensors, tensors))
