@@ -87,10 +87,52 @@ def test_a_refused_value_is_reported(monkeypatch):
     monkeypatch.setattr(host_memory.platform, "system", lambda: "Linux")
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.36"))
     with mock.patch.object(host_memory.ctypes, "CDLL") as cdll:
-        cdll.return_value.mallopt.side_effect = [1, 0]
+        cdll.return_value.mallopt.side_effect = [1, 0, 1]
         assert host_memory.tune_host_allocator() == "mallopt refused"
     calls = cdll.return_value.mallopt.call_args_list
     assert [c.args for c in calls] == [
         (host_memory.M_TRIM_THRESHOLD, host_memory.TRIM_THRESHOLD_BYTES),
         (host_memory.M_MMAP_THRESHOLD, host_memory.MMAP_THRESHOLD_BYTES),
+        (host_memory.M_ARENA_MAX, host_memory.ARENA_MAX),
     ]
+
+
+# Two threads, both alive, each allocate 8 MiB tensors; glibc then prints its arenas to stderr.
+ARENA_PROBE = textwrap.dedent("""
+    import ctypes, threading, torch
+    from peer.train.host_memory import tune_host_allocator
+    print(tune_host_allocator())
+    started, done = threading.Barrier(3), threading.Event()
+    def allocate():
+        blocks = [torch.ones(2 * 2**20) for _ in range(4)]
+        started.wait()
+        done.wait()
+    threads = [threading.Thread(target=allocate) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()
+    ctypes.CDLL(None).malloc_stats()
+    done.set()
+    for t in threads:
+        t.join()
+""")
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only (Linux)")
+@pytest.mark.parametrize("env_value", [None, "system"])
+def test_a_tuned_process_keeps_every_threads_tensors_in_one_heap(env_value):
+    """Tuned, the threads share one arena (what one frees, another's next tensor reuses: the
+    averager's event loop and codec thread, the round loop and the checkpoint writer); glibc's own
+    setting gives each thread an arena of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in (host_memory.ENV, "MALLOC_ARENA_MAX")}
+    if env_value is not None:
+        env[host_memory.ENV] = env_value
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", ARENA_PROBE], env=env, cwd=root, capture_output=True, text=True, check=True, timeout=120
+    )
+    arenas = sum(line.startswith("Arena ") for line in run.stderr.splitlines())
+    if env_value is None:
+        assert arenas == 1
+    else:
+        assert arenas >= 3  # the main thread's and one per allocating thread at least
