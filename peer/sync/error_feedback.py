@@ -81,7 +81,10 @@ class ErrorFeedback:
                 continue  # a zero residual where none is held yet
             buf = self._buffer(index)
             target = buf if rows is None else buf[rows]
-            target.zero_() if residual is None else target.copy_(residual)
+            if residual is None:
+                target.zero_()
+            else:
+                target.copy_(residual)
         self._staged.clear()
 
     def rollback(self) -> None:

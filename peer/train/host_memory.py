@@ -24,9 +24,10 @@ writes it, which makes a fresh tensor cost several times a copy into a held buff
 
 The price is resident memory the process keeps after freeing it, at most about 256 MiB above what
 it holds at its peak anyway. Giving all of it back after every round (``malloc_trim``) was tried:
-the next round's all-reduce faulted its pages in again and ran about as slowly as a peer's first. Nothing is changed where the C library is not glibc
-(macOS, musl) or when ``LOCOSWARM_HOST_ALLOCATOR=system`` is set (glibc's own thresholds, for
-comparing; bench/overlap_rig.py measures both).
+the next round's all-reduce faulted its pages in again and ran about as slowly as a peer's first.
+Nothing is changed where the C library is not glibc (macOS, musl) or when
+``LOCOSWARM_HOST_ALLOCATOR=system`` is set (glibc's own settings, for comparing;
+bench/overlap_rig.py measures both).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
 ARENA_MAX = 1
 ENV = "LOCOSWARM_HOST_ALLOCATOR"
-"""``system`` leaves glibc's thresholds as they are; unset or ``tuned`` sets those above."""
+"""``system`` leaves glibc's settings as they are; unset or ``tuned`` sets those above."""
 
 
 def tune_host_allocator() -> str:
