@@ -68,7 +68,7 @@ def tune_host_allocator() -> str:
     """
     choice = os.environ.get(ENV, "tuned").strip().lower() or "tuned"
     if choice not in ("tuned", "system"):
-        raise ConfigError(f"{ENV}={os.environ[ENV]!r}: use 'tuned' (the default) or 'system' (glibc's own thresholds)")
+        raise ConfigError(f"{ENV}={os.environ[ENV]!r}: use 'tuned' (the default) or 'system' (glibc's own settings)")
     if choice == "system":
         return "system"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
