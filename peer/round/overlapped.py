@@ -21,8 +21,9 @@ from peer.round.schedule import BackgroundSchedule, OwnDelta, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.screening import round_token_cap
-from peer.train.outer import check_finite, check_step_bound, step_on_copies
+from peer.train.outer import check_finite, step_on_copies
 from peer.train.overlap import EagerState, next_start, round_progress
+from peer.train.step_bound import check_step_bound
 from protocol.errors import BadPayload
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from peer.round.records import RecordReads
 from peer.round.state import RoundState
 from peer.round.syncing import GroupSync, SyncHistory
 from peer.sync.background import BackgroundSync, InlineSync
-from peer.train.outer import GroupChoice, global_norm
+from peer.train.outer import GroupChoice
+from peer.train.step_bound import finite_norm
 
 EXTRA_STEPS_FRACTION = 1.0
 """With ``delayed``, ``eager`` or ``streaming``, a round past its H inner steps whose sync in flight
@@ -40,7 +41,7 @@ is there. 1.0: at most 2·H steps a round."""
 
 class OwnDelta:
     """This peer's own Δ of a sync in flight, kept only as far as its landing needs it: the norm that
-    bounds the outer step's change of φ (peer/train/outer.py ``check_step_bound``) and the cap on a
+    bounds the outer step's change of φ (peer/train/step_bound.py ``check_step_bound``) and the cap on a
     weight over this peer's weight in the sync.
 
     :meth:`settle` takes the norm and lets go of the tensors; the sync's call does it as soon as
@@ -63,8 +64,7 @@ class OwnDelta:
         landing takes its result (the landing reads it only after that)."""
         if self._norm is None:
             assert self._delta is not None
-            total = global_norm(self._delta)
-            self._norm, self._delta = (total if total == total else float("inf")), None
+            self._norm, self._delta = finite_norm(self._delta), None
         return self._norm
 
 

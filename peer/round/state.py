@@ -30,7 +30,8 @@ import torch
 
 from peer.progress import RoundProgress
 from peer.state.snapshot import SealedTensor, StateSnapshot, make_snapshot, make_snapshot_from
-from peer.train.outer import OuterAlgorithm, first_non_finite, global_norm, make_outer
+from peer.train.outer import OuterAlgorithm, first_non_finite, make_outer
+from peer.train.step_bound import global_norm
 from protocol.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ PHI_GROWTH_LIMIT = 10.0
 exploded and rolled back (:meth:`RoundState.guard_phi`). 10: the factor within which a downloaded
 φ must lie of this peer's own (peer/state/download.py ``NORM_FACTOR``); an honest round moves φ by
 its outer step, a small fraction of ‖φ‖, and each step is already bounded by this peer's own Δ
-(peer/train/outer.py ``check_step_bound``), so only a φ that went wrong past every check gets here."""
+(peer/train/step_bound.py ``check_step_bound``), so only a φ that went wrong past every check gets here."""
 
 
 class RoundState:

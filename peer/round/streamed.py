@@ -26,11 +26,11 @@ from peer.sync.screening import round_token_cap
 from peer.train.outer import (
     GroupChoice,
     check_finite,
-    check_step_bound,
     pseudo_gradient,
     step_consuming_mean,
     step_on_copies,
 )
+from peer.train.step_bound import check_step_bound
 from peer.train.streaming import fragment_outers, land, partition, payload_indices, sync_offset
 from protocol.errors import BadPayload
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from peer.state.snapshot import CHUNK_ELEMENTS, chunk_hash, plan_chunks, state_digest
-from peer.train.outer import first_non_finite, global_norm
+from peer.train.outer import first_non_finite
+from peer.train.step_bound import global_norm
 from protocol.errors import BadPayload, StateDownloadFailed
 from protocol.text import sanitize
 from protocol.wire import framing, state as frames

@@ -7,7 +7,7 @@ finiteness, and from round 4 every honest φ was ~1e30 with a NaN loss, checkpoi
 1. a receiver refuses an owner's mean of any piece whose norm is out of bound
    (peer/sync/screening.py ``owner_mean_problem``, through GroupAllreduce's receiver path);
 2. an outer step whose change of φ exceeds what an honest mean can make from this peer's own Δ is
-   refused, φ unchanged (peer/train/outer.py ``check_step_bound``, in the round engine's landing);
+   refused, φ unchanged (peer/train/step_bound.py ``check_step_bound``, in the round engine's landing);
 3. a φ that turned non-finite or exploded is rolled back to the last snapshot at the round's end
    (``RoundState.guard_phi``);
 4. a checkpoint never holds a non-finite φ (peer/state/checkpoint.py ``encode_checkpoint``).
@@ -89,10 +89,10 @@ def test_an_owner_of_small_pieces_sending_1e30_is_refused_through_the_allreduce(
 def test_the_step_bound_takes_the_screenings_numbers():
     """peer/train/ does not import peer/sync/: the outer step's bound keeps its own copies."""
     import peer.sync.screening as screening
-    import peer.train.outer as outer
+    import peer.train.step_bound as step_bound
 
-    assert outer.HONEST_MEAN_FACTOR == screening.OWNER_NORM_FACTOR
-    assert outer.HONEST_PHI_RATIO == screening.PHI_MAX_NORM_RATIO
+    assert step_bound.HONEST_MEAN_FACTOR == screening.OWNER_NORM_FACTOR
+    assert step_bound.HONEST_PHI_RATIO == screening.PHI_MAX_NORM_RATIO
 
 
 # ---- the round engine, two Trainers over the in-process hub ---------------------------------------

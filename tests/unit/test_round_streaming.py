@@ -492,7 +492,7 @@ def test_own_delta_keeps_only_its_norm_once_settled():
     import weakref
 
     from peer.round.schedule import OwnDelta
-    from peer.train.outer import global_norm
+    from peer.train.step_bound import global_norm
 
     delta = [torch.randn(4, 3), torch.randn(5)]
     expected = global_norm(delta)
