@@ -8,7 +8,8 @@ start lives in shared memory that all of them see: the averager process's libp2p
 group all-reduce, its receipts, state served to joiners, NoLoCo's partner exchange, hivemind's
 matchmaking calls) are wrapped where they are opened and accepted (peer/sync/hivemind_limits.py
 ``BoundedP2P``), shard serving where it writes (peer/shards/serve.py). Not paced: the DHT's own
-RPCs (pings, progress and device records: a few KB a round) and the dial-back check at start
+RPCs (pings, progress and device records: a few KB a round; the group key's lookups while
+matching, four a second: peer/sync/group_key.py) and the dial-back check at start
 (peer/net/reachability.py, a few hundred bytes), on the DHT process's streams; a pipelined run's
 activation streams (peer/pipeline/rpc.py); `peer doctor`'s uplink probe is not `peer join`'s.
 
