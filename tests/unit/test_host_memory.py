@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -15,6 +16,19 @@ from peer.train import host_memory
 from protocol.errors import ConfigError
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_probe(code: str, env_value: str | None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter at the repository's root, with ``LOCOSWARM_HOST_ALLOCATOR``
+    set to ``env_value`` (None: unset) and glibc's own ``MALLOC_ARENA_MAX`` unset."""
+    env = {k: v for k, v in os.environ.items() if k not in (host_memory.ENV, "MALLOC_ARENA_MAX")}
+    if env_value is not None:
+        env[host_memory.ENV] = env_value
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=120
+    )
+
 
 # Allocates a 64 MiB-in-8-MiB-blocks tensor list, frees it, and prints how much of it the process
 # still holds resident (MiB): freed memory glibc kept for reuse, or gave back to the kernel.
@@ -34,13 +48,7 @@ PROBE = textwrap.dedent("""
 
 
 def probe(env_value: str | None) -> tuple[str, float, float]:
-    env = {k: v for k, v in os.environ.items() if k != host_memory.ENV}
-    if env_value is not None:
-        env[host_memory.ENV] = env_value
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, cwd=root, capture_output=True, text=True, check=True, timeout=120
-    ).stdout.split("\n")
+    out = run_probe(PROBE, env_value).stdout.split("\n")
     grown, kept = map(float, out[1].split())
     return out[0], grown, kept
 
@@ -124,13 +132,7 @@ def test_a_tuned_process_keeps_every_threads_tensors_in_one_heap(env_value):
     """Tuned, the threads share one arena (what one frees, another's next tensor reuses: the
     averager's event loop and codec thread, the round loop and the checkpoint writer); glibc's own
     setting gives each thread an arena of its own."""
-    env = {k: v for k, v in os.environ.items() if k not in (host_memory.ENV, "MALLOC_ARENA_MAX")}
-    if env_value is not None:
-        env[host_memory.ENV] = env_value
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, "-c", ARENA_PROBE], env=env, cwd=root, capture_output=True, text=True, check=True, timeout=120
-    )
+    run = run_probe(ARENA_PROBE, env_value)
     arenas = sum(line.startswith("Arena ") for line in run.stderr.splitlines())
     if env_value is None:
         assert arenas == 1
