@@ -34,19 +34,26 @@ def main() -> None:
     import hivemind
 
     from peer.net.dht import quiet_hivemind_logs
+    from peer.net.identity import ensure_identity
     from peer.sync.transport import NetworkTransport
     from protocol.manifest import CompressionSpec, SyncSpec
+    from protocol.signing import PeerSigner
 
     quiet_hivemind_logs()
     host = [f"/ip4/{args.address}/tcp/0"]
+    # an identity as a peer has one: its key seals the means this worker sends as an owner
+    identity = ensure_identity(args.dir / f"identity-{args.index}.key")
+    signer = PeerSigner.from_identity(identity)
     if args.index == 0:
-        dht = hivemind.DHT(start=True, host_maddrs=host)
+        dht = hivemind.DHT(start=True, host_maddrs=host, identity_path=str(identity))
         maddrs = [str(a) for a in dht.get_visible_maddrs() if args.address in str(a)]
         (args.dir / "maddr.tmp").write_text(maddrs[0])
         (args.dir / "maddr.tmp").rename(args.dir / "maddr")
     else:
         wait_for(args.dir / "maddr")
-        dht = hivemind.DHT(start=True, host_maddrs=host, initial_peers=[(args.dir / "maddr").read_text()])
+        dht = hivemind.DHT(
+            start=True, host_maddrs=host, initial_peers=[(args.dir / "maddr").read_text()], identity_path=str(identity)
+        )
     elements = int(args.size_mb * 1e6 / 4)
     rows = 1000
     shapes = [torch.Size([rows, 1000])] * (elements // (rows * 1000))
@@ -58,7 +65,14 @@ def main() -> None:
         spec = CompressionSpec(codec=codec)
         run_id = hashlib.sha256(f"linerate-{codec}".encode()).hexdigest()[:32]
         transport = NetworkTransport(
-            dht, shapes, shapes, run_id, sync, compression=spec, piece_elements=args.piece_elements or None
+            dht,
+            shapes,
+            shapes,
+            run_id,
+            sync,
+            compression=spec,
+            piece_elements=args.piece_elements or None,
+            signer=signer,
         )
         for trial in range(args.trials):
             tag = f"{codec}-{trial}"

@@ -341,6 +341,7 @@ def decoders() -> list[Target]:
 
 
 def handlers() -> list[Target]:
+    from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import averaging_pb2
 
     from peer.net import reachability
@@ -354,6 +355,7 @@ def handlers() -> list[Target]:
     from protocol import codecs
     from protocol.errors import AllreduceIncomplete, StateDownloadFailed
     from protocol.manifest import CompressionSpec
+    from protocol.signing import PeerSigner
     from protocol.wire import allreduce as ar, framing, state as st
     from protocol.wire.pieces import piece_shape, piece_view, plan_pieces
 
@@ -425,6 +427,8 @@ def handlers() -> list[Target]:
         for p in pieces
     )
 
+    signer = PeerSigner(rsa.generate_private_key(public_exponent=65537, key_size=2048))
+
     def allreduce(d: bytes):
         plan = GroupPlan(
             group_id=b"g" * 8,
@@ -447,6 +451,8 @@ def handlers() -> list[Target]:
                 open_stream=None,
                 next_chunk_timeout=0.05,
                 max_weight=1000.0,
+                signer=signer,
+                peer_key=lambda index: signer.peer_id,  # what it seals is never checked against peer 1's key
             )
             reader, writer = _reader(d), _Writer()
             try:

@@ -243,7 +243,7 @@ class GroupMeans:
         contributions the owner included and whether its own was among them, the run's cap; φ
         pieces of NoLoCo get the norm and direction checks instead of the share check; in a NoLoCo
         pair the owner's contribution the mean implies is checked too, and a refused piece is
-        applied as the member's own), as peer/sync/allreduce.py does. A refused Δ mean is a vote: an owner refused by half of the
+        applied as the member's own), as peer/sync/allreduce.py does. A refused Δ mean is a vote: an owner refused by more than half of the
         group has its Δ pieces applied as zeros by every member (the receipts' verdict,
         peer/sync/receipts.py), any other's means as sent; a refused φ mean is applied as the
         member's own payload ``own[j][i]``; each refusal is counted against the owner, and one by a check that
@@ -318,11 +318,11 @@ class GroupMeans:
                     own[member][i].detach().float().clone() if group[i % n] in caught else t for i, t in enumerate(mine)
                 ]
             out.append(mine)
-        # the receipts' verdict: an owner whose Δ means half of the group's reports refuse (its own an
+        # the receipts' verdict: an owner whose Δ means most of the group's reports refuse (its own an
         # acceptance) has its Δ pieces applied as zeros by every member
         for i in range(len(sent) if phi_from is None else phi_from):
             owner = group[i % n]
-            if 2 * len(refusers.get(owner, ())) >= n:
+            if 2 * len(refusers.get(owner, ())) > n:
                 for member, j in enumerate(group):
                     if j in self.honest:  # malicious members apply the honest means, as above
                         out[member][i] = torch.zeros(sent[i].shape, dtype=torch.float32)

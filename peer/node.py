@@ -463,6 +463,7 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         uplink_mbps=cfg.uplink_mbps,
         max_weight_tokens=round_token_cap(manifest),
         memory_dir=checkpoint.parent,  # whom it leaves out, kept beside the checkpoint across restarts
+        signer=signer,  # seals the means it sends as an owner
     )
     stack.callback(transport.shutdown)  # the averager first drains the means its groupmates still read
     model = make_model()

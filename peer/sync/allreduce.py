@@ -29,12 +29,15 @@ Rules on failure (checked, never assumed):
   a NoLoCo pair: the owner's contribution it implies, its whole Δ's direction at the receipts,
   pairs.py). A refused φ mean, or any of a pair, is applied as this peer's own values; a refused Δ
   mean is a vote in its RECEIPT; the owner is named in the stats (struck where the norm failed).
-* Once a peer holds every mean it sends each owner a RECEIPT of what every owner sent it
-  (peer/sync/receipts.py): an owner refused by half of the reports, or whose means differ
-  between receivers (equivocation), has its pieces applied as refused by every peer (Δ: zeros,
-  each peer's own Δ there staged as its error-feedback residual, sent again next round);
-  contradicted by two or more, it is named in ``AllreduceStats.equivocators`` (the averager
-  ignores it from the next round).
+* An owner ends each stream with a SEAL, its identity key's signature of the digest of the means
+  it sent there; a receiver that finds no valid seal applies nothing of the round. Once a peer
+  holds every mean it sends each owner a RECEIPT of what every owner sent it, with the owners'
+  seals (peer/sync/receipts.py): an owner refused by more than half of the reports, or proven to
+  have sealed different means for different receivers (equivocation), has its pieces applied as
+  refused by every peer (Δ: zeros, each peer's own Δ there staged as its error-feedback
+  residual, sent again next round); a proven equivocator is named in
+  ``AllreduceStats.equivocators`` (the averager ignores it from the next round), a groupmate
+  whose receipt reports an unsealed digest in ``receipt_liars`` (its receipt is not read).
 * A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
   nothing from the round: :class:`~protocol.errors.PartialAverage` is raised, the tensors are left
   unchanged and the error-feedback residuals are rolled back. The caller falls back to its own
@@ -59,6 +62,7 @@ from peer.sync.robust import piece_mean
 from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, reference_rms
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
+from protocol.signing import PeerSigner
 from protocol.wire import allreduce as frames, framing
 from protocol.wire.pieces import Piece, piece_shape, piece_view
 
@@ -95,9 +99,10 @@ class AllreduceStats:
     """Owners (peer ids) whose means differed between receivers (the receipts): their pieces applied
     as refused (zeros for Δ, own values for φ) this round."""
     equivocators: set[str] = field(default_factory=set)
-    """Owners in ``skipped_owners`` contradicted by two or more receivers (peer/sync/receipts.py)."""
+    """Owners in ``skipped_owners`` proven, by their own two seals, to have sent different means to
+    different receivers (peer/sync/receipts.py)."""
     receipt_liars: set[str] = field(default_factory=set)
-    """Groupmates whose receipt misstated this peer's own means."""
+    """Groupmates whose receipt reported a digest of some owner's means that the owner never sealed."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0
@@ -124,6 +129,10 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             mean is replaced (zeros for Δ, own values for φ and in a pair) and which checks apply.
         distrusted: owners (indices) caught equivocating in an earlier round: their means are applied
             as refused without a check (pass them in ``ignored`` too).
+        signer: this peer's identity key: as an owner it seals the means it sends
+            (peer/sync/receipts.py).
+        peer_key: a groupmate's libp2p peer id (base58) from its entry in ``plan.peer_ids``, whose
+            key must have sealed its means (``str`` for hivemind's ``PeerID``).
         whole_delta: a blocking sync's Δ: a pair's receiver judges its owner's whole Δ (pairs.py
             ``PairTally``), a group's receipts the owners' alignments (receipts.py ``misaligned``).
     """
@@ -144,12 +153,15 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         phi_from: int | None = None,
         distrusted: frozenset[int] = frozenset(),
         whole_delta: bool = True,
+        signer: PeerSigner,
+        peer_key: Callable[[object], str] = str,
     ):
         if max_weight is not None and not max_weight > 0:
             raise ValueError(f"max_weight = {max_weight!r}: expected a number of tokens > 0 or None")
         self.plan, self.tensors, self.weight = plan, list(tensors), float(weight)
         self.max_weight = None if max_weight is None else float(max_weight)
         self.compensate, self.stage, self.open_stream = compensate, stage, open_stream
+        self.signer, self.peer_key = signer, peer_key
         self.timeout, self.executor = next_chunk_timeout, executor
         self.stats = AllreduceStats()
         n, me = len(plan.peer_ids), plan.my_index
@@ -182,6 +194,10 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         self.distrusted = distrusted
         self._digests = MeanDigests()
         """Per owner, the digest of the MEAN payloads it sent this peer (this peer's own: it sent)."""
+        self._seals: dict[int, tuple[bytes, bytes]] = {}
+        self._own_seal_frame: asyncio.Future = asyncio.get_running_loop().create_future()
+        """Owner: its SEAL frame, once every mean is made (None if one failed)."""
+        self._unheard = frozenset(set(ignored) - {me})
         self._receipts: dict[int, frames.Receipt] = {}
         self._receipt_writers: dict[int, asyncio.StreamWriter] = {}
         """Streams to owners, kept open after their means until this peer's RECEIPT is written."""
@@ -308,6 +324,9 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
                 return
             self._write(writer, payload)
             await writer.drain()
+        seal = await self._own_seal_frame
+        self._write(writer, seal if seal is not None else frames.encode_abort("no seal: a mean failed"))
+        await writer.drain()
 
     async def _reduce_my_pieces(self) -> None:
         """Owner: wait for every piece's contributions, reduce, publish MEAN frames in piece order."""
@@ -370,6 +389,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             self._digests.add(me, payload)
             self._mean_frames[piece.index].set_result(payload)
             self._contrib[piece.index] = []  # free the contributions
+        self._own_seal_frame.set_result(self._own_seal())
 
     async def _wait_for(self, piece: Piece) -> None:
         """Owner: wait for every contribution to ``piece``; one silent for a next-chunk timeout is excluded."""
@@ -445,8 +465,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
     def _checked_mean(self, owner: int, piece: Piece, value: torch.Tensor, included: list[bool]) -> torch.Tensor:
         """``value`` (the owner's decoded mean of ``piece``) if peer/sync/pairs.py ``receiver_problem``
         accepts it against this peer's contribution. A refused Δ mean is reported in this peer's RECEIPT,
-        ``value`` kept until the receipts' verdict (peer/sync/receipts.py: half of the reports refusing
-        skip the owner's pieces for everyone; a peer in client mode reads only its own); a refused φ
+        ``value`` kept until the receipts' verdict (peer/sync/receipts.py: more than half of the reports
+        refusing skip the owner's pieces for everyone; a peer in client mode reads only its own); a refused φ
         mean (NoLoCo, whose replicas may differ) or any of a pair is replaced by this peer's own values."""
         mine = self._sent.pop(piece.index, None)
         if mine is None:
@@ -526,6 +546,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
                     value = await self._off_loop(self._decode_checked, data, piece)
                     self.stats.partial_pieces += not all(included)
                     self.results[piece.index] = await self._off_loop(self._checked_mean, owner, piece, value, included)
+                seal = await self._read(reader, frames.max_seal_bytes(), 2 * self.timeout + 1.0)
+                self._take_seal(owner, seal)  # raises: the owner's means are not applied
                 await send_task
             finally:
                 send_task.cancel()
@@ -591,7 +613,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
 
     def close(self) -> None:
         """Release senders still waiting for means (after a failure)."""
-        for fut in self._mean_frames.values():
+        for fut in [*self._mean_frames.values(), self._own_seal_frame]:
             if not fut.done():
                 fut.set_result(None)
         for writer in self._receipt_writers.values():

@@ -47,6 +47,7 @@ from peer.sync.suspicion_store import GroupmateMemory
 from protocol import keys
 from protocol.errors import AllreduceIncomplete, BadPayload, PartialAverage
 from protocol.manifest import CompressionSpec
+from protocol.signing import PeerSigner
 from protocol.version import PROTOCOL_VERSION
 from protocol.wire import allreduce as frames, framing
 
@@ -99,6 +100,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             (:func:`peer.sync.screening.round_token_cap`); a groupmate claiming more is weighted
             with this. None: no cap.
         memory: keeps whom this peer leaves out across restarts (peer/sync/suspicion_store.py); None: not.
+        signer: this peer's identity key (the one its DHT runs as): it seals the means this peer
+            sends as an owner (peer/sync/receipts.py). None: this peer cannot average (every
+            all-reduce ends incomplete), as a peer without an identity file.
         whole_delta: in a NoLoCo pair, the receiver judges its owner's whole Δ (peer/sync/pairs.py
             ``PairTally``), and in a group the receipts judge the owners' alignments
             (peer/sync/receipts.py): True where a Δ is one round's training alone
@@ -121,6 +125,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         max_weight_tokens: float | None = None,
         memory: GroupmateMemory | None = None,
         whole_delta: bool = True,
+        signer: PeerSigner | None = None,
         **kwargs,
     ):
         if kwargs.get("next_chunk_timeout") is None:
@@ -128,6 +133,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements, self.max_weight_tokens = piece_elements, max_weight_tokens
         self.whole_delta = whole_delta  # GroupAllreduce's: a pair judges its owner's whole Δ
+        self.signer = signer
         self._init_state_sharing()
         self._stream_limits = StreamLimits.for_matchmaking(
             kwargs.get("min_matchmaking_time", 5.0), kwargs.get("request_timeout") or 3.0
@@ -455,6 +461,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             fragments = {(d or {}).get("fragment") if isinstance(d, dict) else None for d in user_gathered.values()}
             if len(fragments) != 1:
                 raise AllreduceIncomplete(f"groupmates sync different fragments {sorted(map(str, fragments))}")
+            if self.signer is None or self.signer.peer_id != str(self.peer_id):
+                raise AllreduceIncomplete("this peer has no identity key of its peer id to seal its means with")
             async with enter_asynchronously(self.get_tensors()) as all_tensors:
                 # a fragment sync (Streaming DiLoCo) averages a subset of the buffers: plan, codecs
                 # and error feedback see only those; ``index`` maps a piece's tensor to its buffer
@@ -500,6 +508,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     phi_from=phi_from,
                     distrusted=frozenset(i for i, p in enumerate(group_info.peer_ids) if p in distrusted),
                     whole_delta=self.whole_delta,
+                    signer=self.signer,
                 )
                 if not future.done():
                     future.set_result(session)

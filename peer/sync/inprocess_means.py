@@ -122,7 +122,7 @@ def screened_means(
     floor from its payload's ``reference_rms`` and in a pair the owner's contribution the mean
     implies, its whole Δ judged once every mean is in, ``PairTally``); a refused φ piece, or any of a pair, is applied as the member's own values, a
     refused Δ piece of a larger group is a vote, as in the receipts (peer/sync/receipts.py
-    ``verdict``): an owner refused by at least half of the group's n reports has its pieces applied
+    ``verdict``): an owner refused by more than half of the group's n reports has its pieces applied
     by every member as refused (Δ: zeros, each member's contribution there in its ``carried``; φ:
     the member's own values), as is an owner whose
     receivers got different means of a piece (their receipts' digests would differ), any other's
@@ -265,9 +265,9 @@ def screened_means(
             out[r].refused_pieces += tally.pieces
             if found[1]:
                 struck[r].add(o)
-    # the receipts' verdict (peer/sync/receipts.py): an owner refused by half of the group's reports
+    # the receipts' verdict (peer/sync/receipts.py): an owner refused by most of the group's reports
     # (its own an acceptance) is skipped by every member, the others' means are applied by all
-    skipped = {o for o in range(n) if 2 * len(refusers[o]) >= n} | equivocal
+    skipped = {o for o in range(n) if 2 * len(refusers[o]) > n} | equivocal
     if not pair and rules.whole_delta:  # a blocking sync's Δ (receipts.py: alignments)
         skipped |= misaligned({r: digests[r].alignments() for r in range(n)}, owners={p.owner for p in plan.pieces})
     for member in ids:

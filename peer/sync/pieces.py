@@ -38,8 +38,8 @@ def stronger_compression(compression: CompressionSpec) -> CompressionSpec:
 
 SUSPECT_ROUNDS = 100
 """Rounds a peer names an owner in its gathered ``distrust`` list after the group's receipts skipped
-that owner's pieces (refused by half the reports, or an equivocator): while half the group names
-it, it owns no piece (:func:`trusted_owners`), so a lying owner costs one round's pieces and then
+that owner's pieces (refused by most reports, misaligned, or a proven equivocator): while half the
+group names it, it owns no piece (:func:`trusted_owners`), so a lying owner costs one round's pieces and then
 only its own contribution, which the owners' CenteredClip bounds. An honest owner named by mistake
 loses nothing but its share of the reduction work."""
 MAX_DISTRUST = 64
@@ -48,28 +48,36 @@ MAX_DISTRUST = 64
 
 class Suspects:
     """The owners this peer's groups' receipts skipped, each named for :data:`SUSPECT_ROUNDS` rounds
-    (peer ids as ``str``; at most :data:`MAX_DISTRUST`, the latest kept)."""
+    (peer ids as ``str``; at most :data:`MAX_DISTRUST`, the latest kept). Those proven to have
+    equivocated are kept across restarts (:meth:`named_until`); the others, skipped by a majority's
+    refusals or their alignment, only while this process runs."""
 
     def __init__(self) -> None:
         self._until: dict[str, int] = {}
+        self._proven: set[str] = set()
 
-    def add(self, peers, round_: int) -> None:
-        """Name ``peers`` (peer ids) from ``round_`` on."""
+    def add(self, peers, round_: int, *, proven=()) -> None:
+        """Name ``peers`` (peer ids) from ``round_`` on; those in ``proven`` are proven equivocators."""
+        proven = {str(p) for p in proven}
         for peer in peers:
             self._until.pop(str(peer), None)
             self._until[str(peer)] = round_ + SUSPECT_ROUNDS
+            if str(peer) in proven:
+                self._proven.add(str(peer))
         while len(self._until) > MAX_DISTRUST:
-            self._until.pop(next(iter(self._until)))
+            self._proven.discard(oldest := next(iter(self._until)))
+            self._until.pop(oldest)
 
     def named(self, round_: int) -> list[str]:
         """The peers named at ``round_``, sorted."""
         self._until = {p: r for p, r in self._until.items() if r > round_}
+        self._proven &= set(self._until)
         return sorted(self._until)
 
     def named_until(self) -> dict[str, int]:
-        """Each peer named → the first round it is no longer named, oldest first (a copy, kept across
-        restarts by peer/sync/suspicion_store.py)."""
-        return dict(self._until)
+        """Each proven equivocator named → the first round it is no longer named, oldest first (a
+        copy, kept across restarts by peer/sync/suspicion_store.py: nothing unproven is kept)."""
+        return {p: r for p, r in self._until.items() if p in self._proven}
 
 
 def trusted_owners(owners: Sequence[int], peer_ids: Sequence[str], distrust: Sequence[object]) -> list[int]:

@@ -1,51 +1,52 @@
-"""Equivocation caught (issue #51, item 3): receivers compare what each owner sent them.
+"""Equivocation proven (issue #65, item 1): owners seal their means, receivers compare the seals.
 
 An owner of pieces sends its MEAN frames to every groupmate; nothing in a single receiver's view
 shows that it sent other bytes to another one (a mean 1e-5 off in one value passes every check of
-peer/sync/screening.py, and splits the honest φ into one-member classes). So once a peer holds every
-mean of the group, it sends each owner it exchanged with a RECEIPT (protocol/wire/allreduce.py): per
-owner, a 16-byte BLAKE2b digest of the MEAN payloads it got from that owner, in piece order (its
-own pieces: the payloads it sent). Every peer then holds, per owner, its own digest and one from
-each groupmate whose receipt it read, over the same authenticated streams the means came on.
-
-A receiver that refused one of an owner's means (peer/sync/screening.py ``owner_mean_problem``)
-reports :data:`REFUSED` for that owner instead of a digest: its refusal is a vote, not a decision.
+peer/sync/screening.py, and splits the honest φ into one-member classes). So an owner ends each
+stream with a SEAL (protocol/wire/allreduce.py): its identity key's signature of the 16-byte
+BLAKE2b digest of the MEAN payloads it sent there, in piece order, for this group
+(protocol/signing.py ``seal_means``). A receiver checks the seal against the digest it computed
+itself and the owner's peer id; a missing or bad seal fails the exchange with that owner, as a
+missing mean does (nothing from the round is applied). Once a peer holds every mean it sends each
+owner it exchanged with a RECEIPT: per owner the digest it got, the owner's seal of it, whether it
+refused one of that owner's means (peer/sync/screening.py ``owner_mean_problem``), and its
+alignment with that owner's Δ means.
 
 The verdict (:func:`verdict`), the same on every honest peer that read the same receipts:
 
-* an owner whose pieces at least half of the reports refuse (its own report, an acceptance,
-  counted), or whose digests are not all equal, has its pieces **skipped** this round (applied as
-  zeros for Δ, as this peer's own values for φ), by every peer, the owner itself included, so the
-  honest peers still hold one φ, and each peer carries its own Δ of those pieces into its next
-  contribution (peer/sync/error_feedback.py), so the round's work there is delayed, not lost;
-  an owner refused by fewer has its means applied by every peer,
-  the receivers that refused them included (one receiver, honest or not, decides nothing alone);
-  in a NoLoCo pair refusals are no votes (each receiver applies its own values, peer/sync/pairs.py);
-* it is an **equivocator** when at least :data:`MIN_DISSENT` reporters disagree with the most
-  common digest: a single differing receipt may be a lying receiver, so it costs the round's
-  pieces but nobody's standing; the averager then ignores the equivocator (its contributions left
-  out, its means replaced) from the next round (peer/sync/averager.py);
-* a groupmate whose receipt misstates this peer's own means is a **liar** (this peer knows what it
-  sent): this peer ignores its contributions;
-* an owner whose Δ means are **misaligned** is skipped too (and so owns nothing for a while, as a
-  refused one). Each receipt also reports, per owner, the sender's *alignment* with that owner's Δ
-  means, a = Σ⟨x, m⟩ / Σ‖m‖² over the owner's pieces (x: what the sender contributed, m: the mean
-  it got). For an honest weighted mean m = Σ w_i x_i / W the contributions' weighted average of a is
-  exactly 1, and each one's is near 1; a mean turned away from the honest one (cosine c, same norm)
-  gives about c, one scaled by s about 1/s, from every honest receiver, which no single receiver's
-  check can see (each compares the mean only with its own Δ). The median over reporters (the
-  owner's own report left out) is the owner's alignment; relative to the median over owners (a
+* **Proof, not votes.** A receipt reporting, for some owner, a digest other than this peer's must
+  carry that owner's valid seal of it. If it does, the owner signed two digests for one group: a
+  proof that it sent different means to different receivers; it is an **equivocator**, its pieces
+  are skipped this round (applied as zeros for Δ, as this peer's own values for φ; each peer carries
+  its own Δ of those pieces into its next contribution, peer/sync/error_feedback.py) and it is
+  ignored from the next round on, kept across restarts. If it does not, the report contradicts what
+  this peer received and no owner signed it: its sender is a **liar**, its whole receipt is not read
+  (its refusals and alignments count for nothing), it is ignored for a while, and the owner is not
+  touched. An honest receiver only ever reports seals it verified, so it is never a liar.
+* **Refusals are a majority vote.** An owner whose means more than half of the reports refuse (this
+  peer's own report counted) is skipped this round by every peer, the owner itself included, so the
+  honest peers still hold one φ; nothing is kept of it but the host's suspicion
+  (peer/sync/pieces.py ``Suspects``, in memory only). A minority of refusing receivers, honest or
+  not, skips nothing. In a NoLoCo pair refusals are no votes (each receiver applies its own values,
+  peer/sync/pairs.py).
+* An owner whose Δ means are **misaligned** is skipped too. Each receipt reports, per owner, the
+  sender's *alignment* with that owner's Δ means, a = Σ⟨x, m⟩ / Σ‖m‖² over the owner's pieces (x:
+  what the sender contributed, m: the mean it got). For an honest weighted mean m = Σ w_i x_i / W
+  the contributions' weighted average of a is exactly 1, and each one's is near 1; a mean turned
+  away from the honest one (cosine c, same norm) gives about c, one scaled by s about 1/s, from every
+  honest receiver, which no single receiver's check can see. The median over reporters (the owner's
+  own report and liars left out) is the owner's alignment; relative to the median over owners (a
   sender attack shifts every owner's alike) it must lie within :data:`ALIGNMENT_BAND`. Judged only
   in groups of :data:`ALIGNMENT_MIN_OWNERS` owners or more, each with
-  :data:`ALIGNMENT_MIN_REPORTS` reports; never in a NoLoCo pair; only in blocking syncs
-  (``sync.overlap = "none"``: with overlap a landing leaves part of the last mean in θ, so the next
-  Δ is not the round's training alone, and honest owners' alignments in an 8-peer streaming swarm
-  ranged from −2.9 to 3.4).
+  :data:`ALIGNMENT_MIN_REPORTS` reports; never in a NoLoCo pair; only where a Δ is one round's
+  training alone (a blocking sync: with overlap a landing leaves part of the last mean in θ).
 
-What this cannot do: receipts are not signed, so two colluding receivers that both misstate an
-honest owner's means make it an equivocator; one receiver that sends different receipts to
-different peers makes them skip different pieces (a split the re-sync rule then settles); a peer
-in client mode owns no piece and reads no receipt, so it applies its own refusals alone.
+What this cannot do: a receiver may send different receipts to different peers. A false one is
+caught by the peers it was sent to and changes no verdict on an owner. But an equivocating owner and
+a colluding receiver can show the proof (the colluder's sealed mean) to some honest peers only:
+those skip the owner's pieces and the others apply them, a split of φ that the re-sync rule settles
+(peer/round/catchup.py), at the price of the owner's standing with every peer that saw the proof. A
+peer in client mode owns no piece and reads no receipt, so it applies its own refusals alone.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ import logging
 import math
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,17 +65,14 @@ import torch
 
 from peer.sync.pairs import PairTally, is_pair
 from peer.sync.screening import EQUIVOCATOR_IGNORE_ROUNDS, Strikes, cap_weight
+from protocol.errors import BadPayload
+from protocol.signing import PeerSigner, seal_means, verify_means
 from protocol.wire import allreduce as frames
 from protocol.wire.pieces import piece_view
 
 logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16
-REFUSED = bytes(DIGEST_BYTES)
-"""What a receipt reports for an owner one of whose means its sender refused (no BLAKE2b digest is
-all zeros in practice)."""
-MIN_DISSENT = 2
-"""Reporters that must disagree with an owner's most common digest for it to count as an equivocator."""
 ALIGNMENT_BAND = (0.8, 1.5)
 """An owner's alignment relative to the median owner's: outside this, its pieces are skipped. Measured
 on the round engine (8 peers, bench/byzantine.py's config): honest owners 0.99 to 1.01 in clean
@@ -88,7 +85,8 @@ ALIGNMENT_MIN_REPORTS = 3
 
 
 class MeanDigests:
-    """Running digests of the MEAN payloads each owner sent (or, for this peer, it sent), in piece order."""
+    """Running digests of the MEAN payloads each owner sent (or, for this peer, it sent), in piece
+    order, with this peer's refusals and alignments: what its RECEIPT reports."""
 
     def __init__(self) -> None:
         self._hashes: dict[int, hashlib.blake2b] = {}
@@ -108,7 +106,7 @@ class MeanDigests:
         return {owner: dot / sq for owner, (dot, sq) in self._dots.items() if sq > 0 and math.isfinite(dot / sq)}
 
     def refuse(self, owner: int) -> None:
-        """Report :data:`REFUSED` for ``owner``: this peer refused one of its means."""
+        """Report that this peer refused one of ``owner``'s means (a vote in its RECEIPT)."""
         self._refused.add(owner)
 
     def add(self, owner: int, payload: bytes) -> None:
@@ -118,9 +116,26 @@ class MeanDigests:
             h = self._hashes[owner] = hashlib.blake2b(digest_size=DIGEST_BYTES)
         h.update(payload)
 
-    def digests(self) -> dict[int, bytes]:
-        """Owner index → 16-byte digest of what it sent so far (:data:`REFUSED` for a refused one)."""
-        return {owner: REFUSED if owner in self._refused else h.digest() for owner, h in self._hashes.items()}
+    def digest(self, owner: int) -> bytes:
+        """The 16-byte digest of what ``owner`` sent so far (of nothing, if it sent nothing)."""
+        h = self._hashes.get(owner)
+        return (h or hashlib.blake2b(digest_size=DIGEST_BYTES)).digest()
+
+    def receipt(self, signatures: Mapping[int, bytes]) -> frames.Receipt:
+        """This peer's report: per owner the digest of its means, ``signatures[owner]`` (the owner's
+        SEAL of it), whether this peer refused one of them, and its alignments."""
+        digests = {owner: h.digest() for owner, h in self._hashes.items()}
+        return frames.Receipt(
+            digests,
+            self.alignments(),
+            frozenset(self._refused & set(digests)),
+            {owner: signatures.get(owner, b"") for owner in digests},
+        )
+
+
+Sealed = Callable[[int, bytes, bytes], bool]
+"""``sealed(owner, digest, signature)``: whether ``signature`` is ``owner``'s valid SEAL of ``digest``
+in this group (protocol/signing.py ``verify_means`` with the owner's key)."""
 
 
 @dataclass
@@ -128,61 +143,70 @@ class Verdict:
     """What the receipts of one all-reduce say (indices in the group)."""
 
     skipped: set[int] = field(default_factory=set)
-    """Owners whose pieces are applied as refused this round (refused by half the reports, or their
-    digests differ)."""
+    """Owners whose pieces are applied as refused this round (refused by a majority of the reports,
+    proven equivocators, or misaligned)."""
     refused: set[int] = field(default_factory=set)
-    """Owners skipped because at least half of the reports refused their means."""
+    """Owners skipped because more than half of the reports refused their means."""
     equivocators: set[int] = field(default_factory=set)
-    """Owners that at least :data:`MIN_DISSENT` reporters contradict: ignored from the next round."""
+    """Owners proven to have sent different means to different receivers: a report carries the
+    owner's valid SEAL of another digest than the one it sealed for this peer. Ignored from the next
+    round on."""
     liars: set[int] = field(default_factory=set)
-    """Groupmates whose receipt misstates this peer's own means."""
+    """Groupmates whose receipt reports a digest of some owner that differs from this peer's and
+    that the owner never sealed: their receipt is not read (this round), and they are ignored."""
     misaligned: set[int] = field(default_factory=set)
     """Owners (also in ``skipped``) whose alignment lies outside :data:`ALIGNMENT_BAND`."""
 
 
 def verdict(
     me: int,
-    mine: Mapping[int, bytes],
-    receipts: Mapping[int, Mapping[int, bytes]],
+    mine: frames.Receipt,
+    receipts: Mapping[int, frames.Receipt],
     *,
+    sealed: Sealed,
     votes: bool = True,
     alignments: Mapping[int, Mapping[int, float]] | None = None,
 ) -> Verdict:
-    """Compare this peer's digests with its groupmates' receipts.
+    """Compare this peer's report with its groupmates' receipts.
 
     Args:
         me: this peer's index.
-        mine: owner index → digest of the means this peer got from it (its own: the ones it sent).
-        receipts: sender index → its receipt (owner index → digest), for every receipt read.
-        votes: whether :data:`REFUSED` reports count as votes; False in a NoLoCo pair, whose
-            receivers apply a refused mean as their own values alone (peer/sync/pairs.py): there a
-            partner's REFUSED would let it skip every piece its honest owner reduced; nor is
-            alignment judged.
+        mine: this peer's own report (:meth:`MeanDigests.receipt`): per owner, the digest of the
+            means it got (its own: the ones it sent) and whether it refused one.
+        receipts: sender index → its receipt, for every receipt read.
+        sealed: checks an owner's SEAL of a digest (:data:`Sealed`).
+        votes: whether refusals count as votes; False in a NoLoCo pair, whose receivers apply a
+            refused mean as their own values alone (peer/sync/pairs.py): there a partner's refusal
+            would let it skip every piece its honest owner reduced; nor is alignment judged.
         alignments: reporter index → its alignments by owner (this peer's own under ``me``);
             None: alignment is not judged.
 
     Returns:
-        The :class:`Verdict`; owners this peer holds no digest of are not judged.
+        The :class:`Verdict`; owners this peer holds no digest of are not judged. A liar's receipt
+        counts for nothing: neither its refusals nor its alignments.
     """
     out = Verdict()
-    for owner, own_digest in mine.items():
-        reports = [own_digest] + [r[owner] for s, r in receipts.items() if s != me and owner in r]
-        if votes and 2 * sum(d == REFUSED for d in reports) >= len(reports):
+    for sender, receipt in receipts.items():
+        if sender != me and any(
+            owner in mine.digests
+            and digest != mine.digests[owner]
+            and not sealed(owner, digest, receipt.signatures.get(owner, b""))
+            for owner, digest in receipt.digests.items()
+        ):
+            out.liars.add(sender)
+    trusted = [r for s, r in receipts.items() if s != me and s not in out.liars]
+    for owner, own in mine.digests.items():
+        reports = [owner in mine.refused] + [owner in r.refused for r in trusted if owner in r.digests]
+        if votes and 2 * sum(reports) > len(reports):
             out.skipped.add(owner)
             out.refused.add(owner)
-        digests = [d for d in reports if d != REFUSED]
-        counts = Counter(digests)
-        if len(counts) <= 1:
-            continue
-        out.skipped.add(owner)
-        if owner == me:
-            out.liars.update(
-                s for s, r in receipts.items() if s != me and r.get(owner, own_digest) not in (own_digest, REFUSED)
-            )
-        elif len(digests) - counts.most_common(1)[0][1] >= MIN_DISSENT:
+        # every differing digest of a trusted report carries the owner's own SEAL: a proof
+        if owner != me and any(r.digests.get(owner, own) != own for r in trusted):
+            out.skipped.add(owner)
             out.equivocators.add(owner)
     if votes and alignments is not None:
-        out.misaligned = misaligned(alignments, owners=set(mine))
+        judged = {s: a for s, a in alignments.items() if s not in out.liars}
+        out.misaligned = misaligned(judged, owners=set(mine.digests))
         out.skipped |= out.misaligned
     return out
 
@@ -220,15 +244,16 @@ def owner_alignments(alignments: Mapping[int, Mapping[int, float]], *, owners: s
 def distrust(stats: Any, peer_ids: Any, round_: int, *, strikes: Strikes, distrusted: Strikes) -> None:
     """After an all-reduce of ``round_``: ignore its equivocators (``stats.equivocators``, peer ids as
     ``str``) from the next round on, their means refused (:data:`EQUIVOCATOR_IGNORE_ROUNDS`, in
-    ``distrusted``), and the groupmates whose receipt misstated this peer's means
-    (``stats.receipt_liars``) for ``strikes.ignore_rounds`` (their contributions left out)."""
+    ``distrusted``), and the groupmates whose receipt reported a digest its owner never sealed
+    (``stats.receipt_liars``) for ``strikes.ignore_rounds`` (their contributions left out, their
+    receipts unread). Both are proven to this peer: by the owner's two seals, by a seal that fails."""
     for peer in peer_ids:
         if str(peer) in stats.equivocators:
             distrusted.ignore(peer, round_, EQUIVOCATOR_IGNORE_ROUNDS)
             logger.warning("ignoring groupmate %s from now on: it sent different means to different groupmates", peer)
         elif str(peer) in stats.receipt_liars:
             strikes.ignore(peer, round_)
-            logger.warning("ignoring groupmate %s: its receipt misstated this peer's means", peer)
+            logger.warning("ignoring groupmate %s: its receipt reported means their owner never signed", peer)
 
 
 class ReceiptExchange:
@@ -237,6 +262,12 @@ class ReceiptExchange:
     ``stats``, ``timeout``, ``phi_from``, ``compensate``, ``stage``, ``_write``)."""
 
     _digests: MeanDigests
+    _seals: dict[int, tuple[bytes, bytes]]
+    """Owner index → (its public key, its SEAL signature of the digest of the means it sent this peer)."""
+    signer: PeerSigner
+    peer_key: Callable[[Any], str]
+    _unheard: frozenset[int]
+    """Groupmates whose receipts are not read (those ignored from the start of the exchange)."""
     _tallies: dict[int, PairTally]
     weight: float
     max_weight: float | None
@@ -257,10 +288,39 @@ class ReceiptExchange:
     def _write(self, writer: asyncio.StreamWriter, payload: bytes) -> None:
         raise NotImplementedError
 
+    def _own_seal(self) -> bytes:
+        """Owner: the SEAL frame of the means this peer sent (call once every mean is made)."""
+        me = self.plan.my_index
+        signature = seal_means(self.signer, self.plan.group_id, self._digests.digest(me))
+        self._seals[me] = (self.signer.public_der, signature)
+        return frames.encode_seal(self.signer.public_der, signature)
+
+    def _take_seal(self, owner: int, payload: bytes) -> None:
+        """Sender: check ``owner``'s SEAL frame against the digest of the means it sent this peer.
+
+        Raises:
+            BadPayload: not a SEAL, or not ``owner``'s valid signature of that digest (the owner's
+                means are then not applied: the exchange with it failed).
+        """
+        key, signature = frames.parse_seal(payload)
+        digest = self._digests.digest(owner)
+        if not verify_means(key, self.peer_key(self.plan.peer_ids[owner]), self.plan.group_id, digest, signature):
+            raise BadPayload(f"owner {owner}'s SEAL is not its signature of the means it sent")
+        self._seals[owner] = (key, signature)
+
+    def _sealed(self, owner: int, digest: bytes, signature: bytes) -> bool:
+        """Whether ``signature`` is ``owner``'s valid SEAL of ``digest`` in this group (its key as
+        this peer received it with its own SEAL)."""
+        if owner not in self._seals:
+            return False
+        key = self._seals[owner][0]
+        return verify_means(key, self.peer_key(self.plan.peer_ids[owner]), self.plan.group_id, digest, signature)
+
     async def _exchange_receipts(self, *, send: bool) -> None:
         """Write this peer's RECEIPT to every owner it exchanged with (when it holds every mean) and
         close those streams; then wait, at most one next-chunk timeout, for the senders' receipts."""
-        receipt = frames.encode_receipt(self._digests.digests(), self._digests.alignments())
+        mine = self._digests.receipt({owner: seal[1] for owner, seal in self._seals.items()})
+        receipt = frames.encode_receipt(mine.digests, mine.alignments, refused=mine.refused, signatures=mine.signatures)
         for writer in self._receipt_writers.values():
             try:
                 if send:
@@ -280,19 +340,21 @@ class ReceiptExchange:
                     break
 
     def _judge_receipts(self) -> None:
-        """Apply the receipts' verdict (peer/sync/receipts.py): the pieces of owners whose means
-        differ between receivers become refused ones (a Δ piece's contribution staged whole as its
-        residual), as do those of owners refused by half the reports or misaligned, and in a NoLoCo
+        """Apply the receipts' verdict (peer/sync/receipts.py): the pieces of owners proven to have
+        sealed different means for different receivers become refused ones (a Δ piece's
+        contribution staged whole as its residual), as do those of owners refused by more than half
+        of the reports or misaligned, and in a NoLoCo
         pair every piece of an owner this peer refused one of (its own values); equivocators and
         liars go into the stats."""
         votes = not is_pair(self.phi_from, len(self.plan.peer_ids))  # a pair's refusals are no votes
-        me, receipts = self.plan.my_index, self._receipts
-        alignments = {s: r.alignments for s, r in receipts.items() if s != me} | {me: self._digests.alignments()}
-        digests = {s: r.digests for s, r in receipts.items()}
+        me = self.plan.my_index
+        receipts = {s: r for s, r in self._receipts.items() if s not in self._unheard}
+        mine = self._digests.receipt({owner: seal[1] for owner, seal in self._seals.items()})
+        alignments = {s: r.alignments for s, r in receipts.items() if s != me} | {me: mine.alignments}
         # alignments only in a blocking sync: there Δ is the round's training alone; an overlapped
         # landing leaves part of the last mean in θ, and honest fragment means then need not align
         judged = alignments if self.whole_delta else None
-        found = verdict(me, self._digests.digests(), digests, votes=votes, alignments=judged)
+        found = verdict(me, mine, receipts, sealed=self._sealed, votes=votes, alignments=judged)
         ids = self.plan.peer_ids
         self.stats.equivocators = {str(ids[o]) for o in found.equivocators}
         self.stats.receipt_liars = {str(ids[s]) for s in found.liars}
@@ -324,23 +386,28 @@ class ReceiptExchange:
                 self.results[piece.index] = torch.zeros_like(own) if delta and votes else own.clone()
                 if delta and votes:  # this peer's Δ there goes out again next sync (error feedback)
                     self.stage(piece, self.compensate(piece, own.float()), None)
-        if equivocal := found.skipped - found.refused - found.misaligned:
+        if found.equivocators:
             logger.warning(
-                "all-reduce %s: owners %s sent different means to different groupmates; their pieces "
-                "are applied as refused this round (equivocators: %s)",
+                "all-reduce %s: owners %s signed different means for different groupmates (proven by their "
+                "own seals); their pieces are applied as refused this round",
                 self.plan.group_id.hex()[:8],
-                sorted(str(ids[o]) for o in equivocal),
-                sorted(self.stats.equivocators) or "none",
+                sorted(self.stats.equivocators),
+            )
+        if found.liars:
+            logger.warning(
+                "all-reduce %s: the receipts of groupmates %s report means their owners never signed; not read",
+                self.plan.group_id.hex()[:8],
+                sorted(self.stats.receipt_liars),
             )
         if found.refused:
             logger.warning(
-                "all-reduce %s: half of the group or more refused the means of owners %s; their pieces "
+                "all-reduce %s: more than half of the group refused the means of owners %s; their pieces "
                 "are applied as refused this round",
                 self.plan.group_id.hex()[:8],
                 sorted(str(ids[o]) for o in found.refused),
             )
         if found.misaligned:
-            medians = owner_alignments(alignments, owners=set(self._digests.digests()))
+            medians = owner_alignments(alignments, owners=set(mine.digests))
             logger.warning(
                 "all-reduce %s: the Δ means of owners %s are out of line with what the group contributed "
                 "(their receivers' alignments %s, against the owners' median %.3g and the band %s); their "

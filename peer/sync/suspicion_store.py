@@ -174,7 +174,7 @@ class SuspectMemory:
     def restore(self, suspects: Suspects) -> None:
         """Name again the owners the file holds, each until the round it names."""
         for peer, until in self.file.load()["suspects"].items():  # in the order they run out
-            suspects.add([peer], until - SUSPECT_ROUNDS)
+            suspects.add([peer], until - SUSPECT_ROUNDS, proven=[peer])  # only proven ones are kept
 
     def save(self, suspects: Suspects) -> None:
         """Keep the owners ``suspects`` names, when that changed (never raises)."""

@@ -40,6 +40,7 @@ from protocol.errors import (
     SyncError,
 )
 from protocol.manifest import CompressionSpec, SyncSpec
+from protocol.signing import PeerSigner
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ class NetworkTransport:
         memory_dir: where this peer keeps the groupmates it leaves out or names across restarts, its
             run directory (peer/sync/suspicion_store.py; read here, written after rounds that change
             it); None: nowhere.
+        signer: this peer's identity key, the one ``dht`` runs as: it seals the means this peer
+            sends (peer/sync/receipts.py); None: this peer's all-reduces end incomplete.
 
     Raises:
         NetworkError: the averager process was not ready within :data:`AVERAGER_START_TIMEOUT_S`
@@ -183,6 +186,7 @@ class NetworkTransport:
         uplink_mbps: float = 50.0,
         max_weight_tokens: float | None = None,
         memory_dir: Path | None = None,
+        signer: PeerSigner | None = None,
     ):
         self.shapes, self.run_id, self.sync = list(param_shapes), run_id, sync
         self.suspects = Suspects()
@@ -205,6 +209,7 @@ class NetworkTransport:
             # an overlapped sync's Δ holds what the last landing's merge left: no whole-Δ judgement
             whole_delta=sync.overlap == "none",
             memory=GroupmateMemory(None if memory_dir is None else memory_dir / GROUPMATES_FILE),
+            signer=signer,
             prefix=keys.averager_prefix(run_id, sync.algorithm),
             initial_group_bits=keys.round_group_bits(0),
             target_group_size=sync.target_group_size,
@@ -430,7 +435,7 @@ class NetworkTransport:
                 bytes_received=stats.bytes_received,
             )
         gathered = outcome.gathered
-        self.suspects.add(stats.skipped_owners, round_)
+        self.suspects.add(stats.skipped_owners, round_, proven=stats.equivocators)
         self._suspect_memory.save(self.suspects)
         with self.averager.get_tensors() as buffers:
             mean = [buf.clone() for buf in (buffers if tensors is None else [buffers[i] for i in tensors])]

@@ -12,11 +12,14 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric import rsa
+
 from peer.sync.allreduce import GroupAllreduce
 from peer.sync.error_feedback import SyncFeedback, keeps_residuals
 from peer.sync.pieces import GroupPlan
 from protocol import codecs
 from protocol.manifest import CompressionSpec
+from protocol.signing import PeerSigner
 from protocol.wire import allreduce as frames, framing
 from protocol.wire.pieces import piece_shape, plan_pieces
 
@@ -38,6 +41,7 @@ async def run_group(
     feedback=None,
     whole_delta=True,
     mean_of=None,
+    lying_receipts=frozenset(),
 ):
     """Run one all-reduce of ``payloads`` (one list of tensors per peer) claiming ``weights``; every
     owner leaves the groupmates ``ignored`` (indices) out of its means. An owner in ``liars``
@@ -48,7 +52,9 @@ async def run_group(
     :class:`~peer.sync.error_feedback.ErrorFeedback` (the run's hooks, as the averager wires them;
     committed where the run succeeded, else rolled back), or None: no error feedback;
     ``whole_delta``: every session's (a blocking sync's True); ``mean_of``: index → ``make(session)``
-    returning that owner's ``_mean_of(piece, parts, included)`` (a liar that forges per piece).
+    returning that owner's ``_mean_of(piece, parts, included)`` (a liar that forges per piece);
+    ``lying_receipts``: groupmates whose RECEIPTs report a false digest for every owner, with the
+    owner's real seal, a refusal of every owner and an alignment of 0 (issue #65's attack).
 
     Returns:
         (sessions, outcomes): every session (tensors hold the means where its run succeeded)
@@ -106,6 +112,8 @@ async def run_group(
                 phi_from=phi_from,
                 distrusted=distrusted,
                 whole_delta=whole_delta,
+                signer=signers(n)[i],
+                peer_key=lambda index: signers(n)[index].peer_id,
             )
             if sending and i in sending:  # an owner that equivocates: its MEAN frames per stream
                 sessions[i]._send_means = sending[i](sessions[i])
@@ -113,6 +121,8 @@ async def run_group(
                 sessions[i]._mean_of = _lying(sessions[i], liars[i])
             if mean_of and i in mean_of:
                 sessions[i]._mean_of = mean_of[i](sessions[i])
+            if i in lying_receipts:
+                sessions[i]._digests.receipt = _false_receipt(sessions[i]._digests.receipt)
             ready[i].set()
         try:
             outcomes = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
@@ -126,6 +136,32 @@ async def run_group(
             for server in servers:
                 server.close()
         return sessions, outcomes
+
+
+_SIGNERS: list[PeerSigner] = []
+
+
+def signers(n: int) -> list[PeerSigner]:
+    """``n`` identity keys (RSA-2048, as peer/net/identity.py makes), made once per test process:
+    groupmate i seals its means with the i-th, and its peer id is that key's."""
+    while len(_SIGNERS) < n:
+        _SIGNERS.append(PeerSigner(rsa.generate_private_key(public_exponent=65537, key_size=2048)))
+    return _SIGNERS[:n]
+
+
+def _false_receipt(honest):
+    """``MeanDigests.receipt`` of a receiver that lies about every owner's means."""
+
+    def receipt(signatures):
+        true = honest(signatures)
+        return frames.Receipt(
+            {o: bytes(b ^ 0xFF for b in d) for o, d in true.digests.items()},
+            {o: 0.0 for o in true.digests},
+            frozenset(true.digests),
+            true.signatures,
+        )
+
+    return receipt
 
 
 def _lying(session, forge):

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from peer.sync.averager import LocoAverager
-from peer.sync.receipts import verdict
+from peer.sync.receipts import MeanDigests, verdict
 from peer.sync.screening import Strikes
 from peer.sync.suspicion_store import GROUPMATES_FILE, GroupmateMemory
+from protocol.signing import seal_means
 from protocol.wire import allreduce as frames
 from tests.security.group import run_group
 
@@ -38,7 +39,8 @@ def payloads(seed: int, noise: float = 0.3):
 
 def equivocating(honest_streams: int):
     """``_send_means`` of an owner that sends its honest means on its first ``honest_streams`` streams
-    and, on the others, each mean with one value moved by 1e-5 (the issue's attack)."""
+    and, on the others, each mean with one value moved by 1e-5 (the issue's attack), each stream
+    sealed for what it carried (an unsealed stream's means would not be applied at all)."""
 
     def make(session):
         streams = []
@@ -46,6 +48,7 @@ def equivocating(honest_streams: int):
         async def send_means(writer):
             streams.append(writer)
             forged = len(streams) > honest_streams
+            sent = MeanDigests()
             for piece in session.my_pieces:
                 payload = await session._mean_frames[piece.index]
                 if payload is None:
@@ -56,8 +59,14 @@ def equivocating(honest_streams: int):
                     value.view(-1)[0] += 1e-5
                     data, _ = session._roundtrip(piece, value, session.plan.mean_codecs[piece.index])
                     payload = frames.encode_mean(piece.index, included, data)
+                sent.add(0, payload)
                 session._write(writer, payload)
                 await writer.drain()
+            if await session._own_seal_frame is None:
+                return
+            signature = seal_means(session.signer, session.plan.group_id, sent.digest(0))
+            session._write(writer, frames.encode_seal(session.signer.public_der, signature))
+            await writer.drain()
 
         return send_means
 
@@ -90,7 +99,7 @@ def test_an_equivocating_owner_is_caught_and_its_pieces_skipped(honest_streams):
     check_pieces(sessions, LIAR, mean_of(payloads(21)))
     for s in sessions[:LIAR]:
         assert s.stats.skipped_owners == {str(LIAR)}
-        assert s.stats.equivocators == {str(LIAR)}  # two or more receivers got another mean than the rest
+        assert s.stats.equivocators == {str(LIAR)}  # proven by the seal of another receiver's means
         assert not s.stats.receipt_liars
 
 
@@ -99,6 +108,32 @@ def test_without_equivocation_nothing_is_skipped():
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
     for s in sessions:
         assert not s.stats.skipped_owners and not s.stats.equivocators and len(s._receipts) == N - 1
+
+
+@pytest.mark.parametrize("liars", [{4}, {3, 4}])
+def test_lying_receipts_mark_their_senders_and_skip_no_honest_owner(liars):
+    """Issue #65: receivers whose RECEIPTs report false digests of every owner's means (with the
+    owners' real seals, which do not match), refuse every owner and report an alignment of 0. Before,
+    any second digest skipped the owner: every honest owner's pieces were applied as zeros. Now the
+    liars' receipts are not read: every honest peer applies the full mean, bit-identical, names the
+    liars and no equivocator."""
+    ps = payloads(26)
+    sessions, outcomes = asyncio.run(run_group(ps, [1024] * N, piece_elements=512, lying_receipts=liars))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    mean = mean_of(ps)
+    for s in sessions:
+        if s.plan.my_index in liars:
+            continue
+        assert s.stats.receipt_liars == {str(i) for i in liars}
+        assert not s.stats.skipped_owners and not s.stats.equivocators
+        for got, want in zip(s.tensors, mean):
+            assert torch.allclose(got, want, atol=1e-5)
+        for got, want in zip(s.tensors, sessions[0].tensors):
+            assert torch.equal(got, want)
+    # the averager's rule: the liars are ignored for a while, nobody is distrusted for good
+    averager = types.SimpleNamespace(_strikes=Strikes(), _distrust=Strikes(), _memory=GroupmateMemory(None))
+    LocoAverager._strike(averager, sessions[0], 7)
+    assert averager._strikes.ignored(8) == liars and not averager._distrust.ignored(8)
 
 
 def test_the_equivocator_is_ignored_from_the_next_round():
@@ -125,26 +160,77 @@ def test_the_equivocator_is_ignored_from_the_next_round():
     check_pieces(sessions, LIAR, mean_of(later[:LIAR]))
 
 
+def report(digests, *, refused=(), sealed=None):
+    """A receipt of ``digests`` (owner → digest); ``sealed``: the owners whose seal it carries (all: None)."""
+    sealed = set(digests) if sealed is None else set(sealed)
+    return frames.Receipt(
+        dict(digests), {}, frozenset(refused), {o: (b"seal-" + d if o in sealed else b"") for o, d in digests.items()}
+    )
+
+
+def seal_ok(owner, digest, signature):
+    """The test's stand-in for an owner's seal: valid when it names the digest it came with."""
+    return signature == b"seal-" + digest
+
+
 def test_the_verdict():
     a, b = b"a" * 16, b"b" * 16
-    # owner 4 sent b to receivers 2 and 3: two dissenters → an equivocator
-    v = verdict(0, {1: a, 4: a}, {1: {1: a, 4: a}, 2: {1: a, 4: b}, 3: {1: a, 4: b}, 4: {4: a}})
+    # owner 4 sealed b for receivers 2 and 3: their reports prove it equivocated
+    v = verdict(
+        0,
+        report({1: a, 4: a}),
+        {1: report({1: a, 4: a}), 2: report({1: a, 4: b}), 3: report({1: a, 4: b})},
+        sealed=seal_ok,
+    )
     assert v.skipped == {4} and v.equivocators == {4} and not v.liars
-    # one receiver says otherwise: it may be the liar; the pieces are skipped, nobody is named
-    v = verdict(0, {4: a}, {1: {4: a}, 2: {4: b}, 3: {4: a}})
-    assert v.skipped == {4} and not v.equivocators
-    # a receipt misstating this peer's own means: a liar
-    v = verdict(0, {0: a}, {1: {0: a}, 2: {0: b}})
-    assert v.skipped == {0} and v.liars == {2} and not v.equivocators
+    # one sealed report is a proof as good as two
+    v = verdict(0, report({4: a}), {1: report({4: a}), 2: report({4: b}), 3: report({4: a})}, sealed=seal_ok)
+    assert v.skipped == {4} and v.equivocators == {4} and not v.liars
+    # two receivers report b without the owner's seal of it: they are the liars, the owner is untouched
+    v = verdict(
+        0,
+        report({4: a}),
+        {1: report({4: a}), 2: report({4: b}, sealed=()), 3: report({4: b}, sealed=())},
+        sealed=seal_ok,
+    )
+    assert not v.skipped and not v.equivocators and v.liars == {2, 3}
+    # a receipt misstating this peer's own means: a liar, and nothing of this peer's is skipped
+    v = verdict(0, report({0: a}), {1: report({0: a}), 2: report({0: b}, sealed=())}, sealed=seal_ok)
+    assert not v.skipped and v.liars == {2} and not v.equivocators
+    # a liar's refusals count for nothing: owner 4, refused by the liar and one honest peer of four
+    v = verdict(
+        0,
+        report({4: a, 1: a}),
+        {
+            1: report({4: a, 1: a}, refused={4}),
+            2: report({4: a, 1: b}, refused={4}, sealed={4}),
+            3: report({4: a, 1: a}),
+        },
+        sealed=seal_ok,
+    )
+    assert v.liars == {2} and not v.skipped
 
 
 def test_a_receipt_is_bounded_and_checked():
-    payload = frames.encode_receipt({0: b"x" * 16, 3: b"y" * 16})
-    assert frames.parse_receipt(payload, group_size=4) == frames.Receipt({0: b"x" * 16, 3: b"y" * 16}, {})
+    sig = b"s" * 256
+    payload = frames.encode_receipt({0: b"x" * 16, 3: b"y" * 16}, refused={3}, signatures={0: sig})
+    assert frames.parse_receipt(payload, group_size=4) == frames.Receipt(
+        {0: b"x" * 16, 3: b"y" * 16}, {}, frozenset({3}), {0: sig, 3: b""}
+    )
     assert len(payload) <= frames.max_receipt_bytes(4)
     for bad, group in ((payload, 3), (payload[:-1], 4), (frames.encode_receipt({1: b"z" * 16}) + b"!", 4)):
         with pytest.raises(frames.BadPayload):
             frames.parse_receipt(bad, group_size=group)
+
+
+def test_a_seal_is_bounded_and_checked():
+    key, sig = b"k" * 294, b"s" * 256
+    assert frames.parse_seal(frames.encode_seal(key, sig)) == (key, sig)
+    for bad in (frames.encode_seal(b"", sig), frames.encode_seal(key, b""), frames.encode_seal(key, b"s" * 1025)):
+        with pytest.raises(frames.BadPayload):
+            frames.parse_seal(bad)
+    with pytest.raises(frames.BadPayload, match="aborted"):
+        frames.parse_seal(frames.encode_abort("no"))
 
 
 def test_the_equivocator_is_still_ignored_after_a_restart(tmp_path):

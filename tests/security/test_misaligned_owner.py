@@ -17,6 +17,7 @@ from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.receipts import ALIGNMENT_BAND, MeanDigests, misaligned, verdict
 from protocol.wire import allreduce as frames
 from tests.security.group import run_group
+from tests.security.test_equivocation import report, seal_ok
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,12 +111,8 @@ def test_the_alignment_verdict():
         reports[r][4] = 1.05 * high
     assert misaligned(reports, owners=set(range(5))) == {4}
     assert misaligned({r: reports[r] for r in range(3)}, owners={0, 1, 2, 4}) == set()  # too few reports
-    v = verdict(
-        0,
-        {o: b"a" * 16 for o in range(5)},
-        {r: {o: b"a" * 16 for o in range(5)} for r in range(1, 5)},
-        alignments=reports,
-    )
+    same = report({o: b"a" * 16 for o in range(5)})
+    v = verdict(0, same, {r: same for r in range(1, 5)}, sealed=seal_ok, alignments=reports)
     assert v.skipped == v.misaligned == {4} and not v.equivocators
-    pair = verdict(0, {o: b"a" * 16 for o in range(5)}, {}, votes=False, alignments=reports)
+    pair = verdict(0, same, {}, sealed=seal_ok, votes=False, alignments=reports)
     assert not pair.skipped  # never in a NoLoCo pair

@@ -16,10 +16,11 @@ import peer.sync.allreduce as allreduce_module
 import peer.sync.pairs as pairs_module
 from peer.sync.error_feedback import ErrorFeedback
 from peer.sync.pieces import MAX_DISTRUST, SUSPECT_ROUNDS, Suspects, trusted_owners
-from peer.sync.receipts import REFUSED, verdict
+from peer.sync.receipts import verdict
 from peer.sync.screening import MeanRefusal, owner_mean_problem
 from protocol.manifest import CompressionSpec
 from tests.security.group import run_group
+from tests.security.test_equivocation import report, seal_ok
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,22 +39,44 @@ def honest_mean(ps):
 
 
 def test_the_verdict_counts_refusals_as_votes():
-    a, b = b"a" * 16, b"b" * 16
+    a = b"a" * 16
     # owner 4 refused by receivers 0 (this peer), 1 and 2 of 5 reports: skipped, nobody an equivocator
-    v = verdict(0, {4: REFUSED}, {1: {4: REFUSED}, 2: {4: REFUSED}, 3: {4: a}, 4: {4: a}})
+    v = verdict(
+        0,
+        report({4: a}, refused={4}),
+        {1: report({4: a}, refused={4}), 2: report({4: a}, refused={4}), 3: report({4: a}), 4: report({4: a})},
+        sealed=seal_ok,
+    )
     assert v.skipped == {4} and v.refused == {4} and not v.equivocators and not v.liars
     # refused by one of five: applied by all
-    v = verdict(0, {4: a}, {1: {4: REFUSED}, 2: {4: a}, 3: {4: a}, 4: {4: a}})
+    v = verdict(
+        0,
+        report({4: a}),
+        {1: report({4: a}, refused={4}), 2: report({4: a}), 3: report({4: a}), 4: report({4: a})},
+        sealed=seal_ok,
+    )
     assert not v.skipped and not v.equivocators
     # this peer's own means refused by one receiver: a vote, not a misstatement
-    v = verdict(0, {0: a}, {1: {0: REFUSED}, 2: {0: a}, 3: {0: a}})
+    v = verdict(
+        0, report({0: a}), {1: report({0: a}, refused={0}), 2: report({0: a}), 3: report({0: a})}, sealed=seal_ok
+    )
     assert not v.skipped and not v.liars
-    # a pair: the one receiver's refusal is half of the reports
-    v = verdict(0, {0: a}, {1: {0: REFUSED}})
-    assert v.skipped == {0}
-    # refusals and a misstated digest: still told apart
-    v = verdict(0, {4: a}, {1: {4: REFUSED}, 2: {4: b}, 3: {4: b}, 4: {4: a}})
-    assert v.skipped == {4} and v.equivocators == {4}
+    # half of the reports is no majority: two colluders of four cannot skip an honest owner
+    v = verdict(
+        0,
+        report({0: a}),
+        {1: report({0: a}, refused={0}), 2: report({0: a}, refused={0}), 3: report({0: a})},
+        sealed=seal_ok,
+    )
+    assert not v.skipped
+    # refusals and a sealed other digest: still told apart
+    v = verdict(
+        0,
+        report({4: a}),
+        {1: report({4: a}, refused={4}), 2: report({4: b"b" * 16}), 4: report({4: a})},
+        sealed=seal_ok,
+    )
+    assert v.skipped == {4} and v.equivocators == {4} and not v.refused
 
 
 def test_flipped_owner_means_are_skipped_by_every_peer():

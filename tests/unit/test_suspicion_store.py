@@ -46,13 +46,26 @@ def test_a_restarted_averager_leaves_out_the_same_groupmates_until_their_rounds_
 def test_a_restarted_host_names_the_same_owners_until_their_rounds_run_out(tmp_path):
     path = tmp_path / store.SUSPECTS_FILE
     suspects = Suspects()
-    suspects.add([str(A)], 5)
-    suspects.add([str(B)], 7)
+    suspects.add([str(A)], 5, proven=[str(A)])
+    suspects.add([str(B)], 7, proven=[str(B)])
     SuspectMemory(path).save(suspects)
     restored = Suspects()
     SuspectMemory(path).restore(restored)
     assert restored.named(6) == sorted([str(A), str(B)])
     assert restored.named(5 + SUSPECT_ROUNDS) == [str(B)] and restored.named(7 + SUSPECT_ROUNDS) == []
+
+
+def test_nothing_unproven_is_kept_across_a_restart(tmp_path):
+    """An owner skipped by a majority's refusals (or its alignment) is named while the process runs;
+    only a proven equivocator is named again after a restart (issue #65, item 1)."""
+    path = tmp_path / store.SUSPECTS_FILE
+    suspects = Suspects()
+    suspects.add([str(A), str(B)], 5, proven=[str(B)])
+    assert suspects.named(6) == sorted([str(A), str(B)])
+    SuspectMemory(path).save(suspects)
+    restored = Suspects()
+    SuspectMemory(path).restore(restored)
+    assert restored.named(6) == [str(B)]
 
 
 def test_the_file_is_written_only_when_what_it_holds_changed(tmp_path):

@@ -164,15 +164,17 @@ def test_an_averager_that_never_gets_ready_is_an_error_not_a_hang(monkeypatch):
 
 
 def test_the_owners_it_names_are_named_again_after_a_restart(tmp_path, monkeypatch):
-    """Owners the receipts skipped stay in this peer's gathered ``distrust`` list across a restart on
-    the same run directory (peer/sync/suspicion_store.py), until their rounds run out."""
+    """Owners the receipts proved equivocators stay in this peer's gathered ``distrust`` list across
+    a restart on the same run directory (peer/sync/suspicion_store.py), until their rounds run out;
+    an owner skipped by the others' refusals alone is named until the restart only."""
     import peer.sync.transport as transport_module
 
     outcome = _complete(100, 200)
-    outcome.stats.skipped_owners = {"QmEquivocator"}
+    outcome.stats.skipped_owners = {"QmEquivocator", "QmRefused"}
+    outcome.stats.equivocators = {"QmEquivocator"}
     transport = _transport([outcome], memory_dir=tmp_path)
     _average(transport)
-    assert transport.suspects.named(4) == ["QmEquivocator"]
+    assert transport.suspects.named(4) == ["QmEquivocator", "QmRefused"]
 
     class Started:  # the averager process of the restarted peer
         def __init__(self, *args, **kwargs):
