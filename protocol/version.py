@@ -9,6 +9,9 @@
    their own stream protocols (issue #52); version-3 peers abort on a RECEIPT and refuse ``caps``.
 5: a RECEIPT entry carries the sender's alignment with the owner's Δ means (issue #51, item 4);
    version-4 peers cannot parse it.
+6: an owner ends each all-reduce stream with a SEAL (its signature of the digest of the means it
+   sent), a RECEIPT entry carries a refusal flag and that seal (issue #65, item 1); version-5
+   peers read a SEAL where they expect a RECEIPT's end and fail the exchange.
 """
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6

@@ -37,7 +37,8 @@ from peer.net.lifetime import PEER_RESTART, HelperProcess, exited, helper_died
 from peer.net.limits import StreamSlots
 from peer.net.validator import protect_round
 from peer.state.sharing import StateSharing
-from peer.sync.allreduce import AllreduceStats, GroupAllreduce
+from peer.sync.allreduce import GroupAllreduce
+from peer.sync.allreduce_stats import AllreduceStats
 from peer.sync.error_feedback import ErrorFeedback, SyncFeedback, keeps_residuals
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits

@@ -22,6 +22,7 @@ from protocol.manifest import CompressionSpec
 from protocol.signing import PeerSigner
 from protocol.wire import allreduce as frames, framing
 from protocol.wire.pieces import piece_shape, plan_pieces
+from tests.security.lying_peer import false_receipt
 
 
 async def run_group(
@@ -151,17 +152,7 @@ def signers(n: int) -> list[PeerSigner]:
 
 def _false_receipt(honest):
     """``MeanDigests.receipt`` of a receiver that lies about every owner's means."""
-
-    def receipt(signatures):
-        true = honest(signatures)
-        return frames.Receipt(
-            {o: bytes(b ^ 0xFF for b in d) for o, d in true.digests.items()},
-            {o: 0.0 for o in true.digests},
-            frozenset(true.digests),
-            true.signatures,
-        )
-
-    return receipt
+    return lambda signatures: false_receipt(honest(signatures))
 
 
 def _lying(session, forge):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from peer.sync.allreduce import AllreduceStats
+from peer.sync.allreduce_stats import AllreduceStats
 from peer.sync.averager import GroupOutcome
 from peer.sync.deadlines import DeadlinePolicy
 from peer.sync.pieces import SUSPECT_ROUNDS, Suspects
