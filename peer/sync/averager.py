@@ -559,7 +559,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         (``MeanRefusal.strike``: not the share check, which an honest owner can fail under attack)."""
         offenders = [session.plan.peer_ids[s] for s in set(session.stats.clipped) | session.stats.dropped]
         offenders += [p for p in session.plan.peer_ids if str(p) in session.stats.struck_owners and p not in offenders]
-        distrust(session.stats, session.plan.peer_ids, round_, strikes=self._strikes, distrusted=self._distrust)
+        distrust(session.stats, session.plan.peer_ids, round_, distrusted=self._distrust)
         for peer in self._strikes.record(round_, offenders):
             logger.warning(
                 "ignoring groupmate %s for %d rounds: its contributions were clipped or dropped in %d of "

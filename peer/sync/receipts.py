@@ -21,8 +21,10 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
   its own Δ of those pieces into its next contribution, peer/sync/error_feedback.py) and it is
   ignored from the next round on, kept across restarts. If it does not, the report contradicts what
   this peer received and no owner signed it: its sender is a **liar**, its whole receipt is not read
-  (its refusals and alignments count for nothing), it is ignored for a while, and the owner is not
-  touched. An honest receiver only ever reports seals it verified, so it is never a liar.
+  (its refusals and alignments count for nothing) and it is named in the log; the owner is not
+  touched. Nothing else changes for the liar (its contributions are screened as anyone's): leaving
+  it out would cost the swarm its work and gain nothing. An honest receiver only ever reports seals
+  it verified, so it is never a liar.
 * **Refusals are a majority vote.** An owner whose means more than half of the reports refuse (this
   peer's own report counted) is skipped this round by every peer, the owner itself included, so the
   honest peers still hold one φ; nothing is kept of it but the host's suspicion
@@ -153,7 +155,7 @@ class Verdict:
     round on."""
     liars: set[int] = field(default_factory=set)
     """Groupmates whose receipt reports a digest of some owner that differs from this peer's and
-    that the owner never sealed: their receipt is not read (this round), and they are ignored."""
+    that the owner never sealed: their receipt is not read."""
     misaligned: set[int] = field(default_factory=set)
     """Owners (also in ``skipped``) whose alignment lies outside :data:`ALIGNMENT_BAND`."""
 
@@ -241,19 +243,18 @@ def owner_alignments(alignments: Mapping[int, Mapping[int, float]], *, owners: s
     return medians
 
 
-def distrust(stats: Any, peer_ids: Any, round_: int, *, strikes: Strikes, distrusted: Strikes) -> None:
+def distrust(stats: Any, peer_ids: Any, round_: int, *, distrusted: Strikes) -> None:
     """After an all-reduce of ``round_``: ignore its equivocators (``stats.equivocators``, peer ids as
     ``str``) from the next round on, their means refused (:data:`EQUIVOCATOR_IGNORE_ROUNDS`, in
-    ``distrusted``), and the groupmates whose receipt reported a digest its owner never sealed
-    (``stats.receipt_liars``) for ``strikes.ignore_rounds`` (their contributions left out, their
-    receipts unread). Both are proven to this peer: by the owner's two seals, by a seal that fails."""
+    ``distrusted``): the owner's two seals prove it. A groupmate whose receipt reported a digest its
+    owner never sealed (``stats.receipt_liars``) is not struck: its receipts are not read in any
+    round they lie in, and its contributions are screened as anyone's, so leaving it out would only
+    cost the swarm its work; nor could this peer show anyone else the lie (the stream is
+    authenticated, the receipt not signed)."""
     for peer in peer_ids:
         if str(peer) in stats.equivocators:
             distrusted.ignore(peer, round_, EQUIVOCATOR_IGNORE_ROUNDS)
             logger.warning("ignoring groupmate %s from now on: it sent different means to different groupmates", peer)
-        elif str(peer) in stats.receipt_liars:
-            strikes.ignore(peer, round_)
-            logger.warning("ignoring groupmate %s: its receipt reported means their owner never signed", peer)
 
 
 class ReceiptExchange:

@@ -1,10 +1,11 @@
 """This peer's memory of misbehaving groupmates, kept in its run directory across restarts (issue #51).
 
 Three rules leave a groupmate out for a number of rounds: the averager process's strikes (clipped or
-dropped contributions, a receipt that misstated this peer's means: peer/sync/screening.py
-``Strikes``), its distrust of equivocators (:data:`peer.sync.screening.EQUIVOCATOR_IGNORE_ROUNDS`,
-for good), and the owners the host names in its gathered ``distrust`` list (peer/sync/pieces.py
-``Suspects``). Each entry runs out at a round of the run, so it means the same after a restart: two
+dropped contributions, means it refused by a norm check: what this peer saw itself,
+peer/sync/screening.py ``Strikes``), its distrust of equivocators proven by their own seals
+(:data:`peer.sync.screening.EQUIVOCATOR_IGNORE_ROUNDS`, for good), and the proven equivocators the
+host names in its gathered ``distrust`` list (peer/sync/pieces.py ``Suspects``; the owners it names
+for others' refusals or alignments are not kept). Each entry runs out at a round of the run, so it means the same after a restart: two
 small JSON files beside the run's checkpoint hold them, one per process that owns the state (no file
 has two writers)::
 
