@@ -70,6 +70,19 @@ class ProgressRecord:
     """A peer with its own caps (``peer join --max-upload-mbit``/``--max-gb-per-day``): its use against
     them, keys of :data:`CAPS_FIELDS` (Mbit/s, GB, rounds); None, and absent from the wire, without caps."""
 
+    @property
+    def claimed_loss(self) -> float | None:
+        """The loss (nats/token) this record claims for its state: ``eval_loss`` (φ of ``round`` on
+        the run's validation windows) when it has one, else ``train_loss`` (its last round's, or
+        mid-round, training loss); None when neither is above 0 (a peer that has not finished a round
+        publishes 0.0). A claim, not a measurement: a joiner holds a state it downloads against the
+        best claim (peer/round/catchup.py ``CLAIM_MARGIN``) and believes a claim only while the
+        state of its class bears it out."""
+        for loss in (self.eval_loss, self.train_loss):
+            if loss is not None and loss > 0:
+                return float(loss)
+        return None
+
     def to_wire(self) -> dict[str, Any]:
         wire = asdict(self)
         wire["groupmates"] = list(self.groupmates)  # msgpack has no tuple: the signed body holds a list

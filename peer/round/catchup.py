@@ -8,6 +8,19 @@ the norm bound (``check_sanity``) and not clearly worse on this peer's validatio
 own φ (:func:`loss_refusal`, a joiner's own φ being φ_0); anything that fails, or raises, leaves the
 peer on its own state and the digest is not downloaded again.
 
+A joiner's evidence (issue #65, item 6). A peer without history (the joiner's rule: no voucher live)
+counts identities whose signed records name each other, which fresh keys can do at once, and its
+own φ (φ_0 for a fresh joiner) is no bar: any state better than random passed. So it also holds the
+state against what the records claim: its validation loss may be at most :data:`CLAIM_MARGIN` above
+the lowest loss a counted class claims (``ProgressRecord.claimed_loss``, the lower median of the
+class's members; classes as big as the rule requires, ahead of this peer, claims not yet fallen).
+A state above it is *outclaimed*: refused, and the claiming class's state is downloaded next to
+check the claim. A class whose own state fails (its claim was a lie) or cannot be downloaded then
+is believed no more, and what it outclaimed may be tried again (peer/state/vouching.py). A state
+that is merely better than random now fails while honest peers claim the swarm's loss; capturing
+a joiner takes a state about as good as the swarm's, i.e. the training, not only keys. Forged low
+claims cost the joiner a download each.
+
 A peer nobody can dial (client mode) that raced ahead alone steps back to the swarm behind it (the
 re-sync rule's ``defers``): nobody can adopt its state, so its own φ, better by every round it trained
 alone, is not what the swarm's is held against; the run's initial φ is (a state worse than no
@@ -20,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,12 +45,16 @@ from peer.round.schedule import SyncSchedule
 from peer.round.state import RoundState
 from peer.round.syncing import SyncHistory
 from peer.state.download import DownloadedState, check_agrees, check_sanity
-from peer.state.vouching import Vouching
+from peer.state.vouching import Vouching, class_claims
 from peer.sync.membership import RoundSwarm
 from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
 from peer.train.model import evaluate
+from peer.train.resync import MIN_HOLDERS, Target, counted
 from protocol.errors import BadPayload, HelperDied, StateDownloadFailed, SyncError
+
+if TYPE_CHECKING:
+    from peer.net.dht import PeerProgress
 
 FINISHING_RECORD_WAIT_S = 5.0
 """How long a peer waits, after a round, for the records of peers finishing the same round before it
@@ -53,6 +71,15 @@ seeds; bench/results/adoption_margin.json): the swarm's averaged state, which a 
 to its own Δ must be able to adopt, was at most 1.3 % worse than that peer's own θ; 10 % leaves that
 over seven times, while the states of issue #51's attacks were 87 % to 460 % worse (−φ: 14.19 vs
 2.54, a Sybil group's 8.77 vs 2.3, sub-clip poisoning 4.74 vs 2.54)."""
+
+CLAIM_MARGIN = 0.5
+"""How far above the best loss the counted records claim (``ProgressRecord.claimed_loss``) a state a
+peer without history downloads may measure on its validation windows and still be adopted: 50 %.
+A claim is usually a training loss of θ during the round after the state (a single batch's,
+mid-round), so an honest state measures above it by up to a round's progress plus the batch's noise
+and the gap between training and validation data; the attacks of issue #51 were 87 % to 460 %
+worse than the honest state, and a state merely better than random (φ_0: 5.55 nats/token at 256
+tokens) fails as soon as the swarm claims under 3.7."""
 
 PhiLoss = Callable[[Sequence[torch.Tensor]], float]
 """The validation loss (nats/token) of a φ (fp32 tensors shaped as the model's parameters)."""
@@ -89,6 +116,24 @@ def loss_refusal(theirs: float, own: float, *, tie: bool, margin: float = LOSS_M
     return None
 
 
+class ClaimCheck(Target):
+    """The class whose claimed loss refused another state (:class:`Outclaimed`): its own state is
+    downloaded next, to check the claim; a download that fails takes the claim back."""
+
+
+class Outclaimed(BadPayload):
+    """A downloaded state's validation loss is more than :data:`CLAIM_MARGIN` above the best claim.
+
+    Attributes:
+        by: the digest of the class whose claim it fails, when only that claim refuses it (the
+            state is tried again if that claim falls); None when it fails its own class's claim too.
+    """
+
+    def __init__(self, message: str, *, by: str | None):
+        super().__init__(message)
+        self.by = by
+
+
 class CatchUp:
     """Runs the re-sync rule after every round (and before the first) and adopts what it picks."""
 
@@ -118,6 +163,13 @@ class CatchUp:
         self.swarm, self.transport, self.inner, self.cfg = swarm, transport, inner, config
         self.reporter, self.stop_event, self.publish, self.loss_of = reporter, stop_event, publish, loss_of
         self.initial_loss = initial_loss
+        self.claims: dict[tuple[int, str], tuple[float, list[str]]] | None = None
+        """(round, digest) → (claimed loss, counted members) of the classes the last
+        :meth:`resync_target` read, when it ran the joiner's rule (no voucher live); None otherwise:
+        a peer with history is not held to the records' claims."""
+        self.verify: ClaimCheck | None = None
+        """The class whose claim outclaimed the last state refused: :meth:`resync_target`'s next
+        pick, to check that claim."""
         self.failed_downloads = 0
         """State downloads that failed in a row: the first for want of donors is a ``status`` line, the
         next ones (and any other failure) a ``warning``."""
@@ -198,7 +250,8 @@ class CatchUp:
             # Its donors are in the last quarter of their round: a state downloaded now would reach
             # the sync after their group formed. Wait for the state they publish after the sync.
             self.wait_until_past(target[0], target[2])
-            target = self.resync_target()
+            if not isinstance(target, ClaimCheck):
+                target = self.resync_target()
         if target is None:
             return False
         round_, digest, donors = target
@@ -219,6 +272,8 @@ class CatchUp:
             # donors that left or stopped answering (a restarted peer's stale record, most often) are
             # the swarm's ordinary churn: a warning only when it happens again in a row
             churn = isinstance(exc, StateDownloadFailed) and self.failed_downloads == 1
+            if isinstance(target, ClaimCheck):  # a claim its own class cannot show: believed no more
+                self.vouching.unback(digest)
             self.reporter.emit(
                 "status" if churn else "warning",
                 message=f"state download of round {round_} failed"
@@ -232,11 +287,13 @@ class CatchUp:
             check_agrees(state, round_=round_, inner_steps=s.H)  # the round its records advertise (#51)
             with s.lock:
                 check_sanity(state, s.phi)
-            self.check_loss(state, tie=getattr(target, "tie", False))
+            theirs = self.check_loss(state, tie=getattr(target, "tie", False))
+            if theirs is not None:
+                self.check_claim(round_, digest, theirs)
         except HelperDied:
             raise
         except Exception as exc:  # BadPayload, or whatever a hostile state makes a check raise
-            self.vouching.refused.add(digest)
+            self.vouching.refuse(digest, outclaimed_by=exc.by if isinstance(exc, Outclaimed) else None)
             kind = "" if isinstance(exc, BadPayload) else f"{type(exc).__name__}: "
             self.reporter.emit(
                 "warning",
@@ -250,7 +307,7 @@ class CatchUp:
         except HelperDied:
             raise
         except Exception as exc:  # adopt() put this peer's own state back
-            self.vouching.refused.add(digest)
+            self.vouching.refuse(digest)
             self.reporter.emit(
                 "warning",
                 message=f"could not adopt the state of round {round_} ({digest}), continuing from round "
@@ -277,18 +334,21 @@ class CatchUp:
         self.publish()
         return True
 
-    def check_loss(self, state: DownloadedState, *, tie: bool) -> None:
+    def check_loss(self, state: DownloadedState, *, tie: bool) -> float | None:
         """Refuse ``state`` if its φ's validation loss is clearly worse than this peer's own φ's
         (:func:`loss_refusal`; with ``tie``, if it is not lower). A client-mode peer (it serves no
         state) taking a state of an earlier round than its own (it raced ahead alone; the re-sync
         rule's ``defers``) holds it against the run's initial φ instead (``initial_loss``), as a
         joiner does. Nothing is checked without ``loss_of`` (a pipelined peer). Changes nothing.
 
+        Returns:
+            The state's validation loss (nats/token), or None without ``loss_of``.
+
         Raises:
             BadPayload: refused; the message gives both losses.
         """
         if self.loss_of is None:
-            return
+            return None
         s = self.state
         steps_back = not self.cfg.serves_state and state.round < s.pos.round
         initial = self.initial_loss if steps_back else None
@@ -303,6 +363,32 @@ class CatchUp:
         problem = loss_refusal(theirs, own, tie=tie and initial is None)
         if problem is not None:
             raise BadPayload(problem.replace("this peer's", whose))
+        return theirs
+
+    def check_claim(self, round_: int, digest: str, theirs: float) -> None:
+        """Refuse the state ``digest`` of ``round_``, of validation loss ``theirs`` (nats/token), if it
+        is more than :data:`CLAIM_MARGIN` above the best claim of :attr:`claims` (under the joiner's
+        rule only: nothing is checked without claims). When the best claim is another class's, that
+        class becomes :attr:`verify` (its state is downloaded next). Changes nothing else.
+
+        Raises:
+            Outclaimed: refused; ``by`` is the claiming class's digest, or None when the state is
+                also above its own class's claim (that claim falls with it, ``Vouching.refuse``).
+        """
+        if not self.claims:
+            return
+        own = self.claims.get((round_, digest))
+        (best_round, best), (claim, members) = min(self.claims.items(), key=lambda kv: (kv[1][0], kv[0]))
+        if theirs <= claim * (1.0 + CLAIM_MARGIN):
+            return
+        lied = own is not None and theirs > own[0] * (1.0 + CLAIM_MARGIN)
+        if best != digest:
+            self.verify = ClaimCheck(best_round, best, list(members))
+        raise Outclaimed(
+            f"its validation loss {theirs:.4f} is more than {CLAIM_MARGIN:.0%} above the loss {claim:.4f} "
+            f"the records of {len(members)} peer(s) holding {best[:16]}… claim",
+            by=None if lied or best == digest else best,
+        )
 
     def resync_target(self) -> tuple[int, str, list[str]] | None:
         """The outer algorithm's re-sync rule over the records that may vouch, counting only the
@@ -311,13 +397,22 @@ class CatchUp:
 
         With a sync in flight (``SyncSchedule.holds_leaders_back``), records one round ahead are
         left out, as records one round behind are, except a groupmate that averaged with this peer
-        from another state in its last sync."""
+        from another state in its last sync.
+
+        Under the joiner's rule it also sets :attr:`claims`, and the class whose claim refused the
+        last state (:attr:`verify`, a :class:`ClaimCheck`) is picked first, once."""
         s, h = self.state, self.history
         # the read just made at the round's end, with overlap (a blocking sync came after it)
         reuse_s = 0.0 if self.schedule.synced_blocking(s.pos.round - 1) else RECORDS_REUSE_S
         others, vouchers = self.vouching.screen(self.swarm.others(max_age_s=reuse_s), round_=s.pos.round)
         if self.schedule.holds_leaders_back():
             others = [r for r in others if not (r.record.round == s.pos.round + 1 and r.peer_id not in h.disagreed)]
+        self.claims = None
+        if vouchers is None:  # the joiner's rule: held to the claims, and a claim to check comes first
+            self.claims = self.claimed(others)
+            verify, self.verify = self.verify, None
+            if verify is not None and verify[1] not in self.vouching.refused:
+                return verify
         return s.outer.resync_target(
             [(r.peer_id, r.record.round, r.record.state_digest) for r in others],
             round_=s.pos.round,
@@ -328,6 +423,27 @@ class CatchUp:
             groupmates={r.peer_id: r.record.groupmates for r in others},
             defers=not self.cfg.serves_state,
         )  # client mode: its state cannot be adopted, so it follows
+
+    def claimed(self, others: Sequence[PeerProgress]) -> dict[tuple[int, str], tuple[float, list[str]]]:
+        """The claims a state is held to under the joiner's rule: (round, digest) → (claimed loss,
+        counted members) of each class ahead of this peer's round whose counted members are as many
+        as the rule requires of a class (``MIN_HOLDERS``, or the biggest class's count if smaller:
+        NoLoCo's one-member classes) and whose claim still stands (not :attr:`Vouching.unbacked`).
+        Records of refused digests are already screened out."""
+        s = self.state
+        classes = counted(
+            [(r.peer_id, r.record.round, r.record.state_digest) for r in others],
+            vouchers=None,
+            groupmates={r.peer_id: r.record.groupmates for r in others},
+            own=(s.pos.round, s.digest),
+        )
+        required = min(MIN_HOLDERS, max((len(m) for m in classes.values()), default=1))
+        eligible = {
+            c: members
+            for c, members in classes.items()
+            if c[0] > s.pos.round and len(members) >= required and c[1] not in self.vouching.unbacked
+        }
+        return {c: (loss, eligible[c]) for c, loss in class_claims(others, eligible).items()}
 
     def about_to_sync(self, round_: int, donors: list[str]) -> bool:
         """Whether a donor of ``round_``'s state published a step in the last quarter of that round

@@ -20,17 +20,28 @@ Counting is not all (issue #51, item 2): a DiLoCo class needs at least two count
 validation windows than its own is refused and its digest added to :attr:`Vouching.refused`
 (peer/round/catchup.py).
 
+A peer without history also needs its state to be as good as the records claim (issue #65, item
+6): :func:`class_claims` gives each counted class's claimed loss, and a state more than the
+catch-up's ``CLAIM_MARGIN`` above the best claim is refused as *outclaimed*
+(:attr:`Vouching.outclaimed`). A claim is believed only while it is backed: a class whose own state
+fails its checks, or cannot be downloaded when its claim is checked, is :attr:`Vouching.unbacked`
+(its claims count no more) and the states it outclaimed may be tried again
+(:meth:`Vouching.refuse`), so forged low claims delay a joiner by a download, no more.
+
 What this cannot do: a cluster of identities that really completes all-reduces with this peer
 (paying the bandwidth, passing the screening of peer/sync/screening.py) is vouched for from the
-next round, and a majority of vouchers wins the rule (if its state passes the loss check). A joiner has no history: identities that
-attest each other in their records are enough for it (see peer/train/resync.py ``attested``).
+next round, and a majority of vouchers wins the rule (if its state passes the loss check). A
+joiner has no history: identities that attest each other in their records are counted by it (see
+peer/train/resync.py ``attested``), but their state is adopted only if its loss is within the
+margin of the best backed claim, so capturing a joiner takes a state trained about as well as the
+honest swarm's (or identities that outnumber it and train), not fresh keys alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -160,6 +171,25 @@ class RoundClock:
         return False
 
 
+def class_claims(
+    records: Iterable[Any], classes: Mapping[tuple[int, str], Sequence[str]]
+) -> dict[tuple[int, str], float]:
+    """The loss each class claims: the lower median of its members' ``claimed_loss``
+    (protocol/records.py), in nats/token; classes none of whose members claims one are left out.
+
+    Args:
+        records: progress records (``peer.net.dht.PeerProgress``: ``peer_id``, ``record``).
+        classes: (round, digest) → the member peer ids to read (the counted ones).
+    """
+    by_peer = {r.peer_id: r.record.claimed_loss for r in records}
+    out: dict[tuple[int, str], float] = {}
+    for key, members in classes.items():
+        losses = sorted(v for p in members if (v := by_peer.get(p)) is not None)
+        if losses:
+            out[key] = losses[(len(losses) - 1) // 2]
+    return out
+
+
 class Vouching:
     """What one peer holds to judge the records its re-sync rule reads: its :class:`Ledger`, a
     :class:`RoundClock` and the digests whose downloaded state failed the sanity bounds.
@@ -172,7 +202,32 @@ class Vouching:
         self.ledger = Ledger()
         self.clock = RoundClock(min_round_s=min_round_s)
         self.refused: set[str] = set()
-        """Digests whose state was refused once: not downloaded again."""
+        """Digests whose state was refused once: not downloaded again (unless only outclaimed by a
+        class whose claim then fell, :meth:`refuse`)."""
+        self.unbacked: set[str] = set()
+        """Digests whose records' claimed loss counts no more: their state was refused, or could not
+        be downloaded when their claim was checked."""
+        self.outclaimed: dict[str, str] = {}
+        """Digest refused for a loss above another class's claim → that class's digest."""
+
+    def refuse(self, digest: str, *, outclaimed_by: str | None = None) -> None:
+        """Refuse ``digest``'s state: add it to :attr:`refused`. With ``outclaimed_by`` it was refused
+        only for a loss above that class's claim (:attr:`outclaimed`); otherwise its own claim falls
+        with it (:meth:`unback`)."""
+        self.refused.add(digest)
+        if outclaimed_by is not None:
+            self.outclaimed[digest] = outclaimed_by
+        else:
+            self.unback(digest)
+
+    def unback(self, digest: str) -> None:
+        """Believe ``digest``'s claimed loss no more, and let the states refused only because of it
+        be tried again (removed from :attr:`refused`)."""
+        self.unbacked.add(digest)
+        for refused, by in list(self.outclaimed.items()):
+            if by == digest:
+                del self.outclaimed[refused]
+                self.refused.discard(refused)
 
     def screen(self, records: Iterable[Any], *, round_: int) -> tuple[list[Any], frozenset[str] | None]:
         """The records the rule may read, and the vouchers it counts, for a peer at ``round_``.

@@ -12,6 +12,10 @@ steps), so the validation losses the loss check compares are those of real state
   more: in a swarm of three its class is too small; in a swarm of two the tie needs a lower loss;
 * a joiner picks the class with the most attested members, not the most records, and refuses a
   state worse than its own φ_0;
+* a joiner refuses a state more than ``CLAIM_MARGIN`` above the best loss the counted records
+  claim (issue #65, item 6: Sybils that name each other and serve a state better than random but
+  far worse than the swarm's), checks the claiming class's state next, and believes a claim no
+  more once its own state fails it or cannot be downloaded;
 * a client-mode peer that raced ahead alone steps back to the swarm's less trained state (held
   against φ_0, not its own φ), but not to a state worse than φ_0.
 """
@@ -26,7 +30,7 @@ import torch
 from peer.config import TrainerConfig
 from peer.net.dht import PeerProgress
 from peer.round import Trainer
-from peer.round.catchup import LOSS_MARGIN, loss_refusal, phi_loss
+from peer.round.catchup import CLAIM_MARGIN, LOSS_MARGIN, loss_refusal, phi_loss
 from peer.state.snapshot import make_snapshot
 from peer.sync.inprocess import InProcessHub, InProcessTransport
 from peer.train.data import BatchSampler, validation_batch
@@ -114,14 +118,14 @@ def serve(hub, t: Trainer, holders, phi, round_: int, *, salt: float = 0.0) -> s
     return snapshot.digest.hex()
 
 
-def record(peer: str, round_: int, digest: str, H: int, groupmates=()) -> PeerProgress:
+def record(peer: str, round_: int, digest: str, H: int, groupmates=(), *, loss: float = 2.0) -> PeerProgress:
     return PeerProgress(
         peer_id=peer,
         expiration=0.0,
         record=ProgressRecord(
             round=round_,
             inner_step=round_ * H,
-            train_loss=2.0,
+            train_loss=loss,
             tokens_per_s=100.0,
             group_size=3,
             bytes_sent=1,
@@ -262,8 +266,9 @@ def test_a_joiner_prefers_the_most_attested_class_and_checks_its_loss(corpus, ma
     joiner.swarm.records = [
         *(record(f"u{i}", ROUND, unattested, joiner.H) for i in range(4)),
         *(record(s, ROUND, poisoned, joiner.H, groupmates=[m for m in sybils if m != s]) for s in sybils),
-        record("h0", ROUND, honest, joiner.H, groupmates=["h1"]),
-        record("h1", ROUND, honest, joiner.H, groupmates=["h0"]),
+        # what honest peers claim: a training loss a little below their state's validation loss (2.89)
+        record("h0", ROUND, honest, joiner.H, groupmates=["h1"], loss=2.5),
+        record("h1", ROUND, honest, joiner.H, groupmates=["h0"], loss=2.5),
     ]
     windows = validation_batch(corpus, manifest.data)
     model = build_model(manifest.model, corpus.tokenizer)
@@ -343,3 +348,138 @@ def test_an_error_while_adopting_leaves_the_peer_on_its_own_state(corpus, manife
     with pytest.raises(BadPayload, match="tensors"):
         t.catchup.adopt(wrong)
     assert same(t, trained) and t.pos.round == ROUND
+
+
+@pytest.fixture(scope="module")
+def half_trained(corpus, manifest):
+    """φ after 3 AdamW steps from φ_0: better than random, far from the swarm's trained φ."""
+    model = build_model(manifest.model, corpus.tokenizer)
+    sampler = BatchSampler(corpus.train, seq_len=manifest.data.seq_len_tokens, batch_sequences=8, seed=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss = lm_loss(model, sampler.next_batch().to(torch.int64))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def losses(corpus, manifest, *phis) -> list[float]:
+    windows = validation_batch(corpus, manifest.data)
+    model = build_model(manifest.model, corpus.tokenizer)
+    return [phi_loss(model, windows, phi) for phi in phis]
+
+
+def counting_downloads(t: Trainer) -> list[str]:
+    downloads: list[str] = []
+    download = t.transport.download_state
+    t.transport.download_state = lambda *a: downloads.append(a[1]) or download(*a)
+    return downloads
+
+
+@pytest.mark.parametrize("sybil_claim", ["true", "forged"])
+def test_a_joiner_refuses_sybils_state_better_than_random_but_worse_than_the_claims(
+    corpus, manifest, trained, half_trained, sybil_claim
+):
+    """Issue #65, item 6: four fresh identities name each other (the most attested class) and
+    serve a state better than φ_0, which the loss check against φ_0 let through. The two honest
+    peers claim the loss their state has; the Sybils claim their own state's loss (outclaimed by
+    the honest claim: the honest class's state is checked next and adopted) or a forged low one
+    (their state fails their own claim: refused, their claim believed no more)."""
+    hub = InProcessHub()
+    joiner = victim(corpus, manifest, hub, round_=0)
+    phi0 = [f.clone() for f in joiner.phi]
+    initial, sybil_loss, honest_loss = losses(corpus, manifest, phi0, half_trained, trained)
+    claim = honest_loss * 0.9  # a training loss, a little below the state's validation loss
+    # the premise: not worse than φ_0 (adopted before), far above what the honest records claim
+    assert sybil_loss < initial and loss_refusal(sybil_loss, initial, tie=False) is None
+    assert sybil_loss > claim * (1 + CLAIM_MARGIN)
+    sybils = [f"s{i}" for i in range(4)]
+    poisoned = serve(hub, joiner, sybils, half_trained, ROUND)
+    honest = serve(hub, joiner, ["h0", "h1"], trained, ROUND)
+    claimed = sybil_loss if sybil_claim == "true" else 0.5
+    joiner.swarm.records = [
+        *(record(s, ROUND, poisoned, joiner.H, [m for m in sybils if m != s], loss=claimed) for s in sybils),
+        record("h0", ROUND, honest, joiner.H, ["h1"], loss=claim),
+        record("h1", ROUND, honest, joiner.H, ["h0"], loss=claim),
+    ]
+    first = joiner.catchup.resync_target()
+    assert first is not None and first[1] == poisoned  # the rule alone would take the Sybils' state
+    downloads = counting_downloads(joiner)
+    joiner.catchup.catch_up(attempts=1)
+    assert downloads == [poisoned, honest]
+    (warning,) = joiner.reporter.of("warning")
+    assert poisoned in warning["message"] and "claim" in warning["message"]
+    (adopted,) = joiner.reporter.of("adopted_state")
+    assert joiner.state_digest == honest and set(adopted["donors"]) <= {"h0", "h1"} and same(joiner, trained)
+    assert poisoned in joiner.vouching.refused
+    assert (poisoned in joiner.vouching.unbacked) == (sybil_claim == "forged")
+
+
+def test_a_forged_claim_its_class_cannot_show_delays_a_joiner_by_one_download(corpus, manifest, trained):
+    """Two identities naming each other claim a loss far below the honest state's and serve
+    nothing. The honest state is outclaimed, the claim checked: its download fails, the claim is
+    believed no more, and the honest state, tried again, is adopted."""
+    hub = InProcessHub()
+    joiner = victim(corpus, manifest, hub, round_=0)
+    (honest_loss,) = losses(corpus, manifest, trained)
+    honest = serve(hub, joiner, ["h0", "h1", "h2"], trained, ROUND)
+    ghost = "0123456789abcdef" * 2  # a digest nobody serves
+    joiner.swarm.records = [
+        *(
+            record(h, ROUND, honest, joiner.H, [m for m in ("h0", "h1", "h2") if m != h], loss=honest_loss)
+            for h in ("h0", "h1", "h2")
+        ),
+        record("f0", ROUND, ghost, joiner.H, ["f1"], loss=honest_loss / 4),
+        record("f1", ROUND, ghost, joiner.H, ["f0"], loss=honest_loss / 4),
+    ]
+    downloads = counting_downloads(joiner)
+    joiner.catchup.catch_up(attempts=1)
+    assert downloads == [honest, ghost, honest]
+    (adopted,) = joiner.reporter.of("adopted_state")
+    assert joiner.state_digest == honest and set(adopted["donors"]) <= {"h0", "h1", "h2"}
+    assert ghost in joiner.vouching.unbacked and honest not in joiner.vouching.refused
+
+
+def test_a_peer_with_history_is_not_held_to_the_claims(corpus, manifest, trained):
+    """The claims bind only the joiner's rule: a peer whose vouchers hold a state adopts it on their
+    word and its own loss check, whatever loss some records claim."""
+    hub = InProcessHub()
+    t = victim(corpus, manifest, hub, trained)
+    t.vouching.ledger.record_group(1, ["h1", "h2"])
+    digest = serve(hub, t, ["h1", "h2"], trained, ROUND + 1, salt=1e-6)
+    t.swarm.records = [record(p, ROUND + 1, digest, t.H, loss=0.01) for p in ("h1", "h2")]
+    t.catchup.catch_up(attempts=1)
+    assert t.catchup.claims is None and t.state_digest == digest
+
+
+def test_claimed_loss_and_the_claims_that_stand():
+    from peer.state.vouching import Vouching, class_claims
+
+    def rec(peer, train_loss, eval_loss=None):
+        return PeerProgress(
+            peer_id=peer,
+            expiration=0.0,
+            record=ProgressRecord(
+                round=1,
+                inner_step=1,
+                train_loss=train_loss,
+                tokens_per_s=1.0,
+                group_size=1,
+                bytes_sent=0,
+                eval_loss=eval_loss,
+            ),
+        )
+
+    assert rec("a", 2.5).record.claimed_loss == 2.5
+    assert rec("a", 2.5, eval_loss=2.7).record.claimed_loss == 2.7  # φ's own, measured on the windows
+    assert rec("a", 0.0).record.claimed_loss is None  # a peer that has not finished a round yet
+    records = [rec("a", 3.0), rec("b", 2.0), rec("c", 9.0), rec("d", 0.0), rec("e", 1.0)]
+    claims = class_claims(records, {(1, "x"): ["a", "b", "c"], (1, "y"): ["d"], (1, "z"): ["e"]})
+    assert claims == {(1, "x"): 3.0, (1, "z"): 1.0}  # lower median; a class without a claim: none
+    v = Vouching(min_round_s=1.0)
+    v.refuse("t", outclaimed_by="k")
+    v.refuse("u")
+    assert v.refused == {"t", "u"} and v.unbacked == {"u"}
+    v.refuse("k")  # the claiming class's own state failed: its claim falls, what it outclaimed is free
+    assert v.refused == {"u", "k"} and v.unbacked == {"u", "k"} and not v.outclaimed
