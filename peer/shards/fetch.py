@@ -4,14 +4,18 @@ Sources, tried in order: a local directory (``--data`` / ``data.path``), the pee
 (peer/shards/serve.py), an HTTP(S) base URL (``data.base_url``), a Hugging Face dataset repository
 at a pinned commit (``data.hub_repo`` at ``data.hub_revision``; ``$HF_ENDPOINT`` points the client
 at a mirror). HTTP downloads go through the standard library (urllib): a download cut mid-way
-leaves ``<name>.part`` and the next attempt asks for the rest with an HTTP Range request. Every
-file is hashed while it is written and renamed into place only when its SHA-256 and size are the
-list's; a file that differs is refused with its name, source and hash, and the next source tried.
+leaves ``<name>.part`` and the next attempt asks for the rest with an HTTP Range request. The peers
+keep each holder's bytes apart, in ``<name>.part.<holder>`` (serve.py ``holder_part``), and hand
+over only a file that hashes right; partial files of holders left by an earlier process are removed
+once the shard is had or given up. Every file is hashed before it is renamed into place, only when
+its SHA-256 and size are the list's; a file that differs is refused with its name, source and hash,
+and the next source tried.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import http.client
 import logging
@@ -161,8 +165,9 @@ class Fetcher:
     def fetch(self, shard: Shard, dest: Path) -> str:
         """Place ``shard``'s exact bytes at ``dest``; return the label of the source that gave them.
 
-        A prefix left in ``dest``'s ``.part`` file by a cut download is continued (same source
-        first, Range), a wrong file is deleted and the next source tried.
+        A source that wrote part of ``dest``'s ``.part`` file and was cut is asked once more to
+        continue it (HTTP: Range); a wrong file is deleted and the next source tried. Holders' partial
+        files (``.part.<holder>``) are removed when the shard is had or given up.
 
         Raises:
             ShardUnavailable: every source failed; names the shard and each source's failure.
@@ -171,11 +176,12 @@ class Fetcher:
         failures = []
         for source in self.sources:
             for attempt in range(2):  # a cut download resumes once from the same source
+                before = _size(part)
                 try:
                     source.fetch(shard.name, part, shard.size)
                 except (OSError, ValueError) as exc:
                     reason = f"{source.label}: {_reason(exc)}"
-                    if attempt == 0 and part.exists() and 0 < part.stat().st_size < shard.size:
+                    if attempt == 0 and _size(part) != before and 0 < _size(part) < shard.size:  # gave bytes, then cut
                         logger.info(
                             "shard %s cut after %d bytes (%s); resuming", shard.name, part.stat().st_size, reason
                         )
@@ -185,6 +191,7 @@ class Fetcher:
                 digest, size = _hash(part)
                 if digest == shard.sha256 and size == shard.size:
                     os.replace(part, dest)
+                    _remove_holder_parts(part)
                     return source.label
                 part.unlink(missing_ok=True)
                 line = (
@@ -196,6 +203,7 @@ class Fetcher:
                 failures.append(f"{source.label}: wrong bytes (sha256 {digest[:16]}...)")
                 break
         part.unlink(missing_ok=True)
+        _remove_holder_parts(part)
         tried = "; ".join(failures) if failures else "no source configured"
         raise ShardUnavailable(
             f"shard {shard.name} of the run's corpus could not be had ({tried}): check that a source is "
@@ -219,6 +227,7 @@ class Fetcher:
                 continue
             finally:
                 scratch.unlink(missing_ok=True)
+                _remove_holder_parts(scratch)
             if hashlib.sha256(data).hexdigest() == sha256:
                 return data
             line = f"refused {name} from {source.label}: it hashes to {hashlib.sha256(data).hexdigest()}, the run pins {sha256}"
@@ -230,6 +239,20 @@ class Fetcher:
             f"the run's shard list {name} (sha256 {sha256}) could not be had ({tried}): check that a source "
             "is reachable (data.base_url, data.hub_repo, --data)"
         )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _remove_holder_parts(part: Path) -> None:
+    """Remove the partial files of single holders beside ``part`` (``<part>.<holder>``)."""
+    for stale in part.parent.glob(glob.escape(part.name) + ".*"):
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
 
 
 def _hash(path: Path) -> tuple[str, int]:

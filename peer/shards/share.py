@@ -12,21 +12,20 @@ from pathlib import Path
 from peer.net import dht as swarm_dht
 from peer.pipeline.peer import LoopThread
 from peer.shards.corpus import ShardedRun
-from peer.shards.serve import PeerSource, protocol_name, serve_shard
+from peer.shards.serve import PeerSource, listing, protocol_name, serve_stream, serving_slots
 from peer.train.bpe import held_path
 from protocol.errors import NetworkError
 
 logger = logging.getLogger(__name__)
-
-MAX_SERVED_STREAMS = 4
-"""Shard streams served at once; a stream beyond them is closed unanswered (the asker tries another)."""
 
 
 class ShardSharing:
     """Registers the shard protocol on this peer's libp2p daemon (replicated into this process);
     :attr:`source` asks the run's other peers for shards, :meth:`fetch_tokenizer` for the run's
     tokenizer. It serves the run's tokenizer (when held here) at once, shards only once
-    :meth:`serve` names the run's data; :meth:`close` removes the handler.
+    :meth:`serve` names the run's data, and then only the files of the run's list, each by its hash;
+    at most 4 streams at once, 2 per asking peer (peer/shards/serve.py ``serve_stream``).
+    :meth:`close` removes the handler.
 
     Args:
         dht: the peer's hivemind DHT.
@@ -49,7 +48,9 @@ class ShardSharing:
             held_path(sha256, cache_dir) if cache_dir is not None and tokenizer_sha256 == sha256 else None
         )
         """What a tokenizer REQUEST is answered with: the file of that hash, or None (not held)."""
-        self._slots = asyncio.Semaphore(MAX_SERVED_STREAMS)
+        self._served: tuple[ShardedRun, dict[str, str]] | None = None
+        """The run's data and its list (name → SHA-256): what is served, set by :meth:`serve`."""
+        self._slots = serving_slots()
         self._dht, self._run_id = dht, run_id
         try:
             self.p2p = self.loop.run(dht.replicate_p2p(), timeout_s=30.0)
@@ -70,6 +71,7 @@ class ShardSharing:
     def serve(self, data: ShardedRun) -> None:
         """Serve ``data``'s store (and its local directory), and ask the peers for its shards."""
         self.data = data
+        self._served = (data, listing(data.index, data.spec.shards_sha256))
         data.add_peer_source(self.source)
 
     def fetch_tokenizer(self, sha256: str) -> bytes:
@@ -91,19 +93,17 @@ class ShardSharing:
         return [r.peer_id for r in records if r.peer_id != me]
 
     async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        data = self.data  # None: no shard served yet, the tokenizer is
-        if self._slots.locked():
-            logger.info("refused a shard stream from %s: %d at once", stream_info.peer_id, MAX_SERVED_STREAMS)
-            writer.close()
-            return
-        async with self._slots:
-            await serve_shard(
-                reader,
-                writer,
-                data.store if data is not None else None,
-                data.local_dir if data is not None else None,
-                tokenizers=self.tokenizer_file,
-            )
+        served = self._served  # None: no shard served yet, the tokenizer is
+        await serve_stream(
+            self._slots,
+            str(stream_info.peer_id),
+            reader,
+            writer,
+            served[0].store if served is not None else None,
+            served[0].local_dir if served is not None else None,
+            listed=served[1] if served is not None else None,
+            tokenizers=self.tokenizer_file,
+        )
 
     def close(self) -> None:
         try:
