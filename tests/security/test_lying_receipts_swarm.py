@@ -25,11 +25,11 @@ from tests.integration.harness import make_manifest, write_manifest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 ROUNDS = 8
-MARGIN = 0.05
-"""The honest peers' mean final validation loss may exceed the clean swarm's by this fraction. The
-attack before the seals: +52.7 % (16 rounds); with the liar struck (its work left out, 3 peers'
-data instead of 4): +9.1 % at 8 rounds. Two clean swarms of 4 differ by run-to-run noise (group
-timing), well under this."""
+MARGIN = 0.08
+"""The honest peers' mean final validation loss may exceed the clean swarm's by this fraction. Here
+(2-core CPU): two clean swarms of 4 ended at 2.856 and 2.922 (2.3 % apart: group timing differs
+from run to run), the liar's swarm 0.5 % above its clean one. The attack before the seals: +52.7 %
+(16 rounds); with the liar struck (its work left out, 3 peers' data instead of 4): +9.1 %."""
 LIAR = Path(__file__).with_name("lying_peer.py")
 
 
