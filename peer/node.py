@@ -14,8 +14,8 @@ import torch
 
 import protocol
 from peer import reachability
-from peer.config import JoinConfig
-from peer.net import dht as swarm_dht, lifetime, traffic
+from peer.config import JoinConfig, checkpoint_bytes
+from peer.net import dht as swarm_dht, dht_node, lifetime, traffic
 from peer.net.devices import DeviceAnnouncer, DeviceRecord
 from peer.net.home_run import bootstrap_ids, read_home_run
 from peer.net.identity import ensure_identity
@@ -27,10 +27,11 @@ from peer.pipeline.stages import build_stage
 from peer.progress import TrainSummary, Waiting
 from peer.reporting import Reporter
 from peer.round import Trainer
-from peer.run_choice import checkpointed_runs, choose_run, weigher
+from peer.run_choice import RUN_ID_LOOK_S, checkpointed_runs, choose_run, refuse_unannounced_run_id, weigher
 from peer.shards.corpus import ShardedRun, load_data
 from peer.shards.share import ShardSharing
 from peer.shards.stream import ShardSampler
+from peer.state import disk
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.state.data_dir import hold_data_dir
 from peer.sync.membership import SwarmView
@@ -91,7 +92,9 @@ def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> SignedManifest:
     while a plain join (or one whose run only its owner can start) finds no run announced.
 
     Raises:
-        RunChoiceNeeded: several runs, or the local run is not the swarm's (message lists the runs).
+        RunChoiceNeeded: several runs, or the local run is not the swarm's (message lists the runs);
+            ``--run-id`` names no announced run while the swarm announces others, after
+            :data:`RUN_ID_LOOK_S` (peer/run_choice.py).
         ManifestNotFound: no run announced in time, or the chosen one's manifest cannot be read.
         ManifestError: the run names a local data path; or this peer would start a run owned by another key.
     """
@@ -105,10 +108,14 @@ def _find_run(dht, cfg: JoinConfig, reporter: Reporter) -> SignedManifest:
     # the run the bootstrap node dialed announces as its own, signed by it (peer/net/home_run.py)
     home = None if cfg.run_id else read_home_run(dht, bootstrap_ids(cfg.initial_peers))
     prefer = checkpointed_runs(cfg.data_dir) | ({home} if home else set())
+    started = time.monotonic()
     while True:
         announced = _announced(dht, cfg.run_id, prefer)
         if announced or time.monotonic() > deadline:
             break
+        if cfg.run_id is not None and time.monotonic() - started >= RUN_ID_LOOK_S:
+            others = _announced(dht, None, prefer)
+            refuse_unannounced_run_id(cfg.run_id, {rid: o.manifest for rid, o in others.items()})
         time.sleep(0.5)
 
     def stats(run_id: str) -> tuple[int, int] | None:
@@ -283,7 +290,9 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
 
     Raises:
         LocoError subclasses: bad address, unreachable bootstrap, missing or invalid manifest.
-        ConfigError: the data directory is held by another peer or not writable; the run sets
+        ConfigError: the data directory is held by another peer or not writable; ``--port`` is taken
+            (:func:`peer.net.dht_node.check_port_free`); too little free disk for two checkpoints
+            and the shard cache (peer/state/disk.py); the run sets
             pipeline stages with sync.overlap (:func:`refuse_unimplemented`), for this peer's own
             run (--run/--preset) before any network work; a bad --stage (:func:`choose_stage`).
         HelperDied: this peer's DHT, p2pd or averager process died (killed for memory, most often);
@@ -352,6 +361,20 @@ def _load_data(data, cfg: JoinConfig, peers=None):
     return load_data(data, cache_dir=default_cache_dir())
 
 
+def _check_disk_space(checkpoint, size_bytes: int, corpus) -> None:
+    """Refuse to train without room for two checkpoints of ``size_bytes`` beside ``checkpoint`` and,
+    for a sharded run, for its shard cache (peer/state/disk.py).
+
+    Raises:
+        ConfigError: a disk is short (exit 78), naming the directory, the free and the needed GB.
+    """
+    needs = [disk.checkpoint_need(checkpoint, size_bytes)]
+    if isinstance(corpus.make_sampler, ShardedRun):
+        store = corpus.make_sampler.store
+        needs.append(disk.shard_cache_need(store.root, cap_bytes=store.cap_bytes, run_bytes=corpus.corpus_bytes))
+    disk.check_disk_space(needs)
+
+
 def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event) -> _Peer:
     """Acquire everything :func:`join` lists, in that order, each registered on ``stack`` right
     after it is acquired; emit ``started``. An exception leaves what was acquired on ``stack``.
@@ -360,6 +383,8 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         What :func:`join` raises, but for HelperDied from training.
     """
     stack.enter_context(hold_data_dir(cfg.data_dir))
+    # a taken --port fails now, naming it, not as a failed bootstrap once p2pd cannot listen
+    dht_node.check_port_free(cfg.host, cfg.port)
     local, corpus = _read_local_run(cfg, reporter)
     identity = ensure_identity(cfg.data_dir / "identity.key")
     signer = PeerSigner.from_identity(identity)  # signs this peer's records under its peer id
@@ -447,10 +472,14 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         shapes = [p.shape for p in skeleton.parameters()]
         outer = make_outer(manifest, shapes)
         payload_shapes, phi_from = outer.payload_shapes(shapes), outer.phi_from(len(shapes))
+        size = checkpoint_bytes(
+            parameters=sum(s.numel() for s in shapes), outer_state=sum(t.numel() for t in outer.state_tensors())
+        )
     del skeleton, outer
+    checkpoint = stage_checkpoint(cfg, manifest, stage)
+    _check_disk_space(checkpoint, size, corpus)  # a full disk fails now, not at the first checkpoint
     # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
     lifetime.freeze_for_fork()
-    checkpoint = stage_checkpoint(cfg, manifest, stage)
     transport = NetworkTransport(
         dht,
         shapes,

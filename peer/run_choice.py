@@ -2,7 +2,9 @@
 
 ``peer join`` to a swarm decides once, after its DHT node started (peer/node.py):
 
-* ``--run-id ID``: that run (with ``--run``/``--preset`` too, they must name the same run);
+* ``--run-id ID``: that run (with ``--run``/``--preset`` too, they must name the same run); an id
+  the swarm does not announce while it announces others is refused after :data:`RUN_ID_LOOK_S`,
+  listing them (:func:`refuse_unannounced_run_id`);
 * ``--run FILE``/``--preset NAME`` (a local manifest): the swarm's run of that manifest; a new run
   of this peer's own when the swarm announces none, or with ``--new-run``; else
   :class:`RunChoiceNeeded`;
@@ -41,6 +43,15 @@ RunStats = Callable[[str], tuple[int, int] | None]
 
 RunWeight = Callable[[str], int]
 """run id → its vouched live peers (:func:`vouched_live`), 0 when unknown."""
+
+RUN_ID_LOOK_S = 3.0
+"""How long a peer given ``--run-id`` looks for that run's announcement before a runs index holding
+only other runs refuses the id (listing them); the announcement of a run whose owner just started
+may take a moment to reach the nodes this peer asks. With no run announced at all, it waits up to
+``manifest_wait_s`` as a plain join does (a swarm still starting)."""
+
+MAX_RUNS_LISTED = 10
+"""The most runs a refused ``--run-id`` lists (anyone can announce runs; the rest are counted)."""
 
 MAX_WEIGHED_RUNS = 8
 """The most runs whose progress records a plain join reads to weigh them (:func:`weigher`): each is
@@ -185,3 +196,27 @@ def choose_run(
     if len(announced) == 1:
         return next(iter(announced))
     return _heaviest(mine or announced, weight, set(mine))
+
+
+def refuse_unannounced_run_id(run_id: str, announced: dict[str, RunManifest]) -> None:
+    """Refuse ``--run-id`` when the swarm's runs index, read, holds other runs but not it: the id is
+    wrong (a typo, another swarm's run), and waiting for it would not help (issue #68, item 7). An
+    empty index proves nothing (a swarm still starting): the caller goes on waiting.
+
+    Args:
+        run_id: ``--run-id``.
+        announced: the swarm's validly signed runs, run id → manifest, read without ``only``.
+
+    Raises:
+        RunChoiceNeeded: ``announced`` holds runs, not ``run_id``; the message lists them (name
+            and run id, at most :data:`MAX_RUNS_LISTED`, sorted by run id) and says what to pass.
+    """
+    if not announced or run_id in announced:
+        return
+    listed = sorted(announced.items())
+    names = [f"{sanitize(m.name, max_chars=64)!r} (run id {rid})" for rid, m in listed[:MAX_RUNS_LISTED]]
+    more = f" and {len(listed) - MAX_RUNS_LISTED} more" if len(listed) > MAX_RUNS_LISTED else ""
+    raise RunChoiceNeeded(
+        f"--run-id {run_id}: the swarm announces no such run; it announces {'; '.join(names)}{more}: "
+        "pass one of these ids (`peer status` lists them with their peers), or drop --run-id"
+    )

@@ -10,15 +10,18 @@ the check of --initial-peers: peer/net/dht.py.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
+import socket
+import time
 from collections.abc import Sequence
 
 from peer.net import dht_storage
 from peer.net.dht import parse_initial_peers
 from peer.net.lifetime import HelperProcess, bind_subprocesses_to_this_process
 from peer.net.validator import SwarmRecordValidator
-from protocol.errors import BootstrapUnreachable, NetworkError
+from protocol.errors import BootstrapUnreachable, ConfigError, NetworkError
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,59 @@ def _decode_found_values_one_by_one() -> None:
 
     _SearchState.__init__ = __init__
     _SearchState._locoswarm_tolerant = True
+
+
+PORT_BUSY_WAIT_S = 2.0
+"""How long :func:`check_port_free` waits for a port held by a listener to be released (the p2pd of a
+peer that just stopped on that port may still be exiting) before it calls the port taken."""
+
+
+def check_port_free(host: str, port: int, *, flag: str = "--port", wait_s: float = PORT_BUSY_WAIT_S) -> None:
+    """Refuse a listen port that another process holds, before p2pd is started on it: p2pd's own bind
+    failure surfaces as a failed bootstrap, which blamed the initial peers (issue #68, item 7).
+
+    The probe socket sets ``SO_REUSEADDR`` as p2pd's Go listener does, so connections of a stopped
+    peer still in TIME_WAIT do not count; another listener (a running peer, any server) does, and so
+    does a socket bound without reuse. Port 0 (any free port) is never checked.
+
+    Args:
+        host: the IPv4 address to listen on (``--host``; 0.0.0.0 for all interfaces).
+        port: the TCP port (``--port``).
+        flag: the flag that named the port, for the message.
+        wait_s: how long a taken port is probed again (every 0.2 s) before it is refused, seconds.
+
+    Raises:
+        ConfigError: the port is taken (exit 78), or ``host`` is not an address of this machine;
+            the message names both and what to do.
+    """
+    if not port:
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+                return
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(
+                        f"--host {host}: not an address of this machine, cannot listen on {host}:{port}; "
+                        "use 0.0.0.0 (all interfaces) or one of this machine's addresses"
+                    ) from exc
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    return  # anything else (a name, IPv6) is p2pd's to judge, as before this check
+                if exc.errno == errno.EACCES or time.monotonic() >= deadline:
+                    why = (
+                        "is in use by another process"
+                        if exc.errno == errno.EADDRINUSE
+                        else "needs root to listen on (a port below 1024)"
+                    )
+                    raise ConfigError(
+                        f"{flag} {port}: TCP port {port} on {host} {why}; pick another port with {flag} "
+                        f"(or {flag} 0 for any free one), or stop what listens there (`ss -ltnp 'sport = :{port}'` names it)"
+                    ) from exc
+        time.sleep(0.2)
 
 
 def new_dht(**kwargs):

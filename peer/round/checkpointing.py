@@ -25,13 +25,14 @@ from peer.state.checkpoint import (
     export_phi,
     fetch_residuals,
     load_checkpoint,
+    move_aside,
     restore_extras,
     write_checkpoint,
 )
 from peer.state.vouching import Vouching
 from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
-from protocol.errors import CheckpointError
+from protocol.errors import CheckpointError, ConfigError
 
 
 def checkpoint_due(last: float | None, now: float, every_s: float) -> bool:
@@ -168,8 +169,14 @@ class Checkpointing:
             self.reporter.emit("warning", message=str(exc))
 
     def restore(self) -> None:
-        """Resume from the checkpoint when there is one; an unreadable one is reported and skipped
-        (this peer then starts as a joiner)."""
+        """Resume from the checkpoint when there is one; one that cannot be used (unreadable, another
+        run's or model's) is renamed to ``<name>.corrupt-<UTC time>`` (:func:`move_aside`: never
+        overwritten, never deleted), reported in one warning naming where it went, and skipped (this
+        peer then starts as a joiner).
+
+        Raises:
+            ConfigError: such a checkpoint cannot be renamed (exit 78); it is left as it was.
+        """
         if self.path is None or not self.path.exists():
             return
         with Waiting(f"restoring the checkpoint {self.path}"):
@@ -180,7 +187,13 @@ class Checkpointing:
         try:
             state = load_checkpoint(path, run_id=s.m.run_id, names=s.names, shapes=s.shapes)
         except CheckpointError as exc:
-            self.reporter.emit("warning", message=f"{exc}; starting without it")
+            try:  # kept, never overwritten by this peer's next checkpoint: it may be the only copy
+                moved = move_aside(path)
+            except CheckpointError as why:  # left in place, it would be: stop instead
+                raise ConfigError(
+                    f"{exc}, and {why}: move it away yourself (the peer never overwrites it), or pass another --data-dir"
+                ) from why
+            self.reporter.emit("warning", message=f"{exc}; moved to {moved}; starting without it")
             return
         with s.lock:  # φ and the outer state are rebound, never written (peer/round/state.py)
             s.install_all([t.detach().to("cpu", torch.float32).contiguous() for t in [*state.phi, *state.momentum]])

@@ -20,6 +20,7 @@ import os
 import shutil
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -312,6 +313,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def move_aside(path: Path, *, now: datetime | None = None) -> Path:
+    """Rename a checkpoint this peer will not use (unreadable, another run's, another model's) to
+    ``<name>.corrupt-<UTC time>`` beside it, so the next write cannot overwrite what may be a
+    volunteer's only copy (issue #68, item 7). Never overwrites a file: a name already taken gets
+    ``-1``, ``-2``, ... appended; nothing is deleted.
+
+    Args:
+        path: the checkpoint file.
+        now: the time the name carries (default: now).
+
+    Returns:
+        Where the file now is.
+
+    Raises:
+        CheckpointError: it could not be renamed (the message says why); it is left where it was.
+    """
+    path = Path(path)
+    stamp = (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
+    for n in range(1000):
+        target = path.with_name(f"{path.name}.corrupt-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            os.link(path, target)  # fails on an existing name, unlike a rename
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise CheckpointError(f"cannot move checkpoint {path} aside: {exc.strerror or exc}") from exc
+            if target.exists():  # a file system without hard links: look before the rename
+                continue
+            try:
+                os.rename(path, target)
+            except OSError as again:
+                raise CheckpointError(f"cannot move checkpoint {path} aside: {again.strerror or again}") from again
+            return target
+        try:
+            path.unlink()
+        except OSError as exc:
+            raise CheckpointError(f"moved checkpoint {path} to {target} but cannot remove it: {exc.strerror}") from exc
+        return target
+    raise CheckpointError(f"cannot move checkpoint {path} aside: 1000 names beside it are taken")
+
+
 def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[torch.Size]) -> PeerState:
     """Read and check a checkpoint written by :func:`save_checkpoint` (this format or an older one
     that still loads; then :attr:`PeerState.upgrade_note` says what it lacked).
@@ -328,7 +371,7 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
             metadata = f.metadata() or {}
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({exc}); move it away to start fresh") from exc
+        raise CheckpointError(f"checkpoint {path} is unreadable ({exc})") from exc
     version = metadata.get("format")
     if version != FORMAT_VERSION and version not in _OLDER_FORMATS:
         raise CheckpointError(
@@ -337,7 +380,7 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
     if metadata.get("run_id") != run_id:
         raise CheckpointError(f"checkpoint {path} belongs to run {metadata.get('run_id')}, not {run_id}")
     if metadata.get("names", "").split(",") != names:
-        raise CheckpointError(f"checkpoint {path} was written for a different model; move it away to start fresh")
+        raise CheckpointError(f"checkpoint {path} was written for a different model")
 
     def refuse(key: str, tensor: torch.Tensor, shape: torch.Size) -> CheckpointError:
         return CheckpointError(

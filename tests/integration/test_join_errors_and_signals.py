@@ -37,6 +37,19 @@ def test_unreachable_initial_peer_exits_69_naming_the_address(tmp_path):
     assert address in result.stderr and "reachable" in result.stderr
 
 
+def test_a_port_in_use_exits_78_naming_the_port_not_the_initial_peer(tmp_path):
+    # issue #68 item 7: p2pd's failure to listen used to surface as "none of the initial peers answered", exit 69
+    address = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{SOME_PEER_ID}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_peer("join", "--initial-peers", address, "--port", str(port), "--data-dir", str(tmp_path))
+    assert result.returncode == 78, result.stderr
+    assert f"--port {port}: TCP port {port}" in result.stderr and "in use" in result.stderr, result.stderr
+    assert "initial peers" not in result.stderr
+
+
 @pytest.mark.parametrize("address", ["localhost:31337", "/ip4/127.0.0.1/tcp/31337"])
 def test_malformed_initial_peer_exits_2_naming_the_address(tmp_path, address):
     result = run_peer("join", "--initial-peers", address, "--data-dir", str(tmp_path), timeout_s=30)

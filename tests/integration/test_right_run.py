@@ -52,3 +52,16 @@ def test_other_preset_is_refused_new_run_starts_it_and_a_plain_join_takes_the_bo
     chosen = procs.peer("chosen", "--initial-peers", addr, "--run-id", swarm_run.run_id, "--max-rounds", "0")
     assert chosen.wait(120) == 0, chosen.tail()
     assert chosen.of("started")[0]["run_id"] == swarm_run.run_id
+
+
+def test_a_run_id_the_swarm_does_not_announce_is_refused_listing_the_runs_it_does(procs, tmp_path):
+    # issue #68 item 7: it waited out the manifest wait (25 s) and named no run
+    swarm_run = make_manifest(name="right-run-listed")
+    _, addr = procs.bootstrap(write_manifest(tmp_path, swarm_run))
+    wrong = "ab" * 16
+    peer = procs.peer("wrong", "--initial-peers", addr, "--run-id", wrong)
+    assert peer.wait(120) == RunChoiceNeeded.exit_code, peer.tail()
+    line = stderr_error(peer)
+    assert f"--run-id {wrong}: the swarm announces no such run" in line, line
+    assert f"{swarm_run.name!r} (run id {swarm_run.run_id})" in line, line
+    assert not peer.of("started")
