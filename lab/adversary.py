@@ -29,6 +29,10 @@ sends its groupmates a forged mean instead of the one it computed (:meth:`Advers
   contribution's reference norm: it measures what gets through);
 * ``owner-huge-small``: means of 1e30 for the pieces under 256 values it owns (RMSNorm gains),
   the others honest (issue #51: from round 4 every honest φ held 1e30, then NaN);
+* ``owner-small-flip``: −20 × the honest mean for the pieces under 256 values it owns, the others
+  honest: the same mean to every receiver, inside their 30× norm bound for single small pieces and
+  against the honest direction, which no check of one small piece sees (issue #65: delayed DiLoCo
+  +14.4 %, 0 refused);
 * ``owner-equivocate``: each receiver gets the honest mean with one value (a different one per
   receiver) moved by 1e-5: every mean passes the receivers' checks but no two honest peers hold
   the same φ afterwards.
@@ -91,6 +95,7 @@ OWNER_ATTACKS = (
     "owner-noise",
     "owner-scale",
     "owner-huge-small",
+    "owner-small-flip",
     "owner-equivocate",
 )
 BOTH_SIDES = ("subclip-flip", "cosine")
@@ -108,6 +113,9 @@ MEAN_COSINE = 0.72
 EQUIVOCATION_STEP = 1e-5
 """``owner-equivocate``: how far the one value a receiver's mean differs in moves."""
 HUGE_MEAN = 1e30
+OWNER_SMALL_FLIP_FACTOR = -20.0
+"""``owner-small-flip``: an honest mean is at most about its receivers' own Δ in norm, so 20× it stays
+inside the receivers' 30× bound for a piece under 256 values."""
 SMALL_PIECE = 256
 """``owner-huge-small``: pieces under this many values (peer/sync/screening.py ``OWNER_CHECK_MIN_ELEMENTS``)."""
 GRIND_BITS = 8
@@ -209,6 +217,8 @@ class Adversary:
             return OWNER_SCALE_FACTOR * mean
         if self.attack == "owner-huge-small":
             return torch.full(mean.shape, HUGE_MEAN) if mean.numel() < SMALL_PIECE else mean
+        if self.attack == "owner-small-flip":
+            return OWNER_SMALL_FLIP_FACTOR * mean if mean.numel() < SMALL_PIECE else mean
         if self.attack == "subclip-flip":
             return SUBCLIP_FACTOR * mean
         if self.attack == "cosine":

@@ -59,7 +59,7 @@ from peer.sync.pairs import PairOwner, PairTally, is_pair, keeps_own, partner_pr
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
 from peer.sync.robust import piece_mean
-from peer.sync.screening import CLIP_MEDIAN_FACTOR, cap_weight, reference_rms
+from peer.sync.screening import CLIP_MEDIAN_FACTOR, MeanRefusal, SmallPieces, cap_weight, reference_rms, small_piece
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.signing import PeerSigner
@@ -148,6 +148,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         self.phi_from, self.pair, self.whole_delta = phi_from, is_pair(phi_from, n), whole_delta
         self._tallies: dict[int, PairTally] = {}  # a pair's receiver: per owner, its whole Δ so far
         self._reference: dict[bool, float] = {}  # :meth:`_rms`, the unit of the receivers' norm floor
+        self._small: dict[int, SmallPieces] = {}
+        """Per owner, its small Δ pieces' means as this peer received them, judged together."""
         self._sent: dict[int, torch.Tensor] = {}
         """Per piece sent to another owner: this peer's contribution as that owner decodes it (bf16
         for lossy codecs, to halve the copy), to check the owner's mean against."""
@@ -453,25 +455,43 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             tally=self._tallies.setdefault(owner, PairTally()) if self.pair and delta else None,
         )
         if problem is None:
+            if votes and delta and small_piece(value):  # judged with the owner's other small pieces
+                self._small.setdefault(owner, SmallPieces()).add(
+                    value, mine, included=sum(included), included_self=included[self.plan.my_index]
+                )
             return value
+        self._refuse(owner, f"piece {piece.index}", problem, votes=votes)
+        return kept
+
+    def _judge_small(self, owner: int) -> None:
+        """Once ``owner``'s last mean is in: its small Δ pieces judged together
+        (peer/sync/screening.py ``SmallPieces``); a refusal is a vote in this peer's RECEIPT."""
+        if (small := self._small.pop(owner, None)) is None:
+            return
+        problem = small.problem(weight=self.weight, max_weight=self.max_weight, reference_rms=self._rms(True))
+        if problem is not None:
+            self._refuse(owner, f"{small.pieces} small pieces", problem, votes=True, pieces=small.pieces)
+
+    def _refuse(self, owner: int, what: str, problem: MeanRefusal, *, votes: bool, pieces: int = 1) -> None:
+        """Count this peer's refusal of ``owner``'s means of ``what`` (a vote in its RECEIPT where
+        ``votes``), strike it for a norm or φ check, and name it once in the stats and the log."""
         if votes:
             self._digests.refuse(owner)
-        self.stats.refused_pieces += 1
+        self.stats.refused_pieces += pieces
         if problem.strike:
             self.stats.struck_owners.add(str(self.plan.peer_ids[owner]))
         if str(self.plan.peer_ids[owner]) not in self.stats.refused:
             self.stats.refused[str(self.plan.peer_ids[owner])] = str(problem)  # stats cross process pipes
             # a vote alone decides nothing: a warning only for a strike (the receipts warn of a skip)
             (logger.warning if problem.strike or not votes else logger.info)(
-                "all-reduce %s: refused the mean of piece %d from owner %d (%s): %s; %s",
+                "all-reduce %s: refused the means of %s from owner %d (%s): %s; %s",
                 self.plan.group_id.hex()[:8],
-                piece.index,
+                what,
                 owner,
                 self.plan.peer_ids[owner],
                 problem,
                 "the group's receipts decide" if votes else "applying its replacement",
             )
-        return kept
 
     async def _exchange_with(self, owner: int) -> None:
         pieces = self.pieces_by_owner[owner]
@@ -506,6 +526,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
                     value = await self._off_loop(self._decode_checked, data, piece)
                     self.stats.partial_pieces += not all(included)
                     self.results[piece.index] = await self._off_loop(self._checked_mean, owner, piece, value, included)
+                await self._off_loop(self._judge_small, owner)
                 seal = await self._read(reader, frames.max_seal_bytes(), 2 * self.timeout + 1.0)
                 self._take_seal(owner, seal)  # raises: the owner's means are not applied
                 await send_task

@@ -18,7 +18,7 @@ from peer.sync.pairs import PairTally, is_pair, keeps_own, partner_problem, rece
 from peer.sync.pieces import Suspects, make_group_plan, trusted_owners
 from peer.sync.receipts import MeanDigests, misaligned
 from peer.sync.robust import piece_mean
-from peer.sync.screening import Strikes, cap_weight, reference_rms
+from peer.sync.screening import SmallPieces, Strikes, cap_weight, reference_rms, small_piece
 from protocol.manifest import CompressionSpec
 from protocol.records import ProgressRecord
 from protocol.wire.pieces import Piece, piece_view
@@ -166,6 +166,7 @@ def screened_means(
     struck: list[set[int]] = [set() for _ in range(n)]
     refusers: list[set[int]] = [set() for _ in range(n)]  # per owner: the members that refused a mean of it
     tallies: dict[tuple[int, int], PairTally] = {}  # a pair: per (receiver, owner), the owner's whole Δ
+    smalls: dict[tuple[int, int], SmallPieces] = {}  # a group: per (receiver, owner), its small Δ pieces
     equivocal: set[int] = set()  # owners whose receivers got different means of a piece
     firsts: dict[int, torch.Tensor] = {}  # per piece: the mean its first receiver got
     digests = [MeanDigests() for _ in range(n)]  # each member's alignments with each owner
@@ -249,6 +250,10 @@ def screened_means(
                 tally=tallies.setdefault((r, o), PairTally()) if pair and delta else None,
             )
             if problem is None:
+                if delta and not pair and small_piece(sent):  # judged with o's other small pieces
+                    smalls.setdefault((r, o), SmallPieces()).add(
+                        sent, views[r], included=len(senders), included_self=included[r]
+                    )
                 continue
             if not keeps_own(not delta, pair):
                 refusers[o].add(r)
@@ -257,6 +262,16 @@ def screened_means(
             out[r].refused_pieces += 1
             out[r].refused.setdefault(ids[o], str(problem))
             if problem.strike:
+                struck[r].add(o)
+    for (r, o), small in smalls.items():  # each owner's small Δ pieces together, in every schedule
+        refusal = small.problem(
+            weight=float(weights[r]), max_weight=rules.max_weight, reference_rms=references[r][True]
+        )
+        if refusal is not None:
+            refusers[o].add(r)
+            out[r].refused_pieces += small.pieces
+            out[r].refused.setdefault(ids[o], str(refusal))
+            if refusal.strike:
                 struck[r].add(o)
     for (r, o), tally in tallies.items() if rules.whole_delta else ():  # a pair's whole Δ, at the receipts
         w_r, w_o = (cap_weight(float(weights[m]), rules.max_weight) for m in (r, o))
