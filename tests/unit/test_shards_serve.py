@@ -86,6 +86,12 @@ class Holder:
             for server in self.servers:
                 server.close()
                 await server.wait_closed()
+            # what a handler left cancelled but not yet run (a watcher task it stopped on its way
+            # out) ends here, not destroyed pending when the loop stops
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         self.run(stop(), 10)
         self.loop.call_soon_threadsafe(self.loop.stop)
