@@ -3,8 +3,10 @@
 Sources, tried in order: a local directory (``--data`` / ``data.path``), the peers of the swarm
 (peer/shards/serve.py), an HTTP(S) base URL (``data.base_url``), a Hugging Face dataset repository
 at a pinned commit (``data.hub_repo`` at ``data.hub_revision``; ``$HF_ENDPOINT`` points the client
-at a mirror). HTTP downloads go through the standard library (urllib): a download cut mid-way
-leaves ``<name>.part`` and the next attempt asks for the rest with an HTTP Range request. The peers
+at a mirror). The Hub's files come through huggingface_hub (the user's token, its retries and
+resumption: :class:`HubSource`); other HTTP downloads go through the standard library (urllib): a
+download cut mid-way leaves ``<name>.part`` and the next attempt asks for the rest with an HTTP
+Range request. The peers
 keep each holder's bytes apart, in ``<name>.part.<holder>`` (serve.py ``holder_part``), and hand
 over only a file that hashes right; partial files of holders left by an earlier process are removed
 once the shard is had or given up. Every file is hashed before it is renamed into place, only when
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from peer.shards.index import Shard
+from peer.shards.index import Shard, hub_errors
 from protocol.errors import NetworkError
 from protocol.text import sanitize
 
@@ -97,12 +99,52 @@ class HttpSource:
         http_get(self.url(name), part, size)
 
 
-def hub_source(repo: str, revision: str, *, endpoint: str | None = None) -> HttpSource:
-    """The resolve URLs of a dataset repository at a pinned commit (``huggingface_hub.hf_hub_url``)."""
-    from huggingface_hub import constants, hf_hub_url
+@dataclass(frozen=True)
+class HubSource:
+    """The files of a Hugging Face dataset repository at a pinned commit, downloaded by
+    huggingface_hub's ``hf_hub_download``: it sends this machine's token (``HF_TOKEN``, ``hf auth
+    login``), so a gated or private repository the user may read works, retries, and resumes a cut
+    download from its ``.incomplete`` file on the next attempt.
 
-    base = hf_hub_url(repo, "x", repo_type="dataset", revision=revision, endpoint=endpoint or constants.ENDPOINT)
-    return HttpSource(base=base[: -len("/x")], label=f"dataset {repo}@{revision[:12]}")
+    The download goes to a staging folder beside ``part`` (``.hub/``, the library's ``local_dir``
+    mode), not the library's shared cache, and is then renamed onto ``part``: the shard cache's
+    ``--data-cache-gb`` cap stays the only disk a run's shards take.
+    """
+
+    repo: str
+    revision: str
+    endpoint: str | None = None
+    label: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "label", f"dataset {self.repo}@{self.revision[:12]}")
+
+    def fetch(self, name: str, part: Path, size: int) -> None:
+        from huggingface_hub import hf_hub_download
+
+        staging = part.parent / ".hub" / self.repo.replace("/", "--") / self.revision
+        try:
+            got = Path(
+                hf_hub_download(
+                    self.repo,
+                    name,
+                    repo_type="dataset",
+                    revision=self.revision,
+                    endpoint=self.endpoint,
+                    local_dir=staging,
+                )
+            )
+        except hub_errors() as exc:
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        if got.stat().st_size > size:
+            got.unlink()
+            raise OSError(f"{name} holds more than the list's {size:,} bytes")
+        os.replace(got, part)
+
+
+def hub_source(repo: str, revision: str, *, endpoint: str | None = None) -> HubSource:
+    """A dataset repository at a pinned commit as a source (``$HF_ENDPOINT`` when ``endpoint`` is None)."""
+    return HubSource(repo, revision, endpoint or os.environ.get("HF_ENDPOINT"))
 
 
 def http_get(url: str, part: Path, size: int) -> None:

@@ -11,7 +11,9 @@ repository), so a manifest stays small whatever the shard count.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +158,24 @@ def index_directory(root: Path) -> ShardIndex:
     return ShardIndex(tuple(Shard(p.relative_to(root).as_posix(), p.stat().st_size, file_sha256(p)) for p in files))
 
 
+def hub_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises when a listing or download fails: its HTTP errors, OSError,
+    ValueError, and its HTTP client's transport errors (requests' are OSErrors, httpx's are not)."""
+    from huggingface_hub.utils import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    found: list[type[BaseException]] = [
+        HfHubHTTPError,
+        EntryNotFoundError,
+        LocalEntryNotFoundError,
+        OSError,
+        ValueError,
+    ]
+    for client in ("httpx", "httpx2"):
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(importlib.import_module(client).HTTPError)
+    return tuple(found)
+
+
 def index_hub_repo(repo: str, revision: str, *, endpoint: str | None = None, token: str | None = None) -> ShardIndex:
     """The shard list of a Hugging Face dataset repository at ``revision``, from its file listing
     (the LFS SHA-256 and size the hub records for each file): nothing is downloaded.
@@ -165,12 +185,11 @@ def index_hub_repo(repo: str, revision: str, *, endpoint: str | None = None, tok
             (the hub records no SHA-256 for it).
     """
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
     api = HfApi(endpoint=endpoint, token=token)
     try:
         entries = list(api.list_repo_tree(repo, revision=revision, repo_type="dataset", recursive=True))
-    except (HfHubHTTPError, OSError) as exc:
+    except hub_errors() as exc:
         raise ConfigError(
             f"cannot list dataset {repo} at {revision} ({exc}): check the repository and revision"
         ) from exc

@@ -81,3 +81,30 @@ def test_a_missing_data_path_exits_78_before_anything_starts(tmp_path):
     [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
     assert str(missing) in line
     assert "bootstrap node at" not in result.stdout
+
+
+def test_a_local_swarm_trains_on_the_shards_peer_data_prepare_cut_from_a_text_tree(tmp_path):
+    """Issue #68 item 1: `peer data prepare TREE --out DIR`, then `peer swarm --data DIR`."""
+    import os
+
+    corpus = write_corpus(tmp_path / "notes")
+    (corpus / "page.html").write_text("<html><body><p>" + "word3 word5 " * 200 + "</p></body></html>")
+    out = tmp_path / "shards"
+    prepared = subprocess.run(
+        [sys.executable, "-m", "peer", "data", "prepare", str(corpus), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "LOCOSWARM_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
+    assert f"peer swarm --data {out}" in prepared.stdout.splitlines()[-1]
+    shards = sorted(p.name for p in out.glob("part-*.parquet"))
+    assert len(shards) >= 2
+    result = swarm(
+        tmp_path, "--preset", "tiny", "--rounds", "1", "--data", str(out), "--summary", str(tmp_path / "s.json")
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"the peers stream the {len(shards) - 1} training shard(s) of" in result.stdout, result.stdout
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert [p["rounds_completed"] for p in summary["peers"]] == [1, 1]
