@@ -8,7 +8,10 @@ Starts, on this machine, with text output as a person sees it:
 3. ``peer join`` against it (a fresh data dir): seconds to each line up to its first round, the
    longest silence, then SIGINT: seconds from the "stopped" line to the process's exit;
 4. ``peer join`` again on the same data dir (a restart): seconds to its first round, the longest
-   silence, and any warning line.
+   silence, and any warning line;
+5. (issue #68 item 4) ``peer status`` and ``peer doctor --initial-peers`` against the bootstrap node,
+   piped (each to its exit), and ``peer swarm`` (the default: 3 peers, to its first round line): the
+   longest silence of each, under ``commands``.
 
 Prints a table and writes bench/results/waits.json: ``bootstrap_first_line_s``,
 ``bootstrap_ready_s``, ``monitor_first_line_s``, ``monitor_ready_s``, ``join_first_line_s``,
@@ -20,7 +23,13 @@ Prints a table and writes bench/results/waits.json: ``bootstrap_first_line_s``,
 ``restart_first_round_s``, ``restart_longest_silence_s``, ``restart_warnings`` (its warning, error and
 traceback lines up to its first round; with ``--second-peer`` also ``restart_other_peer_warnings``, the
 other peer's meanwhile), ``device``, ``load_average_start`` and ``load_average_end`` (the machine's
-1-minute load average: other jobs slow a niced bench's peers down, their rounds most).
+1-minute load average: other jobs slow a niced bench's peers down, their rounds most), and
+``commands``: per command (``bootstrap run``, ``peer status``, ``peer doctor``, ``peer join``, ``peer
+join (restart)``, ``peer swarm``) ``longest_silence_s`` (the longest gap between two lines on its
+stdout and stderr together, from its start to its first round line, its address line for ``bootstrap
+run``, or its exit), ``first_line_s``, ``longest_silence_after_first_line_s``, ``until`` (which),
+``until_s``, ``after`` (the line before that gap) and ``load_average`` (1-minute, when it ended);
+``results_note`` says the machine's load.
 
     nice .venv/bin/python bench/waits.py [--fresh-cache] [--second-peer] [--out bench/results/waits.json]
 
@@ -100,8 +109,9 @@ class Watched:
         after = next(t for t, _, line in self.lines[i + 1 :] if not line.startswith("still "))  # not its ticker
         return after - self.lines[i][0]
 
-    def longest_silence(self, until_s: float) -> tuple[float, str]:
-        """The longest gap between two lines (from the start) up to ``until_s``, and the line before it."""
+    def longest_silence(self, until_s: float, *, to_end: bool = False) -> tuple[float, str]:
+        """The longest gap between two lines (from the start) up to ``until_s``, and the line before it;
+        with ``to_end``, the gap from the last line to ``until_s`` (the process's exit) counts too."""
         best, before, last = 0.0, "(start)", 0.0
         prev_line = "(start)"
         for t, _, line in self.lines:
@@ -110,7 +120,16 @@ class Watched:
             if t - last > best:
                 best, before = t - last, prev_line
             last, prev_line = t, line
+        if to_end and until_s - last > best:
+            best, before = until_s - last, prev_line + " (then the exit)"
         return best, before
+
+    def wait_exit(self, timeout_s: float = 600.0) -> float:
+        """Seconds since start at which the process exited (waits for it and for its output)."""
+        self.proc.wait(timeout_s)
+        t = time.monotonic() - self.t0
+        time.sleep(0.2)  # the readers take the last lines
+        return t
 
     def sigint_and_time_exit(self) -> float:
         """SIGINT to the process; seconds from its "stopped" line to its exit."""
@@ -145,6 +164,24 @@ def startup_figures(prefix: str, peer: Watched) -> dict:
     }
 
 
+def silence(cmd: Watched, until: str, until_s: float, *, to_end: bool = False) -> dict:
+    """A command's longest silence up to ``until_s`` (its line ``until``, or its exit with ``to_end``),
+    and apart, the longest once its first line is out (the wait before it is Python importing the CLI)."""
+    gap, after = cmd.longest_silence(until_s, to_end=to_end)
+    first = cmd.first_line_s()
+    times = [t for t, _, _ in cmd.lines if t <= until_s]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)] + ([until_s - times[-1]] if to_end and times else [])
+    return {
+        "longest_silence_s": round(gap, 2),
+        "first_line_s": round(first, 2),
+        "longest_silence_after_first_line_s": round(max(gaps, default=0.0), 2),
+        "after": after,
+        "until": until,
+        "until_s": round(until_s, 2),
+        "load_average": os.getloadavg()[0],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fresh-cache", action="store_true")
@@ -169,6 +206,7 @@ def main() -> None:
         procs.append(boot)
         r["bootstrap_ready_s"] = boot.wait_for(r"peer join --initial-peers /ip4/127\.0\.0\.1/")
         r["bootstrap_first_line_s"] = boot.first_line_s()
+        commands = r["commands"] = {"bootstrap run": silence(boot, "its address line", r["bootstrap_ready_s"])}
         maddr = next(
             line.split()[-1] for _, _, line in boot.lines if "peer join --initial-peers /ip4/127.0.0.1/" in line
         )
@@ -178,6 +216,13 @@ def main() -> None:
         r["monitor_ready_s"] = mon.wait_for(r"swarm monitor: http")
         r["monitor_first_line_s"] = mon.first_line_s()
         mon.stop()
+        print("peer status (piped; the swarm has no peer yet: it looks for --wait 5 s)")
+        st = Watched("status", [str(bin_dir / "peer"), "status", "--initial-peers", maddr], env)
+        commands["peer status"] = silence(st, "its exit", st.wait_exit(120), to_end=True)
+        print("peer doctor --initial-peers (piped)")
+        doc = Watched("doctor", [str(bin_dir / "peer"), "doctor", "--initial-peers", maddr, "--device", "cpu"], env)
+        commands["peer doctor"] = silence(doc, "its exit", doc.wait_exit(600), to_end=True)
+        commands["peer doctor"]["report"] = [line for _, src, line in doc.lines if src == "out"]
         join_argv = [
             str(bin_dir / "peer"),
             "join",
@@ -192,6 +237,7 @@ def main() -> None:
         peer = Watched("peer-a", join_argv, env)
         procs.append(peer)
         r.update(startup_figures("join", peer))
+        commands["peer join"] = silence(peer, "its first round line", r["join_first_round_s"])
         r["second_peer"] = args.second_peer
         if args.second_peer:
             print("second peer (stays up: the restarted peer rejoins a training swarm)")
@@ -207,6 +253,7 @@ def main() -> None:
         again = Watched("peer-a(2)", join_argv, env)
         procs.append(again)
         r.update(startup_figures("restart", again))
+        commands["peer join (restart)"] = silence(again, "its first round line", r["restart_first_round_s"])
         r["restart_first_round_line"] = next(line for t, _, line in again.lines if re.match(r"^round \d+ \|", line))
         # every warning, error or traceback line up to its first round (the Ctrl-C after it is not counted)
         r["restart_warnings"] = [
@@ -218,6 +265,13 @@ def main() -> None:
                 line for t, _, line in other.lines if WARNING.search(line) and since <= t <= until
             ]
         r["restart_sigint_stopped_to_exit_s"] = again.sigint_and_time_exit()
+        for p in reversed(procs):
+            p.stop()
+        print("peer swarm (the default: 3 peers; alone on the machine's share, to its first round line)")
+        swarm = Watched("swarm", [str(bin_dir / "peer"), "swarm"], env)
+        procs.append(swarm)
+        first = swarm.wait_for(r"^peer-\d+ \| round \d+ \|", 900)
+        commands["peer swarm"] = silence(swarm, "its first round line", first)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -248,7 +302,18 @@ def main() -> None:
     if args.second_peer:
         print(f"the other peer's warnings meanwhile: {r['restart_other_peer_warnings'] or 'none'}")
     print(f"restart's first round: {r['restart_first_round_line']}")
+    print("\n| command | longest silence (s) | first line (s) | longest after it (s) | until |\n|---|---|---|---|---|")
+    for name, c in r["commands"].items():
+        print(
+            f"| {name} | {c['longest_silence_s']:.1f} | {c['first_line_s']:.1f} | "
+            f"{c['longest_silence_after_first_line_s']:.1f} | {c['until']} ({c['until_s']:.1f} s) |"
+        )
     r["load_average_end"] = os.getloadavg()[0]  # other jobs on the machine: the figures' context
+    r["results_note"] = (
+        f"{r['device']}, shared with other work: 1-minute load average {r['load_average_start']:.1f} at the start, "
+        f"{r['load_average_end']:.1f} at the end (each command's own in its row). A command's silence before its "
+        "first line is Python importing the CLI (hivemind, torch), which grows with the load"
+    )
     print(f"load average (1 min): {r['load_average_start']:.2f} at the start, {r['load_average_end']:.2f} at the end")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2) + "\n")

@@ -58,7 +58,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _still(log_format: str, what: str):
-    """In text mode, a line every 5 s (a spinner on a terminal) while ``what`` lasts (peer/progress.py)."""
+    """In text mode, a line every 4 s (a spinner on a terminal) while ``what`` lasts (peer/progress.py)."""
     return Waiting(what) if log_format == "text" else nullcontext()
 
 

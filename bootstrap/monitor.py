@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -186,14 +187,19 @@ class SwarmMonitor:
         Schema::
 
             {"generated_at": s, "started_at": s, "last_poll": s | null, "last_error": str | null,
-             "runs": [{"run_id", "name", "inner_steps" (H, or null), "live_peers", "max_round",
+             "runs": [{"run_id", "name", "inner_steps" (H, or null), "live_peers",
+                       "median_round" (the swarm's round: the median of the live peers' rounds,
+                                       the lower middle one of an even count; null without one),
+                       "max_round" (the highest round any peer, live or gone, reached),
                        "tokens_per_s" (sum over live peers),
                        "live_by_group_size": {"3": 3, ...} (live peers by their last sync's group size),
                        "peers": [{"peer_id", "live", "device" (its device record as one line,
                                   or null), "caps" (its use against its own caps as one line,
                                   peer/net/traffic.py ``describe_caps``, or null), "first_seen", "last_seen", "last_change",
                                   "published_at" (s, or null), "stale_after_s" (or null),
-                                  "round", "inner_step", "train_loss", "eval_loss" (latest seen),
+                                  "round", "inner_step", "train_loss",
+                                  "eval_loss" (latest seen), "eval_round" (the round of φ it
+                                        was measured at: below "round", it is stale; or null),
                                   "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
                                   "last_sync": {"round", "group_size", "bytes_sent",
                                                 "bytes_received"} | null,
@@ -233,6 +239,7 @@ class SwarmMonitor:
                         "name": run.name,
                         "inner_steps": run.inner_steps,
                         "live_peers": len(live),
+                        "median_round": statistics.median_low([p["round"] for p in live]) if live else None,
                         "max_round": max((p["round"] for p in peers), default=0),
                         "tokens_per_s": sum(p["tokens_per_s"] for p in live),
                         "live_by_group_size": dict(sorted(by_size.items(), key=lambda kv: int(kv[0]))),

@@ -105,6 +105,7 @@ class PeerHistory:
             "bytes_sent": r.bytes_sent,
             "bytes_received": r.bytes_received,
             "eval_loss": self.evals[max(self.evals)][1] if self.evals else None,
+            "eval_round": max(self.evals) if self.evals else None,
             "last_sync": dict(self.last_sync) if self.last_sync else None,
             "rounds_by_group_size": _count_by_size(self.group_by_round),
             "first_round": self.first_round,

@@ -24,6 +24,10 @@ class _Collector:
             "inner_step": ("locoswarm_peer_inner_step", "Cumulative inner steps of the peer's phi history."),
             "train_loss": ("locoswarm_peer_train_loss", "Mean training loss of the peer's last round, nats/token."),
             "eval_loss": ("locoswarm_peer_eval_loss", "Latest validation loss of phi the peer published, nats/token."),
+            "eval_round": (
+                "locoswarm_peer_eval_round",
+                "Round of phi the peer's latest validation loss was measured at.",
+            ),
             "tokens_per_s": ("locoswarm_peer_tokens_per_second", "Inner-loop throughput, tokens/s."),
             "group_size": ("locoswarm_peer_group_size", "Peers in the peer's last sync group, itself included."),
             "bytes_sent": ("locoswarm_peer_round_bytes_sent", "Sync bytes the peer sent in its last sync."),
@@ -47,6 +51,9 @@ class _Collector:
             labels=["run_id"],
         )
         max_round = GaugeMetricFamily("locoswarm_run_max_round", "Highest round any peer reached.", labels=["run_id"])
+        median_round = GaugeMetricFamily(
+            "locoswarm_run_median_round", "The swarm's round: the median of the live peers' rounds.", labels=["run_id"]
+        )
         grouped = CounterMetricFamily(
             "locoswarm_peer_rounds_by_group_size",
             "Rounds the monitor saw the peer complete, by sync group size.",
@@ -56,6 +63,8 @@ class _Collector:
             live.add_metric([run["run_id"]], run["live_peers"])
             tokens.add_metric([run["run_id"]], run["tokens_per_s"])
             max_round.add_metric([run["run_id"]], run["max_round"])
+            if run.get("median_round") is not None:
+                median_round.add_metric([run["run_id"]], run["median_round"])
             for peer in run["peers"]:
                 labels = [run["run_id"], peer["peer_id"]]
                 values = {**peer, **(peer["last_sync"] or {}), "round": peer["round"]}
@@ -67,6 +76,7 @@ class _Collector:
         yield live
         yield tokens
         yield max_round
+        yield median_round
         yield from families.values()
         yield grouped
 

@@ -3,6 +3,12 @@
 The server embeds the current snapshot (see ``SwarmMonitor.snapshot``) so the first paint needs
 no request; the script then refreshes from ``/api/swarm`` every 2 s. Every peer is a table row
 ``<tr class="peer" data-peer-id="...">``, which is what the browser test looks for.
+
+What it shows at a glance (issue #68): the swarm's round is the median of the live peers' rounds
+(one peer alone ahead does not move it; the maximum is beside it); every validation loss carries
+the round of φ it was measured at (``2.4113 @ r12``), greyed (class ``stale``) when older than the
+peer's round; the page fits a window 1,280 px wide (the long cells wrap, the table scrolls inside
+its box at worst, never the page).
 """
 
 from __future__ import annotations
@@ -33,12 +39,16 @@ _PAGE = """<!doctype html>
   .charts { display:flex; gap:16px; flex-wrap:wrap; }
   .chart { border:1px solid var(--line); border-radius:6px; padding:8px; }
   .chart h3 { font-size:13px; margin:0 0 4px; }
+  .tablebox { overflow-x:auto; max-width:100%; }
   table { border-collapse:collapse; width:100%; margin-top:12px; font-variant-numeric: tabular-nums; }
-  th, td { text-align:right; padding:5px 8px; border-bottom:1px solid var(--line); white-space:nowrap; }
+  th, td { text-align:right; padding:5px 6px; border-bottom:1px solid var(--line); white-space:nowrap; }
   th:first-child, td:first-child, th:nth-child(2), td:nth-child(2) { text-align:left; }
-  th { color:var(--muted); font-weight:500; font-size:12px; }
+  th { color:var(--muted); font-weight:500; font-size:12px; white-space:normal; vertical-align:bottom; }
+  td.wrap { white-space:normal; overflow-wrap:anywhere; text-align:left; min-width:7em; max-width:15em; }
   td.pid { font-family:ui-monospace, monospace; }
   .live { color:var(--ok); } .gone { color:var(--gone); }
+  .stale { color:var(--muted); font-style:italic; }
+  .legend { color:var(--muted); font-size:12px; margin-top:6px; }
   .swatch { display:inline-block; width:10px; height:10px; border-radius:2px; margin-right:6px; vertical-align:middle; }
   .empty { color:var(--muted); padding:24px; }
   #error { color:var(--gone); }
@@ -79,6 +89,8 @@ function ago(t, now) {
   return s < 90 ? s.toFixed(0) + " s ago" : s < 5400 ? (s / 60).toFixed(0) + " min ago" : (s / 3600).toFixed(1) + " h ago";
 }
 function fmt(x, d) { return x === null || x === undefined ? "–" : Number(x).toFixed(d); }
+// a loss with the round of φ it was measured at: "2.4113 @ r12"
+function lossAt(x, round, d) { return x === null || x === undefined ? "–" : `${Number(x).toFixed(d)} @ r${round}`; }
 function short(pid) { return pid.length > 14 ? pid.slice(0, 6) + "…" + pid.slice(-6) : pid; }
 
 // A line chart in inline SVG: series = [{name, color, points: [[x, y], ...]}].
@@ -129,11 +141,13 @@ function renderRun(run, now, t0) {
   const evals = run.peers.flatMap(p => p.eval_history);
   // the evaluation of the latest round (one peer evaluates φ per cadence round), newest first on a tie
   const lastEval = evals.length ? evals.reduce((a, b) => (b.round > a.round || (b.round === a.round && b.t > a.t)
-                                                          ? b : a)).loss : null;
+                                                          ? b : a)) : null;
+  const median = run.median_round === null || run.median_round === undefined ? "–" : run.median_round;
   const cards = el("div", {class: "cards"});
-  for (const [k, v] of [["live peers", run.live_peers], ["max round", run.max_round],
+  for (const [k, v] of [["live peers", run.live_peers], [`median round of live peers (max ${run.max_round})`, median],
                         ["swarm tok/s", Math.round(tokps).toLocaleString()],
-                        ["validation loss", fmt(lastEval, 4)], ["sent in last syncs", bytes(sent)],
+                        ["validation loss of φ", lastEval ? lossAt(lastEval.loss, lastEval.round, 4) : "–"],
+                        ["sent in last syncs", bytes(sent)],
                         ["live peers by last group size",
                          Object.entries(run.live_by_group_size).map(([g, n]) => `${n} in ${g}`).join(", ") || "–"]])
     cards.append(el("div", {class: "card"}, el("div", {class: "v"}, v), el("div", {class: "k"}, k)));
@@ -148,8 +162,8 @@ function renderRun(run, now, t0) {
                 lineChart("training loss (nats/token)", "seconds since the monitor started", trainSeries)));
   const table = el("table", {class: "peers"});
   const head = el("tr", {});
-  for (const h of ["peer", "status", "device", "round", "inner step", "train loss", "val loss", "tok/s", "last group",
-                   "sent", "received", "caps (use/cap)", "rounds by group size", "last record"])
+  for (const h of ["peer", "status", "device", "round", "inner step", "train loss", "val loss @ round", "tok/s",
+                   "last group", "sent", "received", "caps (use/cap)", "rounds by group size", "last record"])
     head.append(el("th", {}, h));
   table.append(el("thead", {}, head));
   const body = el("tbody", {});
@@ -158,16 +172,23 @@ function renderRun(run, now, t0) {
                    (p.rounds_unseen ? ` (${p.rounds_unseen} not seen)` : "");
     const name = el("td", {class: "pid", title: p.peer_id},
                     el("span", {class: "swatch", style: `background:${color(p.peer_id)}`}), short(p.peer_id));
+    const stale = p.eval_round !== null && p.eval_round !== undefined && p.eval_round < p.round;
+    const val = el("td", stale ? {class: "stale", title: `measured at round ${p.eval_round}; the peer is at round ${p.round}`}
+                               : {}, lossAt(p.eval_loss, p.eval_round, 4));
     body.append(el("tr", {class: "peer", "data-peer-id": p.peer_id},
-      name, el("td", {class: p.live ? "live" : "gone"}, p.live ? "live" : "gone"), el("td", {}, p.device || "–"),
+      name, el("td", {class: p.live ? "live" : "gone"}, p.live ? "live" : "gone"),
+      el("td", {class: "wrap"}, p.device || "–"),
       el("td", {}, p.round), el("td", {}, p.inner_step), el("td", {}, fmt(p.train_loss, 3)),
-      el("td", {}, fmt(p.eval_loss, 4)), el("td", {}, Math.round(p.tokens_per_s).toLocaleString()),
+      val, el("td", {}, Math.round(p.tokens_per_s).toLocaleString()),
       el("td", {}, sync(p).group_size), el("td", {}, bytes(sync(p).bytes_sent)),
-      el("td", {}, bytes(sync(p).bytes_received)), el("td", {class: "caps"}, p.caps || "–"),
-      el("td", {}, groups), el("td", {}, ago(p.published_at === null ? p.last_seen : p.published_at, now))));
+      el("td", {}, bytes(sync(p).bytes_received)), el("td", {class: "caps wrap"}, p.caps || "–"),
+      el("td", {class: "wrap"}, groups), el("td", {}, ago(p.published_at === null ? p.last_seen : p.published_at, now))));
   }
   table.append(body);
-  box.append(table);
+  box.append(el("div", {class: "tablebox"}, table),
+             el("div", {class: "legend"}, "train loss: the mean of the peer's last round (at its round). " +
+                "val loss @ round: φ's validation loss and the round it was measured at (one peer evaluates per " +
+                "cadence round), in grey when older than the peer's round."));
   return box;
 }
 

@@ -442,6 +442,7 @@ def swarm(
       peer swarm --keep                           # keep logs and checkpoints in /tmp
       peer swarm --run my_run.toml --data ~/corpus   # train on a corpus of this machine
     """
+    click.echo("local swarm: loading torch and hivemind")  # the first line, before the imports (issue #68)
     from peer.train.device import resolve_device
 
     configure_logging(verbose)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import click
 
-from peer.net.dht import quiet_hivemind_logs
 from protocol.manifest import RunManifest, load_manifest
 from protocol.presets import PRESETS
 
@@ -23,12 +22,16 @@ def default_data_dir() -> Path:
 
 
 def configure_logging(verbose: bool) -> None:
+    """Logging to stderr (debug with ``verbose``), hivemind's own logs quieted. It imports hivemind
+    (and torch: seconds): call it after a command's first line, never at import (issue #68)."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     if not verbose:
+        from peer.net.dht import quiet_hivemind_logs
+
         quiet_hivemind_logs()
 
 

@@ -11,7 +11,9 @@ import click
 
 from peer.cli_common import configure_logging, default_data_dir, resolve_run
 from peer.net.cli_types import FiniteFloatRange
+from peer.net.lifetime import exit_process
 from peer.run_choice import checkpointed_runs
+from peer.shards.build import HUB_PREFIX, PrepareConfig, prepare_source
 from peer.shards.prepare import prepare_shards
 from peer.train.bpe import train_for_run
 from peer.train.cache import default_cache_dir
@@ -52,19 +54,19 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
     """
     import json
 
-    from rich.console import Console
-
-    from peer.status import print_status, status as read_status
+    print("peer status: loading hivemind", file=sys.stderr, flush=True)  # the first line, before the imports
+    from peer.status import print_status, status as read_status, status_console
 
     configure_logging(verbose)
     try:
-        result = read_status(tuple(initial_peers), run_id, wait_s=wait_s)
+        result = read_status(tuple(initial_peers), run_id, wait_s=wait_s, stream=sys.stderr)
     except LocoError as exc:
         exit_with(exc, verbose=verbose)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        print_status(result, Console(soft_wrap=True))
+        print_status(result, status_console())
+    exit_process(0)  # its DHT node is shut down: skip the interpreter's seconds-long teardown (issue #68)
 
 
 @click.command()
@@ -186,8 +188,10 @@ def doctor(
     """
     import json
 
-    from peer.doctor import DoctorReport, check_swarm, diagnose, render
+    print("peer doctor: loading torch", file=sys.stderr, flush=True)  # the first line, before the import
+    from peer.doctor import Checks, DoctorReport, check_swarm, diagnose, render
 
+    checks = Checks(sys.stderr)  # each check as it starts; stdout carries the report (or its JSON)
     configure_logging(verbose)
     try:
         local = resolve_run(run_file, preset)
@@ -205,6 +209,7 @@ def doctor(
             local_flag=flag,
             run_id=run_id,
             checkpoints=checkpointed_runs(data_dir or default_data_dir()),
+            checks=checks,
         )
         manifest = run or manifest
     report = diagnose(
@@ -217,6 +222,7 @@ def doctor(
         activation_checkpointing=activation_checkpointing,
         steps=steps,
         report=report,
+        checks=checks,
     )
     if as_json:
         click.echo(
@@ -232,7 +238,7 @@ def doctor(
     else:
         for line in render(report):
             click.echo(line)
-    sys.exit(report.exit_code)
+    exit_process(report.exit_code)  # skip the interpreter's seconds-long teardown of torch and the model
 
 
 @click.group("data")
@@ -241,6 +247,47 @@ def data_group() -> None:
 
 
 @data_group.command()
+@click.argument("source", required=False, metavar="[SOURCE]")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="With SOURCE or --hub: the directory the shards and shards.json go to (new, empty, or an earlier --out).",
+)
+@click.option(
+    "--shard-mb",
+    type=click.FloatRange(0.001, 1024),
+    default=64.0,
+    show_default=True,
+    help="With SOURCE: MB of text per shard (a parquet shard is about a third of that on disk).",
+)
+@click.option(
+    "--format",
+    "shard_format",
+    type=click.Choice(["parquet", "jsonl"]),
+    default="parquet",
+    show_default=True,
+    help="With SOURCE: the shards' file format (one 'text' column or field).",
+)
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    help="With SOURCE: the field of its .jsonl/.parquet records that holds the text.",
+)
+@click.option(
+    "--hub",
+    default="",
+    metavar="OWNER/NAME",
+    help="A Hub dataset to cut into shards: as SOURCE hf://datasets/OWNER/NAME.",
+)
+@click.option(
+    "--include",
+    multiple=True,
+    metavar="GLOB",
+    help="With a Hub dataset: its files to read (repeatable). [default: its .jsonl/.parquet files, else its text files]",
+)
 @click.option(
     "--run",
     "run_file",
@@ -266,12 +313,20 @@ def data_group() -> None:
     "shards_dir",
     type=click.Path(path_type=Path, file_okay=False),
     default=None,
-    help="A directory of .parquet/.jsonl shard files: hash each, write DIR/shards.json and print the "
-    "[data] section of a sharded run (with --hub-repo: where shards.json goes).",
+    help="A directory of .parquet/.jsonl shard files already cut: hash each as it is, write DIR/shards.json and "
+    "print the [data] section of a sharded run (with --hub-repo: where shards.json goes).",
 )
-@click.option("--base-url", default="", help="With --shards: the HTTP(S) URL the shards will be served under.")
-@click.option("--hub-repo", default="", help="A Hugging Face dataset repository (owner/name) to list the shards of.")
-@click.option("--hub-revision", default="", help="With --hub-repo: the commit to pin (40 hex digits).")
+@click.option(
+    "--base-url", default="", help="With SOURCE or --shards: the HTTP(S) URL the shards will be served under."
+)
+@click.option(
+    "--hub-repo", default="", help="A Hugging Face dataset repository (owner/name) of shards to list as they are."
+)
+@click.option(
+    "--hub-revision",
+    default="",
+    help="With --hub-repo: the commit to pin (40 hex digits); with --hub: a branch, tag or commit. [default: main]",
+)
 @click.option("--validation-shards", type=click.IntRange(min=1), default=1, show_default=True, help="Shards held out.")
 @click.option(
     "--train-tokenizer",
@@ -284,6 +339,13 @@ def data_group() -> None:
 )
 @click.option("-v", "--verbose", is_flag=True, help="Debug logs and tracebacks.")
 def prepare(
+    source,
+    out_dir,
+    shard_mb,
+    shard_format,
+    text_field,
+    hub,
+    include,
     run_file,
     preset,
     cache_dir,
@@ -295,23 +357,41 @@ def prepare(
     train_tokenizer,
     verbose,
 ) -> None:
-    """Tokenize a run's corpus into the token cache (training its BPE first if it uses one) and print the
-    corpus and tokenizer hashes, as TOML to pin in the manifest's [data] section.
+    """Cut your own text into a run's hashed shards; or tokenize a run's corpus into the token cache
+    (training its BPE first if it uses one) and print its hashes, as TOML for the manifest's [data].
 
-    A later `peer join` on this machine reuses the cache instead of tokenizing again (with
-    --cache-dir, set LOCOSWARM_CACHE_DIR to the same directory for it).
+    SOURCE (with --out) is a directory tree of text files (.txt, .md, .rst, .html stripped to its
+    text, source code: each file one document; binary files skipped and counted), a directory of
+    .jsonl/.parquet records with a text field, or a Hugging Face dataset hf://datasets/OWNER/NAME[@REV]
+    (downloaded with your token from HF_TOKEN or `hf auth login`, resumable, into the Hub's cache;
+    the commit is pinned in OUT/prepared.json). The shards (part-00000.parquet ...) and their list
+    OUT/shards.json are what `peer swarm --data OUT` and a run's [data] section (printed) take.
+
+    Without SOURCE: --shards/--hub-repo list shards already cut; else the run's corpus is tokenized
+    and a later `peer join` on this machine reuses the cache (with --cache-dir, set
+    LOCOSWARM_CACHE_DIR to the same directory for it).
 
     \b
     Examples:
-      peer data prepare --run my_run.toml
-      peer data prepare --run my_run.toml --cache-dir /srv/locoswarm-cache
-      peer data prepare --run my_run.toml --train-tokenizer 16384   # a BPE for the run, named by hash
+      peer data prepare ~/notes --out ~/shards                      # a tree of text files
+      peer data prepare ~/exports/jsonl --out ~/shards --shard-mb 128 --text-field content
+      peer data prepare hf://datasets/OWNER/NAME --out ~/shards      # a Hub dataset, its main branch
+      peer data prepare --hub OWNER/NAME --hub-revision v1.0 --include 'data/train-*' --out ~/shards
+      peer swarm --data ~/shards                                     # then train on it
       peer data prepare --shards /srv/corpus --base-url https://cdn.example.org/corpus
       peer data prepare --hub-repo me/web-shards --hub-revision 0123...   # list a dataset repository
+      peer data prepare --run my_run.toml --train-tokenizer 16384   # a BPE for the run, named by hash
     """
+    configure_logging(verbose)
+    if source or hub:
+        if shards_dir is not None or hub_repo or run_file is not None or preset or train_tokenizer is not None:
+            raise click.UsageError("SOURCE/--hub cuts new shards: give it without --shards, --hub-repo, --run, "
+                                   "--preset or --train-tokenizer")  # fmt: skip
+        _prepare_source(source, hub, out_dir, shard_mb, shard_format, text_field, hub_revision, include,
+                        validation_shards, base_url, verbose)  # fmt: skip
+        return
     from peer.train.data import is_validation, load_corpus
 
-    configure_logging(verbose)
     if shards_dir is not None or hub_repo:
         try:
             lines = prepare_shards(shards_dir, base_url, hub_repo, hub_revision, validation_shards)
@@ -347,3 +427,38 @@ def prepare(
             f'tokenizer = "bpe"\nvocab_size = {tok.vocab_size}\n# the tokenizer.json: {trained}; publish it and add '
             'tokenizer_source = "hf://datasets/OWNER/NAME@COMMIT/tokenizer.json" (or a path peers can read)'
         )
+
+
+def _prepare_source(
+    source,
+    hub,
+    out_dir,
+    shard_mb,
+    shard_format,
+    text_field,
+    hub_revision,
+    include,
+    validation_shards,
+    base_url,
+    verbose,
+) -> None:
+    """``peer data prepare SOURCE --out DIR`` (peer/shards/build.py)."""
+    if source and hub:
+        raise click.UsageError("give SOURCE or --hub OWNER/NAME, not both")
+    if out_dir is None:
+        raise click.UsageError("name the output directory: --out DIR")
+    try:
+        config = PrepareConfig(
+            shard_mb=shard_mb,
+            format=shard_format,
+            text_field=text_field,
+            hub_revision=hub_revision,
+            include=tuple(include),
+            validation_shards=validation_shards,
+            base_url=base_url,
+        )
+        done = prepare_source(source or f"{HUB_PREFIX}{hub}", out_dir, config)
+    except LocoError as exc:
+        exit_with(exc, verbose=verbose)
+    click.echo("\n".join(done.lines))
+    click.echo(f"# {done.summary()}")

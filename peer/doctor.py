@@ -9,13 +9,16 @@ them answers, whether they can dial this machine back on the port ``peer join`` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import platform
+import resource
 import time
-from collections.abc import Sequence, Set
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, cast
+from typing import Any, TextIO, cast
 
 import torch
 
@@ -23,6 +26,7 @@ from peer import reachability
 from peer.net import dht as swarm_dht
 from peer.net.identity import ensure_identity
 from peer.net.uplink import measure_uplink
+from peer.progress import Waiting
 from peer.run_choice import choose_run
 from peer.train.data import BatchSampler
 from peer.train.ddp import make_inner_loop
@@ -51,6 +55,86 @@ class DoctorReport:
         """0 when this peer can contribute; 78 for a problem of this machine; 69 when only the swarm
         could not be reached (sysexits, as ``peer join``)."""
         return 0 if self.can_contribute else 78 if self.problems else 69
+
+
+class Checks:
+    """How ``peer doctor`` says each check as it starts (``peer doctor: measuring the uplink ...``), and
+    while one runs long, that it still runs (peer/progress.py ``Waiting``: a line every ``every_s``, a spinner
+    on a terminal), on ``stream``; says nothing with ``stream=None`` (the library default).
+
+    Args:
+        stream: where the lines go (the command: stderr, so stdout carries the report or its JSON).
+        every_s: longest silence while a check runs, s.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, every_s: float = 4.0):
+        self.stream, self.every_s = stream, every_s
+
+    @contextlib.contextmanager
+    def check(self, what: str) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        print(f"peer doctor: {what}", file=self.stream, flush=True)
+        with Waiting(what, stream=self.stream, every_s=self.every_s):
+            yield
+
+
+class HostLoad:
+    """CPU time the other processes of this machine take while a measurement runs: the busy time
+    of every core (Linux ``/proc/stat``) less this process's own (``getrusage``), over the wall time.
+    Elsewhere (no ``/proc/stat``), the 1-minute load average less one (this process).
+
+    Use as a context manager around the measurement; then ``others_cores`` is how many cores the
+    other work kept busy on average (0.0 to ``cores``)."""
+
+    def __init__(self) -> None:
+        self.cores = os.cpu_count() or 1
+        self.others_cores = 0.0
+        self.load_average = 0.0
+
+    @staticmethod
+    def _busy_s() -> float | None:
+        """Seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal); None
+        without ``/proc/stat``."""
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        busy = sum(fields[:8]) - idle  # guest time is already in user
+        return busy / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_s() -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return own.ru_utime + own.ru_stime
+
+    def __enter__(self) -> HostLoad:
+        self._t0, self._busy0, self._own0 = time.monotonic(), self._busy_s(), self._own_s()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.monotonic() - self._t0, 1e-3)
+        busy1 = self._busy_s()
+        self.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if busy1 is None or self._busy0 is None:
+            others = self.load_average - 1.0
+        else:
+            others = (busy1 - self._busy0 - (self._own_s() - self._own0)) / wall
+        self.others_cores = min(float(self.cores), max(0.0, others))
+
+    @property
+    def shared(self) -> bool:
+        """Whether other work took enough of the CPU to slow the measurement down: half a core, or a
+        tenth of the cores on a larger machine."""
+        return self.others_cores >= max(HOST_SHARED_CORES, 0.1 * self.cores)
+
+
+HOST_SHARED_CORES = 0.5
+"""Cores other processes must keep busy during the timed steps before the report says the
+throughput was measured on a shared host (a lower bound)."""
 
 
 class RandomTokens:
@@ -102,6 +186,7 @@ def check_swarm(
     run_id: str | None = None,
     checkpoints: Set[str] = frozenset(),
     announce_wait_s: float = 5.0,
+    checks: Checks | None = None,
 ) -> RunManifest | None:
     """What the swarm sees of this machine: starts a DHT node listening on ``host:port`` (as ``peer
     join`` would, with a throwaway identity, so a peer running here keeps its own), then
@@ -122,24 +207,28 @@ def check_swarm(
     what to do; a peer nobody can dial, or a slow uplink, still contributes (client mode, relayed):
     those go to ``report.facts["network_notes"]``. The node is shut down before returning. Call
     before :func:`diagnose` on a CUDA machine (the DHT forks its process before CUDA is touched).
+    ``checks`` says each check as it starts (:class:`Checks`).
     """
     import tempfile
     from pathlib import Path
 
+    checks = checks or Checks()
     notes = report.facts.setdefault("network_notes", [])
     start = time.monotonic()
+    where = f"{host}:{port}" if port else f"{host}, any free port"
     with tempfile.TemporaryDirectory(prefix="locoswarm-doctor-") as tmp:
         identity = ensure_identity(Path(tmp) / "identity.key")
         try:
-            dht = reachability.start_node(
-                list(initial_peers),
-                host=host,
-                port=port,
-                announce=(),
-                identity_path=str(identity),
-                client_mode=False,
-                timeout_s=timeout_s,
-            )
+            with checks.check(f"starting a DHT node on {where}, dialing {len(initial_peers)} initial peer(s)"):
+                dht = reachability.start_node(
+                    list(initial_peers),
+                    host=host,
+                    port=port,
+                    announce=(),
+                    identity_path=str(identity),
+                    client_mode=False,
+                    timeout_s=timeout_s,
+                )
         except (NetworkError, ConfigError) as exc:
             report.facts["swarm"] = "unreachable"
             report.network_problems.append(
@@ -149,7 +238,8 @@ def check_swarm(
             return None
         try:
             report.facts.update(swarm="answered", swarm_connect_s=round(time.monotonic() - start, 2))
-            verdict = reachability.check(dht, initial_peers)
+            with checks.check("asking the swarm to dial this machine back"):
+                verdict = reachability.check(dht, initial_peers)
             report.facts.update(reachability=verdict.status, reachability_line=verdict.line)
             if verdict.status == "unreachable":
                 notes.append(
@@ -157,7 +247,8 @@ def check_swarm(
                     "but serves no state to joiners); to be dialable, forward the TCP port and pass "
                     "--port PORT --announce /ip4/PUBLIC_IP/tcp/PORT"
                 )
-            probe = measure_uplink(dht, reachability.peer_ids(initial_peers))
+            with checks.check("measuring the uplink to the swarm (a few MiB of random bytes)"):
+                probe = measure_uplink(dht, reachability.peer_ids(initial_peers))
             report.facts.update(
                 uplink_mbit_s=probe.mbit_per_s,
                 uplink_bytes=probe.bytes,
@@ -169,15 +260,16 @@ def check_swarm(
                     f"uplink {probe.mbit_per_s:.1f} Mbit/s: each sync will take long; a lossy codec "
                     "(run manifest [compression]) or a larger H moves fewer bytes per token"
                 )
-            return swarm_run(
-                report,
-                dht,
-                local=local,
-                local_flag=local_flag,
-                run_id=run_id,
-                checkpoints=checkpoints,
-                wait_s=announce_wait_s,
-            )
+            with checks.check("looking for the run the swarm announces"):
+                return swarm_run(
+                    report,
+                    dht,
+                    local=local,
+                    local_flag=local_flag,
+                    run_id=run_id,
+                    checkpoints=checkpoints,
+                    wait_s=announce_wait_s,
+                )
         finally:
             dht.shutdown()
 
@@ -254,28 +346,35 @@ def diagnose(
     activation_checkpointing: bool = False,
     steps: int = 3,
     report: DoctorReport | None = None,
+    checks: Checks | None = None,
 ) -> DoctorReport:
     """Run the local checks for training ``manifest`` here; never raises for a failed check (it goes
     into ``problems``). Trains ``steps`` + 1 inner steps (the first one warms up, untimed) on a
-    throwaway copy of the run's model. Adds to ``report`` when given (after :func:`check_swarm`)."""
+    throwaway copy of the run's model, and measures what else keeps this machine's CPU busy
+    meanwhile (:class:`HostLoad`: ``host_other_cores``, ``host_cores``, ``host_shared``; a shared
+    host makes the throughput a lower bound). Adds to ``report`` when given (after
+    :func:`check_swarm`); ``checks`` says each check as it starts (:class:`Checks`)."""
+    checks = checks or Checks()
     report = DoctorReport() if report is None else report
     report.facts["versions"] = _versions()
     try:
-        placement, notes = place(
-            device,
-            precision=precision,
-            compile=compile,
-            micro_batch_sequences=micro_batch_sequences,
-            max_memory_gib=max_memory_gib,
-            peak_tflops=peak_tflops,
-            activation_checkpointing=activation_checkpointing,
-        )
+        with checks.check(f"checking the device ({device}, precision {precision})"):
+            placement, notes = place(
+                device,
+                precision=precision,
+                compile=compile,
+                micro_batch_sequences=micro_batch_sequences,
+                max_memory_gib=max_memory_gib,
+                peak_tflops=peak_tflops,
+                activation_checkpointing=activation_checkpointing,
+            )
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report
     report.facts.update(placement.event_fields(), notes=notes, memory_budget_gib=placement.memory_budget_gib)
     tokenizer = vocab_tokenizer(manifest)
-    model = build_model(manifest.model, tokenizer).to(placement.device)
+    with checks.check(f"building the model of run {manifest.name!r} on {placement.device}"):
+        model = build_model(manifest.model, tokenizer).to(placement.device)
     n = parameter_count(model)
     report.facts.update(run=manifest.name, parameters=n, batch_sequences=manifest.batch_sequences)
     try:
@@ -287,18 +386,22 @@ def diagnose(
     except LocoError as exc:
         report.problems.append(str(exc))
         return report
+    load = HostLoad()
     try:
         if placement.device.type == "cuda" and micro_batch_sequences is None and placement.memory_budget_gib:
-            loop.fit_micro_batch(budget_bytes=placement.memory_budget_gib * 1024**3)
-        loop.step(0)
-        if placement.device.type == "cuda":
-            torch.cuda.synchronize(placement.device)
-        start, tokens = time.perf_counter(), 0
-        for k in range(steps):
-            tokens += loop.step(1 + k).tokens
-        if placement.device.type == "cuda":
-            torch.cuda.synchronize(placement.device)
-        seconds = time.perf_counter() - start
+            with checks.check("fitting the largest micro-batch"):
+                loop.fit_micro_batch(budget_bytes=placement.memory_budget_gib * 1024**3)
+        with checks.check(f"timing the inner steps: one to warm up, then {steps}"):
+            loop.step(0)
+            if placement.device.type == "cuda":
+                torch.cuda.synchronize(placement.device)
+            with load:
+                start, tokens = time.perf_counter(), 0
+                for k in range(steps):
+                    tokens += loop.step(1 + k).tokens
+                if placement.device.type == "cuda":
+                    torch.cuda.synchronize(placement.device)
+                seconds = time.perf_counter() - start
     except LocoError as exc:
         report.problems.append(f"{exc}; {fit_advice(manifest, placement.device.type, activation_checkpointing)}")
         return report
@@ -325,6 +428,10 @@ def diagnose(
         mfu=mfu(rate, per_token, placement.peak_tflops),
         seconds_per_inner_step=seconds / steps,
         seconds_per_round=seconds / steps * manifest.sync.inner_steps,
+        host_cores=load.cores,
+        host_other_cores=round(load.others_cores, 2),
+        host_load_average=round(load.load_average, 2),
+        host_shared=load.shared,
     )
     return report
 
@@ -385,6 +492,12 @@ def render(report: DoctorReport) -> list[str]:
             f"throughput: {f['tokens_per_s']:,.0f} tok/s{mfu_text}; {f['seconds_per_inner_step']:.2f} s per "
             f"inner step, about {f['seconds_per_round']:,.0f} s per round"
         )
+        if f.get("host_shared"):
+            lines.append(
+                f"note: the measurement shared the host with other work (load {f['host_other_cores']:.1f} on "
+                f"{f['host_cores']} cores): the throughput is a lower bound, and a round takes less than "
+                "this once the other work stops"
+            )
     if "swarm" in f:
         lines.append(
             f"swarm: an initial peer answered in {f['swarm_connect_s']:.1f} s"

@@ -307,6 +307,8 @@ def join(cfg: JoinConfig, reporter: Reporter, stop_event: threading.Event | None
             if cfg.initial_peers
             else "training: the first round starts",
         )
+        reporter.tick_until_first_round()  # off a terminal, a line every 4 s until the first round's
+        stack.callback(reporter.stop_ticking)  # and none on the way out of a peer that never got there
         summary = peer.trainer.run()
         saved = peer.trainer.save()
         reporter.emit("stopped", peer_id=peer.peer_id, **summary.event_fields(), checkpoint=saved)

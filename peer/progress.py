@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -245,12 +246,21 @@ class TransferProgress:
         what: what is transferred, for the line (``the swarm's state``).
         total_bytes: the transfer's size (> 0), bytes.
         stream: where to draw; default: ``sys.stderr`` at the time of the call.
+        verb: what the line says is done (``reading`` for ``peer data prepare``'s input).
     """
 
-    def __init__(self, what: str, total_bytes: int, *, stream: TextIO | None = None, every_s: float = 2.0):
+    def __init__(
+        self,
+        what: str,
+        total_bytes: int,
+        *,
+        stream: TextIO | None = None,
+        every_s: float = 2.0,
+        verb: str = "downloading",
+    ):
         from rich.console import Console
 
-        self.what, self.total, self.every_s = what, max(1, int(total_bytes)), every_s
+        self.what, self.total, self.every_s, self.verb = what, max(1, int(total_bytes)), every_s, verb
         self.stream = stream or sys.stderr
         self.start = self._last = time.monotonic()
         self.done, self.detail = 0, ""
@@ -260,7 +270,7 @@ class TransferProgress:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
             self._bar = Progress(
-                TextColumn(f"downloading {what}"),
+                TextColumn(f"{verb} {what}"),
                 BarColumn(),
                 DownloadColumn(),
                 TransferSpeedColumn(),
@@ -275,7 +285,7 @@ class TransferProgress:
         """The plain progress line of the transfer so far."""
         mib, seconds = 1 << 20, max(time.monotonic() - self.start, 1e-9)
         text = (
-            f"downloading {self.what}: {self.done / mib:.1f} of {self.total / mib:.1f} MiB "
+            f"{self.verb} {self.what}: {self.done / mib:.1f} of {self.total / mib:.1f} MiB "
             f"({100 * self.done / self.total:.0f} %)"
         )
         return text + (f" {self.detail}" if self.detail else "") + f", {self.done / mib / seconds:.1f} MiB/s"
@@ -308,13 +318,23 @@ class Waiting:
     Args:
         what: the step, for the line (``reading the run's data``).
         stream: where to draw (stderr by default: stdout carries a peer's events).
-        every_s: seconds between two plain lines (> 0).
+        every_s: seconds between two plain lines (> 0); 4 s by default, so that no wait is silent
+            for more than 5 s (issue #68).
+        detail: called for each plain line, what to add after ``what`` (``inner step 7 of 20``);
+            '' adds nothing.
     """
 
-    def __init__(self, what: str, *, stream: TextIO | None = None, every_s: float = 5.0):
+    def __init__(
+        self,
+        what: str,
+        *,
+        stream: TextIO | None = None,
+        every_s: float = 4.0,
+        detail: Callable[[], str] | None = None,
+    ):
         if not every_s > 0:
             raise ValueError(f"every_s = {every_s}: must be > 0")
-        self.what, self.every_s = what, every_s
+        self.what, self.every_s, self.detail = what, every_s, detail
         self.stream = stream or sys.stderr
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -344,7 +364,8 @@ class Waiting:
         while not self._done.wait(self.every_s):
             elapsed = time.monotonic() - self.start
             try:
-                print(f"still {self.what} ({elapsed:.0f} s)", file=self.stream, flush=True)
+                more = self.detail() if self.detail is not None else ""
+                print(f"still {self.what}{': ' + more if more else ''} ({elapsed:.0f} s)", file=self.stream, flush=True)
             except (OSError, ValueError):  # the stream closed under a process on its way out
                 return
             self.lines += 1

@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from peer.progress import Waiting
+
 
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -61,12 +63,17 @@ class Reporter:
 
     With ``live_steps`` (``peer join``), text mode and a terminal on ``stream``, a round's inner steps
     also draw one transient line (:meth:`step`: step k/H, loss, tok/s) between the lines, cleared by
-    :meth:`end_steps`; otherwise (a pipe, a log file, JSON) nothing more than one line per round.
+    :meth:`end_steps`; otherwise (a pipe, a log file, JSON) nothing more than one line per round,
+    but in text mode, until the first round's line, one every 4 s (:meth:`tick_until_first_round`).
     """
 
     _steps: Any = None
     """The rich Progress drawing the inner steps while it is live (None: not drawn)."""
     _live_steps = False
+    _ticker: Any = None
+    """The ``Waiting`` saying that the first round still trains (:meth:`tick_until_first_round`)."""
+    _step_text = ""
+    """The inner step last reported (``inner step 7 of 20``), for the ticker's line."""
 
     def __init__(self, fmt: str = "text", stream: TextIO | None = None, *, live_steps: bool = False):
         self.fmt, self.stream = fmt, stream or sys.stdout
@@ -74,6 +81,8 @@ class Reporter:
         self._live_steps = live_steps and fmt == "text" and _is_terminal(self.stream)
 
     def emit(self, event: str, **fields: Any) -> None:
+        if event in ("round", "adopted_state", "stopped"):
+            self.stop_ticking()
         record = {"event": event, "time": time.time(), **fields}
         if self.fmt == "json":
             text: str | None = json.dumps(record)
@@ -91,6 +100,7 @@ class Reporter:
         """Draw the inner step just done (``step`` of ``steps`` in the round after ``round_``; its
         training loss in nats per token; the round's tokens per second so far) on the live line,
         started at the first one. Nothing unless live steps are on (see the class)."""
+        self._step_text = f"inner step {step} of {steps}"
         if not self._live_steps:
             return
         with self._lock:
@@ -103,6 +113,22 @@ class Reporter:
             self._steps.update(
                 task, completed=step, total=max(steps, step), loss=loss, tps=tokens_per_s, round=round_ + 1
             )
+
+    def tick_until_first_round(self, what: str = "training the first round", *, every_s: float = 4.0) -> None:
+        """In text mode off a terminal (a pipe, a log file), say every 4 s on stderr that ``what``
+        still runs and at which inner step (``still training the first round: inner step 7 of 20
+        (12 s)``), until the first ``round``, ``adopted_state`` or ``stopped`` event: a first round
+        on a busy CPU takes minutes, with no line otherwise (issue #68). Nothing on a terminal (the
+        live step line says it) nor in JSON (a launcher says it)."""
+        if self.fmt != "text" or self._live_steps or self._ticker is not None:
+            return
+        self._ticker = Waiting(what, every_s=every_s, detail=lambda: self._step_text).__enter__()
+
+    def stop_ticking(self) -> None:
+        """End :meth:`tick_until_first_round`'s lines (the first round ended, or the peer stops); idempotent."""
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.close()  # outside the lock: its thread may be printing
 
     def end_steps(self) -> None:
         """Clear the live line of the inner steps (the round's inner phase ended); idempotent."""

@@ -10,13 +10,15 @@ record expires; the swarm totals count live peers only.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from peer.net import dht as swarm_dht, dht_node
 from peer.net.devices import DeviceRecord, read_devices
 from peer.net.traffic import describe_caps
+from peer.progress import Waiting
 from peer.reporting import format_bytes
 from protocol import liveness
 from protocol.errors import LocoError, ManifestNotFound
@@ -54,8 +56,9 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
     Returns:
         ``{"time": s, "runs": [{"run_id", "name", "live_peers", "tokens_per_s" (live peers' sum),
         "peers": [{"peer_id", "live", "age_s", "stale_after_s", "round", "inner_step",
-        "train_loss", "eval_loss", "tokens_per_s", "group_size", "bytes_sent", "bytes_received",
-        "expires_in_s", "device", "caps"}]}]}`` (``caps``: a peer's use against its own caps,
+        "train_loss", "eval_loss", "eval_round", "tokens_per_s", "group_size", "bytes_sent",
+        "bytes_received", "expires_in_s", "device", "caps"}]}]}`` (``eval_round``: the round whose φ
+        ``eval_loss`` was measured at, or null without one; ``caps``: a peer's use against its own caps,
         protocol/records.py, or null), peers sorted by round (highest first). ``age_s`` is how long ago
         the record was published and ``stale_after_s`` the bound it is held against
         (protocol/liveness.py); both are null when the run's manifest cannot be read, and then
@@ -99,6 +102,8 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
                     "inner_step": r.inner_step,
                     "train_loss": r.train_loss,
                     "eval_loss": r.eval_loss,
+                    # a record carries the validation loss of φ at its own round only (peer/round/publishing.py)
+                    "eval_round": None if r.eval_loss is None else r.round,
                     "tokens_per_s": r.tokens_per_s,
                     "group_size": r.group_size,
                     "bytes_sent": r.bytes_sent,
@@ -120,6 +125,38 @@ def collect_status(dht, run_id: str | None = None, *, wait_s: float = 5.0) -> di
             }
         )
     return {"time": time.time(), "runs": out}
+
+
+def status_console(stream: TextIO | None = None):
+    """The rich Console ``peer status`` prints its tables on: a terminal's width on a terminal; piped
+    or redirected (a file, ``less``, ``grep``), wide enough that no column is squeezed or cut (rich
+    would otherwise fit the table to 80 columns)."""
+    from rich.console import Console
+
+    console = Console(file=stream, soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(file=stream, soft_wrap=True, width=PIPED_WIDTH)
+    return console
+
+
+PIPED_WIDTH = 1000
+"""Columns ``peer status`` may use when its output is not a terminal: more than any table needs
+(a table takes its natural width, not this one)."""
+
+
+def loss_at(loss: float | None, round_: int | None, digits: int = 4) -> str:
+    """A loss with the round it was measured at, ``2.4113 @ r12``; ``-`` without one."""
+    if loss is None:
+        return "-"
+    return f"{loss:.{digits}f}" + ("" if round_ is None else f" @ r{round_}")
+
+
+def median_round(peers: Sequence[dict[str, Any]]) -> int | None:
+    """The swarm's round: the median of the live peers' rounds (the lower middle one of an even
+    count, so it is a round some peer is at), None without a live peer. Not the maximum: one peer
+    alone ahead (a capped or partitioned one) does not move it."""
+    rounds = [p["round"] for p in peers if p["live"]]
+    return statistics.median_low(rounds) if rounds else None
 
 
 def print_status(status: dict[str, Any], console) -> None:
@@ -147,7 +184,7 @@ def print_status(status: dict[str, Any], console) -> None:
             ("round", "right"),
             ("inner step", "right"),
             ("train loss", "right"),
-            ("val loss", "right"),
+            ("val loss @ round", "right"),
             ("tok/s", "right"),
             ("group", "right"),
             ("sent", "right"),
@@ -168,7 +205,7 @@ def print_status(status: dict[str, Any], console) -> None:
                 str(p["round"]),
                 str(p["inner_step"]),
                 f"{p['train_loss']:.3f}",
-                "-" if p["eval_loss"] is None else f"{p['eval_loss']:.4f}",
+                loss_at(p["eval_loss"], p.get("eval_round", p["round"])),
                 f"{p['tokens_per_s']:,.0f}",
                 str(p["group_size"]),
                 format_bytes(p["bytes_sent"]),
@@ -179,8 +216,10 @@ def print_status(status: dict[str, Any], console) -> None:
         console.print(table)
         live = [p for p in peers if p["live"]]
         if live:
+            low, high = min(p["round"] for p in live), max(p["round"] for p in live)
+            spread = f" (rounds {low} to {high})" if low != high else ""
             console.print(
-                f"swarm: round {max(p['round'] for p in live)} | {run['tokens_per_s']:,.0f} tok/s "
+                f"swarm: median round {median_round(peers)}{spread} | {run['tokens_per_s']:,.0f} tok/s "
                 f"from {len(live)} live peer(s)",
                 markup=False,
                 highlight=False,
@@ -193,15 +232,32 @@ def device_text(device: dict | None) -> str:
     return "-" if device is None else DeviceRecord(**device).describe()
 
 
-def status(initial_peers: Sequence[str], run_id: str | None, *, wait_s: float = 5.0) -> dict[str, Any]:
-    """Join the DHT as a client, collect the status, leave.
+def status(
+    initial_peers: Sequence[str], run_id: str | None, *, wait_s: float = 5.0, stream: TextIO | None = None
+) -> dict[str, Any]:
+    """Join the DHT as a client, collect the status, leave. With ``stream``, says each step on it as
+    it starts, and while one lasts, that it still runs (peer/progress.py ``Waiting``).
 
     Raises:
         BadPeerAddress, BootstrapUnreachable, NetworkError: the swarm cannot be reached.
         ManifestNotFound: ``run_id`` is unknown to the swarm.
     """
-    dht = dht_node.start_dht(initial_peers=initial_peers, client_mode=True)
+    from contextlib import nullcontext
+
+    def step(what: str):
+        if stream is None:
+            return nullcontext()
+        print(f"peer status: {what}", file=stream, flush=True)
+        return Waiting(what, stream=stream, every_s=STILL_EVERY_S)
+
+    with step(f"starting a client DHT node, connecting to {len(initial_peers)} initial peer(s)"):
+        dht = dht_node.start_dht(initial_peers=initial_peers, client_mode=True)
     try:
-        return collect_status(dht, run_id, wait_s=wait_s)
+        with step("reading the runs and the peers' progress records"):
+            return collect_status(dht, run_id, wait_s=wait_s)
     finally:
         dht.shutdown()
+
+
+STILL_EVERY_S = 4.0
+"""Longest silence of ``peer status`` while a step lasts, s."""

@@ -27,14 +27,15 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from peer.events import Event
 from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
-from peer.reporting import format_bytes, round_line
+from peer.progress import Waiting
+from peer.reporting import device_text, format_bytes, round_line
 from peer.swarm_data import (  # noqa: F401 (check_data, source_of, ...: callers import them from here)
     check_data,
     check_data_path,
@@ -50,6 +51,10 @@ from protocol.signing import OWNER_KEY_FILE, load_owner_key
 
 STOP_GRACE_S = 60.0
 """How long children get to checkpoint and exit after SIGINT before they are killed."""
+
+HEARTBEAT_S = 4.0
+"""Until every peer printed its first round, the longest the launcher stays silent: past it, one line
+says what each peer is doing (its latest status line), so no wait looks like a hang."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,12 +107,26 @@ class Swarm:
         self.children[name] = child
         return child.start()
 
-    def start_bootstrap(self, manifest_path: Path) -> list[str]:
+    def start_bootstrap(self, manifest_path: Path, on_wait: Callable[[float], None] | None = None) -> list[str]:
+        """Start the bootstrap node and wait for its ``ready`` event; ``on_wait(seconds)`` is called
+        every :data:`HEARTBEAT_S` while it has not come (the launcher says it still waits)."""
         child = self._start(
             "bootstrap", bootstrap_argv(identity=self.workdir / "bootstrap.key", run=manifest_path), watched=False
         )
+        start = time.monotonic()
+        deadline = start + self.cfg.bootstrap_timeout_s
         try:
-            ready = child.wait_event(lambda e: e.kind == "ready", self.cfg.bootstrap_timeout_s)
+            while True:
+                try:
+                    ready = child.wait_event(
+                        lambda e: e.kind == "ready", max(0.0, min(HEARTBEAT_S, deadline - time.monotonic()))
+                    )
+                    break
+                except ChildTimeout:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if on_wait is not None:
+                        on_wait(time.monotonic() - start)
         except ChildExited as exc:
             code, reason = shell_exit(exc.returncode or 1, error_line(child) or f"see {child.log_path}")
             self.failure = ("bootstrap", code, reason)
@@ -218,7 +237,8 @@ def run_swarm(cfg: SwarmConfig) -> int:
     console = Console(stderr=False, soft_wrap=True)
     check_data_path(cfg.data_path)  # a missing --data: one line, before anything starts
     console.print(f"local swarm: reading the data of run {cfg.manifest.name}", markup=False, highlight=False)
-    cfg, corpus = with_swarm_data(cfg)
+    with Waiting("reading the data", every_s=HEARTBEAT_S):  # hashing (at first tokenizing) a corpus takes a while
+        cfg, corpus = with_swarm_data(cfg)
     if cfg.manifest.data.source == "shards":
         console.print(
             f"local swarm: the peers stream the {corpus.train_files:,} training shard(s) of "
@@ -260,10 +280,21 @@ def run_swarm(cfg: SwarmConfig) -> int:
     )
     try:
         try:
-            maddrs = swarm.start_bootstrap(manifest_path)
+            console.print("local swarm: starting the bootstrap node", markup=False, highlight=False)
+            maddrs = swarm.start_bootstrap(
+                manifest_path,
+                on_wait=lambda s: console.print(
+                    f"local swarm: still starting the bootstrap node ({s:.0f} s)", markup=False, highlight=False
+                ),
+            )
             console.print(f"bootstrap node at {maddrs[0]}", markup=False, highlight=False)
             for i in range(cfg.num_peers):
                 swarm.start_peer(i, maddrs, threads)
+            console.print(
+                f"local swarm: started {cfg.num_peers} peer(s); each says what it does until its first round",
+                markup=False,
+                highlight=False,
+            )
             _watch(swarm, console)
         except KeyboardInterrupt:
             interrupted = True
@@ -311,11 +342,33 @@ def shell_exit(code: int, reason: str) -> tuple[int, str]:
 
 def _watch(swarm: Swarm, console) -> None:
     """Print the peers' progress until every peer's output ended; on the first peer that fails,
-    record it (``swarm.failure``) and stop the others: a local swarm short of a peer tests nothing."""
+    record it (``swarm.failure``) and stop the others: a local swarm short of a peer tests nothing.
+
+    Until every peer printed its first round, each peer's status lines are printed as they come
+    (loading, starting the DHT node, reading the data, building the model, training), and after
+    :data:`HEARTBEAT_S` without a line, one line with each peer's latest (:func:`waiting_line`)."""
     running = {name for name in swarm.children if name != "bootstrap"}
+    total = len(running)
+    doing: dict[str, str] = {name: "starting" for name in sorted(running)}
+    """Peer → its latest status line, until its first round."""
+    start = last_line = time.monotonic()
+
+    def say(text: str, **style: Any) -> None:
+        nonlocal last_line
+        console.print(text, markup=False, highlight=False, **style)
+        last_line = time.monotonic()
+
     while running:
-        name, event = swarm.events.get()
+        try:
+            name, event = swarm.events.get(timeout=max(0.1, last_line + HEARTBEAT_S - time.monotonic()))
+        except queue.Empty:
+            if doing:
+                say(waiting_line(doing, total, time.monotonic() - start))
+            else:
+                last_line = time.monotonic()  # every peer trains: its rounds are the lines from now on
+            continue
         if event is None:
+            doing.pop(name, None)
             if name in running:
                 running.discard(name)
                 child = swarm.children[name]
@@ -323,15 +376,20 @@ def _watch(swarm: Swarm, console) -> None:
                 if code != 0 and swarm.failure is None:
                     code, reason = shell_exit(code, error_line(child) or f"no error line; see {child.log_path}")
                     swarm.failure = (name, code, reason)
-                    console.print(
-                        f"{name} exited with code {code}: {reason}; stopping the others",
-                        style="red",
-                        markup=False,
-                        highlight=False,
-                    )
+                    say(f"{name} exited with code {code}: {reason}; stopping the others", style="red")
                     swarm.interrupt()
             continue
         kind = event.kind
+        if kind == "status" and name in doing:
+            doing[name] = str(event.get("message", ""))
+            say(f"{name} | {doing[name]}")
+            continue
+        if kind == "started" and name in doing:
+            say(f"{name} | started: peer {event.get('peer_id')} on {device_text(dict(event))}")
+            continue
+        if kind in ("round", "adopted_state"):
+            doing.pop(name, None)
+        last_line = time.monotonic()
         if kind == "round":
             console.print(f"{name} | {round_line(event)}", markup=False, highlight=False)
         elif kind == "eval":
@@ -347,6 +405,16 @@ def _watch(swarm: Swarm, console) -> None:
             )
         elif kind == "warning":
             console.print(f"{name} | warning: {event['message']}", markup=False, highlight=False)
+
+
+def waiting_line(doing: Mapping[str, str], peers: int, elapsed_s: float) -> str:
+    """One line saying what each peer that has not trained a round yet is doing, e.g. ``local swarm:
+    1/3 peer(s) finished a round; peer-1: building the model and starting the averager; peer-2:
+    training: ... (12 s)`` (``doing``: peer → its latest status line; ``peers``: how many the swarm
+    has; a peer that exited before its first round counts as done: its error line said why)."""
+    done = peers - len(doing)
+    what = "; ".join(f"{name}: {line}" for name, line in sorted(doing.items()))
+    return f"local swarm: {done}/{peers} peer(s) finished a round; {what} ({elapsed_s:.0f} s)"
 
 
 def final_state(events: list[Event]) -> tuple[str | None, int | None]:

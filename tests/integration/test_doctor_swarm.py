@@ -54,6 +54,20 @@ def test_a_live_swarm_answers(procs, tmp_path):
     [uplink] = [line for line in result.stdout.splitlines() if line.startswith("uplink:")]
     assert "Mbit/s" in uplink and "MiB in" in uplink, result.stdout  # random bytes, timed to the node's answer
     assert "ok: this peer can contribute" in result.stdout
+    # each check said on stderr as it starts (issue #68 item 4), in the order they run; the report on stdout
+    said = [line for line in result.stderr.splitlines() if line.startswith("peer doctor: ")]
+    checks = [
+        "peer doctor: loading torch",
+        "peer doctor: starting a DHT node on ",
+        "peer doctor: asking the swarm to dial this machine back",
+        "peer doctor: measuring the uplink to the swarm",
+        "peer doctor: looking for the run the swarm announces",
+        "peer doctor: checking the device (cpu",
+        "peer doctor: building the model of run 'tiny' on cpu",
+        "peer doctor: timing the inner steps: one to warm up, then 1",
+    ]
+    assert len(said) == len(checks) and all(map(str.startswith, said, checks)), result.stderr
+    assert not any(line.startswith("peer doctor: ") for line in result.stdout.splitlines())
 
 
 def test_the_json_report_carries_the_network_facts(procs, tmp_path):

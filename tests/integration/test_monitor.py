@@ -318,3 +318,91 @@ def test_monitor_command_serves_a_swarm_it_does_not_host(procs, tmp_path):
     assert status == 200 and "swarm monitor" in page
     assert manifest.run_id in page  # the embedded snapshot
     assert get(base + "nope")[0] == 404
+
+
+def page_snapshot(now: float) -> dict:
+    """A snapshot shaped as ``SwarmMonitor.snapshot`` makes it, with the widest cells a swarm can have:
+    a long device name, caps, many group sizes, unseen rounds; peers at rounds 12, 12 and 40 (one capped
+    peer alone ahead); peer 0 evaluated at its round, peer 1 at round 0 only."""
+
+    def peer(i: int, round_: int, evals: list[tuple[int, float]]) -> dict:
+        return {
+            "peer_id": f"12D3KooWPeer{i}" + "x" * 40,
+            "live": True,
+            "device": "cuda:0 (NVIDIA GeForce RTX 4090 Laptop GPU with a very long name, 16.0 GiB, sm 8.9, bf16, "
+            "micro-batch 8 of 64, compiled)",
+            "caps": "upload 4.8/5 Mbit/s, today 1.20/2 GB, 3 syncs with a stronger codec, 2 rounds sat out",
+            "first_seen": now - 600,
+            "last_seen": now,
+            "last_change": now,
+            "published_at": now - 3,
+            "stale_after_s": 120.0,
+            "round": round_,
+            "inner_step": round_ * 1000 + 999,
+            "train_loss": 2.913,
+            "tokens_per_s": 1234567.0,
+            "group_size": 12,
+            "bytes_sent": 987654321,
+            "bytes_received": 987654321,
+            "eval_loss": evals[-1][1],
+            "eval_round": evals[-1][0],
+            "last_sync": {"round": round_, "group_size": 12, "bytes_sent": 987654321, "bytes_received": 987654321},
+            "rounds_by_group_size": {str(g): 10 + g for g in range(1, 13)},
+            "first_round": 0,
+            "rounds_unseen": 123,
+            "group_by_round": {},
+            "eval_history": [{"round": r, "t": now - 600 + 10 * r, "loss": loss} for r, loss in evals],
+            "history": [],
+        }
+
+    peers = [peer(0, 12, [(0, 5.7025), (12, 2.4113)]), peer(1, 12, [(0, 5.7025)]), peer(2, 40, [(0, 5.7025)])]
+    run = {
+        "run_id": "ab" * 32,
+        "name": "a run with a rather long name, as an owner may choose",
+        "inner_steps": 500,
+        "live_peers": 3,
+        "median_round": 12,
+        "max_round": 40,
+        "tokens_per_s": 3 * 1234567.0,
+        "live_by_group_size": {"2": 1, "12": 2},
+        "peers": peers,
+    }
+    return {"generated_at": now, "started_at": now - 600, "last_poll": now, "last_error": None, "runs": [run]}
+
+
+def test_the_page_fits_a_1280_px_window_and_says_what_each_loss_and_round_is(tmp_path):
+    """Issue #68 item 6, as a browser renders the page: nothing wider than a 1,280 px window (no
+    horizontal scroll); each validation loss with its round, an old one greyed; the swarm's round is
+    the live peers' median, the maximum beside it."""
+    from bootstrap.monitor_page import render_page
+
+    page = render_page("locoswarm", json.dumps(page_snapshot(time.time())))
+    measure = (
+        "<script>window.addEventListener('load', () => { document.body.dataset.scrollWidth = "
+        "document.documentElement.scrollWidth; document.body.dataset.innerWidth = window.innerWidth; "
+        "document.body.dataset.tableScrolls = [...document.querySelectorAll('.tablebox')]"
+        ".some(b => b.scrollWidth > b.clientWidth); });</script>"
+    )
+    path = tmp_path / "monitor.html"
+    path.write_text(page.replace("</body>", measure + "</body>"))
+    dom = browser(path.as_uri(), "--dump-dom", "--window-size=1280,1000", "--hide-scrollbars", workdir=tmp_path)
+    widths = re.search(r'<body data-scroll-width="(\d+)" data-inner-width="(\d+)" data-table-scrolls="(\w+)"', dom)
+    assert widths, dom[:2000]
+    scroll_width, inner_width = int(widths.group(1)), int(widths.group(2))
+    assert inner_width == 1280, inner_width  # the window the page was laid out in
+    assert scroll_width <= 1280, f"the page is {scroll_width} px wide in a 1,280 px window"
+    assert widths.group(3) == "false", "the table fits only by scrolling inside its box"
+
+    rows = PeerRows()
+    rows.feed(dom)
+    cells = {peer_id[:13]: row for peer_id, row in rows.rows.items()}
+    assert cells["12D3KooWPeer0"][6] == "2.4113 @ r12", cells
+    assert cells["12D3KooWPeer1"][6] == "5.7025 @ r0" and cells["12D3KooWPeer2"][6] == "5.7025 @ r0", cells
+    stale = re.findall(
+        r'<td class="stale" title="measured at round 0; the peer is at round (\d+)">5\.7025 @ r0</td>', dom
+    )
+    assert sorted(stale) == ["12", "40"], dom  # greyed: older than the peer's round
+    assert "2.4113 @ r12</td>" in dom and '<td class="stale" title="measured at round 12' not in dom
+    card = re.search(r'<div class="v">([^<]*)</div><div class="k">median round of live peers \(max (\d+)\)</div>', dom)
+    assert card and card.groups() == ("12", "40"), dom  # the median, not the lone peer ahead
+    assert '<div class="v">2.4113 @ r12</div><div class="k">validation loss of φ</div>' in dom

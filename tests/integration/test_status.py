@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="250")
+    """``peer ARGS`` with its stdout a pipe, as ``peer status > file`` (no COLUMNS: rich's own width)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     return subprocess.run(
         [sys.executable, "-m", "peer", *args], capture_output=True, text=True, env=env, timeout=timeout_s
     )
@@ -54,8 +55,21 @@ def test_status_lists_the_peers_without_training(procs, tmp_path):
     table = run_cli("status", "--initial-peers", addr, "--run-id", manifest.run_id)
     assert table.returncode == 0, table.stderr
     assert f"run {manifest.run_id} ({manifest.name}): 2 live peer(s)" in table.stdout
+    # piped: every column whole (issue #68 item 6), one line per peer; the swarm's round is the median
+    header = next(line for line in table.stdout.splitlines() if "peer id" in line)
+    for column in ("status", "device", "round", "inner step", "train loss", "val loss @ round", "record age"):
+        assert column in header, table.stdout
     for peer_id in ids:
-        assert peer_id in table.stdout
+        [row] = [line for line in table.stdout.splitlines() if peer_id in line]
+        assert " live " in row, table.stdout
+    assert "…" not in table.stdout and "swarm: median round " in table.stdout, table.stdout
+    # what it does, said on stderr as it goes: no silent wait (issue #68 item 4)
+    said = [line for line in table.stderr.splitlines() if line.startswith("peer status: ")]
+    assert [line.split(",")[0] for line in said] == [
+        "peer status: loading hivemind",
+        "peer status: starting a client DHT node",
+        "peer status: reading the runs and the peers' progress records",
+    ], table.stderr
 
 
 def status_json(addr: str, run_id: str) -> dict:

@@ -171,3 +171,32 @@ def test_a_peer_says_each_step_in_order_stops_on_sigint_leaving_no_process_and_r
         rf"^round {reached + 1} \|"
     ), again.lines
     assert not [line for line in again.lines if "warning" in line.lower()], again.lines
+
+
+def test_peer_swarm_says_what_its_peers_do_before_their_first_round(texts, tmp_path):
+    """Issue #68 item 4: between "bootstrap node at" and the first round, the launcher forwards each
+    peer's status lines (it read only their rounds before: 10 to 17 s of silence), in the order a
+    peer goes through them. The seconds between lines are the bench's (bench/waits.py), not asserted."""
+    swarm = TextProcess(
+        "peer", "swarm", "--preset", "tiny", "--peers", "2", "--rounds", "1", "--workdir", str(tmp_path / "swarm"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    texts.append(swarm)
+    first_round = swarm.wait_line(r"^peer-\d \| round 1 \|", 300)
+    order = [
+        r"^local swarm: reading the data of run tiny$",
+        r"^local swarm: starting the bootstrap node$",
+        r"^bootstrap node at /ip4/127\.0\.0\.1/",
+        r"^peer-0 \| peer join: loading torch and hivemind$",
+        r"^peer-0 \| starting the DHT node on ",
+        r"^peer-0 \| looking for the swarm's run$",
+        r"^peer-0 \| reading the (data of run|run's data)",
+        r"^peer-0 \| building the model and starting the averager$",
+        r"^peer-0 \| started: peer \w+ on cpu",
+        r"^peer-0 \| training: ",
+    ]
+    at = [swarm.index(p) for p in order]
+    assert at == sorted(at) and at[-1] < first_round, swarm.lines
+    for peer in ("peer-0", "peer-1"):  # every peer's, not one peer's for all
+        assert swarm.index(rf"^{peer} \| building the model") < first_round, swarm.lines
+    assert swarm.popen.wait(300) == 0, swarm.lines

@@ -33,6 +33,8 @@ PACKAGES = ("peer", "protocol", "bootstrap")
 # commands from paying for it; `peer join` prints "loading torch and hivemind" before its import.
 FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("peer.cli", "peer.node"): "`peer join` only: torch and hivemind (the round loop, the averager)",
+    ("peer.cli_common", "peer.net.dht"): "`configure_logging` quiets hivemind's logs: hivemind, imported after "
+    "a command's first line (at import it delayed every `peer` command's first line by 2 to 6 s)",
     ("peer.cli_tools", "peer.doctor"): "`peer doctor` only: torch (model, inner loop, device probe)",
     ("peer.cli_tools", "peer.status"): "`peer status` only: hivemind, through peer/net/dht_node.py (start_dht)",
     ("peer.cli_tools", "peer.train.data"): "`peer data prepare` only: torch (the token cache's tensors)",

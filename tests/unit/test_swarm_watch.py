@@ -91,3 +91,66 @@ def test_the_summary_gives_the_exit_code_the_error_line_gives():
     )
     summary = build_summary(swarm, SwarmConfig(), 1.0)
     assert [p["exit_code"] for p in summary["peers"]] == [137, 130, None]
+
+
+def test_until_their_first_round_the_peers_status_lines_are_forwarded_and_a_silence_is_filled(monkeypatch):
+    """Issue #68 item 4: the launcher prints each peer's status line as it comes, and when none
+    came for HEARTBEAT_S, one line saying what each peer not yet training is doing; from every
+    peer's first round on, only the rounds."""
+    import json
+    import threading
+    import time
+
+    from peer import swarm as swarm_module
+    from peer.events import Event
+
+    monkeypatch.setattr(swarm_module, "HEARTBEAT_S", 0.2)
+    swarm = _swarm({"peer-0": _Child(0), "peer-1": _Child(0)})
+    swarm.events = queue.Queue()
+
+    def event(kind: str, **fields) -> Event:
+        return Event.parse(json.dumps({"event": kind, "time": 0.0, **fields}))
+
+    round_fields = dict(
+        round=1, train_loss=2.5, tokens_per_s=100.0, group_size=2, sync_s=0.1, bytes_sent=0, bytes_received=0, peers=2
+    )
+
+    def feed() -> None:
+        put = swarm.events.put
+        put(("peer-0", event("status", message="peer join: loading torch and hivemind")))
+        put(("peer-1", event("status", message="peer join: loading torch and hivemind")))
+        put(("peer-0", event("status", message="building the model and starting the averager")))
+        time.sleep(0.7)  # nothing for a while: the launcher says what each peer does
+        put(("peer-0", event("round", **round_fields)))
+        put(("peer-1", event("status", message="training: the first round starts")))
+        time.sleep(0.5)
+        put(("peer-1", event("round", **round_fields)))
+        time.sleep(0.7)  # both train: a quiet spell between rounds is not filled
+        put(("peer-1", event("status", message="re-synced")))  # after its first round: not forwarded
+        put(("peer-0", None))
+        put(("peer-1", None))
+
+    threading.Thread(target=feed, daemon=True).start()
+    out = io.StringIO()
+    _watch(swarm, Console(file=out, width=300))
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == [
+        "peer-0 | peer join: loading torch and hivemind",
+        "peer-1 | peer join: loading torch and hivemind",
+        "peer-0 | building the model and starting the averager",
+    ], lines
+    waiting = [line for line in lines if line.startswith("local swarm: ")]
+    assert waiting and waiting[0].startswith(
+        "local swarm: 0/2 peer(s) finished a round; peer-0: building the model and starting the averager; "
+        "peer-1: peer join: loading torch and hivemind ("
+    ), lines
+    first_round = next(i for i, line in enumerate(lines) if line.startswith("peer-0 | round 1 |"))
+    assert lines.index(waiting[0]) < first_round
+    after_all = next(i for i, line in enumerate(lines) if line.startswith("peer-1 | round 1 |"))
+    between = lines[first_round:after_all]
+    assert "peer-1 | training: the first round starts" in between, lines
+    assert any(
+        line.startswith("local swarm: 1/2 peer(s) finished a round; peer-1: training: the first round")
+        for line in between
+    )
+    assert not [line for line in lines[after_all:] if line.startswith("local swarm: ") or "re-synced" in line], lines

@@ -102,3 +102,28 @@ def test_catching_up_says_what_it_waits_for_when_donors_are_still_in_their_sync(
     catchup.CatchUp.wait_until_past(t, 7, ["a"])
     what = "waiting for 1 peer(s) to finish the sync of round 7 (up to 300 s), to download the state they hold after it"
     assert said == [("enter", what), ("exit", what)] and len(polls) == 3
+
+
+def test_off_a_terminal_a_peer_says_its_first_round_still_trains_until_that_rounds_line(capsys):
+    """Issue #68 item 4: a first round on a busy CPU took 75 s with no line on a pipe or in a log;
+    now a line every few seconds says it trains and at which inner step, until the round's line."""
+    from peer.reporting import Reporter
+
+    out = io.StringIO()  # not a terminal
+    reporter = Reporter("text", out, live_steps=True)
+    reporter.tick_until_first_round(every_s=0.01)
+    reporter.step(round_=0, step=3, steps=20, loss=4.9, tokens_per_s=100.0)
+    deadline = time.monotonic() + 30  # hang guard only
+    while "inner step 3 of 20" not in capsys.readouterr().err and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert time.monotonic() < deadline, "no line while the first round trained"
+    reporter.emit("round", round=1, train_loss=4.2, tokens_per_s=100.0, group_size=1, sync_s=0.0, bytes_sent=0, peers=1)
+    capsys.readouterr()
+    time.sleep(0.05)  # the round's line came: no more
+    assert capsys.readouterr().err == ""
+    assert out.getvalue().startswith("round 1 | loss 4.200")
+
+    json_reporter = Reporter("json", io.StringIO())
+    json_reporter.tick_until_first_round(every_s=0.01)  # JSON: the launcher says it, not the peer
+    time.sleep(0.05)
+    assert capsys.readouterr().err == ""
