@@ -1,36 +1,53 @@
-"""Benchmark: 8 peers of which 1 (then 2) are malicious, loss at equal tokens against the clean run,
-on the round engine (issues #17, #51 item 7).
+"""Benchmark: 8 peers of which 1 (then 2) are malicious, loss at equal tokens against the clean run
+and the floor (the same peers never syncing), on the round engine (issues #17, #51 item 7, #65).
 
-    nice -n 5 python bench/byzantine.py [--rounds 10] [--seeds 0 1] [--algorithms diloco noloco]
-        [--attacks ...] [--malicious 1 2] [--jobs 2] [--resume]
+    nice -n 5 python bench/byzantine.py [--rounds 10] [--seeds 0 1 2] [--algorithms diloco noloco]
+        [--schedules none delayed] [--attacks ...] [--malicious 1 2] [--plain] [--jobs 2] [--resume]
 
 Every run is lab/engine_sim.py: 8 real round loops (peer/round/ ``Trainer``) in threads over the
 in-process hub, which deals each group's pieces to owners and screens and checks them as the
 network's all-reduce does (peer/sync/inprocess_means.py); lab/adversary.py's hooks forge what the
 malicious peers contribute, the means they send as owners (per receiver), the records they publish
 and the states they serve. The manifest is bench/compare.py's (its inner lr, fixed global batch,
-cosine schedule ending with the run), so every run trains on the same tokens.
+cosine schedule ending with the run; default horizon 10 rounds × its H = 25), so every run trains on
+the same tokens; ``--schedules`` sets ``sync.overlap`` per row (``delayed``: with the landings
+pinned where the lockstep defines them, lab/engine_sim.py ``pinned_timing``).
 
-Each result row compares the honest peers' final validation loss (the mean of each honest peer's
-own loss, bits per byte) with the clean run of the same seed and algorithm (8 honest peers, the
-hub screening as the network does): ``loss_change`` is (attacked − clean) / clean, a fraction,
-averaged over seeds. ``takeovers`` counts, summed over seeds, the honest peers' adoptions of a
-state the attacker forged plus the honest peers whose final φ is not finite or whose loss exceeds
-:data:`TAKEOVER_LOSS_FACTOR` × the clean run's; ``non_finite_rounds`` the rounds at whose end an
-honest φ was not finite; ``honest_exits`` the honest round loops that raised or stopped early.
-``clean_overhead`` is (clean, screened − clean, plain mean) / clean plain mean, averaged over
-algorithms and seeds. ``sybil`` holds the rows of bench/results/sybil.json (bench/sybil.py: the
-record floods on real DHT nodes, a run of its own), copied with the issue's keys. ``--attacks bogus-announcement`` also runs bench/byzantine_announce.py (real DHT nodes
-on 127.0.0.1); a joiner's run choice has no loss, so those results go to the detail file only.
+Per algorithm, schedule and seed it runs ``clean`` (8 honest peers, the hub screening as the
+network does) and, per schedule and seed, ``independent``: the same 8 peers under
+``sync.algorithm = "independent"`` (peer/train/outer.py ``Independent``: a group of one, φ ← θ every
+round; no change to lab/ was needed), which never syncs and so serves DiLoCo and NoLoCo alike.
+``independent_change`` is (independent − clean) / clean, the cost of not averaging: a horizon where
+it is small cannot tell a defence from none. Each attack row compares the honest peers' final
+validation loss (the mean of each honest peer's own loss, bits per byte) with the clean run of the
+same seed, algorithm and schedule: ``loss_change`` is (attacked − clean) / clean, a fraction,
+averaged over seeds, ``loss_change_spread`` its (min, max) over seeds. ``takeovers`` counts, summed
+over seeds, the honest peers' adoptions of a state the attacker forged plus the honest peers whose
+final φ is not finite or whose loss exceeds :data:`TAKEOVER_LOSS_FACTOR` × the clean run's;
+``non_finite_rounds`` the rounds at whose end an honest φ was not finite; ``honest_exits`` the honest
+round loops that raised or stopped early. The detail file's ``goal_met`` judges each row against
+issue #65 item 4 (:data:`GOALS`). ``clean_overhead`` is (clean, screened − clean, plain mean) /
+clean plain mean, averaged over the pairs run (``--plain``). ``sybil`` holds the rows of
+bench/results/sybil.json (bench/sybil.py: the record floods on real DHT nodes, a run of its own),
+copied with the issue's keys. ``lying-receipts`` is not an engine row: the in-process hub has no
+receipts on the wire, and a receipt whose digest differs from the receiver's without the owner's
+seal changes nothing (peer/sync/receipts.py ``verdict``), so its row (:data:`LYING_RECEIPTS`) is the
+real-peer measurement of tests/security/test_lying_receipts_swarm.py. ``--attacks
+bogus-announcement`` also runs bench/byzantine_announce.py (real DHT nodes on 127.0.0.1); a joiner's
+run choice has no loss, so those results go to the detail file only.
 
-Writes ``bench/results/byzantine.json`` with the issue's keys only, and
-``bench/results/byzantine.detail.json`` with every run, the definitions and the config. Prints a
-markdown table for docs/benchmarks.md.
+Writes ``bench/results/byzantine.json`` with the issue's keys (``source``, ``commit``, ``device``,
+``command``, ``horizon``, ``clean_loss``, ``independent_change``, ``results``, ``sybil``,
+``clean_overhead``), and ``bench/results/byzantine.detail.json`` with every run, the per-seed
+figures, the definitions and the config. ``--resume`` keeps the detail file's runs of the same
+commit (``git rev-parse HEAD``, ``-dirty`` when the tree has changes) and config only, and names the
+invocations it kept runs of in ``command``. Prints a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +55,7 @@ import multiprocessing
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +65,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
 from lab.adversary import ATTACKS, Adversary
-from lab.engine_sim import run_engine_simulation
+from lab.engine_sim import EngineResult, pinned_timing, run_engine_simulation
 from peer.train.data import load_corpus
 from protocol.errors import ManifestError
 from protocol.manifest import RunManifest
@@ -65,6 +83,11 @@ TAKEOVER = (
     "run's (same seed and algorithm)"
 )
 BOGUS = "bogus-announcement"
+INDEPENDENT = "independent"
+"""The floor's rows: the same 8 peers never syncing (``sync.algorithm = "independent"``)."""
+SCHEDULES = ("none", "delayed")
+"""``sync.overlap`` values a row can run under (blocking, and DiLoCo/NoLoCo's delayed landing)."""
+SPREAD = "(min, max) over seeds of the per-seed (attacked - clean) / clean"
 
 
 def _train(
@@ -79,34 +102,32 @@ def _train(
     screening: bool,
     threads: int,
     matchmaking_s: float,
+    schedule: str = "none",
 ) -> dict:
     """One engine run; the malicious peers are the last ``malicious`` of :data:`PEERS` (who owns which
-    piece is drawn per group, as matchmaking orders a group)."""
+    piece is drawn per group, as matchmaking orders a group). ``attack`` :data:`INDEPENDENT`: the same
+    peers under ``sync.algorithm = "independent"`` (peer/train/outer.py ``Independent``: group size 1,
+    φ ← θ every round), the floor; ``algorithm`` then only labels the row it is the floor of."""
     torch.set_num_threads(threads)
     logging.getLogger("peer").setLevel(logging.ERROR)
-    m = manifest_for(base, algorithm, PEERS, seed, bench["global_batch_tokens"], rounds)
+    method = "independent" if attack == INDEPENDENT else algorithm
+    m = manifest_for(base, method, PEERS, seed, bench["global_batch_tokens"], rounds)
+    m = m.replace(sync={"overlap": schedule})
     adversary = None
-    if attack is not None:
+    if attack not in (None, INDEPENDENT):
         adversary = Adversary(
             attack=attack,
             peers=tuple(range(PEERS - malicious, PEERS)),
             fresh_identities=FRESH_IDENTITIES if attack == "fake-progress" else 0,
         )
-    r = run_engine_simulation(
-        m,
-        load_corpus(base.data),
-        peers=PEERS,
-        rounds=rounds,
-        seed=seed,
-        eval_every_rounds=rounds,
-        screening=screening,
-        adversary=adversary,
-        matchmaking_s=matchmaking_s,
-    )
+    # overlap's landings pinned where the lockstep defines them (each run is its own process's only one)
+    with pinned_timing() if schedule != "none" else contextlib.nullcontext():
+        r = _engine(m, base, rounds, seed, screening, adversary, matchmaking_s)
     h = r.history[-1]
     return {
         "attack": attack or "none",
         "algorithm": algorithm,
+        "schedule": schedule,
         "malicious": malicious,
         "seed": seed,
         "screening": screening,
@@ -122,6 +143,28 @@ def _train(
     }
 
 
+def _engine(
+    m: RunManifest,
+    base: RunManifest,
+    rounds: int,
+    seed: int,
+    screening: bool,
+    adversary: Adversary | None,
+    matchmaking_s: float,
+) -> EngineResult:
+    return run_engine_simulation(
+        m,
+        load_corpus(base.data),
+        peers=PEERS,
+        rounds=rounds,
+        seed=seed,
+        eval_every_rounds=rounds,
+        screening=screening,
+        adversary=adversary,
+        matchmaking_s=matchmaking_s,
+    )
+
+
 def _takeovers(run: dict, clean_bpb: float) -> int:
     losses = run["per_peer_bpb"] or [run["final_bpb"]]
     broken = sum(1 for x in losses if not math.isfinite(x) or x > TAKEOVER_LOSS_FACTOR * clean_bpb)
@@ -129,7 +172,14 @@ def _takeovers(run: dict, clean_bpb: float) -> int:
 
 
 def _key(run: dict) -> tuple:
-    return (run["attack"] or "none", run["algorithm"], run["malicious"], run["seed"], run["screening"])
+    return (
+        run["attack"] or "none",
+        run["algorithm"],
+        run.get("schedule", "none"),
+        run["malicious"],
+        run["seed"],
+        run["screening"],
+    )
 
 
 SYBIL_KEYS = ("records", "algorithm", "grouped_rounds_frac", "rss_growth_mib")
@@ -145,77 +195,275 @@ def sybil_rows(path: Path) -> tuple[list[dict], dict]:
     return rows, {"from": path.name, "command": data.get("command"), "setup": data.get("setup")}
 
 
-def summarize(runs: list[dict]) -> tuple[list[dict], float | None, list[dict]]:
-    """(rows with the issue's keys, clean_overhead, detail rows with per-seed figures)."""
-    clean = {(r["algorithm"], r["seed"]): r["final_bpb"] for r in runs if r["attack"] == "none" and r["screening"]}
-    plain = {(r["algorithm"], r["seed"]): r["final_bpb"] for r in runs if r["attack"] == "none" and not r["screening"]}
+GOALS = {1: (0.015, 1 / 3), 2: (0.03, 1 / 2)}
+"""Issue #65 item 4, per malicious count: (the most loss_change may be, the largest fraction of the
+independent row's cost it may be)."""
+LYING_RECEIPTS = {
+    "attack": "lying-receipts",
+    "algorithm": "diloco",
+    "schedule": "none",
+    "peers": 4,
+    "malicious": 1,
+    "loss_change": 0.0053,
+    "loss_change_spread": None,
+    "seeds": 1,
+    "takeovers": None,
+    "non_finite_rounds": None,
+    "honest_exits": 0,
+    "measured_on": "real peers (tests/security/test_lying_receipts_swarm.py)",
+    "note": "tiny preset, 3 honest + 1 liar of 4, 8 rounds, vs a clean swarm of 4 (two clean runs were 2.3 % "
+    "apart); every peer exited 0, takeovers and non-finite rounds not counted there (None); on the "
+    "in-process hub there are no receipts on the wire and a receipt whose digest differs from the receiver's "
+    "without the owner's seal is ignored (peer/sync/receipts.py verdict), so an engine row would equal clean",
+}
+"""The lying-receipts row: measured on real peers, not on the engine (see the module docstring)."""
+
+
+def _spread(xs: list[float]) -> list[float]:
+    return [min(xs), max(xs)]
+
+
+def goal_met(malicious: int, loss_change: float, independent_change: float | None, counts: dict) -> bool | None:
+    """Whether a row meets issue #65 item 4's goal: ``loss_change`` at most :data:`GOALS`' bound and
+    below that fraction of the independent row's cost, and no takeover, non-finite round or honest
+    exit; None where there is no goal (more than 2 malicious) or no independent row to compare with."""
+    if malicious not in GOALS or independent_change is None:
+        return None
+    bound, fraction = GOALS[malicious]
+    clean_counts = not (counts["takeovers"] or counts["non_finite_rounds"] or counts["honest_exits"])
+    return loss_change <= bound and loss_change < fraction * independent_change and clean_counts
+
+
+def baselines(runs: list[dict]) -> tuple[dict, dict]:
+    """(clean final loss per (algorithm, schedule, seed), independent per (schedule, seed)), bits per
+    byte; the screening-on runs only. The independent run does not depend on the algorithm (it never
+    syncs: peer/train/outer.py ``Independent``), so one per schedule and seed serves DiLoCo and NoLoCo."""
+    clean = {
+        (r["algorithm"], r.get("schedule", "none"), r["seed"]): r["final_bpb"]
+        for r in runs
+        if r["attack"] == "none" and r["screening"]
+    }
+    independent = {
+        (r.get("schedule", "none"), r["seed"]): r["final_bpb"]
+        for r in runs
+        if r["attack"] == INDEPENDENT and r["screening"]
+    }
+    return clean, independent
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The table of ``runs`` (engine runs as :func:`_train` returns them).
+
+    Returns:
+        dict with ``rows`` (the issue's keys: one ``clean`` and one ``independent`` row per algorithm
+        and schedule, then the attacks; ``loss_change`` the mean over seeds of (run − clean) / clean
+        of the same seed, ``loss_change_spread`` its (min, max) over seeds; the clean row's is the
+        seeds' spread of clean itself, (clean_s − mean) / mean), ``detail`` (the same rows with the
+        per-seed figures, the independent cost they are judged against and ``goal_met``),
+        ``clean_loss`` and ``independent_change`` per (algorithm, schedule) and
+        ``clean_overhead`` ((screened − plain) / plain over the clean runs that have a plain twin).
+    """
+    clean, independent = baselines(runs)
+    plain = {
+        (r["algorithm"], r.get("schedule", "none"), r["seed"]): r["final_bpb"]
+        for r in runs
+        if r["attack"] == "none" and not r["screening"]
+    }
     paired = sorted(set(clean) & set(plain))
     overhead = statistics.fmean((clean[k] - plain[k]) / plain[k] for k in paired) if paired else None
-    rows, detail = [], []
-    keys = sorted(
-        {(r["attack"], r["algorithm"], r["malicious"]) for r in runs if r["attack"] != "none" and r["screening"]},
-        key=lambda k: (ATTACKS.index(k[0]), ALGORITHMS.index(k[1]), k[2]),
+    rows: list[dict] = []
+    detail: list[dict] = []
+    clean_loss: dict[str, float] = {}
+    independent_change: dict[str, float] = {}
+    settings = sorted(
+        {(a, s) for a, s, _ in clean},
+        key=lambda k: (ALGORITHMS.index(k[0]), SCHEDULES.index(k[1]) if k[1] in SCHEDULES else 99),
     )
-    for attack, algorithm, malicious in keys:
+    for algorithm, schedule in settings:
+        seeds = sorted(seed for a, s, seed in clean if (a, s) == (algorithm, schedule))
+        losses = [clean[(algorithm, schedule, seed)] for seed in seeds]
+        mean = statistics.fmean(losses)
+        name = f"{algorithm}/{schedule}"
+        clean_loss[name] = mean
+        base = {"algorithm": algorithm, "schedule": schedule, "peers": PEERS, "malicious": 0}
+        zero = {"takeovers": 0, "non_finite_rounds": 0, "honest_exits": 0}
+        own = [(x - mean) / mean for x in losses]
+        rows.append(
+            {
+                "attack": "clean",
+                **base,
+                "loss_change": 0.0,
+                "loss_change_spread": _spread(own),
+                "seeds": len(seeds),
+                **zero,
+            }
+        )
+        detail.append({**rows[-1], "seeds_run": seeds, "final_bpb_per_seed": losses})
+        both = [seed for seed in seeds if (schedule, seed) in independent]
+        if both:
+            changes = [
+                (independent[(schedule, seed)] - clean[(algorithm, schedule, seed)])
+                / clean[(algorithm, schedule, seed)]
+                for seed in both
+            ]
+            independent_change[name] = statistics.fmean(changes)
+            rows.append(
+                {
+                    "attack": INDEPENDENT,
+                    **base,
+                    "loss_change": independent_change[name],
+                    "loss_change_spread": _spread(changes),
+                    "seeds": len(both),
+                    **zero,
+                }
+            )
+            detail.append(
+                {
+                    **rows[-1],
+                    "seeds_run": both,
+                    "loss_change_per_seed": changes,
+                    "final_bpb_per_seed": [independent[(schedule, seed)] for seed in both],
+                    "clean_bpb_per_seed": [clean[(algorithm, schedule, seed)] for seed in both],
+                }
+            )
+    keys = sorted(
+        {
+            (r["attack"], r["algorithm"], r.get("schedule", "none"), r["malicious"])
+            for r in runs
+            if r["attack"] not in ("none", INDEPENDENT) and r["screening"]
+        },
+        key=lambda k: (ATTACKS.index(k[0]), ALGORITHMS.index(k[1]), SCHEDULES.index(k[2]), k[3]),
+    )
+    for attack, algorithm, schedule, malicious in keys:
         mine = sorted(
             (
                 r
                 for r in runs
-                if (r["attack"], r["algorithm"], r["malicious"]) == (attack, algorithm, malicious)
+                if (r["attack"], r["algorithm"], r.get("schedule", "none"), r["malicious"])
+                == (attack, algorithm, schedule, malicious)
                 and r["screening"]
-                and (algorithm, r["seed"]) in clean
+                and (algorithm, schedule, r["seed"]) in clean
             ),
             key=lambda r: r["seed"],
         )
         if not mine:  # its clean run is not done yet
             continue
-        base = [clean[(algorithm, r["seed"])] for r in mine]
-        changes = [(r["final_bpb"] - c) / c for r, c in zip(mine, base)]
+        base_bpb = [clean[(algorithm, schedule, r["seed"])] for r in mine]
+        changes = [(r["final_bpb"] - c) / c for r, c in zip(mine, base_bpb)]
+        counts = {
+            "takeovers": sum(_takeovers(r, c) for r, c in zip(mine, base_bpb)),
+            "non_finite_rounds": sum(r["non_finite_rounds"] for r in mine),
+            "honest_exits": sum(r["honest_exits"] for r in mine),
+        }
         rows.append(
             {
                 "attack": attack,
                 "algorithm": algorithm,
+                "schedule": schedule,
                 "peers": PEERS,
                 "malicious": malicious,
                 "loss_change": statistics.fmean(changes),
-                "takeovers": sum(_takeovers(r, c) for r, c in zip(mine, base)),
-                "non_finite_rounds": sum(r["non_finite_rounds"] for r in mine),
-                "honest_exits": sum(r["honest_exits"] for r in mine),
+                "loss_change_spread": _spread(changes),
+                "seeds": len(mine),
+                **counts,
             }
         )
+        floor = independent_change.get(f"{algorithm}/{schedule}")
         detail.append(
             {
                 **rows[-1],
-                "seeds": [r["seed"] for r in mine],
+                "seeds_run": [r["seed"] for r in mine],
                 "loss_change_per_seed": changes,
                 "final_bpb_per_seed": [r["final_bpb"] for r in mine],
-                "clean_bpb_per_seed": base,
+                "clean_bpb_per_seed": base_bpb,
+                "independent_change": floor,
+                "goal_met": goal_met(malicious, rows[-1]["loss_change"], floor, counts),
                 "counts": [r["counts"] for r in mine],
             }
         )
-    return rows, overhead, detail
+    return {
+        "rows": rows,
+        "detail": detail,
+        "clean_loss": clean_loss,
+        "independent_change": independent_change,
+        "clean_overhead": overhead,
+    }
 
 
-def markdown(rows: list[dict], detail: list[dict], overhead: float | None) -> str:
+def headline(summary: dict) -> tuple[float | None, float | None]:
+    """(clean_loss, independent_change) of blocking DiLoCo (the issue's top-level figures), or of the
+    first setting measured; None where not measured."""
+    if not summary["clean_loss"]:
+        return None, None
+    name = "diloco/none" if "diloco/none" in summary["clean_loss"] else next(iter(summary["clean_loss"]))
+    return summary["clean_loss"][name], summary["independent_change"].get(name)
+
+
+def markdown(summary: dict) -> str:
+    """The table for docs/benchmarks.md: every row with its per-seed figures, spread and goal."""
     lines = [
         (
-            "| attack | algorithm | malicious of N | loss change vs clean (mean over seeds) | per seed | takeovers "
-            "| non-finite rounds | honest exits |"
+            "| attack | algorithm | schedule | malicious of N | loss change vs clean (mean) | per seed "
+            "| spread (min, max) | takeovers | non-finite rounds | honest exits | goal met |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row, d in zip(rows, detail):
-        per_seed = ", ".join(f"{100 * x:+.2f} %" for x in d["loss_change_per_seed"])
+    for d in summary["detail"]:
+        per_seed = ", ".join(f"{100 * x:+.2f} %" for x in d.get("loss_change_per_seed", []))
+        if d["attack"] == "clean":
+            per_seed = ", ".join(f"{x:.4f}" for x in d["final_bpb_per_seed"]) + " bpb"
+        lo, hi = d["loss_change_spread"]
+        goal = d.get("goal_met")
         lines.append(
-            f"| {row['attack']} | {row['algorithm']} | {row['malicious']} of {row['peers']} | "
-            f"{100 * row['loss_change']:+.2f} % | {per_seed} | {row['takeovers']} | {row['non_finite_rounds']} "
-            f"| {row['honest_exits']} |"
+            f"| {d['attack']} | {d['algorithm']} | {d['schedule']} | {d['malicious']} of {d['peers']} | "
+            f"{100 * d['loss_change']:+.2f} % | {per_seed} | {100 * lo:+.2f} %, {100 * hi:+.2f} % | {d['takeovers']} "
+            f"| {d['non_finite_rounds']} | {d['honest_exits']} | {'—' if goal is None else ('yes' if goal else 'no')} |"
         )
-    if overhead is not None:
+    if summary["clean_overhead"] is not None:
         lines.append(
-            f"\nclean_overhead (hub screening as the network vs plain mean, no attacker): {100 * overhead:+.3f} %"
+            "\nclean_overhead (hub screening as the network vs plain mean, no attacker): "
+            f"{100 * summary['clean_overhead']:+.3f} %"
         )
     return "\n".join(lines)
+
+
+def git_commit(root: Path) -> str:
+    """``git rev-parse HEAD`` of ``root``, with ``-dirty`` when its tree has changes; ``unknown``
+    where git is not there."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def device_name(jobs: int, threads: int) -> str:
+    """The CPU (model from /proc/cpuinfo, cores), no GPU, torch, and how the runs shared it."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return (
+        f"{model}, {multiprocessing.cpu_count()} cores (shared), no GPU, torch {torch.__version__}, "
+        f"{jobs} run(s) at once, {threads} thread(s) each"
+    )
+
+
+def resumable(earlier: dict, *, commit: str, config: dict) -> tuple[list[dict], int]:
+    """The runs of an earlier detail file that ``--resume`` may keep: those of ``commit`` (a run of
+    another commit, or of none, is never mixed in), and the number left out.
+
+    Raises:
+        ValueError: the earlier file holds runs of another manifest or round count.
+    """
+    if earlier.get("config") != config:
+        raise ValueError("it holds runs of another manifest or round count")
+    runs = earlier.get("runs", [])
+    kept = [r for r in runs if r.get("commit") == commit]
+    return kept, len(runs) - len(kept)
 
 
 def _train_task(task: tuple[RunManifest, dict, dict]) -> dict:
@@ -227,14 +475,104 @@ def _stop(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def write_results(
+    out: Path,
+    runs: list[dict],
+    *,
+    commit: str,
+    device: str,
+    command: str,
+    rounds: int,
+    inner_steps: int,
+    config: dict,
+    complete: bool,
+    announcements: list[dict],
+    wall_s: float,
+) -> dict:
+    """Write ``out`` (the issue's keys) and the detail file next to it from ``runs`` (every run of one
+    commit), and return :func:`summarize`'s summary of them."""
+    detail_path = out.with_name(out.stem + ".detail.json")
+    summary = summarize(runs)
+    clean_loss, independent_change = headline(summary)
+    sybil, sybil_source = sybil_rows(out.parent / "sybil.json")
+    out.write_text(
+        json.dumps(
+            {
+                "source": "engine",
+                "commit": commit,
+                "device": device,
+                "command": command,
+                "horizon": {"rounds": rounds, "inner_steps": inner_steps},
+                "clean_loss": clean_loss,
+                "independent_change": independent_change,
+                "results": [*summary["rows"], LYING_RECEIPTS],
+                "sybil": sybil,
+                "clean_overhead": summary["clean_overhead"],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    detail_path.write_text(
+        json.dumps(
+            {
+                "source": "engine",
+                "commit": commit,
+                "device": device,
+                "command": command,
+                "horizon": {"rounds": rounds, "inner_steps": inner_steps},
+                "results": [*summary["detail"], LYING_RECEIPTS],
+                "clean_loss": summary["clean_loss"],
+                "independent_change": summary["independent_change"],
+                "clean_overhead": summary["clean_overhead"],
+                "sybil": sybil_source,
+                "announcements": announcements,
+                "units": {
+                    "loss_change": "fraction: (attacked - clean) / clean, final val bits per byte, mean over "
+                    "the honest peers' own losses, mean over seeds",
+                    "loss_change_spread": SPREAD,
+                    "independent_change": "fraction: (independent - clean) / clean, mean over seeds, per "
+                    "algorithm/schedule (the independent run of a schedule and seed serves both algorithms)",
+                    "clean_loss": "final val bits per byte of the clean run, mean over seeds",
+                    "clean_overhead": "fraction: (hub screening - plain mean) / plain mean, no attacker",
+                },
+                "goals": {
+                    f"{k} malicious": f"loss_change <= {b} and < {f:.3f} x independent_change, 0 takeovers, "
+                    "0 non-finite rounds, 0 honest exits"
+                    for k, (b, f) in GOALS.items()
+                },
+                "takeover_definition": TAKEOVER,
+                "complete": complete,
+                "rounds": rounds,
+                "config": config,
+                "runs": runs,
+                "wall_s_total": wall_s,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path(__file__).with_name("compare.toml"))
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
-    parser.add_argument("--attacks", nargs="+", choices=[*ATTACKS, BOGUS], default=list(ATTACKS))
+    parser.add_argument(
+        "--schedules", nargs="+", choices=SCHEDULES, default=["none"], help="sync.overlap of the runs (rows per value)"
+    )
+    parser.add_argument(
+        "--attacks",
+        nargs="*",
+        choices=[*ATTACKS, BOGUS],
+        default=list(ATTACKS),
+        help="none given: the clean and independent runs only",
+    )
     parser.add_argument("--malicious", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--plain", action="store_true", help="also the clean runs with the plain mean (clean_overhead)")
     parser.add_argument("--jobs", type=int, default=2, help="engine runs at once (separate processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     parser.add_argument(
@@ -251,8 +589,8 @@ def main() -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the runs of an earlier invocation with the same manifest and rounds (read from the "
-        "detail file next to --out) and run only the others",
+        help="keep the runs of earlier invocations at this commit with the same manifest and rounds (read "
+        "from the detail file next to --out; runs of another commit are dropped) and run only the others",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -265,17 +603,30 @@ def main() -> None:
         parser.error(str(exc))
     corpus_or_exit(parser, base.data, args.config)
     start = time.perf_counter()
+    commit = git_commit(Path(__file__).resolve().parents[1])
+    device = device_name(args.jobs, args.threads)
+    command = " ".join(["python", *sys.argv])
     attacks = [a for a in args.attacks if a != BOGUS]
-    # seed-major: an interrupted invocation has every attack at the first seed
+    # seed-major: an interrupted invocation has every row at the first seed
     work = []
     for s in args.seeds:
-        for algorithm in args.algorithms:
-            work += [dict(attack=None, algorithm=algorithm, malicious=0, seed=s, screening=sc) for sc in (True, False)]
-            work += [
-                dict(attack=a, algorithm=algorithm, malicious=k, seed=s, screening=True)
-                for a in attacks
-                for k in args.malicious
-            ]
+        for schedule in args.schedules:
+            work.append(
+                dict(
+                    attack=INDEPENDENT, algorithm="independent", schedule=schedule, malicious=0, seed=s, screening=True
+                )
+            )
+            for algorithm in args.algorithms:
+                clean_modes = (True, False) if args.plain else (True,)
+                work += [
+                    dict(attack=None, algorithm=algorithm, schedule=schedule, malicious=0, seed=s, screening=sc)
+                    for sc in clean_modes
+                ]
+                work += [
+                    dict(attack=a, algorithm=algorithm, schedule=schedule, malicious=k, seed=s, screening=True)
+                    for a in attacks
+                    for k in args.malicious
+                ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     detail_path = args.out.with_name(args.out.stem + ".detail.json")
     config = json.loads(
@@ -288,12 +639,17 @@ def main() -> None:
     )
     runs: list[dict] = []
     if args.resume and detail_path.exists():
-        earlier = json.loads(detail_path.read_text())
-        if earlier.get("config") != config:
-            parser.error(f"--resume: {detail_path} holds runs of another manifest or round count")
-        wanted = {_key(w) for w in work}
-        runs = [r for r in earlier.get("runs", []) if _key(r) in wanted]
-        print(f"kept {len(runs)} run(s) from {detail_path}", flush=True)
+        try:
+            runs, dropped = resumable(json.loads(detail_path.read_text()), commit=commit, config=config)
+        except ValueError as exc:
+            parser.error(f"--resume: {detail_path}: {exc}")
+        print(
+            f"kept {len(runs)} run(s) of {commit} from {detail_path}, left out {dropped} of other commits", flush=True
+        )
+        if runs:  # the invocations whose runs this one keeps come first in its command
+            earlier_command = json.loads(detail_path.read_text()).get("command")
+            if earlier_command and command not in earlier_command.split(" && "):
+                command = f"{earlier_command} && {command}"
     announcements: list[dict] = []
     if BOGUS in args.attacks:
         from bench.byzantine_announce import announcement_attack
@@ -305,41 +661,20 @@ def main() -> None:
     done = {_key(r) for r in runs}
     todo = [w for w in work if _key(w) not in done]
 
-    def write() -> tuple[list[dict], list[dict], float | None]:
-        rows, overhead, detail = summarize(runs)
-        sybil, sybil_source = sybil_rows(args.out.parent / "sybil.json")
-        args.out.write_text(
-            json.dumps({"source": "engine", "results": rows, "sybil": sybil, "clean_overhead": overhead}, indent=1)
-            + "\n"
+    def write() -> dict:
+        return write_results(
+            args.out,
+            runs,
+            commit=commit,
+            device=device,
+            command=command,
+            rounds=args.rounds,
+            inner_steps=base.sync.inner_steps,
+            config=config,
+            complete={_key(w) for w in work} <= {_key(r) for r in runs},
+            announcements=announcements,
+            wall_s=time.perf_counter() - start,
         )
-        detail_path.write_text(
-            json.dumps(
-                {
-                    "source": "engine",
-                    "results": detail,
-                    "clean_overhead": overhead,
-                    "sybil": sybil_source,
-                    "announcements": announcements,
-                    "units": {
-                        "loss_change": "fraction: (attacked - clean) / clean, final val bits per byte, mean over "
-                        "the honest peers' own losses",
-                        "clean_overhead": "fraction: (hub screening - plain mean) / plain mean, no attacker",
-                    },
-                    "takeover_definition": TAKEOVER,
-                    "complete": {_key(w) for w in work} <= {_key(r) for r in runs},
-                    "command": " ".join(["python", *sys.argv]),
-                    "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores, shared), torch "
-                    f"{torch.__version__}, {args.jobs} run(s) at once, {args.threads} thread(s) each",
-                    "rounds": args.rounds,
-                    "config": config,
-                    "runs": runs,
-                    "wall_s_total": time.perf_counter() - start,
-                },
-                indent=1,
-            )
-            + "\n"
-        )
-        return rows, detail, overhead
 
     # a pool whose workers end with this process: SIGTERM (`timeout`, kill) raises here and the
     # finally terminates them (a ProcessPoolExecutor's spawned workers outlived a killed parent)
@@ -351,9 +686,10 @@ def main() -> None:
             for w in todo
         ]
         for r in pool.imap_unordered(_train_task, tasks):
+            r["commit"] = commit
             runs.append(r)
             print(
-                f"{r['attack']} {r['algorithm']} ({r['malicious']} malicious, screening "
+                f"{r['attack']} {r['algorithm']} {r['schedule']} ({r['malicious']} malicious, screening "
                 f"{'on' if r['screening'] else 'off'}) seed {r['seed']}: {r['final_bpb']:.4f} bpb, "
                 f"adopted forged {r['adopted_forged']}, non-finite rounds {r['non_finite_rounds']}, "
                 f"exits {r['honest_exits']}, {r['counts']} ({r['wall_s']:.0f} s)",
@@ -364,9 +700,9 @@ def main() -> None:
     finally:
         pool.terminate()
         pool.join()
-    rows, detail, overhead = write()
+    summary = write()
     print()
-    print(markdown(rows, detail, overhead))
+    print(markdown(summary))
     print(f"\nwrote {args.out} and {detail_path}; total wall {time.perf_counter() - start:.0f} s")
 
 

@@ -289,6 +289,35 @@ REGISTRY: dict[str, Entry] = {
         ],
         extra=("byzantine.detail.json",),
     ),
+    "byzantine-delayed": Entry(
+        "Byzantine peers, delayed sync",
+        "Change in validation loss (fraction, mean over seeds, with its (min, max) over seeds) and takeovers "
+        "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
+        "is the same peers never syncing (the floor: what averaging is worth at this horizon). Round engine, "
+        "8 peers, sync.overlap = delayed (its own commit: bench/results/byzantine.json has the blocking rows). "
+        "The `lying-receipts` row is the real-peer one of the blocking file, repeated.",
+        "python bench/byzantine.py --algorithms diloco --schedules delayed --attacks owner-small-flip --malicious 1 "
+        "--seeds 0 1 2 --jobs 2 --threads 1 --out bench/results/byzantine-delayed.json --resume",
+        [
+            Table(
+                key("results"),
+                [
+                    ("attack", "attack"),
+                    ("algorithm", "algorithm"),
+                    ("schedule", "schedule"),
+                    ("malicious", "malicious"),
+                    ("peers", "peers"),
+                    ("loss_change", "loss change"),
+                    ("loss_change_spread", "spread (min, max)"),
+                    ("seeds", "seeds"),
+                    ("takeovers", "takeovers"),
+                    ("non_finite_rounds", "non-finite rounds"),
+                    ("honest_exits", "honest exits"),
+                ],
+            )
+        ],
+        extra=("byzantine-delayed.detail.json",),
+    ),
     "overlap": Entry(
         "Overlapping each sync with the next round",
         "Utilization (the swarm's tokens/s over the same peers' tokens/s with no sync, measured in the same "

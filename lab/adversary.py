@@ -14,6 +14,27 @@ its group's mean, and the token weight it claims for it:
   cannot tell it from an honest contribution);
 * ``zeros``: all zeros (nothing to clip: it only dilutes the mean).
 
+Two more are written after papers, as the strongest contribution that passes the owners' clip
+(peer/sync/screening.py ``CLIP_MEDIAN_FACTOR``: 3 × the piece's median norm, a strike per clip, the
+groupmate ignored after 3): the colluders pool their own honest payloads of the same sync (the
+engine's hook waits up to :data:`COLLUDE_WAIT_S` for each other's; lab/sim_mean.py's ``forge`` sees
+one payload, the 1-colluder case), and each sends the same forged vector:
+
+* ``alie`` ("A Little Is Enough", arXiv 1902.06156): μ − z·σ per coordinate, μ and σ the mean and
+  the standard deviation (population) over the colluders' payloads. With one colluder there is no
+  spread to measure, so σ is its own payload's magnitude |μ| per coordinate (the honest peers' Δ
+  differ per coordinate by about their own size: their cosines are well under 1). z is the larger of
+  the paper's z_max = Φ⁻¹((n − s) / n), s = ⌊n/2 + 1⌋ − m (n = :data:`ALIE_GROUP` = 8: 0 for m = 1,
+  0.32 for m = 2; chosen against coordinate-wise median and trimmed mean) and the z that puts the
+  vector's norm at :data:`COLLUDE_NORM_FACTOR` × the colluders' mean own norm, tensor by tensor: the
+  code's screening judges norms, not coordinates, so the paper's z leaves most of the room unused;
+* ``ipm`` (Inner Product Manipulation, arXiv 1903.03936): −ε × the mean of the colluders' own honest
+  payloads, ε = :data:`IPM_EPSILON` (0.5: the paper's scale, far under the clip; subclip-flip's
+  contribution is the same vector at ε = 2.5 with one colluder).
+
+NoLoCo: both forge the Δ part only (φ honest: NoLoCo's owners leave out a φ under cosine 0.2 or off
+by 2× in norm).
+
 Each of them claims ``claimed_tokens`` (1e30 by default) as its weight: without the owner's token
 cap, that alone makes the weighted mean equal the attacker's payload.
 
@@ -71,7 +92,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,7 +110,9 @@ from protocol.wire.pieces import Piece
 
 logger = logging.getLogger(__name__)
 
-GRADIENT_ATTACKS = ("sign-flip", "huge", "noise", "zeros")
+COLLUDING = ("alie", "ipm")
+"""Gradient attacks whose malicious peers pool their honest payloads before forging."""
+GRADIENT_ATTACKS = ("sign-flip", "huge", "noise", "zeros", *COLLUDING)
 OWNER_ATTACKS = (
     "owner-flip",
     "owner-flip-x100",
@@ -121,6 +146,16 @@ SMALL_PIECE = 256
 GRIND_BITS = 8
 """``tie-break``: leading zero bits of the forged state's digest (issue #51 used 12; 8 beats an honest
 digest with probability 255/256 at 1/16 of the grinding)."""
+ALIE_GROUP = 8
+"""``alie``: the n of the paper's z_max (bench/byzantine.py's 8 peers, one group)."""
+COLLUDE_NORM_FACTOR = 2.5
+"""``alie``: the forged tensor's norm, as a multiple of the colluders' mean own norm of it: under the
+owners' clip at 3 × the median norm (an honest median is about a colluder's own norm)."""
+IPM_EPSILON = 0.5
+"""``ipm``: the ε of −ε × the colluders' mean."""
+COLLUDE_WAIT_S = 10.0
+"""Engine: how long a colluder waits for the others' payloads of the same sync before forging from
+those it has."""
 HUGE_VALUE = 3e38
 """Just under fp32's largest finite value (3.4028e38)."""
 SIGN_FLIP_FACTOR = -100.0
@@ -197,7 +232,16 @@ class Adversary:
             return [SUBCLIP_FACTOR * t.float() for t in payload]
         if self.attack == "cosine":
             return [at_cosine(t.float(), CONTRIBUTION_COSINE, generator) for t in payload]
+        if self.attack in COLLUDING:
+            return self.collude([payload], malicious=len(self.peers))
         return list(payload)
+
+    def collude(self, payloads: Sequence[Sequence[torch.Tensor]], *, malicious: int) -> list[torch.Tensor]:
+        """``alie`` or ``ipm``'s vector from the colluders' honest ``payloads`` (one list of tensors
+        each, alike in shapes), for ``malicious`` colluders in a group of :data:`ALIE_GROUP`."""
+        if self.attack == "alie":
+            return alie(payloads, z_min=alie_z(ALIE_GROUP, malicious))
+        return ipm(payloads)
 
     def forge_mean(self, mean: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The mean a malicious owner sends its groupmates for one piece instead of ``mean`` (the
@@ -244,6 +288,47 @@ def at_cosine(x: torch.Tensor, cosine: float, generator: torch.Generator) -> tor
     return (cosine * flat + math.sqrt(1 - cosine**2) * r).to(torch.float32).reshape(x.shape)
 
 
+def alie_z(n: int, m: int) -> float:
+    """The paper's z_max (arXiv 1902.06156, section 3): s = ⌊n/2 + 1⌋ − m honest peers the colluders
+    need "on their side", z = Φ⁻¹((n − s) / n); s is held at ≥ 1 (more colluders than that need no
+    subtlety)."""
+    s = max(1, n // 2 + 1 - m)
+    return statistics.NormalDist().inv_cdf((n - s) / n)
+
+
+def z_for_norm(mu: torch.Tensor, sigma: torch.Tensor, target: float) -> float:
+    """The z ≥ 0 at which ‖μ − z·σ‖ = ``target`` (0 where ‖μ‖ is already at least that or σ = 0)."""
+    mu64, sigma64 = mu.double().flatten(), sigma.double().flatten()
+    a = float(sigma64 @ sigma64)
+    b = float(mu64 @ sigma64)
+    c = float(mu64 @ mu64) - target**2
+    if not a > 0 or c >= 0:
+        return 0.0
+    return (b + math.sqrt(b * b - a * c)) / a
+
+
+def alie(
+    payloads: Sequence[Sequence[torch.Tensor]], *, z_min: float, norm_factor: float = COLLUDE_NORM_FACTOR
+) -> list[torch.Tensor]:
+    """ALIE's μ − z·σ, tensor by tensor (see the module docstring): μ, σ the mean and population
+    standard deviation over ``payloads`` (σ = |μ| for one), z = max(``z_min``, the z at which the
+    norm is ``norm_factor`` × the payloads' mean norm of that tensor). fp32, the payloads' shapes."""
+    out = []
+    for tensors in zip(*payloads, strict=True):
+        x = torch.stack([t.float() for t in tensors])
+        mu = x.mean(0)
+        sigma = x.std(0, correction=0) if len(tensors) > 1 else mu.abs()
+        target = norm_factor * statistics.fmean(float(torch.linalg.vector_norm(t.double())) for t in x)
+        z = max(z_min, z_for_norm(mu, sigma, target))
+        out.append((mu - z * sigma).float())
+    return out
+
+
+def ipm(payloads: Sequence[Sequence[torch.Tensor]], *, epsilon: float = IPM_EPSILON) -> list[torch.Tensor]:
+    """IPM's −ε × the mean over ``payloads``, tensor by tensor (fp32, the payloads' shapes)."""
+    return [-epsilon * torch.stack([t.float() for t in tensors]).mean(0) for tensors in zip(*payloads, strict=True)]
+
+
 def _seeded(*parts: object) -> torch.Generator:
     """A generator seeded from ``parts`` (stable across processes and thread orders)."""
     return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
@@ -273,6 +358,8 @@ class EngineAdversary:
         self.forged_means = 0
         """Means forged so far (owner attacks), for the bench's detail."""
         self._lock = threading.Lock()
+        self._pooled = threading.Condition(self._lock)
+        self._pool: dict[int, dict[str, list[torch.Tensor]]] = {}  # sync count -> colluder -> honest payload
         self._syncs: dict[str, int] = {}
         self._states: dict[int, Any] = {}  # round -> the forged snapshot published for it
 
@@ -286,11 +373,31 @@ class EngineAdversary:
         with self._lock:
             count = self._syncs[peer_id] = self._syncs.get(peer_id, 0) + 1
         generator = _seeded(peer_id, count)
+        if a.attack in COLLUDING:
+            cut = len(payload) if phi_from is None else phi_from  # NoLoCo: its Δ only
+            return self._collude(peer_id, count, payload[:cut]) + payload[cut:], a.claimed_tokens
         if a.attack == "cosine" and phi_from is not None:  # NoLoCo: only its φ is sent off
             forged = payload[:phi_from] + a.forge(payload[phi_from:], generator)
         else:
             forged = a.forge(payload, generator)
         return forged, a.claimed_tokens
+
+    def _collude(self, peer_id: str, count: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The colluders' forged vector for their ``count``-th sync: waits (up to
+        :data:`COLLUDE_WAIT_S`) for every colluder's honest payload of that sync, then forges from
+        those of ``payload``'s shapes that came."""
+        deadline = time.monotonic() + COLLUDE_WAIT_S
+        with self._pooled:
+            pool = self._pool.setdefault(count, {})
+            pool[peer_id] = payload
+            self._pooled.notify_all()
+            while len(pool) < len(self.malicious) and time.monotonic() < deadline:
+                self._pooled.wait(max(0.0, deadline - time.monotonic()))
+            shapes = [t.shape for t in payload]
+            mine = [p for _, p in sorted(pool.items()) if [t.shape for t in p] == shapes]
+            for old in [k for k in self._pool if k < count - 2]:
+                del self._pool[old]
+        return self.adversary.collude(mine, malicious=len(self.malicious))
 
     def owner_mean(self, owner: str, receiver: str, piece: Piece, mean: torch.Tensor, phi: bool) -> torch.Tensor:
         a = self.adversary

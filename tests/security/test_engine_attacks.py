@@ -116,3 +116,12 @@ def test_forged_states_in_the_records_are_not_adopted(corpus, attack, malicious)
     _held(result, PEERS - len(malicious))
     assert result.screening["forged_states"] > 0  # the forged records were published
     assert result.takeovers == 0
+
+
+@pytest.mark.parametrize("attack", ["alie", "ipm"])
+def test_alie_and_ipm_from_one_of_four_leave_every_honest_phi_finite_and_training(corpus, attack):
+    """One malicious peer of four sends ALIE's μ − z·σ (σ = |μ|, at 2.5x its norm) or IPM's −0.5x its
+    Δ, claiming 1e30 tokens: the honest peers finish, stay finite and train. (Two colluders of four
+    sending IPM's vector leave every honest φ where it started: every piece's mean is zero, each
+    round's Δ carried into the next; bench/byzantine.py's ipm row with 2 of 8: +12.7 %. Issue #65.)"""
+    _held(_run(corpus, attack, malicious=(3,)), PEERS - 1)

@@ -1,0 +1,127 @@
+"""bench/byzantine.py's summary on synthetic runs: the independent row's cost, the spread over
+seeds, the goal column, and ``--resume`` keeping only the current commit's runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.byzantine import (
+    INDEPENDENT,
+    LYING_RECEIPTS,
+    goal_met,
+    headline,
+    markdown,
+    resumable,
+    summarize,
+)
+
+COUNTS = {"takeovers": 0, "non_finite_rounds": 0, "honest_exits": 0}
+
+
+def _run(attack: str, seed: int, bpb: float, *, malicious: int = 0, algorithm: str = "diloco", **kw) -> dict:
+    return {
+        "attack": attack,
+        "algorithm": algorithm,
+        "schedule": kw.get("schedule", "none"),
+        "malicious": malicious,
+        "seed": seed,
+        "screening": True,
+        "final_bpb": bpb,
+        "per_peer_bpb": [bpb],
+        "adopted_forged": 0,
+        "non_finite_rounds": kw.get("non_finite_rounds", 0),
+        "honest_exits": 0,
+        "counts": {},
+        "commit": kw.get("commit", "abc"),
+    }
+
+
+CLEAN = {0: 3.0, 1: 3.1, 2: 2.9}
+INDEP = {0: 3.15, 1: 3.162, 2: 3.016}  # +5 %, +2 %, +4 %: mean 3.667 %
+ATTACKED = {0: 3.03, 1: 3.1, 2: 2.929}  # +1 %, 0 %, +1 %
+
+
+def _runs() -> list[dict]:
+    runs = [_run("none", s, b) for s, b in CLEAN.items()]
+    runs += [_run(INDEPENDENT, s, b, algorithm="independent") for s, b in INDEP.items()]
+    runs += [_run("alie", s, b, malicious=1) for s, b in ATTACKED.items()]
+    return runs
+
+
+def test_the_independent_row_is_its_cost_over_clean_per_seed_averaged():
+    summary = summarize(_runs())
+    assert summary["independent_change"]["diloco/none"] == pytest.approx((0.05 + 0.02 + 0.04) / 3)
+    assert summary["clean_loss"]["diloco/none"] == pytest.approx(3.0)
+    rows = {r["attack"]: r for r in summary["rows"]}
+    assert rows[INDEPENDENT]["loss_change_spread"] == pytest.approx([0.02, 0.05])
+    assert rows[INDEPENDENT]["seeds"] == 3
+    # the clean row: 0 by definition, its spread the seeds' own spread around their mean
+    assert rows["clean"]["loss_change"] == 0.0
+    assert rows["clean"]["loss_change_spread"] == pytest.approx([-0.1 / 3, 0.1 / 3])
+    assert headline(summary) == pytest.approx((3.0, (0.05 + 0.02 + 0.04) / 3))
+
+
+def test_an_attack_row_has_its_spread_and_is_judged_against_the_independent_cost():
+    summary = summarize(_runs())
+    row = next(r for r in summary["rows"] if r["attack"] == "alie")
+    assert set(row) == {
+        "attack",
+        "algorithm",
+        "schedule",
+        "peers",
+        "malicious",
+        "loss_change",
+        "loss_change_spread",
+        "seeds",
+        "takeovers",
+        "non_finite_rounds",
+        "honest_exits",
+    }
+    assert row["loss_change"] == pytest.approx(0.02 / 3)
+    assert row["loss_change_spread"] == pytest.approx([0.0, 0.01])
+    detail = next(d for d in summary["detail"] if d["attack"] == "alie")
+    # +0.67 % <= 1.5 % and < 3.667 % / 3
+    assert detail["goal_met"] is True
+    assert detail["loss_change_per_seed"] == pytest.approx([0.01, 0.0, 0.01])
+    assert "| alie | diloco | none | 1 of 8 | +0.67 % |" in markdown(summary)
+
+
+def test_a_row_without_its_clean_or_independent_run_is_not_judged():
+    runs = [r for r in _runs() if r["attack"] != INDEPENDENT]
+    summary = summarize(runs)
+    assert summary["independent_change"] == {}
+    assert next(d for d in summary["detail"] if d["attack"] == "alie")["goal_met"] is None
+    assert summarize([_run("alie", 0, 3.0, malicious=1)])["rows"] == []  # no clean: no row
+
+
+@pytest.mark.parametrize(
+    "malicious,change,independent,counts,met",
+    [
+        (1, 0.014, 0.045, COUNTS, True),
+        (1, 0.016, 0.100, COUNTS, False),  # over +1.5 %
+        (1, 0.012, 0.030, COUNTS, False),  # over a third of the floor's cost
+        (2, 0.029, 0.060, COUNTS, True),
+        (2, 0.029, 0.050, COUNTS, False),  # over half of it
+        (1, 0.0, 0.05, {**COUNTS, "non_finite_rounds": 1}, False),
+        (3, 0.0, 0.05, COUNTS, None),
+    ],
+)
+def test_goal_met(malicious, change, independent, counts, met):
+    assert goal_met(malicious, change, independent, counts) is met
+
+
+def test_resume_keeps_only_the_current_commits_runs():
+    config = {"sync": {"inner_steps": 25}}
+    runs = [_run("none", 0, 3.0, commit="abc"), _run("none", 1, 3.0, commit="old"), _run("none", 2, 3.0)]
+    del runs[2]["commit"]  # a run of a file written before commits were recorded
+    kept, dropped = resumable({"config": config, "runs": runs}, commit="abc", config=config)
+    assert [r["seed"] for r in kept] == [0] and dropped == 2
+    kept, dropped = resumable({"config": config, "runs": runs}, commit="new-dirty", config=config)
+    assert kept == [] and dropped == 3
+    with pytest.raises(ValueError, match="another manifest"):
+        resumable({"config": {"sync": {"inner_steps": 10}}, "runs": runs}, commit="abc", config=config)
+
+
+def test_the_lying_receipts_row_names_where_it_was_measured():
+    assert LYING_RECEIPTS["measured_on"] == "real peers (tests/security/test_lying_receipts_swarm.py)"
+    assert LYING_RECEIPTS["seeds"] == 1
