@@ -148,8 +148,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         self.phi_from, self.pair, self.whole_delta = phi_from, is_pair(phi_from, n), whole_delta
         self._tallies: dict[int, PairTally] = {}  # a pair's receiver: per owner, its whole Δ so far
         self._reference: dict[bool, float] = {}  # :meth:`_rms`, the unit of the receivers' norm floor
-        self._small: dict[int, SmallPieces] = {}
-        """Per owner, its small Δ pieces' means as this peer received them, judged together."""
+        self._small: dict[int, SmallPieces] = {}  # per owner: its small Δ pieces' means, judged together
         self._sent: dict[int, torch.Tensor] = {}
         """Per piece sent to another owner: this peer's contribution as that owner decodes it (bf16
         for lossy codecs, to halve the copy), to check the owner's mean against."""
@@ -561,9 +560,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             except Exception as exc:
                 errors.append(f"reducing own pieces: {type(exc).__name__}: {exc}")
                 self.close()  # senders waiting for our means get an ABORT
-        # The means this peer owes its senders are written by serve()'s tasks, which may not have
-        # run yet: wait for them (all together bounded by one next-chunk timeout) so that the stats returned,
-        # which the round's report reads now, count every byte this exchange sends.
+        # serve()'s tasks may still be writing the means this peer owes: wait (one next-chunk timeout
+        # in all) so that the stats the round's report reads count every byte this exchange sends.
         writing = [t for t in self._mean_writers if not t.done()]
         if writing:
             await asyncio.wait(writing, timeout=self.timeout)
