@@ -55,7 +55,6 @@ import multiprocessing
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,6 +63,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
+from bench.provenance import git_commit
 from lab.adversary import ATTACKS, Adversary
 from lab.engine_sim import EngineResult, pinned_timing, run_engine_simulation
 from peer.train.data import load_corpus
@@ -425,17 +425,6 @@ def markdown(summary: dict) -> str:
             f"{100 * summary['clean_overhead']:+.3f} %"
         )
     return "\n".join(lines)
-
-
-def git_commit(root: Path) -> str:
-    """``git rev-parse HEAD`` of ``root``, with ``-dirty`` when its tree has changes; ``unknown``
-    where git is not there."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
 def device_name(jobs: int, threads: int) -> str:

@@ -53,6 +53,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench/ is repo tooling
+from bench.provenance import git_commit  # noqa: E402
+
 FIRST_STEP = r"^(training from round \d+, inner step \d+ of \d+|eval \(initial\) at round \d+)"
 """The line after which a peer's first inner step starts: the one saying where it trains from (on a
 CPU its initial evaluation of φ then runs alongside); before that line existed, its initial evaluation's."""
@@ -194,7 +197,11 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     if args.fresh_cache:
         env["LOCOSWARM_CACHE_DIR"] = str(tmp / "cache")
-    r: dict = {"device": f"{os.cpu_count()}-core CPU, no GPU", "load_average_start": os.getloadavg()[0]}
+    r: dict = {
+        "commit": git_commit(ROOT),
+        "device": f"{os.cpu_count()}-core CPU, no GPU",
+        "load_average_start": os.getloadavg()[0],
+    }
     procs: list[Watched] = []
     try:
         print("bootstrap run")
