@@ -7,15 +7,17 @@ its receipts, state served and downloaded, NoLoCo's exchange, matchmaking, shard
 received together, since metered plans count both. Not counted: the DHT's own RPCs (a few KB a
 round) and shard downloads (read on the main process's streams, which are not wrapped).
 
-The policy (:func:`decide`), at each sync, from the bytes of the last 24 h plus what the last sync
-cost (``used``: as it would stand after this sync) and the day's pro-rata share (``allowance``: the
-budget × the part of the day the ledger covers, at least an hour's):
+The policy (:func:`decide`), at each sync, from the bytes of the last 24 h (``used``), what the
+costliest sync so far took (``cost``: ``used + cost`` is the use as it would stand after this
+sync) and the day's pro-rata share (``allowance``: the budget × the part of the day the ledger
+covers, at least an hour's):
 
-* ``used ≥ budget``: sit out (the hard cap);
-* ``used ≥ allowance``: sit out, except every :data:`MAX_ROUNDS_SAT_OUT` + 1-th round, which syncs
-  (with the stronger codec) so that φ does not drift from the swarm for longer, while ``used`` is
-  under :data:`STALE_SYNC_MARGIN` × allowance (so that those syncs do not spend the rest of the
-  day's budget in its first hours);
+* ``used + cost ≥ budget``: sit out (the hard cap: no sync takes the day over the budget);
+* ``used + cost ≥ allowance``: sit out, except every :data:`MAX_ROUNDS_SAT_OUT` + 1-th round, which
+  syncs (with the stronger codec) so that φ does not drift from the swarm for longer, while ``used``
+  (before that sync) is under :data:`STALE_SYNC_MARGIN` × allowance (so that those syncs do not
+  spend the rest of the day's budget in its first hours): a peer within 5 % of its share syncs at
+  least every fifth round, whatever one sync costs;
 * else sync; from :data:`STRONGER_AT` × the allowance on, with a stronger codec: this peer's
   contributions and the means it owns go out with peer/sync/pieces.py ``stronger_compression``
   (fp32 and 16-bit runs send int8, int8 runs int4; the wire takes it, encodings being
@@ -130,16 +132,18 @@ def allowance_bytes(budget_bytes: float, covered_s: float) -> float:
     return budget_bytes * min(1.0, max(covered_s, MIN_SHARE_S) / DAY_S)
 
 
-def decide(*, used: float, budget: float, covered_s: float, rounds_sat_out: int) -> str:
+def decide(*, used: float, cost: float = 0.0, budget: float, covered_s: float, rounds_sat_out: int) -> str:
     """'sync', 'stronger' (sync, with a stronger codec where the run allows one) or 'sit_out' (see
-    the module's docstring). ``used`` and ``budget`` in bytes; ``rounds_sat_out``: in a row, so far."""
-    if used >= budget:
+    the module's docstring). ``used`` (the last 24 h), ``cost`` (what this sync may take) and
+    ``budget`` in bytes; ``rounds_sat_out``: in a row, so far."""
+    after = used + cost
+    if after >= budget:
         return "sit_out"
     allowance = allowance_bytes(budget, covered_s)
-    if used >= allowance:  # past the share: the syncs kept against staleness go out stronger too
+    if after >= allowance:  # past the share: the syncs kept against staleness go out stronger too
         stale = rounds_sat_out >= MAX_ROUNDS_SAT_OUT
         return "stronger" if stale and used < STALE_SYNC_MARGIN * allowance else "sit_out"
-    return "stronger" if used >= STRONGER_AT * allowance else "sync"
+    return "stronger" if after >= STRONGER_AT * allowance else "sync"
 
 
 class BudgetedTransport:
@@ -198,7 +202,8 @@ class BudgetedTransport:
     def _decision(self) -> str:
         self.account()
         self.last_decision = decide(
-            used=sum(self.ledger.used()) + self.most_sync_bytes,  # as it would stand after this sync
+            used=sum(self.ledger.used()),
+            cost=self.most_sync_bytes,  # what this sync may take: the costliest so far
             budget=self.budget,
             covered_s=self.ledger.covered_s(),
             rounds_sat_out=self.rounds_sat_out,

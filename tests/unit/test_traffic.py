@@ -73,6 +73,18 @@ def test_policy_steps_from_sync_to_stronger_to_sitting_out() -> None:
     assert decide(used=25e9, budget=budget, covered_s=DAY_S, rounds_sat_out=MAX_ROUNDS_SAT_OUT) == "sit_out"
 
 
+def test_a_peer_within_the_margin_syncs_every_fifth_round_whatever_a_sync_costs() -> None:
+    """Issue #68: 3 % over the share, a sync costing 5 % of it sat out 10 rounds in a row (the rule
+    compared the use after the sync with the margin); the margin is now on the use before it."""
+    budget, covered = 24e9, 12 * 3600  # allowance 12 GB
+    used, cost = 1.03 * 12e9, 0.05 * 12e9
+    decisions = [decide(used=used, cost=cost, budget=budget, covered_s=covered, rounds_sat_out=k) for k in range(5)]
+    assert decisions == ["sit_out"] * MAX_ROUNDS_SAT_OUT + ["stronger"]
+    # past the margin it sits out, and no sync ever takes the day over the budget
+    assert decide(used=1.06 * 12e9, cost=cost, budget=budget, covered_s=covered, rounds_sat_out=4) == "sit_out"
+    assert decide(used=23.5e9, cost=1e9, budget=budget, covered_s=DAY_S, rounds_sat_out=4) == "sit_out"
+
+
 class FakeTransport:
     def __init__(self, pacer: Pacer, bytes_per_sync: int) -> None:
         self.pacer, self.bytes_per_sync = pacer, bytes_per_sync
@@ -102,14 +114,14 @@ def test_budgeted_transport_sits_out_and_keeps_the_day_under_budget(tmp_path) ->
     rounds = 24 * 60  # a round a minute for a day
     synced_at: list[int] = []
     for _ in range(rounds):
-        # the use as it would stand after this sync (the last sync's cost added)
-        used, allowance = sum(ledger.used()) + t.most_sync_bytes, allowance_bytes(2e9, ledger.covered_s())
+        # the use before this sync, and what it may cost
+        used, cost, allowance = sum(ledger.used()), t.most_sync_bytes, allowance_bytes(2e9, ledger.covered_s())
         try:
             assert t.average([]) == "mean"
         except GroupNotFound as exc:
             assert "--max-gb-per-day 2" in str(exc)
             # φ stale for more than MAX_ROUNDS_SAT_OUT rounds only where a sync would overrun the margin
-            assert t.rounds_sat_out <= MAX_ROUNDS_SAT_OUT or used >= min(2e9, STALE_SYNC_MARGIN * allowance)
+            assert t.rounds_sat_out <= MAX_ROUNDS_SAT_OUT or used >= STALE_SYNC_MARGIN * allowance or used + cost >= 2e9
         clock.now += 60
         used = sum(ledger.used())
         assert used <= 2e9 + inner.bytes_per_sync * 2  # one sync may cross it, none after
