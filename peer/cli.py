@@ -355,8 +355,8 @@ def join(
                 activation_checkpointing=activation_checkpointing,
             ),
         )
-        if max_upload_mbit is not None or max_gb_per_day is not None:
-            pacing.install(max_upload_mbit)  # before the DHT and averager processes fork: they share it
+        if cfg.max_upload_mbit is not None or cfg.max_gb_per_day is not None:
+            pacing.install(cfg.max_upload_mbit)  # before the DHT and averager processes fork: they share it
         stop = threading.Event()
         with StopOnSignal(stop):
             code, _ = run_join(cfg, reporter, stop)
