@@ -39,7 +39,15 @@ def _helper_dht_class():
             bind_subprocesses_to_this_process()  # p2pd dies with this process
             _decode_found_values_one_by_one()
             dht_storage.install()  # at most MAX_ENTRIES_STORED entries per key, stored or cached
-            super().run()
+            try:
+                super().run()
+            except (EOFError, ConnectionError) as exc:
+                # hivemind's request loop fetches each request's reply pipe from its sender's
+                # process; a sender killed mid-request (the averager, by the OOM killer) leaves
+                # nothing to fetch it from, and the loop ends. The peer stops for that helper's
+                # death (peer/net/lifetime.py): end with one line, not a traceback.
+                logger.warning("DHT process stops: a request's sender died before its reply pipe arrived (%r)", exc)
+                raise SystemExit(1) from None
 
         async def _shutdown(self) -> None:
             # When p2pd is gone first (a service manager signals every process of the unit),
