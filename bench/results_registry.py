@@ -71,6 +71,21 @@ OVERLAP_VARIANTS = {
     "overlap_shift": "the 'shift' merge",
 }
 
+BYZANTINE_COLUMNS = [
+    ("attack", "attack"),
+    ("algorithm", "algorithm"),
+    ("schedule", "schedule"),
+    ("malicious", "malicious"),
+    ("peers", "peers"),
+    ("loss_change", "loss change"),
+    ("loss_change_spread", "spread (min, max)"),
+    ("seeds", "seeds"),
+    ("takeovers", "takeovers"),
+    ("non_finite_rounds", "non-finite rounds"),
+    ("honest_exits", "honest exits"),
+]
+"""The columns of bench/byzantine.py's rows, blocking and delayed alike."""
+
 REGISTRY: dict[str, Entry] = {
     "gpu": Entry(
         "The inner loop on a GPU",
@@ -272,19 +287,7 @@ REGISTRY: dict[str, Entry] = {
         [
             Table(
                 key("results"),
-                [
-                    ("attack", "attack"),
-                    ("algorithm", "algorithm"),
-                    ("schedule", "schedule"),
-                    ("malicious", "malicious"),
-                    ("peers", "peers"),
-                    ("loss_change", "loss change"),
-                    ("loss_change_spread", "spread (min, max)"),
-                    ("seeds", "seeds"),
-                    ("takeovers", "takeovers"),
-                    ("non_finite_rounds", "non-finite rounds"),
-                    ("honest_exits", "honest exits"),
-                ],
+                BYZANTINE_COLUMNS,
             )
         ],
         extra=("byzantine.detail.json",),
@@ -301,19 +304,7 @@ REGISTRY: dict[str, Entry] = {
         [
             Table(
                 key("results"),
-                [
-                    ("attack", "attack"),
-                    ("algorithm", "algorithm"),
-                    ("schedule", "schedule"),
-                    ("malicious", "malicious"),
-                    ("peers", "peers"),
-                    ("loss_change", "loss change"),
-                    ("loss_change_spread", "spread (min, max)"),
-                    ("seeds", "seeds"),
-                    ("takeovers", "takeovers"),
-                    ("non_finite_rounds", "non-finite rounds"),
-                    ("honest_exits", "honest exits"),
-                ],
+                BYZANTINE_COLUMNS,
             )
         ],
         extra=("byzantine-delayed.detail.json",),
