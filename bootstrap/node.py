@@ -116,10 +116,12 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     """Run the node until ``stop`` is set; call ``on_ready(multiaddrs, monitor_url)`` once it listens.
 
     Raises:
-        ConfigError: unusable identity file. NetworkError: a port cannot be bound.
+        ConfigError: unusable identity file, or ``cfg.port`` held by another process (exit 78, the port
+            named: :func:`peer.net.dht_node.check_port_free`). NetworkError: a port cannot be bound.
         HelperDied: the node's DHT process died (exit 75; a service manager restarts the node).
     """
     identity = ensure_identity(cfg.identity_path)
+    dht_node.check_port_free(cfg.host, cfg.port)
     dht = start_relay_dht(
         initial_peers=cfg.initial_peers,
         host=cfg.host,

@@ -46,3 +46,21 @@ def test_an_ownerless_run_is_owned_by_the_key_beside_the_identity_and_keeps_its_
     assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
     owned = draft.with_owner(load_owner_key(key_path, create=False).public_hex)
     assert ids == [owned.run_id, owned.run_id] and isinstance(owned, RunManifest)
+
+
+def test_a_port_in_use_exits_78_naming_the_port(tmp_path):
+    # issue #68 item 7, as `peer join --port`: p2pd's failure to listen must not read as a network fault
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "bootstrap", "run", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--identity", str(tmp_path / "boot.key")]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78, result.stderr
+    assert f"--port {port}: TCP port {port} on 127.0.0.1 is in use" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
