@@ -24,6 +24,24 @@ bit-identical φ whatever it clips. When no contribution is out of line (every d
 :func:`centered_clip` returns the plain weighted mean, summed as :func:`piece_mean` always summed it
 (fp32, sender order): a clean round gives the same bits as before.
 
+CenteredClip bounds how far a contribution pulls the mean, not how much it *shrinks* it. A
+contribution that points against the others at a modest norm (Inner Product Manipulation, Xie,
+Koyejo, Gupta, arXiv 1903.03936: −ε × the honest mean) lies *closer* to the centre than the honest
+contributions when those agree (their distance is their spread; its own is about (1 + ε) × the
+mean's norm), so nothing clips it, and the mean keeps its direction but loses length: 2 of 8 at
+ε = 0.5 leave 5/8 of the honest step, which costs more than not averaging at all. Coordinate-wise
+trimmed mean and median miss it too (in every single coordinate it lies inside the honest spread,
+the paper's point). Along the one direction the outer step moves φ, it is the extreme. So
+:func:`piece_mean` keeps CenteredClip's direction ``u`` and sets the length to the **trimmed mean of
+the contributions' projections on u** (:func:`trimmed_length`; the trimmed mean of Yin, Chen,
+Ramchandran, Bartlett, arXiv 1803.01498, taken along ``u`` instead of per coordinate): the
+:data:`TRIM_FRACTION` lowest and highest projections are left out, so up to that share of the
+group can neither shorten (zeros, IPM, dilution by near-orthogonal vectors) nor stretch the step
+beyond what the honest projections span. Honest contributions of one run agree along ``u`` to a
+few per cent (their projections lie within ±9 % of their median in bench/byzantine.py's clean
+runs), so the length changes little in a clean round; the bits do change (the trimmed mean is
+not the mean).
+
 What it does not bound: the means a lying *owner* sends (the receivers' checks,
 peer/sync/screening.py ``owner_mean_problem``, bound their norm only), and groups under
 :data:`CENTERED_CLIP_MIN_PARTS` (NoLoCo's pairs), which have no majority to centre on.
@@ -131,13 +149,66 @@ def centered_clip(
     return v.float(), sorted(clipped)
 
 
+TRIM_FRACTION = 0.25
+"""Share of a piece's contributions whose projections :func:`trimmed_length` leaves out at each end:
+``⌊0.25 n⌋`` (2 of 8, 1 of 4 to 7), so a quarter of a group, the colluders of issue #65's 2 of 8,
+cannot move the length of the step outside the honest projections' range."""
+
+
+def trimmed_length(
+    parts: Sequence[tuple[float, torch.Tensor]], centre: torch.Tensor, *, trim_fraction: float = TRIM_FRACTION
+) -> torch.Tensor:
+    """``centre`` rescaled to the weighted trimmed mean of the contributions' projections on its
+    direction (see the module docstring; the trimmed mean of arXiv 1803.01498 along ``centre``).
+
+    Each contribution's projection ``p_i = <x_i, centre> / ‖centre‖`` (float64) is ranked by its
+    reference value ``p_i × w_max / w_i`` (a peer that trained fewer tokens has a shorter Δ, as
+    screening.py's ``clip_to_median`` scales norms), ties by sender order; the ``⌊trim_fraction ×
+    n⌋`` lowest and highest are left out and the length is ``Σ w_i p_i / Σ w_i`` over the rest.
+
+    Args:
+        parts: ``(weight > 0, fp32 tensor)`` per contribution, all finite, the shape of ``centre``.
+        centre: fp32, the robust centre (:func:`centered_clip`'s mean).
+        trim_fraction: in [0, 0.5).
+
+    Returns:
+        A new fp32 tensor: ``centre × length / ‖centre‖``; ``centre`` itself (the same object) when
+        fewer than :data:`CENTERED_CLIP_MIN_PARTS` parts, a piece under
+        :data:`CENTERED_CLIP_MIN_ELEMENTS` values, ``centre = 0``, nothing to trim, or a length that
+        is not positive (no agreement along ``centre`` to measure the step by).
+
+    Raises:
+        ValueError: ``trim_fraction`` outside [0, 0.5).
+    """
+    if not 0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction = {trim_fraction}: expected a share in [0, 0.5)")
+    n, cut = len(parts), int(trim_fraction * len(parts))
+    if n < CENTERED_CLIP_MIN_PARTS or centre.numel() < CENTERED_CLIP_MIN_ELEMENTS or cut == 0:
+        return centre
+    direction = centre.flatten().double()
+    size = float(torch.linalg.vector_norm(direction))
+    if not size > 0 or not math.isfinite(size):
+        return centre
+    direction = direction / size
+    heaviest = max(w for w, _ in parts)
+    projections = [float(torch.dot(x.flatten().double(), direction)) for _, x in parts]
+    ranked = sorted(range(n), key=lambda i: (projections[i] * heaviest / parts[i][0], i))
+    kept = ranked[cut : n - cut]
+    length = sum(parts[i][0] * projections[i] for i in kept) / sum(parts[i][0] for i in kept)
+    if not length > 0 or not math.isfinite(length):
+        return centre
+    return (centre.double() * (length / size)).float()
+
+
 def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
     """An owner's mean of one piece (peer/sync/allreduce.py, step 3, before the codec): the contributions clipped to
     the median rule (peer/sync/screening.py ``clip_to_median``), then CenteredClip
     (:func:`centered_clip`, arXiv 2012.10333 Eq. 2: the plain token-weighted mean,
     summed in fp32 in sender order, when no contribution is out of line or fewer than 4 are
-    included). Only the owner computes it and every receiver gets its bytes, so receivers stay
-    bit-identical whatever it clips. The in-process hub (peer/sync/inprocess.py) calls it too.
+    included), its length then set to the trimmed mean of the contributions' projections on it
+    (:func:`trimmed_length`, from 4 contributions). Only the owner computes it and every receiver
+    gets its bytes, so receivers stay bit-identical whatever it clips or trims. The in-process hub
+    (peer/sync/inprocess_means.py) calls it too, in every sync schedule.
 
     Args:
         parts: ``(capped token weight > 0, fp32 tensor)`` per included contribution, all finite, one
@@ -150,4 +221,4 @@ def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tenso
     """
     parts, clipped = clip_to_median(parts)
     mean, _ = centered_clip(parts)
-    return mean, clipped
+    return trimmed_length(parts, mean), clipped

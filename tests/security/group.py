@@ -12,11 +12,13 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from peer.sync.allreduce import GroupAllreduce
 from peer.sync.error_feedback import SyncFeedback, keeps_residuals
 from peer.sync.pieces import GroupPlan
+from peer.sync.robust import piece_mean
 from protocol import codecs
 from protocol.manifest import CompressionSpec
 from protocol.signing import PeerSigner
@@ -165,3 +167,21 @@ def _lying(session, forge):
         return frames.encode_mean(piece.index, included, data), forged, clipped
 
     return mean_of
+
+
+def owner_means(payloads, pieces, weights=None):
+    """What honest owners send for ``pieces`` (a plan's): per piece, peer/sync/robust.py ``piece_mean``
+    of every payload's rows of it (sender order, ``weights`` or equal), written into tensors of the
+    payloads' shapes; rows of no piece stay zero."""
+    weights = [1.0] * len(payloads) if weights is None else weights
+    out = [torch.zeros_like(t, dtype=torch.float32) for t in payloads[0]]
+    for piece in pieces:
+        rows = slice(piece.start, piece.stop)
+        parts = [(float(w), _rows(p[piece.tensor])[rows].float()) for p, w in zip(payloads, weights)]
+        _rows(out[piece.tensor])[rows] = piece_mean(parts)[0]
+    return out
+
+
+def _rows(t):
+    """``t``, a 0-d tensor as one row (a view): the pieces of a scalar parameter."""
+    return t.view(1) if t.dim() == 0 else t

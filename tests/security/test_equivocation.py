@@ -23,7 +23,7 @@ from peer.sync.screening import Strikes
 from peer.sync.suspicion_store import GROUPMATES_FILE, GroupmateMemory
 from protocol.signing import seal_means
 from protocol.wire import allreduce as frames
-from tests.security.group import run_group
+from tests.security.group import owner_means, run_group
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,12 +73,9 @@ def equivocating(honest_streams: int):
     return make
 
 
-def mean_of(ps):
-    return [sum(p[k] for p in ps) / len(ps) for k in range(len(SHAPES))]
-
-
-def check_pieces(sessions, skipped_owner: int, mean):
+def check_pieces(sessions, skipped_owner: int, ps):
     honest = [s for s in sessions if s.plan.my_index != skipped_owner]
+    mean = owner_means(ps, honest[0].plan.pieces)
     for s in honest:
         for piece in s.plan.pieces:
             got = s.tensors[piece.tensor][piece.start : piece.stop]
@@ -96,7 +93,7 @@ def test_an_equivocating_owner_is_caught_and_its_pieces_skipped(honest_streams):
         run_group(payloads(21), [1024] * N, piece_elements=512, sending={LIAR: equivocating(honest_streams)})
     )
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
-    check_pieces(sessions, LIAR, mean_of(payloads(21)))
+    check_pieces(sessions, LIAR, payloads(21))
     for s in sessions[:LIAR]:
         assert s.stats.skipped_owners == {str(LIAR)}
         assert s.stats.equivocators == {str(LIAR)}  # proven by the seal of another receiver's means
@@ -120,7 +117,7 @@ def test_lying_receipts_mark_their_senders_and_skip_no_honest_owner(liars):
     ps = payloads(26)
     sessions, outcomes = asyncio.run(run_group(ps, [1024] * N, piece_elements=512, lying_receipts=liars))
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
-    mean = mean_of(ps)
+    mean = owner_means(ps, sessions[0].plan.pieces)
     for s in sessions:
         if s.plan.my_index in liars:
             continue
@@ -157,7 +154,7 @@ def test_the_equivocator_is_ignored_from_the_next_round():
         )
     )
     assert not any(isinstance(o, BaseException) for o in outcomes[:LIAR]), outcomes
-    check_pieces(sessions, LIAR, mean_of(later[:LIAR]))
+    check_pieces(sessions, LIAR, later[:LIAR])
 
 
 def report(digests, *, refused=(), sealed=None):

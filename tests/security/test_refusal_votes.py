@@ -19,7 +19,7 @@ from peer.sync.pieces import MAX_DISTRUST, SUSPECT_ROUNDS, Suspects, trusted_own
 from peer.sync.receipts import verdict
 from peer.sync.screening import MeanRefusal, owner_mean_problem
 from protocol.manifest import CompressionSpec
-from tests.security.group import run_group
+from tests.security.group import owner_means, run_group
 from tests.security.test_equivocation import report, seal_ok
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,8 +34,9 @@ def payloads(seed: int):
     return [[b + 0.3 * torch.randn(s, generator=gen) for b, s in zip(base, SHAPES)] for _ in range(N)]
 
 
-def honest_mean(ps):
-    return [sum(p[k] for p in ps) / len(ps) for k in range(len(SHAPES))]
+def honest_mean(ps, sessions):
+    """What honest owners send: ``piece_mean`` of ``ps`` per piece of the group's plan."""
+    return owner_means(ps, sessions[0].plan.pieces)
 
 
 def test_the_verdict_counts_refusals_as_votes():
@@ -85,7 +86,7 @@ def test_flipped_owner_means_are_skipped_by_every_peer():
         run_group(ps, [1024] * N, piece_elements=512, max_weight=1024, liars={LIAR: lambda m: -m})
     )
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
-    mean = honest_mean(ps)
+    mean = honest_mean(ps, sessions)
     honest = sessions[:LIAR]
     for s in honest:
         assert s.stats.skipped_owners == {str(LIAR)}
@@ -129,8 +130,8 @@ def test_a_skipped_piece_is_carried_into_the_next_round(codec):
     nxt = payloads(42)[:LIAR]
     second, outcomes = asyncio.run(run_group(nxt, [1024] * LIAR, feedback=feedback[:LIAR], **options))
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
-    both = honest_mean([[a + b for a, b in zip(p, q)] for p, q in zip(nxt, ps)])
-    alone = honest_mean(nxt)
+    both = honest_mean([[a + b for a, b in zip(p, q)] for p, q in zip(nxt, ps)], second)
+    alone = honest_mean(nxt, second)
     tol = 1e-5 if codec == "none" else 0.05
     for t in range(len(SHAPES)):
         want = alone[t].clone()
@@ -169,7 +170,7 @@ def test_one_receiver_refusing_alone_skips_nothing(monkeypatch):
     sessions, outcomes = asyncio.run(run_group(ps, [1024] * N, piece_elements=512, max_weight=1024))
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
     assert sessions[0].stats.refused_pieces > 0  # it did refuse
-    mean = honest_mean(ps)
+    mean = honest_mean(ps, sessions)
     for s in sessions:
         assert not s.stats.skipped_owners
         for got, want, first in zip(s.tensors, mean, sessions[1].tensors):

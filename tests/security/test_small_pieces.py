@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from peer.sync.screening import SmallPieces, small_piece
-from tests.security.group import run_group
+from tests.security.group import owner_means, run_group
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +47,7 @@ def test_an_owner_flipping_its_small_pieces_is_skipped_in_every_schedule(whole_d
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
     owned = [p for p in sessions[0].plan.pieces if p.owner == LIAR]
     assert owned and all(small_piece(sessions[0].tensors[p.tensor][p.start : p.stop]) for p in owned)  # the premise
-    mean = [sum(p[k] for p in ps) / N for k in range(len(SHAPES))]
+    mean = owner_means(ps, sessions[0].plan.pieces)
     for s in sessions[:LIAR]:
         assert s.stats.skipped_owners == {str(LIAR)} and "small pieces, judged together" in s.stats.refused[str(LIAR)]
         for piece in s.plan.pieces:

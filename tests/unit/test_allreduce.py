@@ -17,7 +17,7 @@ from protocol.errors import PartialAverage
 from protocol.manifest import CompressionSpec
 from protocol.wire import allreduce as frames, framing
 from protocol.wire.pieces import piece_shape, plan_pieces
-from tests.security.group import signers
+from tests.security.group import owner_means, signers
 
 
 @pytest.fixture(autouse=True)
@@ -153,7 +153,7 @@ def test_group_gets_identical_weighted_mean(n):
     weights = [float(100 + 37 * i) for i in range(n)]
     sessions, outcomes = asyncio.run(_run_group(payloads, weights))
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
-    expected = _expected(payloads, weights, range(n))
+    expected = owner_means(payloads, sessions[0].plan.pieces, weights)  # the weighted mean from 4 on trimmed
     for s in sessions:
         for got, want, first in zip(s.tensors, expected, sessions[0].tensors):
             assert torch.allclose(got, want, atol=1e-6)
@@ -333,7 +333,7 @@ def test_a_lying_owners_pieces_are_refused_by_every_honest_receiver(forge):
     )
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
     honest = [s for s in sessions if s.plan.my_index != liar]
-    expected = _expected(payloads, [100.0] * n, range(n))
+    expected = owner_means(payloads, sessions[0].plan.pieces)
     for s in honest:
         assert list(s.stats.refused) == [str(liar)] and s.stats.refused_pieces > 0
         # the averager strikes (toward ignoring) only for the norm check: x100 fails it, the others fail the share check

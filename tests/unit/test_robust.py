@@ -6,7 +6,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from peer.sync.robust import CENTERED_CLIP_MIN_ELEMENTS, CENTERED_CLIP_MIN_PARTS, centered_clip, weighted_sum
+from peer.sync.robust import (
+    CENTERED_CLIP_MIN_ELEMENTS,
+    CENTERED_CLIP_MIN_PARTS,
+    centered_clip,
+    piece_mean,
+    trimmed_length,
+    weighted_sum,
+)
 from peer.sync.screening import clip_to_median
 
 
@@ -84,3 +91,67 @@ def test_centered_clip_is_deterministic(seed):
     a, clipped = centered_clip(parts)
     b, _ = centered_clip([(w, x.clone()) for w, x in parts])
     assert torch.equal(a, b) and 3 in clipped
+
+
+# the step's length (issue #65: Inner Product Manipulation)
+
+
+def _along(mean: torch.Tensor, honest_mean: torch.Tensor) -> float:
+    """The projection of ``mean`` on the honest mean, as a share of the honest mean's length."""
+    return float(torch.dot(mean.double(), honest_mean.double()) / honest_mean.double().norm() ** 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=contributions, attackers=st.sampled_from([1, 2]), epsilon=st.sampled_from([0.0, 0.5, 1.0]))
+def test_ipm_and_zeros_no_longer_shorten_the_step(seed, attackers, epsilon):
+    """1 or 2 of 8 send −ε × their own honest mean (IPM, arXiv 1903.03936; ε = 0: zeros): close to the
+    centre, never clipped, so the plain mean and CenteredClip keep only (8 − (1 + ε) × attackers) / 8
+    of the honest step; the trimmed length keeps it to within the honest projections' spread."""
+    xs = _honest(8, 1024, seed=seed, spread=0.3)
+    own = weighted_sum([(1.0, x) for x in xs[8 - attackers :]])
+    sent = [*xs[: 8 - attackers], *[-epsilon * own] * attackers]
+    parts = [(1.0, x) for x in sent]
+    honest_mean = weighted_sum([(1.0, x) for x in xs[: 8 - attackers]])
+    shortened = _along(centered_clip(clip_to_median(parts)[0])[0], honest_mean)
+    assert shortened < 0.95  # the attack the check below must catch
+    mean, _ = piece_mean(parts)
+    assert 0.95 < _along(mean, honest_mean) < 1.05
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=contributions)
+def test_a_clean_group_keeps_its_step(seed):
+    """Honest contributions only: the trimmed length is the plain mean's to a few per cent, its
+    direction exactly CenteredClip's."""
+    parts = [(1.0, x) for x in _honest(8, 1024, seed=seed, spread=0.3)]
+    plain = weighted_sum(parts)
+    mean, _ = piece_mean(parts)
+    ratio = float(mean.double().norm() / plain.double().norm())
+    assert 0.97 < ratio < 1.03
+    assert float(torch.nn.functional.cosine_similarity(mean.double(), plain.double(), dim=0)) > 1 - 1e-6
+
+
+def test_stretching_is_trimmed_too_and_late_joiners_rank_by_their_tokens():
+    xs = _honest(8, 1024, seed=7, spread=0.3)
+    honest_mean = weighted_sum([(1.0, x) for x in xs[:6]])
+    stretched = [(1.0, x) for x in [*xs[:6], 2.5 * honest_mean, 2.5 * honest_mean]]
+    assert 0.95 < _along(piece_mean(stretched)[0], honest_mean) < 1.05
+    # a peer that trained half the tokens sends half a Δ at half the weight: the step stays the plain one's
+    late = [(1.0, x) for x in xs[:7]] + [(0.5, 0.5 * xs[7])]
+    centre = centered_clip(late)[0]
+    plain = weighted_sum(late)
+    assert 0.95 < float(trimmed_length(late, centre).double().norm() / plain.double().norm()) < 1.05
+
+
+def test_trimmed_length_leaves_small_groups_pieces_and_a_zero_centre_alone():
+    xs = _honest(8, 1024, seed=3)
+    three = [(1.0, x) for x in xs[:3]]
+    centre = weighted_sum(three)
+    assert trimmed_length(three, centre) is centre  # fewer than 4: nothing to trim
+    tiny = [(1.0, x[: CENTERED_CLIP_MIN_ELEMENTS - 1]) for x in xs]
+    centre = weighted_sum(tiny)
+    assert trimmed_length(tiny, centre) is centre
+    zero = torch.zeros(1024)
+    assert trimmed_length([(1.0, x) for x in xs], zero) is zero
+    with pytest.raises(ValueError, match="trim_fraction = 0.5"):
+        trimmed_length([(1.0, x) for x in xs], weighted_sum([(1.0, x) for x in xs]), trim_fraction=0.5)
