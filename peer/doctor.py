@@ -28,9 +28,10 @@ from peer.net.identity import ensure_identity
 from peer.net.uplink import measure_uplink
 from peer.progress import Waiting
 from peer.run_choice import choose_run
+from peer.state import memory_check, memory_need
 from peer.train.data import BatchSampler
 from peer.train.ddp import make_inner_loop
-from peer.train.device import flops_per_token, mfu, place
+from peer.train.device import Placement, flops_per_token, mfu, place
 from peer.train.model import build_model, embedding_parameter_count, parameter_count
 from peer.train.tokenizer import byte_tokenizer
 from protocol.errors import ConfigError, LocoError, NetworkError
@@ -372,6 +373,8 @@ def diagnose(
         report.problems.append(str(exc))
         return report
     report.facts.update(placement.event_fields(), notes=notes, memory_budget_gib=placement.memory_budget_gib)
+    if not check_memory_need(report, manifest, placement):  # before the model is built: it may not fit
+        return report
     tokenizer = vocab_tokenizer(manifest)
     with checks.check(f"building the model of run {manifest.name!r} on {placement.device}"):
         model = build_model(manifest.model, tokenizer).to(placement.device)
@@ -436,6 +439,33 @@ def diagnose(
     return report
 
 
+def check_memory_need(report: DoctorReport, manifest: RunManifest, placement: Placement) -> bool:
+    """The host RAM and GPU memory a peer of ``manifest`` needs here (peer/state/memory_need.py)
+    against what is free (``memory_host_need_gib``, ``memory_host_available_gib``,
+    ``memory_gpu_need_gib``, ``memory_gpu_free_gib``); whether it fits (else the refusal line is in
+    ``report.problems``)."""
+    need = memory_need.memory_need(
+        manifest,
+        device_type=placement.device.type,
+        precision=placement.precision.name,
+        micro_batch_sequences=placement.micro_batch_sequences,
+        activation_checkpointing=placement.activation_checkpointing,
+    )
+    host_free = memory_check.host_available_bytes()
+    gpu_free = memory_check.gpu_free_bytes(placement.device)
+    gib = memory_need.GIB
+    report.facts.update(
+        memory_host_need_gib=round(need.host_bytes / gib, 2),
+        memory_host_available_gib=None if host_free is None else round(host_free / gib, 2),
+        memory_gpu_need_gib=round(need.gpu_bytes / gib, 2) if need.device_type == "cuda" else None,
+        memory_gpu_free_gib=None if gpu_free is None else round(gpu_free / gib, 2),
+    )
+    line = memory_check.shortfall(need, host_free=host_free, gpu_free=gpu_free, device=str(placement.device))
+    if line is not None:
+        report.problems.append(line)
+    return line is None
+
+
 def fit_advice(manifest: RunManifest, device_type: str, activation_checkpointing: bool) -> str:
     """What to change so that ``manifest``'s model fits this peer, as one clause."""
     ways = []
@@ -481,6 +511,8 @@ def render(report: DoctorReport) -> list[str]:
         lines.append(f"device: {f['device']} ({f['device_name']}), memory {memory}, {cap}")
         lines.append(f"precision: {f['precision']}")
         lines += [f"note: {n}" for n in f.get("notes", [])]
+    if f.get("memory_host_need_gib") is not None:
+        lines.append(memory_line(f))
     if "tokens_per_s" in f:
         lines.append(
             f"run {f['run']}: {f['parameters']:,} parameters, micro-batch {f['micro_batch']} of "
@@ -517,3 +549,17 @@ def render(report: DoctorReport) -> list[str]:
     lines += [f"problem: {p}" for p in [*report.network_problems, *report.problems]]
     lines.append("ok: this peer can contribute" if report.can_contribute else "this peer cannot contribute as it is")
     return lines
+
+
+def memory_line(f: dict[str, Any]) -> str:
+    """``memory: needs 6.4 GiB of host RAM (20.1 GiB available), 5.4 GiB on cuda:0 (70.2 GiB free)``."""
+
+    def free(key: str, word: str) -> str:
+        return f" ({f[key]:.1f} GiB {word})" if f.get(key) is not None else ""
+
+    line = (
+        f"memory: needs {f['memory_host_need_gib']:.1f} GiB of host RAM{free('memory_host_available_gib', 'available')}"
+    )
+    if f.get("memory_gpu_need_gib") is not None:
+        line += f", {f['memory_gpu_need_gib']:.1f} GiB on {f['device']}{free('memory_gpu_free_gib', 'free')}"
+    return line + " (per-buffer estimate: docs/memory.md)"

@@ -31,7 +31,7 @@ from peer.run_choice import RUN_ID_LOOK_S, checkpointed_runs, choose_run, refuse
 from peer.shards.corpus import ShardedRun, load_data
 from peer.shards.share import ShardSharing
 from peer.shards.stream import ShardSampler
-from peer.state import disk
+from peer.state import disk, memory_check
 from peer.state.address_book import FILE_NAME as ADDRESS_BOOK, AddressBook, AddressKeeper, start_dht_remembering
 from peer.state.data_dir import hold_data_dir
 from peer.sync.membership import SwarmView
@@ -478,6 +478,8 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
             parameters=sum(s.numel() for s in shapes), outer_state=sum(t.numel() for t in outer.state_tensors())
         )
     del skeleton, outer
+    # a model too big for this machine fails now, in one line, not by the OOM killer mid-round (a stage: not sized)
+    need = memory_check.check_join(manifest, cfg.device) if stage is None else None
     checkpoint = stage_checkpoint(cfg, manifest, stage)
     _check_disk_space(checkpoint, size, corpus)  # a full disk fails now, not at the first checkpoint
     # a pipeline stage syncs, publishes and serves its state under its own key, among its replicas
@@ -529,6 +531,8 @@ def _assemble(stack: ExitStack, cfg: JoinConfig, reporter: Reporter, stop_event:
         peak_tflops=d.peak_tflops,
         activation_checkpointing=d.activation_checkpointing,
     )
+    if need is not None:  # the card's free memory, known once CUDA is touched (after the averager's fork)
+        memory_check.check_card(need, placement.device)
     make_inner = None
     if stage is not None:
         if len(placement.devices) > 1:
