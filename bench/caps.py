@@ -11,7 +11,14 @@ payload) for ``--rounds`` rounds; one peer, ``capped``, has the case's cap:
   stretches of at least 1.5 MiB), ``limit_mib`` the cap × their length;
 * ``G GB/day``: ``sent_mib`` is what its traffic ledger counted (sent + received,
   ``DATA_DIR/traffic.json``), ``limit_mib`` the budget's pro-rata share for the run (an hour's:
-  peer/net/traffic.py ``MIN_SHARE_S``); ``rounds_sat_out`` its rounds with a sync sat out.
+  peer/net/traffic.py ``MIN_SHARE_S``); ``rounds_sat_out`` its rounds with a sync sat out;
+  ``ledger_mib`` against ``wire_mib``: what its ledger counted from its first write to its last
+  against the IP bytes its link carried both ways meanwhile (lab/linkmeter.py ``LedgerWatch``),
+  ``ledger_vs_wire`` their relative difference; ``max_rounds_ahead``: the most rounds its round
+  was ahead of the furthest other peer's when it finished one (0: it kept to the swarm's round).
+
+Every host sends one TCP segment a frame, as on a real line (lab/linkmeter.py
+``one_segment_a_frame``), so its link's bytes are what a metered line counts.
 
 ``loss_change``: the peers' mean final validation loss (each evaluates φ on the run's validation
 windows at its last round: equal tokens, every peer trains every round) minus the reference's; the
@@ -35,8 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.provenance import git_commit
 from lab.chaos import CHAOS_MODEL, ChaosSwarm
-from lab.linkmeter import LinkMeter, busy_stretches
+from lab.linkmeter import LedgerWatch, LinkMeter, busy_stretches, one_segment_a_frame
 from lab.netlab import available
 from peer.net.traffic import LEDGER_FILE, allowance_bytes
 from protocol.manifest import dump_toml
@@ -74,12 +82,17 @@ def run_case(workdir: Path, *, peers: int, rounds: int, extra: list[str], subnet
     common = ["--max-rounds", str(rounds), "--eval-every", "0", "--wait-for-peers", str(peers)]
     with ChaosSwarm(workdir, run, rate_mbit=None, prefix="lscb", subnet=subnet, peer_args=common) as swarm:
         swarm.start_bootstrap()
+        one_segment_a_frame(swarm.hosts["bootstrap"])
         names = [f"p{i}" for i in range(peers - 1)] + ["capped"]
         for name in names[:-1]:
             swarm.add_peer(name)
         capped = swarm.add_peer("capped", extra=extra)
+        for name in names:  # before they connect: they are still starting
+            one_segment_a_frame(swarm.hosts[name])
         meter = LinkMeter(swarm.hosts["capped"].veth_root)
         meter.start()
+        watch = LedgerWatch(workdir / "capped" / LEDGER_FILE, swarm.hosts["capped"].veth_root)
+        watch.start()
         start = time.monotonic()
         try:
             finals = {}
@@ -89,8 +102,15 @@ def run_case(workdir: Path, *, peers: int, rounds: int, extra: list[str], subnet
                 finals[name] = final["loss"]
         finally:
             meter.stop()
+            watch.stop()
         seconds = time.monotonic() - start
         rounds_sat_out = sum(1 for e in capped.of("round") if "sat out this sync" in (e.get("note") or ""))
+        ahead = 0
+        for e in capped.of("round"):  # e.round: the round it goes on to; the others' likewise
+            theirs = [
+                o.round or 0 for n in names[:-1] for o in swarm.members[n].of("round") if (o.time or 0) <= (e.time or 0)
+            ]
+            ahead = max(ahead, (e.round or 0) - max(theirs, default=0))
     ledger_path = workdir / "capped" / LEDGER_FILE
     ledger = json.loads(ledger_path.read_text()) if ledger_path.exists() else {"bins": []}
     return {
@@ -99,6 +119,8 @@ def run_case(workdir: Path, *, peers: int, rounds: int, extra: list[str], subnet
         "finals": finals,
         "rounds_sat_out": rounds_sat_out,
         "ledger_bytes": sum(s + r for _, s, r in ledger["bins"]),
+        "ledger_span": watch.span(),
+        "max_rounds_ahead": ahead,
     }
 
 
@@ -160,6 +182,13 @@ def main() -> None:
             row.update(
                 sent_mib=r["ledger_bytes"] / MIB, limit_mib=limit / MIB, within_cap=r["ledger_bytes"] <= 1.05 * limit
             )
+            counted, wire = r["ledger_span"]
+            row.update(
+                ledger_mib=counted / MIB,
+                wire_mib=wire / MIB,
+                ledger_vs_wire=counted / wire - 1 if wire else None,
+                max_rounds_ahead=r["max_rounds_ahead"],
+            )
         else:
             row["sent_mib"] = (r["samples"][-1][1] - r["samples"][0][1]) / MIB  # its link, the whole run
         rows.append(row)
@@ -177,8 +206,16 @@ def main() -> None:
             f"{row['loss_change']:+.4f}",
         ]
         print("| " + " | ".join(map(str, cells)) + " |")
+    for row in rows:
+        if row.get("ledger_mib") is not None:
+            vs = "–" if row["ledger_vs_wire"] is None else f"{row['ledger_vs_wire']:+.2%}"
+            print(
+                f"\n{row['cap']}: ledger {row['ledger_mib']:.2f} MiB, link {row['wire_mib']:.2f} MiB ({vs}); "
+                f"at most {row['max_rounds_ahead']} round(s) ahead of the other peers"
+            )
     out = {
         "device": "2-core CPU, no GPU; network namespaces on one machine, unshaped links",
+        "commit": git_commit(Path(__file__).resolve().parent.parent),
         "command": f"python bench/caps.py --peers {args.peers} --rounds {args.rounds} --cap-mbit {args.cap_mbit:g} "
         f"--gb-per-day {args.gb_per_day:g}",
         "setup": {"model": "chaos (0.49 M parameters)", "codec": "none (fp32)", "inner_steps": 10},

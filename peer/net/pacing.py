@@ -1,6 +1,7 @@
 """A volunteer's upload cap (``peer join --max-upload-mbit``): one token bucket that every stream
-this peer writes to goes through, shared by its processes, and the byte counters its traffic
-ledger reads (peer/net/traffic.py).
+this peer writes to goes through, shared by its processes, and byte counters of those streams
+(what the traffic ledger, peer/net/traffic.py, reads where the kernel's socket counters cannot be read:
+peer/net/wiremeter.py).
 
 Where the bytes go through: the peer's processes are forked from the one that runs ``peer join``
 (hivemind's DHT and averager processes), so a bucket made there with :func:`install` before they
@@ -8,8 +9,9 @@ start lives in shared memory that all of them see: the averager process's libp2p
 group all-reduce, its receipts, state served to joiners, NoLoCo's partner exchange, hivemind's
 matchmaking calls) are wrapped where they are opened and accepted (peer/sync/hivemind_limits.py
 ``BoundedP2P``), shard serving where it writes (peer/shards/serve.py). Not paced: the DHT's own
-RPCs (pings, progress and device records: a few KB a round; the group key's lookups while
-matching, four a second: peer/sync/group_key.py) and the dial-back check at start
+RPCs (pings, progress and device records, reads of the others'; the group key's lookups while
+matching, four a second: peer/sync/group_key.py; in all about 0.3 MB a round on the three-peer chaos
+rig, whose rounds last ~5 s, which the traffic ledger counts) and the dial-back check at start
 (peer/net/reachability.py, a few hundred bytes), on the DHT process's streams; a pipelined run's
 activation streams (peer/pipeline/rpc.py); `peer doctor`'s uplink probe is not `peer join`'s.
 
@@ -226,7 +228,7 @@ class PacedWriter:
 
 
 class CountingReader:
-    """An ``asyncio.StreamReader`` whose reads the pacer counts (the traffic ledger's received bytes)."""
+    """An ``asyncio.StreamReader`` whose reads the pacer counts (received bytes, see :meth:`Pacer.totals`)."""
 
     def __init__(self, reader: asyncio.StreamReader, pacer: Pacer):
         self._reader, self._pacer = reader, pacer

@@ -2,10 +2,16 @@
 peer sent and received over the last 24 h, kept in its data directory, and the policy that keeps it
 within the budget by sitting out syncs.
 
-Counted: every byte the peer's paced streams wrote and read (peer/net/pacing.py: the all-reduce and
-its receipts, state served and downloaded, NoLoCo's exchange, matchmaking, shards served), sent and
-received together, since metered plans count both. Not counted: the DHT's own RPCs (a few KB a
-round) and shard downloads (read on the main process's streams, which are not wrapped).
+Counted: what the peer's processes send and receive on the network, sent and received together,
+since metered plans count both: the IP bytes of every TCP connection of the peer's process tree, as
+the kernel counts them (peer/net/wiremeter.py): the all-reduce, state served and downloaded, NoLoCo's
+exchange, matchmaking, the DHT's RPCs, shards served and downloaded (from peers or over HTTP). Not
+counted: traffic before the peer joined the swarm (its first DHT contacts), connections between
+loopback addresses (no line carries them) and the last second of a connection's bytes before it
+closes. On the network-namespace rig the ledger is within 5 % of what the peer's link carried
+(tests/chaos/test_day_cap.py). Where the kernel's socket counters cannot be read (not Linux), the
+ledger counts the paced streams' bytes instead (peer/net/pacing.py: not the DHT's RPCs, not HTTP
+shard downloads, no headers), with a warning at start.
 
 The policy (:func:`decide`), at each sync, from the bytes of the last 24 h (``used``), what the
 costliest sync so far took (``cost``: ``used + cost`` is the use as it would stand after this
@@ -25,12 +31,15 @@ covers, at least an hour's):
   the peer goes on to sit out). In an ``adaptive`` run the upload cap moves the codec already: its
   byte budget is the uplink measured at the last sync, which the pacer bounds.
 
-A sync sat out raises :class:`~protocol.errors.GroupNotFound` from :meth:`BudgetedTransport.average`:
-the round engine treats it as a round with no group (it applies this peer's own Δ and keeps training,
-peer/round/), and the catch-up may then adopt the swarm's state (a download, counted; refused, like
-the syncs kept for staleness, past :data:`STALE_SYNC_MARGIN` × the allowance). In DiLoCo a round sat
-out leaves this peer's φ apart from the swarm's until such a download; in NoLoCo, whose replicas
-differ anyway, the next partner exchange pulls it back.
+A sync sat out raises :class:`SatOut` (a :class:`~protocol.errors.GroupNotFound`) from
+:meth:`BudgetedTransport.average`: the round engine treats it as a round with no group, but first waits
+as the sync would have, until the swarm's round (the median round of the other live peers' records) is
+past this one (peer/round/syncing.py ``GroupSync.keep_to_swarm``); then it applies this peer's own Δ
+and goes on to the next round, in step with the swarm rather than ahead of it (whose rounds would be
+shorter by the matchmaking and all-reduce it skips). The catch-up may then adopt the swarm's state (a
+download, counted; refused, like the syncs kept for staleness, past :data:`STALE_SYNC_MARGIN` × the
+allowance). In DiLoCo a round sat out leaves this peer's φ apart from the swarm's until such a
+download or its next sync; in NoLoCo, whose replicas differ anyway, the next partner exchange pulls it back.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from peer.net import pacing
+from peer.net import pacing, wiremeter
 from protocol.errors import GroupNotFound, StateDownloadFailed
 
 logger = logging.getLogger(__name__)
@@ -146,22 +155,42 @@ def decide(*, used: float, cost: float = 0.0, budget: float, covered_s: float, r
     return "stronger" if after >= STRONGER_AT * allowance else "sync"
 
 
+class SatOut(GroupNotFound):
+    """This sync was sat out to keep within ``--max-gb-per-day`` (nothing was sent); the round engine
+    applies this peer's own Δ after the swarm finished the round (peer/round/syncing.py
+    ``GroupSync.keep_to_swarm``)."""
+
+
 class BudgetedTransport:
     """A round transport (peer/sync/transport.py ``RoundTransport``) whose syncs and state downloads
     follow :func:`decide`; everything else is the wrapped transport's.
 
     Args:
         transport: the peer's transport.
-        ledger: where the bytes go; filled from the pacer's counters (:func:`pacing.current`).
+        ledger: where the bytes go.
         budget_bytes: the day's budget, bytes (> 0).
+        pacer: without ``counter``, the bytes are its counters' (:meth:`pacing.Pacer.totals`; default
+            :func:`pacing.current`).
+        counter: cumulative (bytes sent, bytes received) of this peer, e.g.
+            :meth:`wiremeter.WireMeter.totals` (what :func:`budgeted` gives it where it can).
     """
 
-    def __init__(self, transport, ledger: TrafficLedger, budget_bytes: float, pacer: pacing.Pacer | None = None):
+    def __init__(
+        self,
+        transport,
+        ledger: TrafficLedger,
+        budget_bytes: float,
+        pacer: pacing.Pacer | None = None,
+        counter: Callable[[], tuple[int, int]] | None = None,
+    ):
         if not budget_bytes > 0:
             raise ValueError(f"budget_bytes = {budget_bytes!r}: must be > 0")
         self._transport, self.ledger, self.budget = transport, ledger, float(budget_bytes)
-        self._pacer = pacer if pacer is not None else pacing.current()
-        self._seen = self._pacer.totals() if self._pacer is not None else (0, 0)
+        if counter is None:
+            pacer = pacer if pacer is not None else pacing.current()
+            counter = pacer.totals if pacer is not None else None
+        self._counter = counter
+        self._seen = counter() if counter is not None else (0, 0)
         self._accounting = threading.Lock()
         self.rounds_sat_out = 0
         """Syncs sat out in a row, so far."""
@@ -181,10 +210,10 @@ class BudgetedTransport:
 
     def account(self) -> None:
         """Move the bytes the pacer counted since the last call into the ledger (any thread)."""
-        if self._pacer is None:
+        if self._counter is None:
             return
         with self._accounting:
-            sent, received = self._pacer.totals()
+            sent, received = self._counter()
             self.ledger.record(sent - self._seen[0], received - self._seen[1])
             self._seen = (sent, received)
 
@@ -211,12 +240,12 @@ class BudgetedTransport:
         return self.last_decision
 
     def average(self, payload, **kwargs):
-        """The wrapped transport's ``average``, or GroupNotFound (nothing sent) when this sync is sat out."""
+        """The wrapped transport's ``average``, or :class:`SatOut` (nothing sent) when this sync is sat out."""
         if self._decision() == "sit_out":
             self.rounds_sat_out += 1
             self.total_sat_out += 1
             u = self.usage()
-            raise GroupNotFound(
+            raise SatOut(
                 f"sat out this sync: {u['used_gb']:.3f} GB sent and received in 24 h, over today's "
                 f"share {u['allowance_gb']:.3f} of --max-gb-per-day {u['budget_gb']:g}"
             )
@@ -263,11 +292,25 @@ _BUDGET: BudgetedTransport | None = None
 
 def budgeted(transport, data_dir: Path, max_gb_per_day: float | None):
     """``transport`` wrapped in a :class:`BudgetedTransport` with the ledger in ``data_dir``, or
-    ``transport`` itself without a budget. The wrapper is what :func:`caps_report` reads."""
+    ``transport`` itself without a budget. The wrapper is what :func:`caps_report` reads. Call it in
+    the process that runs ``peer join``, once its DHT runs: the ledger counts the TCP sockets of that
+    process and its descendants from then on (a :class:`wiremeter.WireMeter` polled every second by
+    a daemon thread), or the pacer's streams where the kernel's counters cannot be read (a warning)."""
     global _BUDGET
     if max_gb_per_day is None:
         return transport
-    _BUDGET = BudgetedTransport(transport, TrafficLedger(Path(data_dir) / LEDGER_FILE), max_gb_per_day * 1e9)
+    counter = None
+    ok, why = wiremeter.available()
+    if ok:
+        counter = wiremeter.WireMeter().start().totals  # a daemon thread: it ends with the process
+    else:
+        logger.warning(
+            "--max-gb-per-day counts only the bytes of the peer's paced streams here (%s): not the DHT's "
+            "RPCs, HTTP shard downloads or packet headers, so the line carries more than it counts",
+            why,
+        )
+    ledger = TrafficLedger(Path(data_dir) / LEDGER_FILE)
+    _BUDGET = BudgetedTransport(transport, ledger, max_gb_per_day * 1e9, counter=counter)
     return _BUDGET
 
 

@@ -10,13 +10,15 @@ from another state (the re-sync rule and the progress records read it).
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from peer.progress import RoundProgress, SyncReport
+from peer.net.traffic import SatOut
+from peer.progress import RoundProgress, SyncReport, Waiting
 from peer.reporting import Reporter
 from peer.state.vouching import Vouching
 from peer.sync.membership import RoundSwarm
@@ -26,6 +28,20 @@ from protocol.errors import BadPayload, SyncError
 from protocol.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
+
+SAT_OUT_POLL_S = 0.5
+"""How often a peer that sat out a sync reads the records while it waits for the swarm's round (s)."""
+SWARM_STALL_S = 10.0
+"""A peer that sat out a sync stops waiting for the swarm's round once the other peers made no progress
+(no record with a later inner step) for this long, or for the longest sync if that is longer (s)."""
+
+
+def swarm_round(records: Sequence) -> int | None:
+    """The swarm's round: the lower median of the rounds of ``records`` (the other peers' live
+    progress records, ``peer.net.dht.PeerProgress``), None without any. A median, so that neither a
+    straggler nor one peer ahead moves it."""
+    rounds = [r.record.round for r in records]
+    return statistics.median_low(rounds) if rounds else None
 
 
 def wait_budget_s(progress: RoundProgress, steps: int) -> float:
@@ -160,6 +176,8 @@ class GroupSync:
                 )
             check_finite(result.mean, "the group's mean payload")
         except SyncError as exc:
+            if isinstance(exc, SatOut) and fragment is None:  # the day's budget: keep to the swarm's round
+                exc = SatOut(f"{exc}; {self.keep_to_swarm(round_, should_stop)}")
             return payload, self._failed(
                 exc, round_, time.monotonic() - start, exc.bytes_sent, exc.bytes_received, exc.deadline_s
             )
@@ -193,6 +211,49 @@ class GroupSync:
             agreeing=tuple(agreeing),
             completed=tuple(completed),
         )
+
+    def keep_to_swarm(self, round_: int, should_stop: Callable[[], bool]) -> str:
+        """After this peer sat out the sync of ``round_`` (``--max-gb-per-day``, peer/net/traffic.py),
+        wait as the sync would have: until the swarm's round (:func:`swarm_round` of the other live
+        peers' records) is past ``round_``, so that a peer whose rounds go faster without matchmaking
+        and all-reduce does not run ahead of the swarm in round number (and then find no group when
+        it syncs again). Nothing is waited for without other peers or when the swarm is past
+        ``round_`` already (a peer behind stays behind: it claims only the rounds it trained).
+        Whole-model syncs only: a streaming round's end does not wait for its fragments' syncs, so
+        sitting them out does not make it shorter.
+
+        The wait ends on ``should_stop``, or once the other peers made no progress (no record with a
+        later inner step) for :data:`SWARM_STALL_S` or ``swarm.max_sync_s`` if longer: a hung swarm
+        does not hold this peer. A wait over 5 s says what it waits for (``Waiting``).
+
+        Returns:
+            What happened, for the round's note: "waited 3.2 s for the swarm to finish round 7", or
+            why nothing was waited for.
+        """
+        start, stall_s = time.monotonic(), max(SWARM_STALL_S, self.swarm.max_sync_s)
+        others = self.swarm.others()
+        current = swarm_round(others)
+        if current is None:
+            return "no other peer to keep pace with"
+        if current > round_:
+            return f"the swarm is at round {current} already"
+        steps = {r.peer_id: r.record.inner_step for r in others}
+        moved = start
+        what = f"waiting for the swarm to finish round {round_} (this peer sat out its sync)"
+        with Waiting(what):
+            while not should_stop() and time.monotonic() - moved < stall_s:
+                self.stop_event.wait(SAT_OUT_POLL_S)
+                others = self.swarm.others()
+                current = swarm_round(others)
+                if current is None or current > round_:
+                    break
+                for r in others:
+                    if r.record.inner_step > steps.get(r.peer_id, -1):
+                        steps[r.peer_id], moved = r.record.inner_step, time.monotonic()
+        waited = time.monotonic() - start
+        if current is not None and current <= round_:
+            return f"the swarm stayed at round {current} for {waited:.1f} s; going on"
+        return f"waited {waited:.1f} s for the swarm to finish round {round_}"
 
     @staticmethod
     def _failed(exc: Exception, round_: int, seconds: float, sent: int, received: int, deadline_s: float) -> SyncReport:

@@ -11,6 +11,7 @@ from peer.net.traffic import (
     MIN_SHARE_S,
     STALE_SYNC_MARGIN,
     BudgetedTransport,
+    SatOut,
     TrafficLedger,
     allowance_bytes,
     decide,
@@ -195,3 +196,16 @@ def test_past_half_the_share_syncs_go_out_with_the_stronger_codec(tmp_path) -> N
     clock.now += 3 * 3600  # 3 GB allowed by now: back under half
     t.average([])
     assert inner.stronger_syncs == 1
+
+
+def test_the_ledger_takes_the_counter_it_is_given_and_a_sit_out_is_a_sat_out(tmp_path) -> None:
+    clock = FakeClock()
+    totals = [(100, 50)]  # cumulative (sent, received), e.g. peer/net/wiremeter.py's
+    ledger = TrafficLedger(tmp_path / "t.json", clock=clock)
+    t = BudgetedTransport(FakeTransport(Pacer(None), 0), ledger, budget_bytes=24e9, counter=lambda: totals[0])
+    totals[0] = (2_000_100, 1_000_050)
+    t.account()
+    assert ledger.used() == (2_000_000, 1_000_000)  # counted from where the counter stood at the start
+    ledger.record(int(30e9), 0)  # past the budget
+    with pytest.raises(SatOut, match="sat out this sync"):
+        t.average([])
