@@ -21,8 +21,8 @@ Determinism: every operation runs on the CPU in a fixed order over the contribut
 order (float64 norms, fp32 sums), so an owner gives the same bits for the same inputs; only the
 owner computes a piece's mean and every groupmate receives its bytes, so groupmates still hold
 bit-identical φ whatever it clips. When no contribution is out of line (every distance within τ),
-:func:`centered_clip` returns the plain weighted mean, summed as :func:`piece_mean` always summed it
-(fp32, sender order): a clean round gives the same bits as before.
+:func:`centered_clip` returns the plain weighted mean (fp32, sender order); :func:`trimmed_length` then
+only rescales it (float64 projections, ranked with ties broken by sender order).
 
 CenteredClip bounds how far a contribution pulls the mean, not how much it *shrinks* it. A
 contribution that points against the others at a modest norm (Inner Product Manipulation, Xie,
