@@ -6,9 +6,11 @@ Starts, on this machine, with text output as a person sees it:
    line, and the longest silence between two lines;
 2. ``bootstrap monitor`` against it: seconds to its first line and to the page's address;
 3. ``peer join`` against it (a fresh data dir): seconds to each line up to its first round, the
-   longest silence, then SIGINT: seconds from the "stopped" line to the process's exit;
+   longest silence, then, ``--stop-at`` of a round after a round line (mid-round, where a Ctrl-C at a
+   random moment lands on average), SIGINT: seconds from the "stopped" line to the process's exit;
 4. ``peer join`` again on the same data dir (a restart): seconds to its first round, the longest
-   silence, and any warning line;
+   silence, any warning line, and where it trained from (the inner step its checkpoint resumed at,
+   the step it started training at: the swarm's when it joined it there);
 5. (issue #68 item 4) ``peer status`` and ``peer doctor --initial-peers`` against the bootstrap node,
    piped (each to its exit), and ``peer swarm`` (the default: 3 peers, to its first round line): the
    longest silence of each, under ``commands``.
@@ -18,12 +20,21 @@ Prints a table and writes bench/results/waits.json: ``bootstrap_first_line_s``,
 ``join_read_data_s`` (hashing, at first tokenizing, the corpus), ``join_started_s``,
 ``join_first_step_s`` (its line saying where it trains from, right before its first inner step),
 ``join_first_round_s``, ``join_longest_silence_s``, ``sigint_stopped_to_exit_s``,
+``sigint_to_stopped_s`` (the signal to that line: the inner step under way, the checkpoint written),
 ``restart_first_line_s``, ``restart_read_data_s``, ``restart_started_s``, ``restart_first_step_s``
 (issue #53's "a restart trains its first round within 15 s": its first inner step),
 ``restart_first_round_s``, ``restart_longest_silence_s``, ``restart_warnings`` (its warning, error and
 traceback lines up to its first round; with ``--second-peer`` also ``restart_other_peer_warnings``, the
-other peer's meanwhile), ``device``, ``load_average_start`` and ``load_average_end`` (the machine's
-1-minute load average: other jobs slow a niced bench's peers down, their rounds most), and
+other peer's meanwhile), ``stop_at`` (the fraction of a round after a round line at which the SIGINT
+came), ``restart_resumed_step`` (the inner step its checkpoint resumed at), ``restart_training_step``
+(where its first inner step started: the swarm's step when it joined it there or adopted its state),
+``restart_how`` (``resumed``, ``joined the swarm's step`` or ``adopted the swarm's state``), with
+``--second-peer`` ``restart_swarm_sync_s`` (from the restart's command to the other peer's next round
+line: the swarm's next sync, which no restart can sync before) and ``restart_swarm_syncs_missed``
+(the other peer's rounds that ended after that command and before the restart's first round: 0 when
+the restart synced with the swarm's next sync), ``command``, ``device``, ``load_average_start`` and
+``load_average_end`` (the machine's 1-minute load average: other jobs slow a niced bench's peers
+down, their rounds most), and
 ``commands``: per command (``bootstrap run``, ``peer status``, ``peer doctor``, ``peer join``, ``peer
 join (restart)``, ``peer swarm``) ``longest_silence_s`` (the longest gap between two lines on its
 stdout and stderr together, from its start to its first round line, its address line for ``bootstrap
@@ -31,7 +42,7 @@ run``, or its exit), ``first_line_s``, ``longest_silence_after_first_line_s``, `
 ``until_s``, ``after`` (the line before that gap) and ``load_average`` (1-minute, when it ended);
 ``results_note`` says the machine's load.
 
-    nice .venv/bin/python bench/waits.py [--fresh-cache] [--second-peer] [--out bench/results/waits.json]
+    nice .venv/bin/python bench/waits.py [--fresh-cache] [--second-peer] [--stop-at 0.5] [--out bench/results/waits.json]
 
 ``--second-peer`` keeps a second peer training while the first stops and restarts (the restart then
 catches up with a swarm). ``--fresh-cache`` points LOCOSWARM_CACHE_DIR at an empty directory, as on a fresh clone.
@@ -61,6 +72,7 @@ FIRST_STEP = r"^(training from round \d+, inner step \d+ of \d+|eval \(initial\)
 CPU its initial evaluation of φ then runs alongside); before that line existed, its initial evaluation's."""
 READING_DATA = r"^reading the (data of run|run's data)"
 WARNING = re.compile(r"warn|error|traceback", re.IGNORECASE)
+ROUND = r"^round \d+ \|"
 
 
 class Watched:
@@ -73,6 +85,8 @@ class Watched:
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
         )
         self.lines: list[tuple[float, str, str]] = []
+        self.sigint_to_stopped_s = 0.0
+        """Set by :meth:`sigint_and_time_exit`."""
         self.q: queue.Queue[tuple[float, str, str]] = queue.Queue()
         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr)):
             threading.Thread(target=self._read, args=(name, stream), daemon=True).start()
@@ -101,6 +115,18 @@ class Watched:
             if rx.search(line):
                 return t
         raise SystemExit(f"no line matching {pattern!r} within {timeout_s} s")
+
+    def round_line_after(self, since_s: float, timeout_s: float = 300.0) -> float:
+        """Seconds since start of its first round line after ``since_s`` (waits for it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for t, _, line in list(self.lines):
+                if t > since_s and re.match(ROUND, line):
+                    return t
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise SystemExit(f"{self.name}: no round line after {since_s:.1f} s within {timeout_s} s")
 
     def first_line_s(self) -> float:
         return self.lines[0][0]
@@ -135,9 +161,13 @@ class Watched:
         return t
 
     def sigint_and_time_exit(self) -> float:
-        """SIGINT to the process; seconds from its "stopped" line to its exit."""
+        """SIGINT to the process; seconds from its "stopped" line to its exit (and in
+        :attr:`sigint_to_stopped_s`, from the signal to that line: the inner step under way and the
+        checkpoint's write)."""
+        t_signal = time.monotonic() - self.t0
         self.proc.send_signal(signal.SIGINT)
         t_stop = self.wait_for(r"^stopped after", 120)
+        self.sigint_to_stopped_s = t_stop - t_signal
         self.proc.wait(120)
         return time.monotonic() - self.t0 - t_stop
 
@@ -167,6 +197,31 @@ def startup_figures(prefix: str, peer: Watched) -> dict:
     }
 
 
+def round_number(line: str) -> int:
+    """The round a ``round N | ...`` line reports."""
+    return int(line.split()[1])
+
+
+def where_it_trained(peer: Watched) -> dict:
+    """Where a restarted peer trained from: the inner step its checkpoint resumed at, the step its
+    first inner step started at, and how it got there (resumed, joined the swarm's step, adopted)."""
+    lines = [line for _, _, line in peer.lines]
+    resumed = next((m for line in lines if (m := re.search(r"^resumed from checkpoint .* step (\d+) of", line))), None)
+    start = next(m for line in lines if (m := re.search(r"^training from round \d+, inner step (\d+) of", line)))
+    how = (
+        "adopted the swarm's state"
+        if any(line.startswith("re-synced at round") for line in lines)
+        else "joined the swarm's step"
+        if any("joining it there from step" in line for line in lines)
+        else "resumed"
+    )
+    return {
+        "restart_resumed_step": int(resumed.group(1)) if resumed else None,
+        "restart_training_step": int(start.group(1)),
+        "restart_how": how,
+    }
+
+
 def silence(cmd: Watched, until: str, until_s: float, *, to_end: bool = False) -> dict:
     """A command's longest silence up to ``until_s`` (its line ``until``, or its exit with ``to_end``),
     and apart, the longest once its first line is out (the wait before it is Python importing the CLI)."""
@@ -189,6 +244,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fresh-cache", action="store_true")
     ap.add_argument("--second-peer", action="store_true", help="a second peer trains while the first restarts")
+    ap.add_argument(
+        "--stop-at",
+        type=float,
+        default=0.5,
+        help="SIGINT to the first peer this fraction of its last round's length after a round line (0: at once)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "waits.json")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout's SIGTERM still stops the children
@@ -200,6 +261,7 @@ def main() -> None:
     r: dict = {
         "commit": git_commit(ROOT),
         "device": f"{os.cpu_count()}-core CPU, no GPU",
+        "command": " ".join(["python", "bench/waits.py", *sys.argv[1:]]),
         "load_average_start": os.getloadavg()[0],
     }
     procs: list[Watched] = []
@@ -252,22 +314,36 @@ def main() -> None:
             procs.append(other)
             other.wait_for(r"^round \d+ \|", 600)
             n = len(peer.lines)
-            while not any(re.match(r"^round \d+ \|", line) for _, _, line in peer.lines[n:]):
+            while not any(re.match(ROUND, line) for _, _, line in peer.lines[n:]):
                 time.sleep(0.5)  # peer-a's next round, with peer-b live (grouped or not: on a loaded machine)
+        # mid-round: the last round's length (from the line before its round line) times --stop-at
+        rounds = [t for t, _, line in peer.lines if re.match(ROUND, line)]
+        starts = [t for t, _, line in peer.lines if re.match(FIRST_STEP, line)]
+        last = rounds[-1] - (rounds[-2] if len(rounds) > 1 else starts[0])
+        r["stop_at"] = args.stop_at
+        time.sleep(max(0.0, rounds[-1] + args.stop_at * last - (time.monotonic() - peer.t0)))
         r["sigint_stopped_to_exit_s"] = peer.sigint_and_time_exit()
+        r["sigint_to_stopped_s"] = peer.sigint_to_stopped_s
         r["sigint_exit_code"] = peer.proc.returncode
         print("peer join again (restart, same data dir)")
         again = Watched("peer-a(2)", join_argv, env)
         procs.append(again)
         r.update(startup_figures("restart", again))
         commands["peer join (restart)"] = silence(again, "its first round line", r["restart_first_round_s"])
-        r["restart_first_round_line"] = next(line for t, _, line in again.lines if re.match(r"^round \d+ \|", line))
+        r["restart_first_round_line"] = next(line for t, _, line in again.lines if re.match(ROUND, line))
+        r.update(where_it_trained(again))
         # every warning, error or traceback line up to its first round (the Ctrl-C after it is not counted)
         r["restart_warnings"] = [
             line for t, _, line in again.lines if WARNING.search(line) and t <= r["restart_first_round_s"]
         ]
         if args.second_peer:  # what the peer that stayed up said meanwhile (a stale donor, say)
             since, until = again.t0 - other.t0, again.t0 - other.t0 + r["restart_first_round_s"]
+            # the swarm's next sync after the restart's command: no restart syncs with it earlier
+            r["restart_swarm_sync_s"] = other.round_line_after(since) - since
+            first = round_number(r["restart_first_round_line"])
+            r["restart_swarm_syncs_missed"] = sum(
+                1 for t, _, line in other.lines if t > since and re.match(ROUND, line) and round_number(line) < first
+            )
             r["restart_other_peer_warnings"] = [
                 line for t, _, line in other.lines if WARNING.search(line) and since <= t <= until
             ]
@@ -293,12 +369,21 @@ def main() -> None:
         ("peer join: first inner step starts", r["join_first_step_s"]),
         ("peer join: first round", r["join_first_round_s"]),
         ("peer join: longest silence", r["join_longest_silence_s"]),
+        ("Ctrl-C: signal to 'stopped' (step, checkpoint)", r["sigint_to_stopped_s"]),
         ("Ctrl-C: 'stopped' to exit", r["sigint_stopped_to_exit_s"]),
         ("restart: first line", r["restart_first_line_s"]),
         ("restart: reading the data (hash, tokens)", r["restart_read_data_s"]),
         ("restart: start line", r["restart_started_s"]),
         ("restart: first inner step starts", r["restart_first_step_s"]),
         ("restart: first round", r["restart_first_round_s"]),
+        *(
+            [
+                ("restart: the swarm's next sync", r["restart_swarm_sync_s"]),
+                ("restart: the swarm's syncs it missed (count)", r["restart_swarm_syncs_missed"]),
+            ]
+            if args.second_peer
+            else []
+        ),
         ("restart: longest silence", r["restart_longest_silence_s"]),
         ("restart Ctrl-C: 'stopped' to exit", r["restart_sigint_stopped_to_exit_s"]),
     ]
@@ -309,6 +394,10 @@ def main() -> None:
     if args.second_peer:
         print(f"the other peer's warnings meanwhile: {r['restart_other_peer_warnings'] or 'none'}")
     print(f"restart's first round: {r['restart_first_round_line']}")
+    print(
+        f"SIGINT {r['stop_at']:.2f} of a round after a round line; the restart resumed at inner step "
+        f"{r['restart_resumed_step']}, trained from step {r['restart_training_step']} ({r['restart_how']})"
+    )
     print("\n| command | longest silence (s) | first line (s) | longest after it (s) | until |\n|---|---|---|---|---|")
     for name, c in r["commands"].items():
         print(

@@ -1,6 +1,13 @@
 """This peer's checkpoint: written atomically at round ends (in the background) and on a stop,
 restored at start (peer/state/checkpoint.py holds the file format).
 
+A stop inside a round checkpoints where it stopped: the inner step k of H, θ with the round's k
+steps, AdamW's moments and step, the round's tokens and the data position. A restart resumes there
+(the inner lr schedule, indexed by round·H + step, goes on where it was), then, when the swarm went on
+inside that same round meanwhile, goes to the swarm's inner step (:meth:`Checkpointing.join_swarm_step`)
+so that it reaches the round's sync with the others; a swarm that moved past the round is caught up
+with by adoption (peer/round/catchup.py), as a joiner does.
+
 With ``sync.overlap`` a sync is usually in flight: the checkpoint holds the last applied φ, θ (with
 this peer's progress not yet in φ) and the committed residuals; a restart from it drops that sync.
 """
@@ -30,6 +37,7 @@ from peer.state.checkpoint import (
     write_checkpoint,
 )
 from peer.state.vouching import Vouching
+from peer.sync.membership import RoundSwarm
 from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
 from protocol.errors import CheckpointError, ConfigError
@@ -71,6 +79,8 @@ class Checkpointing:
         """Writes each round's checkpoint in the background."""
         self.last: float | None = None
         """``time.monotonic()`` of the last round-end checkpoint (``checkpoint_every_s``'s clock)."""
+        self.resumed_at: tuple[int, int] | None = None
+        """(round, inner step of that round) the restored checkpoint resumed at; None: nothing restored."""
 
     def due(self, now: float) -> bool:
         """Whether the round's end at ``now`` writes the checkpoint (:func:`checkpoint_due`); marks it written."""
@@ -215,6 +225,7 @@ class Checkpointing:
         for problem in problems:
             self.reporter.emit("warning", message=problem)
         s.take_snapshot()
+        self.resumed_at = (s.pos.round, s.pos.step)
         self.reporter.emit(
             "resumed",
             path=str(path),
@@ -224,3 +235,37 @@ class Checkpointing:
             residuals=residuals,
             batches_drawn=self.inner.sampler.batches_drawn,
         )
+
+    def join_swarm_step(self, swarm: RoundSwarm) -> int:
+        """After the restore and the first catch-up: when this peer still stands where its checkpoint
+        left it (no adoption moved it) and the live peers in that same round went further meanwhile
+        (``swarm.step_now``: the furthest one's step, at most H − 1), go to their inner step, as a
+        joiner does after an adoption; never back. Otherwise this peer, a restart's downtime behind,
+        reaches the round's sync after the others' group formed and syncs alone, and the swarm then
+        holds two states. θ keeps the k steps it trained; the all-reduce weighs its Δ by the round's
+        tokens (those k steps' and the ones to come); the inner lr schedule follows the step
+        (round·H + step), as on every peer. One ``status`` line says it.
+
+        Not on a pipeline stage: its steps are its callers' (``paced_by_callers``), which set its pace.
+
+        Returns:
+            The inner steps skipped (0: nothing restored, the peer was moved by an adoption, the
+            swarm is not further along in this round, or a pipeline stage).
+        """
+        s = self.state
+        if self.resumed_at is None or (s.pos.round, s.pos.step) != self.resumed_at:
+            return 0
+        if getattr(self.inner, "paced_by_callers", False):
+            return 0
+        now = swarm.step_now(s.pos.round, inner_steps=s.H, batch_size_tokens=s.m.inner_optimizer.batch_size_tokens)
+        k = s.pos.step
+        if now <= k:
+            return 0
+        s.pos.step = now
+        self.schedule.after_restore(now, s.pos.tokens)  # streaming: the fragment syncs before it are passed
+        self.reporter.emit(
+            "status",
+            message=f"the swarm went on to inner step {now} of {s.H} of round {s.pos.round} meanwhile: "
+            f"joining it there from step {k}, to sync with it at the round's end",
+        )
+        return now - k

@@ -181,6 +181,7 @@ class Trainer:
         """
         self.checkpoints.restore()
         self.catchup.catch_up()
+        self.checkpoints.join_swarm_step(self.swarm)  # a restart inside a round the swarm went on in
         self.transport.share_state(lambda: list(self.state.snapshots))
         self.publisher.publish()
         self._wait_for_peers()
