@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.state.memory_need import GIB, GPU, HOST, MemoryNeed, memory_need
+from peer.train.device import resolve_device
 from protocol.errors import ConfigError
 from protocol.manifest import RunManifest
 
@@ -105,8 +106,6 @@ def check_join(manifest: RunManifest, device: Any, *, host_free: int | None = No
         MemoryShort: the host lacks the RAM (the line names the GPU need too).
         ConfigError: ``--device`` names a device this machine lacks.
     """
-    from peer.train.device import resolve_device
-
     need = memory_need(
         manifest,
         device_type=resolve_device(device.device).type,

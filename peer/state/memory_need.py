@@ -16,7 +16,8 @@ with a lossy codec and error feedback on, else 0). A peer's host memory:
   next round;
 * at one moment of a round, the largest of: the round's end (Δ, the group's mean, and the
   averager's all-reduce buffers), the landing (the outer step's new tensors) and a checkpoint
-  (copies of θ and of the optimizer's state, the residuals fetched from the averager);
+  (written tensor by tensor from the tensors as held: on a GPU peer one tensor's host copy; the
+  residuals fetched from the averager);
 * the code of the peer's four processes (:data:`PROCESS_OVERHEAD_BYTES`, measured).
 
 peer/state/memory_check.py sets the need against the free memory (``peer doctor``, ``peer join``).
@@ -27,9 +28,12 @@ Checked against the rig's measured peak PSS in docs/memory.md.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
+from peer.train.model import spec_parameter_count
 from protocol.manifest import RunManifest
+from protocol.presets import PRESETS
 from protocol.specs import ModelSpec
 
 MIB = 2**20
@@ -138,8 +142,6 @@ def vocab_size(manifest: RunManifest) -> int:
 
 def spec_parameters(spec: ModelSpec, vocab: int) -> int:
     """Parameters of peer/train/model.py ``build_model``'s model, from the spec (nothing is built)."""
-    from peer.train.model import spec_parameter_count
-
     return spec_parameter_count(spec, vocab)
 
 
@@ -148,6 +150,12 @@ def _block_matrix_parameters(spec: ModelSpec) -> int:
     h, head_dim = spec.hidden_size, spec.hidden_size // spec.num_heads
     attention = 2 * h * spec.num_heads * head_dim + 2 * h * spec.num_kv_heads * head_dim
     return spec.num_layers * (attention + 3 * h * spec.intermediate_size)
+
+
+def _largest_tensor_parameters(spec: ModelSpec, vocab: int) -> int:
+    """Elements of the model's largest tensor: the embedding or output layer (vocab × hidden) or an
+    MLP matrix (hidden × intermediate)."""
+    return spec.hidden_size * max(vocab, spec.intermediate_size, spec.hidden_size)
 
 
 def activation_bytes(
@@ -438,24 +446,18 @@ def memory_need(
             code="peer/train/outer.py step_consuming_mean / step_on_copies",
         ),
         # ---- a checkpoint ----
+        # written tensor by tensor from the tensors as held: a host fp32 tensor from its own memory,
+        # one on the card through a host copy of it, one at a time
         B(
-            name="checkpoint: θ's copy",
-            bytes=M,
+            name="checkpoint: the host copy of the tensor being written (the largest)",
+            bytes=4 * _largest_tensor_parameters(spec, vocab) if device_type == "cuda" else 0,
             where=HOST,
             process=PEER,
             when=CHECKPOINT,
-            code="peer/state/checkpoint.py _host_copy / copy_live",
+            code="peer/state/safetensors_stream.py host_bytes",
         ),
         B(
-            name="checkpoint: the optimizer state's copy",
-            bytes=2 * M,
-            where=HOST,
-            process=PEER,
-            when=CHECKPOINT,
-            code="peer/state/checkpoint.py _host_copy / copy_live (peer/train/inner.py state_dict)",
-        ),
-        B(
-            name="checkpoint: the residuals fetched from the averager",
+            name="checkpoint: the residuals fetched from the averager (written as they are)",
             bytes=R,
             where=HOST,
             process=PEER,
@@ -487,10 +489,6 @@ def memory_need(
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m peer.state.memory_need PRESET [cpu|cuda|mps] [MICRO_BATCH]``: the table of a preset's buffers."""
-    import sys
-
-    from protocol.presets import PRESETS
-
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] not in PRESETS:
         raise SystemExit(

@@ -137,7 +137,7 @@ def rig(tmp_path, monkeypatch):
             log.append("save")
             return "checkpoint.safetensors"
 
-    placement = SimpleNamespace(devices=["cpu"], event_fields=lambda: {"device": "cpu"})
+    placement = SimpleNamespace(devices=["cpu"], device="cpu", event_fields=lambda: {"device": "cpu"})
     fakes = dict(
         tune_host_allocator=lambda: None,
         with_local_data=lambda *a, **k: SimpleNamespace(source="text"),
