@@ -52,6 +52,11 @@ SPECIALS = ("<bos>", "<eos>", "<pad>")
 PACKAGED_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizers"
 """The tokenizers shipped with the package (package data): ``*.json``, each beside a
 ``*.provenance.json`` that says what it was trained on."""
+ENCODE_PIECE_CHARS = 1 << 20
+"""A document longer than this (characters) is encoded in pieces of at most this many, each cut after
+its last newline (:func:`encode_pieces`): the tokenizer holds about 80 bytes per token of one call
+(with ``encode_batch_fast``; 400 with ``encode_batch``'s offsets), and a source tree's generated files
+reach tens of MB in one document."""
 MIN_FREQUENCY = 2
 """A pair is merged only when it occurs at least this often in the training text."""
 
@@ -152,8 +157,7 @@ def from_json(data: bytes, *, vocab_size: int, origin: str = "the tokenizer") ->
         token_bytes[index] = 0 if token in SPECIALS else len(token)
 
     def encode_batch(docs: list[bytes]) -> list[np.ndarray]:
-        texts = [doc.decode("utf-8", errors="replace") for doc in docs]
-        return [np.asarray(e.ids, dtype=np.int64) for e in hf.encode_batch(texts, add_special_tokens=False)]
+        return encode_pieces(hf, [doc.decode("utf-8", errors="replace") for doc in docs])
 
     return Tokenizer(
         kind="bpe",
@@ -165,6 +169,43 @@ def from_json(data: bytes, *, vocab_size: int, origin: str = "the tokenizer") ->
         encode_batch=encode_batch,
         token_bytes=token_bytes,
     )
+
+
+def _cuts(text: str, most: int) -> Iterator[str]:
+    """``text`` in pieces of at most ``most`` characters, each ending after its last newline (at
+    ``most`` characters where a piece has none)."""
+    start = 0
+    while len(text) - start > most:
+        end = text.rfind("\n", start, start + most) + 1
+        end = end if end > start else start + most
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def encode_pieces(hf: Any, texts: list[str], *, most: int = ENCODE_PIECE_CHARS) -> list[np.ndarray]:
+    """Token ids (int64, 1-D) per text by the Hugging Face tokenizer ``hf``, without specials, with
+    ``encode_batch_fast`` (no offsets kept). A text over ``most`` characters is encoded in pieces cut
+    after newlines (:func:`_cuts`) whose ids are joined: byte-level BPE decodes them to the same text;
+    a token that would have spanned a cut is two tokens there. Memory: about 80 bytes per token of
+    one call, so at most ``most`` characters' worth beyond the input and the ids."""
+    pieces, owner = [], []
+    for i, text in enumerate(texts):
+        for piece in _cuts(text, most):
+            pieces.append(piece)
+            owner.append(i)
+    encode = hf.encode_batch_fast  # tokenizers >= 0.20
+    ids: list[list[np.ndarray]] = [[] for _ in texts]
+    at = 0
+    while at < len(pieces):  # calls of at most ``most`` characters, or one piece
+        end, size = at, 0
+        while end < len(pieces) and (end == at or size + len(pieces[end]) <= most):
+            size += len(pieces[end])
+            end += 1
+        for i, e in zip(owner[at:end], encode(pieces[at:end], add_special_tokens=False)):
+            ids[i].append(np.asarray(e.ids, dtype=np.int64))
+        at = end
+    return [np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in ids]
 
 
 @functools.cache

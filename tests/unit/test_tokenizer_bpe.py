@@ -4,6 +4,7 @@ trained at join, the model's vocabulary, bits per byte, `peer data prepare --tra
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,3 +167,41 @@ def test_peer_data_prepare_prints_the_hashes_that_pin_the_run(tmp_path, corpus_f
     # another size: refused before the hashes are compared, both sizes named
     assert result.exit_code == 78 and f"{pins['corpus_bytes']:,} (data.corpus_bytes)" in result.output, result.output
     assert "another corpus" in result.output
+
+
+# long documents (a source tree's generated files run to tens of MB in one document)
+
+
+class _Counting:
+    """A Hugging Face tokenizer that records the characters of each encode call."""
+
+    def __init__(self, hf):
+        self.hf, self.calls = hf, []
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        self.calls.append(sum(len(t) for t in texts))
+        return self.hf.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+def _shipped():
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from peer.train.bpe import PACKAGED_DIR
+
+    return HFTokenizer.from_file(str(PACKAGED_DIR / "stdlib-bpe-16384.json"))
+
+
+def test_a_long_document_is_encoded_in_pieces_that_decode_to_it():
+    from peer.train.bpe import encode_pieces
+
+    hf = _shipped()
+    line = "def f(x):\n    return x * 2  # a line of source\n"
+    long = line * 200 + "no newline " * 300  # 9,900 + 3,300 characters, the tail without a newline
+    short = ["a short one", "", "another\n"]
+    counting = _Counting(hf)
+    ids = encode_pieces(counting, [short[0], long, *short[1:]], most=1000)
+    assert max(counting.calls) <= 1000 and len(counting.calls) > 10  # bounded calls, the long one cut
+    assert hf.decode(ids[1].tolist()) == long  # byte-level: the pieces' ids decode to the whole text
+    whole = [e.ids for e in hf.encode_batch([short[0], *short[1:]], add_special_tokens=False)]
+    assert [ids[0].tolist(), ids[2].tolist(), ids[3].tolist()] == whole  # short texts as one call gives
+    assert all(i.dtype == np.int64 for i in ids)
