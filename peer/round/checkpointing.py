@@ -27,7 +27,6 @@ from peer.round.state import RoundState
 from peer.state.checkpoint import (
     CheckpointWriter,
     PeerState,
-    copy_live,
     encode_checkpoint,
     export_phi,
     fetch_residuals,
@@ -41,6 +40,9 @@ from peer.sync.membership import RoundSwarm
 from peer.sync.transport import RoundTransport
 from peer.train.inner import InnerLoop
 from protocol.errors import CheckpointError, ConfigError
+
+LIVE = ("theta", "adam_exp_avg", "adam_exp_avg_sq")
+"""The checkpoint's groups that the next inner step changes (peer/state/checkpoint.py ``encode_checkpoint``)."""
 
 
 def checkpoint_due(last: float | None, now: float, every_s: float) -> bool:
@@ -92,12 +94,22 @@ class Checkpointing:
     def save(self, *, background: bool = False) -> str | None:
         """Write the checkpoint (atomically); its path, or None without one.
 
-        With ``background`` the state is written by a background thread (the round loop's checkpoint
-        every round). φ and the outer state are the last snapshot's copies; θ and AdamW's moments are
-        copied by that thread when it is idle, while the next inner step's forward and backward
-        passes run, and the step's update (or any write of θ before it) waits until the copy is
-        done; when a write is still under way they are copied here instead. Otherwise the write in
-        progress is waited for and this one written before returning.
+        Nothing model-sized is copied (issue #67, item 2): the file is written tensor by tensor from
+        the tensors as held (peer/state/checkpoint.py ``write_checkpoint``), θ and AdamW's moments
+        first; φ and the outer state are the last snapshot's (never written in place), the
+        residuals the averager's copy.
+
+        With ``background`` the state is written by the background thread (the round loop's
+        checkpoint): θ and the moments while the next inner step's forward and backward passes run,
+        and the step's update (or any write of θ before it) waits until they are in the file (into
+        the page cache; the fsync comes after the rest). A write still under way (a slow disk)
+        means no checkpoint at this round's end, the next round's end writes it instead: queued
+        behind it, θ's update would wait for the disk. A pipeline stage (its steps are its callers',
+        they cannot be held) copies θ and the moments here and writes in the background. Without
+        ``background`` the write in progress is waited for and this one written before returning.
+
+        Returns:
+            The path; None without one, or when ``background`` skipped this round's end.
 
         Raises:
             CheckpointError: this write failed (without ``background``), or the last background one
@@ -106,18 +118,22 @@ class Checkpointing:
         if self.path is None:
             return None
         s = self.state
-        # θ and the moments are copied in the writer's thread while the next step's forward and
-        # backward passes run (its update waits for the copy; every other writer of θ waits in
-        # RoundState.await_theta_copy): not when a write is still under way (the copy would wait
-        # for it), nor for a pipeline stage (its steps are its callers')
-        defer = background and self.writer.idle() and type(self.inner).step is InnerLoop.step
+        # θ and the moments are written first by the writer's thread while the next step's forward
+        # and backward passes run (its update waits until they are in the file; every other writer
+        # of θ waits in RoundState.await_theta_copy); not for a pipeline stage (its steps are its
+        # callers'): it copies them here
+        defer = background and type(self.inner).step is InnerLoop.step
+        if defer and not self.writer.idle():
+            self.last = None  # the next round's end writes it
+            return None
         adam = self.inner.state_dict()
         # fetched anew every time: after an adoption the averager holds none, so none are saved
         residuals, problem = fetch_residuals(self.transport.error_feedback_residuals)
         if problem:
             self.reporter.emit("warning", message=problem)
-        # φ and the outer state are never written in place, only rebound (peer/round/state.py): the
-        # tensors held now are written as they are, not copied
+        # φ and the outer state are never written in place, only rebound (peer/round/state.py), and the
+        # residuals are the averager's copy: the tensors held now are written as they are, not copied
+        held = ("phi", "momentum", "residual") if background else ("phi", "momentum", "residual", *LIVE)
         with s.lock:
             phi, momentum = list(s.phi), list(s.outer.state_tensors())
             file = encode_checkpoint(
@@ -130,7 +146,7 @@ class Checkpointing:
                     names=s.names,
                     phi=phi,
                     momentum=momentum,
-                    theta=list(s.params) if defer else s.theta_on_host(),
+                    theta=list(s.params),
                     adam_exp_avg=adam["exp_avg"] if adam else None,
                     adam_exp_avg_sq=adam["exp_avg_sq"] if adam else None,
                     adam_step=adam["step"] if adam else 0,
@@ -138,22 +154,15 @@ class Checkpointing:
                     data=self.inner.sampler.state(),
                     vouchers=self.vouching.ledger.as_dict(),
                 ),
-                private=("phi", "momentum"),
-                live=("theta", "adam_exp_avg", "adam_exp_avg_sq") if defer else (),
+                private=held,
+                live=LIVE if defer else (),
             )
         if defer:
-            copied, path = threading.Event(), self.path
-
-            def copy_and_write() -> None:
-                try:
-                    done = copy_live(file)
-                finally:
-                    copied.set()
-                write_checkpoint(path, done)
-
-            self.writer.submit_call(copy_and_write)  # raises for an earlier failed write: nothing held
-            self.inner.hold_updates(copied)
-            s.copying = copied
+            released, path = threading.Event(), self.path
+            # raises for an earlier failed write: then nothing is held
+            self.writer.submit_call(lambda: write_checkpoint(path, file, released=released))
+            self.inner.hold_updates(released)
+            s.copying = released
         elif background:
             self.writer.submit(self.path, file)
         else:

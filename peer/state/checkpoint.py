@@ -6,9 +6,10 @@ Format 2 holds, as named tensors: φ, the outer state, θ and the AdamW moments 
 (``data.rng``, uint8); as string metadata: the position (round, cumulative inner step, steps and
 tokens done in the current round), AdamW's step, the sampler's seed and batches drawn. Nothing is
 pickled. A format 1 file (before residuals and data position) still loads, with a note of what
-it lacked. The file is written in a private directory beside it, fsynced, then renamed
-over the old one, so a crash at any moment leaves either the old or the new checkpoint, never a
-torn file.
+it lacked. The file is written tensor by tensor from the tensors as the peer holds them
+(peer/state/safetensors_stream.py: at most one tensor's copy at a time, none for host fp32 tensors)
+in a private directory beside it, fsynced, then renamed over the old one, so a crash at any moment
+leaves either the old or the new checkpoint, never a torn file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,9 +27,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from peer.net.lifetime import yield_to_training
+from peer.state.safetensors_stream import save_atomically
 from peer.train.data import BatchSampler, SamplerState
 from peer.train.outer import first_non_finite
 from protocol.errors import CheckpointError, HelperDied
@@ -73,37 +76,36 @@ class PeerState:
 
 @dataclass(frozen=True)
 class CheckpointFile:
-    """A checkpoint encoded for writing: copies of every tensor and the metadata, independent of
-    the trainer's live tensors (which may change while it is written), except those named in
-    ``live`` until :func:`copy_live` copied them."""
+    """A checkpoint encoded for writing: its named tensors and string metadata. A tensor is either
+    a copy made by :func:`encode_checkpoint` or one the caller holds (any device, any float dtype;
+    :func:`write_checkpoint` writes it as fp32, one tensor's copy at a time at most), which the
+    caller leaves unchanged while it is written: until the write's ``released`` event for those
+    named in ``live``, until the write ends for the others."""
 
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
     live: frozenset[str] = frozenset()
-    """Names of ``tensors`` that are still the trainer's own (any device, any float dtype)."""
+    """Names of ``tensors`` that are the trainer's own and that it changes again once they are
+    written: written first, then :func:`write_checkpoint`'s ``released`` is set."""
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).contiguous().clone()
 
 
-def _own_copy(t: torch.Tensor) -> bool:
-    """Whether a tensor the caller calls private can be written as it is (fp32, contiguous, host)."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-
-
 def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: Collection[str] = ()) -> CheckpointFile:
-    """Copy ``state`` into the file's named tensors (fp32 CPU, contiguous) and string metadata.
-    Milliseconds for a small model: a copy of each tensor, no I/O.
+    """``state`` as the file's named tensors and string metadata: the groups named in ``private``
+    or ``live`` referenced as they are, every other copied now (fp32 CPU, contiguous: a model-sized
+    copy each, for a caller that changes them before the write ends), the data position's
+    generator state always copied (bytes).
 
     Args:
-        private: the groups of ``state`` (e.g. ``"phi"``, ``"momentum"``) whose tensors are copies
-            that nothing changes any more (a state snapshot's, peer/state/snapshot.py): taken as
-            they are when contiguous fp32 CPU tensors, not copied again (any other is copied).
-        live: the groups (``"theta"``, ``"adam_exp_avg"``, ``"adam_exp_avg_sq"``) referenced as
-            they are, not copied: the caller has :func:`copy_live` copy them (in the writer's
-            thread) and keeps them unchanged until it did. :func:`write_checkpoint` refuses a file
-            with live tensors.
+        private: the groups of ``state`` (e.g. ``"phi"``, ``"momentum"``, ``"residual"``) that
+            nothing changes while the file is written (a state snapshot's, peer/state/snapshot.py;
+            residuals fetched from the averager; anything while the trainer is stopped).
+        live: the groups (``"theta"``, ``"adam_exp_avg"``, ``"adam_exp_avg_sq"``) that the trainer
+            leaves unchanged only until :func:`write_checkpoint`'s ``released`` is set: written
+            first.
 
     Raises:
         CheckpointError: φ or the outer state holds NaN or inf (issue #51: a poisoned φ must never
@@ -121,9 +123,7 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: 
     if state.adam_exp_avg is not None and state.adam_exp_avg_sq is not None:
         groups.update(adam_exp_avg=state.adam_exp_avg, adam_exp_avg_sq=state.adam_exp_avg_sq)
     tensors = {
-        f"{prefix}.{name}": (
-            t if prefix in private and _own_copy(t) else t.detach() if prefix in live else _host_copy(t)
-        )
+        f"{prefix}.{name}": t.detach() if prefix in private or prefix in live else _host_copy(t)
         for prefix, group in groups.items()
         if group is not None
         for name, t in zip(state.names, group, strict=True)
@@ -150,66 +150,30 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: 
     )
 
 
-def copy_live(file: CheckpointFile) -> CheckpointFile:
-    """``file`` with its live tensors (:func:`encode_checkpoint`'s ``live``) copied to fp32 CPU, so
-    the trainer may change its own again. Call from any thread while the trainer leaves them
-    unchanged; the other tensors and the metadata are shared, not copied."""
-    if not file.live:
-        return file
-    return CheckpointFile(
-        tensors={k: _host_copy(t) if k in file.live else t for k, t in file.tensors.items()}, metadata=file.metadata
-    )
+def write_checkpoint(path: Path, file: CheckpointFile, *, released: threading.Event | None = None) -> None:
+    """Write an encoded checkpoint to ``path`` atomically (a private temporary file beside it,
+    fsync, rename, fsync of the directory), tensor by tensor from the tensors as ``file`` holds
+    them: the process holds at most one tensor's copy more while it writes (none for contiguous
+    fp32 host tensors; peer/state/safetensors_stream.py).
 
-
-def write_checkpoint(path: Path, file: CheckpointFile) -> None:
-    """Write an encoded checkpoint to ``path`` atomically (temporary file, fsync, rename, fsync of
-    the directory).
+    Args:
+        released: set once ``file.live``'s tensors are in the file (they are written first), so
+            the trainer may change them again; set in any case, failure included, before this
+            returns or raises.
 
     Raises:
         CheckpointError: the directory is not writable; any previous checkpoint is left intact.
-        ValueError: ``file`` still holds live tensors (:func:`copy_live`); nothing written.
     """
-    if file.live:
-        raise ValueError(
-            f"{len(file.live)} tensor(s) of this checkpoint are still the trainer's own "
-            f"(e.g. {min(file.live)}): copy_live() them before writing"
-        )
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(path.parent)
-        _save_atomically(path, file.tensors, file.metadata)
+        save_atomically(path, file.tensors, file.metadata, first=file.live, released=released)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror}; the previous one is intact") from exc
-
-
-def _save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors file to ``path`` through a private directory beside it
-    (``.NAME.tmpPID``: safetensors' own ``.tmpXXXXXX`` file lies inside it, out of reach of any
-    other writer in the directory), fsync it, rename it over ``path`` and fsync the directory.
-
-    Raises:
-        OSError: the file cannot be written; ``path`` is untouched and the private directory gone.
-    """
-    private = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    staged = private / path.name
-    try:
-        shutil.rmtree(private, ignore_errors=True)
-        private.mkdir()
-        try:
-            save_file(tensors, str(staged), metadata=metadata)
-        except SafetensorError as exc:
-            raise OSError(errno.EIO, str(exc)) from exc
-        with open(staged, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(staged, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        if released is not None:
+            released.set()
 
 
 def save_checkpoint(path: Path, state: PeerState) -> None:
@@ -218,7 +182,11 @@ def save_checkpoint(path: Path, state: PeerState) -> None:
     Raises:
         CheckpointError: the directory is not writable; any previous checkpoint is left intact.
     """
-    write_checkpoint(path, encode_checkpoint(state))
+    write_checkpoint(path, encode_checkpoint(state, private=_GROUPS))
+
+
+_GROUPS = ("phi", "momentum", "theta", "adam_exp_avg", "adam_exp_avg_sq", "residual")
+"""Every tensor group of a checkpoint (:func:`encode_checkpoint`'s ``private``: all referenced)."""
 
 
 class CheckpointWriter:
@@ -518,10 +486,8 @@ def export_phi(directory: Path, *, names: list[str], phi: list[torch.Tensor], ru
     """
     path = Path(directory) / f"phi-round-{round_:06d}.safetensors"
     try:
-        _save_atomically(
-            path,
-            {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in zip(names, phi, strict=True)},
-            {"run_id": run_id, "round": str(round_)},
+        save_atomically(
+            path, {n: t.detach() for n, t in zip(names, phi, strict=True)}, {"run_id": run_id, "round": str(round_)}
         )
     except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}") from exc

@@ -1,6 +1,7 @@
-"""A round's checkpoint copies θ and AdamW's moments in the writer's thread (peer/round/checkpointing.py
-``Trainer.save``, peer/state/checkpoint.py ``copy_live``) while the next inner step's forward and
-backward passes run; that step's update waits for the copy (``InnerLoop.hold_updates``)."""
+"""A round's checkpoint writes θ and AdamW's moments first, from the tensors as held, in the writer's
+thread (peer/round/checkpointing.py ``Checkpointing.save``, peer/state/checkpoint.py
+``write_checkpoint``) while the next inner step's forward and backward passes run; that step's
+update waits until they are in the file (``InnerLoop.hold_updates``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,10 @@ import time
 import pytest
 import torch
 
+import peer.state.safetensors_stream as stream
 from peer.round import Trainer
-from peer.state.checkpoint import (
-    CheckpointFile,
-    PeerState,
-    copy_live,
-    encode_checkpoint,
-    load_checkpoint,
-    write_checkpoint,
-)
+from peer.state.checkpoint import PeerState, encode_checkpoint, load_checkpoint, write_checkpoint
+from protocol.errors import CheckpointError
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 from tests.unit.test_round_overlap import Records, Transport, make_trainer
@@ -42,16 +38,17 @@ class Probe:
 
 
 def gate_the_copy(monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """Make the checkpoint writer's copy of θ and the moments wait until the returned ``gate`` is
-    set; ``reached`` is set once the copy is waiting there."""
-    gate, reached, real_copy = threading.Event(), threading.Event(), copy_live
+    """Make the checkpoint writer's first tensor (θ's first) wait until the returned ``gate`` is
+    set; ``reached`` is set once the write is waiting there."""
+    gate, reached, real_write = threading.Event(), threading.Event(), stream._write_one
 
-    def slow_copy(file):
-        reached.set()
-        assert gate.wait(60)
-        return real_copy(file)
+    def slow_write(f, t):
+        if not reached.is_set():
+            reached.set()
+            assert gate.wait(60)
+        real_write(f, t)
 
-    monkeypatch.setattr("peer.round.checkpointing.copy_live", slow_copy)
+    monkeypatch.setattr(stream, "_write_one", slow_write)
     return gate, reached
 
 
@@ -72,23 +69,17 @@ def test_the_next_update_waits_for_the_checkpoints_copy(corpus, tmp_path, monkey
         t.inner.step(step)
     theta, m1, m2 = state_of(t)
 
-    gate, probes = threading.Event(), []
-    real_copy = copy_live
-
-    def slow_copy(file):  # the writer's copy cannot start until the test opens the gate
-        assert gate.wait(60)
-        return real_copy(file)
-
-    monkeypatch.setattr("peer.round.checkpointing.copy_live", slow_copy)
+    probes: list[Probe] = []
+    gate, _ = gate_the_copy(monkeypatch)  # the writer's first tensor waits until the test opens the gate
     hold = t.inner.hold_updates
     monkeypatch.setattr(t.inner, "hold_updates", lambda until: (probes.append(Probe(until)), hold(probes[-1])))
     t.save(background=True)
-    assert len(probes) == 1, "an idle writer takes the copy: the next update is held"
+    assert len(probes) == 1, "an idle writer writes θ first: the next update is held"
 
     stepped = threading.Thread(target=t.inner.step, args=(2,))
     stepped.start()
     assert probes[0].reached.wait(60)  # forward and backward done, the update waits
-    assert all(torch.equal(p, q) for p, q in zip(t.params, theta))  # θ untouched while the copy is pending
+    assert all(torch.equal(p, q) for p, q in zip(t.params, theta))  # θ untouched while it is being written
     gate.set()
     stepped.join(60)
     assert not stepped.is_alive()
@@ -153,18 +144,25 @@ def test_a_streaming_landing_waits_for_the_copy_too(corpus, tmp_path, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
 
 
-def test_a_busy_writer_means_a_copy_on_the_training_thread(corpus, tmp_path):
+def test_a_busy_writer_skips_this_rounds_checkpoint_and_the_next_round_end_writes_it(corpus, tmp_path):
     manifest = tiny_run().replace(sync={"overlap": "delayed"})
     path = tmp_path / "checkpoint.safetensors"
     t = make_trainer(corpus, manifest, "a", Records(), Transport("a"), rounds=2, checkpoint=path)
     t.inner.step(0)
-    theta, _, _ = state_of(t)
     busy = threading.Event()
     t.checkpoints.writer.submit_call(lambda: busy.wait(60))  # a slow disk still writing the last one
-    t.save(background=True)
+    t.checkpoints.every_s = 1000.0
+    assert t.checkpoints.due(100.0)
+    assert t.save(background=True) is None
     assert t.inner._hold is None and t.state.copying is None  # nothing waits for a write under way
-    t.inner.step(1)  # changes θ at once; the checkpoint has its own copy already
+    t.inner.step(1)  # changes θ at once: nothing of it is held
     busy.set()
+    t.checkpoints.writer.flush()
+    assert not path.exists()
+    assert t.checkpoints.due(100.5), "the skipped checkpoint is written at the next round's end"
+    theta, _, _ = state_of(t)
+    assert t.save(background=True) == str(path)
+    t.inner.step(2)
     t.checkpoints.writer.flush()
     saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
     assert all(torch.equal(a, b) for a, b in zip(saved.theta, theta, strict=True))
@@ -186,33 +184,48 @@ def small_state(theta: list[torch.Tensor], **extra) -> PeerState:
     )
 
 
-def test_live_tensors_are_copied_before_writing_and_never_written_as_they_are(tmp_path):
+def test_live_tensors_are_written_first_and_released_before_the_rest(tmp_path, monkeypatch):
     theta = [torch.ones(3, 2), torch.zeros(4)]
     state = small_state(theta)
-    file = encode_checkpoint(state, live=("theta",))
+    file = encode_checkpoint(state, private=("phi", "momentum"), live=("theta",))
     assert file.live == {"theta.a", "theta.b"}
     assert file.tensors["theta.a"].data_ptr() == theta[0].data_ptr()  # referenced, not copied
-    with pytest.raises(ValueError, match="copy_live"):
-        write_checkpoint(tmp_path / "c.safetensors", file)
-    assert not (tmp_path / "c.safetensors").exists()
-    copied = copy_live(file)
-    theta[0].add_(5.0)  # the trainer moves on
-    assert isinstance(copied, CheckpointFile) and not copied.live
-    assert torch.equal(copied.tensors["theta.a"], torch.ones(3, 2))
-    assert copied.tensors["phi.a"] is file.tensors["phi.a"]  # copies already: shared
-    write_checkpoint(tmp_path / "c.safetensors", copied)
+    assert file.tensors["phi.a"].data_ptr() == state.phi[0].data_ptr()
+    released, seen, real_write = threading.Event(), [], stream._write_one
+
+    def watched(f, t):
+        seen.append((t.data_ptr(), released.is_set()))
+        real_write(f, t)
+        if len(seen) == 2:
+            theta[0].add_(5.0)  # the trainer moves on once θ is written
+
+    monkeypatch.setattr(stream, "_write_one", watched)
+    write_checkpoint(tmp_path / "c.safetensors", file, released=released)
+    assert released.is_set()
+    assert seen[:2] == [(theta[0].data_ptr(), False), (theta[1].data_ptr(), False)]  # θ first, held
+    assert all(was_released for _, was_released in seen[2:])  # the rest after the trainer was released
     saved = load_checkpoint(tmp_path / "c.safetensors", run_id="r", names=["a", "b"], shapes=[(3, 2), (4,)])
-    assert torch.equal(saved.theta[0], torch.ones(3, 2))
-    assert copy_live(copied) is copied
+    assert torch.equal(saved.theta[0], torch.ones(3, 2))  # as it was when written, not as changed after
 
 
-def test_private_tensors_are_written_as_they_are_unless_they_are_not_plain_host_fp32(tmp_path):
+def test_a_failed_write_still_releases_the_trainer(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    released = threading.Event()
+    file = encode_checkpoint(small_state([torch.ones(3, 2), torch.zeros(4)]), live=("theta",))
+    with pytest.raises(CheckpointError, match="previous one is intact"):
+        write_checkpoint(tmp_path / "file" / "c.safetensors", file, released=released)
+    assert released.is_set()
+
+
+def test_private_tensors_are_referenced_whatever_they_are_and_written_as_fp32(tmp_path):
     residuals = [torch.full((3, 2), 0.5), torch.full((8,), 0.25)[::2]]  # the second: not contiguous
     state = small_state([torch.ones(3, 2), torch.zeros(4)], residuals=residuals)
-    file = encode_checkpoint(state, private=("residual",))
-    assert file.tensors["residual.a"] is residuals[0]  # the averager's copy: no second one
-    assert file.tensors["residual.b"].data_ptr() != residuals[1].data_ptr()  # copied: made contiguous
-    assert file.tensors["phi.a"].data_ptr() != state.phi[0].data_ptr()  # not private: copied
+    state.phi[1] = state.phi[1].to(torch.float16)  # any float dtype: written as fp32
+    file = encode_checkpoint(state, private=("residual", "phi"))
+    assert file.tensors["residual.a"] is not None and file.tensors["residual.a"].data_ptr() == residuals[0].data_ptr()
+    assert file.tensors["residual.b"].data_ptr() == residuals[1].data_ptr()  # referenced: converted as written
+    assert file.tensors["momentum.a"].data_ptr() != state.momentum[0].data_ptr()  # not private: copied
     write_checkpoint(tmp_path / "c.safetensors", file)
     saved = load_checkpoint(tmp_path / "c.safetensors", run_id="r", names=["a", "b"], shapes=[(3, 2), (4,)])
     assert saved.residuals is not None and torch.equal(saved.residuals[1], torch.full((4,), 0.25))
+    assert saved.phi[1].dtype == torch.float32 and torch.equal(saved.phi[1], torch.zeros(4))

@@ -71,10 +71,11 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_no_private_directory(
     path = tmp_path / "peer.ckpt"
     write_checkpoint(path, file_of(1.0, n=10))
 
-    def broken(*args, **kwargs):
+    def broken(f, t):  # the disk fills up in the middle of the tensor data
+        f.write(b"\0" * 16)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save_file", broken)
+    monkeypatch.setattr("peer.state.safetensors_stream._write_one", broken)
     try:
         write_checkpoint(path, file_of(2.0, n=10))
     except checkpoint.CheckpointError as exc:
