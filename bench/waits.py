@@ -32,7 +32,9 @@ came), ``restart_resumed_step`` (the inner step its checkpoint resumed at), ``re
 ``--second-peer`` ``restart_swarm_sync_s`` (from the restart's command to the other peer's next round
 line: the swarm's next sync, which no restart can sync before) and ``restart_swarm_syncs_missed``
 (the other peer's rounds that ended after that command and before the restart's first round: 0 when
-the restart synced with the swarm's next sync), ``command``, ``device``, ``load_average_start`` and
+the restart synced with the swarm's next sync) and ``restart_first_sync_s`` with
+``restart_first_sync_line`` (its first round line with a group of two or more: issue #68's "restart
+to first sync"), ``command``, ``device``, ``load_average_start`` and
 ``load_average_end`` (the machine's 1-minute load average: other jobs slow a niced bench's peers
 down, their rounds most), and
 ``commands``: per command (``bootstrap run``, ``peer status``, ``peer doctor``, ``peer join``, ``peer
@@ -197,6 +199,20 @@ def startup_figures(prefix: str, peer: Watched) -> dict:
     }
 
 
+def first_sync_s(peer: Watched, timeout_s: float = 300.0) -> tuple[float, str]:
+    """Seconds since start of the peer's first round line with a group of two or more (its first
+    sync with the swarm), and that line (waits for it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for t, _, line in list(peer.lines):
+            if re.match(ROUND, line) and (m := re.search(r"\| group (\d+) \|", line)) and int(m.group(1)) >= 2:
+                return t, line
+        if peer.proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise SystemExit(f"{peer.name}: no round synced with a group within {timeout_s} s")
+
+
 def round_number(line: str) -> int:
     """The round a ``round N | ...`` line reports."""
     return int(line.split()[1])
@@ -336,6 +352,8 @@ def main() -> None:
         r["restart_warnings"] = [
             line for t, _, line in again.lines if WARNING.search(line) and t <= r["restart_first_round_s"]
         ]
+        if args.second_peer:  # its first round in a group: the restart's first sync with the swarm
+            r["restart_first_sync_s"], r["restart_first_sync_line"] = first_sync_s(again)
         if args.second_peer:  # what the peer that stayed up said meanwhile (a stale donor, say)
             since, until = again.t0 - other.t0, again.t0 - other.t0 + r["restart_first_round_s"]
             # the swarm's next sync after the restart's command: no restart syncs with it earlier
@@ -379,6 +397,7 @@ def main() -> None:
         *(
             [
                 ("restart: the swarm's next sync", r["restart_swarm_sync_s"]),
+                ("restart: its first sync with the swarm (a round in a group)", r["restart_first_sync_s"]),
                 ("restart: the swarm's syncs it missed (count)", r["restart_swarm_syncs_missed"]),
             ]
             if args.second_peer

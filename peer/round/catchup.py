@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -173,6 +174,24 @@ class CatchUp:
         self.failed_downloads = 0
         """State downloads that failed in a row: the first for want of donors is a ``status`` line, the
         next ones (and any other failure) a ``warning``."""
+        self._measured: list[tuple[list[weakref.ref[torch.Tensor]], float]] = []
+        """The φs the last loss checks measured (weak references to their tensors) and their losses:
+        :meth:`known_loss`."""
+
+    def known_loss(self, phi: Sequence[torch.Tensor]) -> float | None:
+        """The validation loss (nats/token) a loss check of this catch-up measured for these very
+        tensors, or None. φ's tensors are never written in place (peer/round/state.py), so the same
+        tensors hold the same values: the round's initial evaluation of an adopted φ (or of this
+        peer's own φ, measured against a refused state) reuses it instead of evaluating it again."""
+        for refs, loss in self._measured:
+            if len(refs) == len(phi) and all(r() is t for r, t in zip(refs, phi)):
+                return loss
+        return None
+
+    def _remember(self, phi: Sequence[torch.Tensor], loss: float) -> None:
+        """Keep ``loss`` as ``phi``'s for :meth:`known_loss` (the last two φs measured: own and theirs)."""
+        kept = [(refs, v) for refs, v in self._measured[-1:] if all(r() is not None for r in refs)]
+        self._measured = [*kept, ([weakref.ref(t) for t in phi], loss)]
 
     def catch_up(self, attempts: int = 3) -> None:
         """Adopt the swarm's state while this peer is behind or diverged, again while the swarm moved
@@ -248,7 +267,13 @@ class CatchUp:
         target = self.resync_target()
         if target is not None and self.about_to_sync(target[0], target[2]):
             # Its donors are in the last quarter of their round: a state downloaded now would reach
-            # the sync after their group formed. Wait for the state they publish after the sync.
+            # the sync after their group formed. Wait for the state they publish after the sync;
+            # the loss of the φ the state will be held against is measured first, inside that wait.
+            if self.loss_of is not None:
+                try:
+                    self.reference_loss(target[0])
+                except Exception:  # measured again by the check, which refuses the state on it
+                    pass
             self.wait_until_past(target[0], target[2])
             if not isinstance(target, ClaimCheck):
                 target = self.resync_target()
@@ -304,6 +329,9 @@ class CatchUp:
         reason = "behind" if state.round > s.pos.round else "diverged" if state.round == s.pos.round else "raced ahead"
         try:
             self.adopt(state)
+            if theirs is not None:  # φ is now the checked state's (its tensors, or copies of them)
+                with s.lock:
+                    self._remember(list(s.phi), theirs)
         except HelperDied:
             raise
         except Exception as exc:  # adopt() put this peer's own state back
@@ -349,21 +377,36 @@ class CatchUp:
         """
         if self.loss_of is None:
             return None
-        s = self.state
-        steps_back = not self.cfg.serves_state and state.round < s.pos.round
-        initial = self.initial_loss if steps_back else None
         with Waiting(f"comparing the validation loss of the downloaded state of round {state.round} with this peer's"):
-            if initial is not None:
-                own, whose = initial(), "the run's initial φ's"
-            else:
-                with s.lock:  # φ's tensors are never written in place (peer/round/state.py): no copy
-                    own_phi = list(s.phi)
-                own, whose = self.loss_of(own_phi), "this peer's"
+            own, whose = self.reference_loss(state.round)
             theirs = self.loss_of(state.phi)
-        problem = loss_refusal(theirs, own, tie=tie and initial is None)
+        self._remember(state.phi, theirs)
+        problem = loss_refusal(theirs, own, tie=tie and whose == "this peer's")
         if problem is not None:
             raise BadPayload(problem.replace("this peer's", whose))
         return theirs
+
+    def reference_loss(self, round_: int) -> tuple[float, str]:
+        """The validation loss (nats/token) a state of ``round_`` is held against (:meth:`check_loss`)
+        and whose φ it is: this peer's own φ's (measured once per φ, :meth:`known_loss`), or the run's
+        initial φ's for a client-mode peer stepping back (``initial_loss``, remembered by its
+        caller). Requires ``loss_of``.
+
+        Raises:
+            ValueError: no ``loss_of`` (a pipelined peer); what ``loss_of`` raises.
+        """
+        if self.loss_of is None:
+            raise ValueError("a pipelined peer checks no loss")
+        s = self.state
+        if not self.cfg.serves_state and round_ < s.pos.round and self.initial_loss is not None:
+            return self.initial_loss(), "the run's initial φ's"
+        with s.lock:  # φ's tensors are never written in place (peer/round/state.py): no copy
+            own_phi = list(s.phi)
+        own = self.known_loss(own_phi)
+        if own is None:
+            own = self.loss_of(own_phi)
+            self._remember(own_phi, own)
+        return own, "this peer's"
 
     def check_claim(self, round_: int, digest: str, theirs: float) -> None:
         """Refuse the state ``digest`` of ``round_``, of validation loss ``theirs`` (nats/token), if it

@@ -220,17 +220,25 @@ class Trainer:
         inner steps (:meth:`Publisher.eval_phi_alongside`; issue #53 item 4: a restart trains at
         once), reported after the step it finished in and at the latest before the round ends; on
         an accelerator before them (its activations would take memory the micro-batch was fitted
-        to). Says, in one ``status`` line, where training starts."""
+        to). A φ whose loss the catch-up's check measured (an adopted state's, or this peer's own against
+        a refused one: ``CatchUp.known_loss``) is reported with that loss, not evaluated again. Says,
+        in one ``status`` line, where training starts."""
         s = self.state
-        alongside = self.publisher.evaluates_phi and self.device.type == "cpu"
-        if alongside:
+        with s.lock:
+            known = self.catchup.known_loss(list(s.phi)) if self.publisher.evaluates_phi else None
+        alongside = known is None and self.publisher.evaluates_phi and self.device.type == "cpu"
+        if known is not None:  # the catch-up's loss check measured this very φ: not evaluated again
+            self.publisher.report_eval("initial", known)
+            self.summary.initial_eval_loss = known
+        elif alongside:
             self.publisher.eval_phi_alongside("initial")
         else:
             self.summary.initial_eval_loss = self.publisher.eval_phi("initial")
         self.reporter.emit(
             "status",
             message=f"training from round {s.pos.round}, inner step {s.pos.step} of {self.H}"
-            + ("; evaluating φ of that round alongside" if alongside else ""),
+            + ("; evaluating φ of that round alongside" if alongside else "")
+            + ("; φ of that round was evaluated by the catch-up's loss check" if known is not None else ""),
         )
 
     def _finish_initial_eval(self, *, wait: bool) -> None:

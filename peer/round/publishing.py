@@ -115,6 +115,14 @@ class Publisher:
         self._report(when, round_, loss)
         return loss
 
+    def report_eval(self, when: str, loss: float) -> None:
+        """Report ``loss`` (nats/token) as this ``when``'s evaluation of φ as it is now, as
+        :meth:`eval_phi` reports its own, without evaluating: φ's loss already measured on these
+        validation windows (an adoption's loss check, peer/round/catchup.py ``CatchUp.known_loss``).
+        An evaluation still running alongside is reported first."""
+        self.finish_eval()
+        self._report(when, self.state.pos.round, loss)
+
     def eval_phi_alongside(self, when: str) -> None:
         """Start evaluating φ as it is now in a background thread, on the evaluation copy, while the
         caller trains (issue #53 item 4: a restart trains at once, its evaluation alongside); the
