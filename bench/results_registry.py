@@ -599,10 +599,23 @@ REGISTRY: dict[str, Entry] = {
                     ("limit_mib", "limit MiB"),
                     ("within_cap", "within cap"),
                     ("rounds_sat_out", "rounds sat out"),
+                    ("max_rounds_ahead", "rounds ahead of the swarm"),
+                    ("ledger_mib", "ledger MiB"),
+                    ("wire_mib", "wire MiB"),
+                    ("ledger_vs_wire", "ledger vs wire"),
                     ("loss_change", "loss change"),
                 ],
             )
         ],
         device="2-core CPU, no GPU; network namespaces on one machine",
+    ),
+    "checkpoint_memory": Entry(
+        "The memory a checkpoint adds while it is written",
+        "A llama-shaped state of a 202 MiB model (φ, outer state, θ, AdamW's moments, the residuals) written "
+        "the way the round loop writes it: the peak RSS added over the RSS before, how long the next update "
+        "waits and the whole write, before (whole copies, then safetensors' save_file) and after (streamed "
+        "tensor by tensor from the tensors as held).",
+        "python bench/checkpoint_memory.py",
+        [Table(flat, [("key", "figure"), ("value", "value")])],
     ),
 }

@@ -7,7 +7,10 @@ With ``sync.overlap`` the inner loop stops at a round's end only for what peer/r
 ``_overlap_step`` does itself: this round's Δ (``round_progress``), its NaN/inf check, the next
 start point (``next_start``: delayed φ − Δ, or eager's preview) and θ ← the start point; and, with
 a checkpoint every round (peer join's default), the checkpoint's copies of θ and AdamW's two
-moments (``encode_checkpoint``; φ and the outer state come from the snapshot, uncopied). This
+moments (``encode_checkpoint`` without ``live``; φ and the outer state come from the snapshot,
+uncopied). The round loop no longer makes those copies: it writes θ and the moments first from the
+tensors as held and holds the next update until they are written (bench/checkpoint_memory.py times
+that); the part is kept to compare with the results recorded before. This
 times each part on the model of bench/overlap_rig.py (``rig_model``) with the project's own
 functions, and the finiteness check both ways: ``check_finite`` as shipped (the tensor's sum
 first) and the element-wise test alone (what it was before). Median of ``--repeats``, in ms.

@@ -78,7 +78,7 @@ class RoundState:
         self.snapshots: deque[StateSnapshot] = deque(maxlen=2)
         self.sealed: dict[int, SealedTensor] = {}
         self.copying: threading.Event | None = None
-        """Set once a checkpoint writer's thread copied θ and the moments (peer/round/checkpointing.py)."""
+        """Set once a checkpoint writer's thread wrote θ and the moments to the file (peer/round/checkpointing.py)."""
         self.views: list[tuple[list[torch.Tensor], list[int]]] = []
         """Other lists that hold live state tensors, with the state index of each entry (a fragment's
         outer state, peer/train/streaming.py ``fragment_outers``): :meth:`install` rebinds them too."""
@@ -230,7 +230,8 @@ class RoundState:
 
     def await_theta_copy(self) -> None:
         """Before θ is written other than by an inner step's update (which waits on its own): wait
-        for a checkpoint's copy of θ and AdamW's moments still under way in the writer's thread."""
+        until a checkpoint under way in the writer's thread has written θ and AdamW's moments (it
+        writes them first, from the tensors as held: peer/state/checkpoint.py ``write_checkpoint``)."""
         if self.copying is not None:
             self.copying.wait()
             self.copying = None
