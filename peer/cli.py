@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from peer.cli_common import ALGORITHMS, configure_logging, default_data_dir, resolve_run
+from peer.cli_common import ALGORITHMS, configure_logging, default_data_dir, device_options, resolve_run
 from peer.cli_tools import data_group, doctor, status
 from peer.config import DeviceConfig, JoinConfig, TrainerConfig
 from peer.net import pacing
@@ -190,58 +190,7 @@ def main() -> None:
     "across restarts: past the budget's pro-rata share the peer sits out syncs (it keeps training). "
     "Default: no budget.",
 )
-@click.option(
-    "--device",
-    default="auto",
-    show_default=True,
-    metavar="auto|cpu|cuda|cuda:N|mps|LIST",
-    help="Where to train: auto picks CUDA, then Apple MPS, then the CPU (one card). A list "
-    "(cuda:0,cuda:1) or cuda:all trains data-parallel on those cards as one peer.",
-)
-@click.option(
-    "--precision",
-    type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
-    default="auto",
-    show_default=True,
-    help="auto: bf16 on CUDA compute capability >= 8.0, fp16 with a gradient scaler on older cards, "
-    "fp32 on CPU/MPS. Master weights and φ stay fp32.",
-)
-@click.option(
-    "--micro-batch",
-    "micro_batch",
-    type=click.IntRange(1),
-    default=None,
-    help="Sequences per forward/backward (gradient accumulation reaches the run's batch). "
-    "Default: the largest that fits on CUDA, the whole batch elsewhere.",
-)
-@click.option(
-    "--max-memory",
-    "max_memory",
-    type=FiniteFloatRange(0, min_open=True),
-    default=None,
-    metavar="GIB",
-    help="Cap on the GPU memory this peer may use, in GiB (CUDA only).",
-)
-@click.option(
-    "--compile/--no-compile",
-    "compile_",
-    default=None,
-    help="torch.compile the model. [default: on for CUDA, off for CPU]",
-)
-@click.option(
-    "--peak-tflops",
-    type=FiniteFloatRange(0, min_open=True),
-    default=None,
-    help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU on cards the built-in table lacks.",
-)
-@click.option(
-    "--activation-checkpointing",
-    "activation_checkpointing",
-    is_flag=True,
-    help="Recompute activations in the backward instead of keeping them: a larger micro-batch fits "
-    "(computed: llama-350m fits an 8 GiB card only with it; llama-1b needs a 24 GiB card either way) "
-    "for about a third more compute per step.",
-)
+@device_options()
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),

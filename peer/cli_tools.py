@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from peer.cli_common import configure_logging, default_data_dir, resolve_run
+from peer.cli_common import configure_logging, default_data_dir, device_options, resolve_run
 from peer.net.cli_types import FiniteFloatRange
 from peer.net.lifetime import exit_process
 from peer.run_choice import checkpointed_runs
@@ -83,46 +83,7 @@ def status(initial_peers, run_id, as_json, wait_s, verbose) -> None:
     default=None,
     help="Named run preset instead of --run. Neither: 'default'.",
 )
-@click.option(
-    "--device",
-    default="auto",
-    show_default=True,
-    metavar="auto|cpu|cuda|cuda:N|mps",
-    help="Device to check, as for peer join.",
-)
-@click.option(
-    "--precision",
-    type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
-    default="auto",
-    show_default=True,
-    help="Precision to check, as for peer join.",
-)
-@click.option(
-    "--max-memory",
-    "max_memory",
-    type=FiniteFloatRange(0, min_open=True),
-    default=None,
-    metavar="GIB",
-    help="Cap on the GPU memory, in GiB, as for peer join.",
-)
-@click.option(
-    "--compile/--no-compile",
-    "compile_",
-    default=None,
-    help="torch.compile the model. [default: on for CUDA, off for CPU]",
-)
-@click.option(
-    "--peak-tflops",
-    type=FiniteFloatRange(0, min_open=True),
-    default=None,
-    help="The card's dense bf16/fp16 peak in TFLOP/s, for MFU.",
-)
-@click.option(
-    "--activation-checkpointing",
-    "activation_checkpointing",
-    is_flag=True,
-    help="Check with activations recomputed in the backward, as peer join --activation-checkpointing.",
-)
+@device_options(lists=False)
 @click.option(
     "--steps",
     type=click.IntRange(1, 100),
@@ -158,6 +119,7 @@ def doctor(
     preset,
     device,
     precision,
+    micro_batch,
     max_memory,
     compile_,
     peak_tflops,
@@ -183,6 +145,7 @@ def doctor(
     Examples:
       peer doctor                                # the default run on the best device
       peer doctor --preset llama-125m --max-memory 10
+      peer doctor --preset llama-125m --device cpu --micro-batch 1
       peer doctor --run my_run.toml --device cuda:1 --json
       peer doctor --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
     """
@@ -217,6 +180,7 @@ def doctor(
         device=device,
         precision=precision,
         compile=compile_,
+        micro_batch_sequences=micro_batch,
         max_memory_gib=max_memory,
         peak_tflops=peak_tflops,
         activation_checkpointing=activation_checkpointing,

@@ -4,6 +4,7 @@ processes, a run manifest of a model of about a trillion parameters (4 TB in fp3
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,18 @@ def test_peer_join_refuses_a_model_larger_than_free_memory_before_building_it(tm
     )
     assert_refused(result, result.stdout + result.stderr)
     assert not list((tmp_path / "data").rglob("checkpoint.safetensors"))
+
+
+def doctor_json(*flags: str) -> dict:
+    command = [sys.executable, "-m", "peer", "doctor", "--device", "cpu", "--steps", "1", "--json"]  # the default run
+    result = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def test_peer_doctor_checks_the_micro_batch_its_refusal_suggests():
+    """The refusal says "a smaller --micro-batch": doctor takes it (as peer join does), sizes the
+    memory need and trains its timed steps with it."""
+    whole, small = doctor_json(), doctor_json("--micro-batch", "1")
+    assert small["micro_batch"] == 1 and whole["micro_batch"] > 1, (whole["micro_batch"], small["micro_batch"])
+    assert small["memory_host_need_gib"] < whole["memory_host_need_gib"]
