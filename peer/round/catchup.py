@@ -188,8 +188,9 @@ class CatchUp:
                 return loss
         return None
 
-    def _remember(self, phi: Sequence[torch.Tensor], loss: float) -> None:
-        """Keep ``loss`` as ``phi``'s for :meth:`known_loss` (the last two φs measured: own and theirs)."""
+    def remember(self, phi: Sequence[torch.Tensor], loss: float) -> None:
+        """Keep ``loss`` (nats/token) as ``phi``'s for :meth:`known_loss` (the last two φs measured: own
+        and theirs; a restored checkpoint's φ with the loss it recorded)."""
         kept = [(refs, v) for refs, v in self._measured[-1:] if all(r() is not None for r in refs)]
         self._measured = [*kept, ([weakref.ref(t) for t in phi], loss)]
 
@@ -331,7 +332,7 @@ class CatchUp:
             self.adopt(state)
             if theirs is not None:  # φ is now the checked state's (its tensors, or copies of them)
                 with s.lock:
-                    self._remember(list(s.phi), theirs)
+                    self.remember(list(s.phi), theirs)
         except HelperDied:
             raise
         except Exception as exc:  # adopt() put this peer's own state back
@@ -380,7 +381,7 @@ class CatchUp:
         with Waiting(f"comparing the validation loss of the downloaded state of round {state.round} with this peer's"):
             own, whose = self.reference_loss(state.round)
             theirs = self.loss_of(state.phi)
-        self._remember(state.phi, theirs)
+        self.remember(state.phi, theirs)
         problem = loss_refusal(theirs, own, tie=tie and whose == "this peer's")
         if problem is not None:
             raise BadPayload(problem.replace("this peer's", whose))
@@ -405,7 +406,7 @@ class CatchUp:
         own = self.known_loss(own_phi)
         if own is None:
             own = self.loss_of(own_phi)
-            self._remember(own_phi, own)
+            self.remember(own_phi, own)
         return own, "this peer's"
 
     def check_claim(self, round_: int, digest: str, theirs: float) -> None:

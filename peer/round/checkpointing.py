@@ -15,6 +15,7 @@ this peer's progress not yet in φ) and the committed residuals; a restart from 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,8 +67,12 @@ class Checkpointing:
         vouching: Vouching,
         config: TrainerConfig,
         reporter: Reporter,
+        measured_phi: Callable[[], tuple[str, float] | None] | None = None,
     ):
+        """``measured_phi``: (snapshot digest, validation loss) of the last evaluation of the current φ,
+        or None (peer/round/publishing.py ``Publisher.measured_phi``): kept in the checkpoint."""
         self.state, self.schedule, self.inner, self.transport = state, schedule, inner, transport
+        self.measured_phi = measured_phi
         self.vouching, self.path, self.reporter = vouching, config.checkpoint_path, reporter
         # --checkpoint-every, else sized to what this peer's checkpoint holds (a pipeline stage: its own)
         self.every_s = checkpoint_interval_s(
@@ -83,6 +88,9 @@ class Checkpointing:
         """``time.monotonic()`` of the last round-end checkpoint (``checkpoint_every_s``'s clock)."""
         self.resumed_at: tuple[int, int] | None = None
         """(round, inner step of that round) the restored checkpoint resumed at; None: nothing restored."""
+        self.restored_phi_loss: float | None = None
+        """The validation loss (nats/token) of the restored φ as the checkpoint recorded it, when the
+        restored state's digest is the one it was measured on; None: none recorded."""
 
     def due(self, now: float) -> bool:
         """Whether the round's end at ``now`` writes the checkpoint (:func:`checkpoint_due`); marks it written."""
@@ -134,6 +142,7 @@ class Checkpointing:
         # φ and the outer state are never written in place, only rebound (peer/round/state.py), and the
         # residuals are the averager's copy: the tensors held now are written as they are, not copied
         held = ("phi", "momentum", "residual") if background else ("phi", "momentum", "residual", *LIVE)
+        measured = self.measured_phi() if self.measured_phi is not None else None
         with s.lock:
             phi, momentum = list(s.phi), list(s.outer.state_tensors())
             file = encode_checkpoint(
@@ -153,6 +162,8 @@ class Checkpointing:
                     residuals=residuals,
                     data=self.inner.sampler.state(),
                     vouchers=self.vouching.ledger.as_dict(),
+                    # the φ written is the last snapshot's: its loss only when measured on that snapshot
+                    phi_eval=measured if measured is not None and measured[0] == s.digest else None,
                 ),
                 private=held,
                 live=LIVE if defer else (),
@@ -235,6 +246,8 @@ class Checkpointing:
             self.reporter.emit("warning", message=problem)
         s.take_snapshot()
         self.resumed_at = (s.pos.round, s.pos.step)
+        if state.phi_eval is not None and state.phi_eval[0] == s.digest:
+            self.restored_phi_loss = state.phi_eval[1]
         self.reporter.emit(
             "resumed",
             path=str(path),

@@ -160,6 +160,7 @@ class Trainer:
             vouching=self.vouching,
             config=config,
             reporter=reporter,
+            measured_phi=self.publisher.measured_phi,
         )
         self.summary = TrainSummary(peer_id=self.peer_id)
         s.take_snapshot()
@@ -180,6 +181,9 @@ class Trainer:
                 checkpoint's residuals, or catching up).
         """
         self.checkpoints.restore()
+        if self.checkpoints.restored_phi_loss is not None:  # measured before the stop: not evaluated again
+            with self.state.lock:
+                self.catchup.remember(list(self.state.phi), self.checkpoints.restored_phi_loss)
         self.catchup.catch_up()
         self.checkpoints.join_swarm_step(self.swarm)  # a restart inside a round the swarm went on in
         self.transport.share_state(lambda: list(self.state.snapshots))
@@ -238,7 +242,11 @@ class Trainer:
             "status",
             message=f"training from round {s.pos.round}, inner step {s.pos.step} of {self.H}"
             + ("; evaluating φ of that round alongside" if alongside else "")
-            + ("; φ of that round was evaluated by the catch-up's loss check" if known is not None else ""),
+            + (
+                "; φ's validation loss of that round is known (the checkpoint's or the catch-up's)"
+                if known is not None
+                else ""
+            ),
         )
 
     def _finish_initial_eval(self, *, wait: bool) -> None:

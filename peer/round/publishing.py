@@ -64,9 +64,12 @@ class Publisher:
         """The last finished round (its figures go into every progress record until the next one)."""
         self.last_eval: tuple[int, float | None] = (-1, None)
         """(round, validation loss) of the last evaluation of φ."""
-        self._alongside: tuple[str, int, Future[float]] | None = None
+        self.last_eval_digest: str | None = None
+        """Digest of the snapshot whose φ :attr:`last_eval` measured (None: not known to be one):
+        :meth:`measured_phi`."""
+        self._alongside: tuple[str, int, str | None, Future[float]] | None = None
         """The evaluation :meth:`eval_phi_alongside` started and :meth:`finish_eval` has not reported:
-        (``when``, round of its φ, its result to come)."""
+        (``when``, round of its φ, that φ's snapshot digest, its result to come)."""
         self._initial_loss: float | None = None
 
     def publish(
@@ -109,10 +112,10 @@ class Publisher:
         if self.eval_model is None:
             return None
         self.finish_eval()
-        round_ = self._load_phi(self.eval_model)
+        round_, digest = self._load_phi(self.eval_model)
         with Waiting(f"evaluating φ of round {round_} on the validation split"):
             loss = evaluate(self.eval_model, self.val_windows)
-        self._report(when, round_, loss)
+        self._report(when, round_, loss, digest)
         return loss
 
     def report_eval(self, when: str, loss: float) -> None:
@@ -121,7 +124,7 @@ class Publisher:
         validation windows (an adoption's loss check, peer/round/catchup.py ``CatchUp.known_loss``).
         An evaluation still running alongside is reported first."""
         self.finish_eval()
-        self._report(when, self.state.pos.round, loss)
+        self._report(when, self.state.pos.round, loss, self._phi_digest())
 
     def eval_phi_alongside(self, when: str) -> None:
         """Start evaluating φ as it is now in a background thread, on the evaluation copy, while the
@@ -133,7 +136,7 @@ class Publisher:
             return
         self.finish_eval()
         model, windows = self.eval_model, self.val_windows
-        round_ = self._load_phi(model)
+        round_, digest = self._load_phi(model)
         result: Future[float] = Future()
 
         def evaluate_phi() -> None:
@@ -143,7 +146,7 @@ class Publisher:
                 result.set_exception(exc)
 
         threading.Thread(target=evaluate_phi, name="locoswarm-eval", daemon=True).start()
-        self._alongside = (when, round_, result)
+        self._alongside = (when, round_, digest, result)
 
     def finish_eval(self, *, wait: bool = True) -> float | None:
         """Report the evaluation :meth:`eval_phi_alongside` started (as :meth:`eval_phi` reports
@@ -154,12 +157,12 @@ class Publisher:
         Raises:
             What the evaluation raised (it is then no longer pending).
         """
-        if self._alongside is None or not (wait or self._alongside[2].done()):
+        if self._alongside is None or not (wait or self._alongside[3].done()):
             return None
-        when, round_, result = self._alongside
+        when, round_, digest, result = self._alongside
         self._alongside = None
         loss = result.result()
-        self._report(when, round_, loss)
+        self._report(when, round_, loss, digest)
         return loss
 
     def phi_loss(self, phi: Sequence[torch.Tensor]) -> float:
@@ -187,17 +190,40 @@ class Publisher:
             self._initial_loss = self.phi_loss(phi_0)
         return self._initial_loss
 
-    def _load_phi(self, model: torch.nn.Module) -> int:
-        """Copy φ into ``model`` (the evaluation copy) under the state's lock; the round φ is of."""
+    def measured_phi(self) -> tuple[str, float] | None:
+        """(digest of the state snapshot, validation loss in nats/token) of the last evaluation of φ
+        when that φ is the current snapshot's, else None: a checkpoint keeps it, and a restart from that
+        checkpoint reports it instead of evaluating the same φ again (peer/round/checkpointing.py)."""
+        loss = self.last_eval[1]
+        digest = self._phi_digest()
+        if loss is None or digest is None or digest != self.last_eval_digest:
+            return None
+        return digest, loss
+
+    def _phi_digest(self) -> str | None:
+        """The digest of the last snapshot when φ is that snapshot's tensors (the same objects), else None."""
+        with self.state.lock:
+            return self._phi_digest_locked()
+
+    def _phi_digest_locked(self) -> str | None:
+        s = self.state
+        if not s.snapshots or not all(a is b for a, b in zip(s.snapshots[-1].tensors, s.phi)):
+            return None
+        return s.digest
+
+    def _load_phi(self, model: torch.nn.Module) -> tuple[int, str | None]:
+        """Copy φ into ``model`` (the evaluation copy) under the state's lock; the round φ is of, and
+        its snapshot's digest (:meth:`_phi_digest`)."""
         s = self.state
         with s.lock, torch.no_grad():
             for p, f in zip(model.parameters(), s.phi):
                 p.copy_(f)
-            return s.pos.round
+            return s.pos.round, self._phi_digest_locked()
 
-    def _report(self, when: str, round_: int, loss: float) -> None:
-        """Keep an evaluation of φ of ``round_`` for the records, publish, emit its ``eval`` event."""
-        self.last_eval = (round_, loss)
+    def _report(self, when: str, round_: int, loss: float, digest: str | None = None) -> None:
+        """Keep an evaluation of φ of ``round_`` (of the snapshot ``digest``, when known) for the
+        records and :meth:`measured_phi`, publish, emit its ``eval`` event."""
+        self.last_eval, self.last_eval_digest = (round_, loss), digest
         self.publish()
         self.reporter.emit(
             "eval",

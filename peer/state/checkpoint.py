@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -70,6 +71,10 @@ class PeerState:
     vouchers: dict[str, int] | None = None
     """This peer's ledger of vouchers (peer/state/vouching.py: peer id → round first seen in a completed
     group); None: not saved (older files)."""
+    phi_eval: tuple[str, float] | None = None
+    """(hex digest of the state snapshot of φ and the outer state, validation loss of φ in nats/token):
+    the last evaluation of this φ, when the peer had one (peer/round/publishing.py ``measured_phi``);
+    None: none, or not saved (older files)."""
     upgrade_note: str | None = None
     """Set by :func:`load_checkpoint` for an older format: what the file lacked, for a warning."""
 
@@ -140,6 +145,8 @@ def encode_checkpoint(state: PeerState, *, private: Collection[str] = (), live: 
     }
     if state.vouchers is not None:
         metadata["vouchers"] = json.dumps(state.vouchers, sort_keys=True)
+    if state.phi_eval is not None:
+        metadata.update(phi_eval_digest=state.phi_eval[0], phi_eval_loss=repr(float(state.phi_eval[1])))
     if state.data is not None:
         tensors["data.rng"] = state.data.rng.detach().to("cpu").contiguous().clone()
         metadata.update(data_seed=str(state.data.seed), batches_drawn=str(state.data.batches_drawn))
@@ -398,6 +405,7 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
             )
         )
         vouchers = _vouchers(metadata.get("vouchers"))
+        phi_eval = _phi_eval(metadata.get("phi_eval_digest"), metadata.get("phi_eval_loss"))
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed metadata ({exc})") from exc
     if rng is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
@@ -419,6 +427,7 @@ def load_checkpoint(path: Path, *, run_id: str, names: list[str], shapes: list[t
         residuals=residuals,
         data=data,
         vouchers=vouchers,
+        phi_eval=phi_eval,
         **position,
         upgrade_note=None
         if version == FORMAT_VERSION
@@ -440,6 +449,25 @@ def _vouchers(text: str | None) -> dict[str, int] | None:
     ):
         raise ValueError("vouchers: expected a JSON object of peer id -> round >= 0")
     return value
+
+
+def _phi_eval(digest: str | None, loss: str | None) -> tuple[str, float] | None:
+    """The ``phi_eval_digest`` and ``phi_eval_loss`` metadata: (a snapshot's hex digest, a finite loss
+    >= 0), or None when absent.
+
+    Raises:
+        ValueError: one without the other, or either malformed.
+    """
+    if digest is None and loss is None:
+        return None
+    if digest is None or loss is None:
+        raise ValueError("phi_eval_digest and phi_eval_loss: expected both or neither")
+    value = float(loss)
+    if not 0 < len(digest) <= 128 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"phi_eval_digest: expected hex digits, got {digest[:140]!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"phi_eval_loss: expected a finite loss >= 0, got {loss[:40]!r}")
+    return digest, value
 
 
 def fetch_residuals(fetch: Callable[[], list[torch.Tensor] | None]) -> tuple[list[torch.Tensor] | None, str | None]:

@@ -292,6 +292,27 @@ def test_the_ledger_of_vouchers_survives_a_restart(tmp_path):
     assert json.loads(json.dumps(ledger.as_dict())) == {"12D3KooWa": 4, "12D3KooWb": 2}
 
 
+def test_the_measured_loss_of_phi_survives_a_restart_and_a_malformed_one_is_refused(tmp_path):
+    import dataclasses
+
+    from safetensors import safe_open
+
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, dataclasses.replace(make_state(), phi_eval=("ab" * 16, 2.25)))
+    assert load(path).phi_eval == ("ab" * 16, 2.25)
+    save_checkpoint(path, make_state())  # none measured: none loaded
+    assert load(path).phi_eval is None
+    for digest, loss in (("ab" * 16, None), ("xy", "1.0"), ("ab" * 16, "nan"), ("ab" * 16, "-1"), ("", "1.0")):
+        save_checkpoint(path, make_state())
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata())
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta.update({"phi_eval_digest": digest} | ({} if loss is None else {"phi_eval_loss": loss}))
+        save_file(tensors, str(path), metadata=meta)
+        with pytest.raises(CheckpointError, match="malformed metadata"):
+            load(path)
+
+
 def test_the_background_writer_writes_in_order_and_reports_a_failed_write_on_the_callers_thread(tmp_path, monkeypatch):
     from peer.state.checkpoint import CheckpointWriter, encode_checkpoint
 

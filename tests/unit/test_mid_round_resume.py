@@ -6,14 +6,17 @@ tiny run over the in-process transport, alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 import torch
 
+import peer.round.catchup as catchup_module
+import peer.round.publishing as publishing_module
 from peer.config import TrainerConfig
 from peer.round import Trainer
-from peer.state.checkpoint import load_checkpoint
+from peer.state.checkpoint import load_checkpoint, save_checkpoint
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.manifest import RunManifest
@@ -161,3 +164,53 @@ def test_only_a_restored_peer_where_its_checkpoint_left_it_joins_the_swarms_step
     moved.checkpoints.restore()
     moved.pos.step = 5  # an adoption put it elsewhere (catchup.py): it stays there
     assert moved.checkpoints.join_swarm_step(moved.swarm) == 0 and moved.pos.step == 5
+
+
+@pytest.fixture
+def evaluations(monkeypatch):
+    """Counts every evaluation of a φ on the validation windows (the publisher's and the catch-up's)."""
+    calls: list[int] = []
+    real = publishing_module.evaluate
+
+    def counted(model, windows, *args, **kwargs):
+        calls.append(windows.shape[0])
+        return real(model, windows, *args, **kwargs)
+
+    monkeypatch.setattr(publishing_module, "evaluate", counted)
+    monkeypatch.setattr(catchup_module, "evaluate", counted)
+    return calls
+
+
+def test_a_restart_reports_the_loss_its_checkpoint_recorded_and_evaluates_that_phi_no_second_time(
+    corpus, manifest, tmp_path, evaluations
+):
+    """The stop's checkpoint keeps the loss of its φ as measured before (with the snapshot's digest);
+    the restart's initial evaluation is that loss, so its first steps do not share the cores with an
+    evaluation (issue #68 item 3). A recorded loss whose digest is not the restored state's is not used."""
+    path = tmp_path / "checkpoint.safetensors"
+    stop = threading.Event()
+    first = StopAt(stop, K)
+    t = make(corpus, manifest, path=path, reporter=first, stop=stop)
+    t.run()
+    t.save()
+    (measured,) = [e["loss"] for e in first.of("eval") if e["when"] == "initial"]
+    saved = load_checkpoint(path, run_id=manifest.run_id, names=t.names, shapes=t.shapes)
+    assert saved.phi_eval is not None and saved.phi_eval[1] == measured
+
+    del evaluations[:]
+    reporter = Events()
+    again = make(corpus, manifest, path=path, reporter=reporter)
+    again.run()  # round 0's last H − K steps, then the final evaluation of round 1's φ
+    (initial,) = [e for e in reporter.of("eval") if e["when"] == "initial"]
+    assert initial["loss"] == measured and initial["round"] == 0
+    assert len(evaluations) == 1 and [e["when"] for e in reporter.of("eval")] == ["initial", "final"]
+    assert any(
+        m.endswith("(the checkpoint's or the catch-up's)") for m in (e["message"] for e in reporter.of("status"))
+    )
+
+    save_checkpoint(path, dataclasses.replace(saved, phi_eval=("00" * 16, measured)))  # another state's
+    del evaluations[:]
+    reporter = Events()
+    make(corpus, manifest, path=path, reporter=reporter).run()
+    (initial,) = [e for e in reporter.of("eval") if e["when"] == "initial"]
+    assert len(evaluations) == 2 and initial["loss"] == pytest.approx(measured, rel=1e-5)  # evaluated afresh
