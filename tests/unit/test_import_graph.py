@@ -330,3 +330,23 @@ def test_protocol_imports_without_hivemind_or_click():
         [sys.executable, "-c", REFUSE, *names], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, "protocol modules that need hivemind or click:\n" + result.stdout + result.stderr
+
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_METHODS = 30
+
+
+def test_no_module_over_600_lines_and_no_class_over_30_methods():
+    """The size rule (issue #66 item 5): a module of peer/, protocol/ or bootstrap/ that grows past
+    600 lines, or a class past 30 methods (properties included), is split before it lands."""
+    long, wide = [], []
+    for module, path in sorted(project_modules().items()):
+        text = path.read_text()
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            long.append(f"{module}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) for f in node.body)
+                if methods > MAX_CLASS_METHODS:
+                    wide.append(f"{module}.{node.name}: {methods} methods")
+    assert not long and not wide, "split these: " + "; ".join(long + wide)
