@@ -44,6 +44,7 @@ from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement
 from peer.train.model import build_model, evaluate, parameter_count
 from protocol.manifest import RunManifest
+from protocol.specs import delta_is_round_progress
 
 PHI_OF = ("mean", "peer0")
 
@@ -195,7 +196,7 @@ def run_engine_simulation(
         PieceRules(
             compression=manifest.compression,
             max_weight=float(round_token_cap(manifest)),
-            whole_delta=manifest.sync.overlap == "none",
+            whole_delta=delta_is_round_progress(manifest.sync.overlap),
         )
         if screening
         else None

@@ -397,6 +397,18 @@ FRAGMENT_MERGES = ("mix", "shift")
 peer/train/streaming.py :func:`~peer.train.streaming.land`)."""
 """How a round's sync overlaps the next round's inner steps (``sync.overlap``): the round loop
 (peer/round/) and the in-process simulation (lab/simulation.py) run all four."""
+
+
+def delta_is_round_progress(overlap: str) -> bool:
+    """Whether a sync's Δ under ``sync.overlap = overlap`` is the round's own training alone, ψ − θ
+    from the point the round started (peer/train/overlap.py ``round_progress``): blocking, delayed
+    and eager. Then a receiver holds every owner's mean against its own Δ (the receipts' alignments,
+    peer/sync/receipts.py) and a pair's receiver its partner's whole Δ (peer/sync/pairs.py
+    ``PairTally``). Not streaming: a fragment's landing merges the new φ into θ inside the round
+    (θ keeps α of its own part), so an honest fragment mean need not align with a peer's Δ."""
+    return overlap != "streaming"
+
+
 STREAMING_FIELDS = ("fragments", "fragment_delay_steps", "fragment_alpha", "fragment_merge")
 """The sync fields only ``overlap = "streaming"`` reads; left out of a manifest's encoding while at
 their defaults (protocol/manifest.py), so the run ids of runs that do not use them stay as they were."""

@@ -107,7 +107,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         whole_delta: in a NoLoCo pair, the receiver judges its owner's whole Δ (peer/sync/pairs.py
             ``PairTally``), and in a group the receipts judge the owners' alignments
             (peer/sync/receipts.py): True where a Δ is one round's training alone
-            (``sync.overlap = "none"``).
+            (protocol/specs.py ``delta_is_round_progress``: every ``sync.overlap`` but streaming).
         **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
 

@@ -37,8 +37,8 @@ class PieceRules:
             None: no cap.
         whole_delta: whether a pair's receiver judges its owner's whole Δ (peer/sync/pairs.py
             ``PairTally``) and a group's receipts judge the owners' alignments
-            (peer/sync/receipts.py ``misaligned``), as a NetworkTransport does in a blocking sync
-            (``sync.overlap = "none"``).
+            (peer/sync/receipts.py ``misaligned``), as a NetworkTransport does where a Δ is one
+            round's training alone (protocol/specs.py ``delta_is_round_progress``).
     """
 
     compression: CompressionSpec = field(default_factory=CompressionSpec)

@@ -41,7 +41,8 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
   sender attack shifts every owner's alike) it must lie within :data:`ALIGNMENT_BAND`. Judged only
   in groups of :data:`ALIGNMENT_MIN_OWNERS` owners or more, each with
   :data:`ALIGNMENT_MIN_REPORTS` reports; never in a NoLoCo pair; only where a Δ is one round's
-  training alone (a blocking sync: with overlap a landing leaves part of the last mean in θ).
+  training alone (blocking, delayed, eager: protocol/specs.py ``delta_is_round_progress``; a streaming
+  fragment's landing leaves part of the last mean in θ).
 
 What this cannot do: a receiver may send different receipts to different peers. A false one is
 caught by the peers it was sent to and changes no verdict on an owner. But an equivocating owner and
@@ -352,8 +353,8 @@ class ReceiptExchange:
         receipts = {s: r for s, r in self._receipts.items() if s not in self._unheard}
         mine = self._digests.receipt({owner: seal[1] for owner, seal in self._seals.items()})
         alignments = {s: r.alignments for s, r in receipts.items() if s != me} | {me: mine.alignments}
-        # alignments only in a blocking sync: there Δ is the round's training alone; an overlapped
-        # landing leaves part of the last mean in θ, and honest fragment means then need not align
+        # alignments only where Δ is the round's training alone (not streaming: a fragment's landing
+        # leaves part of the last mean in θ, and honest fragment means then need not align)
         judged = alignments if self.whole_delta else None
         found = verdict(me, mine, receipts, sealed=self._sealed, votes=votes, alignments=judged)
         ids = self.plan.peer_ids

@@ -41,6 +41,7 @@ from protocol.errors import (
 )
 from protocol.manifest import CompressionSpec, SyncSpec
 from protocol.signing import PeerSigner
+from protocol.specs import delta_is_round_progress
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +207,8 @@ class NetworkTransport:
             phi_from=phi_from,
             piece_elements=piece_elements,
             max_weight_tokens=max_weight_tokens,
-            # an overlapped sync's Δ holds what the last landing's merge left: no whole-Δ judgement
-            whole_delta=sync.overlap == "none",
+            # a streaming fragment's Δ holds what the last landing's merge left: no whole-Δ judgement
+            whole_delta=delta_is_round_progress(sync.overlap),
             memory=GroupmateMemory(None if memory_dir is None else memory_dir / GROUPMATES_FILE),
             signer=signer,
             prefix=keys.averager_prefix(run_id, sync.algorithm),

@@ -67,9 +67,10 @@ def test_a_mean_every_receiver_accepts_but_out_of_line_is_skipped_and_carried(fo
             assert torch.equal(got, want)
 
 
-def test_an_overlapped_sync_does_not_judge_alignments():
-    """With ``sync.overlap`` a landing leaves part of the last mean in θ, so honest fragment means need
-    not align (an 8-peer streaming rig saw honest owners at −2.9 to 3.4): only blocking syncs judge."""
+def test_a_streaming_sync_does_not_judge_alignments():
+    """With ``sync.overlap = "streaming"`` a fragment's landing leaves part of the last mean in θ, so
+    honest fragment means need not align (an 8-peer streaming rig saw honest owners at −2.9 to 3.4):
+    blocking, delayed and eager syncs judge (protocol/specs.py ``delta_is_round_progress``)."""
     _, sessions, _ = run({LIAR: lambda m: 2.0 * m}, whole_delta=False)
     assert all(not s.stats.skipped_owners for s in sessions)
 

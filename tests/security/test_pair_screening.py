@@ -262,7 +262,7 @@ def test_a_pairs_owner_flipping_its_whole_delta_under_every_piece_check_is_refus
     """The Δ owner sends means implying its partner's Δ at cosine -0.5 with the receiver's on every
     piece (each piece's norm in bounds, so no piece alone is refused): the receiver refuses the whole
     Δ at the receipts and applies its own values on every piece of that owner; with
-    ``whole_delta=False`` (an overlapped sync) it applies the means."""
+    ``whole_delta=False`` (a streaming sync) it applies the means."""
     payloads = honest_pair(6, cosine=0.9)
     x = [t.clone() for t in payloads[1][:PHI_FROM]]
     implied = [_apart(t.flatten(), -0.5, 1.0, seed=k).view(t.shape) for k, t in enumerate(x)]

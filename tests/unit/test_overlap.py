@@ -10,7 +10,7 @@ from peer.train.outer import DiLoCo, NoLoCo
 from peer.train.overlap import EagerState, drain, eager_mean, next_start, preview_step, round_progress
 from protocol.errors import BadPayload, ManifestError
 from protocol.manifest import RunManifest, from_dict
-from protocol.specs import NoLoCoSpec, OuterOptimizerSpec, SyncSpec
+from protocol.specs import OVERLAP_MODES, NoLoCoSpec, OuterOptimizerSpec, SyncSpec, delta_is_round_progress
 
 SHAPES = [torch.Size([3, 4]), torch.Size([5])]
 
@@ -217,3 +217,11 @@ def test_none_bad_mode_bad_share_and_non_finite_progress():
     with pytest.raises(BadPayload):
         next_start("delayed", outer, phi, bad, bad, share=1.0)
     assert not drain(outer, phi, None)
+
+
+def test_every_schedule_but_streaming_holds_the_groups_means_against_the_rounds_own_delta():
+    """Issue #65 item 2: a delayed or eager sync's Δ is the round's progress alone (ψ − θ), so the
+    receipts' alignments and a pair's whole-Δ check run as in a blocking sync; a streaming fragment's
+    Δ carries what the last landing's merge left in θ."""
+    judged = {mode: delta_is_round_progress(mode) for mode in OVERLAP_MODES}
+    assert judged == {"none": True, "delayed": True, "eager": True, "streaming": False}
