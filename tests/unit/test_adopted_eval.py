@@ -89,7 +89,9 @@ def test_an_adopted_states_checked_loss_is_the_initial_evaluation_without_a_seco
     assert summary.initial_eval_loss == initial["loss"]
     assert reporter.index("adopted_state") < reporter.index("eval", when="initial") < reporter.index("round")
     status = [e["message"] for e in reporter.of("status")]
-    assert any(m.endswith("φ's validation loss of that round is known (the checkpoint's or the catch-up's)") for m in status)
+    assert any(
+        m.endswith("φ's validation loss of that round is known (the checkpoint's or the catch-up's)") for m in status
+    )
     # the two checks, then the final evaluation after round 2 and the afresh one above: no initial one
     assert len(evaluations) == 4
 
