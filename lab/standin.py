@@ -62,6 +62,8 @@ import peer.round.engine as engine
 import peer.round.publishing as publishing
 from peer.cli import main as peer_main
 from peer.net import lifetime
+from peer.state import memory_check
+from peer.state.memory_need import MemoryNeed, memory_need
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop, StepResult
 from protocol.errors import ConfigError
@@ -314,10 +316,33 @@ def factory(
     return make
 
 
+def standin_check_join(manifest: Any, device: Any, *, host_free: int | None = None) -> MemoryNeed:
+    """peer/state/memory_check.py ``check_join`` for a stand-in peer: the host need of a GPU host
+    (activations, gradients and AdamW's moments on the card, which the stand-in does not hold),
+    checked against the host's available RAM; ``device`` (the join's DeviceConfig) is read for the
+    micro-batch and activation checkpointing only.
+
+    Raises:
+        MemoryShort: the host lacks that RAM.
+    """
+    need = memory_need(
+        manifest,
+        device_type="cuda",
+        micro_batch_sequences=device.micro_batch_sequences,
+        activation_checkpointing=device.activation_checkpointing,
+    )
+    free = memory_check.host_available_bytes() if host_free is None else host_free
+    memory_check.check_memory(need, host_free=free)
+    return need
+
+
 def install(config: StandInConfig, on_first_step: Callable[[int], None] | None = first_step_event) -> None:
     """Make the round engine build :class:`StandInLoop` in this process, evaluate φ with
     :func:`standin_evaluate` (at the card's tokens/s: ``config``'s, or the batch's tokens ÷ the step
     time) and keep its evaluation copy of the model on the ``meta`` device (:func:`meta_copy`).
+
+    The join's memory check becomes :func:`standin_check_join` (the stand-in holds a GPU host's
+    host memory, not a CPU peer's activations).
 
     Raises:
         RuntimeError: peer/round/engine.py no longer builds its inner loop through
@@ -349,6 +374,7 @@ def install(config: StandInConfig, on_first_step: Callable[[int], None] | None =
     publishing.evaluate = evaluate
     catchup.evaluate = evaluate
     publishing.copy = SimpleNamespace(deepcopy=meta_copy)  # type: ignore[assignment]
+    memory_check.check_join = standin_check_join  # type: ignore[assignment]
 
 
 def main() -> None:

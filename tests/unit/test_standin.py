@@ -5,6 +5,7 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,9 @@ from lab.standin import (
 )
 from peer.config import TrainerConfig
 from peer.round import Trainer
+from peer.state import memory_check
 from peer.state.checkpoint import load_checkpoint
+from peer.state.memory_check import MemoryShort
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop
@@ -206,6 +209,7 @@ def restore_seams(monkeypatch):
     monkeypatch.setattr(catchup, "evaluate", catchup.evaluate)
     monkeypatch.setattr(publishing, "evaluate", publishing.evaluate)
     monkeypatch.setattr(publishing, "copy", publishing.copy)
+    monkeypatch.setattr(memory_check, "check_join", memory_check.check_join)
 
 
 def test_install_replaces_the_engines_inner_loop_factory(monkeypatch):
@@ -218,6 +222,20 @@ def test_install_replaces_the_engines_inner_loop_factory(monkeypatch):
     assert isinstance(built, StandInLoop) and built.step_s == 0.01
     assert publishing.evaluate(model(), torch.zeros(2, 9, dtype=torch.int64)) == EVAL_LOSS
     assert next(publishing.copy.deepcopy(model()).parameters()).device.type == "meta"
+
+
+def test_a_stand_in_peer_is_sized_as_a_gpu_hosts_host_not_a_cpu_peers_activations(monkeypatch):
+    """llama-125m's whole batch in one micro-batch needs about 105 GiB on a CPU peer (activations):
+    the rig's stand-in holds none, so ``peer join`` under it checks a GPU host's host need."""
+    restore_seams(monkeypatch)
+    device = SimpleNamespace(device="cpu", precision="auto", micro_batch_sequences=None, activation_checkpointing=False)
+    with pytest.raises(MemoryShort):
+        memory_check.check_join(llama_125m_run(), device, host_free=24 * 2**30)
+    install(StandInConfig(step_s=0.01), on_first_step=None)
+    need = memory_check.check_join(llama_125m_run(), device, host_free=24 * 2**30)
+    assert need.device_type == "cuda" and need.host_bytes < 8 * 2**30
+    with pytest.raises(MemoryShort):
+        memory_check.check_join(llama_125m_run(), device, host_free=2**30)
 
 
 def test_stand_in_peers_run_the_products_round(monkeypatch, tmp_path, corpus):
