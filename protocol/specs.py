@@ -392,20 +392,15 @@ class NoLoCoSpec:
 
 
 OVERLAP_MODES = ("none", "delayed", "eager", "streaming")
+"""How a round's sync overlaps the next round's inner steps (``sync.overlap``)."""
 FRAGMENT_MERGES = ("mix", "shift")
-"""How a streaming fragment's mean enters θ when it lands (``sync.fragment_merge``,
-peer/train/streaming.py :func:`~peer.train.streaming.land`)."""
-"""How a round's sync overlaps the next round's inner steps (``sync.overlap``): the round loop
-(peer/round/) and the in-process simulation (lab/simulation.py) run all four."""
+"""How a streaming fragment's mean enters θ when it lands (``sync.fragment_merge``, peer/train/streaming.py)."""
 
 
 def delta_is_round_progress(overlap: str) -> bool:
-    """Whether a sync's Δ under ``sync.overlap = overlap`` is the round's own training alone, ψ − θ
-    from the point the round started (peer/train/overlap.py ``round_progress``): blocking, delayed
-    and eager. Then a receiver holds every owner's mean against its own Δ (the receipts' alignments,
-    peer/sync/receipts.py) and a pair's receiver its partner's whole Δ (peer/sync/pairs.py
-    ``PairTally``). Not streaming: a fragment's landing merges the new φ into θ inside the round
-    (θ keeps α of its own part), so an honest fragment mean need not align with a peer's Δ."""
+    """Whether a sync's Δ is the round's own progress ψ − θ (blocking, delayed, eager), which receivers
+    hold the means against (the receipts' alignments, a pair's whole Δ); not streaming, whose landings
+    merge φ into θ inside the round."""
     return overlap != "streaming"
 
 

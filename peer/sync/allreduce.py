@@ -93,9 +93,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             (peer/sync/receipts.py).
         peer_key: a groupmate's libp2p peer id (base58) from its entry in ``plan.peer_ids``, whose
             key must have sealed its means (``str`` for hivemind's ``PeerID``).
-        whole_delta: a Δ of one round's training alone (protocol/specs.py ``delta_is_round_progress``):
-            a pair's receiver judges its owner's whole Δ (pairs.py
-            ``PairTally``), a group's receipts the owners' alignments (receipts.py ``misaligned``).
+        whole_delta: a Δ of one round's progress alone (protocol/specs.py ``delta_is_round_progress``): a
+            pair's receiver judges its owner's whole Δ (pairs.py ``PairTally``), receipts the alignments.
     """
 
     def __init__(
