@@ -6,6 +6,8 @@ import sysconfig
 import pytest
 import torch
 
+import peer.round.catchup as catchup_module
+import peer.round.publishing as publishing_module
 from peer.reporting import Reporter
 from peer.train.data import Corpus
 
@@ -52,3 +54,19 @@ class Events(Reporter):
         return next(
             i for i, e in enumerate(self.events) if e["event"] == kind and all(e.get(k) == v for k, v in match.items())
         )
+
+
+@pytest.fixture
+def evaluations(monkeypatch):
+    """Counts every evaluation of a φ on the validation windows (the publisher's and the catch-up's):
+    the number of windows of each call."""
+    calls: list[int] = []
+    real = publishing_module.evaluate
+
+    def counted(model, windows, *args, **kwargs):
+        calls.append(windows.shape[0])
+        return real(model, windows, *args, **kwargs)
+
+    monkeypatch.setattr(publishing_module, "evaluate", counted)
+    monkeypatch.setattr(catchup_module, "evaluate", counted)
+    return calls

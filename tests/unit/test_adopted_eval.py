@@ -9,15 +9,13 @@ import threading
 import pytest
 import torch
 
-import peer.round.catchup as catchup_module
-import peer.round.publishing as publishing_module
 from peer.config import TrainerConfig
 from peer.round import Trainer
 from peer.state.download import DownloadedState, StateDownload
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.presets import tiny_run
-from tests.unit.sim_fixtures import Events, corpus, one_thread  # noqa: F401 (fixtures)
+from tests.unit.sim_fixtures import Events, corpus, evaluations, one_thread  # noqa: F401 (fixtures)
 
 
 def trainer(corpus, manifest, *, peer, rounds, reporter):
@@ -31,21 +29,6 @@ def trainer(corpus, manifest, *, peer, rounds, reporter):
         reporter=reporter,
         stop_event=threading.Event(),
     )
-
-
-@pytest.fixture
-def evaluations(monkeypatch):
-    """Counts every evaluation of a φ on the validation windows (the catch-up's and the publisher's)."""
-    calls: list[int] = []
-    real = publishing_module.evaluate
-
-    def counted(model, windows, *args, **kwargs):
-        calls.append(windows.shape[0])
-        return real(model, windows, *args, **kwargs)
-
-    monkeypatch.setattr(publishing_module, "evaluate", counted)
-    monkeypatch.setattr(catchup_module, "evaluate", counted)
-    return calls
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -12,8 +12,6 @@ import threading
 import pytest
 import torch
 
-import peer.round.catchup as catchup_module
-import peer.round.publishing as publishing_module
 from peer.config import TrainerConfig
 from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint, save_checkpoint
@@ -22,7 +20,7 @@ from peer.train.model import build_model
 from protocol.manifest import RunManifest
 from protocol.presets import tiny_run
 from protocol.records import ProgressRecord
-from tests.unit.sim_fixtures import Events, corpus, one_thread  # noqa: F401 (fixtures)
+from tests.unit.sim_fixtures import Events, corpus, evaluations, one_thread  # noqa: F401 (fixtures)
 
 H, K = 8, 3
 """The round's inner steps, and the step the stop comes after."""
@@ -164,21 +162,6 @@ def test_only_a_restored_peer_where_its_checkpoint_left_it_joins_the_swarms_step
     moved.checkpoints.restore()
     moved.pos.step = 5  # an adoption put it elsewhere (catchup.py): it stays there
     assert moved.checkpoints.join_swarm_step(moved.swarm) == 0 and moved.pos.step == 5
-
-
-@pytest.fixture
-def evaluations(monkeypatch):
-    """Counts every evaluation of a φ on the validation windows (the publisher's and the catch-up's)."""
-    calls: list[int] = []
-    real = publishing_module.evaluate
-
-    def counted(model, windows, *args, **kwargs):
-        calls.append(windows.shape[0])
-        return real(model, windows, *args, **kwargs)
-
-    monkeypatch.setattr(publishing_module, "evaluate", counted)
-    monkeypatch.setattr(catchup_module, "evaluate", counted)
-    return calls
 
 
 def test_a_restart_reports_the_loss_its_checkpoint_recorded_and_evaluates_that_phi_no_second_time(
