@@ -197,6 +197,10 @@ class GroupSync:
             agreeing = completed = []  # which groupmates completed is not known here
             partial = f"{result.partial_pieces} piece(s) averaged without a failed groupmate ({result.excluded} excluded here)"
             note = "; ".join(filter(None, [note, partial]))
+        elif result.unread_receipts:  # groupmates that read them may have skipped other owners
+            agreeing = []
+            unread = f"the receipts of {result.unread_receipts} groupmate(s) not read: their verdict may differ"
+            note = "; ".join(filter(None, [note, unread]))
         return result.mean, SyncReport(
             group_size=result.group_size,
             group=tuple(result.group),

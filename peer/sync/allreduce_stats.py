@@ -41,6 +41,10 @@ class AllreduceStats:
     different receivers (peer/sync/receipts.py)."""
     receipt_liars: set[str] = field(default_factory=set)
     """Groupmates whose receipt reported a digest of some owner's means that the owner never sealed."""
+    unread_receipts: int = 0
+    """Owner: groupmates whose receipt this peer did not read (none came in time, or it is not read):
+    the verdict of groupmates that read it may differ, so which of them hold this peer's state after
+    the round is not known. 0 for a peer that owns no piece (it reads no receipt)."""
     seconds: float = 0.0
     """Wall time of the whole exchange, from this peer's start to its last mean."""
     started_at: float = 0.0

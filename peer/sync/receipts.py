@@ -49,7 +49,11 @@ caught by the peers it was sent to and changes no verdict on an owner. But an eq
 a colluding receiver can show the proof (the colluder's sealed mean) to some honest peers only:
 those skip the owner's pieces and the others apply them, a split of φ that the re-sync rule settles
 (peer/round/catchup.py), at the price of the owner's standing with every peer that saw the proof. A
-peer in client mode owns no piece and reads no receipt, so it applies its own refusals alone.
+peer in client mode owns no piece and reads no receipt, so it applies its own refusals alone. And
+the verdict is the same only on peers that read the same receipts: an owner that a receipt did not
+reach in time (one next-chunk timeout) may apply what the others skip. It counts the receipts it did
+not read (``AllreduceStats.unread_receipts``), and its round then claims no groupmate holds its state
+(peer/round/syncing.py), so the re-sync rule compares the states instead of assuming them equal.
 """
 
 from __future__ import annotations
@@ -358,6 +362,9 @@ class ReceiptExchange:
         judged = alignments if self.whole_delta else None
         found = verdict(me, mine, receipts, sealed=self._sealed, votes=votes, alignments=judged)
         ids = self.plan.peer_ids
+        if any(p.owner == me for p in self.plan.pieces):  # an owner hears every sender; a verdict
+            # from fewer receipts than a groupmate read may differ from its verdict
+            self.stats.unread_receipts = sum(s not in receipts for s in range(len(ids)) if s != me)
         self.stats.equivocators = {str(ids[o]) for o in found.equivocators}
         self.stats.receipt_liars = {str(ids[s]) for s in found.liars}
         self.stats.skipped_owners = {str(ids[o]) for o in found.skipped}

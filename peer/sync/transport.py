@@ -84,6 +84,9 @@ class SyncResult:
     ``owner_mean_problem``): those pieces were applied as zeros (Δ) or own values (φ)."""
     refused_pieces: int = 0
     """Pieces whose owner's mean this peer refused."""
+    unread_receipts: int = 0
+    """Groupmates whose receipt this peer, an owner, did not read: their verdict may differ from its
+    own (peer/sync/receipts.py), so it claims no groupmate holds its state after the round."""
     start_digests: dict[str, str] | None = None
     """Each groupmate's digest of the state it started the round from (peer id → hex): groupmates
     that started from the same state and completed the round hold the same state after it."""
@@ -457,6 +460,7 @@ class NetworkTransport:
             allreduce_started_at=stats.started_at,
             refused=tuple(sorted(stats.refused)),
             refused_pieces=stats.refused_pieces,
+            unread_receipts=stats.unread_receipts,
             start_digests={
                 str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict) else ""
                 for peer, data in gathered.items()

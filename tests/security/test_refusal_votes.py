@@ -189,3 +189,37 @@ def test_an_owner_half_the_group_names_owns_nothing():
     assert suspects.named(10) == ["d"] and suspects.named(10 + SUSPECT_ROUNDS) == []
     suspects.add([f"p{i}" for i in range(MAX_DISTRUST + 5)], 0)
     assert len(suspects.named(0)) == MAX_DISTRUST and "p0" not in suspects.named(0)
+
+
+def test_an_owner_that_missed_a_receipt_counts_it(monkeypatch):
+    """Receivers 1, 2 and 3 refuse owner 4's means: 3 of 5 reports, a majority, so every peer that
+    reads them all skips owner 4. Receiver 3's RECEIPT never reaches owner 0 (a slow or dying sender):
+    owner 0 counts 2 of 4 and applies owner 4's means, a state its groupmates do not hold after the
+    same start. It says so (``unread_receipts``): its round claims no groupmate holds its state
+    (peer/round/syncing.py)."""
+    original = allreduce_module.GroupAllreduce._checked_mean
+
+    def checked(self, owner, piece, value, included):
+        if self.plan.my_index in (1, 2, 3) and owner == LIAR:
+            self._sent.pop(piece.index, None)
+            self._refuse(owner, f"piece {piece.index}", MeanRefusal("refused for the test", strike=False), votes=True)
+            return value
+        return original(self, owner, piece, value, included)
+
+    exchange = allreduce_module.GroupAllreduce._exchange_receipts
+
+    async def receipts(self, *, send):
+        if self.plan.my_index == 3 and (writer := self._receipt_writers.pop(0, None)) is not None:
+            writer.close()  # owner 0 never gets receiver 3's receipt
+        await exchange(self, send=send)
+
+    monkeypatch.setattr(allreduce_module.GroupAllreduce, "_checked_mean", checked)
+    monkeypatch.setattr(allreduce_module.GroupAllreduce, "_exchange_receipts", receipts)
+    sessions, outcomes = asyncio.run(run_group(payloads(33), [1024] * N, piece_elements=512, max_weight=1024))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert [s.stats.unread_receipts for s in sessions] == [1, 0, 0, 0, 0]
+    assert not sessions[0].stats.skipped_owners
+    assert all(s.stats.skipped_owners == {str(LIAR)} for s in sessions[1:])
+    assert not all(torch.equal(a, b) for a, b in zip(sessions[0].tensors, sessions[1].tensors))
+    for s in sessions[2:]:
+        assert all(torch.equal(a, b) for a, b in zip(s.tensors, sessions[1].tensors))

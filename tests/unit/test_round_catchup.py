@@ -8,6 +8,7 @@ import time
 import types
 
 from peer.net.dht import PeerProgress
+from peer.progress import SyncReport
 from peer.round.catchup import CatchUp
 from peer.round.overlapped import OverlapSchedule
 from peer.round.publishing import Publisher
@@ -223,7 +224,9 @@ def test_the_evaluating_peer_starts_at_the_swarms_step():
         assert t.state.pos.step == after
 
 
-def test_an_owner_whose_means_were_refused_vouches_for_nothing():
+def sync_with(**result) -> SyncReport:
+    """``GroupSync.sync`` of peer a, round 4, against a transport whose group a, b, c (all from
+    state d) returns ``SyncResult(**result)``."""
     import torch
 
     from peer.sync.transport import SyncResult
@@ -238,9 +241,8 @@ def test_an_owner_whose_means_were_refused_vouches_for_nothing():
                 bytes_sent=1,
                 bytes_received=1,
                 seconds=0.1,
-                refused=("c",),
-                refused_pieces=2,
                 start_digests={"a": "d", "b": "d", "c": "d"},
+                **result,
             )
 
     events = []
@@ -252,8 +254,23 @@ def test_an_owner_whose_means_were_refused_vouches_for_nothing():
     )
     _, report = GroupSync.sync(t, [torch.ones(3)], GroupChoice(expected_size=3), "d", round_=4, weight=1.0)
     assert events == [("sync", {"round": 4, "expected_group_size": 3, "peer_id": "a"})]  # the sync announced
+    return report
+
+
+def test_an_owner_whose_means_were_refused_vouches_for_nothing():
+    report = sync_with(refused=("c",), refused_pieces=2)
     assert report.completed == ("b",) and set(report.agreeing) == {"a", "b"}
     assert "refused the means of 2 piece(s) from c" in report.note
+
+
+def test_a_peer_that_did_not_read_every_receipt_claims_no_groupmate_holds_its_state():
+    """Groupmates that read a receipt this peer did not may have skipped an owner it applied
+    (peer/sync/receipts.py): the same start, another state after the round. Its groupmates still
+    completed the exchange with it (its vouching ledger)."""
+    report = sync_with(unread_receipts=1)
+    assert report.agreeing == () and report.completed == ("b", "c")
+    assert "receipts of 1 groupmate(s) not read" in report.note
+    assert set(sync_with().agreeing) == {"a", "b", "c"}
 
 
 def joiner(swarm: ScriptedSwarm, reads: list[bool], round_: int = 0) -> types.SimpleNamespace:
