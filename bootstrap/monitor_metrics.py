@@ -3,16 +3,19 @@ a registry of their own (not prometheus-client's global one)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from bootstrap.monitor import SwarmMonitor
+
+class Snapshots(Protocol):
+    """What the metrics read of a :class:`~bootstrap.monitor.SwarmMonitor`: its snapshot."""
+
+    def snapshot(self, *, with_samples: bool = True) -> dict[str, Any]: ...
 
 
 class _Collector:
     """Builds the metric families from a fresh snapshot at every scrape."""
 
-    def __init__(self, monitor: SwarmMonitor):
+    def __init__(self, monitor: Snapshots):
         self.monitor = monitor
 
     def collect(self):
@@ -81,7 +84,7 @@ class _Collector:
         yield grouped
 
 
-def metrics_text(monitor: SwarmMonitor) -> bytes:
+def metrics_text(monitor: Snapshots) -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)

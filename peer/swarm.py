@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,8 @@ from peer.events import Event
 from peer.launch import Child, bootstrap_argv, peer_argv, stop_all
 from peer.progress import Waiting
 from peer.reporting import device_text, format_bytes, round_line
-from peer.swarm_data import (  # noqa: F401 (check_data, source_of, ...: callers import them from here)
+from peer.swarm_data import (  # noqa: F401 (SwarmConfig, check_data, ...: callers import them from here)
+    SwarmConfig,
     check_data,
     check_data_path,
     shard_list_in,
@@ -46,7 +46,7 @@ from peer.swarm_data import (  # noqa: F401 (check_data, source_of, ...: callers
 )
 from peer.train.sources import describe
 from protocol.errors import ChildExited, ChildTimeout, NetworkError
-from protocol.manifest import RunManifest, dump_toml
+from protocol.manifest import dump_toml
 from protocol.signing import OWNER_KEY_FILE, load_owner_key
 
 STOP_GRACE_S = 60.0
@@ -55,39 +55,6 @@ STOP_GRACE_S = 60.0
 HEARTBEAT_S = 4.0
 """Until every peer printed its first round, the longest the launcher stays silent: past it, one line
 says what each peer is doing (its latest status line), so no wait looks like a hang."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SwarmConfig:
-    num_peers: int = 3
-    rounds: int = 10
-    manifest: RunManifest = field(default_factory=RunManifest)
-    eval_every_rounds: int = 5
-    """Every k rounds one peer evaluates φ (0: each peer at its start and end only)."""
-    summary_path: Path | None = None
-    workdir: Path | None = None
-    """Identities, checkpoints and logs; None: a temporary directory, removed at the end unless
-    ``keep`` or a peer failed."""
-    keep: bool = False
-    threads_per_peer: int | None = None
-    bootstrap_timeout_s: float = 60.0
-    device: str = "auto"
-    """Every peer's ``--device`` (a per-peer fact, not in the manifest)."""
-    data_path: Path | None = None
-    """The corpus on this machine every peer reads (``peer join --data``); None: the run's own
-    ``data.path`` (a run file's), or none (python-stdlib). :func:`with_swarm_data` sets it."""
-
-    def __post_init__(self) -> None:
-        if self.num_peers < 1:
-            raise ValueError(f"num_peers = {self.num_peers}: must be >= 1")
-        if self.rounds < 1:
-            raise ValueError(f"rounds = {self.rounds}: must be >= 1")
-        stages = self.manifest.pipeline.stages
-        if stages > 1 and self.num_peers < stages:
-            raise ValueError(
-                f"num_peers = {self.num_peers}: run {self.manifest.run_id} has {stages} pipeline stages, "
-                f"so at least {stages} peers (one per stage; {2 * stages} for two replicas each)"
-            )
 
 
 class Swarm:

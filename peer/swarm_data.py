@@ -5,6 +5,9 @@ announced with ``data.path = ""`` and its corpus named by content (``data.corpus
 read here, or a sharded run's ``data.shards_sha256``), and each peer, a process of this launcher on
 this machine, is told the path (``peer join --data PATH``). A peer joining over the network from
 elsewhere passes its own copy the same way; a remote ``data.path`` stays refused (peer/net/dht.py).
+
+The launcher's options (:class:`SwarmConfig`) are defined here, as the data steps take and return
+them; peer/swarm.py imports them from here.
 """
 
 from __future__ import annotations
@@ -12,15 +15,45 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from peer.shards.index import INDEX_NAME, parse_index
 from peer.train.cache import default_cache_dir
 from protocol.errors import ConfigError
 from protocol.manifest import RunManifest
 
-if TYPE_CHECKING:
-    from peer.swarm import SwarmConfig
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwarmConfig:
+    num_peers: int = 3
+    rounds: int = 10
+    manifest: RunManifest = dataclasses.field(default_factory=RunManifest)
+    eval_every_rounds: int = 5
+    """Every k rounds one peer evaluates φ (0: each peer at its start and end only)."""
+    summary_path: Path | None = None
+    workdir: Path | None = None
+    """Identities, checkpoints and logs; None: a temporary directory, removed at the end unless
+    ``keep`` or a peer failed."""
+    keep: bool = False
+    threads_per_peer: int | None = None
+    bootstrap_timeout_s: float = 60.0
+    device: str = "auto"
+    """Every peer's ``--device`` (a per-peer fact, not in the manifest)."""
+    data_path: Path | None = None
+    """The corpus on this machine every peer reads (``peer join --data``); None: the run's own
+    ``data.path`` (a run file's), or none (python-stdlib). :func:`with_swarm_data` sets it."""
+
+    def __post_init__(self) -> None:
+        if self.num_peers < 1:
+            raise ValueError(f"num_peers = {self.num_peers}: must be >= 1")
+        if self.rounds < 1:
+            raise ValueError(f"rounds = {self.rounds}: must be >= 1")
+        stages = self.manifest.pipeline.stages
+        if stages > 1 and self.num_peers < stages:
+            raise ValueError(
+                f"num_peers = {self.num_peers}: run {self.manifest.run_id} has {stages} pipeline stages, "
+                f"so at least {stages} peers (one per stage; {2 * stages} for two replicas each)"
+            )
 
 
 def check_data(manifest: RunManifest):

@@ -1,6 +1,17 @@
-"""One round told once: the round loop (engine.py) over a sync schedule (schedule.py: blocking.py,
-overlapped.py, streamed.py), sharing one :class:`RoundState` (state.py) with catch-up (catchup.py),
-checkpointing (checkpointing.py) and progress publishing (publishing.py)."""
+"""One round told once: the round loop over a sync schedule, sharing one :class:`RoundState`.
+
+blocking.py: the blocking schedule: the whole model synced at the round's end (DiLoCo)
+catchup.py: catch-up: adopting the swarm's state when behind or diverged; a joiner's first adoption
+checkpointing.py: this peer's checkpoint: written at round ends and on a stop, restored at start
+engine.py: the round loop: inner phase, sync, round's end, catch-up
+overlapped.py: the overlapped schedules ``delayed`` and ``eager``: a sync runs while the next round trains
+publishing.py: this peer's progress records in the DHT and its evaluations of φ
+records.py: reads of the swarm's progress records, asked for in the background
+schedule.py: the sync-schedule interface: when each part of the model is sent and its mean lands
+state.py: :class:`RoundState`: φ, θ, outer state, served snapshots, position, and their lock
+streamed.py: the fragment schedule (Streaming DiLoCo): fragments synced at staggered offsets
+syncing.py: one sync with the group, as every schedule makes it
+"""
 
 from peer.round.checkpointing import checkpoint_due
 from peer.round.engine import Trainer, make_schedule

@@ -7,10 +7,11 @@ bytes and the tensor's shape. Decoding validates everything before it allocates 
 for the shape, parameters in bounds, indices in range, scales and values finite) and raises only
 :class:`~protocol.errors.BadPayload`. Sums of decoded tensors are the caller's job, in fp32.
 
-Layout: :mod:`~protocol.codecs.codec` is the API and the registry of formats (one entry per
-format); :mod:`~protocol.codecs.base` the format interface and the decoder's limits; the formats
-in :mod:`~protocol.codecs.dense`, :mod:`~protocol.codecs.blockwise` and
-:mod:`~protocol.codecs.structured`.
+base.py: what every format shares: the decoder's limits, the :class:`Format` interface, :class:`Params`
+blockwise.py: blockwise absmax formats: 'int8', 'int4', 'fp4', 'fp3'
+codec.py: the API (:class:`Codec`, :func:`make_codec`, :func:`decode`) and the registry of formats
+dense.py: dense formats: exact fp32 ('none'), 'fp16' and 'bf16' with a power-of-two shift
+structured.py: structured formats of matrices: 'topk' and 'lowrank' (PowerSGD-style)
 
 Wire layouts (little-endian; n = numel; "f16s" = fp16 values times 2^shift, see ``dense.to_half``)::
 

@@ -1,4 +1,5 @@
-"""What every wire format shares: the limits a decoder enforces and the :class:`Format` interface.
+"""What every wire format shares: the limits a decoder enforces, the :class:`Format` interface and
+the codec parameters a format reads (:class:`Params`).
 
 A format is one way of laying a tensor out as bytes, named by the one-byte wire id every encoding
 starts with. :class:`~protocol.codecs.codec.Codec` holds a run's parameters and dispatches every
@@ -10,14 +11,11 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from protocol.errors import BadPayload
-
-if TYPE_CHECKING:
-    from protocol.codecs.codec import Codec
 
 HEADER_MAX_BYTES = 16
 """Every encoding is at most 4·numel + this many bytes (:func:`max_encoded_bytes`)."""
@@ -36,6 +34,15 @@ ELEMENTWISE_FALLBACK = "none"
 leaves 1-D tensors uncompressed. They are a small share of any model's bytes."""
 DENSE_FALLBACK = "fp16"
 """What topk and lowrank send when their encoding of a tensor would be at least as large as this."""
+
+
+class Params(Protocol):
+    """What a format reads of a :class:`~protocol.codecs.codec.Codec`: its parameters (documented there)."""
+
+    block_size: int
+    topk_fraction: float
+    rank: int
+    multiplier: int
 
 
 class Format:
@@ -62,15 +69,15 @@ class Format:
     def __init__(self, name: str, wire_id: int):
         self.name, self.wire_id = name, wire_id
 
-    def describe(self, codec: Codec) -> str:
+    def describe(self, codec: Params) -> str:
         """The codec's parameters this format uses, for ``repr`` (empty when none)."""
         return ""
 
-    def encoded_size(self, codec: Codec, shape: Sequence[int]) -> int:
+    def encoded_size(self, codec: Params, shape: Sequence[int]) -> int:
         """Bytes of :meth:`encode` of a finite tensor of ``shape``."""
         raise NotImplementedError
 
-    def encode(self, codec: Codec, x: torch.Tensor, *, seed: int) -> bytes:
+    def encode(self, codec: Params, x: torch.Tensor, *, seed: int) -> bytes:
         """The encoding of finite, contiguous fp32 CPU ``x`` (every |x| < ``LOSSY_MAX``)."""
         raise NotImplementedError
 

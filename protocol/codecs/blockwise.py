@@ -10,16 +10,12 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from protocol.codecs.base import BLOCK_RANGE, FLUSH_BELOW, Format, expect_length
+from protocol.codecs.base import BLOCK_RANGE, FLUSH_BELOW, Format, Params, expect_length
 from protocol.errors import BadPayload
-
-if TYPE_CHECKING:
-    from protocol.codecs.codec import Codec
 
 
 class Blockwise(Format):
@@ -28,16 +24,16 @@ class Blockwise(Format):
     header = struct.Struct("<BI")
     bits: int
 
-    def describe(self, codec: Codec) -> str:
+    def describe(self, codec: Params) -> str:
         return f"block={codec.block_size}"
 
     def _size(self, n: int, block: int) -> int:
         return self.header.size + 4 * (-(-n // block)) + -(-n * self.bits // 8)
 
-    def encoded_size(self, codec: Codec, shape: Sequence[int]) -> int:
+    def encoded_size(self, codec: Params, shape: Sequence[int]) -> int:
         return self._size(math.prod(shape), codec.block_size)
 
-    def encode(self, codec: Codec, x: torch.Tensor, *, seed: int) -> bytes:
+    def encode(self, codec: Params, x: torch.Tensor, *, seed: int) -> bytes:
         n = x.numel()
         padded, absmax = _blocks(x, codec.block_size)
         scale, data = self._quantize(padded, absmax, n)

@@ -9,16 +9,12 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from protocol.codecs.base import SHIFT_RANGE, Format, expect_length
+from protocol.codecs.base import SHIFT_RANGE, Format, Params, expect_length
 from protocol.errors import BadPayload
-
-if TYPE_CHECKING:
-    from protocol.codecs.codec import Codec
 
 _F16_TARGET_EXP = 15  # scale so the absmax lands in [2^14, 2^15): below fp16's 65504, far above its normals
 
@@ -28,10 +24,10 @@ class Exact(Format):
 
     lossy = False
 
-    def encoded_size(self, codec: Codec, shape: Sequence[int]) -> int:
+    def encoded_size(self, codec: Params, shape: Sequence[int]) -> int:
         return 1 + 4 * math.prod(shape)
 
-    def encode(self, codec: Codec, x: torch.Tensor, *, seed: int) -> bytes:
+    def encode(self, codec: Params, x: torch.Tensor, *, seed: int) -> bytes:
         return bytes([self.wire_id]) + x.numpy().tobytes()
 
     def decode(self, mv: memoryview, shape: tuple[int, ...], n: int) -> torch.Tensor:
@@ -48,10 +44,10 @@ class Half(Format):
         super().__init__(name, wire_id)
         self.dtype = dtype
 
-    def encoded_size(self, codec: Codec, shape: Sequence[int]) -> int:
+    def encoded_size(self, codec: Params, shape: Sequence[int]) -> int:
         return self.header.size + 2 * math.prod(shape)
 
-    def encode(self, codec: Codec, x: torch.Tensor, *, seed: int) -> bytes:
+    def encode(self, codec: Params, x: torch.Tensor, *, seed: int) -> bytes:
         shift, data = to_half(x, self.dtype)
         return self.header.pack(self.wire_id, shift) + data
 

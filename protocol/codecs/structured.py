@@ -8,17 +8,13 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from protocol.codecs.base import TOPK_CHUNK, Format, expect_length
+from protocol.codecs.base import TOPK_CHUNK, Format, Params, expect_length
 from protocol.codecs.dense import from_half, to_half
 from protocol.errors import BadPayload
-
-if TYPE_CHECKING:
-    from protocol.codecs.codec import Codec
 
 
 class TopK(Format):
@@ -31,21 +27,21 @@ class TopK(Format):
     structured = True
     header = struct.Struct("<BhI")
 
-    def describe(self, codec: Codec) -> str:
+    def describe(self, codec: Params) -> str:
         return f"fraction={codec.topk_fraction}×{codec.multiplier}"
 
     @staticmethod
-    def _k(codec: Codec, n: int) -> int:
+    def _k(codec: Params, n: int) -> int:
         return min(n, codec.multiplier * math.ceil(codec.topk_fraction * n)) if n else 0
 
     def _size(self, n: int, k: int) -> int:
         return self.header.size + 4 * (-(-n // TOPK_CHUNK)) + 4 * k
 
-    def encoded_size(self, codec: Codec, shape: Sequence[int]) -> int:
+    def encoded_size(self, codec: Params, shape: Sequence[int]) -> int:
         n = math.prod(shape)
         return self._size(n, self._k(codec, n))
 
-    def encode(self, codec: Codec, x: torch.Tensor, *, seed: int) -> bytes:
+    def encode(self, codec: Params, x: torch.Tensor, *, seed: int) -> bytes:
         flat = x.reshape(-1)
         n = flat.numel()
         k = self._k(codec, n)
@@ -93,7 +89,7 @@ class LowRank(Format):
     structured = True
     header = struct.Struct("<BHhh")
 
-    def describe(self, codec: Codec) -> str:
+    def describe(self, codec: Params) -> str:
         return f"rank={codec.rank}×{codec.multiplier}"
 
     @staticmethod
@@ -104,11 +100,11 @@ class LowRank(Format):
     def _size(self, rows: int, cols: int, r: int) -> int:
         return self.header.size + 2 * r * (rows + cols)
 
-    def encoded_size(self, codec: Codec, shape: Sequence[int]) -> int:
+    def encoded_size(self, codec: Params, shape: Sequence[int]) -> int:
         rows, cols = self._dims(shape)
         return self._size(rows, cols, min(codec.rank * codec.multiplier, rows, cols))
 
-    def encode(self, codec: Codec, x: torch.Tensor, *, seed: int) -> bytes:
+    def encode(self, codec: Params, x: torch.Tensor, *, seed: int) -> bytes:
         rows, cols = self._dims(x.shape)
         r = min(codec.rank * codec.multiplier, rows, cols)
         m = x.reshape(rows, cols)

@@ -4,11 +4,13 @@ The graph is read from the source with `ast`, not by importing: every `import` a
 in `peer/`, `protocol/` and `bootstrap/` counts, at module level or inside a function alike (a
 function-level import is an edge too, taken later). `from pkg import name` is an edge to `pkg.name`
 when that is a module of ours, else to `pkg`; relative imports are resolved against the importing
-module's package. Imports under `if TYPE_CHECKING:` are left out: they never run.
+module's package. Imports under `if TYPE_CHECKING:` never run, yet they tie two modules together all
+the same: they count for the two cycle checks and are left out of the others.
 
 Checks:
-- no cycle between modules (the cycle is printed);
-- no cycle between the folders of peer/ (train, sync, state, pipeline, round, net, ...);
+- no cycle between modules, type-only imports included (the cycle is printed);
+- no cycle between the folders of peer/ (train, sync, state, pipeline, round, net, ...), type-only
+  imports included;
 - peer/train/ imports nothing from peer/state/;
 - no function-level import of the project's own modules, except those in FUNCTION_LEVEL_ALLOWED;
 - every module under protocol/ imports without hivemind or click (in a subprocess whose
@@ -74,12 +76,13 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.Module):
-    """Yield (node, at_module_level) for every import statement, skipping `if TYPE_CHECKING:` bodies."""
+def _imports(tree: ast.Module, type_only: bool):
+    """Yield (node, at_module_level) for every import statement; those in `if TYPE_CHECKING:` bodies
+    only if `type_only`."""
 
     def visit(node: ast.AST, in_function: bool):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
+            if not type_only and isinstance(child, ast.If) and _is_type_checking(child.test):
                 for sub in child.orelse:
                     yield from visit_one(sub, in_function)
                 continue
@@ -128,14 +131,15 @@ def _resolve(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, m
     return targets
 
 
-def import_graph():
-    """Edges {module: {imported module: [line, ...]}} and the function-level ones {(a, b): [line, ...]}."""
+def import_graph(*, type_only: bool = False):
+    """Edges {module: {imported module: [line, ...]}} and the function-level ones {(a, b): [line, ...]};
+    with `type_only`, the imports under `if TYPE_CHECKING:` too."""
     modules = project_modules()
     edges: dict[str, dict[str, list[int]]] = {name: defaultdict(list) for name in modules}
     function_level: dict[tuple[str, str], list[int]] = defaultdict(list)
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node, at_module_level in _imports(tree):
+        for node, at_module_level in _imports(tree, type_only):
             for target in _resolve(node, name, path.name == "__init__.py", modules):
                 if target == name:
                     continue
@@ -226,13 +230,13 @@ def _folder(module: str) -> str | None:
 
 
 def test_no_import_cycle_between_modules():
-    edges, _ = import_graph()
+    edges, _ = import_graph(type_only=True)
     cycles = _cycles({a: set(targets) for a, targets in edges.items()})
     assert not cycles, "import cycles:\n" + _describe(cycles, edges)
 
 
 def test_no_import_cycle_between_peer_folders():
-    edges, _ = import_graph()
+    edges, _ = import_graph(type_only=True)
     folders: dict[str, set[str]] = defaultdict(set)
     why: dict[tuple[str, str], list[str]] = defaultdict(list)
     for a, targets in edges.items():
