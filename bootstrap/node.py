@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,6 @@ from peer.net.lifetime import HelperWatch
 from peer.net.reachability import serve_dialback
 from peer.net.uplink import serve_uplink
 from peer.net.validator import protect_run
-from protocol.errors import BootstrapUnreachable, NetworkError
 from protocol.manifest import SignedManifest
 from protocol.signing import PeerSigner
 
@@ -60,58 +59,6 @@ class BootstrapConfig:
             raise ValueError(f"home_run_id = {self.home_run_id}: the manifest's run id is {self.manifest.run_id}")
 
 
-def start_relay_dht(
-    *,
-    initial_peers: Sequence[str],
-    host: str,
-    port: int,
-    announce: Sequence[str],
-    identity_path: str,
-    relay: bool,
-    timeout_s: float = 20.0,
-):
-    """Start the bootstrap node's DHT, with the circuit relay service when ``relay``.
-
-    go-libp2p runs its relay service only while it believes itself publicly reachable; a
-    bootstrap node is there to be dialled, so reachability is forced public rather than left to
-    AutoNAT (which, with few peers, may never decide). Peers behind NAT that enable auto relay
-    (hivemind ``use_auto_relay``) reserve a slot here and become reachable at
-    ``<this node's maddr>/p2p-circuit/p2p/<their id>``.
-
-    Raises:
-        BadPeerAddress, BootstrapUnreachable, NetworkError: as ``peer.net.dht_node.start_dht``.
-    """
-    if not relay:
-        return dht_node.start_dht(
-            initial_peers=initial_peers,
-            host=host,
-            port=port,
-            announce=announce,
-            identity_path=identity_path,
-            timeout_s=timeout_s,
-        )
-    peers = swarm_dht.parse_initial_peers(initial_peers)
-    kwargs = dict(
-        initial_peers=peers,
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-        start=True,
-        await_ready=True,
-        wait_timeout=min(5.0, timeout_s),
-        bootstrap_timeout=min(5.0, timeout_s),
-        identity_path=str(identity_path),
-        use_relay=True,
-        force_reachability="public",
-    )
-    if announce:
-        kwargs["announce_maddrs"] = list(announce)
-    try:
-        return dht_node.new_dht(**kwargs)
-    except Exception as exc:
-        if peers and "bootstrap failed" in str(exc):
-            raise BootstrapUnreachable(f"none of the initial peers answered: {', '.join(peers)}") from exc
-        raise NetworkError(f"could not start the DHT node on {host}:{port}: {exc}") from exc
-
-
 def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[str], str | None], None]) -> None:
     """Run the node until ``stop`` is set; call ``on_ready(multiaddrs, monitor_url)`` once it listens.
 
@@ -122,13 +69,13 @@ def serve(cfg: BootstrapConfig, stop: threading.Event, on_ready: Callable[[list[
     """
     identity = ensure_identity(cfg.identity_path)
     dht_node.check_port_free(cfg.host, cfg.port)
-    dht = start_relay_dht(
+    dht = dht_node.start_dht(  # peers behind NAT reserve a relay slot here (peer/reachability.py)
         initial_peers=cfg.initial_peers,
         host=cfg.host,
         port=cfg.port,
         announce=cfg.announce,
         identity_path=str(identity),
-        relay=cfg.relay,
+        relay="serve" if cfg.relay else None,
     )
     serve_dialback(dht)  # joiners ask whether the swarm can dial them (peer/net/reachability.py)
     serve_uplink(dht)  # and `peer doctor` measures its uplink against it (peer/net/uplink.py)

@@ -24,11 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from peer.net import dht as swarm_dht, dht_node
+from peer.net import dht_node
 from peer.net.dht import parse_initial_peers, visible_maddrs
 from peer.net.reachability import DialBack, ask_dialback, serve_dialback
 from peer.net.uplink import serve_uplink
-from protocol.errors import BootstrapUnreachable, NetworkError
 
 logger = logging.getLogger(__name__)
 
@@ -179,40 +178,17 @@ def start_node(
     Raises:
         BadPeerAddress, BootstrapUnreachable, NetworkError: as ``peer.net.dht_node.start_dht``.
     """
-    if not client_mode or not initial_peers:
-        return dht_node.start_dht(
-            initial_peers=initial_peers,
-            host=host,
-            port=port,
-            announce=announce,
-            identity_path=identity_path,
-            client_mode=client_mode,
-            timeout_s=timeout_s,
-        )
-    peers = swarm_dht.parse_initial_peers(initial_peers)
-    kwargs = dict(
-        initial_peers=peers,
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-        client_mode=True,
-        start=True,
-        await_ready=True,
-        wait_timeout=min(5.0, timeout_s),
-        bootstrap_timeout=min(5.0, timeout_s),
+    return dht_node.start_dht(
+        initial_peers=initial_peers,
+        host=host,
+        port=port,
+        announce=announce,
         identity_path=identity_path,
-        use_relay=True,
-        use_auto_relay=True,
-        force_reachability="private",
-        trusted_relays=peers,
-        check_if_identity_free=not restart,
+        client_mode=client_mode,
+        relay="use" if client_mode and initial_peers else None,
+        check_identity=not restart,
+        timeout_s=timeout_s,
     )
-    if announce:
-        kwargs["announce_maddrs"] = list(announce)
-    try:
-        return dht_node.new_dht(**kwargs)
-    except Exception as exc:
-        if "bootstrap failed" in str(exc) or "initial_peers" in str(exc):
-            raise BootstrapUnreachable(f"none of the initial peers answered: {', '.join(peers)}") from exc
-        raise NetworkError(f"could not start the DHT node on {host}:{port}: {exc}") from exc
 
 
 def reach_out(dht, cfg, reporter, *, identity_path: str) -> tuple[Any, Reachability]:

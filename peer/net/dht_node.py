@@ -16,6 +16,7 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from peer.net import dht_storage
 from peer.net.dht import parse_initial_peers
@@ -172,6 +173,8 @@ def start_dht(
     announce: Sequence[str] = (),
     identity_path: str | None = None,
     client_mode: bool = False,
+    relay: str | None = None,
+    check_identity: bool = True,
     timeout_s: float = 20.0,
 ):
     """Start a hivemind DHT node (its own process plus a p2pd daemon) and connect it to the swarm.
@@ -181,18 +184,28 @@ def start_dht(
         host, port: where to listen (port 0: any free port).
         announce: multiaddrs to advertise instead of the listen addresses (e.g. a public IP).
         identity_path: key file fixing the peer id; see peer/net/identity.py.
+        relay: None; "serve": run libp2p's circuit relay (v2) service, reachability forced public (a
+            bootstrap node is there to be dialled; AutoNAT, with few peers, may never decide); "use":
+            with ``client_mode``, auto relay through ``initial_peers`` (go-libp2p reserves a slot on
+            them once it judges itself private, which this forces), so others reach this node at
+            ``<relay>/p2p-circuit/p2p/<its id>``.
+        check_identity: hivemind's check that no live node holds the identity (skip it for a node
+            restarted with the identity that just left: its old connections may still be seen).
         timeout_s: how long to wait for an initial peer to answer.
 
     Returns:
         A started ``hivemind.DHT`` (see :func:`new_dht`). Shut it down with ``dht.shutdown()``.
 
     Raises:
+        ValueError: ``relay`` is none of None, "serve", "use".
         BadPeerAddress: an initial peer address is malformed.
         BootstrapUnreachable: no initial peer answered within ``timeout_s``.
         NetworkError: the node could not start (e.g. the port is taken).
     """
+    if relay not in (None, "serve", "use"):
+        raise ValueError(f"relay = {relay!r}: expected None, 'serve' or 'use'")
     peers = parse_initial_peers(initial_peers)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         initial_peers=peers,
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
         client_mode=client_mode,
@@ -201,6 +214,12 @@ def start_dht(
         wait_timeout=min(5.0, timeout_s),
         bootstrap_timeout=min(5.0, timeout_s),
     )
+    if relay == "serve":
+        kwargs.update(use_relay=True, force_reachability="public")
+    elif relay == "use":
+        kwargs.update(use_relay=True, use_auto_relay=True, force_reachability="private", trusted_relays=peers)
+    if not check_identity:
+        kwargs["check_if_identity_free"] = False
     if announce:
         kwargs["announce_maddrs"] = list(announce)
     if identity_path is not None:
