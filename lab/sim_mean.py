@@ -27,7 +27,7 @@ import torch
 from lab.adversary import Adversary
 from lab.sim_results import ScreeningCounts
 from peer.sync.adaptive import plan
-from peer.sync.error_feedback import ErrorFeedback
+from peer.sync.error_feedback import RESIDUAL_DTYPES, ErrorFeedback
 from peer.sync.pairs import is_pair, keeps_own, partner_problem, receiver_problem
 from peer.sync.screening import Strikes, cap_weight, clip_to_median, reference_rms, round_token_cap
 from peer.train.outer import OuterAlgorithm
@@ -94,7 +94,10 @@ class GroupMeans:
         if phi_in_payload:
             self.codecs += [make_codec(spec, s, role="phi") for s in shapes]
         lossy = spec.codec != "none"  # 'adaptive' included: its plan may pick lossy codecs
-        self.feedback = [ErrorFeedback(shapes) for _ in range(self.peers)] if lossy and spec.error_feedback else None
+        dtype = RESIDUAL_DTYPES[spec.residual_dtype]
+        self.feedback = (
+            [ErrorFeedback(shapes, dtype) for _ in range(self.peers)] if lossy and spec.error_feedback else None
+        )
 
     def _contributions(
         self,

@@ -564,11 +564,8 @@ PHI_CODECS = ("none", "fp16", "bf16", "int8")
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionSpec:
-    """How pseudo-gradients cross the network (protocol/codecs/).
-
-    Every codec's sums are accumulated in fp32; lossy codecs keep a per-peer error-feedback
-    residual when ``error_feedback`` is on. 1-D tensors are never top-k or low-rank compressed.
-    """
+    """How pseudo-gradients cross the network (protocol/codecs/). Every codec's sums are accumulated
+    in fp32; 1-D tensors are never top-k or low-rank compressed."""
 
     codec: str = "none"
     """'none' (fp32), 'fp16', 'bf16', 'int8' / 'int4' (blockwise absmax), 'fp4' (E3M0 float,
@@ -583,6 +580,8 @@ class CompressionSpec:
     """Rank of the low-rank codec."""
     error_feedback: bool = True
     """Carry each lossy codec's compression error into the next round (e ← (Δ + e) − C(Δ + e))."""
+    residual_dtype: str = "fp32"
+    """'fp32' or 'bf16': how each peer keeps its error-feedback residual e (bf16: half the memory)."""
     phi_codec: str = "none"
     """NoLoCo only: how the φ half of the payload is sent ('none' is fp32)."""
     sync_time_budget_s: float = 10.0
@@ -596,5 +595,6 @@ class CompressionSpec:
         float_in(s, "topk_fraction", self.topk_fraction, 0.0, 1.0, lo_open=True)
         int_in(s, "rank", self.rank, 1, 4096)
         check(s, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
+        one_of(s, "residual_dtype", self.residual_dtype, ("fp32", "bf16"))
         one_of(s, "phi_codec", self.phi_codec, PHI_CODECS)
         float_in(s, "sync_time_budget_s", self.sync_time_budget_s, 0.0, 86400.0, lo_open=True)

@@ -39,7 +39,7 @@ from peer.net.validator import protect_round
 from peer.state.sharing import StateSharing
 from peer.sync.allreduce import GroupAllreduce
 from peer.sync.allreduce_stats import AllreduceStats
-from peer.sync.error_feedback import ErrorFeedback, SyncFeedback, keeps_residuals
+from peer.sync.error_feedback import RESIDUAL_DTYPES, ErrorFeedback, SyncFeedback, keeps_residuals
 from peer.sync.group_key import PinnedGroupBits
 from peer.sync.hivemind_limits import BoundedHandlers, StreamLimits
 from peer.sync.pieces import make_group_plan, stronger_compression, trusted_owners
@@ -308,8 +308,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         future.set_result(None)
 
     def error_feedback_residuals(self, timeout: float = 30.0) -> list[torch.Tensor] | None:
-        """Copies of the committed error-feedback residuals in the averager process (fp32, one per
-        Δ tensor), or None when there are none (lossless codec or feedback off: a skipped piece's
+        """Copies of the committed error-feedback residuals in the averager process (in
+        ``compression.residual_dtype``, one per Δ tensor), or None when there are none (lossless codec or feedback off: a skipped piece's
         carried Δ is not checkpointed; no sync since the start or the last reset). Call between
         syncs; a running sync's staged residuals are excluded.
 
@@ -337,7 +337,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         return self._call_in_averager(
             "_load_error_feedback",
             timeout=timeout,
-            residuals=[r.detach().to(torch.float32).contiguous() for r in residuals],
+            residuals=[r.detach().contiguous() for r in residuals],  # kept in the run's residual dtype there
         )
 
     async def _load_error_feedback(self, residuals, future) -> None:
@@ -585,5 +585,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         (:func:`keeps_residuals`), and with any codec the Δ of pieces the receipts skipped."""
         if self._error_feedback is None:
             n_delta = len(shapes) if self.phi_from is None else self.phi_from
-            self._error_feedback = ErrorFeedback(list(shapes[:n_delta]))
+            self._error_feedback = ErrorFeedback(
+                list(shapes[:n_delta]), RESIDUAL_DTYPES[self.compression.residual_dtype]
+            )
         return self._error_feedback

@@ -25,8 +25,12 @@ def keeps_residuals(compression: CompressionSpec) -> bool:
     return compression.error_feedback and compression.codec != "none"
 
 
+RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``compression.residual_dtype`` → the dtype residuals are kept in."""
+
+
 class ErrorFeedback:
-    """Per-peer compression residuals e, one fp32 buffer per tensor (zeros until first committed).
+    """Per-peer compression residuals e, one buffer per tensor (zeros until first committed).
 
     Error feedback (EF-SGD; SparseLoCo; docs/algorithms.md §3): a peer sends C(Δ + e) and keeps
     e ← (Δ + e) − C(Δ + e), so what compression drops in one round is sent in a later one and
@@ -36,10 +40,13 @@ class ErrorFeedback:
 
     Args:
         shapes: one shape per tensor, in payload order.
+        dtype: what the residuals are kept in (committed and staged): fp32, or bf16 for half the
+            memory (each residual rounded to bf16's 8-bit mantissa when staged; the rounding error is
+            not carried). :meth:`compensate` computes in fp32 either way.
     """
 
-    def __init__(self, shapes: Sequence[Sequence[int]]):
-        self.shapes = [torch.Size(s) for s in shapes]
+    def __init__(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32):
+        self.shapes, self.dtype = [torch.Size(s) for s in shapes], dtype
         self._e: list[torch.Tensor | None] = [None] * len(self.shapes)
         self._staged: list[tuple[int, slice | None, torch.Tensor | None]] = []
         """(tensor, dim-0 rows, residual) per staged piece; None: a zero residual (nothing lost)."""
@@ -62,7 +69,7 @@ class ErrorFeedback:
                 f"expected {tuple(expected)}"
             )
         e = self._view(index, rows)
-        return x.detach().float().clone() if e is None else x.detach().float() + e
+        return x.detach().float().clone() if e is None else x.detach().float() + e.float()
 
     def stage(self, index: int, compensated: torch.Tensor, decoded: torch.Tensor, rows: slice | None = None) -> None:
         """Stage ``e[index][rows] = compensated − decoded``; current residuals are unchanged until commit.
@@ -72,7 +79,7 @@ class ErrorFeedback:
         if decoded is compensated:
             self._staged.append((index, rows, None))
             return
-        self._staged.append((index, rows, compensated.detach().float() - decoded.detach().float()))
+        self._staged.append((index, rows, (compensated.detach().float() - decoded.detach().float()).to(self.dtype)))
 
     def commit(self) -> None:
         """Make the staged residuals current (the sync succeeded)."""
@@ -94,20 +101,22 @@ class ErrorFeedback:
     def _buffer(self, index: int) -> torch.Tensor:
         buffer = self._e[index]
         if buffer is None:
-            buffer = self._e[index] = torch.zeros(self.shapes[index], dtype=torch.float32)
+            buffer = self._e[index] = torch.zeros(self.shapes[index], dtype=self.dtype)
         return buffer
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The residual buffers (fp32, one per tensor), for checkpoints; loading copies into them."""
+        """The residual buffers (:attr:`dtype`, one per tensor), for checkpoints; loading copies into them."""
         return [self._buffer(i) for i in range(len(self.shapes))]
 
     def residuals(self) -> list[torch.Tensor] | None:
-        """Copies of the committed residuals (fp32, one per tensor, zeros where none was committed
+        """Copies of the committed residuals (:attr:`dtype`, one per tensor, zeros where none was committed
         yet), or None while nothing was ever committed. Staged residuals of a sync that has not
         completed are not included: a checkpoint holds what the next sync would add."""
         if all(e is None for e in self._e):
             return None
-        return [torch.zeros(shape) if e is None else e.clone() for e, shape in zip(self._e, self.shapes)]
+        return [
+            torch.zeros(shape, dtype=self.dtype) if e is None else e.clone() for e, shape in zip(self._e, self.shapes)
+        ]
 
     def load_residuals(self, residuals: Sequence[torch.Tensor]) -> None:
         """Make ``residuals`` (one per tensor, shaped like it, finite) the current residuals; drops
@@ -123,7 +132,7 @@ class ErrorFeedback:
                 raise ValueError(
                     f"residual {i}: shape {tuple(r.shape)} or non-finite values, expected finite {tuple(shape)}"
                 )
-        self._e = [r.detach().to(torch.float32).clone() for r in residuals]
+        self._e = [r.detach().to(self.dtype, copy=True) for r in residuals]
         self._staged.clear()
 
 
