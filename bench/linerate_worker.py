@@ -35,7 +35,7 @@ def main() -> None:
 
     from peer.net.dht import quiet_hivemind_logs
     from peer.net.identity import ensure_identity
-    from peer.sync.transport import NetworkTransport
+    from peer.sync.transport import NetworkTransport, SyncRequest
     from protocol.manifest import CompressionSpec, SyncSpec
     from protocol.signing import PeerSigner
 
@@ -82,7 +82,9 @@ def main() -> None:
             time.sleep(1.0)  # let every peer's averager see the others
             row = {"index": args.index, "codec": codec, "trial": trial}
             try:
-                result = transport.average(payload, weight=1.0, round_=trial, expected_group_size=args.n)
+                result = transport.average(
+                    payload, request=SyncRequest(weight=1.0, round_=trial, expected_group_size=args.n)
+                )
                 row.update(
                     ok=True,
                     group_size=result.group_size,

@@ -22,7 +22,7 @@ from peer.progress import RoundProgress, SyncReport, Waiting
 from peer.reporting import Reporter
 from peer.state.vouching import Vouching
 from peer.sync.membership import RoundSwarm
-from peer.sync.transport import RoundTransport
+from peer.sync.transport import RoundTransport, SyncRequest
 from peer.train.outer import GroupChoice, OuterAlgorithm, check_finite
 from protocol.errors import BadPayload, SyncError
 from protocol.manifest import RunManifest
@@ -146,34 +146,22 @@ class GroupSync:
         def should_stop() -> bool:
             return self.stop_event.is_set() or dropped()
 
+        request = SyncRequest(
+            weight=weight,
+            round_=round_,
+            expected_group_size=choice.expected_size,
+            group_index=choice.index,
+            start_digest=start_digest,
+            should_stop=should_stop,
+            expected_wait_s=expected_wait_s,
+            wait_budget_s=wait_budget_s,
+            # a fragment's tensors, with its own key and buffers
+            fragment=fragment,
+            fragments=1 if fragment is None else self.fragments,
+            tensors=None if fragment is None else self.fragment_payload[fragment],
+        )
         try:
-            if fragment is None:
-                result = self.transport.average(
-                    payload,
-                    weight=weight,
-                    round_=round_,
-                    expected_group_size=choice.expected_size,
-                    group_index=choice.index,
-                    start_digest=start_digest,
-                    should_stop=should_stop,
-                    expected_wait_s=expected_wait_s,
-                    wait_budget_s=wait_budget_s,
-                )
-            else:  # a fragment's tensors, with its own key and buffers
-                result = self.transport.average(
-                    payload,
-                    weight=weight,
-                    round_=round_,
-                    expected_group_size=choice.expected_size,
-                    group_index=choice.index,
-                    start_digest=start_digest,
-                    should_stop=should_stop,
-                    expected_wait_s=expected_wait_s,
-                    wait_budget_s=wait_budget_s,
-                    fragment=fragment,
-                    fragments=self.fragments,
-                    tensors=self.fragment_payload[fragment],
-                )
+            result = self.transport.average(payload, request=request)
             check_finite(result.mean, "the group's mean payload")
         except SyncError as exc:
             if isinstance(exc, SatOut) and fragment is None:  # the day's budget: keep to the swarm's round

@@ -45,7 +45,7 @@ from peer.sync.inprocess_means import GroupHooks, MemberOutcome, PieceRules, scr
 from peer.sync.membership import SwarmView
 from peer.sync.pieces import Suspects
 from peer.sync.screening import Strikes
-from peer.sync.transport import SyncResult
+from peer.sync.transport import SyncRequest, SyncResult
 from protocol import keys
 from protocol.errors import BadPayload, GroupNotFound, PartialAverage, StateDownloadFailed
 from protocol.records import ProgressRecord
@@ -341,32 +341,18 @@ class InProcessTransport:
         """Per payload tensor (whole-payload numbering), the Δ of pieces the receipts skipped, added
         to its next contribution (as the network's error-feedback residuals carry it)."""
 
-    def average(
-        self,
-        payload: Sequence[torch.Tensor],
-        *,
-        weight: float,
-        round_: int,
-        expected_group_size: int,
-        group_index: int | None = None,
-        start_digest: str = "",
-        should_stop: Callable[[], bool] = lambda: False,
-        expected_wait_s: float = 0.0,
-        wait_budget_s: float = 0.0,
-        fragment: int | None = None,
-        fragments: int = 1,
-        tensors: Sequence[int] | None = None,
-    ) -> SyncResult:
+    def average(self, payload: Sequence[torch.Tensor], *, request: SyncRequest) -> SyncResult:
         """The group's token-weighted mean of ``payload`` (see NetworkTransport.average); the group
-        is keyed by the round (or fragment sync) and ``group_index``."""
+        is keyed by the round (or fragment sync) and ``request.group_index``."""
+        round_, tensors, should_stop = request.round_, request.tensors, request.should_stop
         thread = threading.current_thread().name
         self.calls.append((round_, thread))
-        self.budgets.append(wait_budget_s)
-        self.carried.append((round_, fragment, [tuple(t.shape) for t in payload], list(tensors or ()), thread))
+        self.budgets.append(request.wait_budget_s)
+        self.carried.append((round_, request.fragment, [tuple(t.shape) for t in payload], list(tensors or ()), thread))
         start = time.monotonic()
         if self.fail is not None:
             self.fail(round_, should_stop)
-        key = (keys.sync_index(round_, fragment, fragments), group_index)
+        key = (keys.sync_index(round_, request.fragment, request.fragments), request.group_index)
         # a fragment's payload holds a subset of the tensors: φ starts after its Δ ones (as the averager counts)
         phi_from = self.phi_from
         if phi_from is not None and tensors is not None:
@@ -379,17 +365,17 @@ class InProcessTransport:
             mean, digests = self.hub.average(
                 self.peer_id,
                 payload,
-                weight,
+                request.weight,
                 key,
-                start_digest,
+                request.start_digest,
                 should_stop,
-                expected_group_size,
+                request.expected_group_size,
                 round_=round_,
                 phi_from=phi_from,
                 outcome=outcome,
             )
         except PartialAverage as exc:
-            exc.bytes_sent = exc.bytes_received = self._bytes(payload, expected_group_size)[0]
+            exc.bytes_sent = exc.bytes_received = self._bytes(payload, request.expected_group_size)[0]
             raise
         mine = outcome[0] if outcome else MemberOutcome(mean=None)
         self._carry(mine.carried, numbers, [t.shape for t in payload])

@@ -92,6 +92,43 @@ class SyncResult:
     that started from the same state and completed the round hold the same state after it."""
 
 
+@dataclass(frozen=True)
+class SyncRequest:
+    """One sync a round loop asks of its transport (:meth:`RoundTransport.average`): which group,
+    with what weight, and how long it may wait for it."""
+
+    weight: float
+    """Tokens this peer processed in the round (> 0): its weight in the group's mean."""
+    round_: int
+    """The round whose group this sync joins."""
+    expected_group_size: int
+    """Peers expected in the group; matchmaking starts the all-reduce as soon as this many joined."""
+    group_index: int | None = None
+    """With random groups (NoLoCo), this peer's group: part of the matchmaking key, so that only
+    groupmates meet; None: one group of all peers at the round (DiLoCo)."""
+    start_digest: str = ""
+    """Digest of the state this peer started the round from (peer/state/snapshot.py); shared with
+    the group, returned in :attr:`SyncResult.start_digests`."""
+    should_stop: Callable[[], bool] = lambda: False
+    """Polled while waiting; when it returns True the sync is cancelled."""
+    expected_wait_s: float = 0.0
+    """Seconds until the last expected groupmate arrives, by the progress records; the matchmaking
+    window covers it (peer/sync/deadlines.py)."""
+    wait_budget_s: float = 0.0
+    """A sync in the background (``sync.overlap``): its matchmaking window is at least this plus the
+    manifest's ``matchmaking_time_s``, s (0: a blocking sync, never past that)."""
+    fragment: int | None = None
+    """Streaming DiLoCo (arXiv 2501.18512): this sync is fragment ``fragment`` of ``fragments`` of
+    the round; its groupmates meet under the key of that fragment's sync (protocol/keys.py
+    ``sync_index``). None: a whole round."""
+    fragments: int = 1
+    """How many fragments a round's payload is synced in (read with ``fragment``)."""
+    tensors: Sequence[int] | None = None
+    """With ``fragment``, the indices of the payload buffers the payload fills (ascending; the
+    fragment's Δ tensors, then its φ tensors for NoLoCo); the mean returned holds those tensors
+    only. None: the payload is the whole payload."""
+
+
 @runtime_checkable
 class RoundTransport(Protocol):
     """What the round loop (peer.round.Trainer) uses of its transport. :class:`NetworkTransport`
@@ -103,22 +140,7 @@ class RoundTransport(Protocol):
         """Upper bound on any :meth:`average` call, s."""
         ...
 
-    def average(
-        self,
-        payload: Sequence[torch.Tensor],
-        *,
-        weight: float,
-        round_: int,
-        expected_group_size: int,
-        group_index: int | None = None,
-        start_digest: str = "",
-        should_stop: Callable[[], bool] = ...,
-        expected_wait_s: float = 0.0,
-        wait_budget_s: float = 0.0,
-        fragment: int | None = None,
-        fragments: int = 1,
-        tensors: Sequence[int] | None = None,
-    ) -> SyncResult:
+    def average(self, payload: Sequence[torch.Tensor], *, request: SyncRequest) -> SyncResult:
         """The token-weighted group mean of ``payload``; raises a SyncError (or HelperDied)."""
         ...
 
@@ -250,52 +272,19 @@ class NetworkTransport:
         the first attempt and the retry."""
         return (1 + self.RETRIES) * self.deadlines.worst_case().total_s
 
-    def average(
-        self,
-        payload: Sequence[torch.Tensor],
-        *,
-        weight: float,
-        round_: int,
-        expected_group_size: int,
-        group_index: int | None = None,
-        start_digest: str = "",
-        should_stop: Callable[[], bool] = lambda: False,
-        expected_wait_s: float = 0.0,
-        wait_budget_s: float = 0.0,
-        fragment: int | None = None,
-        fragments: int = 1,
-        tensors: Sequence[int] | None = None,
-    ) -> SyncResult:
-        """Token-weighted group mean of ``payload`` over the peers at round ``round_``.
+    def average(self, payload: Sequence[torch.Tensor], *, request: SyncRequest) -> SyncResult:
+        """Token-weighted group mean of ``payload`` over the peers at ``request.round_``.
 
         DiLoCo: one group of all peers at the round (arXiv 2311.08105, Algorithm 1 line 10).
-        NoLoCo: only the peers of random group ``group_index`` (arXiv 2506.10911), so no peer
-        exchanges data with more than its groupmates. Returns within the current deadlines'
+        NoLoCo: only the peers of random group ``request.group_index`` (arXiv 2506.10911), so no
+        peer exchanges data with more than its groupmates. Returns within the current deadlines'
         ``total_s`` (peer/sync/deadlines.py; at most :attr:`max_sync_seconds`, or with
         ``wait_budget_s``, its matchmaking deadline of three times the budget longer), whatever the
         other peers do.
 
         Args:
             payload: this peer's contribution (see OuterAlgorithm.payload), fp32.
-            weight: tokens this peer processed in the round (> 0).
-            expected_group_size: peers expected in the group; matchmaking starts the all-reduce
-                as soon as this many have joined.
-            group_index: with random groups, this peer's group; it becomes part of the
-                matchmaking key so that only groupmates meet.
-            start_digest: digest of the state this peer started the round from (peer/state/snapshot.py);
-                shared with the group, returned in :attr:`SyncResult.start_digests`.
-            should_stop: polled while waiting; when it returns True the sync is cancelled.
-            expected_wait_s: seconds until the last expected groupmate arrives, by the progress
-                records; the matchmaking window covers it (peer/sync/deadlines.py).
-            wait_budget_s: a sync in the background (``sync.overlap``): its matchmaking window
-                is at least this plus the manifest's ``matchmaking_time_s`` (0: a blocking sync,
-                never past that).
-            fragment, fragments: Streaming DiLoCo (arXiv 2501.18512): this sync is fragment
-                ``fragment`` of ``fragments`` of round ``round_``; its groupmates meet under the
-                key of that fragment's sync (protocol/keys.py ``sync_index``). None: a whole round.
-            tensors: with ``fragment``, the indices of the payload buffers ``payload`` fills
-                (ascending; the fragment's Δ tensors, then its φ tensors for NoLoCo); the mean
-                returned holds those tensors only. None: ``payload`` is the whole payload.
+            request: the sync's group, weight and waits (:class:`SyncRequest`).
 
         Returns:
             SyncResult; its bytes are summed over the attempts, its ``deadline_s`` is the bound
@@ -310,33 +299,21 @@ class NetworkTransport:
             HelperDied: this peer's averager process exited (not a SyncError: the peer cannot
                 sync again and stops); φ is untouched.
         """
-        start = time.monotonic()
+        start, tensors = time.monotonic(), request.tensors
         with self.averager.get_tensors() as buffers:
             chosen = buffers if tensors is None else [buffers[i] for i in tensors]
             for buf, value in zip(chosen, payload, strict=True):
                 buf.copy_(value)
-        d = self.deadlines.current(expected_wait_s=expected_wait_s, wait_budget_s=wait_budget_s)
+        d = self.deadlines.current(expected_wait_s=request.expected_wait_s, wait_budget_s=request.wait_budget_s)
         bound_s = (1 + self.RETRIES) * d.total_s
         sent = received = 0
         for attempt in range(1 + self.RETRIES):
             try:
-                result = self._attempt(
-                    round_=round_,
-                    group_index=group_index,
-                    attempt=attempt,
-                    weight=weight,
-                    expected_group_size=expected_group_size,
-                    start_digest=start_digest,
-                    should_stop=should_stop,
-                    d=d,
-                    fragment=fragment,
-                    fragments=fragments,
-                    tensors=tensors,
-                )
+                result = self._attempt(request, attempt=attempt, d=d)
             except SyncError as exc:
                 sent, received = sent + exc.bytes_sent, received + exc.bytes_received
-                if isinstance(exc, AllreduceIncomplete) and attempt < self.RETRIES and not should_stop():
-                    logger.info("round %d: %s; retrying with the groupmates that are left", round_, exc)
+                if isinstance(exc, AllreduceIncomplete) and attempt < self.RETRIES and not request.should_stop():
+                    logger.info("round %d: %s; retrying with the groupmates that are left", request.round_, exc)
                     continue
                 exc.bytes_sent, exc.bytes_received, exc.deadline_s = sent, received, bound_s
                 raise
@@ -354,31 +331,19 @@ class NetworkTransport:
     """How often a round whose all-reduce could not complete (a groupmate died in it) is retried,
     at once, with the groupmates that are left (they meet under the round's retry key)."""
 
-    def _attempt(
-        self,
-        *,
-        round_: int,
-        group_index: int | None,
-        attempt: int,
-        weight: float,
-        expected_group_size: int,
-        start_digest: str,
-        should_stop: Callable[[], bool],
-        d: Deadlines,
-        fragment: int | None = None,
-        fragments: int = 1,
-        tensors: Sequence[int] | None = None,
-    ) -> SyncResult:
-        """One matchmaking + all-reduce of the payload already in the buffers (see :meth:`average`).
+    def _attempt(self, request: SyncRequest, *, attempt: int, d: Deadlines) -> SyncResult:
+        """One matchmaking + all-reduce of the payload already in the buffers (see :meth:`average`),
+        attempt ``attempt`` (0: the first) under deadlines ``d``.
 
         Raises:
             GroupNotFound, AllreduceFailed: as :meth:`average`, with this attempt's bytes (0 when
                 no outcome came back from the averager process).
             AllreduceIncomplete: with this attempt's bytes; the round may be retried at once.
         """
-        start = time.monotonic()
+        start, round_, fragment, tensors = time.monotonic(), request.round_, request.fragment, request.tensors
+        expected_group_size, should_stop = request.expected_group_size, request.should_stop
         self.averager.set_group_bits(
-            keys.round_group_bits(keys.sync_index(round_, fragment, fragments), group_index, attempt)
+            keys.round_group_bits(keys.sync_index(round_, fragment, request.fragments), request.group_index, attempt)
         )
         self.averager.configure_round(
             target_group_size=max(2, min(expected_group_size, self.sync.target_group_size)),
@@ -388,12 +353,12 @@ class NetworkTransport:
             stronger=self.stronger_codec,
         )
         arrived = time.time()
-        gather = {"round": round_, "start_digest": start_digest, "distrust": self.suspects.named(round_)}
+        gather = {"round": round_, "start_digest": request.start_digest, "distrust": self.suspects.named(round_)}
         if fragment is not None:
             gather["fragment"] = fragment
         control = self.averager.start_step(
             gather=gather,
-            weight=float(weight),
+            weight=float(request.weight),
             scheduled_time=get_dht_time() + d.matchmaking_s,
             timeout=d.matchmaking_deadline_s,
         )

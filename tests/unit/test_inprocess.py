@@ -15,7 +15,7 @@ import torch
 from peer.state.snapshot import make_snapshot
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport, PieceRules, butterfly_bytes
 from peer.sync.membership import RoundSwarm, SwarmView
-from peer.sync.transport import NetworkTransport, RoundTransport
+from peer.sync.transport import NetworkTransport, RoundTransport, SyncRequest
 from protocol.errors import BadPayload, GroupNotFound, StateDownloadFailed
 from protocol.records import ProgressRecord
 
@@ -79,9 +79,10 @@ def test_instances_satisfy_the_runtime_checkable_protocols():
 
 def _average(transports, payloads, weights, results, **kwargs):
     def one(t, p, w):
-        results[t.peer_id] = t.average(
-            p, weight=w, round_=3, expected_group_size=len(transports), start_digest=f"d-{t.peer_id}", **kwargs
+        request = SyncRequest(
+            weight=w, round_=3, expected_group_size=len(transports), start_digest=f"d-{t.peer_id}", **kwargs
         )
+        results[t.peer_id] = t.average(p, request=request)
 
     threads = [threading.Thread(target=one, args=args) for args in zip(transports, payloads, weights)]
     for th in threads:
@@ -114,27 +115,31 @@ def test_groups_are_keyed_by_fragment_and_group_index_and_a_late_peer_finds_none
     hub = InProcessHub(matchmaking_s=0.2)
     a, b = InProcessTransport("a", hub), InProcessTransport("b", hub)
     with pytest.raises(GroupNotFound):  # alone in group index 0 when the window closes
-        a.average([torch.ones(1)], weight=1.0, round_=0, expected_group_size=2, group_index=0)
+        a.average([torch.ones(1)], request=SyncRequest(weight=1.0, round_=0, expected_group_size=2, group_index=0))
     results = {}
     _average([a, b], [[torch.ones(1)], [torch.zeros(1)]], [1.0, 1.0], results, fragment=1, fragments=2)
     assert results["a"].group_size == 2 and torch.equal(results["a"].mean[0], torch.tensor([0.5]))
     with pytest.raises(GroupNotFound):  # the group of (round 3, fragment 1) closed
         InProcessTransport("c", hub).average(
-            [torch.ones(1)], weight=1.0, round_=3, expected_group_size=2, fragment=1, fragments=2
+            [torch.ones(1)], request=SyncRequest(weight=1.0, round_=3, expected_group_size=2, fragment=1, fragments=2)
         )
     assert [c[:2] for c in a.carried] == [(0, None), (3, 1)]
 
 
 def test_a_fixed_group_size_and_a_failing_transport():
     hub = InProcessHub(1)
-    result = InProcessTransport("a", hub).average([torch.ones(2)], weight=5.0, round_=0, expected_group_size=4)
+    result = InProcessTransport("a", hub).average(
+        [torch.ones(2)], request=SyncRequest(weight=5.0, round_=0, expected_group_size=4)
+    )
     assert result.group == ["a"] and torch.equal(result.mean[0], torch.ones(2))
 
     def fail(round_, should_stop):
         raise GroupNotFound(f"round {round_}: scripted")
 
     with pytest.raises(GroupNotFound, match="scripted"):
-        InProcessTransport("b", hub, fail=fail).average([torch.ones(2)], weight=1.0, round_=1, expected_group_size=1)
+        InProcessTransport("b", hub, fail=fail).average(
+            [torch.ones(2)], request=SyncRequest(weight=1.0, round_=1, expected_group_size=1)
+        )
 
 
 class _FlippingOwner:
@@ -171,7 +176,9 @@ def test_a_skipped_piece_is_carried_into_the_next_contribution():
         results[r] = {}
 
         def one(t, p, r=r):
-            results[r][t.peer_id] = t.average(p, weight=1.0, round_=r, expected_group_size=len(ids))
+            results[r][t.peer_id] = t.average(
+                p, request=SyncRequest(weight=1.0, round_=r, expected_group_size=len(ids))
+            )
 
         threads = [threading.Thread(target=one, args=args) for args in zip(transports, payloads)]
         for th in threads:

@@ -13,7 +13,7 @@ from peer.sync.averager import GroupOutcome
 from peer.sync.deadlines import DeadlinePolicy
 from peer.sync.pieces import SUSPECT_ROUNDS, Suspects
 from peer.sync.suspicion_store import GROUPMATES_FILE, SUSPECTS_FILE, SuspectMemory
-from peer.sync.transport import NetworkTransport
+from peer.sync.transport import NetworkTransport, SyncRequest
 from protocol.errors import AllreduceIncomplete, GroupNotFound, HelperDied, NetworkError, SyncError
 from protocol.manifest import SyncSpec
 
@@ -96,7 +96,9 @@ def _complete(sent, received):
 
 
 def _average(transport):
-    return transport.average([torch.ones(s) for s in SHAPES], weight=10.0, round_=3, expected_group_size=2)
+    return transport.average(
+        [torch.ones(s) for s in SHAPES], request=SyncRequest(weight=10.0, round_=3, expected_group_size=2)
+    )
 
 
 def test_success_returns_the_mean_and_the_counters():
