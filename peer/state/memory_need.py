@@ -6,7 +6,7 @@ killer in the middle of a round.
 The arithmetic follows how the code allocates today, not what a peer could get by with; each
 term names the code that allocates it. M is the model in fp32 (4 bytes per parameter), the payload
 is what a peer sends per sync (Δ: M; NoLoCo sends Δ and φ: 2 M), R the error-feedback residuals (M
-with a lossy codec and error feedback on, else 0). A peer's host memory:
+with a lossy codec and error feedback on, M / 2 kept in bf16, else 0). A peer's host memory:
 
 * always held: θ (on the host for a CPU peer, on the card for a GPU peer), its gradients, the inner
   optimizer's state, the model's evaluation copy and the evaluation's logits, the activations of a
@@ -206,7 +206,7 @@ def memory_need(
     noloco = sync.algorithm == "noloco"
     payload = 2 * M if noloco else M  # peer/train/outer.py NoLoCo.payload_shapes: Δ then φ
     lossy = codec.codec != "none"
-    R = M if lossy and codec.error_feedback else 0  # peer/sync/error_feedback.py keeps_residuals
+    R = (M // 2 if codec.residual_dtype == "bf16" else M) if lossy and codec.error_feedback else 0  # keeps_residuals
     dev = GPU if device_type == "cuda" else HOST
     overlap = sync.overlap
     # Streaming syncs one fragment at a time: its Δ, mean and new φ are a fragment's (the largest:
@@ -406,7 +406,7 @@ def memory_need(
         ),
         B(
             name="staged error-feedback residuals",
-            bytes=f(M) if lossy else 0,
+            bytes=f(M if codec.residual_dtype == "fp32" else M // 2) if lossy else 0,
             where=HOST,
             process=AVERAGER,
             when=ROUND_END,

@@ -3,16 +3,20 @@
 import pytest
 import torch
 
-from peer.sync.error_feedback import ErrorFeedback, SyncFeedback
+from peer.sync.error_feedback import RESIDUAL_DTYPES, ErrorFeedback, SyncFeedback
 from protocol.codecs import Codec, decode
+from protocol.errors import ManifestError
+from protocol.manifest import CompressionSpec
 from protocol.wire.pieces import Piece
 
 
-def _feedback_gap(name: str, rounds: int, use_feedback: bool) -> tuple[float, float, float]:
+def _feedback_gap(
+    name: str, rounds: int, use_feedback: bool, dtype: torch.dtype = torch.float32
+) -> tuple[float, float, float]:
     """(|Σ inputs − Σ decoded|, |Σ inputs|, |last residual|) after ``rounds`` rounds."""
     shape = (48, 40)
     codec = Codec(name, topk_fraction=0.02, rank=2, block_size=64)
-    ef = ErrorFeedback([shape])
+    ef = ErrorFeedback([shape], dtype)
     g = torch.Generator().manual_seed(1)
     drift = torch.randn(shape, generator=g) * 0.5  # a steady direction, as pseudo-gradients have
     total_in, total_out = torch.zeros(shape), torch.zeros(shape)
@@ -36,6 +40,35 @@ def test_error_feedback_keeps_the_sum_of_decoded_updates_within_one_residual(nam
     assert gap_200 < 0.3 * total_200
     no_feedback_gap, _, _ = _feedback_gap(name, 200, False)
     assert no_feedback_gap > 2 * gap_200  # without it, the dropped part piles up
+
+
+@pytest.mark.parametrize("name", ["topk", "int8"])
+def test_bf16_residuals_lose_only_their_rounding(name):
+    """Residuals kept in bf16 (``compression.residual_dtype``): half the memory; each staged residual
+    is rounded to bf16 and that rounding (≤ 2⁻⁹ of it) is not carried, so Σ inputs − Σ decoded
+    drifts from the residual by at most the rounds' roundings, and stays far below no feedback."""
+    gap, total, residual = _feedback_gap(name, 200, True, torch.bfloat16)
+    exact, _, _ = _feedback_gap(name, 200, True)
+    no_feedback_gap, _, _ = _feedback_gap(name, 200, False)
+    assert abs(gap - residual) <= 200 * 2**-8 * residual + 1e-6
+    assert gap < 0.3 * total and no_feedback_gap > 2 * gap
+    assert gap == pytest.approx(exact, rel=0.1)
+
+
+def test_bf16_residuals_are_kept_in_bf16_and_compensate_in_fp32():
+    ef = ErrorFeedback([(4, 2)], torch.bfloat16)
+    c = ef.compensate(0, torch.full((4, 2), 1.0 + 2**-10))
+    ef.stage(0, c, torch.zeros(4, 2))
+    ef.commit()
+    assert ef.state_tensors()[0].dtype == torch.bfloat16 and ef.residuals()[0].dtype == torch.bfloat16
+    assert torch.equal(ef.residuals()[0], torch.ones(4, 2, dtype=torch.bfloat16))  # rounded when staged
+    out = ef.compensate(0, torch.full((4, 2), 2**-12))
+    assert out.dtype == torch.float32 and torch.equal(out, torch.full((4, 2), 1.0 + 2**-12))
+    fp32 = ErrorFeedback([(4, 2)])  # a checkpoint's residuals load into either
+    fp32.load_residuals(ef.residuals())
+    assert fp32.residuals()[0].dtype == torch.float32
+    ef.load_residuals([torch.full((4, 2), 3.0)])
+    assert ef.residuals()[0].dtype == torch.bfloat16 and ef.residuals()[0][0, 0] == 3.0
 
 
 def test_error_feedback_commit_rollback_and_rows():
@@ -145,3 +178,12 @@ def test_a_piece_sent_exactly_stages_no_tensor_and_commits_a_zero_residual():
     fresh.stage(0, y, y)
     fresh.commit()
     assert not fresh.holds(0) and fresh.residuals() is None
+
+
+def test_a_run_names_its_residual_dtype_and_a_bad_one_is_refused():
+    assert CompressionSpec().residual_dtype == "fp32"
+    assert RESIDUAL_DTYPES[CompressionSpec(residual_dtype="bf16").residual_dtype] == torch.bfloat16
+    with pytest.raises(
+        ManifestError, match=r"compression.residual_dtype = 'fp16' is invalid: allowed one of 'fp32', 'bf16'"
+    ):
+        CompressionSpec(residual_dtype="fp16")

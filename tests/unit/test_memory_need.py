@@ -84,6 +84,9 @@ def test_residuals_exist_only_with_a_lossy_codec_and_error_feedback():
     # what the averager sends of its own pieces: fp32 exact, bf16 of the decoded values when lossy
     assert named(exact, "own pieces as sent") == M and named(int8, "own pieces as sent") == M // 2
     assert int8.process_bytes(AVERAGER) > exact.process_bytes(AVERAGER)
+    half = memory_need(with_(m, compression={"codec": "int8", "residual_dtype": "bf16"}))  # kept in bf16
+    for name in ("committed error-feedback", "staged error-feedback", "checkpoint: the residuals"):
+        assert named(half, name) == named(int8, name) // 2 > 0
 
 
 def test_noloco_sends_phi_too_and_its_landing_copies_the_outer_state():
