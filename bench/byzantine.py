@@ -11,7 +11,7 @@ malicious peers contribute, the means they send as owners (per receiver), the re
 and the states they serve. The manifest is bench/compare.py's (its inner lr, fixed global batch,
 cosine schedule ending with the run; default horizon 10 rounds × its H = 25), so every run trains on
 the same tokens; ``--schedules`` sets ``sync.overlap`` per row (``delayed``: with the landings
-pinned where the lockstep defines them, lab/engine_sim.py ``pinned_timing``).
+pinned where the lockstep defines them, lab/engine_sim.py ``run_engine_simulation(pinned=True)``).
 
 Per algorithm, schedule and seed it runs ``clean`` (8 honest peers, the hub screening as the
 network does) and, per schedule and seed, ``independent``: the same 8 peers under
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ 
 from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
 from bench.provenance import git_commit
 from lab.adversary import ATTACKS, Adversary
-from lab.engine_sim import EngineResult, pinned_timing, run_engine_simulation
+from lab.engine_sim import EngineResult, run_engine_simulation
 from peer.train.data import load_corpus
 from protocol.errors import ManifestError
 from protocol.manifest import RunManifest
@@ -120,9 +120,7 @@ def _train(
             peers=tuple(range(PEERS - malicious, PEERS)),
             fresh_identities=FRESH_IDENTITIES if attack == "fake-progress" else 0,
         )
-    # overlap's landings pinned where the lockstep defines them (each run is its own process's only one)
-    with pinned_timing() if schedule != "none" else contextlib.nullcontext():
-        r = _engine(m, base, rounds, seed, screening, adversary, matchmaking_s)
+    r = _engine(m, base, rounds, seed, screening, adversary, matchmaking_s)
     h = r.history[-1]
     return {
         "attack": attack or "none",
@@ -162,6 +160,7 @@ def _engine(
         screening=screening,
         adversary=adversary,
         matchmaking_s=matchmaking_s,
+        pinned=True,  # overlap's landings where the lockstep defines them (blocking: nothing to pin)
     )
 
 

@@ -7,7 +7,7 @@
 Runs N peers in one process with bench/compare.py's run manifest and its fixed global batch, once
 per ``sync.overlap`` mode, so every run sees the same tokens; the mode is the only difference. The
 default runner is the round engine (lab/engine_sim.py: N real round loops, peer/round/, over the
-in-process hub, with the thread timing pinned to the lockstep by ``pinned_timing``, so where a mean
+in-process hub, with the thread timing pinned to the lockstep (``run_engine_simulation(..., pinned=True)``), so where a mean
 lands does not depend on the machine's load and the figures are deterministic); DiLoCo only there
 (NoLoCo with overlap can get a peer more than a round ahead, which the lockstep cannot pin). With
 ``--runner simulation`` (lab/simulation.py, the swarm's own outer and overlap code, held to the
@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
-from lab.engine_sim import pinned_timing, run_engine_simulation
+from lab.engine_sim import run_engine_simulation
 from lab.simulation import run_simulation
 from peer.train.data import load_corpus
 from protocol.errors import ManifestError
@@ -94,10 +94,9 @@ def _one(
         base.replace(sync={"fragment_merge": DEFAULT_MERGE}), method, "none", peers, seed, bench, rounds
     ).run_id
     if runner == "engine":  # DiLoCo: one group, nothing drawn from the run id
-        with pinned_timing():
-            r = run_engine_simulation(
-                m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds
-            )
+        r = run_engine_simulation(
+            m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds, pinned=True
+        )
     else:
         r = run_simulation(
             m,

@@ -22,11 +22,10 @@ wall time holds no evaluation.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from peer.config import TrainerConfig
 from peer.progress import TrainSummary
 from peer.reporting import Reporter
 from peer.round import Trainer
+from peer.round.timing import Timing
 from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.sync.inprocess_means import PieceRules
 from peer.sync.screening import round_token_cap
@@ -47,35 +47,6 @@ from protocol.manifest import RunManifest
 from protocol.specs import delta_is_round_progress
 
 PHI_OF = ("mean", "peer0")
-
-
-def _land_at_delay(self: Any) -> None:
-    """``FragmentSchedule.land_due`` pinned: the fragment in flight lands exactly τ steps after its
-    start, waiting for its background sync there (as τ = 0 waits at once)."""
-    if self.flight is not None and self.state.inner_step >= self.flight[1] + self.delay_steps:
-        self.land_fragment()  # waits for the background sync (take_background)
-
-
-@contextlib.contextmanager
-def pinned_timing() -> Iterator[None]:
-    """Within it, the engine's overlap modes land their means where lab/simulation.py's lockstep
-    defines them, whatever the threads' timing: a peer past its H steps trains no extra steps while
-    its sync is in flight (peer/round/schedule.py ``EXTRA_STEPS_FRACTION`` = 0), and a streaming
-    fragment's mean lands exactly τ steps after its sync started (``FragmentSchedule.land_due``,
-    which otherwise lands at the first step ≥ τ at which the sync is done). It fixes when the update
-    rules run, not what they compute; bench/overlap.py and tests/unit/test_engine_sim.py run in it.
-    Patches those two process-wide and restores them on exit: no round loop of another purpose may
-    run in this process meanwhile."""
-    import peer.round.schedule
-    from peer.round.streamed import FragmentSchedule
-
-    saved = peer.round.schedule.EXTRA_STEPS_FRACTION, FragmentSchedule.land_due
-    peer.round.schedule.EXTRA_STEPS_FRACTION = 0.0
-    FragmentSchedule.land_due = _land_at_delay  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        peer.round.schedule.EXTRA_STEPS_FRACTION, FragmentSchedule.land_due = saved  # type: ignore[method-assign]
 
 
 @dataclasses.dataclass
@@ -138,6 +109,7 @@ def run_engine_simulation(
     timeout_s: float | None = None,
     screening: bool = True,
     adversary: Adversary | None = None,
+    pinned: bool = False,
 ) -> EngineResult:
     """Train ``rounds`` rounds of N :class:`~peer.round.Trainer` s in threads and evaluate every
     ``eval_every_rounds`` (round 0 and the last round always), as lab/simulation.py's
@@ -160,6 +132,10 @@ def run_engine_simulation(
         adversary: malicious peers (lab/adversary.py) acting inside the hub; evaluation, exits,
             non-finite rounds and takeovers count the honest peers only, and an honest round loop
             that raises or stops early is counted (``honest_exits``) instead of raised.
+        pinned: the overlap modes land their means where lab/simulation.py's lockstep defines them,
+            whatever the threads' timing (peer/round/timing.py ``Timing.of(..., pinned=True)``: no
+            extra steps past H while a sync is out, a streaming fragment's mean exactly τ steps after
+            its sync started); bench/overlap.py and bench/byzantine.py run pinned.
 
     Returns:
         EngineResult: the loss curve, bytes sent per peer (the fp32 butterfly's estimate of each
@@ -245,6 +221,7 @@ def run_engine_simulation(
             stop_event=stop,
             placement=placement,
             evaluates_phi=False,
+            timing=Timing.of(manifest.sync, pinned=pinned),
         )
         transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
         transport.phi_from = t.outer.phi_from(len(t.shapes))  # NoLoCo's payload: Δ then φ (peer/node.py)

@@ -11,10 +11,12 @@ schedule.py: the sync-schedule interface: when each part of the model is sent an
 state.py: :class:`RoundState`: φ, θ, outer state, served snapshots, position, and their lock
 streamed.py: the fragment schedule (Streaming DiLoCo): fragments synced at staggered offsets
 syncing.py: one sync with the group, as every schedule makes it
+timing.py: :class:`Timing`: when a round's sync runs and where its mean lands, ``sync.overlap`` read once
 """
 
 from peer.round.checkpointing import checkpoint_due
 from peer.round.engine import Trainer, make_schedule
 from peer.round.state import RoundState
+from peer.round.timing import Timing
 
-__all__ = ["RoundState", "Trainer", "checkpoint_due", "make_schedule"]
+__all__ = ["RoundState", "Timing", "Trainer", "checkpoint_due", "make_schedule"]

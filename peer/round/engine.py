@@ -30,6 +30,7 @@ from peer.round.schedule import RoundEnd, SyncSchedule
 from peer.round.state import RoundState
 from peer.round.streamed import StreamingSchedule
 from peer.round.syncing import GroupSync, SyncHistory
+from peer.round.timing import Timing
 from peer.state.vouching import MIN_INNER_STEP_S, Vouching
 from peer.sync.membership import RoundSwarm, SwarmView
 from peer.sync.transport import RoundTransport
@@ -42,14 +43,14 @@ from protocol.errors import BadPayload, HelperDied
 from protocol.manifest import RunManifest
 
 
-def make_schedule(overlap: str, **parts) -> SyncSchedule:
-    """The sync schedule of ``sync.overlap``: 'none' → blocking, 'delayed'/'eager' → overlapped,
+def make_schedule(timing: Timing, **parts) -> SyncSchedule:
+    """The sync schedule of ``timing.overlap``: 'none' → blocking, 'delayed'/'eager' → overlapped,
     'streaming' → streaming."""
-    if overlap == "streaming":
-        return StreamingSchedule(**parts)
-    if overlap in ("delayed", "eager"):
-        return OverlapSchedule(**parts)
-    return BlockingSchedule(**parts)
+    if timing.overlap == "streaming":
+        return StreamingSchedule(timing=timing, **parts)
+    if timing.overlap in ("delayed", "eager"):
+        return OverlapSchedule(timing=timing, **parts)
+    return BlockingSchedule(timing=timing, **parts)
 
 
 class Trainer:
@@ -57,7 +58,8 @@ class Trainer:
 
     Without a placement the peer trains on the CPU in fp32. ``make_inner`` builds the inner loop
     (a pipeline stage's, peer/pipeline/peer.py); ``evaluates_phi`` is False on a pipelined peer;
-    ``state_key`` is what its snapshots say they belong to (the run id, or a pipeline stage's key).
+    ``state_key`` is what its snapshots say they belong to (the run id, or a pipeline stage's key);
+    ``timing`` when its syncs' means land (peer/round/timing.py; default: ``Timing.of`` the run's).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Trainer:
         make_inner: Callable[..., InnerLoop] | None = None,
         evaluates_phi: bool = True,
         state_key: str | None = None,
+        timing: Timing | None = None,
     ):
         self.m, self.swarm, self.transport, self.cfg = manifest, swarm, transport, config
         self.peer_id, self.reporter, self.stop_event, self.placement = swarm.peer_id, reporter, stop_event, placement
@@ -119,7 +122,7 @@ class Trainer:
             manifest=manifest, outer=s.outer, swarm=swarm, transport=transport, reporter=reporter, stop_event=stop_event
         )
         self.schedule = make_schedule(
-            manifest.sync.overlap,
+            timing or Timing.of(manifest.sync),
             state=s,
             sync=self.sync,
             history=self.history,

@@ -28,15 +28,10 @@ from peer.reporting import Reporter
 from peer.round.records import RecordReads
 from peer.round.state import RoundState
 from peer.round.syncing import GroupSync, SyncHistory
+from peer.round.timing import Timing
 from peer.sync.background import BackgroundSync, InlineSync
 from peer.train.outer import GroupChoice
 from peer.train.step_bound import finite_norm
-
-EXTRA_STEPS_FRACTION = 1.0
-"""With ``delayed``, ``eager`` or ``streaming``, a round past its H inner steps whose sync in flight
-has not landed yet takes more inner steps instead of waiting, up to this fraction of H: a peer
-faster than its groupmates otherwise idles at every landing until the slowest one's contribution
-is there. 1.0: at most 2·H steps a round."""
 
 
 class OwnDelta:
@@ -152,9 +147,10 @@ class ScheduleBase:
         records: RecordReads,
         reporter: Reporter,
         stop_event: threading.Event,
+        timing: Timing | None = None,
     ):
         self.state, self.sync, self.history, self.records = state, sync, history, records
-        self.reporter, self.stop_event = reporter, stop_event
+        self.reporter, self.stop_event, self.timing = reporter, stop_event, timing or Timing()
 
     def synced_blocking(self, round_: int) -> bool:
         return True
@@ -229,8 +225,8 @@ class BackgroundSchedule(ScheduleBase):
         return (None if adopted and landed.report.failed else landed.mean), landed.report, landed.prepared
 
     def extra_steps_left(self) -> bool:
-        """Whether the round may still take a step past H while a sync is out (:data:`EXTRA_STEPS_FRACTION`)."""
-        return self.state.pos.step < self.state.H + int(EXTRA_STEPS_FRACTION * self.state.H)
+        """Whether the round may still take a step past H while a sync is out (``Timing.extra_steps_fraction``)."""
+        return self.state.pos.step < self.state.H + int(self.timing.extra_steps_fraction * self.state.H)
 
     def close(self) -> None:
         self.background.shutdown(wait=False)

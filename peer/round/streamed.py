@@ -158,12 +158,13 @@ class FragmentSchedule(BackgroundSchedule):
         is there; the inner loop waits for it only at the round's end, once the steps it may train on
         past H are used up, so a slow uplink costs staleness, not compute. Groupmates may land the
         same mean at different steps: φ_p is touched only by that landing, so they still hold
-        identical φ; only their local θ_p differ, as they do anyway."""
+        identical φ; only their local θ_p differ, as they do anyway. ``Timing.land_at_delay``: exactly
+        τ steps after its start, waiting there."""
         if self.flight is None:
             return
-        tau = self.delay_steps
-        if tau == 0 or (self.state.inner_step >= self.flight[1] + tau and self.background.done):
-            self.land_fragment()
+        tau, due = self.delay_steps, self.state.inner_step >= self.flight[1] + self.delay_steps
+        if tau == 0 or (due and (self.background.done or self.timing.land_at_delay)):
+            self.land_fragment()  # waits for the background sync where it is not done
 
     def round_choice(self, round_: int) -> tuple[GroupChoice, list]:
         """The group choice (and the live records it came from) for ``round_``'s fragment syncs,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lab.engine_sim import pinned_timing, run_engine_simulation
+from lab.engine_sim import run_engine_simulation
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
@@ -77,7 +77,7 @@ def test_the_engine_and_the_simulation_train_the_same_curve(corpus, monkeypatch,
     φ_0: each peer's φ after 3 rounds and the losses round by round.
 
     The engine's thread timing is pinned to the simulation's lockstep (lab/engine_sim.py
-    ``pinned_timing``: no extra steps past H while a sync is out, a streaming fragment landing
+    ``pinned=True``, peer/round/timing.py: no extra steps past H while a sync is out, a streaming fragment landing
     exactly τ steps after its start): it decides when a mean lands, not the update rule held to
     here. The hub deals and screens the pieces as the network does, the simulation sums whole
     tensors: nothing is clipped or refused among honest peers, so only the summation order differs."""
@@ -94,8 +94,7 @@ def test_the_engine_and_the_simulation_train_the_same_curve(corpus, monkeypatch,
 
     monkeypatch.setattr(lab.simulation, "Simulation", Kept)
     seed = manifest.model.init_seed
-    with pinned_timing():
-        engine = run_engine_simulation(manifest, corpus, peers=3, rounds=3, seed=seed, timeout_s=240.0)
+    engine = run_engine_simulation(manifest, corpus, peers=3, rounds=3, seed=seed, timeout_s=240.0, pinned=True)
     simulated = run_simulation(manifest, corpus, peers=3, rounds=3, seed=seed)
     assert len(sims) == 1 and len(engine.final_phis) == 3
     # not bit for bit: the hub and the simulation round the group mean differently (a few ulp),
