@@ -1,5 +1,7 @@
-"""Writes docs/results.md from bench/results/*.json: per benchmark what it measures, the command,
-the device, its table, and a plot (docs/img/) where a curve says more than a table.
+"""Writes docs/results.md from bench/results/*.json: first "The answers now", one line per question
+a user asks with its current answer, goal and result file (bench/results_questions.py), then per
+benchmark what it measures, the command, the device, its table, and a plot (docs/img/) where a curve
+says more than a table.
 
     python bench/results_doc.py [--results bench/results] [--out docs/results.md] [--img docs/img]
 
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_questions import load, section  # noqa: E402
 from bench.results_registry import REGISTRY  # noqa: E402
 from bench.results_tables import Row, flat  # noqa: E402
 
@@ -96,6 +99,7 @@ def render(results: Path, img: Path, doc_dir: Path) -> str:
         "and its table. How to run the benchmarks: docs/benchmarks.md; how each figure was reached,",
         "run by run: docs/notes/benchmarks-log.md.",
         "",
+        *section(load(results)),
     ]
     for name, entry in REGISTRY.items():
         if name not in files:

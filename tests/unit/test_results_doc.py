@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.results_doc import REGISTRY, generic, markdown_table, render
+from bench.results_questions import NOT_MEASURED, QUESTIONS, load, residual_precision, section
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -86,3 +87,56 @@ def test_no_result_file_carries_the_old_utilization_ratio():
         rows = data.get("results") if isinstance(data, dict) else None
         for row in rows if isinstance(rows, list) else []:
             assert not (isinstance(row, dict) and "compute_utilization" in row), path.name
+
+
+def test_docs_results_md_is_what_the_script_writes(tmp_path):
+    """docs/results.md is generated, never edited by hand (issue #66 item 4): rerun
+    `python bench/results_doc.py` after changing a result file, the registry or the questions."""
+    text = render(RESULTS, tmp_path / "img", tmp_path)
+    assert (ROOT / "docs" / "results.md").read_text() == text, "docs/results.md is stale: run bench/results_doc.py"
+
+
+MEASURED_NOW = {"quality", "overlap", "codecs", "robustness", "throughput", "catch_up", "memory", "data_stream"}
+
+
+def test_the_answers_come_first_one_line_per_question(tmp_path):
+    text = render(RESULTS, tmp_path / "img", tmp_path)
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## The answers now"
+    table = text[text.index("## The answers now") : text.index(sections[1])]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert rows[:2] == ["| question | current answer | goal | source |", "| --- | --- | --- | --- |"]
+    assert len(rows) == 2 + len(QUESTIONS)
+    data = load(RESULTS)
+    for question in QUESTIONS:
+        answer = question(data)
+        assert f"| {answer.question} | {answer.answer} |" in table
+        if question.__name__ in MEASURED_NOW:
+            assert answer.answer != NOT_MEASURED, question.__name__
+            assert answer.source.startswith("`bench/results/"), answer.source
+
+
+def test_a_missing_result_file_is_not_measured_yet(tmp_path):
+    for question in QUESTIONS:
+        answer = question({})
+        assert answer.answer == NOT_MEASURED, question.__name__
+        assert answer.goal and "bench/results/" not in answer.source
+    # one file copied: its question is answered from it, every other one is not measured yet
+    (tmp_path / "codecs.json").write_text((RESULTS / "codecs.json").read_text())
+    lines = section(load(tmp_path))
+    codecs = next(line for line in lines if line.startswith("| codecs"))
+    assert "int8" in codecs and "`bench/results/codecs.json`" in codecs
+    others = [line for line in lines if line.startswith("| ") and line not in (codecs, *lines[5:7])]
+    assert others and all(f"| {NOT_MEASURED} |" in line for line in others)
+
+
+def test_an_answer_whose_rows_are_missing_is_not_measured_yet():
+    data = {"byzantine": {"results": [{"attack": "clean", "loss_change": 0.0}]}, "rig125m": {"results": []}}
+    assert all(q(data).answer == NOT_MEASURED for q in QUESTIONS)
+
+
+def test_the_residual_precision_answer_states_its_goal_and_verdict():
+    record = {"codec": "int8", "peers": 4, "bf16_vs_fp32_pct": 0.0512, "goal_pct": 0.2, "met": True, "commit": "a" * 40}
+    answer = residual_precision({"residual-precision": record})
+    assert answer.answer == "+0.0512 % against fp32 residuals (DiLoCo, int8, N = 4): met"
+    assert answer.goal == "≤ +0.2 %" and answer.source == "`bench/results/residual-precision.json` at aaaaaaa"
