@@ -118,11 +118,18 @@ class Trainer:
             swarm.trust(self.vouching.ledger)
         self.history = SyncHistory(self.peer_id, self.vouching)
         self.records = RecordReads(swarm)
+        timing = timing or Timing.of(manifest.sync)
         self.sync = GroupSync(
-            manifest=manifest, outer=s.outer, swarm=swarm, transport=transport, reporter=reporter, stop_event=stop_event
+            manifest=manifest,
+            outer=s.outer,
+            swarm=swarm,
+            transport=transport,
+            reporter=reporter,
+            stop_event=stop_event,
+            timing=timing,
         )
         self.schedule = make_schedule(
-            timing or Timing.of(manifest.sync),
+            timing,
             state=s,
             sync=self.sync,
             history=self.history,

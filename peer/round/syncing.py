@@ -20,6 +20,7 @@ import torch
 from peer.net.traffic import SatOut
 from peer.progress import RoundProgress, SyncReport, Waiting
 from peer.reporting import Reporter
+from peer.round.timing import Timing
 from peer.state.vouching import Vouching
 from peer.sync.membership import RoundSwarm
 from peer.sync.transport import RoundTransport, SyncRequest
@@ -67,9 +68,12 @@ class GroupSync:
         transport: RoundTransport,
         reporter: Reporter,
         stop_event: threading.Event,
+        timing: Timing | None = None,
     ):
         self.m, self.outer, self.swarm, self.transport = manifest, outer, swarm, transport
         self.reporter, self.stop_event, self.peer_id = reporter, stop_event, swarm.peer_id
+        self.whole_delta = (timing or Timing.of(manifest.sync)).whole_delta
+        """Each sync's Δ is one round's training alone (``SyncRequest.whole_delta``)."""
         self.fragments = 0
         """Streaming: how many fragments the model syncs in (0 otherwise)."""
         self.fragment_payload: list[list[int]] = []
@@ -155,6 +159,7 @@ class GroupSync:
             should_stop=should_stop,
             expected_wait_s=expected_wait_s,
             wait_budget_s=wait_budget_s,
+            whole_delta=self.whole_delta,
             # a fragment's tensors, with its own key and buffers
             fragment=fragment,
             fragments=1 if fragment is None else self.fragments,

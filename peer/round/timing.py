@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.manifest import SyncSpec
+from protocol.specs import delta_is_round_progress
 
 OVERLAPS = ("none", "delayed", "eager", "streaming")
 
@@ -34,6 +35,13 @@ class Timing:
             raise ValueError(f"overlap = {self.overlap!r}: expected one of {', '.join(OVERLAPS)}")
         if not 0.0 <= self.extra_steps_fraction <= 1.0:
             raise ValueError(f"extra_steps_fraction = {self.extra_steps_fraction!r}: expected a number in [0, 1]")
+
+    @property
+    def whole_delta(self) -> bool:
+        """Whether a sync's Δ is one round's training alone (protocol/specs.py
+        ``delta_is_round_progress``: every overlap but streaming, whose landings merge φ into θ
+        inside a round): what the receipts' alignments and a NoLoCo pair's whole-Δ check need."""
+        return delta_is_round_progress(self.overlap)
 
     @classmethod
     def of(cls, sync: SyncSpec, *, pinned: bool = False) -> Timing:

@@ -104,10 +104,6 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         signer: this peer's identity key (the one its DHT runs as): it seals the means this peer
             sends as an owner (peer/sync/receipts.py). None: this peer cannot average (every
             all-reduce ends incomplete), as a peer without an identity file.
-        whole_delta: in a NoLoCo pair, the receiver judges its owner's whole Δ (peer/sync/pairs.py
-            ``PairTally``), and in a group the receipts judge the owners' alignments
-            (peer/sync/receipts.py): True where a Δ is one round's training alone
-            (protocol/specs.py ``delta_is_round_progress``: every ``sync.overlap`` but streaming).
         **kwargs: passed to DecentralizedAverager (``next_chunk_timeout`` is required).
     """
 
@@ -125,7 +121,6 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         piece_elements: int | None = None,
         max_weight_tokens: float | None = None,
         memory: GroupmateMemory | None = None,
-        whole_delta: bool = True,
         signer: PeerSigner | None = None,
         **kwargs,
     ):
@@ -133,7 +128,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             raise ValueError("LocoAverager needs next_chunk_timeout: a silent groupmate must not stall a round")
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements, self.max_weight_tokens = piece_elements, max_weight_tokens
-        self.whole_delta = whole_delta  # GroupAllreduce's: a pair judges its owner's whole Δ
+        self.whole_delta = True  # the next sync's Δ is one round's training alone (configure_round)
         self.signer = signer
         self._init_state_sharing()
         self._stream_limits = StreamLimits.for_matchmaking(
@@ -266,6 +261,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         allreduce_s: float,
         tensors: Sequence[int] | None = None,
         stronger: bool = False,
+        whole_delta: bool = True,
     ) -> None:
         """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
 
@@ -279,6 +275,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 None: every buffer.
             stronger: this peer sends its contributions and means with the next stronger codec
                 (peer/sync/pieces.py ``stronger_compression``; a volunteer's traffic budget).
+            whole_delta: the next sync's Δ is one round's training alone (``SyncRequest.whole_delta``):
+                in a NoLoCo pair the receiver judges its owner's whole Δ (peer/sync/pairs.py), in a
+                group the receipts judge the owners' alignments (peer/sync/receipts.py).
 
         Raises:
             ValueError: an index out of range, repeated or out of order (ascending keeps a
@@ -296,6 +295,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             allreduce_s=allreduce_s,
             tensors=tensors,
             stronger=stronger,
+            whole_delta=whole_delta,
         )
 
     def reset_error_feedback(self) -> None:
@@ -349,9 +349,16 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             future.set_exception(exc)
 
     async def _configure_round(
-        self, size: int, matchmaking_s: float, allreduce_s: float, future, tensors=None, stronger: bool = False
+        self,
+        size: int,
+        matchmaking_s: float,
+        allreduce_s: float,
+        future,
+        tensors=None,
+        stronger: bool = False,
+        whole_delta: bool = True,
     ) -> None:
-        self._subset = tensors
+        self._subset, self.whole_delta = tensors, whole_delta
         self._round_compression = stronger_compression(self.compression) if stronger else self.compression
         matchmaking = self._matchmaking
         matchmaking.target_group_size = size

@@ -41,7 +41,6 @@ from protocol.errors import (
 )
 from protocol.manifest import CompressionSpec, SyncSpec
 from protocol.signing import PeerSigner
-from protocol.specs import delta_is_round_progress
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +122,10 @@ class SyncRequest:
     ``sync_index``). None: a whole round."""
     fragments: int = 1
     """How many fragments a round's payload is synced in (read with ``fragment``)."""
+    whole_delta: bool = True
+    """This sync's Δ is one round's training alone (peer/round/timing.py ``Timing.whole_delta``): the
+    receipts judge the owners' alignments, a NoLoCo pair its owner's whole Δ; False: a streaming
+    fragment's, which the last landing's merge left part of a mean in."""
     tensors: Sequence[int] | None = None
     """With ``fragment``, the indices of the payload buffers the payload fills (ascending; the
     fragment's Δ tensors, then its φ tensors for NoLoCo); the mean returned holds those tensors
@@ -232,8 +235,6 @@ class NetworkTransport:
             phi_from=phi_from,
             piece_elements=piece_elements,
             max_weight_tokens=max_weight_tokens,
-            # a streaming fragment's Δ holds what the last landing's merge left: no whole-Δ judgement
-            whole_delta=delta_is_round_progress(sync.overlap),
             memory=GroupmateMemory(None if memory_dir is None else memory_dir / GROUPMATES_FILE),
             signer=signer,
             prefix=keys.averager_prefix(run_id, sync.algorithm),
@@ -351,6 +352,7 @@ class NetworkTransport:
             allreduce_s=d.allreduce_s,
             tensors=tensors,
             stronger=self.stronger_codec,
+            whole_delta=request.whole_delta,
         )
         arrived = time.time()
         gather = {"round": round_, "start_digest": request.start_digest, "distrust": self.suspects.named(round_)}

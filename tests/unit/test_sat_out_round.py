@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from peer.round import syncing
 from peer.round.syncing import GroupSync, swarm_round
+from peer.round.timing import Timing
 
 
 class ScriptedSwarm:
@@ -32,7 +33,13 @@ class ScriptedSwarm:
 
 def sync_over(swarm) -> GroupSync:
     return GroupSync(
-        manifest=None, outer=None, swarm=swarm, transport=None, reporter=None, stop_event=threading.Event()
+        manifest=None,
+        outer=None,
+        swarm=swarm,
+        transport=None,
+        reporter=None,
+        stop_event=threading.Event(),
+        timing=Timing(),
     )
 
 
