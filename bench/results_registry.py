@@ -169,7 +169,7 @@ REGISTRY: dict[str, Entry] = {
     ),
     "compare-cpu-32k-engine": Entry(
         "cpu-32k rows on the round engine a peer runs",
-        "The same comparison with DiLoCo, NoLoCo and independent rows run on N round loops over the "
+        "The same comparison with DiLoCo and NoLoCo rows run on N round loops over the "
         "in-process hub (lab/engine_sim.py), the code a peer runs.",
         "python bench/compare.py --config bench/compare-cpu-32k.toml --jobs 2 --threads 1",
         [Table(key("results"), [*COMPARE_COLUMNS, ("source", "ran on")])],
