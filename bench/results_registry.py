@@ -27,6 +27,17 @@ from bench.results_tables import (  # noqa: E402
     sweep_best,
 )
 
+RESIDUAL_FIGURES = (
+    "bf16_vs_fp32_pct",
+    "bf16_vs_fp32_pct_per_seed",
+    "goal_pct",
+    "met",
+    "codec",
+    "peers",
+    "seeds",
+    "tokens_per_run",
+    "commits",
+)
 COMPARE_COLUMNS = [
     ("method", "method"),
     ("peers", "peers"),
@@ -617,5 +628,29 @@ REGISTRY: dict[str, Entry] = {
         "tensor by tensor from the tensors as held).",
         "python bench/checkpoint_memory.py",
         [Table(flat, [("key", "figure"), ("value", "value")])],
+    ),
+    "residual-precision": Entry(
+        "Error-feedback residuals in bf16: the loss cost",
+        "Validation bits per byte at equal tokens of DiLoCo with a lossy codec whose error-feedback residuals "
+        "each peer keeps in fp32 (the default) or bf16 (`compression.residual_dtype`, half their memory), "
+        "beside the same peers never averaging (the floor) and data-parallel training (the ceiling); the share "
+        "of the floor-to-ceiling gap each row recovers. Goal: bf16 at most +0.2 % against fp32 (issue #67).",
+        "python bench/residual_precision.py",
+        [
+            Table(
+                key("rows"),
+                [
+                    ("row", "row"),
+                    ("final_bpb", "final bits/byte (mean)"),
+                    ("final_bpb_per_seed", "per seed"),
+                    ("gap_recovered_pct", "share of the gap recovered (%)"),
+                ],
+            ),
+            Table(
+                lambda d: [{"key": k, "value": d[k]} for k in RESIDUAL_FIGURES],
+                [("key", "figure"), ("value", "value")],
+                "bf16 against fp32 residuals (percent: their mean, per seed), the goal, and what ran",
+            ),
+        ],
     ),
 }
