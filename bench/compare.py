@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
+from bench.provenance import git_commit
 from lab.engine_sim import EngineResult, run_engine_simulation
 from lab.simulation import EvalPoint, SimulationResult, run_simulation
 from peer.train.data import Corpus, load_corpus
@@ -274,8 +275,11 @@ def outer_of(m: RunManifest, method: str) -> dict:
     return {}
 
 
-def results_record(results: list[SimulationResult], scale: str, base: RunManifest, device: str) -> dict:
-    """bench/results/compare-<scale>.json: one entry per (method, N), finals per seed."""
+def results_record(
+    results: list[SimulationResult], scale: str, base: RunManifest, device: str, commit: str = "unknown"
+) -> dict:
+    """bench/results/compare-<scale>.json: one entry per (method, N), finals per seed; the commit the
+    runs started at and the command."""
     out = []
     for s in summarize(results):
         rs = sorted((r for r in results if r.peers == s["peers"] and r.method == s["method"]), key=lambda r: r.seed)
@@ -297,6 +301,8 @@ def results_record(results: list[SimulationResult], scale: str, base: RunManifes
         inner["muon_lr_ratio"] = spec.muon_lr_ratio
     return {
         "scale": scale,
+        "commit": commit,
+        "command": " ".join(["python", *sys.argv]),
         "device": device,
         "params": results[0].parameters,
         "tokens_per_run": results[0].history[-1].tokens,
@@ -455,7 +461,7 @@ def main() -> None:
         check_global_batch(base, bench["global_batch_tokens"], peer_counts, rounds)
     except ValueError as exc:
         parser.error(f"{exc}; {GLOBAL_BATCH_HINT}")
-    start = time.perf_counter()
+    start, commit = time.perf_counter(), git_commit(Path(__file__).resolve().parents[1])  # the code the runs use
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out_dir / "compare_results.json", args.out_dir / "compare_loss.png"
     progress = args.out_dir / "compare_progress.jsonl"
@@ -540,7 +546,7 @@ def main() -> None:
                 "runs": [x.to_dict() for x in results],
             }
             json_path.write_text(json.dumps(record, indent=1) + "\n")  # partial results survive a stop
-            final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
+            final.write_text(json.dumps(results_record(results, scale, base, device, commit), indent=1) + "\n")
     finally:
         if pool is not None:
             pool.terminate()  # a stopped benchmark leaves no worker behind
@@ -581,7 +587,7 @@ def main() -> None:
             f"({results[0].parameters:,} params), H = {base.sync.inner_steps}, {rounds} rounds, "
             f"{tokens / 1e6:.2f}M tokens per run, global batch {bench['global_batch_tokens']} tokens",
         )
-    final.write_text(json.dumps(results_record(results, scale, base, device), indent=1) + "\n")
+    final.write_text(json.dumps(results_record(results, scale, base, device, commit), indent=1) + "\n")
     wrote = f"{json_path}, {final}" + ("" if args.no_plot else f" and {png_path}")
     print(f"wrote {wrote}; total wall {time.perf_counter() - start:.0f} s")
 
