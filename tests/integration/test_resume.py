@@ -27,11 +27,14 @@ def residuals_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("residual.")}
 
 
-def test_residuals_travel_to_the_averager_process_and_back(tmp_path):
-    """NetworkTransport sets and fetches the residuals in the averager process (a real one);
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_residuals_travel_to_the_averager_process_and_back(tmp_path, dtype):
+    """NetworkTransport sets and fetches the residuals in the averager process (a real one), kept
+    in the run's ``compression.residual_dtype`` (a checkpoint's fp32 residuals load into bf16 ones);
     a reset (what an adoption does) leaves none to checkpoint. The groupmates a peer left out or
     named before its restart, kept in its run directory, are recalled by the new one."""
-    manifest = make_manifest(compression={"codec": "int8"})
+    manifest = make_manifest(compression={"codec": "int8", "residual_dtype": dtype})
+    kept = torch.float32 if dtype == "fp32" else torch.bfloat16
     shapes = [torch.Size([3, 2]), torch.Size([4])]
     liar = PeerID(bytes([0x12, 0x20]) + bytes(range(32)))
     (tmp_path / GROUPMATES_FILE).write_text(json.dumps({"version": 1, "equivocators": {str(liar): 1_000_009}}))
@@ -48,10 +51,10 @@ def test_residuals_travel_to_the_averager_process_and_back(tmp_path):
         saved = [torch.randn(3, 2), torch.randn(4)]
         assert transport.load_error_feedback(saved) == 2
         for got, want in zip(transport.error_feedback_residuals(), saved):
-            assert torch.equal(got, want)
+            assert got.dtype == kept and torch.equal(got, want.to(kept))
         with pytest.raises(ValueError, match=r"shape \(3, 3\)"):
             transport.load_error_feedback([torch.ones(3, 3), torch.ones(4)])
-        assert torch.equal(transport.error_feedback_residuals()[1], saved[1])  # unchanged by the refusal
+        assert torch.equal(transport.error_feedback_residuals()[1], saved[1].to(kept))  # unchanged by the refusal
         transport.reset_error_feedback()
         assert transport.error_feedback_residuals() is None
     finally:
