@@ -6,7 +6,7 @@ and the floor (the same peers never syncing), on the round engine (issues #17, #
 
 Every run is lab/engine_sim.py: 8 real round loops (peer/round/ ``Trainer``) in threads over the
 in-process hub, which deals each group's pieces to owners and screens and checks them as the
-network's all-reduce does (peer/sync/inprocess_means.py); lab/adversary.py's hooks forge what the
+network's all-reduce does (lab/inprocess_means.py); lab/adversary.py's hooks forge what the
 malicious peers contribute, the means they send as owners (per receiver), the records they publish
 and the states they serve. The manifest is bench/compare.py's (its inner lr, fixed global batch,
 cosine schedule ending with the run; default horizon 10 rounds × its H = 25), so every run trains on

@@ -2,7 +2,7 @@
 (lab/simulation.py); issues 17 and 51, bench/byzantine.py.
 
 An :class:`Adversary` names which simulated peers lie and how. On the engine its
-:meth:`Adversary.hooks` (:class:`EngineAdversary`, peer/sync/inprocess_means.py ``GroupHooks``) act
+:meth:`Adversary.hooks` (:class:`EngineAdversary`, lab/inprocess_means.py ``GroupHooks``) act
 inside the in-process hub, which deals and screens the group's pieces as the network does: what a
 malicious peer contributes, the mean it sends each receiver of a piece it owns, the progress records
 it publishes and the states it serves. Gradient attacks replace what a malicious peer sends into
@@ -335,7 +335,7 @@ def _seeded(*parts: object) -> torch.Generator:
 
 
 class EngineAdversary:
-    """An :class:`Adversary` acting inside an in-process hub (peer/sync/inprocess_means.py
+    """An :class:`Adversary` acting inside an in-process hub (lab/inprocess_means.py
     ``GroupHooks``; lab/engine_sim.py passes it to the hub). Thread-safe: contributions come from
     every peer's sync thread, records from every round loop.
 

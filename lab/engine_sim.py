@@ -2,8 +2,8 @@
 
 Where lab/simulation.py re-tells a round with the swarm's algorithm code, this runs the peer's own
 round engine: each simulated peer is a :class:`peer.round.Trainer` with an
-:class:`peer.sync.inprocess.InProcessSwarm` and an :class:`~peer.sync.inprocess.InProcessTransport`
-over one :class:`~peer.sync.inprocess.InProcessHub` (records in a dict, each group's token-weighted
+:class:`lab.inprocess.InProcessSwarm` and an :class:`~lab.inprocess.InProcessTransport`
+over one :class:`~lab.inprocess.InProcessHub` (records in a dict, each group's token-weighted
 fp32 mean, states served from the peers' snapshots). Peers are named ``sim-peer-{i}`` and the
 Trainer salts its data shard with the manifest's ``model.init_seed``, so with ``seed`` equal to it
 (bench/compare.py sets ``init_seed`` to the seed) each peer samples the shard lab/simulation.py's
@@ -11,7 +11,7 @@ peer i samples, from the same φ_0.
 
 What the engine does and the simulation does not: the round loop's records, re-sync rule, state
 snapshots, overlap/streaming schedules as a peer runs them. The hub deals each group's pieces and
-screens them as the network's all-reduce does (peer/sync/inprocess_means.py: the piece plan, the
+screens them as the network's all-reduce does (lab/inprocess_means.py: the piece plan, the
 owners' screening and means, each receiver's check, the strikes); what it does not do: codecs (every
 piece and mean travels as fp32), timing of a network. A lab adversary (lab/adversary.py) acts
 inside the hub: the malicious peers run honest round loops whose contributions, owners' means,
@@ -31,14 +31,14 @@ from typing import Any
 import torch
 
 from lab.adversary import Adversary, EngineAdversary
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
+from lab.inprocess_means import PieceRules
 from lab.simulation import EvalPoint, SimulationResult, weight_spread, weighted_mean
 from peer.config import TrainerConfig
 from peer.progress import TrainSummary
 from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.round.timing import Timing
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
-from peer.sync.inprocess_means import PieceRules
 from peer.sync.screening import round_token_cap
 from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement
@@ -127,7 +127,7 @@ def run_engine_simulation(
         matchmaking_s: how long a group waits for the members it expects, s.
         timeout_s: how long the round loops may take in all (None: 600 s + 60 s a round); past it
             they are stopped and a ``RuntimeError`` raised.
-        screening: the hub aggregates as the network does (peer/sync/inprocess_means.py, the run's
+        screening: the hub aggregates as the network does (lab/inprocess_means.py, the run's
             compression, token cap and piece size); False: the plain token-weighted fp32 mean.
         adversary: malicious peers (lab/adversary.py) acting inside the hub; evaluation, exits,
             non-finite rounds and takeovers count the honest peers only, and an honest round loop

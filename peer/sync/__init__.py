@@ -9,8 +9,6 @@ deadlines.py: sync deadlines that follow the swarm
 error_feedback.py: error feedback: what a sync's Δ lost, carried into the next contribution
 group_key.py: hivemind's group key manager, changed: group bits kept, lookups rate-limited
 hivemind_limits.py: hivemind's protobuf stream handlers, bounded
-inprocess.py: the in-process transport and swarm view: N peers' round loops in one process
-inprocess_means.py: a group's all-reduce as the network computes it, in one process
 membership.py: this peer's view of who is live, from the progress records
 pairs.py: screening inside a pair (NoLoCo's groups of two)
 pieces.py: the plan of one all-reduce: pieces, their owners, codecs and seeds

@@ -108,7 +108,7 @@ def _record_step(r, round_: int, inner_steps: int, now: float, record_ttl_s: flo
 @runtime_checkable
 class RoundSwarm(Protocol):
     """What the round loop (peer.round.Trainer) uses of its view of the swarm. :class:`SwarmView`
-    implements it over the DHT, :class:`peer.sync.inprocess.InProcessSwarm` in one process; see
+    implements it over the DHT, :class:`lab.inprocess.InProcessSwarm` in one process; see
     :class:`SwarmView`'s methods for what each one means."""
 
     @property

@@ -208,7 +208,7 @@ def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tenso
     included), its length then set to the trimmed mean of the contributions' projections on it
     (:func:`trimmed_length`, from 4 contributions). Only the owner computes it and every receiver
     gets its bytes, so receivers stay bit-identical whatever it clips or trims. The in-process hub
-    (peer/sync/inprocess_means.py) calls it too, in every sync schedule.
+    (lab/inprocess_means.py) calls it too, in every sync schedule.
 
     Args:
         parts: ``(capped token weight > 0, fp32 tensor)`` per included contribution, all finite, one

@@ -135,7 +135,7 @@ class SyncRequest:
 @runtime_checkable
 class RoundTransport(Protocol):
     """What the round loop (peer.round.Trainer) uses of its transport. :class:`NetworkTransport`
-    implements it over hivemind, :class:`peer.sync.inprocess.InProcessTransport` in one process;
+    implements it over hivemind, :class:`lab.inprocess.InProcessTransport` in one process;
     see :meth:`NetworkTransport.average` and the others for what each call means."""
 
     @property

@@ -27,12 +27,12 @@ import threading
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessTransport
 from peer.config import TrainerConfig
 from peer.net.dht import PeerProgress
 from peer.round import Trainer
 from peer.round.catchup import CLAIM_MARGIN, LOSS_MARGIN, loss_refusal, phi_loss
 from peer.state.snapshot import make_snapshot
-from peer.sync.inprocess import InProcessHub, InProcessTransport
 from peer.train.data import BatchSampler, validation_batch
 from peer.train.model import build_model, lm_loss
 from protocol.errors import BadPayload

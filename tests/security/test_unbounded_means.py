@@ -21,11 +21,11 @@ import threading
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.config import TrainerConfig
 from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.state.checkpoint import PeerState, load_checkpoint, save_checkpoint
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.sync.screening import OWNER_CHECK_MIN_ELEMENTS, owner_mean_problem, reference_rms
 from peer.train.model import build_model
 from protocol.errors import CheckpointError

@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.config import TrainerConfig
 from peer.round import Trainer
 from peer.state.download import DownloadedState, StateDownload
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import Events, corpus, evaluations, one_thread  # noqa: F401 (fixtures)

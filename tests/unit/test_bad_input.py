@@ -15,13 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.config import TrainerConfig
 from peer.net.dht_node import check_port_free
 from peer.round import Trainer, checkpointing
 from peer.run_choice import MAX_RUNS_LISTED, refuse_unannounced_run_id
 from peer.state.checkpoint import load_checkpoint, move_aside
 from peer.state.disk import DiskNeed, check_disk_space, checkpoint_need, shard_cache_need
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.errors import CheckpointError, ConfigError, RunChoiceNeeded
 from protocol.presets import tiny_run

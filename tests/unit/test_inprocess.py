@@ -1,4 +1,4 @@
-"""peer.sync.inprocess: the in-process transport and swarm view, and that both they and the network's
+"""lab.inprocess: the in-process transport and swarm view, and that both they and the network's
 classes satisfy the round loop's Protocols (peer/sync/transport.py RoundTransport,
 peer/sync/membership.py RoundSwarm)."""
 
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport, PieceRules, butterfly_bytes
 from peer.state.snapshot import make_snapshot
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport, PieceRules, butterfly_bytes
 from peer.sync.membership import RoundSwarm, SwarmView
 from peer.sync.transport import NetworkTransport, RoundTransport, SyncRequest
 from protocol.errors import BadPayload, GroupNotFound, StateDownloadFailed

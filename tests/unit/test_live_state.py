@@ -14,9 +14,9 @@ from collections import deque
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub
 from peer.round.state import RoundState
 from peer.state.snapshot import make_snapshot
-from peer.sync.inprocess import InProcessHub
 from protocol.presets import tiny_run
 from tests.security.test_unbounded_means import _trainers
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)

@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.config import TrainerConfig
 from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint, save_checkpoint
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.manifest import RunManifest
 from protocol.presets import tiny_run

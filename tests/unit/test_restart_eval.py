@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.config import TrainerConfig
 from peer.round import Trainer
 from peer.round.catchup import phi_loss
 from peer.state.checkpoint import load_checkpoint, save_checkpoint
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import Events, corpus, one_thread  # noqa: F401 (fixtures)

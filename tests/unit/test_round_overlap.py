@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.config import TrainerConfig
 from peer.reporting import Reporter
 from peer.round import Trainer
 from peer.state.checkpoint import load_checkpoint
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.model import build_model
 from protocol.errors import AllreduceFailed, GroupNotFound, HelperDied
 from protocol.presets import tiny_run
@@ -23,7 +23,7 @@ from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 Records = Group = InProcessHub
 """The swarm's records (a DHT in a dict) and each round's group: ``Records(ghosts=...)``, ``Group(members,
-matchmaking_s=...)`` (peer/sync/inprocess.py); a state is downloaded from a provider its peer registered."""
+matchmaking_s=...)`` (lab/inprocess.py); a state is downloaded from a provider its peer registered."""
 Swarm, Transport = InProcessSwarm, InProcessTransport
 
 

@@ -44,7 +44,7 @@ def streaming(fragments=2, tau=1, alpha=0.5, **sync):
 
 
 FragmentTransport = Transport
-"""The in-process transport (peer/sync/inprocess.py) keys a group per (round, fragment), as the
+"""The in-process transport (lab/inprocess.py) keys a group per (round, fragment), as the
 network does (protocol/keys.py ``sync_index``), and records what each call carried."""
 
 

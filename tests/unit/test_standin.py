@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from lab.standin import (
     CHUNKS,
     EVAL_LOSS,
@@ -26,7 +27,6 @@ from peer.round import Trainer
 from peer.state import memory_check
 from peer.state.checkpoint import load_checkpoint
 from peer.state.memory_check import MemoryShort
-from peer.sync.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from peer.train.data import BatchSampler
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model

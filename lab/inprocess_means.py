@@ -3,7 +3,7 @@
 :func:`screened_means` deals a group's pieces with peer/sync/pieces.py's plan and aggregates them
 with the network's own functions (peer/sync/robust.py ``piece_mean``, peer/sync/screening.py's
 screening, receivers' check and strikes); :class:`GroupHooks` are where a lab adversary
-(lab/adversary.py) forges what a malicious peer sends. peer/sync/inprocess.py's hub calls them.
+(lab/adversary.py) forges what a malicious peer sends. lab/inprocess.py's hub calls them.
 """
 
 from __future__ import annotations

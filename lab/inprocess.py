@@ -9,7 +9,7 @@ the same two roles (:class:`~peer.sync.transport.RoundTransport`,
 - each sync's group: by default the token-weighted mean of its members' payloads in fp32, every
   member getting the same tensors (as the all-reduce gives everyone the same bytes); with
   :class:`PieceRules` the group's pieces are dealt and aggregated as the network's all-reduce does
-  (peer/sync/inprocess_means.py :func:`screened_means`: peer/sync/pieces.py's plan, each owner's screening and mean with
+  (lab/inprocess_means.py :func:`screened_means`: peer/sync/pieces.py's plan, each owner's screening and mean with
   peer/sync/robust.py ``piece_mean``, each receiver's ``owner_mean_problem``, the strikes), and
   :class:`GroupHooks` let a lab adversary forge contributions, owners' means, records and served
   states (lab/adversary.py). A group is keyed as
@@ -38,10 +38,10 @@ from typing import Any, cast
 
 import torch
 
+from lab.inprocess_means import GroupHooks, MemberOutcome, PieceRules, screened_means
 from peer.net.dht import PeerProgress
 from peer.state.download import StateDownload, validate_state
 from peer.state.snapshot import make_snapshot
-from peer.sync.inprocess_means import GroupHooks, MemberOutcome, PieceRules, screened_means
 from peer.sync.membership import SwarmView
 from peer.sync.pieces import Suspects
 from peer.sync.screening import Strikes
