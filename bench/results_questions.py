@@ -127,9 +127,7 @@ def quality(data: Data) -> Answer:
     """DiLoCo and NoLoCo against data-parallel at equal tokens (cpu-32k): % above it, and the share of
     the floor (independent) to ceiling (data-parallel) gap recovered."""
     name = next((n for n in COMPARE_FILES if n in data), COMPARE_FILES[0])
-    q = Answer(
-        "quality: loss above data-parallel (cpu-32k, equal tokens)", "", "data-parallel's loss at equal tokens", ""
-    )
+    question, goal = "quality: loss above data-parallel (cpu-32k, equal tokens)", "data-parallel's loss at equal tokens"
 
     def text() -> str:
         rows = rows_of(need(data, name), "results")
@@ -154,7 +152,7 @@ def quality(data: Data) -> Answer:
         gap = f"; share of the gap from independent peers recovered: {', '.join(recovered_by)}" if recovered_by else ""
         return f"N = {n}: {', '.join(parts)}{gap}"
 
-    return answered(q, text, source(data, name))
+    return answered(question, goal, text, source(data, name))
 
 
 OVERLAP_FILE = "overlap_cpu32k"
@@ -166,7 +164,7 @@ def overlap(data: Data) -> Answer:
     rows at the default α and merge rule that overlap at least one step (τ ≥ 1)."""
     d = data.get(OVERLAP_FILE)
     goal = d.get("goal") if isinstance(d, dict) and isinstance(d.get("goal"), str) else "—"
-    q = Answer("overlap: loss against blocking (cpu-32k, equal tokens)", "", goal, "")
+    question = "overlap: loss against blocking (cpu-32k, equal tokens)"
 
     def text() -> str:
         rows = rows_of(need(data, OVERLAP_FILE), "quality")
@@ -192,15 +190,15 @@ def overlap(data: Data) -> Answer:
             raise NotMeasured(OVERLAP_FILE)
         return f"DiLoCo, N = {peers}: " + ", ".join(parts) + " above blocking"
 
-    return answered(q, text, source(data, OVERLAP_FILE))
+    return answered(question, goal, text, source(data, OVERLAP_FILE))
 
 
-CODECS = (("int8", "int8"), ("int4", "int4"), ("fp4", "fp4"))
+CODECS = ("int8", "int4", "fp4")
 
 
 def codecs(data: Data) -> Answer:
     """The lossy codecs on a real pseudo-gradient (input (b)): bytes against fp32 and relative error."""
-    q = Answer("codecs: size and error on a real pseudo-gradient", "", "—", "")
+    question, goal = "codecs: size and error on a real pseudo-gradient", "—"
 
     def text() -> str:
         inputs = need(data, "codecs").get("inputs")
@@ -210,15 +208,15 @@ def codecs(data: Data) -> Answer:
         if not isinstance(real, list):
             raise NotMeasured("(b)")
         parts = []
-        for codec, label in CODECS:
+        for codec in CODECS:
             r = next((r for r in real if r.get("codec") == codec), None)
             if r is not None:
-                parts.append(f"{label} {num(r['ratio'])}× smaller, {share(r['rel_error'])} error")
+                parts.append(f"{codec} {num(r['ratio'])}× smaller, {share(r['rel_error'])} error")
         if not parts:
             raise NotMeasured("codecs")
         return "against fp32: " + "; ".join(parts)
 
-    return answered(q, text, source(data, "codecs"))
+    return answered(question, goal, text, source(data, "codecs"))
 
 
 RESIDUAL_FILE = "residual-precision"
@@ -228,7 +226,7 @@ def residual_precision(data: Data) -> Answer:
     """Error-feedback residuals kept in bf16 against fp32: the loss change (DiLoCo, cpu-32k)."""
     d = data.get(RESIDUAL_FILE)
     goal_pct = d.get("goal_pct", RESIDUAL_GOAL_PCT) if isinstance(d, dict) else RESIDUAL_GOAL_PCT
-    q = Answer("error-feedback residuals in bf16: loss cost", "", f"≤ +{goal_pct:g} %", "")
+    question, goal = "error-feedback residuals in bf16: loss cost", f"≤ +{goal_pct:g} %"
 
     def text() -> str:
         r = need(data, RESIDUAL_FILE)
@@ -242,7 +240,7 @@ def residual_precision(data: Data) -> Answer:
         setting_text = ", ".join(setting)
         return f"{pct(change)} against fp32 residuals ({setting_text}): {verdict(bool(met))}"
 
-    return answered(q, text, source(data, RESIDUAL_FILE))
+    return answered(question, goal, text, source(data, RESIDUAL_FILE))
 
 
 NOT_ATTACKS = {"clean", "independent"}
@@ -253,12 +251,7 @@ ATTACK_SHARE = 0.5
 def robustness(data: Data) -> Answer:
     """Malicious peers: per algorithm, the attack row costing the most against never averaging (the
     ``independent`` row of the same algorithm, schedule and N)."""
-    q = Answer(
-        "robustness: malicious peers' loss cost",
-        "",
-        "each attack < ½ of never averaging's cost",
-        "",
-    )
+    question, goal = "robustness: malicious peers' loss cost", "each attack < ½ of never averaging's cost"
 
     def text() -> str:
         rows = rows_of(need(data, "byzantine"), "results")
@@ -286,7 +279,7 @@ def robustness(data: Data) -> Answer:
             )
         return "worst row against never averaging: " + "; ".join(parts)
 
-    return answered(q, text, source(data, "byzantine"))
+    return answered(question, goal, text, source(data, "byzantine"))
 
 
 THROUGHPUT_PRESET = "llama-125m-L2"
@@ -298,11 +291,9 @@ SCHEDULES = {"none": "blocking"}
 def throughput(data: Data) -> Answer:
     """Utilization (swarm tokens/s over no-sync tokens/s) of llama-125m cut to 2 blocks on the rig, at
     the goal's uplink (else the slowest recorded), the fewest peers recorded there."""
-    q = Answer(
+    question, goal = (
         "throughput: utilization on the rig",
-        "",
         f"≥ {100 * THROUGHPUT_GOAL:g} % with overlap at {THROUGHPUT_UPLINK:g} Mbit/s",
-        "",
     )
 
     def text() -> str:
@@ -320,7 +311,7 @@ def throughput(data: Data) -> Answer:
         codec = rows[0].get("codec", "")
         return f"llama-125m cut to 2 blocks, {peers} peers, {num(uplink)} Mbit/s, {codec}: " + ", ".join(cells) + met
 
-    return answered(q, text, source(data, "rig125m"))
+    return answered(question, goal, text, source(data, "rig125m"))
 
 
 RESTART_GOAL_S = 15.0
@@ -332,11 +323,9 @@ JOIN_UPLINK = 1000.0
 def catch_up(data: Data) -> Answer:
     """A restart's first round, the longest silence of any command (bench/waits.py), and a joiner's
     first step at 1 Gbit/s (bench/rig125m.py ``catch_up``) where recorded."""
-    q = Answer(
+    question, goal = (
         "catch-up: restart, silence, joiner",
-        "",
         f"restart ≤ {RESTART_GOAL_S:g} s; silence ≤ {SILENCE_GOAL_S:g} s; joiner ≤ {JOIN_GOAL_S:g} s at 1 Gbit/s",
-        "",
     )
 
     def text() -> str:
@@ -360,7 +349,7 @@ def catch_up(data: Data) -> Answer:
         return "; ".join(parts)
 
     names = ("waits", "rig125m") if isinstance(data.get("rig125m"), dict) and "waits" in data else ("waits",)
-    return answered(q, text, source(data, *names))
+    return answered(question, goal, text, source(data, *names))
 
 
 MEMORY_PRESET = "llama-125m"
@@ -371,11 +360,9 @@ MEMORY_EXTRA_MIB = 1024.0
 def memory(data: Data) -> Answer:
     """Peak PSS per peer (its processes together) of the full llama-125m, the newest row per schedule,
     against the goal of 3.5 fp32 models and 1 GiB."""
-    q = Answer(
+    question, goal = (
         "memory per peer (full llama-125m)",
-        "",
         f"≤ {MEMORY_MODELS:g} × the fp32 model + {MEMORY_EXTRA_MIB / 1024:g} GiB",
-        "",
     )
 
     def text() -> str:
@@ -397,12 +384,12 @@ def memory(data: Data) -> Answer:
         peers = next(iter(newest.values()))["peers"]
         return f"{peers} peers, peak PSS: {', '.join(cells)} of a {num(model, 4)} MiB model; goal {num(goal, 4)} MiB: {verdict(worst <= goal)}"
 
-    return answered(q, text, source(data, "rig125m-memory"))
+    return answered(question, goal, text, source(data, "rig125m-memory"))
 
 
 def data_stream(data: Data) -> Answer:
     """A real corpus over HTTP: the large corpus's first-step seconds and peak RSS against the small's."""
-    q = Answer("data: a large corpus against a small one", "", "—", "")
+    question, goal = "data: a large corpus against a small one", "—"
 
     def text() -> str:
         corpora = {c.get("name"): c for c in rows_of(need(data, "data_stream"), "corpora")}
@@ -415,16 +402,17 @@ def data_stream(data: Data) -> Answer:
             f"peak RSS {num(m_l, 4)} against {num(m_s, 4)} MiB ({num(m_l / m_s)}×)"
         )
 
-    return answered(q, text, source(data, "data_stream"))
+    return answered(question, goal, text, source(data, "data_stream"))
 
 
-def answered(q: Answer, text: Callable[[], str], src: str) -> Answer:
-    """``q`` with its answer, or :data:`NOT_MEASURED` where a file or its rows are missing."""
+def answered(question: str, goal: str, text: Callable[[], str], src: str) -> Answer:
+    """``question`` with the answer ``text`` computes, or :data:`NOT_MEASURED` where a file or its
+    rows are missing."""
     try:
         answer = text()
     except (NotMeasured, KeyError, TypeError, ValueError, ZeroDivisionError):
         answer = NOT_MEASURED
-    return Answer(q.question, answer, q.goal, src)
+    return Answer(question, answer, goal, src)
 
 
 QUESTIONS: tuple[Callable[[Data], Answer], ...] = (

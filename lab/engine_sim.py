@@ -44,7 +44,6 @@ from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
 from peer.train.device import Placement
 from peer.train.model import build_model, evaluate, parameter_count
 from protocol.manifest import RunManifest
-from protocol.specs import delta_is_round_progress
 
 PHI_OF = ("mean", "peer0")
 
@@ -168,11 +167,12 @@ def run_engine_simulation(
             run_id=manifest.run_id, inner_steps=manifest.sync.inner_steps, noloco=manifest.sync.algorithm == "noloco"
         )
     honest = [i for i in range(peers) if adversary is None or i not in adversary.peers]
+    timing = Timing.of(manifest.sync, pinned=pinned)  # the hub's rules and every Trainer read it
     rules = (
         PieceRules(
             compression=manifest.compression,
             max_weight=float(round_token_cap(manifest)),
-            whole_delta=delta_is_round_progress(manifest.sync.overlap),
+            whole_delta=timing.whole_delta,
         )
         if screening
         else None
@@ -221,7 +221,7 @@ def run_engine_simulation(
             stop_event=stop,
             placement=placement,
             evaluates_phi=False,
-            timing=Timing.of(manifest.sync, pinned=pinned),
+            timing=timing,
         )
         transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
         transport.phi_from = t.outer.phi_from(len(t.shapes))  # NoLoCo's payload: Δ then φ (peer/node.py)

@@ -46,11 +46,9 @@ from protocol.manifest import RunManifest
 def make_schedule(timing: Timing, **parts) -> SyncSchedule:
     """The sync schedule of ``timing.overlap``: 'none' → blocking, 'delayed'/'eager' → overlapped,
     'streaming' → streaming."""
-    if timing.overlap == "streaming":
-        return StreamingSchedule(timing=timing, **parts)
-    if timing.overlap in ("delayed", "eager"):
-        return OverlapSchedule(timing=timing, **parts)
-    return BlockingSchedule(timing=timing, **parts)
+    overlap = timing.overlap
+    kind = StreamingSchedule if overlap == "streaming" else OverlapSchedule if overlap != "none" else BlockingSchedule
+    return kind(timing=timing, **parts)
 
 
 class Trainer:

@@ -68,11 +68,11 @@ class GroupSync:
         transport: RoundTransport,
         reporter: Reporter,
         stop_event: threading.Event,
-        timing: Timing | None = None,
+        timing: Timing,
     ):
         self.m, self.outer, self.swarm, self.transport = manifest, outer, swarm, transport
         self.reporter, self.stop_event, self.peer_id = reporter, stop_event, swarm.peer_id
-        self.whole_delta = (timing or Timing.of(manifest.sync)).whole_delta
+        self.whole_delta = timing.whole_delta
         """Each sync's Δ is one round's training alone (``SyncRequest.whole_delta``)."""
         self.fragments = 0
         """Streaming: how many fragments the model syncs in (0 otherwise)."""

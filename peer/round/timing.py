@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.manifest import SyncSpec
-from protocol.specs import delta_is_round_progress
-
-OVERLAPS = ("none", "delayed", "eager", "streaming")
+from protocol.specs import OVERLAP_MODES, delta_is_round_progress
 
 
 @dataclass(frozen=True)
@@ -31,8 +29,8 @@ class Timing:
     the sync is done (a slow sync costs staleness, not compute)."""
 
     def __post_init__(self) -> None:
-        if self.overlap not in OVERLAPS:
-            raise ValueError(f"overlap = {self.overlap!r}: expected one of {', '.join(OVERLAPS)}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap = {self.overlap!r}: expected one of {', '.join(OVERLAP_MODES)}")
         if not 0.0 <= self.extra_steps_fraction <= 1.0:
             raise ValueError(f"extra_steps_fraction = {self.extra_steps_fraction!r}: expected a number in [0, 1]")
 

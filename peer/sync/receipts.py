@@ -264,7 +264,7 @@ def distrust(stats: Any, peer_ids: Any, round_: int, *, distrusted: Strikes) -> 
 
 class ReceiptExchange:
     """The receipts half of :class:`peer.sync.allreduce.GroupAllreduce` (its state: ``_digests``,
-    ``_receipts``, ``_receipt_writers``, ``_serving``, ``_changed``, ``plan``, ``tensors``, ``results``,
+    ``_receipts``, ``_receipt_writers``, ``_serving``, ``_changed``, ``plan``, ``my_pieces``, ``tensors``, ``results``,
     ``stats``, ``timeout``, ``phi_from``, ``compensate``, ``stage``, ``_write``)."""
 
     _digests: MeanDigests
@@ -283,6 +283,7 @@ class ReceiptExchange:
     _serving: set[int]
     _changed: asyncio.Condition
     plan: Any
+    my_pieces: list[Any]
     tensors: list[torch.Tensor]
     results: dict[int, torch.Tensor]
     stats: Any
@@ -362,7 +363,7 @@ class ReceiptExchange:
         judged = alignments if self.whole_delta else None
         found = verdict(me, mine, receipts, sealed=self._sealed, votes=votes, alignments=judged)
         ids = self.plan.peer_ids
-        if any(p.owner == me for p in self.plan.pieces):  # an owner hears every sender; a verdict
+        if self.my_pieces:  # an owner hears every sender; a verdict
             # from fewer receipts than a groupmate read may differ from its verdict
             self.stats.unread_receipts = sum(s not in receipts for s in range(len(ids)) if s != me)
         self.stats.equivocators = {str(ids[o]) for o in found.equivocators}
