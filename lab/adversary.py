@@ -35,6 +35,12 @@ one payload, the 1-colluder case), and each sends the same forged vector:
 NoLoCo: both forge the Δ part only (φ honest: NoLoCo's owners leave out a φ under cosine 0.2 or off
 by 2× in norm).
 
+* ``stale-phi``: a Δ of zeros and, NoLoCo, the φ it sent in its first sync (the run's initial φ,
+  where every peer starts) in every sync after: a volunteer that stopped training, or replays an old
+  state, and keeps exchanging. Such a φ passes NoLoCo's φ checks (a trained φ's cosine with the
+  initial one stays near 1 and its norm within 2×), and a partner that averages it goes halfway
+  back towards the start. DiLoCo: ``zeros``.
+
 Each of them claims ``claimed_tokens`` (1e30 by default) as its weight: without the owner's token
 cap, that alone makes the weighted mean equal the attacker's payload.
 
@@ -112,7 +118,7 @@ logger = logging.getLogger(__name__)
 
 COLLUDING = ("alie", "ipm")
 """Gradient attacks whose malicious peers pool their honest payloads before forging."""
-GRADIENT_ATTACKS = ("sign-flip", "huge", "noise", "zeros", *COLLUDING)
+GRADIENT_ATTACKS = ("sign-flip", "huge", "noise", "zeros", *COLLUDING, "stale-phi")
 OWNER_ATTACKS = (
     "owner-flip",
     "owner-flip-x100",
@@ -127,8 +133,9 @@ BOTH_SIDES = ("subclip-flip", "cosine")
 """Attacks that forge both the contribution and, as an owner, the means."""
 RECORD_ATTACKS = ("fake-progress", "tie-break")
 ATTACKS = (*GRADIENT_ATTACKS, *OWNER_ATTACKS, *BOTH_SIDES, *RECORD_ATTACKS)
-ENGINE_ONLY = ("owner-equivocate", "tie-break")
-"""Per-receiver means: the simulation hands every receiver one mean, only the engine's hub can."""
+ENGINE_ONLY = ("owner-equivocate", "tie-break", "stale-phi")
+"""Per-receiver means (the simulation hands every receiver one mean, only the engine's hub can), and
+``stale-phi``'s first φ (only the engine's hook sees a peer's payloads in turn)."""
 SUBCLIP_FACTOR = -2.5
 """``subclip-flip``: under the owners' clip (3 × the median norm) and the receivers' bound (3 ×)."""
 CONTRIBUTION_COSINE = 0.3
@@ -212,7 +219,14 @@ class Adversary:
 
         Returns:
             New fp32 tensors shaped like ``payload``; ``payload`` itself for ``fake-progress``.
+
+        Raises:
+            ValueError: ``stale-phi``, an attack of the engine's hook only (it needs each peer's first φ).
         """
+        if self.attack == "stale-phi":
+            raise ValueError(
+                "stale-phi runs on the round engine only (lab/engine_sim.py): it needs each peer's first φ"
+            )
         if self.attack == "sign-flip":
             return [SIGN_FLIP_FACTOR * t.float() for t in payload]
         if self.attack == "huge":
@@ -362,6 +376,7 @@ class EngineAdversary:
         self._pool: dict[int, dict[str, list[torch.Tensor]]] = {}  # sync count -> colluder -> honest payload
         self._syncs: dict[str, int] = {}
         self._states: dict[int, Any] = {}  # round -> the forged snapshot published for it
+        self._first_phi: dict[str, list[torch.Tensor]] = {}  # stale-phi: the φ of each one's first sync
 
     # ---- the group -----------------------------------------------------------------------
     def contribution(
@@ -373,6 +388,11 @@ class EngineAdversary:
         with self._lock:
             count = self._syncs[peer_id] = self._syncs.get(peer_id, 0) + 1
         generator = _seeded(peer_id, count)
+        if a.attack == "stale-phi":
+            cut = len(payload) if phi_from is None else phi_from
+            with self._lock:
+                first = self._first_phi.setdefault(peer_id, [t.detach().clone() for t in payload[cut:]])
+            return [torch.zeros_like(t) for t in payload[:cut]] + [t.clone() for t in first], a.claimed_tokens
         if a.attack in COLLUDING:
             cut = len(payload) if phi_from is None else phi_from  # NoLoCo: its Δ only
             return self._collude(peer_id, count, payload[:cut]) + payload[cut:], a.claimed_tokens
