@@ -38,6 +38,7 @@ from peer.config import TrainerConfig
 from peer.progress import TrainSummary
 from peer.reporting import Reporter
 from peer.round import Trainer
+from peer.round.streamed import FragmentSchedule
 from peer.round.timing import Timing
 from peer.sync.screening import round_token_cap
 from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
@@ -109,6 +110,7 @@ def run_engine_simulation(
     screening: bool = True,
     adversary: Adversary | None = None,
     pinned: bool = False,
+    loss_gate: bool = True,
 ) -> EngineResult:
     """Train ``rounds`` rounds of N :class:`~peer.round.Trainer` s in threads and evaluate every
     ``eval_every_rounds`` (round 0 and the last round always), as lab/simulation.py's
@@ -127,7 +129,10 @@ def run_engine_simulation(
         timeout_s: how long the round loops may take in all (None: 600 s + 60 s a round); past it
             they are stopped and a ``RuntimeError`` raised.
         screening: the hub aggregates as the network does (lab/inprocess_means.py, the run's
-            compression, token cap and piece size); False: the plain token-weighted fp32 mean.
+            compression, token cap and piece size); False: the plain token-weighted fp32 mean, and
+            no loss gate (``loss_gate``).
+        loss_gate: NoLoCo's blocking landings judge the group's step by its loss, as a peer's do
+            (peer/round/loss_gate.py); False: they apply it as the hub delivered it.
         adversary: malicious peers (lab/adversary.py) acting inside the hub; evaluation, exits,
             non-finite rounds and takeovers count the honest peers only, and an honest round loop
             that raises or stops early is counted (``honest_exits``) instead of raised.
@@ -223,6 +228,8 @@ def run_engine_simulation(
             evaluates_phi=False,
             timing=timing,
         )
+        if not (screening and loss_gate) and isinstance(t.schedule, FragmentSchedule):
+            t.schedule.gate = None
         transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
         transport.phi_from = t.outer.phi_from(len(t.shapes))  # NoLoCo's payload: Δ then φ (peer/node.py)
         reporter.trainer = t
@@ -334,6 +341,7 @@ def run_engine_simulation(
     rounds_of = [e for i in honest for e in reporters[i].events if e["event"] == "round"]
     counts = {  # from the honest peers' events (a round's note names refusals and failed syncs)
         "rounds_with_refused_means": sum(1 for e in rounds_of if "refused the means" in (e.get("note") or "")),
+        "rounds_with_refused_steps": sum(1 for e in rounds_of if "refused the group's step" in (e.get("note") or "")),
         "failed_syncs": sum(1 for e in rounds_of if (e.get("note") or "").startswith("no group")),
         "warnings": sum(1 for i in honest for e in reporters[i].events if e["event"] == "warning"),
         "adopted_states": sum(1 for i in honest for e in reporters[i].events if e["event"] == "adopted_state"),

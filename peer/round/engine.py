@@ -23,6 +23,7 @@ from peer.reporting import Reporter
 from peer.round.blocking import BlockingSchedule
 from peer.round.catchup import CatchUp
 from peer.round.checkpointing import Checkpointing
+from peer.round.loss_gate import LossGate, copy_loss
 from peer.round.overlapped import OverlapSchedule
 from peer.round.publishing import Publisher
 from peer.round.records import RecordReads
@@ -34,7 +35,7 @@ from peer.round.timing import Timing
 from peer.state.vouching import MIN_INNER_STEP_S, Vouching
 from peer.sync.membership import RoundSwarm, SwarmView
 from peer.sync.transport import RoundTransport
-from peer.train.data import BatchSampler, Corpus, peer_seed
+from peer.train.data import BatchSampler, Corpus, PeekSampler, peer_seed
 from peer.train.ddp import make_inner_loop
 from peer.train.device import Placement, flops_per_token, mfu
 from peer.train.inner import InnerLoop
@@ -99,6 +100,11 @@ class Trainer:
                 batch_sequences=manifest.batch_sequences,
             )
         )
+        # NoLoCo's loss gate judges a group's step on the next batch, read ahead (loss_gate.py); not on
+        # a pipeline stage (``make_inner``), which holds no model it could evaluate alone
+        gated = s.outer.replicas_differ and make_inner is None
+        if gated:
+            sampler = PeekSampler(sampler)
         # an InnerLoop on the placement's device; several devices: rank 0 of a data-parallel loop (ddp.py)
         self.inner = (make_inner or make_inner_loop)(s.model, manifest.inner_optimizer, sampler, placement)
         self.micro_batch = self.inner.micro_batch_sequences
@@ -144,6 +150,10 @@ class Trainer:
             evaluates_phi=evaluates_phi,
             serves_state=config.serves_state,
         )
+        if gated and isinstance(self.schedule, BlockingSchedule) and isinstance(sampler, PeekSampler):
+            # the evaluation copy of φ's evaluations, or one of its own where φ is not evaluated (the lab)
+            loss = self.publisher.loss_on if self.publisher.eval_model is not None else copy_loss(s.model)
+            self.schedule.gate = LossGate(sampler=sampler, loss=loss)
         self.catchup = CatchUp(
             state=s,
             schedule=self.schedule,

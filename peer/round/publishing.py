@@ -178,6 +178,19 @@ class Publisher:
         self.finish_eval()
         return phi_loss(self.eval_model, self.val_windows, phi)
 
+    def loss_on(self, phi: Sequence[torch.Tensor], windows: torch.Tensor) -> float:
+        """The mean loss of ``phi`` on ``windows`` (int64, (sequences, seq_len + 1), host) in nats per
+        token, on the evaluation copy, after any evaluation alongside is done and reported
+        (peer/round/loss_gate.py judges a group's step with it).
+
+        Raises:
+            ValueError: no evaluation copy (a pipelined peer), or ``phi`` does not fit the model.
+        """
+        if self.eval_model is None:
+            raise ValueError("a pipelined peer has no evaluation copy of the model")
+        self.finish_eval()
+        return phi_loss(self.eval_model, windows, phi)
+
     def initial_phi_loss(self) -> float:
         """The validation loss of the run's initial φ (φ_0: the model every peer builds from the run's
         ``init_seed``), in nats per token; built and evaluated once, on the host, then remembered.

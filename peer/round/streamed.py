@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from peer.progress import SyncReport, combine_sync_reports
+from peer.round.loss_gate import LossGate
 from peer.round.schedule import BackgroundSchedule, OwnDelta, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import SealedTensor, seal_tensor
@@ -59,6 +60,10 @@ class FragmentSchedule(BackgroundSchedule):
     whole_model = False
     """One fragment holding every parameter, no delay, θ ← φ at the landing, the run's own sync key
     (the blocking schedule); else the run's ``sync.fragments``, ``fragment_delay_steps`` and merge."""
+    gate: LossGate | None = None
+    """The blocking schedule's loss gate (peer/round/loss_gate.py; NoLoCo, set by the Trainer): a
+    group's step that leaves φ clearly worse on the next batch than this peer's step alone is
+    replaced by that step. Read only with :attr:`whole_model`."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.inline = self.whole_model
@@ -329,12 +334,17 @@ class FragmentSchedule(BackgroundSchedule):
         if mean is not None:
             try:
                 with s.lock:
-                    if not self.install_fragment(prepared, p, mean):  # a prepared step was checked in its thread
+                    installed = self.install_fragment(prepared, p, mean)  # a prepared step was checked in its thread
+                    if not installed:
                         s.release_older_snapshot()  # before the outer step's new tensors are made
                         # inline: the mean is this landing's alone (a copy out of the shared buffers, or
                         # the failed sync's own payload), so the step keeps its new outer state in it
                         prepared = self.step_fragment(p, mean, own, consume=self.inline)
-                        self.install_fragment(prepared, p, mean)
+                if not installed:
+                    assert prepared is not None
+                    prepared, report = self.gated(p, prepared, report)
+                    with s.lock:
+                        self.install_fragment(prepared, p, prepared.mean)
             except BadPayload as exc:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
                 report = dataclasses.replace(
@@ -344,6 +354,31 @@ class FragmentSchedule(BackgroundSchedule):
         phi_p = [s.phi[k] for k in index]  # as installed now
         land([s.params[k] for k in index], phi_p, alpha=self.alpha, rule=self.rule, at_sync=at_sync)
         self.landed.append(report)
+
+    def gated(self, p: int, prepared: PreparedFragment, report: SyncReport) -> tuple[PreparedFragment, SyncReport]:
+        """The blocking schedule's loss gate (:attr:`gate`, peer/round/loss_gate.py) on the group's step
+        ``prepared`` of the landing that ``report`` describes: that step, or, when the gate refuses it,
+        this peer's own step alone (its payload as the mean, as after a failed sync) with the report
+        saying so (no groupmate holds this peer's state). Not gated: no gate, a streamed fragment,
+        or no group (a failed sync or no partner: the step is this peer's own already).
+
+        Raises:
+            BadPayload: this peer's own step is not finite (:meth:`step_fragment`).
+        """
+        if self.gate is None or not self.whole_model or report.failed or report.group_size < 2:
+            return prepared, report
+        s, k = self.state, len(self.fragments[p])
+        s.await_theta_copy()
+        phi_p = [s.phi[i] for i in self.fragments[p]]
+        theta_p = [s.params[i].detach().to("cpu", torch.float32) for i in self.fragments[p]]
+        alone = self.step_fragment(p, self.fragment_outer[p].payload(phi_p, pseudo_gradient(phi_p, theta_p)), None)
+        del theta_p
+        problem = self.gate.refusal([t.tensor for t in alone.sealed[:k]], [t.tensor for t in prepared.sealed[:k]])
+        if problem is None:
+            return prepared, report
+        self.reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
+        note = "; ".join(filter(None, [report.note, f"refused the group's step ({problem}): applied own step"]))
+        return alone, dataclasses.replace(report, agreeing=(), completed=(), note=note)
 
     def install_fragment(self, prepared: PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
         """Install a prepared fragment step as φ_p and the fragment's outer state (call under the

@@ -46,6 +46,7 @@ from protocol.manifest import DataSpec
 __all__ = [
     "BatchSampler",
     "Corpus",
+    "PeekSampler",
     "SamplerState",
     "bits_per_byte",
     "hash_corpus",
@@ -383,6 +384,57 @@ class BatchSampler:
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"the data position's generator state is malformed ({exc})") from exc
         self.generator, self.batches_drawn = generator, state.batches_drawn
+
+
+class PeekSampler:
+    """A sampler (:class:`BatchSampler` or peer/shards/stream.py ``ShardSampler``) whose next batch
+    can be read ahead (:meth:`peek`) without changing which batches training gets: the batch read
+    ahead is the one :meth:`next_batch` returns next, and :meth:`state` stays the position before
+    it, so a checkpoint taken in between still trains on it after a restart.
+
+    Args:
+        sampler: the sampler the batches come from (drawn from only through this wrapper).
+    """
+
+    def __init__(self, sampler: Any):
+        self.sampler = sampler
+        self.seq_len, self.batch_sequences = sampler.seq_len, sampler.batch_sequences
+        self._ahead: tuple[torch.Tensor, SamplerState] | None = None
+
+    def peek(self) -> torch.Tensor:
+        """The batch :meth:`next_batch` returns next, int64 (batch_sequences, seq_len + 1), drawn now
+        if it was not (the caller must not modify it)."""
+        if self._ahead is None:
+            before = self.sampler.state()
+            self._ahead = (self.sampler.next_batch(), before)
+        return self._ahead[0]
+
+    def next_batch(self) -> torch.Tensor:
+        """The next batch: the one read ahead, if any."""
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead[0], None
+            return batch
+        return self.sampler.next_batch()
+
+    @property
+    def batches_drawn(self) -> int:
+        """Batches handed to training (one read ahead not counted)."""
+        return self.sampler.batches_drawn - (self._ahead is not None)
+
+    def state(self) -> SamplerState:
+        """The position before a batch read ahead (see the class)."""
+        return self._ahead[1] if self._ahead is not None else self.sampler.state()
+
+    def load_state(self, state: SamplerState) -> None:
+        """Continue from ``state`` (a batch read ahead is dropped); errors as the sampler's."""
+        self.sampler.load_state(state)
+        self._ahead = None
+
+    def close(self) -> None:
+        """Close the sampler (a ``ShardSampler``'s loader thread); nothing for a :class:`BatchSampler`."""
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close()
 
 
 def validation_batch(corpus: Corpus, spec: DataSpec) -> torch.Tensor:
