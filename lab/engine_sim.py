@@ -341,7 +341,7 @@ def run_engine_simulation(
     rounds_of = [e for i in honest for e in reporters[i].events if e["event"] == "round"]
     counts = {  # from the honest peers' events (a round's note names refusals and failed syncs)
         "rounds_with_refused_means": sum(1 for e in rounds_of if "refused the means" in (e.get("note") or "")),
-        "rounds_with_refused_steps": sum(1 for e in rounds_of if "refused the group's step" in (e.get("note") or "")),
+        "rounds_with_refused_steps": sum(1 for e in rounds_of if "applied its own step alone" in (e.get("note") or "")),
         "failed_syncs": sum(1 for e in rounds_of if (e.get("note") or "").startswith("no group")),
         "warnings": sum(1 for i in honest for e in reporters[i].events if e["event"] == "warning"),
         "adopted_states": sum(1 for i in honest for e in reporters[i].events if e["event"] == "adopted_state"),

@@ -4,7 +4,7 @@ blocking.py: the blocking schedule: the whole model synced at the round's end (D
 catchup.py: catch-up: adopting the swarm's state when behind or diverged; a joiner's first adoption
 checkpointing.py: this peer's checkpoint: written at round ends and on a stop, restored at start
 engine.py: the round loop: inner phase, sync, round's end, catch-up
-loss_gate.py: NoLoCo's loss gate: a group's step applied only if no worse on the next batch than a step alone
+loss_gate.py: NoLoCo's loss gate: a group's step applied only if no worse on the next batches than a step alone
 overlapped.py: the overlapped schedules ``delayed`` and ``eager``: a sync runs while the next round trains
 publishing.py: this peer's progress records in the DHT and its evaluations of φ
 records.py: reads of the swarm's progress records, asked for in the background

@@ -100,7 +100,7 @@ class Trainer:
                 batch_sequences=manifest.batch_sequences,
             )
         )
-        # NoLoCo's loss gate judges a group's step on the next batch, read ahead (loss_gate.py); not on
+        # NoLoCo's loss gate judges a group's step on the next batches, read ahead (loss_gate.py); not on
         # a pipeline stage (``make_inner``), which holds no model it could evaluate alone
         gated = s.outer.replicas_differ and make_inner is None
         if gated:

@@ -62,7 +62,7 @@ class FragmentSchedule(BackgroundSchedule):
     (the blocking schedule); else the run's ``sync.fragments``, ``fragment_delay_steps`` and merge."""
     gate: LossGate | None = None
     """The blocking schedule's loss gate (peer/round/loss_gate.py; NoLoCo, set by the Trainer): a
-    group's step that leaves φ clearly worse on the next batch than this peer's step alone is
+    group's step that leaves φ clearly worse on the next batches than this peer's step alone is
     replaced by that step. Read only with :attr:`whole_model`."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -377,7 +377,7 @@ class FragmentSchedule(BackgroundSchedule):
         if problem is None:
             return prepared, report
         self.reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
-        note = "; ".join(filter(None, [report.note, f"refused the group's step ({problem}): applied own step"]))
+        note = "; ".join(filter(None, [report.note, f"applied its own step alone: {problem}"]))
         return alone, dataclasses.replace(report, agreeing=(), completed=(), note=note)
 
     def install_fragment(self, prepared: PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:

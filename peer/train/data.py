@@ -387,10 +387,11 @@ class BatchSampler:
 
 
 class PeekSampler:
-    """A sampler (:class:`BatchSampler` or peer/shards/stream.py ``ShardSampler``) whose next batch
-    can be read ahead (:meth:`peek`) without changing which batches training gets: the batch read
-    ahead is the one :meth:`next_batch` returns next, and :meth:`state` stays the position before
-    it, so a checkpoint taken in between still trains on it after a restart.
+    """A sampler (:class:`BatchSampler` or peer/shards/stream.py ``ShardSampler``) whose next batches
+    can be read ahead (:meth:`peek`) without changing which batches training gets: the batches read
+    ahead are the ones :meth:`next_batch` returns next, in order, and :meth:`state` is the position
+    before the first of them still ahead, so a checkpoint taken in between trains on them after a
+    restart.
 
     Args:
         sampler: the sampler the batches come from (drawn from only through this wrapper).
@@ -399,36 +400,40 @@ class PeekSampler:
     def __init__(self, sampler: Any):
         self.sampler = sampler
         self.seq_len, self.batch_sequences = sampler.seq_len, sampler.batch_sequences
-        self._ahead: tuple[torch.Tensor, SamplerState] | None = None
+        self._ahead: list[tuple[torch.Tensor, SamplerState]] = []
+        """Batches read ahead, each with the sampler's position before it was drawn."""
 
-    def peek(self) -> torch.Tensor:
-        """The batch :meth:`next_batch` returns next, int64 (batch_sequences, seq_len + 1), drawn now
-        if it was not (the caller must not modify it)."""
-        if self._ahead is None:
+    def peek(self, count: int = 1) -> list[torch.Tensor]:
+        """The ``count`` batches :meth:`next_batch` returns next, each int64 (batch_sequences,
+        seq_len + 1), drawn now where they were not (the caller must not modify them).
+
+        Raises:
+            ValueError: ``count`` < 1.
+        """
+        if count < 1:
+            raise ValueError(f"count = {count}: expected at least one batch")
+        while len(self._ahead) < count:
             before = self.sampler.state()
-            self._ahead = (self.sampler.next_batch(), before)
-        return self._ahead[0]
+            self._ahead.append((self.sampler.next_batch(), before))
+        return [batch for batch, _ in self._ahead[:count]]
 
     def next_batch(self) -> torch.Tensor:
-        """The next batch: the one read ahead, if any."""
-        if self._ahead is not None:
-            batch, self._ahead = self._ahead[0], None
-            return batch
-        return self.sampler.next_batch()
+        """The next batch: the first one read ahead, if any."""
+        return self._ahead.pop(0)[0] if self._ahead else self.sampler.next_batch()
 
     @property
     def batches_drawn(self) -> int:
-        """Batches handed to training (one read ahead not counted)."""
-        return self.sampler.batches_drawn - (self._ahead is not None)
+        """Batches handed to training (those read ahead not counted)."""
+        return self.sampler.batches_drawn - len(self._ahead)
 
     def state(self) -> SamplerState:
-        """The position before a batch read ahead (see the class)."""
-        return self._ahead[1] if self._ahead is not None else self.sampler.state()
+        """The position before the batches still read ahead (see the class)."""
+        return self._ahead[0][1] if self._ahead else self.sampler.state()
 
     def load_state(self, state: SamplerState) -> None:
-        """Continue from ``state`` (a batch read ahead is dropped); errors as the sampler's."""
+        """Continue from ``state`` (the batches read ahead are dropped); errors as the sampler's."""
         self.sampler.load_state(state)
-        self._ahead = None
+        self._ahead = []
 
     def close(self) -> None:
         """Close the sampler (a ``ShardSampler``'s loader thread); nothing for a :class:`BatchSampler`."""

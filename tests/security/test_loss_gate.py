@@ -1,5 +1,5 @@
 """NoLoCo's loss gate (peer/round/loss_gate.py, issue #65): a group's step that leaves φ clearly worse
-on this peer's next batch than its own step alone is replaced by that step."""
+on this peer's next batches than its own step alone is replaced by that step."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from lab.adversary import Adversary
 from lab.engine_sim import run_engine_simulation
-from peer.round.loss_gate import GATE_MARGIN, LossGate
+from peer.round.loss_gate import GATE_MARGIN, GATE_MAX_BATCHES, LossGate
 from peer.train.data import BatchSampler, PeekSampler
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
@@ -38,9 +38,12 @@ def test_a_group_step_within_the_margin_is_applied_and_a_worse_one_refused():
     assert gate.refusal(_phi(1), _phi(2)) is None
     problem = gate.refusal(_phi(1), _phi(3))
     assert problem is not None and "over its own step's 2.0000" in problem
-    # both losses of one judgement on the same windows: the next batch's first sequences, read ahead
+    # both losses of one judgement on the same windows: the next batches' sequences, read ahead (at
+    # most GATE_MAX_BATCHES of them: 4,096 tokens would take 32 of these), then trained on in order
     assert all(torch.equal(w, seen[0]) for w in seen)
-    assert seen[0].shape[0] == 16 and torch.equal(seen[0], gate.sampler.next_batch()[:16])
+    assert seen[0].shape == (GATE_MAX_BATCHES * 32, 5)
+    trained = torch.cat([gate.sampler.next_batch() for _ in range(GATE_MAX_BATCHES)])
+    assert torch.equal(seen[0], trained)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf])
