@@ -3,6 +3,7 @@ and the floor (the same peers never syncing), on the round engine (issues #17, #
 
     nice -n 5 python bench/byzantine.py [--rounds 10] [--seeds 0 1 2] [--algorithms diloco noloco]
         [--schedules none delayed] [--attacks ...] [--malicious 1 2] [--plain] [--jobs 2] [--resume]
+        [--no-loss-gate --out bench/results/byzantine-nogate.json]
 
 Every run is lab/engine_sim.py: 8 real round loops (peer/round/ ``Trainer``) in threads over the
 in-process hub, which deals each group's pieces to owners and screens and checks them as the
@@ -27,7 +28,11 @@ final φ is not finite or whose loss exceeds :data:`TAKEOVER_LOSS_FACTOR` × the
 ``non_finite_rounds`` the rounds at whose end an honest φ was not finite; ``honest_exits`` the honest
 round loops that raised or stopped early. The detail file's ``goal_met`` judges each row against
 issue #65 item 4 (:data:`GOALS`). ``clean_overhead`` is (clean, screened − clean, plain mean) /
-clean plain mean, averaged over the pairs run (``--plain``). ``sybil`` holds the rows of
+clean plain mean, averaged over the pairs run (``--plain``). The honest NoLoCo peers judge each
+group's step by its loss on their next batches (peer/round/loss_gate.py); the malicious ones always
+do, keeping their own models clean, the stronger attacker. ``--no-loss-gate`` turns the honest
+peers' gate off (its config says ``loss_gate = false``): what the gate is worth, written to a file
+of its own. ``sybil`` holds the rows of
 bench/results/sybil.json (bench/sybil.py: the record floods on real DHT nodes, a run of its own),
 copied with the issue's keys. ``lying-receipts`` is not an engine row: the in-process hub has no
 receipts on the wire, and a receipt whose digest differs from the receiver's without the owner's
@@ -103,6 +108,7 @@ def _train(
     threads: int,
     matchmaking_s: float,
     schedule: str = "none",
+    loss_gate: bool = True,
 ) -> dict:
     """One engine run; the malicious peers are the last ``malicious`` of :data:`PEERS` (who owns which
     piece is drawn per group, as matchmaking orders a group). ``attack`` :data:`INDEPENDENT`: the same
@@ -120,7 +126,7 @@ def _train(
             peers=tuple(range(PEERS - malicious, PEERS)),
             fresh_identities=FRESH_IDENTITIES if attack == "fake-progress" else 0,
         )
-    r = _engine(m, base, rounds, seed, screening, adversary, matchmaking_s)
+    r = _engine(m, base, rounds, seed, screening, adversary, matchmaking_s, loss_gate)
     h = r.history[-1]
     return {
         "attack": attack or "none",
@@ -149,6 +155,7 @@ def _engine(
     screening: bool,
     adversary: Adversary | None,
     matchmaking_s: float,
+    loss_gate: bool = True,
 ) -> EngineResult:
     return run_engine_simulation(
         m,
@@ -161,6 +168,7 @@ def _engine(
         adversary=adversary,
         matchmaking_s=matchmaking_s,
         pinned=True,  # overlap's landings where the lockstep defines them (blocking: nothing to pin)
+        loss_gate=loss_gate,
     )
 
 
@@ -573,6 +581,12 @@ def main() -> None:
         metavar="SECTION.FIELD=VALUE",
         help="override a manifest field (TOML value)",
     )
+    parser.add_argument(
+        "--no-loss-gate",
+        action="store_true",
+        help="the honest peers' NoLoCo loss gate off (peer/round/loss_gate.py; the malicious peers keep "
+        "theirs): what the gate is worth, into an --out of its own",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--resume",
@@ -622,6 +636,7 @@ def main() -> None:
             {
                 **manifest_for(base, "diloco", PEERS, 0, bench["global_batch_tokens"], args.rounds).to_dict(),
                 "bench": bench,
+                **({"loss_gate": False} if args.no_loss_gate else {}),
             }
         )
     )
@@ -670,7 +685,17 @@ def main() -> None:
     pool = multiprocessing.get_context("spawn").Pool(max(1, args.jobs))
     try:
         tasks = [
-            (base, bench, dict(rounds=args.rounds, threads=args.threads, matchmaking_s=args.matchmaking_s, **w))
+            (
+                base,
+                bench,
+                dict(
+                    rounds=args.rounds,
+                    threads=args.threads,
+                    matchmaking_s=args.matchmaking_s,
+                    loss_gate=not args.no_loss_gate,
+                    **w,
+                ),
+            )
             for w in todo
         ]
         for r in pool.imap_unordered(_train_task, tasks):

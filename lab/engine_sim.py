@@ -131,8 +131,9 @@ def run_engine_simulation(
         screening: the hub aggregates as the network does (lab/inprocess_means.py, the run's
             compression, token cap and piece size); False: the plain token-weighted fp32 mean, and
             no loss gate (``loss_gate``).
-        loss_gate: NoLoCo's blocking landings judge the group's step by its loss, as a peer's do
-            (peer/round/loss_gate.py); False: they apply it as the hub delivered it.
+        loss_gate: the honest peers' NoLoCo blocking landings judge the group's step by its loss, as
+            a peer's do (peer/round/loss_gate.py); False: they apply it as the hub delivered it. A
+            malicious peer's always do (it keeps its own model clean: the stronger attacker).
         adversary: malicious peers (lab/adversary.py) acting inside the hub; evaluation, exits,
             non-finite rounds and takeovers count the honest peers only, and an honest round loop
             that raises or stops early is counted (``honest_exits``) instead of raised.
@@ -228,7 +229,9 @@ def run_engine_simulation(
             evaluates_phi=False,
             timing=timing,
         )
-        if not (screening and loss_gate) and isinstance(t.schedule, FragmentSchedule):
+        # a malicious peer's loop always gates: it keeps its own model clean, so its next forgeries
+        # start from a good φ and it passes its partners' φ checks more often (the stronger attacker)
+        if i in honest and not (screening and loss_gate) and isinstance(t.schedule, FragmentSchedule):
             t.schedule.gate = None
         transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
         transport.phi_from = t.outer.phi_from(len(t.shapes))  # NoLoCo's payload: Δ then φ (peer/node.py)
