@@ -293,8 +293,8 @@ REGISTRY: dict[str, Entry] = {
         "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
         "is the same peers never syncing (the floor: what averaging is worth at this horizon). Round engine, "
         "8 peers. The `lying-receipts` row was measured on real peers (4 of them), not on the engine.",
-        "python bench/byzantine.py --algorithms diloco --schedules none --attacks alie ipm --malicious 1 2 "
-        "--seeds 0 1 2 --jobs 2 --threads 1 --resume",
+        "python bench/byzantine.py --algorithms diloco noloco --schedules none --attacks alie ipm stale-phi "
+        "--malicious 1 2 --plain --seeds 0 1 2 --jobs 2 --threads 1",
         [
             Table(
                 key("results"),
@@ -319,6 +319,22 @@ REGISTRY: dict[str, Entry] = {
             )
         ],
         extra=("byzantine-delayed.detail.json",),
+    ),
+    "byzantine-nogate": Entry(
+        "Byzantine peers, NoLoCo without the loss gate",
+        "The NoLoCo rows of bench/results/byzantine.json with the honest peers' loss gate off "
+        "(peer/round/loss_gate.py; the malicious peers keep theirs, as there): what the gate is worth. Change "
+        "in validation loss (fraction, mean over seeds, with its (min, max) over seeds) against a clean swarm "
+        "of the same seed; the `independent` row is the same peers never syncing. Round engine, 8 peers.",
+        "python bench/byzantine.py --algorithms noloco --schedules none --attacks alie ipm stale-phi --malicious 1 2 "
+        "--seeds 0 1 2 --jobs 2 --threads 1 --no-loss-gate --out bench/results/byzantine-nogate.json",
+        [
+            Table(
+                key("results"),
+                BYZANTINE_COLUMNS,
+            )
+        ],
+        extra=("byzantine-nogate.detail.json",),
     ),
     "overlap": Entry(
         "Overlapping each sync with the next round",
