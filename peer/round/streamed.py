@@ -367,17 +367,21 @@ class FragmentSchedule(BackgroundSchedule):
         """
         if self.gate is None or not self.whole_model or report.failed or report.group_size < 2:
             return prepared, report
-        s, k = self.state, len(self.fragments[p])
+        s, k, outer = self.state, len(self.fragments[p]), self.fragment_outer[p]
         s.await_theta_copy()
         phi_p = [s.phi[i] for i in self.fragments[p]]
         theta_p = [s.params[i].detach().to("cpu", torch.float32) for i in self.fragments[p]]
-        alone = self.step_fragment(p, self.fragment_outer[p].payload(phi_p, pseudo_gradient(phi_p, theta_p)), None)
+        own_payload = outer.payload(phi_p, pseudo_gradient(phi_p, theta_p))
         del theta_p
-        problem = self.gate.refusal([t.tensor for t in alone.sealed[:k]], [t.tensor for t in prepared.sealed[:k]])
+        # the step alone on copies, unsealed: sealed (hashed) only when it is the one applied
+        alone_phi, _ = step_on_copies(outer, phi_p, s.held(self.fragment_state(p))[k:], own_payload)
+        problem = self.gate.refusal(alone_phi, [t.tensor for t in prepared.sealed[:k]])
+        del alone_phi
         if problem is None:
             return prepared, report
         self.reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
         note = "; ".join(filter(None, [report.note, f"applied its own step alone: {problem}"]))
+        alone = self.step_fragment(p, own_payload, None)
         return alone, dataclasses.replace(report, agreeing=(), completed=(), note=note)
 
     def install_fragment(self, prepared: PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
