@@ -248,38 +248,65 @@ ATTACK_SHARE = 0.5
 """The security issue's goal: an attack costs less than this share of never averaging's cost."""
 
 
+ROBUSTNESS_FILES = ("byzantine", "byzantine-noloco-h20")
+"""The Byzantine results, one horizon each: per algorithm the answer reads the file where never
+averaging costs the most (the horizon that can best tell a defence from none)."""
+
+
 def robustness(data: Data) -> Answer:
     """Malicious peers: per algorithm, the attack row costing the most against never averaging (the
-    ``independent`` row of the same algorithm, schedule and N)."""
+    ``independent`` row of the same algorithm, schedule and N), in the file of
+    :data:`ROBUSTNESS_FILES` where never averaging costs that algorithm the most."""
     question, goal = "robustness: malicious peers' loss cost", "each attack < ½ of never averaging's cost"
 
     def text() -> str:
-        rows = rows_of(need(data, "byzantine"), "results")
-        baseline = {
-            (r.get("algorithm"), r.get("schedule"), r.get("peers")): r["loss_change"]
-            for r in rows
-            if r.get("attack") == "independent"
-        }
-        worst: dict[str, tuple[float, dict, float]] = {}
-        for r in rows:
-            ind = baseline.get((r.get("algorithm"), r.get("schedule"), r.get("peers")))
-            if r.get("attack") in NOT_ATTACKS or ind is None or ind <= 0 or r.get("loss_change") is None:
+        need(data, "byzantine")
+        chosen: dict[str, tuple[float, dict, list[dict]]] = {}  # algorithm -> (its floor, file, rows)
+        for name in ROBUSTNESS_FILES:
+            d = data.get(name)
+            if not isinstance(d, dict):
                 continue
-            ratio = r["loss_change"] / ind
-            if r["algorithm"] not in worst or ratio > worst[r["algorithm"]][0]:
-                worst[r["algorithm"]] = (ratio, r, ind)
-        if not worst:
-            raise NotMeasured("byzantine")
+            rows = rows_of(d, "results")
+            for r in rows:
+                ind = r.get("loss_change")
+                if r.get("attack") == "independent" and isinstance(ind, float) and ind > 0:
+                    if r["algorithm"] not in chosen or ind > chosen[r["algorithm"]][0]:
+                        chosen[r["algorithm"]] = (ind, d, rows)
         parts = []
-        for algorithm, (ratio, r, ind) in worst.items():
+        for algorithm, (_, d, rows) in chosen.items():
+            baseline = {
+                (r.get("schedule"), r.get("peers")): r["loss_change"]
+                for r in rows
+                if r.get("attack") == "independent" and r.get("algorithm") == algorithm
+            }
+            worst: tuple[float, dict, float] | None = None
+            for r in rows:
+                ind = baseline.get((r.get("schedule"), r.get("peers")))
+                if (
+                    r.get("algorithm") != algorithm
+                    or r.get("attack") in NOT_ATTACKS
+                    or ind is None
+                    or r.get("loss_change") is None
+                ):
+                    continue
+                ratio = r["loss_change"] / ind
+                if worst is None or ratio > worst[0]:
+                    worst = (ratio, r, ind)
+            if worst is None:
+                continue
+            ratio, r, ind = worst
             label = {"diloco": "DiLoCo", "noloco": "NoLoCo"}.get(algorithm, algorithm)
+            horizon = d.get("horizon") or {}
+            at = f" at {horizon['rounds']} rounds" if isinstance(horizon, dict) and "rounds" in horizon else ""
             parts.append(
-                f"{label} {r['attack']} {r['malicious']} of {r['peers']} {pct(100 * r['loss_change'])} against "
+                f"{label}{at} {r['attack']} {r['malicious']} of {r['peers']} {pct(100 * r['loss_change'])} against "
                 f"{pct(100 * ind)} ({share(ratio)}: {verdict(ratio < ATTACK_SHARE)})"
             )
+        if not parts:
+            raise NotMeasured("byzantine")
         return "worst row against never averaging: " + "; ".join(parts)
 
-    return answered(question, goal, text, source(data, "byzantine"))
+    return answered(question, goal, text, source(data, *(n for n in ROBUSTNESS_FILES if n in data)))
 
 
 THROUGHPUT_PRESET = "llama-125m-L2"

@@ -320,6 +320,22 @@ REGISTRY: dict[str, Entry] = {
         ],
         extra=("byzantine-delayed.detail.json",),
     ),
+    "byzantine-noloco-h20": Entry(
+        "Byzantine peers, NoLoCo at 20 rounds",
+        "The NoLoCo rows of bench/results/byzantine.json at twice its horizon, 20 rounds of H = 25, where "
+        "NoLoCo's averaging is worth over 3 % (the `independent` row: the same peers never syncing). Change in "
+        "validation loss (fraction, mean over seeds, with its (min, max) over seeds) against a clean swarm of "
+        "the same seed. Round engine, 8 peers, the honest peers' loss gate on.",
+        "python bench/byzantine.py --rounds 20 --algorithms noloco --schedules none --attacks alie ipm stale-phi "
+        "--malicious 1 2 --seeds 0 1 2 --jobs 2 --threads 1 --out bench/results/byzantine-noloco-h20.json",
+        [
+            Table(
+                key("results"),
+                BYZANTINE_COLUMNS,
+            )
+        ],
+        extra=("byzantine-noloco-h20.detail.json",),
+    ),
     "byzantine-nogate": Entry(
         "Byzantine peers, NoLoCo without the loss gate",
         "The NoLoCo rows of bench/results/byzantine.json with the honest peers' loss gate off "
