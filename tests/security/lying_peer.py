@@ -30,11 +30,19 @@ def false_receipt(true):
 
 
 def patch() -> None:
-    """Make every receipt this process (and its forked averager) sends a :func:`false_receipt`."""
-    from peer.sync.receipts import MeanDigests
+    """Make every receipt this process (and its forked averager) sends a :func:`false_receipt`. Only
+    what it sends lies: its own judgement of the group reads its true receipt, so its φ stays the
+    honest peers' and everything else it does is honest."""
+    from protocol.wire import allreduce as frames
 
-    honest = MeanDigests.receipt
-    MeanDigests.receipt = lambda self, signatures: false_receipt(honest(self, signatures))  # type: ignore[method-assign]
+    honest = frames.encode_receipt
+
+    def lying(digests, alignments=None, *, refused=frozenset(), signatures=None):
+        true = frames.Receipt(digests, dict(alignments or {}), frozenset(refused), dict(signatures or {}))
+        false = false_receipt(true)
+        return honest(false.digests, false.alignments, refused=false.refused, signatures=false.signatures)
+
+    frames.encode_receipt = lying
 
 
 if __name__ == "__main__":
