@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from peer.round.catchup import phi_loss
+from peer.round.catchup import loss_refusal, phi_loss
 from peer.train.data import PeekSampler
 
 GATE_MARGIN = 0.03
@@ -93,14 +93,14 @@ class LossGate:
         windows = self.windows()
         own = self.loss(alone, windows)
         theirs = self.loss(grouped, windows)
+        if loss_refusal(theirs, own, tie=False, margin=self.margin) is None:  # the adoption check's rule
+            return None
         if not math.isfinite(theirs):
             return f"the group's step leaves φ with loss {theirs} on this peer's next batches"
-        if theirs > own * (1 + self.margin):
-            return (
-                f"the group's step leaves φ at loss {theirs:.4f} on this peer's next batches, "
-                f"{100 * (theirs / own - 1):.1f} % over its own step's {own:.4f} (margin {100 * self.margin:g} %)"
-            )
-        return None
+        return (
+            f"the group's step leaves φ at loss {theirs:.4f} on this peer's next batches, "
+            f"{100 * (theirs / own - 1):.1f} % over its own step's {own:.4f} (margin {100 * self.margin:g} %)"
+        )
 
 
 def copy_loss(model: torch.nn.Module) -> Callable[[Sequence[torch.Tensor], torch.Tensor], float]:
