@@ -32,6 +32,11 @@ one payload, the 1-colluder case), and each sends the same forged vector:
   payloads, ε = :data:`IPM_EPSILON` (0.5: the paper's scale, far under the clip; subclip-flip's
   contribution is the same vector at ε = 2.5 with one colluder).
 
+Against a DiLoCo group each colluder then sends its own copy, the shared vector's deviation from the
+colluders' mean turned to a random direction at cosine √0.4 with it (:func:`decorrelated`): the
+owners weigh down contributions whose deviations point the same way (peer/sync/robust.py
+``similarity_weighted``, κ = 1/3), and one vector sent twice would be left out.
+
 NoLoCo: both forge the Δ part only (φ honest: NoLoCo's owners leave out a φ under cosine 0.2 or off
 by 2× in norm).
 
@@ -110,6 +115,7 @@ import torch
 
 from peer.state.download import DownloadedState, check_sanity
 from peer.state.snapshot import make_snapshot
+from peer.sync.robust import SIMILARITY_MIN_ELEMENTS
 from protocol.errors import BadPayload
 from protocol.records import ProgressRecord
 from protocol.wire.pieces import Piece
@@ -158,6 +164,11 @@ ALIE_GROUP = 8
 COLLUDE_NORM_FACTOR = 2.5
 """``alie``: the forged tensor's norm, as a multiple of the colluders' mean own norm of it: under the
 owners' clip at 3 × the median norm (an honest median is about a colluder's own norm)."""
+COLLUDE_COSINE = 0.4
+"""DiLoCo: the cosine between two colluders' deviations from their own mean (:func:`decorrelated`).
+The owners measure deviations from the median of every contribution, which the honest ones' spread
+moves off the colluders' mean: 0.3 here met there at 0.25, 0.4 at 0.35, about κ = 1/3, where the share
+two colluders pull in common is largest."""
 IPM_EPSILON = 0.5
 """``ipm``: the ε of −ε × the colluders' mean."""
 COLLUDE_WAIT_S = 10.0
@@ -302,6 +313,25 @@ def at_cosine(x: torch.Tensor, cosine: float, generator: torch.Generator) -> tor
     return (cosine * flat + math.sqrt(1 - cosine**2) * r).to(torch.float32).reshape(x.shape)
 
 
+def decorrelated(
+    forged: Sequence[torch.Tensor], payloads: Sequence[Sequence[torch.Tensor]], generator: torch.Generator
+) -> list[torch.Tensor]:
+    """One colluder's copy of the shared ``forged`` vector against a DiLoCo group's owners, tensor by
+    tensor: its deviation ``d`` from the colluders' mean μ of ``payloads`` is replaced by one of the
+    same length at cosine ``√COLLUDE_COSINE`` with ``d`` (a random direction of its own mixed in), so
+    two colluders' deviations meet at cosine :data:`COLLUDE_COSINE`, just under the owners'
+    similarity weighting (peer/sync/robust.py ``SIMILARITY_COSINE``), where the share they pull in
+    common is largest. Pieces the weighting does not judge keep the shared vector. fp32."""
+    out = []
+    for f, tensors in zip(forged, zip(*payloads, strict=True), strict=True):
+        if f.numel() < SIMILARITY_MIN_ELEMENTS:
+            out.append(f)
+            continue
+        mu = torch.stack([t.float() for t in tensors]).mean(0)
+        out.append(mu + at_cosine(f.float() - mu, math.sqrt(COLLUDE_COSINE), generator))
+    return out
+
+
 def alie_z(n: int, m: int) -> float:
     """The paper's z_max (arXiv 1902.06156, section 3): s = ⌊n/2 + 1⌋ − m honest peers the colluders
     need "on their side", z = Φ⁻¹((n − s) / n); s is held at ≥ 1 (more colluders than that need no
@@ -417,7 +447,10 @@ class EngineAdversary:
             mine = [p for _, p in sorted(pool.items()) if [t.shape for t in p] == shapes]
             for old in [k for k in self._pool if k < count - 2]:
                 del self._pool[old]
-        return self.adversary.collude(mine, malicious=len(self.malicious))
+        forged = self.adversary.collude(mine, malicious=len(self.malicious))
+        if self.noloco or len(mine) < 2:
+            return forged
+        return decorrelated(forged, mine, _seeded(peer_id, count, "decorrelate"))
 
     def owner_mean(self, owner: str, receiver: str, piece: Piece, mean: torch.Tensor, phi: bool) -> torch.Tensor:
         a = self.adversary

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lab.adversary import (
+    COLLUDE_COSINE,
     COLLUDE_NORM_FACTOR,
     IPM_EPSILON,
     Adversary,
@@ -18,6 +19,7 @@ from lab.adversary import (
     ipm,
     z_for_norm,
 )
+from peer.sync.robust import SIMILARITY_MIN_ELEMENTS
 
 
 def test_alie_z_is_the_papers_z_max_for_8_peers():
@@ -96,3 +98,35 @@ def test_the_engine_hook_pools_the_colluders_payloads_of_one_sync(attack):
     honest, weight = hooks.contribution("sim-peer-0", [torch.ones(3)], 100.0, None)
     torch.testing.assert_close(honest[0], torch.ones(3))
     assert weight == 100.0
+
+
+def test_against_a_diloco_group_each_colluder_turns_its_copy_to_just_under_the_owners_kappa():
+    """DiLoCo owners weigh down one vector sent twice (peer/sync/robust.py ``similarity_weighted``):
+    each colluder sends the shared deviation from their mean at the same length, in a direction of
+    its own, so the two deviations meet at cosine about COLLUDE_COSINE; pieces under
+    SIMILARITY_MIN_ELEMENTS keep the shared vector."""
+    adversary = Adversary(attack="alie", peers=(2, 3))
+    hooks = adversary.hooks(run_id="r", inner_steps=5, noloco=False)
+    gen = torch.Generator().manual_seed(1)
+    payloads = {
+        p: [torch.randn(4096, generator=gen), torch.randn(8, generator=gen)] for p in ("sim-peer-2", "sim-peer-3")
+    }
+    out: dict[str, tuple] = {}
+    threads = [
+        threading.Thread(target=lambda p=p: out.__setitem__(p, hooks.contribution(p, list(payloads[p]), 1.0, None)))
+        for p in payloads
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5.0)
+    both = [payloads[p] for p in sorted(payloads)]
+    shared = alie(both, z_min=alie_z(8, 2))
+    mu = (both[0][0] + both[1][0]) / 2
+    a, b = (out[p][0][0] - mu for p in sorted(payloads))
+    assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) == pytest.approx(COLLUDE_COSINE, abs=0.05)
+    for d in (a, b):
+        assert float(d.norm()) == pytest.approx(float((shared[0] - mu).norm()), rel=1e-4)
+    for p in payloads:
+        torch.testing.assert_close(out[p][0][1], shared[1])  # 8 values: not judged, not turned
+    assert SIMILARITY_MIN_ELEMENTS > 8

@@ -9,8 +9,10 @@ from hypothesis import given, settings, strategies as st
 from peer.sync.robust import (
     CENTERED_CLIP_MIN_ELEMENTS,
     CENTERED_CLIP_MIN_PARTS,
+    SIMILARITY_MIN_ELEMENTS,
     centered_clip,
     piece_mean,
+    similarity_weighted,
     trimmed_length,
     weighted_sum,
 )
@@ -155,3 +157,61 @@ def test_trimmed_length_leaves_small_groups_pieces_and_a_zero_centre_alone():
     assert trimmed_length([(1.0, x) for x in xs], zero) is zero
     with pytest.raises(ValueError, match="trim_fraction = 0.5"):
         trimmed_length([(1.0, x) for x in xs], weighted_sum([(1.0, x) for x in xs]), trim_fraction=0.5)
+
+
+# colluders that pull the same way (issue #65: "A Little Is Enough" with two colluders)
+
+
+def test_one_vector_sent_twice_is_left_out_and_honest_weights_stay():
+    xs = _honest(8, 4096, seed=11, spread=0.3)
+    honest = [(float(100 + i), x) for i, x in enumerate(xs[:6])]
+    forged = weighted_sum(honest[:2]) - 2.0 * torch.ones(4096)
+    parts = [*honest, (100.0, forged), (100.0, forged.clone())]
+    kept = similarity_weighted(parts)
+    assert [w for w, _ in kept] == [w for w, _ in honest]  # nearly orthogonal deviations: untouched
+    assert all(a is b for (_, a), (_, b) in zip(kept, honest, strict=True))
+    # a clean group: the same parts, the same weights
+    assert similarity_weighted(honest) == honest
+
+
+def test_colluders_under_kappa_keep_their_weight_and_above_it_lose_it():
+    xs = _honest(8, 4096, seed=12, spread=0.3)
+    gen = torch.Generator().manual_seed(0)
+    mu = weighted_sum([(1.0, x) for x in xs])
+    shift = torch.randn(4096, generator=gen)
+    for cosine, weighed_down in ((0.2, False), (0.8, True)):
+        a, b = (mu + cosine**0.5 * shift + (1 - cosine) ** 0.5 * torch.randn(4096, generator=gen) for _ in range(2))
+        parts = [(1.0, x) for x in xs[:6]] + [(1.0, a), (1.0, b)]
+        weights = [w for w, _ in similarity_weighted(parts)]
+        assert len(weights) == 8
+        assert (weights[-1] < 0.5) == weighed_down and (weights[-2] < 0.5) == weighed_down
+
+
+def test_similarity_leaves_small_groups_small_pieces_and_all_alike_groups_alone():
+    xs = _honest(8, 4096, seed=13)
+    three = [(1.0, xs[0]), (1.0, xs[1]), (1.0, xs[0])]
+    assert similarity_weighted(three) == three  # under 4: nothing to judge
+    small = [(1.0, x[: SIMILARITY_MIN_ELEMENTS - 1]) for x in xs]
+    small[1] = small[0]
+    assert similarity_weighted(small) == small
+    pairs = [(1.0, x) for x in xs[:4]] * 2  # everyone has a twin: no majority to judge by
+    assert similarity_weighted(pairs) == pairs
+    with pytest.raises(ValueError, match="kappa = 1"):
+        similarity_weighted(pairs, kappa=1.0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=contributions)
+def test_two_colluders_sending_one_vector_pull_no_more_than_one(seed):
+    """ALIE's shape (arXiv 1902.06156): both colluders send one vector far off along the honest
+    spread; CenteredClip alone lets the pair pull twice as far as one such vector."""
+    xs = _honest(8, 4096, seed=seed, spread=0.3)
+    honest_mean = weighted_sum([(1.0, x) for x in xs[:6]])
+    forged = honest_mean - 3.0 * (xs[0] - honest_mean)
+    one = [(1.0, x) for x in xs[:7]] + [(1.0, forged)]
+    two = [(1.0, x) for x in xs[:6]] + [(1.0, forged), (1.0, forged.clone())]
+    pull_one = float((piece_mean(one)[0] - honest_mean).norm())
+    pull_two_clip = float((centered_clip(clip_to_median(two)[0])[0] - honest_mean).norm())
+    pull_two = float((piece_mean(two)[0] - honest_mean).norm())
+    assert pull_two_clip > 1.5 * pull_one  # the attack: two clipped at τ pull about twice as far
+    assert pull_two <= 1.1 * pull_one
