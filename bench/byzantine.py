@@ -36,8 +36,8 @@ of its own. ``sybil`` holds the rows of
 bench/results/sybil.json (bench/sybil.py: the record floods on real DHT nodes, a run of its own),
 copied with the issue's keys. ``lying-receipts`` is not an engine row: the in-process hub has no
 receipts on the wire, and a receipt whose digest differs from the receiver's without the owner's
-seal changes nothing (peer/sync/receipts.py ``verdict``), so its row (:data:`LYING_RECEIPTS`) is the
-real-peer measurement of tests/security/test_lying_receipts_swarm.py. ``--attacks
+seal changes nothing (peer/sync/receipts.py ``verdict``), so its row (:func:`lying_receipts_row`) is
+the real-peer measurement of bench/lying_receipts.py (bench/results/lying-receipts.json). ``--attacks
 bogus-announcement`` also runs bench/byzantine_announce.py (real DHT nodes on 127.0.0.1); a joiner's
 run choice has no loss, so those results go to the detail file only.
 
@@ -205,25 +205,30 @@ def sybil_rows(path: Path) -> tuple[list[dict], dict]:
 GOALS = {1: (0.015, 1 / 3), 2: (0.03, 1 / 2)}
 """Issue #65 item 4, per malicious count: (the most loss_change may be, the largest fraction of the
 independent row's cost it may be)."""
-LYING_RECEIPTS = {
-    "attack": "lying-receipts",
-    "algorithm": "diloco",
-    "schedule": "none",
-    "peers": 4,
-    "malicious": 1,
-    "loss_change": 0.0053,
-    "loss_change_spread": None,
-    "seeds": 1,
-    "takeovers": None,
-    "non_finite_rounds": None,
-    "honest_exits": 0,
-    "measured_on": "real peers (tests/security/test_lying_receipts_swarm.py)",
-    "note": "tiny preset, 3 honest + 1 liar of 4, 8 rounds, vs a clean swarm of 4 (two clean runs were 2.3 % "
-    "apart); every peer exited 0, takeovers and non-finite rounds not counted there (None); on the "
-    "in-process hub there are no receipts on the wire and a receipt whose digest differs from the receiver's "
-    "without the owner's seal is ignored (peer/sync/receipts.py verdict), so an engine row would equal clean",
-}
-"""The lying-receipts row: measured on real peers, not on the engine (see the module docstring)."""
+
+
+def lying_receipts_row(path: Path) -> dict | None:
+    """The lying-receipts row from ``path`` (bench/lying_receipts.py: real peers, not the engine; see
+    the module docstring) with the issue's keys; None where that file is not there."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return {
+        "attack": "lying-receipts",
+        "algorithm": "diloco",
+        "schedule": "none",
+        "peers": 4,
+        "malicious": 1,
+        "loss_change": data["loss_change"],
+        "loss_change_spread": data["loss_change_spread"],
+        "seeds": len(data["runs"]),
+        "takeovers": None,
+        "non_finite_rounds": None,
+        "honest_exits": 0,  # the test fails on any honest peer's exit status but 0
+        "measured_on": f"real peers ({data['test']}, commit {data['commit']})",
+        "note": "tiny preset, 3 honest + 1 liar of 4, 8 rounds, vs a clean swarm of 4 whose honest peers have the "
+        "same identities (data); a repeat is a run, not a seed; takeovers and non-finite rounds not counted there",
+    }
 
 
 def _spread(xs: list[float]) -> list[float]:
@@ -491,6 +496,7 @@ def write_results(
     summary = summarize(runs)
     clean_loss, independent_change = headline(summary)
     sybil, sybil_source = sybil_rows(out.parent / "sybil.json")
+    lying = [row] if (row := lying_receipts_row(out.parent / "lying-receipts.json")) else []
     out.write_text(
         json.dumps(
             {
@@ -501,7 +507,7 @@ def write_results(
                 "horizon": {"rounds": rounds, "inner_steps": inner_steps},
                 "clean_loss": clean_loss,
                 "independent_change": independent_change,
-                "results": [*summary["rows"], LYING_RECEIPTS],
+                "results": [*summary["rows"], *lying],
                 "sybil": sybil,
                 "clean_overhead": summary["clean_overhead"],
             },
@@ -517,7 +523,7 @@ def write_results(
                 "device": device,
                 "command": command,
                 "horizon": {"rounds": rounds, "inner_steps": inner_steps},
-                "results": [*summary["detail"], LYING_RECEIPTS],
+                "results": [*summary["detail"], *lying],
                 "clean_loss": summary["clean_loss"],
                 "independent_change": summary["independent_change"],
                 "clean_overhead": summary["clean_overhead"],
@@ -589,6 +595,12 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="run nothing: write --out and its detail file again from the detail file's runs, with their "
+        "commit, device and command (after bench/lying_receipts.py or bench/sybil.py wrote the rows it copies)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="keep the runs of earlier invocations at this commit with the same manifest and rounds (read "
@@ -631,6 +643,25 @@ def main() -> None:
                 ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     detail_path = args.out.with_name(args.out.stem + ".detail.json")
+    if args.rewrite:
+        if not detail_path.exists():
+            parser.error(f"--rewrite: {detail_path} does not exist: run the benchmark first")
+        earlier = json.loads(detail_path.read_text())
+        summary = write_results(
+            args.out,
+            earlier["runs"],
+            commit=earlier["commit"],
+            device=earlier["device"],
+            command=earlier["command"],
+            rounds=earlier["rounds"],
+            inner_steps=earlier["horizon"]["inner_steps"],
+            config=earlier["config"],
+            complete=earlier["complete"],
+            announcements=earlier.get("announcements", []),
+            wall_s=earlier.get("wall_s_total", 0.0),
+        )
+        print(markdown(summary))
+        return
     config = json.loads(
         json.dumps(
             {

@@ -513,6 +513,21 @@ REGISTRY: dict[str, Entry] = {
         ],
         device="2-core CPU, no GPU; real DHT nodes on 127.0.0.1",
     ),
+    "lying-receipts": Entry(
+        "A groupmate that lies in its receipts (real peers)",
+        "Real `peer join` processes of the tiny preset on 127.0.0.1, 8 rounds: a clean swarm of 4, then the same "
+        "3 honest identities (the same data) with a 4th that sends false RECEIPTs (digests of means no owner "
+        "sealed, every owner refused, alignment 0). The honest peers' final validation loss against the clean "
+        "swarm's, per run; the Byzantine table's `lying-receipts` row is their mean.",
+        "python bench/lying_receipts.py --runs 3",
+        [
+            Table(
+                key("runs"),
+                [("clean", "clean losses (nats/token)"), ("attacked", "attacked losses"), ("change", "change")],
+            )
+        ],
+        device="2-core CPU, no GPU; real peers on 127.0.0.1",
+    ),
     "data_stream": Entry(
         "A real corpus streamed over HTTP: small against large",
         "The Linux kernel's source tree (Debian's linux-source-6.1), cut by `peer data prepare`, against its "

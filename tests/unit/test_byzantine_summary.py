@@ -3,13 +3,15 @@ seeds, the goal column, and ``--resume`` keeping only the current commit's runs.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.byzantine import (
     INDEPENDENT,
-    LYING_RECEIPTS,
     goal_met,
     headline,
+    lying_receipts_row,
     markdown,
     resumable,
     summarize,
@@ -122,6 +124,21 @@ def test_resume_keeps_only_the_current_commits_runs():
         resumable({"config": {"sync": {"inner_steps": 10}}, "runs": runs}, commit="abc", config=config)
 
 
-def test_the_lying_receipts_row_names_where_it_was_measured():
-    assert LYING_RECEIPTS["measured_on"] == "real peers (tests/security/test_lying_receipts_swarm.py)"
-    assert LYING_RECEIPTS["seeds"] == 1
+def test_the_lying_receipts_row_names_where_it_was_measured(tmp_path):
+    assert lying_receipts_row(tmp_path / "absent.json") is None
+    path = tmp_path / "lying-receipts.json"
+    runs = [{"clean": [2.9], "attacked": [2.9], "change": c} for c in (-0.004, 0.001, 0.0)]
+    path.write_text(
+        json.dumps(
+            {
+                "test": "tests/security/test_lying_receipts_swarm.py",
+                "commit": "abc",
+                "runs": runs,
+                "loss_change": -0.001,
+                "loss_change_spread": [-0.004, 0.001],
+            }
+        )
+    )
+    row = lying_receipts_row(path)
+    assert row["measured_on"] == "real peers (tests/security/test_lying_receipts_swarm.py, commit abc)"
+    assert row["seeds"] == 3 and row["loss_change"] == -0.001 and row["loss_change_spread"] == [-0.004, 0.001]

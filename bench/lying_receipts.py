@@ -1,0 +1,78 @@
+"""The Byzantine table's ``lying-receipts`` row on real peers (issue #65): a group member that sends
+false RECEIPTs, repeated.
+
+Runs tests/security/test_lying_receipts_swarm.py ``--runs`` times (each: a bootstrap node and 4 real
+``peer join`` processes of the tiny preset on 127.0.0.1 for 8 rounds, once all honest and once with
+the 4th a liar, the honest peers keeping their identities, so their data, across both swarms) and
+records each run's honest losses. The in-process hub has no receipts on the wire, so this row cannot
+come from the engine (bench/byzantine.py reads it from here).
+
+Usage:
+    python bench/lying_receipts.py [--runs 3]
+
+Writes ``bench/results/lying-receipts.json``: ``commit``, ``device``, ``command``, ``runs`` (per run:
+``clean`` and ``attacked`` final validation losses of the honest peers, nats/token, and ``change`` =
+mean(attacked) / mean(clean) − 1), ``loss_change`` (mean of the runs' changes) and
+``loss_change_spread`` ((min, max)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import git_commit  # noqa: E402
+from tests.security.test_lying_receipts_swarm import RECORD_ENV  # noqa: E402
+
+TEST = "tests/security/test_lying_receipts_swarm.py"
+RESULTS = ROOT / "bench" / "results" / "lying-receipts.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: expected at least 1")
+    commit = git_commit(ROOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "runs.jsonl"
+        for i in range(args.runs):
+            env = {**os.environ, RECORD_ENV: str(record)}
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", TEST], cwd=ROOT, env=env, check=False)
+            print(f"run {i + 1} of {args.runs}: pytest exit {done.returncode}", flush=True)
+        runs = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    if not runs:
+        sys.exit("no run recorded its losses: see pytest's output above")
+    changes = [r["change"] for r in runs]
+    out = {
+        "source": "real peers",
+        "commit": commit,
+        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU",
+        "command": " ".join(["python", *sys.argv]),
+        "test": TEST,
+        "runs": runs,
+        "loss_change": statistics.fmean(changes),
+        "loss_change_spread": [min(changes), max(changes)],
+        "units": {"clean": "nats/token", "attacked": "nats/token", "change": "fraction"},
+    }
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(
+        f"lying-receipts: {len(runs)} runs, change {100 * out['loss_change']:+.2f} % "
+        f"({100 * min(changes):+.2f} to {100 * max(changes):+.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
