@@ -221,6 +221,7 @@ def lying_receipts_row(path: Path) -> dict | None:
         "malicious": 1,
         "loss_change": data["loss_change"],
         "loss_change_spread": data["loss_change_spread"],
+        "independent_change": data.get("independent_change"),
         "seeds": len(data["runs"]),
         "takeovers": None,
         "non_finite_rounds": None,

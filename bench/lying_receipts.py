@@ -4,16 +4,17 @@ false RECEIPTs, repeated.
 Runs tests/security/test_lying_receipts_swarm.py ``--runs`` times (each: a bootstrap node and 4 real
 ``peer join`` processes of the tiny preset on 127.0.0.1 for 8 rounds, once all honest and once with
 the 4th a liar, the honest peers keeping their identities, so their data, across both swarms) and
-records each run's honest losses. The in-process hub has no receipts on the wire, so this row cannot
+records each run's honest losses; then the floor, the same 3 honest identities under
+``sync.algorithm = "independent"`` (never averaging). The in-process hub has no receipts on the wire, so this row cannot
 come from the engine (bench/byzantine.py reads it from here).
 
 Usage:
     python bench/lying_receipts.py [--runs 3]
 
 Writes ``bench/results/lying-receipts.json``: ``commit``, ``device``, ``command``, ``runs`` (per run:
-``clean`` and ``attacked`` final validation losses of the honest peers, nats/token, and ``change`` =
-mean(attacked) / mean(clean) − 1), ``loss_change`` (mean of the runs' changes) and
-``loss_change_spread`` ((min, max)).
+``clean``, ``attacked`` and ``independent`` final validation losses of the honest peers, nats/token,
+``change`` = mean(attacked) / mean(clean) − 1 and ``independent_change`` the floor's), ``loss_change``
+and ``independent_change`` (means over the runs) and ``loss_change_spread`` ((min, max)).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def main() -> None:
         "test": TEST,
         "runs": runs,
         "loss_change": statistics.fmean(changes),
+        "independent_change": statistics.fmean(r["independent_change"] for r in runs),
         "loss_change_spread": [min(changes), max(changes)],
-        "units": {"clean": "nats/token", "attacked": "nats/token", "change": "fraction"},
+        "units": {"clean": "nats/token", "attacked": "nats/token", "independent": "nats/token", "change": "fraction"},
     }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(

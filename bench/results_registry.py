@@ -518,12 +518,19 @@ REGISTRY: dict[str, Entry] = {
         "Real `peer join` processes of the tiny preset on 127.0.0.1, 8 rounds: a clean swarm of 4, then the same "
         "3 honest identities (the same data) with a 4th that sends false RECEIPTs (digests of means no owner "
         "sealed, every owner refused, alignment 0). The honest peers' final validation loss against the clean "
-        "swarm's, per run; the Byzantine table's `lying-receipts` row is their mean.",
+        "swarm's, per run, and the floor: the same 3 honest identities never averaging (`independent`); the "
+        "Byzantine table's `lying-receipts` row is their mean.",
         "python bench/lying_receipts.py --runs 3",
         [
             Table(
                 key("runs"),
-                [("clean", "clean losses (nats/token)"), ("attacked", "attacked losses"), ("change", "change")],
+                [
+                    ("clean", "clean losses (nats/token)"),
+                    ("attacked", "attacked losses"),
+                    ("change", "change"),
+                    ("independent", "never averaging"),
+                    ("independent_change", "its change"),
+                ],
             )
         ],
         device="2-core CPU, no GPU; real peers on 127.0.0.1",

@@ -38,20 +38,24 @@ liar that also judged its groups by its own false receipt (its φ left the hones
 in a CI run."""
 LIAR = Path(__file__).with_name("lying_peer.py")
 RECORD_ENV = "LOCOSWARM_LYING_RECEIPTS_RECORD"
-"""Where set, the test appends its clean and attacked losses to this file as a JSON line (after
-computing them, before its assertion): bench/lying_receipts.py repeats it to record the row."""
+"""Where set, the test also runs the floor (the 3 honest identities never averaging) and appends the
+three swarms' losses to this file as a JSON line, before its assertion: bench/lying_receipts.py
+repeats it to record the row."""
 
 
-def run_swarm(procs, workdir: Path, *, liar: bool, identities_of: str | None = None) -> tuple[list[float], list[str]]:
+def run_swarm(
+    procs, workdir: Path, *, liar: bool, identities_of: str | None = None, alone: bool = False
+) -> tuple[list[float], list[str]]:
     """Start a bootstrap node and 4 peers (the last a liar if ``liar``) for :data:`ROUNDS` rounds;
     return the honest peers' final validation losses and their logs. ``identities_of``: the name of
     an earlier swarm whose peers' identity keys the honest peers take, so that they sample the same
-    data (a peer's shard order follows its peer id, peer/train/data.py ``peer_seed``)."""
+    data (a peer's shard order follows its peer id, peer/train/data.py ``peer_seed``). ``alone``:
+    3 honest peers under ``sync.algorithm = "independent"`` (never averaging: the floor)."""
     workdir.mkdir()
-    manifest = make_manifest(name="lying-receipts")
+    manifest = make_manifest(name="lying-receipts", **({"sync": {"algorithm": "independent"}} if alone else {}))
     _, addr = procs.bootstrap(write_manifest(workdir, manifest))
-    args = ["--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "4"]
-    names = [f"{workdir.name}-h{i}" for i in range(3 if liar else 4)]
+    args = ["--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "3" if alone else "4"]
+    names = [f"{workdir.name}-h{i}" for i in range(3 if liar or alone else 4)]
     if identities_of is not None:
         for i, name in enumerate(names):
             (procs.workdir / name).mkdir()
@@ -86,7 +90,12 @@ def test_a_member_lying_in_its_receipts_costs_the_honest_peers_almost_nothing(pr
     assert not any("signed different means" in log for log in logs)  # no honest owner named
     change = statistics.mean(attacked) / statistics.mean(clean) - 1
     print(f"clean {clean}, attacked {attacked}, change {change:+.2%}")
-    if record := os.environ.get(RECORD_ENV):  # bench/lying_receipts.py collects repeated runs
+    if record := os.environ.get(RECORD_ENV):  # bench/lying_receipts.py collects repeated runs, with the floor
+        procs.cleanup()
+        alone, _ = run_swarm(procs, tmp_path / "alone", liar=False, identities_of="clean", alone=True)
+        row = {"clean": clean, "attacked": attacked, "independent": alone, "change": change}
         with open(record, "a") as f:
-            f.write(json.dumps({"clean": clean, "attacked": attacked, "change": change}) + "\n")
+            f.write(
+                json.dumps({**row, "independent_change": statistics.mean(alone) / statistics.mean(clean) - 1}) + "\n"
+            )
     assert change <= MARGIN, (clean, attacked)
