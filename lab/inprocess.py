@@ -378,7 +378,7 @@ class InProcessTransport:
             exc.bytes_sent = exc.bytes_received = self._bytes(payload, request.expected_group_size)[0]
             raise
         mine = outcome[0] if outcome else MemberOutcome(mean=None)
-        self._carry(mine.carried, numbers, [t.shape for t in payload])
+        self._carry(mine.carried if request.carry_skipped else [], numbers, [t.shape for t in payload])
         sent, received = self._bytes(payload, len(digests))
         return SyncResult(
             mean=mean,

@@ -74,6 +74,8 @@ class GroupSync:
         self.reporter, self.stop_event, self.peer_id = reporter, stop_event, swarm.peer_id
         self.whole_delta = timing.whole_delta
         """Each sync's Δ is one round's training alone (``SyncRequest.whole_delta``)."""
+        self.carry_skipped = timing.carries_skipped
+        """A skipped Δ piece is carried into the next contribution (``SyncRequest.carry_skipped``)."""
         self.fragments = 0
         """Streaming: how many fragments the model syncs in (0 otherwise)."""
         self.fragment_payload: list[list[int]] = []
@@ -160,6 +162,7 @@ class GroupSync:
             expected_wait_s=expected_wait_s,
             wait_budget_s=wait_budget_s,
             whole_delta=self.whole_delta,
+            carry_skipped=self.carry_skipped,
             # a fragment's tensors, with its own key and buffers
             fragment=fragment,
             fragments=1 if fragment is None else self.fragments,

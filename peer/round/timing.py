@@ -41,6 +41,15 @@ class Timing:
         inside a round): what the receipts' alignments and a NoLoCo pair's whole-Δ check need."""
         return delta_is_round_progress(self.overlap)
 
+    @property
+    def carries_skipped(self) -> bool:
+        """Whether a Δ piece the receipts skipped (applied as zeros) is carried into the next
+        contribution (peer/sync/error_feedback.py). Not in a blocking sync: its landing sets θ to φ,
+        where that piece did not move, and the next round trains its progress again; carrying the
+        skipped Δ as well would apply it twice. An overlapped or streaming landing keeps θ's own
+        progress, which the group's φ then gets only from the carry."""
+        return self.overlap != "none"
+
     @classmethod
     def of(cls, sync: SyncSpec, *, pinned: bool = False) -> Timing:
         """The timing of a run's ``[sync]``; ``pinned``: no extra steps past H and streaming's

@@ -95,6 +95,8 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             key must have sealed its means (``str`` for hivemind's ``PeerID``).
         whole_delta: a Δ of one round's progress alone (protocol/specs.py ``delta_is_round_progress``): a
             pair's receiver judges its owner's whole Δ (pairs.py ``PairTally``), receipts the alignments.
+        carry_skipped: a Δ piece the receipts skip is staged whole as this peer's residual (carried
+            into its next contribution); False: a zero residual (a blocking round trains it again).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         phi_from: int | None = None,
         distrusted: frozenset[int] = frozenset(),
         whole_delta: bool = True,
+        carry_skipped: bool = True,
         signer: PeerSigner,
         peer_key: Callable[[object], str] = str,
     ):
@@ -146,6 +149,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         """Owner: the tasks writing this peer's MEAN frames back to each sender (:meth:`serve`)."""
         self.results: dict[int, torch.Tensor] = {}
         self.phi_from, self.pair, self.whole_delta = phi_from, is_pair(phi_from, n), whole_delta
+        self.carry_skipped = carry_skipped
         self._tallies: dict[int, PairTally] = {}  # a pair's receiver: per owner, its whole Δ so far
         self._reference: dict[bool, float] = {}  # :meth:`_rms`, the unit of the receivers' norm floor
         self._small: dict[int, SmallPieces] = {}  # per owner: its small Δ pieces' means, judged together

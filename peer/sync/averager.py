@@ -129,6 +129,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         self.compression, self.phi_from = compression, phi_from
         self.piece_elements, self.max_weight_tokens = piece_elements, max_weight_tokens
         self.whole_delta = True  # the next sync's Δ is one round's training alone (configure_round)
+        self.carry_skipped = True  # the next sync carries a skipped Δ piece (configure_round)
         self.signer = signer
         self._init_state_sharing()
         self._stream_limits = StreamLimits.for_matchmaking(
@@ -262,6 +263,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         tensors: Sequence[int] | None = None,
         stronger: bool = False,
         whole_delta: bool = True,
+        carry_skipped: bool = True,
     ) -> None:
         """Set the next sync's group size target and deadlines (peer/sync/deadlines.py) in the averager process.
 
@@ -278,6 +280,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             whole_delta: the next sync's Δ is one round's training alone (``SyncRequest.whole_delta``):
                 in a NoLoCo pair the receiver judges its owner's whole Δ (peer/sync/pairs.py), in a
                 group the receipts judge the owners' alignments (peer/sync/receipts.py).
+            carry_skipped: a Δ piece the receipts skip is staged as this peer's residual, carried
+                into its next contribution (``SyncRequest.carry_skipped``); False: dropped.
 
         Raises:
             ValueError: an index out of range, repeated or out of order (ascending keeps a
@@ -296,6 +300,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
             tensors=tensors,
             stronger=stronger,
             whole_delta=whole_delta,
+            carry_skipped=carry_skipped,
         )
 
     def reset_error_feedback(self) -> None:
@@ -357,8 +362,9 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         tensors=None,
         stronger: bool = False,
         whole_delta: bool = True,
+        carry_skipped: bool = True,
     ) -> None:
-        self._subset, self.whole_delta = tensors, whole_delta
+        self._subset, self.whole_delta, self.carry_skipped = tensors, whole_delta, carry_skipped
         self._round_compression = stronger_compression(self.compression) if stronger else self.compression
         matchmaking = self._matchmaking
         matchmaking.target_group_size = size
@@ -516,6 +522,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                     phi_from=phi_from,
                     distrusted=frozenset(i for i, p in enumerate(group_info.peer_ids) if p in distrusted),
                     whole_delta=self.whole_delta,
+                    carry_skipped=self.carry_skipped,
                     signer=self.signer,
                 )
                 if not future.done():

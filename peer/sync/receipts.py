@@ -17,8 +17,9 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
 * **Proof, not votes.** A receipt reporting, for some owner, a digest other than this peer's must
   carry that owner's valid seal of it. If it does, the owner signed two digests for one group: a
   proof that it sent different means to different receivers; it is an **equivocator**, its pieces
-  are skipped this round (applied as zeros for Δ, as this peer's own values for φ; each peer carries
-  its own Δ of those pieces into its next contribution, peer/sync/error_feedback.py) and it is
+  are skipped this round (applied as zeros for Δ, as this peer's own values for φ; in an overlapped
+  or streaming sync each peer carries its own Δ of those pieces into its next contribution,
+  peer/sync/error_feedback.py, while a blocking round trains it again from φ) and it is
   ignored from the next round on, kept across restarts. If it does not, the report contradicts what
   this peer received and no owner signed it: its sender is a **liar**, its whole receipt is not read
   (its refusals and alignments count for nothing) and it is named in the log; the owner is not
@@ -278,6 +279,7 @@ class ReceiptExchange:
     weight: float
     max_weight: float | None
     whole_delta: bool
+    carry_skipped: bool
     _receipts: dict[int, frames.Receipt]
     _receipt_writers: dict[int, asyncio.StreamWriter]
     _serving: set[int]
@@ -394,8 +396,9 @@ class ReceiptExchange:
                 delta = self.phi_from is None or piece.tensor < self.phi_from
                 own = piece_view(self.tensors[piece.tensor], piece)
                 self.results[piece.index] = torch.zeros_like(own) if delta and votes else own.clone()
-                if delta and votes:  # this peer's Δ there goes out again next sync (error feedback)
-                    self.stage(piece, self.compensate(piece, own.float()), None)
+                if delta and votes:  # carried: this peer's Δ there goes out again next sync (error feedback)
+                    compensated = self.compensate(piece, own.float())
+                    self.stage(piece, compensated, None if self.carry_skipped else compensated)
         if found.equivocators:
             logger.warning(
                 "all-reduce %s: owners %s signed different means for different groupmates (proven by their "

@@ -126,6 +126,9 @@ class SyncRequest:
     """This sync's Δ is one round's training alone (peer/round/timing.py ``Timing.whole_delta``): the
     receipts judge the owners' alignments, a NoLoCo pair its owner's whole Δ; False: a streaming
     fragment's, which the last landing's merge left part of a mean in."""
+    carry_skipped: bool = True
+    """A Δ piece the receipts skip is carried into this peer's next contribution (peer/round/timing.py
+    ``Timing.carries_skipped``); False: dropped, as a blocking round trains it again from φ."""
     tensors: Sequence[int] | None = None
     """With ``fragment``, the indices of the payload buffers the payload fills (ascending; the
     fragment's Δ tensors, then its φ tensors for NoLoCo); the mean returned holds those tensors
@@ -353,6 +356,7 @@ class NetworkTransport:
             tensors=tensors,
             stronger=self.stronger_codec,
             whole_delta=request.whole_delta,
+            carry_skipped=request.carry_skipped,
         )
         arrived = time.time()
         gather = {"round": round_, "start_digest": request.start_digest, "distrust": self.suspects.named(round_)}

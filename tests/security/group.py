@@ -43,6 +43,7 @@ async def run_group(
     sending=None,
     feedback=None,
     whole_delta=True,
+    carry_skipped=True,
     mean_of=None,
     lying_receipts=frozenset(),
 ):
@@ -54,7 +55,8 @@ async def run_group(
     ``_send_means(writer)`` (an equivocator's); ``feedback``: per peer its
     :class:`~peer.sync.error_feedback.ErrorFeedback` (the run's hooks, as the averager wires them;
     committed where the run succeeded, else rolled back), or None: no error feedback;
-    ``whole_delta``: every session's (a blocking sync's True); ``mean_of``: index → ``make(session)``
+    ``whole_delta``: every session's (a blocking sync's True); ``carry_skipped``: every session's
+    (an overlapped sync's True, a blocking one's False); ``mean_of``: index → ``make(session)``
     returning that owner's ``_mean_of(piece, parts, included)`` (a liar that forges per piece);
     ``lying_receipts``: groupmates whose RECEIPTs report a false digest for every owner, with the
     owner's real seal, a refusal of every owner and an alignment of 0 (issue #65's attack).
@@ -115,6 +117,7 @@ async def run_group(
                 phi_from=phi_from,
                 distrusted=distrusted,
                 whole_delta=whole_delta,
+                carry_skipped=carry_skipped,
                 signer=signers(n)[i],
                 peer_key=lambda index: signers(n)[index].peer_id,
             )

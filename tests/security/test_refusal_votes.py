@@ -144,6 +144,33 @@ def test_a_skipped_piece_is_carried_into_the_next_round(codec):
         assert all(not r.any() for f in feedback[:LIAR] for r in f.residuals())  # the carry is spent
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_blocking_sync_drops_a_skipped_pieces_delta(codec):
+    """A blocking sync (``carry_skipped`` False): the liar's pieces move nothing and nothing of them is
+    carried: its landing sets θ to φ, where they did not move, so the next round trains that
+    progress again. With int8 the other pieces still carry what the codec dropped."""
+    spec = CompressionSpec(codec=codec)
+    ps = payloads(41)
+    feedback = [ErrorFeedback(SHAPES) for _ in range(N)]
+    options = dict(piece_elements=512, max_weight=1024, spec=spec, carry_skipped=False)
+    first, outcomes = asyncio.run(run_group(ps, [1024] * N, liars={LIAR: lambda m: -m}, feedback=feedback, **options))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert any(p.owner == LIAR for p in first[0].plan.pieces)
+    for i, s in enumerate(first[:LIAR]):
+        assert s.stats.skipped_owners == {str(LIAR)}
+        residuals = feedback[i].residuals()
+        for piece in s.plan.pieces:
+            rows = slice(piece.start, piece.stop)
+            carried = None if residuals is None else residuals[piece.tensor][rows]
+            own = ps[i][piece.tensor][rows]
+            if piece.owner == LIAR or codec == "none" or piece.owner == i:
+                assert carried is None or not carried.any()
+            else:
+                assert 0 < carried.norm() < 0.05 * own.norm()
+            if piece.owner == LIAR:
+                assert not s.results[piece.index].any()  # applied as zeros
+
+
 def test_one_receiver_refusing_alone_skips_nothing(monkeypatch):
     """Receiver 0 refuses every Δ mean (what a false alarm, or a malicious receiver, looks like):
     its votes are one of five, so every peer applies every mean, receiver 0 included."""

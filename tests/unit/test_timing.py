@@ -20,3 +20,11 @@ def test_a_runs_timing_and_the_pinned_one():
 def test_a_bad_timing_is_named(fields, named):
     with pytest.raises(ValueError, match=named):
         Timing(**fields)
+
+
+@pytest.mark.parametrize(
+    ("overlap", "carries"), [("none", False), ("delayed", True), ("eager", True), ("streaming", True)]
+)
+def test_only_a_blocking_sync_drops_a_skipped_pieces_delta(overlap, carries):
+    """A blocking landing sets θ to φ, so the next round trains a skipped piece's progress again."""
+    assert Timing(overlap=overlap).carries_skipped is carries
