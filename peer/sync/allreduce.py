@@ -89,14 +89,12 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             mean is replaced (zeros for Δ, own values for φ and in a pair) and which checks apply.
         distrusted: owners (indices) caught equivocating in an earlier round: their means are applied
             as refused without a check (pass them in ``ignored`` too).
-        signer: this peer's identity key: as an owner it seals the means it sends
-            (peer/sync/receipts.py).
+        signer: this peer's identity key, which seals the means it sends as an owner (receipts.py).
         peer_key: a groupmate's libp2p peer id (base58) from its entry in ``plan.peer_ids``, whose
             key must have sealed its means (``str`` for hivemind's ``PeerID``).
         whole_delta: a Δ of one round's progress alone (protocol/specs.py ``delta_is_round_progress``): a
             pair's receiver judges its owner's whole Δ (pairs.py ``PairTally``), receipts the alignments.
-        carry_skipped: a Δ piece the receipts skip is staged whole as this peer's residual (carried
-            into its next contribution); False: a zero residual (a blocking round trains it again).
+        carry_skipped: a Δ piece the receipts skip is staged as this peer's residual; False: dropped.
     """
 
     def __init__(
@@ -149,14 +147,12 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         """Owner: the tasks writing this peer's MEAN frames back to each sender (:meth:`serve`)."""
         self.results: dict[int, torch.Tensor] = {}
         self.phi_from, self.pair, self.whole_delta = phi_from, is_pair(phi_from, n), whole_delta
-        self.carry_skipped = carry_skipped
         self._tallies: dict[int, PairTally] = {}  # a pair's receiver: per owner, its whole Δ so far
         self._reference: dict[bool, float] = {}  # :meth:`_rms`, the unit of the receivers' norm floor
         self._small: dict[int, SmallPieces] = {}  # per owner: its small Δ pieces' means, judged together
         self._sent: dict[int, torch.Tensor] = {}
-        """Per piece sent to another owner: this peer's contribution as that owner decodes it (bf16
-        for lossy codecs, to halve the copy), to check the owner's mean against."""
-        self.distrusted = distrusted
+        """Per piece sent to another owner: this peer's contribution as the owner decodes it (bf16 if lossy)."""
+        self.distrusted, self.carry_skipped = distrusted, carry_skipped
         self._digests = MeanDigests()
         """Per owner, the digest of the MEAN payloads it sent this peer (this peer's own: it sent)."""
         self._seals: dict[int, tuple[bytes, bytes]] = {}

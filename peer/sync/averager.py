@@ -277,11 +277,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 None: every buffer.
             stronger: this peer sends its contributions and means with the next stronger codec
                 (peer/sync/pieces.py ``stronger_compression``; a volunteer's traffic budget).
-            whole_delta: the next sync's Δ is one round's training alone (``SyncRequest.whole_delta``):
-                in a NoLoCo pair the receiver judges its owner's whole Δ (peer/sync/pairs.py), in a
-                group the receipts judge the owners' alignments (peer/sync/receipts.py).
-            carry_skipped: a Δ piece the receipts skip is staged as this peer's residual, carried
-                into its next contribution (``SyncRequest.carry_skipped``); False: dropped.
+            whole_delta, carry_skipped: the next sync's Δ is one round's training alone, and a Δ piece
+                the receipts skip is carried into this peer's next contribution (``SyncRequest``).
 
         Raises:
             ValueError: an index out of range, repeated or out of order (ascending keeps a
@@ -304,8 +301,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         )
 
     def reset_error_feedback(self) -> None:
-        """Forget the error-feedback residuals in the averager process (they belong to a φ this
-        peer no longer holds once it adopted another peer's state)."""
+        """Forget the error-feedback residuals in the averager process (after adopting another peer's φ)."""
         self._call_in_averager("_reset_error_feedback")
 
     async def _reset_error_feedback(self, future) -> None:
@@ -586,8 +582,7 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
         self._memory.save(self._strikes, self._distrust)
 
     def _codec_executor(self):
-        """One long-lived thread for codec work in this (forked) process: torch's per-thread pool
-        start has failed intermittently in a forked child ("Invalid thread pool!")."""
+        """One long-lived codec thread in this forked process (per-thread pools: "Invalid thread pool!")."""
         if getattr(self, "_executor", None) is None:
             from concurrent.futures import ThreadPoolExecutor
 

@@ -252,6 +252,7 @@ def sync_with(**result) -> SyncReport:
         peer_id="a",
         reporter=types.SimpleNamespace(emit=lambda event, **fields: events.append((event, fields))),
         whole_delta=True,
+        carry_skipped=True,
     )
     _, report = GroupSync.sync(t, [torch.ones(3)], GroupChoice(expected_size=3), "d", round_=4, weight=1.0)
     assert events == [("sync", {"round": 4, "expected_group_size": 3, "peer_id": "a"})]  # the sync announced
