@@ -48,6 +48,11 @@ payloads) pull twice as far as one. :func:`similarity_weighted` weighs down cont
 deviations from the centre point the same way (FoolsGold, arXiv 1808.04866), which honest ones,
 differing by their data, do not.
 
+A single contribution *flipped* under the clip (−2.5 × its own Δ) is neither duplicated nor far
+enough out for τ to clip it all, and turns every step it joins. :func:`direction_screened` leaves
+out a contribution whose cosine with the group's coordinate-wise median is negative (FLTrust's
+ReLU of the cosine with a reference, arXiv 2012.13995, with the median as the reference).
+
 What it does not bound: the means a lying *owner* sends (the receivers' checks,
 peer/sync/screening.py ``owner_mean_problem``, bound their norm only), and groups under
 :data:`CENTERED_CLIP_MIN_PARTS` (NoLoCo's pairs), which have no majority to centre on.
@@ -282,13 +287,67 @@ def similarity_weighted(
     return out if 2 * len(out) >= n else list(parts)
 
 
+DIRECTION_MIN_COSINE = 0.0
+"""A contribution whose cosine with the contributions' coordinate-wise median is under this is left
+out of the piece's mean (:func:`direction_screened`): honest pseudo-gradients of one run make an
+acute angle with the group's median (docs/architecture.md gives the measured margin), a flipped one
+an obtuse angle."""
+
+
+def direction_screened(
+    parts: Sequence[tuple[float, torch.Tensor]], *, min_cosine: float = DIRECTION_MIN_COSINE
+) -> list[tuple[float, torch.Tensor]]:
+    """``parts`` without the contributions that point *against* the group: cosine with the
+    coordinate-wise (lower) median of all of them under ``min_cosine``. FLTrust's rule (Cao, Fang,
+    Liu, Gong, arXiv 2012.13995, Eq. 2: a contribution's weight is ReLU of its cosine with a
+    reference) with the median as the reference, since no peer holds trusted data, and cut to a
+    keep-or-leave-out at ``min_cosine`` so a clean round keeps the plain mean's bits. A flipped
+    pseudo-gradient under the median-norm clip (−2.5 × its own) lies within CenteredClip's reach of
+    the centre at a norm its τ does not fully clip, and would pull the direction of every outer step
+    it joins; here it counts for nothing. One that passes (cosine ≥ 0) adds at most a sideways pull,
+    which CenteredClip bounds by τ and :func:`trimmed_length` keeps from shortening the step.
+
+    Args:
+        parts: ``(weight > 0, fp32 tensor)`` per contribution, all finite, one shape.
+        min_cosine: in [-1, 1).
+
+    Returns:
+        A new list of the contributions kept, in their order (the tensors themselves). ``parts``
+        unchanged (a list of them) when fewer than :data:`CENTERED_CLIP_MIN_PARTS` parts, a piece under
+        :data:`CENTERED_CLIP_MIN_ELEMENTS` values, a median of norm 0, or when fewer than half the
+        contributions would be kept (no majority to judge a direction by).
+
+    Raises:
+        ValueError: ``min_cosine`` outside [-1, 1).
+    """
+    if not -1 <= min_cosine < 1:
+        raise ValueError(f"min_cosine = {min_cosine}: expected a cosine in [-1, 1)")
+    n = len(parts)
+    if n < CENTERED_CLIP_MIN_PARTS or parts[0][1].numel() < CENTERED_CLIP_MIN_ELEMENTS:
+        return list(parts)
+    flats = [x.flatten() for _, x in parts]
+    dots, norms, centre = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), 0.0
+    for start in range(0, flats[0].numel(), _SIMILARITY_CHUNK):  # float64 over one chunk at a time
+        stacked = torch.stack([f[start : start + _SIMILARITY_CHUNK].float() for f in flats]).double()
+        median = stacked.median(dim=0).values
+        dots += stacked @ median
+        norms += (stacked * stacked).sum(dim=1)
+        centre += float(median @ median)
+    if not centre > 0:
+        return list(parts)
+    cosines = [float(dots[i]) / math.sqrt(float(norms[i]) * centre) if norms[i] > 0 else 0.0 for i in range(n)]
+    kept = [part for part, c in zip(parts, cosines, strict=True) if c >= min_cosine]
+    return kept if 2 * len(kept) >= n else list(parts)
+
+
 def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
     """An owner's mean of one piece (peer/sync/allreduce.py, step 3, before the codec): the contributions clipped to
     the median rule (peer/sync/screening.py ``clip_to_median``), then CenteredClip
     (:func:`centered_clip`, arXiv 2012.10333 Eq. 2: the plain token-weighted mean,
     summed in fp32 in sender order, when no contribution is out of line or fewer than 4 are
     included), its length then set to the trimmed mean of the contributions' projections on it
-    (:func:`trimmed_length`, from 4 contributions). Before CenteredClip, contributions that deviate
+    (:func:`trimmed_length`, from 4 contributions). Before CenteredClip, contributions that point
+    against the group's median are left out (:func:`direction_screened`) and those that deviate
     from the others' centre in the same direction as another one are weighed down
     (:func:`similarity_weighted`). Only the owner computes it and every receiver
     gets its bytes, so receivers stay bit-identical whatever it clips or trims. The in-process hub
@@ -304,6 +363,6 @@ def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tenso
         CenteredClip clips is not struck: it may clip an honest outlier, e.g. a fresh joiner's Δ).
     """
     parts, clipped = clip_to_median(parts)
-    parts = similarity_weighted(parts)
+    parts = similarity_weighted(direction_screened(parts))
     mean, _ = centered_clip(parts)
     return trimmed_length(parts, mean), clipped

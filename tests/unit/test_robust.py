@@ -11,6 +11,7 @@ from peer.sync.robust import (
     CENTERED_CLIP_MIN_PARTS,
     SIMILARITY_MIN_ELEMENTS,
     centered_clip,
+    direction_screened,
     piece_mean,
     similarity_weighted,
     trimmed_length,
@@ -215,3 +216,39 @@ def test_two_colluders_sending_one_vector_pull_no_more_than_one(seed):
     pull_two = float((piece_mean(two)[0] - honest_mean).norm())
     assert pull_two_clip > 1.5 * pull_one  # the attack: two clipped at τ pull about twice as far
     assert pull_two <= 1.1 * pull_one
+
+
+# one contribution flipped under the clip (issue #65's subclip-flip)
+
+
+def test_a_contribution_pointing_against_the_group_is_left_out():
+    xs = _honest(8, 4096, seed=21, spread=0.5)
+    honest = [(float(100 + i), x) for i, x in enumerate(xs[:7])]
+    flipped = (100.0, -2.5 * xs[7])
+    kept = direction_screened([*honest, flipped])
+    assert len(kept) == 7 and all(a is b for (_, a), (_, b) in zip(kept, honest, strict=True))
+    assert direction_screened(honest) == honest  # a clean group: nothing left out, the same bits after
+    honest_mean = weighted_sum(honest)
+    cos = torch.nn.functional.cosine_similarity
+    screened = piece_mean([*honest, flipped])[0]
+    unscreened = trimmed_length([*honest, flipped], centered_clip(clip_to_median([*honest, flipped])[0])[0])
+    assert float(cos(screened, honest_mean, dim=0)) > 0.999
+    assert float(cos(unscreened, honest_mean, dim=0)) < float(cos(screened, honest_mean, dim=0))
+    sideways = (100.0, xs[7] - (xs[7] @ honest_mean) / (honest_mean @ honest_mean) * honest_mean)
+    assert len(direction_screened([*honest, sideways])) == 8  # orthogonal passes: CenteredClip bounds it
+
+
+def test_the_direction_screen_needs_a_majority_and_leaves_small_groups_alone():
+    xs = _honest(8, 64, seed=22, spread=0.3)
+    three = [(1.0, xs[0]), (1.0, xs[1]), (1.0, -xs[2])]
+    assert direction_screened(three) == three  # under 4: no majority to judge a direction by
+    tiny = [(1.0, x[: CENTERED_CLIP_MIN_ELEMENTS - 1]) for x in xs[:7]] + [
+        (1.0, -xs[7][: CENTERED_CLIP_MIN_ELEMENTS - 1])
+    ]
+    assert direction_screened(tiny) == tiny
+    small = [(1.0, x) for x in xs[:7]] + [(1.0, -2.5 * xs[7])]
+    assert len(direction_screened(small)) == 7  # the norm gains' pieces are judged too
+    zeros = [(1.0, torch.zeros(64)) for _ in range(5)] + [(1.0, x) for x in xs[:3]]
+    assert direction_screened(zeros) == zeros  # a median of norm 0: no direction
+    with pytest.raises(ValueError, match="min_cosine = 1"):
+        direction_screened(small, min_cosine=1.0)
