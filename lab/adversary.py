@@ -73,6 +73,10 @@ Attacks that act on both sides:
 
 * ``subclip-flip``: contributes −2.5 × its honest payload (under the owners' 3× median clip) and,
   as an owner, sends −2.5 × the honest mean (inside the receivers' 3× bound);
+* ``subclip-sideways``: the strongest contribution the owners' direction screen lets through
+  (peer/sync/robust.py ``direction_screened``: a contribution at negative cosine with the group's
+  median is left out): 2.5 × its honest payload's norm, at cosine :data:`SIDEWAYS_COSINE` with it,
+  tensor by tensor; as an owner, ``subclip-flip``'s means;
 * ``cosine``: contributes, tensor by tensor, a vector of its honest one's norm at cosine 0.3 with
   it, and as an owner sends means at cosine 0.72 with the honest ones (just above NoLoCo's
   ``PHI_MIN_COSINE`` 0.2 and ``PHI_MEAN_MIN_RATIO`` 0.7); NoLoCo: its φ tensors only (issue #51's
@@ -135,7 +139,7 @@ OWNER_ATTACKS = (
     "owner-small-flip",
     "owner-equivocate",
 )
-BOTH_SIDES = ("subclip-flip", "cosine")
+BOTH_SIDES = ("subclip-flip", "subclip-sideways", "cosine")
 """Attacks that forge both the contribution and, as an owner, the means."""
 RECORD_ATTACKS = ("fake-progress", "tie-break")
 ATTACKS = (*GRADIENT_ATTACKS, *OWNER_ATTACKS, *BOTH_SIDES, *RECORD_ATTACKS)
@@ -144,6 +148,10 @@ ENGINE_ONLY = ("owner-equivocate", "tie-break", "stale-phi")
 ``stale-phi``'s first φ (only the engine's hook sees a peer's payloads in turn)."""
 SUBCLIP_FACTOR = -2.5
 """``subclip-flip``: under the owners' clip (3 × the median norm) and the receivers' bound (3 ×)."""
+SIDEWAYS_COSINE = 0.1
+"""``subclip-sideways``: its contribution's cosine with its honest one; the group's median is at about
+0.75 with an honest contribution, so the forged one meets it at about 0.07, over the owners'
+direction screen (peer/sync/robust.py ``DIRECTION_MIN_COSINE``, 0)."""
 CONTRIBUTION_COSINE = 0.3
 """``cosine``: a contribution's cosine with the honest one (NoLoCo's owners leave out φ under 0.2)."""
 MEAN_COSINE = 0.72
@@ -255,6 +263,8 @@ class Adversary:
             return [torch.zeros(t.shape, dtype=torch.float32) for t in payload]
         if self.attack == "subclip-flip":
             return [SUBCLIP_FACTOR * t.float() for t in payload]
+        if self.attack == "subclip-sideways":
+            return [abs(SUBCLIP_FACTOR) * at_cosine(t.float(), SIDEWAYS_COSINE, generator) for t in payload]
         if self.attack == "cosine":
             return [at_cosine(t.float(), CONTRIBUTION_COSINE, generator) for t in payload]
         if self.attack in COLLUDING:
@@ -288,7 +298,7 @@ class Adversary:
             return torch.full(mean.shape, HUGE_MEAN) if mean.numel() < SMALL_PIECE else mean
         if self.attack == "owner-small-flip":
             return OWNER_SMALL_FLIP_FACTOR * mean if mean.numel() < SMALL_PIECE else mean
-        if self.attack == "subclip-flip":
+        if self.attack in ("subclip-flip", "subclip-sideways"):
             return SUBCLIP_FACTOR * mean
         if self.attack == "cosine":
             return at_cosine(mean, MEAN_COSINE, generator)
