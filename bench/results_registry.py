@@ -292,9 +292,11 @@ REGISTRY: dict[str, Entry] = {
         "Change in validation loss (fraction, mean over seeds, with its (min, max) over seeds) and takeovers "
         "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
         "is the same peers never syncing (the floor: what averaging is worth at this horizon). Round engine, "
-        "8 peers. The `lying-receipts` row was measured on real peers (4 of them), not on the engine.",
-        "python bench/byzantine.py --algorithms diloco noloco --schedules none --attacks alie ipm stale-phi "
-        "--malicious 1 2 --plain --seeds 0 1 2 --jobs 2 --threads 1",
+        "8 peers, blocking DiLoCo (NoLoCo's rows: the 20-round file below). The `lying-receipts` row was measured "
+        "on real peers (4 of them), not on the engine (bench/lying_receipts.py).",
+        "python bench/byzantine.py --algorithms diloco --schedules none --attacks alie ipm stale-phi sign-flip huge "
+        "noise zeros subclip-flip subclip-sideways cosine owner-flip owner-flip-x100 owner-zeros owner-noise "
+        "owner-scale owner-huge-small owner-small-flip owner-equivocate --malicious 1 2 --plain --seeds 0 1 2 --jobs 2 --threads 1",
         [
             Table(
                 key("results"),
