@@ -113,6 +113,7 @@ def centered_clip(
     *,
     tau_factor: float = CENTERED_CLIP_TAU_FACTOR,
     iterations: int = CENTERED_CLIP_ITERATIONS,
+    centre: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """CenteredClip (arXiv 2012.10333, Eq. 2) of weighted contributions, from their coordinate-wise
     median, with ``τ = tau_factor ×`` the lower median distance of the contributions to it.
@@ -121,6 +122,7 @@ def centered_clip(
         parts: ``(weight > 0, fp32 tensor)`` per contribution, all finite, one shape, at least one.
         tau_factor: τ over the median distance (> 0).
         iterations: L (≥ 1).
+        centre: :func:`coordinate_median` of ``parts`` when the caller has it (the same bits), else None.
 
     Returns:
         ``(mean, clipped)``: a new fp32 tensor of the parts' shape and the positions in ``parts``
@@ -137,7 +139,7 @@ def centered_clip(
     plain = weighted_sum(parts)
     if len(parts) < CENTERED_CLIP_MIN_PARTS or parts[0][1].numel() < CENTERED_CLIP_MIN_ELEMENTS:
         return plain, []
-    centre = coordinate_median(parts)
+    centre = coordinate_median(parts) if centre is None else centre
     distances = [_distance(x, centre) for _, x in parts]
     tau = tau_factor * sorted(distances)[(len(distances) - 1) // 2]
     if not tau > 0 or not math.isfinite(tau):
@@ -222,16 +224,18 @@ honest deviations cosines up to 0.8 by chance."""
 _SIMILARITY_CHUNK = 1 << 20
 
 
-def _deviation_gram(parts: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+def _deviation_gram(parts: Sequence[tuple[float, torch.Tensor]], centre: torch.Tensor | None) -> torch.Tensor:
     """The n × n float64 Gram matrix of the contributions' deviations from their coordinate-wise
-    (lower) median, accumulated over chunks of :data:`_SIMILARITY_CHUNK` values in a fixed order
-    (never more than n chunks in float64 at once, whatever the piece's size)."""
+    (lower) median (``centre`` when given), accumulated over chunks of :data:`_SIMILARITY_CHUNK` values
+    in a fixed order (never more than n chunks in float64 at once, whatever the piece's size)."""
     flats = [x.flatten() for _, x in parts]
+    middle = None if centre is None else centre.flatten()
     n, size = len(flats), flats[0].numel()
     gram = torch.zeros(n, n, dtype=torch.float64)
     for start in range(0, size, _SIMILARITY_CHUNK):
         stacked = torch.stack([f[start : start + _SIMILARITY_CHUNK].float() for f in flats])
-        dev = (stacked - stacked.median(dim=0).values).double()
+        median = stacked.median(dim=0).values if middle is None else middle[start : start + _SIMILARITY_CHUNK]
+        dev = (stacked - median).double()
         for i in range(n):
             for j in range(i, n):
                 gram[i, j] += torch.dot(dev[i], dev[j])
@@ -239,7 +243,7 @@ def _deviation_gram(parts: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor
 
 
 def similarity_weighted(
-    parts: Sequence[tuple[float, torch.Tensor]], *, kappa: float = SIMILARITY_COSINE
+    parts: Sequence[tuple[float, torch.Tensor]], *, kappa: float = SIMILARITY_COSINE, centre: torch.Tensor | None = None
 ) -> list[tuple[float, torch.Tensor]]:
     """``parts`` with the weight of each contribution that moves from the centre *along with another
     one* scaled down: FoolsGold's observation (Fung, Yoon, Beschastnikh, arXiv 1808.04866, §4) that
@@ -258,6 +262,7 @@ def similarity_weighted(
     Args:
         parts: ``(weight > 0, fp32 tensor)`` per contribution, all finite, one shape.
         kappa: κ in [0, 1).
+        centre: :func:`coordinate_median` of ``parts`` when the caller has it (the same bits), else None.
 
     Returns:
         A new list: ``(weight × factor, tensor)`` for the contributions kept, in their order (the
@@ -273,7 +278,7 @@ def similarity_weighted(
     n = len(parts)
     if n < CENTERED_CLIP_MIN_PARTS or parts[0][1].numel() < SIMILARITY_MIN_ELEMENTS:
         return list(parts)
-    gram = _deviation_gram(parts)
+    gram = _deviation_gram(parts, centre)
     norms = gram.diagonal().clamp_min(0).sqrt()
     out = []
     for i, (w, x) in enumerate(parts):
@@ -295,7 +300,10 @@ an obtuse angle."""
 
 
 def direction_screened(
-    parts: Sequence[tuple[float, torch.Tensor]], *, min_cosine: float = DIRECTION_MIN_COSINE
+    parts: Sequence[tuple[float, torch.Tensor]],
+    *,
+    min_cosine: float = DIRECTION_MIN_COSINE,
+    centre: torch.Tensor | None = None,
 ) -> list[tuple[float, torch.Tensor]]:
     """``parts`` without the contributions that point *against* the group: cosine with the
     coordinate-wise (lower) median of all of them under ``min_cosine``. FLTrust's rule (Cao, Fang,
@@ -310,6 +318,7 @@ def direction_screened(
     Args:
         parts: ``(weight > 0, fp32 tensor)`` per contribution, all finite, one shape.
         min_cosine: in [-1, 1).
+        centre: :func:`coordinate_median` of ``parts`` when the caller has it, else None.
 
     Returns:
         A new list of the contributions kept, in their order (the tensors themselves). ``parts``
@@ -325,17 +334,15 @@ def direction_screened(
     n = len(parts)
     if n < CENTERED_CLIP_MIN_PARTS or parts[0][1].numel() < CENTERED_CLIP_MIN_ELEMENTS:
         return list(parts)
-    flats = [x.flatten() for _, x in parts]
-    dots, norms, centre = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), 0.0
-    for start in range(0, flats[0].numel(), _SIMILARITY_CHUNK):  # float64 over one chunk at a time
-        stacked = torch.stack([f[start : start + _SIMILARITY_CHUNK].float() for f in flats]).double()
-        median = stacked.median(dim=0).values
-        dots += stacked @ median
-        norms += (stacked * stacked).sum(dim=1)
-        centre += float(median @ median)
-    if not centre > 0:
+    middle = (coordinate_median(parts) if centre is None else centre).flatten().double()
+    size = float(torch.linalg.vector_norm(middle))
+    if not size > 0:
         return list(parts)
-    cosines = [float(dots[i]) / math.sqrt(float(norms[i]) * centre) if norms[i] > 0 else 0.0 for i in range(n)]
+    cosines = []
+    for _, x in parts:
+        flat = x.flatten().double()
+        norm = float(torch.linalg.vector_norm(flat))
+        cosines.append(float(torch.dot(flat, middle)) / (norm * size) if norm > 0 else 0.0)
     kept = [part for part, c in zip(parts, cosines, strict=True) if c >= min_cosine]
     return kept if 2 * len(kept) >= n else list(parts)
 
@@ -363,6 +370,10 @@ def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tenso
         CenteredClip clips is not struck: it may clip an honest outlier, e.g. a fresh joiner's Δ).
     """
     parts, clipped = clip_to_median(parts)
-    parts = similarity_weighted(direction_screened(parts))
-    mean, _ = centered_clip(parts)
-    return trimmed_length(parts, mean), clipped
+    judged = len(parts) >= CENTERED_CLIP_MIN_PARTS and parts[0][1].numel() >= CENTERED_CLIP_MIN_ELEMENTS
+    centre = coordinate_median(parts) if judged else None  # computed once: each rule below starts from it
+    kept = direction_screened(parts, centre=centre)
+    centre = centre if len(kept) == len(parts) else None  # the median ignores weights, not who is left out
+    weighted = similarity_weighted(kept, centre=centre)
+    mean, _ = centered_clip(weighted, centre=centre if len(weighted) == len(kept) else None)
+    return trimmed_length(weighted, mean), clipped

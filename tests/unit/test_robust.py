@@ -269,3 +269,21 @@ def test_the_sideways_attack_passes_the_direction_screen_at_the_clips_norm():
     assert len(direction_screened(parts)) == 8
     flipped = Adversary(attack="subclip-flip", peers=(7,)).forge([xs[7]], torch.Generator().manual_seed(0))[0]
     assert len(direction_screened([*parts[:7], (1.0, flipped)])) == 7
+
+
+@pytest.mark.parametrize("case", ["clean", "flipped", "twice"])
+def test_piece_mean_computes_the_median_once_and_gives_the_same_bits(case):
+    """piece_mean hands its one coordinate-wise median to each rule; each rule computing its own
+    gives the same bits (the median ignores weights, and is recomputed once a part is left out)."""
+    xs = _honest(8, 4096, seed=24, spread=0.5)
+    parts = [(float(100 + i), x) for i, x in enumerate(xs[:6])]
+    if case == "flipped":
+        parts += [(100.0, -2.5 * xs[6]), (100.0, xs[7])]
+    elif case == "twice":
+        parts += [(100.0, 3.0 * xs[6]), (100.0, 3.0 * xs[6].clone())]
+    else:
+        parts += [(100.0, xs[6]), (100.0, xs[7])]
+    clipped_parts, _ = clip_to_median(parts)
+    weighted = similarity_weighted(direction_screened(clipped_parts))
+    expected = trimmed_length(weighted, centered_clip(weighted)[0])
+    assert torch.equal(piece_mean(parts)[0], expected)
