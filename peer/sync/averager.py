@@ -277,8 +277,8 @@ class LocoAverager(HelperProcess, PinnedGroupBits, BoundedHandlers, StateSharing
                 None: every buffer.
             stronger: this peer sends its contributions and means with the next stronger codec
                 (peer/sync/pieces.py ``stronger_compression``; a volunteer's traffic budget).
-            whole_delta, carry_skipped: the next sync's Δ is one round's training alone, and a Δ piece
-                the receipts skip is carried into this peer's next contribution (``SyncRequest``).
+            whole_delta, carry_skipped: whether the next sync's Δ is one round's training alone, and
+                whether a Δ piece the receipts skip is carried into the next contribution (``SyncRequest``).
 
         Raises:
             ValueError: an index out of range, repeated or out of order (ascending keeps a

@@ -65,7 +65,7 @@ from collections.abc import Sequence
 
 import torch
 
-from peer.sync.screening import clip_to_median
+from peer.sync.screening import _cosine, clip_to_median
 
 CENTERED_CLIP_TAU_FACTOR = 2.0
 """τ of :func:`centered_clip` as a multiple of the (lower) median distance of the contributions to
@@ -334,16 +334,10 @@ def direction_screened(
     n = len(parts)
     if n < CENTERED_CLIP_MIN_PARTS or parts[0][1].numel() < CENTERED_CLIP_MIN_ELEMENTS:
         return list(parts)
-    middle = (coordinate_median(parts) if centre is None else centre).flatten().double()
-    size = float(torch.linalg.vector_norm(middle))
-    if not size > 0:
+    middle = coordinate_median(parts) if centre is None else centre
+    if not bool(middle.any()):
         return list(parts)
-    cosines = []
-    for _, x in parts:
-        flat = x.flatten().double()
-        norm = float(torch.linalg.vector_norm(flat))
-        cosines.append(float(torch.dot(flat, middle)) / (norm * size) if norm > 0 else 0.0)
-    kept = [part for part, c in zip(parts, cosines, strict=True) if c >= min_cosine]
+    kept = [(w, x) for w, x in parts if _cosine(x, middle) >= min_cosine]
     return kept if 2 * len(kept) >= n else list(parts)
 
 

@@ -65,22 +65,13 @@ def test_an_owners_means_of_1e30_on_small_pieces_are_refused(corpus):
     assert all(torch.equal(x, y) for phi in honest[1:] for x, y in zip(phi, honest[0], strict=True))
 
 
-def test_a_sub_clip_sign_flip_with_flipped_owner_means_leaves_every_honest_phi_finite(corpus):
-    """−2.5× contributions (under the 3× clip) and −2.5× owner means (inside the 3× bound): the
-    owners' direction screen leaves the contributions out (peer/sync/robust.py) and the receivers
-    refuse the flipped means. What holds: no honest loop fails or turns non-finite, and the honest
-    peers keep one φ."""
-    result = _run(corpus, "subclip-flip")
-    _held(result, PEERS - 1, trains=False)
-    honest = [result.final_phis[i] for i in result.honest]
-    assert all(torch.equal(x, y) for phi in honest[1:] for x, y in zip(phi, honest[0], strict=True))
-
-
-def test_a_sideways_contribution_at_the_clips_norm_leaves_every_honest_phi_finite(corpus):
-    """2.5× contributions at cosine 0.1 with the attacker's own Δ (over the owners' direction screen,
-    under their clip) and −2.5× owner means: no honest loop fails or turns non-finite, and the honest
-    peers keep one φ."""
-    result = _run(corpus, "subclip-sideways")
+@pytest.mark.parametrize("attack", ["subclip-flip", "subclip-sideways"])
+def test_a_sub_clip_contribution_with_flipped_owner_means_leaves_every_honest_phi_finite(corpus, attack):
+    """Contributions at 2.5× the norm (under the 3× clip), flipped (the owners' direction screen,
+    peer/sync/robust.py, leaves them out) or at cosine 0.1 with the attacker's own Δ (over that
+    screen), and −2.5× owner means (inside the 3× bound; the receivers refuse them). What holds: no
+    honest loop fails or turns non-finite, and the honest peers keep one φ."""
+    result = _run(corpus, attack)
     _held(result, PEERS - 1, trains=False)
     honest = [result.final_phis[i] for i in result.honest]
     assert all(torch.equal(x, y) for phi in honest[1:] for x, y in zip(phi, honest[0], strict=True))
