@@ -379,6 +379,7 @@ class InProcessTransport:
             raise
         mine = outcome[0] if outcome else MemberOutcome(mean=None)
         self._carry(mine.carried if request.carry_skipped else [], numbers, [t.shape for t in payload])
+        kept = () if request.carry_skipped else tuple((p.tensor, p.start, p.stop) for p, _ in mine.carried)
         sent, received = self._bytes(payload, len(digests))
         return SyncResult(
             mean=mean,
@@ -392,6 +393,7 @@ class InProcessTransport:
             partial_pieces=mine.partial_pieces,
             refused=tuple(sorted(mine.refused)),
             refused_pieces=mine.refused_pieces,
+            kept_rows=kept,
         )
 
     def _carry(

@@ -110,6 +110,10 @@ class SyncReport:
     overlap_steps: tuple[int, ...] = ()
     """Streaming: for each fragment sync of the round, the inner steps it overlapped (from its start
     to its mean landing; at least ``sync.fragment_delay_steps``). Empty otherwise."""
+    kept_rows: tuple[tuple[int, int, int], ...] = ()
+    """A blocking sync: the rows of this peer's Δ (payload tensor, first row, stop row) whose owner the
+    group skipped or refused, applied as zeros: the landing keeps θ's progress there
+    (peer/train/streaming.py ``land``). Empty otherwise; not combined across syncs."""
 
 
 def combine_sync_reports(reports: list[SyncReport]) -> SyncReport:

@@ -331,6 +331,7 @@ class FragmentSchedule(BackgroundSchedule):
             return
         index = self.fragments[p]
         own, self.own = self.own, None
+        phi_before = None  # φ_p before the group's step, where θ_p keeps its progress on kept rows
         if mean is not None:
             try:
                 with s.lock:
@@ -345,14 +346,22 @@ class FragmentSchedule(BackgroundSchedule):
                     prepared, report = self.gated(p, prepared, report)
                     with s.lock:
                         self.install_fragment(prepared, p, prepared.mean)
+                phi_before = prepared.base[: len(index)] if prepared is not None else None
             except BadPayload as exc:
                 self.reporter.emit("warning", message=f"{exc}: fragment {p}'s outer step skipped")
                 report = dataclasses.replace(
-                    report, failed=True, agreeing=(), completed=(), note=f"fragment {p}: outer step skipped ({exc})"
+                    report,
+                    failed=True,
+                    agreeing=(),
+                    completed=(),
+                    note=f"fragment {p}: outer step skipped ({exc})",
+                    kept_rows=(),
                 )
         s.await_theta_copy()
         phi_p = [s.phi[k] for k in index]  # as installed now
-        land([s.params[k] for k in index], phi_p, alpha=self.alpha, rule=self.rule, at_sync=at_sync)
+        kept = report.kept_rows if phi_before is not None else ()
+        theta_p = [s.params[k] for k in index]
+        land(theta_p, phi_p, alpha=self.alpha, rule=self.rule, at_sync=at_sync, kept_rows=kept, phi_before=phi_before)
         self.landed.append(report)
 
     def gated(self, p: int, prepared: PreparedFragment, report: SyncReport) -> tuple[PreparedFragment, SyncReport]:
@@ -382,7 +391,7 @@ class FragmentSchedule(BackgroundSchedule):
         self.reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
         note = "; ".join(filter(None, [report.note, f"applied its own step alone: {problem}"]))
         alone = self.step_fragment(p, own_payload, None)
-        return alone, dataclasses.replace(report, agreeing=(), completed=(), note=note)
+        return alone, dataclasses.replace(report, agreeing=(), completed=(), note=note, kept_rows=())
 
     def install_fragment(self, prepared: PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
         """Install a prepared fragment step as φ_p and the fragment's outer state (call under the

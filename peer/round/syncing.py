@@ -75,7 +75,8 @@ class GroupSync:
         self.whole_delta = timing.whole_delta
         """Each sync's Δ is one round's training alone (``SyncRequest.whole_delta``)."""
         self.carry_skipped = timing.carries_skipped
-        """A skipped Δ piece is carried into the next contribution (``SyncRequest.carry_skipped``)."""
+        """A skipped Δ piece is carried into the next contribution (``SyncRequest.carry_skipped``); else
+        its rows are in the report's ``kept_rows``."""
         self.fragments = 0
         """Streaming: how many fragments the model syncs in (0 otherwise)."""
         self.fragment_payload: list[list[int]] = []
@@ -210,6 +211,7 @@ class GroupSync:
             note=note,
             agreeing=tuple(agreeing),
             completed=tuple(completed),
+            kept_rows=result.kept_rows,
         )
 
     def keep_to_swarm(self, round_: int, should_stop: Callable[[], bool]) -> str:

@@ -44,10 +44,10 @@ class Timing:
     @property
     def carries_skipped(self) -> bool:
         """Whether a Δ piece the receipts skipped (applied as zeros) is carried into the next
-        contribution (peer/sync/error_feedback.py). Not in a blocking sync: its landing sets θ to φ,
-        where that piece did not move, and the next round trains its progress again; carrying the
-        skipped Δ as well would apply it twice. An overlapped or streaming landing keeps θ's own
-        progress, which the group's φ then gets only from the carry."""
+        contribution (peer/sync/error_feedback.py). Not in a blocking sync: its landing sets θ to φ
+        but keeps θ's own progress on those rows (``SyncReport.kept_rows``), so the next Δ holds
+        it; an overlapped or streaming landing keeps θ's progress everywhere, and the group's φ gets
+        that piece's Δ only from the carry."""
         return self.overlap != "none"
 
     @classmethod

@@ -34,8 +34,8 @@ Rules on failure (checked, never assumed):
   holds every mean it sends each owner a RECEIPT of what every owner sent it, with the owners'
   seals (peer/sync/receipts.py): an owner refused by more than half of the reports, or proven to
   have sealed different means for different receivers (equivocation), has its pieces applied as
-  refused by every peer (Δ: zeros, each peer's own Δ there staged as its error-feedback
-  residual, sent again next round); a proven equivocator is named in
+  refused by every peer (Δ: zeros, each peer's own Δ there sent again next round, as its
+  error-feedback residual or kept in θ by a blocking landing); a proven equivocator is named in
   ``AllreduceStats.equivocators`` (the averager ignores it from the next round), a groupmate
   whose receipt reports an unsealed digest in ``receipt_liars`` (its receipt is not read).
 * A peer that misses any piece's mean (an owner died, aborted or sent something invalid) applies
@@ -94,7 +94,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             key must have sealed its means (``str`` for hivemind's ``PeerID``).
         whole_delta: a Δ of one round's progress alone (protocol/specs.py ``delta_is_round_progress``): a
             pair's receiver judges its owner's whole Δ (pairs.py ``PairTally``), receipts the alignments.
-        carry_skipped: a Δ piece the receipts skip is staged as this peer's residual; False: dropped.
+        carry_skipped: a Δ piece the receipts skip is staged as this peer's residual; else in ``kept_rows``.
     """
 
     def __init__(

@@ -39,6 +39,9 @@ class AllreduceStats:
     equivocators: set[str] = field(default_factory=set)
     """Owners in ``skipped_owners`` proven, by their own two seals, to have sent different means to
     different receivers (peer/sync/receipts.py)."""
+    kept_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    """Without the carry (``SyncRequest.carry_skipped`` False): the rows (tensor, first row, stop row)
+    of this peer's Δ pieces applied as zeros because the receipts skipped their owner."""
     receipt_liars: set[str] = field(default_factory=set)
     """Groupmates whose receipt reported a digest of some owner's means that the owner never sealed."""
     unread_receipts: int = 0

@@ -5,10 +5,9 @@ and decode; what they dropped is kept here, staged while a sync runs and made cu
 it succeeded. In an overlapped or streaming sync the same residuals carry a piece's whole Δ when
 the group's receipts skipped that piece (peer/sync/receipts.py: its owner lied), with any codec:
 every peer then re-sends its own Δ of that piece in its next contribution, instead of losing the
-round's work there. A blocking sync does not (``SyncRequest.carry_skipped``): its landing sets θ to
-φ, where the piece did not move, and the next round trains that progress again; carrying it too
-applied it twice (one owner of 8 caught lying in the first round cost +6.2 % at 10 rounds of H = 25,
-bench/byzantine.py).
+round's work there. A blocking sync does not (``SyncRequest.carry_skipped``): its landing keeps θ's own progress on
+those rows (``SyncReport.kept_rows``, peer/train/streaming.py ``land``), so the next Δ holds it;
+carrying it as well would send it twice.
 """
 
 from __future__ import annotations

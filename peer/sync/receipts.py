@@ -19,7 +19,7 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
   proof that it sent different means to different receivers; it is an **equivocator**, its pieces
   are skipped this round (applied as zeros for Δ, as this peer's own values for φ; in an overlapped
   or streaming sync each peer carries its own Δ of those pieces into its next contribution,
-  peer/sync/error_feedback.py, while a blocking round trains it again from φ) and it is
+  peer/sync/error_feedback.py, while a blocking landing keeps θ's progress there) and it is
   ignored from the next round on, kept across restarts. If it does not, the report contradicts what
   this peer received and no owner signed it: its sender is a **liar**, its whole receipt is not read
   (its refusals and alignments count for nothing) and it is named in the log; the owner is not
@@ -396,9 +396,11 @@ class ReceiptExchange:
                 delta = self.phi_from is None or piece.tensor < self.phi_from
                 own = piece_view(self.tensors[piece.tensor], piece)
                 self.results[piece.index] = torch.zeros_like(own) if delta and votes else own.clone()
-                if delta and votes:  # carried: this peer's Δ there goes out again next sync (error feedback)
-                    compensated = self.compensate(piece, own.float())
-                    self.stage(piece, compensated, None if self.carry_skipped else compensated)
+                if delta and votes and self.carry_skipped:  # this peer's Δ there goes out again next sync
+                    self.stage(piece, self.compensate(piece, own.float()), None)
+                elif delta and votes:  # a blocking landing keeps θ's progress there; the residual stays
+                    self.stage(piece, self.compensate(piece, own.float()), own.float())
+                    self.stats.kept_rows.append((piece.tensor, piece.start, piece.stop))
         if found.equivocators:
             logger.warning(
                 "all-reduce %s: owners %s signed different means for different groupmates (proven by their "

@@ -89,6 +89,9 @@ class SyncResult:
     start_digests: dict[str, str] | None = None
     """Each groupmate's digest of the state it started the round from (peer id → hex): groupmates
     that started from the same state and completed the round hold the same state after it."""
+    kept_rows: tuple[tuple[int, int, int], ...] = ()
+    """With ``SyncRequest.carry_skipped`` False: the rows of this peer's Δ (payload tensor, first row,
+    stop row) applied as zeros because the receipts skipped their owner (``SyncReport.kept_rows``)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ class SyncRequest:
     fragment's, which the last landing's merge left part of a mean in."""
     carry_skipped: bool = True
     """A Δ piece the receipts skip is carried into this peer's next contribution (peer/round/timing.py
-    ``Timing.carries_skipped``); False: dropped, as a blocking round trains it again from φ."""
+    ``Timing.carries_skipped``); False: not carried but named in :attr:`SyncResult.kept_rows`, where a
+    blocking landing keeps θ's progress."""
     tensors: Sequence[int] | None = None
     """With ``fragment``, the indices of the payload buffers the payload fills (ascending; the
     fragment's Δ tensors, then its φ tensors for NoLoCo); the mean returned holds those tensors
@@ -432,6 +436,7 @@ class NetworkTransport:
             refused=tuple(sorted(stats.refused)),
             refused_pieces=stats.refused_pieces,
             unread_receipts=stats.unread_receipts,
+            kept_rows=tuple(stats.kept_rows),
             start_digests={
                 str(peer): str((data or {}).get("start_digest", "")) if isinstance(data, dict) else ""
                 for peer, data in gathered.items()

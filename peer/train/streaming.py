@@ -206,14 +206,30 @@ def land(
     alpha: float,
     rule: str,
     at_sync: Sequence[torch.Tensor] | None,
+    kept_rows: Sequence[tuple[int, int, int]] = (),
+    phi_before: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """A fragment's mean enters θ_p by the run's ``sync.fragment_merge`` ``rule``: 'mix'
     (:func:`merge`) or 'shift' (:func:`shift`, which needs ``at_sync``).
 
+    ``kept_rows`` (tensor, first row, stop row; the whole tensor for 0-d): rows where the group
+    applied no mean of this peer's Δ (``SyncReport.kept_rows``). There θ_p keeps its own progress,
+    the rule's result plus θ_p − φ_p^before (with α = 0: θ_p plus the outer step's change of φ_p), so
+    the next Δ_p = φ_p − θ_p holds it again;
+    ``phi_before``: φ_p before this landing's outer step (needed with ``kept_rows``).
+
     Raises:
-        ValueError: an unknown rule, 'shift' without ``at_sync``, or what :func:`merge` and
-            :func:`shift` raise; ``theta`` unchanged.
+        ValueError: an unknown rule, 'shift' without ``at_sync``, ``kept_rows`` without
+            ``phi_before``, or what :func:`merge` and :func:`shift` raise; ``theta`` unchanged.
     """
+    if kept_rows and phi_before is None:
+        raise ValueError("kept rows need φ as it was before the outer step")
+    progress = []
+    with torch.no_grad():
+        for t, start, stop in kept_rows:
+            rows = _rows(theta[t], start, stop)
+            before = _rows(phi_before[t], start, stop).to(device=rows.device, dtype=torch.float32)  # type: ignore[index]
+            progress.append((t, start, stop, rows.to(torch.float32) - before))
     if rule == "mix":
         merge(theta, phi, alpha)
     elif rule == "shift":
@@ -222,6 +238,15 @@ def land(
         shift(theta, phi, at_sync, alpha)
     else:
         raise ValueError(f"fragment_merge = {rule!r}: need 'mix' or 'shift'")
+    with torch.no_grad():
+        for t, start, stop, own in progress:
+            rows = _rows(theta[t], start, stop)
+            rows.copy_(rows.to(torch.float32) + own)
+
+
+def _rows(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``tensor`` (a view), or the whole tensor for 0-d (protocol/wire/pieces.py)."""
+    return tensor if tensor.dim() == 0 else tensor[start:stop]
 
 
 def payload_indices(fragment: Sequence[int], *, phi_from: int | None) -> list[int]:

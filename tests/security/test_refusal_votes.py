@@ -145,30 +145,38 @@ def test_a_skipped_piece_is_carried_into_the_next_round(codec):
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
-def test_a_blocking_sync_drops_a_skipped_pieces_delta(codec):
-    """A blocking sync (``carry_skipped`` False): the liar's pieces move nothing and nothing of them is
-    carried: its landing sets θ to φ, where they did not move, so the next round trains that
-    progress again. With int8 the other pieces still carry what the codec dropped."""
+def test_a_blocking_sync_names_a_skipped_pieces_rows_and_carries_nothing_of_them(codec):
+    """A blocking sync (``carry_skipped`` False): the liar's pieces move nothing, their rows are named in
+    ``stats.kept_rows`` (the landing keeps θ's progress there, peer/train/streaming.py ``land``) and
+    nothing of this round's Δ there is carried: the residual a codec left there earlier stays as it
+    was. With int8 the other pieces still carry what the codec dropped."""
     spec = CompressionSpec(codec=codec)
-    ps = payloads(41)
     feedback = [ErrorFeedback(SHAPES) for _ in range(N)]
     options = dict(piece_elements=512, max_weight=1024, spec=spec, carry_skipped=False)
+    earlier, outcomes = asyncio.run(run_group(payloads(40), [1024] * N, feedback=feedback, **options))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert not any(s.stats.kept_rows for s in earlier)  # nothing skipped, nothing kept
+    before = [f.residuals() for f in feedback]
+    ps = payloads(41)
     first, outcomes = asyncio.run(run_group(ps, [1024] * N, liars={LIAR: lambda m: -m}, feedback=feedback, **options))
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
-    assert any(p.owner == LIAR for p in first[0].plan.pieces)
+    liars_rows = [(p.tensor, p.start, p.stop) for p in first[0].plan.pieces if p.owner == LIAR]
+    assert liars_rows
     for i, s in enumerate(first[:LIAR]):
         assert s.stats.skipped_owners == {str(LIAR)}
+        assert s.stats.kept_rows == liars_rows
         residuals = feedback[i].residuals()
+        assert (residuals is None) == (codec == "none")
         for piece in s.plan.pieces:
             rows = slice(piece.start, piece.stop)
-            carried = None if residuals is None else residuals[piece.tensor][rows]
             own = ps[i][piece.tensor][rows]
-            if piece.owner == LIAR or codec == "none" or piece.owner == i:
-                assert carried is None or not carried.any()
-            else:
-                assert 0 < carried.norm() < 0.05 * own.norm()
             if piece.owner == LIAR:
                 assert not s.results[piece.index].any()  # applied as zeros
+                if residuals is not None:  # the earlier residual (staged as (Δ + e) − Δ: to rounding)
+                    torch.testing.assert_close(residuals[piece.tensor][rows], before[i][piece.tensor][rows])
+                    assert residuals[piece.tensor][rows].any()
+            elif residuals is not None and piece.owner != i:
+                assert 0 < residuals[piece.tensor][rows].norm() < 0.05 * own.norm()
 
 
 def test_one_receiver_refusing_alone_skips_nothing(monkeypatch):

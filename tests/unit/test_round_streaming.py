@@ -4,6 +4,7 @@ of test_round_overlap.py, each fragment's sync keyed and carried on its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -372,9 +373,9 @@ def test_shift_lands_each_mean_relative_to_theta_at_its_sync_and_keeps_the_steps
 
     landings, real_land = [], round_module.land
 
-    def spy_land(theta, phi, *, alpha, rule, at_sync):
+    def spy_land(theta, phi, *, alpha, rule, at_sync, **kept):
         before = [t.detach().clone() for t in theta]
-        real_land(theta, phi, alpha=alpha, rule=rule, at_sync=at_sync)
+        real_land(theta, phi, alpha=alpha, rule=rule, at_sync=at_sync, **kept)
         landings.append(
             (
                 rule,
@@ -533,3 +534,33 @@ def test_a_blocking_landing_keeps_its_new_outer_momentum_in_the_means_own_tensor
     for x, y in zip(a.state.live_tensors(), b.state.live_tensors(), strict=True):
         assert torch.isfinite(x).all() and torch.equal(x, y)
     assert any(bool(m.abs().sum() > 0) for m in a.state.live_tensors()[n:])
+
+
+def test_a_blocking_landing_keeps_thetas_progress_where_the_group_applied_none_of_its_delta(corpus):
+    """A blocking sync whose result names kept rows (the receipts skipped their owner: the mean there
+    is zeros): the landing sets θ to the new φ everywhere else, and there keeps this peer's own
+    progress, θ = φ − Δ, so its next Δ holds it (peer/train/streaming.py ``land``)."""
+    rows = ((0, 0, 2),)
+
+    class Skipping(FragmentTransport):
+        def average(self, payload, **kwargs):
+            self.sent = [t.clone() for t in payload]
+            result = super().average(payload, **kwargs)
+            result.mean[0][0:2].zero_()  # what every peer applies there: no mean, as after a skip
+            return dataclasses.replace(result, kept_rows=rows)
+
+    manifest = tiny_run().replace(model={"num_layers": 2}, sync={"overlap": "none", "inner_steps": H})
+    records, group = Records(), Group(2)
+    transports = [Skipping(p, group) for p in ("a", "b")]
+    trainers = [make_trainer(corpus, manifest, p, records, t, rounds=1) for p, t in zip(("a", "b"), transports)]
+    run_in_threads(trainers)
+    a, b = trainers
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))  # one φ still
+    for trainer, transport in zip(trainers, transports):
+        theta = [p.detach().float() for p in trainer.params]
+        kept = theta[0][0:2]
+        assert transport.sent[0][0:2].abs().sum() > 0  # it trained there
+        # θ there is this round's progress on top of the new φ (its outer step moved φ by momentum 0)
+        torch.testing.assert_close(trainer.phi[0][0:2] - kept, transport.sent[0][0:2])
+        assert torch.equal(theta[0][2:], trainer.phi[0][2:])
+        assert all(torch.equal(t, f) for t, f in zip(theta[1:], trainer.phi[1:], strict=True))

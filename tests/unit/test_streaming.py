@@ -132,6 +132,29 @@ def test_shift_keeps_the_steps_since_the_sync_and_is_merge_when_there_were_none(
     assert identical(now, before)
 
 
+def test_a_blocking_landing_keeps_thetas_progress_on_the_kept_rows_only():
+    """``kept_rows``: rows the group applied no mean of this peer's Δ to. There θ ← θ + (φ − φ_before)
+    (its progress kept over the outer step's change); everywhere else θ ← φ, as without them."""
+    g = torch.Generator().manual_seed(2)
+    phi_before = [torch.randn(6, 4, generator=g), torch.randn(5, generator=g), torch.randn((), generator=g)]
+    theta = [p + 0.1 * torch.randn(p.shape, generator=g) for p in phi_before]
+    phi = [p + 0.01 * torch.randn(p.shape, generator=g) for p in phi_before]
+    landed = [t.clone() for t in theta]
+    land(landed, phi, alpha=0.0, rule="mix", at_sync=None, kept_rows=[(0, 2, 4), (2, 0, 1)], phi_before=phi_before)
+    want = [p.clone() for p in phi]
+    want[0][2:4] = theta[0][2:4] + (phi[0][2:4] - phi_before[0][2:4])
+    want[2] = theta[2] + (phi[2] - phi_before[2])
+    for got, w in zip(landed, want, strict=True):
+        torch.testing.assert_close(got, w)
+    assert torch.equal(landed[1], phi[1]) and torch.equal(landed[0][:2], phi[0][:2])
+    # the next Δ = φ − θ there is this round's Δ again: the progress the group did not apply
+    torch.testing.assert_close(phi[0][2:4] - landed[0][2:4], phi_before[0][2:4] - theta[0][2:4])
+    unchanged = [t.clone() for t in theta]
+    with pytest.raises(ValueError, match="kept rows need φ as it was before the outer step"):
+        land(theta, phi, alpha=0.0, rule="mix", at_sync=None, kept_rows=[(0, 0, 1)])
+    assert identical(theta, unchanged)
+
+
 def test_fragment_merge_field_validated_and_absent_at_its_default():
     m = RunManifest().replace(sync={"overlap": "streaming", "fragment_merge": "shift"})
     assert from_dict(tomllib.loads(dump_toml(m))) == m and m.sync.fragment_merge == "shift"
