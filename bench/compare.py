@@ -10,10 +10,10 @@
 Runs N peers in one process for every method, N in ``bench.peers`` and seed in ``bench.seeds``:
 DiLoCo, NoLoCo and independent peers as N real round loops (``peer.round.Trainer``, the code a peer
 runs) over the in-process transport (lab/engine_sim.py), data-parallel (which has no round loop)
-and anything the engine does not run here (a lossy codec, overlap: see ``engine_runs``) in
-lab/simulation.py, which the engine matches within a relative 1e-5 of φ after 3 rounds on every
-schedule (tests/unit/test_engine_sim.py: the two round the group mean differently, not bit for
-bit; ``--runner simulation`` runs every method there). All at a fixed global batch: each peer's
+and NoLoCo with overlap (see ``engine_runs``) in lab/simulation.py, which the engine matches within
+a relative 1e-5 of φ after 3 rounds on every schedule without a codec (tests/unit/test_engine_sim.py:
+the two round the group mean differently, not bit for bit; the hub encodes each piece with the
+run's codec, the simulation each whole tensor; ``--runner simulation`` runs every method there). All at a fixed global batch: each peer's
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
 table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
 ``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
@@ -322,15 +322,12 @@ RUNNERS = ("engine", "simulation")
 
 
 def engine_runs(m: RunManifest, method: str) -> bool:
-    """Whether ``method`` of run ``m`` runs on the round engine (lab/engine_sim.py): a method with a
-    round loop, synced blocking (overlap's landings depend on threads' timing) without a lossy codec
-    (the in-process hub averages in plain fp32)."""
-    return (
-        method != "data-parallel"
-        and m.sync.overlap == "none"
-        and m.compression.codec == "none"
-        and m.compression.phi_codec == "none"
-    )
+    """Whether ``method`` of run ``m`` runs on the round engine (lab/engine_sim.py, its timing pinned
+    to the lockstep: where an overlapped mean lands does not depend on the threads): every method
+    with a round loop, any codec (the in-process hub encodes and decodes as the wire does), any
+    overlap but NoLoCo's (there a peer without a partner can run more than a round ahead of the
+    others, and whether it does depends on the threads' timing)."""
+    return method != "data-parallel" and not (method == "noloco" and m.sync.overlap != "none")
 
 
 def _one(
@@ -364,6 +361,7 @@ def _one(
             eval_every_rounds=bench["eval_every_rounds"],
             placement=placement,
             on_eval=on_eval,
+            pinned=True,
         )
     return run_simulation(
         m,

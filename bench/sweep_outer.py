@@ -119,7 +119,9 @@ def one_run(
         base, "data-parallel" if outer is None else outer["algorithm"], peers, seed, global_batch_tokens, rounds
     )
     if outer is not None and engine_runs(m, outer["algorithm"]):  # the round loop a peer runs (lab/engine_sim.py)
-        r = run_engine_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds)
+        r = run_engine_simulation(
+            m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds, pinned=True
+        )
     else:
         r = run_simulation(
             m,

@@ -12,8 +12,8 @@ peer i samples, from the same φ_0.
 What the engine does and the simulation does not: the round loop's records, re-sync rule, state
 snapshots, overlap/streaming schedules as a peer runs them. The hub deals each group's pieces and
 screens them as the network's all-reduce does (lab/inprocess_means.py: the piece plan, the
-owners' screening and means, each receiver's check, the strikes); what it does not do: codecs (every
-piece and mean travels as fp32), timing of a network. A lab adversary (lab/adversary.py) acts
+owners' screening and means, each receiver's check, the strikes, the codecs and each peer's error
+feedback); what it does not do: the timing of a network. A lab adversary (lab/adversary.py) acts
 inside the hub: the malicious peers run honest round loops whose contributions, owners' means,
 records and served states it forges. Evaluation is taken from copies of each peer's φ made as it
 finished each evaluated round (its ``round`` event), evaluated after the run, so the training's

@@ -22,9 +22,10 @@ the same two roles (:class:`~peer.sync.transport.RoundTransport`,
   as a network download is checked: digest, run id, shapes, finiteness).
 
 The unit tests run real :class:`peer.round.Trainer` s in threads over it, and lab/engine_sim.py a
-whole simulated swarm. Nothing here is compressed (the plan's codecs are chosen but every piece
-and mean travels as fp32) or timed like the network's all-reduce: bytes are the fp32 butterfly's
-estimate (:func:`butterfly_bytes`), or what the constructor says.
+whole simulated swarm. With :class:`PieceRules` every contribution and mean goes through the run's
+codecs (encoded and decoded, as on the wire) and each :class:`InProcessTransport` keeps its
+error-feedback residuals as a networked peer does; nothing is timed like the network's all-reduce:
+bytes are the fp32 butterfly's estimate (:func:`butterfly_bytes`), or what the constructor says.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from lab.inprocess_means import GroupHooks, MemberOutcome, PieceRules, screened_
 from peer.net.dht import PeerProgress
 from peer.state.download import StateDownload, validate_state
 from peer.state.snapshot import make_snapshot
+from peer.sync.error_feedback import RESIDUAL_DTYPES, keeps_residuals
 from peer.sync.membership import SwarmView
 from peer.sync.pieces import Suspects
 from peer.sync.screening import Strikes
@@ -338,8 +340,10 @@ class InProcessTransport:
         self.budgets: list[float] = []
         self.carried: list[tuple[int, int | None, list[tuple[int, ...]], list[int], str]] = []
         self._residuals: dict[int, torch.Tensor] = {}
-        """Per payload tensor (whole-payload numbering), the Δ of pieces the receipts skipped, added
-        to its next contribution (as the network's error-feedback residuals carry it)."""
+        """Per payload tensor (whole-payload numbering), its error-feedback residual, added to its next
+        contribution (peer/sync/error_feedback.py): what a lossy codec dropped (with the run's
+        ``compression.error_feedback``) and the Δ of pieces the receipts skipped (carried), in
+        ``compression.residual_dtype``."""
 
     def average(self, payload: Sequence[torch.Tensor], *, request: SyncRequest) -> SyncResult:
         """The group's token-weighted mean of ``payload`` (see NetworkTransport.average); the group
@@ -378,7 +382,7 @@ class InProcessTransport:
             exc.bytes_sent = exc.bytes_received = self._bytes(payload, request.expected_group_size)[0]
             raise
         mine = outcome[0] if outcome else MemberOutcome(mean=None)
-        self._carry(mine.carried if request.carry_skipped else [], numbers, [t.shape for t in payload])
+        self._feedback(mine, numbers, payload, carry=request.carry_skipped)
         kept = () if request.carry_skipped else tuple((p.tensor, p.start, p.stop) for p, _ in mine.carried)
         sent, received = self._bytes(payload, len(digests))
         return SyncResult(
@@ -396,17 +400,28 @@ class InProcessTransport:
             kept_rows=kept,
         )
 
-    def _carry(
-        self, carried: Sequence[tuple[Any, torch.Tensor]], numbers: Sequence[int], shapes: Sequence[torch.Size]
+    def _feedback(
+        self, mine: MemberOutcome, numbers: Sequence[int], sent: Sequence[torch.Tensor], *, carry: bool
     ) -> None:
-        """After a completed sync of tensors ``numbers``: their residuals are spent, replaced by the
-        skipped pieces' contributions (``MemberOutcome.carried``)."""
-        for i in numbers:
-            self._residuals.pop(i, None)
-        for piece, value in carried:
+        """After a completed sync of tensors ``numbers`` whose contributions were ``sent`` (residuals
+        added): their new residuals, as peer/sync/allreduce.py stages them. A piece a lossy codec
+        carried: ``sent`` minus what its owner decoded (with ``compression.error_feedback``); a piece
+        the receipts skipped: all of ``sent`` (``carry``), or the residual it had (a blocking
+        landing keeps θ's progress there); elsewhere zero."""
+        spec = self.hub.rules.compression if self.hub.rules is not None else None
+        dtype = RESIDUAL_DTYPES[spec.residual_dtype] if spec is not None else torch.float32
+        old = {i: self._residuals.pop(i) for i in numbers if i in self._residuals}
+        feeds = spec is not None and keeps_residuals(spec)
+        staged = [(p, piece_view(sent[p.tensor], p).float() - d) for p, d in mine.decoded] if feeds else []
+        for piece, value in mine.carried:
+            if carry:
+                staged.append((piece, value))
+            elif (held := old.get(numbers[piece.tensor])) is not None:
+                staged.append((piece, piece_view(held, piece).float()))
+        for piece, value in staged:
             i = numbers[piece.tensor]
             if i not in self._residuals:
-                self._residuals[i] = torch.zeros(shapes[piece.tensor], dtype=torch.float32)
+                self._residuals[i] = torch.zeros(sent[piece.tensor].shape, dtype=dtype)
             piece_view(self._residuals[i], piece).copy_(value)
 
     def _bytes(self, payload: Sequence[torch.Tensor], group_size: int) -> tuple[int, int]:

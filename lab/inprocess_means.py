@@ -30,8 +30,9 @@ class PieceRules:
     settings a NetworkTransport is built with, peer/node.py).
 
     Args:
-        compression: the run's codecs; they decide only whether tensors are cut into row pieces
-            (low rank and adaptive keep them whole): pieces and means travel as fp32 here.
+        compression: the run's codecs: whether tensors are cut into row pieces (low rank and
+            adaptive keep them whole), and each contribution and mean goes through its codec's
+            encode and decode as on the wire (an owner's own rows exact, as in the network).
         piece_elements: target piece size (None: protocol/wire/pieces.py ``PIECE_ELEMENTS``).
         max_weight: the token cap on one contribution (peer/sync/screening.py ``round_token_cap``);
             None: no cap.
@@ -88,6 +89,10 @@ class MemberOutcome:
     refused: dict[str, str] = field(default_factory=dict)
     """Owners whose mean of some piece it refused (``owner_mean_problem``), with the first reason."""
     refused_pieces: int = 0
+    decoded: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
+    """With a lossy codec: each piece it contributed to another owner (or to its own, a structured
+    codec's) as that owner decoded it (fp32): its error-feedback residual there is its contribution
+    minus this (GroupAllreduce._encode_contribution stages the same)."""
     carried: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
     """The Δ pieces the receipts skipped, each with this member's contribution to it (fp32): what it
     adds to its next contribution (peer/sync/error_feedback.py, as the network's residuals carry it)."""
@@ -192,6 +197,11 @@ def screened_means(
     for piece in plan.pieces:
         o, delta = piece.owner, phi_from is None or piece.tensor < phi_from
         views = [piece_view(p[piece.tensor], piece).float() for p in payloads]
+        codec, seed = plan.codecs[piece.index], plan.seeds[piece.index]
+        for s_ in range(n) if codec.lossy else ():  # what the owner decodes (its own rows stay exact)
+            if (s_ != o or codec.structured) and bool(torch.isfinite(views[s_]).all()):
+                views[s_] = codec.roundtrip(views[s_], seed=seed)[1]
+                out[s_].decoded.append((piece, views[s_]))
         for s_ in range(n):
             if s_ not in excluded[o] and not torch.isfinite(views[s_]).all():
                 excluded[o].add(s_)  # a sender's BadPayload (a strike), or the owner's own piece
@@ -216,6 +226,8 @@ def screened_means(
             continue
         parts = [(cap_weight(float(weights[s_]), rules.max_weight), views[s_]) for s_ in senders]
         mean, clipped = piece_mean(parts)
+        if plan.mean_codecs[piece.index].lossy and bool(torch.isfinite(mean).all()):  # the MEAN frame's codec
+            mean = plan.mean_codecs[piece.index].roundtrip(mean, seed=seed)[1]
         offenders[o].update(senders[c] for c in clipped)
         if not torch.isfinite(mean).all():
             failed = failed or f"the mean of piece {piece.index} is not finite"

@@ -30,6 +30,21 @@ def test_three_peers_hold_identical_phi_after_blocking_diloco_rounds(corpus):
     assert result.bytes_sent_per_peer > 0 and len(result.round_end_s) == 2 and result.train_s > 0
 
 
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_a_lossy_codec_runs_on_the_engine_and_the_peers_still_hold_one_phi(corpus, codec):
+    """The hub encodes and decodes every contribution and mean with the run's codec, and each peer
+    feeds its codec's error back (lab/inprocess.py): the group still applies one mean, so the peers
+    hold one state, it trains, and it is not the uncompressed run's φ."""
+    manifest = tiny_run().replace(compression={"codec": codec})
+    result = run_engine_simulation(manifest, corpus, peers=3, rounds=2, timeout_s=240.0)
+    plain = run_engine_simulation(tiny_run(), corpus, peers=3, rounds=2, timeout_s=240.0)
+    assert len(set(result.state_digests)) == 1 and len(result.state_digests) == 3
+    assert result.history[-1].loss_bpb < result.history[0].loss_bpb
+    assert result.state_digests[0] != plain.state_digests[0]
+    largest, _ = _relative_differences(result.final_phis, plain.final_phis)
+    assert 0 < largest < 0.1
+
+
 def test_the_engine_refuses_what_it_cannot_run(corpus):
     with pytest.raises(ValueError):
         run_engine_simulation(tiny_run(), corpus, peers=2, rounds=1, data_parallel=True)

@@ -17,6 +17,7 @@ from peer.state.snapshot import make_snapshot
 from peer.sync.membership import RoundSwarm, SwarmView
 from peer.sync.transport import NetworkTransport, RoundTransport, SyncRequest
 from protocol.errors import BadPayload, GroupNotFound, StateDownloadFailed
+from protocol.manifest import CompressionSpec
 from protocol.records import ProgressRecord
 
 if TYPE_CHECKING:  # mypy checks the structural conformance here
@@ -192,6 +193,79 @@ def test_a_skipped_piece_is_carried_into_the_next_contribution():
             held = rounds[0][m][k] * (results[0][member].mean[k] == 0)  # round 0's Δ where it moved nothing
             torch.testing.assert_close(extra, held)
             torch.testing.assert_close(hooks.sent[member][2][k], rounds[2][m][k])  # carried once
+        assert not transports[m]._residuals
+
+
+def _rounds(transports, rounds, start=0, **request):
+    """Each round's payloads averaged by ``transports`` in threads, the first at round ``start``; per
+    round, peer id → SyncResult."""
+    results: dict[int, dict[str, object]] = {}
+    for r, payloads in enumerate(rounds, start):
+        results[r] = {}
+
+        def one(t, p, r=r):
+            results[r][t.peer_id] = t.average(
+                p, request=SyncRequest(weight=1.0, round_=r, expected_group_size=len(transports), **request)
+            )
+
+        threads = [threading.Thread(target=one, args=args) for args in zip(transports, payloads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    return results
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_int8_contributions_and_means_go_through_the_codec_and_its_error_is_fed_back(feedback):
+    """With a lossy codec every contribution an owner receives and every mean it sends are the
+    codec's decoding (an owner's own rows exact), every member gets the same mean, and each member's
+    next contribution adds what the codec dropped of its last (``compression.error_feedback``)."""
+    ids, shapes = ["a", "b", "c", "d"], [torch.Size([64, 32]), torch.Size([1024])]
+    recorder = _FlippingOwner("nobody")
+    spec = CompressionSpec(codec="int8", error_feedback=feedback)
+    hub = InProcessHub(rules=PieceRules(compression=spec, piece_elements=512), hooks=recorder)
+    transports = [InProcessTransport(p, hub) for p in ids]
+    gen = torch.Generator().manual_seed(6)
+    rounds = [[[torch.randn(s, generator=gen) for s in shapes] for _ in ids] for _ in range(2)]
+    results = _rounds(transports, rounds[:1])
+    held = [dict(t._residuals) for t in transports]
+    _rounds(transports, rounds[1:], start=1)
+    plain = [sum(p[k] for p in rounds[0]) / len(ids) for k in range(2)]
+    first = results[0]["a"].mean
+    for member in ids:
+        assert all(torch.equal(x, y) for x, y in zip(results[0][member].mean, first, strict=True))
+    for got, want in zip(first, plain, strict=True):
+        assert not torch.equal(got, want)  # through the codec
+        assert (got - want).norm() < 0.05 * want.norm()
+    for m, member in enumerate(ids):
+        residuals = held[m]
+        if not feedback:
+            assert not residuals
+            assert all(torch.equal(x, y) for x, y in zip(recorder.sent[member][1], rounds[1][m], strict=True))
+            continue
+        e = [residuals.get(k, torch.zeros(shape)) for k, shape in enumerate(shapes)]  # none held: zeros
+        # its own pieces (every member owns one or more of the six of 512 values): exact, no residual
+        assert sum(int((x == 0).sum()) for x in e) >= 512
+        dropped, sent = torch.cat([x.flatten() for x in e]), torch.cat([x.flatten() for x in rounds[0][m]])
+        assert 0 < dropped.norm() < 0.05 * sent.norm()  # what int8 dropped of its pieces to the others
+        for k in range(2):
+            torch.testing.assert_close(recorder.sent[member][1][k], rounds[1][m][k] + e[k])  # fed back
+
+
+def test_a_blocking_sync_reports_the_skipped_rows_and_keeps_their_residual():
+    """``carry_skipped`` False (a blocking sync): the liar's pieces move nothing, their rows are in
+    ``kept_rows`` and nothing of them is carried (the landing keeps θ's progress there)."""
+    ids, shapes = ["a", "b", "c", "d"], [torch.Size([64, 32]), torch.Size([1024])]
+    hub = InProcessHub(rules=PieceRules(piece_elements=512), hooks=_FlippingOwner("d"))
+    transports = [InProcessTransport(p, hub) for p in ids]
+    gen = torch.Generator().manual_seed(5)
+    results = _rounds(transports, [[[torch.randn(s, generator=gen) for s in shapes] for _ in ids]], carry_skipped=False)
+    for m, member in enumerate(ids[:3]):
+        result = results[0][member]
+        assert result.kept_rows
+        for t, start, stop in result.kept_rows:
+            assert not result.mean[t][start:stop].any()
         assert not transports[m]._residuals
 
 
