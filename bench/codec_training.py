@@ -1,4 +1,4 @@
-"""Benchmark: validation loss at equal tokens, DiLoCo with 4 in-process peers, per codec.
+"""Benchmark: validation loss at equal tokens, DiLoCo with 4 peers on the round engine, per codec.
 
     python bench/codec_training.py [--threads 1] [--rounds 32] [--codecs none int4 adaptive]
     python bench/codec_training.py --codecs fp4 --set compression.block_size=256 --json /tmp/fp4_256.json
@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import apply_overrides, corpus_or_exit, load_config, manifest_for  # (bench/ is not a package)
 
-from lab.simulation import butterfly_bytes, run_simulation
+from lab.engine_sim import run_engine_simulation
+from lab.inprocess import butterfly_bytes
 from peer.train.model import build_model, parameter_count
 from protocol.errors import ManifestError
 from protocol.manifest import CODECS  # every codec a run may name
@@ -80,7 +81,7 @@ def main() -> None:
         if codec == "adaptive":
             compression["sync_time_budget_s"] = fp32_round / ADAPTIVE_RATIO / uplink
         m = m0.replace(compression=compression)
-        r = run_simulation(
+        r = run_engine_simulation(
             m,
             corpus,
             peers=args.peers,

@@ -111,6 +111,7 @@ def run_engine_simulation(
     adversary: Adversary | None = None,
     pinned: bool = False,
     loss_gate: bool = True,
+    uplink_mbps: float | None = None,
 ) -> EngineResult:
     """Train ``rounds`` rounds of N :class:`~peer.round.Trainer` s in threads and evaluate every
     ``eval_every_rounds`` (round 0 and the last round always), as lab/simulation.py's
@@ -141,10 +142,11 @@ def run_engine_simulation(
             whatever the threads' timing (peer/round/timing.py ``Timing.of(..., pinned=True)``: no
             extra steps past H while a sync is out, a streaming fragment's mean exactly τ steps after
             its sync started); bench/overlap.py and bench/byzantine.py run pinned.
+        uplink_mbps: every peer's uplink as the adaptive codec plans with it, Mbit/s (None: 8,000).
 
     Returns:
-        EngineResult: the loss curve, bytes sent per peer (the fp32 butterfly's estimate of each
-        sync), wall time (evaluation included, as the simulation's), the training's own wall time
+        EngineResult: the loss curve, bytes sent per peer (with ``screening``, the encoded bytes of
+        its contributions and means; else the fp32 butterfly's estimate of each sync), wall time (evaluation included, as the simulation's), the training's own wall time
         and when each round ended.
 
     Raises:
@@ -179,6 +181,7 @@ def run_engine_simulation(
             compression=manifest.compression,
             max_weight=float(round_token_cap(manifest)),
             whole_delta=timing.whole_delta,
+            **({} if uplink_mbps is None else {"uplink_bytes_per_s": uplink_mbps * 1e6 / 8}),
         )
         if screening
         else None

@@ -24,8 +24,9 @@ the same two roles (:class:`~peer.sync.transport.RoundTransport`,
 The unit tests run real :class:`peer.round.Trainer` s in threads over it, and lab/engine_sim.py a
 whole simulated swarm. With :class:`PieceRules` every contribution and mean goes through the run's
 codecs (encoded and decoded, as on the wire) and each :class:`InProcessTransport` keeps its
-error-feedback residuals as a networked peer does; nothing is timed like the network's all-reduce:
-bytes are the fp32 butterfly's estimate (:func:`butterfly_bytes`), or what the constructor says.
+error-feedback residuals as a networked peer does, and the bytes of a sync are the encoded bytes
+its pieces and means take (the fp32 butterfly's estimate, :func:`butterfly_bytes`, without
+:class:`PieceRules`, or what the constructor says); nothing is timed like the network's all-reduce.
 """
 
 from __future__ import annotations
@@ -384,7 +385,7 @@ class InProcessTransport:
         mine = outcome[0] if outcome else MemberOutcome(mean=None)
         self._feedback(mine, numbers, payload, carry=request.carry_skipped)
         kept = () if request.carry_skipped else tuple((p.tensor, p.start, p.stop) for p, _ in mine.carried)
-        sent, received = self._bytes(payload, len(digests))
+        sent, received = self._bytes(payload, len(digests), mine)
         return SyncResult(
             mean=mean,
             group=sorted(digests),
@@ -424,9 +425,15 @@ class InProcessTransport:
                 self._residuals[i] = torch.zeros(sent[piece.tensor].shape, dtype=dtype)
             piece_view(self._residuals[i], piece).copy_(value)
 
-    def _bytes(self, payload: Sequence[torch.Tensor], group_size: int) -> tuple[int, int]:
+    def _bytes(
+        self, payload: Sequence[torch.Tensor], group_size: int, mine: MemberOutcome | None = None
+    ) -> tuple[int, int]:
+        """(sent, received) for one sync: the constructor's ``bytes_per_sync``, else the encoded bytes
+        a hub with :class:`PieceRules` counted, else the fp32 butterfly's estimate."""
         if self.bytes_per_sync is not None:
             return self.bytes_per_sync
+        if mine is not None and mine.bytes_sent:
+            return mine.bytes_sent, mine.bytes_received
         sent = butterfly_bytes(sum(t.numel() for t in payload), group_size)
         return sent, sent
 

@@ -46,6 +46,8 @@ class PieceRules:
     piece_elements: int | None = None
     max_weight: float | None = None
     whole_delta: bool = True
+    uplink_bytes_per_s: float = 1e9
+    """Every member's uplink as the adaptive codec's plan reads it (peer/sync/adaptive.py), bytes/s."""
 
 
 class GroupHooks(Protocol):
@@ -89,6 +91,11 @@ class MemberOutcome:
     refused: dict[str, str] = field(default_factory=dict)
     """Owners whose mean of some piece it refused (``owner_mean_problem``), with the first reason."""
     refused_pieces: int = 0
+    bytes_sent: int = 0
+    """Encoded bytes it sends as the wire would carry them (no frame headers): its contribution to
+    each piece another member owns, and the mean of each piece it owns to every other member."""
+    bytes_received: int = 0
+    """Encoded bytes it receives: every other member's contribution to its pieces, the other owners' means."""
     decoded: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
     """With a lossy codec: each piece it contributed to another owner (or to its own, a structured
     codec's) as that owner decoded it (fp32): its error-feedback residual there is its contribution
@@ -162,7 +169,7 @@ def screened_means(
         compression=rules.compression,
         phi_from=phi_from,
         piece_elements=rules.piece_elements,
-        uplink_bytes_per_s=1e9,
+        uplink_bytes_per_s=rules.uplink_bytes_per_s,
     )
     book = [strikes.setdefault(p, Strikes()) for p in ids]
     ignored = [{ids.index(p) for p in book[o].ignored(round_) if p in ids} - {o} for o in range(n)]
@@ -198,6 +205,11 @@ def screened_means(
         o, delta = piece.owner, phi_from is None or piece.tensor < phi_from
         views = [piece_view(p[piece.tensor], piece).float() for p in payloads]
         codec, seed = plan.codecs[piece.index], plan.seeds[piece.index]
+        shape = tuple(views[o].shape)
+        sizes = (codec.encoded_size(shape), plan.mean_codecs[piece.index].encoded_size(shape))
+        for m in range(n):
+            out[m].bytes_sent += sizes[1] * (n - 1) if m == o else sizes[0]
+            out[m].bytes_received += sizes[0] * (n - 1) if m == o else sizes[1]
         for s_ in range(n) if codec.lossy else ():  # what the owner decodes (its own rows stay exact)
             if (s_ != o or codec.structured) and bool(torch.isfinite(views[s_]).all()):
                 views[s_] = codec.roundtrip(views[s_], seed=seed)[1]

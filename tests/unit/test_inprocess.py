@@ -253,6 +253,22 @@ def test_int8_contributions_and_means_go_through_the_codec_and_its_error_is_fed_
             torch.testing.assert_close(recorder.sent[member][1][k], rounds[1][m][k] + e[k])  # fed back
 
 
+@pytest.mark.parametrize("codec, ratio", [("none", 1.0), ("fp16", 0.5), ("int8", (1 + 4 / 64) / 4)])
+def test_a_hub_with_rules_reports_the_encoded_bytes_of_each_sync(codec, ratio):
+    """Bytes of a sync through a hub with PieceRules: each member's contribution to the pieces the
+    others own and its means to every other member, as the codec encodes them; for fp32 the
+    butterfly's 2·(n − 1)/n × 4 bytes per value (plus each piece's header)."""
+    ids, shapes = ["a", "b", "c", "d"], [torch.Size([64, 32]), torch.Size([1024])]
+    hub = InProcessHub(rules=PieceRules(compression=CompressionSpec(codec=codec), piece_elements=512))
+    transports = [InProcessTransport(p, hub, bytes_per_sync=None) for p in ids]
+    gen = torch.Generator().manual_seed(7)
+    results = _rounds(transports, [[[torch.randn(s, generator=gen) for s in shapes] for _ in ids]])
+    fp32 = butterfly_bytes(3072, len(ids))
+    total = sum(r.bytes_sent for r in results[0].values())
+    assert total == sum(r.bytes_received for r in results[0].values())  # every byte sent is received
+    assert total / len(ids) == pytest.approx(ratio * fp32, rel=0.03)
+
+
 def test_a_blocking_sync_reports_the_skipped_rows_and_keeps_their_residual():
     """``carry_skipped`` False (a blocking sync): the liar's pieces move nothing, their rows are in
     ``kept_rows`` and nothing of them is carried (the landing keeps θ's progress there)."""
