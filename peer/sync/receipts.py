@@ -396,11 +396,12 @@ class ReceiptExchange:
                 delta = self.phi_from is None or piece.tensor < self.phi_from
                 own = piece_view(self.tensors[piece.tensor], piece)
                 self.results[piece.index] = torch.zeros_like(own) if delta and votes else own.clone()
-                if delta and votes and self.carry_skipped:  # this peer's Δ there goes out again next sync
-                    self.stage(piece, self.compensate(piece, own.float()), None)
-                elif delta and votes:  # a blocking landing keeps θ's progress there; the residual stays
-                    self.stage(piece, self.compensate(piece, own.float()), own.float())
-                    self.stats.kept_rows.append((piece.tensor, piece.start, piece.stop))
+                if delta and votes:  # this peer's Δ there goes out again: carried, or kept in θ by a
+                    # blocking landing (its residual then stays as it was)
+                    compensated = self.compensate(piece, own.float())
+                    self.stage(piece, compensated, None if self.carry_skipped else own.float())
+                    if not self.carry_skipped:
+                        self.stats.kept_rows.append((piece.tensor, piece.start, piece.stop))
         if found.equivocators:
             logger.warning(
                 "all-reduce %s: owners %s signed different means for different groupmates (proven by their "

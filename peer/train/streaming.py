@@ -34,6 +34,7 @@ import torch
 
 from peer.train.outer import OuterAlgorithm, make_outer
 from protocol.manifest import RunManifest
+from protocol.wire.pieces import rows_view
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 """A transformer block's parameters: ``model.layers.<index>.`` in transformers' Llama (and most
@@ -224,12 +225,12 @@ def land(
     """
     if kept_rows and phi_before is None:
         raise ValueError("kept rows need φ as it was before the outer step")
-    progress = []
+    progress = []  # (a view of θ's kept rows, θ − φ_before there): the rule below writes θ in place
     with torch.no_grad():
         for t, start, stop in kept_rows:
-            rows = _rows(theta[t], start, stop)
-            before = _rows(phi_before[t], start, stop).to(device=rows.device, dtype=torch.float32)  # type: ignore[index]
-            progress.append((t, start, stop, rows.to(torch.float32) - before))
+            rows = rows_view(theta[t], start, stop)
+            before = rows_view(phi_before[t], start, stop).to(device=rows.device, dtype=torch.float32)  # type: ignore[index]
+            progress.append((rows, rows.to(torch.float32) - before))
     if rule == "mix":
         merge(theta, phi, alpha)
     elif rule == "shift":
@@ -239,14 +240,8 @@ def land(
     else:
         raise ValueError(f"fragment_merge = {rule!r}: need 'mix' or 'shift'")
     with torch.no_grad():
-        for t, start, stop, own in progress:
-            rows = _rows(theta[t], start, stop)
+        for rows, own in progress:
             rows.copy_(rows.to(torch.float32) + own)
-
-
-def _rows(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows ``[start, stop)`` of ``tensor`` (a view), or the whole tensor for 0-d (protocol/wire/pieces.py)."""
-    return tensor if tensor.dim() == 0 else tensor[start:stop]
 
 
 def payload_indices(fragment: Sequence[int], *, phi_from: int | None) -> list[int]:

@@ -75,7 +75,12 @@ def plan_pieces(
 
 
 def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return tensor if tensor.dim() == 0 else tensor[piece.start : piece.stop]
+    return rows_view(tensor, piece.start, piece.stop)
+
+
+def rows_view(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``tensor`` (a view), or the whole tensor for 0-d."""
+    return tensor if tensor.dim() == 0 else tensor[start:stop]
 
 
 def piece_shape(shape: Sequence[int], piece: Piece) -> tuple[int, ...]:
