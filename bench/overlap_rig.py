@@ -18,9 +18,11 @@ when the round ended.
   replaced by nothing, the ``nosync`` mode's run of this invocation (or of an earlier one kept with
   ``--keep``) at the same peers, H, width, allocator and stand-in: one round of ``--rounds`` × H
   steps whose only sync comes after them, its tokens ÷ its steps' seconds. A peer's tokens/s: the
-  tokens of its rounds after the first ``--warmup`` ÷ the wall time from the event ending round
-  ``--warmup`` to the event ending the last round (start-up, the first matchmaking and the last
-  in-flight sync's drain are left out). None without a ``nosync`` run. The earlier ratio, Σ
+  tokens of its rounds after the first ``--warmup`` that averaged with at least one other peer
+  (group size ≥ 2: a round whose sync failed trained alone and counts nothing) ÷ the wall time from
+  the event ending round ``--warmup`` to the event ending the last round (start-up, the first
+  matchmaking and the last in-flight sync's drain are left out). None without a ``nosync`` run.
+  ``averaged_share`` (those rounds' share) and ``mean_group_size`` stand beside it. The earlier ratio, Σ
   ``compute_s`` ÷ wall time, is gone: a sync slowing the steps on shared cores raised it (the
   steps' own seconds grew with the wall time) while the swarm trained no more tokens.
 * idle seconds per round, means over peers: ``sync_wait`` (the training thread waited for a sync's
@@ -137,8 +139,13 @@ def peer_figures(rounds: list[dict], warmup: int) -> dict:
     start, measured = rounds[first - 1], rounds[first:]
     wall = measured[-1]["time"] - start["time"]
     compute = sum(e["compute_s"] for e in measured)
+    averaged = [e for e in measured if e["group_size"] >= 2]
     return {
         "rounds": len(measured),
+        # rounds whose sync averaged with at least one other peer, and their tokens over the whole wall
+        # time: the utilization counts only these (a sync that failed fast trained alone)
+        "averaged_rounds": len(averaged),
+        "averaged_tokens_per_s": sum(e["tokens"] for e in averaged) / wall,
         "wall_s": wall,
         "compute_s": compute,
         "round_s": wall / len(measured),
@@ -297,9 +304,36 @@ def reference_tokens_per_s(run: dict, runs: list[dict]) -> float | None:
     return sum(p["tokens_per_s"] for p in found[-1]["per_peer"].values()) if found else None
 
 
+def averaged_tokens_per_s(figures: dict) -> float:
+    """One peer's tokens/s counting only the rounds that averaged with ≥ 1 other peer (``peer_figures``).
+
+    Figures recorded before ``averaged_tokens_per_s`` existed give it only when every measured round
+    averaged (then it is their ``tokens_per_s``).
+
+    Raises:
+        ValueError: older figures with a round that did not average (rerun the swarm to measure it).
+    """
+    if "averaged_tokens_per_s" in figures:
+        return figures["averaged_tokens_per_s"]
+    alone = [g for g in figures["group_sizes"] if g < 2]
+    if alone:
+        raise ValueError(
+            f"{len(alone)} of {len(figures['group_sizes'])} measured round(s) did not average and these figures "
+            "predate per-round averaged tokens: rerun the swarm to measure its utilization"
+        )
+    return figures["tokens_per_s"]
+
+
+def averaged_share(per: list[dict]) -> float:
+    """The share of the peers' measured rounds that averaged with ≥ 1 other peer (group size ≥ 2)."""
+    sizes = [g for p in per for g in p["group_sizes"]]
+    return sum(g >= 2 for g in sizes) / len(sizes)
+
+
 def row(run: dict, reference: float | None = None) -> dict:
     """The issue's ``results`` row of one swarm (means over its peers); ``utilization`` its swarm
-    tokens/s ÷ ``reference`` (the ``nosync`` run's swarm tokens/s; None: no such run)."""
+    tokens/s in rounds that averaged with ≥ 1 other peer ÷ ``reference`` (the ``nosync`` run's swarm
+    tokens/s; None: no such run), ``averaged_share`` those rounds' share, ``mean_group_size`` beside it."""
     per = list(run["per_peer"].values())
     tokens_per_s = sum(p["tokens_per_s"] for p in per)
     compute = statistics.fmean(p["compute_s_per_round"] for p in per)
@@ -315,7 +349,8 @@ def row(run: dict, reference: float | None = None) -> dict:
         # runs from before peer/train/host_memory.py existed ran with glibc's own thresholds
         "host_allocator": run.get("host_allocator", "system"),
         "standin_step_s": run.get("standin_step_s"),
-        "utilization": tokens_per_s / reference if reference else None,
+        "utilization": sum(averaged_tokens_per_s(p) for p in per) / reference if reference else None,
+        "averaged_share": averaged_share(per),
         "reference_tokens_per_s": reference,
         "round_s": statistics.fmean(p["round_s"] for p in per),
         "sync_s": sync,

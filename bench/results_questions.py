@@ -316,7 +316,8 @@ SCHEDULES = {"none": "blocking"}
 
 
 def throughput(data: Data) -> Answer:
-    """Utilization (swarm tokens/s over no-sync tokens/s) of llama-125m cut to 2 blocks on the rig, at
+    """Utilization (swarm tokens/s in rounds that averaged with ≥ 1 other peer over no-sync tokens/s, the
+    mean group size beside it) of llama-125m cut to 2 blocks on the rig, at
     the goal's uplink (else the slowest recorded), the fewest peers recorded there."""
     question, goal = (
         "throughput: utilization on the rig",
@@ -332,7 +333,11 @@ def throughput(data: Data) -> Answer:
         uplink = THROUGHPUT_UPLINK if THROUGHPUT_UPLINK in uplinks else min(uplinks)
         peers = min(r["peers"] for r in rows if r["uplink_mbit"] == uplink)
         rows = [r for r in rows if r["uplink_mbit"] == uplink and r["peers"] == peers]
-        cells = [f"{SCHEDULES.get(r['overlap'], r['overlap'])} {share(r['utilization'])}" for r in rows]
+        cells = [
+            f"{SCHEDULES.get(r['overlap'], r['overlap'])} {share(r['utilization'])}"
+            + (f" (mean group {r['mean_group_size']:.2f})" if isinstance(r.get("mean_group_size"), int | float) else "")
+            for r in rows
+        ]
         overlapped = [r["utilization"] for r in rows if r["overlap"] != "none"]
         met = f": {verdict(max(overlapped) >= THROUGHPUT_GOAL)}" if overlapped and uplink == THROUGHPUT_UPLINK else ""
         codec = rows[0].get("codec", "")

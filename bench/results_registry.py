@@ -356,8 +356,9 @@ REGISTRY: dict[str, Entry] = {
     ),
     "overlap": Entry(
         "Overlapping each sync with the next round",
-        "Utilization (the swarm's tokens/s over the same peers' tokens/s with no sync, measured in the same "
-        "rig invocation), round and sync time of each overlap mode on the network-namespace rig, and "
+        "Utilization (the swarm's tokens/s in rounds that averaged with at least one other peer, over the "
+        "same peers' tokens/s with no sync, measured in the same rig invocation; the mean group size beside "
+        "it), round and sync time of each overlap mode on the network-namespace rig, and "
         "validation loss at equal tokens against blocking sync (in-process simulation). Rows from before "
         "the no-sync reference keep utilization empty and their swarm tokens/s.",
         "python bench/overlap.py --methods diloco --peers 4 --seeds 0 1 --rounds 8 --jobs 2; "
@@ -606,7 +607,9 @@ REGISTRY: dict[str, Entry] = {
         "A GPU host's swarm on the rig, with a compute stand-in",
         "Real peer processes in network namespaces behind tbf uplinks, each inner step replaced by a stand-in "
         "that holds the preset's real φ, θ and Δ and waits the card's step time (lab/standin.py): "
-        "utilization (swarm tokens/s over the same peers' tokens/s with no sync, same invocation), sync "
+        "utilization (swarm tokens/s in rounds that averaged with at least one other peer, over the same "
+        "peers' tokens/s with no sync, same invocation; the share of rounds that averaged and the mean group "
+        "size beside it), sync "
         "seconds against the uplink's floor, bytes per token and memory per peer; and a joiner's catch-up "
         "from 3 donors. Several invocations (rig125m.detail.json lists each with its command): the chaos preset "
         "(0.49 M parameters), and llama-125m cut to 2 of its blocks (26.0 M parameters, the H200's step time "
@@ -627,6 +630,8 @@ REGISTRY: dict[str, Entry] = {
                     ("codec", "codec"),
                     ("overlap", "overlap"),
                     ("utilization", "utilization vs no sync"),
+                    ("averaged_share", "share of rounds averaged"),
+                    ("mean_group_size", "mean group"),
                     ("sync_s", "sync s"),
                     ("floor_s", "link floor s"),
                     ("bytes_per_token", "bytes/token"),

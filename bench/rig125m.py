@@ -17,7 +17,10 @@ records) is the product's.
 Per (peers, uplink, codec, mode), ``results`` rows (means over peers, over the rounds after
 ``--warmup``; a peer's first measured round starts at the event ending the round before it):
 
-* ``utilization``: the swarm's tokens/s ÷ the same peers' tokens/s with the sync replaced by nothing.
+* ``utilization``: the swarm's tokens/s in rounds that averaged with at least one other peer (group
+  size ≥ 2; a round whose sync failed trained alone and counts nothing) ÷ the same peers' tokens/s
+  with the sync replaced by nothing; ``averaged_share`` (those rounds' share of the measured rounds)
+  and ``mean_group_size`` stand beside it.
   That reference is the ``nosync`` mode's run of the same peers in this invocation (one round of
   ``rounds × H`` steps, whose only sync comes after the steps; its tokens ÷ its steps' seconds) when
   ``nosync`` is among ``--modes``; else the stand-in's exact figure, peers × batch tokens ÷ step time
@@ -61,7 +64,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.overlap_rig import peer_figures  # noqa: E402
+from bench.overlap_rig import averaged_share, averaged_tokens_per_s, peer_figures  # noqa: E402
 from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
 from lab.standin import StandInConfig  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
@@ -273,8 +276,9 @@ def run_swarm(
 
 
 def swarm_figures(run: dict, warmup: int, rate: float) -> dict:
-    """The ``results`` figures of one run but its utilization: swarm tokens/s, sync and floor
-    seconds, bytes per token, PSS (see the module's docstring). A peer with fewer than ``warmup`` + 2
+    """The ``results`` figures of one run but its utilization: swarm tokens/s (``averaged_tokens_per_s``
+    only in rounds that averaged with ≥ 1 other peer, with their ``averaged_share`` and the
+    ``mean_group_size``), sync and floor seconds, bytes per token, PSS (see the module's docstring). A peer with fewer than ``warmup`` + 2
     round events (one that fell out of its group and downloaded the swarm's state, so its rounds
     restarted) is listed in ``unmeasured`` and adds no tokens: the swarm's tokens/s, and so the
     utilization, count only what the measured peers trained.
@@ -298,6 +302,7 @@ def swarm_figures(run: dict, warmup: int, rate: float) -> dict:
     return {
         "unmeasured": unmeasured,
         "tokens_per_s": sum(p["tokens_per_s"] for p in per),
+        **averaged_figures(per),
         "sync_s": statistics.fmean(p["sync_s"] for p in per),
         "allreduce_s": statistics.fmean(p["allreduce_s"] for p in per),
         "send_s": statistics.fmean(p["send_s"] for p in per),
@@ -313,6 +318,65 @@ def swarm_figures(run: dict, warmup: int, rate: float) -> dict:
         "compute_s_per_round": statistics.fmean(p["compute_s_per_round"] for p in per),
         "per_peer": per,
     }
+
+
+def averaged_figures(per: list[dict]) -> dict:
+    """``averaged_tokens_per_s`` (the swarm's, rounds with group size ≥ 2 only), ``averaged_share`` and
+    ``mean_group_size`` of a run's measured peers (``peer_figures`` each).
+
+    Raises:
+        ValueError: figures recorded before per-round averaged tokens, with a round that did not average.
+    """
+    return {
+        "averaged_tokens_per_s": sum(averaged_tokens_per_s(p) for p in per),
+        "averaged_share": averaged_share(per),
+        "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
+    }
+
+
+def result_row(run: dict) -> dict:
+    """A ``results`` row from one detail run (its figures and the no-sync reference it names)."""
+    return {
+        "preset": run["preset"],
+        "peers": run["peers"],
+        "uplink_mbit": run["uplink_mbit"],
+        "overlap": run["overlap"],
+        "codec": run["codec"],
+        "utilization": run["averaged_tokens_per_s"] / run["reference_tokens_per_s"],
+        "averaged_share": run["averaged_share"],
+        "mean_group_size": run["mean_group_size"],
+        "sync_s": run["sync_s"],
+        "floor_s": run["floor_s"],
+        "bytes_per_token": run["bytes_per_token"],
+        "rss_mib": run["rss_mib"],
+    }
+
+
+def rewrite(out: Path) -> None:
+    """Refigure ``out``'s ``results`` rows from its detail file's runs (their per-peer figures): the
+    utilization over rounds that averaged, ``averaged_share`` and ``mean_group_size``. The catch-up
+    rows and the detail's measurements are kept as they are.
+
+    Raises:
+        ValueError: a results row without exactly one detail run, or a run whose figures cannot give
+            its averaged tokens (``averaged_tokens_per_s``).
+    """
+    record = json.loads(out.read_text())
+    detail_path = out.with_name(out.stem + ".detail.json")
+    detail = json.loads(detail_path.read_text())
+    runs = [r for inv in detail["invocations"] for r in inv["runs"] if r.get("overlap") != NOSYNC]
+    ident = ("preset", "peers", "uplink_mbit", "overlap", "codec")
+    rows = []
+    for old in record["results"]:
+        found = [r for r in runs if all(r.get(k) == old[k] for k in ident)]
+        if len(found) != 1:
+            raise ValueError(f"{[old[k] for k in ident]}: {len(found)} detail run(s) in {detail_path}, need 1")
+        run = found[0]
+        run.update(averaged_figures(run["per_peer"]))
+        rows.append(result_row(run))
+    record["results"] = rows
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    detail_path.write_text(json.dumps(detail, indent=1) + "\n")
 
 
 def nosync_tokens_per_s(run: dict) -> float:
@@ -370,7 +434,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one swarm may take")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="refigure --out's results rows from its detail file (utilization over rounds that averaged) and stop",
+    )
     args = parser.parse_args()
+    if args.rewrite:
+        try:
+            rewrite(args.out)
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--rewrite {args.out}: {exc}")
+        print(markdown(json.loads(args.out.read_text())))
+        return
     workdir = prepare_rig_bench(parser, args, "locoswarm-rig125m-")
     standin: StandInConfig | None = None
     try:
@@ -458,35 +534,28 @@ def main() -> None:
                         timeout_s=args.timeout,
                     )
                     f = swarm_figures(run, args.warmup, rate)
-                    row = {
+                    figures = {
                         "preset": preset_label(args.preset, args.layers),
                         "peers": peers,
                         "uplink_mbit": rate,
                         "overlap": mode,
                         "codec": codec,
-                        "utilization": f["tokens_per_s"] / reference,
-                        "sync_s": f["sync_s"],
-                        "floor_s": f["floor_s"],
-                        "bytes_per_token": f["bytes_per_token"],
-                        "rss_mib": f["rss_mib"],
+                        **f,
+                        "reference": how,
+                        "reference_tokens_per_s": reference,
+                        "inner_steps": args.inner_steps,
+                        "wall_s_total": run["wall_s_total"],
                     }
+                    row = result_row(figures)
                     record["results"].append(row)
-                    detail["runs"].append(
-                        {
-                            **row,
-                            **f,
-                            "reference": how,
-                            "reference_tokens_per_s": reference,
-                            "inner_steps": args.inner_steps,
-                            "wall_s_total": run["wall_s_total"],
-                        }
-                    )
+                    detail["runs"].append({**row, **figures})
                     save()
                     if f["unmeasured"]:
                         print(f"  not measured (too few rounds; they add no tokens): {', '.join(f['unmeasured'])}")
                     print(
                         f"N={peers} {rate:g} Mbit/s {codec} {mode}: utilization {100 * row['utilization']:.1f} % "
-                        f"({how} reference), sync {row['sync_s']:.2f} s vs floor {row['floor_s']:.2f} s, "
+                        f"({how} reference; {100 * row['averaged_share']:.0f} % of rounds averaged, mean group "
+                        f"{row['mean_group_size']:.2f}), sync {row['sync_s']:.2f} s vs floor {row['floor_s']:.2f} s, "
                         f"{row['bytes_per_token']:.1f} B/token, {row['rss_mib']:.0f} MiB (of which at their own peaks: "
                         + ", ".join(f"{k} {v:.0f}" for k, v in f["rss_by_kind_mib"].items())
                         + f") ({run['wall_s_total']:.0f} s)",
@@ -528,13 +597,17 @@ def main() -> None:
 def markdown(record: dict) -> str:
     """The tables for docs/results.md and docs/notes/benchmarks-log.md."""
     lines = [
-        "| preset | peers | uplink Mbit/s | overlap | codec | utilization | sync s | link floor s | bytes/token | RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        (
+            "| preset | peers | uplink Mbit/s | overlap | codec | utilization | rounds averaged | mean group | sync s "
+            "| link floor s | bytes/token | RSS MiB |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["results"]:
         lines.append(
             f"| {r['preset']} | {r['peers']} | {r['uplink_mbit']:g} | {r['overlap']} | {r['codec']} | "
-            f"{100 * r['utilization']:.1f} % | {r['sync_s']:.2f} | {r['floor_s']:.2f} | {r['bytes_per_token']:.2f} | "
+            f"{100 * r['utilization']:.1f} % | {100 * r['averaged_share']:.0f} % | {r['mean_group_size']:.2f} | "
+            f"{r['sync_s']:.2f} | {r['floor_s']:.2f} | {r['bytes_per_token']:.2f} | "
             f"{r['rss_mib']:.0f} |"
         )
     if record["catch_up"]:

@@ -104,3 +104,25 @@ def test_utilization_is_tokens_per_second_against_the_same_peers_without_sync():
     assert reference_tokens_per_s(delayed, [{**reference, "standin_step_s": 0.1}]) is None
     unmeasured = row(delayed)
     assert unmeasured["utilization"] is None and "| — |" in markdown([unmeasured])
+
+
+def test_only_rounds_that_averaged_count_toward_utilization():
+    from bench.overlap_rig import averaged_tokens_per_s, row
+
+    # a swarm whose syncs fail fast: two of three measured rounds trained alone (group size 1)
+    events = rounds([10, 14, 18, 22], [3.0] * 4)
+    for e in events[1:3]:
+        e["group_size"] = 1
+    f = peer_figures(events, warmup=1)
+    assert f["tokens_per_s"] == pytest.approx(300 / 12) and f["averaged_rounds"] == 1
+    assert f["averaged_tokens_per_s"] == pytest.approx(100 / 12)
+    r = row(
+        {"overlap": "none", "peers": 2, "uplink_mbit": 100.0, "inner_steps": 30, "per_peer": {"a": f, "b": f}}, 50.0
+    )
+    assert r["utilization"] == pytest.approx(2 * (100 / 12) / 50.0)
+    assert r["averaged_share"] == pytest.approx(1 / 3) and r["mean_group_size"] == pytest.approx(2.0)
+    # figures from before per-round averaged tokens: exact only when every round averaged
+    old = {"tokens_per_s": 25.0, "group_sizes": [4, 4]}
+    assert averaged_tokens_per_s(old) == 25.0
+    with pytest.raises(ValueError, match="1 of 2 measured round"):
+        averaged_tokens_per_s({**old, "group_sizes": [4, 1]})

@@ -129,3 +129,46 @@ def test_the_kinds_of_a_peers_processes():
     assert process_kind(peer, peer) == "helpers"
     assert process_kind(b"/venv/lib/python3.11/site-packages/hivemind/hivemind_cli/p2pd\0-listen=x\0", peer) == "p2pd"
     assert process_kind(b"/usr/bin/sleep\0" + b"1\0", b"") == "other"
+
+
+def test_a_swarm_whose_syncs_fail_scores_no_utilization_for_the_rounds_it_trained_alone():
+    from bench.rig125m import result_row
+
+    alone = rounds([10, 14, 18], [3, 3, 3], [9e9, 1e6, 3e6])
+    for e in alone:
+        e["group_size"] = 1  # every sync failed: each peer trained on its own
+    run = {"events": {"a": {"round": alone}, "b": {"round": rounds([10, 15, 20], [3, 3, 3], [9e9, 1e6, 3e6])}}}
+    f = swarm_figures({**run, "pss_bytes": {}}, warmup=1, rate=8.0)
+    assert f["tokens_per_s"] == pytest.approx(2000 / 8 + 2000 / 10)
+    assert f["averaged_tokens_per_s"] == pytest.approx(2000 / 10)  # only b's rounds averaged
+    assert f["averaged_share"] == pytest.approx(0.5) and f["mean_group_size"] == pytest.approx(1.5)
+    row = result_row(
+        {"preset": "chaos", "peers": 2, "uplink_mbit": 8.0, "overlap": "none", "codec": "fp32", **f}
+        | {"reference_tokens_per_s": 400.0}
+    )
+    assert row["utilization"] == pytest.approx(200 / 400) and row["mean_group_size"] == pytest.approx(1.5)
+
+
+def test_the_rewrite_refigures_the_results_from_the_detail_runs(tmp_path):
+    import json
+
+    from bench.rig125m import rewrite
+
+    per = {"tokens_per_s": 300.0, "group_sizes": [2, 2]}
+    run = {
+        "preset": "chaos", "peers": 2, "uplink_mbit": 8.0, "overlap": "none", "codec": "fp32",
+        "per_peer": [per, per], "reference_tokens_per_s": 1000.0,
+        "sync_s": 1.0, "floor_s": 0.5, "bytes_per_token": 2.0, "rss_mib": 100.0,
+    }  # fmt: skip
+    ident = {k: run[k] for k in ("preset", "peers", "uplink_mbit", "overlap", "codec")}
+    out = tmp_path / "rig.json"
+    out.write_text(json.dumps({"results": [{**ident, "utilization": 0.6}], "catch_up": [{"seconds": 5.0}]}))
+    (tmp_path / "rig.detail.json").write_text(json.dumps({"invocations": [{"runs": [run]}]}))
+    rewrite(out)
+    record = json.loads(out.read_text())
+    assert record["results"][0]["utilization"] == pytest.approx(0.6) and record["catch_up"] == [{"seconds": 5.0}]
+    assert record["results"][0]["averaged_share"] == 1.0 and record["results"][0]["mean_group_size"] == 2.0
+    per["group_sizes"] = [2, 1]  # a round alone, and no per-round tokens recorded: cannot be refigured
+    (tmp_path / "rig.detail.json").write_text(json.dumps({"invocations": [{"runs": [run]}]}))
+    with pytest.raises(ValueError, match="rerun the swarm"):
+        rewrite(out)
