@@ -9,11 +9,13 @@
 
 Runs N peers in one process for every method, N in ``bench.peers`` and seed in ``bench.seeds``:
 DiLoCo, NoLoCo and independent peers as N real round loops (``peer.round.Trainer``, the code a peer
-runs) over the in-process transport (lab/engine_sim.py), data-parallel (which has no round loop)
-and NoLoCo with overlap (see ``engine_runs``) in lab/simulation.py, which the engine matches within
+runs) over the in-process transport (lab/engine_sim.py); data-parallel, which has no round loop, as
+one model on every peer's batches (lab/data_parallel.py, bit for bit the simulation's data-parallel
+mode); NoLoCo with overlap (see ``engine_runs``) in lab/simulation.py, which the engine matches within
 a relative 1e-5 of φ after 3 rounds on every schedule without a codec (tests/unit/test_engine_sim.py:
 the two round the group mean differently, not bit for bit; the hub encodes each piece with the
-run's codec, the simulation each whole tensor; ``--runner simulation`` runs every method there). All at a fixed global batch: each peer's
+run's codec, the simulation each whole tensor; ``--runner simulation`` runs every method but
+data-parallel there). All at a fixed global batch: each peer's
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
 table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
 ``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
@@ -48,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
 from bench.provenance import git_commit
+from lab.data_parallel import DataParallelResult, run_data_parallel
 from lab.engine_sim import EngineResult, run_engine_simulation
 from lab.simulation import EvalPoint, SimulationResult, run_simulation
 from peer.train.data import Corpus, load_corpus
@@ -288,7 +291,7 @@ def results_record(
                 "method": s["method"],
                 "peers": s["peers"],
                 "seeds": [r.seed for r in rs],
-                "source": "engine" if all(isinstance(r, EngineResult) for r in rs) else "simulation",
+                "source": source_of(rs),
                 "final_bpb": s["loss_bpb"],
                 "final_bpb_per_seed": [r.history[-1].loss_bpb for r in rs],
                 "vs_data_parallel_pct": s["vs_data_parallel_pct"],
@@ -321,6 +324,16 @@ def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) 
 RUNNERS = ("engine", "simulation")
 
 
+def source_of(results: list[SimulationResult]) -> str:
+    """What a row's runs ran on: ``engine`` (lab/engine_sim.py), ``one model`` (the data-parallel
+    loop, lab/data_parallel.py) or ``simulation`` (lab/simulation.py)."""
+    if all(isinstance(r, EngineResult) for r in results):
+        return "engine"
+    if all(isinstance(r, DataParallelResult) for r in results):
+        return "one model"
+    return "simulation"
+
+
 def engine_runs(m: RunManifest, method: str) -> bool:
     """Whether ``method`` of run ``m`` runs on the round engine (lab/engine_sim.py, its timing pinned
     to the lockstep: where an overlapped mean lands does not depend on the threads): every method
@@ -351,6 +364,19 @@ def _one(
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
     on_eval = None if progress is None else functools.partial(_progress, progress, method, peers, seed)
     corpus = corpus if corpus is not None else load_corpus(base.data)
+    if method == "data-parallel":  # no round: one model on every peer's batches (any runner)
+        return run_data_parallel(
+            m,
+            corpus,
+            peers=peers,
+            rounds=rounds,
+            seed=seed,
+            eval_every_rounds=bench["eval_every_rounds"],
+            device=placement.device,
+            precision=placement.precision,
+            compile=placement.compile,
+            on_eval=on_eval,
+        )
     if runner == "engine" and engine_runs(m, method):
         return run_engine_simulation(
             m,
@@ -369,7 +395,6 @@ def _one(
         peers=peers,
         rounds=rounds,
         seed=seed,
-        data_parallel=method == "data-parallel",
         eval_every_rounds=bench["eval_every_rounds"],
         device=placement.device,
         precision=placement.precision,
@@ -429,8 +454,9 @@ def main() -> None:
         "--runner",
         choices=RUNNERS,
         default="engine",
-        help="engine: DiLoCo, NoLoCo and independent on N real round loops (data-parallel and what the "
-        "engine does not run in the simulation); simulation: every method in lab/simulation.py",
+        help="engine: DiLoCo, NoLoCo and independent on N real round loops (what the engine does not run "
+        "in the simulation); simulation: those in lab/simulation.py. Data-parallel is one model either way "
+        "(lab/data_parallel.py)",
     )
     parser.add_argument("--no-plot", action="store_true", help="skip compare_loss.png (no matplotlib needed)")
     args = parser.parse_args()

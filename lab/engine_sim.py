@@ -100,7 +100,6 @@ def run_engine_simulation(
     peers: int,
     rounds: int,
     seed: int | None = None,
-    data_parallel: bool = False,
     eval_every_rounds: int = 1,
     placement: Placement | None = None,
     phi_of: str = "mean",
@@ -120,7 +119,6 @@ def run_engine_simulation(
     Args:
         seed: must be the manifest's ``model.init_seed`` (the Trainer salts its shard with it);
             None: that one.
-        data_parallel: not available here (there is no round loop for it): True raises.
         placement: where every peer's θ trains (one card holds all N); None: CPU, fp32.
         phi_of: ``"mean"``: each evaluation is of the peers' averaged φ (and, where replicas differ,
             the mean of each φ's loss, the headline as lab/simulation.py has it); ``"peer0"``: of
@@ -150,15 +148,13 @@ def run_engine_simulation(
         and when each round ended.
 
     Raises:
-        ValueError: ``peers`` < 1, ``data_parallel``, ``phi_of`` unknown or ``seed`` not the init seed.
+        ValueError: ``peers`` < 1, ``phi_of`` unknown or ``seed`` not the init seed (the data-parallel
+            ceiling has no round loop: lab/data_parallel.py).
         RuntimeError: a round loop raised or did not finish in time.
     """
     start = time.perf_counter()
-    if peers < 1 or data_parallel or phi_of not in PHI_OF:
-        raise ValueError(
-            f"peers = {peers}, data_parallel = {data_parallel}, phi_of = {phi_of!r}: need at least "
-            f"one peer, the low-communication mode and one of {PHI_OF}"
-        )
+    if peers < 1 or phi_of not in PHI_OF:
+        raise ValueError(f"peers = {peers}, phi_of = {phi_of!r}: need at least one peer and one of {PHI_OF}")
     if seed is not None and seed != manifest.model.init_seed:
         raise ValueError(
             f"seed = {seed} but model.init_seed = {manifest.model.init_seed}: the round loop salts "

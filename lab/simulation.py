@@ -16,9 +16,9 @@ the networked owners do (peer/sync/screening.py: token cap, clip to the median n
 offenders ignored; non-finite ones excluded), and every receiver checks each mean an owner sends it
 against its own contribution (``owner_mean_problem``: a refused Δ mean is applied as zeros, a
 refused φ mean as the receiver's own φ), which a switch turns off; malicious peers
-(lab/adversary.py) forge their contributions, their means as owners or their progress records. A
-data-parallel mode (one model, gradients averaged every inner step) gives the ceiling that
-low-communication methods are compared against at equal tokens.
+(lab/adversary.py) forge their contributions, their means as owners or their progress records. The
+data-parallel ceiling the low-communication methods are compared against at equal tokens, which has
+no round, is lab/data_parallel.py.
 
 The simulation is split by what each part computes: :mod:`lab.sim_results` holds what a run
 reports (:class:`EvalPoint`, :class:`SimulationResult`, the byte and loss arithmetic),
@@ -41,6 +41,7 @@ from dataclasses import asdict
 import torch
 
 from lab.adversary import Adversary, resync_after_round
+from lab.data_parallel import peer_samplers
 from lab.sim_mean import GroupMeans, sync_groups
 from lab.sim_results import (
     FP32_BYTES,
@@ -54,7 +55,7 @@ from lab.sim_results import (
 )
 from lab.sim_streaming import StreamingRounds
 from peer.state.vouching import Ledger
-from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte
+from peer.train.data import Corpus, validation_batch, validation_bits_per_byte
 from peer.train.inner import InnerLoop
 from peer.train.model import build_model, evaluate, parameter_count
 from peer.train.outer import make_outer
@@ -79,21 +80,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("data-parallel", "diloco", "noloco", "independent")
-
-
-class _ConcatSampler:
-    """All peers' samplers as one: a batch is the concatenation of each peer's next batch."""
-
-    def __init__(self, samplers: Sequence[BatchSampler]):
-        self.samplers = list(samplers)
-
-    def next_batch(self) -> torch.Tensor:
-        return torch.cat([s.next_batch() for s in self.samplers])
+METHODS = ("diloco", "noloco", "independent")
 
 
 class Simulation(StreamingRounds, GroupMeans):
-    """N peers of one run in this process; ``data_parallel=True`` makes it the ceiling instead.
+    """N peers of one run in this process (the data-parallel ceiling: lab/data_parallel.py).
 
     Args:
         manifest: the run; ``sync.algorithm`` picks the outer algorithm, ``inner_optimizer``
@@ -101,8 +92,6 @@ class Simulation(StreamingRounds, GroupMeans):
         corpus: the loaded corpus; each peer samples ``corpus.train`` with its own seed.
         peers: N, the number of simulated peers.
         seed: salts the data shards: peer i samples with ``peer_seed(f"sim-peer-{i}", seed)``.
-        data_parallel: one model, each step on the concatenation of the N peers' batches (mean
-            loss, hence averaged gradients), same AdamW and schedule.
         uplink_mbps: every simulated peer's uplink, Mbit/s (the adaptive codec's byte budget).
         screening: the defenses of issue 17 as the swarm runs them: owners screen each contribution
             (token cap, clip to the median norm, repeat offenders ignored; :meth:`_group_mean`),
@@ -128,7 +117,7 @@ class Simulation(StreamingRounds, GroupMeans):
             the same one to draw the same groups.
 
     Raises:
-        ValueError: ``peers`` < 1, an adversary outside the peers or with data-parallel, or an
+        ValueError: ``peers`` < 1, an adversary outside the peers, or an
             adversary on a device other than the CPU (its fake-progress round reads θ in place).
     """
 
@@ -139,7 +128,6 @@ class Simulation(StreamingRounds, GroupMeans):
         *,
         peers: int,
         seed: int = 0,
-        data_parallel: bool = False,
         uplink_mbps: float = 50.0,
         screening: bool = True,
         adversary: Adversary | None = None,
@@ -153,17 +141,14 @@ class Simulation(StreamingRounds, GroupMeans):
         self.device = torch.device(device)
         if adversary is not None and self.device.type != "cpu":
             raise ValueError(f"an adversary with device {str(self.device)!r}: the adversary runs on the CPU only")
-        if adversary is not None and (data_parallel or max(adversary.peers) >= peers):
-            raise ValueError(
-                f"adversary peers {adversary.peers} with {peers} peers, data_parallel = {data_parallel}: "
-                "need peer indices below N and the low-communication mode"
-            )
+        if adversary is not None and max(adversary.peers) >= peers:
+            raise ValueError(f"adversary peers {adversary.peers} with {peers} peers: need peer indices below N")
         self.groups_run_id = groups_run_id or manifest.run_id
         """What NoLoCo's groups are drawn from (fixed at the start: :meth:`start_overlap` changes ``m``)."""
         self._overlap_later: tuple[int, str] | None = None
         """(K, mode) with ``sync.overlap_from_round`` K > 0: the run syncs without overlap until
         :meth:`run_round` starts round K (0-based) with :meth:`start_overlap`, as a peer does."""
-        if manifest.sync.overlap_from_round and not data_parallel:
+        if manifest.sync.overlap_from_round:
             self._overlap_later = (manifest.sync.overlap_from_round, manifest.sync.overlap)
             manifest = manifest.replace(sync={"overlap": "none", "overlap_from_round": 0})
         self._setup_screening(manifest, peers=peers, seed=seed, screening=screening, adversary=adversary)
@@ -172,44 +157,27 @@ class Simulation(StreamingRounds, GroupMeans):
         """Per peer, the members of its last group that completed the sync with it in full (itself included)."""
         self.ledgers = [Ledger() for _ in range(peers)]
         """Per peer, the groupmates it completed a sync with in full (peer/state/vouching.py)."""
-        self.m, self.peers, self.seed, self.data_parallel = manifest, peers, seed, data_parallel
+        self.m, self.peers, self.seed = manifest, peers, seed
         self.uplink_mbps = uplink_mbps
-        self.method = "data-parallel" if data_parallel else manifest.sync.algorithm
+        self.method = manifest.sync.algorithm
         self.round_ = self.inner_step = self.tokens = 0
         self.bytes_sent = [0.0] * peers
-        samplers = [
-            BatchSampler(
-                corpus.train,
-                seq_len=manifest.data.seq_len_tokens,
-                batch_sequences=manifest.batch_sequences,
-                seed=peer_seed(f"sim-peer-{i}", seed),
-            )
-            for i in range(peers)
-        ]
+        samplers = peer_samplers(manifest, corpus, peers, seed)
         self.tokenizer = corpus.tokenizer
         base = build_model(manifest.model, corpus.tokenizer).to(self.device)
         self.parameters = parameter_count(base)
         self._eval_model = copy.deepcopy(base)
         spec = manifest.inner_optimizer
-        if data_parallel:
-            self.models = [base]
-            self.inners = [
-                InnerLoop(
-                    base, spec, _ConcatSampler(samplers), device=self.device, precision=precision, compile=compile
-                )
-            ]
-            self.outers, self.phis = [], []
-        else:
-            self.models = [base] + [copy.deepcopy(base) for _ in range(peers - 1)]
-            self.inners = [
-                InnerLoop(m, spec, s, device=self.device, precision=precision, compile=compile)
-                for m, s in zip(self.models, samplers)
-            ]
-            shapes = [p.shape for p in base.parameters()]
-            self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
-            self.phis = [[p.detach().to("cpu", torch.float32, copy=True) for p in m.parameters()] for m in self.models]
-            self._setup_codecs(shapes)
-        self.streaming = not data_parallel and manifest.sync.overlap == "streaming"
+        self.models = [base] + [copy.deepcopy(base) for _ in range(peers - 1)]
+        self.inners = [
+            InnerLoop(m, spec, s, device=self.device, precision=precision, compile=compile)
+            for m, s in zip(self.models, samplers)
+        ]
+        shapes = [p.shape for p in base.parameters()]
+        self.outers = [make_outer(manifest, shapes) for _ in range(peers)]
+        self.phis = [[p.detach().to("cpu", torch.float32, copy=True) for p in m.parameters()] for m in self.models]
+        self._setup_codecs(shapes)
+        self.streaming = manifest.sync.overlap == "streaming"
         if self.streaming:
             self._setup_streaming([name for name, _ in base.named_parameters()])
         self.anchors: list[list[torch.Tensor]] = []
@@ -252,11 +220,7 @@ class Simulation(StreamingRounds, GroupMeans):
             inner.settle()
         self.inner_step += H
         self.tokens += sum(round_tokens)
-        if self.data_parallel:
-            per_step = butterfly_bytes(self.parameters, self.peers)
-            self.bytes_sent = [b + H * per_step for b in self.bytes_sent]
-        else:
-            self._outer_step(round_tokens)
+        self._outer_step(round_tokens)
         self.round_ += 1
         if self.adversary is not None and self.adversary.attack == "fake-progress":
             resync_after_round(self)
@@ -334,14 +298,14 @@ class Simulation(StreamingRounds, GroupMeans):
 
         Raises:
             ValueError: ``mode`` is not 'delayed' or 'eager', the run already overlaps, streams, or
-                is data-parallel; nothing changed.
+                nothing changed.
         """
         if mode not in ("delayed", "eager"):
             raise ValueError(f"start_overlap({mode!r}): only 'delayed' or 'eager' can start mid-run")
-        if self.data_parallel or self.streaming or self.m.sync.overlap != "none":
+        if self.streaming or self.m.sync.overlap != "none":
             raise ValueError(
                 f"start_overlap({mode!r}) needs a DiLoCo or NoLoCo run without overlap "
-                f"(this one: overlap {self.m.sync.overlap!r}, data-parallel {self.data_parallel})"
+                f"(this one: overlap {self.m.sync.overlap!r})"
             )
         self.m = self.m.replace(sync={"overlap": mode})
         self._anchor_at_phi()
@@ -356,7 +320,7 @@ class Simulation(StreamingRounds, GroupMeans):
         if self.streaming:
             self._finish_streaming()
             return
-        if self.data_parallel or self.pending is None:
+        if self.pending is None:
             return
         for outer, phi, mean in zip(self.outers, self.phis, self.pending):
             drain(outer, phi, mean)
@@ -380,9 +344,6 @@ class Simulation(StreamingRounds, GroupMeans):
         def bits_per_byte(nats: float) -> float:
             return validation_bits_per_byte(nats, windows, self.tokenizer)
 
-        if self.data_parallel:
-            loss = bits_per_byte(evaluate(self.models[0], windows))
-            return EvalPoint(self.round_, self.tokens, loss, loss, None, 0.0)
         phis = [self.phis[i] for i in self.honest]
         with torch.no_grad():
             for p, mean in zip(self._eval_model.parameters(), weighted_mean(phis, [1.0] * len(phis))):
@@ -433,7 +394,6 @@ def run_simulation(
     peers: int,
     rounds: int,
     seed: int = 0,
-    data_parallel: bool = False,
     eval_every_rounds: int = 1,
     uplink_mbps: float = 50.0,
     screening: bool = True,
@@ -463,7 +423,6 @@ def run_simulation(
         corpus,
         peers=peers,
         seed=seed,
-        data_parallel=data_parallel,
         uplink_mbps=uplink_mbps,
         screening=screening,
         adversary=adversary,

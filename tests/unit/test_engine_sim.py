@@ -46,8 +46,8 @@ def test_a_lossy_codec_runs_on_the_engine_and_the_peers_still_hold_one_phi(corpu
 
 
 def test_the_engine_refuses_what_it_cannot_run(corpus):
-    with pytest.raises(ValueError):
-        run_engine_simulation(tiny_run(), corpus, peers=2, rounds=1, data_parallel=True)
+    with pytest.raises(ValueError, match="peers = 0"):
+        run_engine_simulation(tiny_run(), corpus, peers=0, rounds=1)
     with pytest.raises(ValueError, match="init_seed"):
         run_engine_simulation(tiny_run(), corpus, peers=2, rounds=1, seed=tiny_run().model.init_seed + 1)
 

@@ -59,21 +59,28 @@ def test_outer_lr_one_without_momentum_is_plain_training(corpus):
     # of one round: the inner steps are then the same operations on the same values (bit-equal
     # θ, AdamW state and lr carried), and φ differs from θ by the outer step's two roundings,
     # each at most half an fp32 ulp of the values involved (|φ_start| and |θ|).
+    import copy
+
+    from lab.data_parallel import ConcatSampler, peer_samplers
+    from peer.train.inner import InnerLoop
+
     m = manifest("diloco").replace(outer_optimizer={"lr": 1.0, "momentum": 0.0})
     a = Simulation(m, corpus, peers=1, seed=1)
-    b = Simulation(m, corpus, peers=1, seed=1, data_parallel=True)
-    eps = torch.finfo(torch.float32).eps
-    for _ in range(3):
+    model = copy.deepcopy(a.models[0])  # data-parallel with one peer: one model on that peer's batches
+    b = InnerLoop(model, m.inner_optimizer, ConcatSampler(peer_samplers(m, corpus, 1, seed=1)))
+    eps, H = torch.finfo(torch.float32).eps, m.sync.inner_steps
+    for r in range(3):
         with torch.no_grad():
-            for x, y in zip(a.models[0].parameters(), b.models[0].parameters()):
+            for x, y in zip(a.models[0].parameters(), model.parameters()):
                 y.copy_(x)
         start = [p.detach().clone() for p in a.phis[0]]
         a.run_round()
-        b.run_round()
-        for x, y, p0 in zip(a.models[0].parameters(), b.models[0].parameters(), start):
+        for k in range(H):
+            b.step(r * H + k)  # the lr schedule carries across rounds
+        for x, y, p0 in zip(a.models[0].parameters(), model.parameters(), start):
             bound = eps * (p0.abs() + y.abs())
             assert ((x - y).abs() <= bound).all(), f"max |φ − θ| {(x - y).abs().max():.3g} over the rounding bound"
-        assert a.inner_step == b.inner_step  # the lr schedule advanced alike
+        assert a.inner_step == (r + 1) * H
 
 
 def test_independent_replicas_spread_more_than_noloco(corpus):
@@ -109,9 +116,9 @@ def test_bytes_sent_match_the_butterfly_formula(corpus):
         sent[algorithm] = run_simulation(
             manifest(algorithm), corpus, peers=N, rounds=rounds, eval_every_rounds=rounds
         ).bytes_sent_per_peer
-    dp = run_simulation(
-        manifest("diloco"), corpus, peers=N, rounds=rounds, data_parallel=True, eval_every_rounds=rounds
-    )
+    from lab.data_parallel import run_data_parallel
+
+    dp = run_data_parallel(manifest("diloco"), corpus, peers=N, rounds=rounds, eval_every_rounds=rounds)
     P, H = dp.parameters, dp.inner_steps
     assert sent["diloco"] == pytest.approx(rounds * 2 * (N - 1) / N * 4 * P)
     assert sent["noloco"] == pytest.approx(rounds * 2 * (2 - 1) / 2 * 4 * (2 * P))
@@ -268,8 +275,7 @@ def test_on_eval_sees_every_evaluation_as_it_is_made(corpus):
     assert [p.round_ for p in seen] == [0, 2, 3] and seen == result.history
 
 
-def test_compile_reaches_every_replica_and_the_data_parallel_model(corpus):
-    for data_parallel in (False, True):
-        sim = Simulation(manifest("diloco"), corpus, peers=2, data_parallel=data_parallel, compile=True)
-        assert all(inner.compiled for inner in sim.inners)  # compiled lazily: nothing is traced here
+def test_compile_reaches_every_replica(corpus):
+    sim = Simulation(manifest("diloco"), corpus, peers=2, compile=True)
+    assert all(inner.compiled for inner in sim.inners)  # compiled lazily: nothing is traced here
     assert not any(inner.compiled for inner in Simulation(manifest("diloco"), corpus, peers=2).inners)
