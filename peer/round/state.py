@@ -162,9 +162,10 @@ class RoundState:
         self.snapshots.append(snapshot)
 
     def release_older_snapshot(self) -> None:
-        """Before the next state is made (a landing's sealed tensors, a prepared snapshot): the
-        snapshot before the last one is no longer served, so its φ and outer state are freed before
-        new ones are made; a peer then holds two states at most, not three.
+        """Before the next state is made (a landing's sealed tensors, a prepared snapshot; a blocking
+        sync's round end, before its Δ): the snapshot before the last one is no longer served, so its
+        φ and outer state are freed before new ones are made; a peer then holds two states at most,
+        not three.
         The last snapshot, what this peer publishes, stays. Safe from the sync's thread (a deque's
         ``popleft`` is atomic; only entries before the last one are dropped)."""
         while len(self.snapshots) > 1:

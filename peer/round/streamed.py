@@ -194,6 +194,8 @@ class FragmentSchedule(BackgroundSchedule):
         s = self.state
         if self.flight is not None:
             self.land_fragment()
+        if self.inline:  # the round's end of a blocking sync: the snapshot of the round before the last
+            s.release_older_snapshot()  # goes before Δ and the mean are made (its round was for joiners)
         self.synced.add(p)
         index = self.fragments[p]
         phi_p = [s.phi[k] for k in index]

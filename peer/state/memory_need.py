@@ -311,13 +311,17 @@ def memory_need(
             when=ALWAYS,
             code="peer/train/outer.py DiLoCo/NoLoCo/Independent.__init__",
         ),
+        # blocking: released at the round's end before Δ (peer/round/streamed.py start_fragment_sync)
+        # and made again by the landing's snapshot; it is held through the inner steps and a
+        # checkpoint, not at the round's end or the landing
         B(
             name="the previous round's φ and outer state (the older snapshot)",
             bytes=2 * M,
             where=HOST,
             process=PEER,
-            when=ALWAYS,
-            code="peer/round/state.py snapshots (deque of 2; release_older_snapshot at the landing)",
+            when=CHECKPOINT if overlap == "none" else ALWAYS,
+            code="peer/round/state.py snapshots (deque of 2; release_older_snapshot at the landing, "
+            "at a blocking round's end)",
         ),
         B(
             name="payload buffers shared with the averager",

@@ -192,3 +192,13 @@ def test_the_doctor_refuses_before_it_builds_the_model(monkeypatch):
     assert report.problems[0].startswith("not enough memory for run 'tiny'")
     lines = doctor.render(report)
     assert any(line.startswith("memory: needs ") and "GiB of host RAM (0.0 GiB available)" in line for line in lines)
+
+
+def test_a_blocking_round_end_holds_no_older_snapshot():
+    # peer/round/streamed.py releases it before Δ (tests/unit/test_round_memory.py): counted with a
+    # checkpoint (it is back after the landing), not with Δ and the mean; an overlapped sync keeps it
+    m = default_run()
+    older = "the previous round's φ and outer state"
+    assert next(b for b in memory_need(m).buffers if b.name.startswith(older)).when == "checkpoint"
+    delayed = memory_need(with_(m, sync={"overlap": "delayed"}))
+    assert next(b for b in delayed.buffers if b.name.startswith(older)).when == "always"
