@@ -22,7 +22,7 @@ from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import StateSnapshot, make_snapshot
 from peer.sync.screening import round_token_cap
 from peer.train.outer import check_finite, step_on_copies
-from peer.train.overlap import EagerState, next_start, round_progress
+from peer.train.overlap import EagerState, keep_skipped_progress, next_start, round_progress
 from peer.train.step_bound import check_step_bound
 from protocol.errors import BadPayload
 
@@ -103,8 +103,10 @@ class OverlapSchedule(BackgroundSchedule):
         start_digest = s.digest
         done = dataclasses.replace(s.pos)
         problem, delta = "", None
+        phi_before = list(s.phi)  # φ before the landing (rebound by it, never written in place)
+        anchor = s.phi if self.anchor is None else self.anchor
         try:
-            progress = round_progress(s.phi if self.anchor is None else self.anchor, s.theta_on_host())
+            progress = round_progress(anchor, s.theta_on_host())
             check_finite(progress, "this round's progress")
             delta = progress
         except BadPayload as exc:
@@ -152,7 +154,8 @@ class OverlapSchedule(BackgroundSchedule):
             self.reporter.emit("warning", message=problem)
             self.eager.reset()  # the next round starts from φ, as a fresh worker's does
         self.anchor = None if start is s.phi else start
-        s.set_theta(start)
+        kept = report.kept_rows if mean is not None and refused is None and start is not s.phi else ()
+        s.set_theta(keep_skipped_progress(start, anchor, delta, s.phi, phi_before, kept) if kept and delta else start)
         return RoundEnd(done=done, live=live, start_digest=start_digest, choice=choice, report=report)
 
     def _start(self, payload, choice, live, done) -> None:

@@ -44,11 +44,12 @@ class Timing:
     @property
     def carries_skipped(self) -> bool:
         """Whether a Δ piece the receipts skipped (applied as zeros) is carried into the next
-        contribution (peer/sync/error_feedback.py). Not in a blocking sync: its landing sets θ to φ
-        but keeps θ's own progress on those rows (``SyncReport.kept_rows``), so the next Δ holds
-        it; an overlapped or streaming landing keeps θ's progress everywhere, and the group's φ gets
-        that piece's Δ only from the carry."""
-        return self.overlap != "none"
+        contribution (peer/sync/error_feedback.py). Not in a blocking or delayed sync: its landing
+        keeps θ's own progress on those rows (``SyncReport.kept_rows``; blocking: θ ← φ elsewhere,
+        peer/train/streaming.py ``land``; delayed: θ ← ψ elsewhere, peer/train/overlap.py
+        ``keep_skipped_progress``), so the next Δ holds it; an eager or streaming landing keeps θ's
+        progress everywhere, and the group's φ gets that piece's Δ only from the carry."""
+        return self.overlap not in ("none", "delayed")
 
     @classmethod
     def of(cls, sync: SyncSpec, *, pinned: bool = False) -> Timing:

@@ -2,12 +2,13 @@
 
 Part of the peer's sync state, not of the wire: the codecs (:mod:`protocol.codecs`) only encode
 and decode; what they dropped is kept here, staged while a sync runs and made current only once
-it succeeded. In an overlapped or streaming sync the same residuals carry a piece's whole Δ when
+it succeeded. In an eager or streaming sync the same residuals carry a piece's whole Δ when
 the group's receipts skipped that piece (peer/sync/receipts.py: its owner lied), with any codec:
 every peer then re-sends its own Δ of that piece in its next contribution, instead of losing the
-round's work there. A blocking sync does not (``SyncRequest.carry_skipped``): its landing keeps θ's own progress on
-those rows (``SyncReport.kept_rows``, peer/train/streaming.py ``land``), so the next Δ holds it;
-carrying it as well would send it twice.
+round's work there. A blocking or delayed sync does not (``SyncRequest.carry_skipped``): its landing
+keeps θ's own progress on those rows (``SyncReport.kept_rows``; peer/train/streaming.py ``land``,
+peer/train/overlap.py ``keep_skipped_progress``), so the next Δ holds it; carrying it as well would
+send it twice.
 """
 
 from __future__ import annotations

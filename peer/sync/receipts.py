@@ -17,9 +17,9 @@ The verdict (:func:`verdict`), the same on every honest peer that read the same 
 * **Proof, not votes.** A receipt reporting, for some owner, a digest other than this peer's must
   carry that owner's valid seal of it. If it does, the owner signed two digests for one group: a
   proof that it sent different means to different receivers; it is an **equivocator**, its pieces
-  are skipped this round (applied as zeros for Δ, as this peer's own values for φ; in an overlapped
-  or streaming sync each peer carries its own Δ of those pieces into its next contribution,
-  peer/sync/error_feedback.py, while a blocking landing keeps θ's progress there) and it is
+  are skipped this round (applied as zeros for Δ, as this peer's own values for φ; in an eager or
+  streaming sync each peer carries its own Δ of those pieces into its next contribution,
+  peer/sync/error_feedback.py, while a blocking or delayed landing keeps θ's progress there) and it is
   ignored from the next round on, kept across restarts. If it does not, the report contradicts what
   this peer received and no owner signed it: its sender is a **liar**, its whole receipt is not read
   (its refusals and alignments count for nothing) and it is named in the log; the owner is not

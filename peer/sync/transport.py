@@ -132,7 +132,7 @@ class SyncRequest:
     carry_skipped: bool = True
     """A Δ piece the receipts skip is carried into this peer's next contribution (peer/round/timing.py
     ``Timing.carries_skipped``); False: not carried but named in :attr:`SyncResult.kept_rows`, where a
-    blocking landing keeps θ's progress."""
+    blocking or delayed landing keeps θ's progress."""
     tensors: Sequence[int] | None = None
     """With ``fragment``, the indices of the payload buffers the payload fills (ascending; the
     fragment's Δ tensors, then its φ tensors for NoLoCo); the mean returned holds those tensors

@@ -45,6 +45,7 @@ import torch
 
 from peer.train.outer import DiLoCo, OuterAlgorithm, check_finite, pseudo_gradient, step_on_copies
 from protocol.specs import OVERLAP_MODES
+from protocol.wire.pieces import rows_view
 
 
 def round_progress(anchor: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -165,6 +166,43 @@ class EagerState:
 def _per_worker_state(outer: OuterAlgorithm) -> TypeGuard[DiLoCo]:
     """Whether eager needs :class:`EagerState`: DiLoCo with outer momentum."""
     return isinstance(outer, DiLoCo) and outer.spec.momentum != 0.0
+
+
+def keep_skipped_progress(
+    start: Sequence[torch.Tensor],
+    anchor: Sequence[torch.Tensor],
+    delta: Sequence[torch.Tensor],
+    phi: Sequence[torch.Tensor],
+    phi_before: Sequence[torch.Tensor],
+    kept_rows: Sequence[tuple[int, int, int]],
+) -> list[torch.Tensor]:
+    """θ's start for the next round of a ``delayed`` sync whose landing applied none of this peer's Δ
+    on ``kept_rows`` (the receipts skipped their owner: the mean there is zeros; ``SyncReport.kept_rows``).
+
+    Everywhere else θ starts at ψ = ``start`` (:func:`next_start`). On those rows it keeps its own
+    progress of the landed round, which the group did not apply: θ as the round ended (ψ_t − Δ_t,
+    ``anchor − delta``) plus the outer step's change of φ (``phi − phi_before``), i.e. ψ minus the
+    landed round's Δ there. The anchor stays ψ, so the next round's Δ = ψ − θ holds that progress
+    again and it reaches φ through the next mean: the delayed analogue of a blocking landing's kept
+    rows (peer/train/streaming.py ``land``); nothing is carried in the error feedback.
+
+    Args:
+        start: ψ, fp32 host tensors shaped like φ (read only).
+        anchor, delta: ψ_t, where the round that just ended started, and its progress Δ_t (read only).
+        phi, phi_before: φ after and before the landing's outer step (read only).
+        kept_rows: (tensor index, first row, stop row); the whole tensor for 0-d.
+
+    Returns:
+        ``start``'s tensors, a new copy of each one with kept rows (those rows replaced).
+    """
+    out = list(start)
+    with torch.no_grad():
+        for t, lo, hi in kept_rows:
+            if out[t] is start[t]:
+                out[t] = start[t].clone()
+            theta = rows_view(anchor[t], lo, hi) - rows_view(delta[t], lo, hi)
+            rows_view(out[t], lo, hi).copy_(theta + (rows_view(phi[t], lo, hi) - rows_view(phi_before[t], lo, hi)))
+    return out
 
 
 def next_start(

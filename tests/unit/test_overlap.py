@@ -225,3 +225,23 @@ def test_every_schedule_but_streaming_holds_the_groups_means_against_the_rounds_
     Δ carries what the last landing's merge left in θ."""
     judged = {mode: delta_is_round_progress(mode) for mode in OVERLAP_MODES}
     assert judged == {"none": True, "delayed": True, "eager": True, "streaming": False}
+
+
+def test_keep_skipped_progress_changes_only_the_kept_rows_and_copies_only_their_tensors():
+    from peer.train.overlap import keep_skipped_progress
+
+    g = torch.Generator().manual_seed(0)
+    anchor = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g), torch.tensor(2.0)]
+    delta = [torch.randn(t.shape, generator=g) for t in anchor]
+    phi_before = [torch.randn(t.shape, generator=g) for t in anchor]
+    phi = [p + 0.1 for p in phi_before]  # the outer step moved φ by 0.1 everywhere
+    start = [p - torch.randn(p.shape, generator=g) for p in phi]  # ψ
+    psi = [t.clone() for t in start]
+    out = keep_skipped_progress(start, anchor, delta, phi, phi_before, [(0, 1, 3), (2, 0, 0)])
+    assert out[1] is start[1] and out[0] is not start[0] and out[2] is not start[2]  # only those copied
+    theta_end = [a - d for a, d in zip(anchor, delta)]  # θ as the round ended
+    torch.testing.assert_close(out[0][1:3], theta_end[0][1:3] + 0.1)  # its own progress, plus φ's move
+    assert torch.equal(out[0][0], start[0][0]) and torch.equal(out[0][3], start[0][3])
+    torch.testing.assert_close(out[2], theta_end[2] + 0.1)  # a 0-d tensor: all of it
+    assert all(torch.equal(a, b) for a, b in zip(start, psi))  # ψ itself is untouched (the anchor)
+    assert keep_skipped_progress(start, anchor, delta, phi, phi_before, []) == start

@@ -4,6 +4,7 @@ a checkpoint taken with a sync in flight (a restart drops that sync)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -485,3 +486,50 @@ def test_a_prepared_outer_step_is_installed_only_for_its_mean_state_and_round():
     assert OverlapSchedule._install(t, ready, mean) is True
     # installed as they are: the live state is the prepared snapshot's own tensors, not copies
     assert all(a is b for a, b in zip(live, ready.snapshot.tensors, strict=True))
+
+
+def test_a_delayed_landing_keeps_thetas_progress_where_the_group_applied_none_of_its_delta(corpus):
+    """A delayed sync whose result names kept rows (the receipts skipped their owner: the mean there is
+    zeros, and nothing is carried): θ starts the next round at ψ = φ − Δ_t everywhere else, and there
+    also keeps the landed round's own progress, so the next Δ holds it (peer/train/overlap.py
+    ``keep_skipped_progress``)."""
+    rows = ((0, 0, 2),)
+
+    class Skipping(Transport):
+        def average(self, payload, *, request):
+            self.sent = getattr(self, "sent", {})
+            self.sent[request.round_] = [t.clone() for t in payload]
+            result = super().average(payload, request=request)
+            assert not request.carry_skipped  # delayed keeps the progress in θ instead of carrying it
+            if request.round_ == 0:
+                result.mean[0][0:2].zero_()  # what every peer applies there: no mean, as after a skip
+                return dataclasses.replace(result, kept_rows=rows)
+            return result
+
+    manifest = tiny_run().replace(sync={"overlap": "delayed"}, outer_optimizer={"lr": 0.7, "momentum": 0.0})
+    records, group = Records(), Group(2)
+    transports = [Skipping(p, group) for p in ("a", "b")]
+    seen: dict[str, list] = {}
+    trainers = []
+    for p, t in zip(("a", "b"), transports):
+
+        def on_event(event, fields, p=p):
+            if event == "round" and fields["round"] == 2:  # round 1 ended: mean 0 landed, θ set
+                trainer = trainers[("a", "b").index(p)]
+                seen[p] = [[x.detach().float().clone() for x in trainer.params], [f.clone() for f in trainer.phi]]
+
+        trainers.append(make_trainer(corpus, manifest, p, records, t, rounds=3, reporter=Events(on_event)))
+    run_in_threads(trainers)
+    assert all(torch.equal(x, y) for x, y in zip(trainers[0].phi, trainers[1].phi, strict=True))  # one φ still
+    for p, transport in zip(("a", "b"), transports):
+        theta, phi = seen[p]
+        d0, d1 = transport.sent[0], transport.sent[1]  # Δ of rounds 0 (landed with kept rows) and 1
+        assert d0[0][0:2].abs().sum() > 0  # it trained there
+        # kept rows: ψ minus the landed round's own Δ (no outer step moved φ there: a zero mean, no momentum)
+        torch.testing.assert_close(theta[0][0:2], phi[0][0:2] - d1[0][0:2] - d0[0][0:2])
+        # elsewhere ψ = φ − Δ_1, as always with delayed
+        torch.testing.assert_close(theta[0][2:], phi[0][2:] - d1[0][2:])
+        for t, f, d in zip(theta[1:], phi[1:], d1[1:], strict=True):
+            torch.testing.assert_close(t, f - d)
+        # and the next Δ holds that progress again: round 2's payload there is over the landed Δ
+        assert (transport.sent[2][0][0:2] - d0[0][0:2]).abs().sum() < transport.sent[2][0][0:2].abs().sum()

@@ -23,8 +23,9 @@ def test_a_bad_timing_is_named(fields, named):
 
 
 @pytest.mark.parametrize(
-    ("overlap", "carries"), [("none", False), ("delayed", True), ("eager", True), ("streaming", True)]
+    ("overlap", "carries"), [("none", False), ("delayed", False), ("eager", True), ("streaming", True)]
 )
-def test_only_a_blocking_sync_drops_a_skipped_pieces_delta(overlap, carries):
-    """A blocking landing sets θ to φ, so the next round trains a skipped piece's progress again."""
+def test_blocking_and_delayed_syncs_keep_a_skipped_pieces_progress_in_theta_not_in_the_carry(overlap, carries):
+    """A blocking or delayed landing keeps θ's own progress on a skipped piece's rows (the next Δ holds
+    it); eager and streaming carry it in the error feedback."""
     assert Timing(overlap=overlap).carries_skipped is carries
