@@ -185,5 +185,11 @@ def test_the_memory_arithmetic_counts_one_tensors_copy_for_a_checkpoint_not_the_
     largest = max(p.numel() for p in model.parameters()) * 4
     for device, want in (("cpu", 0), ("cuda", largest)):
         need = memory_need(manifest, device_type=device)
-        added = sum(b.bytes for b in need.buffers if b.when == CHECKPOINT and b.process == PEER)
+        # what writing one adds (the "checkpoint: ..." buffers); a blocking run's older snapshot is
+        # counted at that moment too, but it is held, not made, by the checkpoint
+        added = sum(
+            b.bytes
+            for b in need.buffers
+            if b.when == CHECKPOINT and b.process == PEER and b.name.startswith("checkpoint:")
+        )
         assert added == want, device
