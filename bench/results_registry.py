@@ -312,8 +312,8 @@ REGISTRY: dict[str, Entry] = {
         "is the same peers never syncing (the floor: what averaging is worth at this horizon). Round engine, "
         "8 peers, sync.overlap = delayed (its own commit: bench/results/byzantine.json has the blocking rows). "
         "The `lying-receipts` row is the real-peer one of the blocking file, repeated.",
-        "python bench/byzantine.py --algorithms diloco --schedules delayed --attacks owner-small-flip owner-huge-small "
-        "subclip-flip --malicious 1 --seeds 0 1 2 --jobs 1 --threads 1 --out bench/results/byzantine-delayed.json",
+        "python bench/byzantine.py --algorithms diloco --schedules delayed --attacks owner-small-flip subclip-flip "
+        "--malicious 1 --seeds 0 1 2 --jobs 2 --threads 1 --out bench/results/byzantine-delayed.json",
         [
             Table(
                 key("results"),
