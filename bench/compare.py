@@ -364,43 +364,13 @@ def _one(
     m = manifest_for(base, method, peers, seed, bench["global_batch_tokens"], rounds)
     on_eval = None if progress is None else functools.partial(_progress, progress, method, peers, seed)
     corpus = corpus if corpus is not None else load_corpus(base.data)
-    if method == "data-parallel":  # no round: one model on every peer's batches (any runner)
-        return run_data_parallel(
-            m,
-            corpus,
-            peers=peers,
-            rounds=rounds,
-            seed=seed,
-            eval_every_rounds=bench["eval_every_rounds"],
-            device=placement.device,
-            precision=placement.precision,
-            compile=placement.compile,
-            on_eval=on_eval,
-        )
+    run = dict(peers=peers, rounds=rounds, seed=seed, eval_every_rounds=bench["eval_every_rounds"], on_eval=on_eval)
     if runner == "engine" and engine_runs(m, method):
-        return run_engine_simulation(
-            m,
-            corpus,
-            peers=peers,
-            rounds=rounds,
-            seed=seed,
-            eval_every_rounds=bench["eval_every_rounds"],
-            placement=placement,
-            on_eval=on_eval,
-            pinned=True,
-        )
-    return run_simulation(
-        m,
-        corpus,
-        peers=peers,
-        rounds=rounds,
-        seed=seed,
-        eval_every_rounds=bench["eval_every_rounds"],
-        device=placement.device,
-        precision=placement.precision,
-        compile=placement.compile,
-        on_eval=on_eval,
-    )
+        return run_engine_simulation(m, corpus, placement=placement, pinned=True, **run)
+    where = dict(device=placement.device, precision=placement.precision, compile=placement.compile)
+    if method == "data-parallel":  # no round: one model on every peer's batches (any runner)
+        return run_data_parallel(m, corpus, **run, **where)
+    return run_simulation(m, corpus, **run, **where)
 
 
 def _one_of(task: tuple) -> SimulationResult:

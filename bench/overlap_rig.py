@@ -324,10 +324,20 @@ def averaged_tokens_per_s(figures: dict) -> float:
     return figures["tokens_per_s"]
 
 
-def averaged_share(per: list[dict]) -> float:
-    """The share of the peers' measured rounds that averaged with ≥ 1 other peer (group size ≥ 2)."""
+def averaged_figures(per: list[dict]) -> dict:
+    """``averaged_tokens_per_s`` (the swarm's, rounds with group size ≥ 2 only), ``averaged_share`` (those
+    rounds' share of the peers' measured rounds) and ``mean_group_size`` of a run's measured peers
+    (:func:`peer_figures` each).
+
+    Raises:
+        ValueError: figures recorded before per-round averaged tokens, with a round that did not average.
+    """
     sizes = [g for p in per for g in p["group_sizes"]]
-    return sum(g >= 2 for g in sizes) / len(sizes)
+    return {
+        "averaged_tokens_per_s": sum(averaged_tokens_per_s(p) for p in per),
+        "averaged_share": sum(g >= 2 for g in sizes) / len(sizes),
+        "mean_group_size": statistics.fmean(sizes),
+    }
 
 
 def row(run: dict, reference: float | None = None) -> dict:
@@ -336,6 +346,7 @@ def row(run: dict, reference: float | None = None) -> dict:
     tokens/s; None: no such run), ``averaged_share`` those rounds' share, ``mean_group_size`` beside it."""
     per = list(run["per_peer"].values())
     tokens_per_s = sum(p["tokens_per_s"] for p in per)
+    averaged = averaged_figures(per)
     compute = statistics.fmean(p["compute_s_per_round"] for p in per)
     sync = statistics.fmean(p["sync_s"] for p in per)
     return {
@@ -349,8 +360,8 @@ def row(run: dict, reference: float | None = None) -> dict:
         # runs from before peer/train/host_memory.py existed ran with glibc's own thresholds
         "host_allocator": run.get("host_allocator", "system"),
         "standin_step_s": run.get("standin_step_s"),
-        "utilization": sum(averaged_tokens_per_s(p) for p in per) / reference if reference else None,
-        "averaged_share": averaged_share(per),
+        "utilization": averaged["averaged_tokens_per_s"] / reference if reference else None,
+        "averaged_share": averaged["averaged_share"],
         "reference_tokens_per_s": reference,
         "round_s": statistics.fmean(p["round_s"] for p in per),
         "sync_s": sync,
@@ -361,7 +372,7 @@ def row(run: dict, reference: float | None = None) -> dict:
             for k in ("sync_wait_s_per_round", "resync_wait_s_per_round", "other_s_per_round")
         },
         "tokens_per_s": tokens_per_s,
-        "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
+        "mean_group_size": averaged["mean_group_size"],
         "median_overlap_steps": (
             statistics.median(s for p in per for s in p.get("overlap_steps", ()))
             if any(p.get("overlap_steps") for p in per)

@@ -64,7 +64,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.overlap_rig import averaged_share, averaged_tokens_per_s, peer_figures  # noqa: E402
+from bench.overlap_rig import averaged_figures, peer_figures  # noqa: E402
+from bench.provenance import git_commit  # noqa: E402
 from lab.chaos import CHAOS_MODEL, ChaosSwarm, prepare_rig_bench  # noqa: E402
 from lab.standin import StandInConfig  # noqa: E402
 from protocol.manifest import RunManifest, dump_toml  # noqa: E402
@@ -320,20 +321,6 @@ def swarm_figures(run: dict, warmup: int, rate: float) -> dict:
     }
 
 
-def averaged_figures(per: list[dict]) -> dict:
-    """``averaged_tokens_per_s`` (the swarm's, rounds with group size ≥ 2 only), ``averaged_share`` and
-    ``mean_group_size`` of a run's measured peers (``peer_figures`` each).
-
-    Raises:
-        ValueError: figures recorded before per-round averaged tokens, with a round that did not average.
-    """
-    return {
-        "averaged_tokens_per_s": sum(averaged_tokens_per_s(p) for p in per),
-        "averaged_share": averaged_share(per),
-        "mean_group_size": statistics.fmean(g for p in per for g in p["group_sizes"]),
-    }
-
-
 def result_row(run: dict) -> dict:
     """A ``results`` row from one detail run (its figures and the no-sync reference it names)."""
     return {
@@ -472,14 +459,20 @@ def main() -> None:
         if args.max_memory:
             peer_extra += ("--max-memory", f"{args.max_memory:g}")
     command = " ".join(["python", *sys.argv])
-    record: dict = {"results": [], "catch_up": []}
-    detail: dict = {"command": command, "step_s": step_s, "batch_tokens": batch_tokens(base), "runs": []}
+    record: dict = {"commit": git_commit(ROOT), "results": [], "catch_up": []}
+    detail: dict = {
+        "commit": record["commit"],
+        "command": command,
+        "step_s": step_s,
+        "batch_tokens": batch_tokens(base),
+        "runs": [],
+    }
     inner = (
         f"the real inner step on {args.device}"
         if args.device is not None
         else f"a compute stand-in of {step_s or 0:.4f} s per step"
     )
-    detail["device"] = (
+    record["device"] = detail["device"] = (
         f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores shared by every peer), {inner}, "
         f"network namespaces with tbf uplinks"
     )
