@@ -4,6 +4,8 @@ and the floor (the same peers never syncing), on the round engine (issues #17, #
     nice -n 5 python bench/byzantine.py [--rounds 10] [--seeds 0 1 2] [--algorithms diloco noloco]
         [--schedules none delayed] [--attacks ...] [--malicious 1 2] [--plain] [--jobs 2] [--resume]
         [--no-loss-gate --out bench/results/byzantine-nogate.json]
+        [--schedules delayed --overlap-from-round 10 --rounds 20 --out bench/results/byzantine-delayed.json]
+        [--device cuda --jobs 8]   # on a card (bench/device_session.sh --byzantine)
 
 Every run is lab/engine_sim.py: 8 real round loops (peer/round/ ``Trainer``) in threads over the
 in-process hub, which deals each group's pieces to owners and screens and checks them as the
@@ -12,7 +14,11 @@ malicious peers contribute, the means they send as owners (per receiver), the re
 and the states they serve. The manifest is bench/compare.py's (its inner lr, fixed global batch,
 cosine schedule ending with the run; default horizon 10 rounds × its H = 25), so every run trains on
 the same tokens; ``--schedules`` sets ``sync.overlap`` per row (``delayed``: with the landings
-pinned where the lockstep defines them, lab/engine_sim.py ``run_engine_simulation(pinned=True)``).
+pinned where the lockstep defines them, lab/engine_sim.py ``run_engine_simulation(pinned=True)``),
+``--overlap-from-round K`` the overlapped rows' ``sync.overlap_from_round`` (rounds before K sync
+blocking: on bench/compare.toml delayed averaging from round 0 is worth less than none, at 10, 20
+and 40 rounds, so a delayed row there cannot tell a defence from none). ``--device cuda`` trains
+every peer's θ on the card (eager, the card's autocast).
 
 Per algorithm, schedule and seed it runs ``clean`` (8 honest peers, the hub screening as the
 network does) and, per schedule and seed, ``independent``: the same 8 peers under
@@ -72,6 +78,7 @@ from bench.provenance import git_commit
 from lab.adversary import ATTACKS, Adversary
 from lab.engine_sim import EngineResult, run_engine_simulation
 from peer.train.data import load_corpus
+from peer.train.device import place
 from protocol.errors import ManifestError
 from protocol.manifest import RunManifest
 
@@ -109,6 +116,8 @@ def _train(
     matchmaking_s: float,
     schedule: str = "none",
     loss_gate: bool = True,
+    device: str = "cpu",
+    overlap_from_round: int = 0,
 ) -> dict:
     """One engine run; the malicious peers are the last ``malicious`` of :data:`PEERS` (who owns which
     piece is drawn per group, as matchmaking orders a group). ``attack`` :data:`INDEPENDENT`: the same
@@ -118,7 +127,7 @@ def _train(
     logging.getLogger("peer").setLevel(logging.ERROR)
     method = "independent" if attack == INDEPENDENT else algorithm
     m = manifest_for(base, method, PEERS, seed, bench["global_batch_tokens"], rounds)
-    m = m.replace(sync={"overlap": schedule})
+    m = m.replace(sync={"overlap": schedule, "overlap_from_round": overlap_from_round if schedule != "none" else 0})
     adversary = None
     if attack not in (None, INDEPENDENT):
         adversary = Adversary(
@@ -126,7 +135,7 @@ def _train(
             peers=tuple(range(PEERS - malicious, PEERS)),
             fresh_identities=FRESH_IDENTITIES if attack == "fake-progress" else 0,
         )
-    r = _engine(m, base, rounds, seed, screening, adversary, matchmaking_s, loss_gate)
+    r = _engine(m, base, rounds, seed, screening, adversary, matchmaking_s, loss_gate, device)
     h = r.history[-1]
     return {
         "attack": attack or "none",
@@ -156,7 +165,11 @@ def _engine(
     adversary: Adversary | None,
     matchmaking_s: float,
     loss_gate: bool = True,
+    device: str = "cpu",
 ) -> EngineResult:
+    # CPU: fp32 (no placement, as every recorded row ran); a card: every peer's θ on it at the card's
+    # precision, eager (8 models compiling would take a short device budget's minutes)
+    placement = None if device == "cpu" else place(device, compile=False)[0]
     return run_engine_simulation(
         m,
         load_corpus(base.data),
@@ -169,6 +182,7 @@ def _engine(
         matchmaking_s=matchmaking_s,
         pinned=True,  # overlap's landings where the lockstep defines them (blocking: nothing to pin)
         loss_gate=loss_gate,
+        placement=placement,
     )
 
 
@@ -440,8 +454,16 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def device_name(jobs: int, threads: int) -> str:
-    """The CPU (model from /proc/cpuinfo, cores), no GPU, torch, and how the runs shared it."""
+def device_name(jobs: int, threads: int, device: str = "cpu") -> str:
+    """The CPU (model from /proc/cpuinfo, cores), the card the peers train on (``device`` not cpu) or
+    no GPU, torch, and how the runs shared it."""
+    if device != "cpu":
+        placement, _ = place(device, compile=False)
+        if placement.device.type != "cpu":
+            return (
+                f"{placement.info.name} ({placement.precision.name} autocast), torch {torch.__version__}, "
+                f"{jobs} run(s) at once sharing the card, 8 peers each"
+            )
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -490,6 +512,7 @@ def write_results(
     complete: bool,
     announcements: list[dict],
     wall_s: float,
+    overlap_from_round: int = 0,
 ) -> dict:
     """Write ``out`` (the issue's keys) and the detail file next to it from ``runs`` (every run of one
     commit), and return :func:`summarize`'s summary of them."""
@@ -498,6 +521,9 @@ def write_results(
     clean_loss, independent_change = headline(summary)
     sybil, sybil_source = sybil_rows(out.parent / "sybil.json")
     lying = [row] if (row := lying_receipts_row(out.parent / "lying-receipts.json")) else []
+    horizon = {"rounds": rounds, "inner_steps": inner_steps}
+    if overlap_from_round:  # the overlapped rows' first overlapped round (rounds before it sync blocking)
+        horizon["overlap_from_round"] = overlap_from_round
     out.write_text(
         json.dumps(
             {
@@ -505,7 +531,7 @@ def write_results(
                 "commit": commit,
                 "device": device,
                 "command": command,
-                "horizon": {"rounds": rounds, "inner_steps": inner_steps},
+                "horizon": horizon,
                 "clean_loss": clean_loss,
                 "independent_change": independent_change,
                 "results": [*summary["rows"], *lying],
@@ -523,7 +549,7 @@ def write_results(
                 "commit": commit,
                 "device": device,
                 "command": command,
-                "horizon": {"rounds": rounds, "inner_steps": inner_steps},
+                "horizon": horizon,
                 "results": [*summary["detail"], *lying],
                 "clean_loss": summary["clean_loss"],
                 "independent_change": summary["independent_change"],
@@ -579,6 +605,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="engine runs at once (separate processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     parser.add_argument(
+        "--device", default="cpu", help="where every peer's θ trains: cpu, cuda, cuda:N (all runs share the card)"
+    )
+    parser.add_argument(
         "--matchmaking-s", type=float, default=60.0, help="how long a group waits for the members it expects, s"
     )
     parser.add_argument(
@@ -593,6 +622,14 @@ def main() -> None:
         action="store_true",
         help="the honest peers' NoLoCo loss gate off (peer/round/loss_gate.py; the malicious peers keep "
         "theirs): what the gate is worth, into an --out of its own",
+    )
+    parser.add_argument(
+        "--overlap-from-round",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the overlapped rows' sync.overlap_from_round: rounds 0 to K - 1 sync blocking (where delayed "
+        "averaging is worth less than none, a horizon at which it is worth something)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -619,7 +656,7 @@ def main() -> None:
     corpus_or_exit(parser, base.data, args.config)
     start = time.perf_counter()
     commit = git_commit(Path(__file__).resolve().parents[1])
-    device = device_name(args.jobs, args.threads)
+    device = device_name(args.jobs, args.threads, args.device)
     command = " ".join(["python", *sys.argv])
     attacks = [a for a in args.attacks if a != BOGUS]
     # seed-major: an interrupted invocation has every row at the first seed
@@ -656,6 +693,7 @@ def main() -> None:
             command=earlier["command"],
             rounds=earlier["rounds"],
             inner_steps=earlier["horizon"]["inner_steps"],
+            overlap_from_round=earlier["horizon"].get("overlap_from_round", 0),
             config=earlier["config"],
             complete=earlier["complete"],
             announcements=earlier.get("announcements", []),
@@ -669,6 +707,7 @@ def main() -> None:
                 **manifest_for(base, "diloco", PEERS, 0, bench["global_batch_tokens"], args.rounds).to_dict(),
                 "bench": bench,
                 **({"loss_gate": False} if args.no_loss_gate else {}),
+                **({"overlap_from_round": args.overlap_from_round} if args.overlap_from_round else {}),
             }
         )
     )
@@ -705,6 +744,7 @@ def main() -> None:
             command=command,
             rounds=args.rounds,
             inner_steps=base.sync.inner_steps,
+            overlap_from_round=args.overlap_from_round,
             config=config,
             complete={_key(w) for w in work} <= {_key(r) for r in runs},
             announcements=announcements,
@@ -725,6 +765,8 @@ def main() -> None:
                     threads=args.threads,
                     matchmaking_s=args.matchmaking_s,
                     loss_gate=not args.no_loss_gate,
+                    device=args.device,
+                    overlap_from_round=args.overlap_from_round,
                     **w,
                 ),
             )

@@ -32,13 +32,23 @@
 #      int8, H = 50, 3 rounds; its nosync run first), then the same row with lab/standin.py at the
 #      tokens/s the card gave each peer without sync ($OUT/rig125m-card.json, rig125m-standin.json):
 #      the two utilizations should agree if the stand-in's figure holds.
+#   6. Only with --byzantine (instead of 1-4: `device run: command "bash bench/device_session.sh
+#      --byzantine"`, carry [".devcarry"]): #65 items 3 and 4's delayed rows, which need a horizon at
+#      which delayed averaging is worth something (on a 2-core CPU host it is not at 10 and 20 rounds
+#      of bench/compare.toml: independent is 1.7 % better than clean delayed DiLoCo, 0.6 % better than
+#      clean delayed NoLoCo). bench/byzantine.py on the card, every peer's θ there, 8 runs at once:
+#      DiLoCo and NoLoCo delayed at 40 rounds × H = 25 (4× the blocking table's tokens), clean and
+#      independent first, then ALIE and IPM (2 colluders), the small-piece owner and subclip-flip
+#      (1 and 2 of 8), seed-major, so a run the budget cuts short has every row at its first seeds
+#      ($OUT/byzantine-delayed-card.json and its detail file).
 # Everything a stage prints goes to $OUT/session.log. At most 8 files come back: this writes 7.
 set -u
 cd "$(dirname "$0")/.."
-DRY=0 RIG=0
+DRY=0 RIG=0 BYZ=0
 for arg in "$@"; do
     [ "$arg" = "--dry-run" ] && DRY=1
     [ "$arg" = "--rig" ] && RIG=1
+    [ "$arg" = "--byzantine" ] && BYZ=1
 done
 : "${OUT:?set OUT to the folder for results (the device tool sets it)}"
 mkdir -p "$OUT"
@@ -103,6 +113,17 @@ print(r["tokens_per_s"] / r["peers"])' "$OUT/rig125m-card.detail.json" 2>>"$LOG"
         stage "5b bench/rig125m.py, stand-in at $RATE tokens/s" $(( $(left) - 10 )) \
             "$PY" bench/rig125m.py "${RIG_ARGS[@]}" --modes delayed --tokens-per-s "$RATE" --out "$OUT/rig125m-standin.json"
     fi
+    say "done; $(left) s of the budget left"
+    exit 0
+fi
+if [ "$BYZ" = 1 ]; then  # stage 6 only (#65 items 3 and 4, delayed)
+    if [ "$DRY" = 1 ]; then BYZ_ARGS=(--device cpu --rounds 2 --seeds 0 --jobs 2 --malicious 2 --attacks alie)
+    else BYZ_ARGS=(--device cuda --rounds 40 --seeds 0 1 2 --jobs 8 --threads 2 --malicious 1 2
+                   --attacks alie ipm owner-small-flip subclip-flip); fi
+    # seed-major: a run the budget cuts short still leaves every row's first seeds
+    stage "6 bench/byzantine.py, delayed" $(( $(left) - 10 )) \
+        "$PY" bench/byzantine.py "${BYZ_ARGS[@]}" --algorithms diloco noloco --schedules delayed \
+        --out "$OUT/byzantine-delayed-card.json"
     say "done; $(left) s of the budget left"
     exit 0
 fi

@@ -142,3 +142,43 @@ def test_the_lying_receipts_row_names_where_it_was_measured(tmp_path):
     row = lying_receipts_row(path)
     assert row["measured_on"] == "real peers (tests/security/test_lying_receipts_swarm.py, commit abc)"
     assert row["seeds"] == 3 and row["loss_change"] == -0.001 and row["loss_change_spread"] == [-0.004, 0.001]
+
+
+def test_overlapped_rows_start_overlapping_at_the_round_asked_and_the_files_say_so(tmp_path, monkeypatch):
+    """``--overlap-from-round K``: a delayed row's manifest syncs blocking before round K (the blocking
+    rows are left at 0, which their manifest requires), and both files' horizon name K."""
+    import bench.byzantine as byz
+    from bench.compare import load_config
+
+    seen = []
+    monkeypatch.setattr(byz, "_engine", lambda m, *a, **k: seen.append(m.sync) or _fake_engine())
+    base, bench = load_config(byz.Path(byz.__file__).with_name("compare.toml"))
+    kw = dict(rounds=4, seed=0, algorithm="diloco", attack=None, malicious=0, screening=True, threads=1)
+    byz._train(base, bench, **kw, matchmaking_s=5.0, schedule="delayed", overlap_from_round=2)
+    byz._train(base, bench, **kw, matchmaking_s=5.0, schedule="none", overlap_from_round=2)
+    assert [(s.overlap, s.overlap_from_round) for s in seen] == [("delayed", 2), ("none", 0)]
+
+    out = tmp_path / "b.json"
+    args = dict(commit="abc", device="cpu", command="x", rounds=4, inner_steps=25, config={}, complete=True)
+    byz.write_results(out, _runs(), **args, announcements=[], wall_s=0.0, overlap_from_round=2)
+    detail = json.loads(out.with_name("b.detail.json").read_text())
+    assert (
+        json.loads(out.read_text())["horizon"]
+        == detail["horizon"]
+        == {
+            "rounds": 4,
+            "inner_steps": 25,
+            "overlap_from_round": 2,
+        }
+    )
+    byz.write_results(out, _runs(), **args, announcements=[], wall_s=0.0)
+    assert json.loads(out.read_text())["horizon"] == {"rounds": 4, "inner_steps": 25}
+
+
+def _fake_engine():
+    from types import SimpleNamespace
+
+    point = SimpleNamespace(loss_bpb=3.0, per_peer_bpb=[3.0], tokens=1)
+    return SimpleNamespace(
+        history=[point], takeovers=0, non_finite_rounds=0, honest_exits=0, screening={}, train_s=0.0, wall_s=0.0
+    )
