@@ -33,14 +33,13 @@
 #      tokens/s the card gave each peer without sync ($OUT/rig125m-card.json, rig125m-standin.json):
 #      the two utilizations should agree if the stand-in's figure holds.
 #   6. Only with --byzantine (instead of 1-4: `device run: command "bash bench/device_session.sh
-#      --byzantine"`, carry [".devcarry"]): #65 items 3 and 4's delayed rows, which need a horizon at
-#      which delayed averaging is worth something (on a 2-core CPU host it is not at 10 and 20 rounds
-#      of bench/compare.toml: independent is 1.7 % better than clean delayed DiLoCo, 0.6 % better than
-#      clean delayed NoLoCo). bench/byzantine.py on the card, every peer's θ there, 8 runs at once:
-#      DiLoCo and NoLoCo delayed at 40 rounds × H = 25 (4× the blocking table's tokens), clean and
-#      independent first, then ALIE and IPM (2 colluders), the small-piece owner and subclip-flip
-#      (1 and 2 of 8), seed-major, so a run the budget cuts short has every row at its first seeds
-#      ($OUT/byzantine-delayed-card.json and its detail file).
+#      --byzantine"`, carry [".devcarry"]): #65 items 3 and 4, the delayed rows the 2-core host has
+#      not run yet, at the horizon where delayed averaging is worth 3 % there (bench/compare.toml,
+#      20 rounds × H = 25, overlapping from round 10; from round 0 it is worth less than none at 10,
+#      20 and 40 rounds): bench/byzantine.py on the card, every peer's θ there, 8 runs at once,
+#      DiLoCo and NoLoCo, clean and independent, then sign-flip, stale-phi, owner-flip,
+#      owner-equivocate, subclip-sideways and cosine at 1 and 2 of 8, seed-major, so a run the budget
+#      cuts short has every row at its first seeds ($OUT/byzantine-delayed-card.json and its detail).
 # Everything a stage prints goes to $OUT/session.log. At most 8 files come back: this writes 7.
 set -u
 cd "$(dirname "$0")/.."
@@ -117,9 +116,9 @@ print(r["tokens_per_s"] / r["peers"])' "$OUT/rig125m-card.detail.json" 2>>"$LOG"
     exit 0
 fi
 if [ "$BYZ" = 1 ]; then  # stage 6 only (#65 items 3 and 4, delayed)
-    if [ "$DRY" = 1 ]; then BYZ_ARGS=(--device cpu --rounds 2 --seeds 0 --jobs 2 --malicious 2 --attacks alie)
-    else BYZ_ARGS=(--device cuda --rounds 40 --seeds 0 1 2 --jobs 8 --threads 2 --malicious 1 2
-                   --attacks alie ipm owner-small-flip subclip-flip); fi
+    if [ "$DRY" = 1 ]; then BYZ_ARGS=(--device cpu --rounds 2 --overlap-from-round 1 --seeds 0 --jobs 2 --malicious 2 --attacks alie)
+    else BYZ_ARGS=(--device cuda --rounds 20 --overlap-from-round 10 --seeds 0 1 2 --jobs 8 --threads 2
+                   --malicious 1 2 --attacks sign-flip stale-phi owner-flip owner-equivocate subclip-sideways cosine); fi
     # seed-major: a run the budget cuts short still leaves every row's first seeds
     stage "6 bench/byzantine.py, delayed" $(( $(left) - 10 )) \
         "$PY" bench/byzantine.py "${BYZ_ARGS[@]}" --algorithms diloco noloco --schedules delayed \
