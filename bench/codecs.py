@@ -6,8 +6,9 @@ Two inputs, both shaped like the default run's parameters (protocol.presets.defa
 919,424 fp32 values in 39 tensors):
 
 * (a) random normal values;
-* (b) a real pseudo-gradient Δ = φ − θ: the default run trained in-process (lab/simulation.py,
-  2 peers) for 3 rounds, then peer 0's Δ after the 4th round's inner steps. Saved with
+* (b) a real pseudo-gradient: the default run of 2 peers on the round engine (lab/engine_sim.py),
+  the group's mean Δ of its 4th round (φ after round 3 minus φ after round 4; files made before
+  the engine ran it hold peer 0's own Δ of that round). Saved with
   safetensors to ``bench/data/default_delta.safetensors`` (ignored by git) and reused;
   regenerated when missing or with ``--regenerate`` (about a minute on one core).
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo tooling, not installed
-from lab.simulation import butterfly_bytes
+from lab.sim_results import butterfly_bytes
 from peer.sync.adaptive import plan
 from protocol.codecs import Codec, decode, make_codec
 from protocol.manifest import CODECS as RUN_CODECS, CompressionSpec
@@ -45,28 +46,32 @@ GROUP = 4
 
 
 def real_delta(regenerate: bool) -> dict[str, torch.Tensor]:
-    """Peer 0's pseudo-gradient of round 4 of the default run, from the file or freshly trained."""
+    """The group's mean pseudo-gradient of round 4 of the default run with 2 peers, from the file or
+    freshly trained on the round engine (lab/engine_sim.py): φ after round 3 minus φ after round 4,
+    which with the default's outer step (lr 1.0, momentum 0: φ ← φ − mean Δ) is that mean."""
     from safetensors.torch import load_file, save_file
 
     if DELTA_FILE.exists() and not regenerate:
         return load_file(DELTA_FILE)
-    from lab.simulation import Simulation
+    from lab.engine_sim import run_engine_simulation
     from peer.train.data import load_corpus
-    from peer.train.outer import pseudo_gradient
+    from peer.train.model import build_model
 
     manifest = default_run()
-    print(f"training the default run for 3 rounds to produce {DELTA_FILE} ...", file=sys.stderr)
-    sim = Simulation(manifest, load_corpus(manifest.data), peers=2, seed=0)
-    for _ in range(3):
-        sim.run_round()
-    for k in range(manifest.sync.inner_steps):  # round 4's inner steps on peer 0: its Δ is the sample
-        sim.inners[0].step(sim.inner_step + k)
-    names = [name for name, _ in sim.models[0].named_parameters()]
-    delta = pseudo_gradient(sim.phis[0], list(sim.models[0].parameters()))
-    tensors = {name: d.contiguous() for name, d in zip(names, delta)}
+    outer = manifest.outer_optimizer
+    if (outer.lr, outer.momentum) != (1.0, 0.0) or manifest.sync.algorithm != "diloco":
+        raise SystemExit(f"default_run's outer step is no longer φ ← φ − mean Δ ({outer}): φ_3 − φ_4 is not Δ")
+    print(f"training the default run for 3 and 4 rounds to produce {DELTA_FILE} ...", file=sys.stderr)
+    corpus = load_corpus(manifest.data)
+    phi = [
+        run_engine_simulation(manifest, corpus, peers=2, rounds=r, eval_every_rounds=r, pinned=True).final_phis[0]
+        for r in (3, 4)
+    ]
+    names = [name for name, _ in build_model(manifest.model, corpus.tokenizer).named_parameters()]
+    tensors = {name: (a - b).contiguous() for name, a, b in zip(names, *phi, strict=True)}
     DATA.mkdir(parents=True, exist_ok=True)
     (DATA / ".gitignore").write_text("*\n")  # generated data stays out of git
-    save_file(tensors, DELTA_FILE, metadata={"what": "default_run, 2 peers, peer 0's Δ = φ − θ of round 4"})
+    save_file(tensors, DELTA_FILE, metadata={"what": "default_run, 2 peers, the group's mean Δ of round 4 (φ_3 − φ_4)"})
     return tensors
 
 
@@ -141,7 +146,7 @@ def main() -> None:
     real = real_delta(args.regenerate)
     inputs = {
         "(a) random normal, default-run shapes": normal_like(real),
-        "(b) real pseudo-gradient of the default run (round 4, peer 0)": real,
+        "(b) real pseudo-gradient of the default run (round 4)": real,
     }
     results = {
         "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

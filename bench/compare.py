@@ -9,13 +9,10 @@
 
 Runs N peers in one process for every method, N in ``bench.peers`` and seed in ``bench.seeds``:
 DiLoCo, NoLoCo and independent peers as N real round loops (``peer.round.Trainer``, the code a peer
-runs) over the in-process transport (lab/engine_sim.py); data-parallel, which has no round loop, as
-one model on every peer's batches (lab/data_parallel.py, bit for bit the simulation's data-parallel
-mode); NoLoCo with overlap (see ``engine_runs``) in lab/simulation.py, which the engine matches within
-a relative 1e-5 of φ after 3 rounds on every schedule without a codec (tests/unit/test_engine_sim.py:
-the two round the group mean differently, not bit for bit; the hub encodes each piece with the
-run's codec, the simulation each whole tensor; ``--runner simulation`` runs every method but
-data-parallel there). All at a fixed global batch: each peer's
+runs) over the in-process transport (lab/engine_sim.py, its timing pinned to the lockstep: where an
+overlapped mean lands does not follow the threads), with every codec and schedule (the hub encodes
+and screens each piece as the wire does); data-parallel, which has no round loop, as one model on
+every peer's batches (lab/data_parallel.py). All at a fixed global batch: each peer's
 batch is ``global_batch_tokens / N``, so every run trains on the same number of tokens. Prints a
 table and a mean-over-seeds summary, writes ``compare_results.json`` (every curve) and
 ``compare_loss.png`` (validation loss vs tokens) to the output directory, and the finals to
@@ -52,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ is repo too
 from bench.provenance import git_commit
 from lab.data_parallel import DataParallelResult, run_data_parallel
 from lab.engine_sim import EngineResult, run_engine_simulation
-from lab.simulation import EvalPoint, SimulationResult, run_simulation
+from lab.sim_results import EvalPoint, SimulationResult
 from peer.train.data import Corpus, load_corpus
 from peer.train.device import place
 from protocol.errors import ConfigError, ManifestError
@@ -321,26 +318,14 @@ def _progress(path: Path, method: str, peers: int, seed: int, point: EvalPoint) 
         f.write(line)
 
 
-RUNNERS = ("engine", "simulation")
-
-
 def source_of(results: list[SimulationResult]) -> str:
-    """What a row's runs ran on: ``engine`` (lab/engine_sim.py), ``one model`` (the data-parallel
-    loop, lab/data_parallel.py) or ``simulation`` (lab/simulation.py)."""
+    """What a row's runs ran on: ``engine`` (lab/engine_sim.py) or ``one model`` (the data-parallel
+    loop, lab/data_parallel.py); ``mixed`` where they differ."""
     if all(isinstance(r, EngineResult) for r in results):
         return "engine"
     if all(isinstance(r, DataParallelResult) for r in results):
         return "one model"
-    return "simulation"
-
-
-def engine_runs(m: RunManifest, method: str) -> bool:
-    """Whether ``method`` of run ``m`` runs on the round engine (lab/engine_sim.py, its timing pinned
-    to the lockstep: where an overlapped mean lands does not depend on the threads): every method
-    with a round loop, any codec (the in-process hub encodes and decodes as the wire does), any
-    overlap but NoLoCo's (there a peer without a partner can run more than a round ahead of the
-    others, and whether it does depends on the threads' timing)."""
-    return method != "data-parallel" and not (method == "noloco" and m.sync.overlap != "none")
+    return "mixed"
 
 
 def _one(
@@ -355,7 +340,6 @@ def _one(
     device: str = "cpu",
     progress: Path | None = None,
     compile: bool | None = None,
-    runner: str = "engine",
 ) -> SimulationResult:
     torch.set_num_threads(threads)
     # many simulations compile at once: one compile thread each (inductor's default is one per core)
@@ -365,12 +349,10 @@ def _one(
     on_eval = None if progress is None else functools.partial(_progress, progress, method, peers, seed)
     corpus = corpus if corpus is not None else load_corpus(base.data)
     run = dict(peers=peers, rounds=rounds, seed=seed, eval_every_rounds=bench["eval_every_rounds"], on_eval=on_eval)
-    if runner == "engine" and engine_runs(m, method):
-        return run_engine_simulation(m, corpus, placement=placement, pinned=True, **run)
-    where = dict(device=placement.device, precision=placement.precision, compile=placement.compile)
-    if method == "data-parallel":  # no round: one model on every peer's batches (any runner)
+    if method == "data-parallel":  # no round: one model on every peer's batches
+        where = dict(device=placement.device, precision=placement.precision, compile=placement.compile)
         return run_data_parallel(m, corpus, **run, **where)
-    return run_simulation(m, corpus, **run, **where)
+    return run_engine_simulation(m, corpus, placement=placement, pinned=True, **run)
 
 
 def _one_of(task: tuple) -> SimulationResult:
@@ -419,14 +401,6 @@ def main() -> None:
         metavar="PATH",
         help="where the finals go (default bench/results/compare-<bench.scale>.json, the recorded "
         "results: give trials their own path)",
-    )
-    parser.add_argument(
-        "--runner",
-        choices=RUNNERS,
-        default="engine",
-        help="engine: DiLoCo, NoLoCo and independent on N real round loops (what the engine does not run "
-        "in the simulation); simulation: those in lab/simulation.py. Data-parallel is one model either way "
-        "(lab/data_parallel.py)",
     )
     parser.add_argument("--no-plot", action="store_true", help="skip compare_loss.png (no matplotlib needed)")
     args = parser.parse_args()
@@ -498,7 +472,6 @@ def main() -> None:
                     args.device,
                     progress,
                     args.compile,
-                    args.runner,
                 )
                 for method, peers, seed in work
             ],
@@ -518,7 +491,6 @@ def main() -> None:
                 args.device,
                 progress,
                 args.compile,
-                args.runner,
             )
             for method, peers, seed in work
         )

@@ -2,17 +2,16 @@
 
     python bench/overlap.py [--config bench/compare.toml] [--methods diloco noloco] \
         [--modes none delayed eager streaming] [--peers 4] [--seeds 0 1] [--rounds 16] [--jobs 2] \
-        [--threads 1] [--set sync.fragments=2] [--from-round K] [--merge] [--runner engine|simulation]
+        [--threads 1] [--set sync.fragments=2] [--from-round K] [--merge]
 
 Runs N peers in one process with bench/compare.py's run manifest and its fixed global batch, once
-per ``sync.overlap`` mode, so every run sees the same tokens; the mode is the only difference. The
-default runner is the round engine (lab/engine_sim.py: N real round loops, peer/round/, over the
-in-process hub, with the thread timing pinned to the lockstep (``run_engine_simulation(..., pinned=True)``), so where a mean
-lands does not depend on the machine's load and the figures are deterministic); DiLoCo only there
-(NoLoCo with overlap can get a peer more than a round ahead, which the lockstep cannot pin). With
-``--runner simulation`` (lab/simulation.py, the swarm's own outer and overlap code, held to the
-engine by tests/unit/test_engine_sim.py) NoLoCo runs too, every mode drawing the groups of the run
-without overlap. The
+per ``sync.overlap`` mode, so every run sees the same tokens; the mode is the only difference. Every
+run is the round engine (lab/engine_sim.py: N real round loops, peer/round/, over the in-process
+hub, with the thread timing pinned to the lockstep (``run_engine_simulation(..., pinned=True)``), so
+where a mean lands does not depend on the machine's load and the figures are deterministic).
+NoLoCo's random groups follow each run's id, which the mode is part of: each mode draws its own
+pairs, as swarms of different manifests would (rows recorded before NoLoCo ran on the engine, with
+``"runner": "simulation"``, drew none's pairs in every mode). The
 final validation loss (bits per byte, after the last in-flight sync landed) is compared with
 overlap "none" at the same method, N and seeds. Writes ``bench/results/overlap.json``:
 ``{"results": [...], "quality": [{"overlap", "peers", "final_bpb", "vs_none", ...}]}``. "results"
@@ -45,7 +44,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
 from lab.engine_sim import run_engine_simulation
-from lab.simulation import run_simulation
 from peer.train.data import load_corpus
 from protocol.errors import ManifestError
 from protocol.manifest import RunManifest
@@ -80,35 +78,17 @@ def _one(
     rounds: int,
     threads: int,
     from_round: int = 0,
-    runner: str = "engine",
 ) -> dict:
     torch.set_num_threads(threads)
     blocking_rounds = from_round if mode != "none" else 0
     m = run_manifest(base, method, mode, peers, seed, bench, rounds).replace(
         sync={"overlap_from_round": blocking_rounds}
     )
-    # NoLoCo's groups come from the run id, which the mode changes: every mode draws none's groups,
-    # and with the merge rule at its default, so that 'mix' and 'shift' rows draw the same pairs
-    # (the other streaming fields stay in, as the rows recorded before the rule existed drew them)
-    groups = run_manifest(
-        base.replace(sync={"fragment_merge": DEFAULT_MERGE}), method, "none", peers, seed, bench, rounds
-    ).run_id
-    if runner == "engine":  # DiLoCo: one group, nothing drawn from the run id
-        r = run_engine_simulation(
-            m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds, pinned=True
-        )
-    else:
-        r = run_simulation(
-            m,
-            load_corpus(base.data),
-            peers=peers,
-            rounds=rounds,
-            seed=seed,
-            eval_every_rounds=rounds,
-            groups_run_id=groups,
-        )
+    r = run_engine_simulation(
+        m, load_corpus(base.data), peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds, pinned=True
+    )
     run = {
-        "runner": runner,
+        "runner": "engine",
         "method": method,
         "overlap": mode,
         "peers": peers,
@@ -233,12 +213,6 @@ def main() -> None:
         "early in a run?)",
     )
     parser.add_argument(
-        "--runner",
-        choices=["engine", "simulation"],
-        default="engine",
-        help="the round engine (lab/engine_sim.py, DiLoCo) or the simulation (lab/simulation.py)",
-    )
-    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep --out's quality rows and runs that this invocation does not measure again "
@@ -254,11 +228,6 @@ def main() -> None:
             "delayed and eager (streaming's fragments are set up at the start)"
         )
 
-    if args.runner == "engine" and "noloco" in args.methods:
-        parser.error(
-            "--methods noloco with --runner engine: NoLoCo with overlap can get a peer more than a round "
-            "ahead, which the engine's pinned timing cannot hold to the lockstep; use --runner simulation"
-        )
     base, bench = load_config(args.config)
     try:
         base = apply_overrides(base, args.set)
@@ -311,7 +280,7 @@ def main() -> None:
             "complete": len(runs) == len(work),
             "command": command,
             "commands": commands,
-            "runner": args.runner,
+            "runner": "engine",
             "device": f"CPU ({platform.machine()}, {multiprocessing.cpu_count()} cores), torch {torch.__version__}, "
             f"{args.jobs} run(s) at once, {args.threads} thread(s) each",
             "config": {**base.to_dict(), "bench": {**bench, "rounds": rounds}},
@@ -324,7 +293,7 @@ def main() -> None:
     with concurrent.futures.ProcessPoolExecutor(
         max(1, args.jobs), mp_context=multiprocessing.get_context("spawn")
     ) as pool:
-        futures = [pool.submit(_one, base, *w, bench, rounds, args.threads, args.from_round, args.runner) for w in work]
+        futures = [pool.submit(_one, base, *w, bench, rounds, args.threads, args.from_round) for w in work]
         runs: list[dict] = []
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())

@@ -6,7 +6,7 @@
 In one process per run (lab/pipeline.py): S stages × R replicas, each micro-batch routed to a
 replica of the next stage, activations and their gradients in ``pipeline.activation_dtype`` at
 each boundary, each stage's replicas running the outer algorithm among themselves; against the
-unpipelined swarm of the same run (lab/simulation.py). The model, data and schedule are
+unpipelined swarm of the same run (the round engine, lab/engine_sim.py). The model, data and schedule are
 bench/compare.py's (fixed global batch, split over the R replicas of stage 0). Two references at equal tokens: the unpipelined swarm of S·R peers (as many peers as the
 pipeline: ``unpipelined_bpb``) and of R peers (its width, on the same shards and batches:
 ``unpipelined_r_peers_bpb``). Writes ``bench/results/pipeline.json``: ``{"results": [{"stages",
@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import corpus_or_exit, load_config, manifest_for
+from lab.engine_sim import run_engine_simulation
 from lab.pipeline import run_pipeline
-from lab.simulation import run_simulation
 from peer.train.data import load_corpus
 from protocol.manifest import RunManifest
 from protocol.specs import ROUTINGS
@@ -48,13 +48,16 @@ RESULTS = Path(__file__).with_name("results") / "pipeline.json"
 def _one(
     base: RunManifest, method: str, stages: int, routing: str, replicas: int, seed: int, bench: dict, rounds: int
 ) -> dict:
-    """One run: ``stages`` = 1 is the unpipelined swarm of ``replicas`` peers (lab/simulation.py)."""
+    """One run: ``stages`` = 1 is the unpipelined swarm of ``replicas`` peers (the round engine,
+    lab/engine_sim.py, pinned to the lockstep)."""
     torch.set_num_threads(1)
     m = manifest_for(base, method, replicas, seed, bench["global_batch_tokens"], rounds)
     corpus = load_corpus(m.data)
     start = time.perf_counter()
     if stages == 1:
-        r = run_simulation(m, corpus, peers=replicas, rounds=rounds, seed=seed, eval_every_rounds=rounds)
+        r = run_engine_simulation(
+            m, corpus, peers=replicas, rounds=rounds, seed=seed, eval_every_rounds=rounds, pinned=True
+        )
         history, boundary = r.history, 0.0
     else:
         m = m.replace(pipeline={"stages": stages, "routing": routing})
@@ -190,7 +193,7 @@ def main() -> None:
                         "results": [{"measured": "simulation", **r} for r in rows_of(runs)]
                         + [r for r in earlier.get("results", []) if r.get("measured") == "rig"],
                         **kept,
-                        "where": "in-process simulation (lab/pipeline.py vs lab/simulation.py), one CPU thread per run, no "
+                        "where": "in-process simulation (lab/pipeline.py vs the round engine, lab/engine_sim.py), one CPU thread per run, no "
                         "network; tokens_per_s is the simulation's compute throughput, not a swarm's",
                         "vs_unpipelined_unit": "percent above the unpipelined swarm of S·R peers (as many peers as the "
                         "pipeline; vs_unpipelined_r_peers: of R peers, its width), same method, "

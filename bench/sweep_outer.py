@@ -6,8 +6,8 @@ and H at equal tokens, against data-parallel, to choose the shipped defaults (is
     python bench/sweep_outer.py --peers 4 --global-batch 16384 --settings heavy-ball:1.0:0.0   # twice the batch
     python bench/sweep_outer.py --peers 4 --set inner_optimizer.lr=0.003 --settings            # data-parallel only
 
-Every run is a swarm in one process, on the round engine a peer runs (lab/engine_sim.py; NoLoCo
-with overlap on lab/simulation.py), or the data-parallel ceiling (lab/data_parallel.py), at
+Every run is a swarm in one process, on the round engine a peer runs (lab/engine_sim.py), or the
+data-parallel ceiling (lab/data_parallel.py), at
 the scale of bench/compare.toml: the same global batch and the same number of inner steps per
 peer (``bench.rounds`` × the manifest's H), so a setting with another H runs more or fewer rounds
 of the same tokens. A setting is ``KIND:LR:MOMENTUM[:H]``, KIND ``nesterov`` or ``heavy-ball`` (DiLoCo)
@@ -36,13 +36,11 @@ from bench.compare import (
     apply_overrides,
     check_global_batch,
     corpus_or_exit,
-    engine_runs,
     load_config,
     manifest_for,
 )
 from lab.data_parallel import run_data_parallel
 from lab.engine_sim import run_engine_simulation
-from lab.simulation import run_simulation
 from peer.train.data import load_corpus
 from protocol.errors import ManifestError
 
@@ -122,12 +120,10 @@ def one_run(
     )
     if outer is None:  # the ceiling: no round, one model on every peer's batches (lab/data_parallel.py)
         r = run_data_parallel(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds)
-    elif engine_runs(m, outer["algorithm"]):  # the round loop a peer runs (lab/engine_sim.py)
+    else:  # the round loop a peer runs (lab/engine_sim.py)
         r = run_engine_simulation(
             m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds, pinned=True
         )
-    else:
-        r = run_simulation(m, _CORPUS[config], peers=peers, rounds=rounds, seed=seed, eval_every_rounds=rounds)
     return {
         "outer": outer,
         "peers": peers,

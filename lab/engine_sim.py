@@ -33,7 +33,7 @@ import torch
 from lab.adversary import Adversary, EngineAdversary
 from lab.inprocess import InProcessHub, InProcessSwarm, InProcessTransport
 from lab.inprocess_means import PieceRules
-from lab.simulation import EvalPoint, SimulationResult, weight_spread, weighted_mean
+from lab.sim_results import EvalPoint, SimulationResult, weight_spread, weighted_mean
 from peer.config import TrainerConfig
 from peer.progress import TrainSummary
 from peer.reporting import Reporter
@@ -149,12 +149,22 @@ def run_engine_simulation(
 
     Raises:
         ValueError: ``peers`` < 1, ``phi_of`` unknown or ``seed`` not the init seed (the data-parallel
-            ceiling has no round loop: lab/data_parallel.py).
+            ceiling has no round loop: lab/data_parallel.py); ``pinned`` NoLoCo with overlap where
+            the random groups leave one peer alone every round (``peers`` mod ``noloco.group_size``
+            = 1): a peer without a partner waits for nobody and can run more than a round ahead, so
+            who pairs with whom would follow the threads' timing.
         RuntimeError: a round loop raised or did not finish in time.
     """
     start = time.perf_counter()
     if peers < 1 or phi_of not in PHI_OF:
         raise ValueError(f"peers = {peers}, phi_of = {phi_of!r}: need at least one peer and one of {PHI_OF}")
+    sync, group = manifest.sync, manifest.noloco.group_size
+    if pinned and sync.algorithm == "noloco" and sync.overlap != "none" and peers > 1 and peers % group == 1:
+        raise ValueError(
+            f"peers = {peers} with noloco.group_size = {group} and sync.overlap = {sync.overlap!r}: one peer is "
+            "left without a partner every round and runs ahead of the lockstep; use a number of peers that "
+            "the groups divide without a remainder of one"
+        )
     if seed is not None and seed != manifest.model.init_seed:
         raise ValueError(
             f"seed = {seed} but model.init_seed = {manifest.model.init_seed}: the round loop salts "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.simulation import EvalPoint, sync_groups, weight_spread, weighted_mean
+from lab.sim_results import EvalPoint, sync_groups, weight_spread, weighted_mean
 from peer.pipeline.routing import Router
 from peer.pipeline.stages import PipelineStage, stage_parameter_names
 from peer.train.data import BatchSampler, Corpus, peer_seed, validation_batch, validation_bits_per_byte

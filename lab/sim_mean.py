@@ -32,28 +32,10 @@ from peer.sync.pairs import is_pair, keeps_own, partner_problem, receiver_proble
 from peer.sync.screening import Strikes, cap_weight, clip_to_median, reference_rms, round_token_cap
 from peer.train.outer import OuterAlgorithm
 from protocol.codecs import Codec, make_codec
-from protocol.groups import codec_seed, plan_groups
+from protocol.groups import codec_seed
 from protocol.manifest import RunManifest
 
 logger = logging.getLogger("lab.simulation")  # the simulation's one logger, as before the split
-
-
-def sync_groups(manifest: RunManifest, peers: int, round_: int, *, run_id: str | None = None) -> list[list[int]]:
-    """Indices of the peers that average together in round ``round_``.
-
-    The swarm's own group plan (:func:`protocol.groups.plan_groups`) for the peer names
-    ``sim-peer-{i}``, as every networked peer would draw it: DiLoCo one group of all peers,
-    NoLoCo random groups (drawn from ``run_id``, default the manifest's), independent groups of one.
-    """
-    index = {f"sim-peer-{i}": i for i in range(peers)}
-    groups = plan_groups(
-        list(index),
-        algorithm=manifest.sync.algorithm,
-        run_id=run_id or manifest.run_id,
-        round_=round_,
-        group_size=manifest.noloco.group_size,
-    )
-    return [sorted(index[name] for name in group) for group in groups]
 
 
 class GroupMeans:

@@ -1,7 +1,7 @@
-"""What a simulated run reports (lab/simulation.py): its evaluation points, screening counts and
-result record, and the arithmetic they are made of (bytes of a butterfly all-reduce, bits per
-byte, the fp32 weighted mean and NoLoCo's weight spread σ). lab/pipeline.py reports with the same
-pieces.
+"""What a run in one process reports (lab/engine_sim.py, lab/data_parallel.py, lab/pipeline.py):
+its evaluation points, screening counts and result record, and the arithmetic they are made of
+(bytes of a butterfly all-reduce, bits per byte, the fp32 weighted mean, NoLoCo's weight spread σ,
+the group plan of the peers ``sim-peer-{i}``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from protocol.groups import plan_groups
+from protocol.manifest import RunManifest
 
 FP32_BYTES = 4
 
@@ -70,6 +73,24 @@ def weight_spread(replicas: Sequence[Sequence[torch.Tensor]]) -> float:
         for t, m in zip(replica, mean, strict=True)
     )
     return math.sqrt(squares / (len(replicas) * params))
+
+
+def sync_groups(manifest: RunManifest, peers: int, round_: int, *, run_id: str | None = None) -> list[list[int]]:
+    """Indices of the peers that average together in round ``round_``.
+
+    The swarm's own group plan (:func:`protocol.groups.plan_groups`) for the peer names
+    ``sim-peer-{i}``, as every networked peer would draw it: DiLoCo one group of all peers,
+    NoLoCo random groups (drawn from ``run_id``, default the manifest's), independent groups of one.
+    """
+    index = {f"sim-peer-{i}": i for i in range(peers)}
+    groups = plan_groups(
+        list(index),
+        algorithm=manifest.sync.algorithm,
+        run_id=run_id or manifest.run_id,
+        round_=round_,
+        group_size=manifest.noloco.group_size,
+    )
+    return [sorted(index[name] for name in group) for group in groups]
 
 
 @dataclass

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lab.sim_mean import GroupMeans, sync_groups
-from lab.sim_results import butterfly_bytes
+from lab.sim_mean import GroupMeans
+from lab.sim_results import butterfly_bytes, sync_groups
 from peer.train.inner import InnerLoop
 from peer.train.outer import make_outer
 from peer.train.overlap import round_progress

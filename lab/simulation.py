@@ -42,7 +42,7 @@ import torch
 
 from lab.adversary import Adversary, resync_after_round
 from lab.data_parallel import peer_samplers
-from lab.sim_mean import GroupMeans, sync_groups
+from lab.sim_mean import GroupMeans
 from lab.sim_results import (
     FP32_BYTES,
     EvalPoint,
@@ -50,6 +50,7 @@ from lab.sim_results import (
     SimulationResult,
     bits_per_byte,
     butterfly_bytes,
+    sync_groups,
     weight_spread,
     weighted_mean,
 )

@@ -44,4 +44,4 @@ def test_compare_names_what_each_row_ran_on(corpus):
 
     r = run_data_parallel(tiny_run(), corpus, peers=1, rounds=1)
     old = SimulationResult("data-parallel", 1, 0, 1, 5, r.parameters, 0.0, 0.0)
-    assert source_of([r]) == "one model" and source_of([r, old]) == "simulation"
+    assert source_of([r]) == "one model" and source_of([r, old]) == "mixed"

@@ -50,6 +50,21 @@ def test_the_engine_refuses_what_it_cannot_run(corpus):
         run_engine_simulation(tiny_run(), corpus, peers=0, rounds=1)
     with pytest.raises(ValueError, match="init_seed"):
         run_engine_simulation(tiny_run(), corpus, peers=2, rounds=1, seed=tiny_run().model.init_seed + 1)
+    delayed_noloco = tiny_run().replace(sync={"algorithm": "noloco", "overlap": "delayed"})
+    with pytest.raises(ValueError, match=r"peers = 3 with noloco.group_size = 2 .* without a partner"):
+        run_engine_simulation(delayed_noloco, corpus, peers=3, rounds=1, pinned=True)
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_pinned_noloco_with_overlap_pairs_every_peer_and_trains_the_same_curve_twice(corpus, overlap):
+    """NoLoCo with an overlapped sync on the engine: with the groups dividing the peers, every peer
+    has a partner every round, none runs ahead of the lockstep, and two runs are bit for bit one."""
+    manifest = tiny_run().replace(sync={"algorithm": "noloco", "overlap": overlap})
+    runs = [run_engine_simulation(manifest, corpus, peers=4, rounds=3, pinned=True, timeout_s=240.0) for _ in range(2)]
+    assert runs[0].state_digests == runs[1].state_digests and len(set(runs[0].state_digests)) == 4
+    assert [h.loss_bpb for h in runs[0].history] == [h.loss_bpb for h in runs[1].history]
+    assert runs[0].history[-1].loss_bpb < runs[0].history[0].loss_bpb
+    assert runs[0].screening["failed_syncs"] == 0
 
 
 SYNC_MODES = {
