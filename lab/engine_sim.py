@@ -38,6 +38,7 @@ from peer.config import TrainerConfig
 from peer.progress import TrainSummary
 from peer.reporting import Reporter
 from peer.round import Trainer
+from peer.round.overlapped import OverlapSchedule
 from peer.round.streamed import FragmentSchedule
 from peer.round.timing import Timing
 from peer.sync.screening import round_token_cap
@@ -240,8 +241,10 @@ def run_engine_simulation(
         )
         # a malicious peer's loop always gates: it keeps its own model clean, so its next forgeries
         # start from a good φ and it passes its partners' φ checks more often (the stronger attacker)
-        if i in honest and not (screening and loss_gate) and isinstance(t.schedule, FragmentSchedule):
+        if i in honest and not (screening and loss_gate) and isinstance(t.schedule, FragmentSchedule | OverlapSchedule):
             t.schedule.gate = None
+            if isinstance(t.schedule, OverlapSchedule):
+                t.schedule.blocking.gate = None
         transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
         transport.phi_from = t.outer.phi_from(len(t.shapes))  # NoLoCo's payload: Δ then φ (peer/node.py)
         reporter.trainer = t

@@ -18,8 +18,13 @@ benchmark and the swarm's ``eval`` events measure.
 The reference is this peer's own step alone (the outer step with its own payload as the mean, as
 when no partner came), so the gate only judges what the partners changed. A refusal applies that
 step instead: the round is a step alone, and the partners are not counted as holding this peer's
-state (a judgement of this round's step, not of the partner: no strike, nothing remembered). Only the blocking schedule applies the gate (peer/round/streamed.py ``land_fragment``): the
-model is free at its landing; an overlapped or streamed landing is not gated.
+state (a judgement of this round's step, not of the partner: no strike, nothing remembered).
+
+Where it applies: a blocking landing (peer/round/streamed.py ``FragmentSchedule.gated``) and a
+delayed one (peer/round/overlapped.py ``OverlapSchedule._gated``: the sync of round t − 1 judged at
+the end of round t, its own step rebuilt from φ and the round's start ψ = φ − Δ). Not an eager
+landing (its round starts from this peer's own preview, not φ − Δ, so its own Δ is not held) nor a
+streamed fragment's (a fragment is not a model the loss can judge alone).
 """
 
 from __future__ import annotations

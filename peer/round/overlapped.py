@@ -17,6 +17,7 @@ import torch
 
 from peer.progress import SyncReport
 from peer.round.blocking import BlockingSchedule
+from peer.round.loss_gate import LossGate
 from peer.round.schedule import BackgroundSchedule, OwnDelta, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import StateSnapshot, make_snapshot
@@ -59,6 +60,10 @@ class OverlapSchedule(BackgroundSchedule):
         """This peer's own Δ of the sync in flight, as its norm once the mean is there, and the cap on
         a weight over its weight: what its outer step's change of φ is bounded by
         (``check_step_bound``)."""
+        self.gate: LossGate | None = None
+        """NoLoCo's loss gate (peer/round/loss_gate.py, set by the Trainer with the blocking rounds'):
+        a delayed landing's group step is applied only when no worse on the next batches than this
+        peer's own step alone (:meth:`_gated`)."""
 
     def synced_blocking(self, round_: int) -> bool:
         """Rounds before K sync blocking; round K lands no earlier sync and starts its own in the
@@ -114,6 +119,7 @@ class OverlapSchedule(BackgroundSchedule):
         mean, report, prepared = None, SyncReport(note="overlap: this round's sync lands at the end of the next"), None
         if self.background.in_flight:
             mean, report, prepared = self.take_background()
+            mean, report, prepared = self._gated(mean, report, prepared, phi_before)
         own, self.own = self.own, None
         refused = None
         with s.lock:
@@ -157,6 +163,45 @@ class OverlapSchedule(BackgroundSchedule):
         kept = report.kept_rows if mean is not None and refused is None and start is not s.phi else ()
         s.set_theta(keep_skipped_progress(start, anchor, delta, s.phi, phi_before, kept) if kept and delta else start)
         return RoundEnd(done=done, live=live, start_digest=start_digest, choice=choice, report=report)
+
+    def _gated(
+        self,
+        mean: list[torch.Tensor] | None,
+        report: SyncReport,
+        prepared: PreparedStep | None,
+        phi: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor] | None, SyncReport, PreparedStep | None]:
+        """The loss gate (:attr:`gate`) on a delayed landing, as on a blocking one (peer/round/streamed.py
+        ``FragmentSchedule.gated``): the group's step, or, when it leaves φ clearly worse on the next
+        batches than this peer's own step alone, that step (its own payload as the mean, as after a
+        failed sync) with the report saying so (no groupmate holds this peer's state). The own payload
+        is rebuilt from what the peer holds: the landing sync's Δ was ψ_{t−1} − θ, and the round that
+        just ended started from ψ_t = φ − Δ (``next_start``), so Δ = φ − ψ_t with φ the one the sync
+        sent (``phi``, before this landing; NoLoCo's φ half). Not gated: no gate, eager (its start is
+        not φ − Δ), no mean, a failed sync or no partner (the step is this peer's own already).
+
+        """
+        s = self.state
+        if self.gate is None or self.mode != "delayed" or mean is None or self.anchor is None:
+            return mean, report, prepared
+        if report.failed or report.group_size < 2:
+            return mean, report, prepared
+        n = len(s.phi)
+        own_payload = s.outer.payload(phi, [f - a for f, a in zip(phi, self.anchor, strict=True)])
+        base = s.live_tensors()[n:]
+        try:  # a malformed mean or a non-finite step: left to the landing, which refuses it
+            alone, _ = step_on_copies(s.outer, phi, base, own_payload)
+            ready = prepared is not None and prepared.base == s.snapshots[-1].digest
+            grouped = prepared.snapshot.tensors[:n] if ready else step_on_copies(s.outer, phi, base, mean)[0]
+        except BadPayload:
+            return mean, report, prepared
+        problem = self.gate.refusal(alone, grouped)
+        del alone, grouped
+        if problem is None:
+            return mean, report, prepared
+        self.reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
+        note = "; ".join(filter(None, [report.note, f"applied its own step alone: {problem}"]))
+        return own_payload, dataclasses.replace(report, agreeing=(), completed=(), note=note, kept_rows=()), None
 
     def _start(self, payload, choice, live, done) -> None:
         """Start the finished round's sync in the background; its thread prepares the outer step."""

@@ -449,15 +449,16 @@ def memory_need(
             when=LANDING,
             code="peer/train/outer.py step_consuming_mean / step_on_copies",
         ),
-        # NoLoCo's loss gate (peer/round/loss_gate.py) at a blocking landing: its own step alone beside
-        # the group's (Δ recomputed from θ, φ and δ after it); the evaluation copy is φ's (above)
+        # NoLoCo's loss gate (peer/round/loss_gate.py) at a blocking or delayed landing: its own step
+        # alone beside the group's (Δ recomputed from θ, or from φ and ψ, φ and δ after it); the
+        # evaluation copy is φ's (above)
         B(
             name="loss gate: this peer's own step alone (Δ, its φ and δ)",
-            bytes=3 * M if noloco and overlap == "none" else 0,
+            bytes=3 * M if noloco and overlap in ("none", "delayed") else 0,
             where=HOST,
             process=PEER,
             when=LANDING,
-            code="peer/round/streamed.py FragmentSchedule.gated",
+            code="peer/round/streamed.py FragmentSchedule.gated; peer/round/overlapped.py OverlapSchedule._gated",
         ),
         # ---- a checkpoint ----
         # written tensor by tensor from the tensors as held: a host fp32 tensor from its own memory,

@@ -57,11 +57,18 @@ def test_a_negative_margin_is_refused():
         _gate({}, margin=-0.1)
 
 
-def _engine(corpus, attack: str | None, *, loss_gate: bool = True):
-    manifest = tiny_run().replace(sync={"algorithm": "noloco"})
+def _engine(corpus, attack: str | None, *, loss_gate: bool = True, overlap: str = "none", rounds: int = 3):
+    manifest = tiny_run().replace(sync={"algorithm": "noloco", "overlap": overlap})
     adversary = None if attack is None else Adversary(attack=attack, peers=(3,))
     return run_engine_simulation(
-        manifest, corpus, peers=4, rounds=3, adversary=adversary, matchmaking_s=20.0, loss_gate=loss_gate
+        manifest,
+        corpus,
+        peers=4,
+        rounds=rounds,
+        adversary=adversary,
+        matchmaking_s=20.0,
+        loss_gate=loss_gate,
+        pinned=overlap != "none",
     )
 
 
@@ -91,3 +98,17 @@ def test_a_partner_sending_its_first_phi_is_refused_by_the_gate(corpus):
     assert gated.non_finite_rounds == 0 and gated.honest_exits == 0
     worst_gated, worst_ungated = max(gated.history[-1].per_peer_bpb), max(ungated.history[-1].per_peer_bpb)
     assert worst_gated < worst_ungated, (worst_gated, worst_ungated, clean)
+
+
+def test_a_delayed_landing_is_gated_as_a_blocking_one_is(corpus):
+    """sync.overlap = "delayed": the group's step of the sync landing one round late is judged by the
+    same gate against this peer's own step alone (its Δ rebuilt as φ − ψ), so the stale-φ partner's
+    steps are refused there too, and nothing an honest pair does is."""
+    honest = _engine(corpus, None, overlap="delayed", rounds=4)
+    assert honest.screening["rounds_with_refused_steps"] == 0
+    gated = _engine(corpus, "stale-phi", overlap="delayed", rounds=4)
+    ungated = _engine(corpus, "stale-phi", overlap="delayed", rounds=4, loss_gate=False)
+    assert gated.screening["rounds_with_refused_steps"] > 0
+    assert ungated.screening["rounds_with_refused_steps"] == 0
+    assert gated.non_finite_rounds == 0 and gated.honest_exits == 0
+    assert max(gated.history[-1].per_peer_bpb) < max(ungated.history[-1].per_peer_bpb)
