@@ -191,8 +191,10 @@ class OverlapSchedule(BackgroundSchedule):
         base = s.live_tensors()[n:]
         try:  # a malformed mean or a non-finite step: left to the landing, which refuses it
             alone, _ = step_on_copies(s.outer, phi, base, own_payload)
-            ready = prepared is not None and prepared.base == s.snapshots[-1].digest
-            grouped = prepared.snapshot.tensors[:n] if ready else step_on_copies(s.outer, phi, base, mean)[0]
+            if prepared is not None and prepared.base == s.snapshots[-1].digest:
+                grouped = list(prepared.snapshot.tensors[:n])
+            else:
+                grouped = step_on_copies(s.outer, phi, base, mean)[0]
         except BadPayload:
             return mean, report, prepared
         problem = self.gate.refusal(alone, grouped)
