@@ -248,56 +248,64 @@ ATTACK_SHARE = 0.5
 """The security issue's goal: an attack costs less than this share of never averaging's cost."""
 
 
-ROBUSTNESS_FILES = ("byzantine", "byzantine-noloco-h20")
-"""The Byzantine results, one horizon each: per algorithm the answer reads the file where never
-averaging costs the most (the horizon that can best tell a defence from none)."""
+ROBUSTNESS_FILES = (
+    "byzantine",
+    "byzantine-noloco-h20",
+    "byzantine-diloco-h20",
+    "byzantine-delayed-h20",
+    "byzantine-delayed-h20-gated",
+)
+"""The Byzantine results, each at its own horizon and schedule; where two measure the same setting
+(algorithm, schedule, N, attack, malicious peers, horizon), the later one's row counts."""
+MIN_FLOOR = 0.03
+"""A row is judged only where never averaging costs at least this (issue #65: a horizon where averaging
+is worth ≥ 3 %); elsewhere no defence can be told from none."""
 
 
 def robustness(data: Data) -> Answer:
     """Malicious peers: per algorithm, the attack row costing the most against never averaging (the
-    ``independent`` row of the same algorithm, schedule and N), in the file of
-    :data:`ROBUSTNESS_FILES` where never averaging costs that algorithm the most."""
+    ``independent`` row of the same algorithm, schedule and N, and of the same file), over every file of
+    :data:`ROBUSTNESS_FILES` and every schedule where never averaging costs at least :data:`MIN_FLOOR`."""
     question, goal = "robustness: malicious peers' loss cost", "each attack < ½ of never averaging's cost"
 
     def text() -> str:
         need(data, "byzantine")
-        chosen: dict[str, tuple[float, dict, list[dict]]] = {}  # algorithm -> (its floor, file, rows)
-        for name in ROBUSTNESS_FILES:
+        judged: dict[tuple, tuple[float, dict, float, dict]] = {}  # a row's setting -> (ratio, row, floor, file)
+        for name in ROBUSTNESS_FILES:  # a later file's row replaces an earlier one's of the same setting
             d = data.get(name)
             if not isinstance(d, dict):
                 continue
             rows = rows_of(d, "results")
-            for r in rows:
-                ind = r.get("loss_change")
-                if r.get("attack") == "independent" and isinstance(ind, float) and ind > 0:
-                    if r["algorithm"] not in chosen or ind > chosen[r["algorithm"]][0]:
-                        chosen[r["algorithm"]] = (ind, d, rows)
-        parts = []
-        for algorithm, (_, d, rows) in chosen.items():
-            baseline = {
-                (r.get("schedule"), r.get("peers")): r["loss_change"]
+            horizon = d.get("horizon") if isinstance(d.get("horizon"), dict) else {}
+            floors = {
+                (r.get("algorithm"), r.get("schedule"), r.get("peers")): r["loss_change"]
                 for r in rows
-                if r.get("attack") == "independent" and r.get("algorithm") == algorithm
+                if r.get("attack") == "independent" and isinstance(r.get("loss_change"), float)
             }
-            worst: tuple[float, dict, float] | None = None
             for r in rows:
-                ind = baseline.get((r.get("schedule"), r.get("peers")))
-                if (
-                    r.get("algorithm") != algorithm
-                    or r.get("attack") in NOT_ATTACKS
-                    or ind is None
-                    or r.get("loss_change") is None
-                ):
+                ind = floors.get((r.get("algorithm"), r.get("schedule"), r.get("peers")))
+                if r.get("attack") in NOT_ATTACKS or ind is None or ind < MIN_FLOOR or r.get("loss_change") is None:
                     continue
-                ratio = r["loss_change"] / ind
-                if worst is None or ratio > worst[0]:
-                    worst = (ratio, r, ind)
-            if worst is None:
-                continue
-            ratio, r, ind = worst
+                setting = (
+                    *(r.get(k) for k in ("algorithm", "schedule", "peers", "attack", "malicious")),
+                    *(horizon.get(k) for k in ("rounds", "inner_steps", "overlap_from_round")),
+                )
+                judged[setting] = (r["loss_change"] / ind, r, ind, d)
+        worst: dict[str, tuple[float, dict, float, dict]] = {}  # algorithm -> the row costing the most
+        for ratio, r, ind, d in judged.values():
+            if r["algorithm"] not in worst or ratio > worst[r["algorithm"]][0]:
+                worst[r["algorithm"]] = (ratio, r, ind, d)
+        parts = []
+        for algorithm, (ratio, r, ind, d) in worst.items():
             label = {"diloco": "DiLoCo", "noloco": "NoLoCo"}.get(algorithm, algorithm)
             horizon = d.get("horizon") or {}
             at = f" at {horizon['rounds']} rounds" if isinstance(horizon, dict) and "rounds" in horizon else ""
+            if r.get("schedule", "none") != "none":
+                start = horizon.get("overlap_from_round") if isinstance(horizon, dict) else None
+                at += f", {r['schedule']}" + (f" from round {start}" if start else "")
+            seeds = r.get("seeds")
+            if isinstance(seeds, int) and seeds < 3:
+                at += f", {seeds} seed{'s' if seeds > 1 else ''}"
             parts.append(
                 f"{label}{at} {r['attack']} {r['malicious']} of {r['peers']} {pct(100 * r['loss_change'])} against "
                 f"{pct(100 * ind)} ({share(ratio)}: {verdict(ratio < ATTACK_SHARE)})"

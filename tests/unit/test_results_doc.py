@@ -140,3 +140,31 @@ def test_the_residual_precision_answer_states_its_goal_and_verdict():
     answer = residual_precision({"residual-precision": record})
     assert answer.answer == "+0.0512 % against fp32 residuals (DiLoCo, int8, N = 4): met"
     assert answer.goal == "≤ +0.2 %" and answer.source == "`bench/results/residual-precision.json` at aaaaaaa"
+
+
+def _byz(rows, *, rounds=10, start=None, commit="a" * 40):
+    horizon = {"rounds": rounds, "inner_steps": 25, **({"overlap_from_round": start} if start else {})}
+    base = {"algorithm": "diloco", "schedule": "none", "peers": 8, "seeds": 3}
+    return {"commit": commit, "horizon": horizon, "results": [{**base, **r} for r in rows]}
+
+
+def test_the_robustness_answer_is_the_worst_row_where_averaging_is_worth_something():
+    """Every Byzantine file counts, at its own horizon: a row is judged against its own file's and
+    schedule's floor, only where that floor is at least 3 %; a later file's row of the same setting
+    replaces an earlier one's."""
+    from bench.results_questions import robustness
+
+    floor = {"attack": "independent", "malicious": 0, "loss_change": 0.04}
+    table = _byz([floor, {"attack": "alie", "malicious": 2, "loss_change": 0.01}])  # 25 %: met
+    worse = _byz([floor, {"attack": "alie", "malicious": 2, "loss_change": 0.03, "seeds": 1}], rounds=20)
+    shallow = _byz([{**floor, "loss_change": 0.01}, {"attack": "ipm", "malicious": 1, "loss_change": 0.009}])
+    answer = robustness({"byzantine": table, "byzantine-diloco-h20": worse, "byzantine-noloco-h20": shallow})
+    assert "DiLoCo at 20 rounds, 1 seed alie 2 of 8 +3.00 % against +4.00 %" in answer.answer
+    assert "missed" in answer.answer and "ipm" not in answer.answer  # under a 3 % floor: not judged
+    # the same setting measured again later (the delayed file after the gate): the later row counts
+    old = _byz([floor, {"attack": "ipm", "malicious": 1, "loss_change": 0.03, "schedule": "delayed"}], start=10)
+    old["results"][0]["schedule"] = "delayed"
+    new = _byz([floor, {"attack": "ipm", "malicious": 1, "loss_change": 0.001, "schedule": "delayed"}], start=10)
+    new["results"][0]["schedule"] = "delayed"
+    data = {"byzantine": table, "byzantine-delayed-h20": old, "byzantine-delayed-h20-gated": new}
+    assert "alie 2 of 8 +1.00 % against +4.00 % (25.0 %: met)" in robustness(data).answer
