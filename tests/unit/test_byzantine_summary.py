@@ -4,6 +4,7 @@ seeds, the goal column, and ``--resume`` keeping only the current commit's runs.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -152,10 +153,16 @@ def test_overlapped_rows_start_overlapping_at_the_round_asked_and_the_files_say_
 
     seen = []
     monkeypatch.setattr(byz, "_engine", lambda m, *a, **k: seen.append(m.sync) or _fake_engine())
+    monkeypatch.setattr(byz.torch, "set_num_threads", lambda n: None)  # a worker's settings, not this process's
     base, bench = load_config(byz.Path(byz.__file__).with_name("compare.toml"))
     kw = dict(rounds=4, seed=0, algorithm="diloco", attack=None, malicious=0, screening=True, threads=1)
-    byz._train(base, bench, **kw, matchmaking_s=5.0, schedule="delayed", overlap_from_round=2)
-    byz._train(base, bench, **kw, matchmaking_s=5.0, schedule="none", overlap_from_round=2)
+    peer_log = logging.getLogger("peer")
+    level = peer_log.level
+    try:  # _train quiets the "peer" logger, as a worker process may: later tests read its warnings
+        byz._train(base, bench, **kw, matchmaking_s=5.0, schedule="delayed", overlap_from_round=2)
+        byz._train(base, bench, **kw, matchmaking_s=5.0, schedule="none", overlap_from_round=2)
+    finally:
+        peer_log.setLevel(level)
     assert [(s.overlap, s.overlap_from_round) for s in seen] == [("delayed", 2), ("none", 0)]
 
     out = tmp_path / "b.json"
