@@ -243,8 +243,6 @@ def run_engine_simulation(
         # start from a good φ and it passes its partners' φ checks more often (the stronger attacker)
         if i in honest and not (screening and loss_gate) and isinstance(t.schedule, FragmentSchedule | OverlapSchedule):
             t.schedule.gate = None
-            if isinstance(t.schedule, OverlapSchedule):
-                t.schedule.blocking.gate = None
         transport.shapes = t.shapes  # what a downloaded state must fit, as NetworkTransport's param_shapes
         transport.phi_from = t.outer.phi_from(len(t.shapes))  # NoLoCo's payload: Δ then φ (peer/node.py)
         reporter.trainer = t

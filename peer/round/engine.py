@@ -154,8 +154,6 @@ class Trainer:
             # the evaluation copy of φ's evaluations, or one of its own where φ is not evaluated (the lab)
             loss = self.publisher.loss_on if self.publisher.eval_model is not None else copy_loss(s.model)
             self.schedule.gate = LossGate(sampler=sampler, loss=loss)
-            if isinstance(self.schedule, OverlapSchedule):  # its blocking rounds, before sync.overlap_from_round
-                self.schedule.blocking.gate = self.schedule.gate
         self.catchup = CatchUp(
             state=s,
             schedule=self.schedule,

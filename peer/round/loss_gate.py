@@ -30,11 +30,14 @@ streamed fragment's (a fragment is not a model the loss can judge alone).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 
+from peer.progress import SyncReport
+from peer.reporting import Reporter
 from peer.round.catchup import loss_refusal, phi_loss
 from peer.train.data import PeekSampler
 
@@ -106,6 +109,14 @@ class LossGate:
             f"the group's step leaves φ at loss {theirs:.4f} on this peer's next batches, "
             f"{100 * (theirs / own - 1):.1f} % over its own step's {own:.4f} (margin {100 * self.margin:g} %)"
         )
+
+
+def applied_alone(reporter: Reporter, report: SyncReport, problem: str) -> SyncReport:
+    """A landing whose group step the gate refused (``problem``, :meth:`LossGate.refusal`): warn, and
+    the report of a step alone (no groupmate agreeing or holding this peer's state, no kept rows)."""
+    reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
+    note = "; ".join(filter(None, [report.note, f"applied its own step alone: {problem}"]))
+    return dataclasses.replace(report, agreeing=(), completed=(), note=note, kept_rows=())
 
 
 def copy_loss(model: torch.nn.Module) -> Callable[[Sequence[torch.Tensor], torch.Tensor], float]:

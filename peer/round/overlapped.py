@@ -17,7 +17,7 @@ import torch
 
 from peer.progress import SyncReport
 from peer.round.blocking import BlockingSchedule
-from peer.round.loss_gate import LossGate
+from peer.round.loss_gate import LossGate, applied_alone
 from peer.round.schedule import BackgroundSchedule, OwnDelta, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import StateSnapshot, make_snapshot
@@ -60,10 +60,16 @@ class OverlapSchedule(BackgroundSchedule):
         """This peer's own Δ of the sync in flight, as its norm once the mean is there, and the cap on
         a weight over its weight: what its outer step's change of φ is bounded by
         (``check_step_bound``)."""
-        self.gate: LossGate | None = None
-        """NoLoCo's loss gate (peer/round/loss_gate.py, set by the Trainer with the blocking rounds'):
-        a delayed landing's group step is applied only when no worse on the next batches than this
-        peer's own step alone (:meth:`_gated`)."""
+
+    @property
+    def gate(self) -> LossGate | None:
+        """NoLoCo's loss gate (peer/round/loss_gate.py, set by the Trainer), one for the blocking rounds
+        before ``sync.overlap_from_round`` and the delayed landings after (:meth:`_gated`)."""
+        return self.blocking.gate
+
+    @gate.setter
+    def gate(self, gate: LossGate | None) -> None:
+        self.blocking.gate = gate
 
     def synced_blocking(self, round_: int) -> bool:
         """Rounds before K sync blocking; round K lands no earlier sync and starts its own in the
@@ -179,7 +185,6 @@ class OverlapSchedule(BackgroundSchedule):
         just ended started from ψ_t = φ − Δ (``next_start``), so Δ = φ − ψ_t with φ the one the sync
         sent (``phi``, before this landing; NoLoCo's φ half). Not gated: no gate, eager (its start is
         not φ − Δ), no mean, a failed sync or no partner (the step is this peer's own already).
-
         """
         s = self.state
         if self.gate is None or self.mode != "delayed" or mean is None or self.anchor is None:
@@ -201,9 +206,7 @@ class OverlapSchedule(BackgroundSchedule):
         del alone, grouped
         if problem is None:
             return mean, report, prepared
-        self.reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
-        note = "; ".join(filter(None, [report.note, f"applied its own step alone: {problem}"]))
-        return own_payload, dataclasses.replace(report, agreeing=(), completed=(), note=note, kept_rows=()), None
+        return own_payload, applied_alone(self.reporter, report, problem), None
 
     def _start(self, payload, choice, live, done) -> None:
         """Start the finished round's sync in the background; its thread prepares the outer step."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from peer.progress import SyncReport, combine_sync_reports
-from peer.round.loss_gate import LossGate
+from peer.round.loss_gate import LossGate, applied_alone
 from peer.round.schedule import BackgroundSchedule, OwnDelta, RoundEnd
 from peer.round.syncing import wait_budget_s
 from peer.state.snapshot import SealedTensor, seal_tensor
@@ -390,10 +390,8 @@ class FragmentSchedule(BackgroundSchedule):
         del alone_phi
         if problem is None:
             return prepared, report
-        self.reporter.emit("warning", message=f"{problem}: this peer's own step applied instead")
-        note = "; ".join(filter(None, [report.note, f"applied its own step alone: {problem}"]))
         alone = self.step_fragment(p, own_payload, None)
-        return alone, dataclasses.replace(report, agreeing=(), completed=(), note=note, kept_rows=())
+        return alone, applied_alone(self.reporter, report, problem)
 
     def install_fragment(self, prepared: PreparedFragment | None, p: int, mean: list[torch.Tensor]) -> bool:
         """Install a prepared fragment step as φ_p and the fragment's outer state (call under the
