@@ -79,7 +79,7 @@ from lab.adversary import ATTACKS, Adversary
 from lab.engine_sim import EngineResult, run_engine_simulation
 from peer.train.data import load_corpus
 from peer.train.device import place
-from protocol.errors import ManifestError
+from protocol.errors import ConfigError, ManifestError
 from protocol.manifest import RunManifest
 
 RESULTS = Path(__file__).with_name("results") / "byzantine.json"
@@ -656,7 +656,12 @@ def main() -> None:
     corpus_or_exit(parser, base.data, args.config)
     start = time.perf_counter()
     commit = git_commit(Path(__file__).resolve().parents[1])
-    device = device_name(args.jobs, args.threads, args.device)
+    try:  # what every worker would refuse, refused here with the value named
+        if args.overlap_from_round:
+            base.replace(sync={"overlap": "delayed", "overlap_from_round": args.overlap_from_round})
+        device = device_name(args.jobs, args.threads, args.device)
+    except (ManifestError, ConfigError) as exc:
+        parser.error(f"--overlap-from-round {args.overlap_from_round} --device {args.device}: {exc}")
     command = " ".join(["python", *sys.argv])
     attacks = [a for a in args.attacks if a != BOGUS]
     # seed-major: an interrupted invocation has every row at the first seed
