@@ -15,8 +15,8 @@ its group's mean, and the token weight it claims for it:
 * ``zeros``: all zeros (nothing to clip: it only dilutes the mean).
 
 Two more are written after papers, as the strongest contribution that passes the owners' clip
-(peer/sync/screening.py ``CLIP_MEDIAN_FACTOR``: 3 × the piece's median norm, a strike per clip, the
-groupmate ignored after 3): the colluders pool their own honest payloads of the same sync (the
+(peer/sync/screening.py ``CLIP_MEDIAN_FACTOR``: 1.5 × the piece's median norm; over 3 × a strike,
+the groupmate ignored after 3): the colluders pool their own honest payloads of the same sync (the
 engine's hook waits up to :data:`COLLUDE_WAIT_S` for each other's; lab/sim_mean.py's ``forge`` sees
 one payload, the 1-colluder case), and each sends the same forged vector:
 
@@ -30,7 +30,7 @@ one payload, the 1-colluder case), and each sends the same forged vector:
   code's screening judges norms, not coordinates, so the paper's z leaves most of the room unused;
 * ``ipm`` (Inner Product Manipulation, arXiv 1903.03936): −ε × the mean of the colluders' own honest
   payloads, ε = :data:`IPM_EPSILON` (0.5: the paper's scale, far under the clip; subclip-flip's
-  contribution is the same vector at ε = 2.5 with one colluder).
+  contribution is the same vector at ε = 1.45 with one colluder).
 
 Against a DiLoCo group each colluder then sends its own copy, the shared vector's deviation from the
 colluders' mean turned to a random direction at cosine √0.4 with it (:func:`decorrelated`): the
@@ -71,11 +71,11 @@ sends its groupmates a forged mean instead of the one it computed (:meth:`Advers
 
 Attacks that act on both sides:
 
-* ``subclip-flip``: contributes −2.5 × its honest payload (under the owners' 3× median clip) and,
-  as an owner, sends −2.5 × the honest mean (inside the receivers' 3× bound);
+* ``subclip-flip``: contributes −1.45 × its honest payload (under the owners' 1.5× median clip)
+  and, as an owner, sends −2.5 × the honest mean (inside the receivers' 3× bound);
 * ``subclip-sideways``: the strongest contribution the owners' direction screen lets through
   (peer/sync/robust.py ``direction_screened``: a contribution at negative cosine with the group's
-  median is left out): 2.5 × its honest payload's norm, at cosine :data:`SIDEWAYS_COSINE` with it,
+  median is left out): 1.45 × its honest payload's norm, at cosine :data:`SIDEWAYS_COSINE` with it,
   tensor by tensor; as an owner, ``subclip-flip``'s means;
 * ``cosine``: contributes, tensor by tensor, a vector of its honest one's norm at cosine 0.3 with
   it, and as an owner sends means at cosine 0.72 with the honest ones (just above NoLoCo's
@@ -146,8 +146,12 @@ ATTACKS = (*GRADIENT_ATTACKS, *OWNER_ATTACKS, *BOTH_SIDES, *RECORD_ATTACKS)
 ENGINE_ONLY = ("owner-equivocate", "tie-break", "stale-phi")
 """Per-receiver means (the simulation hands every receiver one mean, only the engine's hub can), and
 ``stale-phi``'s first φ (only the engine's hook sees a peer's payloads in turn)."""
-SUBCLIP_FACTOR = -2.5
-"""``subclip-flip``: under the owners' clip (3 × the median norm) and the receivers' bound (3 ×)."""
+SUBCLIP_FACTOR = -1.45
+"""``subclip-flip``'s contribution: under the owners' clip (1.5 × the median norm; a longer one is cut
+to it, so none pulls harder)."""
+SUBCLIP_MEAN_FACTOR = -2.5
+"""``subclip-flip`` and ``subclip-sideways`` as owners: the means they send, inside the receivers'
+norm bound (peer/sync/screening.py ``OWNER_NORM_FACTOR``, 3 × their own contribution)."""
 SIDEWAYS_COSINE = 0.1
 """``subclip-sideways``: its contribution's cosine with its honest one; the group's median is at about
 0.75 with an honest contribution, so the forged one meets it at about 0.07, over the owners'
@@ -169,9 +173,10 @@ GRIND_BITS = 8
 digest with probability 255/256 at 1/16 of the grinding)."""
 ALIE_GROUP = 8
 """``alie``: the n of the paper's z_max (bench/byzantine.py's 8 peers, one group)."""
-COLLUDE_NORM_FACTOR = 2.5
-"""``alie``: the forged tensor's norm, as a multiple of the colluders' mean own norm of it: under the
-owners' clip at 3 × the median norm (an honest median is about a colluder's own norm)."""
+COLLUDE_NORM_FACTOR = 1.45
+"""``alie``: the forged tensor's norm, as a multiple of the colluders' mean own norm of it: just under
+the owners' clip at 1.5 × the median norm (an honest median is about a colluder's own norm; a
+longer vector is cut to the clip, so none pulls harder)."""
 COLLUDE_COSINE = 0.4
 """DiLoCo: the cosine between two colluders' deviations from their own mean (:func:`decorrelated`).
 The owners measure deviations from the median of every contribution, which the honest ones' spread
@@ -299,7 +304,7 @@ class Adversary:
         if self.attack == "owner-small-flip":
             return OWNER_SMALL_FLIP_FACTOR * mean if mean.numel() < SMALL_PIECE else mean
         if self.attack in ("subclip-flip", "subclip-sideways"):
-            return SUBCLIP_FACTOR * mean
+            return SUBCLIP_MEAN_FACTOR * mean
         if self.attack == "cosine":
             return at_cosine(mean, MEAN_COSINE, generator)
         return mean

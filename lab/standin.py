@@ -86,7 +86,7 @@ SPREAD = 0.4
 point about the same way (as a round of training on different batches does: screening compares
 norms and directions, peer/sync/screening.py), without being equal. A piece of the all-reduce
 may hold a single slice, so the factor's range bounds how far two honest peers' piece norms differ
-(here at most 1.4 / 0.6 = 2.3×, under the screening's clip at 3× the median)."""
+(here at most 1.4 / 0.6 = 2.3×: the screening clips the longer to 1.5× the median, and strikes only over 3×)."""
 FORWARD_SHARE = 1.0 / 3.0
 """A forward pass's share of a training step's time (forward + backward ≈ 3 forwards)."""
 

@@ -59,7 +59,15 @@ from peer.sync.pairs import PairOwner, PairTally, is_pair, keeps_own, partner_pr
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
 from peer.sync.robust import piece_mean
-from peer.sync.screening import CLIP_MEDIAN_FACTOR, MeanRefusal, SmallPieces, cap_weight, reference_rms, small_piece
+from peer.sync.screening import (
+    CLIP_MEDIAN_FACTOR,
+    STRIKE_MEDIAN_FACTOR,
+    MeanRefusal,
+    SmallPieces,
+    cap_weight,
+    reference_rms,
+    small_piece,
+)
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.signing import PeerSigner
@@ -334,16 +342,17 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
             parts = [slots[s] for s in range(n) if included[s]]
             self.stats.partial_pieces += not all(included)
             senders = [s for s in range(n) if included[s]]
-            payload, value, clipped = await self._off_loop(self._mean_of, piece, parts, included)
-            for position in clipped:
+            payload, value, struck = await self._off_loop(self._mean_of, piece, parts, included)
+            for position in struck:
                 s = senders[position]
                 self.stats.clipped[s] = self.stats.clipped.get(s, 0) + 1
-            if clipped:
+            if struck:
                 logger.info(
-                    "all-reduce %s: piece %d: clipped the contributions of groupmates %s to %.0fx the median norm",
+                    "all-reduce %s: piece %d: groupmates %s sent over %.0fx the median norm (clipped to %.1fx, a strike)",
                     self.plan.group_id.hex()[:8],
                     piece.index,
-                    [senders[p] for p in clipped],
+                    [senders[p] for p in struck],
+                    STRIKE_MEDIAN_FACTOR,
                     CLIP_MEDIAN_FACTOR,
                 )
             self.results[piece.index] = value
@@ -399,7 +408,7 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
 
     def _mean_of(self, piece: Piece, parts, included: list[bool]) -> tuple[bytes, torch.Tensor, list[int]]:
         """The screened, weighted mean of ``parts`` (in sender order): its MEAN frame, its decoded
-        value and the positions in ``parts`` that were clipped.
+        value and the positions in ``parts`` over the strike factor (clipped, and struck).
 
         Raises:
             BadPayload: the mean is not finite (after the codec): the piece fails, nothing is sent.

@@ -22,7 +22,8 @@ class AllreduceStats:
     capped_weights: dict[int, float] = field(default_factory=dict)
     """Senders whose claimed token weight this owner cut to the cap, with the weight they claimed."""
     clipped: dict[int, int] = field(default_factory=dict)
-    """Senders whose contribution this owner clipped to the median norm, with how many pieces."""
+    """Senders whose contribution this owner struck (over STRIKE_MEDIAN_FACTOR × the median norm,
+    clipped), with how many pieces."""
     dropped: set[int] = field(default_factory=set)
     """Senders this owner excluded for an invalid contribution (non-finite, malformed), not for silence."""
     refused: dict[str, str] = field(default_factory=dict)

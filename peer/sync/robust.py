@@ -360,8 +360,9 @@ def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tenso
 
     Returns:
         ``(mean, clipped)``: a new fp32 tensor of the piece's shape (finite unless the weighted sum
-        overflows) and the positions in ``parts`` the median rule clipped (a strike each; what
-        CenteredClip clips is not struck: it may clip an honest outlier, e.g. a fresh joiner's Δ).
+        overflows) and the positions in ``parts`` the median rule struck (over
+        ``STRIKE_MEDIAN_FACTOR`` × the median: a strike each; what it only clips, and what
+        CenteredClip clips, is not struck: it may be an honest outlier, e.g. a fresh joiner's Δ).
     """
     parts, clipped = clip_to_median(parts)
     judged = len(parts) >= CENTERED_CLIP_MIN_PARTS and parts[0][1].numel() >= CENTERED_CLIP_MIN_ELEMENTS

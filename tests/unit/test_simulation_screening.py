@@ -1,7 +1,7 @@
 """The simulation screens group means as a networked owner does (issue 17, item 4) and its adversary lies.
 
 The reference means are written out here from the rules of peer/sync/screening.py: weights capped at
-H × batch tokens, each contribution clipped to 3 × the lower median norm, then the weighted mean.
+H × batch tokens, each contribution clipped to 1.5 × the lower median norm, then the weighted mean.
 """
 
 import math
@@ -11,6 +11,7 @@ import torch
 
 from lab.adversary import Adversary
 from lab.simulation import Simulation
+from peer.sync.screening import CLIP_MEDIAN_FACTOR
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
@@ -45,7 +46,7 @@ def reference_mean(parts: list[list[torch.Tensor]], weights: list[float], cap: f
         w = [min(x, cap) for x in weights]
         norms = [float(p[i].double().norm()) for p in parts]
         refs = sorted(n * max(w) / wi for n, wi in zip(norms, w))
-        threshold = 3.0 * refs[(len(refs) - 1) // 2]
+        threshold = CLIP_MEDIAN_FACTOR * refs[(len(refs) - 1) // 2]
         clipped = [p[i] * min(1.0, threshold / n) for p, n in zip(parts, norms)]
         out.append(sum(wi * x for wi, x in zip(w, clipped)) / sum(w))
     return out
@@ -80,8 +81,9 @@ def test_a_repeat_offender_is_left_out_and_non_finite_contributions_never_count(
     parts[1] = [torch.full_like(t, math.inf) for t in parts[1]]
     assert sim.counts.dropped == {}
     mean = sim._group_mean(group, parts, weights)
-    for got, p0, p2 in zip(mean[:-1], parts[0], parts[2]):  # peer 1 dropped, peer 3 still ignored
-        torch.testing.assert_close(got, (p0 + p2) / 2, rtol=1e-6, atol=1e-6)
+    pair = reference_mean([parts[0], parts[2]], [256.0, 256.0], sim.max_weight)  # peer 1 dropped, 3 ignored
+    for got, want in zip(mean[:-1], pair[:-1]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert all(torch.isfinite(t).all() for t in mean)
     assert sim.counts.dropped == {1: PEERS - 1}  # by owners 0, 2 and 3; its own piece is no strike
 
