@@ -1,5 +1,4 @@
-"""Malicious peers for the round engine (lab/engine_sim.py) and the in-process simulation
-(lab/simulation.py); issues 17 and 51, bench/byzantine.py.
+"""Malicious peers for the round engine (lab/engine_sim.py); issues 17, 51 and 65, bench/byzantine.py.
 
 An :class:`Adversary` names which simulated peers lie and how. On the engine its
 :meth:`Adversary.hooks` (:class:`EngineAdversary`, lab/inprocess_means.py ``GroupHooks``) act
@@ -17,7 +16,7 @@ its group's mean, and the token weight it claims for it:
 Two more are written after papers, as the strongest contribution that passes the owners' clip
 (peer/sync/screening.py ``CLIP_MEDIAN_FACTOR``: 1.5 × the piece's median norm; over 3 × a strike,
 the groupmate ignored after 3): the colluders pool their own honest payloads of the same sync (the
-engine's hook waits up to :data:`COLLUDE_WAIT_S` for each other's; lab/sim_mean.py's ``forge`` sees
+engine's hook waits up to :data:`COLLUDE_WAIT_S` for each other's; :meth:`Adversary.forge` alone sees
 one payload, the 1-colluder case), and each sends the same forged vector:
 
 * ``alie`` ("A Little Is Enough", arXiv 1902.06156): μ − z·σ per coordinate, μ and σ the mean and
@@ -89,13 +88,12 @@ Attacks that act on both sides:
 
 The lying owner and the other malicious peers apply the honest mean themselves (they keep an honest
 model, so their next contributions stay honest-looking); the honest receivers check each forged
-mean with peer/sync/screening.py's ``owner_mean_problem`` (lab/simulation.py).
+mean with peer/sync/screening.py's ``owner_mean_problem`` (lab/inprocess_means.py).
 
 ``fake-progress`` leaves the payload honest and lies in the progress records instead: every round
 each malicious peer, and ``fresh_identities`` more identities that never joined a group, publish a
-record claiming the next round and the digest of an all-zero state, which they serve (on the
-engine the honest round loops decide with their own re-sync rule and checks whether to adopt it;
-lab/simulation.py re-tells that rule).
+record claiming the next round and the digest of an all-zero state, which they serve (the
+honest round loops decide with their own re-sync rule and checks whether to adopt it).
 
 The malicious peers train like honest ones (they need an honest Δ to forge from). Under a
 gradient attack or fake progress they compute their pieces' means honestly as owners; only the
@@ -117,10 +115,8 @@ from typing import Any
 
 import torch
 
-from peer.state.download import DownloadedState, check_sanity
 from peer.state.snapshot import make_snapshot
 from peer.sync.robust import SIMILARITY_MIN_ELEMENTS
-from protocol.errors import BadPayload
 from protocol.records import ProgressRecord
 from protocol.wire.pieces import Piece
 
@@ -143,9 +139,6 @@ BOTH_SIDES = ("subclip-flip", "subclip-sideways", "cosine")
 """Attacks that forge both the contribution and, as an owner, the means."""
 RECORD_ATTACKS = ("fake-progress", "tie-break")
 ATTACKS = (*GRADIENT_ATTACKS, *OWNER_ATTACKS, *BOTH_SIDES, *RECORD_ATTACKS)
-ENGINE_ONLY = ("owner-equivocate", "tie-break", "stale-phi")
-"""Per-receiver means (the simulation hands every receiver one mean, only the engine's hub can), and
-``stale-phi``'s first φ (only the engine's hook sees a peer's payloads in turn)."""
 SUBCLIP_FACTOR = -1.45
 """``subclip-flip``'s contribution: under the owners' clip (1.5 × the median norm; a longer one is cut
 to it, so none pulls harder)."""
@@ -539,87 +532,3 @@ class EngineAdversary:
             self._states[round_] = snapshot
             self.forged_digests.add(snapshot.digest.hex())
             return snapshot
-
-
-def _state_digest(sim, phi: Sequence[torch.Tensor], outer_state: Sequence[torch.Tensor], round_: int) -> str:
-    """The digest a peer publishes for this state (peer/state/snapshot.py, as the round loop makes it)."""
-    meta = {"run_id": sim.m.run_id, "round": round_, "inner_step": round_ * sim.m.sync.inner_steps}
-    return make_snapshot(meta, [*phi, *outer_state]).digest.hex()
-
-
-def resync_after_round(sim) -> None:
-    """After a round of ``sim`` (a :class:`lab.simulation.Simulation` with a ``fake-progress``
-    adversary): every honest peer reads the progress records and decides, with the outer
-    algorithm's own re-sync rule (``resync_target``, peer/train/resync.py), which state to
-    adopt, as the round loop's ``_resync_target`` and ``_catch_up_once`` do.
-
-    Records: each honest peer publishes (its round, the digest of its φ and outer state); each
-    of the adversary's identities publishes (the next round, the digest of an all-zero state).
-    ``completed_with`` is the honest members of the peer's last group (malicious members
-    gather another digest, so they do not agree). Vouchers: the peer's ``Ledger`` (None
-    while empty or when no voucher is among the records). A picked state is "downloaded" and
-    checked with :func:`~peer.state.download.check_sanity` against the peer's own φ; a refused
-    one changes nothing. Adopting the fake state sets φ and the outer state to zeros, θ ← φ and
-    a fresh AdamW, and is counted in ``sim.taken_over``; adopting another honest class copies
-    that peer's state. Not simulated: the round clock (peer/state/vouching.py ``RoundClock``:
-    a claim of the next round is within its slack anyway) and the records' ``groupmates``
-    statements (read only by a peer without vouchers, which no honest peer here is after
-    round 0). ``screening`` off: every record counts and no sanity check.
-    """
-    names = [f"sim-peer-{i}" for i in range(sim.peers)]
-    digests = {i: _state_digest(sim, sim.phis[i], sim.outers[i].state_tensors(), sim.round_) for i in sim.honest}
-    fake_round = sim.round_ + 1
-    zero_phi = [torch.zeros_like(p) for p in sim.phis[0]]
-    zero_state = [torch.zeros_like(t) for t in sim.outers[0].state_tensors()]
-    fake = _state_digest(sim, zero_phi, zero_state, fake_round)
-    records = [(names[i], sim.round_, digests[i]) for i in sim.honest]
-    records += [(peer_id, fake_round, fake) for peer_id in sim.adversary.fake_identities()]
-    decisions = {}
-    for i in sim.honest:
-        others = [r for r in records if r[0] != names[i]]
-        completed = [names[j] for j in sim.completed_with[i] if j in digests]
-        if sim.screening:
-            vouchers = sim.ledgers[i].vouchers(sim.round_) if len(sim.ledgers[i]) else None
-            if vouchers is not None and not vouchers & {r[0] for r in others}:
-                vouchers = None
-        else:
-            vouchers = {r[0] for r in others}  # before issue 17: every record counts
-        decisions[i] = sim.outers[i].resync_target(
-            others, round_=sim.round_, digest=digests[i], completed_with=completed, fresh=False, vouchers=vouchers
-        )
-    by_digest = {d: i for i, d in digests.items()}
-    for i, target in decisions.items():
-        if target is None:
-            continue
-        round_, digest, _ = target
-        if digest == fake:
-            sim.counts.rule_chose_fake += 1
-            source_phi, source_state = zero_phi, zero_state
-        elif digest in by_digest:
-            source_phi, source_state = sim.phis[by_digest[digest]], sim.outers[by_digest[digest]].state_tensors()
-        else:
-            continue
-        if sim.screening:
-            try:
-                check_sanity(
-                    DownloadedState(
-                        round=round_,
-                        inner_step=round_ * sim.m.sync.inner_steps,
-                        phi=list(source_phi),
-                        outer_state=list(source_state),
-                    ),
-                    sim.phis[i],
-                )
-            except BadPayload:
-                sim.counts.refused_states += 1
-                continue
-        if digest == fake:
-            sim.taken_over.setdefault(i, []).append(sim.round_)
-            logger.info("round %d: honest peer %d adopted the attacker's all-zero state", sim.round_, i)
-        with torch.no_grad():
-            for dst, src in zip([*sim.phis[i], *sim.outers[i].state_tensors()], [*source_phi, *source_state]):
-                dst.copy_(src)
-            for t, p in zip(sim.models[i].parameters(), sim.phis[i]):
-                t.copy_(p)
-        sim.anchors[i] = [p.clone() for p in sim.phis[i]]
-        sim.inners[i].reset_optimizer()  # a peer that adopts a state starts a fresh AdamW

@@ -1,16 +1,15 @@
 """N real round loops (peer.round.Trainer) in threads of one process, over the in-process transport.
 
-Where lab/simulation.py re-tells a round with the swarm's algorithm code, this runs the peer's own
-round engine: each simulated peer is a :class:`peer.round.Trainer` with an
+This runs the peer's own round engine: each simulated peer is a :class:`peer.round.Trainer` with an
 :class:`lab.inprocess.InProcessSwarm` and an :class:`~lab.inprocess.InProcessTransport`
 over one :class:`~lab.inprocess.InProcessHub` (records in a dict, each group's token-weighted
 fp32 mean, states served from the peers' snapshots). Peers are named ``sim-peer-{i}`` and the
 Trainer salts its data shard with the manifest's ``model.init_seed``, so with ``seed`` equal to it
-(bench/compare.py sets ``init_seed`` to the seed) each peer samples the shard lab/simulation.py's
-peer i samples, from the same φ_0.
+(bench/compare.py sets ``init_seed`` to the seed) each peer samples the shard lab/data_parallel.py's
+and lab/pipeline.py's replica i samples, from the same φ_0.
 
-What the engine does and the simulation does not: the round loop's records, re-sync rule, state
-snapshots, overlap/streaming schedules as a peer runs them. The hub deals each group's pieces and
+It runs the round loop's records, re-sync rule, state snapshots and overlap/streaming schedules as
+a peer runs them. The hub deals each group's pieces and
 screens them as the network's all-reduce does (lab/inprocess_means.py: the piece plan, the
 owners' screening and means, each receiver's check, the strikes, the codecs and each peer's error
 feedback); what it does not do: the timing of a network. A lab adversary (lab/adversary.py) acts
@@ -72,7 +71,9 @@ class EngineResult(SimulationResult):
     takeovers: int = 0
     """Honest peers' adoptions of a state the adversary forged (its ``forged_digests``)."""
     screening: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Over the honest peers' syncs: ``refused_pieces`` (owners' means they refused), ``failed_syncs``."""
+    """From the honest peers' round events: ``rounds_with_refused_means``, ``rounds_with_refused_steps``
+    (NoLoCo's loss gate), ``failed_syncs``, ``warnings``, ``adopted_states``, and the adversary's
+    ``forged_means`` and ``forged_states``."""
 
     def to_dict(self) -> dict:
         """As :meth:`SimulationResult.to_dict`, without the tensors of ``final_phis``."""
@@ -114,15 +115,14 @@ def run_engine_simulation(
     uplink_mbps: float | None = None,
 ) -> EngineResult:
     """Train ``rounds`` rounds of N :class:`~peer.round.Trainer` s in threads and evaluate every
-    ``eval_every_rounds`` (round 0 and the last round always), as lab/simulation.py's
-    ``run_simulation`` does.
+    ``eval_every_rounds`` (round 0 and the last round always).
 
     Args:
         seed: must be the manifest's ``model.init_seed`` (the Trainer salts its shard with it);
             None: that one.
         placement: where every peer's θ trains (one card holds all N); None: CPU, fp32.
         phi_of: ``"mean"``: each evaluation is of the peers' averaged φ (and, where replicas differ,
-            the mean of each φ's loss, the headline as lab/simulation.py has it); ``"peer0"``: of
+            the mean of each φ's loss, the benchmarks' headline); ``"peer0"``: of
             ``sim-peer-0``'s φ alone.
         on_eval: called with each evaluation, after the run (they are computed from the copies).
         matchmaking_s: how long a group waits for the members it expects, s.
@@ -137,7 +137,7 @@ def run_engine_simulation(
         adversary: malicious peers (lab/adversary.py) acting inside the hub; evaluation, exits,
             non-finite rounds and takeovers count the honest peers only, and an honest round loop
             that raises or stops early is counted (``honest_exits``) instead of raised.
-        pinned: the overlap modes land their means where lab/simulation.py's lockstep defines them,
+        pinned: the overlap modes land their means where a lockstep defines them (peer/round/timing.py),
             whatever the threads' timing (peer/round/timing.py ``Timing.of(..., pinned=True)``: no
             extra steps past H while a sync is out, a streaming fragment's mean exactly τ steps after
             its sync started); bench/overlap.py and bench/byzantine.py run pinned.
@@ -145,7 +145,7 @@ def run_engine_simulation(
 
     Returns:
         EngineResult: the loss curve, bytes sent per peer (with ``screening``, the encoded bytes of
-        its contributions and means; else the fp32 butterfly's estimate of each sync), wall time (evaluation included, as the simulation's), the training's own wall time
+        its contributions and means; else the fp32 butterfly's estimate of each sync), wall time (evaluation included), the training's own wall time
         and when each round ended.
 
     Raises:

@@ -41,6 +41,7 @@ from typing import Any, cast
 import torch
 
 from lab.inprocess_means import GroupHooks, MemberOutcome, PieceRules, screened_means
+from lab.sim_results import butterfly_bytes
 from peer.net.dht import PeerProgress
 from peer.state.download import StateDownload, validate_state
 from peer.state.snapshot import make_snapshot
@@ -56,12 +57,6 @@ from protocol.wire.pieces import piece_view
 
 StateProvider = Callable[[], Sequence[Any]]
 """What a peer serves: a callable returning its state snapshots (peer/state/snapshot.py), newest last."""
-
-
-def butterfly_bytes(payload_elements: int, group_size: int) -> int:
-    """Bytes one peer sends in a butterfly all-reduce of an fp32 payload over ``group_size`` peers:
-    2·(n−1)/n × 4 × elements (lab/simulation.py's estimate); 0 for a group of one."""
-    return int(2.0 * (group_size - 1) / max(1, group_size) * 4 * payload_elements)
 
 
 class InProcessHub:
@@ -434,7 +429,7 @@ class InProcessTransport:
             return self.bytes_per_sync
         if mine is not None and mine.bytes_sent:
             return mine.bytes_sent, mine.bytes_received
-        sent = butterfly_bytes(sum(t.numel() for t in payload), group_size)
+        sent = int(butterfly_bytes(sum(t.numel() for t in payload), group_size))
         return sent, sent
 
     def share_state(self, provider: StateProvider | None) -> None:

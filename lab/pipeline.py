@@ -1,6 +1,6 @@
 """Pipeline stages in one process (issue #19): S stages × R replicas of one model, each stage's
 replicas running the run's outer algorithm among themselves, against the unpipelined swarm of R
-peers at equal tokens (lab/simulation.py).
+peers at equal tokens (lab/engine_sim.py).
 
 What it runs is what peers serving stages would run, minus the network: the stage split of
 peer/pipeline/stages.py, micro-batches routed to a replica of the next stage by
@@ -58,7 +58,7 @@ class PipelineSimulation:
         manifest: the run (``pipeline``, ``sync``, ``inner_optimizer``, ``outer_optimizer``, ``data``).
         corpus: the loaded corpus; stage-0 replica r samples ``corpus.train`` as ``sim-peer-r``.
         replicas: R, peers serving each stage (S × R peers in all).
-        seed: salts the data shards as :class:`lab.simulation.Simulation` does.
+        seed: salts the data shards as lab/engine_sim.py's peers do (``peer_seed(f"sim-peer-{r}", seed)``).
 
     Raises:
         ValueError: ``replicas`` < 1, or stages the model cannot be split into.

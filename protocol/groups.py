@@ -2,7 +2,7 @@
 
 Every peer computes the same plan from the same inputs (the candidate peers at the round, the
 run id, the round number), so no coordinator is needed. The network averager, the trainer and
-the in-process simulation (lab/simulation.py) all call these functions: one rule, one place.
+the in-process hub (lab/inprocess.py) all call these functions: one rule, one place.
 
 - DiLoCo (arXiv 2311.08105): one group of every candidate.
 - NoLoCo (arXiv 2506.10911): random groups of ``group_size``, redrawn every round.

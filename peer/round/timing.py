@@ -54,5 +54,5 @@ class Timing:
     @classmethod
     def of(cls, sync: SyncSpec, *, pinned: bool = False) -> Timing:
         """The timing of a run's ``[sync]``; ``pinned``: no extra steps past H and streaming's
-        landings at exactly τ (the lockstep lab/simulation.py defines)."""
+        landings at exactly τ (a lockstep: where a mean lands depends on no thread's timing)."""
         return cls(overlap=sync.overlap, extra_steps_fraction=0.0 if pinned else 1.0, land_at_delay=pinned)

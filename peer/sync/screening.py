@@ -314,7 +314,6 @@ def owner_mean_problem(
     max_weight: float | None,
     phi: bool = False,
     included_self: bool = True,
-    holds_delta: bool | None = None,
     share_check: bool | None = None,
     reference_rms: float | None = None,
     direction: bool = True,
@@ -363,7 +362,6 @@ def owner_mean_problem(
         phi: the piece is of φ (NoLoCo): checks 1 and 3.
         included_self: the owner's MEAN frame names this receiver among the included senders
             (else check 2 is skipped: the mean need not hold its contribution).
-        holds_delta: the same as ``phi=not holds_delta`` (lab/simulation.py's name for it).
         share_check: run check 2; None: :data:`OWNER_SHARE_CHECK` (off).
         reference_rms: this receiver's own payload's RMS per value, of the kind of this piece (Δ or
             φ: :func:`reference_rms`), for the floor of check 1; None: no floor (a zero ``x`` then
@@ -378,8 +376,6 @@ def owner_mean_problem(
         non-zero contribution and (but check 3 of a typical one) a piece of at least
         :data:`OWNER_CHECK_MIN_ELEMENTS` values.
     """
-    if holds_delta is not None:
-        phi = not holds_delta
     if small is None:
         small = small_piece(contribution)
     x_norm, m_norm = norm(contribution), norm(mean)

@@ -299,8 +299,7 @@ class InnerLoop:
         makes fused AdamW skip the update (the ``found_inf`` input the gradient scaler uses), and
         only then is the loss read. Elsewhere the loss and the norm are read as they are computed.
         With ``wait=False`` (fused AdamW only; ignored elsewhere) not even that: the step returns
-        once queued, with a NaN loss, so the host can queue the next ones (lab/simulation.py queues
-        N peers' steps on one card); :meth:`settle` later reads those steps' losses and raises for
+        once queued, with a NaN loss, so the host can queue the next ones; :meth:`settle` later reads those steps' losses and raises for
         them.
 
         Raises:

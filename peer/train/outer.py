@@ -2,7 +2,7 @@
 
 An outer algorithm says what a peer contributes to its group's average (its payload) and turns
 the group's mean payload into a new φ. It never communicates: a transport computes the group
-mean (``peer.sync.transport`` over the network, ``lab.simulation`` in one process), so the code the
+mean (``peer.sync.transport`` over the network, lab/inprocess.py in one process), so the code the
 benchmarks measure is the code the swarm runs.
 """
 

@@ -1,7 +1,7 @@
 """Overlapping a round's sync with the next round's inner steps: the update rules, pure tensor code.
 
-Shared by the round loop (peer/round/ with peer/sync/background.py) and the in-process
-simulation (lab/simulation.py), so the benchmark measures what the swarm runs. docs/algorithms.md §3.
+Called by the round loop (peer/round/ with peer/sync/background.py), which the benchmarks run in
+one process too (lab/engine_sim.py), so they measure what the swarm runs. docs/algorithms.md §3.
 
 Notation as in docs/algorithms.md: φ the outer parameters (identical on every peer that completed a
 round with the same group), θ the inner parameters, Δ a pseudo-gradient. With overlap a round no

@@ -2,8 +2,7 @@
 
 Implements Streaming DiLoCo (Douillard et al., arXiv 2501.18512; docs/algorithms.md
 §4) for ``sync.overlap = "streaming"``. The round loop (peer/round/, each fragment's sync in the
-background thread of peer/sync/background.py over a subset of the averager's buffers) and the
-in-process simulation (lab/simulation.py) call these same functions.
+background thread of peer/sync/background.py over a subset of the averager's buffers) calls these functions.
 
 Notation as in docs/algorithms.md: φ the outer parameters, θ the inner ones, H inner steps per round.
 The model's parameters are split into P *fragments* (:func:`partition`, strided by transformer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from lab.engine_sim import run_engine_simulation
 from lab.pipeline import run_pipeline
-from lab.simulation import run_simulation
 from protocol.presets import tiny_run
 from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
@@ -20,9 +20,10 @@ def manifest(stages: int, algorithm: str = "diloco", routing: str = "random", dt
 
 def test_one_stage_is_the_unpipelined_swarm(corpus):
     """S = 1: the same shards, the same AdamW, the same outer step: the same losses as the swarm's
-    simulation, and nothing crosses a stage boundary."""
-    piped = run_pipeline(manifest(1), corpus, replicas=2, rounds=2, seed=0)
-    plain = run_simulation(manifest(1), corpus, peers=2, rounds=2, seed=0)
+    round loops on the engine (lab/engine_sim.py), and nothing crosses a stage boundary."""
+    piped = run_pipeline(manifest(1), corpus, replicas=2, rounds=2, seed=manifest(1).model.init_seed)
+    m = manifest(1)
+    plain = run_engine_simulation(m, corpus, peers=2, rounds=2, seed=m.model.init_seed, timeout_s=240.0)
     assert piped.activation_bytes_per_token == 0
     assert [p.tokens for p in piped.history] == [p.tokens for p in plain.history]
     assert [p.loss_bpb for p in piped.history] == pytest.approx([p.loss_bpb for p in plain.history], rel=1e-4)

@@ -1,15 +1,13 @@
 """Streaming DiLoCo (arXiv 2501.18512; peer/train/streaming.py): fragments, schedule, merge, the
-manifest fields, the simulation's streaming mode, and the peer's refusal of it with pipeline stages
-(the round loop's streaming: test_round_streaming.py)."""
+manifest fields and the peer's refusal of it with pipeline stages (the round loop's streaming:
+test_round_streaming.py; on the engine in one process: test_engine_sim.py)."""
 
-import math
 import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
-from lab.simulation import Simulation, butterfly_bytes, run_simulation
 from peer.config import JoinConfig
 from peer.reporting import Reporter
 from peer.train.model import build_model
@@ -18,7 +16,6 @@ from protocol.errors import ConfigError, ManifestError
 from protocol.manifest import RunManifest, dump_toml, from_dict
 from protocol.presets import tiny_run
 from protocol.specs import ModelSpec
-from tests.unit.sim_fixtures import corpus, one_thread  # noqa: F401 (fixtures)
 
 
 def identical(a, b) -> bool:
@@ -165,36 +162,6 @@ def test_fragment_merge_field_validated_and_absent_at_its_default():
         from_dict({"sync": {"overlap": "streaming", "fragment_merge": "avg"}})
 
 
-def test_the_simulation_shifts_by_the_mean_and_keeps_the_steps_since_the_sync(corpus):
-    """τ = 0: 'shift' is 'mix' bit for bit (no step between a sync and its landing). τ = 1: the two
-    differ in θ, and with 'shift' each landing moved θ_p by exactly (1 − α)·(φ_p − θ_p^sync)."""
-    runs = {
-        (merge_rule, tau): Simulation(streaming(2, tau, 0.5, fragment_merge=merge_rule), corpus, peers=2, seed=0)
-        for merge_rule in ("mix", "shift")
-        for tau in (0, 1)
-    }
-    for sim in runs.values():
-        sim.run_round()
-    for tau in (0, 1):
-        mixed, shifted = runs["mix", tau], runs["shift", tau]
-        same = all(identical(list(a.parameters()), list(b.parameters())) for a, b in zip(mixed.models, shifted.models))
-        assert same == (tau == 0)
-        assert identical(shifted.phis[0], shifted.phis[1])
-    # by hand: fragment 0 syncs at step 5 and lands at step 6, in round 2
-    sim = runs["shift", 1]
-    index = sim.fragments[0]
-    at_sync = [t.clone() for t in sim.at_sync[0][0]]  # peer 0's θ_p at step 5
-    sim.inners[0].step(sim.inner_step)  # round 2's first step, for peer 0 (by hand)
-    stepped = [t.clone() for t in sim._theta(0, index)]
-    assert not identical(stepped, at_sync)
-    sim._fragment_land(0)
-    for out, phi_p, start, step in zip(
-        sim._theta(0, index), [sim.phis[0][k] for k in index], at_sync, stepped, strict=True
-    ):
-        torch.testing.assert_close(out, step + 0.5 * (phi_p - start))
-    assert 0 not in sim.at_sync and 0 not in sim.in_flight
-
-
 def test_manifest_fields_validated_round_tripped_and_absent_at_defaults():
     m = RunManifest().replace(
         sync={"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1, "fragment_alpha": 1.0}
@@ -230,116 +197,6 @@ def streaming(fragments: int, delay: int, alpha: float, layers: int = 2, **sync)
             **sync,
         },
     )
-
-
-@pytest.mark.parametrize(
-    "algorithm,codec", [("diloco", "none"), ("noloco", "none"), ("diloco", "int8"), ("noloco", "topk")]
-)
-def test_one_fragment_no_delay_alpha_zero_is_overlap_none(corpus, algorithm, codec):
-    """P = 1, τ = 0, α = 0: one fragment, the whole model, synced and landed at the round's end,
-    θ ← φ: the blocking round, bit for bit (NoLoCo: its payload's φ half, its random pairs; a
-    lossy codec: its seeds and error feedback)."""
-    none = Simulation(
-        tiny_run().replace(model={"num_layers": 2}, sync={"algorithm": algorithm}, compression={"codec": codec}),
-        corpus,
-        peers=4,
-        seed=0,
-    )
-    # NoLoCo's pairs are drawn from the run id, which the overlap field changes: draw the blocking run's
-    stream = Simulation(
-        streaming(1, 0, 0.0, algorithm=algorithm).replace(compression={"codec": codec}),
-        corpus,
-        peers=4,
-        seed=0,
-        groups_run_id=none.m.run_id,
-    )
-    for sim in (none, stream):
-        for _ in range(3):
-            sim.run_round()
-        sim.finish()
-    for a, b in zip(none.phis, stream.phis):
-        assert identical(a, b)
-    assert identical(list(none.models[1].parameters()), list(stream.models[1].parameters()))
-    assert stream.bytes_sent == none.bytes_sent and stream.tokens == none.tokens
-    if algorithm == "noloco":  # replicas differ by design: the pairs did not average everything
-        assert not identical(stream.phis[0], stream.phis[1]) or not identical(stream.phis[0], stream.phis[2])
-
-
-def test_a_fragment_mean_lands_tau_steps_after_its_sync(corpus):
-    # H = 5, P = 2: fragment 1 syncs at step 2 and lands at 3; fragment 0 syncs at 5, lands at 6
-    sim = Simulation(streaming(2, 1, 0.5), corpus, peers=2, seed=0)
-    phi0 = [p.clone() for p in sim.phis[0]]
-    first, second = sim.fragments
-    sim.run_round()
-    assert list(sim.in_flight) == [0] and sim.last_sync == [5, 2]
-    assert identical([sim.phis[0][k] for k in first], [phi0[k] for k in first])  # still in flight
-    assert not identical([sim.phis[0][k] for k in second], [phi0[k] for k in second])  # landed at step 3
-    sim.run_round()
-    assert not identical([sim.phis[0][k] for k in first], [phi0[k] for k in first])
-    assert identical(sim.phis[0], sim.phis[1])
-
-
-def test_streaming_peers_hold_identical_phi_and_the_loss_falls(corpus):
-    m = streaming(2, 1, 0.5)
-    result = run_simulation(m, corpus, peers=3, rounds=3, seed=1, eval_every_rounds=3)
-    first, last = result.history[0], result.history[-1]
-    assert math.isfinite(last.loss_bpb) and last.loss_bpb < first.loss_bpb - 0.2
-    assert last.sigma == 0.0
-    sim = Simulation(m, corpus, peers=3, seed=1)
-    sim.run_round()
-    sim.run_round()
-    sim.finish()
-    assert not sim.in_flight and all(last == sim.inner_step for last in sim.last_sync)
-    for phi, model in zip(sim.phis, sim.models):
-        assert identical(phi, sim.phis[0]) and identical([p.detach() for p in model.parameters()], phi)
-    # a sync carries its fragment alone: fragment 0 synced at steps 5 and 10, fragment 1 at 2, 7 and
-    # once more at the end (10), for the final φ to hold every step
-    size = [sum(sim.phis[0][k].numel() for k in part) for part in sim.fragments]
-    assert sim.bytes_sent[0] == pytest.approx(2 * butterfly_bytes(size[0], 3) + 3 * butterfly_bytes(size[1], 3))
-
-
-def test_simulation_streams_only_what_it_implements(corpus):
-    from lab.adversary import Adversary
-
-    with pytest.raises(ValueError, match="adversary"):
-        Simulation(streaming(2, 1, 0.5), corpus, peers=3, seed=0, adversary=Adversary(attack="sign-flip", peers=(2,)))
-
-
-def test_a_lossy_codec_streams_each_fragment_with_its_own_residuals(corpus):
-    """int8 with error feedback: a fragment's sync compensates and stages the residuals of its own
-    tensors only (the others' stay as their last sync left them), and the loss falls."""
-    m = streaming(2, 1, 0.5).replace(compression={"codec": "int8"})
-    sim = Simulation(m, corpus, peers=2, seed=0)
-    first, second = sim.fragments
-    for k in range(sim.m.sync.inner_steps):  # up to fragment 1's sync at step H/P only
-        for inner in sim.inners:
-            inner.step(k)
-        if k + 1 == sim.m.sync.inner_steps // 2:
-            sim._fragment_sync(1, k + 1)
-            break
-    residuals = sim.feedback[0].residuals()
-    assert residuals is not None
-    # peer 0's residuals: for the fragment's tensors it does not own (its own stay exact, spent)
-    assert any(bool(residuals[k].abs().sum() > 0) for k in second)
-    assert all(not bool(residuals[k].abs().sum() > 0) for k in first)
-    result = run_simulation(m, corpus, peers=2, rounds=3, seed=1, eval_every_rounds=3)
-    assert math.isfinite(result.history[-1].loss_bpb)
-    assert result.history[-1].loss_bpb < result.history[0].loss_bpb - 0.2
-
-
-def test_noloco_streams_fragments_with_its_pairs_in_the_simulation(corpus):
-    """NoLoCo's payload (Δ_p then φ_p) per fragment: each fragment's pull uses its pair's φ_p, the
-    receivers check the φ half as φ (the fragment's own split), and the loss falls."""
-    m = streaming(2, 1, 0.5, algorithm="noloco")
-    result = run_simulation(m, corpus, peers=4, rounds=3, seed=1, eval_every_rounds=3)
-    first, last = result.history[0], result.history[-1]
-    assert math.isfinite(last.loss_bpb) and last.loss_bpb < first.loss_bpb - 0.2
-    assert last.sigma > 0.0  # replicas differ by design
-    sim = Simulation(m, corpus, peers=4, seed=1)
-    sim.run_round()
-    sim.finish()
-    assert not sim.in_flight and all(math.isfinite(float(t.sum())) for phi in sim.phis for t in phi)
-    assert not sim.counts.clipped and not sim.counts.dropped and not sim.counts.refused  # nothing honest refused
 
 
 def test_peer_join_refuses_overlap_with_pipeline_stages_before_any_network_work(monkeypatch, tmp_path: Path):
