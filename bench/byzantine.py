@@ -42,7 +42,7 @@ of its own. ``sybil`` holds the rows of
 bench/results/sybil.json (bench/sybil.py: the record floods on real DHT nodes, a run of its own),
 copied with the issue's keys. ``lying-receipts`` is not an engine row: the in-process hub has no
 receipts on the wire, and a receipt whose digest differs from the receiver's without the owner's
-seal changes nothing (peer/sync/receipts.py ``verdict``), so its row (:func:`lying_receipts_row`) is
+seal changes nothing (peer/sync/receipts.py ``verdict``), so its rows (:func:`lying_receipts_rows`) are
 the real-peer measurement of bench/lying_receipts.py (bench/results/lying-receipts.json). ``--attacks
 bogus-announcement`` also runs bench/byzantine_announce.py (real DHT nodes on 127.0.0.1); a joiner's
 run choice has no loss, so those results go to the detail file only.
@@ -221,29 +221,44 @@ GOALS = {1: (0.015, 1 / 3), 2: (0.03, 1 / 2)}
 independent row's cost it may be)."""
 
 
-def lying_receipts_row(path: Path) -> dict | None:
-    """The lying-receipts row from ``path`` (bench/lying_receipts.py: real peers, not the engine; see
-    the module docstring) with the issue's keys; None where that file is not there."""
+def lying_receipts_rows(path: Path) -> list[dict]:
+    """The lying-receipts rows from ``path`` (bench/lying_receipts.py: real peers, not the engine; see
+    the module docstring), one per number of colluding liars, with the issue's keys; none where that
+    file is not there. A file from before its ``rows`` holds the 1-liar row alone."""
     if not path.exists():
-        return None
+        return []
     data = json.loads(path.read_text())
-    return {
-        "attack": "lying-receipts",
-        "algorithm": "diloco",
-        "schedule": "none",
-        "peers": 4,
-        "malicious": 1,
-        "loss_change": data["loss_change"],
-        "loss_change_spread": data["loss_change_spread"],
-        "independent_change": data.get("independent_change"),
-        "seeds": len(data["runs"]),
-        "takeovers": None,
-        "non_finite_rounds": None,
-        "honest_exits": 0,  # the test fails on any honest peer's exit status but 0
-        "measured_on": f"real peers ({data['test']}, commit {data['commit']})",
-        "note": "tiny preset, 3 honest + 1 liar of 4, 8 rounds, vs a clean swarm of 4 whose honest peers have the "
-        "same identities (data); a repeat is a run, not a seed; takeovers and non-finite rounds not counted there",
-    }
+    rows = data.get("rows") or [
+        {
+            "liars": 1,
+            "peers": 4,
+            "loss_change": data["loss_change"],
+            "independent_change": data.get("independent_change"),
+            "loss_change_spread": data["loss_change_spread"],
+            "runs": len(data["runs"]),
+        }
+    ]
+    return [
+        {
+            "attack": "lying-receipts",
+            "algorithm": "diloco",
+            "schedule": "none",
+            "peers": row["peers"],
+            "malicious": row["liars"],
+            "loss_change": row["loss_change"],
+            "loss_change_spread": row["loss_change_spread"],
+            "independent_change": row.get("independent_change"),
+            "seeds": row["runs"],
+            "takeovers": None,
+            "non_finite_rounds": None,
+            "honest_exits": 0,  # the test fails on any honest peer's exit status but 0
+            "measured_on": f"real peers ({data['test']}, commit {data['commit']})",
+            "note": f"tiny preset, 3 honest + {row['liars']} colluding liar(s) of {row['peers']}, 8 rounds, vs a "
+            f"clean swarm of {row['peers']} whose honest peers have the same identities (data); a repeat is a run, "
+            "not a seed; takeovers and non-finite rounds not counted there",
+        }
+        for row in rows
+    ]
 
 
 def _spread(xs: list[float]) -> list[float]:
@@ -520,7 +535,7 @@ def write_results(
     summary = summarize(runs)
     clean_loss, independent_change = headline(summary)
     sybil, sybil_source = sybil_rows(out.parent / "sybil.json")
-    lying = [row] if (row := lying_receipts_row(out.parent / "lying-receipts.json")) else []
+    lying = lying_receipts_rows(out.parent / "lying-receipts.json")
     horizon = {"rounds": rounds, "inner_steps": inner_steps}
     if overlap_from_round:  # the overlapped rows' first overlapped round (rounds before it sync blocking)
         horizon["overlap_from_round"] = overlap_from_round

@@ -292,8 +292,8 @@ REGISTRY: dict[str, Entry] = {
         "Change in validation loss (fraction, mean over seeds, with its (min, max) over seeds) and takeovers "
         "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
         "is the same peers never syncing (the floor: what averaging is worth at this horizon). Round engine, "
-        "8 peers, blocking DiLoCo (NoLoCo's rows: the 20-round file below). The `lying-receipts` row was measured "
-        "on real peers (4 of them), not on the engine (bench/lying_receipts.py).",
+        "8 peers, blocking DiLoCo (NoLoCo's rows: the 20-round file below). The `lying-receipts` rows were measured "
+        "on real peers (1 liar of 4, 2 colluding liars of 5), not on the engine (bench/lying_receipts.py).",
         "python bench/byzantine.py --algorithms diloco --schedules none --attacks alie ipm stale-phi sign-flip huge "
         "noise zeros subclip-flip subclip-sideways cosine owner-flip owner-flip-x100 owner-zeros owner-noise "
         "owner-scale owner-huge-small owner-small-flip owner-equivocate --malicious 1 2 --plain --seeds 0 1 2 --jobs 2 --threads 1",
@@ -568,12 +568,12 @@ REGISTRY: dict[str, Entry] = {
     ),
     "lying-receipts": Entry(
         "A groupmate that lies in its receipts (real peers)",
-        "Real `peer join` processes of the tiny preset on 127.0.0.1, 8 rounds: a clean swarm of 4, then the same "
-        "3 honest identities (the same data) with a 4th that sends false RECEIPTs (digests of means no owner "
-        "sealed, every owner refused, alignment 0). The honest peers' final validation loss against the clean "
-        "swarm's, per run, and the floor: the same 3 honest identities never averaging (`independent`); the "
-        "Byzantine table's `lying-receipts` row is their mean.",
-        "python bench/lying_receipts.py --runs 3",
+        "Real `peer join` processes of the tiny preset on 127.0.0.1, 8 rounds: a clean swarm of 3 + L, then "
+        "the same 3 honest identities (the same data) with L colluding peers that send false RECEIPTs (the same "
+        "digests of means no owner sealed, every owner refused, alignment 0). The honest peers' final "
+        "validation loss against the clean swarm's, per run, and the floor: the same 3 honest identities never "
+        "averaging (`independent`); the Byzantine table's `lying-receipts` rows are their means per L.",
+        "python bench/lying_receipts.py --runs 3 --liars 1 2",
         [
             Table(
                 key("runs"),

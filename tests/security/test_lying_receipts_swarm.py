@@ -38,39 +38,45 @@ liar that also judged its groups by its own false receipt (its φ left the hones
 in a CI run."""
 LIAR = Path(__file__).with_name("lying_peer.py")
 RECORD_ENV = "LOCOSWARM_LYING_RECEIPTS_RECORD"
+LIARS_ENV = "LOCOSWARM_LYING_RECEIPTS_LIARS"
+"""Where set (1 or 2), how many colluding liars join the 3 honest peers (default 1: the CI test);
+bench/lying_receipts.py sets it for its 2-colluder row. Colluders send the same false digests."""
+HONEST = 3
 """Where set, the test also runs the floor (the 3 honest identities never averaging) and appends the
 three swarms' losses to this file as a JSON line, before its assertion: bench/lying_receipts.py
 repeats it to record the row."""
 
 
 def run_swarm(
-    procs, workdir: Path, *, liar: bool, identities_of: str | None = None, alone: bool = False
+    procs, workdir: Path, *, liar: bool, identities_of: str | None = None, alone: bool = False, liars: int = 1
 ) -> tuple[list[float], list[str]]:
-    """Start a bootstrap node and 4 peers (the last a liar if ``liar``) for :data:`ROUNDS` rounds;
-    return the honest peers' final validation losses and their logs. ``identities_of``: the name of
-    an earlier swarm whose peers' identity keys the honest peers take, so that they sample the same
-    data (a peer's shard order follows its peer id, peer/train/data.py ``peer_seed``). ``alone``:
-    3 honest peers under ``sync.algorithm = "independent"`` (never averaging: the floor)."""
+    """Start a bootstrap node and 3 + ``liars`` peers (the last ``liars`` of them liars if ``liar``)
+    for :data:`ROUNDS` rounds; return the honest peers' final validation losses and their logs.
+    ``identities_of``: the name of an earlier swarm whose peers' identity keys the honest peers take,
+    so that they sample the same data (a peer's shard order follows its peer id,
+    peer/train/data.py ``peer_seed``). ``alone``: 3 honest peers under
+    ``sync.algorithm = "independent"`` (never averaging: the floor)."""
     workdir.mkdir()
     manifest = make_manifest(name="lying-receipts", **({"sync": {"algorithm": "independent"}} if alone else {}))
     _, addr = procs.bootstrap(write_manifest(workdir, manifest))
-    args = ["--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", "3" if alone else "4"]
-    names = [f"{workdir.name}-h{i}" for i in range(3 if liar or alone else 4)]
+    size = HONEST if alone else HONEST + liars
+    args = ["--initial-peers", addr, "--max-rounds", str(ROUNDS), "--wait-for-peers", str(size)]
+    names = [f"{workdir.name}-h{i}" for i in range(HONEST if liar or alone else size)]
     if identities_of is not None:
         for i, name in enumerate(names):
             (procs.workdir / name).mkdir()
             shutil.copy(procs.workdir / f"{identities_of}-h{i}" / "identity.key", procs.workdir / name / "identity.key")
     honest = [procs.peer(name, *args) for name in names]
-    attacker = None
-    if liar:
+    attackers = []
+    for k in range(liars if liar else 0):
+        name = f"{workdir.name}-liar{k or ''}"
         argv = peer_argv(
-            data_dir=procs.workdir / f"{workdir.name}-liar",
-            extra=["--threads", "1", "--owner-key", str(procs.owner_key), *args],
+            data_dir=procs.workdir / name, extra=["--threads", "1", "--owner-key", str(procs.owner_key), *args]
         )
-        attacker = procs.spawn(f"{workdir.name}-liar", [sys.executable, str(LIAR), *argv[3:]])
+        attackers.append(procs.spawn(name, [sys.executable, str(LIAR), *argv[3:]]))
     for p in honest:
         assert p.wait(600) == 0, p.tail()
-    if attacker is not None:
+    for attacker in attackers:
         attacker.wait(120)
     losses = []
     for p in honest:
@@ -81,10 +87,11 @@ def run_swarm(
 
 
 def test_a_member_lying_in_its_receipts_costs_the_honest_peers_almost_nothing(procs, tmp_path):
-    clean, _ = run_swarm(procs, tmp_path / "clean", liar=False)
+    liars = int(os.environ.get(LIARS_ENV, "1"))
+    clean, _ = run_swarm(procs, tmp_path / "clean", liar=False, liars=liars)
     procs.cleanup()
-    # the same 3 honest identities (the same data) in both swarms: only the 4th peer differs
-    attacked, logs = run_swarm(procs, tmp_path / "attacked", liar=True, identities_of="clean")
+    # the same 3 honest identities (the same data) in both swarms: only the other peers differ
+    attacked, logs = run_swarm(procs, tmp_path / "attacked", liar=True, identities_of="clean", liars=liars)
     # the attack ran: every honest peer read a receipt whose digests no owner sealed
     assert all("report means their owners never signed" in log for log in logs)
     assert not any("signed different means" in log for log in logs)  # no honest owner named
@@ -93,7 +100,7 @@ def test_a_member_lying_in_its_receipts_costs_the_honest_peers_almost_nothing(pr
     if record := os.environ.get(RECORD_ENV):  # bench/lying_receipts.py collects repeated runs, with the floor
         procs.cleanup()
         alone, _ = run_swarm(procs, tmp_path / "alone", liar=False, identities_of="clean", alone=True)
-        row = {"clean": clean, "attacked": attacked, "independent": alone, "change": change}
+        row = {"liars": liars, "clean": clean, "attacked": attacked, "independent": alone, "change": change}
         with open(record, "a") as f:
             f.write(
                 json.dumps({**row, "independent_change": statistics.mean(alone) / statistics.mean(clean) - 1}) + "\n"

@@ -12,7 +12,7 @@ from bench.byzantine import (
     INDEPENDENT,
     goal_met,
     headline,
-    lying_receipts_row,
+    lying_receipts_rows,
     markdown,
     resumable,
     summarize,
@@ -125,24 +125,21 @@ def test_resume_keeps_only_the_current_commits_runs():
         resumable({"config": {"sync": {"inner_steps": 10}}, "runs": runs}, commit="abc", config=config)
 
 
-def test_the_lying_receipts_row_names_where_it_was_measured(tmp_path):
-    assert lying_receipts_row(tmp_path / "absent.json") is None
+def test_the_lying_receipts_rows_name_where_they_were_measured(tmp_path):
+    assert lying_receipts_rows(tmp_path / "absent.json") == []
     path = tmp_path / "lying-receipts.json"
     runs = [{"clean": [2.9], "attacked": [2.9], "change": c} for c in (-0.004, 0.001, 0.0)]
-    path.write_text(
-        json.dumps(
-            {
-                "test": "tests/security/test_lying_receipts_swarm.py",
-                "commit": "abc",
-                "runs": runs,
-                "loss_change": -0.001,
-                "loss_change_spread": [-0.004, 0.001],
-            }
-        )
-    )
-    row = lying_receipts_row(path)
+    before = {"test": "tests/security/test_lying_receipts_swarm.py", "commit": "abc", "runs": runs}
+    path.write_text(json.dumps({**before, "loss_change": -0.001, "loss_change_spread": [-0.004, 0.001]}))
+    (row,) = lying_receipts_rows(path)  # a file from before its rows: the 1-liar row
     assert row["measured_on"] == "real peers (tests/security/test_lying_receipts_swarm.py, commit abc)"
     assert row["seeds"] == 3 and row["loss_change"] == -0.001 and row["loss_change_spread"] == [-0.004, 0.001]
+    assert (row["malicious"], row["peers"]) == (1, 4)
+    two = {"liars": 2, "peers": 5, "loss_change": 0.002, "independent_change": 0.03}
+    rows = [{**two, "liars": 1, "peers": 4}, two]
+    path.write_text(json.dumps({**before, "rows": [{**r, "loss_change_spread": [0, 0.004], "runs": 3} for r in rows]}))
+    got = lying_receipts_rows(path)
+    assert [(r["malicious"], r["peers"], r["loss_change"]) for r in got] == [(1, 4, 0.002), (2, 5, 0.002)]
 
 
 def test_overlapped_rows_start_overlapping_at_the_round_asked_and_the_files_say_so(tmp_path, monkeypatch):
