@@ -6,6 +6,7 @@ and the floor (the same peers never syncing), on the round engine (issues #17, #
         [--no-loss-gate --out bench/results/byzantine-nogate.json]
         [--schedules delayed --overlap-from-round 10 --rounds 20 --out bench/results/byzantine-delayed.json]
         [--device cuda --jobs 8]   # on a card (bench/device_session.sh --byzantine)
+        [--merge A.detail.json B.detail.json --out bench/results/byzantine.json]   # one commit's invocations
 
 Every run is lab/engine_sim.py: 8 real round loops (peer/round/ ``Trainer``) in threads over the
 in-process hub, which deals each group's pieces to owners and screens and checks them as the
@@ -505,6 +506,49 @@ def resumable(earlier: dict, *, commit: str, config: dict) -> tuple[list[dict], 
     return kept, len(runs) - len(kept)
 
 
+def merged(details: list[dict]) -> dict:
+    """One detail file's fields from the detail files of separate invocations at one commit (e.g. the
+    blocking rows, then the delayed rows with ``--overlap-from-round K``): their runs together, their
+    devices and commands joined. A blocking run does not depend on K, so the files' configs may differ
+    in it alone, and at most one K other than 0 is among them.
+
+    Raises:
+        ValueError: no file; files of different commits or round counts, or manifests that differ
+            beyond K; two different K; one run (same row, seed and screening) in two files.
+    """
+    if not details:
+        raise ValueError("no detail file to merge")
+    commits = {d["commit"] for d in details}
+    if len(commits) != 1:
+        raise ValueError(f"runs of commits {sorted(commits)}: merge the files of one commit only")
+    if len({d["rounds"] for d in details}) != 1:
+        raise ValueError(f"round counts {sorted({d['rounds'] for d in details})}: merge one horizon only")
+    bare = [{k: v for k, v in d["config"].items() if k != "overlap_from_round"} for d in details]
+    if any(b != bare[0] for b in bare):
+        raise ValueError("the files hold runs of different manifests (beyond the overlapped rows' first round)")
+    ks = {d["horizon"].get("overlap_from_round", 0) for d in details} - {0}
+    if len(ks) > 1:
+        raise ValueError(f"overlap_from_round {sorted(ks)}: the overlapped rows of one file hold one K")
+    runs = [r for d in details for r in d["runs"]]
+    keys = [_key(r) for r in runs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a run is in two files: merge the files of separate invocations")
+    config = next((d["config"] for d in details if d["horizon"].get("overlap_from_round")), details[0]["config"])
+    return {
+        "runs": runs,
+        "commit": details[0]["commit"],
+        "device": " / ".join(dict.fromkeys(d["device"] for d in details)),
+        "command": " && ".join(dict.fromkeys(d["command"] for d in details)),
+        "rounds": details[0]["rounds"],
+        "inner_steps": details[0]["horizon"]["inner_steps"],
+        "overlap_from_round": next(iter(ks), 0),
+        "config": config,
+        "complete": all(d["complete"] for d in details),
+        "announcements": [a for d in details for a in d.get("announcements", [])],
+        "wall_s": sum(d.get("wall_s_total", 0.0) for d in details),
+    }
+
+
 def _train_task(task: tuple[RunManifest, dict, dict]) -> dict:
     base, bench, kwargs = task
     return _train(base, bench, **kwargs)
@@ -654,6 +698,14 @@ def main() -> None:
         "commit, device and command (after bench/lying_receipts.py or bench/sybil.py wrote the rows it copies)",
     )
     parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="DETAIL",
+        help="run nothing: write --out and its detail file from these detail files of one commit (separate "
+        "invocations: blocking rows, then delayed ones with --overlap-from-round), their runs together",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="keep the runs of earlier invocations at this commit with the same manifest and rounds (read "
@@ -701,6 +753,13 @@ def main() -> None:
                 ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     detail_path = args.out.with_name(args.out.stem + ".detail.json")
+    if args.merge:
+        try:
+            got = merged([json.loads(p.read_text()) for p in args.merge])
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--merge {' '.join(map(str, args.merge))}: {exc}")
+        print(markdown(write_results(args.out, got.pop("runs"), **got)))
+        return
     if args.rewrite:
         if not detail_path.exists():
             parser.error(f"--rewrite: {detail_path} does not exist: run the benchmark first")

@@ -14,6 +14,7 @@ from bench.byzantine import (
     headline,
     lying_receipts_rows,
     markdown,
+    merged,
     resumable,
     summarize,
 )
@@ -186,3 +187,35 @@ def _fake_engine():
     return SimpleNamespace(
         history=[point], takeovers=0, non_finite_rounds=0, honest_exits=0, screening={}, train_s=0.0, wall_s=0.0
     )
+
+
+def test_merge_joins_the_blocking_and_delayed_invocations_of_one_commit():
+    """A blocking run does not depend on the overlapped rows' first round K: the two invocations'
+    files become one, with K; files of two commits, manifests beyond K, or a run twice are refused."""
+    config = {"sync": {"inner_steps": 25}}
+
+    def detail(schedule: str, k: int, **over) -> dict:
+        return {
+            "commit": "abc",
+            "rounds": 20,
+            "horizon": {"rounds": 20, "inner_steps": 25, **({"overlap_from_round": k} if k else {})},
+            "config": {**config, **({"overlap_from_round": k} if k else {})},
+            "device": "cpu",
+            "command": f"python bench/byzantine.py --schedules {schedule}",
+            "complete": True,
+            "runs": [_run("none", 0, 2.5, schedule=schedule), _run("alie", 0, 2.55, malicious=2, schedule=schedule)],
+            **over,
+        }
+
+    got = merged([detail("none", 0), detail("delayed", 10)])
+    assert got["overlap_from_round"] == 10 and got["config"]["overlap_from_round"] == 10
+    assert [r["schedule"] for r in got["runs"]] == ["none", "none", "delayed", "delayed"]
+    assert got["command"].count(" && ") == 1 and got["device"] == "cpu" and got["commit"] == "abc"
+    with pytest.raises(ValueError, match="commits"):
+        merged([detail("none", 0), detail("delayed", 10, commit="def")])
+    with pytest.raises(ValueError, match="different manifests"):
+        merged([detail("none", 0), detail("delayed", 10, config={"sync": {"inner_steps": 10}})])
+    with pytest.raises(ValueError, match="two files"):
+        merged([detail("none", 0), detail("none", 0)])
+    with pytest.raises(ValueError, match="one K"):
+        merged([detail("delayed", 5), detail("delayed", 10)])
