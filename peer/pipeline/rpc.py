@@ -1,4 +1,4 @@
-# The server and the two call functions share one stream discipline (answer, linger,
+# The server and the call function share one stream discipline (answer, linger,
 # cancel on give-up) and its workarounds for hivemind 1.1.12; apart they would repeat it.
 """Stage calls between peers: a micro-batch's forward and backward in one exchange on a libp2p stream.
 
@@ -292,34 +292,6 @@ async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
         pass
 
 
-async def call_stage(
-    p2p: P2P, peer_id: PeerRef, protocol_name: str, request: StageRequest, limits: StageLimits, timeout_s: float
-) -> StageReply:
-    """Send ``request`` to one replica of its stage and wait for the answer.
-
-    Args:
-        p2p: this peer's hivemind ``P2P``.
-        peer_id: the replica to call.
-        protocol_name: the stage's libp2p protocol (as its :class:`StageServer` serves it).
-        request: activations (B, T, H) fp32/bf16 and int32 targets (B, T) for stage ``request.stage``.
-        limits: the run's limits; the answer is bounded by ``max_answer_bytes(limits)``.
-        timeout_s: deadline of the whole exchange (opening the stream, the stages after this one,
-            the answer), seconds.
-
-    Returns:
-        StageReply: ``grad`` ∂loss/∂activations, the request's shape and dtype; ``loss`` in nats
-        per token; ``tokens`` its count.
-
-    Raises:
-        StageCallFailed: no answer within ``timeout_s``, a STAGE_ERROR, a broken or refused
-            stream, or an invalid answer (its ``failures`` holds this one replica). The stream is
-            closed; nothing else is left behind.
-        ValueError: ``request`` cannot be encoded (not 3-D fp32/bf16, ids out of range).
-    """
-    framed = framing.frame(await asyncio.to_thread(encode_request, request))
-    return await _exchange(p2p, peer_id, protocol_name, framed, request, limits, timeout_s)
-
-
 async def call_with_retry(
     p2p: P2P,
     replicas: Sequence[PeerRef],
@@ -336,12 +308,19 @@ async def call_with_retry(
     unchanged (same request id) to each.
 
     Args:
+        p2p: this peer's hivemind ``P2P``.
         replicas: the stage's replicas, best first (the router's order).
+        protocol_name: the stage's libp2p protocol (as its :class:`StageServer` serves it).
+        request: activations (B, T, H) fp32/bf16 and int32 targets (B, T) for stage ``request.stage``.
+        limits: the run's limits; each answer is bounded by ``max_answer_bytes(limits)``.
+        timeout_s: deadline of each replica's whole exchange (opening the stream, the stages after
+            this one, the answer), seconds.
         attempts: most replicas to try (the first ``attempts``); None: all of them.
-        Others: as for :func:`call_stage`.
 
     Returns:
         (the reply, the replica that answered, ``(peer_id, reason)`` for each that failed first).
+        The reply's ``grad`` is ∂loss/∂activations, the request's shape and dtype; ``loss`` in
+        nats per token; ``tokens`` its count.
 
     Raises:
         StageCallFailed: no replica answered (or ``replicas`` is empty); the message names every

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from peer.pipeline.rpc import StageCallFailed, StageServer, call_stage, call_with_retry
+from peer.pipeline.rpc import StageCallFailed, StageServer, call_with_retry
 from protocol.wire import framing, pipeline as frames
 from protocol.wire.pipeline import StageLimits, StageRequest
 
@@ -82,6 +82,12 @@ def _server(p2p: P2P, handle=_double, **kwargs) -> StageServer:
     return StageServer(p2p, PROTOCOL, handle, LIMITS, **options)
 
 
+async def _call(caller: P2P, peer_id, request: StageRequest, timeout_s: float):
+    """One replica's answer to ``request`` (``call_with_retry`` with that replica alone)."""
+    reply, _, _ = await call_with_retry(caller, [peer_id], PROTOCOL, request, LIMITS, timeout_s)
+    return reply
+
+
 def test_a_call_returns_the_stage_gradient_bit_for_bit():
     async def main():
         seen: list[StageRequest] = []
@@ -94,7 +100,7 @@ def test_a_call_returns_the_stage_gradient_bit_for_bit():
             async with _server(replica, handle) as server:
                 for request_id, dtype in ((1, torch.bfloat16), (2, torch.float32)):
                     request = _request(request_id, dtype)
-                    reply = await call_stage(caller, replica.peer_id, PROTOCOL, request, LIMITS, timeout_s=5.0)
+                    reply = await _call(caller, replica.peer_id, request, timeout_s=5.0)
                     expected = request.activations * 2
                     assert reply.grad.dtype == dtype and reply.grad.shape == (2, 8, LIMITS.hidden_size)
                     assert torch.equal(reply.grad.view(torch.uint8), expected.view(torch.uint8))
@@ -203,7 +209,7 @@ def test_a_malformed_request_gets_stage_error_and_the_server_serves_the_next_cal
                 answers = await _two_on_one_stream(caller, replica, first, second)
                 assert [a.request_id for a in answers] == [8, 9]
 
-                reply = await call_stage(caller, replica.peer_id, PROTOCOL, _request(10), LIMITS, timeout_s=5.0)
+                reply = await _call(caller, replica.peer_id, _request(10), timeout_s=5.0)
                 assert reply.request_id == 10
                 assert (server.rejected, server.served, server.refused) == (2, 3, 2)
 
@@ -232,12 +238,12 @@ def test_streams_over_the_per_peer_cap_are_refused_at_once():
                 try:
                     await asyncio.sleep(0.2)  # let the server take the first stream's slot
                     with pytest.raises(StageCallFailed, match="STAGE_ERROR: refused: at most 1 streams per peer"):
-                        await call_stage(caller, replica.peer_id, PROTOCOL, _request(1), LIMITS, timeout_s=3.0)
+                        await _call(caller, replica.peer_id, _request(1), timeout_s=3.0)
                     assert server.slots.refused == 1
                 finally:
                     holding.close()
                 await asyncio.sleep(0.2)  # the slot is free again once the silent stream closed
-                reply = await call_stage(caller, replica.peer_id, PROTOCOL, _request(2), LIMITS, timeout_s=3.0)
+                reply = await _call(caller, replica.peer_id, _request(2), timeout_s=3.0)
                 assert reply.request_id == 2
 
     asyncio.run(main())
