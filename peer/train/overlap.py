@@ -31,9 +31,9 @@ from, and its pseudo-gradient is the round's own progress ``Δ_t = ψ_t − θ_t
      to −lr·Δ_i(t)/n, one outer step of φ with Δ_t/n, computed in that closed form (no state).
      NoLoCo is not in the paper: its eager start is its own outer step previewed with Δ_t/n.
 
-The outer step of the last round's mean lands one round late; :func:`drain` is what a peer does
-when training ends (it waits for the last sync and applies it). A sync that fails applies the
-peer's own payload, as without overlap (DiLoCo paper Fig. 8).
+The outer step of the last round's mean lands one round late; when training ends a peer waits for
+the last sync and applies it (peer/round/overlapped.py ``OverlapSchedule.finish``). A sync that
+fails applies the peer's own payload, as without overlap (DiLoCo paper Fig. 8).
 """
 
 from __future__ import annotations
@@ -254,18 +254,3 @@ def next_start(
     )
     check_finite(start, "the eager start point")
     return start
-
-
-def drain(outer: OuterAlgorithm, phi: Sequence[torch.Tensor], pending: Sequence[torch.Tensor] | None) -> bool:
-    """Apply the last in-flight mean (or the own payload it fell back to) to φ when training ends.
-
-    Returns:
-        True when something was applied (False: nothing was pending).
-
-    Raises:
-        BadPayload: the pending mean is malformed; φ and the outer state are unchanged.
-    """
-    if pending is None:
-        return False
-    outer.apply(phi, pending)
-    return True
