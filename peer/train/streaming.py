@@ -8,8 +8,8 @@ Notation as in docs/algorithms.md: φ the outer parameters, θ the inner ones, H
 The model's parameters are split into P *fragments* (:func:`partition`, strided by transformer
 block as in the paper: block ℓ belongs to fragment ℓ mod P). Fragment p syncs every H inner steps
 at the offset t_p = ⌊p·H/P⌋ (:func:`sync_offset`): once ``s`` inner steps are done with
-``s ≥ 1`` and ``s ≡ t_p (mod H)`` (:func:`syncing_at`), every peer computes
-``Δ_p = φ_p − θ_p`` and starts its all-reduce; τ inner steps later (:func:`landing_at`) the group
+``s ≥ 1`` and ``s ≡ t_p (mod H)`` (peer/round/streamed.py), every peer computes
+``Δ_p = φ_p − θ_p`` and starts its all-reduce; τ inner steps later the group
 mean lands::
 
     φ_p ← OuterOpt_p(φ_p, mean Δ_p)             (the run's outer step, on fragment p's tensors and state)
@@ -104,30 +104,6 @@ def sync_offset(fragment: int, *, inner_steps: int, fragments: int) -> int:
             "need 0 <= fragment < fragments and inner_steps, fragments >= 1"
         )
     return fragment * inner_steps // fragments
-
-
-def syncing_at(step: int, *, inner_steps: int, fragments: int) -> list[int]:
-    """The fragments whose sync starts once ``step`` inner steps are done (cumulative, from 1).
-
-    Fragment 0 syncs at H, 2H, ... (where DiLoCo's round ends); fragment p > 0 first at t_p, after
-    only t_p steps, then every H.
-
-    Returns:
-        Fragment indices, ascending (several when P > H makes offsets coincide); [] for step < 1.
-    """
-    if step < 1:
-        return []
-    return [
-        p
-        for p in range(fragments)
-        if step % inner_steps == sync_offset(p, inner_steps=inner_steps, fragments=fragments)
-    ]
-
-
-def landing_at(step: int, *, inner_steps: int, fragments: int, delay_steps: int) -> list[int]:
-    """The fragments whose group mean is applied once ``step`` inner steps are done: those whose
-    sync started τ = ``delay_steps`` steps earlier (τ = 0: the sync step itself)."""
-    return syncing_at(step - delay_steps, inner_steps=inner_steps, fragments=fragments)
 
 
 def merge(theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], alpha: float) -> None:

@@ -11,7 +11,7 @@ import torch
 from peer.config import JoinConfig
 from peer.reporting import Reporter
 from peer.train.model import build_model
-from peer.train.streaming import block_of, land, landing_at, merge, partition, shift, sync_offset, syncing_at
+from peer.train.streaming import block_of, land, merge, partition, shift, sync_offset
 from protocol.errors import ConfigError, ManifestError
 from protocol.manifest import RunManifest, dump_toml, from_dict
 from protocol.presets import tiny_run
@@ -60,12 +60,6 @@ def test_partition_refuses_more_fragments_than_blocks_and_models_without_blocks(
 def test_schedule_offsets_each_fragment_once_per_round():
     H, P = 10, 4
     assert [sync_offset(p, inner_steps=H, fragments=P) for p in range(P)] == [0, 2, 5, 7]
-    starts = {p: [s for s in range(0, 31) if p in syncing_at(s, inner_steps=H, fragments=P)] for p in range(P)}
-    assert starts == {0: [10, 20, 30], 1: [2, 12, 22], 2: [5, 15, 25], 3: [7, 17, 27]}
-    for s in range(0, 31):
-        assert landing_at(s, inner_steps=H, fragments=P, delay_steps=2) == syncing_at(s - 2, inner_steps=H, fragments=P)
-        assert landing_at(s, inner_steps=H, fragments=P, delay_steps=0) == syncing_at(s, inner_steps=H, fragments=P)
-    assert syncing_at(5, inner_steps=5, fragments=1) == [0] and syncing_at(3, inner_steps=5, fragments=1) == []
     with pytest.raises(ValueError, match="fragment = 4"):
         sync_offset(4, inner_steps=H, fragments=P)
 
