@@ -12,12 +12,6 @@ HOME_KEY = "locoswarm_home"
 signed by that node's identity (peer/net/home_run.py). Protected like a run's records."""
 
 
-def manifest_key(run_id: str) -> str:
-    """No longer written: a run's manifest is announced, signed, under :data:`RUNS_KEY`. Before
-    owners, the value was the manifest's canonical msgpack bytes; readers ignore this key."""
-    return f"locoswarm_manifest_{run_id}"
-
-
 def progress_key(run_id: str) -> str:
     """Subkey: peer id (base58); value: a progress record (see protocol.records) signed by that peer
     (protocol/signing.py ``PeerSigner.seal``)."""
