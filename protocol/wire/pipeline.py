@@ -152,11 +152,6 @@ def max_answer_bytes(limits: StageLimits) -> int:
     return max(REPLY_HEADER.size + cells * 4 * limits.hidden_size, ERROR_HEADER.size + MAX_REASON_BYTES)
 
 
-def max_frame_bytes(limits: StageLimits) -> int:
-    """Largest payload of any of the three frames: the cap for a reader that takes either side."""
-    return max(max_request_bytes(limits), max_answer_bytes(limits))
-
-
 def dtype_code(dtype: torch.dtype) -> int:
     """The wire code of ``dtype``.
 
