@@ -48,7 +48,6 @@ HELLO, PIECE, MEAN, ABORT, RECEIPT, SEAL = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {HELLO: "HELLO", PIECE: "PIECE", MEAN: "MEAN", ABORT: "ABORT", RECEIPT: "RECEIPT", SEAL: "SEAL"}
 RECEIPT_HEADER = struct.Struct(">BH")
 RECEIPT_ENTRY = struct.Struct(">H16sfBH")
-RECEIPT_DIGEST_BYTES = 16
 SEAL_HEADER = struct.Struct(">BH")
 MAX_SEAL_KEY_BYTES = 1024
 """An owner's public key in a SEAL (DER; RSA-2048: 294 bytes) is at most this long."""
