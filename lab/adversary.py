@@ -227,10 +227,6 @@ class Adversary:
         """This adversary's hooks for an in-process hub of the round engine (lab/engine_sim.py)."""
         return EngineAdversary(self, run_id=run_id, inner_steps=inner_steps, noloco=noloco)
 
-    def claimed_weight(self, peer: int, honest_tokens: float) -> float:
-        """The token weight ``peer`` claims for its contribution."""
-        return self.claimed_tokens if peer in self.peers and self.forges_payload else honest_tokens
-
     def forge(self, payload: Sequence[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """What a malicious peer sends instead of ``payload`` (its honest fp32 tensors, unchanged).
 

@@ -530,7 +530,3 @@ def handlers() -> list[Target]:
         )
     )
     return targets
-
-
-def all_targets() -> list[Target]:
-    return decoders() + handlers()

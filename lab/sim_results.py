@@ -1,6 +1,6 @@
 """What a run in one process reports (lab/engine_sim.py, lab/data_parallel.py, lab/pipeline.py):
 its evaluation points, screening counts and result record, and the arithmetic they are made of
-(bytes of a butterfly all-reduce, bits per byte, the fp32 weighted mean, NoLoCo's weight spread σ,
+(bytes of a butterfly all-reduce, the fp32 weighted mean, NoLoCo's weight spread σ,
 the group plan of the peers ``sim-peer-{i}``).
 """
 
@@ -16,12 +16,6 @@ from protocol.groups import plan_groups
 from protocol.manifest import RunManifest
 
 FP32_BYTES = 4
-
-
-def bits_per_byte(nats_per_token: float) -> float:
-    """Loss in bits per token when tokens are bytes: nats/token / ln 2 (for any tokenizer the
-    simulation reports :func:`peer.train.data.validation_bits_per_byte`)."""
-    return nats_per_token / math.log(2)
 
 
 def butterfly_bytes(payload_elements: int, group_size: int) -> float:
@@ -113,27 +107,6 @@ class EvalPoint:
 
 
 @dataclass
-class ScreeningCounts:
-    """What the owners' screening did in a simulated run (peer/sync/screening.py), per sender index."""
-
-    clipped: dict[int, int] = field(default_factory=dict)
-    """Contributions clipped to the median rule (one count per owner, tensor and round)."""
-    dropped: dict[int, int] = field(default_factory=dict)
-    """Contributions excluded as non-finite (one count per owner and round)."""
-    ignored: dict[int, int] = field(default_factory=dict)
-    """(owner, round) pairs in which an owner left the sender out by the repeat-offender rule."""
-    refused: dict[int, int] = field(default_factory=dict)
-    """Means an honest receiver refused (``owner_mean_problem``), per *owner* index: one count per
-    receiver, tensor and round."""
-    failed_groups: int = 0
-    """Group rounds whose mean was not finite: every member applied its own payload instead."""
-    rule_chose_fake: int = 0
-    """fake-progress: (honest peer, round) decisions in which the re-sync rule picked the fake class."""
-    refused_states: int = 0
-    """fake-progress: states the rule picked but the download's sanity check refused (nothing adopted)."""
-
-
-@dataclass
 class SimulationResult:
     """One simulated run: its loss curve, bytes sent and wall time."""
 
@@ -149,7 +122,7 @@ class SimulationResult:
     wall_s: float
     history: list[EvalPoint] = field(default_factory=list)
     screening: dict = field(default_factory=dict)
-    """:class:`ScreeningCounts` as a dict (empty for data-parallel)."""
+    """What the screening did (lab/engine_sim.py ``EngineResult``; empty for data-parallel)."""
     taken_over: dict = field(default_factory=dict)
     """fake-progress: honest peer index → the rounds in which it adopted the attacker's state."""
 

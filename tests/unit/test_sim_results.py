@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lab.sim_results import bits_per_byte, butterfly_bytes, sync_groups, weight_spread, weighted_mean
+from lab.sim_results import butterfly_bytes, sync_groups, weight_spread, weighted_mean
 from protocol.presets import tiny_run
 
 
@@ -29,11 +29,10 @@ def test_noloco_groups_are_pairs_with_changing_partners():
     assert sync_groups(manifest("independent"), 3, 0) == [[0], [1], [2]]
 
 
-def test_butterfly_bytes_and_bits_per_byte():
+def test_butterfly_bytes():
     assert butterfly_bytes(1000, 1) == 0.0
     assert butterfly_bytes(1000, 2) == 4000.0
     assert butterfly_bytes(1000, 8) == pytest.approx(2 * 7 / 8 * 4000)
-    assert bits_per_byte(math.log(2)) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="group_size = 0"):
         butterfly_bytes(10, 0)
 
