@@ -195,8 +195,6 @@ class PipelineLink:
         )
         self.requests: queue.Queue[tuple[StageRequest, concurrent.futures.Future]] = queue.Queue()
         self.server: StageServer | None = None
-        self.retries = 0
-        """Calls that a replica failed and another served."""
         self.poisoned = 0
         """Replies refused after they arrived because they would make this stage's step non-finite
         (:meth:`reject_last`); each cooled its replica down."""
@@ -356,7 +354,6 @@ class PipelineLink:
                 if str(peer) != first:
                     self.router.failed(str(peer), reason)
             if failures:
-                self.retries += 1
                 logger.info(
                     "micro-batch %d of step %d: %d replica(s) of stage %d failed, %s served it",
                     index,
