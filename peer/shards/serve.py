@@ -202,7 +202,6 @@ async def serve_shard(
     listed: Mapping[str, str] | None = None,
     tokenizers: Callable[[str], Path | None] | None = None,
     timeout: float = TIMEOUT_S,
-    idle_timeout: float | None = None,
 ) -> int:
     """Answer one REQUEST, then close the stream. Returns the file bytes sent.
 
@@ -212,13 +211,13 @@ async def serve_shard(
             that hash; None: no shard and no list is served.
         tokenizers: ``tokenizers(sha256)``: the tokenizer.json file served for that hash, or None
             (not held); None: no tokenizer is served.
-        timeout: seconds one DATA frame's drain may take in all (:data:`TIMEOUT_S`).
-        idle_timeout: seconds the asker may stay silent or stop reading (default :data:`IDLE_TIMEOUT_S`).
+        timeout: seconds one DATA frame's drain may take in all (:data:`TIMEOUT_S`); the asker may
+            stay silent or stop reading for :data:`IDLE_TIMEOUT_S`.
 
     Never raises for what the asker does (a malformed request, silence, disconnect): it logs and closes.
     The file's bytes go out within the peer's upload cap (peer/net/pacing.py).
     """
-    idle_s = IDLE_TIMEOUT_S if idle_timeout is None else idle_timeout
+    idle_s = IDLE_TIMEOUT_S
     raw, writer = writer, pacing.paced(writer)
     sent = 0
     try:

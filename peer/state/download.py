@@ -266,28 +266,25 @@ implausible φ lies outside it. Within the bound the check proves nothing: it st
 takeovers, not a subtly poisoned φ."""
 
 
-def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor], *, factor: float = NORM_FACTOR) -> None:
-    """Check a downloaded state's values before it replaces this peer's (issue #17, item 3).
+def check_sanity(state: DownloadedState, reference_phi: Sequence[torch.Tensor]) -> None:
+    """Check a downloaded state's values before it replaces this peer's (issue #17, item 3): the
+    global L2 norm of ``state.phi`` must lie in ``[ref/NORM_FACTOR, ref·NORM_FACTOR]``.
 
     Args:
         state: the verified download (digest, shapes and finiteness already checked).
         reference_phi: this peer's own φ (a joiner's is φ_0 from the run's seed), fp32 tensors.
-        factor: the global L2 norm of ``state.phi`` must lie in ``[ref/factor, ref·factor]``.
 
     Raises:
         BadPayload: a tensor of φ or the outer state holds NaN or inf, or φ's norm lies outside the
             bound (the message gives both norms); nothing is changed either way.
-        ValueError: ``factor`` is below 1.
     """
-    if not factor >= 1.0:
-        raise ValueError(f"factor = {factor!r}: expected >= 1")
     bad = first_non_finite([*state.phi, *state.outer_state])
     if bad is not None:
         raise BadPayload(f"downloaded state tensor {bad} holds NaN or inf")
     norm, ref = global_norm(state.phi), global_norm(reference_phi)
-    if ref > 0 and not ref / factor <= norm <= ref * factor:
+    if ref > 0 and not ref / NORM_FACTOR <= norm <= ref * NORM_FACTOR:
         raise BadPayload(
-            f"downloaded φ has norm {norm:.4g}, this peer's has {ref:.4g}: outside a factor of {factor:g} either way"
+            f"downloaded φ has norm {norm:.4g}, this peer's has {ref:.4g}: outside a factor of {NORM_FACTOR:g} either way"
         )
 
 

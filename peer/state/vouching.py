@@ -125,7 +125,6 @@ class RoundClock:
 
     Args:
         min_round_s: the shortest a round can be, s (H × :data:`MIN_INNER_STEP_S`).
-        slack_rounds: rounds allowed beyond the time bound.
         max_peers: peers remembered; past it the earliest seen is forgotten (its next claim is a
             first sight again), so a flood of fresh identities costs bounded memory.
 
@@ -133,10 +132,10 @@ class RoundClock:
         ValueError: ``min_round_s`` not above 0 or ``max_peers`` below 1.
     """
 
-    def __init__(self, *, min_round_s: float, slack_rounds: int = SLACK_ROUNDS, max_peers: int = 1 << 16):
+    def __init__(self, *, min_round_s: float, max_peers: int = 1 << 16):
         if not min_round_s > 0 or max_peers < 1:
             raise ValueError(f"min_round_s = {min_round_s!r}, max_peers = {max_peers!r}: expected > 0 and >= 1")
-        self.min_round_s, self.slack_rounds, self.max_peers = min_round_s, slack_rounds, max_peers
+        self.min_round_s, self.max_peers = min_round_s, max_peers
         self._first: dict[str, tuple[float, int]] = {}
         self.ignored = 0
         """Records ignored for claiming a round faster than time allows."""
@@ -149,7 +148,7 @@ class RoundClock:
             return None
         now = time.monotonic() if now is None else now
         t0, r0 = first
-        return r0 + self.slack_rounds + int(max(0.0, now - t0) / self.min_round_s)
+        return r0 + SLACK_ROUNDS + int(max(0.0, now - t0) / self.min_round_s)
 
     def admit(self, peer_id: str, round_: int, now: float | None = None) -> bool:
         """Whether ``peer_id``'s claim of ``round_`` at ``now`` (monotonic s) is believable; the

@@ -80,38 +80,31 @@ def median_norm(norms: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def clip_to_median(
-    parts: Sequence[tuple[float, torch.Tensor]],
-    *,
-    factor: float = CLIP_MEDIAN_FACTOR,
-    strike_factor: float = STRIKE_MEDIAN_FACTOR,
-) -> tuple[list[tuple[float, torch.Tensor]], list[int]]:
-    """Clip each contribution's norm to ``factor`` × the lower median of the reference norms of
+def clip_to_median(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[list[tuple[float, torch.Tensor]], list[int]]:
+    """Clip each contribution's norm to :data:`CLIP_MEDIAN_FACTOR` × the lower median of the reference norms of
     ``parts`` (each norm scaled by the heaviest weight over its own: see the module docstring).
 
     Args:
         parts: ``(weight, fp32 tensor)`` per contribution, all finite, all the same shape.
-        factor: the multiple of the median allowed.
-        strike_factor: the multiple of the median over which a contribution is also struck.
 
     Returns:
         ``(parts, struck)``: the parts with every contribution above the threshold replaced by a
         scaled copy (the others are the same tensor objects, untouched), and the positions over
-        ``strike_factor`` × the median (each clipped too). A median of 0 (most contributions are
+        :data:`STRIKE_MEDIAN_FACTOR` × the median (each clipped too). A median of 0 (most contributions are
         exactly zero) gives no scale: nothing is clipped then.
     """
     norms = [norm(x) for _, x in parts]
     heaviest = max((w for w, _ in parts), default=0.0)
     references = [n * (heaviest / w) if w > 0 else n for (w, _), n in zip(parts, norms)]
     median = median_norm(references) if parts else 0.0
-    threshold = factor * median
+    threshold = CLIP_MEDIAN_FACTOR * median
     if not threshold > 0 or not math.isfinite(threshold):
         return list(parts), []
     out, struck = [], []
     for i, ((w, x), n) in enumerate(zip(parts, norms)):
         if n > threshold:
             x = x * (threshold / n)  # scale < 1: no overflow
-            if n > strike_factor * median:
+            if n > STRIKE_MEDIAN_FACTOR * median:
                 struck.append(i)
         out.append((w, x))
     return out, struck
