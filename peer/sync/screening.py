@@ -307,7 +307,6 @@ def owner_mean_problem(
     max_weight: float | None,
     phi: bool = False,
     included_self: bool = True,
-    share_check: bool | None = None,
     reference_rms: float | None = None,
     direction: bool = True,
     small: bool | None = None,
@@ -355,7 +354,6 @@ def owner_mean_problem(
         phi: the piece is of φ (NoLoCo): checks 1 and 3.
         included_self: the owner's MEAN frame names this receiver among the included senders
             (else check 2 is skipped: the mean need not hold its contribution).
-        share_check: run check 2; None: :data:`OWNER_SHARE_CHECK` (off).
         reference_rms: this receiver's own payload's RMS per value, of the kind of this piece (Δ or
             φ: :func:`reference_rms`), for the floor of check 1; None: no floor (a zero ``x`` then
             leaves only the finiteness of the mean to check, as before the floor).
@@ -408,9 +406,7 @@ def owner_mean_problem(
                 strike=True,
             )
         return None
-    if share_check is None:
-        share_check = OWNER_SHARE_CHECK
-    share = share_floor(weight, included, max_weight) if included_self and share_check else None
+    share = share_floor(weight, included, max_weight) if included_self and OWNER_SHARE_CHECK else None
     if share is not None:
         projection = float(torch.dot(mean.flatten().double(), contribution.flatten().double()))
         needed = OWNER_SHARE_FACTOR * share * x_norm**2
