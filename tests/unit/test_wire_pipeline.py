@@ -261,7 +261,7 @@ def test_limits_are_validated():
         StageLimits(max_batch_sequences=1, max_seq_len_tokens=1, hidden_size=1, vocab_size=2, stages=1)
 
 
-def test_max_frame_bytes_is_exactly_the_largest_frame_and_caps_the_reader():
+def test_max_request_bytes_is_exactly_the_largest_request_and_caps_the_reader():
     b, t, h = LIMITS.max_batch_sequences, LIMITS.max_seq_len_tokens, LIMITS.hidden_size
     largest = StageRequest(
         request_id=1,
