@@ -578,6 +578,7 @@ REGISTRY: dict[str, Entry] = {
             Table(
                 key("runs"),
                 [
+                    ("liars", "liars"),
                     ("clean", "clean losses (nats/token)"),
                     ("attacked", "attacked losses"),
                     ("change", "change"),
