@@ -244,7 +244,9 @@ def residual_precision(data: Data) -> Answer:
 
 
 NOT_ATTACKS = {"clean", "independent"}
-ATTACK_SHARE = 0.5
+ATTACK_GOALS = {1: (0.015, 1 / 3), 2: (0.03, 1 / 2)}
+"""Issue #65 item 4 per malicious count (bench/byzantine.py ``GOALS``): the most a row's loss change may
+be, and the largest share of never averaging's cost; more malicious peers are held to 2's."""
 """The security issue's goal: an attack costs less than this share of never averaging's cost."""
 
 
@@ -263,10 +265,12 @@ is worth ≥ 3 %); elsewhere no defence can be told from none."""
 
 
 def robustness(data: Data) -> Answer:
-    """Malicious peers: per algorithm, the attack row costing the most against never averaging (the
-    ``independent`` row of the same algorithm, schedule and N, and of the same file), over every file of
-    :data:`ROBUSTNESS_FILES` and every schedule where never averaging costs at least :data:`MIN_FLOOR`."""
-    question, goal = "robustness: malicious peers' loss cost", "each attack < ½ of never averaging's cost"
+    """Malicious peers: per algorithm, the attack row furthest from its goal (:data:`ATTACK_GOALS`: its
+    share of never averaging's cost, the ``independent`` row of the same algorithm, schedule and N, and
+    of the same file, over its goal's share), over every file of :data:`ROBUSTNESS_FILES` and every
+    schedule where never averaging costs at least :data:`MIN_FLOOR`."""
+    question = "robustness: malicious peers' loss cost"
+    goal = "1 of 8 < ⅓ of never averaging's cost and ≤ +1.5 %, 2 of 8 < ½ and ≤ +3 %"
 
     def text() -> str:
         need(data, "byzantine")
@@ -291,12 +295,20 @@ def robustness(data: Data) -> Answer:
                     *(horizon.get(k) for k in ("rounds", "inner_steps", "overlap_from_round")),
                 )
                 judged[setting] = (r["loss_change"] / ind, r, ind, d)
-        worst: dict[str, tuple[float, dict, float, dict]] = {}  # algorithm -> the row costing the most
+
+        def goal_of(r: dict) -> tuple[float, float]:
+            return ATTACK_GOALS.get(r.get("malicious"), ATTACK_GOALS[2])
+
+        worst: dict[str, tuple[float, dict, float, dict]] = {}  # algorithm -> the row furthest from its goal
         for ratio, r, ind, d in judged.values():
-            if r["algorithm"] not in worst or ratio > worst[r["algorithm"]][0]:
+            if (
+                r["algorithm"] not in worst
+                or ratio / goal_of(r)[1] > worst[r["algorithm"]][0] / goal_of(worst[r["algorithm"]][1])[1]
+            ):
                 worst[r["algorithm"]] = (ratio, r, ind, d)
         parts = []
         for algorithm, (ratio, r, ind, d) in worst.items():
+            bound, most = goal_of(r)
             label = {"diloco": "DiLoCo", "noloco": "NoLoCo"}.get(algorithm, algorithm)
             horizon = d.get("horizon") or {}
             at = f" at {horizon['rounds']} rounds" if isinstance(horizon, dict) and "rounds" in horizon else ""
@@ -308,7 +320,7 @@ def robustness(data: Data) -> Answer:
                 at += f", {seeds} seed{'s' if seeds > 1 else ''}"
             parts.append(
                 f"{label}{at} {r['attack']} {r['malicious']} of {r['peers']} {pct(100 * r['loss_change'])} against "
-                f"{pct(100 * ind)} ({share(ratio)}: {verdict(ratio < ATTACK_SHARE)})"
+                f"{pct(100 * ind)} ({share(ratio)}: {verdict(ratio < most and r['loss_change'] <= bound)})"
             )
         if not parts:
             raise NotMeasured("byzantine")

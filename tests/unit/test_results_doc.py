@@ -168,3 +168,6 @@ def test_the_robustness_answer_is_the_worst_row_where_averaging_is_worth_somethi
     new["results"][0]["schedule"] = "delayed"
     data = {"byzantine": table, "byzantine-delayed-h20": old, "byzantine-delayed-h20-gated": new}
     assert "alie 2 of 8 +1.00 % against +4.00 % (25.0 %: met)" in robustness(data).answer
+    # 1 of 8 is held to a third of never averaging's cost, 2 of 8 to a half (issue #65 item 4)
+    one = _byz([floor, {"attack": "ipm", "malicious": 1, "loss_change": 0.016}, {**table["results"][1]}])
+    assert "ipm 1 of 8 +1.60 % against +4.00 % (40.0 %: missed)" in robustness({"byzantine": one}).answer
