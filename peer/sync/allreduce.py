@@ -59,15 +59,7 @@ from peer.sync.pairs import PairOwner, PairTally, is_pair, keeps_own, partner_pr
 from peer.sync.pieces import GroupPlan
 from peer.sync.receipts import MeanDigests, ReceiptExchange
 from peer.sync.robust import piece_mean
-from peer.sync.screening import (
-    CLIP_MEDIAN_FACTOR,
-    STRIKE_MEDIAN_FACTOR,
-    MeanRefusal,
-    SmallPieces,
-    cap_weight,
-    reference_rms,
-    small_piece,
-)
+from peer.sync.screening import MeanRefusal, SmallPieces, cap_weight, reference_rms, small_piece
 from protocol import codecs
 from protocol.errors import BadPayload, PartialAverage
 from protocol.signing import PeerSigner
@@ -348,12 +340,10 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
                 self.stats.clipped[s] = self.stats.clipped.get(s, 0) + 1
             if struck:
                 logger.info(
-                    "all-reduce %s: piece %d: groupmates %s sent over %.0fx the median norm (clipped to %.1fx, a strike)",
+                    "all-reduce %s: piece %d: a strike for groupmates %s, over the strike bound of the median norm",
                     self.plan.group_id.hex()[:8],
                     piece.index,
                     [senders[p] for p in struck],
-                    STRIKE_MEDIAN_FACTOR,
-                    CLIP_MEDIAN_FACTOR,
                 )
             self.results[piece.index] = value
             self._digests.add(me, payload)
