@@ -251,11 +251,12 @@ be, and the largest share of never averaging's cost; more malicious peers are he
 
 
 ROBUSTNESS_FILES = (
-    "byzantine",
+    "byzantine-h10",
     "byzantine-noloco-h20",
     "byzantine-diloco-h20",
     "byzantine-delayed-h20",
     "byzantine-delayed-h20-gated",
+    "byzantine",
 )
 """The Byzantine results, each at its own horizon and schedule; where two measure the same setting
 (algorithm, schedule, N, attack, malicious peers, horizon), the later one's row counts."""

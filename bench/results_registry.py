@@ -288,12 +288,30 @@ REGISTRY: dict[str, Entry] = {
         device="2-core CPU (x86_64)",
     ),
     "byzantine": Entry(
-        "Byzantine peers",
+        "Byzantine peers at 20 rounds",
+        "Change in validation loss (fraction, mean over seeds, with its (min, max) over seeds) and takeovers "
+        "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
+        "is the same peers never syncing (the floor: what averaging is worth at this horizon, over 3 % here). "
+        "Round engine, 8 peers, 20 rounds of H = 25, DiLoCo and NoLoCo, the owners clipping at 1.5x the "
+        "median norm. The `lying-receipts` rows were measured on real peers (1 liar of 4, 2 colluding liars "
+        "of 5), not on the engine (bench/lying_receipts.py).",
+        "python bench/byzantine.py --rounds 20 --seeds 0 1 2 --algorithms diloco noloco --schedules none --attacks "
+        "alie ipm subclip-flip owner-small-flip --malicious 1 2 --plain --jobs 2",
+        [
+            Table(
+                key("results"),
+                BYZANTINE_COLUMNS,
+            )
+        ],
+        extra=("byzantine.detail.json",),
+    ),
+    "byzantine-h10": Entry(
+        "Byzantine peers at 10 rounds, every attack (the owners' clip at 3x)",
         "Change in validation loss (fraction, mean over seeds, with its (min, max) over seeds) and takeovers "
         "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
         "is the same peers never syncing (the floor: what averaging is worth at this horizon). Round engine, "
-        "8 peers, blocking DiLoCo (NoLoCo's rows: the 20-round file below). The `lying-receipts` rows were measured "
-        "on real peers (1 liar of 4, 2 colluding liars of 5), not on the engine (bench/lying_receipts.py).",
+        "8 peers, 10 rounds of H = 25, blocking DiLoCo, before the owners' clip went from 3x to 1.5x the "
+        "median norm. Its `lying-receipts` row is the real-peer file of that time.",
         "python bench/byzantine.py --algorithms diloco --schedules none --attacks alie ipm stale-phi sign-flip huge "
         "noise zeros subclip-flip subclip-sideways cosine owner-flip owner-flip-x100 owner-zeros owner-noise "
         "owner-scale owner-huge-small owner-small-flip owner-equivocate --malicious 1 2 --plain --seeds 0 1 2 --jobs 2 --threads 1",
@@ -303,14 +321,14 @@ REGISTRY: dict[str, Entry] = {
                 BYZANTINE_COLUMNS,
             )
         ],
-        extra=("byzantine.detail.json",),
+        extra=("byzantine-h10.detail.json",),
     ),
     "byzantine-delayed": Entry(
         "Byzantine peers, delayed sync",
         "Change in validation loss (fraction, mean over seeds, with its (min, max) over seeds) and takeovers "
         "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
         "is the same peers never syncing (the floor: what averaging is worth at this horizon). Round engine, "
-        "8 peers, sync.overlap = delayed (its own commit: bench/results/byzantine.json has the blocking rows). "
+        "8 peers, sync.overlap = delayed (its own commit: bench/results/byzantine-h10.json has the blocking rows). "
         "The `lying-receipts` row is the real-peer one of the blocking file, repeated.",
         "python bench/byzantine.py --algorithms diloco --schedules delayed --attacks owner-small-flip subclip-flip "
         "--malicious 1 --seeds 0 1 2 --jobs 2 --threads 1 --out bench/results/byzantine-delayed.json",
@@ -325,7 +343,7 @@ REGISTRY: dict[str, Entry] = {
     "byzantine-diloco-h20": Entry(
         "Byzantine peers, DiLoCo at 20 rounds (one seed, ALIE)",
         "Blocking DiLoCo at twice the table's horizon, 20 rounds of H = 25, where never averaging costs 5 % "
-        "(the `independent` row): two ALIE colluders of 8, seed 0. At 10 rounds (bench/results/byzantine.json) "
+        "(the `independent` row): two ALIE colluders of 8, seed 0. At 10 rounds (bench/results/byzantine-h10.json) "
         "their cost is +0.91 % against +3.31 %; here it grows with the horizon. A probe, not the 3-seed table.",
         "python bench/byzantine.py --algorithms diloco --schedules none --rounds 20 --attacks alie --malicious 2 "
         "--seeds 0 --jobs 1 --out bench/results/byzantine-diloco-h20.json",
@@ -374,7 +392,7 @@ REGISTRY: dict[str, Entry] = {
     ),
     "byzantine-noloco-h20": Entry(
         "Byzantine peers, NoLoCo at 20 rounds",
-        "The NoLoCo rows of bench/results/byzantine.json at twice its horizon, 20 rounds of H = 25, where "
+        "The NoLoCo rows of bench/results/byzantine-h10.json at twice its horizon, 20 rounds of H = 25, where "
         "NoLoCo's averaging is worth over 3 % (the `independent` row: the same peers never syncing). Change in "
         "validation loss (fraction, mean over seeds, with its (min, max) over seeds) against a clean swarm of "
         "the same seed. Round engine, 8 peers, the honest peers' loss gate on.",
@@ -390,7 +408,7 @@ REGISTRY: dict[str, Entry] = {
     ),
     "byzantine-nogate": Entry(
         "Byzantine peers, NoLoCo without the loss gate",
-        "The NoLoCo rows of bench/results/byzantine.json with the honest peers' loss gate off "
+        "The NoLoCo rows of bench/results/byzantine-h10.json with the honest peers' loss gate off "
         "(peer/round/loss_gate.py; the malicious peers keep theirs, as there): what the gate is worth. Change "
         "in validation loss (fraction, mean over seeds, with its (min, max) over seeds) against a clean swarm "
         "of the same seed; the `independent` row is the same peers never syncing. Round engine, 8 peers.",
