@@ -292,11 +292,12 @@ REGISTRY: dict[str, Entry] = {
         "Change in validation loss (fraction, mean over seeds, with its (min, max) over seeds) and takeovers "
         "when malicious peers run each attack, against a clean swarm of the same seed; the `independent` row "
         "is the same peers never syncing (the floor: what averaging is worth at this horizon, over 3 % here). "
-        "Round engine, 8 peers, 20 rounds of H = 25, DiLoCo and NoLoCo, the owners clipping at 1.5x the "
+        "Round engine, 8 peers, 20 rounds of H = 25, DiLoCo and NoLoCo, blocking and delayed from round 10, the owners clipping at 1.5x the "
         "median norm. The `lying-receipts` rows were measured on real peers (1 liar of 4, 2 colluding liars "
         "of 5), not on the engine (bench/lying_receipts.py).",
         "python bench/byzantine.py --rounds 20 --seeds 0 1 2 --algorithms diloco noloco --schedules none --attacks "
-        "alie ipm subclip-flip owner-small-flip --malicious 1 2 --plain --jobs 2",
+        "alie ipm subclip-flip owner-small-flip --malicious 1 2 --plain --jobs 2, then --schedules delayed "
+        "--overlap-from-round 10 --attacks alie ipm owner-small-flip (the rest the same), the two joined with --merge",
         [
             Table(
                 key("results"),
