@@ -76,6 +76,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ and bench/ are repo tooling
 from bench.compare import apply_overrides, corpus_or_exit, load_config, manifest_for
 from bench.provenance import git_commit
+from bench.results_questions import ATTACK_GOALS
 from lab.adversary import ATTACKS, Adversary
 from lab.engine_sim import EngineResult, run_engine_simulation
 from peer.train.data import load_corpus
@@ -217,9 +218,9 @@ def sybil_rows(path: Path) -> tuple[list[dict], dict]:
     return rows, {"from": path.name, "command": data.get("command"), "setup": data.get("setup")}
 
 
-GOALS = {1: (0.015, 1 / 3), 2: (0.03, 1 / 2)}
+GOALS = ATTACK_GOALS
 """Issue #65 item 4, per malicious count: (the most loss_change may be, the largest fraction of the
-independent row's cost it may be)."""
+independent row's cost it may be); bench/results_questions.py judges docs/results.md by the same."""
 
 
 def lying_receipts_rows(path: Path) -> list[dict]:

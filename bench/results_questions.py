@@ -245,8 +245,8 @@ def residual_precision(data: Data) -> Answer:
 
 NOT_ATTACKS = {"clean", "independent"}
 ATTACK_GOALS = {1: (0.015, 1 / 3), 2: (0.03, 1 / 2)}
-"""Issue #65 item 4 per malicious count (bench/byzantine.py ``GOALS``): the most a row's loss change may
-be, and the largest share of never averaging's cost; more malicious peers are held to 2's."""
+"""Issue #65 item 4 per malicious count (bench/byzantine.py's ``GOALS`` too): the most a row's loss change
+may be, and the largest share of never averaging's cost; more malicious peers are held to 2's."""
 """The security issue's goal: an attack costs less than this share of never averaging's cost."""
 
 

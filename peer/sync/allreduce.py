@@ -403,11 +403,11 @@ class GroupAllreduce(ReceiptExchange, PairOwner):
         Raises:
             BadPayload: the mean is not finite (after the codec): the piece fails, nothing is sent.
         """
-        acc, clipped = piece_mean(parts)
+        acc, struck = piece_mean(parts)
         data, value = self._roundtrip(piece, acc, self.plan.mean_codecs[piece.index])
         if not torch.isfinite(value).all():
             raise BadPayload(f"the mean of piece {piece.index} is not finite")
-        return frames.encode_mean(piece.index, included, data), value, clipped
+        return frames.encode_mean(piece.index, included, data), value, struck
 
     # ---- sender side --------------------------------------------------------------------
     def _encode_contribution(self, piece: Piece) -> bytes:

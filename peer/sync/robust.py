@@ -364,11 +364,11 @@ def piece_mean(parts: Sequence[tuple[float, torch.Tensor]]) -> tuple[torch.Tenso
         ``STRIKE_MEDIAN_FACTOR`` × the median: a strike each; what it only clips, and what
         CenteredClip clips, is not struck: it may be an honest outlier, e.g. a fresh joiner's Δ).
     """
-    parts, clipped = clip_to_median(parts)
+    parts, struck = clip_to_median(parts)
     judged = len(parts) >= CENTERED_CLIP_MIN_PARTS and parts[0][1].numel() >= CENTERED_CLIP_MIN_ELEMENTS
     centre = coordinate_median(parts) if judged else None  # computed once: each rule below starts from it
     kept = direction_screened(parts, centre=centre)
     centre = centre if len(kept) == len(parts) else None  # the median ignores weights, not who is left out
     weighted = similarity_weighted(kept, centre=centre)
     mean, _ = centered_clip(weighted, centre=centre if len(weighted) == len(kept) else None)
-    return trimmed_length(weighted, mean), clipped
+    return trimmed_length(weighted, mean), struck
